@@ -1,0 +1,54 @@
+"""Paged attention contract shared by every backend.
+
+A step's queries are flattened rows: row ``b`` (a decode token or a prefill
+chunk at one loop) owns queries ``query_start_loc[b]:query_start_loc[b+1]``,
+which sit at the last ``q_len`` positions of a context of ``seq_lens[b]``
+tokens. Its keys live in the pages of *its own plane*, listed in
+``block_tables[b]``: position ``p`` is at block ``block_tables[b, p // block_size]``,
+offset ``p % block_size``. Causal: the query at position ``p`` sees keys
+``0..p``.
+
+KV storage (owned by the model runner): ``k_cache``/``v_cache`` of shape
+``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``. A physical
+slot is ``block * block_size + offset``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Where one step's rows read and write KV. Shapes: B rows, N query tokens."""
+
+    query_start_loc: Tensor  # [B + 1] int32, cumulative query offsets
+    seq_lens: Tensor  # [B] int32, context length per row (queries are its last q_len positions)
+    block_tables: Tensor  # [B, max_blocks_per_row] int32, physical blocks of the row's plane
+    slot_mapping: Tensor  # [N] int64, physical slot each query token's K/V is written to
+    max_query_len: int  # host ints so backends need not sync
+    max_seq_len: int
+
+
+class AttentionBackend(ABC):
+    """Writes a layer's new K/V into the paged cache and attends over it."""
+
+    name: str
+
+    @abstractmethod
+    def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> None:
+        """k_cache/v_cache: one layer, ``[num_blocks, block_size, kv_heads, D]``; k/v: ``[N, kv_heads, D]``."""
+
+    @abstractmethod
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMetadata, scale: float) -> Tensor:
+        """q: ``[N, heads, D]`` -> ``[N, heads, D]`` (fp32 accumulation, output in q's dtype)."""
+
+    @abstractmethod
+    def copy_slots(self, k_cache: Tensor, v_cache: Tensor, src: Tensor, dst: Tensor) -> None:
+        """For every layer copy K/V at physical slots ``src[i]`` to ``dst[i]`` (``[M]`` int64).
+
+        Caches here are the full ``[num_layers, num_blocks, block_size, kv_heads, D]``
+        tensors; ``last_exited`` uses this to fill deeper planes at exit.
+        """

@@ -1,0 +1,161 @@
+"""Engine arguments and the validated, frozen configs built from them.
+
+``EngineArgs`` is the single definition of every engine option: ``LLM(**kwargs)``
+takes its fields, and the CLI derives its ``--flags`` from the same fields
+(``add_cli_args``), so the two never drift.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import torch
+
+from loopline.errors import InvalidRequestError
+
+KVLayoutName = Literal["last_exited", "shared"]
+SchedulingMode = Literal["refill", "no_refill"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+ExitMode = Literal["threshold", "fixed", "trace"]
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+AttentionBackendName = Literal["auto", "torch", "triton"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option (vLLM names where vLLM has one)."""
+
+    model: str | None = _opt(None, "checkpoint directory (Hugging Face layout); default: the bundled tiny checkpoint")
+    tokenizer: str | None = _opt(None, "tokenizer directory (default: the model directory)")
+    skip_tokenizer_init: bool = _opt(False, "do not load a tokenizer; prompts must be token ids")
+    dtype: DType = _opt("auto", "weight and activation dtype ('auto': the checkpoint's, float32 on CPU for bf16 checkpoints is not forced)")
+    device: str = _opt("auto", "'auto' (cuda when available), 'cpu', 'cuda' or 'cuda:N'")
+    seed: int = _opt(0, "engine seed: seeds drawn for requests with seed=None come from it")
+    kv_layout: KVLayoutName = _opt("last_exited", "depth-aware KV layout (DESIGN.md §3)")
+    block_size: int = _opt(16, "tokens per KV page")
+    num_kv_blocks: int | None = _opt(None, "KV pages in the pool (all planes together); default: sized from memory")
+    kv_cache_memory_gb: float | None = _opt(None, "KV pool size in GiB (default on CPU: 1 GiB; on CUDA: from gpu_memory_utilization)")
+    gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory the engine may use (weights + activations + KV)")
+    max_num_seqs: int = _opt(64, "max requests running at once (decode slots)")
+    max_num_batched_tokens: int = _opt(2048, "token budget of one step (decode rows + prefill chunk tokens)")
+    max_model_len: int | None = _opt(None, "max prompt + output tokens per request (default: the model's max_position_embeddings)")
+    scheduling_mode: SchedulingMode = _opt("refill", "'refill': an exited slot starts its next token at once; 'no_refill': cohort baseline")
+    scheduling_policy: SchedulingPolicy = _opt("fcfs", "admission order: first come first served, or by SamplingParams.priority")
+    exit_mode: ExitMode = _opt("threshold", "'threshold': the exit rule; 'fixed': always max_loops; 'trace': replay SamplingParams.exit_depths")
+    logprobs_mode: LogprobsMode = _opt("raw_logprobs", "logprobs of the raw model logits or of the processed sampling distribution")
+    max_logprobs: int = _opt(20, "largest logprobs / prompt_logprobs a request may ask for")
+    attention_backend: AttentionBackendName = _opt("auto", "paged attention backend ('auto': triton on CUDA, torch on CPU)")
+    enforce_eager: bool = _opt(False, "disable CUDA graphs")
+    async_scheduling: bool = _opt(False, "overlap host scheduling with device execution")
+    disable_log_stats: bool = _opt(True, "do not log engine statistics")
+
+    # --- CLI ---------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        group = parser.add_argument_group("engine")
+        add_dataclass_args(group, cls)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+    # --- validation --------------------------------------------------------------------
+    def validate(self) -> None:
+        def positive(name: str, value: int | float | None) -> None:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise InvalidRequestError(f"{name} must be > 0, got {value!r}", param=name)
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "kv_cache_memory_gb"):
+            positive(name, getattr(self, name))
+        for name, lit in (("kv_layout", KVLayoutName), ("scheduling_mode", SchedulingMode), ("scheduling_policy", SchedulingPolicy),
+                          ("exit_mode", ExitMode), ("logprobs_mode", LogprobsMode), ("attention_backend", AttentionBackendName), ("dtype", DType)):
+            allowed = get_args(lit)
+            if getattr(self, name) not in allowed:
+                raise InvalidRequestError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}", param=name)
+        if self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}", param="block_size")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise InvalidRequestError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
+                "so every decode row fits a step and prefill always progresses", param="max_num_batched_tokens")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", param="gpu_memory_utilization")
+        if not self.device == "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise InvalidRequestError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}", param="device")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Validated engine options with the device, dtype and lengths resolved."""
+
+    args: EngineArgs
+    model_path: str
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    num_loops: int  # total_ut_steps of the checkpoint
+
+    def __getattr__(self, name: str) -> Any:  # read-through to the (frozen by convention) args
+        return getattr(object.__getattribute__(self, "args"), name)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {device!r} requested but CUDA is not available", param="device")
+    return dev
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    resolved = _DTYPES.get(checkpoint_dtype, torch.float32)
+    if device.type == "cpu" and resolved == torch.float16:
+        return torch.float32  # fp16 matmuls on CPU are slow and poorly supported
+    return resolved
+
+
+def add_dataclass_args(parser: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Adds ``--field-name`` flags for every field of a dataclass, typed from its hints."""
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        if f.name in skip or f.name == "extra" or not f.metadata.get("cli", True):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f.metadata.get("help", "")
+        base, optional = _unwrap_optional(hint)
+        if base is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif get_origin(base) is Literal:
+            parser.add_argument(flag, dest=f.name, choices=list(get_args(base)), default=default, help=help_text)
+        elif get_origin(base) is list or base is list:
+            item = (get_args(base) or (str,))[0]
+            parser.add_argument(flag, dest=f.name, type=item, nargs="+", default=default, help=help_text)
+        elif get_origin(base) is None and base in (int, float, str):
+            parser.add_argument(flag, dest=f.name, type=base, default=default, help=help_text)
+        else:  # unions like str | list[str]: take strings, repeatable
+            parser.add_argument(flag, dest=f.name, type=str, action="append", default=None, help=help_text)
+
+
+def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
+    args = get_args(hint)
+    if args and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0], True
+        return hint, True
+    return hint, False

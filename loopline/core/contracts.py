@@ -1,0 +1,85 @@
+"""The typed contract of one engine step (DESIGN.md §2).
+
+``Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() ->
+RunnerOutput -> Scheduler.update(...)``. Host-side plain data only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ExitParams:
+    """A row's exit rule: exit after loop r when r == max_loops, or when
+    threshold < 1 and r >= min_loops and F_r >= threshold."""
+
+    min_loops: int
+    max_loops: int
+    threshold: float
+
+
+@dataclass
+class NewRequestData:
+    """What the runner must know about a request admitted this step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_tables: list[list[int]]  # [plane] -> physical blocks
+    seed: int
+    params: object  # SamplingParams (effective)
+    prompt_exit: ExitParams  # exit rule of prompt positions (first token, prompt logprobs)
+
+
+@dataclass
+class ScheduledRow:
+    """One unit of work at one loop: a prefill chunk or a decode token."""
+
+    request_id: str
+    is_prefill: bool
+    start: int  # positions [start, end)
+    end: int
+    loop: int  # 1-based loop this row runs
+    plane: int
+    input_token_ids: list[int] | None  # set when loop == 1 (prelude)
+    slot: int = -1  # decode slot
+    is_last_chunk: bool = False  # prefill: holds the last prompt position
+    exit: ExitParams | None = None  # decode rows
+    token_index: int = 0  # index of the token this row may sample within its completion
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class SchedulerOutput:
+    rows: list[ScheduledRow]
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    exit_depth: int
+    logprob: float | None = None  # of the sampled token (logprobs_mode)
+    rank: int | None = None
+    top: list[tuple[int, float]] | None = None  # top-k (id, logprob)
+
+
+@dataclass
+class RunnerOutput:
+    """Per row (same order as ``SchedulerOutput.rows``): did its token exit, what was sampled."""
+
+    exited: list[bool]  # decode: token exited this step; prefill: prompt finished
+    sampled: list[SampledToken | None]
+    # request_id -> [(position p, {token: logprob} top-k incl. the actual next prompt token, rank)] for prompt logprobs
+    prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = field(default_factory=dict)

@@ -1,0 +1,87 @@
+"""Per-sequence state owned by the scheduler (host-side, no tensors)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from loopline.core.contracts import SampledToken
+from loopline.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass
+class PrefillChunk:
+    start: int
+    end: int
+    loops_done: int = 0
+
+
+@dataclass
+class Request:
+    """One sequence (one of a request's ``n`` completions)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # effective: seed resolved, loop bounds filled
+    seed: int
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    arrival_seq: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    # prefill progress
+    chunks: list[PrefillChunk] = field(default_factory=list)
+    # decode progress
+    slot: int = -1
+    token_loop: int = 0  # loops done by the in-flight decode token; 0: none in flight
+    # results
+    output: list[SampledToken] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output)
+
+    @property
+    def num_tokens_reserved(self) -> int:
+        """Positions that may hold KV: the last sampled token is never fed back."""
+        return self.prompt_len + self.max_tokens - 1
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    @property
+    def num_chunked(self) -> int:
+        return self.chunks[-1].end if self.chunks else 0
+
+    @property
+    def fully_chunked(self) -> bool:
+        return self.num_chunked == self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output[-1].token_id
+
+    @property
+    def next_position(self) -> int:
+        """Position of the token the next decode row feeds (the last sampled one)."""
+        return self.prompt_len + len(self.output) - 1

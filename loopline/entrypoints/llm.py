@@ -1,0 +1,108 @@
+"""``LLM``: the offline batch API, named like vLLM's."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from loopline.config import EngineArgs
+from loopline.core.engine import LLMEngine, PromptType
+from loopline.errors import InvalidRequestError
+from loopline.outputs import RequestOutput
+from loopline.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate from a looped model offline.
+
+    ``LLM()`` with no model uses the bundled tiny checkpoint. Keyword
+    arguments are the fields of :class:`~loopline.config.EngineArgs`.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
+        if unknown:
+            raise InvalidRequestError(f"unknown engine argument(s): {sorted(unknown)}", param=sorted(unknown)[0])
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt to completion; results come back in input order."""
+        batch = self._as_batch(prompts)
+        params = self._params_for(batch, sampling_params)
+        return self._run(batch, params, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        """Applies the checkpoint's chat template; generation also stops at the end-of-turn token."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.encode_chat(c, add_generation_prompt, chat_template)} for c in convs]
+        params = self._params_for(prompts, sampling_params)
+        return self._run(prompts, params, use_tqdm, chat=True)
+
+    def encode_chat(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init=True)", param="messages")
+        if not isinstance(conversation, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
+            raise InvalidRequestError("messages must be a list of {'role', 'content'} dicts", param="messages")
+        ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # --- internals ----------------------------------------------------------------------
+    @staticmethod
+    def _as_batch(prompts: Any) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InvalidRequestError("prompts must be a string, a prompt dict, or a non-empty list of them", param="prompts")
+        return list(prompts)
+
+    @staticmethod
+    def _params_for(batch: list, sampling_params: Any) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * len(batch)
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(batch)
+        if len(sampling_params) != len(batch):
+            raise InvalidRequestError(f"got {len(sampling_params)} sampling_params for {len(batch)} prompts", param="sampling_params")
+        return list(sampling_params)
+
+    def _run(self, batch: list[PromptType], params: list[SamplingParams], use_tqdm: bool, chat: bool = False) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = [f"llm-{next(self._ids)}" for _ in batch]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, batch, params):
+                engine.add_request(rid, prompt, p, chat_stop=chat)
+                added.append(rid)
+        except Exception:
+            engine.abort_request(added)  # a bad prompt leaves nothing half-queued
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2, dynamic_ncols=True)
+        wanted = set(ids)
+        while len(done) < len(ids):
+            for out in engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[r] for r in ids]

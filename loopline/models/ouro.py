@@ -1,0 +1,280 @@
+"""The Ouro looped language model: pure math, no requests, pages or policies.
+
+Ouro runs one shared stack of decoder layers ``total_ut_steps`` times per token
+(DESIGN.md §1). The model exposes the three stages an engine schedules
+separately, all on *flattened* token rows (``[N, hidden]``):
+
+* :meth:`OuroForCausalLM.embed` -- the prelude (token ids -> hidden),
+* :meth:`OuroForCausalLM.loop` -- one traversal of every layer, the final norm
+  and the exit gate,
+* :meth:`OuroForCausalLM.head` -- the coda (``lm_head``).
+
+Attention is delegated to an :class:`Attention` object passed into ``loop``: the
+engine passes a paged backend that knows each row's KV plane, the dense forward
+passes a causal attention over ``[batch, seq]``. Modules never hold a cache,
+because the same module runs at every loop.
+
+Parameter names are the Hugging Face names (``model.layers.0.self_attn.q_proj.weight``,
+``lm_head.weight``, ...), so ``state_dict()`` round-trips real checkpoints.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class OuroConfig:
+    """Architecture of an Ouro checkpoint (the fields of its ``config.json``)."""
+
+    vocab_size: int = 49152
+    hidden_size: int = 2048
+    intermediate_size: int = 5632
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 16
+    head_dim: int = 128
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    total_ut_steps: int = 4
+    early_exit_threshold: float = 1.0
+    max_position_embeddings: int = 65536
+    bos_token_id: int | None = 0
+    eos_token_ids: tuple[int, ...] = (0,)
+    pad_token_id: int | None = None
+    torch_dtype: str = "bfloat16"
+    initializer_range: float = 0.02
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_loops(self) -> int:
+        return self.total_ut_steps
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+class Attention(Protocol):
+    """Attention for one layer of one loop over flattened rows.
+
+    ``q``: ``[N, num_heads, head_dim]``; ``k``, ``v``: ``[N, num_kv_heads, head_dim]``
+    (rotary already applied). Returns ``[N, num_heads, head_dim]``. The object
+    knows where each row's keys live (its KV plane, its positions); ``layer``
+    is the index inside the shared stack.
+    """
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin ``[N, head_dim]`` for rotate-half RoPE, angles in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: ``[N, heads, head_dim]``; cos/sin: ``[N, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class OuroAttention(nn.Module):
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, config.q_size, bias=False)
+        self.k_proj = nn.Linear(h, config.kv_size, bias=False)
+        self.v_proj = nn.Linear(h, config.kv_size, bias=False)
+        self.o_proj = nn.Linear(config.q_size, h, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attn: Attention) -> Tensor:
+        n = x.shape[0]
+        c = self.config
+        q = self.q_proj(x).view(n, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(x).view(n, c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(x).view(n, c.num_key_value_heads, c.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        o = attn(layer, q, k, v)
+        return self.o_proj(o.reshape(n, c.q_size))
+
+
+class OuroMLP(nn.Module):
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OuroDecoderLayer(nn.Module):
+    """Sandwich-norm decoder layer: a norm before and after both branches."""
+
+    def __init__(self, config: OuroConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        eps = config.rms_norm_eps
+        self.self_attn = OuroAttention(config)
+        self.mlp = OuroMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.input_layernorm_2 = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: Attention) -> Tensor:
+        a = self.self_attn(self.input_layernorm(x), cos, sin, self.index, attn)
+        x = x + self.input_layernorm_2(a)
+        m = self.mlp(self.post_attention_layernorm(x))
+        return x + self.post_attention_layernorm_2(m)
+
+
+class OuroModel(nn.Module):
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(OuroDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.early_exit_gate = nn.Linear(config.hidden_size, 1, bias=True)
+
+
+@dataclass
+class DenseOutput:
+    """All loops of a dense forward. Shapes use R = loops, B = batch, T = sequence."""
+
+    hidden_states: Tensor  # [R, B, T, hidden], post-norm h_r of every loop
+    gate_logits: Tensor  # [R, B, T], fp32 logits of the exit gate
+    logits: Tensor | None  # [R, B, T, vocab] fp32, when requested
+
+    @property
+    def exit_lambdas(self) -> Tensor:
+        return torch.sigmoid(self.gate_logits)
+
+
+class DenseCausalAttention:
+    """Plain causal attention over ``[batch, seq]`` rows flattened batch-major.
+
+    ``history(layer, k, v)`` may rewrite the keys/values each query sees (the
+    replay of an engine's KV history uses it); by default keys are this loop's.
+    """
+
+    def __init__(self, batch: int, seq: int, history: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None) -> None:
+        self.batch, self.seq = batch, seq
+        self.history = history
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        b, t = self.batch, self.seq
+        if self.history is not None:
+            k, v = self.history(layer, k, v)
+        # [B, heads, T, D]
+        qd = q.view(b, t, *q.shape[1:]).transpose(1, 2)
+        kd = k.view(b, t, *k.shape[1:]).transpose(1, 2)
+        vd = v.view(b, t, *v.shape[1:]).transpose(1, 2)
+        groups = qd.shape[1] // kd.shape[1]
+        if groups > 1:
+            kd = kd.repeat_interleave(groups, dim=1)
+            vd = vd.repeat_interleave(groups, dim=1)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        scores = torch.matmul(qd.float(), kd.float().transpose(-1, -2)) * scale
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(scores.softmax(-1), vd.float()).to(q.dtype)
+        return out.transpose(1, 2).reshape(b * t, *q.shape[1:])
+
+
+class OuroForCausalLM(nn.Module):
+    """Ouro with Hugging Face parameter names and engine-facing stages."""
+
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = OuroModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    # --- stages -----------------------------------------------------------------
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Prelude: ``[N]`` token ids -> ``[N, hidden]``."""
+        return self.model.embed_tokens(input_ids)
+
+    def loop(self, hidden: Tensor, positions: Tensor, attn: Attention) -> tuple[Tensor, Tensor]:
+        """One traversal of the shared stack, the final norm and the exit gate.
+
+        hidden: ``[N, hidden]``; positions: ``[N]``. Returns the post-norm hidden
+        state ``h_r`` ``[N, hidden]`` (the next loop's input) and the fp32 gate
+        logit ``[N]`` (``lambda_r = sigmoid(logit)``).
+        """
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype)
+        x = hidden
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        h = self.model.norm(x)
+        return h, self.gate_logits(h)
+
+    def gate_logits(self, h: Tensor) -> Tensor:
+        gate = self.model.early_exit_gate
+        return F.linear(h.float(), gate.weight.float(), gate.bias.float()).squeeze(-1)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """Coda: ``[M, hidden]`` -> fp32 logits ``[M, vocab]``."""
+        return self.lm_head(hidden).float()
+
+    # --- dense, differentiable forward -----------------------------------------------
+    def forward_dense(
+        self,
+        input_ids: Tensor,
+        num_loops: int | None = None,
+        *,
+        compute_logits: bool = True,
+        attention: Callable[[int], Attention] | None = None,
+    ) -> DenseOutput:
+        """Every loop over ``[B, T]`` token ids with causal attention, autograd-friendly.
+
+        ``attention(r)`` may supply the attention object of loop ``r`` (1-based);
+        the default is plain causal attention over this loop's keys, which is
+        exactly the reference model.
+        """
+        b, t = input_ids.shape
+        loops = num_loops or self.config.total_ut_steps
+        positions = torch.arange(t, device=input_ids.device).repeat(b)
+        h = self.embed(input_ids.reshape(-1))
+        hiddens, gates = [], []
+        for r in range(1, loops + 1):
+            attn = attention(r) if attention is not None else DenseCausalAttention(b, t)
+            h, g = self.loop(h, positions, attn)
+            hiddens.append(h.view(b, t, -1))
+            gates.append(g.view(b, t))
+        hidden_states = torch.stack(hiddens)
+        logits = self.head(hidden_states) if compute_logits else None
+        return DenseOutput(hidden_states, torch.stack(gates), logits)
+
+    def forward(self, input_ids: Tensor, num_loops: int | None = None) -> DenseOutput:
+        return self.forward_dense(input_ids, num_loops)

@@ -1,0 +1,73 @@
+"""Request outputs, shaped like vLLM's (DESIGN.md §5)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Logprob:
+    """A token's log probability, its 1-based rank, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's ``n`` completions.
+
+    ``exit_depths[i]`` is the loop at which ``token_ids[i]`` was produced (the
+    exit loop of the position it was sampled from). ``logprobs`` follows vLLM:
+    per token a dict ``{token_id: Logprob}`` with the sampled token and the top k.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    exit_depths: list[int] = field(default_factory=list)
+    seed: int | None = None  # the resolved seed (drawn when the request gave None)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def token_logprobs(self) -> list[float] | None:
+        """Selected-token logprobs aligned 1:1 with ``token_ids`` (for trainers)."""
+        if self.logprobs is None:
+            return None
+        return [step[tid].logprob for tid, step in zip(self.token_ids, self.logprobs)]
+
+    @property
+    def mean_exit_depth(self) -> float:
+        return sum(self.exit_depths) / len(self.exit_depths) if self.exit_depths else 0.0
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    weight_version: Any = None
+    metrics: RequestMetrics | None = None
+    sampling_params: Any = None  # the effective SamplingParams (resolved seed and loop bounds)

@@ -1,0 +1,133 @@
+"""SamplingParams: vLLM field names plus the loop fields of looped models."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from loopline.errors import InvalidRequestError
+
+_MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request (DESIGN.md §5).
+
+    Loop fields: ``min_loops`` / ``max_loops`` bound a generated token's depth;
+    ``exit_threshold`` is the exit rule's threshold on the cumulative exit
+    probability (``None``: the checkpoint's ``early_exit_threshold``; 1.0 means
+    fixed depth). ``exit_depths`` replays given per-token depths instead of the
+    rule (the engine's ``exit_mode="trace"``).
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    priority: int = 0
+    min_loops: int = 1
+    max_loops: int | None = None
+    exit_threshold: float | None = None
+    exit_depths: list[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    # --- validation ---------------------------------------------------------------------
+    def _validate(self) -> None:
+        _int_in("n", self.n, 1, 1024)
+        if self.max_tokens is not None:
+            _int_in("max_tokens", self.max_tokens, 1, None)
+        _float_in("temperature", self.temperature, 0.0, None)
+        _float_in("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 0 and self.top_k != -1):
+            raise InvalidRequestError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}", param="top_k")
+        _float_in("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _int_in("seed", self.seed, -_MAX_SEED, _MAX_SEED)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError(f"stop must be non-empty strings, got {s!r}", param="stop")
+        for t in self.stop_token_ids:
+            _int_in("stop_token_ids", t, 0, None)
+        if self.logprobs is not None:
+            _int_in("logprobs", self.logprobs, 0, 20)
+        if self.prompt_logprobs is not None:
+            _int_in("prompt_logprobs", self.prompt_logprobs, 0, 20)
+        _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _float_in("repetition_penalty", self.repetition_penalty, 0.0, None, lo_open=True)
+        _int_in("priority", self.priority, -(2**31), 2**31 - 1)
+        _int_in("min_loops", self.min_loops, 1, None)
+        if self.max_loops is not None:
+            _int_in("max_loops", self.max_loops, self.min_loops, None)
+        if self.exit_threshold is not None:
+            _float_in("exit_threshold", self.exit_threshold, 0.0, 1.0, lo_open=True)
+        if self.exit_depths is not None:
+            if not isinstance(self.exit_depths, (list, tuple)) or not self.exit_depths:
+                raise InvalidRequestError("exit_depths must be a non-empty list of loop counts", param="exit_depths")
+            for d in self.exit_depths:
+                _int_in("exit_depths", d, 1, None)
+            self.exit_depths = list(self.exit_depths)
+
+    def validate_for_model(self, total_ut_steps: int, vocab_size: int) -> None:
+        """Checks that need the checkpoint: loop bounds and token ids."""
+        R = total_ut_steps
+        if self.min_loops > R:
+            raise InvalidRequestError(f"min_loops must be in [1, {R}] (the model's total_ut_steps), got {self.min_loops}", param="min_loops")
+        if self.max_loops is not None and self.max_loops > R:
+            raise InvalidRequestError(f"max_loops must be in [min_loops, {R}] (the model's total_ut_steps), got {self.max_loops}", param="max_loops")
+        for d in self.exit_depths or []:
+            if d > R:
+                raise InvalidRequestError(f"exit_depths entries must be in [1, {R}], got {d}", param="exit_depths")
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size}), got {t}", param="stop_token_ids")
+
+    # --- derived ------------------------------------------------------------------------
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+
+
+def _int_in(name: str, value: Any, lo: int | None, hi: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise InvalidRequestError(f"{name} must be in {rng}, got {value}", param=name)
+
+
+def _float_in(name: str, value: Any, lo: float | None, hi: float | None, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
+    bad_lo = lo is not None and (value <= lo if lo_open else value < lo)
+    if bad_lo or (hi is not None and value > hi):
+        left = "(" if lo_open else "["
+        raise InvalidRequestError(f"{name} must be in {left}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}], got {value}", param=name)

@@ -1,0 +1,289 @@
+"""Model runner: owns every device tensor and runs one forward per step.
+
+One step (DESIGN.md §4): prelude for rows that start a token, one traversal of
+the shared stack + final norm + gate for all rows (each attending its own
+plane), exit decisions, the ``last_exited`` exit copy, and coda + sampling for
+rows whose token exits -- all in ``execute``.
+
+This is the simple synchronous path: the host reads exit flags and sampled
+tokens at the end of each step. It is the reference the fast paths are tested
+against.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from loopline.attention import AttentionBackend, PagedAttentionMetadata
+from loopline.attention.paged import PagedAttention
+from loopline.core.contracts import (
+    ExitParams,
+    NewRequestData,
+    RunnerOutput,
+    SampledToken,
+    ScheduledRow,
+    SchedulerOutput,
+)
+from loopline.core.exit_policy import exit_decision
+from loopline.kv.layout import KVLayout
+from loopline.models.ouro import OuroForCausalLM
+from loopline.sampling_params import SamplingParams
+from loopline.worker.sampler import Sampler, SamplerOutput, SamplingTensors
+
+_SEED_MASK = 2**63 - 1
+
+
+@dataclass
+class _RequestState:
+    """Device-side state of one running request."""
+
+    params: SamplingParams
+    seed: int
+    prompt: Tensor  # [T] int64
+    block_tables: list[Tensor]  # per plane, int32
+    prompt_exit: ExitParams
+    hidden: Tensor  # [T, H] prefill hidden between loops
+    survival: Tensor  # [T] f32 prod(1 - lambda) so far
+    sel_hidden: Tensor  # [T, H] hidden at the depth the exit rule picked
+    sel_depth: Tensor  # [T] int64, 0 = not yet exited
+    output_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model: OuroForCausalLM, layout: KVLayout, backend: AttentionBackend, num_blocks: int,
+                 block_size: int, max_num_seqs: int, sampler: Sampler, device: torch.device, dtype: torch.dtype) -> None:
+        cfg = model.config
+        self.model, self.layout, self.backend, self.sampler = model, layout, backend, sampler
+        self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.num_loops = cfg.total_ut_steps
+        self.vocab_size = cfg.vocab_size
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # Per-slot decode state stays on the device between steps.
+        self.slot_hidden = torch.zeros(max_num_seqs, cfg.hidden_size, dtype=dtype, device=device)
+        self.slot_survival = torch.ones(max_num_seqs, dtype=torch.float32, device=device)
+        self.requests: dict[str, _RequestState] = {}
+
+    @staticmethod
+    def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * model_cfg.num_hidden_layers * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim * elem
+
+    # --- request bookkeeping ----------------------------------------------------------
+    def _add(self, new: NewRequestData) -> None:
+        t, h = len(new.prompt_token_ids), self.model.config.hidden_size
+        dev = self.device
+        self.requests[new.request_id] = _RequestState(
+            params=new.params, seed=new.seed & _SEED_MASK,
+            prompt=torch.tensor(new.prompt_token_ids, dtype=torch.long, device=dev),
+            block_tables=[torch.tensor(bt, dtype=torch.int32, device=dev) for bt in new.block_tables],
+            prompt_exit=new.prompt_exit,
+            hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
+            survival=torch.ones(t, dtype=torch.float32, device=dev),
+            sel_hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
+            sel_depth=torch.zeros(t, dtype=torch.long, device=dev),
+        )
+
+    # --- one step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        for rid in sched.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in sched.new_requests:
+            self._add(new)
+        rows = sched.rows
+        if not rows:
+            return RunnerOutput([], [])
+        x, positions, meta = self._prepare(rows)
+        attn = PagedAttention(self.backend, self.k_cache, self.v_cache, meta, self.scale)
+        h, gate = self.model.loop(x, positions, attn)
+
+        exited = [False] * len(rows)
+        to_sample: list[tuple[int, Tensor, int, int]] = []  # (row index, hidden [H], depth, token index)
+        prompt_logprobs: dict = {}
+        offsets = meta.query_start_loc.tolist()
+        decode_idx = [i for i, r in enumerate(rows) if not r.is_prefill]
+        if decode_idx:
+            self._finish_decode_rows(rows, decode_idx, offsets, h, gate, exited, to_sample)
+        for i, row in enumerate(rows):
+            if row.is_prefill:
+                self._finish_prefill_row(i, row, h[offsets[i]:offsets[i + 1]], gate[offsets[i]:offsets[i + 1]],
+                                         exited, to_sample, prompt_logprobs)
+        sampled: list[SampledToken | None] = [None] * len(rows)
+        if to_sample:
+            self._sample(rows, to_sample, sampled)
+        return RunnerOutput(exited, sampled, prompt_logprobs)
+
+    def _prepare(self, rows: list[ScheduledRow]) -> tuple[Tensor, Tensor, PagedAttentionMetadata]:
+        dev = self.device
+        embed_ids = [t for r in rows if r.loop == 1 for t in r.input_token_ids]
+        embedded = self.model.embed(torch.tensor(embed_ids, dtype=torch.long, device=dev)) if embed_ids else None
+        parts, positions, slots, starts, tables = [], [], [], [0], []
+        e = 0
+        for r in rows:
+            n = r.num_tokens
+            if r.loop == 1:
+                parts.append(embedded[e:e + n])
+                e += n
+            elif r.is_prefill:
+                parts.append(self.requests[r.request_id].hidden[r.start:r.end])
+            else:
+                parts.append(self.slot_hidden[r.slot:r.slot + 1])
+            table = self.requests[r.request_id].block_tables[r.plane]
+            pos = torch.arange(r.start, r.end, device=dev)
+            positions.append(pos)
+            slots.append(table[pos // self.block_size].long() * self.block_size + pos % self.block_size)
+            starts.append(starts[-1] + n)
+            tables.append(table)
+        max_blocks = max(t.numel() for t in tables)
+        block_tables = torch.zeros(len(rows), max_blocks, dtype=torch.int32, device=dev)
+        for i, t in enumerate(tables):
+            block_tables[i, :t.numel()] = t
+        meta = PagedAttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([r.end for r in rows], dtype=torch.int32, device=dev),
+            block_tables=block_tables,
+            slot_mapping=torch.cat(slots),
+            max_query_len=max(r.num_tokens for r in rows),
+            max_seq_len=max(r.end for r in rows),
+        )
+        return torch.cat(parts), torch.cat(positions), meta
+
+    def _finish_decode_rows(self, rows, decode_idx, offsets, h, gate, exited, to_sample) -> None:
+        dev = self.device
+        drows = [rows[i] for i in decode_idx]
+        tok = torch.tensor([offsets[i] for i in decode_idx], device=dev)
+        slots = torch.tensor([r.slot for r in drows], device=dev)
+        loop = torch.tensor([r.loop for r in drows], device=dev)
+        survival = torch.where(loop == 1, torch.ones_like(self.slot_survival[slots]), self.slot_survival[slots])
+        ex, survival = exit_decision(
+            loop, survival, gate[tok],
+            torch.tensor([r.exit.min_loops for r in drows], device=dev),
+            torch.tensor([r.exit.max_loops for r in drows], device=dev),
+            torch.tensor([r.exit.threshold for r in drows], dtype=torch.float32, device=dev))
+        self.slot_hidden[slots] = h[tok]
+        self.slot_survival[slots] = survival
+        copy_src, copy_dst = [], []
+        for j, flag in enumerate(ex.tolist()):
+            if not flag:
+                continue
+            r = drows[j]
+            exited[decode_idx[j]] = True
+            to_sample.append((decode_idx[j], h[tok[j]], r.loop, r.token_index))
+            for plane in self.layout.exit_copy_planes(r.loop):
+                copy_src.append(self._slot(r.request_id, r.plane, r.start))
+                copy_dst.append(self._slot(r.request_id, plane, r.start))
+        if copy_src:
+            self.backend.copy_slots(self.k_cache, self.v_cache, torch.tensor(copy_src, device=dev),
+                                    torch.tensor(copy_dst, device=dev))
+
+    def _slot(self, request_id: str, plane: int, pos: int) -> int:
+        table = self.requests[request_id].block_tables[plane]
+        return int(table[pos // self.block_size]) * self.block_size + pos % self.block_size
+
+    def _finish_prefill_row(self, i, row, h, gate, exited, to_sample, prompt_logprobs) -> None:
+        st = self.requests[row.request_id]
+        lo, hi = row.start, row.end
+        ep = st.prompt_exit
+        n = hi - lo
+        loop = torch.full((n,), row.loop, device=self.device)
+        survival = st.survival[lo:hi] if row.loop > 1 else torch.ones(n, device=self.device)
+        ex, survival = exit_decision(loop, survival, gate, torch.full_like(loop, ep.min_loops),
+                                     torch.full_like(loop, ep.max_loops),
+                                     torch.full((n,), ep.threshold, dtype=torch.float32, device=self.device))
+        st.survival[lo:hi] = survival
+        newly = ex & (st.sel_depth[lo:hi] == 0)
+        st.sel_hidden[lo:hi][newly] = h[newly]
+        st.sel_depth[lo:hi][newly] = row.loop
+        if row.loop < self.num_loops:
+            st.hidden[lo:hi] = h
+            return
+        # The chunk finished its last loop: prompt logprobs, and the first token if last chunk.
+        if st.params.prompt_logprobs is not None:
+            prompt_logprobs.setdefault(row.request_id, []).extend(self._prompt_logprobs(st, lo, hi))
+        if row.is_last_chunk:
+            exited[i] = True
+            last = st.prompt.numel() - 1
+            to_sample.append((i, st.sel_hidden[last], int(st.sel_depth[last]), 0))
+
+    def _prompt_logprobs(self, st: _RequestState, lo: int, hi: int) -> list:
+        """Position p predicts prompt token p+1 from its hidden at the depth the rule picked."""
+        hi = min(hi, st.prompt.numel() - 1)
+        if hi <= lo:
+            return []
+        logp = torch.log_softmax(self.model.head(st.sel_hidden[lo:hi]), dim=-1)
+        nxt = st.prompt[lo + 1:hi + 1]
+        chosen = logp.gather(1, nxt[:, None]).squeeze(1)
+        ranks = (logp > chosen[:, None]).sum(1) + 1
+        k = st.params.prompt_logprobs
+        top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+        out = []
+        for j, (c, rk, tv, ti) in enumerate(zip(chosen.tolist(), ranks.tolist(), top_v.tolist(), top_i.tolist())):
+            out.append((lo + j, c, rk, list(zip(ti, tv))))
+        return out
+
+    # --- coda + sampling --------------------------------------------------------------
+    def _sample(self, rows: list[ScheduledRow], to_sample, sampled) -> None:
+        dev = self.device
+        hidden = torch.stack([t[1] for t in to_sample])
+        logits = self.model.head(hidden)
+        states = [self.requests[rows[t[0]].request_id] for t in to_sample]
+        tensors = self._sampling_tensors(states, [t[3] for t in to_sample], logits.shape[-1])
+        out: SamplerOutput = self.sampler(logits, tensors)
+        ids = out.token_ids.tolist()
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        ranks = out.ranks.tolist() if out.ranks is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for j, (row_i, _, depth, _) in enumerate(to_sample):
+            st = states[j]
+            k = st.params.logprobs
+            top = None
+            if k is not None and k > 0 and top_ids is not None:
+                top = list(zip(top_ids[j][:k], top_lps[j][:k]))
+            sampled[row_i] = SampledToken(
+                token_id=ids[j], exit_depth=depth,
+                logprob=lps[j] if lps is not None else None,
+                rank=ranks[j] if ranks is not None else None, top=top)
+            st.output_ids.append(ids[j])
+
+    def _sampling_tensors(self, states: list[_RequestState], token_index: list[int], vocab: int) -> SamplingTensors:
+        dev = self.device
+        ps = [s.params for s in states]
+
+        def f32(vals):
+            return torch.tensor(vals, dtype=torch.float32, device=dev)
+
+        any_pen = any(p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0 for p in ps)
+        counts = seen = None
+        if any_pen:
+            counts = torch.zeros(len(ps), vocab, dtype=torch.float32, device=dev)
+            seen = torch.zeros(len(ps), vocab, dtype=torch.bool, device=dev)
+            for j, s in enumerate(states):
+                if s.output_ids:
+                    ids = torch.tensor(s.output_ids, dtype=torch.long, device=dev)
+                    counts[j].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+                    seen[j, ids] = True
+                seen[j, s.prompt] = True
+        want = [p.logprobs for p in ps if p.logprobs is not None]
+        return SamplingTensors(
+            temperature=f32([p.temperature for p in ps]),
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else 0 for p in ps], dtype=torch.long, device=dev),
+            top_p=f32([p.top_p for p in ps]),
+            min_p=f32([p.min_p for p in ps]),
+            presence_penalty=f32([p.presence_penalty for p in ps]),
+            frequency_penalty=f32([p.frequency_penalty for p in ps]),
+            repetition_penalty=f32([p.repetition_penalty for p in ps]),
+            seeds=torch.tensor([s.seed for s in states], dtype=torch.long, device=dev),
+            token_index=torch.tensor(token_index, dtype=torch.long, device=dev),
+            output_counts=counts, seen_mask=seen,
+            all_greedy=all(p.greedy for p in ps), any_penalties=any_pen,
+            any_top_k=any(p.top_k > 0 for p in ps), any_top_p=any(p.top_p < 1.0 for p in ps),
+            any_min_p=any(p.min_p > 0 for p in ps),
+            max_num_logprobs=max(want) if want else None,
+        )
