@@ -1,0 +1,377 @@
+"""Load Ouro checkpoints (Hugging Face layout) with strict validation.
+
+A checkpoint directory holds ``config.json``, optionally
+``generation_config.json``, weights as ``model.safetensors`` or as shards
+listed in ``model.safetensors.index.json``, and tokenizer files. Real
+Ouro-1.4B / 2.6B / -Thinking directories and :mod:`loopline.models.tiny`
+checkpoints load the same way.
+
+Every problem a user can cause raises :class:`CheckpointError` with a
+message that names the file, the field or tensor, the value and what is
+allowed (DESIGN.md §7). Nothing here touches the network.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loopline.models.ouro import OuroConfig, OuroForCausalLM
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# Buffers some exporters persist although the model recomputes them.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# config.json fields without which the architecture is unknown.
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# Optional fields and the defaults of the upstream config class.
+_DEFAULTS = {
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "total_ut_steps": 4,
+    "early_exit_threshold": 1.0,
+    "max_position_embeddings": 32768,
+    "initializer_range": 0.02,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that loopline cannot load (missing, corrupt or unsupported)."""
+
+
+PathLike = str | os.PathLike
+
+
+# --- config -------------------------------------------------------------------------
+
+
+def load_config(model_dir: PathLike) -> OuroConfig:
+    """Read and validate ``config.json`` (and ``generation_config.json`` for eos ids).
+
+    Keys OuroConfig does not model (``tie_word_embeddings``, ``architectures``,
+    ...) are kept in ``OuroConfig.extra``.
+    """
+    model_dir = _existing_dir(model_dir)
+    path = model_dir / CONFIG_FILE
+    raw = _read_json(path, required=True)
+    return _config_from_dict(raw, path, _generation_eos(model_dir, raw.get("vocab_size")))
+
+
+def _config_from_dict(raw: dict, path: Path, generation_eos: list[int]) -> OuroConfig:
+    def fail(field: str, value: Any, allowed: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {field}={value!r} is not supported; allowed: {allowed}")
+
+    model_type = raw.get("model_type")
+    if model_type != "ouro":
+        raise fail("model_type", model_type, '"ouro"')
+    if raw.get("use_sliding_window"):
+        raise fail("use_sliding_window", raw["use_sliding_window"], "false (sliding-window attention is not supported)")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        bad = sorted({t for t in layer_types if t != "full_attention"})
+        raise fail("layer_types", bad, '"full_attention" only')
+    if raw.get("rope_scaling") is not None:
+        raise fail("rope_scaling", raw["rope_scaling"], "null (RoPE scaling is not supported)")
+    # transformers >= 5 writes rope_parameters instead of rope_theta / rope_scaling.
+    rope_parameters = raw.get("rope_parameters")
+    if rope_parameters is not None:
+        if not isinstance(rope_parameters, dict) or rope_parameters.get("rope_type", "default") != "default":
+            raise fail("rope_parameters", rope_parameters, 'null or {"rope_type": "default", "rope_theta": ...}')
+    hidden_act = raw.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise fail("hidden_act", hidden_act, '"silu"')
+    if raw.get("attention_bias"):
+        raise fail("attention_bias", raw["attention_bias"], "false (Ouro's projections have no bias)")
+
+    missing = [k for k in _REQUIRED if k not in raw]
+    if missing:
+        raise CheckpointError(f"{path}: missing required field(s) {', '.join(missing)}")
+    ints: dict[str, int] = {}
+    for key in (*_REQUIRED, "num_key_value_heads", "head_dim", "total_ut_steps", "max_position_embeddings"):
+        value = raw.get(key)
+        if value is None and key not in _REQUIRED:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise fail(key, value, "a positive integer")
+        ints[key] = value
+    heads = ints["num_attention_heads"]
+    kv_heads = ints.setdefault("num_key_value_heads", heads)
+    if heads % kv_heads != 0:
+        raise CheckpointError(
+            f"{path}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    if "head_dim" not in ints:
+        if ints["hidden_size"] % heads != 0:
+            raise CheckpointError(
+                f"{path}: hidden_size={ints['hidden_size']} is not divisible by num_attention_heads={heads} "
+                "and head_dim is not given"
+            )
+        ints["head_dim"] = ints["hidden_size"] // heads
+    if ints["head_dim"] % 2 != 0:
+        raise fail("head_dim", ints["head_dim"], "an even integer (rotate-half RoPE)")
+
+    floats: dict[str, float] = {}
+    rope_theta = raw.get("rope_theta")
+    if rope_theta is None and rope_parameters is not None:
+        rope_theta = rope_parameters.get("rope_theta")
+    for key, value in (("rope_theta", rope_theta), ("rms_norm_eps", raw.get("rms_norm_eps")),
+                       ("initializer_range", raw.get("initializer_range"))):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise fail(key, value, "a positive number")
+        floats[key] = float(value)
+    threshold = raw.get("early_exit_threshold", _DEFAULTS["early_exit_threshold"])
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+        raise fail("early_exit_threshold", threshold, "a number in [0, 1]")
+
+    # transformers >= 5 writes "dtype" instead of "torch_dtype".
+    dtype_key = "torch_dtype" if "torch_dtype" in raw else "dtype"
+    torch_dtype = raw.get(dtype_key) or "float32"
+    if torch_dtype not in DTYPES:
+        raise fail(dtype_key, torch_dtype, ", ".join(DTYPES))
+
+    vocab = ints["vocab_size"]
+    token_ids = {k: raw.get(k) for k in ("bos_token_id", "pad_token_id")}
+    for key, value in token_ids.items():
+        if value is not None and not _is_token_id(value, vocab):
+            raise fail(key, value, f"null or an integer in [0, {vocab})")
+    eos = raw.get("eos_token_id")
+    eos_list = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    for value in eos_list:
+        if not _is_token_id(value, vocab):
+            raise fail("eos_token_id", eos, f"null, or an integer or list of integers in [0, {vocab})")
+    eos_ids = tuple(dict.fromkeys([*eos_list, *generation_eos]))
+
+    consumed = {
+        *_REQUIRED, "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "total_ut_steps",
+        "early_exit_threshold", "max_position_embeddings", "initializer_range", "bos_token_id",
+        "eos_token_id", "pad_token_id", dtype_key,
+    }
+    return OuroConfig(
+        vocab_size=vocab,
+        hidden_size=ints["hidden_size"],
+        intermediate_size=ints["intermediate_size"],
+        num_hidden_layers=ints["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=ints["head_dim"],
+        rope_theta=floats.get("rope_theta", _DEFAULTS["rope_theta"]),
+        rms_norm_eps=floats.get("rms_norm_eps", _DEFAULTS["rms_norm_eps"]),
+        total_ut_steps=ints.get("total_ut_steps", _DEFAULTS["total_ut_steps"]),
+        early_exit_threshold=float(threshold),
+        max_position_embeddings=ints.get("max_position_embeddings", _DEFAULTS["max_position_embeddings"]),
+        bos_token_id=token_ids["bos_token_id"],
+        eos_token_ids=eos_ids,
+        pad_token_id=token_ids["pad_token_id"],
+        torch_dtype=torch_dtype,
+        initializer_range=floats.get("initializer_range", _DEFAULTS["initializer_range"]),
+        extra={k: v for k, v in raw.items() if k not in consumed},
+    )
+
+
+def _generation_eos(model_dir: Path, vocab: Any) -> list[int]:
+    path = model_dir / GENERATION_CONFIG_FILE
+    raw = _read_json(path, required=False)
+    if raw is None or raw.get("eos_token_id") is None:
+        return []
+    eos = raw["eos_token_id"]
+    ids = eos if isinstance(eos, list) else [eos]
+    limit = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+    if not all(_is_token_id(i, limit) for i in ids):
+        bound = f" in [0, {limit})" if limit else ""
+        raise CheckpointError(f"{path}: eos_token_id={eos!r} is not supported; allowed: an integer or list of integers{bound}")
+    return ids
+
+
+def _is_token_id(value: Any, vocab: int | None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0 and (vocab is None or value < vocab)
+
+
+# --- weights ------------------------------------------------------------------------
+
+
+def load_weights(model_dir: PathLike) -> dict[str, Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards its index lists, on the CPU."""
+    model_dir = _existing_dir(model_dir)
+    single, index = model_dir / WEIGHTS_FILE, model_dir / WEIGHTS_INDEX_FILE
+    if single.is_file():
+        return _read_safetensors(single)
+    if index.is_file():
+        return _load_sharded(index)
+    others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+    hint = f" (found {', '.join(others)}; only safetensors is supported)" if others else ""
+    raise CheckpointError(f"{model_dir}: no weights: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} exists{hint}")
+
+
+def _load_sharded(index: Path) -> dict[str, Tensor]:
+    raw = _read_json(index, required=True)
+    weight_map = raw.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: weight_map is missing or empty; expected {{tensor name: shard file}}")
+    by_shard: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, set()).add(name)
+    missing = [s for s in by_shard if not (index.parent / s).is_file()]
+    if missing:
+        raise CheckpointError(f"{index}: missing shard file(s) listed in weight_map: {_summary(sorted(missing))}")
+    weights: dict[str, Tensor] = {}
+    for shard, names in by_shard.items():
+        path = index.parent / shard
+        tensors = _read_safetensors(path)
+        absent = sorted(names - tensors.keys())
+        if absent:
+            raise CheckpointError(f"{path}: tensor(s) that {index.name} places in this shard are absent: {_summary(absent)}")
+        stray = sorted(tensors.keys() - names)
+        if stray:
+            raise CheckpointError(f"{path}: tensor(s) not listed for this shard in {index.name}: {_summary(stray)}")
+        weights.update(tensors)
+    return weights
+
+
+def _read_safetensors(path: Path) -> dict[str, Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from e
+
+
+# --- model --------------------------------------------------------------------------
+
+
+def load_model(model_dir: PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> OuroForCausalLM:
+    """Build :class:`OuroForCausalLM` from a checkpoint directory, validated, in eval mode.
+
+    ``dtype`` None means the config's ``torch_dtype``. The model is built on
+    the meta device and the loaded tensors are assigned into it (cast and
+    moved one at a time), so a big model is never held twice.
+    """
+    config = load_config(model_dir)
+    target = _resolve_dtype(dtype if dtype is not None else config.torch_dtype)
+    weights = load_weights(model_dir)
+    with torch.device("meta"):
+        model = OuroForCausalLM(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    weights = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    where = Path(model_dir)
+
+    if config.extra.get("tie_word_embeddings") and "lm_head.weight" not in weights:
+        raise CheckpointError(
+            f"{where / CONFIG_FILE}: tie_word_embeddings=true but the weights have no lm_head.weight; "
+            "allowed: tied configs only with lm_head.weight present in the weights"
+        )
+    missing = sorted(expected.keys() - weights.keys())
+    if missing:
+        raise CheckpointError(f"{where}: tensor(s) missing from the weights: {_summary(missing)}")
+    unexpected = sorted(weights.keys() - expected.keys())
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor(s) in the weights: {_summary(unexpected)}")
+    wrong = [f"{n} {tuple(weights[n].shape)} (expected {expected[n]})" for n in expected if tuple(weights[n].shape) != expected[n]]
+    if wrong:
+        raise CheckpointError(f"{where}: tensor(s) with the wrong shape: {_summary(wrong)}")
+    not_float = [f"{n} ({weights[n].dtype})" for n in expected if not weights[n].is_floating_point()]
+    if not_float:
+        raise CheckpointError(f"{where}: tensor(s) that are not floating point: {_summary(not_float)}")
+
+    state: dict[str, Tensor] = {}
+    for name in expected:
+        # pop so the source tensor can be freed as soon as its copy exists.
+        state[name] = weights.pop(name).to(device=device, dtype=target)
+    non_finite = [n for n, t in state.items() if not bool(torch.isfinite(t).all())]
+    if non_finite:
+        raise CheckpointError(
+            f"{where}: tensor(s) with non-finite values (NaN/Inf) as {_dtype_name(target)}: {_summary(non_finite)}"
+        )
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype={dtype} is not supported; allowed: {', '.join(DTYPES)}")
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --- tokenizer ----------------------------------------------------------------------
+
+
+def load_tokenizer(path: PathLike):
+    """A transformers fast tokenizer from local files only (a directory or a ``tokenizer.json``).
+
+    The directory's ``tokenizer_config.json`` (special tokens, chat template)
+    is used when present. Built as the generic fast tokenizer straight from
+    ``tokenizer.json``, so no model class lookup or remote code is involved.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    if path.is_file():
+        if path.name != TOKENIZER_FILE:
+            raise CheckpointError(f"{path}: not a {TOKENIZER_FILE} file; pass a directory or a {TOKENIZER_FILE}")
+        return PreTrainedTokenizerFast(tokenizer_file=str(path))
+    model_dir = _existing_dir(path)
+    if not (model_dir / TOKENIZER_FILE).is_file():
+        raise CheckpointError(f"{model_dir}: no tokenizer: {TOKENIZER_FILE} is missing (fast tokenizers only)")
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # transformers/tokenizers raise KeyError, Exception, ... on malformed files
+        raise CheckpointError(f"{model_dir / TOKENIZER_FILE}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+
+
+def chat_end_token_ids(tokenizer) -> list[int]:
+    """Ids that end a chat turn: ``<|im_end|>`` when the vocabulary has it (Ouro's ChatML)."""
+    token_id = tokenizer.get_vocab().get("<|im_end|>")
+    return [] if token_id is None else [token_id]
+
+
+# --- helpers ------------------------------------------------------------------------
+
+
+def _existing_dir(model_dir: PathLike) -> Path:
+    path = Path(model_dir)
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise CheckpointError(f"model directory {path} {what}")
+    return path
+
+
+def _read_json(path: Path, *, required: bool) -> dict | None:
+    if not path.is_file():
+        if required:
+            raise CheckpointError(f"{path}: file not found")
+        return None
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+    return raw
+
+
+def _summary(items: list[str], limit: int = 5) -> str:
+    shown = ", ".join(items[:limit])
+    return f"{shown} ({len(items)} in all)" if len(items) > limit else shown
