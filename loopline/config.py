@@ -127,28 +127,34 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> to
     return resolved
 
 
-def add_dataclass_args(parser: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """Adds ``--field-name`` flags for every field of a dataclass, typed from its hints."""
+def add_dataclass_args(parser: Any, cls: type, skip: tuple[str, ...] = (), rename: dict[str, str] | None = None) -> None:
+    """Adds ``--field-name`` flags for every field of a dataclass, typed from its hints.
+
+    ``rename`` maps a field to another flag/dest name where two dataclasses
+    share a field name (the engine ``--seed`` vs a request's ``--sampling-seed``).
+    """
     hints = get_type_hints(cls)
+    rename = rename or {}
     for f in fields(cls):
         if f.name in skip or f.name == "extra" or not f.metadata.get("cli", True):
             continue
-        flag = "--" + f.name.replace("_", "-")
+        dest = rename.get(f.name, f.name)
+        flag = "--" + dest.replace("_", "-")
         hint = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f.metadata.get("help", "")
         base, optional = _unwrap_optional(hint)
         if base is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif get_origin(base) is Literal:
-            parser.add_argument(flag, dest=f.name, choices=list(get_args(base)), default=default, help=help_text)
+            parser.add_argument(flag, dest=dest, choices=list(get_args(base)), default=default, help=help_text)
         elif get_origin(base) is list or base is list:
             item = (get_args(base) or (str,))[0]
-            parser.add_argument(flag, dest=f.name, type=item, nargs="+", default=default, help=help_text)
+            parser.add_argument(flag, dest=dest, type=item, nargs="+", default=default, help=help_text)
         elif get_origin(base) is None and base in (int, float, str):
-            parser.add_argument(flag, dest=f.name, type=base, default=default, help=help_text)
+            parser.add_argument(flag, dest=dest, type=base, default=default, help=help_text)
         else:  # unions like str | list[str]: take strings, repeatable
-            parser.add_argument(flag, dest=f.name, type=str, action="append", default=None, help=help_text)
+            parser.add_argument(flag, dest=dest, type=str, action="append", default=None, help=help_text)
 
 
 def _unwrap_optional(hint: Any) -> tuple[Any, bool]:

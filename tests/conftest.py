@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny checkpoints built once per session with the project's own helper."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+class Tiny:
+    """A tiny checkpoint on disk plus what the independent reference needs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.cfg = json.loads((path / "config.json").read_text())
+        self.state_dict = load_file(str(path / "model.safetensors"))
+
+    def llm(self, **kwargs):
+        from loopline import LLM
+
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("device", "cpu")
+        return LLM(str(self.path), **kwargs)
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory):
+    cache: dict[tuple, Tiny] = {}
+
+    def make(seed: int = 0, **overrides) -> Tiny:
+        key = (seed, tuple(sorted(overrides.items())))
+        if key not in cache:
+            from loopline.models.tiny import make_tiny_checkpoint
+
+            path = tmp_path_factory.mktemp("tiny")
+            make_tiny_checkpoint(path, seed=seed, **overrides)
+            cache[key] = Tiny(path)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa(tiny_factory) -> Tiny:
+    return tiny_factory(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_mha(tiny_factory) -> Tiny:
+    return tiny_factory(1, num_key_value_heads=4, total_ut_steps=3, num_hidden_layers=1)
