@@ -1,0 +1,130 @@
+"""Micro benchmark: torch vs triton paged attention on Ouro shapes.
+
+    python -m loopline.attention.bench_attention
+
+Decode batches (1, 32, 128 rows at context 1024) and one 512-token prefill
+chunk, 16 heads x 128 head_dim (Ouro-1.4B, MHA), bf16, block_size 16, pages
+shuffled over the pool. Medians over CUDA-event timed runs; decode reports
+achieved GB/s (K/V + q + out bytes per call) against the H200's ~4.8 TB/s,
+every case the TFLOP/s of the causally visible QK^T + PV work.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from loopline.attention.base import PagedAttentionMetadata
+from loopline.attention.torch_backend import TorchAttentionBackend
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 16, 128, 16
+DTYPE = torch.bfloat16
+PEAK_GBPS = 4800.0  # H200 HBM3e, nominal
+
+
+def make_step(rows: list[tuple[int, int]], device: str = "cuda"):
+    """Random bf16 pool and metadata for rows ``[(q_len, seq_len), ...]``."""
+    pages = [-(-s // BLOCK_SIZE) for _, s in rows]
+    num_blocks = sum(pages)
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
+    block_tables = torch.zeros(len(rows), max(pages), dtype=torch.int32, device=device)
+    used = 0
+    for b, n in enumerate(pages):
+        block_tables[b, :n] = perm[used : used + n]
+        used += n
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    v_cache = torch.randn_like(k_cache)
+    q_lens = [q for q, _ in rows]
+    n_tokens = sum(q_lens)
+    meta = PagedAttentionMetadata(
+        query_start_loc=torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor([s for _, s in rows], dtype=torch.int32, device=device),
+        block_tables=block_tables,
+        slot_mapping=torch.zeros(n_tokens, dtype=torch.int64, device=device),  # unused by attend
+        max_query_len=max(q_lens),
+        max_seq_len=max(s for _, s in rows),
+    )
+    q = torch.randn(n_tokens, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    return q, k_cache, v_cache, meta
+
+
+def time_ms(fn, warmup: int = 5, reps: int = 30) -> float:
+    """Median milliseconds of ``fn()`` by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def step_bytes(rows: list[tuple[int, int]]) -> int:
+    """Bytes a perfect kernel moves: every row's K/V once, plus q and out."""
+    elem = torch.finfo(DTYPE).bits // 8
+    kv = sum(s for _, s in rows) * KV_HEADS * HEAD_DIM * 2 * elem
+    qo = sum(q for q, _ in rows) * HEADS * HEAD_DIM * 2 * elem
+    return kv + qo
+
+
+def step_flops(rows: list[tuple[int, int]]) -> int:
+    """QK^T and PV FLOPs over the causally visible keys only."""
+    visible = sum(q * (s - q) + q * (q + 1) // 2 for q, s in rows)
+    return 4 * visible * HEADS * HEAD_DIM
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        print("bench_attention needs a CUDA GPU (the triton kernels have no fast CPU path); nothing to do.")
+        sys.exit(0)
+    from loopline.attention.triton_backend import TritonAttentionBackend, triton_available
+
+    if not triton_available():
+        print("bench_attention needs the `triton` package; nothing to do.")
+        sys.exit(0)
+
+    torch.manual_seed(0)
+    ref, fast = TorchAttentionBackend(), TritonAttentionBackend()
+    scale = HEAD_DIM**-0.5
+    cases = [
+        ("decode B=1 ctx=1024", [(1, 1024)]),
+        ("decode B=32 ctx=1024", [(1, 1024)] * 32),
+        ("decode B=128 ctx=1024", [(1, 1024)] * 128),
+        ("prefill 512 tok ctx=1024", [(512, 1024)]),
+        ("mixed 127 decode + 512 prefill", [(1, 1024)] * 127 + [(512, 1024)]),
+    ]
+    print(f"# loopline attention bench  commit={commit()}  gpu={torch.cuda.get_device_name()}  "
+          f"torch={torch.__version__}  heads={HEADS} kv_heads={KV_HEADS} head_dim={HEAD_DIM} "
+          f"block={BLOCK_SIZE} {str(DTYPE).removeprefix('torch.')}")  # fmt: skip
+    header = (f"{'case':34s} {'torch ms':>9s} {'triton ms':>10s} {'speedup':>8s} {'GB/s':>8s} {'% peak':>7s} "
+              f"{'TFLOP/s':>8s} {'max err':>8s}")  # fmt: skip
+    print(header)
+    print("-" * len(header))
+    for label, rows in cases:
+        q, k_cache, v_cache, meta = make_step(rows)
+        want = ref.attend(q, k_cache, v_cache, meta, scale)
+        got = fast.attend(q, k_cache, v_cache, meta, scale)
+        err = (got.float() - want.float()).abs().max().item()
+        t_ref = time_ms(lambda: ref.attend(q, k_cache, v_cache, meta, scale), warmup=2, reps=10)
+        t_fast = time_ms(lambda: fast.attend(q, k_cache, v_cache, meta, scale))
+        gbps = step_bytes(rows) / (t_fast * 1e-3) / 1e9
+        tflops = step_flops(rows) / (t_fast * 1e-3) / 1e12
+        bw = f"{gbps:8.0f} {100 * gbps / PEAK_GBPS:6.1f}%" if meta.max_query_len == 1 else f"{'-':>8s} {'-':>7s}"
+        print(f"{label:34s} {t_ref:9.3f} {t_fast:10.3f} {t_ref / t_fast:7.1f}x {bw} {tflops:8.1f} {err:8.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,437 @@
+"""Paged attention in Triton: one launch for a whole step's rows.
+
+The same contract as :class:`~loopline.attention.torch_backend.TorchAttentionBackend`
+(the reference it is tested against), with three kernels:
+
+* ``_paged_attention_kernel`` serves decode rows and prefill chunks together.
+  Grid ``(row, kv_head, q_tile * num_splits)``. The M dimension of a program's
+  Q tile packs ``TILE_T`` query tokens x the ``G = heads // kv_heads`` query
+  heads of one KV head (row ``m`` is token ``m // G``, head ``m % G``), so a
+  KV page is loaded once per GQA group, and a decode row fills ``G`` of the
+  16 M rows instead of one of 64. Keys are walked ``BLOCK_N`` positions at a
+  time through the row's block table with an online softmax in fp32.
+  With few programs (small decode batches) the key range is split across
+  ``num_splits`` programs (flash-decoding) whose partial results
+  ``_merge_splits_kernel`` combines by their log-sum-exp.
+* ``_write_kv_kernel`` stores a step's new K/V at ``slot_mapping`` (slot < 0: skip).
+* ``_copy_slots_kernel`` copies K/V between physical slots in every layer
+  (the ``last_exited`` exit copy).
+
+Without CUDA the kernels run only under ``TRITON_INTERPRET=1`` (slow, for tests).
+"""
+from __future__ import annotations  # NOTE: keeps `tl.constexpr` annotations lazy, so this imports without triton
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from loopline.attention.base import AttentionBackend, PagedAttentionMetadata
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # the backend is unusable, but the module still imports for triton_available()
+    triton = None
+    tl = None
+
+    def _jit(fn):
+        return fn
+
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when this
+# module is imported; what counts is the value at that moment.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
+_LOG2E = 1.4426950408889634
+# Split-KV: aim for this many programs per SM and give each split at least
+# this many keys, so tiny contexts are not split into pure overhead.
+_PROGRAMS_PER_SM = 2
+_MIN_KEYS_PER_SPLIT = 128
+_MAX_SPLITS = 16
+
+
+def triton_available() -> bool:
+    """True if triton can be imported (usable on CUDA, or on CPU under TRITON_INTERPRET=1)."""
+    return triton is not None
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@_jit
+def _paged_attention_kernel(
+    q_ptr,  # [N, H, D]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
+    out_ptr,  # [N, H, D] (NUM_SPLITS == 1)
+    part_out_ptr,  # [NUM_SPLITS, N, H, D] fp32, contiguous (NUM_SPLITS > 1)
+    part_lse_ptr,  # [NUM_SPLITS, N, H] fp32, contiguous (NUM_SPLITS > 1)
+    query_start_loc_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32
+    block_tables_ptr,  # [B, max_blocks] int32
+    qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
+    num_tokens,  # N, for the workspace layout
+    num_heads,  # H, for the workspace layout
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    stride_bt,
+    G: tl.constexpr,  # query heads per KV head
+    TILE_T: tl.constexpr,  # query tokens per program; TILE_T * G <= BLOCK_M
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # keys per inner step
+    BLOCK_SIZE: tl.constexpr,  # page size of the cache
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 caches (no TF32 rounding), else "tf32" (ignored for 16-bit)
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_tile = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(query_start_loc_ptr + row)
+    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
+    tile_start = q_tile * TILE_T
+    # The grid is sized by max_query_len; shorter rows (decode) have spare tiles.
+    if tile_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + row)
+    ctx_len = seq_len - q_len  # the row's queries sit at positions ctx_len .. seq_len-1
+
+    # M rows: (token, head-in-group) pairs, token-major.
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = tile_start + offs_m // G  # [BLOCK_M] query index within the row
+    head = kv_head * G + offs_m % G  # [BLOCK_M] query head
+    m_valid = (offs_m < TILE_T * G) & (tok < q_len)
+    q_pos = ctx_len + tok  # [BLOCK_M] absolute position of each query
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q_row = (q_start + tok).to(tl.int64)
+    q_off = q_row * stride_qn + head.to(tl.int64) * stride_qh  # [BLOCK_M]
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)  # [BLOCK_M, D]
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    # Causal: no query of this tile sees past its last query's position.
+    kv_len = tl.minimum(seq_len, ctx_len + tile_start + TILE_T)
+    steps = tl.cdiv(kv_len, BLOCK_N)
+    steps_per_split = tl.cdiv(steps, NUM_SPLITS)
+    kv_lo = split * steps_per_split * BLOCK_N
+    kv_hi = tl.minimum(kv_len, kv_lo + steps_per_split * BLOCK_N)
+
+    # NOTE: m_i starts finite (not -inf) so a row that has seen only masked keys
+    # gets exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + row.to(tl.int64) * stride_bt
+    k_head = kv_head.to(tl.int64) * stride_kh
+    v_head = kv_head.to(tl.int64) * stride_vh
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + offs_n  # [BLOCK_N] key positions
+        n_valid = pos < kv_hi
+        # NOTE: int64 before multiplying: block id * block stride exceeds 2**31 in big pools.
+        block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)  # [BLOCK_N]
+        in_block = (pos % BLOCK_SIZE).to(tl.int64)
+        k_off = block * stride_kb + in_block * stride_ks + k_head  # [BLOCK_N]
+        v_off = block * stride_vb + in_block * stride_vs + v_head  # [BLOCK_N]
+        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0)  # [D, BLOCK_N]
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)  # [BLOCK_N, D]
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+        visible = n_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Only padding M rows (and, with splits, rows whose split saw no visible key) have l_i == 0.
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]  # [BLOCK_M, D]
+    if NUM_SPLITS == 1:
+        o_off = q_row * stride_on + head.to(tl.int64) * stride_oh
+        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
+    else:
+        # Normalized partial output + its log2-sum-exp; an empty split has lse = -inf (weight 0).
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        p_idx = (split * num_tokens + q_row) * num_heads + head  # [BLOCK_M] into [S, N, H]
+        tl.store(part_lse_ptr + p_idx, lse, mask=m_valid)
+        tl.store(part_out_ptr + p_idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=m_valid[:, None])
+
+
+@_jit
+def _merge_splits_kernel(
+    part_out_ptr,  # [NUM_SPLITS, N, H, D] fp32, contiguous
+    part_lse_ptr,  # [NUM_SPLITS, N, H] fp32, contiguous
+    out_ptr,  # [N, H, D]
+    num_tokens,
+    num_heads,
+    stride_on,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+    HEAD_DIM: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_valid = offs_s < NUM_SPLITS
+    idx = (offs_s * num_tokens + n) * num_heads + h  # [SPLITS_PAD]
+    lse = tl.load(part_lse_ptr + idx, mask=s_valid, other=float("-inf"))
+    # Split 0 always holds key 0, which every query sees, so the max is finite.
+    w = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]
+    o = tl.load(part_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)  # [D]
+    tl.store(out_ptr + n * stride_on + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+@_jit
+def _write_kv_kernel(
+    k_ptr,  # [N, KVH, D]
+    v_ptr,  # [N, KVH, D]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
+    v_cache_ptr,
+    slot_mapping_ptr,  # [N] int64; < 0 = padding, skipped
+    num_kv_heads,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # KV heads per program
+):
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    in_block = slot % BLOCK_SIZE
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_h < num_kv_heads)[:, None]
+    heads = offs_h.to(tl.int64)[:, None]
+
+    k = tl.load(k_ptr + n * stride_kn + heads * stride_kh + offs_d[None, :], mask=mask)  # [BLOCK_H, D]
+    k_dst = k_cache_ptr + block * stride_kcb + in_block * stride_kcs + heads * stride_kch + offs_d[None, :]
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + n * stride_vn + heads * stride_vh + offs_d[None, :], mask=mask)
+    v_dst = v_cache_ptr + block * stride_vcb + in_block * stride_vcs + heads * stride_vch + offs_d[None, :]
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _copy_slots_kernel(
+    k_cache_ptr,  # [L, num_blocks, BLOCK_SIZE, KVH, D]
+    v_cache_ptr,
+    src_ptr,  # [M] int64 physical slots
+    dst_ptr,  # [M] int64
+    num_kv_heads,
+    stride_kl,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vl,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    i = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    src = tl.load(src_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_h < num_kv_heads)[:, None]
+    heads = offs_h.to(tl.int64)[:, None]
+
+    k_layer = k_cache_ptr + layer * stride_kl + heads * stride_kh + offs_d[None, :]  # [BLOCK_H, D] pointers
+    k_src = k_layer + (src // BLOCK_SIZE) * stride_kb + (src % BLOCK_SIZE) * stride_ks
+    k_dst = k_layer + (dst // BLOCK_SIZE) * stride_kb + (dst % BLOCK_SIZE) * stride_ks
+    tl.store(k_dst, tl.load(k_src, mask=mask), mask=mask)
+    v_layer = v_cache_ptr + layer * stride_vl + heads * stride_vh + offs_d[None, :]
+    v_src = v_layer + (src // BLOCK_SIZE) * stride_vb + (src % BLOCK_SIZE) * stride_vs
+    v_dst = v_layer + (dst // BLOCK_SIZE) * stride_vb + (dst % BLOCK_SIZE) * stride_vs
+    tl.store(v_dst, tl.load(v_src, mask=mask), mask=mask)
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def _heads_per_program(num_kv_heads: int, head_dim: int) -> int:
+    """KV heads one copy program moves: about 2K elements, a power of two."""
+    return min(_next_pow2(num_kv_heads), max(1, 2048 // head_dim))
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention with Triton kernels; see the module docstring for the design.
+
+    ``num_splits`` forces the split-KV factor of ``attend`` (tests); ``None``
+    picks it from the grid size and the SM count.
+    """
+
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        if triton is None:
+            raise RuntimeError("TritonAttentionBackend needs the `triton` package (pip install loopline[triton])")
+        if not torch.cuda.is_available() and not _INTERPRET:
+            raise RuntimeError(
+                "TritonAttentionBackend needs CUDA, or TRITON_INTERPRET=1 set before loopline's triton "
+                "backend is imported (CPU interpreter, for tests); use the 'torch' backend on CPU"
+            )
+        if num_splits is not None and not 1 <= num_splits <= 64:
+            raise ValueError(f"num_splits must be in 1..64 or None, got {num_splits}")
+        self.num_splits = num_splits
+        self._sm_count: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ write_kv
+
+    def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> None:
+        n, kvh, d = k.shape
+        if n == 0:
+            return
+        assert k_cache.dim() == 4 and k_cache.shape[2:] == (kvh, d) and v.shape == k.shape
+        assert k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+        block_h = _heads_per_program(kvh, d)
+        _write_kv_kernel[(n, triton.cdiv(kvh, block_h))](
+            k, v, k_cache, v_cache, meta.slot_mapping, kvh,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_H=block_h,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ copy_slots
+
+    def copy_slots(self, k_cache: Tensor, v_cache: Tensor, src: Tensor, dst: Tensor) -> None:
+        """NOTE: programs run in parallel, so ``src`` and ``dst`` must not share slots
+        (true for the exit copy: planes e+1..R are written from plane e)."""
+        m = src.shape[0]
+        if m == 0:
+            return
+        num_layers, _, block_size, kvh, d = k_cache.shape
+        assert v_cache.shape == k_cache.shape and dst.shape == src.shape
+        assert k_cache.stride(-1) == v_cache.stride(-1) == 1
+        block_h = _heads_per_program(kvh, d)
+        _copy_slots_kernel[(m, num_layers, triton.cdiv(kvh, block_h))](
+            k_cache, v_cache, src, dst, kvh,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+            BLOCK_SIZE=block_size, HEAD_DIM=d, BLOCK_H=block_h,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ attend
+
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMetadata, scale: float) -> Tensor:
+        n, heads, d = q.shape
+        num_rows = meta.seq_lens.shape[0]
+        _, block_size, kvh, _ = k_cache.shape
+        out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
+        if n == 0 or num_rows == 0:
+            return out
+        if heads % kvh:
+            raise ValueError(f"num_heads ({heads}) must be a multiple of num_kv_heads ({kvh})")
+        if not (_is_pow2(d) and 16 <= d <= 256):
+            raise ValueError(f"head_dim must be a power of two in 16..256, got {d}")
+        if not _is_pow2(block_size):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        assert k_cache.shape == v_cache.shape and k_cache.shape[3] == d
+        assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+
+        group = heads // kvh
+        # Q tile: 16 M rows for decode-only steps (the G heads of one token, padded),
+        # growing to 64 with max_query_len (prefill chunks); never fewer rows than G.
+        # Decode rows in a mixed step use 1 of their tile's tokens: wasted MMA rows,
+        # but decode is bound by reading K/V, which is the same either way.
+        block_m = max(16, min(64, _next_pow2(meta.max_query_len * group)), _next_pow2(group))
+        tile_t = block_m // group
+        q_tiles = triton.cdiv(max(meta.max_query_len, 1), tile_t)
+        elem_bytes = k_cache.element_size()
+        # K and V tiles of BLOCK_N x D stay at ~16 KB each per pipeline stage.
+        block_n = max(16, min(64, 16384 // (d * elem_bytes)))
+        num_splits = self._pick_num_splits(q.device, num_rows * kvh * q_tiles, q_tiles, meta.max_seq_len)
+        num_warps = 8 if block_m * d >= 64 * 256 else 4
+        num_stages = 3 if elem_bytes <= 2 and d <= 128 else 2  # fp32 / D=256 tiles: keep shared memory in bounds
+        precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+
+        if num_splits > 1:
+            part_out = torch.empty((num_splits, n, heads, d), dtype=torch.float32, device=q.device)
+            part_lse = torch.empty((num_splits, n, heads), dtype=torch.float32, device=q.device)
+        else:
+            part_out = part_lse = out  # unused by the kernel
+        _paged_attention_kernel[(num_rows, kvh, q_tiles * num_splits)](
+            q, k_cache, v_cache, out, part_out, part_lse,
+            meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            scale * _LOG2E, n, heads,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1),
+            meta.block_tables.stride(0),
+            G=group, TILE_T=tile_t, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+            HEAD_DIM=d, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+        if num_splits > 1:
+            _merge_splits_kernel[(n, heads)](
+                part_out, part_lse, out, n, heads, out.stride(0), out.stride(1),
+                NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=d,
+                num_warps=4 if d >= 128 else 2,
+            )  # fmt: skip
+        return out
+
+    def _pick_num_splits(self, device: torch.device, programs: int, q_tiles: int, max_seq_len: int) -> int:
+        """Split the key range when the grid cannot fill the GPU (small decode batches).
+
+        Uses host ints only. Prefill steps (more than one query tile per row)
+        already have parallelism and are never split.
+        """
+        if self.num_splits is not None:
+            return self.num_splits
+        if q_tiles > 1 or device.type != "cuda":
+            return 1
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        sms = self._sm_count.get(index)
+        if sms is None:
+            sms = self._sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        wanted = math.ceil(_PROGRAMS_PER_SM * sms / programs)
+        by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
+        splits = max(1, min(wanted, by_length, _MAX_SPLITS))
+        # Round down to a power of two: NUM_SPLITS is a compile-time constant,
+        # and a growing max_seq_len should not compile a kernel per value.
+        return 1 << (splits.bit_length() - 1)

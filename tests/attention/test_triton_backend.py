@@ -1,0 +1,240 @@
+"""Triton paged attention against the torch reference.
+
+Without CUDA the kernels run in Triton's CPU interpreter, which must be
+switched on before triton (and the backend module) is imported. CPU cases
+are fp32 only: the interpreter mis-computes ``tl.dot`` on bf16 operands
+(triton 3.9), so bf16 is covered by the GPU tests.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from loopline.attention.base import PagedAttentionMetadata  # noqa: E402
+from loopline.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from loopline.attention.triton_backend import TritonAttentionBackend, triton_available  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def make_case(rows, heads, kv_heads, head_dim, block_size, dtype, device, seed=0, num_blocks=None):
+    """Random paged inputs for ``rows`` = [(q_len, seq_len), ...].
+
+    Every row owns distinct, shuffled pages; slots no row may read hold NaN, so
+    a kernel that reads past a row's context (or a wrong page) fails loudly.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-seq_len // block_size) for _, seq_len in rows]
+    num_blocks = num_blocks or sum(pages) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    width = max(pages)
+    block_tables = torch.zeros(len(rows), width, dtype=torch.int32)
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    slot_mapping, q_lens, used = [], [], 0
+    for b, (q_len, seq_len) in enumerate(rows):
+        blocks = perm[used : used + pages[b]]
+        used += pages[b]
+        block_tables[b, : pages[b]] = blocks
+        pos = torch.arange(seq_len)
+        slots = blocks[pos // block_size] * block_size + pos % block_size
+        k_cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(seq_len, kv_heads, head_dim, generator=gen)
+        v_cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(seq_len, kv_heads, head_dim, generator=gen)
+        slot_mapping.append(slots[seq_len - q_len :])
+        q_lens.append(q_len)
+    n = sum(q_lens)
+    q = torch.randn(n, heads, head_dim, generator=gen)
+    meta = PagedAttentionMetadata(
+        query_start_loc=torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device),
+        seq_lens=torch.tensor([s for _, s in rows], dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        slot_mapping=torch.cat(slot_mapping).to(device),
+        max_query_len=max(q_lens),
+        max_seq_len=max(s for _, s in rows),
+    )
+    return q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype), meta
+
+
+def check_attend(rows, heads, kv_heads, head_dim, block_size, dtype, atol, num_splits=None, seed=0):
+    q, k_cache, v_cache, meta = make_case(rows, heads, kv_heads, head_dim, block_size, dtype, DEVICE, seed)
+    scale = head_dim**-0.5
+    want = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, scale)
+    got = TritonAttentionBackend(num_splits=num_splits).attend(q, k_cache, v_cache, meta, scale)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+
+
+# ---------------------------------------------------------------- small (CPU interpreter or GPU)
+
+# Decode rows (q_len 1) and prefill chunks mixed, contexts spanning several pages.
+MIXED_ROWS = [(1, 13), (5, 5), (1, 1), (3, 21)]
+
+
+def test_available():
+    assert triton_available()
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2), (6, 2)], ids=["gqa", "mha", "gqa3"])
+def test_attend_mixed_rows_matches_torch(heads, kv_heads):
+    check_attend(MIXED_ROWS, heads, kv_heads, head_dim=16, block_size=4, dtype=torch.float32, atol=1e-5)
+
+
+def test_attend_several_query_tiles_and_key_steps():
+    # G=4: a 20-token chunk spans two 16-token Q tiles; 90 keys take two 64-key steps.
+    rows = [(20, 90), (1, 70), (3, 3)]
+    check_attend(rows, 8, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5)
+
+
+def test_attend_split_kv_matches_torch():
+    # Forced splits: some split ranges are empty for short rows (lse = -inf, weight 0).
+    rows = [(1, 23), (1, 2), (2, 17)]
+    check_attend(rows, 4, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5, num_splits=3)
+
+
+def test_needs_cuda_or_interpreter(monkeypatch):
+    import loopline.attention.triton_backend as tb
+
+    monkeypatch.setattr(tb, "_INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        TritonAttentionBackend()
+
+
+def test_write_kv_skips_negative_slots():
+    num_blocks, block_size, kvh, d = 4, 8, 2, 16
+    k_cache = torch.zeros(num_blocks, block_size, kvh, d, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    # k/v as strided views of one fused buffer, as a qkv projection would give them.
+    kv = torch.randn(5, 2 * kvh + 1, d, device=DEVICE)
+    k, v = kv[:, :kvh], kv[:, kvh : 2 * kvh]
+    slots = torch.tensor([3, -1, 17, 30, -1], dtype=torch.int64, device=DEVICE)
+    meta = PagedAttentionMetadata(
+        query_start_loc=torch.tensor([0, 5], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([5], dtype=torch.int32, device=DEVICE),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
+        slot_mapping=slots,
+        max_query_len=5,
+        max_seq_len=5,
+    )
+    TritonAttentionBackend().write_kv(k_cache, v_cache, k, v, meta)
+    keep = slots >= 0
+    want_k = torch.zeros_like(k_cache).view(-1, kvh, d).index_copy_(0, slots[keep], k[keep])
+    want_v = torch.zeros_like(v_cache).view(-1, kvh, d).index_copy_(0, slots[keep], v[keep])
+    torch.testing.assert_close(k_cache.view(-1, kvh, d), want_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache.view(-1, kvh, d), want_v, atol=0, rtol=0)
+
+
+def test_copy_slots_matches_torch():
+    shape = (3, 5, 4, 2, 16)  # [layers, blocks, block_size, kv_heads, D]
+    k_cache = torch.randn(shape, device=DEVICE)
+    v_cache = torch.randn(shape, device=DEVICE)
+    src = torch.tensor([0, 5, 9, 2], dtype=torch.int64, device=DEVICE)
+    dst = torch.tensor([12, 19, 3, 7], dtype=torch.int64, device=DEVICE)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    TorchAttentionBackend().copy_slots(want_k, want_v, src, dst)
+    TritonAttentionBackend().copy_slots(k_cache, v_cache, src, dst)
+    torch.testing.assert_close(k_cache, want_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def random_rows(n_rows, max_seq, max_chunk, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n_rows):
+        seq_len = int(torch.randint(1, max_seq + 1, (1,), generator=gen))
+        # every third row a prefill chunk, the rest decode rows
+        q_len = int(torch.randint(1, min(seq_len, max_chunk) + 1, (1,), generator=gen)) if i % 3 == 0 else 1
+        rows.append((q_len, seq_len))
+    return rows
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("heads,kv_heads", [(16, 16), (32, 8)], ids=["mha", "gqa"])
+def test_gpu_attend_mixed_large(dtype, atol, heads, kv_heads):
+    rows = random_rows(24, max_seq=2000, max_chunk=300, seed=1)
+    check_attend(rows, heads, kv_heads, head_dim=128, block_size=16, dtype=dtype, atol=atol)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n_rows", [1, 4, 64])
+@pytest.mark.parametrize("heads,kv_heads", [(16, 16), (16, 2)], ids=["mha", "gqa"])
+def test_gpu_attend_decode(n_rows, heads, kv_heads):
+    # Small decode batches take the split-KV path automatically; 64 rows may not.
+    rows = [(1, s) for s in torch.randint(1, 2001, (n_rows,), generator=torch.Generator().manual_seed(n_rows)).tolist()]
+    check_attend(rows, heads, kv_heads, head_dim=128, block_size=16, dtype=torch.bfloat16, atol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_gpu_attend_other_head_dims(head_dim):
+    rows = random_rows(8, max_seq=700, max_chunk=100, seed=head_dim)
+    check_attend(rows, 8, 4, head_dim=head_dim, block_size=16, dtype=torch.float16, atol=2e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_large_block_ids_use_64bit_offsets():
+    """Pages past 2**31 elements: int32 offset arithmetic would wrap."""
+    kvh, d, block_size = 2, 128, 16
+    per_block = block_size * kvh * d
+    num_blocks = (2**31) // per_block + 64
+    need = num_blocks * per_block * 2  # bf16 bytes
+    if torch.cuda.mem_get_info()[0] < 2 * need:
+        pytest.skip("not enough free GPU memory for a >2**31-element pool")
+    # One pool serves as both K and V (same values) to halve the footprint.
+    pool = torch.empty(num_blocks, block_size, kvh, d, dtype=torch.bfloat16, device="cuda")
+    backend, ref = TritonAttentionBackend(), TorchAttentionBackend()
+    rows = [(1, 40), (7, 50)]
+    high = torch.arange(num_blocks - 8, num_blocks, dtype=torch.int32, device="cuda")
+    block_tables = torch.stack([high[:4], high[4:]])  # each row: 4 pages beyond 2**31 elements
+    slots = []
+    for b, (_, seq_len) in enumerate(rows):
+        pos = torch.arange(seq_len, device="cuda")
+        slots.append(block_tables[b, pos // block_size].long() * block_size + pos % block_size)
+    all_slots = torch.cat(slots)
+    kv = torch.randn(all_slots.shape[0], kvh, d, dtype=torch.bfloat16, device="cuda")
+    write_meta = PagedAttentionMetadata(
+        query_start_loc=torch.tensor([0, all_slots.shape[0]], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([all_slots.shape[0]], dtype=torch.int32, device="cuda"),
+        block_tables=block_tables[:1],
+        slot_mapping=all_slots,
+        max_query_len=all_slots.shape[0],
+        max_seq_len=all_slots.shape[0],
+    )
+    backend.write_kv(pool, pool, kv, kv, write_meta)
+    torch.testing.assert_close(pool.view(-1, kvh, d)[all_slots], kv, atol=0, rtol=0)
+
+    meta = PagedAttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 8], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([40, 50], dtype=torch.int32, device="cuda"),
+        block_tables=block_tables,
+        slot_mapping=torch.cat([slots[0][-1:], slots[1][-7:]]),
+        max_query_len=7,
+        max_seq_len=50,
+    )
+    q = torch.randn(8, 4, d, dtype=torch.bfloat16, device="cuda")
+    want = ref.attend(q, pool, pool, meta, d**-0.5)
+    got = backend.attend(q, pool, pool, meta, d**-0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+    # copy_slots across a layer axis: layer 1 of a [2, ...] view starts near 2**30 elements.
+    layered = pool[: num_blocks // 2 * 2].view(2, num_blocks // 2, block_size, kvh, d)
+    src = (torch.arange(4, device="cuda") + (num_blocks // 2 - 8) * block_size).long()
+    dst = src + 4 * block_size
+    expect = layered.view(2, -1, kvh, d)[:, src].clone()
+    backend.copy_slots(layered, layered, src, dst)
+    torch.testing.assert_close(layered.view(2, -1, kvh, d)[:, dst], expect, atol=0, rtol=0)
+    del pool, layered
+    torch.cuda.empty_cache()
