@@ -7,19 +7,13 @@ tests downstream trust it.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
 
-try:
-    from tests.reference import reference_forward, reference_generate
-except ImportError:  # plain `pytest` does not put the repository root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from tests.reference import reference_forward, reference_generate
+from reference import reference_forward, reference_generate  # tests/ is on pythonpath (pyproject.toml)
 
 CONFIGS = {
     "mha-r1-l1": dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
