@@ -22,6 +22,7 @@ ExitMode = Literal["threshold", "fixed", "trace"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+KVAllocationName = Literal["full", "incremental"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,6 +51,11 @@ class EngineArgs:
     max_model_len: int | None = _opt(None, "max prompt + output tokens per request (default: the model's max_position_embeddings)")
     scheduling_mode: SchedulingMode = _opt("refill", "'refill': an exited slot starts its next token at once; 'no_refill': cohort baseline")
     scheduling_policy: SchedulingPolicy = _opt("fcfs", "admission order: first come first served, or by SamplingParams.priority")
+    enable_prefix_caching: bool = _opt(False, "reuse KV of full prompt pages shared with earlier requests (last_exited only)")
+    kv_allocation: KVAllocationName = _opt("full", "'full': reserve prompt + max_tokens at admission; 'incremental': grow with the sequence")
+    enable_preemption: bool = _opt(False, "snapshot a victim's KV and state to CPU memory when KV runs out or a higher-priority request waits")
+    swap_space: float = _opt(4.0, "CPU memory (GiB) for preemption snapshots; when full, requests wait instead")
+    kv_watermark: float = _opt(0.0, "fraction of KV blocks kept free when admitting new requests (headroom for running ones)")
     exit_mode: ExitMode = _opt("threshold", "'threshold': the exit rule; 'fixed': always max_loops; 'trace': replay SamplingParams.exit_depths")
     logprobs_mode: LogprobsMode = _opt("raw_logprobs", "logprobs of the raw model logits or of the processed sampling distribution")
     max_logprobs: int = _opt(20, "largest logprobs / prompt_logprobs a request may ask for")
@@ -78,7 +84,7 @@ class EngineArgs:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "kv_cache_memory_gb"):
             positive(name, getattr(self, name))
         for name, lit in (("kv_layout", KVLayoutName), ("scheduling_mode", SchedulingMode), ("scheduling_policy", SchedulingPolicy),
-                          ("exit_mode", ExitMode), ("logprobs_mode", LogprobsMode), ("attention_backend", AttentionBackendName), ("dtype", DType)):
+                          ("exit_mode", ExitMode), ("kv_allocation", KVAllocationName), ("logprobs_mode", LogprobsMode), ("attention_backend", AttentionBackendName), ("dtype", DType)):
             allowed = get_args(lit)
             if getattr(self, name) not in allowed:
                 raise InvalidRequestError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}", param=name)
@@ -88,6 +94,10 @@ class EngineArgs:
             raise InvalidRequestError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
                 "so every decode row fits a step and prefill always progresses", param="max_num_batched_tokens")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise InvalidRequestError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}", param="kv_watermark")
+        if self.swap_space < 0:
+            raise InvalidRequestError(f"swap_space must be >= 0 GiB, got {self.swap_space}", param="swap_space")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", param="gpu_memory_utilization")
         if not self.device == "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -15,11 +15,15 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         from loopline.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
     if name == "triton":
+        from loopline.attention.triton_backend import TritonAttentionBackend, triton_available
+
+        if not triton_available():
+            raise InvalidRequestError("attention_backend='triton' needs the triton package (pip install 'loopline[triton]')",
+                                      param="attention_backend")
         try:
-            from loopline.attention.triton_backend import TritonAttentionBackend
-        except ImportError as e:
-            raise InvalidRequestError(f"attention_backend='triton' needs the triton package: {e}", param="attention_backend") from e
-        return TritonAttentionBackend()
+            return TritonAttentionBackend()
+        except RuntimeError as e:  # e.g. no CUDA and no TRITON_INTERPRET
+            raise InvalidRequestError(f"attention_backend='triton' is unavailable here: {e}", param="attention_backend") from e
     raise InvalidRequestError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}", param="attention_backend")
 
 

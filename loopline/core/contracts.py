@@ -28,6 +28,8 @@ class NewRequestData:
     seed: int
     params: object  # SamplingParams (effective)
     prompt_exit: ExitParams  # exit rule of prompt positions (first token, prompt logprobs)
+    num_cached_tokens: int = 0  # leading prompt positions whose KV came from the prefix cache
+    slot: int = -1  # decode slot (per-slot state lives on the device)
 
 
 @dataclass
@@ -52,10 +54,26 @@ class ScheduledRow:
 
 
 @dataclass
+class ResumedRequestData:
+    """A preempted request back on the device: restore its snapshot into these blocks and slot."""
+
+    request_id: str
+    block_tables: list[list[int]]
+    slot: int
+
+
+@dataclass
 class SchedulerOutput:
+    """One step's work. The runner applies, in order: finished, preempted
+    (snapshot to CPU, before any block is reused), resumed, new requests,
+    block-table growth, then runs ``rows``."""
+
     rows: list[ScheduledRow]
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    resumed_requests: list[ResumedRequestData] = field(default_factory=list)
+    block_updates: dict[str, list[list[int]]] = field(default_factory=dict)  # request -> blocks appended per plane
 
     @property
     def num_tokens(self) -> int:

@@ -21,7 +21,7 @@ from loopline.core.exit_policy import make_exit_policy
 from loopline.core.output_processor import OutputProcessor
 from loopline.core.queue import make_queue
 from loopline.core.request import Request
-from loopline.core.scheduler import Scheduler, make_scheduling_mode
+from loopline.core.scheduler import Preemption, Scheduler, make_allocation, make_scheduling_mode
 from loopline.errors import CapacityError, EngineStateError, InvalidRequestError
 from loopline.kv.layout import make_layout
 from loopline.kv.manager import KVCacheManager
@@ -86,11 +86,14 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(args.tokenizer or model_path)
         layout = make_layout(args.kv_layout, model_cfg.total_ut_steps)
         num_blocks = self._num_kv_blocks(args, device, dtype)
-        self.kv = KVCacheManager(num_blocks, args.block_size, layout)
+        self.kv = KVCacheManager(num_blocks, args.block_size, layout, args.enable_prefix_caching)
         self.exit_policy = make_exit_policy(args.exit_mode, model_cfg.total_ut_steps, model_cfg.early_exit_threshold)
+        block_bytes = ModelRunner.kv_bytes_per_block(model_cfg, args.block_size, dtype)
+        preemption = Preemption(int(args.swap_space * 2**30 // block_bytes)) if args.enable_preemption else None
         self.scheduler = Scheduler(self.kv, self.exit_policy, make_scheduling_mode(args.scheduling_mode),
                                    make_queue(args.scheduling_policy), args.max_num_seqs, args.max_num_batched_tokens,
-                                   model_cfg.total_ut_steps)
+                                   model_cfg.total_ut_steps, allocation=make_allocation(args.kv_allocation),
+                                   preemption=preemption, watermark_blocks=int(args.kv_watermark * num_blocks))
         self.runner = ModelRunner(self.model, layout, get_attention_backend(args.attention_backend, device), num_blocks,
                                   args.block_size, args.max_num_seqs, Sampler(args.logprobs_mode), device, dtype)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -195,6 +198,10 @@ class LLMEngine:
                 if req is not None:
                     self.outputs.on_finished(req)
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prompt page (pages in use stay with their requests)."""
+        self.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -206,6 +213,12 @@ class LLMEngine:
         """Runs one loop for every scheduled row; returns outputs of requests that progressed."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        if sched.is_empty and self.scheduler.num_running and not sched.preempted_request_ids:
+            victim = self.scheduler.blocked_victim()  # nothing can progress: fail one request, clearly
+            logger.error("KV cache and swap space exhausted: aborting request %s", victim.request_id)
+            self.scheduler.finish_request(victim.request_id, "abort", "kv cache and swap space exhausted")
+            self.outputs.on_finished(victim)
+            sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         touched = self.scheduler.update(sched, result)
         for rid, entries in result.prompt_logprobs.items():

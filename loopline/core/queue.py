@@ -32,7 +32,11 @@ class FCFSQueue(RequestQueue):
         self._items: list[Request] = []
 
     def push(self, req: Request) -> None:
-        self._items.append(req)
+        # Arrival order, also for preempted requests coming back (they resume first).
+        i = len(self._items)
+        while i > 0 and self._items[i - 1].arrival_seq > req.arrival_seq:
+            i -= 1
+        self._items.insert(i, req)
 
     def peek(self) -> Request:
         return self._items[0]

@@ -11,6 +11,7 @@ from loopline.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    PREEMPTED = "preempted"  # waiting again, its state snapshotted in CPU memory
     PREFILL = "prefill"
     DECODE = "decode"
     FINISHED = "finished"
@@ -38,6 +39,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # prefill progress
     chunks: list[PrefillChunk] = field(default_factory=list)
+    num_cached_tokens: int = 0
     # decode progress
     slot: int = -1
     token_loop: int = 0  # loops done by the in-flight decode token; 0: none in flight
@@ -45,6 +47,8 @@ class Request:
     output: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    resume_status: RequestStatus | None = None  # status to return to after a preemption
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
@@ -80,6 +84,13 @@ class Request:
     @property
     def last_token_id(self) -> int:
         return self.output[-1].token_id
+
+    @property
+    def num_positions(self) -> int:
+        """Positions whose KV the request has written or writes this step (for incremental allocation)."""
+        if self.status == RequestStatus.DECODE or self.resume_status == RequestStatus.DECODE:
+            return self.next_position + 1
+        return self.prompt_len
 
     @property
     def next_position(self) -> int:

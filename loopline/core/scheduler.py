@@ -6,13 +6,19 @@ budget. Because ``max_num_batched_tokens >= max_num_seqs`` (validated) every
 running request gets a row or budget every step, so neither prefill nor
 decode starves: decode rows always fit, and when all slots are busy at least
 one prefilling request owns a slot and the leftover budget.
+
+KV policies are small strategy objects: :class:`Allocation` (full reservation
+or incremental growth) and the optional :class:`Preemption` (snapshot a
+victim to CPU memory when KV runs out or a higher-priority request waits).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from loopline.core.contracts import (
     NewRequestData,
+    ResumedRequestData,
     RunnerOutput,
     ScheduledRow,
     SchedulerOutput,
@@ -23,6 +29,7 @@ from loopline.core.request import PrefillChunk, Request, RequestStatus
 from loopline.kv.manager import KVCacheManager
 
 
+# --- strategies -------------------------------------------------------------------------------
 class SchedulingMode:
     """Whether a decode slot whose token exited may start its next token now."""
 
@@ -45,9 +52,60 @@ def make_scheduling_mode(name: str) -> SchedulingMode:
     return {"refill": SchedulingMode, "no_refill": NoRefill}[name]()
 
 
+class Allocation:
+    """Full reservation: a request's whole ``prompt + max_tokens`` is allocated at admission."""
+
+    name = "full"
+
+    def initial_tokens(self, req: Request) -> int:
+        return req.num_tokens_reserved
+
+    def needs_growth(self) -> bool:
+        return False
+
+
+class IncrementalAllocation(Allocation):
+    """Blocks grow with the sequence; the growth of running requests stays reserved
+    unless preemption may reclaim it."""
+
+    name = "incremental"
+
+    def initial_tokens(self, req: Request) -> int:
+        return req.num_positions
+
+    def needs_growth(self) -> bool:
+        return True
+
+
+def make_allocation(name: str) -> Allocation:
+    return {"full": Allocation, "incremental": IncrementalAllocation}[name]()
+
+
+@dataclass
+class Preemption:
+    """Snapshot victims to CPU memory (never recompute: a replay would change the exit history).
+
+    Victim: the lowest priority (largest ``priority`` value), then the largest KV footprint.
+    ``swap_blocks`` bounds the KV blocks held in CPU snapshots.
+    """
+
+    swap_blocks: int
+    swapped_blocks: int = 0
+
+    def pick_victim(self, candidates: list[Request], kv: KVCacheManager, worse_than: int | None = None) -> Request | None:
+        fits = [r for r in candidates if kv.get(r.request_id).num_blocks <= self.swap_blocks - self.swapped_blocks
+                and (worse_than is None or r.priority > worse_than)]
+        if not fits:
+            return None
+        return max(fits, key=lambda r: (r.priority, kv.get(r.request_id).num_blocks, r.arrival_seq))
+
+
+# --- scheduler --------------------------------------------------------------------------------
 class Scheduler:
     def __init__(self, kv: KVCacheManager, exit_policy: ExitPolicy, mode: SchedulingMode, queue: RequestQueue,
-                 max_num_seqs: int, max_num_batched_tokens: int, num_loops: int) -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int, num_loops: int,
+                 allocation: Allocation | None = None, preemption: Preemption | None = None,
+                 watermark_blocks: int = 0) -> None:
         self.kv = kv
         self.exit_policy = exit_policy
         self.mode = mode
@@ -55,11 +113,16 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.num_loops = num_loops
+        self.allocation = allocation or Allocation()
+        self.preemption = preemption
+        self.watermark_blocks = watermark_blocks
+        self.cache_salt: object = 0  # the weight version: prefix-cache keys include it
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self._finished_since_schedule: list[str] = []
-        self._new_since_schedule: list[NewRequestData] = []
+        self._out = SchedulerOutput([])
+        self._snapshot_blocks: dict[str, int] = {}
 
     # --- lifecycle --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -67,19 +130,20 @@ class Scheduler:
         self.waiting.push(request)
 
     def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> Request | None:
-        """Finishes (or aborts) a request and frees its KV and slot at once."""
+        """Finishes (or aborts) a request and frees its KV, slot and snapshot at once."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if req.status == RequestStatus.WAITING:
+        if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         else:
             self.running.remove(req)
             self.kv.free(req.request_id)
-            if req.slot >= 0:
-                self._free_slots.append(req.slot)
-                req.slot = -1
-            self._finished_since_schedule.append(request_id)
+            self._release_slot(req)
+        if req.status == RequestStatus.PREEMPTED and self.preemption is not None:
+            self.preemption.swapped_blocks -= self._snapshot_blocks.pop(request_id, 0)
+        if req.status != RequestStatus.WAITING:
+            self._out.finished_request_ids.append(request_id)  # the runner drops state / snapshot
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         return req
@@ -95,23 +159,31 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def _release_slot(self, req: Request) -> None:
+        if req.slot >= 0:
+            self._free_slots.append(req.slot)
+            req.slot = -1
+
     # --- schedule ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.budget
         rows: list[ScheduledRow] = []
+        self._admit()
         decoding = [r for r in self.running if r.status == RequestStatus.DECODE]
         may_start = self.mode.may_start_token(decoding)
         for req in decoding:
-            if req.token_loop == 0 and not may_start:
-                continue
+            if req.status != RequestStatus.DECODE or (req.token_loop == 0 and not may_start):
+                continue  # preempted while another request grew, or waiting for its cohort
+            if req.token_loop == 0 and self.allocation.needs_growth() and not self._grow(req):
+                continue  # out of KV: it waits (or was preempted)
             rows.append(self._decode_row(req))
             budget -= 1
-        self._admit()
         for req in self.running:
             if req.status == RequestStatus.PREFILL and budget > 0:
                 budget = self._schedule_prefill(req, rows, budget)
-        out = SchedulerOutput(rows, self._new_since_schedule, self._finished_since_schedule)
-        self._new_since_schedule, self._finished_since_schedule = [], []
+        rows = [r for r in rows if self.requests[r.request_id].status in (RequestStatus.DECODE, RequestStatus.PREFILL)]
+        out, self._out = self._out, SchedulerOutput([])
+        out.rows = rows
         return out
 
     def _decode_row(self, req: Request) -> ScheduledRow:
@@ -123,20 +195,106 @@ class Scheduler:
             plane=self.kv.layout.plane(loop), input_token_ids=[req.last_token_id] if loop == 1 else None,
             slot=req.slot, exit=self.exit_policy.params_for(req.params, token_index), token_index=token_index)
 
+    # --- admission --------------------------------------------------------------------
+    def _may_overcommit(self) -> bool:
+        """Admission may skip reserving growth only if a victim can always be swapped out."""
+        p = self.preemption
+        if p is None:
+            return False
+        largest = max((self.kv.get(r.request_id).num_blocks for r in self.running), default=0)
+        return p.swap_blocks - p.swapped_blocks >= max(largest, self.kv.blocks_needed(1))
+
+    def _reserved_growth(self) -> int:
+        if not self.allocation.needs_growth() or self._may_overcommit():
+            return 0
+        return sum(self.kv.growth_blocks(r.request_id, r.num_tokens_reserved) for r in self.running)
+
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting:
             req = self.waiting.peek()
-            if not self.kv.can_allocate(req.num_tokens_reserved):
+            if len(self.running) >= self.max_num_seqs or not self._try_allocate(req):
+                if self._preempt_for(req):
+                    continue
                 break  # head-of-line: later requests wait too, so big requests never starve
             self.waiting.pop()
-            alloc = self.kv.allocate(req.request_id, req.num_tokens_reserved)
-            req.status = RequestStatus.PREFILL
-            req.slot = self._free_slots.pop()
-            self.running.append(req)
-            self._new_since_schedule.append(NewRequestData(
-                req.request_id, req.prompt_token_ids, alloc.block_tables, req.seed, req.params,
-                self.exit_policy.params_for(req.params, 0)))
+            self._start(req)
 
+    def _try_allocate(self, req: Request) -> bool:
+        keep = self.watermark_blocks + self._reserved_growth()
+        if self.allocation.needs_growth() and not self._may_overcommit():
+            keep += self.kv.blocks_needed(req.num_tokens_reserved) - self.kv.blocks_needed(self.allocation.initial_tokens(req))
+        resumed = req.status == RequestStatus.PREEMPTED
+        alloc = self.kv.allocate(req.request_id, self.allocation.initial_tokens(req),
+                                 None if resumed or req.params.prompt_logprobs is not None else req.prompt_token_ids,
+                                 self.cache_salt, keep_free=keep)
+        return alloc is not None
+
+    def _start(self, req: Request) -> None:
+        alloc = self.kv.get(req.request_id)
+        req.slot = self._free_slots.pop()
+        self.running.append(req)
+        if req.status == RequestStatus.PREEMPTED:
+            req.status, req.resume_status = req.resume_status, None
+            if self.preemption is not None:
+                self.preemption.swapped_blocks -= self._snapshot_blocks.pop(req.request_id, 0)
+            self._out.resumed_requests.append(ResumedRequestData(req.request_id, alloc.block_tables, req.slot))
+            return
+        req.status = RequestStatus.PREFILL
+        req.num_cached_tokens = alloc.num_cached_tokens
+        if alloc.num_cached_tokens:
+            req.chunks.append(PrefillChunk(0, alloc.num_cached_tokens, loops_done=self.num_loops))
+        self._out.new_requests.append(NewRequestData(
+            req.request_id, req.prompt_token_ids, alloc.block_tables, req.seed, req.params,
+            self.exit_policy.params_for(req.params, 0), alloc.num_cached_tokens, req.slot))
+
+    # --- growth and preemption --------------------------------------------------------
+    def _grow(self, req: Request) -> bool:
+        """Makes room for the position the next decode token writes, preempting if allowed."""
+        while True:
+            added = self.kv.grow(req.request_id, req.next_position + 1)
+            if added is not None:
+                if any(added):
+                    self._out.block_updates.setdefault(req.request_id, [[] for _ in added])
+                    for table, blocks in zip(self._out.block_updates[req.request_id], added):
+                        table.extend(blocks)
+                return True
+            if self.preemption is None:
+                return False
+            victim = self.preemption.pick_victim(self.running, self.kv)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is req:
+                return False
+
+    def _preempt_for(self, waiting: Request) -> bool:
+        """Preempts a running request of strictly lower priority than ``waiting``."""
+        if self.preemption is None:
+            return False
+        victim = self.preemption.pick_victim(self.running, self.kv, worse_than=waiting.priority)
+        if victim is None:
+            return False
+        self._preempt(victim)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        assert self.preemption is not None
+        blocks = self.kv.get(req.request_id).num_blocks
+        self.preemption.swapped_blocks += blocks
+        self._snapshot_blocks[req.request_id] = blocks
+        self._out.preempted_request_ids.append(req.request_id)
+        # NOTE: the runner snapshots this request's KV at the start of the step,
+        # before any freed block is written by another request.
+        self.kv.free(req.request_id)
+        self.running.remove(req)
+        self._release_slot(req)
+        self._out.block_updates.pop(req.request_id, None)
+        req.resume_status, req.status = req.status, RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(req)
+
+    # --- prefill ----------------------------------------------------------------------
     def _schedule_prefill(self, req: Request, rows: list[ScheduledRow], budget: int) -> int:
         layout = self.kv.layout
         done = [c.loops_done for c in req.chunks]
@@ -177,6 +335,7 @@ class Scheduler:
                 chunk.loops_done += 1
                 if exited:
                     req.status = RequestStatus.DECODE
+                    self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.cache_salt)
             elif exited:
                 req.token_loop = 0
             else:
@@ -185,6 +344,13 @@ class Scheduler:
                 req.output.append(sample)
                 touched.append(req)
         return touched
+
+    def blocked_victim(self) -> Request | None:
+        """When a step could schedule nothing although requests run (KV and swap exhausted),
+        the request to fail so the others can finish."""
+        if not self.running:
+            return None
+        return max(self.running, key=lambda r: (r.priority, r.arrival_seq))
 
     def check_stop(self, req: Request) -> tuple[str, int | str | None] | None:
         """Finish reason from token ids and length (stop strings are the engine's)."""
@@ -196,4 +362,3 @@ class Scheduler:
         if req.num_output_tokens >= req.max_tokens:
             return "length", None
         return None
-

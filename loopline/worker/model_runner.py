@@ -12,7 +12,7 @@ against.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import Tensor
@@ -22,6 +22,7 @@ from loopline.attention.paged import PagedAttention
 from loopline.core.contracts import (
     ExitParams,
     NewRequestData,
+    ResumedRequestData,
     RunnerOutput,
     SampledToken,
     ScheduledRow,
@@ -43,13 +44,32 @@ class _RequestState:
     params: SamplingParams
     seed: int
     prompt: Tensor  # [T] int64
-    block_tables: list[Tensor]  # per plane, int32
+    block_lists: list[list[int]]  # per plane: physical blocks (host copy, grows)
+    block_tables: list[Tensor]  # per plane, int32 (device copy of block_lists)
     prompt_exit: ExitParams
     hidden: Tensor  # [T, H] prefill hidden between loops
     survival: Tensor  # [T] f32 prod(1 - lambda) so far
     sel_hidden: Tensor  # [T, H] hidden at the depth the exit rule picked
     sel_depth: Tensor  # [T] int64, 0 = not yet exited
+    slot: int = -1
     output_ids: list[int] = field(default_factory=list)
+
+    def to(self, device: torch.device) -> "_RequestState":
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), Tensor)},
+                       block_tables=[t.to(device) for t in self.block_tables])
+
+
+@dataclass
+class _Snapshot:
+    """A preempted request in CPU memory: every plane's KV pages, slot and request state."""
+
+    k: Tensor  # [layers, blocks, block_size, kv_heads, D] (blocks: plane-major)
+    v: Tensor
+    slot_hidden: Tensor  # [H]
+    slot_survival: Tensor  # []
+    state: _RequestState
+    blocks_per_plane: int
 
 
 class ModelRunner:
@@ -68,6 +88,7 @@ class ModelRunner:
         self.slot_hidden = torch.zeros(max_num_seqs, cfg.hidden_size, dtype=dtype, device=device)
         self.slot_survival = torch.ones(max_num_seqs, dtype=torch.float32, device=device)
         self.requests: dict[str, _RequestState] = {}
+        self.snapshots: dict[str, _Snapshot] = {}
 
     @staticmethod
     def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -81,21 +102,71 @@ class ModelRunner:
         self.requests[new.request_id] = _RequestState(
             params=new.params, seed=new.seed & _SEED_MASK,
             prompt=torch.tensor(new.prompt_token_ids, dtype=torch.long, device=dev),
+            block_lists=[list(bt) for bt in new.block_tables],
             block_tables=[torch.tensor(bt, dtype=torch.int32, device=dev) for bt in new.block_tables],
             prompt_exit=new.prompt_exit,
             hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
             survival=torch.ones(t, dtype=torch.float32, device=dev),
             sel_hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
             sel_depth=torch.zeros(t, dtype=torch.long, device=dev),
+            slot=new.slot,
         )
+
+    # --- preemption -------------------------------------------------------------------
+    def _blocks_index(self, block_lists: list[list[int]]) -> Tensor:
+        return torch.tensor([b for table in block_lists for b in table], dtype=torch.long, device=self.device)
+
+    def _snapshot(self, request_id: str) -> None:
+        st = self.requests.pop(request_id)
+        idx = self._blocks_index(st.block_lists)
+        pin = self.device.type == "cuda"
+
+        def to_host(t: Tensor) -> Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            host.copy_(t, non_blocking=pin)
+            return host
+
+        slot = st.slot
+        self.snapshots[request_id] = _Snapshot(
+            k=to_host(self.k_cache[:, idx]), v=to_host(self.v_cache[:, idx]),
+            slot_hidden=to_host(self.slot_hidden[slot]), slot_survival=to_host(self.slot_survival[slot]),
+            state=st.to(torch.device("cpu")), blocks_per_plane=len(st.block_lists[0]))
+
+    def _restore(self, resumed: ResumedRequestData) -> None:
+        snap = self.snapshots.pop(resumed.request_id)
+        st = snap.state.to(self.device)
+        st.block_lists = [list(t) for t in resumed.block_tables]
+        st.block_tables = [torch.tensor(t, dtype=torch.int32, device=self.device) for t in resumed.block_tables]
+        # The new tables may be longer (room for the next position); the snapshot fills their heads.
+        idx = self._blocks_index([t[:snap.blocks_per_plane] for t in st.block_lists])
+        self.k_cache[:, idx] = snap.k.to(self.device, non_blocking=True)
+        self.v_cache[:, idx] = snap.v.to(self.device, non_blocking=True)
+        self.slot_hidden[resumed.slot] = snap.slot_hidden.to(self.device)
+        self.slot_survival[resumed.slot] = snap.slot_survival.to(self.device)
+        st.slot = resumed.slot
+        self.requests[resumed.request_id] = st
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return sum(s.k.nbytes + s.v.nbytes for s in self.snapshots.values())
 
     # --- one step ---------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
+            self.snapshots.pop(rid, None)
         for new in sched.new_requests:
             self._add(new)
+        for rid in sched.preempted_request_ids:  # before any freed block is written
+            self._snapshot(rid)
+        for resumed in sched.resumed_requests:
+            self._restore(resumed)
+        for rid, added in sched.block_updates.items():
+            st = self.requests[rid]
+            for plane, blocks in enumerate(added):
+                st.block_lists[plane].extend(blocks)
+                st.block_tables[plane] = torch.tensor(st.block_lists[plane], dtype=torch.int32, device=self.device)
         rows = sched.rows
         if not rows:
             return RunnerOutput([], [])

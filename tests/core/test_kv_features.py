@@ -1,0 +1,201 @@
+"""Prefix caching, incremental allocation, priorities, preemption, watermark (issue: KV and scheduling features).
+
+Every feature must leave outputs unchanged, token for token and exit depth for
+exit depth, against a plain roomy run.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from loopline import SamplingParams
+from loopline.config import EngineArgs
+from loopline.core.engine import LLMEngine
+
+
+def ids(n, seed=0, vocab=500):
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def engine_for(tiny, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("device", "cpu")
+    kw.setdefault("skip_tokenizer_init", True)
+    kw.setdefault("block_size", 4)
+    return LLMEngine(EngineArgs(model=str(tiny.path), **kw))
+
+
+def drain(engine, requests, arrivals=None, watch=None):
+    """Adds ``requests`` (id -> (prompt, params)) at their arrival steps, runs to completion."""
+    arrivals = arrivals or {}
+    done, step = {}, 0
+    pending = dict(requests)
+    while pending or engine.has_unfinished_requests():
+        for rid in [r for r in pending if arrivals.get(r, 0) <= step]:
+            prompt, params = pending.pop(rid)
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        if watch:
+            watch(engine)
+        step += 1
+        assert step < 20_000, "no progress"
+    return done
+
+
+def result(out):
+    return [(c.token_ids, c.exit_depths) for c in out.outputs]
+
+
+ADAPTIVE = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, exit_threshold=0.7)
+SAMPLED = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True, exit_threshold=0.7)
+
+
+# --- prefix caching ------------------------------------------------------------------------------
+def shared_prefix_requests(params):
+    system = ids(13, seed=99)
+    return {f"r{i}": (system + ids(3 + i, seed=i), params) for i in range(4)}
+
+
+@pytest.mark.parametrize("params", [ADAPTIVE, SAMPLED])
+def test_prefix_caching_equals_no_caching(tiny_gqa, params):
+    reqs = shared_prefix_requests(params)
+    arrivals = {"r0": 0, "r1": 30, "r2": 30, "r3": 60}  # later requests find r0's pages cached
+    plain = drain(engine_for(tiny_gqa), reqs, arrivals)
+    eng = engine_for(tiny_gqa, enable_prefix_caching=True)
+    cached = drain(eng, reqs, arrivals)
+    assert {k: result(v) for k, v in cached.items()} == {k: result(v) for k, v in plain.items()}
+    stats = eng.kv.prefix_cache.stats
+    assert stats.hits == 3 * 12  # three later requests reuse the 3 full pages of the 13-token system prompt
+    assert stats.queries == sum(len(p) for p, _ in reqs.values())
+    assert eng.kv.num_used_blocks == 0  # cached pages are idle, not in use
+
+
+def test_prefix_cache_eviction_under_pressure_and_reset(tiny_gqa):
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    reqs = {f"q{i}": (ids(12, seed=100 + i), p) for i in range(6)}  # all different prompts
+    eng = engine_for(tiny_gqa, enable_prefix_caching=True, num_kv_blocks=48, max_num_seqs=2)
+    out = drain(eng, reqs)
+    plain = drain(engine_for(tiny_gqa), reqs)
+    assert {k: result(v) for k, v in out.items()} == {k: result(v) for k, v in plain.items()}
+    cache = eng.kv.prefix_cache
+    assert cache.stats.evictions > 0 and cache.num_pages * 4 <= 48
+    again = drain(eng, {"again": (ids(12, seed=105), p)})  # the last prompt is still cached
+    assert cache.stats.hits >= 8 and result(again["again"]) == result(plain["q5"])
+    eng.reset_prefix_cache()
+    assert cache.num_pages == 0 and eng.kv.num_used_blocks == 0
+    hits = cache.stats.hits
+    drain(eng, {"after_reset": (ids(12, seed=105), p)})
+    assert cache.stats.hits == hits
+
+
+def test_prefix_cache_keyed_by_weight_version(tiny_gqa):
+    p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    eng = engine_for(tiny_gqa, enable_prefix_caching=True)
+    drain(eng, {"a": (ids(12, seed=7), p)})
+    eng.scheduler.cache_salt = "v2"  # what a weight update does
+    drain(eng, {"b": (ids(12, seed=7), p)})
+    assert eng.kv.prefix_cache.stats.hits == 0
+
+
+def test_shared_layout_reuses_nothing(tiny_gqa):
+    reqs = shared_prefix_requests(ADAPTIVE)
+    arrivals = {"r0": 0, "r1": 30, "r2": 30, "r3": 60}
+    eng = engine_for(tiny_gqa, kv_layout="shared", enable_prefix_caching=True)
+    out = drain(eng, reqs, arrivals)
+    plain = drain(engine_for(tiny_gqa, kv_layout="shared"), reqs, arrivals)
+    assert eng.kv.prefix_cache is None  # documented: no sound reuse for `shared`
+    assert {k: result(v) for k, v in out.items()} == {k: result(v) for k, v in plain.items()}
+
+
+# --- incremental allocation, watermark -------------------------------------------------------------
+def test_incremental_allocation_grows_and_matches_full(tiny_gqa):
+    reqs = {f"r{i}": (ids(5 + 3 * i, seed=i), ADAPTIVE.clone(max_tokens=12)) for i in range(3)}
+    peaks = {}
+
+    def watch(kind):
+        def f(engine):
+            peaks[kind] = max(peaks.get(kind, 0), engine.kv.num_used_blocks)
+        return f
+
+    full = drain(engine_for(tiny_gqa), reqs, watch=watch("full"))
+    inc = drain(engine_for(tiny_gqa, kv_allocation="incremental"), reqs, watch=watch("inc"))
+    assert {k: result(v) for k, v in inc.items()} == {k: result(v) for k, v in full.items()}
+    assert peaks["inc"] < peaks["full"]
+
+
+def test_incremental_without_preemption_reserves_growth(tiny_gqa):
+    # Two requests each need 4 planes * ceil((8+15)/4)=6 -> 24 blocks at full length; 40 blocks hold one.
+    reqs = {f"r{i}": (ids(8, seed=i), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)) for i in range(2)}
+    peak = []
+    eng = engine_for(tiny_gqa, kv_allocation="incremental", num_kv_blocks=40)
+    out = drain(eng, reqs, watch=lambda e: peak.append((e.kv.num_used_blocks, e.scheduler.num_running)))
+    assert max(n for _, n in peak) == 1  # the second waits: admitting it could deadlock both
+    assert all(len(o.outputs[0].token_ids) == 16 for o in out.values())
+
+
+def test_watermark_keeps_headroom(tiny_gqa):
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    reqs = {f"r{i}": (ids(8, seed=i), p) for i in range(4)}  # 4 planes * 3 blocks = 12 blocks each
+    running = []
+    eng = engine_for(tiny_gqa, num_kv_blocks=40, kv_watermark=0.25)  # keep 10 free: at most 2 running
+    drain(eng, reqs, watch=lambda e: running.append(e.scheduler.num_running))
+    assert max(running) == 2
+    running.clear()
+    drain(engine_for(tiny_gqa, num_kv_blocks=40), reqs, watch=lambda e: running.append(e.scheduler.num_running))
+    assert max(running) == 3
+
+
+# --- priorities ------------------------------------------------------------------------------------
+def test_priority_order_under_contention(tiny_gqa):
+    eng = engine_for(tiny_gqa, scheduling_policy="priority", max_num_seqs=1, max_num_batched_tokens=16)
+    order = []
+    prios = {"low": 5, "mid_a": 1, "high": -3, "mid_b": 1}
+    reqs = {rid: (ids(4, seed=i), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, priority=pr))
+            for i, (rid, pr) in enumerate(prios.items())}
+    for rid, (prompt, params) in reqs.items():
+        eng.add_request(rid, prompt, params)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                order.append(o.request_id)
+    assert order == ["high", "mid_a", "mid_b", "low"]  # lower first, stable among equals
+
+
+# --- preemption ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+def test_preemption_under_tiny_pool_equals_unpressured_run(tiny_gqa, layout, mode):
+    reqs = {f"r{i}": (ids(6 + 2 * i, seed=20 + i), (ADAPTIVE if i % 2 else SAMPLED).clone(max_tokens=14))
+            for i in range(4)}
+    roomy = drain(engine_for(tiny_gqa, kv_layout=layout, scheduling_mode=mode), reqs)
+    planes = 4 if layout == "last_exited" else 1
+    eng = engine_for(tiny_gqa, kv_layout=layout, scheduling_mode=mode, kv_allocation="incremental",
+                     enable_preemption=True, num_kv_blocks=planes * 12)
+    tight = drain(eng, reqs)
+    assert eng.scheduler.num_preemptions > 0
+    assert {k: result(v) for k, v in tight.items()} == {k: result(v) for k, v in roomy.items()}
+    assert eng.kv.num_used_blocks == 0 and not eng.runner.snapshots
+
+
+def test_higher_priority_arrival_preempts_and_victim_resumes_exactly(tiny_gqa):
+    low = {"low": (ids(10, seed=1), SAMPLED.clone(max_tokens=20, priority=10))}
+    high = {"high": (ids(6, seed=2), ADAPTIVE.clone(priority=0))}
+    eng = engine_for(tiny_gqa, scheduling_policy="priority", enable_preemption=True, max_num_seqs=1)
+    out = drain(eng, {**low, **high}, arrivals={"low": 0, "high": 12})
+    assert eng.scheduler.num_preemptions == 1
+    assert out["high"].metrics.finished_time < out["low"].metrics.finished_time
+    alone = drain(engine_for(tiny_gqa), low)
+    assert result(out["low"]) == result(alone["low"])
+
+
+def test_full_swap_space_makes_requests_wait(tiny_gqa):
+    reqs = {f"r{i}": (ids(6, seed=i), ADAPTIVE.clone(max_tokens=10)) for i in range(3)}
+    eng = engine_for(tiny_gqa, kv_allocation="incremental", enable_preemption=True, num_kv_blocks=24, swap_space=0.0)
+    out = drain(eng, reqs)
+    assert eng.scheduler.num_preemptions == 0
+    roomy = drain(engine_for(tiny_gqa), reqs)
+    assert {k: result(v) for k, v in out.items()} == {k: result(v) for k, v in roomy.items()}
