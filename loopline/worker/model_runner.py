@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -33,6 +34,7 @@ from loopline.kv.layout import KVLayout
 from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import SamplingParams
 from loopline.worker.sampler import Sampler, SamplerOutput, SamplingTensors
+from loopline.worker.step_inputs import DecodeBatch, StepInputs, build_step_inputs
 
 _SEED_MASK = 2**63 - 1
 
@@ -45,6 +47,7 @@ class _RequestState:
     seed: int
     prompt: Tensor  # [T] int64
     block_lists: list[list[int]]  # per plane: physical blocks (host copy, grows)
+    block_arrays: list[np.ndarray]  # per plane: the same as int32 arrays (vectorized step inputs)
     block_tables: list[Tensor]  # per plane, int32 (device copy of block_lists)
     prompt_exit: ExitParams
     hidden: Tensor  # [T, H] prefill hidden between loops
@@ -58,6 +61,29 @@ class _RequestState:
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
                                 if isinstance(getattr(self, f.name), Tensor)},
                        block_tables=[t.to(device) for t in self.block_tables])
+
+
+@dataclass
+class DecodeTensors:
+    """Decode rows on the device (see :class:`~loopline.worker.step_inputs.DecodeBatch`)."""
+
+    slots: Tensor
+    loops: Tensor
+    starts: Tensor
+    input_ids: Tensor
+    min_loops: Tensor
+    max_loops: Tensor
+    threshold: Tensor
+    plane_slots: Tensor
+
+
+def _to_host(out: SamplerOutput, exit_flags: Tensor, depth: Tensor) -> dict:
+    """One device->host transfer per tensor, after all work of the step is queued."""
+    def lst(t):
+        return t.tolist() if t is not None else None
+
+    return {"exit": exit_flags.tolist(), "depth": depth.tolist(), "ids": out.token_ids.tolist(), "lps": lst(out.logprobs),
+            "ranks": lst(out.ranks), "top_ids": lst(out.top_ids), "top_lps": lst(out.top_logprobs)}
 
 
 @dataclass
@@ -87,6 +113,7 @@ class ModelRunner:
         # Per-slot decode state stays on the device between steps.
         self.slot_hidden = torch.zeros(max_num_seqs, cfg.hidden_size, dtype=dtype, device=device)
         self.slot_survival = torch.ones(max_num_seqs, dtype=torch.float32, device=device)
+        self._copies_on_exit = len(layout.exit_copy_planes(1)) > 0
         self.requests: dict[str, _RequestState] = {}
         self.snapshots: dict[str, _Snapshot] = {}
 
@@ -103,6 +130,7 @@ class ModelRunner:
             params=new.params, seed=new.seed & _SEED_MASK,
             prompt=torch.tensor(new.prompt_token_ids, dtype=torch.long, device=dev),
             block_lists=[list(bt) for bt in new.block_tables],
+            block_arrays=[np.asarray(bt, dtype=np.int32) for bt in new.block_tables],
             block_tables=[torch.tensor(bt, dtype=torch.int32, device=dev) for bt in new.block_tables],
             prompt_exit=new.prompt_exit,
             hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
@@ -136,6 +164,7 @@ class ModelRunner:
         snap = self.snapshots.pop(resumed.request_id)
         st = snap.state.to(self.device)
         st.block_lists = [list(t) for t in resumed.block_tables]
+        st.block_arrays = [np.asarray(t, dtype=np.int32) for t in resumed.block_tables]
         st.block_tables = [torch.tensor(t, dtype=torch.int32, device=self.device) for t in resumed.block_tables]
         # The new tables may be longer (room for the next position); the snapshot fills their heads.
         idx = self._blocks_index([t[:snap.blocks_per_plane] for t in st.block_lists])
@@ -153,6 +182,29 @@ class ModelRunner:
     # --- one step ---------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._apply_lifecycle(sched)
+        rows = sched.rows
+        if not rows:
+            return RunnerOutput([], [])
+        inp = build_step_inputs(rows, self._block_arrays, self.layout.num_planes, self.block_size, self.device)
+        nd = inp.decode.n
+        dec = self._decode_tensors(inp.decode) if nd else None
+        x = self._gather_inputs(inp, dec)
+        attn = PagedAttention(self.backend, self.k_cache, self.v_cache, inp.meta, self.scale)
+        h, gate = self.model.loop(x, inp.positions, attn)
+        exited = [False] * len(rows)
+        prompt_logprobs: dict = {}
+        sample_hidden, sample_meta = [], []  # prefill rows that finished: (row index, depth, token index)
+        offsets = inp.token_offsets
+        for i in range(nd, len(rows)):
+            self._finish_prefill_row(i, rows[i], h[offsets[i]:offsets[i + 1]], gate[offsets[i]:offsets[i + 1]],
+                                     exited, sample_hidden, sample_meta, prompt_logprobs)
+        ex = logits = None
+        if nd:
+            ex, logits = self._decode_tail(h[:nd], gate[:nd], dec)
+        return self._sample_and_collect(rows, nd, ex, logits, sample_hidden, sample_meta, exited, prompt_logprobs)
+
+    def _apply_lifecycle(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
             self.snapshots.pop(rid, None)
@@ -167,97 +219,56 @@ class ModelRunner:
             for plane, blocks in enumerate(added):
                 st.block_lists[plane].extend(blocks)
                 st.block_tables[plane] = torch.tensor(st.block_lists[plane], dtype=torch.int32, device=self.device)
-        rows = sched.rows
-        if not rows:
-            return RunnerOutput([], [])
-        x, positions, meta = self._prepare(rows)
-        attn = PagedAttention(self.backend, self.k_cache, self.v_cache, meta, self.scale)
-        h, gate = self.model.loop(x, positions, attn)
+                st.block_arrays[plane] = np.asarray(st.block_lists[plane], dtype=np.int32)
 
-        exited = [False] * len(rows)
-        to_sample: list[tuple[int, Tensor, int, int]] = []  # (row index, hidden [H], depth, token index)
-        prompt_logprobs: dict = {}
-        offsets = meta.query_start_loc.tolist()
-        decode_idx = [i for i, r in enumerate(rows) if not r.is_prefill]
-        if decode_idx:
-            self._finish_decode_rows(rows, decode_idx, offsets, h, gate, exited, to_sample)
-        for i, row in enumerate(rows):
-            if row.is_prefill:
-                self._finish_prefill_row(i, row, h[offsets[i]:offsets[i + 1]], gate[offsets[i]:offsets[i + 1]],
-                                         exited, to_sample, prompt_logprobs)
-        sampled: list[SampledToken | None] = [None] * len(rows)
-        if to_sample:
-            self._sample(rows, to_sample, sampled)
-        return RunnerOutput(exited, sampled, prompt_logprobs)
+    def _block_arrays(self, request_id: str) -> list[np.ndarray]:
+        return self.requests[request_id].block_arrays
 
-    def _prepare(self, rows: list[ScheduledRow]) -> tuple[Tensor, Tensor, PagedAttentionMetadata]:
-        dev = self.device
-        embed_ids = [t for r in rows if r.loop == 1 for t in r.input_token_ids]
-        embedded = self.model.embed(torch.tensor(embed_ids, dtype=torch.long, device=dev)) if embed_ids else None
-        parts, positions, slots, starts, tables = [], [], [], [0], []
-        e = 0
-        for r in rows:
-            n = r.num_tokens
+    def _decode_tensors(self, d: DecodeBatch) -> DecodeTensors:
+        def dev(a: np.ndarray) -> Tensor:
+            return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+        return DecodeTensors(slots=dev(d.slots), loops=dev(d.loops), starts=dev(d.starts), input_ids=dev(d.input_ids),
+                             min_loops=dev(d.min_loops), max_loops=dev(d.max_loops), threshold=dev(d.threshold),
+                             plane_slots=dev(d.plane_slots))
+
+    def _gather_inputs(self, inp: StepInputs, dec: DecodeTensors | None) -> Tensor:
+        parts = []
+        if dec is not None:
+            parts.append(self.decode_inputs(dec))
+        for r in inp.rows[inp.decode.n:]:
             if r.loop == 1:
-                parts.append(embedded[e:e + n])
-                e += n
-            elif r.is_prefill:
-                parts.append(self.requests[r.request_id].hidden[r.start:r.end])
+                ids = torch.tensor(r.input_token_ids, dtype=torch.long, device=self.device)
+                parts.append(self.model.embed(ids))
             else:
-                parts.append(self.slot_hidden[r.slot:r.slot + 1])
-            table = self.requests[r.request_id].block_tables[r.plane]
-            pos = torch.arange(r.start, r.end, device=dev)
-            positions.append(pos)
-            slots.append(table[pos // self.block_size].long() * self.block_size + pos % self.block_size)
-            starts.append(starts[-1] + n)
-            tables.append(table)
-        max_blocks = max(t.numel() for t in tables)
-        block_tables = torch.zeros(len(rows), max_blocks, dtype=torch.int32, device=dev)
-        for i, t in enumerate(tables):
-            block_tables[i, :t.numel()] = t
-        meta = PagedAttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([r.end for r in rows], dtype=torch.int32, device=dev),
-            block_tables=block_tables,
-            slot_mapping=torch.cat(slots),
-            max_query_len=max(r.num_tokens for r in rows),
-            max_seq_len=max(r.end for r in rows),
-        )
-        return torch.cat(parts), torch.cat(positions), meta
+                parts.append(self.requests[r.request_id].hidden[r.start:r.end])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def _finish_decode_rows(self, rows, decode_idx, offsets, h, gate, exited, to_sample) -> None:
-        dev = self.device
-        drows = [rows[i] for i in decode_idx]
-        tok = torch.tensor([offsets[i] for i in decode_idx], device=dev)
-        slots = torch.tensor([r.slot for r in drows], device=dev)
-        loop = torch.tensor([r.loop for r in drows], device=dev)
-        survival = torch.where(loop == 1, torch.ones_like(self.slot_survival[slots]), self.slot_survival[slots])
-        ex, survival = exit_decision(
-            loop, survival, gate[tok],
-            torch.tensor([r.exit.min_loops for r in drows], device=dev),
-            torch.tensor([r.exit.max_loops for r in drows], device=dev),
-            torch.tensor([r.exit.threshold for r in drows], dtype=torch.float32, device=dev))
-        self.slot_hidden[slots] = h[tok]
-        self.slot_survival[slots] = survival
-        copy_src, copy_dst = [], []
-        for j, flag in enumerate(ex.tolist()):
-            if not flag:
-                continue
-            r = drows[j]
-            exited[decode_idx[j]] = True
-            to_sample.append((decode_idx[j], h[tok[j]], r.loop, r.token_index))
-            for plane in self.layout.exit_copy_planes(r.loop):
-                copy_src.append(self._slot(r.request_id, r.plane, r.start))
-                copy_dst.append(self._slot(r.request_id, plane, r.start))
-        if copy_src:
-            self.backend.copy_slots(self.k_cache, self.v_cache, torch.tensor(copy_src, device=dev),
-                                    torch.tensor(copy_dst, device=dev))
+    def decode_inputs(self, d: DecodeTensors) -> Tensor:
+        """Prelude for rows starting a token, the slot's hidden state for the others. [B, H]"""
+        return torch.where(d.starts[:, None], self.model.embed(d.input_ids), self.slot_hidden[d.slots])
 
-    def _slot(self, request_id: str, plane: int, pos: int) -> int:
-        table = self.requests[request_id].block_tables[plane]
-        return int(table[pos // self.block_size]) * self.block_size + pos % self.block_size
+    def _decode_tail(self, h: Tensor, gate: Tensor, d: DecodeTensors) -> tuple[Tensor, Tensor]:
+        """Exit rule, slot state, the exit copy and the coda for every decode row, without host syncs.
 
-    def _finish_prefill_row(self, i, row, h, gate, exited, to_sample, prompt_logprobs) -> None:
+        Returns ``(exit [B] bool, logits [B, V])``; the host reads both once at the end of the step.
+        """
+        survival = torch.where(d.loops == 1, torch.ones_like(gate), self.slot_survival[d.slots])
+        ex, survival = exit_decision(d.loops, survival, gate, d.min_loops, d.max_loops, d.threshold)
+        self.slot_hidden[d.slots] = h
+        self.slot_survival[d.slots] = survival
+        if self._copies_on_exit:
+            # NOTE: last_exited: a token exiting at loop e fills planes e..R-1 (0-based) with its
+            # loop-e KV. Rows that do not exit copy their slot onto itself (a no-op), so the
+            # copy needs no host decision.
+            planes = torch.arange(self.layout.num_planes, device=h.device)
+            src = d.plane_slots.gather(1, (d.loops - 1)[:, None]).expand_as(d.plane_slots)
+            deeper = ex[:, None] & (planes[None, :] >= d.loops[:, None])
+            dst = torch.where(deeper, d.plane_slots, src)
+            self.backend.copy_slots(self.k_cache, self.v_cache, src.reshape(-1), dst.reshape(-1))
+        return ex, self.model.head(h)
+
+    def _finish_prefill_row(self, i, row, h, gate, exited, sample_hidden, sample_meta, prompt_logprobs) -> None:
         st = self.requests[row.request_id]
         lo, hi = row.start, row.end
         ep = st.prompt_exit
@@ -280,7 +291,8 @@ class ModelRunner:
         if row.is_last_chunk:
             exited[i] = True
             last = st.prompt.numel() - 1
-            to_sample.append((i, st.sel_hidden[last], int(st.sel_depth[last]), 0))
+            sample_hidden.append(st.sel_hidden[last])
+            sample_meta.append((i, st.sel_depth[last:last + 1], 0))
 
     def _prompt_logprobs(self, st: _RequestState, lo: int, hi: int) -> list:
         """Position p predicts prompt token p+1 from its hidden at the depth the rule picked."""
@@ -299,29 +311,41 @@ class ModelRunner:
         return out
 
     # --- coda + sampling --------------------------------------------------------------
-    def _sample(self, rows: list[ScheduledRow], to_sample, sampled) -> None:
-        dev = self.device
-        hidden = torch.stack([t[1] for t in to_sample])
-        logits = self.model.head(hidden)
-        states = [self.requests[rows[t[0]].request_id] for t in to_sample]
-        tensors = self._sampling_tensors(states, [t[3] for t in to_sample], logits.shape[-1])
-        out: SamplerOutput = self.sampler(logits, tensors)
-        ids = out.token_ids.tolist()
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
-        ranks = out.ranks.tolist() if out.ranks is not None else None
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for j, (row_i, _, depth, _) in enumerate(to_sample):
+    def _sample_and_collect(self, rows, nd, ex, logits, sample_hidden, sample_meta, exited, prompt_logprobs) -> RunnerOutput:
+        """Samples every decode row (kept only where its token exits) and every finished prompt,
+        then reads everything back in one transfer."""
+        parts = [logits] if logits is not None else []
+        if sample_hidden:
+            parts.append(self.model.head(torch.stack(sample_hidden)))
+        sampled: list[SampledToken | None] = [None] * len(rows)
+        if not parts:
+            return RunnerOutput(exited, sampled, prompt_logprobs)
+        all_logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+        row_idx = list(range(nd)) + [m[0] for m in sample_meta]
+        states = [self.requests[rows[i].request_id] for i in row_idx]
+        token_index = [rows[i].token_index for i in range(nd)] + [m[2] for m in sample_meta]
+        out: SamplerOutput = self.sampler(all_logits, self._sampling_tensors(states, token_index, all_logits.shape[-1]))
+        depth = [torch.as_tensor([r.loop for r in rows[:nd]], device=self.device)] if nd else []
+        depth += [m[1] for m in sample_meta]
+        flags = [ex] if ex is not None else []
+        flags.append(torch.ones(len(sample_meta), dtype=torch.bool, device=self.device))
+        host = _to_host(out, torch.cat(flags), torch.cat(depth))
+        for j, row_i in enumerate(row_idx):
+            if not host["exit"][j]:
+                continue
             st = states[j]
+            exited[row_i] = True
             k = st.params.logprobs
             top = None
-            if k is not None and k > 0 and top_ids is not None:
-                top = list(zip(top_ids[j][:k], top_lps[j][:k]))
+            if k is not None and k > 0 and host["top_ids"] is not None:
+                top = list(zip(host["top_ids"][j][:k], host["top_lps"][j][:k]))
+            tid = host["ids"][j]
             sampled[row_i] = SampledToken(
-                token_id=ids[j], exit_depth=depth,
-                logprob=lps[j] if lps is not None else None,
-                rank=ranks[j] if ranks is not None else None, top=top)
-            st.output_ids.append(ids[j])
+                token_id=tid, exit_depth=host["depth"][j],
+                logprob=host["lps"][j] if host["lps"] is not None else None,
+                rank=host["ranks"][j] if host["ranks"] is not None else None, top=top)
+            st.output_ids.append(tid)
+        return RunnerOutput(exited, sampled, prompt_logprobs)
 
     def _sampling_tensors(self, states: list[_RequestState], token_index: list[int], vocab: int) -> SamplingTensors:
         dev = self.device
