@@ -61,6 +61,7 @@ class EngineArgs:
     max_logprobs: int = _opt(20, "largest logprobs / prompt_logprobs a request may ask for")
     attention_backend: AttentionBackendName = _opt("auto", "paged attention backend ('auto': triton on CUDA, torch on CPU)")
     enforce_eager: bool = _opt(False, "disable CUDA graphs")
+    max_seq_len_to_capture: int = _opt(8192, "longest context served by CUDA graphs; longer decode steps run eagerly")
     async_scheduling: bool = _opt(False, "overlap host scheduling with device execution")
     disable_log_stats: bool = _opt(True, "do not log engine statistics")
 
@@ -81,7 +82,7 @@ class EngineArgs:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise InvalidRequestError(f"{name} must be > 0, got {value!r}", param=name)
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "kv_cache_memory_gb"):
+        for name in ("block_size", "max_num_seqs", "max_seq_len_to_capture", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "kv_cache_memory_gb"):
             positive(name, getattr(self, name))
         for name, lit in (("kv_layout", KVLayoutName), ("scheduling_mode", SchedulingMode), ("scheduling_policy", SchedulingPolicy),
                           ("exit_mode", ExitMode), ("kv_allocation", KVAllocationName), ("logprobs_mode", LogprobsMode), ("attention_backend", AttentionBackendName), ("dtype", DType)):

@@ -96,6 +96,8 @@ class LLMEngine:
                                    preemption=preemption, watermark_blocks=int(args.kv_watermark * num_blocks))
         self.runner = ModelRunner(self.model, layout, get_attention_backend(args.attention_backend, device), num_blocks,
                                   args.block_size, args.max_num_seqs, Sampler(args.logprobs_mode), device, dtype)
+        if device.type == "cuda" and not args.enforce_eager and self.runner.backend.name == "triton":
+            self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture))
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self.weight_version: Any = 0

@@ -34,6 +34,7 @@ from loopline.kv.layout import KVLayout
 from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import SamplingParams
 from loopline.worker.sampler import Sampler, SamplerOutput, SamplingTensors
+from loopline.worker.cuda_graphs import DecodeGraphs
 from loopline.worker.step_inputs import DecodeBatch, StepInputs, build_step_inputs
 
 _SEED_MASK = 2**63 - 1
@@ -107,15 +108,25 @@ class ModelRunner:
         self.num_loops = cfg.total_ut_steps
         self.vocab_size = cfg.vocab_size
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # One scratch block and one scratch slot beyond what the scheduler hands out:
+        # padding rows of a CUDA graph write there and nowhere else.
+        self.scratch_block, self.scratch_slot = num_blocks, max_num_seqs
+        shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         # Per-slot decode state stays on the device between steps.
-        self.slot_hidden = torch.zeros(max_num_seqs, cfg.hidden_size, dtype=dtype, device=device)
-        self.slot_survival = torch.ones(max_num_seqs, dtype=torch.float32, device=device)
+        self.slot_hidden = torch.zeros(max_num_seqs + 1, cfg.hidden_size, dtype=dtype, device=device)
+        self.slot_survival = torch.ones(max_num_seqs + 1, dtype=torch.float32, device=device)
+        self.max_num_seqs = max_num_seqs
+        self.graphs: DecodeGraphs | None = None
         self._copies_on_exit = len(layout.exit_copy_planes(1)) > 0
         self.requests: dict[str, _RequestState] = {}
         self.snapshots: dict[str, _Snapshot] = {}
+
+    def capture_graphs(self, max_seq_len: int) -> None:
+        """Captures decode-only steps as CUDA graphs (CUDA and a graph-safe attention backend only)."""
+        self.graphs = DecodeGraphs(self, self.max_num_seqs, max_seq_len)
+        self.graphs.capture()
 
     @staticmethod
     def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -186,22 +197,26 @@ class ModelRunner:
         rows = sched.rows
         if not rows:
             return RunnerOutput([], [])
-        inp = build_step_inputs(rows, self._block_arrays, self.layout.num_planes, self.block_size, self.device)
+        inp = build_step_inputs(rows, self._block_arrays, self.layout.num_planes, self.block_size)
         nd = inp.decode.n
-        dec = self._decode_tensors(inp.decode) if nd else None
-        x = self._gather_inputs(inp, dec)
-        attn = PagedAttention(self.backend, self.k_cache, self.v_cache, inp.meta, self.scale)
-        h, gate = self.model.loop(x, inp.positions, attn)
         exited = [False] * len(rows)
         prompt_logprobs: dict = {}
         sample_hidden, sample_meta = [], []  # prefill rows that finished: (row index, depth, token index)
-        offsets = inp.token_offsets
-        for i in range(nd, len(rows)):
-            self._finish_prefill_row(i, rows[i], h[offsets[i]:offsets[i + 1]], gate[offsets[i]:offsets[i + 1]],
-                                     exited, sample_hidden, sample_meta, prompt_logprobs)
-        ex = logits = None
-        if nd:
-            ex, logits = self._decode_tail(h[:nd], gate[:nd], dec)
+        if self.graphs is not None and inp.decode_only and self.graphs.fits(inp):
+            ex, logits = self.graphs.run(inp)
+        else:
+            dec = self._decode_tensors(inp.decode) if nd else None
+            x = self._gather_inputs(inp, dec)
+            positions, meta = inp.to_device(self.device)
+            attn = PagedAttention(self.backend, self.k_cache, self.v_cache, meta, self.scale)
+            h, gate = self.model.loop(x, positions, attn)
+            offsets = inp.token_offsets
+            for i in range(nd, len(rows)):
+                self._finish_prefill_row(i, rows[i], h[offsets[i]:offsets[i + 1]], gate[offsets[i]:offsets[i + 1]],
+                                         exited, sample_hidden, sample_meta, prompt_logprobs)
+            ex = logits = None
+            if nd:
+                ex, logits = self._decode_tail(h[:nd], gate[:nd], dec)
         return self._sample_and_collect(rows, nd, ex, logits, sample_hidden, sample_meta, exited, prompt_logprobs)
 
     def _apply_lifecycle(self, sched: SchedulerOutput) -> None:

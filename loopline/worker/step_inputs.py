@@ -35,11 +35,35 @@ class DecodeBatch:
 
 @dataclass
 class StepInputs:
+    """A step's inputs as host arrays; :meth:`to_device` makes the attention metadata."""
+
     rows: list[ScheduledRow]
     decode: DecodeBatch
-    positions: Tensor  # [N]
-    meta: PagedAttentionMetadata
-    token_offsets: list[int]  # [B + 1] host copy of query_start_loc
+    positions: np.ndarray  # [N]
+    slot_mapping: np.ndarray  # [N]
+    offsets: np.ndarray  # [B + 1] query_start_loc
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def token_offsets(self) -> list[int]:
+        return self.offsets.tolist()
+
+    @property
+    def decode_only(self) -> bool:
+        return self.decode.n == len(self.rows)
+
+    def to_device(self, device: torch.device) -> tuple[Tensor, PagedAttentionMetadata]:
+        def dev(a: np.ndarray) -> Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        meta = PagedAttentionMetadata(
+            query_start_loc=dev(self.offsets.astype(np.int32)), seq_lens=dev(self.seq_lens),
+            block_tables=dev(self.block_tables), slot_mapping=dev(self.slot_mapping),
+            max_query_len=self.max_query_len, max_seq_len=self.max_seq_len)
+        return dev(self.positions), meta
 
 
 def slot_of(blocks: np.ndarray, pos: np.ndarray | int, block_size: int) -> np.ndarray:
@@ -72,8 +96,7 @@ def build_decode_batch(rows: list[ScheduledRow], block_arrays, num_planes: int, 
     )
 
 
-def build_step_inputs(rows: list[ScheduledRow], block_arrays, num_planes: int, block_size: int,
-                      device: torch.device) -> StepInputs:
+def build_step_inputs(rows: list[ScheduledRow], block_arrays, num_planes: int, block_size: int) -> StepInputs:
     decode = build_decode_batch(rows, block_arrays, num_planes, block_size)
     lens = np.fromiter((r.end - r.start for r in rows), dtype=np.int64, count=len(rows))
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
@@ -96,11 +119,5 @@ def build_step_inputs(rows: list[ScheduledRow], block_arrays, num_planes: int, b
             pos = np.arange(r.start, r.end)
             positions[lo:hi] = pos
             slot_mapping[lo:hi] = slot_of(blocks, pos, block_size)
-
-    def dev(a: np.ndarray) -> Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
-
-    meta = PagedAttentionMetadata(
-        query_start_loc=dev(offsets.astype(np.int32)), seq_lens=dev(seq_lens), block_tables=dev(tables),
-        slot_mapping=dev(slot_mapping), max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()))
-    return StepInputs(rows, decode, dev(positions), meta, offsets.tolist())
+    return StepInputs(rows, decode, positions, slot_mapping, offsets, seq_lens, tables, int(lens.max()),
+                      int(seq_lens.max()))

@@ -46,3 +46,16 @@ def test_cuda_equals_cpu_fp32(tiny_gqa):
 def test_bf16_generation_runs(tiny_gqa):
     out = run(tiny_gqa, [ids(8)], SamplingParams(max_tokens=8, ignore_eos=True), dtype="bfloat16")
     assert len(out[0][0]) == 8
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_cuda_graphs_equal_eager(tiny_gqa, layout):
+    prompts = [ids(n, seed=n) for n in (3, 17, 40, 9, 25)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, exit_threshold=0.7)
+    kw = dict(kv_layout=layout, block_size=8, max_num_seqs=8, attention_backend="triton")
+    graphs = tiny_gqa.llm(device="cuda", skip_tokenizer_init=True, **kw)
+    assert graphs.llm_engine.runner.graphs is not None
+    eager = run(tiny_gqa, prompts, params, enforce_eager=True, **kw)
+    got = [(o.outputs[0].token_ids, o.outputs[0].exit_depths) for o in
+           graphs.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert got == eager
