@@ -1,0 +1,335 @@
+"""OpenAI-compatible request and response models (pydantic) and their mapping to ``SamplingParams``.
+
+Requests accept the OpenAI fields plus loopline's extra fields (vLLM names
+where vLLM has one); unknown fields are accepted and ignored, as vLLM does.
+Type errors come from pydantic; range errors come from ``SamplingParams``,
+which names the offending field. Both become HTTP 400 with an OpenAI error body.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loopline.errors import InvalidRequestError
+from loopline.sampling_params import SamplingParams
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# --- errors ---------------------------------------------------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# --- requests -------------------------------------------------------------------------
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class ExtraSamplingFields(OpenAIBaseModel):
+    """loopline's extra request fields (not in OpenAI's API), shared by both endpoints."""
+
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    min_loops: int = 1
+    max_loops: int | None = None
+    exit_threshold: float | None = None
+    priority: int = 0
+    return_token_ids: bool = False
+
+
+class _CommonRequest(ExtraSamplingFields):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored
+    logit_bias: dict[str, float] | None = None
+
+    def _check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+        self._check_unsupported()
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, priority=self.priority,
+            min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=self.exit_threshold)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_CommonRequest):
+    """``POST /v1/completions``. ``prompt``: a string, a list of strings, token ids, or a list of token-id lists."""
+
+    prompt: Any = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list of strings and token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [_nonempty_text(p)]
+        if isinstance(p, list) and p:
+            if all(_is_int(t) for t in p):
+                return [list(p)]
+            if all(isinstance(s, str) for s in p):
+                return [_nonempty_text(s) for s in p]
+            if all(isinstance(s, list) for s in p):
+                for ids in p:
+                    if not ids or not all(_is_int(t) for t in ids):
+                        raise InvalidRequestError("each token-id prompt must be a non-empty list of integers", param="prompt")
+                return [list(ids) for ids in p]
+        if p is None:
+            raise InvalidRequestError("prompt is required", param="prompt")
+        if isinstance(p, list) and not p:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        raise InvalidRequestError("prompt must be a string, a list of strings, a list of token ids "
+                                  "or a list of token-id lists", param="prompt")
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of is not supported (it must be unset or equal to n)", param="best_of")
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+        if self.max_tokens is not None and _is_int(self.max_tokens) and self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens must be >= 1 (0 is allowed only with echo)", param="max_tokens")
+        # echo with max_tokens=0 (eval harnesses scoring a prompt): generate one token and drop it.
+        max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling(max_tokens, self.logprobs, prompt_logprobs)
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"only text content parts are supported, got type {part.get('type')!r}", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_CommonRequest):
+    """``POST /v1/chat/completions``: ``messages`` go through the checkpoint's chat template."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def conversation(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise InvalidRequestError("messages must not be empty", param="messages")
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise InvalidRequestError("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequestError("only response_format {'type': 'text'} is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """``POST /tokenize``: ``prompt`` (a string) or ``messages`` (through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --- responses ------------------------------------------------------------------------
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    exit_depths: list[int] = Field(default_factory=list)  # loopline: loop at which each token exited
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogProbs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    exit_depths: list[int] = Field(default_factory=list)
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    exit_depths: list[int] = Field(default_factory=list)
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "loopline"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _nonempty_text(s: str) -> str:
+    if not s:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    return s
+
+
+class APIError(Exception):
+    """An error the server answers with ``status`` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type, param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)).model_dump()

@@ -1,0 +1,100 @@
+"""``POST /v1/chat/completions``: messages through the chat template; whole responses or SSE deltas."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from loopline.entrypoints.openai.generation import DeltaTracker, Generation, ServingContext
+from loopline.entrypoints.openai.logprobs import chat_logprobs
+from loopline.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                                  ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
+                                                  ChatStreamChoice, DeltaMessage, UsageInfo)
+from loopline.entrypoints.openai.sse import SSEResponse, sse_event
+from loopline.errors import InvalidRequestError
+from loopline.outputs import CompletionOutput, RequestOutput
+from loopline.sampling_params import SamplingParams
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
+    ctx.check_model(req.model)
+    params = req.to_sampling_params()
+    try:
+        prompt_ids = ctx.llm.encode_chat(req.conversation(), add_generation_prompt=req.add_generation_prompt)
+    except InvalidRequestError:
+        raise
+    except Exception as e:  # template errors (e.g. a role the template refuses)
+        raise InvalidRequestError(f"the chat template could not render messages: {e}", param="messages") from e
+    gen = ctx.new_generation("chatcmpl", 1)
+    raw.state.generation = gen
+    try:
+        await gen.start([{"prompt_token_ids": prompt_ids}], params, chat_stop=True)
+    except BaseException:
+        gen.close()
+        raise
+    view = _ChatView(ctx, req, gen, params)
+    if req.stream:
+        return SSEResponse(view.stream(), on_close=gen.close)
+    try:
+        outs = await ctx.run_unless_disconnected(raw, gen)
+    finally:
+        gen.close()
+    return JSONResponse(view.response(outs[0]).model_dump())
+
+
+class _ChatView:
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, gen: Generation, params: SamplingParams) -> None:
+        self.ctx, self.req, self.gen, self.params = ctx, req, gen, params
+        self.created = int(time.time())
+        self.top_k = req.top_logprobs or 0
+
+    def _logprobs(self, comp: CompletionOutput, start: int = 0, end: int | None = None) -> ChatLogProbs | None:
+        if not self.req.logprobs or comp.logprobs is None:
+            return None
+        end = len(comp.token_ids) if end is None else end
+        return ChatLogProbs(content=chat_logprobs(comp.token_ids[start:end], comp.logprobs[start:end], self.top_k))
+
+    def _usage(self) -> UsageInfo:
+        prompt, generated = self.gen.usage()
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
+
+    def response(self, out: RequestOutput) -> ChatCompletionResponse:
+        ids = self.req.return_token_ids
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=self._logprobs(c),
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason, exit_depths=c.exit_depths,
+                              token_ids=c.token_ids if ids else None) for c in out.outputs]
+        return ChatCompletionResponse(id=self.gen.ids[0], created=self.created, model=self.ctx.model_name, choices=choices,
+                                      usage=self._usage(), prompt_token_ids=out.prompt_token_ids if ids else None)
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        return sse_event(ChatCompletionChunk(id=self.gen.ids[0], created=self.created, model=self.ctx.model_name,
+                                             choices=choices, usage=usage).model_dump())
+
+    async def stream(self) -> AsyncIterator[str]:
+        deltas = DeltaTracker.for_params(self.params)
+        try:
+            yield self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                               for i in range(self.params.n)])
+            async for out in self.gen.outputs():
+                choices = []
+                for comp in out.outputs:
+                    d = deltas.delta(0, comp)
+                    if d is None:
+                        continue
+                    choices.append(ChatStreamChoice(
+                        index=comp.index, delta=DeltaMessage(content=d.text),
+                        logprobs=self._logprobs(comp, d.start_token, d.end_token),
+                        finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                        exit_depths=comp.exit_depths[d.start_token:d.end_token],
+                        token_ids=comp.token_ids[d.start_token:d.end_token] if self.req.return_token_ids else None))
+                if choices:
+                    yield self._chunk(choices)
+            if self.req.include_usage:
+                yield self._chunk([], self._usage())
+        except Exception as e:  # headers are sent: report in-band
+            yield sse_event({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        finally:
+            self.gen.close()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,136 @@
+"""``POST /v1/completions``: non-streamed responses and SSE streams of text deltas."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from loopline.entrypoints.openai.generation import DeltaTracker, Generation, ServingContext
+from loopline.entrypoints.openai.logprobs import completion_logprobs
+from loopline.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from loopline.entrypoints.openai.sse import SSEResponse, sse_event
+from loopline.outputs import CompletionOutput, RequestOutput
+from loopline.sampling_params import SamplingParams
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
+    ctx.check_model(req.model)
+    params = req.to_sampling_params()
+    prompts = req.prompts()
+    gen = ctx.new_generation("cmpl", len(prompts))
+    raw.state.generation = gen
+    try:
+        await gen.start(prompts, params)
+    except BaseException:
+        gen.close()
+        raise
+    view = _CompletionView(ctx, req, gen, params)
+    if req.stream:
+        return SSEResponse(view.stream(), on_close=gen.close)
+    try:
+        outs = await ctx.run_unless_disconnected(raw, gen)
+    finally:
+        gen.close()
+    return JSONResponse(view.response(outs).model_dump())
+
+
+class _CompletionView:
+    """Formats one completion request's engine outputs (whole or as deltas)."""
+
+    def __init__(self, ctx: ServingContext, req: CompletionRequest, gen: Generation, params: SamplingParams) -> None:
+        self.ctx, self.req, self.gen, self.params = ctx, req, gen, params
+        self.n = req.n
+        self.echo_only = req.echo and req.max_tokens == 0  # one token was generated; drop it
+        self.created = int(time.time())
+        self.id = gen.ids[0] if len(gen.ids) == 1 else gen.ids[0].rsplit("-", 1)[0]
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        tok = self.ctx.llm.tokenizer
+        return tok.decode(out.prompt_token_ids) if tok is not None else ""
+
+    def _generated(self, comp: CompletionOutput, start: int = 0, end: int | None = None):
+        """(token ids, logprob entries, exit depths) of generated tokens [start, end)."""
+        if self.echo_only:
+            return [], [], []
+        end = len(comp.token_ids) if end is None else end
+        entries = comp.logprobs[start:end] if comp.logprobs is not None else []
+        return comp.token_ids[start:end], entries, comp.exit_depths[start:end]
+
+    def _prompt_part(self, out: RequestOutput):
+        ids = out.prompt_token_ids
+        return ids, list(out.prompt_logprobs) if out.prompt_logprobs is not None else [None] * len(ids)
+
+    def _usage(self) -> UsageInfo:
+        prompt, generated = self.gen.usage(0 if self.echo_only else None)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
+
+    # --- whole response -------------------------------------------------------------------
+    def response(self, outs: list[RequestOutput]) -> CompletionResponse:
+        req = self.req
+        choices = []
+        for p, out in enumerate(outs):
+            for comp in out.outputs:
+                ids, entries, depths = self._generated(comp)
+                text = "" if self.echo_only else comp.text
+                logprobs = None
+                if req.echo:
+                    prompt_ids, prompt_entries = self._prompt_part(out)
+                    ids, entries, text = prompt_ids + ids, prompt_entries + entries, self._prompt_text(out) + text
+                if req.logprobs is not None:
+                    logprobs = completion_logprobs(ids, entries)
+                choices.append(CompletionChoice(
+                    index=p * self.n + comp.index, text=text, logprobs=logprobs,
+                    finish_reason="length" if self.echo_only else comp.finish_reason, stop_reason=comp.stop_reason,
+                    exit_depths=depths,
+                    prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None,
+                    token_ids=self._generated(comp)[0] if req.return_token_ids else None))
+        return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name, choices=choices,
+                                  usage=self._usage())
+
+    # --- stream ---------------------------------------------------------------------------
+    async def stream(self) -> AsyncIterator[str]:
+        req, gen = self.req, self.gen
+        deltas = DeltaTracker.for_params(self.params)
+        offsets: dict[tuple[int, int], int] = {}
+        try:
+            async for out in gen.outputs():
+                p = gen.prompt_index(out.request_id)
+                choices = []
+                for comp in out.outputs:
+                    state = deltas.state(p, comp.index)
+                    first = not state.started
+                    d = deltas.delta(p, comp)
+                    if d is None:
+                        continue
+                    state.started = True
+                    ids, entries, depths = self._generated(comp, d.start_token, d.end_token)
+                    text = "" if self.echo_only else d.text
+                    if first and req.echo:
+                        prompt_ids, prompt_entries = self._prompt_part(out)
+                        ids, entries, text = prompt_ids + ids, prompt_entries + entries, self._prompt_text(out) + text
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs = completion_logprobs(ids, entries, offsets.get((p, comp.index), 0))
+                        if logprobs.tokens:
+                            offsets[(p, comp.index)] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                    finish = d.finish_reason and ("length" if self.echo_only else d.finish_reason)
+                    choices.append(CompletionChoice(
+                        index=p * self.n + comp.index, text=text, logprobs=logprobs, finish_reason=finish,
+                        stop_reason=d.stop_reason, exit_depths=depths,
+                        prompt_token_ids=out.prompt_token_ids if req.return_token_ids and first else None,
+                        token_ids=self._generated(comp, d.start_token, d.end_token)[0] if req.return_token_ids else None))
+                if choices:
+                    yield sse_event(CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
+                                                       choices=choices).model_dump())
+            if req.include_usage:
+                yield sse_event(CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
+                                                   choices=[], usage=self._usage()).model_dump())
+        except Exception as e:  # headers are sent: report in-band, as OpenAI does
+            yield sse_event({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        finally:
+            gen.close()
+        yield "data: [DONE]\n\n"

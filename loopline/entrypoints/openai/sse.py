@@ -1,0 +1,33 @@
+"""Server-sent events: ``data: {json}`` frames and a response that always releases its request."""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response that calls ``on_close`` however it ends.
+
+    NOTE: a client that disconnects cancels the body iterator (or makes ``send``
+    fail) and the iterator may never be resumed or closed; ``on_close``
+    (synchronous, idempotent) aborts the engine requests so their KV is freed.
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

@@ -1,0 +1,141 @@
+"""AsyncLLM: one engine thread shared by many asyncio callers."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from loopline import AsyncLLM, SamplingParams
+from loopline.entrypoints.async_llm import EngineDeadError
+from loopline.errors import CapacityError, InvalidRequestError
+
+PROMPT = "The river town woke slowly."
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(llm: AsyncLLM, prompt, params: SamplingParams, rid: str):
+    outs = [out async for out in llm.generate(prompt, params, rid)]
+    return outs
+
+
+async def wait_until(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def test_generate_streams_cumulative_outputs_matching_llm(async_llm, tiny_gqa):
+    params = SamplingParams(max_tokens=6, seed=3, ignore_eos=True)
+    outs = run(collect(async_llm, PROMPT, params, "a-1"))
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(lengths) and lengths[-1] == 6
+    final = outs[-1].outputs[0]
+    assert len(final.exit_depths) == 6 and final.finish_reason == "length"
+    offline = tiny_gqa.llm(max_num_seqs=4, max_model_len=256).generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert final.token_ids == offline.token_ids and final.text == offline.text
+
+
+def test_concurrent_generates_share_the_engine(async_llm):
+    async def main():
+        params = [SamplingParams(max_tokens=4 + i, seed=i, ignore_eos=True) for i in range(4)]
+        return await asyncio.gather(*(collect(async_llm, PROMPT, p, f"c-{i}") for i, p in enumerate(params)))
+
+    results = run(main())
+    assert [len(r[-1].outputs[0].token_ids) for r in results] == [4, 5, 6, 7]
+    assert async_llm.engine.kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("prompt,params,error,param", [
+    ("", SamplingParams(max_tokens=2), InvalidRequestError, "prompt"),
+    ([10**9], SamplingParams(max_tokens=2), InvalidRequestError, "prompt_token_ids"),
+    ("word " * 400, SamplingParams(max_tokens=2), CapacityError, "prompt"),
+    (PROMPT, SamplingParams(max_tokens=2, max_loops=9), InvalidRequestError, "max_loops"),
+])
+def test_validation_errors_reach_the_caller_unchanged(async_llm, prompt, params, error, param):
+    with pytest.raises(error) as info:
+        run(collect(async_llm, prompt, params, "bad"))
+    assert info.value.param == param
+    # the engine keeps serving, and the failed id is free again
+    outs = run(collect(async_llm, PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), "bad"))
+    assert outs[-1].finished
+
+
+def test_duplicate_request_id_is_rejected(async_llm):
+    async def main():
+        gen = async_llm.generate(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True), "dup")
+        await gen.__anext__()
+        try:
+            with pytest.raises(InvalidRequestError):
+                await collect(async_llm, PROMPT, SamplingParams(max_tokens=2), "dup")
+        finally:
+            await gen.aclose()
+
+    run(main())
+
+
+def test_stopping_early_aborts_and_frees_kv(async_llm):
+    async def main():
+        gen = async_llm.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), "early")
+        async for out in gen:
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+        await gen.aclose()
+        await wait_until(lambda: async_llm.snapshot.kv_used_blocks == 0 and async_llm.snapshot.num_running == 0)
+
+    run(main())
+    assert async_llm.engine.kv.num_used_blocks == 0
+
+
+def test_abort_finishes_the_stream_with_abort(async_llm):
+    async def main():
+        outs = []
+        async for out in async_llm.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), "ab"):
+            outs.append(out)
+            if len(outs) == 2:
+                await async_llm.abort("ab")
+        return outs
+
+    outs = run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert len(outs[-1].outputs[0].token_ids) < 200
+
+
+def test_cancelled_consumer_aborts(async_llm):
+    async def main():
+        async def consume():
+            async for _ in async_llm.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), "cancel"):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await wait_until(lambda: async_llm.snapshot.num_running == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: async_llm.snapshot.kv_used_blocks == 0 and async_llm.snapshot.num_running == 0)
+
+    run(main())
+
+
+def test_shutdown_aborts_in_flight_and_refuses_new_work(tiny_gqa):
+    from entrypoints.conftest import engine_args
+
+    llm = AsyncLLM(engine_args(tiny_gqa.path))
+
+    async def main():
+        outs = []
+        async for out in llm.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), "s"):
+            outs.append(out)
+            if len(outs) == 1:
+                await asyncio.to_thread(llm.shutdown)
+        assert outs[-1].outputs[0].finish_reason == "abort"
+        with pytest.raises(EngineDeadError):
+            await collect(llm, PROMPT, SamplingParams(max_tokens=2), "after")
+
+    run(main())
+    assert not llm.is_running and llm.engine.kv.num_used_blocks == 0
