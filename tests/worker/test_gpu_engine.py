@@ -17,6 +17,7 @@ def ids(n, seed=0, vocab=500):
 
 
 def run(tiny, prompts, params, **kw):
+    kw.setdefault("num_kv_blocks", 512)  # engines in one process must not each take 90% of the GPU
     llm = tiny.llm(device="cuda", skip_tokenizer_init=True, **kw)
     return [(o.outputs[0].token_ids, o.outputs[0].exit_depths) for o in
             llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
@@ -52,7 +53,7 @@ def test_bf16_generation_runs(tiny_gqa):
 def test_cuda_graphs_equal_eager(tiny_gqa, layout):
     prompts = [ids(n, seed=n) for n in (3, 17, 40, 9, 25)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, exit_threshold=0.7)
-    kw = dict(kv_layout=layout, block_size=8, max_num_seqs=8, attention_backend="triton")
+    kw = dict(kv_layout=layout, block_size=8, max_num_seqs=8, attention_backend="triton", num_kv_blocks=512)
     graphs = tiny_gqa.llm(device="cuda", skip_tokenizer_init=True, **kw)
     assert graphs.llm_engine.runner.graphs is not None
     eager = run(tiny_gqa, prompts, params, enforce_eager=True, **kw)
