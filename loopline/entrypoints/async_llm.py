@@ -35,6 +35,8 @@ from loopline.sampling_params import SamplingParams
 
 logger = logging.getLogger("loopline.async")
 
+_IDLE_WAIT_S = 0.005
+
 
 class EngineDeadError(EngineStateError):
     """The engine thread stopped (shutdown, or an internal error in ``step()``)."""
@@ -224,18 +226,21 @@ class AsyncLLM:
     # --- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        idle = False  # the last step ran no rows although requests are unfinished (e.g. all wait for KV)
         try:
             while True:
                 with self._cond:
                     while not (self._commands or self._stopping or engine.has_unfinished_requests()):
                         self._cond.wait()
+                    if idle and not (self._commands or self._stopping):
+                        self._cond.wait(_IDLE_WAIT_S)  # do not spin on steps that cannot make progress
                     commands, self._commands = self._commands, []
                     stopping = self._stopping
                 for cmd in commands:
                     self._apply(cmd)
                 if stopping:
                     engine.abort_request(list(self._streams))
-                self._step()
+                idle = not self._step()
                 if stopping:
                     break
         except BaseException as e:  # an engine bug: fail every waiter instead of hanging them
@@ -257,7 +262,8 @@ class AsyncLLM:
         self._streams[cmd.request_id] = (cmd.stream, loop)
         loop.call_soon_threadsafe(_set_result, cmd.ack, None)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; delivers outputs; returns whether anything happened."""
         engine = self.engine
         rows0, tokens0, t0 = engine.stats.rows, engine.stats.scheduled_tokens, time.perf_counter()
         outs = engine.step()
@@ -272,6 +278,7 @@ class AsyncLLM:
                 stream, loop = target
                 _call_soon(loop, stream._put, out)
         self.snapshot = self._take_snapshot()
+        return bool(rows or outs)
 
     def _take_snapshot(self) -> EngineSnapshot:
         engine = self.engine

@@ -1,4 +1,4 @@
-"""A real uvicorn server on a free loopback port, in a background thread, over the tiny GQA checkpoint."""
+"""Real uvicorn servers on free loopback ports, in background threads, over the tiny GQA checkpoint."""
 from __future__ import annotations
 
 import socket
@@ -11,19 +11,19 @@ API_KEY = "test-key"
 MODEL = "tiny-test"
 
 
-def free_port() -> int:
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 class RunningServer:
-    """``build_app(...)`` served by uvicorn in a thread; ``stop()`` asks it to exit and joins."""
+    """An ASGI app served by uvicorn in a thread; ``stop()`` asks it to exit and joins."""
 
     def __init__(self, app) -> None:
         import uvicorn
 
-        self.port = free_port()
+        self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     access_log=False))
@@ -40,28 +40,50 @@ class RunningServer:
         self.thread.join(timeout=30)
 
 
-def engine_args(path, **overrides):
+@pytest.fixture(scope="session")
+def free_port():
+    return _free_port
+
+
+@pytest.fixture(scope="session")
+def make_engine_args(tiny_gqa):
+    """EngineArgs for the tiny GQA checkpoint: float32 on CPU, 4 slots, 256-token context."""
     from loopline import EngineArgs
 
-    kwargs = dict(model=str(path), dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=256,
-                  max_model_len=256)
-    kwargs.update(overrides)
-    return EngineArgs(**kwargs)
+    def make(**overrides):
+        kwargs = dict(model=str(tiny_gqa.path), dtype="float32", device="cpu", max_num_seqs=4,
+                      max_num_batched_tokens=256, max_model_len=256)
+        return EngineArgs(**{**kwargs, **overrides})
+
+    return make
 
 
 @pytest.fixture(scope="module")
-def async_llm(tiny_gqa):
+def async_llm(make_engine_args):
     from loopline import AsyncLLM
 
-    llm = AsyncLLM(engine_args(tiny_gqa.path))
+    llm = AsyncLLM(make_engine_args())
     yield llm
     llm.shutdown()
 
 
 @pytest.fixture(scope="module")
-def server(async_llm):
+def serve_app():
+    """``serve_app(app) -> RunningServer``; every server started is stopped when the module ends."""
+    servers = []
+
+    def serve(app) -> RunningServer:
+        servers.append(RunningServer(app))
+        return servers[-1]
+
+    yield serve
+    for srv in servers:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(async_llm, serve_app):
+    """The main test server: served name ``tiny-test``, API key ``test-key``, 16 requests in flight at most."""
     from loopline.entrypoints.openai.api_server import build_app
 
-    srv = RunningServer(build_app(async_llm, MODEL, api_key=API_KEY, max_concurrent_requests=16, shutdown_engine=False))
-    yield srv
-    srv.stop()
+    return serve_app(build_app(async_llm, MODEL, api_key=API_KEY, max_concurrent_requests=16, shutdown_engine=False))

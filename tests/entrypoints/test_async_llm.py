@@ -122,10 +122,8 @@ def test_cancelled_consumer_aborts(async_llm):
     run(main())
 
 
-def test_shutdown_aborts_in_flight_and_refuses_new_work(tiny_gqa):
-    from entrypoints.conftest import engine_args
-
-    llm = AsyncLLM(engine_args(tiny_gqa.path))
+def test_shutdown_aborts_in_flight_and_refuses_new_work(make_engine_args):
+    llm = AsyncLLM(make_engine_args())
 
     async def main():
         outs = []

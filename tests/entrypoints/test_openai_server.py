@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from entrypoints.conftest import API_KEY, MODEL, RunningServer
-
+API_KEY = "test-key"  # as the `server` fixture (conftest.py) is built
+MODEL = "tiny-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "The river town woke slowly."
 
@@ -64,9 +64,13 @@ def test_completion_basic_and_usage(server, client):
     assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 6 and r.usage.total_tokens == n_prompt + 6
 
 
-def test_default_max_tokens_is_16(client):
+def test_default_max_tokens_is_16_and_null_means_default(server, client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, seed=2, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 16
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": None, "n": None, "stream": None, "temperature": None,
+            "ignore_eos": True, "some_unknown_field": 1}
+    r = httpx.post(server.base_url + "/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
 
 
 def test_streamed_text_equals_non_streamed_for_the_same_seed(client):
@@ -233,22 +237,19 @@ def test_disconnect_aborts_and_frees_kv(server, async_llm):
     assert metric(server, "loopline:kv_cache_used_blocks") == 0
 
 
-def test_too_many_requests_get_429(async_llm):
+def test_too_many_requests_get_429(async_llm, serve_app):
     from loopline.entrypoints.openai.api_server import build_app
 
-    small = RunningServer(build_app(async_llm, MODEL, max_concurrent_requests=1, shutdown_engine=False))
-    try:
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
-        with httpx.Client(timeout=30) as http:
-            with http.stream("POST", small.base_url + "/v1/completions", json=body) as resp:
-                lines = resp.iter_lines()  # NOTE: keep it referenced: a collected iterator closes the connection
-                assert next(lines).startswith("data: ")
-                busy = http.post(small.base_url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT})
-                assert busy.status_code == 429 and busy.json()["error"]["code"] == "rate_limit_exceeded"
-            wait_for(lambda: http.post(small.base_url + "/v1/completions",
-                                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).status_code == 200)
-    finally:
-        small.stop()
+    small = serve_app(build_app(async_llm, MODEL, max_concurrent_requests=1, shutdown_engine=False))
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", small.base_url + "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()  # NOTE: keep it referenced: a collected iterator closes the connection
+            assert next(lines).startswith("data: ")
+            busy = http.post(small.base_url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT})
+            assert busy.status_code == 429 and busy.json()["error"]["code"] == "rate_limit_exceeded"
+        wait_for(lambda: http.post(small.base_url + "/v1/completions",
+                                   json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).status_code == 200)
 
 
 # --- bad input -----------------------------------------------------------------------------------

@@ -10,8 +10,6 @@ import time
 
 import httpx
 
-from entrypoints.conftest import free_port
-
 
 def test_serve_parser_has_server_and_engine_flags():
     from loopline.entrypoints.cli import build_parser
@@ -39,12 +37,12 @@ def _stream(base: str, max_tokens: int, out: dict) -> None:
         out["error"] = type(e).__name__
 
 
-def test_sigterm_lets_short_requests_finish_and_aborts_long_ones(tiny_gqa):
+def test_sigterm_lets_short_requests_finish_and_aborts_long_ones(tiny_gqa, free_port):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "loopline.entrypoints.cli", "serve", "--model", str(tiny_gqa.path),
                              "--port", str(port), "--dtype", "float32", "--device", "cpu", "--max-model-len", "2048",
-                             "--served-model-name", "t", "--shutdown-timeout", "3"],
+                             "--served-model-name", "t", "--shutdown-timeout", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -64,7 +62,7 @@ def test_sigterm_lets_short_requests_finish_and_aborts_long_ones(tiny_gqa):
         while "started" not in long_ or "started" not in short:
             assert time.monotonic() < deadline
             time.sleep(0.005)
-        proc.send_signal(signal.SIGTERM)  # in-flight requests get 3 s (--shutdown-timeout) to finish
+        proc.send_signal(signal.SIGTERM)  # in-flight requests get 2 s (--shutdown-timeout) to finish
         for t in threads:
             t.join(30)
         assert proc.wait(30) == 0

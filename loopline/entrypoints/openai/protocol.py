@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loopline.errors import InvalidRequestError
 from loopline.sampling_params import SamplingParams
@@ -18,6 +18,15 @@ from loopline.sampling_params import SamplingParams
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """Clients send ``null`` for "use the default" (``"n": null``, ``"stream": null``)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
+                    or cls.model_fields[k].default is None}
+        return data
 
 
 # --- errors ---------------------------------------------------------------------------

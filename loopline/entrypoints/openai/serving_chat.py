@@ -29,11 +29,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         raise InvalidRequestError(f"the chat template could not render messages: {e}", param="messages") from e
     gen = ctx.new_generation("chatcmpl", 1)
     raw.state.generation = gen
-    try:
-        await gen.start([{"prompt_token_ids": prompt_ids}], params, chat_stop=True)
-    except BaseException:
-        gen.close()
-        raise
+    await gen.start([{"prompt_token_ids": prompt_ids}], params, chat_stop=True)  # closes itself on a bad request
     view = _ChatView(ctx, req, gen, params)
     if req.stream:
         return SSEResponse(view.stream(), on_close=gen.close)

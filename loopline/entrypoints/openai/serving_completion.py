@@ -21,11 +21,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     prompts = req.prompts()
     gen = ctx.new_generation("cmpl", len(prompts))
     raw.state.generation = gen
-    try:
-        await gen.start(prompts, params)
-    except BaseException:
-        gen.close()
-        raise
+    await gen.start(prompts, params)  # a validation error propagates (the generation closed itself)
     view = _CompletionView(ctx, req, gen, params)
     if req.stream:
         return SSEResponse(view.stream(), on_close=gen.close)
