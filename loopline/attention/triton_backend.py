@@ -339,7 +339,22 @@ class TritonAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------------ copy_slots
 
     def copy_slots(self, k_cache: Tensor, v_cache: Tensor, src: Tensor, dst: Tensor) -> None:
-        """NOTE: programs run in parallel, so ``src`` and ``dst`` must not share slots
+        """Exit copy as one gather/scatter per cache (graph-safe).
+
+        NOTE: ``_copy_slots_kernel`` passes the interpreter tests but faulted with an
+        illegal address on the H200 (triton 3.6); until it is fixed there, the copy
+        uses torch indexing, which is one kernel per cache and fine at decode sizes.
+        """
+        if src.shape[0] == 0:
+            return
+        for cache in (k_cache, v_cache):
+            flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
+            flat[:, dst] = flat[:, src]
+
+    def copy_slots_triton(self, k_cache: Tensor, v_cache: Tensor, src: Tensor, dst: Tensor) -> None:
+        """The Triton exit-copy kernel (see the note on :meth:`copy_slots`).
+
+        Programs run in parallel, so ``src`` and ``dst`` must not share slots
         (true for the exit copy: planes e+1..R are written from plane e)."""
         m = src.shape[0]
         if m == 0:

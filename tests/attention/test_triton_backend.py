@@ -129,7 +129,8 @@ def test_write_kv_skips_negative_slots():
     torch.testing.assert_close(v_cache.view(-1, kvh, d), want_v, atol=0, rtol=0)
 
 
-def test_copy_slots_matches_torch():
+@pytest.mark.parametrize("method", ["copy_slots", "copy_slots_triton"])
+def test_copy_slots_matches_torch(method):
     shape = (3, 5, 4, 2, 16)  # [layers, blocks, block_size, kv_heads, D]
     k_cache = torch.randn(shape, device=DEVICE)
     v_cache = torch.randn(shape, device=DEVICE)
@@ -137,7 +138,7 @@ def test_copy_slots_matches_torch():
     dst = torch.tensor([12, 19, 3, 7], dtype=torch.int64, device=DEVICE)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     TorchAttentionBackend().copy_slots(want_k, want_v, src, dst)
-    TritonAttentionBackend().copy_slots(k_cache, v_cache, src, dst)
+    getattr(TritonAttentionBackend(), method)(k_cache, v_cache, src, dst)
     torch.testing.assert_close(k_cache, want_k, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
 
