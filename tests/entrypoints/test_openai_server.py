@@ -237,6 +237,15 @@ def test_disconnect_aborts_and_frees_kv(server, async_llm):
     assert metric(server, "loopline:kv_cache_used_blocks") == 0
 
 
+def test_disconnect_while_waiting_for_a_whole_response_aborts(server, async_llm):
+    aborted = metric(server, "loopline:requests_total", status="abort")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(30, read=0.3))
+    wait_for(lambda: metric(server, "loopline:requests_total", status="abort") > aborted)
+    wait_for(lambda: async_llm.engine.kv.num_used_blocks == 0)
+
+
 def test_too_many_requests_get_429(async_llm, serve_app):
     from loopline.entrypoints.openai.api_server import build_app
 

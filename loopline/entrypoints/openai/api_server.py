@@ -220,7 +220,7 @@ class _RequestLog:
         finally:
             path = scope.get("path", "")
             gen = scope["state"].get("generation")
-            extra = f" {gen.ids[0]} {gen.summary()}" if gen is not None else ""
+            extra = f" {gen.id} {gen.summary()}" if gen is not None else ""
             client = scope.get("client") or ("-", 0)
             logger.log(logging.DEBUG if path in self.QUIET else logging.INFO, "%s:%s %s %s %s %.3fs%s", client[0], client[1],
                        scope.get("method", ""), path, status[0] or "-", time.monotonic() - t0, extra)

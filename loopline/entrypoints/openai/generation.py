@@ -24,11 +24,15 @@ from loopline.sampling_params import SamplingParams
 
 
 class Generation:
+    """The engine requests of one HTTP request (``id``: the response id; engine ids ``id`` or ``id-<prompt index>``)."""
+
     def __init__(self, async_llm: AsyncLLM, metrics: ServerMetrics, base_id: str, num_prompts: int,
                  on_close: Callable[[], None] | None = None) -> None:
         self.llm = async_llm
         self.metrics = metrics
+        self.id = base_id
         self.ids = [base_id] if num_prompts == 1 else [f"{base_id}-{i}" for i in range(num_prompts)]
+        self._index = {rid: i for i, rid in enumerate(self.ids)}
         self.stream = OutputStream()
         self.trackers: dict[str, RequestTracker] = {}
         self.latest: dict[str, RequestOutput] = {}
@@ -67,7 +71,7 @@ class Generation:
         return [self.latest[rid] for rid in self.ids]
 
     def prompt_index(self, request_id: str) -> int:
-        return self.ids.index(request_id)
+        return self._index[request_id]
 
     def close(self) -> None:
         if self._closed:

@@ -61,11 +61,11 @@ class _ChatView:
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=self._logprobs(c),
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason, exit_depths=c.exit_depths,
                               token_ids=c.token_ids if ids else None) for c in out.outputs]
-        return ChatCompletionResponse(id=self.gen.ids[0], created=self.created, model=self.ctx.model_name, choices=choices,
+        return ChatCompletionResponse(id=self.gen.id, created=self.created, model=self.ctx.model_name, choices=choices,
                                       usage=self._usage(), prompt_token_ids=out.prompt_token_ids if ids else None)
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-        return sse_event(ChatCompletionChunk(id=self.gen.ids[0], created=self.created, model=self.ctx.model_name,
+        return sse_event(ChatCompletionChunk(id=self.gen.id, created=self.created, model=self.ctx.model_name,
                                              choices=choices, usage=usage).model_dump())
 
     async def stream(self) -> AsyncIterator[str]:

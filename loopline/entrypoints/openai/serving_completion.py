@@ -40,7 +40,7 @@ class _CompletionView:
         self.n = req.n
         self.echo_only = req.echo and req.max_tokens == 0  # one token was generated; drop it
         self.created = int(time.time())
-        self.id = gen.ids[0] if len(gen.ids) == 1 else gen.ids[0].rsplit("-", 1)[0]
+        self.id = gen.id
 
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
