@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from loopline.config import EngineArgs
 from loopline.core.engine import LLMEngine, PromptType
 from loopline.errors import EngineStateError, InvalidRequestError
@@ -226,6 +228,9 @@ class AsyncLLM:
     # --- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        device = engine.config.device
+        if device.type == "cuda":  # NOTE: a new thread starts on cuda:0; kernels must launch on the engine's device
+            torch.cuda.set_device(device)
         idle = False  # the last step ran no rows although requests are unfinished (e.g. all wait for KV)
         try:
             while True:
