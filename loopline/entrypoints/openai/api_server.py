@@ -60,7 +60,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         ctx.ready = True
-        logger.info("serving %s (max_model_len %d) ", names[0], async_llm.max_model_len)
+        logger.info("serving %s (max_model_len %d)", names[0], async_llm.max_model_len)
         try:
             yield
         finally:
@@ -217,6 +217,9 @@ class _RequestLog:
 
         try:
             await self.app(scope, receive, send_and_note)
+        except BaseException:
+            status[0] = status[0] or 500  # the outermost middleware answers 500
+            raise
         finally:
             path = scope.get("path", "")
             gen = scope["state"].get("generation")
