@@ -115,6 +115,10 @@ class DeviceTimer:
             return sum(a.elapsed_time(b) for a, b in self._pairs if b is not None) / 1e3
         from torch.autograd import DeviceType
 
-        events = self._prof.profiler.kineto_results.events()
-        spans = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.device_type() == DeviceType.CUDA]
-        return interval_union_s(spans)
+        return profiled_busy_s(self._prof, DeviceType.CUDA)
+
+
+def profiled_busy_s(prof: Any, device_type: Any) -> float:
+    """Union of the intervals of every profiled activity on ``device_type`` (kernels, copies), in seconds."""
+    events = prof.profiler.kineto_results.events()
+    return interval_union_s([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.device_type() == device_type])

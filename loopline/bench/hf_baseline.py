@@ -47,6 +47,9 @@ def run_hf(model: OuroForCausalLM, spec: BenchSpec, workload: Workload, device: 
            dtype: torch.dtype, progress: ProgressFn | None = None) -> dict[str, Any]:
     """One measured run of the baseline (after a one-batch warm-up); the record has the engine's fields."""
     hf = OuroHFForCausalLM.from_ouro(model).eval()
+    # NOTE: generate() fills every None field of the GenerationConfig it is given from the
+    # model's own, so eos must be cleared there too, or a row stops early at eos (ignore_eos).
+    hf.generation_config.eos_token_id = None
     timer = DeviceTimer(device, spec.gpu_timing)
     measuring, calls = [False], [0]  # the hooks count and time forwards of the measured part only
 

@@ -48,6 +48,7 @@ def add_parser(sub: Any) -> None:
                    help="also run transformers generate() on the same weights (static batches of concurrency)")
     r.add_argument("--repeats", type=int, default=None, help="interleaved rounds, medians reported (default: 3 with --compare, else 1)")
     r.add_argument("--json", action="store_true", help="print the whole record as JSON instead of tables")
+    r.add_argument("--output-json", metavar="FILE", default=None, help="also write the whole record as JSON to FILE")
     r.add_argument("--plot", metavar="FILE.png", default=None, help="write output tok/s vs concurrency (needs matplotlib)")
     r.add_argument("--profile-kernels", action="store_true",
                    help="GPU idle from torch.profiler kernel intervals (exact, with profiler overhead) instead of CUDA events")
@@ -208,8 +209,12 @@ def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) 
 
 def _run_bench(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -> int:
     record = run_offline(ns, defaults)
+    text = json.dumps(record, indent=2, default=str)
+    if ns.output_json:
+        with open(ns.output_json, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
     if ns.json:
-        print(json.dumps(record, indent=2, default=str))
+        print(text)
     return 0
 
 

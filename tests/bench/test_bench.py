@@ -59,12 +59,15 @@ def test_json_record_has_every_field(capsys):
     assert run["steps"] > 0 and run["rows_per_step"] > 0 and run["achieved_gbps"] > 0
 
 
-def test_text_report_prints_header_and_table(capsys):
-    assert main(["bench", *TINY, "--input-len", "4", "--output-len", "3", "--concurrency", "1"]) == 0
+def test_text_report_prints_header_and_table(capsys, tmp_path):
+    saved = tmp_path / "record.json"
+    assert main(["bench", *TINY, "--input-len", "4", "--output-len", "3", "--concurrency", "1",
+                 "--output-json", str(saved)]) == 0
     out = capsys.readouterr().out
     for needle in ("command:  loopline bench", "commit:", "hardware: CPU", "NOTE: CPU run", "| variant | out tok/s",
                    "| loopline |"):
         assert needle in out
+    assert json.loads(saved.read_text())["results"][0]["variants"][0]["median"]["output_tokens"] == 2 * 3
 
 
 def test_trace_depth_dist_gives_requested_mean_loops():
@@ -101,6 +104,23 @@ def test_compare_interleaves_variants_and_reports_ratios():
     assert hf["mean_loops_per_token"] == 4.0 and hf["ttft_ms"]["p50"] > 0 and hf["tpot_ms"]["p50"] > 0
 
 
+def test_hf_baseline_ignores_eos():
+    import torch
+
+    from loopline.bench.hf_baseline import run_hf
+    from loopline.bench.offline import BenchSpec, build_model
+    from loopline.config import EngineArgs
+
+    model, device, dtype, _ = build_model(EngineArgs(device="cpu", dtype="float32"), "tiny", 0)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit 0: greedy picks token 0, the eos id
+    workload = make_workload(3, 4, 5, model.config.vocab_size, seed=0)
+    record = run_hf(model, BenchSpec(4, 5, concurrency=2, num_prompts=3), workload, device, dtype)
+    assert record["output_tokens"] == 3 * 5 and record["completed"] == 3
+    assert record["head_steps"] == 2 * 5  # two batches (2 + 1 rows), one forward per token
+    assert record["rows_per_step"] == 1.5
+
+
 def test_model_dir_and_concurrency_sweep(tiny_gqa):
     ns = build_parser().parse_args(["bench", "--model", str(tiny_gqa.path), "--device", "cpu", "--no-progress",
                                     "--input-len", "4", "--output-len", "3", "--concurrency", "1,3"])
@@ -133,13 +153,13 @@ def test_parser_accepts_documented_flags():
         "bench", "--input-len", "1024", "--output-len", "128", "--concurrency", "1,8,32", "--num-prompts", "64",
         "--dtype", "bfloat16", "--kv-layout", "shared", "--scheduling-mode", "no_refill", "--exit-mode", "trace",
         "--depth-dist", "mean2.5", "--config", "ouro-1.4b", "--compare", "--variants", "refill,fixed,hf",
-        "--hf-baseline", "--repeats", "5", "--json", "--plot", "out.png", "--profile-kernels", "--max-num-seqs", "128",
+        "--hf-baseline", "--repeats", "5", "--json", "--output-json", "r.json", "--plot", "out.png", "--profile-kernels", "--max-num-seqs", "128",
         "--enforce-eager", "--gpu-memory-utilization", "0.85", "--seed", "3", "--warmup-prompts", "4",
         "--warmup-output-len", "8", "--exit-threshold", "0.5", "--min-loops", "2"])
     assert (ns.input_len, ns.output_len, ns.concurrency, ns.num_prompts) == (1024, 128, "1,8,32", 64)
     assert (ns.dtype, ns.kv_layout, ns.scheduling_mode, ns.exit_mode) == ("bfloat16", "shared", "no_refill", "trace")
     assert ns.depth_dist == "mean2.5" and ns.config == "ouro-1.4b" and ns.compare and ns.hf_baseline
-    assert ns.repeats == 5 and ns.json and ns.plot == "out.png" and ns.profile_kernels and ns.max_num_seqs == 128
+    assert ns.repeats == 5 and ns.json and ns.output_json == "r.json" and ns.plot == "out.png" and ns.profile_kernels and ns.max_num_seqs == 128
     assert ns.enforce_eager and ns.gpu_memory_utilization == 0.85 and ns.seed == 3
 
     defaults = build_parser().parse_args(["bench"])
@@ -228,6 +248,22 @@ def test_byte_model_matches_ouro_1p4b_arithmetic():
     # prefill: 4 loops x 2 positions; token 1 at 3 loops over 3 positions; token 2 at 2 loops over 4.
     assert bm.kv_read(2, [4, 3, 2], prefill_loops=4) == (8 + 9 + 8) * 196_608
     assert bm.bytes_read(traversals=10, head_reads=3, kv_bytes=5) == 10 * bm.body + 3 * bm.head + 5
+
+
+def test_profiled_busy_time_reads_kineto_events():
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from loopline.bench.env import DeviceTimer, profiled_busy_s
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        a = torch.randn(64, 64)
+        (a @ a).sum()
+    assert profiled_busy_s(prof, DeviceType.CPU) > 0  # the same reading the CUDA path does for GPU activities
+    timer = DeviceTimer(torch.device("cpu"), "profiler")
+    timer.start(), timer.before_step(), timer.after_step(), timer.stop()
+    assert timer.busy_s() is None and timer.method is None  # no GPU, no idle fraction
 
 
 def test_interval_union():

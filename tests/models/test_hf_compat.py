@@ -26,6 +26,7 @@ def test_greedy_generate_equals_loopline_fixed_depth(fixture, request):
     prompts = [[5, 17, 99, 230, 41, 8, 77, 310, 12], [64, 3, 250]]  # different lengths: the second is left padded
     new = 10
     hf = OuroHFForCausalLM.from_pretrained(str(tiny.path), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # as ignore_eos (generate() would fill a None eos from here)
     ids, mask = left_padded(prompts)
     config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = hf.generate(ids, attention_mask=mask, generation_config=config)
