@@ -35,6 +35,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     exit_depths: list[int] = field(default_factory=list)
     seed: int | None = None  # the resolved seed (drawn when the request gave None)
+    # weight_versions[i]: the weight version that ran the forward producing token_ids[i]. All equal
+    # unless a weight update landed while the request was frozen by pause_generation("keep").
+    weight_versions: list[Any] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -68,6 +71,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+    # The weight version that generated the request (of its newest token; the version in force
+    # when it was added if it has none). Recorded per request, never read at collection time.
     weight_version: Any = None
     metrics: RequestMetrics | None = None
     sampling_params: Any = None  # the effective SamplingParams (resolved seed and loop bounds)

@@ -160,7 +160,7 @@ class LLMEngine:
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, ids, effective, seed + i, max_tokens, eos, next(self._arrivals)))
-        self.outputs.add(request_id, prompt_text, ids, effective, [c.request_id for c in children])
+        self.outputs.add(request_id, prompt_text, ids, effective, [c.request_id for c in children], self.weight_version)
         for child in children:
             self.scheduler.add_request(child)
         self.stats.prompt_tokens += len(ids) * params.n
@@ -234,9 +234,9 @@ class LLMEngine:
             if stop is not None:
                 self.scheduler.finish_request(req.request_id, *stop)
                 self.stats.finished_requests += 1
-            self.outputs.on_token(req)
+            self.outputs.on_token(req, self.weight_version)
         self.stats.steps += 1 if sched.rows else 0
         self.stats.rows += len(sched.rows)
         self.stats.scheduled_tokens += sched.num_tokens
         self.stats.step_time_s += time.perf_counter() - t0
-        return self.outputs.collect(self.weight_version)
+        return self.outputs.collect()

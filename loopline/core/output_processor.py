@@ -16,6 +16,7 @@ class _Completion:
     seed: int
     token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
+    weight_versions: list[Any] = field(default_factory=list)  # per token: the weights that produced it
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     text: str = ""
@@ -34,6 +35,7 @@ class _Parent:
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     dirty: bool = False
+    weight_version: Any = None  # at add time, then of the newest token (never read at collection time)
 
 
 class OutputProcessor:
@@ -55,8 +57,9 @@ class OutputProcessor:
         return list(parent.children) if parent else []
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-            children: list[str]) -> None:
-        parent = _Parent(request_id, prompt, prompt_ids, params, children, RequestMetrics(time.time()))
+            children: list[str], weight_version: Any = None) -> None:
+        parent = _Parent(request_id, prompt, prompt_ids, params, children, RequestMetrics(time.time()),
+                         weight_version=weight_version)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] + [None] * (len(prompt_ids) - 1)
         self._parents[request_id] = parent
@@ -65,12 +68,14 @@ class OutputProcessor:
             self._completions[cid] = _Completion(i, params.seed + i, logprobs=[] if params.logprobs is not None else None)
 
     # --- per token ----------------------------------------------------------------------
-    def on_token(self, req: Request) -> None:
+    def on_token(self, req: Request, weight_version: Any = None) -> None:
         comp = self._completions[req.request_id]
         parent = self._parents[self._child_parent[req.request_id][0]]
         tok = req.output[-1]
         comp.token_ids.append(tok.token_id)
         comp.exit_depths.append(tok.exit_depth)
+        comp.weight_versions.append(weight_version)
+        parent.weight_version = weight_version
         if tok.logprob is not None:
             comp.cumulative_logprob += tok.logprob
         if comp.logprobs is not None:
@@ -128,7 +133,7 @@ class OutputProcessor:
             parent.prompt_logprobs[pos + 1] = entry
 
     # --- collection ---------------------------------------------------------------------
-    def collect(self, weight_version: Any) -> list[RequestOutput]:
+    def collect(self) -> list[RequestOutput]:
         """Cumulative outputs of every request that changed since the last call."""
         outs = []
         for rid in [r for r, p in self._parents.items() if p.dirty]:
@@ -146,8 +151,9 @@ class OutputProcessor:
                     cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                     logprobs=list(c.logprobs) if c.logprobs is not None else None,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    exit_depths=list(c.exit_depths), seed=c.seed) for c in comps],
-                finished=finished, weight_version=weight_version, metrics=parent.metrics,
+                    exit_depths=list(c.exit_depths), seed=c.seed, weight_versions=list(c.weight_versions))
+                    for c in comps],
+                finished=finished, weight_version=parent.weight_version, metrics=parent.metrics,
                 sampling_params=parent.params))
             if finished:
                 self._drop(rid)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 
 from loopline import AsyncLLM, SamplingParams
@@ -137,3 +138,23 @@ def test_shutdown_aborts_in_flight_and_refuses_new_work(make_engine_args):
 
     run(main())
     assert not llm.is_running and llm.engine.kv.num_used_blocks == 0
+
+
+def test_an_engine_error_fails_waiters_instead_of_hanging_them(make_engine_args, serve_app):
+    llm = AsyncLLM(make_engine_args())
+
+    def broken_step():
+        raise RuntimeError("injected engine failure")
+
+    llm.engine.step = broken_step
+    with pytest.raises(RuntimeError, match="injected"):
+        run(collect(llm, PROMPT, SamplingParams(max_tokens=2), "x"))
+    assert llm.errored and not llm.is_running
+    with pytest.raises(RuntimeError, match="injected"):  # later callers get the same error at once
+        run(collect(llm, PROMPT, SamplingParams(max_tokens=2), "y"))
+    from loopline.entrypoints.openai.api_server import build_app
+
+    srv = serve_app(build_app(llm, "m"))
+    assert httpx.get(srv.base_url + "/health").status_code == 503
+    r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": PROMPT})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"

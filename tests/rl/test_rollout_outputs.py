@@ -1,0 +1,67 @@
+"""What a trainer reads from a rollout: aligned logprobs, effective parameters, seeds, stops, versions."""
+from __future__ import annotations
+
+import pytest
+
+from loopline import SamplingParams
+
+
+def test_logprobs_zero_gives_the_sampled_token_aligned_one_to_one(tiny_gqa, engine_for, run, ids):
+    engine = engine_for(tiny_gqa)
+    params = SamplingParams(n=2, max_tokens=7, temperature=1.0, logprobs=0, ignore_eos=True, exit_threshold=0.6)
+    out = run(engine, {"a": (ids(6), params)})["a"]
+    for c in out.outputs:
+        assert len(c.token_ids) == len(c.logprobs) == len(c.token_logprobs) == len(c.exit_depths) == 7
+        for tid, step, flat in zip(c.token_ids, c.logprobs, c.token_logprobs):
+            assert list(step) == [tid]  # logprobs=0: exactly the sampled token
+            assert step[tid].logprob == flat <= 0.0 and step[tid].rank >= 1
+        assert c.cumulative_logprob == pytest.approx(sum(c.token_logprobs), abs=1e-5)
+        assert all(isinstance(x, float) for x in c.token_logprobs)
+    no_logprobs = run(engine, {"b": (ids(6), params.clone(logprobs=None))})["b"].outputs[0]
+    assert no_logprobs.logprobs is None and no_logprobs.token_logprobs is None
+
+
+def test_outputs_carry_the_effective_sampling_parameters(tiny_gqa, engine_for, run, ids):
+    engine = engine_for(tiny_gqa)
+    r = tiny_gqa.cfg["total_ut_steps"]
+    out = run(engine, {"a": (ids(5), SamplingParams(max_tokens=4, n=3, min_loops=2, ignore_eos=True))})["a"]
+    eff = out.sampling_params
+    assert eff.seed is not None and eff.max_loops == r and eff.min_loops == 2
+    assert eff.exit_threshold == tiny_gqa.cfg["early_exit_threshold"] and eff.max_tokens == 4
+    assert [c.seed for c in out.outputs] == [eff.seed, eff.seed + 1, eff.seed + 2]  # one stream per child
+    assert all(min(c.exit_depths) >= 2 for c in out.outputs)
+    # The reported seed reproduces the sample.
+    again = run(engine, {"b": (ids(5), eff.clone(n=1, seed=out.outputs[1].seed))})["b"]
+    assert again.outputs[0].token_ids == out.outputs[1].token_ids
+
+
+def test_unseeded_group_does_not_collapse(tiny_gqa, engine_for, run, ids):
+    """A GRPO group: the same prompt many times with seed=None (verl sends one request per sample)."""
+    engine = engine_for(tiny_gqa)
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, logprobs=0)
+    done = run(engine, {f"g{i}": (ids(6), params) for i in range(6)})
+    samples = {tuple(o.outputs[0].token_ids) for o in done.values()}
+    seeds = {o.outputs[0].seed for o in done.values()}
+    assert len(samples) == 6 and len(seeds) == 6
+
+
+def test_stop_token_ids_end_the_completion_with_the_token(tiny_gqa, engine_for, run, ids):
+    engine = engine_for(tiny_gqa)
+    free = run(engine, {"a": (ids(6), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))})["a"]
+    stop_at = free.outputs[0].token_ids[4]
+    first = free.outputs[0].token_ids.index(stop_at)
+    out = run(engine, {"b": (ids(6), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0,
+                                                    stop_token_ids=[stop_at]))})["b"].outputs[0]
+    assert out.token_ids == free.outputs[0].token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert len(out.token_logprobs) == len(out.exit_depths) == first + 1
+
+
+def test_every_output_carries_its_weight_version(tiny_gqa, engine_for, ids):
+    engine = engine_for(tiny_gqa)
+    engine.add_request("a", {"prompt_token_ids": ids(5)}, SamplingParams(max_tokens=5, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += engine.step()
+    assert seen and all(o.weight_version == 0 for o in seen)
+    assert seen[-1].finished and seen[-1].outputs[0].weight_versions == [0] * 5
