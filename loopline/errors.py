@@ -20,3 +20,8 @@ class CapacityError(InvalidRequestError):
 
 class EngineStateError(LooplineError, RuntimeError):
     """The engine cannot do this now (e.g. a half-applied weight update)."""
+
+
+class WeightUpdateError(InvalidRequestError):
+    """A weight update was rejected (bad version, unknown / missing / duplicate names, wrong
+    shape or dtype, non-finite values); ``param`` names the tensor or field."""

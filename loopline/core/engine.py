@@ -11,6 +11,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,12 +23,14 @@ from loopline.core.output_processor import OutputProcessor
 from loopline.core.queue import make_queue
 from loopline.core.request import Request
 from loopline.core.scheduler import Preemption, Scheduler, make_allocation, make_scheduling_mode
-from loopline.errors import CapacityError, EngineStateError, InvalidRequestError
+from loopline.errors import CapacityError, EngineStateError, InvalidRequestError, WeightUpdateError
 from loopline.kv.layout import make_layout
 from loopline.kv.manager import KVCacheManager
-from loopline.models.loader import load_config, load_model, load_tokenizer
+from loopline.models.loader import CONFIG_FILE, load_config, load_model, load_tokenizer
 from loopline.models.ouro import OuroForCausalLM
 from loopline.outputs import RequestOutput
+from loopline.rl.lifecycle import PAUSE_MODES, WAKE_TAGS, GenerationControl
+from loopline.rl.weights import WeightUpdater, iter_checkpoint
 from loopline.sampling_params import SamplingParams
 from loopline.worker.model_runner import ModelRunner
 from loopline.worker.sampler import Sampler
@@ -35,6 +38,9 @@ from loopline.worker.sampler import Sampler
 logger = logging.getLogger("loopline")
 
 PromptType = str | list[int] | dict[str, Any]
+# config.json fields a published checkpoint must share with the served model
+_ARCHITECTURE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "total_ut_steps")
 _CPU_KV_GB = 1.0
 
 
@@ -101,6 +107,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self.weight_version: Any = 0
+        self.weights = WeightUpdater(self.model)  # full-weight updates (loopline.rl)
+        self.control = GenerationControl()  # pause / sleep state (loopline.rl)
         self._seed_rng = random.Random(args.seed)
         self._arrivals = itertools.count()
         self._eos = frozenset(model_cfg.eos_token_ids)
@@ -124,7 +132,12 @@ class LLMEngine:
     # --- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     *, chat_stop: bool = False) -> None:
-        """Validates and queues a request; raises ``InvalidRequestError`` and changes nothing on bad input."""
+        """Validates and queues a request; raises ``InvalidRequestError`` and changes nothing on bad input.
+
+        While generation is paused the request is held and starts at ``resume_generation()``.
+        """
+        if not self.control.is_paused:
+            self._check_may_generate()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}", param="sampling_params")
@@ -162,7 +175,8 @@ class LLMEngine:
             children.append(Request(child_id, ids, effective, seed + i, max_tokens, eos, next(self._arrivals)))
         self.outputs.add(request_id, prompt_text, ids, effective, [c.request_id for c in children], self.weight_version)
         for child in children:
-            self.scheduler.add_request(child)
+            if not self.control.hold(child):
+                self.scheduler.add_request(child)
         self.stats.prompt_tokens += len(ids) * params.n
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -196,7 +210,7 @@ class LLMEngine:
         """Aborts requests (unknown ids are ignored); their KV is freed at once."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             for child in self.outputs.children(rid):
-                req = self.scheduler.finish_request(child, "abort")
+                req = self.scheduler.finish_request(child, "abort") or self.control.drop_held(child)
                 if req is not None:
                     self.outputs.on_finished(req)
 
@@ -205,15 +219,17 @@ class LLMEngine:
         self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.control.held)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
+        return len(self.scheduler.requests) + len(self.control.held)
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one loop for every scheduled row; returns outputs of requests that progressed."""
         t0 = time.perf_counter()
+        if self._step_blocked():  # paused with mode "keep", or no usable weights / KV
+            return self.outputs.collect()
         sched = self.scheduler.schedule()
         if sched.is_empty and self.scheduler.num_running and not sched.preempted_request_ids:
             victim = self.scheduler.blocked_victim()  # nothing can progress: fail one request, clearly
@@ -240,3 +256,153 @@ class LLMEngine:
         self.stats.scheduled_tokens += sched.num_tokens
         self.stats.step_time_s += time.perf_counter() - t0
         return self.outputs.collect()
+
+    # --- RL: weight updates, pause / resume, sleep (the logic lives in loopline.rl) -------
+    def get_weight_version(self) -> int:
+        """The committed weight version (0 for the weights loaded at start)."""
+        return self.weight_version
+
+    def start_weight_update(self, version: int) -> None:
+        """Opens a full-weight update to ``version`` (>= the committed one; equal re-publishes).
+
+        The engine must be idle or paused with nothing generating (``"abort"``, a drained
+        ``"wait"``, or ``"keep"``, whose frozen requests continue on the new weights).
+        """
+        if self.scheduler.has_unfinished() and not self.control.frozen:
+            raise EngineStateError(
+                f"weight updates need an idle or paused engine, but {len(self.scheduler.requests)} request(s) are "
+                "generating; pause_generation('abort' | 'keep'), or 'wait' until is_drained, first")
+        if self.control.weights_asleep:
+            raise EngineStateError("the weights are asleep (sleep(level=2)); wake_up(tags=['weights']) first")
+        self.weights.start(version, self.weight_version)
+
+    def update_weights(self, weights: Any) -> int:
+        """Validates, then copies in place, one batch of ``(HF name, tensor)`` pairs (call once per shard)."""
+        return self.weights.update(weights)
+
+    def finish_weight_update(self) -> int:
+        """Commits the update once every parameter arrived: prefix cache reset, new salt, new version."""
+        version, changed = self.weights.finish()
+        if changed:
+            self.weight_version = version
+            self.scheduler.cache_salt = version
+            self.kv.reset_prefix_cache()
+        return version
+
+    def abort_weight_update(self) -> None:
+        """Drops an open update: the old weights still serve unless some tensors were already copied."""
+        self.weights.abort()
+
+    def update_weights_from_disk(self, path: str, version: int) -> int:
+        """Publishes a safetensors checkpoint directory as ``version``: every shard is read and
+        validated before anything is copied, then streamed shard by shard."""
+        self.start_weight_update(version)
+        try:
+            if (Path(path) / CONFIG_FILE).is_file():
+                cfg, mine = load_config(path), self.model_config
+                differ = [f"{k}={getattr(cfg, k)!r} (serving {getattr(mine, k)!r})" for k in _ARCHITECTURE
+                          if getattr(cfg, k) != getattr(mine, k)]
+                if differ:
+                    raise WeightUpdateError(f"{path}: the checkpoint's architecture differs: {', '.join(differ)}",
+                                            param="path")
+            seen: set[str] = set()
+            for shard in iter_checkpoint(path):  # dry run: names, shapes, dtypes, finite values, duplicates
+                seen.update(n for n, _, _ in self.weights.validate(shard, already_seen=seen))
+            for shard in iter_checkpoint(path):
+                self.update_weights(shard)
+        except BaseException:
+            self.weights.abort()  # no-op if the failed call already closed the update
+            raise
+        return self.finish_weight_update()
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Pauses generation: ``"abort"`` in-flight requests, ``"wait"`` for them to drain (keep
+        stepping), or ``"keep"`` them frozen with their KV. New requests are held until resume.
+        Outputs of aborted requests come from the next ``step()``."""
+        if mode not in PAUSE_MODES:
+            raise InvalidRequestError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", param="mode")
+        self.control.pause_mode = mode
+        if mode == "abort":
+            finished = [self.scheduler.finish_request(rid, "abort") for rid in list(self.scheduler.requests)]
+            finished += [self.control.drop_held(req.request_id) for req in list(self.control.held)]
+            for req in finished:
+                self.outputs.on_finished(req)
+
+    def resume_generation(self) -> None:
+        """Resumes after a pause: frozen requests continue, held ones are queued in arrival order."""
+        if not self.control.is_paused:
+            return
+        self._check_may_generate()
+        self.control.pause_mode = None
+        for req in self.control.take_held():
+            self.scheduler.add_request(req)
+
+    @property
+    def is_paused(self) -> bool:
+        return self.control.is_paused
+
+    @property
+    def is_drained(self) -> bool:
+        """Paused and no request left in flight (held ones have not started)."""
+        return self.control.is_paused and not self.scheduler.has_unfinished()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.control.is_sleeping
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees device memory for a colocated trainer: level 1 the KV pool, level 2 also the
+        weights (moved to CPU memory). Needs no request in flight."""
+        if level not in (1, 2):
+            raise InvalidRequestError(f"level must be 1 or 2, got {level!r}", param="level")
+        if self.scheduler.has_unfinished():
+            raise EngineStateError(f"sleep needs no request in flight, but {len(self.scheduler.requests)} are "
+                                   "unfinished; abort them (pause_generation('abort')) or let them finish")
+        if self.weights.in_progress:
+            raise EngineStateError("a weight update is in progress; finish or abort it before sleeping")
+        if not self.control.kv_asleep:
+            self.kv.reset_prefix_cache()  # cached pages die with the pool
+            self.runner.release_kv_cache()
+            self.control.kv_asleep = True
+        if level == 2 and not self.control.weights_asleep:
+            self.control.offload_weights(self.model)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restores what ``sleep`` released (``tags``: ``"weights"`` and/or ``"kv_cache"``; default both)."""
+        tags = list(WAKE_TAGS) if tags is None else list(tags)
+        bad = [t for t in tags if t not in WAKE_TAGS]
+        if bad:
+            raise InvalidRequestError(f"tags must be among {list(WAKE_TAGS)}, got {bad}", param="tags")
+        if "weights" in tags and self.control.weights_asleep:
+            self.control.restore_weights(self.model, self.config.device)
+        if "kv_cache" in tags and self.control.kv_asleep:
+            self.runner.allocate_kv_cache()
+            self.control.kv_asleep = False
+        if not self.control.is_sleeping:
+            self.runner.restore_graphs()  # needs both weights and KV at their (new) addresses
+
+    def _not_ready_reason(self) -> str | None:
+        if self.weights.in_progress:
+            return f"a weight update to version {self.weights.pending_version} is in progress"
+        if self.weights.broken:
+            return ("the weights are partially updated (an update failed after copying some tensors); publish a "
+                    "complete update (start_weight_update / update_weights / finish_weight_update) first")
+        if self.control.is_sleeping:
+            return "the engine is asleep; call wake_up() first"
+        return None
+
+    def _check_may_generate(self) -> None:
+        reason = self._not_ready_reason()
+        if reason is not None:
+            raise EngineStateError(f"cannot generate: {reason}")
+
+    def _step_blocked(self) -> bool:
+        """True when ``step`` must not run the model: frozen, or no usable weights / KV."""
+        if self.control.frozen:
+            return True
+        reason = self._not_ready_reason()
+        if reason is None:
+            return False
+        if self.scheduler.has_unfinished():
+            raise EngineStateError(f"cannot step: {reason}")
+        return True

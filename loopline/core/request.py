@@ -40,6 +40,7 @@ class Request:
     # prefill progress
     chunks: list[PrefillChunk] = field(default_factory=list)
     num_cached_tokens: int = 0
+    cache_salt: object = None  # the scheduler's prefix-cache salt (weight version) when prefill began
     # decode progress
     slot: int = -1
     token_loop: int = 0  # loops done by the in-flight decode token; 0: none in flight

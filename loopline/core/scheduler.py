@@ -240,6 +240,7 @@ class Scheduler:
             self._out.resumed_requests.append(ResumedRequestData(req.request_id, alloc.block_tables, req.slot))
             return
         req.status = RequestStatus.PREFILL
+        req.cache_salt = self.cache_salt
         req.num_cached_tokens = alloc.num_cached_tokens
         if alloc.num_cached_tokens:
             req.chunks.append(PrefillChunk(0, alloc.num_cached_tokens, loops_done=self.num_loops))
@@ -335,7 +336,10 @@ class Scheduler:
                 chunk.loops_done += 1
                 if exited:
                     req.status = RequestStatus.DECODE
-                    self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.cache_salt)
+                    # NOTE: a prompt whose prefill began under older weights (frozen across an
+                    # update by pause "keep") is never cached under the new salt.
+                    if req.cache_salt == self.cache_salt:
+                        self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.cache_salt)
             elif exited:
                 req.token_loop = 0
             else:

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from loopline.config import EngineArgs
 from loopline.core.engine import LLMEngine, PromptType
-from loopline.errors import InvalidRequestError
+from loopline.errors import EngineStateError, InvalidRequestError
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
 
@@ -64,6 +64,46 @@ class LLM:
             ids = ids["input_ids"]
         return list(ids)
 
+    # --- RL: weights and lifecycle (LLMEngine methods; see docs/rl.md) --------------------
+    def get_weight_version(self) -> int:
+        return self.llm_engine.get_weight_version()
+
+    def start_weight_update(self, version: int) -> None:
+        self.llm_engine.start_weight_update(version)
+
+    def update_weights(self, weights: Any) -> int:
+        return self.llm_engine.update_weights(weights)
+
+    def finish_weight_update(self) -> int:
+        return self.llm_engine.finish_weight_update()
+
+    def abort_weight_update(self) -> None:
+        self.llm_engine.abort_weight_update()
+
+    def update_weights_from_disk(self, path: str, version: int) -> int:
+        return self.llm_engine.update_weights_from_disk(path, version)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm_engine.reset_prefix_cache()
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self.llm_engine.pause_generation(mode)
+
+    def resume_generation(self) -> None:
+        self.llm_engine.resume_generation()
+
+    def is_paused(self) -> bool:
+        return self.llm_engine.is_paused
+
+    def sleep(self, level: int = 1) -> None:
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping
+
     # --- internals ----------------------------------------------------------------------
     @staticmethod
     def _as_batch(prompts: Any) -> list[PromptType]:
@@ -87,6 +127,8 @@ class LLM:
 
     def _run(self, batch: list[PromptType], params: list[SamplingParams], use_tqdm: bool, chat: bool = False) -> list[RequestOutput]:
         engine = self.llm_engine
+        if engine.is_paused:  # requests would be held until a resume this call can never see
+            raise EngineStateError("generation is paused; call resume_generation() first")
         ids = [f"llm-{next(self._ids)}" for _ in batch]
         added = []
         try:

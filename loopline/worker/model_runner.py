@@ -119,6 +119,8 @@ class ModelRunner:
         self.slot_survival = torch.ones(max_num_seqs + 1, dtype=torch.float32, device=device)
         self.max_num_seqs = max_num_seqs
         self.graphs: DecodeGraphs | None = None
+        self._graphs_max_seq_len: int | None = None  # graphs to recapture after a sleep
+        self._kv_shape = shape
         self._copies_on_exit = len(layout.exit_copy_planes(1)) > 0
         self.requests: dict[str, _RequestState] = {}
         self.snapshots: dict[str, _Snapshot] = {}
@@ -127,6 +129,32 @@ class ModelRunner:
         """Captures decode-only steps as CUDA graphs (CUDA and a graph-safe attention backend only)."""
         self.graphs = DecodeGraphs(self, self.max_num_seqs, max_seq_len)
         self.graphs.capture()
+
+    # --- sleep (colocated training) ---------------------------------------------------
+    def release_kv_cache(self) -> None:
+        """Frees the KV pool. No request may be in flight: leftover request state is dropped.
+
+        CUDA graphs captured on the pool's addresses are dropped too; :meth:`restore_graphs`
+        recaptures them once the pool (and the weights) are back.
+        """
+        self.requests.clear()
+        self.snapshots.clear()
+        if self.graphs is not None:
+            self._graphs_max_seq_len, self.graphs = self.graphs.max_seq_len, None
+        self.k_cache = self.v_cache = torch.empty(0, dtype=self.dtype, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def allocate_kv_cache(self) -> None:
+        """Re-allocates the KV pool released by :meth:`release_kv_cache` (zeroed, new addresses)."""
+        self.k_cache = torch.zeros(self._kv_shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(self._kv_shape, dtype=self.dtype, device=self.device)
+
+    def restore_graphs(self) -> None:
+        """Recaptures the CUDA graphs dropped by :meth:`release_kv_cache` (a no-op if there were none)."""
+        if self._graphs_max_seq_len is not None:
+            max_seq_len, self._graphs_max_seq_len = self._graphs_max_seq_len, None
+            self.capture_graphs(max_seq_len)
 
     @staticmethod
     def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:

@@ -1,0 +1,241 @@
+"""Full-weight updates for RL trainers (DESIGN.md §6): validate everything, then copy in place.
+
+One update is ``start(version) -> update(weights)* -> finish()``:
+
+* ``update`` may be called several times (e.g. once per shard or bucket).
+  Each call is validated as a whole -- every name known and not yet sent,
+  every shape equal, every dtype floating point, every value finite after the
+  cast to the parameter's dtype -- before any of its tensors is copied, so a
+  rejected call changes nothing. Pass shards to bound the memory a call holds.
+* Tensors are copied with ``Tensor.copy_`` into the existing parameters, so
+  parameter addresses (and CUDA graphs captured on them) stay valid.
+* ``finish`` fails unless every parameter was received exactly once.
+* A failure after something was copied (a later rejected call, a copy error,
+  an incomplete ``finish``) leaves the weights *partially new*: ``broken``
+  stays True, and the engine refuses to generate, until a complete update
+  lands. A failure before any copy leaves the old weights serving.
+* Re-publishing the committed version is a no-op when the tensors equal the
+  current weights and an error (with nothing changed) when they differ.
+
+The engine owns the committed version and what a commit implies (prefix cache
+reset, cache salt); this module owns validation, copying and the
+partially-updated state.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from loopline.errors import EngineStateError, WeightUpdateError
+
+# Buffers some exporters persist although the model recomputes them (as the loader ignores them).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _summary(items: list[str], limit: int = 5) -> str:
+    shown = ", ".join(items[:limit])
+    return f"{shown} ({len(items)} in all)" if len(items) > limit else shown
+
+
+@dataclass
+class _Session:
+    version: int
+    verify: bool  # re-publishing the committed version: compare, never copy
+    seen: set[str] = field(default_factory=set)
+    copied: bool = False  # some parameter already holds a new value
+
+
+class WeightUpdater:
+    """Validates weight updates for one model and copies them into its parameters in place."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        # name -> parameter (or buffer) object; the objects stay the same for the model's life.
+        self._targets: dict[str, Tensor] = dict(model.state_dict(keep_vars=True))
+        self._shapes = {n: tuple(t.shape) for n, t in self._targets.items()}
+        self._dtypes = {n: t.dtype for n, t in self._targets.items()}
+        self.session: _Session | None = None
+        self.broken = False  # a failed update left some parameters new and others old
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._targets)
+
+    @property
+    def in_progress(self) -> bool:
+        return self.session is not None
+
+    @property
+    def pending_version(self) -> int | None:
+        return self.session.version if self.session is not None else None
+
+    # --- protocol ---------------------------------------------------------------------
+    def start(self, version: Any, committed: int) -> None:
+        if self.session is not None:
+            raise EngineStateError(f"a weight update to version {self.session.version} is in progress; "
+                                   "finish_weight_update() or abort_weight_update() first")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise WeightUpdateError(f"version must be a non-negative integer, got {version!r}", param="version")
+        if version < committed:
+            raise WeightUpdateError(f"versions must increase: version {committed} is committed, got {version}",
+                                    param="version")
+        # A broken engine may re-publish the committed version: that is a repair, not a no-op.
+        self.session = _Session(version, verify=version == committed and not self.broken)
+
+    def update(self, weights: Iterable[tuple[str, Tensor]]) -> int:
+        """Validates then applies one batch of ``(name, tensor)``; returns how many tensors it held."""
+        s = self._require_session()
+        try:
+            items = self.validate(weights, already_seen=s.seen)
+            if s.verify:
+                differ = [n for n, target, src in items if not torch.equal(target.detach(), src.to(target.device))]
+                if differ:
+                    raise WeightUpdateError(
+                        f"version {s.version} is already committed with different weights ({_summary(differ)}); "
+                        "publish them under a newer version", param=differ[0])
+        except Exception:
+            self._fail()
+            raise
+        if not s.verify:
+            self._copy(s, items)
+        s.seen.update(n for n, _, _ in items)
+        return len(items)
+
+    def finish(self) -> tuple[int, bool]:
+        """Checks completeness; returns ``(version, changed)``. ``changed`` is False for a verified re-publish."""
+        s = self._require_session()
+        missing = sorted(self._targets.keys() - s.seen)
+        if missing:
+            self._fail()
+            raise WeightUpdateError(f"the update to version {s.version} is incomplete: {len(missing)} parameter(s) were "
+                                    f"never sent: {_summary(missing)}", param=missing[0])
+        device = next(iter(self._targets.values())).device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # every copy has landed before the version is committed
+        self.session = None
+        if not s.verify:
+            self.broken = False
+        return s.version, not s.verify
+
+    def abort(self) -> None:
+        """Drops the open update; the weights are broken if some were already copied."""
+        self._fail()
+
+    # --- validation -------------------------------------------------------------------
+    def validate(self, weights: Iterable[tuple[str, Tensor]], already_seen: set[str] | frozenset[str] = frozenset()
+                 ) -> list[tuple[str, Tensor, Tensor]]:
+        """``(name, target parameter, source cast to its dtype)`` for each entry, or a ``WeightUpdateError``."""
+        if isinstance(weights, dict):
+            weights = weights.items()
+        elif isinstance(weights, (str, bytes, Tensor)) or not isinstance(weights, Iterable):
+            raise WeightUpdateError(f"weights must be an iterable of (name, tensor) pairs, got {type(weights).__name__}",
+                                    param="weights")
+        items: list[tuple[str, Tensor, Tensor]] = []
+        in_call: set[str] = set()
+        for entry in weights:
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise WeightUpdateError(f"weights must be (name, tensor) pairs, got {type(entry).__name__}", param="weights")
+            name, tensor = entry
+            if not isinstance(name, str):
+                raise WeightUpdateError(f"parameter names must be strings, got {name!r}", param="weights")
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            target = self._targets.get(name)
+            if target is None:
+                raise WeightUpdateError(f"unknown parameter {name!r} (names are the Hugging Face checkpoint names, "
+                                        "e.g. 'model.layers.0.self_attn.q_proj.weight')", param=name)
+            if name in in_call or name in already_seen:
+                raise WeightUpdateError(f"parameter {name!r} was sent twice in one update", param=name)
+            if not isinstance(tensor, Tensor):
+                raise WeightUpdateError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}", param=name)
+            if tuple(tensor.shape) != self._shapes[name]:
+                raise WeightUpdateError(f"{name}: shape {tuple(tensor.shape)} does not match the model's "
+                                        f"{self._shapes[name]}", param=name)
+            if not tensor.is_floating_point():
+                raise WeightUpdateError(f"{name}: dtype {tensor.dtype} is not floating point", param=name)
+            in_call.add(name)
+            items.append((name, target, tensor.detach().to(dtype=self._dtypes[name])))
+        if items:
+            finite = torch.stack([torch.isfinite(src).all().to("cpu") for _, _, src in items]).tolist()
+            bad = [n for (n, _, _), ok in zip(items, finite) if not ok]
+            if bad:
+                raise WeightUpdateError(f"tensor(s) with non-finite values (NaN/Inf) as the model's dtype: {_summary(bad)}",
+                                        param=bad[0])
+        return items
+
+    # --- internals --------------------------------------------------------------------
+    def _copy(self, s: _Session, items: list[tuple[str, Tensor, Tensor]]) -> None:
+        name = None
+        try:
+            with torch.no_grad():
+                for name, target, src in items:
+                    s.copied = True  # NOTE: set before the copy: a copy that fails half way may have written
+                    target.copy_(src)
+                    s.seen.add(name)
+        except Exception as e:
+            self._fail()
+            raise EngineStateError(f"copying {name} failed ({type(e).__name__}: {e}); the weights are partially updated "
+                                   "and the engine refuses to generate until a complete update lands") from e
+
+    def _require_session(self) -> _Session:
+        if self.session is None:
+            raise EngineStateError("no weight update in progress; call start_weight_update(version) first")
+        return self.session
+
+    def _fail(self) -> None:
+        s, self.session = self.session, None
+        if s is not None and s.copied:
+            self.broken = True
+
+
+# --- checkpoints on disk -------------------------------------------------------------
+
+
+def checkpoint_shards(path: str | Path) -> list[Path]:
+    """The safetensors files of a Hugging Face checkpoint directory, in index order."""
+    from loopline.models.loader import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, CheckpointError
+
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"model directory {root} {'is not a directory' if root.exists() else 'does not exist'}")
+    if (root / WEIGHTS_FILE).is_file():
+        return [root / WEIGHTS_FILE]
+    index = root / WEIGHTS_INDEX_FILE
+    if not index.is_file():
+        raise CheckpointError(f"{root}: no weights: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} exists")
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: invalid index ({e})") from e
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: weight_map is missing or empty; expected {{tensor name: shard file}}")
+    shards = [root / s for s in dict.fromkeys(weight_map.values())]
+    missing = [s.name for s in shards if not s.is_file()]
+    if missing:
+        raise CheckpointError(f"{index}: missing shard file(s): {_summary(missing)}")
+    return shards
+
+
+def read_shard(path: Path) -> dict[str, Tensor]:
+    """All tensors of one safetensors file on the CPU (a ``CheckpointError`` if it is corrupt)."""
+    from safetensors import SafetensorError, safe_open
+
+    from loopline.models.loader import CheckpointError
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from e
+
+
+def iter_checkpoint(path: str | Path) -> Iterator[dict[str, Tensor]]:
+    """The tensors of a checkpoint, one shard at a time."""
+    for shard in checkpoint_shards(path):
+        yield read_shard(shard)
