@@ -1,0 +1,78 @@
+"""Where does a decode step's time go? (GPU, Ouro shapes, random weights)
+
+python tools/profile_step.py --rows 1 --context 1024 [--eager]
+Prints the mean step time, the CUDA-graph replay time alone, and a host profile.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from loopline.config import EngineArgs
+from loopline.core.engine import LLMEngine
+from loopline.models.ouro import OuroForCausalLM
+from loopline.models.tiny import random_checkpoint_config
+from loopline.sampling_params import SamplingParams
+from loopline.worker.step_inputs import build_step_inputs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="ouro-1.4b")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--eager", action="store_true")
+    a = ap.parse_args()
+    cfg = random_checkpoint_config(a.config)
+    with torch.device("cuda"):
+        model = OuroForCausalLM(cfg).to(torch.bfloat16)
+    engine = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=max(8, a.rows),
+                                  kv_cache_memory_gb=8, enforce_eager=a.eager, max_model_len=a.context + 512), model=model)
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    for i in range(a.rows):
+        engine.add_request(f"r{i}", list(range(3, 3 + a.context)), params)
+    while any(r.status.value != "decode" for r in engine.scheduler.requests.values()):
+        engine.step()
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) / a.steps * 1e3
+    print(f"rows={a.rows} context={a.context} eager={a.eager}: mean step {step_ms:.3f} ms "
+          f"-> {a.rows * 1e3 / (step_ms * 4):.1f} output tok/s at 4 loops")
+    runner = engine.runner
+    if runner.graphs is not None:
+        sched = engine.scheduler.schedule()
+        inp = build_step_inputs(sched.rows, runner._block_arrays, runner.layout.num_planes, runner.block_size)
+        print("graph fits:", runner.graphs.fits(inp), "decode_only:", inp.decode_only)
+        b = next(s for s in runner.graphs.sizes if s >= inp.decode.n)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            runner.graphs.graphs[b].replay()
+        torch.cuda.synchronize()
+        print(f"graph replay alone: {(time.perf_counter() - t0) / 20 * 1e3:.3f} ms")
+        t0 = time.perf_counter()
+        for _ in range(20):
+            runner.graphs.run(inp)
+        torch.cuda.synchronize()
+        print(f"graph run (inputs + replay): {(time.perf_counter() - t0) / 20 * 1e3:.3f} ms")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(a.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
