@@ -60,6 +60,7 @@ class EngineArgs:
     logprobs_mode: LogprobsMode = _opt("raw_logprobs", "logprobs of the raw model logits or of the processed sampling distribution")
     max_logprobs: int = _opt(20, "largest logprobs / prompt_logprobs a request may ask for")
     attention_backend: AttentionBackendName = _opt("auto", "paged attention backend ('auto': triton on CUDA, torch on CPU)")
+    kernel_backend: AttentionBackendName = _opt("auto", "layer math (norms, rotary, SwiGLU): 'auto' (fused triton kernels on CUDA), 'torch' (reference), 'triton'")
     enforce_eager: bool = _opt(False, "disable CUDA graphs")
     max_seq_len_to_capture: int = _opt(8192, "longest context served by CUDA graphs; longer decode steps run eagerly")
     async_scheduling: bool = _opt(False, "overlap host scheduling with device execution")
@@ -85,7 +86,7 @@ class EngineArgs:
         for name in ("block_size", "max_num_seqs", "max_seq_len_to_capture", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "kv_cache_memory_gb"):
             positive(name, getattr(self, name))
         for name, lit in (("kv_layout", KVLayoutName), ("scheduling_mode", SchedulingMode), ("scheduling_policy", SchedulingPolicy),
-                          ("exit_mode", ExitMode), ("kv_allocation", KVAllocationName), ("logprobs_mode", LogprobsMode), ("attention_backend", AttentionBackendName), ("dtype", DType)):
+                          ("exit_mode", ExitMode), ("kv_allocation", KVAllocationName), ("logprobs_mode", LogprobsMode), ("attention_backend", AttentionBackendName), ("kernel_backend", AttentionBackendName), ("dtype", DType)):
             allowed = get_args(lit)
             if getattr(self, name) not in allowed:
                 raise InvalidRequestError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}", param=name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ class LLMEngine:
         self.config = EngineConfig(args, model_path, device, dtype, max_len, model_cfg.total_ut_steps)
         self.model_config = model_cfg
         self.model = model.to(device=device, dtype=dtype).eval() if model is not None else load_model(model_path, dtype, device)
+        self._select_kernels(args.kernel_backend, device)
         self.tokenizer = None
         if not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(args.tokenizer or model_path)
@@ -112,6 +114,17 @@ class LLMEngine:
         self._seed_rng = random.Random(args.seed)
         self._arrivals = itertools.count()
         self._eos = frozenset(model_cfg.eos_token_ids)
+
+    def _select_kernels(self, name: str, device: torch.device) -> None:
+        if name == "auto":
+            name = "triton" if device.type == "cuda" else "torch"
+        if name == "triton":
+            from loopline.kernels.fused import TritonOps, triton
+
+            if triton is None or (device.type != "cuda" and not os.environ.get("TRITON_INTERPRET")):
+                raise InvalidRequestError("kernel_backend='triton' needs the triton package and CUDA (or TRITON_INTERPRET=1)",
+                                          param="kernel_backend")
+            self.model.use_ops(TritonOps())
 
     def _num_kv_blocks(self, args: EngineArgs, device: torch.device, dtype: torch.dtype) -> int:
         if args.num_kv_blocks is not None:

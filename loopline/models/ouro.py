@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loopline.models.ops import TORCH_OPS, TorchOps
+
 
 @dataclass(frozen=True)
 class OuroConfig:
@@ -83,10 +85,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return TORCH_OPS.rms_norm(x, self.weight, self.eps)
 
 
 def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -95,13 +94,6 @@ def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: ``[N, heads, head_dim]``; cos/sin: ``[N, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 class OuroAttention(nn.Module):
@@ -114,14 +106,13 @@ class OuroAttention(nn.Module):
         self.v_proj = nn.Linear(h, config.kv_size, bias=False)
         self.o_proj = nn.Linear(config.q_size, h, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attn: Attention) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attn: Attention, ops: TorchOps) -> Tensor:
         n = x.shape[0]
         c = self.config
         q = self.q_proj(x).view(n, c.num_attention_heads, c.head_dim)
         k = self.k_proj(x).view(n, c.num_key_value_heads, c.head_dim)
         v = self.v_proj(x).view(n, c.num_key_value_heads, c.head_dim)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k = ops.rotary(q, k, cos, sin)
         o = attn(layer, q, k, v)
         return self.o_proj(o.reshape(n, c.q_size))
 
@@ -133,8 +124,8 @@ class OuroMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class OuroDecoderLayer(nn.Module):
@@ -151,11 +142,16 @@ class OuroDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: Attention) -> Tensor:
-        a = self.self_attn(self.input_layernorm(x), cos, sin, self.index, attn)
-        x = x + self.input_layernorm_2(a)
-        m = self.mlp(self.post_attention_layernorm(x))
-        return x + self.post_attention_layernorm_2(m)
+    def forward(self, x: Tensor, normed: Tensor, cos: Tensor, sin: Tensor, attn: Attention, next_norm: RMSNorm,
+                ops: TorchOps) -> tuple[Tensor, Tensor]:
+        """x: the residual stream; normed: ``input_layernorm(x)``. Returns the new residual
+        stream and ``next_norm`` of it (the next layer's input norm, or the loop's final norm),
+        so each residual add and the norm after it are one fused op."""
+        eps = self.input_layernorm.eps
+        a = self.self_attn(normed, cos, sin, self.index, attn, ops)
+        x, m_in = ops.add_rms_norm(x, a, self.input_layernorm_2.weight, self.post_attention_layernorm.weight, eps)
+        m = self.mlp(m_in, ops)
+        return ops.add_rms_norm(x, m, self.post_attention_layernorm_2.weight, next_norm.weight, eps)
 
 
 class OuroModel(nn.Module):
@@ -219,24 +215,33 @@ class OuroForCausalLM(nn.Module):
         self.config = config
         self.model = OuroModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.ops: TorchOps = TORCH_OPS  # inference kernels; the dense forward always uses the reference
+
+    def use_ops(self, ops: TorchOps) -> "OuroForCausalLM":
+        """Selects the implementation of the layer math used by :meth:`loop` (e.g. fused GPU kernels)."""
+        self.ops = ops
+        return self
 
     # --- stages -----------------------------------------------------------------
     def embed(self, input_ids: Tensor) -> Tensor:
         """Prelude: ``[N]`` token ids -> ``[N, hidden]``."""
         return self.model.embed_tokens(input_ids)
 
-    def loop(self, hidden: Tensor, positions: Tensor, attn: Attention) -> tuple[Tensor, Tensor]:
+    def loop(self, hidden: Tensor, positions: Tensor, attn: Attention, ops: TorchOps | None = None) -> tuple[Tensor, Tensor]:
         """One traversal of the shared stack, the final norm and the exit gate.
 
         hidden: ``[N, hidden]``; positions: ``[N]``. Returns the post-norm hidden
         state ``h_r`` ``[N, hidden]`` (the next loop's input) and the fp32 gate
         logit ``[N]`` (``lambda_r = sigmoid(logit)``).
         """
+        ops = ops or self.ops
         cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype)
-        x = hidden
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
-        h = self.model.norm(x)
+        layers = self.model.layers
+        x, normed = hidden, ops.rms_norm(hidden, layers[0].input_layernorm.weight, self.config.rms_norm_eps)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, normed = layer(x, normed, cos, sin, attn, next_norm, ops)
+        h = normed  # the final norm of the loop: the next loop's input and the gate's
         return h, self.gate_logits(h)
 
     def gate_logits(self, h: Tensor) -> Tensor:
@@ -269,7 +274,7 @@ class OuroForCausalLM(nn.Module):
         hiddens, gates = [], []
         for r in range(1, loops + 1):
             attn = attention(r) if attention is not None else DenseCausalAttention(b, t)
-            h, g = self.loop(h, positions, attn)
+            h, g = self.loop(h, positions, attn, TORCH_OPS)
             hiddens.append(h.view(b, t, -1))
             gates.append(g.view(b, t))
         hidden_states = torch.stack(hiddens)

@@ -60,3 +60,11 @@ def test_cuda_graphs_equal_eager(tiny_gqa, layout):
     got = [(o.outputs[0].token_ids, o.outputs[0].exit_depths) for o in
            graphs.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     assert got == eager
+
+
+def test_fused_kernels_equal_reference_kernels_fp32(tiny_gqa):
+    prompts = [ids(n, seed=n) for n in (4, 19, 33)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, exit_threshold=0.7)
+    fused = run(tiny_gqa, prompts, params, kernel_backend="triton")
+    reference = run(tiny_gqa, prompts, params, kernel_backend="torch")
+    assert fused == reference

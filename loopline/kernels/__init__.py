@@ -1,0 +1,1 @@
+"""Fused GPU kernels for inference (Triton)."""

@@ -1,0 +1,143 @@
+"""Fused Triton kernels for a decoder layer's elementwise math (inference only).
+
+Each replaces several PyTorch kernels: at decode batch sizes a loop of Ouro
+runs ~1,400 small kernels eagerly, and launch latency, not bandwidth, bounds
+the step. Semantics are ``loopline.models.ops.TorchOps`` (tested against it):
+statistics in fp32, results rounded to the activation dtype where the
+reference rounds.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from loopline.models.ops import TorchOps
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the ops are unusable without triton
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(
+        x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, y_ptr,  # rows of [N, H]; weights [H]
+        n_cols, eps,
+        stride_x, stride_b, stride_xo, stride_y,
+        BLOCK: tl.constexpr, HAS_BRANCH: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dtype = y_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_BRANCH:
+            # x' = x + w_b * norm(b), rounded like the reference: norm -> dtype, * w -> dtype, + x -> dtype
+            b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+            rb = tl.rsqrt(tl.sum(b * b, axis=0) / n_cols + eps)
+            wb = tl.load(wb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            bn = ((b * rb).to(dtype).to(tl.float32) * wb).to(dtype)
+            x = (x.to(tl.float32) + bn.to(tl.float32)).to(dtype)
+            tl.store(x_out_ptr + row * stride_xo + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+        wn = tl.load(wn_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = ((xf * r).to(dtype).to(tl.float32) * wn).to(dtype)
+        tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(
+        x_ptr, out_ptr, cos_ptr, sin_ptr,  # x/out [N, H, D] contiguous; cos/sin [N, D]
+        n_heads, stride_cs,
+        HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):
+        n = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        d = tl.arange(0, HALF)
+        mask = (heads < n_heads)[:, None]
+        dtype = out_ptr.dtype.element_ty
+        base = (n * n_heads + heads.to(tl.int64))[:, None] * (2 * HALF)
+        x1 = tl.load(x_ptr + base + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + base + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + n * stride_cs + d).to(tl.float32)[None, :]  # cos/sin halves are equal
+        s = tl.load(sin_ptr + n * stride_cs + d).to(tl.float32)[None, :]
+        # reference: x*cos + rotate_half(x)*sin, each product rounded to dtype, then the sum
+        o1 = ((x1 * c).to(dtype).to(tl.float32) + (-x2 * s).to(dtype).to(tl.float32)).to(dtype)
+        o2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
+        tl.store(out_ptr + base + d[None, :], o1, mask=mask)
+        tl.store(out_ptr + base + HALF + d[None, :], o2, mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dtype = out_ptr.dtype.element_ty
+        g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # silu rounded like F.silu
+        tl.store(out_ptr + row * stride_o + cols, (act * u).to(dtype), mask=mask)
+
+
+def _row_major(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class TritonOps(TorchOps):
+    """Fused inference kernels; falls back to the reference for autograd."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        if triton is None:
+            raise RuntimeError("TritonOps needs the triton package")
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+        if x.requires_grad:
+            return TorchOps.rms_norm(x, weight, eps)
+        x = _row_major(x)
+        y = torch.empty_like(x)
+        n, h = x.shape
+        _add_rms_norm_kernel[(n,)](x, x, weight, weight, x, y, h, eps, x.stride(0), x.stride(0), x.stride(0),
+                                   y.stride(0), BLOCK=triton.next_power_of_2(h), HAS_BRANCH=False)
+        return y
+
+    def add_rms_norm(self, x: Tensor, branch: Tensor, branch_weight: Tensor, next_weight: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor]:
+        if x.requires_grad or branch.requires_grad:
+            return super().add_rms_norm(x, branch, branch_weight, next_weight, eps)
+        x, branch = _row_major(x), _row_major(branch)
+        x_out, y = torch.empty_like(x), torch.empty_like(x)
+        n, h = x.shape
+        _add_rms_norm_kernel[(n,)](x, branch, branch_weight, next_weight, x_out, y, h, eps, x.stride(0),
+                                   branch.stride(0), x_out.stride(0), y.stride(0),
+                                   BLOCK=triton.next_power_of_2(h), HAS_BRANCH=True)
+        return x_out, y
+
+    def rotary(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        if q.requires_grad or k.requires_grad:
+            return TorchOps.rotary(q, k, cos, sin)
+        outs = []
+        for x in (q, k):
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            n, heads, d = x.shape
+            block_h = min(triton.next_power_of_2(heads), 16)
+            _rotary_kernel[(n, triton.cdiv(heads, block_h))](x, out, cos, sin, heads, cos.stride(0), HALF=d // 2,
+                                                             BLOCK_H=block_h)
+            outs.append(out)
+        return outs[0], outs[1]
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]
+        if gate.requires_grad or up.requires_grad:
+            return TorchOps.silu_mul(gate, up)
+        gate, up = _row_major(gate), _row_major(up)
+        out = torch.empty_like(gate)
+        n, cols = gate.shape
+        block = 1024
+        _silu_mul_kernel[(n, triton.cdiv(cols, block))](gate, up, out, cols, gate.stride(0), up.stride(0),
+                                                        out.stride(0), BLOCK=block)
+        return out

@@ -1,0 +1,47 @@
+"""The elementwise math of a decoder layer as one small interface.
+
+``TorchOps`` is the reference (plain PyTorch, differentiable): the model's
+semantics. Faster implementations (``loopline.kernels.fused.TritonOps``)
+fuse the same math into fewer kernels for inference on the GPU and are
+tested against it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class TorchOps:
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """``weight * (x * rsqrt(mean(x^2) + eps))``: statistics in fp32, cast back before the weight."""
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(dtype)
+
+    def add_rms_norm(self, x: Tensor, branch: Tensor, branch_weight: Tensor, next_weight: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor]:
+        """Sandwich-norm residual: ``x' = x + norm(branch)``; returns ``(x', norm'(x'))``."""
+        x = x + self.rms_norm(branch, branch_weight, eps)
+        return x, self.rms_norm(x, next_weight, eps)
+
+    @staticmethod
+    def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotate-half RoPE on ``[N, heads, D]`` q and k; cos/sin ``[N, D]``."""
+        def rot(x: Tensor) -> Tensor:
+            half = x.shape[-1] // 2
+            rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+            return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+        return rot(q), rot(k)
+
+    @staticmethod
+    def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+        return F.silu(gate) * up
+
+
+TORCH_OPS = TorchOps()
