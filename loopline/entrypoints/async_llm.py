@@ -1,12 +1,18 @@
 """``AsyncLLM``: one continuously batched :class:`LLMEngine` shared by many asyncio callers.
 
 The engine is not thread-safe, so exactly one background thread owns it: it
-applies queued commands (add / abort) in arrival order, runs ``step()`` while
-there is work, and sleeps on a condition variable otherwise. Outputs go back
+applies queued commands (add / abort / control calls) in arrival order, runs
+``step()`` while some request can progress, and sleeps on a condition variable
+otherwise -- also while a pause holds or freezes requests. Outputs go back
 to the event loop with ``loop.call_soon_threadsafe`` into per-request
 :class:`OutputStream`s. Because ``RequestOutput``s are cumulative, a stream
 keeps only the newest output per request: a slow consumer never makes the
 engine thread wait or queues unbounded history.
+
+The RL control calls (``pause_generation``, ``resume_generation``, the weight
+updates, ``reset_prefix_cache``, ``sleep`` / ``wake_up``; see docs/rl.md) are
+queued like adds and aborts and run on the engine thread between steps; their
+exceptions reach the caller unchanged.
 
 Usage (vLLM names)::
 
@@ -14,20 +20,25 @@ Usage (vLLM names)::
     async for out in llm.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
         print(out.outputs[0].text)
     await llm.abort("req-2")
+    await llm.pause_generation("keep"); await llm.update_weights_from_disk("/ckpt/step-1", 1)
+    await llm.resume_generation()
     llm.shutdown()
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from loopline.config import EngineArgs
 from loopline.core.engine import LLMEngine, PromptType
@@ -103,6 +114,18 @@ class _Add:
     ack: asyncio.Future
 
 
+@dataclass
+class _Call:
+    """``fn(engine)`` to run on the engine thread; its result or exception goes to ``future``."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
+    until_drained: bool = False  # pause("wait"): resolve once no request is in flight
+
+
+_Command = _Add | _Call | list  # a list: request ids to abort
+
+
 class AsyncLLM:
     """Async front end of one :class:`LLMEngine` driven by a background thread.
 
@@ -118,8 +141,12 @@ class AsyncLLM:
         # concurrently, and one HF fast tokenizer must not be used from two threads at once.
         self.tokenizer = copy.deepcopy(self.engine.tokenizer)
         self._cond = threading.Condition()
-        self._commands: list[_Add | list[str]] = []  # FIFO: adds and aborts keep their order
+        self._commands: list[_Command] = []  # FIFO: adds, aborts and control calls keep their order
         self._streams: dict[str, tuple[OutputStream, asyncio.AbstractEventLoop]] = {}  # engine thread only
+        # Engine thread only: results of control calls that ran (sent after the next step), and
+        # pause("wait") callers waiting for the requests in flight to finish.
+        self._replies: list[tuple[concurrent.futures.Future, Any, BaseException | None]] = []
+        self._drain_waiters: list[concurrent.futures.Future] = []
         self._stopping = False
         self._dead: BaseException | None = None
         self._step_listeners: list[Callable[[StepRecord], None]] = []
@@ -197,8 +224,99 @@ class AsyncLLM:
             if not finished:
                 self.abort_nowait(request_id)
 
+    async def generate_tokens(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                              request_id: str | None = None) -> RequestOutput:
+        """Token-in / token-out for trainers: runs one request to the end and returns its final output.
+
+        ``out.outputs[i]`` carries ``token_ids``, ``token_logprobs`` (with ``logprobs=0``),
+        ``exit_depths``, ``seed`` and ``finish_reason`` (``"abort"`` if a pause or abort ended
+        it); ``out.weight_version`` is the version that generated it. ``request_id`` defaults
+        to a fresh unique id.
+        """
+        final = None
+        rid = request_id if request_id is not None else f"tok-{uuid.uuid4().hex}"
+        async for out in self.generate({"prompt_token_ids": prompt_token_ids}, sampling_params, rid):
+            final = out
+        assert final is not None and final.finished
+        return final
+
     async def abort(self, request_id: str | list[str]) -> None:
         self.abort_nowait(request_id)
+
+    async def abort_all(self) -> list[str]:
+        """Aborts every unfinished request (running, waiting, frozen or held); returns their ids.
+
+        Their streams end with ``finish_reason="abort"`` and the tokens produced so far.
+        """
+        def abort_all(engine: LLMEngine) -> list[str]:
+            ids = list(self._streams)
+            engine.abort_request(ids)
+            return ids
+
+        return await self._call(abort_all)
+
+    # --- RL control (docs/rl.md): each runs on the engine thread between steps -------------
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Pauses generation (``"abort"`` | ``"wait"`` | ``"keep"``); new requests are held until resume.
+
+        Returns once the pause is in force: for ``"abort"`` every aborted request's stream has
+        its final output; for ``"wait"`` every request in flight has finished (it raises
+        ``EngineStateError`` if the pause is lifted or turned into ``"keep"`` before that).
+        """
+        await self._call(lambda engine: engine.pause_generation(mode), until_drained=mode == "wait")
+
+    async def resume_generation(self) -> None:
+        """Frozen requests continue; held ones start in arrival order."""
+        await self._call(lambda engine: engine.resume_generation())
+
+    async def is_paused(self) -> bool:
+        return await self._call(lambda engine: engine.is_paused)
+
+    async def get_weight_version(self) -> int:
+        return await self._call(lambda engine: engine.get_weight_version())
+
+    async def start_weight_update(self, version: int) -> None:
+        await self._call(lambda engine: engine.start_weight_update(version))
+
+    async def update_weights(self, weights: Any) -> int:
+        """One batch of ``(HF name, tensor)`` pairs (a dict or an iterable); returns how many it held.
+
+        NOTE: the iterable is consumed here, on the caller's thread, before it is handed to
+        the engine thread: a generator that materializes tensors (e.g. with collectives)
+        runs where the caller expects it to.
+        """
+        if isinstance(weights, dict):
+            weights = list(weights.items())
+        elif isinstance(weights, Iterable) and not isinstance(weights, (str, bytes, Tensor)):
+            weights = list(weights)
+        return await self._call(lambda engine: engine.update_weights(weights))
+
+    async def finish_weight_update(self) -> int:
+        return await self._call(lambda engine: engine.finish_weight_update())
+
+    async def abort_weight_update(self) -> None:
+        await self._call(lambda engine: engine.abort_weight_update())
+
+    async def update_weights_from_disk(self, path: str, version: int) -> int:
+        """Publishes a safetensors directory as ``version`` (start, every shard, finish) on the engine thread."""
+        return await self._call(lambda engine: engine.update_weights_from_disk(path, version))
+
+    async def reset_prefix_cache(self) -> None:
+        await self._call(lambda engine: engine.reset_prefix_cache())
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._call(lambda engine: engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call(lambda engine: engine.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        return await self._call(lambda engine: engine.is_sleeping)
+
+    async def _call(self, fn: Callable[[LLMEngine], Any], until_drained: bool = False) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(fn, future, until_drained))
+        return await asyncio.wrap_future(future)
 
     def abort_nowait(self, request_id: str | list[str]) -> None:
         """Aborts requests without awaiting (safe in ``finally`` blocks and from any thread)."""
@@ -216,11 +334,14 @@ class AsyncLLM:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    def _submit(self, cmd: _Add) -> None:
+    def _submit(self, cmd: _Add | _Call) -> None:
         with self._cond:
             if self._stopping or self._dead is not None:
                 error = self._dead or EngineDeadError("the engine is shutting down")
-                cmd.ack.get_loop().call_soon(_set_exception, cmd.ack, error)
+                if isinstance(cmd, _Add):
+                    cmd.ack.get_loop().call_soon(_set_exception, cmd.ack, error)
+                else:
+                    cmd.future.set_exception(error)
                 return
             self._commands.append(cmd)
             self._cond.notify()
@@ -235,7 +356,9 @@ class AsyncLLM:
         try:
             while True:
                 with self._cond:
-                    while not (self._commands or self._stopping or engine.has_unfinished_requests()):
+                    # NOTE: requests held or frozen by a pause count as unfinished but cannot
+                    # progress: wait for a command (resume) instead of stepping.
+                    while not (self._commands or self._stopping or engine.has_runnable_requests()):
                         self._cond.wait()
                     if idle and not (self._commands or self._stopping):
                         self._cond.wait(_IDLE_WAIT_S)  # do not spin on steps that cannot make progress
@@ -246,6 +369,8 @@ class AsyncLLM:
                 if stopping:
                     engine.abort_request(list(self._streams))
                 idle = not self._step()
+                self._send_replies()  # after the outputs the calls caused (e.g. aborts) were delivered
+                self._check_drained()
                 if stopping:
                     break
         except BaseException as e:  # an engine bug: fail every waiter instead of hanging them
@@ -254,9 +379,22 @@ class AsyncLLM:
             return
         self._die(EngineDeadError("the engine was shut down"))
 
-    def _apply(self, cmd: _Add | list[str]) -> None:
+    def _apply(self, cmd: _Command) -> None:
         if isinstance(cmd, list):
             self.engine.abort_request(cmd)  # outputs with finish_reason "abort" come from the next step
+            return
+        if isinstance(cmd, _Call):
+            if not cmd.future.set_running_or_notify_cancel():
+                return  # the caller gave up before it ran
+            try:
+                result = cmd.fn(self.engine)
+            except Exception as e:  # engine errors go back to the caller unchanged
+                self._replies.append((cmd.future, None, e))
+                return
+            if cmd.until_drained:
+                self._drain_waiters.append(cmd.future)
+            else:
+                self._replies.append((cmd.future, result, None))
             return
         loop = cmd.ack.get_loop()
         try:
@@ -285,6 +423,27 @@ class AsyncLLM:
         self.snapshot = self._take_snapshot()
         return bool(rows or outs)
 
+    def _send_replies(self) -> None:
+        replies, self._replies = self._replies, []
+        for future, result, error in replies:
+            _settle(future, result, error)
+
+    def _check_drained(self) -> None:
+        """Resolves ``pause_generation("wait")`` callers once nothing is in flight."""
+        if not self._drain_waiters:
+            return
+        engine = self.engine
+        if engine.is_drained:
+            error = None
+        elif engine.control.pause_mode != "wait":
+            state = "resumed" if not engine.is_paused else f"turned into a {engine.control.pause_mode!r} pause"
+            error = EngineStateError(f"generation was {state} before the requests in flight drained")
+        else:
+            return
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for future in waiters:
+            _settle(future, None, error)
+
     def _take_snapshot(self) -> EngineSnapshot:
         engine = self.engine
         return EngineSnapshot(engine.scheduler.num_running, engine.scheduler.num_waiting,
@@ -297,6 +456,12 @@ class AsyncLLM:
         for cmd in pending:
             if isinstance(cmd, _Add):
                 _call_soon(cmd.ack.get_loop(), _set_exception, cmd.ack, error)
+            elif isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(error)
+        self._send_replies()  # calls that ran before the failure keep their own outcome
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for future in waiters:
+            _settle(future, None, error)
         for stream, loop in self._streams.values():
             _call_soon(loop, stream._fail, error)
         self._streams.clear()
@@ -308,6 +473,14 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> Non
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the caller's loop is closed: nobody is listening any more
         pass
+
+
+def _settle(future: concurrent.futures.Future, result: Any, error: BaseException | None) -> None:
+    """Completes a running control call's future (it can no longer be cancelled)."""
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:
