@@ -8,6 +8,9 @@ from typing import Any
 from loopline.errors import InvalidRequestError
 
 _MAX_SEED = 2**63 - 1
+# Per-request logprobs mode: vLLM's names, plus the short forms vime sends.
+_LOGPROBS_MODES = {"raw_logprobs": "raw_logprobs", "processed_logprobs": "processed_logprobs",
+                   "raw": "raw_logprobs", "processed": "processed_logprobs"}
 
 
 @dataclass
@@ -19,6 +22,10 @@ class SamplingParams:
     probability (``None``: the checkpoint's ``early_exit_threshold``; 1.0 means
     fixed depth). ``exit_depths`` replays given per-token depths instead of the
     rule (the engine's ``exit_mode="trace"``).
+
+    ``logprobs_mode``: ``"raw_logprobs"`` or ``"processed_logprobs"`` (also
+    ``"raw"`` / ``"processed"``) for this request's logprobs; ``None`` uses the
+    engine's ``logprobs_mode``.
     """
 
     n: int = 1
@@ -44,6 +51,7 @@ class SamplingParams:
     max_loops: int | None = None
     exit_threshold: float | None = None
     exit_depths: list[int] | None = None
+    logprobs_mode: str | None = field(default=None, metadata={"cli": False})  # the CLI has the engine's --logprobs-mode
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +91,12 @@ class SamplingParams:
             _int_in("max_loops", self.max_loops, self.min_loops, None)
         if self.exit_threshold is not None:
             _float_in("exit_threshold", self.exit_threshold, 0.0, 1.0, lo_open=True)
+        if self.logprobs_mode is not None:
+            mode = _LOGPROBS_MODES.get(self.logprobs_mode) if isinstance(self.logprobs_mode, str) else None
+            if mode is None:
+                raise InvalidRequestError(f"logprobs_mode must be one of {list(_LOGPROBS_MODES)} or None, "
+                                          f"got {self.logprobs_mode!r}", param="logprobs_mode")
+            self.logprobs_mode = mode
         if self.exit_depths is not None:
             if not isinstance(self.exit_depths, (list, tuple)) or not self.exit_depths:
                 raise InvalidRequestError("exit_depths must be a non-empty list of loop counts", param="exit_depths")

@@ -409,6 +409,14 @@ class ModelRunner:
                     seen[j, ids] = True
                 seen[j, s.prompt] = True
         want = [p.logprobs for p in ps if p.logprobs is not None]
+        # Per-request logprobs modes (None: the sampler's): one mode for the batch when the rows that
+        # want logprobs agree; a per-row tensor (both distributions computed) only when they differ.
+        default_mode = self.sampler.logprobs_mode
+        modes = {p.logprobs_mode or default_mode for p in ps if p.logprobs is not None}
+        processed_rows = None
+        if len(modes) > 1:
+            processed_rows = torch.tensor([(p.logprobs_mode or default_mode) == "processed_logprobs" for p in ps],
+                                          dtype=torch.bool, device=dev)
         return SamplingTensors(
             temperature=f32([p.temperature for p in ps]),
             top_k=torch.tensor([p.top_k if p.top_k > 0 else 0 for p in ps], dtype=torch.long, device=dev),
@@ -424,4 +432,5 @@ class ModelRunner:
             any_top_k=any(p.top_k > 0 for p in ps), any_top_p=any(p.top_p < 1.0 for p in ps),
             any_min_p=any(p.min_p > 0 for p in ps),
             max_num_logprobs=max(want) if want else None,
+            logprobs_mode=modes.pop() if len(modes) == 1 else None, processed_rows=processed_rows,
         )

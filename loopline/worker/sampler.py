@@ -60,6 +60,10 @@ class SamplingTensors:
     any_top_p: bool
     any_min_p: bool
     max_num_logprobs: int | None  # max k of "logprobs=k" over rows; -1/None => none requested
+    # Per-request logprobs modes (SamplingParams.logprobs_mode), set only when a row differs from
+    # the sampler's default: one mode for every row, or a per-row choice for a mixed batch.
+    logprobs_mode: str | None = None  # overrides the sampler's logprobs_mode for every row
+    processed_rows: Tensor | None = None  # [B] bool, mixed batches: True => processed, False => raw
 
 
 @dataclass
@@ -207,7 +211,8 @@ class Sampler:
     ``raw_logprobs``: log_softmax of the model's logits. ``processed_logprobs``:
     log_softmax of the logits actually sampled from (after penalties,
     temperature, top-k/top-p, min-p; masked tokens are -inf; greedy rows at
-    temperature 1).
+    temperature 1). ``logprobs_mode`` is the default; ``SamplingTensors`` may
+    override it for the whole batch or per row.
     """
 
     def __init__(self, logprobs_mode: str = "raw_logprobs", *, compile_rng: bool = False):
@@ -227,7 +232,8 @@ class Sampler:
         logits = logits.float()  # [B, V]
         num_logprobs = -1 if t.max_num_logprobs is None else t.max_num_logprobs
         want_logprobs = num_logprobs >= 0
-        processed = want_logprobs and self.logprobs_mode == "processed_logprobs"
+        mixed = t.processed_rows is not None
+        processed = want_logprobs and (mixed or (t.logprobs_mode or self.logprobs_mode) == "processed_logprobs")
 
         x = apply_penalties(logits, t) if t.any_penalties else logits
         z = process_logits(x, t) if (processed or not t.all_greedy) else None
@@ -243,7 +249,10 @@ class Sampler:
 
         if not want_logprobs:
             return SamplerOutput(token_ids, None, None, None, None)
-        lp = torch.log_softmax(z if processed else logits, dim=-1)  # [B, V]
+        if mixed:  # both distributions, each row takes its own (only when a batch mixes modes)
+            lp = torch.where(t.processed_rows[:, None], torch.log_softmax(z, dim=-1), torch.log_softmax(logits, dim=-1))
+        else:
+            lp = torch.log_softmax(z if processed else logits, dim=-1)  # [B, V]
         token_lp = lp.gather(1, token_ids[:, None])  # [B, 1]
         ranks = (lp > token_lp).sum(dim=-1) + 1
         top_ids = top_lp = None

@@ -65,3 +65,28 @@ def test_every_output_carries_its_weight_version(tiny_gqa, engine_for, ids):
         seen += engine.step()
     assert seen and all(o.weight_version == 0 for o in seen)
     assert seen[-1].finished and seen[-1].outputs[0].weight_versions == [0] * 5
+
+
+def test_per_request_logprobs_mode_matches_an_engine_in_that_mode(tiny_gqa, engine_for, run, ids):
+    """vime sends logprobs_mode="processed" per request; a batch may mix modes."""
+    params = SamplingParams(max_tokens=6, temperature=0.7, top_k=20, ignore_eos=True, logprobs=2, seed=3)
+    reqs = {f"r{i}": (ids(5 + i, seed=i), params.clone(seed=i)) for i in range(4)}
+
+    def logprobs(done):
+        return {rid: (o.outputs[0].token_ids, o.outputs[0].token_logprobs, o.outputs[0].logprobs) for rid, o in done.items()}
+
+    raw = logprobs(run(engine_for(tiny_gqa), reqs))
+    processed = logprobs(run(engine_for(tiny_gqa, logprobs_mode="processed_logprobs"), reqs))
+    assert raw != processed
+    engine = engine_for(tiny_gqa)  # default raw_logprobs
+    everyone = {rid: (p, sp.clone(logprobs_mode="processed")) for rid, (p, sp) in reqs.items()}
+    assert logprobs(run(engine, everyone)) == processed
+    assert run(engine, {"x": (ids(5), params.clone(logprobs_mode="processed"))})["x"].sampling_params.logprobs_mode \
+        == "processed_logprobs"
+    mixed = {rid: (p, sp.clone(logprobs_mode=["raw_logprobs", "processed", None, "processed_logprobs"][i]))
+             for i, (rid, (p, sp)) in enumerate(reqs.items())}
+    got = logprobs(run(engine, mixed))
+    assert got == {"r0": raw["r0"], "r1": processed["r1"], "r2": raw["r2"], "r3": processed["r3"]}
+    with pytest.raises(Exception, match="logprobs_mode") as info:
+        SamplingParams(logprobs_mode="final")
+    assert info.value.param == "logprobs_mode"

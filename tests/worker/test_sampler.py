@@ -337,6 +337,27 @@ def test_logprob_request_sizes():
     assert sample(logits, max_num_logprobs=50).top_ids.shape == (2, 10)
 
 
+def test_per_request_logprobs_modes_match_each_modes_sampler():
+    """SamplingTensors override the sampler's mode for the batch, or per row in a mixed batch."""
+    from dataclasses import replace
+
+    B, V = 4, 12
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(5))
+    t = make_tensors(B, V, temperature=[0.7, 1.3, 0.0, 1.0], top_k=[0, 5, 0, 3], seeds=[1, 2, 3, 4], max_num_logprobs=2)
+    raw, processed = Sampler("raw_logprobs")(logits, t), Sampler("processed_logprobs")(logits, t)
+    assert not torch.equal(raw.logprobs, processed.logprobs)
+    override = Sampler("raw_logprobs")(logits, replace(t, logprobs_mode="processed_logprobs"))
+    torch.testing.assert_close(override.logprobs, processed.logprobs)
+    rows = torch.tensor([True, False, False, True])
+    for default in ("raw_logprobs", "processed_logprobs"):
+        mixed = Sampler(default)(logits, replace(t, processed_rows=rows))
+        assert torch.equal(mixed.token_ids, raw.token_ids)  # the mode never changes what is sampled
+        for name in ("logprobs", "ranks", "top_logprobs", "top_ids"):
+            want = torch.where(rows.view(-1, *[1] * (getattr(raw, name).dim() - 1)),
+                               getattr(processed, name), getattr(raw, name))
+            torch.testing.assert_close(getattr(mixed, name), want)
+
+
 def test_bad_logprobs_mode():
     with pytest.raises(ValueError, match="logprobs_mode"):
         Sampler("final_logprobs")
