@@ -42,7 +42,8 @@ from torch import Tensor
 
 from loopline.config import EngineArgs
 from loopline.core.engine import LLMEngine, PromptType
-from loopline.errors import EngineStateError, InvalidRequestError
+from loopline.entrypoints.chat_utils import ChatEncoder
+from loopline.errors import EngineStateError
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
 
@@ -140,6 +141,7 @@ class AsyncLLM:
         # NOTE: the front end gets its own tokenizer copy: the engine thread detokenizes
         # concurrently, and one HF fast tokenizer must not be used from two threads at once.
         self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+        self._chat = ChatEncoder.for_engine(self.engine, self.tokenizer)
         self._cond = threading.Condition()
         self._commands: list[_Command] = []  # FIFO: adds, aborts and control calls keep their order
         self._streams: dict[str, tuple[OutputStream, asyncio.AbstractEventLoop]] = {}  # engine thread only
@@ -180,17 +182,9 @@ class AsyncLLM:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template: str | None = None) -> list[int]:
-        """Token ids of ``messages`` through the checkpoint's chat template (no engine state touched)."""
-        tok = self.tokenizer
-        if tok is None:
-            raise InvalidRequestError("chat needs a tokenizer (the engine runs with skip_tokenizer_init)", param="messages")
-        if chat_template is None and not getattr(tok, "chat_template", None):
-            raise InvalidRequestError("the checkpoint has no chat template", param="messages")
-        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                      chat_template=chat_template)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        """Token ids of ``messages`` through the checkpoint's chat template (no engine state touched);
+        on a -Thinking checkpoint ``<think>\n`` follows the assistant prefix."""
+        return self._chat.encode(messages, add_generation_prompt, chat_template)
 
     # --- requests -------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from loopline.config import EngineArgs
 from loopline.core.engine import LLMEngine, PromptType
+from loopline.entrypoints.chat_utils import ChatEncoder
 from loopline.errors import EngineStateError, InvalidRequestError
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ class LLM:
         if unknown:
             raise InvalidRequestError(f"unknown engine argument(s): {sorted(unknown)}", param=sorted(unknown)[0])
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._chat = ChatEncoder.for_engine(self.llm_engine)
         self._ids = itertools.count()
 
     @property
@@ -46,7 +48,10 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
-        """Applies the checkpoint's chat template; generation also stops at the end-of-turn token."""
+        """Applies the checkpoint's chat template; generation also stops at the end-of-turn token.
+
+        On a -Thinking checkpoint the prompt ends with ``<think>\n`` (see ``encode_chat``).
+        """
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.encode_chat(c, add_generation_prompt, chat_template)} for c in convs]
         params = self._params_for(prompts, sampling_params)
@@ -54,15 +59,9 @@ class LLM:
 
     def encode_chat(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
                     chat_template: str | None = None) -> list[int]:
-        if self.tokenizer is None:
-            raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init=True)", param="messages")
-        if not isinstance(conversation, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conversation):
-            raise InvalidRequestError("messages must be a list of {'role', 'content'} dicts", param="messages")
-        ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        """Prompt token ids of one conversation through the chat template; on a -Thinking
+        checkpoint ``<think>\n`` follows the assistant prefix (``loopline.entrypoints.chat_utils``)."""
+        return self._chat.encode(conversation, add_generation_prompt, chat_template)
 
     # --- RL: weights and lifecycle (LLMEngine methods; see docs/rl.md) --------------------
     def get_weight_version(self) -> int:

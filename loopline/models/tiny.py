@@ -212,8 +212,15 @@ def _train_tokenizer():
     return tokenizer
 
 
-def _write_tokenizer(path: Path, config: OuroConfig) -> None:
+THINK_TOKENS = ("<think>", "</think>")  # added by make_tiny_checkpoint(thinking=True), as -Thinking tokenizers may have
+
+
+def _write_tokenizer(path: Path, config: OuroConfig, thinking: bool = False) -> None:
     tokenizer = _train_tokenizer()
+    if thinking:
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     assert tokenizer.get_vocab_size() <= config.vocab_size, (tokenizer.get_vocab_size(), config.vocab_size)
     (path / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
     # Upstream Ouro sets bos = eos = pad = <|endoftext|>; chat ends at <|im_end|>.
@@ -267,7 +274,8 @@ def _config_json(config: OuroConfig, hf_only: dict) -> dict:
     }
 
 
-def make_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, *, shards: int = 1, **config_overrides) -> Path:
+def make_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, *, shards: int = 1, thinking: bool = False,
+                         **config_overrides) -> Path:
     """Write a complete, deterministic tiny Ouro checkpoint directory at ``path``.
 
     ``config_overrides`` replace the tiny defaults (OuroConfig field names, or
@@ -276,7 +284,9 @@ def make_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, *, shards: int 
     ``rope_scaling``, ``attention_dropout``, ``use_cache``). ``shards > 1``
     writes ``model-0000i-of-0000N.safetensors`` plus
     ``model.safetensors.index.json`` instead of ``model.safetensors``. The
-    same ``(seed, shards, overrides)`` always give the same bytes.
+    same ``(seed, shards, overrides)`` always give the same bytes. ``thinking=True``
+    adds ``<think>`` and ``</think>`` to the tokenizer as (non-special) added
+    tokens, which makes the chat path treat it as a -Thinking checkpoint.
     """
     from safetensors.torch import save_file
 
@@ -307,7 +317,7 @@ def make_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, *, shards: int 
             weight_map.update(dict.fromkeys(part, filename))
         total = sum(t.numel() * t.element_size() for t in weights.values())
         _write_json(path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_tokenizer(path, config)
+    _write_tokenizer(path, config, thinking)
     return path
 
 

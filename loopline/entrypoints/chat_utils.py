@@ -1,0 +1,73 @@
+"""Chat prompts: the checkpoint's chat template, plus the ``<think>\\n`` the -Thinking variants expect.
+
+Ouro-1.4B-Thinking and Ouro-2.6B-Thinking never open a reasoning block on
+their own: their prompts must end with ``<|im_start|>assistant\\n<think>\\n``,
+and their chat template does not add it (DESIGN.md §5). :class:`ChatEncoder`
+is the one place that renders chat prompts, for ``LLM.chat`` and for the HTTP
+chat endpoint (and ``/tokenize`` with ``messages``): on a Thinking checkpoint
+it appends ``<think>\\n`` after the assistant prefix when the rendered prompt
+does not already end with an open ``<think>``.
+
+A checkpoint counts as a Thinking variant when its directory name, its
+``config.json`` ``_name_or_path`` or one of its ``architectures`` contains
+"thinking" (any case), or when its tokenizer has ``<think>`` as an added token.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from loopline.errors import InvalidRequestError
+
+THINK_TOKEN = "<think>"
+THINK_PREFIX = THINK_TOKEN + "\n"
+
+
+def is_thinking_checkpoint(model_path: str | None, config_extra: dict[str, Any], tokenizer: Any) -> bool:
+    """Whether the checkpoint is a -Thinking variant (see the module docstring for the rule)."""
+    names = [Path(model_path).name if model_path else None, config_extra.get("_name_or_path")]
+    architectures = config_extra.get("architectures")
+    if isinstance(architectures, (list, tuple)):
+        names += list(architectures)
+    if any(isinstance(n, str) and "thinking" in n.lower() for n in names):
+        return True
+    get_added = getattr(tokenizer, "get_added_vocab", None)
+    return bool(get_added and THINK_TOKEN in get_added())
+
+
+class ChatEncoder:
+    """Turns a conversation into prompt token ids through the chat template (Thinking-aware)."""
+
+    def __init__(self, tokenizer: Any, model_path: str | None, config_extra: dict[str, Any] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.thinking = tokenizer is not None and is_thinking_checkpoint(model_path, config_extra or {}, tokenizer)
+
+    @classmethod
+    def for_engine(cls, engine: Any, tokenizer: Any = None) -> "ChatEncoder":
+        """The encoder of an ``LLMEngine`` (``tokenizer``: a copy to use instead of the engine's)."""
+        tok = tokenizer if tokenizer is not None else engine.tokenizer
+        return cls(tok, engine.config.model_path, engine.model_config.extra)
+
+    def render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
+               chat_template: str | None = None) -> str:
+        """The prompt text: the template's rendering, with ``<think>\\n`` appended on Thinking checkpoints."""
+        tok = self.tokenizer
+        if tok is None:
+            raise InvalidRequestError("chat needs a tokenizer (the engine runs with skip_tokenizer_init=True)",
+                                      param="messages")
+        if not isinstance(conversation, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                         for m in conversation):
+            raise InvalidRequestError("messages must be a list of {'role', 'content'} dicts", param="messages")
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise InvalidRequestError("the checkpoint has no chat template", param="messages")
+        text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                       chat_template=chat_template)
+        if self.thinking and add_generation_prompt and not text.rstrip().endswith(THINK_TOKEN):
+            text += THINK_PREFIX
+        return text
+
+    def encode(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
+               chat_template: str | None = None) -> list[int]:
+        """Token ids of :meth:`render`'s text (no special tokens added: the template has them)."""
+        text = self.render(conversation, add_generation_prompt, chat_template)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
