@@ -82,7 +82,8 @@ def main() -> None:
             **json.loads((ckpt / "config.json").read_text()),
             **{k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                             "num_attention_heads", "num_key_value_heads", "head_dim",
-                                            "total_ut_steps", "max_position_embeddings")}}))
+                                            "total_ut_steps", "max_position_embeddings", "rope_theta", "rms_norm_eps",
+                                            "early_exit_threshold")}}))
         save_file({k: v.contiguous() for k, v in state.items()}, str(ckpt / "model.safetensors"))
         sync(device)
         t0 = time.perf_counter()
