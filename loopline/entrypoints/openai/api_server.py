@@ -32,6 +32,8 @@ from loopline.entrypoints.openai.protocol import (APIError, ChatCompletionReques
                                                   DetokenizeRequest, ModelCard, ModelList, TokenizeRequest)
 from loopline.entrypoints.openai.serving_chat import create_chat_completion
 from loopline.entrypoints.openai.serving_completion import create_completion
+from loopline.entrypoints.openai.serving_generate import GenerateRequest, create_generate
+from loopline.entrypoints.openai.serving_rl import add_rl_routes
 from loopline.errors import CapacityError, EngineStateError, InvalidRequestError
 
 logger = logging.getLogger("loopline.api")
@@ -44,8 +46,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
     """The FastAPI app serving ``async_llm``.
 
     ``served_model_name``: the name(s) clients must use in ``model`` (default:
-    the model path); ``api_key``: when set, ``/v1/*``, ``/tokenize`` and
-    ``/detokenize`` need ``Authorization: Bearer <key>``; ``max_concurrent_requests``:
+    the model path); ``api_key``: when set, every route but ``/health``,
+    ``/version`` and ``/metrics`` needs ``Authorization: Bearer <key>`` (``/v1/*``,
+    ``/tokenize``, ``/detokenize``, ``/generate`` and the RL control routes of
+    ``serving_rl``); ``max_concurrent_requests``:
     generation requests in flight before new ones get 429; ``shutdown_engine``:
     stop the engine thread when the app shuts down.
     """
@@ -115,6 +119,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, req, raw)
+
+    @app.post("/generate", dependencies=auth)
+    async def generate(req: GenerateRequest, raw: Request) -> Response:
+        return await create_generate(ctx, req, raw)
+
+    add_rl_routes(app, async_llm, auth)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(req: TokenizeRequest) -> dict:

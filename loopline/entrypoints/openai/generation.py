@@ -24,14 +24,19 @@ from loopline.sampling_params import SamplingParams
 
 
 class Generation:
-    """The engine requests of one HTTP request (``id``: the response id; engine ids ``id`` or ``id-<prompt index>``)."""
+    """The engine requests of one HTTP request (``id``: the response id; engine ids ``id`` or
+    ``id-<prompt index>``, or the caller's ``request_ids``)."""
 
     def __init__(self, async_llm: AsyncLLM, metrics: ServerMetrics, base_id: str, num_prompts: int,
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[], None] | None = None, request_ids: list[str] | None = None) -> None:
         self.llm = async_llm
         self.metrics = metrics
         self.id = base_id
-        self.ids = [base_id] if num_prompts == 1 else [f"{base_id}-{i}" for i in range(num_prompts)]
+        if request_ids is not None:
+            assert len(request_ids) == num_prompts
+            self.ids = list(request_ids)
+        else:
+            self.ids = [base_id] if num_prompts == 1 else [f"{base_id}-{i}" for i in range(num_prompts)]
         self._index = {rid: i for i, rid in enumerate(self.ids)}
         self.stream = OutputStream()
         self.trackers: dict[str, RequestTracker] = {}
@@ -39,12 +44,15 @@ class Generation:
         self._on_close = on_close
         self._closed = False
 
-    async def start(self, prompts: list[PromptType], params: SamplingParams, chat_stop: bool = False) -> None:
-        """Adds every prompt; on a validation error aborts the ones already added and re-raises it."""
+    async def start(self, prompts: list[PromptType], params: SamplingParams | list[SamplingParams],
+                    chat_stop: bool = False) -> None:
+        """Adds every prompt (``params``: one for all, or one per prompt); on a validation error
+        aborts the ones already added and re-raises it."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         try:
-            for rid, prompt in zip(self.ids, prompts):
+            for rid, prompt, p in zip(self.ids, prompts, per_prompt):
                 tracker = self.metrics.tracker()
-                await self.llm.add_request(rid, prompt, params, chat_stop=chat_stop, stream=self.stream)
+                await self.llm.add_request(rid, prompt, p, chat_stop=chat_stop, stream=self.stream)
                 self.trackers[rid] = tracker
         except BaseException:
             self.close()
@@ -77,11 +85,13 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        unfinished = [rid for rid in self.ids if not (rid in self.latest and self.latest[rid].finished)]
+        # NOTE: only requests the engine accepted: a rejected caller-chosen id may belong to another
+        # live request (an add cancelled mid-flight aborts itself in AsyncLLM.add_request).
+        unfinished = [rid for rid in self.ids if rid in self.trackers
+                      and not (rid in self.latest and self.latest[rid].finished)]
         self.llm.abort_nowait(unfinished)
         for rid in unfinished:
-            if rid in self.trackers:
-                self.trackers[rid].finish("abort")
+            self.trackers[rid].finish("abort")
         if self._on_close is not None:
             self._on_close()
 
@@ -182,8 +192,11 @@ class ServingContext:
             raise APIError(404, f"The model `{model}` does not exist (this server serves {self.model_names[0]!r}).",
                            param="model", code="model_not_found")
 
-    def new_generation(self, prefix: str, num_prompts: int) -> Generation:
-        """Takes an in-flight slot (429 when none is left); the slot is released by ``Generation.close``."""
+    def new_generation(self, prefix: str, num_prompts: int, request_ids: list[str] | None = None) -> Generation:
+        """Takes an in-flight slot (429 when none is left); the slot is released by ``Generation.close``.
+
+        ``request_ids``: the engine request ids to use (one per prompt; default ``<prefix>-<uuid>[-i]``).
+        """
         if self.shutting_down or not self.llm.is_running:
             raise APIError(503, "the server is shutting down" if self.shutting_down else "the engine is not running",
                            type="service_unavailable", code="service_unavailable")
@@ -198,7 +211,8 @@ class ServingContext:
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
 
-        return Generation(self.llm, self.metrics, f"{prefix}-{uuid.uuid4().hex}", num_prompts, on_close=release)
+        return Generation(self.llm, self.metrics, f"{prefix}-{uuid.uuid4().hex}", num_prompts, on_close=release,
+                          request_ids=request_ids)
 
     async def run_unless_disconnected(self, raw: Request, gen: Generation) -> list[RequestOutput]:
         """Runs a non-streamed generation; a client that goes away aborts it (and frees its KV)."""

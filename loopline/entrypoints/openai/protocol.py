@@ -61,6 +61,7 @@ class ExtraSamplingFields(OpenAIBaseModel):
     exit_threshold: float | None = None
     priority: int = 0
     return_token_ids: bool = False
+    logprobs_mode: str | None = None
 
 
 class _CommonRequest(ExtraSamplingFields):
@@ -94,7 +95,8 @@ class _CommonRequest(ExtraSamplingFields):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, priority=self.priority,
-            min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=self.exit_threshold)
+            min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=self.exit_threshold,
+            logprobs_mode=self.logprobs_mode)
 
     @property
     def include_usage(self) -> bool:

@@ -1,0 +1,183 @@
+"""HTTP routes for RL trainers: pause / resume, abort, weight updates from disk, prefix cache, sleep.
+
+Each route calls the matching :class:`AsyncLLM` method (which runs on the
+engine thread) and answers a small JSON object. Fields come from the JSON
+body or, for vLLM-style clients, the query string (``POST /pause?mode=keep``).
+Bad input gets 400, a call the engine cannot honour in its current state
+(an update while requests generate, a resume while asleep, ...) gets 409;
+both with an OpenAI-style error body, and the engine keeps serving.
+Route names follow SGLang (``/pause_generation``, ``/continue_generation``,
+``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``,
+``/get_weight_version``) and vLLM (``/pause``, ``/resume``, ``/sleep``,
+``/wake_up``, ``/reset_prefix_cache``, ``/is_paused``, ``/is_sleeping``).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable
+from typing import Annotated, Any, TypeVar
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import BeforeValidator, StrictStr, ValidationError
+from starlette.requests import Request
+
+from loopline.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from loopline.entrypoints.openai.protocol import APIError, OpenAIBaseModel
+from loopline.errors import EngineStateError, InvalidRequestError
+from loopline.models.loader import CheckpointError
+
+T = TypeVar("T", bound=OpenAIBaseModel)
+
+
+def _not_bool(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError("must be an integer, not a boolean")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]  # also from query strings ("2"), never from true / false
+
+
+class PauseRequest(OpenAIBaseModel):
+    mode: str = "abort"  # "abort" | "wait" | "keep"
+    clear_cache: bool = False  # also reset the prefix cache once paused (vLLM's flag)
+
+
+class AbortRequest(OpenAIBaseModel):
+    rid: str | list[str] | None = None
+    abort_all: bool = False
+
+
+class UpdateFromDiskRequest(OpenAIBaseModel):
+    model_path: str
+    version: Int | StrictStr | None = None
+    weight_version: Int | StrictStr | None = None  # SGLang's name for version
+
+
+class SleepRequest(OpenAIBaseModel):
+    level: Int = 1
+
+
+class WakeUpRequest(OpenAIBaseModel):
+    tags: list[str] | None = None
+
+
+def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> None:
+    """Registers the RL control routes on ``app`` (``auth``: the API-key dependencies)."""
+
+    async def pause(raw: Request) -> dict:
+        req = await _parse(raw, PauseRequest)
+        await _control(llm.pause_generation(req.mode))
+        if req.clear_cache:
+            await _control(llm.reset_prefix_cache())
+        return {"success": True, "mode": req.mode}
+
+    async def resume() -> dict:
+        await _control(llm.resume_generation())
+        return {"success": True}
+
+    async def flush() -> dict:
+        await _control(llm.reset_prefix_cache())
+        return {"success": True}
+
+    for path in ("/pause_generation", "/pause"):
+        app.add_api_route(path, pause, methods=["POST"], dependencies=auth)
+    for path in ("/resume_generation", "/resume", "/continue_generation"):
+        app.add_api_route(path, resume, methods=["POST"], dependencies=auth)
+    app.add_api_route("/reset_prefix_cache", flush, methods=["POST"], dependencies=auth)
+    app.add_api_route("/flush_cache", flush, methods=["GET", "POST"], dependencies=auth)
+
+    @app.get("/is_paused", dependencies=auth)
+    async def is_paused() -> dict:
+        return {"is_paused": await _control(llm.is_paused())}
+
+    @app.post("/abort_request", dependencies=auth)
+    async def abort_request(raw: Request) -> dict:
+        req = await _parse(raw, AbortRequest)
+        if req.abort_all == (req.rid is not None):
+            raise InvalidRequestError("give either rid or abort_all: true", param="rid")
+        if req.abort_all:
+            return {"success": True, "aborted": await _control(llm.abort_all())}
+        rids = [req.rid] if isinstance(req.rid, str) else req.rid
+        if not rids or not all(rids):
+            raise InvalidRequestError("rid must be a non-empty id or list of ids", param="rid")
+        await llm.abort(rids)  # unknown or finished ids are ignored
+        return {"success": True}
+
+    @app.post("/update_weights_from_disk", dependencies=auth)
+    async def update_weights_from_disk(raw: Request) -> dict:
+        req = await _parse(raw, UpdateFromDiskRequest)
+        version = _version(req)
+        if not req.model_path:
+            raise InvalidRequestError("model_path must be a checkpoint directory", param="model_path")
+        committed = await _control(llm.update_weights_from_disk(req.model_path, version))
+        return {"success": True, "message": f"weights from {req.model_path} serve as version {committed}",
+                "weight_version": committed}
+
+    @app.get("/get_weight_version", dependencies=auth)
+    async def get_weight_version() -> dict:
+        return {"weight_version": await _control(llm.get_weight_version())}
+
+    @app.post("/sleep", dependencies=auth)
+    async def sleep(raw: Request) -> dict:
+        req = await _parse(raw, SleepRequest)
+        await _control(llm.sleep(req.level))
+        return {"success": True, "is_sleeping": True}
+
+    @app.post("/wake_up", dependencies=auth)
+    async def wake_up(raw: Request) -> dict:
+        req = await _parse(raw, WakeUpRequest, list_fields=("tags",))
+        await _control(llm.wake_up(req.tags))
+        return {"success": True, "is_sleeping": await _control(llm.is_sleeping())}
+
+    @app.get("/is_sleeping", dependencies=auth)
+    async def is_sleeping() -> dict:
+        return {"is_sleeping": await _control(llm.is_sleeping())}
+
+
+def _version(req: UpdateFromDiskRequest) -> int:
+    """The version to publish: an integer (SGLang clients may send it as a string of digits)."""
+    given = [v for v in (req.version, req.weight_version) if v is not None]
+    if not given:
+        raise InvalidRequestError("version is required (a non-negative integer, above the committed one)",
+                                  param="version")
+    if len(given) == 2 and str(given[0]) != str(given[1]):
+        raise InvalidRequestError(f"version ({given[0]!r}) and weight_version ({given[1]!r}) differ", param="version")
+    v = given[0]
+    if isinstance(v, str):
+        if not v.isdigit():
+            raise InvalidRequestError(f"version must be a non-negative integer, got {v!r}", param="version")
+        v = int(v)
+    return v
+
+
+async def _control(call: Awaitable[Any]) -> Any:
+    """Awaits an engine call; a state the engine refuses becomes 409, a bad checkpoint 400."""
+    try:
+        return await call
+    except EngineDeadError:
+        raise  # 503, as for generation
+    except EngineStateError as e:
+        raise APIError(409, str(e), type="invalid_request_error", code="conflict") from e
+    except CheckpointError as e:
+        raise APIError(400, str(e), param="model_path", code="invalid_value") from e
+
+
+async def _parse(raw: Request, model: type[T], list_fields: tuple[str, ...] = ()) -> T:
+    """The request's fields from its query string and (overriding it) its JSON body."""
+    data: dict[str, Any] = {k: raw.query_params.getlist(k) if k in list_fields else raw.query_params[k]
+                            for k in raw.query_params}
+    body = await raw.body()
+    if body.strip():
+        try:
+            parsed = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the body is not valid JSON ({e})", code="invalid_json") from e
+        if not isinstance(parsed, dict):
+            raise APIError(400, "the body must be a JSON object", code="invalid_json")
+        data.update(parsed)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from e
