@@ -180,6 +180,7 @@ class LLMEngine:
         eos = self._eos | set(self.outputs.chat_end_ids) if chat_stop else self._eos
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         effective = params.clone(seed=seed, max_tokens=max_tokens,
+                                 logprobs_mode=params.logprobs_mode or self.config.logprobs_mode,
                                  max_loops=params.max_loops or cfg.total_ut_steps,
                                  exit_threshold=cfg.early_exit_threshold if params.exit_threshold is None else params.exit_threshold)
         children = []

@@ -28,6 +28,7 @@ def test_outputs_carry_the_effective_sampling_parameters(tiny_gqa, engine_for, r
     eff = out.sampling_params
     assert eff.seed is not None and eff.max_loops == r and eff.min_loops == 2
     assert eff.exit_threshold == tiny_gqa.cfg["early_exit_threshold"] and eff.max_tokens == 4
+    assert eff.logprobs_mode == "raw_logprobs"  # None: the engine's
     assert [c.seed for c in out.outputs] == [eff.seed, eff.seed + 1, eff.seed + 2]  # one stream per child
     assert all(min(c.exit_depths) >= 2 for c in out.outputs)
     # The reported seed reproduces the sample.
