@@ -71,6 +71,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("fixed", {"scheduling_mode": "refill", "exit_mode": "fixed"}, description="full depth: every token runs all loops"),
     Variant("shared", {"kv_layout": "shared"}, description="one shared KV plane"),
     Variant("last_exited", {"kv_layout": "last_exited"}, description="one KV plane per loop"),
+    Variant("no_prefix_cache", {"enable_prefix_caching": False}, description="prefix caching off"),
+    Variant("prefix_cache", {"enable_prefix_caching": True}, description="prefix caching on (full prompt pages reused)"),
     Variant("hf", hf=True, description="transformers generate(), static batches, full depth"),
 )}
 DEFAULT_COMPARE = ("refill", "no_refill", "fixed")

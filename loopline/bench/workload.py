@@ -111,12 +111,20 @@ class Workload:
 
 
 def make_workload(num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int,
-                  depth_dist: DepthDist | None = None) -> Workload:
-    """Random prompt token ids in ``[3, vocab_size)`` and, with a distribution, depth traces."""
+                  depth_dist: DepthDist | None = None, shared_prefix_len: int = 0) -> Workload:
+    """Random prompt token ids in ``[3, vocab_size)`` and, with a distribution, depth traces.
+
+    ``shared_prefix_len``: every prompt starts with the same that many tokens (a
+    shared system prompt, the prefix-caching workload)."""
     if vocab_size <= FIRST_PLAIN_TOKEN:
         raise InvalidRequestError(f"vocab_size must be > {FIRST_PLAIN_TOKEN}, got {vocab_size}", param="vocab_size")
+    if not 0 <= shared_prefix_len <= input_len:
+        raise InvalidRequestError(f"shared_prefix_len must be in [0, input_len={input_len}], got {shared_prefix_len}",
+                                  param="shared_prefix_len")
     rng = random.Random(seed)
-    prompts = [[rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+    prefix = [rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(shared_prefix_len)]
+    prompts = [prefix + [rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(input_len - shared_prefix_len)]
+               for _ in range(num_prompts)]
     depths = None
     if depth_dist is not None:
         depths = [depth_dist.sample(rng, output_len) for _ in range(num_prompts)]

@@ -32,6 +32,9 @@ def add_parser(sub: Any) -> None:
     w.add_argument("--concurrency", default="8",
                    help="requests kept in flight (closed loop); a comma list such as 1,8,32 runs a sweep")
     w.add_argument("--num-prompts", type=int, default=None, help="requests per run (default: 2 x concurrency)")
+    w.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="every prompt starts with the same this many tokens (a shared system prompt; "
+                        "compare with --variants no_prefix_cache,prefix_cache)")
     w.add_argument("--depth-dist", default=None,
                    help="synthetic per-token exit depths, replayed with exit_mode=trace: 'd:w,...' "
                         "(e.g. 1:0.1,2:0.4,3:0.3,4:0.2), 'meanX' (e.g. mean2.5), 'uniform' or 'full'")
@@ -43,7 +46,8 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--compare", action="store_true",
                    help="run variants interleaved and report ratios vs the first (default: refill,no_refill,fixed)")
     r.add_argument("--variants", default=None,
-                   help="comma list for --compare from: refill, no_refill, fixed, shared, last_exited, hf")
+                   help="comma list for --compare from: refill, no_refill, fixed, shared, last_exited, "
+                        "no_prefix_cache, prefix_cache, hf")
     r.add_argument("--hf-baseline", action="store_true",
                    help="also run transformers generate() on the same weights (static batches of concurrency)")
     r.add_argument("--repeats", type=int, default=None, help="interleaved rounds, medians reported (default: 3 with --compare, else 1)")
@@ -171,6 +175,7 @@ def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) 
         "model_source": source, "config": ns.config, "total_ut_steps": cfg.total_ut_steps,
         "dtype": str(dtype).removeprefix("torch."), "input_len": ns.input_len, "output_len": ns.output_len,
         "concurrency": concurrencies, "num_prompts": ns.num_prompts, "depth_dist": ns.depth_dist,
+        "shared_prefix_len": ns.shared_prefix_len,
         "depth_dist_probs": None if depth is None else dict(zip(map(str, depth.depths), depth.probs)),
         "requested_mean_loops": None if depth is None else depth.mean,
         "exit_mode": exit_mode, "exit_threshold": ns.exit_threshold, "min_loops": ns.min_loops,
@@ -188,7 +193,7 @@ def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) 
         spec = BenchSpec(ns.input_len, ns.output_len, c, n, seed=ns.seed, exit_threshold=ns.exit_threshold,
                          min_loops=ns.min_loops, warmup_prompts=ns.warmup_prompts,
                          warmup_output_len=ns.warmup_output_len, gpu_timing=params["gpu_timing"])
-        workload = make_workload(n, ns.input_len, ns.output_len, cfg.vocab_size, ns.seed, depth)
+        workload = make_workload(n, ns.input_len, ns.output_len, cfg.vocab_size, ns.seed, depth, ns.shared_prefix_len)
         point = run_point(model, args, spec, variants, workload, device, dtype, repeats=repeats,
                           progress=not ns.no_progress)
         record["results"].append(point)

@@ -310,3 +310,13 @@ def test_bench_serve_against_stub():
     record = run_serve(ServeSpec("http://stub", output_len=4), make_workload(2, 3, 4, 500, 0),
                        transport=httpx.MockTransport(failing))
     assert record["completed"] == 0 and record["failed"] == 2 and "HTTP 400" in record["errors"][0]
+
+
+def test_shared_prefix_workload():
+    from loopline.bench.workload import make_workload
+
+    w = make_workload(4, 20, 3, 500, seed=1, shared_prefix_len=12)
+    assert all(p[:12] == w.prompts[0][:12] for p in w.prompts)
+    assert len({tuple(p[12:]) for p in w.prompts}) == 4
+    with pytest.raises(InvalidRequestError):
+        make_workload(2, 8, 3, 500, seed=1, shared_prefix_len=9)
