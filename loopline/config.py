@@ -63,8 +63,8 @@ class EngineArgs:
     kernel_backend: AttentionBackendName = _opt("auto", "layer math (norms, rotary, SwiGLU): 'auto' (fused triton kernels on CUDA), 'torch' (reference), 'triton'")
     enforce_eager: bool = _opt(False, "disable CUDA graphs")
     max_seq_len_to_capture: int = _opt(8192, "longest context served by CUDA graphs; longer decode steps run eagerly")
-    async_scheduling: bool = _opt(False, "overlap host scheduling with device execution")
-    disable_log_stats: bool = _opt(True, "do not log engine statistics")
+    disable_log_stats: bool = _opt(True, "do not log engine statistics (otherwise: one line every log_stats_interval seconds)")
+    log_stats_interval: float = _opt(5.0, "seconds between engine statistics log lines")
 
     # --- CLI ---------------------------------------------------------------------------
     @classmethod
@@ -83,7 +83,7 @@ class EngineArgs:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise InvalidRequestError(f"{name} must be > 0, got {value!r}", param=name)
 
-        for name in ("block_size", "max_num_seqs", "max_seq_len_to_capture", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "kv_cache_memory_gb"):
+        for name in ("block_size", "max_num_seqs", "max_seq_len_to_capture", "log_stats_interval", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "kv_cache_memory_gb"):
             positive(name, getattr(self, name))
         for name, lit in (("kv_layout", KVLayoutName), ("scheduling_mode", SchedulingMode), ("scheduling_policy", SchedulingPolicy),
                           ("exit_mode", ExitMode), ("kv_allocation", KVAllocationName), ("logprobs_mode", LogprobsMode), ("attention_backend", AttentionBackendName), ("kernel_backend", AttentionBackendName), ("dtype", DType)):

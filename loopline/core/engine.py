@@ -23,6 +23,7 @@ from loopline.core.exit_policy import make_exit_policy
 from loopline.core.output_processor import OutputProcessor
 from loopline.core.queue import make_queue
 from loopline.core.request import Request
+from loopline.core.stat_logger import StatLogger
 from loopline.core.scheduler import Preemption, Scheduler, make_allocation, make_scheduling_mode
 from loopline.errors import CapacityError, EngineStateError, InvalidRequestError, WeightUpdateError
 from loopline.kv.layout import make_layout
@@ -108,6 +109,7 @@ class LLMEngine:
             self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture))
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
+        self._stat_logger = None if args.disable_log_stats else StatLogger(args.log_stats_interval)
         self.weight_version: Any = 0
         self.weights = WeightUpdater(self.model)  # full-weight updates (loopline.rl)
         self.control = GenerationControl()  # pause / sleep state (loopline.rl)
@@ -274,6 +276,8 @@ class LLMEngine:
         self.stats.rows += len(sched.rows)
         self.stats.scheduled_tokens += sched.num_tokens
         self.stats.step_time_s += time.perf_counter() - t0
+        if self._stat_logger is not None:
+            self._stat_logger.maybe_log(self)
         return self.outputs.collect()
 
     # --- RL: weight updates, pause / resume, sleep (the logic lives in loopline.rl) -------

@@ -216,3 +216,16 @@ def test_cli_generate_json_and_stats(tiny_gqa, capsys):
     assert lines[1]["stats"]["steps"] > 0 and 1 <= lines[1]["stats"]["mean_exit_depth"] <= 4
     rc = cli_main(["generate", "x", "--model", str(tiny_gqa.path), "--max-loops", "9", "--device", "cpu"])
     assert rc == 2 and "max_loops" in capsys.readouterr().err
+
+
+def test_stats_are_logged_when_enabled(tiny_gqa, caplog):
+    engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True,
+                                  disable_log_stats=False, log_stats_interval=1e-9))
+    engine.add_request("a", ids(5), SamplingParams(max_tokens=3, ignore_eos=True))
+    with caplog.at_level("INFO", logger="loopline"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    lines = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
+    assert lines and "rows/step" in lines[-1] and "KV usage" in lines[-1]
+    quiet = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True))
+    assert quiet._stat_logger is None
