@@ -265,6 +265,11 @@ def test_update_weights_from_disk_rejects_bad_input_and_keeps_serving(srv, llm, 
 
 
 def test_sleep_and_wake_up(srv):
+    assert post(srv, "/sleep", {"level": 2}).json() == {"success": True, "is_sleeping": True}
+    err = error(generate(srv, input_ids=PROMPT), 503)  # asleep and not paused: refused, not held
+    assert "asleep" in err["message"]
+    assert post(srv, "/wake_up").json() == {"success": True, "is_sleeping": False}
+    assert generate(srv, input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).status_code == 200
     assert post(srv, "/pause_generation", {"mode": "abort"}).status_code == 200
     assert post(srv, "/sleep", {"level": 1}).json() == {"success": True, "is_sleeping": True}
     assert get(srv, "/is_sleeping").json() == {"is_sleeping": True}
