@@ -23,16 +23,16 @@ from loopline.core.exit_policy import make_exit_policy
 from loopline.core.output_processor import OutputProcessor
 from loopline.core.queue import make_queue
 from loopline.core.request import Request
-from loopline.core.stat_logger import StatLogger
 from loopline.core.scheduler import Preemption, Scheduler, make_allocation, make_scheduling_mode
+from loopline.core.stat_logger import StatLogger
 from loopline.errors import CapacityError, EngineStateError, InvalidRequestError, WeightUpdateError
 from loopline.kv.layout import make_layout
 from loopline.kv.manager import KVCacheManager
-from loopline.models.loader import CONFIG_FILE, load_config, load_model, load_tokenizer
+from loopline.models.loader import CONFIG_FILE, iter_checkpoint, load_config, load_model, load_tokenizer
 from loopline.models.ouro import OuroForCausalLM
 from loopline.outputs import RequestOutput
 from loopline.rl.lifecycle import PAUSE_MODES, WAKE_TAGS, GenerationControl
-from loopline.rl.weights import WeightUpdater, iter_checkpoint
+from loopline.rl.weights import WeightUpdater
 from loopline.sampling_params import SamplingParams
 from loopline.worker.model_runner import ModelRunner
 from loopline.worker.sampler import Sampler

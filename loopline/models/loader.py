@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,18 +206,26 @@ def _is_token_id(value: Any, vocab: int | None) -> bool:
 
 def load_weights(model_dir: PathLike) -> dict[str, Tensor]:
     """All tensors of ``model.safetensors`` or of the shards its index lists, on the CPU."""
+    weights: dict[str, Tensor] = {}
+    for shard in iter_checkpoint(model_dir):
+        weights.update(shard)
+    return weights
+
+
+def iter_checkpoint(model_dir: PathLike) -> Iterator[dict[str, Tensor]]:
+    """The tensors of a checkpoint one shard at a time (CPU), each shard checked against the index.
+
+    Missing shard files are reported before any shard is read.
+    """
     model_dir = _existing_dir(model_dir)
     single, index = model_dir / WEIGHTS_FILE, model_dir / WEIGHTS_INDEX_FILE
     if single.is_file():
-        return _read_safetensors(single)
-    if index.is_file():
-        return _load_sharded(index)
-    others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
-    hint = f" (found {', '.join(others)}; only safetensors is supported)" if others else ""
-    raise CheckpointError(f"{model_dir}: no weights: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} exists{hint}")
-
-
-def _load_sharded(index: Path) -> dict[str, Tensor]:
+        yield _read_safetensors(single)
+        return
+    if not index.is_file():
+        others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+        hint = f" (found {', '.join(others)}; only safetensors is supported)" if others else ""
+        raise CheckpointError(f"{model_dir}: no weights: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} exists{hint}")
     raw = _read_json(index, required=True)
     weight_map = raw.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
@@ -227,7 +236,6 @@ def _load_sharded(index: Path) -> dict[str, Tensor]:
     missing = [s for s in by_shard if not (index.parent / s).is_file()]
     if missing:
         raise CheckpointError(f"{index}: missing shard file(s) listed in weight_map: {_summary(sorted(missing))}")
-    weights: dict[str, Tensor] = {}
     for shard, names in by_shard.items():
         path = index.parent / shard
         tensors = _read_safetensors(path)
@@ -237,8 +245,7 @@ def _load_sharded(index: Path) -> dict[str, Tensor]:
         stray = sorted(tensors.keys() - names)
         if stray:
             raise CheckpointError(f"{path}: tensor(s) not listed for this shard in {index.name}: {_summary(stray)}")
-        weights.update(tensors)
-    return weights
+        yield tensors
 
 
 def _read_safetensors(path: Path) -> dict[str, Tensor]:

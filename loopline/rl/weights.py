@@ -23,10 +23,8 @@ partially-updated state.
 """
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -194,48 +192,3 @@ class WeightUpdater:
             self.broken = True
 
 
-# --- checkpoints on disk -------------------------------------------------------------
-
-
-def checkpoint_shards(path: str | Path) -> list[Path]:
-    """The safetensors files of a Hugging Face checkpoint directory, in index order."""
-    from loopline.models.loader import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, CheckpointError
-
-    root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"model directory {root} {'is not a directory' if root.exists() else 'does not exist'}")
-    if (root / WEIGHTS_FILE).is_file():
-        return [root / WEIGHTS_FILE]
-    index = root / WEIGHTS_INDEX_FILE
-    if not index.is_file():
-        raise CheckpointError(f"{root}: no weights: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} exists")
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-        raise CheckpointError(f"{index}: invalid index ({e})") from e
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index}: weight_map is missing or empty; expected {{tensor name: shard file}}")
-    shards = [root / s for s in dict.fromkeys(weight_map.values())]
-    missing = [s.name for s in shards if not s.is_file()]
-    if missing:
-        raise CheckpointError(f"{index}: missing shard file(s): {_summary(missing)}")
-    return shards
-
-
-def read_shard(path: Path) -> dict[str, Tensor]:
-    """All tensors of one safetensors file on the CPU (a ``CheckpointError`` if it is corrupt)."""
-    from safetensors import SafetensorError, safe_open
-
-    from loopline.models.loader import CheckpointError
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from e
-
-
-def iter_checkpoint(path: str | Path) -> Iterator[dict[str, Tensor]]:
-    """The tensors of a checkpoint, one shard at a time."""
-    for shard in checkpoint_shards(path):
-        yield read_shard(shard)
