@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loopline.attention import AttentionBackend, PagedAttentionMetadata
+from loopline.attention import AttentionBackend
 from loopline.attention.paged import PagedAttention
 from loopline.core.contracts import (
     ExitParams,
@@ -26,15 +26,14 @@ from loopline.core.contracts import (
     ResumedRequestData,
     RunnerOutput,
     SampledToken,
-    ScheduledRow,
     SchedulerOutput,
 )
 from loopline.core.exit_policy import exit_decision
 from loopline.kv.layout import KVLayout
 from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import SamplingParams
-from loopline.worker.sampler import Sampler, SamplerOutput, SamplingTensors
 from loopline.worker.cuda_graphs import DecodeGraphs
+from loopline.worker.sampler import Sampler, SamplerOutput, SamplingTensors
 from loopline.worker.step_inputs import DecodeBatch, StepInputs, build_step_inputs
 
 _SEED_MASK = 2**63 - 1

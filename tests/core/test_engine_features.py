@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from loopline import LLM, SamplingParams
+from loopline import SamplingParams
 from loopline.config import EngineArgs
 from loopline.core.engine import LLMEngine
 from loopline.entrypoints.cli import main as cli_main
