@@ -117,7 +117,7 @@ def test_pause_wait_fails_when_resumed_before_drained(llm):
 
 
 def test_keep_pause_continues_exactly(llm):
-    params = LONG.clone(max_tokens=12, seed=21)
+    params = LONG.clone(max_tokens=60, seed=21)
     reference = run(final(llm, ids(9), params, "ref")).outputs[0]
 
     async def main():
@@ -140,7 +140,7 @@ def test_weight_update_across_a_keep_pause_and_errors_keep_their_type(llm, tiny_
     names = sorted(new)
 
     async def main():
-        task = asyncio.ensure_future(final(llm, ids(7), LONG.clone(max_tokens=30, seed=4), "kept"))
+        task = asyncio.ensure_future(final(llm, ids(7), LONG.clone(max_tokens=100, seed=4), "kept"))
         await wait_until(lambda: started(llm, 1))
         with pytest.raises(EngineStateError, match="idle or paused"):  # still generating
             await llm.start_weight_update(1)
@@ -167,7 +167,7 @@ def test_weight_update_across_a_keep_pause_and_errors_keep_their_type(llm, tiny_
     out = run(main())
     versions = out.outputs[0].weight_versions
     assert out.weight_version == 1 and versions[0] == 0 and versions[-1] == 1
-    assert versions == sorted(versions) and len(out.outputs[0].token_ids) == 30
+    assert versions == sorted(versions) and len(out.outputs[0].token_ids) == 100
 
 
 def test_update_weights_from_disk_and_sleep(llm, tiny_factory, make_engine_args):

@@ -143,11 +143,11 @@ def test_generate_bad_input_is_400_and_the_server_keeps_serving(srv, body, param
 
 def test_a_duplicate_rid_is_refused_without_touching_the_live_request(srv, llm, pool):
     live = pool.submit(generate, srv, input_ids=PROMPT, rid="dup",
-                       sampling_params={"max_new_tokens": 40, "ignore_eos": True})
+                       sampling_params={"max_new_tokens": 120, "ignore_eos": True})
     wait_for(lambda: running(llm))
     assert error(generate(srv, input_ids=PROMPT, rid="dup"), 400)["param"] == "request_id"
     out = live.result(60).json()
-    assert out["finish_reason"] == "length" and len(out["output_ids"]) == 40
+    assert out["finish_reason"] == "length" and len(out["output_ids"]) == 120
 
 
 def test_generate_stream_ends_with_the_whole_completion(srv):
@@ -200,7 +200,7 @@ def test_pause_keep_via_query_string_and_bad_mode(srv, llm, pool):
     assert error(post(srv, "/pause_generation", {"mode": "soon"}), 400)["param"] == "mode"
     assert error(post(srv, "/sleep", {"level": True}), 400)["param"] == "level"
     assert error(post(srv, "/pause_generation", content=b"{not json"), 400)["code"] == "invalid_json"
-    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 20, "seed": 5, "ignore_eos": True}}
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 120, "seed": 5, "ignore_eos": True}}
     reference = generate(srv, **body).json()["output_ids"]
     kept = pool.submit(post, srv, "/generate", body)
     wait_for(lambda: running(llm))
@@ -231,11 +231,13 @@ def test_update_weights_from_disk_rejects_bad_input_and_keeps_serving(srv, llm, 
     before = generate(srv, input_ids=PROMPT, sampling_params=sp).json()["output_ids"]
     new = tiny_factory(3)
     # not paused and generating: refused with 409, nothing changes
-    busy = pool.submit(generate, srv, input_ids=PROMPT, sampling_params={"max_new_tokens": 60, "ignore_eos": True})
+    busy = pool.submit(generate, srv, input_ids=PROMPT, rid="busy",
+                       sampling_params={"max_new_tokens": 240, "ignore_eos": True})
     wait_for(lambda: running(llm))
     err = error(post(srv, "/update_weights_from_disk", {"model_path": str(new.path), "version": 1}), 409)
     assert err["code"] == "conflict" and "idle or paused" in err["message"]
-    busy.result(60)
+    post(srv, "/abort_request", {"rid": "busy"})
+    assert busy.result(60).json()["finish_reason"] == "abort"
     bad = [({"model_path": str(new.path)}, "version"),
            ({"model_path": str(new.path), "version": "one"}, "version"),
            ({"model_path": str(new.path), "version": -1}, "version"),
