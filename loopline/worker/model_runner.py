@@ -46,9 +46,7 @@ class _RequestState:
     params: SamplingParams
     seed: int
     prompt: Tensor  # [T] int64
-    block_lists: list[list[int]]  # per plane: physical blocks (host copy, grows)
-    block_arrays: list[np.ndarray]  # per plane: the same as int32 arrays (vectorized step inputs)
-    block_tables: list[Tensor]  # per plane, int32 (device copy of block_lists)
+    block_arrays: list[np.ndarray]  # per plane: physical blocks, int32 (host side; step inputs are built from them)
     prompt_exit: ExitParams
     hidden: Tensor  # [T, H] prefill hidden between loops
     survival: Tensor  # [T] f32 prod(1 - lambda) so far
@@ -59,8 +57,7 @@ class _RequestState:
 
     def to(self, device: torch.device) -> "_RequestState":
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
-                                if isinstance(getattr(self, f.name), Tensor)},
-                       block_tables=[t.to(device) for t in self.block_tables])
+                                if isinstance(getattr(self, f.name), Tensor)})
 
 
 @dataclass
@@ -167,9 +164,7 @@ class ModelRunner:
         self.requests[new.request_id] = _RequestState(
             params=new.params, seed=new.seed & _SEED_MASK,
             prompt=torch.tensor(new.prompt_token_ids, dtype=torch.long, device=dev),
-            block_lists=[list(bt) for bt in new.block_tables],
             block_arrays=[np.asarray(bt, dtype=np.int32) for bt in new.block_tables],
-            block_tables=[torch.tensor(bt, dtype=torch.int32, device=dev) for bt in new.block_tables],
             prompt_exit=new.prompt_exit,
             hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
             survival=torch.ones(t, dtype=torch.float32, device=dev),
@@ -179,12 +174,13 @@ class ModelRunner:
         )
 
     # --- preemption -------------------------------------------------------------------
-    def _blocks_index(self, block_lists: list[list[int]]) -> Tensor:
-        return torch.tensor([b for table in block_lists for b in table], dtype=torch.long, device=self.device)
+    def _blocks_index(self, tables: list[np.ndarray]) -> Tensor:
+        """Physical blocks of every plane, plane-major."""
+        return torch.from_numpy(np.concatenate(tables).astype(np.int64)).to(self.device)
 
     def _snapshot(self, request_id: str) -> None:
         st = self.requests.pop(request_id)
-        idx = self._blocks_index(st.block_lists)
+        idx = self._blocks_index(st.block_arrays)
         pin = self.device.type == "cuda"
 
         def to_host(t: Tensor) -> Tensor:
@@ -196,16 +192,14 @@ class ModelRunner:
         self.snapshots[request_id] = _Snapshot(
             k=to_host(self.k_cache[:, idx]), v=to_host(self.v_cache[:, idx]),
             slot_hidden=to_host(self.slot_hidden[slot]), slot_survival=to_host(self.slot_survival[slot]),
-            state=st.to(torch.device("cpu")), blocks_per_plane=len(st.block_lists[0]))
+            state=st.to(torch.device("cpu")), blocks_per_plane=len(st.block_arrays[0]))
 
     def _restore(self, resumed: ResumedRequestData) -> None:
         snap = self.snapshots.pop(resumed.request_id)
         st = snap.state.to(self.device)
-        st.block_lists = [list(t) for t in resumed.block_tables]
         st.block_arrays = [np.asarray(t, dtype=np.int32) for t in resumed.block_tables]
-        st.block_tables = [torch.tensor(t, dtype=torch.int32, device=self.device) for t in resumed.block_tables]
         # The new tables may be longer (room for the next position); the snapshot fills their heads.
-        idx = self._blocks_index([t[:snap.blocks_per_plane] for t in st.block_lists])
+        idx = self._blocks_index([t[:snap.blocks_per_plane] for t in st.block_arrays])
         self.k_cache[:, idx] = snap.k.to(self.device, non_blocking=True)
         self.v_cache[:, idx] = snap.v.to(self.device, non_blocking=True)
         self.slot_hidden[resumed.slot] = snap.slot_hidden.to(self.device)
@@ -259,9 +253,7 @@ class ModelRunner:
         for rid, added in sched.block_updates.items():
             st = self.requests[rid]
             for plane, blocks in enumerate(added):
-                st.block_lists[plane].extend(blocks)
-                st.block_tables[plane] = torch.tensor(st.block_lists[plane], dtype=torch.int32, device=self.device)
-                st.block_arrays[plane] = np.asarray(st.block_lists[plane], dtype=np.int32)
+                st.block_arrays[plane] = np.concatenate([st.block_arrays[plane], np.asarray(blocks, dtype=np.int32)])
 
     def _block_arrays(self, request_id: str) -> list[np.ndarray]:
         return self.requests[request_id].block_arrays
