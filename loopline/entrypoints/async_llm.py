@@ -27,6 +27,7 @@ Usage (vLLM names)::
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import concurrent.futures
 import copy
 import logging
@@ -64,6 +65,9 @@ class EngineSnapshot:
     num_waiting: int = 0
     kv_used_blocks: int = 0
     kv_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # prompt tokens served from it
+    num_preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -440,8 +444,11 @@ class AsyncLLM:
 
     def _take_snapshot(self) -> EngineSnapshot:
         engine = self.engine
+        cache = engine.kv.prefix_cache
         return EngineSnapshot(engine.scheduler.num_running, engine.scheduler.num_waiting,
-                              engine.kv.num_used_blocks, engine.kv.pool.num_blocks)
+                              engine.kv.num_used_blocks, engine.kv.pool.num_blocks,
+                              cache.stats.queries if cache else 0, cache.stats.hits if cache else 0,
+                              engine.scheduler.num_preemptions)
 
     def _die(self, error: BaseException) -> None:
         with self._cond:
@@ -459,7 +466,7 @@ class AsyncLLM:
         for stream, loop in self._streams.values():
             _call_soon(loop, stream._fail, error)
         self._streams.clear()
-        self.snapshot = EngineSnapshot(0, 0, self.snapshot.kv_used_blocks, self.snapshot.kv_total_blocks)
+        self.snapshot = dataclasses.replace(self.snapshot, num_running=0, num_waiting=0)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:

@@ -348,3 +348,21 @@ def test_raw_sse_format(server):
     assert events[-1] == "data: [DONE]"
     payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_prefix_cache_hits_in_metrics(make_engine_args, serve_app):
+    from loopline import AsyncLLM
+    from loopline.entrypoints.openai.api_server import build_app
+
+    llm = AsyncLLM(make_engine_args(enable_prefix_caching=True, block_size=4))
+    try:
+        srv = serve_app(build_app(llm, MODEL, api_key=None, max_concurrent_requests=4, shutdown_engine=False))
+        prompt = list(range(10, 40))  # 30 tokens: 7 full pages before the last token
+        for _ in range(2):
+            r = httpx.post(srv.base_url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 200
+        assert metric(srv, "loopline:prefix_cache_queries_total") == 60
+        assert metric(srv, "loopline:prefix_cache_hits_total") == 28
+        assert metric(srv, "loopline:num_preemptions_total") == 0
+    finally:
+        llm.shutdown()

@@ -64,6 +64,13 @@ class ServerMetrics:
         gauge("loopline:kv_cache_total_blocks", "KV blocks in the pool", lambda: snap().kv_total_blocks)
         gauge("loopline:kv_cache_usage_perc", "Fraction of KV blocks in use",
               lambda: snap().kv_used_blocks / snap().kv_total_blocks if snap().kv_total_blocks else 0.0)
+        # Counters owned by the engine, exported as gauges of their running totals.
+        gauge("loopline:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache",
+              lambda: snap().prefix_cache_queries)
+        gauge("loopline:prefix_cache_hits_total", "Prompt tokens served from the prefix cache",
+              lambda: snap().prefix_cache_hits)
+        gauge("loopline:num_preemptions_total", "Requests preempted (snapshotted to CPU memory)",
+              lambda: snap().num_preemptions)
         self.in_flight = Gauge("loopline:http_requests_in_flight", "Generation HTTP requests being served",
                                ["model_name"], registry=reg).labels(**labels)
         async_llm.add_step_listener(self._on_step)
