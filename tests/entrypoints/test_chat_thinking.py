@@ -21,10 +21,11 @@ def thinking(tiny_factory):
 
 
 def test_detection_rule(tiny_gqa, thinking):
-    plain = tiny_gqa.llm()
-    assert not plain._chat.thinking
-    assert thinking.llm()._chat.thinking  # the tokenizer has <think> as an added token
-    tok = plain.tokenizer
+    from loopline.models.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_gqa.path)
+    assert not is_thinking_checkpoint(str(tiny_gqa.path), {"architectures": ["OuroForCausalLM"]}, tok)
+    assert is_thinking_checkpoint(str(thinking.path), {}, load_tokenizer(thinking.path))  # <think> is an added token
     assert is_thinking_checkpoint("/models/Ouro-1.4B-Thinking", {}, tok)
     assert is_thinking_checkpoint("/ckpt/step-100", {"_name_or_path": "ByteDance/Ouro-2.6B-Thinking"}, tok)
     assert is_thinking_checkpoint("/ckpt/step-100", {"architectures": ["OuroThinkingForCausalLM"]}, tok)
