@@ -112,6 +112,9 @@ class Scheduler:
         self.waiting = queue
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
+        # NOTE: a chunk re-runs once per loop at its first size, so it must fit beside a full
+        # decode batch (max_num_seqs - 1 other rows): then the oldest prefill progresses every step.
+        self.max_chunk = max_num_batched_tokens - max_num_seqs + 1
         self.num_loops = num_loops
         self.allocation = allocation or Allocation()
         self.preemption = preemption
@@ -309,7 +312,7 @@ class Scheduler:
         if budget > 0 and not req.fully_chunked:
             if layout.chunk_may_run(done + [0], planned + [0], len(req.chunks), False):
                 start = req.num_chunked
-                chunk = PrefillChunk(start, min(req.prompt_len, start + budget))
+                chunk = PrefillChunk(start, min(req.prompt_len, start + budget, start + self.max_chunk))
                 req.chunks.append(chunk)
                 rows.append(self._prefill_row(req, chunk))
                 budget -= chunk.end - chunk.start

@@ -92,3 +92,25 @@ def test_finish_and_abort_free_blocks_and_slots():
     assert s.kv.num_used_blocks == 0
     out = step(s, {})
     assert out.finished_request_ids == ["a"] and out.rows[0].request_id == "b"
+
+
+def test_prefill_chunks_fit_beside_a_full_decode_batch():
+    """A chunk re-runs every loop at the size it was cut: it must fit later, fuller budgets too."""
+    s = make(budget=8, seqs=4)
+    s.add_request(req("a", n=2, max_tokens=40, seq=0))
+    for _ in range(R):
+        step(s, {})  # a decodes: one row per step
+    s.add_request(req("d", n=30, seq=1))  # its first chunk is cut while only a decodes
+    step(s, {})
+    s.add_request(req("b", n=2, max_tokens=40, seq=2))
+    s.add_request(req("c", n=2, max_tokens=40, seq=3))
+    stalled = 0
+    for _ in range(60):
+        out = step(s, {})
+        d_rows = [r for r in out.rows if r.request_id == "d"]
+        assert all(r.num_tokens <= 8 - 4 + 1 for r in d_rows if r.is_prefill)
+        if s.requests["d"].status == RequestStatus.DECODE:
+            break
+        stalled += not d_rows
+    assert s.requests["d"].status == RequestStatus.DECODE
+    assert stalled == 0  # with a, b, c decoding, d's chunks still fit the budget every step
