@@ -10,7 +10,8 @@ does not already end with an open ``<think>``.
 
 A checkpoint counts as a Thinking variant when its directory name, its
 ``config.json`` ``_name_or_path`` or one of its ``architectures`` contains
-"thinking" (any case), or when its tokenizer has ``<think>`` as an added token.
+"thinking" (any case). NOTE: the tokenizer is no evidence: base Ouro shares
+the vocabulary, ``<think>`` included (it sometimes samples it itself).
 """
 from __future__ import annotations
 
@@ -23,16 +24,13 @@ THINK_TOKEN = "<think>"
 THINK_PREFIX = THINK_TOKEN + "\n"
 
 
-def is_thinking_checkpoint(model_path: str | None, config_extra: dict[str, Any], tokenizer: Any) -> bool:
+def is_thinking_checkpoint(model_path: str | None, config_extra: dict[str, Any]) -> bool:
     """Whether the checkpoint is a -Thinking variant (see the module docstring for the rule)."""
     names = [Path(model_path).name if model_path else None, config_extra.get("_name_or_path")]
     architectures = config_extra.get("architectures")
     if isinstance(architectures, (list, tuple)):
         names += list(architectures)
-    if any(isinstance(n, str) and "thinking" in n.lower() for n in names):
-        return True
-    get_added = getattr(tokenizer, "get_added_vocab", None)
-    return bool(get_added and THINK_TOKEN in get_added())
+    return any(isinstance(n, str) and "thinking" in n.lower() for n in names)
 
 
 class ChatEncoder:
@@ -40,7 +38,7 @@ class ChatEncoder:
 
     def __init__(self, tokenizer: Any, model_path: str | None, config_extra: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.thinking = tokenizer is not None and is_thinking_checkpoint(model_path, config_extra or {}, tokenizer)
+        self.thinking = tokenizer is not None and is_thinking_checkpoint(model_path, config_extra or {})
 
     @classmethod
     def for_engine(cls, engine: Any, tokenizer: Any = None) -> "ChatEncoder":

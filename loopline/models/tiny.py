@@ -286,7 +286,8 @@ def make_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, *, shards: int 
     ``model.safetensors.index.json`` instead of ``model.safetensors``. The
     same ``(seed, shards, overrides)`` always give the same bytes. ``thinking=True``
     adds ``<think>`` and ``</think>`` to the tokenizer as (non-special) added
-    tokens, which makes the chat path treat it as a -Thinking checkpoint.
+    tokens and names the checkpoint ``tiny-ouro-thinking`` (``_name_or_path``),
+    which makes the chat path treat it as a -Thinking checkpoint.
     """
     from safetensors.torch import save_file
 
@@ -300,7 +301,8 @@ def make_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, *, shards: int 
     for stale in [*path.glob("model-*-of-*.safetensors"), path / "model.safetensors", path / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)
 
-    _write_json(path / "config.json", _config_json(config, hf_only))
+    _write_json(path / "config.json", {**_config_json(config, hf_only),
+                                       **({"_name_or_path": "tiny-ouro-thinking"} if thinking else {})})
     eos_ids = list(dict.fromkeys([*config.eos_token_ids, 2]))  # also stop at <|im_end|>
     _write_json(path / "generation_config.json", {"bos_token_id": config.bos_token_id, "eos_token_id": eos_ids})
     metadata = {"format": "pt"}

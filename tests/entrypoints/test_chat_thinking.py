@@ -23,14 +23,16 @@ def thinking(tiny_factory):
 def test_detection_rule(tiny_gqa, thinking):
     from loopline.models.loader import load_tokenizer
 
-    tok = load_tokenizer(tiny_gqa.path)
-    assert not is_thinking_checkpoint(str(tiny_gqa.path), {"architectures": ["OuroForCausalLM"]}, tok)
-    assert is_thinking_checkpoint(str(thinking.path), {}, load_tokenizer(thinking.path))  # <think> is an added token
-    assert is_thinking_checkpoint("/models/Ouro-1.4B-Thinking", {}, tok)
-    assert is_thinking_checkpoint("/ckpt/step-100", {"_name_or_path": "ByteDance/Ouro-2.6B-Thinking"}, tok)
-    assert is_thinking_checkpoint("/ckpt/step-100", {"architectures": ["OuroThinkingForCausalLM"]}, tok)
+    assert not is_thinking_checkpoint(str(tiny_gqa.path), {"architectures": ["OuroForCausalLM"]})
+    assert is_thinking_checkpoint(str(thinking.path), {"_name_or_path": thinking.cfg["_name_or_path"]})
+    # A tokenizer with <think> is no evidence (base Ouro has it too): only names count.
+    assert "<think>" in load_tokenizer(thinking.path).get_added_vocab()
+    assert not is_thinking_checkpoint(str(tiny_gqa.path), {})
+    assert is_thinking_checkpoint("/models/Ouro-1.4B-Thinking", {})
+    assert is_thinking_checkpoint("/ckpt/step-100", {"_name_or_path": "ByteDance/Ouro-2.6B-Thinking"})
+    assert is_thinking_checkpoint("/ckpt/step-100", {"architectures": ["OuroThinkingForCausalLM"]})
     assert not is_thinking_checkpoint("/models/Ouro-1.4B", {"_name_or_path": "ByteDance/Ouro-1.4B",
-                                                             "architectures": ["OuroForCausalLM"]}, tok)
+                                                             "architectures": ["OuroForCausalLM"]})
 
 
 def test_llm_chat_adds_think_after_the_assistant_prefix(tiny_gqa, thinking):
