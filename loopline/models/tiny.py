@@ -355,25 +355,8 @@ def random_checkpoint_config(name: str) -> OuroConfig:
     layers = {"ouro-1.4b": 24, "ouro-2.6b": 48}
     if key not in layers:
         raise ValueError(f"unknown checkpoint name {name!r}; allowed: ouro-1.4b, ouro-2.6b")
-    return OuroConfig(
-        vocab_size=49152,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=layers[key],
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        head_dim=128,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        total_ut_steps=4,
-        early_exit_threshold=1.0,
-        max_position_embeddings=65536,
-        bos_token_id=0,
-        eos_token_ids=(0,),
-        pad_token_id=None,
-        torch_dtype="bfloat16",
-        initializer_range=0.02,
-    )
+    # NOTE: OuroConfig's defaults are the Ouro-1.4B config; the 2.6B only doubles the layers.
+    return OuroConfig(num_hidden_layers=layers[key])
 
 
 def _write_json(path: Path, obj: dict) -> None:
