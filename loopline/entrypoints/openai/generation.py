@@ -12,13 +12,16 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from loopline.core.engine import PromptType
 from loopline.entrypoints.async_llm import AsyncLLM, OutputStream
 from loopline.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from loopline.entrypoints.openai.protocol import APIError
+from loopline.entrypoints.openai.sse import SSEResponse
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
 
@@ -213,6 +216,18 @@ class ServingContext:
 
         return Generation(self.llm, self.metrics, f"{prefix}-{uuid.uuid4().hex}", num_prompts, on_close=release,
                           request_ids=request_ids)
+
+    async def respond(self, raw: Request, gen: Generation, stream: bool, events: Callable[[], AsyncIterator[str]],
+                      build: Callable[[list[RequestOutput]], Any]) -> Response:
+        """Streams ``events()`` as server-sent events, or runs the generation to completion and
+        answers ``build(outputs)`` as JSON; either way the generation is closed at the end."""
+        if stream:
+            return SSEResponse(events(), on_close=gen.close)
+        try:
+            outs = await self.run_unless_disconnected(raw, gen)
+        finally:
+            gen.close()
+        return JSONResponse(build(outs))
 
     async def run_unless_disconnected(self, raw: Request, gen: Generation) -> list[RequestOutput]:
         """Runs a non-streamed generation; a client that goes away aborts it (and frees its KV)."""

@@ -5,14 +5,14 @@ import time
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from loopline.entrypoints.openai.generation import DeltaTracker, Generation, ServingContext
 from loopline.entrypoints.openai.logprobs import chat_logprobs
 from loopline.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                   ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
                                                   ChatStreamChoice, DeltaMessage, UsageInfo)
-from loopline.entrypoints.openai.sse import SSEResponse, sse_event
+from loopline.entrypoints.openai.sse import sse_event
 from loopline.errors import InvalidRequestError
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -31,13 +31,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     raw.state.generation = gen
     await gen.start([{"prompt_token_ids": prompt_ids}], params, chat_stop=True)  # closes itself on a bad request
     view = _ChatView(ctx, req, gen, params)
-    if req.stream:
-        return SSEResponse(view.stream(), on_close=gen.close)
-    try:
-        outs = await ctx.run_unless_disconnected(raw, gen)
-    finally:
-        gen.close()
-    return JSONResponse(view.response(outs[0]).model_dump())
+    return await ctx.respond(raw, gen, req.stream, view.stream, lambda outs: view.response(outs[0]).model_dump())
 
 
 class _ChatView:

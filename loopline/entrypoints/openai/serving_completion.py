@@ -5,12 +5,12 @@ import time
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from loopline.entrypoints.openai.generation import DeltaTracker, Generation, ServingContext
 from loopline.entrypoints.openai.logprobs import completion_logprobs
 from loopline.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
-from loopline.entrypoints.openai.sse import SSEResponse, sse_event
+from loopline.entrypoints.openai.sse import sse_event
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
 
@@ -23,13 +23,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     raw.state.generation = gen
     await gen.start(prompts, params)  # a validation error propagates (the generation closed itself)
     view = _CompletionView(ctx, req, gen, params)
-    if req.stream:
-        return SSEResponse(view.stream(), on_close=gen.close)
-    try:
-        outs = await ctx.run_unless_disconnected(raw, gen)
-    finally:
-        gen.close()
-    return JSONResponse(view.response(outs).model_dump())
+    return await ctx.respond(raw, gen, req.stream, view.stream, lambda outs: view.response(outs).model_dump())
 
 
 class _CompletionView:

@@ -30,13 +30,13 @@ from typing import Any
 
 from pydantic import Field
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from loopline.core.engine import PromptType
 from loopline.entrypoints.openai.generation import Generation, ServingContext
 from loopline.entrypoints.openai.logprobs import finite
 from loopline.entrypoints.openai.protocol import OpenAIBaseModel
-from loopline.entrypoints.openai.sse import SSEResponse, sse_event
+from loopline.entrypoints.openai.sse import sse_event
 from loopline.errors import InvalidRequestError
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -155,14 +155,12 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
     raw.state.generation = gen
     start = time.monotonic()
     await gen.start(prompts, params)  # a validation error propagates (the generation closed itself)
-    if req.stream:
-        return SSEResponse(_stream(gen, params, start), on_close=gen.close)
-    try:
-        outs = await ctx.run_unless_disconnected(raw, gen)
-    finally:
-        gen.close()
-    items = [completion_json(out, c, p, start) for out, p in zip(outs, params) for c in out.outputs]
-    return JSONResponse(items[0] if single and len(items) == 1 else items)
+
+    def build(outs: list[RequestOutput]) -> Any:
+        items = [completion_json(out, c, p, start) for out, p in zip(outs, params) for c in out.outputs]
+        return items[0] if single and len(items) == 1 else items
+
+    return await ctx.respond(raw, gen, req.stream, lambda: _stream(gen, params, start), build)
 
 
 async def _stream(gen: Generation, params: list[SamplingParams], start: float) -> AsyncIterator[str]:
