@@ -1,10 +1,11 @@
 """Waiting queues: the admission order as a strategy (FCFS or priority)."""
 from __future__ import annotations
 
-import heapq
 from abc import ABC, abstractmethod
 
 from loopline.core.request import Request
+
+DEFAULT_MAX_BYPASS = 32  # later arrivals that may overtake a waiting request before it goes first
 
 
 class RequestQueue(ABC):
@@ -52,33 +53,45 @@ class FCFSQueue(RequestQueue):
 
 
 class PriorityQueue(RequestQueue):
-    """Lower ``priority`` first; equal priorities keep arrival order (stable)."""
+    """Lower ``priority`` first, arrival order among equals, with bounded bypass.
 
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, Request]] = []
-        self._removed: set[str] = set()
+    A request that ``max_bypass`` later arrivals have overtaken is served next
+    (oldest first), so a stream of urgent requests cannot starve it forever.
+    """
+
+    def __init__(self, max_bypass: int = DEFAULT_MAX_BYPASS) -> None:
+        if max_bypass < 1:
+            raise ValueError(f"max_bypass must be >= 1, got {max_bypass}")
+        self.max_bypass = max_bypass
+        self._items: list[Request] = []
+        self._bypassed: dict[str, int] = {}
+
+    def _key(self, req: Request) -> tuple[int, int, int]:
+        if self._bypassed.get(req.request_id, 0) >= self.max_bypass:
+            return (0, 0, req.arrival_seq)  # waited long enough: before every priority
+        return (1, req.priority, req.arrival_seq)
 
     def push(self, req: Request) -> None:
-        self._removed.discard(req.request_id)
-        heapq.heappush(self._heap, (req.priority, req.arrival_seq, req))
-
-    def _prune(self) -> None:
-        while self._heap and self._heap[0][2].request_id in self._removed:
-            self._removed.discard(heapq.heappop(self._heap)[2].request_id)
+        self._items.append(req)
 
     def peek(self) -> Request:
-        self._prune()
-        return self._heap[0][2]
+        return min(self._items, key=self._key)
 
     def pop(self) -> Request:
-        self._prune()
-        return heapq.heappop(self._heap)[2]
+        chosen = self.peek()
+        self._items.remove(chosen)
+        self._bypassed.pop(chosen.request_id, None)
+        for req in self._items:
+            if req.arrival_seq < chosen.arrival_seq:
+                self._bypassed[req.request_id] = self._bypassed.get(req.request_id, 0) + 1
+        return chosen
 
     def remove(self, req: Request) -> None:
-        self._removed.add(req.request_id)
+        self._items.remove(req)
+        self._bypassed.pop(req.request_id, None)
 
     def __len__(self) -> int:
-        return len(self._heap) - len(self._removed)
+        return len(self._items)
 
 
 def make_queue(policy: str) -> RequestQueue:

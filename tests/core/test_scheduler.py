@@ -114,3 +114,25 @@ def test_prefill_chunks_fit_beside_a_full_decode_batch():
         stalled += not d_rows
     assert s.requests["d"].status == RequestStatus.DECODE
     assert stalled == 0  # with a, b, c decoding, d's chunks still fit the budget every step
+
+
+def test_priority_queue_orders_and_bounds_bypass():
+    from loopline.core.queue import PriorityQueue
+
+    def r(rid, prio, seq):
+        return Request(rid, [3], SamplingParams(max_tokens=1, priority=prio), 0, 1, frozenset(), seq)
+
+    q = PriorityQueue(max_bypass=3)
+    q.push(r("low", 5, 0))
+    seq = 1
+    served = []
+    for _ in range(6):  # urgent requests keep arriving, one per admission
+        q.push(r(f"hi{seq}", 0, seq))
+        seq += 1
+        served.append(q.pop().request_id)
+    assert served[:3] == ["hi1", "hi2", "hi3"]  # lower priority value first while bypass is bounded
+    assert served[3] == "low"  # overtaken 3 times: it goes next
+    q2 = PriorityQueue()
+    for i, p in enumerate([2, 1, 1, 0]):
+        q2.push(r(f"r{i}", p, i))
+    assert [q2.pop().request_id for _ in range(4)] == ["r3", "r1", "r2", "r0"]  # stable among equals
