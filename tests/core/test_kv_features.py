@@ -60,12 +60,13 @@ def shared_prefix_requests(params):
     return {f"r{i}": (system + ids(3 + i, seed=i), params) for i in range(4)}
 
 
+@pytest.mark.parametrize("mode", ["refill", "no_refill"])
 @pytest.mark.parametrize("params", [ADAPTIVE, SAMPLED])
-def test_prefix_caching_equals_no_caching(tiny_gqa, params):
+def test_prefix_caching_equals_no_caching(tiny_gqa, params, mode):
     reqs = shared_prefix_requests(params)
     arrivals = {"r0": 0, "r1": 30, "r2": 30, "r3": 60}  # later requests find r0's pages cached
-    plain = drain(engine_for(tiny_gqa), reqs, arrivals)
-    eng = engine_for(tiny_gqa, enable_prefix_caching=True)
+    plain = drain(engine_for(tiny_gqa, scheduling_mode=mode), reqs, arrivals)
+    eng = engine_for(tiny_gqa, enable_prefix_caching=True, scheduling_mode=mode)
     cached = drain(eng, reqs, arrivals)
     assert {k: result(v) for k, v in cached.items()} == {k: result(v) for k, v in plain.items()}
     stats = eng.kv.prefix_cache.stats
