@@ -200,3 +200,21 @@ def test_full_swap_space_makes_requests_wait(tiny_gqa):
     assert eng.scheduler.num_preemptions == 0
     roomy = drain(engine_for(tiny_gqa), reqs)
     assert {k: result(v) for k, v in out.items()} == {k: result(v) for k, v in roomy.items()}
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_preemption_mid_prefill_resumes_exactly(tiny_gqa, layout):
+    low = {"low": (ids(40, seed=3), SAMPLED.clone(max_tokens=6, priority=10))}
+    high = {"high": (ids(5, seed=4), ADAPTIVE.clone(max_tokens=4, priority=0))}
+    statuses = []
+    eng = engine_for(tiny_gqa, kv_layout=layout, scheduling_policy="priority", enable_preemption=True,
+                     max_num_seqs=1, max_num_batched_tokens=8)
+
+    def watch(engine):
+        statuses.append(engine.scheduler.requests["low"].status.value if "low" in engine.scheduler.requests else None)
+
+    out = drain(eng, {**low, **high}, arrivals={"low": 0, "high": 3}, watch=watch)
+    assert eng.scheduler.num_preemptions == 1
+    assert statuses[2] == "prefill" and statuses[3] == "preempted"  # preempted while its prompt was half done
+    alone = drain(engine_for(tiny_gqa, kv_layout=layout, max_num_seqs=1, max_num_batched_tokens=8), low)
+    assert result(out["low"]) == result(alone["low"])
