@@ -63,6 +63,8 @@ class EngineArgs:
     kernel_backend: AttentionBackendName = _opt("auto", "layer math (norms, rotary, SwiGLU): 'auto' (fused triton kernels on CUDA), 'torch' (reference), 'triton'")
     enforce_eager: bool = _opt(False, "disable CUDA graphs")
     max_seq_len_to_capture: int = _opt(8192, "longest context served by CUDA graphs; longer decode steps run eagerly")
+    async_scheduling: bool = _opt(False, "launch step n+1 before reading step n: decode slots advance on the device, "
+                                         "results are read one step behind (exact exits)")
     disable_log_stats: bool = _opt(True, "do not log engine statistics (otherwise: one line every log_stats_interval seconds)")
     log_stats_interval: float = _opt(5.0, "seconds between engine statistics log lines")
 

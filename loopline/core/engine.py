@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,12 @@ import torch
 from loopline.attention import get_attention_backend
 from loopline.config import EngineArgs, EngineConfig, resolve_device, resolve_dtype
 from loopline.core.exit_policy import make_exit_policy
+from loopline.core.contracts import RunnerOutput, SchedulerOutput
 from loopline.core.output_processor import OutputProcessor
 from loopline.core.queue import make_queue
 from loopline.core.request import Request
-from loopline.core.scheduler import Preemption, Scheduler, make_allocation, make_scheduling_mode
+from loopline.core.scheduler import (AheadProgress, Preemption, Progress, Scheduler, make_allocation,
+                                     make_scheduling_mode)
 from loopline.core.stat_logger import StatLogger
 from loopline.errors import CapacityError, EngineStateError, InvalidRequestError, WeightUpdateError
 from loopline.kv.layout import make_layout
@@ -69,6 +72,16 @@ class EngineStats:
         return self.loops_of_generated / self.generated_tokens if self.generated_tokens else 0.0
 
 
+def _check_async_support(args: EngineArgs) -> None:
+    """Async scheduling keeps decode state on the device; what it does not cover yet is refused."""
+    unsupported = {"kv_allocation": args.kv_allocation != "full", "enable_preemption": args.enable_preemption,
+                   "exit_mode": args.exit_mode == "trace"}
+    for name, bad in unsupported.items():
+        if bad:
+            raise InvalidRequestError(f"async_scheduling does not support {name}={getattr(args, name)!r} yet",
+                                      param=name)
+
+
 class LLMEngine:
     """Lower-level streaming engine (vLLM names): ``add_request``, ``step``, ``abort_request``."""
 
@@ -99,12 +112,20 @@ class LLMEngine:
         self.exit_policy = make_exit_policy(args.exit_mode, model_cfg.total_ut_steps, model_cfg.early_exit_threshold)
         block_bytes = ModelRunner.kv_bytes_per_block(model_cfg, args.block_size, dtype)
         preemption = Preemption(int(args.swap_space * 2**30 // block_bytes)) if args.enable_preemption else None
-        self.scheduler = Scheduler(self.kv, self.exit_policy, make_scheduling_mode(args.scheduling_mode),
+        self._async = args.async_scheduling
+        if self._async:
+            _check_async_support(args)
+        self.scheduler = Scheduler(self.kv, self.exit_policy,
+                                   make_scheduling_mode("refill" if self._async else args.scheduling_mode),
                                    make_queue(args.scheduling_policy), args.max_num_seqs, args.max_num_batched_tokens,
                                    model_cfg.total_ut_steps, allocation=make_allocation(args.kv_allocation),
-                                   preemption=preemption, watermark_blocks=int(args.kv_watermark * num_blocks))
+                                   preemption=preemption, watermark_blocks=int(args.kv_watermark * num_blocks),
+                                   progress=AheadProgress() if self._async else Progress())
         self.runner = ModelRunner(self.model, layout, get_attention_backend(args.attention_backend, device), num_blocks,
                                   args.block_size, args.max_num_seqs, Sampler(args.logprobs_mode), device, dtype)
+        self._pending: tuple[SchedulerOutput, Callable[[], RunnerOutput]] | None = None  # async: step in flight
+        if self._async:
+            self.runner.enable_async(max_len, no_refill=args.scheduling_mode == "no_refill")
         if device.type == "cuda" and not args.enforce_eager and self.runner.backend.name == "triton":
             self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture))
         self.outputs = OutputProcessor(self.tokenizer)
@@ -164,6 +185,10 @@ class LLMEngine:
         cfg = self.model_config
         params.validate_for_model(cfg.total_ut_steps, cfg.vocab_size)
         self.exit_policy.validate(params)
+        if self._async:
+            for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+                if getattr(params, name) != neutral:  # they need this step's tokens on the host
+                    raise InvalidRequestError(f"{name} is not supported with async_scheduling yet", param=name)
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise InvalidRequestError(f"logprobs must be <= max_logprobs ({self.config.max_logprobs}), got {params.logprobs}", param="logprobs")
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
@@ -188,7 +213,8 @@ class LLMEngine:
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(child_id, ids, effective, seed + i, max_tokens, eos, next(self._arrivals)))
+            children.append(Request(child_id, ids, effective, seed + i, max_tokens, eos, next(self._arrivals),
+                                    spare_positions=1 if self._async else 0))
         self.outputs.add(request_id, prompt_text, ids, effective, [c.request_id for c in children], self.weight_version)
         for child in children:
             if not self.control.hold(child):
@@ -235,7 +261,7 @@ class LLMEngine:
         self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.control.held)
+        return self.scheduler.has_unfinished() or bool(self.control.held) or self._pending is not None
 
     def has_runnable_requests(self) -> bool:
         """Whether ``step()`` can advance a request: some are in the scheduler and no ``"keep"``
@@ -258,7 +284,23 @@ class LLMEngine:
             self.scheduler.finish_request(victim.request_id, "abort", "kv cache and swap space exhausted")
             self.outputs.on_finished(victim)
             sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
+        if self._async:
+            # Launch this step, then read the previous one while the device runs it.
+            wait = self.runner.launch(sched)
+            previous, self._pending = self._pending, ((sched, wait) if sched.rows else None)
+            if previous is not None:
+                self._apply_results(previous[0], previous[1]())
+        else:
+            self._apply_results(sched, self.runner.execute(sched))
+        self.stats.steps += 1 if sched.rows else 0
+        self.stats.rows += len(sched.rows)
+        self.stats.scheduled_tokens += sched.num_tokens
+        self.stats.step_time_s += time.perf_counter() - t0
+        if self._stat_logger is not None:
+            self._stat_logger.maybe_log(self)
+        return self.outputs.collect()
+
+    def _apply_results(self, sched: SchedulerOutput, result: RunnerOutput) -> None:
         touched = self.scheduler.update(sched, result)
         for rid, entries in result.prompt_logprobs.items():
             self.outputs.add_prompt_logprobs(rid, entries)
@@ -272,13 +314,6 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, *stop)
                 self.stats.finished_requests += 1
             self.outputs.on_token(req, self.weight_version)
-        self.stats.steps += 1 if sched.rows else 0
-        self.stats.rows += len(sched.rows)
-        self.stats.scheduled_tokens += sched.num_tokens
-        self.stats.step_time_s += time.perf_counter() - t0
-        if self._stat_logger is not None:
-            self._stat_logger.maybe_log(self)
-        return self.outputs.collect()
 
     # --- RL: weight updates, pause / resume, sleep (the logic lives in loopline.rl) -------
     def get_weight_version(self) -> int:

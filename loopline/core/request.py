@@ -61,10 +61,12 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output)
 
+    spare_positions: int = 0  # async scheduling may feed one token past the end before it learns of it
+
     @property
     def num_tokens_reserved(self) -> int:
-        """Positions that may hold KV: the last sampled token is never fed back."""
-        return self.prompt_len + self.max_tokens - 1
+        """Positions that may hold KV: the last sampled token is never fed back (in sync mode)."""
+        return self.prompt_len + self.max_tokens - 1 + self.spare_positions
 
     @property
     def priority(self) -> int:

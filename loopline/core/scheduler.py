@@ -77,6 +77,42 @@ class IncrementalAllocation(Allocation):
         return True
 
 
+class Progress:
+    """When prefill and decode progress is booked: after the step ran (sync scheduling)."""
+
+    ahead = False
+
+    def scheduled(self, sched: "Scheduler", req: Request, chunk: PrefillChunk) -> None:
+        pass
+
+    def finished(self, sched: "Scheduler", req: Request, row: ScheduledRow, exited: bool) -> None:
+        if row.is_prefill:
+            chunk = next(c for c in req.chunks if c.start == row.start)
+            chunk.loops_done += 1
+            if exited:
+                sched.prefill_done(req)
+        elif exited:
+            req.token_loop = 0
+        else:
+            req.token_loop += 1
+
+
+class AheadProgress(Progress):
+    """Async scheduling: the host schedules step n+1 before it reads step n, so prefill
+    progress is booked when a row is scheduled (it does not depend on results) and
+    decode slots advance on the device (``worker/decode_state.py``)."""
+
+    ahead = True
+
+    def scheduled(self, sched: "Scheduler", req: Request, chunk: PrefillChunk) -> None:
+        chunk.loops_done += 1
+        if req.fully_chunked and all(c.loops_done == sched.num_loops for c in req.chunks):
+            sched.prefill_done(req)
+
+    def finished(self, sched: "Scheduler", req: Request, row: ScheduledRow, exited: bool) -> None:
+        pass
+
+
 def make_allocation(name: str) -> Allocation:
     return {"full": Allocation, "incremental": IncrementalAllocation}[name]()
 
@@ -105,7 +141,7 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, exit_policy: ExitPolicy, mode: SchedulingMode, queue: RequestQueue,
                  max_num_seqs: int, max_num_batched_tokens: int, num_loops: int,
                  allocation: Allocation | None = None, preemption: Preemption | None = None,
-                 watermark_blocks: int = 0) -> None:
+                 watermark_blocks: int = 0, progress: Progress | None = None) -> None:
         self.kv = kv
         self.exit_policy = exit_policy
         self.mode = mode
@@ -119,6 +155,7 @@ class Scheduler:
         self.allocation = allocation or Allocation()
         self.preemption = preemption
         self.watermark_blocks = watermark_blocks
+        self.progress = progress or Progress()
         self.cache_salt: object = 0  # the weight version: prefix-cache keys include it
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -173,7 +210,8 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         self._admit()
         decoding = [r for r in self.running if r.status == RequestStatus.DECODE]
-        may_start = self.mode.may_start_token(decoding)
+        # NOTE: with async scheduling the device decides loops and cohorts; token_loop stays 0.
+        may_start = self.progress.ahead or self.mode.may_start_token(decoding)
         for req in decoding:
             if req.status != RequestStatus.DECODE or (req.token_loop == 0 and not may_start):
                 continue  # preempted while another request grew, or waiting for its cohort
@@ -190,6 +228,11 @@ class Scheduler:
         return out
 
     def _decode_row(self, req: Request) -> ScheduledRow:
+        if self.progress.ahead:
+            # The device knows this slot's loop, position and token; the row only names the slot.
+            return ScheduledRow(request_id=req.request_id, is_prefill=False, start=-1, end=0, loop=0, plane=-1,
+                                input_token_ids=None, slot=req.slot,
+                                exit=self.exit_policy.params_for(req.params, req.num_output_tokens), token_index=-1)
         pos = req.next_position
         loop = req.token_loop + 1
         token_index = req.num_output_tokens
@@ -309,6 +352,7 @@ class Scheduler:
                 rows.append(self._prefill_row(req, chunk))
                 planned[i] += 1
                 budget -= n
+                self.progress.scheduled(self, req, chunk)
         if budget > 0 and not req.fully_chunked:
             if layout.chunk_may_run(done + [0], planned + [0], len(req.chunks), False):
                 start = req.num_chunked
@@ -316,6 +360,7 @@ class Scheduler:
                 req.chunks.append(chunk)
                 rows.append(self._prefill_row(req, chunk))
                 budget -= chunk.end - chunk.start
+                self.progress.scheduled(self, req, chunk)
         return budget
 
     def _prefill_row(self, req: Request, chunk: PrefillChunk) -> ScheduledRow:
@@ -334,23 +379,18 @@ class Scheduler:
             req = self.requests.get(row.request_id)
             if req is None:  # finished or aborted meanwhile
                 continue
-            if row.is_prefill:
-                chunk = next(c for c in req.chunks if c.start == row.start)
-                chunk.loops_done += 1
-                if exited:
-                    req.status = RequestStatus.DECODE
-                    # NOTE: a prompt whose prefill began under older weights (frozen across an
-                    # update by pause "keep") is never cached under the new salt.
-                    if req.cache_salt == self.cache_salt:
-                        self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.cache_salt)
-            elif exited:
-                req.token_loop = 0
-            else:
-                req.token_loop += 1
+            self.progress.finished(self, req, row, exited)
             if sample is not None:
                 req.output.append(sample)
                 touched.append(req)
         return touched
+
+    def prefill_done(self, req: Request) -> None:
+        req.status = RequestStatus.DECODE
+        # NOTE: a prompt whose prefill began under older weights (frozen across an
+        # update by pause "keep") is never cached under the new salt.
+        if req.cache_salt == self.cache_salt:
+            self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.cache_salt)
 
     def blocked_victim(self) -> Request | None:
         """When a step could schedule nothing although requests run (KV and swap exhausted),

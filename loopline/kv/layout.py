@@ -24,6 +24,10 @@ class KVLayout(ABC):
         """The plane loop ``loop`` (1-based) reads and writes."""
 
     @abstractmethod
+    def plane_index(self, loops):
+        """:meth:`plane` of every entry of a tensor of 1-based loops."""
+
+    @abstractmethod
     def exit_copy_planes(self, exit_loop: int) -> range:
         """Planes to fill with the exit loop's KV when a token exits at ``exit_loop``."""
 
@@ -56,6 +60,9 @@ class LastExitedLayout(KVLayout):
     def plane(self, loop: int) -> int:
         return loop - 1
 
+    def plane_index(self, loops):
+        return loops - 1
+
     def exit_copy_planes(self, exit_loop: int) -> range:
         return range(exit_loop, self.num_loops)
 
@@ -81,6 +88,9 @@ class SharedLayout(KVLayout):
 
     def plane(self, loop: int) -> int:
         return 0
+
+    def plane_index(self, loops):
+        return loops * 0
 
     def exit_copy_planes(self, exit_loop: int) -> range:
         return range(0)

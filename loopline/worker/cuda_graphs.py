@@ -95,6 +95,24 @@ class DecodeGraphs:
         self.seq_lens[lo:hi] = 1
         self.block_tables[lo:hi] = self.runner.scratch_block
 
+    def run_tensors(self, d, positions: Tensor, slot_mapping: Tensor, seq_lens: Tensor,
+                    block_tables: Tensor) -> tuple[Tensor, Tensor]:
+        """Replays with inputs already on the device (async scheduling); no host sync."""
+        n = d.slots.shape[0]
+        b = next(s for s in self.sizes if s >= n)
+        for name, buf in vars(self.buf).items():
+            buf[:n].copy_(getattr(d, name))
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.seq_lens[:n].copy_(seq_lens)
+        width = min(block_tables.shape[1], self.max_blocks)  # keys past max_seq_len are never read
+        self.block_tables[:n, :width].copy_(block_tables[:, :width])
+        if n < b:
+            self._fill_padding(n, b)
+        self.graphs[b].replay()
+        ex, logits = self.outputs[b]
+        return ex[:n], logits[:n]
+
     def run(self, inp: StepInputs) -> tuple[Tensor, Tensor]:
         n = inp.decode.n
         b = next(s for s in self.sizes if s >= n)

@@ -12,7 +12,9 @@ against.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +34,9 @@ from loopline.core.exit_policy import exit_decision
 from loopline.kv.layout import KVLayout
 from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import SamplingParams
+from loopline.attention import PagedAttentionMetadata
 from loopline.worker.cuda_graphs import DecodeGraphs
+from loopline.worker.decode_state import DeviceDecodeState
 from loopline.worker.sampler import Sampler, SamplerOutput, SamplingTensors
 from loopline.worker.step_inputs import DecodeBatch, StepInputs, build_step_inputs
 
@@ -74,13 +78,52 @@ class DecodeTensors:
     plane_slots: Tensor
 
 
-def _to_host(out: SamplerOutput, exit_flags: Tensor, depth: Tensor) -> dict:
-    """One device->host transfer per tensor, after all work of the step is queued."""
-    def lst(t):
-        return t.tolist() if t is not None else None
+def _to_device(a: np.ndarray, device: torch.device) -> Tensor:
+    """Host array -> device without waiting for the device (pinned staging on CUDA)."""
+    t = torch.from_numpy(a)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
-    return {"exit": exit_flags.tolist(), "depth": depth.tolist(), "ids": out.token_ids.tolist(), "lps": lst(out.logprobs),
-            "ranks": lst(out.ranks), "top_ids": lst(out.top_ids), "top_lps": lst(out.top_logprobs)}
+
+@dataclass
+class _SampleBatch:
+    """A step's sampled rows on the device, and their reading back to the host."""
+
+    row_idx: list[int]  # step row of each sampled row
+    states: list[Any]  # their request states
+    out: SamplerOutput
+    exit_flags: Tensor  # [M] bool: the token exited (decode) / the prompt finished
+    depth: Tensor  # [M] exit depth
+
+    def _tensors(self) -> dict[str, Tensor | None]:
+        o = self.out
+        return {"exit": self.exit_flags, "depth": self.depth, "ids": o.token_ids, "lps": o.logprobs, "ranks": o.ranks,
+                "top_ids": o.top_ids, "top_lps": o.top_logprobs}
+
+    def to_host(self) -> dict:
+        """Reads everything back now (one sync)."""
+        return {k: t.tolist() if t is not None else None for k, t in self._tensors().items()}
+
+    def to_host_async(self) -> "Callable[[], dict]":
+        """Starts non-blocking copies to pinned memory; the returned call waits for them."""
+        tensors = self._tensors()
+        if self.exit_flags.device.type != "cuda":
+            host = self.to_host()
+            return lambda: host
+        pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if t is not None else None
+                  for k, t in tensors.items()}
+        for k, t in tensors.items():
+            if t is not None:
+                pinned[k].copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait() -> dict:
+            done.synchronize()
+            return {k: t.tolist() if t is not None else None for k, t in pinned.items()}
+
+        return wait
 
 
 @dataclass
@@ -115,11 +158,20 @@ class ModelRunner:
         self.slot_survival = torch.ones(max_num_seqs + 1, dtype=torch.float32, device=device)
         self.max_num_seqs = max_num_seqs
         self.graphs: DecodeGraphs | None = None
+        self.decode_state: DeviceDecodeState | None = None  # async scheduling only
+        self._no_refill = False
         self._graphs_max_seq_len: int | None = None  # graphs to recapture after a sleep
         self._kv_shape = shape
         self._copies_on_exit = len(layout.exit_copy_planes(1)) > 0
         self.requests: dict[str, _RequestState] = {}
         self.snapshots: dict[str, _Snapshot] = {}
+
+    def enable_async(self, max_model_len: int, no_refill: bool) -> None:
+        """Keeps decode slots' loop, position and token on the device (see ``decode_state.py``)."""
+        max_blocks = -(-(max_model_len + 1) // self.block_size)
+        self.decode_state = DeviceDecodeState(self.max_num_seqs + 1, self.layout, self.block_size, max_blocks,
+                                              self.scratch_block, self.device)
+        self._no_refill = no_refill
 
     def capture_graphs(self, max_seq_len: int) -> None:
         """Captures decode-only steps as CUDA graphs (CUDA and a graph-safe attention backend only)."""
@@ -172,6 +224,8 @@ class ModelRunner:
             sel_depth=torch.zeros(t, dtype=torch.long, device=dev),
             slot=new.slot,
         )
+        if self.decode_state is not None:
+            self.decode_state.set_tables(new.slot, new.block_tables)
 
     # --- preemption -------------------------------------------------------------------
     def _blocks_index(self, tables: list[np.ndarray]) -> Tensor:
@@ -210,6 +264,97 @@ class ModelRunner:
     @property
     def snapshot_bytes(self) -> int:
         return sum(s.k.nbytes + s.v.nbytes for s in self.snapshots.values())
+
+    # --- one step, async: launch now, read later ---------------------------------------
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> Callable[[], RunnerOutput]:
+        """Queues a step on the device and returns the call that reads its results.
+
+        Decode rows' loops, positions and tokens come from the device state
+        (``DeviceDecodeState``), so the host never waits inside or between steps.
+        """
+        assert self.decode_state is not None, "enable_async() first"
+        self._apply_lifecycle(sched)
+        rows = sched.rows
+        if not rows:
+            return lambda: RunnerOutput([], [])
+        dev, ds = self.device, self.decode_state
+        nd = sum(1 for r in rows if not r.is_prefill)
+        exited = [False] * len(rows)
+        prompt_logprobs: dict = {}
+        sample_hidden, sample_meta = [], []
+        ex = logits = loops = run = tidx = slots = None
+        x_parts, pos_parts, map_parts, seq_parts, table_parts, offsets = [], [], [], [], [], [0]
+        if nd:
+            slots = _to_device(np.fromiter((r.slot for r in rows[:nd]), dtype=np.int64, count=nd), dev)
+            loops, pos, plane_slots, run, tidx = ds.rows(slots, self._no_refill)
+            scratch_kv = self.scratch_block * self.block_size
+            exits = [r.exit for r in rows[:nd]]
+            dec = DecodeTensors(
+                slots=torch.where(run, slots, self.scratch_slot), loops=loops, starts=loops == 1,
+                input_ids=ds.token[slots],
+                min_loops=_to_device(np.fromiter((e.min_loops for e in exits), dtype=np.int64, count=nd), dev),
+                max_loops=_to_device(np.fromiter((e.max_loops for e in exits), dtype=np.int64, count=nd), dev),
+                threshold=_to_device(np.fromiter((e.threshold for e in exits), dtype=np.float32, count=nd), dev),
+                plane_slots=torch.where(run[:, None], plane_slots, scratch_kv))
+            plane = self.layout.plane_index(loops)
+            positions = torch.where(run, pos, 0)
+            slot_mapping = dec.plane_slots.gather(1, plane[:, None]).squeeze(1)
+            seq_lens = torch.where(run, pos + 1, 1).to(torch.int32)
+            tables = ds.tables[slots, plane]
+            tables = torch.where(run[:, None], tables, self.scratch_block)
+            bound = max(self.requests[r.request_id].prompt.numel() + (self.requests[r.request_id].params.max_tokens or 0) + 1
+                        for r in rows[:nd])
+            if nd == len(rows) and self.graphs is not None and bound <= self.graphs.max_seq_len:
+                ex, logits = self.graphs.run_tensors(dec, positions, slot_mapping, seq_lens, tables)
+            else:
+                x_parts.append(self.decode_inputs(dec))
+                pos_parts.append(positions)
+                map_parts.append(slot_mapping)
+                seq_parts.append(seq_lens)
+                table_parts.append(tables)
+                offsets += list(range(1, nd + 1))
+        if ex is None:  # an eager step: prefill rows (and decode rows unless a graph ran them)
+            max_seq = bound if nd else 0
+            max_q = 1 if nd else 0
+            if nd < len(rows):
+                inp = build_step_inputs(rows[nd:], self._block_arrays, self.layout.num_planes, self.block_size)
+                x_parts.append(self._gather_inputs(inp, None))
+                p_pos, p_meta = inp.to_device(dev)
+                pos_parts.append(p_pos)
+                map_parts.append(p_meta.slot_mapping)
+                seq_parts.append(p_meta.seq_lens)
+                table_parts.append(p_meta.block_tables)
+                offsets += [nd + o for o in inp.token_offsets[1:]]
+                max_seq, max_q = max(max_seq, p_meta.max_seq_len), max(max_q, p_meta.max_query_len)
+            width = max(t.shape[1] for t in table_parts)
+            tables_all = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=self.scratch_block)
+                                    for t in table_parts])
+            meta = PagedAttentionMetadata(
+                query_start_loc=_to_device(np.asarray(offsets, dtype=np.int32), dev), seq_lens=torch.cat(seq_parts),
+                block_tables=tables_all, slot_mapping=torch.cat(map_parts), max_query_len=max_q, max_seq_len=max_seq)
+            attn = PagedAttention(self.backend, self.k_cache, self.v_cache, meta, self.scale)
+            h, gate = self.model.loop(torch.cat(x_parts), torch.cat(pos_parts), attn)
+            for i in range(nd, len(rows)):
+                lo, hi = offsets[i], offsets[i + 1]
+                self._finish_prefill_row(i, rows[i], h[lo:hi], gate[lo:hi], exited, sample_hidden, sample_meta,
+                                         prompt_logprobs)
+            if nd:
+                ex, logits = self._decode_tail(h[:nd], gate[:nd], dec)
+        if ex is not None:
+            ex = ex & run
+        batch = self._sample(rows, nd, ex, logits, sample_hidden, sample_meta, depth=loops, token_index=tidx)
+        if batch is None:
+            return lambda: RunnerOutput(exited, [None] * len(rows), prompt_logprobs)
+        if nd:
+            ds.advance(slots, loops, run, ex, batch.out.token_ids[:nd])
+        if sample_meta:  # prompts that finished: their first token is fed next, at position prompt_len
+            done_rows = [rows[m[0]] for m in sample_meta]
+            ds.start(_to_device(np.fromiter((r.slot for r in done_rows), dtype=np.int64, count=len(done_rows)), dev),
+                     batch.out.token_ids[nd:],
+                     _to_device(np.fromiter((r.end for r in done_rows), dtype=np.int64, count=len(done_rows)), dev))
+        wait = batch.to_host_async()
+        return lambda: self._collect(rows, batch, wait(), exited, prompt_logprobs)
 
     # --- one step ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -348,26 +493,43 @@ class ModelRunner:
     def _sample_and_collect(self, rows, nd, ex, logits, sample_hidden, sample_meta, exited, prompt_logprobs) -> RunnerOutput:
         """Samples every decode row (kept only where its token exits) and every finished prompt,
         then reads everything back in one transfer."""
+        batch = self._sample(rows, nd, ex, logits, sample_hidden, sample_meta)
+        if batch is None:
+            return RunnerOutput(exited, [None] * len(rows), prompt_logprobs)
+        return self._collect(rows, batch, batch.to_host(), exited, prompt_logprobs)
+
+    def _sample(self, rows, nd, ex, logits, sample_hidden, sample_meta, depth: Tensor | None = None,
+                token_index: Tensor | None = None) -> "_SampleBatch | None":
+        """Coda + sampling for decode rows ``[:nd]`` (logits given) and finished prompts, on the device.
+
+        ``depth`` / ``token_index``: the decode rows' loops and token indices when the device
+        holds them (async scheduling); otherwise the rows say.
+        """
         parts = [logits] if logits is not None else []
         if sample_hidden:
             parts.append(self.model.head(torch.stack(sample_hidden)))
-        sampled: list[SampledToken | None] = [None] * len(rows)
         if not parts:
-            return RunnerOutput(exited, sampled, prompt_logprobs)
+            return None
         all_logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         row_idx = list(range(nd)) + [m[0] for m in sample_meta]
         states = [self.requests[rows[i].request_id] for i in row_idx]
-        token_index = [rows[i].token_index for i in range(nd)] + [m[2] for m in sample_meta]
-        out: SamplerOutput = self.sampler(all_logits, self._sampling_tensors(states, token_index, all_logits.shape[-1]))
-        depth = [torch.as_tensor([r.loop for r in rows[:nd]], device=self.device)] if nd else []
-        depth += [m[1] for m in sample_meta]
+        index = [rows[i].token_index for i in range(nd)] + [m[2] for m in sample_meta]
+        tensors = self._sampling_tensors(states, index, all_logits.shape[-1])
+        if token_index is not None:
+            tensors.token_index = torch.cat([token_index, tensors.token_index[nd:]])
+        out: SamplerOutput = self.sampler(all_logits, tensors)
+        depths = [depth if depth is not None else torch.as_tensor([r.loop for r in rows[:nd]], device=self.device)] if nd else []
+        depths += [m[1] for m in sample_meta]
         flags = [ex] if ex is not None else []
         flags.append(torch.ones(len(sample_meta), dtype=torch.bool, device=self.device))
-        host = _to_host(out, torch.cat(flags), torch.cat(depth))
-        for j, row_i in enumerate(row_idx):
+        return _SampleBatch(row_idx, states, out, torch.cat(flags), torch.cat(depths))
+
+    def _collect(self, rows, batch: "_SampleBatch", host: dict, exited, prompt_logprobs) -> RunnerOutput:
+        sampled: list[SampledToken | None] = [None] * len(rows)
+        for j, row_i in enumerate(batch.row_idx):
             if not host["exit"][j]:
                 continue
-            st = states[j]
+            st = batch.states[j]
             exited[row_i] = True
             k = st.params.logprobs
             top = None

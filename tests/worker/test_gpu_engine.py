@@ -68,3 +68,14 @@ def test_fused_kernels_equal_reference_kernels_fp32(tiny_gqa):
     fused = run(tiny_gqa, prompts, params, kernel_backend="triton")
     reference = run(tiny_gqa, prompts, params, kernel_backend="torch")
     assert fused == reference
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+def test_async_scheduling_equals_sync_on_gpu(tiny_gqa, layout, mode):
+    prompts = [ids(n, seed=n) for n in (3, 17, 40, 9, 25)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, exit_threshold=0.7)
+    kw = dict(kv_layout=layout, scheduling_mode=mode, block_size=8, max_num_seqs=8)
+    sync = run(tiny_gqa, prompts, params, **kw)
+    assert run(tiny_gqa, prompts, params, async_scheduling=True, **kw) == sync  # CUDA graphs on
+    assert run(tiny_gqa, prompts, params, async_scheduling=True, enforce_eager=True, **kw) == sync

@@ -1,0 +1,68 @@
+"""Per-slot decode state that advances on the device (async scheduling).
+
+With ``async_scheduling`` the host launches step n+1 before it reads step n's
+results, so it cannot tell a decode slot which loop to run or which token to
+feed. The device does: after each step a slot whose token exited starts its
+next token at loop 1 at the next position, fed with the token it just sampled
+(``refill``), or idles until no slot is in flight (``no_refill``); a slot
+whose token did not exit runs its next loop. The exit rule itself ran on the
+device, so these are exactly the sync engine's decisions, only never read by
+the host in between.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from loopline.kv.layout import KVLayout
+
+
+class DeviceDecodeState:
+    def __init__(self, num_slots: int, layout: KVLayout, block_size: int, max_blocks: int, scratch_block: int,
+                 device: torch.device) -> None:
+        self.layout, self.block_size, self.device = layout, block_size, device
+        i64 = dict(dtype=torch.long, device=device)
+        self.loop = torch.zeros(num_slots, **i64)  # loops done by the in-flight token; 0: start a token
+        self.pos = torch.zeros(num_slots, **i64)  # position of the token being fed
+        self.token = torch.zeros(num_slots, **i64)  # the token fed at loop 1
+        self.token_index = torch.zeros(num_slots, **i64)  # index in the completion of the token sampled next
+        self.tables = torch.full((num_slots, layout.num_planes, max_blocks), scratch_block, dtype=torch.int32,
+                                 device=device)
+
+    def set_tables(self, slot: int, block_tables: list[list[int]]) -> None:
+        for plane, blocks in enumerate(block_tables):
+            n = len(blocks)
+            self.tables[slot, plane, :n] = torch.from_numpy(np.asarray(blocks, dtype=np.int32)).to(self.device)
+
+    def start(self, slots: Tensor, tokens: Tensor, positions: Tensor) -> None:
+        """Prefill finished: the first generated token is fed at ``positions`` (the prompt length)."""
+        self.loop[slots] = 0
+        self.token[slots] = tokens
+        self.pos[slots] = positions
+        self.token_index[slots] = 1
+
+    def rows(self, slots: Tensor, no_refill: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Step inputs of decode rows ``slots`` ``[B]``: ``(loops, positions, plane_slots [B, P], run, token_index)``.
+
+        ``run`` is False for a ``no_refill`` slot that waits for its cohort: such a row
+        runs on scratch and changes nothing.
+        """
+        loop = self.loop[slots]
+        run = torch.ones_like(loop, dtype=torch.bool)
+        if no_refill:
+            in_flight = (loop > 0).any()
+            run = (loop > 0) | ~in_flight
+        loops = loop + 1
+        pos = self.pos[slots]
+        blk = (pos // self.block_size).view(-1, 1, 1).expand(-1, self.layout.num_planes, 1)
+        plane_slots = self.tables[slots].gather(2, blk).squeeze(2).long() * self.block_size + (pos % self.block_size)[:, None]
+        return loops, pos, plane_slots, run, self.token_index[slots]
+
+    def advance(self, slots: Tensor, loops: Tensor, run: Tensor, exited: Tensor, sampled: Tensor) -> None:
+        """After a step: exited slots take their sampled token and move to the next position."""
+        ex = exited & run
+        self.loop[slots] = torch.where(run, torch.where(ex, torch.zeros_like(loops), loops), self.loop[slots])
+        self.token[slots] = torch.where(ex, sampled, self.token[slots])
+        self.pos[slots] = self.pos[slots] + ex.long()
+        self.token_index[slots] = self.token_index[slots] + ex.long()

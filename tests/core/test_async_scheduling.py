@@ -1,0 +1,115 @@
+"""Async scheduling (decode state on the device, results read one step behind) equals sync, exactly."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from loopline import SamplingParams
+from loopline.config import EngineArgs
+from loopline.core.engine import LLMEngine
+from loopline.errors import InvalidRequestError
+from reference import reference_generate
+
+
+def ids(n, seed=0, vocab=500):
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def run(tiny, requests, arrivals=None, **kw):
+    kw = {"dtype": "float32", "device": "cpu", "skip_tokenizer_init": True, "block_size": 4,
+          "max_num_batched_tokens": 16, "max_num_seqs": 4, **kw}
+    engine = LLMEngine(EngineArgs(model=str(tiny.path), **kw))
+    arrivals = arrivals or {}
+    pending, done, step = dict(requests), {}, 0
+    while pending or engine.has_unfinished_requests():
+        for rid in [r for r in pending if arrivals.get(r, 0) <= step]:
+            prompt, params = pending.pop(rid)
+            engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [(c.token_ids, c.exit_depths, c.token_logprobs, c.finish_reason, c.text)
+                                        for c in out.outputs]
+        step += 1
+        assert step < 5000
+    assert engine.kv.num_used_blocks == 0
+    run.steps = engine.stats.steps
+    return done
+
+
+def same(a: dict, b: dict) -> None:
+    """Tokens, depths, finish reasons and text identical; logprobs to fp32 tolerance (batches differ)."""
+    assert a.keys() == b.keys()
+    for rid in a:
+        for (ta, da, la, fa, xa), (tb, db, lb, fb, xb) in zip(a[rid], b[rid]):
+            assert (ta, da, fa, xa) == (tb, db, fb, xb), rid
+            assert (la is None) == (lb is None) and (la is None or max(abs(x - y) for x, y in zip(la, lb)) < 1e-5)
+
+
+ADAPTIVE = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, exit_threshold=0.7, logprobs=2)
+SAMPLED = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True, exit_threshold=0.6,
+                         logprobs=0)
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+def test_async_equals_sync(tiny_gqa, layout, mode):
+    reqs = {f"r{i}": (ids(n, seed=n), ADAPTIVE if i % 2 else SAMPLED) for i, n in enumerate((3, 11, 19, 6, 8))}
+    arrivals = {"r3": 5, "r4": 9}
+    sync = run(tiny_gqa, reqs, arrivals, kv_layout=layout, scheduling_mode=mode)
+    sync_steps = run.steps
+    asynch = run(tiny_gqa, reqs, arrivals, kv_layout=layout, scheduling_mode=mode, async_scheduling=True)
+    same(asynch, sync)
+    # Same schedule: the device idles no_refill cohorts exactly as the host does (plus the final lag).
+    assert sync_steps <= run.steps <= sync_steps + 2
+    assert len({d for outs in sync.values() for _, depths, *_ in outs for d in depths}) > 1
+
+
+def test_async_matches_the_reference_oracle(tiny_gqa):
+    prompt = ids(13, seed=2)
+    out = run(tiny_gqa, {"a": (prompt, ADAPTIVE)}, async_scheduling=True)["a"][0]
+    tokens, depths, logprobs = reference_generate(tiny_gqa.state_dict, tiny_gqa.cfg, prompt, 10, exit_threshold=0.7)
+    assert (out[0], out[1]) == (tokens, depths)
+    assert max(abs(a - b) for a, b in zip(out[2], logprobs)) < 1e-4
+
+
+def test_async_stops_n_and_prefix_caching(tiny_gqa):
+    base = run(tiny_gqa, {"a": (ids(9, seed=1), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))})
+    stop_id = base["a"][0][0][4]
+    reqs = {
+        "stop": (ids(9, seed=1), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id])),
+        "n": (ids(7, seed=3), SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=9, ignore_eos=True)),
+        "shared1": (ids(16, seed=4) + [7, 8], ADAPTIVE),
+        "shared2": (ids(16, seed=4) + [9], ADAPTIVE),
+    }
+    arrivals = {"shared2": 12}
+    sync = run(tiny_gqa, reqs, arrivals, enable_prefix_caching=True)
+    asynch = run(tiny_gqa, reqs, arrivals, enable_prefix_caching=True, async_scheduling=True)
+    same(asynch, sync)
+    assert asynch["stop"][0][3] == "stop" and asynch["stop"][0][0][-1] == stop_id
+
+
+def test_async_abort_frees_kv(tiny_gqa):
+    engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True,
+                                  async_scheduling=True))
+    engine.add_request("a", ids(6), SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    engine.abort_request("a")
+    assert engine.kv.num_used_blocks == 0
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert any(o.request_id == "a" and o.outputs[0].finish_reason == "abort" for o in outs)
+
+
+def test_async_refuses_what_it_does_not_support(tiny_gqa):
+    for bad in (dict(kv_allocation="incremental"), dict(enable_preemption=True), dict(exit_mode="trace")):
+        with pytest.raises(InvalidRequestError) as e:
+            LLMEngine(EngineArgs(model=str(tiny_gqa.path), device="cpu", async_scheduling=True, **bad))
+        assert e.value.param in bad
+    engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), device="cpu", async_scheduling=True))
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("p", ids(4), SamplingParams(presence_penalty=0.5))
+    assert e.value.param == "presence_penalty"
