@@ -266,7 +266,8 @@ class LLMEngine:
     def has_runnable_requests(self) -> bool:
         """Whether ``step()`` can advance a request: some are in the scheduler and no ``"keep"``
         pause freezes them (requests held by a pause wait for ``resume_generation()``)."""
-        return self.scheduler.has_unfinished() and not self.control.frozen
+        busy = self.scheduler.has_unfinished() or self._pending is not None  # async: results still to read
+        return busy and not self.control.frozen
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests) + len(self.control.held)

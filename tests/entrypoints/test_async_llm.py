@@ -158,3 +158,23 @@ def test_an_engine_error_fails_waiters_instead_of_hanging_them(make_engine_args,
     assert httpx.get(srv.base_url + "/health").status_code == 503
     r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": PROMPT})
     assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+
+
+def test_async_scheduling_engine_behind_asyncllm(make_engine_args, tiny_gqa):
+    llm = AsyncLLM(make_engine_args(async_scheduling=True))
+    try:
+        async def main():
+            params = [SamplingParams(max_tokens=5 + i, seed=i, ignore_eos=True, exit_threshold=0.7) for i in range(3)]
+            return await asyncio.gather(*(collect(llm, PROMPT, p, f"as-{i}") for i, p in enumerate(params)))
+
+        results = run(main())
+        offline = tiny_gqa.llm(max_num_seqs=4, max_model_len=256).generate(
+            [PROMPT] * 3, [SamplingParams(max_tokens=5 + i, seed=i, ignore_eos=True, exit_threshold=0.7)
+                           for i in range(3)], use_tqdm=False)
+        for res, off in zip(results, offline):
+            got = res[-1].outputs[0]
+            assert res[-1].finished and (got.token_ids, got.exit_depths) == (off.outputs[0].token_ids,
+                                                                             off.outputs[0].exit_depths)
+        assert llm.engine.kv.num_used_blocks == 0
+    finally:
+        llm.shutdown()
