@@ -252,7 +252,7 @@ def run_engine(model: OuroForCausalLM, base_args: EngineArgs, spec: BenchSpec, v
         "variant": variant.name,
         "engine": {k: getattr(args, k) for k in ("scheduling_mode", "exit_mode", "kv_layout", "max_num_seqs",
                                                   "max_num_batched_tokens", "attention_backend", "enforce_eager",
-                                                  "block_size", "dtype")},
+                                                  "async_scheduling", "block_size", "dtype")},
         **latency_metrics(timings, duration, workload.input_tokens),
         "mean_loops_per_token": stats.mean_exit_depth,
         "exit_depth_counts": {str(d): n for d, n in stats.exit_depth_counts.items()},
