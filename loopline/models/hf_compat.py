@@ -40,6 +40,13 @@ from loopline.models.ouro import OuroConfig, OuroForCausalLM
 _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
+# Fields with the same name and meaning in OuroConfig and the Hugging Face config.
+_SHARED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "total_ut_steps",
+                  "early_exit_threshold", "max_position_embeddings", "bos_token_id", "pad_token_id",
+                  "initializer_range")
+
+
 class OuroHFConfig(PretrainedConfig):
     """Ouro's ``config.json`` as a transformers config (defaults: Ouro-1.4B)."""
 
@@ -89,26 +96,14 @@ class OuroHFConfig(PretrainedConfig):
         eos = self.eos_token_id
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         dtype = getattr(self, "dtype", None) or "float32"
-        return OuroConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
-            rms_norm_eps=self.rms_norm_eps, total_ut_steps=self.total_ut_steps,
-            early_exit_threshold=self.early_exit_threshold, max_position_embeddings=self.max_position_embeddings,
-            bos_token_id=self.bos_token_id, eos_token_ids=eos_ids, pad_token_id=self.pad_token_id,
-            torch_dtype=str(dtype).removeprefix("torch."), initializer_range=self.initializer_range)
+        return OuroConfig(**{k: getattr(self, k) for k in _SHARED_FIELDS}, eos_token_ids=eos_ids,
+                          torch_dtype=str(dtype).removeprefix("torch."))
 
     @classmethod
     def from_ouro_config(cls, config: OuroConfig) -> "OuroHFConfig":
         eos = list(config.eos_token_ids)
-        return cls(
-            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, rope_theta=config.rope_theta,
-            rms_norm_eps=config.rms_norm_eps, total_ut_steps=config.total_ut_steps,
-            early_exit_threshold=config.early_exit_threshold, max_position_embeddings=config.max_position_embeddings,
-            bos_token_id=config.bos_token_id, eos_token_id=(eos[0] if len(eos) == 1 else eos) if eos else None,
-            pad_token_id=config.pad_token_id, initializer_range=config.initializer_range)
+        return cls(**{k: getattr(config, k) for k in _SHARED_FIELDS},
+                   eos_token_id=(eos[0] if len(eos) == 1 else eos) if eos else None)
 
 
 class _CachedLoopAttention:
