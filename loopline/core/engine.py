@@ -37,6 +37,7 @@ from loopline.outputs import RequestOutput
 from loopline.rl.lifecycle import PAUSE_MODES, WAKE_TAGS, GenerationControl
 from loopline.rl.weights import WeightUpdater
 from loopline.sampling_params import SamplingParams
+from loopline.worker.memory_profile import peak_step_bytes
 from loopline.worker.model_runner import ModelRunner
 from loopline.worker.sampler import Sampler
 
@@ -107,7 +108,8 @@ class LLMEngine:
         if not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(args.tokenizer or model_path)
         layout = make_layout(args.kv_layout, model_cfg.total_ut_steps)
-        num_blocks = self._num_kv_blocks(args, device, dtype)
+        backend = get_attention_backend(args.attention_backend, device)
+        num_blocks = self._num_kv_blocks(args, device, dtype, backend)
         self.kv = KVCacheManager(num_blocks, args.block_size, layout, args.enable_prefix_caching)
         self.exit_policy = make_exit_policy(args.exit_mode, model_cfg.total_ut_steps, model_cfg.early_exit_threshold)
         block_bytes = ModelRunner.kv_bytes_per_block(model_cfg, args.block_size, dtype)
@@ -121,7 +123,7 @@ class LLMEngine:
                                    model_cfg.total_ut_steps, allocation=make_allocation(args.kv_allocation),
                                    preemption=preemption, watermark_blocks=int(args.kv_watermark * num_blocks),
                                    progress=AheadProgress() if self._async else Progress())
-        self.runner = ModelRunner(self.model, layout, get_attention_backend(args.attention_backend, device), num_blocks,
+        self.runner = ModelRunner(self.model, layout, backend, num_blocks,
                                   args.block_size, args.max_num_seqs, Sampler(args.logprobs_mode), device, dtype)
         self._pending: tuple[SchedulerOutput, Callable[[], RunnerOutput]] | None = None  # async: step in flight
         if self._async:
@@ -149,15 +151,18 @@ class LLMEngine:
                                           param="kernel_backend")
             self.model.use_ops(TritonOps())
 
-    def _num_kv_blocks(self, args: EngineArgs, device: torch.device, dtype: torch.dtype) -> int:
+    def _num_kv_blocks(self, args: EngineArgs, device: torch.device, dtype: torch.dtype, backend) -> int:
         if args.num_kv_blocks is not None:
             return args.num_kv_blocks
         per_block = ModelRunner.kv_bytes_per_block(self.model_config, args.block_size, dtype)
         if args.kv_cache_memory_gb is not None:
             budget = args.kv_cache_memory_gb * 2**30
         elif device.type == "cuda":
+            # Profiling pass: the largest step's activations must fit beside the pool.
+            peak = peak_step_bytes(self.model, backend, args.max_num_batched_tokens, args.max_num_seqs,
+                                   args.block_size, dtype, device)
             free, total = torch.cuda.mem_get_info(device)
-            budget = free - (1.0 - args.gpu_memory_utilization) * total
+            budget = free - (1.0 - args.gpu_memory_utilization) * total - peak
         else:
             budget = _CPU_KV_GB * 2**30
         blocks = int(budget // per_block)

@@ -79,3 +79,14 @@ def test_async_scheduling_equals_sync_on_gpu(tiny_gqa, layout, mode):
     sync = run(tiny_gqa, prompts, params, **kw)
     assert run(tiny_gqa, prompts, params, async_scheduling=True, **kw) == sync  # CUDA graphs on
     assert run(tiny_gqa, prompts, params, async_scheduling=True, enforce_eager=True, **kw) == sync
+
+
+def test_kv_pool_sized_after_a_profiling_pass(tiny_gqa):
+    from loopline.attention import get_attention_backend
+    from loopline.worker.memory_profile import peak_step_bytes
+
+    llm = tiny_gqa.llm(device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.05, num_kv_blocks=None)
+    engine = llm.llm_engine
+    peak = peak_step_bytes(engine.model, get_attention_backend("auto", engine.config.device), 2048, 64, 16,
+                           engine.config.dtype, engine.config.device)
+    assert peak > 0 and engine.kv.pool.num_blocks > 0
