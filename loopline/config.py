@@ -113,7 +113,7 @@ class EngineConfig:
     """Validated engine options with the device, dtype and lengths resolved."""
 
     args: EngineArgs
-    model_path: str
+    model_path: str | None  # None: an in-memory model passed to the engine
     device: torch.device
     dtype: torch.dtype
     max_model_len: int

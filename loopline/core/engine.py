@@ -88,9 +88,11 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, model: OuroForCausalLM | None = None) -> None:
         args.validate()
+        if args.async_scheduling:
+            _check_async_support(args)
         model_path = args.model
-        if model_path is None:
-            from loopline.models.tiny import default_checkpoint
+        if model_path is None and (model is None or not args.skip_tokenizer_init):
+            from loopline.models.tiny import default_checkpoint  # the bundled model (or its tokenizer)
             model_path = str(default_checkpoint())
         model_cfg = load_config(model_path) if model is None else model.config
         device = resolve_device(args.device)
@@ -115,8 +117,6 @@ class LLMEngine:
         block_bytes = ModelRunner.kv_bytes_per_block(model_cfg, args.block_size, dtype)
         preemption = Preemption(int(args.swap_space * 2**30 // block_bytes)) if args.enable_preemption else None
         self._async = args.async_scheduling
-        if self._async:
-            _check_async_support(args)
         self.scheduler = Scheduler(self.kv, self.exit_policy,
                                    make_scheduling_mode("refill" if self._async else args.scheduling_mode),
                                    make_queue(args.scheduling_policy), args.max_num_seqs, args.max_num_batched_tokens,

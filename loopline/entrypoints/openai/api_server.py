@@ -57,7 +57,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
         raise InvalidRequestError(f"max_concurrent_requests must be an integer >= 1, got {max_concurrent_requests!r}",
                                   param="max_concurrent_requests")
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    names = names or [async_llm.engine.config.model_path]
+    names = names or [async_llm.engine.config.model_path or "ouro"]  # no path: an in-memory model
     metrics = ServerMetrics(async_llm, names[0])
     ctx = ServingContext(async_llm, names, metrics, max_concurrent_requests)
 
@@ -108,7 +108,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:
-        root = async_llm.engine.config.model_path
+        root = async_llm.engine.config.model_path or names[0]
         cards = [ModelCard(id=n, root=root, max_model_len=async_llm.max_model_len) for n in names]
         return ModelList(data=cards).model_dump()
 
