@@ -60,7 +60,12 @@ def wait_for(cond, timeout: float = 30.0) -> None:
 
 
 def running(llm, n: int = 1) -> bool:
-    return llm.snapshot.num_running >= n and all(len(r.output) > 0 for r in list(llm.engine.scheduler.requests.values()))
+    """At least n requests are in the engine and each has produced a token.
+
+    NOTE: read the scheduler, not the snapshot: the snapshot of the step that finished an
+    earlier request still counts it, while the new one may not be added yet."""
+    reqs = list(llm.engine.scheduler.requests.values())
+    return len(reqs) >= n and all(len(r.output) > 0 for r in reqs)
 
 
 # --- /generate ---------------------------------------------------------------------------------
