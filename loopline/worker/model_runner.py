@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +36,9 @@ from loopline.sampling_params import SamplingParams
 from loopline.attention import PagedAttentionMetadata
 from loopline.worker.cuda_graphs import DecodeGraphs
 from loopline.worker.decode_state import DeviceDecodeState
-from loopline.worker.sampler import Sampler, SamplerOutput, SamplingTensors
+from loopline.worker.sampler import Sampler, SamplerOutput
+from loopline.worker.sampling_inputs import SampleBatch, build_sampling_tensors, to_device
+from loopline.worker.swap import Snapshot
 from loopline.worker.step_inputs import DecodeBatch, StepInputs, build_step_inputs
 
 _SEED_MASK = 2**63 - 1
@@ -78,66 +79,6 @@ class DecodeTensors:
     plane_slots: Tensor
 
 
-def _to_device(a: np.ndarray, device: torch.device) -> Tensor:
-    """Host array -> device without waiting for the device (pinned staging on CUDA)."""
-    t = torch.from_numpy(a)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-@dataclass
-class _SampleBatch:
-    """A step's sampled rows on the device, and their reading back to the host."""
-
-    row_idx: list[int]  # step row of each sampled row
-    states: list[Any]  # their request states
-    out: SamplerOutput
-    exit_flags: Tensor  # [M] bool: the token exited (decode) / the prompt finished
-    depth: Tensor  # [M] exit depth
-
-    def _tensors(self) -> dict[str, Tensor | None]:
-        o = self.out
-        return {"exit": self.exit_flags, "depth": self.depth, "ids": o.token_ids, "lps": o.logprobs, "ranks": o.ranks,
-                "top_ids": o.top_ids, "top_lps": o.top_logprobs}
-
-    def to_host(self) -> dict:
-        """Reads everything back now (one sync)."""
-        return {k: t.tolist() if t is not None else None for k, t in self._tensors().items()}
-
-    def to_host_async(self) -> "Callable[[], dict]":
-        """Starts non-blocking copies to pinned memory; the returned call waits for them."""
-        tensors = self._tensors()
-        if self.exit_flags.device.type != "cuda":
-            host = self.to_host()
-            return lambda: host
-        pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if t is not None else None
-                  for k, t in tensors.items()}
-        for k, t in tensors.items():
-            if t is not None:
-                pinned[k].copy_(t, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-
-        def wait() -> dict:
-            done.synchronize()
-            return {k: t.tolist() if t is not None else None for k, t in pinned.items()}
-
-        return wait
-
-
-@dataclass
-class _Snapshot:
-    """A preempted request in CPU memory: every plane's KV pages, slot and request state."""
-
-    k: Tensor  # [layers, blocks, block_size, kv_heads, D] (blocks: plane-major)
-    v: Tensor
-    slot_hidden: Tensor  # [H]
-    slot_survival: Tensor  # []
-    state: _RequestState
-    blocks_per_plane: int
-
-
 class ModelRunner:
     def __init__(self, model: OuroForCausalLM, layout: KVLayout, backend: AttentionBackend, num_blocks: int,
                  block_size: int, max_num_seqs: int, sampler: Sampler, device: torch.device, dtype: torch.dtype) -> None:
@@ -164,7 +105,7 @@ class ModelRunner:
         self._kv_shape = shape
         self._copies_on_exit = len(layout.exit_copy_planes(1)) > 0
         self.requests: dict[str, _RequestState] = {}
-        self.snapshots: dict[str, _Snapshot] = {}
+        self.snapshots: dict[str, Snapshot] = {}
 
     def enable_async(self, max_model_len: int, no_refill: bool) -> None:
         """Keeps decode slots' loop, position and token on the device (see ``decode_state.py``)."""
@@ -243,7 +184,7 @@ class ModelRunner:
             return host
 
         slot = st.slot
-        self.snapshots[request_id] = _Snapshot(
+        self.snapshots[request_id] = Snapshot(
             k=to_host(self.k_cache[:, idx]), v=to_host(self.v_cache[:, idx]),
             slot_hidden=to_host(self.slot_hidden[slot]), slot_survival=to_host(self.slot_survival[slot]),
             state=st.to(torch.device("cpu")), blocks_per_plane=len(st.block_arrays[0]))
@@ -286,16 +227,16 @@ class ModelRunner:
         ex = logits = loops = run = tidx = slots = None
         x_parts, pos_parts, map_parts, seq_parts, table_parts, offsets = [], [], [], [], [], [0]
         if nd:
-            slots = _to_device(np.fromiter((r.slot for r in rows[:nd]), dtype=np.int64, count=nd), dev)
+            slots = to_device(np.fromiter((r.slot for r in rows[:nd]), dtype=np.int64, count=nd), dev)
             loops, pos, plane_slots, run, tidx = ds.rows(slots, self._no_refill)
             scratch_kv = self.scratch_block * self.block_size
             exits = [r.exit for r in rows[:nd]]
             dec = DecodeTensors(
                 slots=torch.where(run, slots, self.scratch_slot), loops=loops, starts=loops == 1,
                 input_ids=ds.token[slots],
-                min_loops=_to_device(np.fromiter((e.min_loops for e in exits), dtype=np.int64, count=nd), dev),
-                max_loops=_to_device(np.fromiter((e.max_loops for e in exits), dtype=np.int64, count=nd), dev),
-                threshold=_to_device(np.fromiter((e.threshold for e in exits), dtype=np.float32, count=nd), dev),
+                min_loops=to_device(np.fromiter((e.min_loops for e in exits), dtype=np.int64, count=nd), dev),
+                max_loops=to_device(np.fromiter((e.max_loops for e in exits), dtype=np.int64, count=nd), dev),
+                threshold=to_device(np.fromiter((e.threshold for e in exits), dtype=np.float32, count=nd), dev),
                 plane_slots=torch.where(run[:, None], plane_slots, scratch_kv))
             plane = self.layout.plane_index(loops)
             positions = torch.where(run, pos, 0)
@@ -331,7 +272,7 @@ class ModelRunner:
             tables_all = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=self.scratch_block)
                                     for t in table_parts])
             meta = PagedAttentionMetadata(
-                query_start_loc=_to_device(np.asarray(offsets, dtype=np.int32), dev), seq_lens=torch.cat(seq_parts),
+                query_start_loc=to_device(np.asarray(offsets, dtype=np.int32), dev), seq_lens=torch.cat(seq_parts),
                 block_tables=tables_all, slot_mapping=torch.cat(map_parts), max_query_len=max_q, max_seq_len=max_seq)
             attn = PagedAttention(self.backend, self.k_cache, self.v_cache, meta, self.scale)
             h, gate = self.model.loop(torch.cat(x_parts), torch.cat(pos_parts), attn)
@@ -350,9 +291,9 @@ class ModelRunner:
             ds.advance(slots, loops, run, ex, batch.out.token_ids[:nd])
         if sample_meta:  # prompts that finished: their first token is fed next, at position prompt_len
             done_rows = [rows[m[0]] for m in sample_meta]
-            ds.start(_to_device(np.fromiter((r.slot for r in done_rows), dtype=np.int64, count=len(done_rows)), dev),
+            ds.start(to_device(np.fromiter((r.slot for r in done_rows), dtype=np.int64, count=len(done_rows)), dev),
                      batch.out.token_ids[nd:],
-                     _to_device(np.fromiter((r.end for r in done_rows), dtype=np.int64, count=len(done_rows)), dev))
+                     to_device(np.fromiter((r.end for r in done_rows), dtype=np.int64, count=len(done_rows)), dev))
         wait = batch.to_host_async()
         return lambda: self._collect(rows, batch, wait(), exited, prompt_logprobs)
 
@@ -499,7 +440,7 @@ class ModelRunner:
         return self._collect(rows, batch, batch.to_host(), exited, prompt_logprobs)
 
     def _sample(self, rows, nd, ex, logits, sample_hidden, sample_meta, depth: Tensor | None = None,
-                token_index: Tensor | None = None) -> "_SampleBatch | None":
+                token_index: Tensor | None = None) -> "SampleBatch | None":
         """Coda + sampling for decode rows ``[:nd]`` (logits given) and finished prompts, on the device.
 
         ``depth`` / ``token_index``: the decode rows' loops and token indices when the device
@@ -514,7 +455,7 @@ class ModelRunner:
         row_idx = list(range(nd)) + [m[0] for m in sample_meta]
         states = [self.requests[rows[i].request_id] for i in row_idx]
         index = [rows[i].token_index for i in range(nd)] + [m[2] for m in sample_meta]
-        tensors = self._sampling_tensors(states, index, all_logits.shape[-1])
+        tensors = build_sampling_tensors(states, index, all_logits.shape[-1], self.sampler.logprobs_mode, self.device)
         if token_index is not None:
             tensors.token_index = torch.cat([token_index, tensors.token_index[nd:]])
         out: SamplerOutput = self.sampler(all_logits, tensors)
@@ -522,9 +463,9 @@ class ModelRunner:
         depths += [m[1] for m in sample_meta]
         flags = [ex] if ex is not None else []
         flags.append(torch.ones(len(sample_meta), dtype=torch.bool, device=self.device))
-        return _SampleBatch(row_idx, states, out, torch.cat(flags), torch.cat(depths))
+        return SampleBatch(row_idx, states, out, torch.cat(flags), torch.cat(depths))
 
-    def _collect(self, rows, batch: "_SampleBatch", host: dict, exited, prompt_logprobs) -> RunnerOutput:
+    def _collect(self, rows, batch: "SampleBatch", host: dict, exited, prompt_logprobs) -> RunnerOutput:
         sampled: list[SampledToken | None] = [None] * len(rows)
         for j, row_i in enumerate(batch.row_idx):
             if not host["exit"][j]:
@@ -542,48 +483,3 @@ class ModelRunner:
                 rank=host["ranks"][j] if host["ranks"] is not None else None, top=top)
             st.output_ids.append(tid)
         return RunnerOutput(exited, sampled, prompt_logprobs)
-
-    def _sampling_tensors(self, states: list[_RequestState], token_index: list[int], vocab: int) -> SamplingTensors:
-        dev = self.device
-        ps = [s.params for s in states]
-
-        def f32(vals):
-            return torch.tensor(vals, dtype=torch.float32, device=dev)
-
-        any_pen = any(p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0 for p in ps)
-        counts = seen = None
-        if any_pen:
-            counts = torch.zeros(len(ps), vocab, dtype=torch.float32, device=dev)
-            seen = torch.zeros(len(ps), vocab, dtype=torch.bool, device=dev)
-            for j, s in enumerate(states):
-                if s.output_ids:
-                    ids = torch.tensor(s.output_ids, dtype=torch.long, device=dev)
-                    counts[j].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
-                    seen[j, ids] = True
-                seen[j, s.prompt] = True
-        want = [p.logprobs for p in ps if p.logprobs is not None]
-        # Per-request logprobs modes (None: the sampler's): one mode for the batch when the rows that
-        # want logprobs agree; a per-row tensor (both distributions computed) only when they differ.
-        default_mode = self.sampler.logprobs_mode
-        modes = {p.logprobs_mode or default_mode for p in ps if p.logprobs is not None}
-        processed_rows = None
-        if len(modes) > 1:
-            processed_rows = torch.tensor([(p.logprobs_mode or default_mode) == "processed_logprobs" for p in ps],
-                                          dtype=torch.bool, device=dev)
-        return SamplingTensors(
-            temperature=f32([p.temperature for p in ps]),
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else 0 for p in ps], dtype=torch.long, device=dev),
-            top_p=f32([p.top_p for p in ps]),
-            min_p=f32([p.min_p for p in ps]),
-            presence_penalty=f32([p.presence_penalty for p in ps]),
-            frequency_penalty=f32([p.frequency_penalty for p in ps]),
-            repetition_penalty=f32([p.repetition_penalty for p in ps]),
-            seeds=torch.tensor([s.seed for s in states], dtype=torch.long, device=dev),
-            token_index=torch.tensor(token_index, dtype=torch.long, device=dev),
-            output_counts=counts, seen_mask=seen,
-            all_greedy=all(p.greedy for p in ps), any_penalties=any_pen,
-            any_top_k=any(p.top_k > 0 for p in ps), any_top_p=any(p.top_p < 1.0 for p in ps),
-            any_min_p=any(p.min_p > 0 for p in ps),
-            max_num_logprobs=max(want) if want else None,
-            logprobs_mode=modes.pop() if len(modes) == 1 else None, processed_rows=processed_rows,
-        )

@@ -1,0 +1,21 @@
+"""CPU snapshots of preempted requests (swap space), owned by the model runner."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+
+@dataclass
+class Snapshot:
+    """A preempted request in CPU memory: every plane's KV pages, slot and request state."""
+
+    k: Tensor  # [layers, blocks, block_size, kv_heads, D] (blocks: plane-major)
+    v: Tensor
+    slot_hidden: Tensor  # [H]
+    slot_survival: Tensor  # []
+    state: Any  # the request state, moved to the CPU
+    blocks_per_plane: int
+
+
