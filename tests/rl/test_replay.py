@@ -40,10 +40,12 @@ def replay_all(model, outs, layout, temperature=1.0):
                                         [c.exit_depths for _, c in comps], layout=layout, temperature=temperature)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 @pytest.mark.parametrize("threshold", [None, 0.6], ids=["fixed_depth", "adaptive"])
-def test_engine_logprobs_equal_replay(tiny_gqa, engine_for, run, ids, layout, threshold):
-    engine = engine_for(tiny_gqa, kv_layout=layout, max_num_seqs=4, max_num_batched_tokens=16)
+def test_engine_logprobs_equal_replay(tiny_gqa, engine_for, run, ids, layout, threshold, async_scheduling):
+    engine = engine_for(tiny_gqa, kv_layout=layout, max_num_seqs=4, max_num_batched_tokens=16,
+                        async_scheduling=async_scheduling)
     params = SamplingParams(max_tokens=9, temperature=1.0, logprobs=0, ignore_eos=True, exit_threshold=threshold)
     outs = rollout(engine, run, ids, [4, 11, 7, 16], params)
     depths = [d for o in outs for d in o.outputs[0].exit_depths]
