@@ -429,6 +429,7 @@ class LLMEngine:
             self.runner.release_kv_cache()
             self.control.kv_asleep = True
         if level == 2 and not self.control.weights_asleep:
+            self.model.ops.release(self.model)  # packed weights must not pin device memory
             self.control.offload_weights(self.model)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -439,6 +440,7 @@ class LLMEngine:
             raise InvalidRequestError(f"tags must be among {list(WAKE_TAGS)}, got {bad}", param="tags")
         if "weights" in tags and self.control.weights_asleep:
             self.control.restore_weights(self.model, self.config.device)
+            self.model.ops.prepare(self.model)
         if "kv_cache" in tags and self.control.kv_asleep:
             self.runner.allocate_kv_cache()
             self.control.kv_asleep = False

@@ -82,18 +82,60 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + cols, (act * u).to(dtype), mask=mask)
 
 
+def _pack(linears: list[torch.nn.Linear]) -> tuple[Tensor, list[int]]:
+    """One tensor holding the weights of ``linears`` (stacked rows); each weight becomes a view of it."""
+    packed = torch.cat([lin.weight.data for lin in linears])
+    sizes, offset = [], 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = packed[offset:offset + rows]
+        sizes.append(rows)
+        offset += rows
+    return packed, sizes
+
+
 def _row_major(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 class TritonOps(TorchOps):
-    """Fused inference kernels; falls back to the reference for autograd."""
+    """Fused inference kernels; falls back to the reference for autograd.
+
+    ``prepare`` packs each layer's q/k/v and gate/up weights into one tensor and
+    points the parameters at views of it, so one GEMM replaces three (two): the
+    parameters keep their names, shapes, values and addresses for in-place
+    weight updates.
+    """
 
     name = "triton"
 
     def __init__(self) -> None:
         if triton is None:
             raise RuntimeError("TritonOps needs the triton package")
+        self._packed: dict[int, tuple[Tensor, list[int]]] = {}
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        self._packed = {}
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            self._packed[id(a)] = _pack([a.q_proj, a.k_proj, a.v_proj])
+            self._packed[id(m)] = _pack([m.gate_proj, m.up_proj])
+
+    def release(self, model: torch.nn.Module) -> None:
+        self._packed = {}
+
+    def _packed_linear(self, module: torch.nn.Module, x: Tensor) -> tuple[Tensor, ...] | None:
+        packed = self._packed.get(id(module))
+        if packed is None or x.requires_grad:
+            return None
+        weight, sizes = packed
+        return torch.nn.functional.linear(x, weight).split(sizes, dim=-1)
+
+    def project_qkv(self, attn: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+        return self._packed_linear(attn, x) or TorchOps.project_qkv(attn, x)
+
+    def project_gate_up(self, mlp: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return self._packed_linear(mlp, x) or TorchOps.project_gate_up(mlp, x)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
         if x.requires_grad:

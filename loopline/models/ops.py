@@ -15,6 +15,22 @@ from torch import Tensor
 class TorchOps:
     name = "torch"
 
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Called once the model's weights sit on their device (again, after a sleep)."""
+
+    def release(self, model: torch.nn.Module) -> None:
+        """Called before the model's weights leave the device."""
+
+    @staticmethod
+    def project_qkv(attn: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``q_proj(x), k_proj(x), v_proj(x)`` of an attention module: ``[N, q]``, ``[N, kv]``, ``[N, kv]``."""
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+    @staticmethod
+    def project_gate_up(mlp: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``gate_proj(x), up_proj(x)`` of a SwiGLU MLP."""
+        return mlp.gate_proj(x), mlp.up_proj(x)
+
     @staticmethod
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """``weight * (x * rsqrt(mean(x^2) + eps))``: statistics in fp32, cast back before the weight."""

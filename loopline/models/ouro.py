@@ -109,9 +109,10 @@ class OuroAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attn: Attention, ops: TorchOps) -> Tensor:
         n = x.shape[0]
         c = self.config
-        q = self.q_proj(x).view(n, c.num_attention_heads, c.head_dim)
-        k = self.k_proj(x).view(n, c.num_key_value_heads, c.head_dim)
-        v = self.v_proj(x).view(n, c.num_key_value_heads, c.head_dim)
+        q, k, v = ops.project_qkv(self, x)
+        q = q.view(n, c.num_attention_heads, c.head_dim)
+        k = k.view(n, c.num_key_value_heads, c.head_dim)
+        v = v.view(n, c.num_key_value_heads, c.head_dim)
         q, k = ops.rotary(q, k, cos, sin)
         o = attn(layer, q, k, v)
         return self.o_proj(o.reshape(n, c.q_size))
@@ -125,7 +126,7 @@ class OuroMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(ops.silu_mul(*ops.project_gate_up(self, x)))
 
 
 class OuroDecoderLayer(nn.Module):
@@ -218,8 +219,13 @@ class OuroForCausalLM(nn.Module):
         self.ops: TorchOps = TORCH_OPS  # inference kernels; the dense forward always uses the reference
 
     def use_ops(self, ops: TorchOps) -> "OuroForCausalLM":
-        """Selects the implementation of the layer math used by :meth:`loop` (e.g. fused GPU kernels)."""
+        """Selects the implementation of the layer math used by :meth:`loop` (e.g. fused GPU kernels).
+
+        Call it once the weights are on their device; ``ops.prepare`` may re-lay them out
+        (keeping every parameter's name, shape and values)."""
+        self.ops.release(self)
         self.ops = ops
+        ops.prepare(self)
         return self
 
     # --- stages -----------------------------------------------------------------

@@ -63,3 +63,80 @@ def test_autograd_falls_back_to_reference():
     w = torch.ones(8, device=DEVICE)
     TritonOps().rms_norm(x, w, 1e-6).sum().backward()
     assert x.grad is not None
+
+
+def _tiny_model():
+    from loopline.models.ouro import OuroConfig, OuroForCausalLM
+
+    torch.manual_seed(0)
+    cfg = OuroConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, total_ut_steps=2, torch_dtype="float32")
+    return OuroForCausalLM(cfg).to(DEVICE).eval()
+
+
+def _loop(model, ops):
+    from loopline.models.ouro import DenseCausalAttention
+
+    ids = torch.arange(1, 7, device=DEVICE)
+    with torch.inference_mode():
+        h, g = model.loop(model.embed(ids), torch.arange(6, device=DEVICE), DenseCausalAttention(1, 6), ops)
+    return h, g
+
+
+def test_packed_projections_keep_names_values_and_in_place_updates():
+    model = _tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_h, ref_g = _loop(model, TorchOps())
+    ops = TritonOps()
+    model.use_ops(ops)
+    attn = model.model.layers[0].self_attn
+    packed, sizes = ops._packed[id(attn)]
+    assert sizes == [32, 16, 16]
+    assert attn.k_proj.weight.data_ptr() == packed[32:].data_ptr()  # a view, not a copy
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    h, g = _loop(model, ops)
+    close(h, ref_h, torch.float32)
+    close(g, ref_g, torch.float32)
+    with torch.no_grad():  # an in-place weight update reaches the packed GEMM
+        attn.v_proj.weight.mul_(2.0)
+        model.model.layers[1].mlp.up_proj.weight.add_(0.01)
+    h2, _ = _loop(model, ops)
+    ref2, _ = _loop(model, TorchOps())
+    close(h2, ref2, torch.float32)
+    with pytest.raises(AssertionError):
+        close(h2, h, torch.float32)
+    model.use_ops(TorchOps())  # release: back to separate projections, same values
+    close(_loop(model, model.ops)[0], ref2, torch.float32)
+
+
+def test_engine_with_fused_ops_survives_sleep_and_weight_updates(tiny_gqa, tiny_factory):
+    from loopline import SamplingParams
+    from loopline.config import EngineArgs
+    from loopline.core.engine import LLMEngine
+
+    def generate(engine):
+        engine.add_request(f"r{engine.stats.steps}", [5, 9, 23, 7, 11], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                                         ignore_eos=True))
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+        return outs[-1].outputs[0].token_ids
+
+    kw = dict(model=str(tiny_gqa.path), dtype="float32", device=DEVICE, skip_tokenizer_init=True, num_kv_blocks=64,
+              enforce_eager=True)
+    reference = generate(LLMEngine(EngineArgs(kernel_backend="torch", **kw)))
+    engine = LLMEngine(EngineArgs(kernel_backend="triton", **kw))
+    assert engine.model.ops.name == "triton" and generate(engine) == reference
+    attn = engine.model.model.layers[0].self_attn
+    engine.sleep(level=2)
+    assert not engine.model.ops._packed  # released: nothing pins device memory
+    engine.wake_up()
+    packed, _ = engine.model.ops._packed[id(attn)]  # rebuilt from the restored weights
+    assert attn.q_proj.weight.data_ptr() == packed.data_ptr()
+    assert generate(engine) == reference
+    other = tiny_factory(3)
+    engine.start_weight_update(1)
+    engine.update_weights(other.state_dict.items())
+    engine.finish_weight_update()
+    kw["model"] = str(other.path)
+    assert generate(engine) == generate(LLMEngine(EngineArgs(kernel_backend="torch", **kw))) != reference
