@@ -99,7 +99,6 @@ class DecodeGraphs:
                     block_tables: Tensor) -> tuple[Tensor, Tensor]:
         """Replays with inputs already on the device (async scheduling); no host sync."""
         n = d.slots.shape[0]
-        b = next(s for s in self.sizes if s >= n)
         for name, buf in vars(self.buf).items():
             buf[:n].copy_(getattr(d, name))
         self.positions[:n].copy_(positions)
@@ -107,15 +106,10 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(seq_lens)
         width = min(block_tables.shape[1], self.max_blocks)  # keys past max_seq_len are never read
         self.block_tables[:n, :width].copy_(block_tables[:, :width])
-        if n < b:
-            self._fill_padding(n, b)
-        self.graphs[b].replay()
-        ex, logits = self.outputs[b]
-        return ex[:n], logits[:n]
+        return self._replay(n)
 
     def run(self, inp: StepInputs) -> tuple[Tensor, Tensor]:
         n = inp.decode.n
-        b = next(s for s in self.sizes if s >= n)
         d = inp.decode
 
         def put(dst: Tensor, src: np.ndarray) -> None:
@@ -134,6 +128,11 @@ class DecodeGraphs:
         put(self.seq_lens, inp.seq_lens)
         width = inp.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(torch.from_numpy(inp.block_tables), non_blocking=True)
+        return self._replay(n)
+
+    def _replay(self, n: int) -> tuple[Tensor, Tensor]:
+        """Pads rows ``n..bucket`` with scratch rows and replays the bucket's graph (inputs for ``:n`` set)."""
+        b = next(s for s in self.sizes if s >= n)
         if n < b:
             self._fill_padding(n, b)
         self.graphs[b].replay()

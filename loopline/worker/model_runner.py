@@ -274,14 +274,8 @@ class ModelRunner:
             meta = PagedAttentionMetadata(
                 query_start_loc=to_device(np.asarray(offsets, dtype=np.int32), dev), seq_lens=torch.cat(seq_parts),
                 block_tables=tables_all, slot_mapping=torch.cat(map_parts), max_query_len=max_q, max_seq_len=max_seq)
-            attn = PagedAttention(self.backend, self.k_cache, self.v_cache, meta, self.scale)
-            h, gate = self.model.loop(torch.cat(x_parts), torch.cat(pos_parts), attn)
-            for i in range(nd, len(rows)):
-                lo, hi = offsets[i], offsets[i + 1]
-                self._finish_prefill_row(i, rows[i], h[lo:hi], gate[lo:hi], exited, sample_hidden, sample_meta,
-                                         prompt_logprobs)
-            if nd:
-                ex, logits = self._decode_tail(h[:nd], gate[:nd], dec)
+            ex, logits = self._run_loop(rows, nd, torch.cat(x_parts), torch.cat(pos_parts), meta, offsets,
+                                        dec if nd else None, exited, sample_hidden, sample_meta, prompt_logprobs)
         if ex is not None:
             ex = ex & run
         batch = self._sample(rows, nd, ex, logits, sample_hidden, sample_meta, depth=loops, token_index=tidx)
@@ -315,16 +309,22 @@ class ModelRunner:
             dec = self._decode_tensors(inp.decode) if nd else None
             x = self._gather_inputs(inp, dec)
             positions, meta = inp.to_device(self.device)
-            attn = PagedAttention(self.backend, self.k_cache, self.v_cache, meta, self.scale)
-            h, gate = self.model.loop(x, positions, attn)
-            offsets = inp.token_offsets
-            for i in range(nd, len(rows)):
-                self._finish_prefill_row(i, rows[i], h[offsets[i]:offsets[i + 1]], gate[offsets[i]:offsets[i + 1]],
-                                         exited, sample_hidden, sample_meta, prompt_logprobs)
-            ex = logits = None
-            if nd:
-                ex, logits = self._decode_tail(h[:nd], gate[:nd], dec)
+            ex, logits = self._run_loop(rows, nd, x, positions, meta, inp.token_offsets, dec, exited, sample_hidden,
+                                        sample_meta, prompt_logprobs)
         return self._sample_and_collect(rows, nd, ex, logits, sample_hidden, sample_meta, exited, prompt_logprobs)
+
+    def _run_loop(self, rows, nd, x, positions, meta, offsets, dec, exited, sample_hidden, sample_meta,
+                  prompt_logprobs) -> tuple[Tensor | None, Tensor | None]:
+        """One eager traversal for all rows; books prefill rows; returns the decode rows' (exit, logits)."""
+        attn = PagedAttention(self.backend, self.k_cache, self.v_cache, meta, self.scale)
+        h, gate = self.model.loop(x, positions, attn)
+        for i in range(nd, len(rows)):
+            lo, hi = offsets[i], offsets[i + 1]
+            self._finish_prefill_row(i, rows[i], h[lo:hi], gate[lo:hi], exited, sample_hidden, sample_meta,
+                                     prompt_logprobs)
+        if dec is None:
+            return None, None
+        return self._decode_tail(h[:nd], gate[:nd], dec)
 
     def _apply_lifecycle(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
