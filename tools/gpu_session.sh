@@ -14,8 +14,10 @@ bench() { timeout "$1" python3 -m loopline.entrypoints.cli bench --config ouro-1
 timeout 240 python3 -m pytest -q -m gpu tests/attention tests/kernels tests/worker > "$out/gpu_tests.log" 2>&1
 echo "gpu tests rc=$? $(tail -1 "$out/gpu_tests.log")"
 # 2. where a decode step's time goes, sync vs async
-timeout 60 python3 tools/profile_step.py --rows 1 2>&1 | grep -v Warn | head -4 > "$out/profile.txt"
+timeout 90 python3 tools/profile_step.py --rows 1 --kernels 2>&1 | grep -v Warn | head -34 > "$out/profile.txt"
+timeout 60 python3 tools/profile_step.py --rows 1 --async-scheduling 2>&1 | grep -v Warn | head -2 >> "$out/profile.txt"
 timeout 60 python3 tools/profile_step.py --rows 64 2>&1 | grep -v Warn | head -4 >> "$out/profile.txt"
+timeout 60 python3 tools/profile_step.py --rows 64 --async-scheduling 2>&1 | grep -v Warn | head -2 >> "$out/profile.txt"
 cat "$out/profile.txt"
 # 3. full depth, 1024 in / 128 out: sync vs async at C = 1 and 32, then C = 128 async
 for c in 1 32; do

@@ -20,6 +20,22 @@ from loopline.sampling_params import SamplingParams
 from loopline.worker.step_inputs import build_step_inputs
 
 
+def print_kernel_table(engine: LLMEngine, steps: int) -> None:
+    """Device time per kernel name over ``steps`` engine steps (graph replays included where CUPTI sees them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    rows = [e for e in p.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
+    total = sum(getattr(e, "self_device_time_total", 0) for e in rows)
+    print(f"device time per step: {total / steps / 1e3:.3f} ms over {steps} steps")
+    for e in sorted(rows, key=lambda e: -getattr(e, "self_device_time_total", 0))[:25]:
+        t = getattr(e, "self_device_time_total", 0)
+        print(f"  {t / steps:9.1f} us/step  {e.count / steps:7.1f} calls/step  {e.key[:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="ouro-1.4b")
@@ -27,12 +43,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--kernels", action="store_true", help="also print device time per kernel name (torch.profiler)")
     a = ap.parse_args()
     cfg = random_checkpoint_config(a.config)
     with torch.device("cuda"):
         model = OuroForCausalLM(cfg).to(torch.bfloat16)
     engine = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=max(8, a.rows),
-                                  kv_cache_memory_gb=8, enforce_eager=a.eager, max_model_len=a.context + 512), model=model)
+                                  kv_cache_memory_gb=8, enforce_eager=a.eager, async_scheduling=a.async_scheduling,
+                                  max_model_len=a.context + 512), model=model)
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     for i in range(a.rows):
         engine.add_request(f"r{i}", list(range(3, 3 + a.context)), params)
@@ -46,10 +65,10 @@ def main() -> None:
         engine.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) / a.steps * 1e3
-    print(f"rows={a.rows} context={a.context} eager={a.eager}: mean step {step_ms:.3f} ms "
+    print(f"rows={a.rows} context={a.context} eager={a.eager} async={a.async_scheduling}: mean step {step_ms:.3f} ms "
           f"-> {a.rows * 1e3 / (step_ms * 4):.1f} output tok/s at 4 loops")
     runner = engine.runner
-    if runner.graphs is not None:
+    if runner.graphs is not None and not a.async_scheduling:
         sched = engine.scheduler.schedule()
         inp = build_step_inputs(sched.rows, runner._block_arrays, runner.layout.num_planes, runner.block_size)
         print("graph fits:", runner.graphs.fits(inp), "decode_only:", inp.decode_only)
@@ -65,6 +84,8 @@ def main() -> None:
             runner.graphs.run(inp)
         torch.cuda.synchronize()
         print(f"graph run (inputs + replay): {(time.perf_counter() - t0) / 20 * 1e3:.3f} ms")
+    if a.kernels:
+        print_kernel_table(engine, a.steps)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.steps):
