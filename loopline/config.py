@@ -46,7 +46,7 @@ class EngineArgs:
     num_kv_blocks: int | None = _opt(None, "KV pages in the pool (all planes together); default: sized from memory")
     kv_cache_memory_gb: float | None = _opt(None, "KV pool size in GiB (default on CPU: 1 GiB; on CUDA: from gpu_memory_utilization)")
     gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory the engine may use (weights + activations + KV)")
-    max_num_seqs: int = _opt(64, "max requests running at once (decode slots)")
+    max_num_seqs: int = _opt(256, "max requests running at once (decode slots; vLLM's default)")
     max_num_batched_tokens: int = _opt(2048, "token budget of one step (decode rows + prefill chunk tokens)")
     max_model_len: int | None = _opt(None, "max prompt + output tokens per request (default: the model's max_position_embeddings)")
     scheduling_mode: SchedulingMode = _opt("refill", "'refill': an exited slot starts its next token at once; 'no_refill': cohort baseline")

@@ -36,6 +36,39 @@ def print_kernel_table(engine: LLMEngine, steps: int) -> None:
         print(f"  {t / steps:9.1f} us/step  {e.count / steps:7.1f} calls/step  {e.key[:90]}")
 
 
+def profile_prefill(engine: LLMEngine, a: argparse.Namespace, params: SamplingParams) -> None:
+    """Times whole-prompt prefill steps (one loop each) and prints where one step's device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for rep in range(3):
+        for i in range(a.rows):
+            engine.add_request(f"p{rep}-{i}", list(range(3 + rep, 3 + rep + a.context)), params)
+        times = []
+        for loop in range(4):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if rep == 2 and loop == 1 and a.kernels:
+                with profile(activities=[ProfilerActivity.CUDA]) as p:
+                    engine.step()
+                    torch.cuda.synchronize()
+            else:
+                engine.step()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        for rid in list(engine.scheduler.requests):
+            engine.abort_request(rid)
+        engine.step()
+        tokens = a.rows * a.context
+        flops = 2 * tokens * sum(p.numel() for n, p in engine.model.named_parameters() if ".layers." in n)
+        print(f"prefill {a.rows} x {a.context} tokens, loop steps ms: {[round(t, 2) for t in times]} "
+              f"(linear layers alone: {flops / 1e12:.2f} TFLOP per loop -> "
+              f"{flops / (min(times[1:]) * 1e-3) / 1e12:.0f} TFLOP/s at the fastest step)")
+    if a.kernels:
+        rows = [e for e in p.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+        for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:14]:
+            print(f"  {e.self_device_time_total / 1e3:8.2f} ms  {e.count:5d} calls  {e.key[:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="ouro-1.4b")
@@ -44,6 +77,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--prefill", action="store_true",
+                    help="profile prefill steps instead: --rows prompts of --context tokens in one step")
     ap.add_argument("--kernels", action="store_true", help="also print device time per kernel name (torch.profiler)")
     a = ap.parse_args()
     cfg = random_checkpoint_config(a.config)
@@ -51,8 +86,11 @@ def main() -> None:
         model = OuroForCausalLM(cfg).to(torch.bfloat16)
     engine = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=max(8, a.rows),
                                   kv_cache_memory_gb=8, enforce_eager=a.eager, async_scheduling=a.async_scheduling,
+                                  max_num_batched_tokens=max(2048, a.rows * a.context) if a.prefill else 2048,
                                   max_model_len=a.context + 512), model=model)
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    if a.prefill:
+        return profile_prefill(engine, a, params)
     for i in range(a.rows):
         engine.add_request(f"r{i}", list(range(3, 3 + a.context)), params)
     while any(r.status.value != "decode" for r in engine.scheduler.requests.values()):

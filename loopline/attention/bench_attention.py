@@ -105,6 +105,7 @@ def main() -> None:
         ("decode B=128 ctx=1024", [(1, 1024)] * 128),
         ("prefill 512 tok ctx=1024", [(512, 1024)]),
         ("mixed 127 decode + 512 prefill", [(1, 1024)] * 127 + [(512, 1024)]),
+        ("prefill 8 x 1024 tok", [(1024, 1024)] * 8),
     ]
     print(f"# loopline attention bench  commit={commit()}  gpu={torch.cuda.get_device_name()}  "
           f"torch={torch.__version__}  heads={HEADS} kv_heads={KV_HEADS} head_dim={HEAD_DIM} "
@@ -124,6 +125,14 @@ def main() -> None:
         tflops = step_flops(rows) / (t_fast * 1e-3) / 1e12
         bw = f"{gbps:8.0f} {100 * gbps / PEAK_GBPS:6.1f}%" if meta.max_query_len == 1 else f"{'-':>8s} {'-':>7s}"
         print(f"{label:34s} {t_ref:9.3f} {t_fast:10.3f} {t_ref / t_fast:7.1f}x {bw} {tflops:8.1f} {err:8.1e}")
+    # split-KV factor for small decode batches: time per call over 50 back-to-back calls
+    for label, rows in cases[:2]:
+        q, k_cache, v_cache, meta = make_step(rows)
+        times = []
+        for splits in (1, 2, 4, 8, 16, 32):
+            be = TritonAttentionBackend(num_splits=splits)
+            times.append(f"{splits}:{time_ms(lambda: [be.attend(q, k_cache, v_cache, meta, scale) for _ in range(50)]) / 50 * 1e3:.1f}us")
+        print(f"{label:34s} splits -> {' '.join(times)}  (auto {fast._pick_num_splits(q.device, len(rows) * KV_HEADS, 1, meta.max_seq_len)})")
 
 
 if __name__ == "__main__":

@@ -50,18 +50,24 @@ if triton is not None:
 
     @triton.jit
     def _rotary_kernel(
-        x_ptr, out_ptr, cos_ptr, sin_ptr,  # x/out [N, H, D] contiguous; cos/sin [N, D]
-        n_heads, stride_cs,
+        q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,  # q/k [N, H, D] with unit last stride; out contiguous
+        q_heads, k_heads, stride_qn, stride_qh, stride_kn, stride_kh, stride_cs,
         HALF: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
+        # Axis 2 picks q (0) or k (1): one launch rotates both, read in place from the packed projection.
         n = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         d = tl.arange(0, HALF)
+        if tl.program_id(2) == 0:
+            x_ptr, out_ptr, n_heads, stride_n, stride_h = q_ptr, qo_ptr, q_heads, stride_qn, stride_qh
+        else:
+            x_ptr, out_ptr, n_heads, stride_n, stride_h = k_ptr, ko_ptr, k_heads, stride_kn, stride_kh
         mask = (heads < n_heads)[:, None]
         dtype = out_ptr.dtype.element_ty
+        src = (n * stride_n + heads.to(tl.int64) * stride_h)[:, None]
         base = (n * n_heads + heads.to(tl.int64))[:, None] * (2 * HALF)
-        x1 = tl.load(x_ptr + base + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + base + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + src + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + src + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
         c = tl.load(cos_ptr + n * stride_cs + d).to(tl.float32)[None, :]  # cos/sin halves are equal
         s = tl.load(sin_ptr + n * stride_cs + d).to(tl.float32)[None, :]
         # reference: x*cos + rotate_half(x)*sin, each product rounded to dtype, then the sum
@@ -162,16 +168,16 @@ class TritonOps(TorchOps):
     def rotary(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         if q.requires_grad or k.requires_grad:
             return TorchOps.rotary(q, k, cos, sin)
-        outs = []
-        for x in (q, k):
-            x = x.contiguous()
-            out = torch.empty_like(x)
-            n, heads, d = x.shape
-            block_h = min(triton.next_power_of_2(heads), 16)
-            _rotary_kernel[(n, triton.cdiv(heads, block_h))](x, out, cos, sin, heads, cos.stride(0), HALF=d // 2,
-                                                             BLOCK_H=block_h)
-            outs.append(out)
-        return outs[0], outs[1]
+        q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
+        n, hq, d = q.shape
+        hk = k.shape[1]
+        q_out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
+        k_out = torch.empty((n, hk, d), dtype=k.dtype, device=k.device)
+        block_h = min(triton.next_power_of_2(max(hq, hk)), 16)
+        _rotary_kernel[(n, triton.cdiv(max(hq, hk), block_h), 2)](
+            q, k, q_out, k_out, cos, sin, hq, hk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+            HALF=d // 2, BLOCK_H=block_h)
+        return q_out, k_out
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]
         if gate.requires_grad or up.requires_grad:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from loopline.kv.layout import KVLayout
+from loopline.worker.staging import stage
 
 
 class DeviceDecodeState:
@@ -31,9 +32,8 @@ class DeviceDecodeState:
                                  device=device)
 
     def set_tables(self, slot: int, block_tables: list[list[int]]) -> None:
-        for plane, blocks in enumerate(block_tables):
-            n = len(blocks)
-            self.tables[slot, plane, :n] = torch.from_numpy(np.asarray(blocks, dtype=np.int32)).to(self.device)
+        for (plane, blocks), dev in zip(enumerate(block_tables), stage(self.device, *((b, np.int32) for b in block_tables))):
+            self.tables[slot, plane, :len(blocks)] = dev
 
     def start(self, slots: Tensor, tokens: Tensor, positions: Tensor) -> None:
         """Prefill finished: the first generated token is fed at ``positions`` (the prompt length)."""

@@ -37,7 +37,8 @@ from loopline.attention import PagedAttentionMetadata
 from loopline.worker.cuda_graphs import DecodeGraphs
 from loopline.worker.decode_state import DeviceDecodeState
 from loopline.worker.sampler import Sampler, SamplerOutput
-from loopline.worker.sampling_inputs import SampleBatch, build_sampling_tensors, to_device
+from loopline.worker.sampling_inputs import SampleBatch, build_sampling_tensors
+from loopline.worker.staging import stage
 from loopline.worker.swap import Snapshot
 from loopline.worker.step_inputs import DecodeBatch, StepInputs, build_step_inputs
 
@@ -156,7 +157,7 @@ class ModelRunner:
         dev = self.device
         self.requests[new.request_id] = _RequestState(
             params=new.params, seed=new.seed & _SEED_MASK,
-            prompt=torch.tensor(new.prompt_token_ids, dtype=torch.long, device=dev),
+            prompt=stage(dev, (new.prompt_token_ids, np.int64))[0],
             block_arrays=[np.asarray(bt, dtype=np.int32) for bt in new.block_tables],
             prompt_exit=new.prompt_exit,
             hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
@@ -227,16 +228,15 @@ class ModelRunner:
         ex = logits = loops = run = tidx = slots = None
         x_parts, pos_parts, map_parts, seq_parts, table_parts, offsets = [], [], [], [], [], [0]
         if nd:
-            slots = to_device(np.fromiter((r.slot for r in rows[:nd]), dtype=np.int64, count=nd), dev)
+            exits = [r.exit for r in rows[:nd]]
+            slots, min_loops, max_loops, threshold = stage(
+                dev, ([r.slot for r in rows[:nd]], np.int64), ([e.min_loops for e in exits], np.int64),
+                ([e.max_loops for e in exits], np.int64), ([e.threshold for e in exits], np.float32))
             loops, pos, plane_slots, run, tidx = ds.rows(slots, self._no_refill)
             scratch_kv = self.scratch_block * self.block_size
-            exits = [r.exit for r in rows[:nd]]
             dec = DecodeTensors(
                 slots=torch.where(run, slots, self.scratch_slot), loops=loops, starts=loops == 1,
-                input_ids=ds.token[slots],
-                min_loops=to_device(np.fromiter((e.min_loops for e in exits), dtype=np.int64, count=nd), dev),
-                max_loops=to_device(np.fromiter((e.max_loops for e in exits), dtype=np.int64, count=nd), dev),
-                threshold=to_device(np.fromiter((e.threshold for e in exits), dtype=np.float32, count=nd), dev),
+                input_ids=ds.token[slots], min_loops=min_loops, max_loops=max_loops, threshold=threshold,
                 plane_slots=torch.where(run[:, None], plane_slots, scratch_kv))
             plane = self.layout.plane_index(loops)
             positions = torch.where(run, pos, 0)
@@ -272,7 +272,7 @@ class ModelRunner:
             tables_all = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=self.scratch_block)
                                     for t in table_parts])
             meta = PagedAttentionMetadata(
-                query_start_loc=to_device(np.asarray(offsets, dtype=np.int32), dev), seq_lens=torch.cat(seq_parts),
+                query_start_loc=stage(dev, (offsets, np.int32))[0], seq_lens=torch.cat(seq_parts),
                 block_tables=tables_all, slot_mapping=torch.cat(map_parts), max_query_len=max_q, max_seq_len=max_seq)
             ex, logits = self._run_loop(rows, nd, torch.cat(x_parts), torch.cat(pos_parts), meta, offsets,
                                         dec if nd else None, exited, sample_hidden, sample_meta, prompt_logprobs)
@@ -285,9 +285,8 @@ class ModelRunner:
             ds.advance(slots, loops, run, ex, batch.out.token_ids[:nd])
         if sample_meta:  # prompts that finished: their first token is fed next, at position prompt_len
             done_rows = [rows[m[0]] for m in sample_meta]
-            ds.start(to_device(np.fromiter((r.slot for r in done_rows), dtype=np.int64, count=len(done_rows)), dev),
-                     batch.out.token_ids[nd:],
-                     to_device(np.fromiter((r.end for r in done_rows), dtype=np.int64, count=len(done_rows)), dev))
+            done_slots, done_ends = stage(dev, ([r.slot for r in done_rows], np.int64), ([r.end for r in done_rows], np.int64))
+            ds.start(done_slots, batch.out.token_ids[nd:], done_ends)
         wait = batch.to_host_async()
         return lambda: self._collect(rows, batch, wait(), exited, prompt_logprobs)
 
@@ -345,21 +344,19 @@ class ModelRunner:
         return self.requests[request_id].block_arrays
 
     def _decode_tensors(self, d: DecodeBatch) -> DecodeTensors:
-        def dev(a: np.ndarray) -> Tensor:
-            return torch.from_numpy(a).to(self.device, non_blocking=True)
-
-        return DecodeTensors(slots=dev(d.slots), loops=dev(d.loops), starts=dev(d.starts), input_ids=dev(d.input_ids),
-                             min_loops=dev(d.min_loops), max_loops=dev(d.max_loops), threshold=dev(d.threshold),
-                             plane_slots=dev(d.plane_slots))
+        names = [f.name for f in fields(DecodeTensors)]
+        return DecodeTensors(**dict(zip(names, stage(self.device, *(getattr(d, n) for n in names)))))
 
     def _gather_inputs(self, inp: StepInputs, dec: DecodeTensors | None) -> Tensor:
         parts = []
         if dec is not None:
             parts.append(self.decode_inputs(dec))
-        for r in inp.rows[inp.decode.n:]:
+        prefill = inp.rows[inp.decode.n:]
+        starting = [r for r in prefill if r.loop == 1]
+        ids = iter(stage(self.device, *((r.input_token_ids, np.int64) for r in starting)))
+        for r in prefill:
             if r.loop == 1:
-                ids = torch.tensor(r.input_token_ids, dtype=torch.long, device=self.device)
-                parts.append(self.model.embed(ids))
+                parts.append(self.model.embed(next(ids)))
             else:
                 parts.append(self.requests[r.request_id].hidden[r.start:r.end])
         return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -400,8 +397,9 @@ class ModelRunner:
                                      torch.full((n,), ep.threshold, dtype=torch.float32, device=self.device))
         st.survival[lo:hi] = survival
         newly = ex & (st.sel_depth[lo:hi] == 0)
-        st.sel_hidden[lo:hi][newly] = h[newly]
-        st.sel_depth[lo:hi][newly] = row.loop
+        # torch.where, not boolean indexing: a mask index would sync with the host
+        st.sel_hidden[lo:hi] = torch.where(newly[:, None], h, st.sel_hidden[lo:hi])
+        st.sel_depth[lo:hi] = torch.where(newly, row.loop, st.sel_depth[lo:hi])
         if row.loop < self.num_loops:
             st.hidden[lo:hi] = h
             return
@@ -459,7 +457,7 @@ class ModelRunner:
         if token_index is not None:
             tensors.token_index = torch.cat([token_index, tensors.token_index[nd:]])
         out: SamplerOutput = self.sampler(all_logits, tensors)
-        depths = [depth if depth is not None else torch.as_tensor([r.loop for r in rows[:nd]], device=self.device)] if nd else []
+        depths = [depth if depth is not None else stage(self.device, ([r.loop for r in rows[:nd]], np.int64))[0]] if nd else []
         depths += [m[1] for m in sample_meta]
         flags = [ex] if ex is not None else []
         flags.append(torch.ones(len(sample_meta), dtype=torch.bool, device=self.device))

@@ -16,14 +16,7 @@ import torch
 from torch import Tensor
 
 from loopline.worker.sampler import SamplerOutput, SamplingTensors
-
-
-def to_device(a: np.ndarray, device: torch.device) -> Tensor:
-    """Host array -> device without waiting for the device (pinned staging on CUDA)."""
-    t = torch.from_numpy(a)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+from loopline.worker.staging import stage
 
 
 @dataclass
@@ -43,13 +36,15 @@ class SampleBatch:
 
     def to_host(self) -> dict:
         """Reads everything back now (one sync)."""
+        if self.exit_flags.device.type == "cuda":
+            return self.to_host_async()()
         return {k: t.tolist() if t is not None else None for k, t in self._tensors().items()}
 
     def to_host_async(self) -> Callable[[], dict]:
         """Starts non-blocking copies to pinned memory; the returned call waits for them."""
         tensors = self._tensors()
         if self.exit_flags.device.type != "cuda":
-            host = self.to_host()
+            host = {k: t.tolist() if t is not None else None for k, t in tensors.items()}
             return lambda: host
         pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if t is not None else None
                   for k, t in tensors.items()}
@@ -74,10 +69,12 @@ def build_sampling_tensors(states: list, token_index: list[int], vocab: int, def
     """
     dev = device
     ps = [s.params for s in states]
-
-    def f32(vals):
-        return torch.tensor(vals, dtype=torch.float32, device=dev)
-
+    f32, i64 = np.float32, np.int64
+    (temperature, top_p, min_p, presence, frequency, repetition, top_k, seeds, index) = stage(
+        dev, ([p.temperature for p in ps], f32), ([p.top_p for p in ps], f32), ([p.min_p for p in ps], f32),
+        ([p.presence_penalty for p in ps], f32), ([p.frequency_penalty for p in ps], f32),
+        ([p.repetition_penalty for p in ps], f32), ([max(p.top_k, 0) for p in ps], i64),
+        ([s.seed for s in states], i64), (token_index, i64))
     any_pen = any(p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0 for p in ps)
     counts = seen = None
     if any_pen:
@@ -85,7 +82,7 @@ def build_sampling_tensors(states: list, token_index: list[int], vocab: int, def
         seen = torch.zeros(len(ps), vocab, dtype=torch.bool, device=dev)
         for j, s in enumerate(states):
             if s.output_ids:
-                ids = torch.tensor(s.output_ids, dtype=torch.long, device=dev)
+                ids = stage(dev, (s.output_ids, i64))[0]
                 counts[j].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
                 seen[j, ids] = True
             seen[j, s.prompt] = True
@@ -95,18 +92,11 @@ def build_sampling_tensors(states: list, token_index: list[int], vocab: int, def
     modes = {p.logprobs_mode or default_mode for p in ps if p.logprobs is not None}
     processed_rows = None
     if len(modes) > 1:
-        processed_rows = torch.tensor([(p.logprobs_mode or default_mode) == "processed_logprobs" for p in ps],
-                                      dtype=torch.bool, device=dev)
+        processed_rows = stage(dev, ([(p.logprobs_mode or default_mode) == "processed_logprobs" for p in ps],
+                                     np.bool_))[0]
     return SamplingTensors(
-        temperature=f32([p.temperature for p in ps]),
-        top_k=torch.tensor([p.top_k if p.top_k > 0 else 0 for p in ps], dtype=torch.long, device=dev),
-        top_p=f32([p.top_p for p in ps]),
-        min_p=f32([p.min_p for p in ps]),
-        presence_penalty=f32([p.presence_penalty for p in ps]),
-        frequency_penalty=f32([p.frequency_penalty for p in ps]),
-        repetition_penalty=f32([p.repetition_penalty for p in ps]),
-        seeds=torch.tensor([s.seed for s in states], dtype=torch.long, device=dev),
-        token_index=torch.tensor(token_index, dtype=torch.long, device=dev),
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence,
+        frequency_penalty=frequency, repetition_penalty=repetition, seeds=seeds, token_index=index,
         output_counts=counts, seen_mask=seen,
         all_greedy=all(p.greedy for p in ps), any_penalties=any_pen,
         any_top_k=any(p.top_k > 0 for p in ps), any_top_p=any(p.top_p < 1.0 for p in ps),

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from loopline.attention import PagedAttentionMetadata
 from loopline.core.contracts import ScheduledRow
+from loopline.worker.staging import stage
 
 
 @dataclass
@@ -56,14 +57,12 @@ class StepInputs:
         return self.decode.n == len(self.rows)
 
     def to_device(self, device: torch.device) -> tuple[Tensor, PagedAttentionMetadata]:
-        def dev(a: np.ndarray) -> Tensor:
-            return torch.from_numpy(a).to(device, non_blocking=True)
-
+        offsets, seq_lens, tables, slot_mapping, positions = stage(
+            device, self.offsets.astype(np.int32), self.seq_lens, self.block_tables, self.slot_mapping, self.positions)
         meta = PagedAttentionMetadata(
-            query_start_loc=dev(self.offsets.astype(np.int32)), seq_lens=dev(self.seq_lens),
-            block_tables=dev(self.block_tables), slot_mapping=dev(self.slot_mapping),
+            query_start_loc=offsets, seq_lens=seq_lens, block_tables=tables, slot_mapping=slot_mapping,
             max_query_len=self.max_query_len, max_seq_len=self.max_seq_len)
-        return dev(self.positions), meta
+        return positions, meta
 
 
 def slot_of(blocks: np.ndarray, pos: np.ndarray | int, block_size: int) -> np.ndarray:

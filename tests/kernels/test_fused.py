@@ -48,6 +48,16 @@ def test_rotary(dtype):
     (qr, kr), (qf, kf) = TorchOps.rotary(q, k, cos, sin), TritonOps().rotary(q, k, cos, sin)
     close(qf, qr, dtype)
     close(kf, kr, dtype)
+    # q and k as strided views of one packed q/k/v projection, as the fused ops produce them
+    qkv = torch.randn(6, 4 * 16 + 2 * 2 * 16, generator=g).to(DEVICE, dtype)
+    qs, ks, _ = qkv.split([64, 32, 32], dim=-1)
+    qs, ks = qs.view(6, 4, 16), ks.view(6, 2, 16)
+    assert not qs.is_contiguous()
+    (qr, kr), (qf, kf) = TorchOps.rotary(qs, ks, cos, sin), TritonOps().rotary(qs, ks, cos, sin)
+    close(qf, qr, dtype)
+    close(kf, kr, dtype)
+    with pytest.raises(AssertionError):  # the test can fail: cos and sin swapped are caught
+        close(TritonOps().rotary(qs, ks, sin, cos)[0], qr, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

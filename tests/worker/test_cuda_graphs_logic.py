@@ -35,6 +35,7 @@ class _EagerReplay:
 def simulate_graphs(engine: LLMEngine, max_seq_len: int) -> DecodeGraphs:
     graphs = DecodeGraphs(engine.runner, engine.runner.max_num_seqs, max_seq_len)
     for b in graphs.sizes:
+        graphs.reset_inputs(b)
         graphs.outputs[b] = tuple(t.clone() for t in graphs._forward(b))
         graphs.graphs[b] = _EagerReplay(graphs, b)
     engine.runner.graphs = graphs
