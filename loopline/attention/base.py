@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 from torch import Tensor
 
 
@@ -30,6 +31,24 @@ class PagedAttentionMetadata:
     slot_mapping: Tensor  # [N] int64, physical slot each query token's K/V is written to
     max_query_len: int  # host ints so backends need not sync
     max_seq_len: int
+    # Optional work list [2, T] int32 of (row, query tile) pairs, rows < 0 padding (see
+    # ``AttentionBackend.work_tile_tokens``): a backend that tiles queries launches one
+    # program per entry instead of rows x max tiles, and a fixed-size list can be captured.
+    work_tiles: Tensor | None = None
+
+
+def build_work_tiles(q_lens: np.ndarray, tile_tokens: int, capacity: int | None = None) -> np.ndarray:
+    """``[2, T]`` int32 (row, tile) pairs covering every query of every row; padded with -1 to ``capacity``."""
+    tiles = -(-np.asarray(q_lens, dtype=np.int64) // tile_tokens)
+    rows = np.repeat(np.arange(len(tiles), dtype=np.int32), tiles)
+    starts = np.cumsum(tiles) - tiles
+    ids = (np.arange(len(rows)) - np.repeat(starts, tiles)).astype(np.int32)
+    n = len(rows) if capacity is None else capacity
+    if len(rows) > n:
+        raise ValueError(f"work tiles: {len(rows)} needed, capacity {n}")
+    out = np.full((2, n), -1, dtype=np.int32)
+    out[0, :len(rows)], out[1, :len(rows)] = rows, ids
+    return out
 
 
 class AttentionBackend(ABC):
@@ -44,6 +63,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMetadata, scale: float) -> Tensor:
         """q: ``[N, heads, D]`` -> ``[N, heads, D]`` (fp32 accumulation, output in q's dtype)."""
+
+    def work_tile_tokens(self, group: int) -> int | None:
+        """Query tokens per work tile for ``group`` query heads per KV head; None: no work list."""
+        return None
 
     @abstractmethod
     def copy_slots(self, k_cache: Tensor, v_cache: Tensor, src: Tensor, dst: Tensor) -> None:

@@ -72,6 +72,8 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_blocks] int32
+    work_tiles_ptr,  # [2, T] int32 (row, q_tile) per program (WORK_LIST), row < 0 = padding
+    num_work_tiles,  # T, the stride between the two halves of the work list
     qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
     num_tokens,  # N, for the workspace layout
     num_heads,  # H, for the workspace layout
@@ -94,11 +96,19 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 caches (no TF32 rounding), else "tf32" (ignored for 16-bit)
+    WORK_LIST: tl.constexpr,  # grid (T, kv_head, 1) over the work list instead of (row, kv_head, q_tile * splits)
 ):
-    row = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    if WORK_LIST:
+        row = tl.load(work_tiles_ptr + tl.program_id(0))
+        q_tile = tl.load(work_tiles_ptr + num_work_tiles + tl.program_id(0))
+        split = 0
+        if row < 0:
+            return
+    else:
+        row = tl.program_id(0)
+        q_tile = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
 
     q_start = tl.load(query_start_loc_ptr + row)
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
@@ -393,13 +403,21 @@ class TritonAttentionBackend(AttentionBackend):
         # growing to 64 with max_query_len (prefill chunks); never fewer rows than G.
         # Decode rows in a mixed step use 1 of their tile's tokens: wasted MMA rows,
         # but decode is bound by reading K/V, which is the same either way.
-        block_m = max(16, min(64, _next_pow2(meta.max_query_len * group)), _next_pow2(group))
+        work = meta.work_tiles
+        if work is not None:  # one program per listed tile, at the tile size the list was built for
+            block_m = self._work_block_m(group)
+        else:
+            block_m = max(16, min(64, _next_pow2(meta.max_query_len * group)), _next_pow2(group))
         tile_t = block_m // group
         q_tiles = triton.cdiv(max(meta.max_query_len, 1), tile_t)
         elem_bytes = k_cache.element_size()
         # K and V tiles of BLOCK_N x D stay at ~16 KB each per pipeline stage.
         block_n = max(16, min(64, 16384 // (d * elem_bytes)))
-        num_splits = self._pick_num_splits(q.device, num_rows * kvh * q_tiles, q_tiles, meta.max_seq_len)
+        if work is not None:
+            num_splits, grid = 1, (work.shape[1], kvh, 1)
+        else:
+            num_splits = self._pick_num_splits(q.device, num_rows * kvh * q_tiles, q_tiles, meta.max_seq_len)
+            grid = (num_rows, kvh, q_tiles * num_splits)
         num_warps = 8 if block_m * d >= 64 * 256 else 4
         num_stages = 3 if elem_bytes <= 2 and d <= 128 else 2  # fp32 / D=256 tiles: keep shared memory in bounds
         precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
@@ -409,9 +427,10 @@ class TritonAttentionBackend(AttentionBackend):
             part_lse = torch.empty((num_splits, n, heads), dtype=torch.float32, device=q.device)
         else:
             part_out = part_lse = out  # unused by the kernel
-        _paged_attention_kernel[(num_rows, kvh, q_tiles * num_splits)](
+        _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_out, part_lse,
             meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            work if work is not None else meta.seq_lens, work.shape[1] if work is not None else 0,
             scale * _LOG2E, n, heads,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -419,7 +438,7 @@ class TritonAttentionBackend(AttentionBackend):
             out.stride(0), out.stride(1),
             meta.block_tables.stride(0),
             G=group, TILE_T=tile_t, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-            HEAD_DIM=d, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+            HEAD_DIM=d, NUM_SPLITS=num_splits, DOT_PRECISION=precision, WORK_LIST=work is not None,
             num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
         if num_splits > 1:
@@ -429,6 +448,14 @@ class TritonAttentionBackend(AttentionBackend):
                 num_warps=4 if d >= 128 else 2,
             )  # fmt: skip
         return out
+
+    @staticmethod
+    def _work_block_m(group: int) -> int:
+        return max(64, _next_pow2(group))
+
+    def work_tile_tokens(self, group: int) -> int:
+        """Prefill steps run one program per (row, 64-row query tile); see ``build_work_tiles``."""
+        return self._work_block_m(group) // group
 
     def _pick_num_splits(self, device: torch.device, programs: int, q_tiles: int, max_seq_len: int) -> int:
         """Split the key range when the grid cannot fill the GPU (small decode batches).

@@ -260,6 +260,10 @@ def run_engine(model: OuroForCausalLM, base_args: EngineArgs, spec: BenchSpec, v
         "rows_per_step": stats.rows_per_step,
         "tokens_per_step": stats.scheduled_tokens / stats.steps if stats.steps else None,
         "mean_step_time_ms": stats.step_time_s / stats.steps * 1e3 if stats.steps else None,
+        "prefill_steps": stats.prefill_steps,
+        "prefill_step_time_s": stats.prefill_step_time_s,
+        "decode_step_time_ms": ((stats.step_time_s - stats.prefill_step_time_s) / (stats.steps - stats.prefill_steps)
+                                * 1e3 if stats.steps > stats.prefill_steps else None),
         "head_steps": head_steps,
         **device_fields(timer, duration),
         **bandwidth_fields(bytes_model.bytes_read(stats.steps, head_steps, kv), duration, device),

@@ -62,6 +62,8 @@ class EngineStats:
     loops_of_generated: int = 0  # sum of exit depths
     finished_requests: int = 0
     step_time_s: float = 0.0
+    prefill_steps: int = 0  # steps with at least one prefill chunk (eager), and their host time
+    prefill_step_time_s: float = 0.0
     exit_depth_counts: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -301,7 +303,11 @@ class LLMEngine:
         self.stats.steps += 1 if sched.rows else 0
         self.stats.rows += len(sched.rows)
         self.stats.scheduled_tokens += sched.num_tokens
-        self.stats.step_time_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.step_time_s += elapsed
+        if any(r.is_prefill for r in sched.rows):
+            self.stats.prefill_steps += 1
+            self.stats.prefill_step_time_s += elapsed
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self)
         return self.outputs.collect()

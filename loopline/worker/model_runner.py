@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from loopline.attention import AttentionBackend
+from loopline.attention.base import build_work_tiles
 from loopline.attention.paged import PagedAttention
 from loopline.core.contracts import (
     ExitParams,
@@ -99,6 +100,7 @@ class ModelRunner:
         self.slot_hidden = torch.zeros(max_num_seqs + 1, cfg.hidden_size, dtype=dtype, device=device)
         self.slot_survival = torch.ones(max_num_seqs + 1, dtype=torch.float32, device=device)
         self.max_num_seqs = max_num_seqs
+        self.work_tile_tokens = backend.work_tile_tokens(cfg.num_attention_heads // cfg.num_key_value_heads)
         self.graphs: DecodeGraphs | None = None
         self.decode_state: DeviceDecodeState | None = None  # async scheduling only
         self._no_refill = False
@@ -271,8 +273,13 @@ class ModelRunner:
             width = max(t.shape[1] for t in table_parts)
             tables_all = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=self.scratch_block)
                                     for t in table_parts])
+            work = None
+            if max_q > 1 and self.work_tile_tokens:
+                work = build_work_tiles(np.diff(offsets), self.work_tile_tokens)
+            qsl, *work = stage(dev, (offsets, np.int32), *([work] if work is not None else []))
             meta = PagedAttentionMetadata(
-                query_start_loc=stage(dev, (offsets, np.int32))[0], seq_lens=torch.cat(seq_parts),
+                work_tiles=work[0] if work else None,
+                query_start_loc=qsl, seq_lens=torch.cat(seq_parts),
                 block_tables=tables_all, slot_mapping=torch.cat(map_parts), max_query_len=max_q, max_seq_len=max_seq)
             ex, logits = self._run_loop(rows, nd, torch.cat(x_parts), torch.cat(pos_parts), meta, offsets,
                                         dec if nd else None, exited, sample_hidden, sample_meta, prompt_logprobs)
@@ -307,7 +314,7 @@ class ModelRunner:
         else:
             dec = self._decode_tensors(inp.decode) if nd else None
             x = self._gather_inputs(inp, dec)
-            positions, meta = inp.to_device(self.device)
+            positions, meta = inp.to_device(self.device, self.work_tile_tokens)
             ex, logits = self._run_loop(rows, nd, x, positions, meta, inp.token_offsets, dec, exited, sample_hidden,
                                         sample_meta, prompt_logprobs)
         return self._sample_and_collect(rows, nd, ex, logits, sample_hidden, sample_meta, exited, prompt_logprobs)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from loopline.attention import PagedAttentionMetadata
+from loopline.attention.base import build_work_tiles
 from loopline.core.contracts import ScheduledRow
 from loopline.worker.staging import stage
 
@@ -56,12 +57,15 @@ class StepInputs:
     def decode_only(self) -> bool:
         return self.decode.n == len(self.rows)
 
-    def to_device(self, device: torch.device) -> tuple[Tensor, PagedAttentionMetadata]:
-        offsets, seq_lens, tables, slot_mapping, positions = stage(
-            device, self.offsets.astype(np.int32), self.seq_lens, self.block_tables, self.slot_mapping, self.positions)
+    def to_device(self, device: torch.device, tile_tokens: int | None = None) -> tuple[Tensor, PagedAttentionMetadata]:
+        """Positions and attention metadata; with ``tile_tokens`` prefill steps get a work list."""
+        arrays = [self.offsets.astype(np.int32), self.seq_lens, self.block_tables, self.slot_mapping, self.positions]
+        if tile_tokens and self.max_query_len > 1:
+            arrays.append(build_work_tiles(np.diff(self.offsets), tile_tokens))
+        offsets, seq_lens, tables, slot_mapping, positions, *work = stage(device, *arrays)
         meta = PagedAttentionMetadata(
             query_start_loc=offsets, seq_lens=seq_lens, block_tables=tables, slot_mapping=slot_mapping,
-            max_query_len=self.max_query_len, max_seq_len=self.max_seq_len)
+            max_query_len=self.max_query_len, max_seq_len=self.max_seq_len, work_tiles=work[0] if work else None)
         return positions, meta
 
 

@@ -7,6 +7,7 @@ are fp32 only: the interpreter mis-computes ``tl.dot`` on bf16 operands
 """
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from loopline.attention.base import PagedAttentionMetadata  # noqa: E402
+from loopline.attention.base import PagedAttentionMetadata, build_work_tiles  # noqa: E402
 from loopline.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from loopline.attention.triton_backend import TritonAttentionBackend, triton_available  # noqa: E402
 
@@ -60,11 +61,18 @@ def make_case(rows, heads, kv_heads, head_dim, block_size, dtype, device, seed=0
     return q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype), meta
 
 
-def check_attend(rows, heads, kv_heads, head_dim, block_size, dtype, atol, num_splits=None, seed=0):
+def check_attend(rows, heads, kv_heads, head_dim, block_size, dtype, atol, num_splits=None, seed=0, work_pad=None):
+    """``work_pad``: launch over a work list padded by this many empty entries (the graph-capturable grid)."""
     q, k_cache, v_cache, meta = make_case(rows, heads, kv_heads, head_dim, block_size, dtype, DEVICE, seed)
     scale = head_dim**-0.5
     want = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, scale)
-    got = TritonAttentionBackend(num_splits=num_splits).attend(q, k_cache, v_cache, meta, scale)
+    backend = TritonAttentionBackend(num_splits=num_splits)
+    if work_pad is not None:
+        tile = backend.work_tile_tokens(heads // kv_heads)
+        q_lens = [n for n, _ in rows]
+        needed = sum(-(-n // tile) for n in q_lens)
+        meta.work_tiles = torch.from_numpy(build_work_tiles(q_lens, tile, needed + work_pad)).to(DEVICE)
+    got = backend.attend(q, k_cache, v_cache, meta, scale)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
 
@@ -88,6 +96,20 @@ def test_attend_several_query_tiles_and_key_steps():
     # G=4: a 20-token chunk spans two 16-token Q tiles; 90 keys take two 64-key steps.
     rows = [(20, 90), (1, 70), (3, 3)]
     check_attend(rows, 8, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,rows", [(4, 2, MIXED_ROWS), (2, 2, [(70, 90), (1, 70), (3, 3)])],
+                         ids=["gqa", "mha-two-tiles"])
+def test_attend_work_list_matches_torch(heads, kv_heads, rows):
+    # One program per (row, query tile) from a list with padding entries, as captured mixed steps launch it.
+    check_attend(rows, heads, kv_heads, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5, work_pad=3)
+
+
+def test_build_work_tiles():
+    tiles = build_work_tiles(np.array([1, 70, 0, 64]), 64, capacity=6)
+    assert tiles.tolist() == [[0, 1, 1, 3, -1, -1], [0, 0, 1, 0, -1, -1]]
+    with pytest.raises(ValueError, match="capacity"):
+        build_work_tiles(np.array([65]), 64, capacity=1)
 
 
 def test_attend_split_kv_matches_torch():
