@@ -131,7 +131,7 @@ class LLMEngine:
         if self._async:
             self.runner.enable_async(max_len, no_refill=args.scheduling_mode == "no_refill")
         if device.type == "cuda" and not args.enforce_eager and self.runner.backend.name == "triton":
-            self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture))
+            self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture), args.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._stat_logger = None if args.disable_log_stats else StatLogger(args.log_stats_interval)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from loopline.attention import PagedAttentionMetadata
+from loopline.attention.base import build_work_tiles
 from loopline.attention.paged import PagedAttention
 from loopline.worker.staging import _ALIGN, _TORCH_DTYPES
 from loopline.worker.step_inputs import StepInputs
@@ -32,14 +33,14 @@ def bucket_sizes(max_rows: int) -> list[int]:
 
 
 class _Layout:
-    """Where each input of a ``rows``-row graph sits in the input buffer, and its padding image."""
+    """Where each input of one graph sits in the input buffer, and its padding image.
 
-    def __init__(self, rows: int, fields: dict[str, tuple[np.dtype, tuple[int, ...], float | int]]) -> None:
-        self.rows = rows
+    ``fields``: name -> (dtype, shape, padding value)."""
+
+    def __init__(self, fields: dict[str, tuple[np.dtype, tuple[int, ...], float | int]]) -> None:
         self.fields: dict[str, tuple[int, np.dtype, tuple[int, ...]]] = {}
         off = 0
-        for name, (dtype, tail, _) in fields.items():
-            shape = (rows, *tail)
+        for name, (dtype, shape, _) in fields.items():
             self.fields[name] = (off, np.dtype(dtype), shape)
             off += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN
         self.nbytes = off
@@ -66,14 +67,15 @@ class DecodeGraphs:
         scratch_kv = runner.scratch_block * runner.block_size
         planes = runner.layout.num_planes
         # name: (dtype, shape after the row axis, padding value); DecodeTensors' fields first
-        fields = {
+        tails = {
             "slots": (np.int64, (), runner.scratch_slot), "loops": (np.int64, (), 1), "starts": (np.bool_, (), True),
             "input_ids": (np.int64, (), 0), "min_loops": (np.int64, (), 1), "max_loops": (np.int64, (), 1),
             "threshold": (np.float32, (), 1.0), "plane_slots": (np.int64, (planes,), scratch_kv),
             "positions": (np.int64, (), 0), "slot_mapping": (np.int64, (), scratch_kv), "seq_lens": (np.int32, (), 1),
             "block_tables": (np.int32, (self.max_blocks,), runner.scratch_block),
         }
-        self.layouts = {b: _Layout(b, fields) for b in self.sizes}
+        self.layouts = {b: _Layout({n: (dt, (b, *tail), pad) for n, (dt, tail, pad) in tails.items()})
+                        for b in self.sizes}
         self.inputs = torch.zeros(max(lay.nbytes for lay in self.layouts.values()), dtype=torch.uint8, device=dev)
         self.views = {b: lay.device_views(self.inputs) for b, lay in self.layouts.items()}
         self.padding = {b: torch.from_numpy(lay.padding).to(dev) for b, lay in self.layouts.items()}
@@ -105,7 +107,8 @@ class DecodeGraphs:
         return r._decode_tail(h, gate, d)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self):
+        """Captures every bucket (largest first, one memory pool); returns the pool."""
         pool = None
         for b in reversed(self.sizes):
             self.reset_inputs(b)
@@ -118,6 +121,7 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
+        return pool
 
     # --- replay -----------------------------------------------------------------------
     def run(self, inp: StepInputs) -> tuple[Tensor, Tensor]:
@@ -158,3 +162,161 @@ class DecodeGraphs:
         self.graphs[b].replay()
         ex, logits = self.outputs[b]
         return ex[:n], logits[:n]
+
+
+def mixed_buckets(max_decode: int, max_tokens: int) -> tuple[list[int], list[int]]:
+    """Decode-row buckets (0 included) and prefill-token buckets of the mixed-step graphs."""
+    decode = sorted({0, max_decode} | {b for b in (8, 16, 32, 64, 128, 256, 512, 1024) if b < max_decode})
+    prefill = [p for p in (128, 256, 512, 1024, 2048) if p <= max_tokens] or [max_tokens]
+    return decode, prefill
+
+
+class MixedGraphs:
+    """CUDA graphs for steps with prefill chunks: up to ``D`` decode rows and ``P`` prefill tokens.
+
+    Eagerly such a step launches ~300 kernels from Python, which costs more host
+    time than the GPU needs for a few hundred prefill tokens; captured, it is
+    one replay. Decode rows are padded to a bucket ``D`` as in
+    :class:`DecodeGraphs`; prefill tokens to a bucket ``P`` (padding tokens
+    belong to no row: nothing attends them, their K/V goes to the scratch slot),
+    in at most ``max_prefill_rows`` rows. Attention runs over a fixed-size work
+    list of (row, query tile) pairs, so the grid does not depend on the step.
+    The prefill rows' inputs are copied into a persistent buffer before the
+    replay and their outputs are booked after it, eagerly. Larger prefill steps
+    run eagerly: their GPU time hides the launches.
+    """
+
+    def __init__(self, runner, max_decode: int, max_tokens: int, max_seq_len: int, max_prefill_rows: int = 8) -> None:
+        self.runner = runner
+        self.max_seq_len = max_seq_len
+        self.max_prefill_rows = max_prefill_rows
+        self.decode_sizes, self.prefill_sizes = mixed_buckets(max_decode, max_tokens)
+        dev = runner.device
+        self.max_blocks = -(-max_seq_len // runner.block_size)
+        cfg = runner.model.config
+        self.tile = runner.work_tile_tokens or 64  # a backend without work lists ignores them
+        scratch_kv = runner.scratch_block * runner.block_size
+        planes = runner.layout.num_planes
+        self.layouts: dict[tuple[int, int], _Layout] = {}
+        for d in self.decode_sizes:
+            for p in self.prefill_sizes:
+                rows = d + max_prefill_rows
+                self.layouts[d, p] = _Layout({
+                    "slots": (np.int64, (d,), runner.scratch_slot), "loops": (np.int64, (d,), 1),
+                    "starts": (np.bool_, (d,), True), "input_ids": (np.int64, (d,), 0),
+                    "min_loops": (np.int64, (d,), 1), "max_loops": (np.int64, (d,), 1),
+                    "threshold": (np.float32, (d,), 1.0), "plane_slots": (np.int64, (d, planes), scratch_kv),
+                    "positions": (np.int64, (d + p,), 0), "slot_mapping": (np.int64, (d + p,), scratch_kv),
+                    "query_start_loc": (np.int32, (rows + 1,), d), "seq_lens": (np.int32, (rows,), 1),
+                    "block_tables": (np.int32, (rows, self.max_blocks), runner.scratch_block),
+                    "work_tiles": (np.int32, (2, d + max_prefill_rows + p // self.tile), -1),
+                })
+                lay = self.layouts[d, p]
+                v = lay.host_views(lay.padding)
+                v["query_start_loc"][:d + 1] = np.arange(d + 1)  # padding decode rows: one query each
+                v["work_tiles"][0, :d] = np.arange(d)
+                v["work_tiles"][1, :d] = 0
+        self.inputs = torch.zeros(max(lay.nbytes for lay in self.layouts.values()), dtype=torch.uint8, device=dev)
+        self.views = {k: lay.device_views(self.inputs) for k, lay in self.layouts.items()}
+        self.padding = {k: torch.from_numpy(lay.padding).to(dev) for k, lay in self.layouts.items()}
+        self.x_prefill = torch.zeros(self.prefill_sizes[-1], cfg.hidden_size, dtype=runner.dtype, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple] = {}
+        self.replays = 0
+
+    def bucket(self, nd: int, prefill_tokens: int, prefill_rows: int, max_seq_len: int) -> tuple[int, int] | None:
+        """The graph a step fits, or None (run it eagerly)."""
+        if prefill_rows > self.max_prefill_rows or max_seq_len > self.max_seq_len:
+            return None
+        d = next((s for s in self.decode_sizes if s >= nd), None)
+        p = next((s for s in self.prefill_sizes if s >= prefill_tokens), None)
+        return None if d is None or p is None else (d, p)
+
+    def reset_inputs(self, key: tuple[int, int]) -> None:
+        self.inputs[:self.layouts[key].nbytes].copy_(self.padding[key])
+
+    # --- capture ----------------------------------------------------------------------
+    def _forward(self, key: tuple[int, int]):
+        from loopline.worker.model_runner import DecodeTensors  # cycle-free at call time
+
+        r, v = self.runner, self.views[key]
+        d, p = key
+        meta = PagedAttentionMetadata(v["query_start_loc"], v["seq_lens"], v["block_tables"], v["slot_mapping"],
+                                      max_query_len=p, max_seq_len=self.max_seq_len, work_tiles=v["work_tiles"])
+        dec = None
+        x = self.x_prefill[:p]
+        if d:
+            dec = DecodeTensors(**{k: v[k] for k in ("slots", "loops", "starts", "input_ids", "min_loops",
+                                                     "max_loops", "threshold", "plane_slots")})
+            x = torch.cat([r.decode_inputs(dec), x])
+        h, gate = r.model.loop(x, v["positions"], PagedAttention(r.backend, r.k_cache, r.v_cache, meta, r.scale))
+        ex, logits = r._decode_tail(h[:d], gate[:d], dec) if d else (None, None)
+        return ex, logits, h[d:], gate[d:]
+
+    @torch.inference_mode()
+    def capture(self, pool=None):
+        for key in sorted(self.layouts, key=lambda k: (-k[1], -k[0])):
+            self.reset_inputs(key)
+            for _ in range(2):  # compile kernels, settle allocations
+                self._forward(key)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[key] = self._forward(key)
+            pool = graph.pool()
+            self.graphs[key] = graph
+        torch.cuda.synchronize()
+        return pool
+
+    # --- replay -----------------------------------------------------------------------
+    def run(self, key: tuple[int, int], prefill: StepInputs, x_prefill: list[Tensor], decode: StepInputs | None = None,
+            decode_device: tuple | None = None):
+        """Replays graph ``key``: prefill rows from host inputs, decode rows from host inputs (``decode``) or
+        device tensors (``decode_device``: DecodeTensors, positions, slot_mapping, seq_lens, block_tables).
+
+        Returns the decode rows' ``(exit, logits)`` and the prefill tokens' ``(h, gate)``."""
+        d, p = key
+        lay = self.layouts[key]
+        pinned = torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=self.inputs.is_cuda)
+        image = pinned.numpy()
+        image[:] = lay.padding
+        v = lay.host_views(image)
+        nd = 0
+        if decode is not None:
+            nd, dh = decode.decode.n, decode.decode
+            for name in ("slots", "loops", "starts", "input_ids", "min_loops", "max_loops", "threshold", "plane_slots"):
+                v[name][:nd] = getattr(dh, name)
+            v["positions"][:nd] = decode.positions
+            v["slot_mapping"][:nd] = decode.slot_mapping
+            v["seq_lens"][:nd] = decode.seq_lens
+            v["block_tables"][:nd, :decode.block_tables.shape[1]] = decode.block_tables
+        elif decode_device is not None:
+            nd = decode_device[0].slots.shape[0]
+        n_rows, n_tok = len(prefill.rows), int(prefill.offsets[-1])
+        v["positions"][d:d + n_tok] = prefill.positions
+        v["slot_mapping"][d:d + n_tok] = prefill.slot_mapping
+        v["query_start_loc"][d:] = d + prefill.offsets[-1]
+        v["query_start_loc"][d:d + n_rows + 1] = d + prefill.offsets
+        v["seq_lens"][d:d + n_rows] = prefill.seq_lens
+        v["block_tables"][d:d + n_rows, :prefill.block_tables.shape[1]] = prefill.block_tables
+        q_lens = np.concatenate([np.ones(d, dtype=np.int64), np.diff(prefill.offsets)])
+        v["work_tiles"][:] = build_work_tiles(q_lens, self.tile, v["work_tiles"].shape[1])
+        self.inputs[:lay.nbytes].copy_(pinned, non_blocking=True)
+        if decode_device is not None and nd:
+            dec, positions, slot_mapping, seq_lens, tables = decode_device
+            dv = self.views[key]
+            for name, t in vars(dec).items():
+                dv[name][:nd].copy_(t)
+            dv["positions"][:nd].copy_(positions)
+            dv["slot_mapping"][:nd].copy_(slot_mapping)
+            dv["seq_lens"][:nd].copy_(seq_lens)
+            width = min(tables.shape[1], self.max_blocks)
+            dv["block_tables"][:nd, :width].copy_(tables[:, :width])
+        off = 0
+        for part in x_prefill:
+            self.x_prefill[off:off + part.shape[0]].copy_(part)
+            off += part.shape[0]
+        self.graphs[key].replay()
+        self.replays += 1
+        ex, logits, h, gate = self.outputs[key]
+        return (ex[:nd] if d else None), (logits[:nd] if d else None), h[:n_tok], gate[:n_tok]

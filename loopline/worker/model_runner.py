@@ -35,7 +35,7 @@ from loopline.kv.layout import KVLayout
 from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import SamplingParams
 from loopline.attention import PagedAttentionMetadata
-from loopline.worker.cuda_graphs import DecodeGraphs
+from loopline.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from loopline.worker.decode_state import DeviceDecodeState
 from loopline.worker.sampler import Sampler, SamplerOutput
 from loopline.worker.sampling_inputs import SampleBatch, build_sampling_tensors
@@ -102,9 +102,11 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.work_tile_tokens = backend.work_tile_tokens(cfg.num_attention_heads // cfg.num_key_value_heads)
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         self.decode_state: DeviceDecodeState | None = None  # async scheduling only
         self._no_refill = False
         self._graphs_max_seq_len: int | None = None  # graphs to recapture after a sleep
+        self._graphs_max_tokens: int | None = None
         self._kv_shape = shape
         self._copies_on_exit = len(layout.exit_copy_planes(1)) > 0
         self.requests: dict[str, _RequestState] = {}
@@ -117,10 +119,14 @@ class ModelRunner:
                                               self.scratch_block, self.device)
         self._no_refill = no_refill
 
-    def capture_graphs(self, max_seq_len: int) -> None:
-        """Captures decode-only steps as CUDA graphs (CUDA and a graph-safe attention backend only)."""
+    def capture_graphs(self, max_seq_len: int, max_num_batched_tokens: int | None = None) -> None:
+        """Captures decode-only steps, and steps with small prefill chunks (given the token budget),
+        as CUDA graphs (CUDA and a graph-safe attention backend only)."""
         self.graphs = DecodeGraphs(self, self.max_num_seqs, max_seq_len)
-        self.graphs.capture()
+        pool = self.graphs.capture()
+        if max_num_batched_tokens is not None and self.work_tile_tokens:
+            self.mixed_graphs = MixedGraphs(self, self.max_num_seqs, max_num_batched_tokens, max_seq_len)
+            self.mixed_graphs.capture(pool)
 
     # --- sleep (colocated training) ---------------------------------------------------
     def release_kv_cache(self) -> None:
@@ -133,6 +139,8 @@ class ModelRunner:
         self.snapshots.clear()
         if self.graphs is not None:
             self._graphs_max_seq_len, self.graphs = self.graphs.max_seq_len, None
+            self._graphs_max_tokens = self.mixed_graphs.prefill_sizes[-1] if self.mixed_graphs is not None else None
+            self.mixed_graphs = None
         self.k_cache = self.v_cache = torch.empty(0, dtype=self.dtype, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -146,7 +154,7 @@ class ModelRunner:
         """Recaptures the CUDA graphs dropped by :meth:`release_kv_cache` (a no-op if there were none)."""
         if self._graphs_max_seq_len is not None:
             max_seq_len, self._graphs_max_seq_len = self._graphs_max_seq_len, None
-            self.capture_graphs(max_seq_len)
+            self.capture_graphs(max_seq_len, self._graphs_max_tokens)
 
     @staticmethod
     def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -229,6 +237,9 @@ class ModelRunner:
         sample_hidden, sample_meta = [], []
         ex = logits = loops = run = tidx = slots = None
         x_parts, pos_parts, map_parts, seq_parts, table_parts, offsets = [], [], [], [], [], [0]
+        p_tokens = sum(r.end - r.start for r in rows[nd:])
+        p_seq = max((r.end for r in rows[nd:]), default=0)
+        graphed = False
         if nd:
             exits = [r.exit for r in rows[:nd]]
             slots, min_loops, max_loops, threshold = stage(
@@ -248,8 +259,14 @@ class ModelRunner:
             tables = torch.where(run[:, None], tables, self.scratch_block)
             bound = max(self.requests[r.request_id].prompt.numel() + (self.requests[r.request_id].params.max_tokens or 0) + 1
                         for r in rows[:nd])
+            key = self._mixed_key(rows, nd, p_tokens, max(bound, p_seq))
             if nd == len(rows) and self.graphs is not None and bound <= self.graphs.max_seq_len:
                 ex, logits = self.graphs.run_tensors(dec, positions, slot_mapping, seq_lens, tables)
+                graphed = True
+            elif key is not None:
+                ex, logits = self._run_mixed(key, rows, nd, exited, sample_hidden, sample_meta, prompt_logprobs,
+                                             decode_device=(dec, positions, slot_mapping, seq_lens, tables))
+                graphed = True
             else:
                 x_parts.append(self.decode_inputs(dec))
                 pos_parts.append(positions)
@@ -257,7 +274,10 @@ class ModelRunner:
                 seq_parts.append(seq_lens)
                 table_parts.append(tables)
                 offsets += list(range(1, nd + 1))
-        if ex is None:  # an eager step: prefill rows (and decode rows unless a graph ran them)
+        elif (key := self._mixed_key(rows, 0, p_tokens, p_seq)) is not None:
+            self._run_mixed(key, rows, 0, exited, sample_hidden, sample_meta, prompt_logprobs)
+            graphed = True
+        if not graphed:  # an eager step: prefill rows (and decode rows unless a graph ran them)
             max_seq = bound if nd else 0
             max_q = 1 if nd else 0
             if nd < len(rows):
@@ -309,8 +329,13 @@ class ModelRunner:
         exited = [False] * len(rows)
         prompt_logprobs: dict = {}
         sample_hidden, sample_meta = [], []  # prefill rows that finished: (row index, depth, token index)
+        key = self._mixed_key(rows, nd, int(inp.offsets[-1]) - nd, inp.max_seq_len)
         if self.graphs is not None and inp.decode_only and self.graphs.fits(inp):
             ex, logits = self.graphs.run(inp)
+        elif key is not None:
+            decode = build_step_inputs(rows[:nd], self._block_arrays, self.layout.num_planes, self.block_size) if nd else None
+            ex, logits = self._run_mixed(key, rows, nd, exited, sample_hidden, sample_meta, prompt_logprobs,
+                                         decode=decode)
         else:
             dec = self._decode_tensors(inp.decode) if nd else None
             x = self._gather_inputs(inp, dec)
@@ -318,6 +343,25 @@ class ModelRunner:
             ex, logits = self._run_loop(rows, nd, x, positions, meta, inp.token_offsets, dec, exited, sample_hidden,
                                         sample_meta, prompt_logprobs)
         return self._sample_and_collect(rows, nd, ex, logits, sample_hidden, sample_meta, exited, prompt_logprobs)
+
+    def _mixed_key(self, rows, nd: int, prefill_tokens: int, max_seq_len: int) -> tuple[int, int] | None:
+        """The mixed-step graph that runs this step, if any (steps with prefill rows only)."""
+        if self.mixed_graphs is None or nd == len(rows):
+            return None
+        return self.mixed_graphs.bucket(nd, prefill_tokens, len(rows) - nd, max_seq_len)
+
+    def _run_mixed(self, key, rows, nd, exited, sample_hidden, sample_meta, prompt_logprobs, decode=None,
+                   decode_device=None) -> tuple[Tensor | None, Tensor | None]:
+        """A step with prefill rows through a captured graph; books the prefill rows like ``_run_loop``."""
+        prefill = build_step_inputs(rows[nd:], self._block_arrays, self.layout.num_planes, self.block_size)
+        ex, logits, h, gate = self.mixed_graphs.run(key, prefill, self._prefill_inputs(rows[nd:]), decode=decode,
+                                                    decode_device=decode_device)
+        offsets = prefill.token_offsets
+        for j, i in enumerate(range(nd, len(rows))):
+            lo, hi = offsets[j], offsets[j + 1]
+            self._finish_prefill_row(i, rows[i], h[lo:hi], gate[lo:hi], exited, sample_hidden, sample_meta,
+                                     prompt_logprobs)
+        return ex, logits
 
     def _run_loop(self, rows, nd, x, positions, meta, offsets, dec, exited, sample_hidden, sample_meta,
                   prompt_logprobs) -> tuple[Tensor | None, Tensor | None]:
@@ -355,18 +399,16 @@ class ModelRunner:
         return DecodeTensors(**dict(zip(names, stage(self.device, *(getattr(d, n) for n in names)))))
 
     def _gather_inputs(self, inp: StepInputs, dec: DecodeTensors | None) -> Tensor:
-        parts = []
-        if dec is not None:
-            parts.append(self.decode_inputs(dec))
-        prefill = inp.rows[inp.decode.n:]
+        parts = [self.decode_inputs(dec)] if dec is not None else []
+        parts += self._prefill_inputs(inp.rows[inp.decode.n:])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _prefill_inputs(self, prefill: list) -> list[Tensor]:
+        """Each prefill row's input: embeddings at loop 1, the previous loop's hidden state after."""
         starting = [r for r in prefill if r.loop == 1]
         ids = iter(stage(self.device, *((r.input_token_ids, np.int64) for r in starting)))
-        for r in prefill:
-            if r.loop == 1:
-                parts.append(self.model.embed(next(ids)))
-            else:
-                parts.append(self.requests[r.request_id].hidden[r.start:r.end])
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        return [self.model.embed(next(ids)) if r.loop == 1 else self.requests[r.request_id].hidden[r.start:r.end]
+                for r in prefill]
 
     def decode_inputs(self, d: DecodeTensors) -> Tensor:
         """Prelude for rows starting a token, the slot's hidden state for the others. [B, H]"""

@@ -13,7 +13,7 @@ import pytest
 from loopline import SamplingParams
 from loopline.config import EngineArgs
 from loopline.core.engine import LLMEngine
-from loopline.worker.cuda_graphs import DecodeGraphs
+from loopline.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 
 
 class _EagerReplay:
@@ -26,19 +26,33 @@ class _EagerReplay:
 
     def replay(self) -> None:
         _EagerReplay.replays += 1
-        ex, logits = self.graphs._forward(self.b)
-        out_ex, out_logits = self.graphs.outputs[self.b]
-        out_ex.copy_(ex)
-        out_logits.copy_(logits)
+        for out, new in zip(self.graphs.outputs[self.b], self.graphs._forward(self.b)):
+            if out is not None:
+                out.copy_(new)
 
 
-def simulate_graphs(engine: LLMEngine, max_seq_len: int) -> DecodeGraphs:
+class _EagerMixedReplay(_EagerReplay):
+    replays = 0
+
+    def replay(self) -> None:
+        _EagerMixedReplay.replays += 1
+        super().replay()
+
+
+def simulate_graphs(engine: LLMEngine, max_seq_len: int, max_tokens: int) -> DecodeGraphs:
     graphs = DecodeGraphs(engine.runner, engine.runner.max_num_seqs, max_seq_len)
     for b in graphs.sizes:
         graphs.reset_inputs(b)
         graphs.outputs[b] = tuple(t.clone() for t in graphs._forward(b))
         graphs.graphs[b] = _EagerReplay(graphs, b)
     engine.runner.graphs = graphs
+    mixed = MixedGraphs(engine.runner, engine.runner.max_num_seqs, max_tokens, max_seq_len,
+                        max_prefill_rows=3)
+    for key in mixed.layouts:
+        mixed.reset_inputs(key)
+        mixed.outputs[key] = tuple(t.clone() if t is not None else None for t in mixed._forward(key))
+        mixed.graphs[key] = _EagerMixedReplay(mixed, key)
+    engine.runner.mixed_graphs = mixed
     return graphs
 
 
@@ -51,12 +65,17 @@ def run(tiny, graphs: bool, **kw):
     engine = LLMEngine(EngineArgs(model=str(tiny.path), dtype="float32", device="cpu", skip_tokenizer_init=True,
                                   block_size=4, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=128, **kw))
     if graphs:
-        simulate_graphs(engine, 64)
+        simulate_graphs(engine, 64, 24)
     params = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True, exit_threshold=0.7, logprobs=1)
     for i, n in enumerate((3, 14, 9, 21, 5)):  # 5 rows: padded to the bucket of 6 (sizes 1, 2, 4, 6)
         engine.add_request(f"r{i}", ids(n, seed=n), params)
     done = {}
+    steps = 0
     while engine.has_unfinished_requests():
+        steps += 1
+        if steps == 12:  # arrivals while others decode: steps with decode rows and prefill chunks
+            engine.add_request("late-a", ids(17, seed=1), params)
+            engine.add_request("late-b", ids(4, seed=2), params)
         for out in engine.step():
             if out.finished:
                 c = out.outputs[0]
@@ -68,7 +87,8 @@ def run(tiny, graphs: bool, **kw):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_graph_input_path_equals_eager(tiny_gqa, layout, async_scheduling):
     kw = dict(kv_layout=layout, async_scheduling=async_scheduling)
-    _EagerReplay.replays = 0
+    _EagerReplay.replays = _EagerMixedReplay.replays = 0
     with_graphs = run(tiny_gqa, graphs=True, **kw)
     assert _EagerReplay.replays > 20  # decode steps really went through the graph path
+    assert _EagerMixedReplay.replays > 5  # and so did steps with prefill chunks
     assert with_graphs == run(tiny_gqa, graphs=False, **kw)

@@ -90,3 +90,33 @@ def test_kv_pool_sized_after_a_profiling_pass(tiny_gqa):
     peak = peak_step_bytes(engine.model, get_attention_backend("auto", engine.config.device), 2048, 64, 16,
                            engine.config.dtype, engine.config.device)
     assert peak > 0 and engine.kv.pool.num_blocks > 0
+
+
+def _staggered(tiny, **kw):
+    """Requests arriving while others decode: steps mixing decode rows and small prefill chunks."""
+    from loopline.config import EngineArgs
+    from loopline.core.engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=str(tiny.path), device="cuda", dtype="float32", skip_tokenizer_init=True,
+                                  block_size=8, max_num_seqs=8, num_kv_blocks=512, attention_backend="triton", **kw))
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, exit_threshold=0.7)
+    arrivals = {0: (3, 40, 9), 5: (25, 2), 11: (70,), 17: (6, 33)}
+    done, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for n in arrivals.get(step, ()):
+            engine.add_request(f"r{step}-{n}", ids(n, seed=n), params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].exit_depths)
+        step += 1
+    return done, engine.runner.mixed_graphs
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mixed_step_graphs_equal_eager(tiny_gqa, layout, async_scheduling):
+    kw = dict(kv_layout=layout, async_scheduling=async_scheduling)
+    graphed, mixed = _staggered(tiny_gqa, **kw)
+    assert mixed is not None and mixed.replays > 5  # steps with prefill chunks really replayed a graph
+    eager, _ = _staggered(tiny_gqa, enforce_eager=True, **kw)
+    assert graphed == eager and len(graphed) == 8
