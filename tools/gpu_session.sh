@@ -2,7 +2,7 @@
 # One device call that checks and measures everything GPU-side (H200, ~8 minutes).
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
-# parts (default: all): tests kernels profile bench
+# parts (default: tests kernels profile bench): tests kernels profile bench sync hf
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
 out=${1:?output folder}
@@ -31,9 +31,10 @@ if has profile; then  # where a step's time goes
   } > "$out/profile.txt"
   cat "$out/profile.txt"
 fi
-if has bench; then  # full depth, 1024 in / 128 out
+if has bench; then  # full depth, 1024 in / 128 out, async scheduling (sync too with "sync")
+  modes=async; has sync && modes="sync async"
   for c in 1 32 128; do
-    for mode in sync async; do
+    for mode in $modes; do
       flag=""; [ $mode = async ] && flag=--async-scheduling
       bench 150 --input-len 1024 --output-len 128 --concurrency $c --max-num-batched-tokens 8192 $flag \
             --output-json "$out/fixed-$mode-c$c.json" > /dev/null 2> "$out/fixed-$mode-c$c.err" || tail -3 "$out/fixed-$mode-c$c.err"
@@ -45,6 +46,11 @@ for f in sorted(glob.glob(sys.argv[1] + "/fixed*.json")):
     m = json.load(open(f))["results"][0]["variants"][0]["median"]
     print(f.rsplit("/", 1)[1], round(m["output_throughput"], 1), "tok/s, TTFT p50", round(m["ttft_ms"]["p50"], 1),
           "ms, TPOT p50", round(m["tpot_ms"]["p50"], 2), "ms, steps", m["steps"], "rows/step", round(m["rows_per_step"], 1),
-          "step ms", round(m["mean_step_time_ms"], 2))
+          "step ms", round(m["mean_step_time_ms"], 2), "prefill steps", m.get("prefill_steps"),
+          "prefill s", round(m.get("prefill_step_time_s") or 0, 2), "decode step ms", round(m.get("decode_step_time_ms") or 0, 2))
 PY
+fi
+if has hf; then  # against transformers generate() on the same weights, batch 1 / 8 / 32
+  bench 420 --input-len 1024 --output-len 128 --concurrency 1,8,32 --variants fixed,hf --compare --repeats 1 \
+        --warmup-prompts 1 --async-scheduling --max-num-batched-tokens 8192 --output-json "$out/hf.json" 2> "$out/hf.err" | tail -12
 fi
