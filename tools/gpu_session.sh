@@ -54,3 +54,5 @@ if has hf; then  # against transformers generate() on the same weights, batch 1 
   bench 420 --input-len 1024 --output-len 128 --concurrency 1,8,32 --variants fixed,hf --compare --repeats 1 \
         --warmup-prompts 1 --async-scheduling --max-num-batched-tokens 8192 --output-json "$out/hf.json" 2> "$out/hf.err" | tail -12
 fi
+# the device returns at most 8 files: everything also goes back in one archive
+tar -czf "$out/all.tgz" -C "$out" --exclude all.tgz . 2>/dev/null

@@ -91,8 +91,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     if a.prefill:
         return profile_prefill(engine, a, params)
-    for i in range(a.rows):
-        engine.add_request(f"r{i}", list(range(3, 3 + a.context)), params)
+    for i in range(a.rows):  # distinct prompts: shared prefix pages would make KV reads hit L2
+        engine.add_request(f"r{i}", [3 + (i * 7919 + j) % 40000 for j in range(a.context)], params)
     while any(r.status.value != "decode" for r in engine.scheduler.requests.values()):
         engine.step()
     for _ in range(8):
