@@ -57,6 +57,41 @@ class _Layout:
                 for name, (off, dt, shape) in self.fields.items()}
 
 
+_DECODE_FIELDS = ("slots", "loops", "starts", "input_ids", "min_loops", "max_loops", "threshold", "plane_slots")
+
+
+def _pinned_image(lay: _Layout, on_cuda: bool) -> tuple[Tensor, dict[str, np.ndarray]]:
+    """A (pinned) host copy of ``lay``'s padding image and numpy views of its fields."""
+    pinned = torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=on_cuda)
+    image = pinned.numpy()
+    image[:] = lay.padding
+    return pinned, lay.host_views(image)
+
+
+def _put_decode_rows(v: dict[str, np.ndarray], inp: StepInputs) -> None:
+    """Writes the decode rows of ``inp`` (its first ``decode.n`` rows) into host views ``v``."""
+    n = inp.decode.n
+    for name in _DECODE_FIELDS:
+        v[name][:n] = getattr(inp.decode, name)
+    v["positions"][:n] = inp.positions[:n]
+    v["slot_mapping"][:n] = inp.slot_mapping[:n]
+    v["seq_lens"][:n] = inp.seq_lens[:n]
+    v["block_tables"][:n, :inp.block_tables.shape[1]] = inp.block_tables[:n]
+
+
+def _copy_decode_rows(v: dict[str, Tensor], d, positions: Tensor, slot_mapping: Tensor, seq_lens: Tensor,
+                      block_tables: Tensor) -> None:
+    """Copies device-side decode rows (async scheduling) into device views ``v``."""
+    n = d.slots.shape[0]
+    for name in _DECODE_FIELDS:
+        v[name][:n].copy_(getattr(d, name))
+    v["positions"][:n].copy_(positions)
+    v["slot_mapping"][:n].copy_(slot_mapping)
+    v["seq_lens"][:n].copy_(seq_lens)
+    width = min(block_tables.shape[1], v["block_tables"].shape[1])  # keys past max_seq_len are never read
+    v["block_tables"][:n, :width].copy_(block_tables[:, :width])
+
+
 class DecodeGraphs:
     def __init__(self, runner, max_rows: int, max_seq_len: int) -> None:
         self.runner = runner
@@ -98,8 +133,7 @@ class DecodeGraphs:
         from loopline.worker.model_runner import DecodeTensors  # cycle-free at call time
 
         r, v = self.runner, self.views[b]
-        d = DecodeTensors(**{k: v[k] for k in ("slots", "loops", "starts", "input_ids", "min_loops", "max_loops",
-                                               "threshold", "plane_slots")})
+        d = DecodeTensors(**{k: v[k] for k in _DECODE_FIELDS})
         meta = PagedAttentionMetadata(self.query_start_loc[:b + 1], v["seq_lens"], v["block_tables"],
                                       v["slot_mapping"], max_query_len=1, max_seq_len=self.max_seq_len)
         x = r.decode_inputs(d)
@@ -126,18 +160,10 @@ class DecodeGraphs:
     # --- replay -----------------------------------------------------------------------
     def run(self, inp: StepInputs) -> tuple[Tensor, Tensor]:
         """Replays with host inputs: one pinned image of the bucket's layout, one copy."""
-        n, d = inp.decode.n, inp.decode
+        n = inp.decode.n
         lay = self.layouts[self._bucket(n)]
-        pinned = torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=self.inputs.is_cuda)
-        image = pinned.numpy()
-        image[:] = lay.padding
-        v = lay.host_views(image)
-        for name in ("slots", "loops", "starts", "input_ids", "min_loops", "max_loops", "threshold", "plane_slots"):
-            v[name][:n] = getattr(d, name)
-        v["positions"][:n] = inp.positions
-        v["slot_mapping"][:n] = inp.slot_mapping
-        v["seq_lens"][:n] = inp.seq_lens
-        v["block_tables"][:n, :inp.block_tables.shape[1]] = inp.block_tables
+        pinned, v = _pinned_image(lay, self.inputs.is_cuda)
+        _put_decode_rows(v, inp)
         self.inputs[:lay.nbytes].copy_(pinned, non_blocking=True)
         return self._replay(n)
 
@@ -147,14 +173,7 @@ class DecodeGraphs:
         n = d.slots.shape[0]
         b = self._bucket(n)
         self.reset_inputs(b)
-        v = self.views[b]
-        for name, t in vars(d).items():
-            v[name][:n].copy_(t)
-        v["positions"][:n].copy_(positions)
-        v["slot_mapping"][:n].copy_(slot_mapping)
-        v["seq_lens"][:n].copy_(seq_lens)
-        width = min(block_tables.shape[1], self.max_blocks)  # keys past max_seq_len are never read
-        v["block_tables"][:n, :width].copy_(block_tables[:, :width])
+        _copy_decode_rows(self.views[b], d, positions, slot_mapping, seq_lens, block_tables)
         return self._replay(n)
 
     def _replay(self, n: int) -> tuple[Tensor, Tensor]:
@@ -246,8 +265,7 @@ class MixedGraphs:
         dec = None
         x = self.x_prefill[:p]
         if d:
-            dec = DecodeTensors(**{k: v[k] for k in ("slots", "loops", "starts", "input_ids", "min_loops",
-                                                     "max_loops", "threshold", "plane_slots")})
+            dec = DecodeTensors(**{k: v[k] for k in _DECODE_FIELDS})
             x = torch.cat([r.decode_inputs(dec), x])
         h, gate = r.model.loop(x, v["positions"], PagedAttention(r.backend, r.k_cache, r.v_cache, meta, r.scale))
         ex, logits = r._decode_tail(h[:d], gate[:d], dec) if d else (None, None)
@@ -277,19 +295,11 @@ class MixedGraphs:
         Returns the decode rows' ``(exit, logits)`` and the prefill tokens' ``(h, gate)``."""
         d, p = key
         lay = self.layouts[key]
-        pinned = torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=self.inputs.is_cuda)
-        image = pinned.numpy()
-        image[:] = lay.padding
-        v = lay.host_views(image)
+        pinned, v = _pinned_image(lay, self.inputs.is_cuda)
         nd = 0
         if decode is not None:
-            nd, dh = decode.decode.n, decode.decode
-            for name in ("slots", "loops", "starts", "input_ids", "min_loops", "max_loops", "threshold", "plane_slots"):
-                v[name][:nd] = getattr(dh, name)
-            v["positions"][:nd] = decode.positions
-            v["slot_mapping"][:nd] = decode.slot_mapping
-            v["seq_lens"][:nd] = decode.seq_lens
-            v["block_tables"][:nd, :decode.block_tables.shape[1]] = decode.block_tables
+            nd = decode.decode.n
+            _put_decode_rows(v, decode)
         elif decode_device is not None:
             nd = decode_device[0].slots.shape[0]
         n_rows, n_tok = len(prefill.rows), int(prefill.offsets[-1])
@@ -303,15 +313,7 @@ class MixedGraphs:
         v["work_tiles"][:] = build_work_tiles(q_lens, self.tile, v["work_tiles"].shape[1])
         self.inputs[:lay.nbytes].copy_(pinned, non_blocking=True)
         if decode_device is not None and nd:
-            dec, positions, slot_mapping, seq_lens, tables = decode_device
-            dv = self.views[key]
-            for name, t in vars(dec).items():
-                dv[name][:nd].copy_(t)
-            dv["positions"][:nd].copy_(positions)
-            dv["slot_mapping"][:nd].copy_(slot_mapping)
-            dv["seq_lens"][:nd].copy_(seq_lens)
-            width = min(tables.shape[1], self.max_blocks)
-            dv["block_tables"][:nd, :width].copy_(tables[:, :width])
+            _copy_decode_rows(self.views[key], *decode_device)
         off = 0
         for part in x_prefill:
             self.x_prefill[off:off + part.shape[0]].copy_(part)
