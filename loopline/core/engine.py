@@ -192,10 +192,6 @@ class LLMEngine:
         cfg = self.model_config
         params.validate_for_model(cfg.total_ut_steps, cfg.vocab_size)
         self.exit_policy.validate(params)
-        if self._async:
-            for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-                if getattr(params, name) != neutral:  # they need this step's tokens on the host
-                    raise InvalidRequestError(f"{name} is not supported with async_scheduling yet", param=name)
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise InvalidRequestError(f"logprobs must be <= max_logprobs ({self.config.max_logprobs}), got {params.logprobs}", param="logprobs")
         if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:

@@ -8,6 +8,11 @@ next token at loop 1 at the next position, fed with the token it just sampled
 whose token did not exit runs its next loop. The exit rule itself ran on the
 device, so these are exactly the sync engine's decisions, only never read by
 the host in between.
+
+Presence, frequency and repetition penalties need each slot's generated
+tokens, which the host reads one step late; so the device keeps them too, as
+per-slot token counts and a seen mask (prompt or output), allocated when the
+first request with penalties arrives.
 """
 from __future__ import annotations
 
@@ -30,6 +35,22 @@ class DeviceDecodeState:
         self.token_index = torch.zeros(num_slots, **i64)  # index in the completion of the token sampled next
         self.tables = torch.full((num_slots, layout.num_planes, max_blocks), scratch_block, dtype=torch.int32,
                                  device=device)
+        self.counts: Tensor | None = None  # [slots, vocab] f32 generated-token counts (penalties)
+        self.seen: Tensor | None = None  # [slots, vocab] bool: in the prompt or generated
+
+    def track_penalties(self, slot: int, prompt: Tensor, vocab: int) -> None:
+        """Starts counting ``slot``'s tokens for a request with penalties (its prompt is seen)."""
+        if self.counts is None:
+            self.counts = torch.zeros(self.loop.shape[0], vocab, dtype=torch.float32, device=self.device)
+            self.seen = torch.zeros(self.loop.shape[0], vocab, dtype=torch.bool, device=self.device)
+        self.counts[slot] = 0
+        self.seen[slot] = False
+        self.seen[slot, prompt] = True
+
+    def _count(self, slots: Tensor, tokens: Tensor, taken: Tensor) -> None:
+        if self.counts is not None:  # slots are distinct, so accumulate adds each (slot, token) once
+            self.counts.index_put_((slots, tokens), taken.to(self.counts.dtype), accumulate=True)
+            self.seen[slots, tokens] |= taken
 
     def set_tables(self, slot: int, block_tables: list[list[int]]) -> None:
         for (plane, blocks), dev in zip(enumerate(block_tables), stage(self.device, *((b, np.int32) for b in block_tables))):
@@ -41,6 +62,7 @@ class DeviceDecodeState:
         self.token[slots] = tokens
         self.pos[slots] = positions
         self.token_index[slots] = 1
+        self._count(slots, tokens, torch.ones_like(slots, dtype=torch.bool))
 
     def rows(self, slots: Tensor, no_refill: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Step inputs of decode rows ``slots`` ``[B]``: ``(loops, positions, plane_slots [B, P], run, token_index)``.
@@ -66,3 +88,4 @@ class DeviceDecodeState:
         self.token[slots] = torch.where(ex, sampled, self.token[slots])
         self.pos[slots] = self.pos[slots] + ex.long()
         self.token_index[slots] = self.token_index[slots] + ex.long()
+        self._count(slots, sampled, ex)

@@ -38,7 +38,7 @@ from loopline.attention import PagedAttentionMetadata
 from loopline.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from loopline.worker.decode_state import DeviceDecodeState
 from loopline.worker.sampler import Sampler, SamplerOutput
-from loopline.worker.sampling_inputs import SampleBatch, build_sampling_tensors
+from loopline.worker.sampling_inputs import SampleBatch, build_sampling_tensors, has_penalties
 from loopline.worker.staging import stage
 from loopline.worker.swap import Snapshot
 from loopline.worker.step_inputs import DecodeBatch, StepInputs, build_step_inputs
@@ -178,6 +178,8 @@ class ModelRunner:
         )
         if self.decode_state is not None:
             self.decode_state.set_tables(new.slot, new.block_tables)
+            if has_penalties(new.params):
+                self.decode_state.track_penalties(new.slot, self.requests[new.request_id].prompt, self.vocab_size)
 
     # --- preemption -------------------------------------------------------------------
     def _blocks_index(self, tables: list[np.ndarray]) -> Tensor:
@@ -305,7 +307,8 @@ class ModelRunner:
                                         dec if nd else None, exited, sample_hidden, sample_meta, prompt_logprobs)
         if ex is not None:
             ex = ex & run
-        batch = self._sample(rows, nd, ex, logits, sample_hidden, sample_meta, depth=loops, token_index=tidx)
+        batch = self._sample(rows, nd, ex, logits, sample_hidden, sample_meta, depth=loops, token_index=tidx,
+                             slots=slots)
         if batch is None:
             return lambda: RunnerOutput(exited, [None] * len(rows), prompt_logprobs)
         if nd:
@@ -487,11 +490,12 @@ class ModelRunner:
         return self._collect(rows, batch, batch.to_host(), exited, prompt_logprobs)
 
     def _sample(self, rows, nd, ex, logits, sample_hidden, sample_meta, depth: Tensor | None = None,
-                token_index: Tensor | None = None) -> "SampleBatch | None":
+                token_index: Tensor | None = None, slots: Tensor | None = None) -> "SampleBatch | None":
         """Coda + sampling for decode rows ``[:nd]`` (logits given) and finished prompts, on the device.
 
-        ``depth`` / ``token_index``: the decode rows' loops and token indices when the device
-        holds them (async scheduling); otherwise the rows say.
+        ``depth`` / ``token_index`` / ``slots``: the decode rows' loops, token indices and slots when
+        the device holds their state (async scheduling; penalties then read the device's token
+        counts); otherwise the rows and the host's token lists say.
         """
         parts = [logits] if logits is not None else []
         if sample_hidden:
@@ -502,9 +506,15 @@ class ModelRunner:
         row_idx = list(range(nd)) + [m[0] for m in sample_meta]
         states = [self.requests[rows[i].request_id] for i in row_idx]
         index = [rows[i].token_index for i in range(nd)] + [m[2] for m in sample_meta]
-        tensors = build_sampling_tensors(states, index, all_logits.shape[-1], self.sampler.logprobs_mode, self.device)
+        ds = self.decode_state
+        tensors = build_sampling_tensors(states, index, all_logits.shape[-1], self.sampler.logprobs_mode, self.device,
+                                         host_penalties=ds is None)
         if token_index is not None:
             tensors.token_index = torch.cat([token_index, tensors.token_index[nd:]])
+        if ds is not None and tensors.any_penalties:
+            done = stage(self.device, ([rows[m[0]].slot for m in sample_meta], np.int64))[0]
+            row_slots = torch.cat([slots, done]) if nd else done
+            tensors.output_counts, tensors.seen_mask = ds.counts[row_slots], ds.seen[row_slots]
         out: SamplerOutput = self.sampler(all_logits, tensors)
         depths = [depth if depth is not None else stage(self.device, ([r.loop for r in rows[:nd]], np.int64))[0]] if nd else []
         depths += [m[1] for m in sample_meta]

@@ -61,11 +61,17 @@ class SampleBatch:
         return wait
 
 
+def has_penalties(p) -> bool:
+    """Whether sampling params ``p`` use the presence, frequency or repetition penalty."""
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0
+
+
 def build_sampling_tensors(states: list, token_index: list[int], vocab: int, default_mode: str,
-                           device: torch.device) -> SamplingTensors:
+                           device: torch.device, host_penalties: bool = True) -> SamplingTensors:
     """Per-row sampling parameters of the rows sampled this step (``states``: request states).
 
-    Penalties need each row's prompt and generated tokens (``state.prompt``, ``state.output_ids``).
+    Penalties need each row's prompt and generated tokens (``state.prompt``, ``state.output_ids``);
+    with ``host_penalties=False`` the caller supplies ``output_counts`` / ``seen_mask`` itself.
     """
     dev = device
     ps = [s.params for s in states]
@@ -75,9 +81,9 @@ def build_sampling_tensors(states: list, token_index: list[int], vocab: int, def
         ([p.presence_penalty for p in ps], f32), ([p.frequency_penalty for p in ps], f32),
         ([p.repetition_penalty for p in ps], f32), ([max(p.top_k, 0) for p in ps], i64),
         ([s.seed for s in states], i64), (token_index, i64))
-    any_pen = any(p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0 for p in ps)
+    any_pen = any(has_penalties(p) for p in ps)
     counts = seen = None
-    if any_pen:
+    if any_pen and host_penalties:
         counts = torch.zeros(len(ps), vocab, dtype=torch.float32, device=dev)
         seen = torch.zeros(len(ps), vocab, dtype=torch.bool, device=dev)
         for j, s in enumerate(states):

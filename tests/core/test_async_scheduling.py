@@ -109,7 +109,21 @@ def test_async_refuses_what_it_does_not_support(tiny_gqa):
         with pytest.raises(InvalidRequestError) as e:
             LLMEngine(EngineArgs(model=str(tiny_gqa.path), device="cpu", async_scheduling=True, **bad))
         assert e.value.param in bad
-    engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), device="cpu", async_scheduling=True))
-    with pytest.raises(InvalidRequestError) as e:
-        engine.add_request("p", ids(4), SamplingParams(presence_penalty=0.5))
-    assert e.value.param == "presence_penalty"
+
+
+@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+def test_async_penalties_equal_sync(tiny_gqa, mode):
+    """Penalties read per-slot token counts kept on the device; outputs equal the sync engine's host lists."""
+    pen = dict(max_tokens=12, ignore_eos=True, exit_threshold=0.7)
+    reqs = {
+        "freq": (ids(5, seed=1), SamplingParams(temperature=0.0, frequency_penalty=1.5, **pen)),
+        "rep": (ids(9, seed=2), SamplingParams(temperature=0.8, seed=4, repetition_penalty=1.8, **pen)),
+        "plain": (ids(7, seed=3), SamplingParams(temperature=0.0, **pen)),
+        "late": (ids(4, seed=5), SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=-0.5, **pen)),
+        "reuse": (ids(6, seed=6), SamplingParams(temperature=0.0, presence_penalty=1.0, **pen)),
+    }
+    arrivals = {"late": 7, "reuse": 30}  # "reuse" takes a slot freed by an earlier request
+    sync = run(tiny_gqa, reqs, arrivals, scheduling_mode=mode)
+    same(run(tiny_gqa, reqs, arrivals, scheduling_mode=mode, async_scheduling=True), sync)
+    plain = run(tiny_gqa, {"freq": (reqs["freq"][0], SamplingParams(temperature=0.0, **pen))})
+    assert plain["freq"][0][0] != sync["freq"][0][0]  # the penalty changed the greedy tokens
