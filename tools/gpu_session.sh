@@ -20,8 +20,7 @@ if has tests; then  # correctness on the GPU: attention, sampler, fused kernels,
   grep -E "^(FAILED|ERROR)" "$out/gpu_tests.log" | head -10
 fi
 if has kernels; then  # kernel micro-benchmarks
-  timeout 90 python3 -m loopline.attention.bench_attention 2>&1 | grep -v Warn | tee "$out/kernels.txt"
-  [ -f tools/bench_skinny_gemm.py ] && timeout 90 python3 tools/bench_skinny_gemm.py 2>&1 | tee -a "$out/kernels.txt"
+  timeout 300 python3 -m loopline.attention.bench_attention --sweep 2>&1 | grep -v Warn | tee "$out/kernels.txt"
 fi
 if has profile; then  # where a step's time goes
   { timeout 90 python3 tools/profile_step.py --rows 1 --kernels 2>&1 | grep -v Warn | head -32

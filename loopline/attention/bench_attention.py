@@ -1,12 +1,14 @@
 """Micro benchmark: torch vs triton paged attention on Ouro shapes.
 
-    python -m loopline.attention.bench_attention
+    python -m loopline.attention.bench_attention [--sweep]
 
 Decode batches (1, 32, 128 rows at context 1024) and one 512-token prefill
 chunk, 16 heads x 128 head_dim (Ouro-1.4B, MHA), bf16, block_size 16, pages
 shuffled over the pool. Medians over CUDA-event timed runs; decode reports
 achieved GB/s (K/V + q + out bytes per call) against the H200's ~4.8 TB/s,
-every case the TFLOP/s of the causally visible QK^T + PV work.
+every case the TFLOP/s of the causally visible QK^T + PV work. ``--sweep``
+also times the decode kernel's launch parameters (keys per step, warps,
+stages, split-KV) inside CUDA graphs, where launch cost does not count.
 """
 from __future__ import annotations
 
@@ -79,6 +81,43 @@ def step_flops(rows: list[tuple[int, int]]) -> int:
     return 4 * visible * HEADS * HEAD_DIM
 
 
+def graph_time_us(fn, calls: int = 20, reps: int = 10) -> float:
+    """Median microseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (no launch cost)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_ms(graph.replay, warmup=2, reps=reps) * 1e3 / calls
+
+
+def sweep_decode(scale: float) -> None:
+    """Launch parameters of decode-only steps (keys per step, warps, stages, splits), timed in graphs."""
+    from loopline.attention.triton_backend import DecodeLaunch, TritonAttentionBackend
+
+    print("\n# decode launch sweep (us per call, CUDA graph of 20 calls); default rule first")
+    for label, rows in [("decode B=1 ctx=1024", [(1, 1024)]), ("decode B=32 ctx=1024", [(1, 1024)] * 32),
+                        ("decode B=128 ctx=1024", [(1, 1024)] * 128)]:
+        q, k_cache, v_cache, meta = make_step(rows)
+        results = []
+        split_choices = (None,) if len(rows) > 32 else (None, 1, 2, 4, 8, 16, 32)
+        for launch in [None] + [DecodeLaunch(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]:
+            for splits in split_choices:
+                be = TritonAttentionBackend(num_splits=splits, decode_launch=launch)
+                try:
+                    us = graph_time_us(lambda: be.attend(q, k_cache, v_cache, meta, scale))
+                except Exception as e:  # e.g. out of shared memory for the largest tiles
+                    print(f"  skipped {launch} splits={splits}: {type(e).__name__}")
+                    continue
+                results.append((us, launch, splits))
+        default = results[0][0]
+        gbps = step_bytes(rows) / (default * 1e-6) / 1e9
+        print(f"{label}: default {default:.1f} us ({gbps:.0f} GB/s); best:")
+        for us, launch, splits in sorted(results, key=lambda r: r[0])[:5]:
+            print(f"  {us:8.1f} us  {step_bytes(rows) / (us * 1e-6) / 1e9:6.0f} GB/s  {launch}  splits={splits}")
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -125,14 +164,8 @@ def main() -> None:
         tflops = step_flops(rows) / (t_fast * 1e-3) / 1e12
         bw = f"{gbps:8.0f} {100 * gbps / PEAK_GBPS:6.1f}%" if meta.max_query_len == 1 else f"{'-':>8s} {'-':>7s}"
         print(f"{label:34s} {t_ref:9.3f} {t_fast:10.3f} {t_ref / t_fast:7.1f}x {bw} {tflops:8.1f} {err:8.1e}")
-    # split-KV factor for small decode batches: time per call over 50 back-to-back calls
-    for label, rows in cases[:2]:
-        q, k_cache, v_cache, meta = make_step(rows)
-        times = []
-        for splits in (1, 2, 4, 8, 16, 32):
-            be = TritonAttentionBackend(num_splits=splits)
-            times.append(f"{splits}:{time_ms(lambda: [be.attend(q, k_cache, v_cache, meta, scale) for _ in range(50)]) / 50 * 1e3:.1f}us")
-        print(f"{label:34s} splits -> {' '.join(times)}  (auto {fast._pick_num_splits(q.device, len(rows) * KV_HEADS, 1, meta.max_seq_len)})")
+    if "--sweep" in sys.argv:
+        sweep_decode(scale)
 
 
 if __name__ == "__main__":

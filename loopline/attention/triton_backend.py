@@ -23,6 +23,7 @@ from __future__ import annotations  # NOTE: keeps `tl.constexpr` annotations laz
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -307,16 +308,26 @@ def _heads_per_program(num_kv_heads: int, head_dim: int) -> int:
     return min(_next_pow2(num_kv_heads), max(1, 2048 // head_dim))
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Launch parameters of decode-only steps (one query per row); ``None`` keeps the default rule."""
+
+    block_n: int | None = None  # keys per inner step
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention with Triton kernels; see the module docstring for the design.
 
     ``num_splits`` forces the split-KV factor of ``attend`` (tests); ``None``
-    picks it from the grid size and the SM count.
+    picks it from the grid size and the SM count. ``decode_launch`` overrides
+    the launch parameters of decode-only steps (``bench_attention --sweep``).
     """
 
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, decode_launch: DecodeLaunch | None = None) -> None:
         if triton is None:
             raise RuntimeError("TritonAttentionBackend needs the `triton` package (pip install loopline[triton])")
         if not torch.cuda.is_available() and not _INTERPRET:
@@ -327,6 +338,7 @@ class TritonAttentionBackend(AttentionBackend):
         if num_splits is not None and not 1 <= num_splits <= 64:
             raise ValueError(f"num_splits must be in 1..64 or None, got {num_splits}")
         self.num_splits = num_splits
+        self.decode_launch = decode_launch or DecodeLaunch()
         self._sm_count: dict[int, int] = {}
 
     # ------------------------------------------------------------------ write_kv
@@ -420,6 +432,11 @@ class TritonAttentionBackend(AttentionBackend):
             grid = (num_rows, kvh, q_tiles * num_splits)
         num_warps = 8 if block_m * d >= 64 * 256 else 4
         num_stages = 3 if elem_bytes <= 2 and d <= 128 else 2  # fp32 / D=256 tiles: keep shared memory in bounds
+        if meta.max_query_len == 1 and work is None:
+            tune = self.decode_launch
+            block_n = tune.block_n or block_n
+            num_warps = tune.num_warps or num_warps
+            num_stages = tune.num_stages or num_stages
         precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
 
         if num_splits > 1:

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from loopline.attention.base import PagedAttentionMetadata, build_work_tiles  # noqa: E402
 from loopline.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from loopline.attention.triton_backend import TritonAttentionBackend, triton_available  # noqa: E402
+from loopline.attention.triton_backend import DecodeLaunch, TritonAttentionBackend, triton_available  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -61,12 +61,13 @@ def make_case(rows, heads, kv_heads, head_dim, block_size, dtype, device, seed=0
     return q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype), meta
 
 
-def check_attend(rows, heads, kv_heads, head_dim, block_size, dtype, atol, num_splits=None, seed=0, work_pad=None):
+def check_attend(rows, heads, kv_heads, head_dim, block_size, dtype, atol, num_splits=None, seed=0, work_pad=None,
+                 decode_launch=None):
     """``work_pad``: launch over a work list padded by this many empty entries (the graph-capturable grid)."""
     q, k_cache, v_cache, meta = make_case(rows, heads, kv_heads, head_dim, block_size, dtype, DEVICE, seed)
     scale = head_dim**-0.5
     want = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, scale)
-    backend = TritonAttentionBackend(num_splits=num_splits)
+    backend = TritonAttentionBackend(num_splits=num_splits, decode_launch=decode_launch)
     if work_pad is not None:
         tile = backend.work_tile_tokens(heads // kv_heads)
         q_lens = [n for n, _ in rows]
@@ -103,6 +104,13 @@ def test_attend_several_query_tiles_and_key_steps():
 def test_attend_work_list_matches_torch(heads, kv_heads, rows):
     # One program per (row, query tile) from a list with padding entries, as captured mixed steps launch it.
     check_attend(rows, heads, kv_heads, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5, work_pad=3)
+
+
+def test_decode_launch_override_matches_torch():
+    # bench_attention --sweep times other launch parameters of decode-only steps; results must not change.
+    rows = [(1, 70), (1, 5), (1, 33)]
+    check_attend(rows, 4, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5, num_splits=2,
+                 decode_launch=DecodeLaunch(block_n=16, num_warps=2, num_stages=2))
 
 
 def test_build_work_tiles():
