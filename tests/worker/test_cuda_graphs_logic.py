@@ -67,6 +67,8 @@ def run(tiny, graphs: bool, **kw):
     if graphs:
         simulate_graphs(engine, 64, 24)
     params = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True, exit_threshold=0.7, logprobs=1)
+    with_prompt_logprobs = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, exit_threshold=0.7,
+                                          prompt_logprobs=1)
     for i, n in enumerate((3, 14, 9, 21, 5)):  # 5 rows: padded to the bucket of 6 (sizes 1, 2, 4, 6)
         engine.add_request(f"r{i}", ids(n, seed=n), params)
     done = {}
@@ -76,17 +78,24 @@ def run(tiny, graphs: bool, **kw):
         if steps == 12:  # arrivals while others decode: steps with decode rows and prefill chunks
             engine.add_request("late-a", ids(17, seed=1), params)
             engine.add_request("late-b", ids(4, seed=2), params)
+        if steps == 20:  # a cached prefix (prefill starts mid-prompt) and prompt logprobs through mixed steps
+            engine.add_request("late-prefix", ids(17, seed=1)[:12] + [5, 6, 7], with_prompt_logprobs)
         for out in engine.step():
             if out.finished:
                 c = out.outputs[0]
-                done[out.request_id] = (c.token_ids, c.exit_depths, [round(x, 4) for x in c.token_logprobs])
+                prompt_lps = None
+                if out.prompt_logprobs:
+                    prompt_lps = [None if d is None else sorted((t, round(lp.logprob, 4)) for t, lp in d.items())
+                                  for d in out.prompt_logprobs]
+                lps = [round(x, 4) for x in c.token_logprobs] if c.token_logprobs is not None else None
+                done[out.request_id] = (c.token_ids, c.exit_depths, lps, prompt_lps)
     return done
 
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_graph_input_path_equals_eager(tiny_gqa, layout, async_scheduling):
-    kw = dict(kv_layout=layout, async_scheduling=async_scheduling)
+    kw = dict(kv_layout=layout, async_scheduling=async_scheduling, enable_prefix_caching=layout == "last_exited")
     _EagerReplay.replays = _EagerMixedReplay.replays = 0
     with_graphs = run(tiny_gqa, graphs=True, **kw)
     assert _EagerReplay.replays > 20  # decode steps really went through the graph path
