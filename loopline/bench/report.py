@@ -57,7 +57,14 @@ def header_lines(record: dict[str, Any]) -> list[str]:
 
 
 TABLE_COLUMNS = ("variant", "out tok/s", "vs first", "total tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-                 "ITL p50/p99 ms", "loops/tok", "steps", "rows/step", "step ms", "GB/s", "% peak BW", "GPU idle")
+                 "ITL p50/p99 ms", "loops/tok", "steps", "rows/step", "step ms", "prefill steps (s)", "GB/s", "% peak BW", "GPU idle")
+
+
+def _prefill_cell(m: dict[str, Any]) -> str:
+    """Steps that carried prefill chunks and their host time (loopline variants only)."""
+    if m.get("prefill_steps") is None:
+        return "-"
+    return f"{m['prefill_steps']:,} ({m['prefill_step_time_s']:.2f})"
 
 
 def point_table(point: dict[str, Any]) -> list[str]:
@@ -72,7 +79,7 @@ def point_table(point: dict[str, Any]) -> list[str]:
         cells = [row["name"], _fmt(m["output_throughput"]), _fmt(row["ratio_output_throughput"], 2) + "x",
                  _fmt(m["total_token_throughput"]), _pair(m["ttft_ms"]), _pair(m["tpot_ms"], 2), _pair(m["itl_ms"], 2),
                  _fmt(m["mean_loops_per_token"], 2), _fmt(m["steps"], 0), _fmt(m["rows_per_step"], 1),
-                 _fmt(m["mean_step_time_ms"], 2), _fmt(m["achieved_gbps"], 2),
+                 _fmt(m["mean_step_time_ms"], 2), _prefill_cell(m), _fmt(m["achieved_gbps"], 2),
                  "-" if util is None else f"{100 * util:.0f}%", "-" if idle is None else f"{100 * idle:.1f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
