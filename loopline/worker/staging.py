@@ -31,6 +31,8 @@ def stage(device: torch.device, *arrays) -> list[Tensor]:
     On CUDA: one pinned buffer, one non-blocking copy. Elsewhere: plain tensors.
     """
     host = [np.ascontiguousarray(_as_array(a)) for a in arrays]
+    if not host:
+        return []
     if device.type != "cuda":
         return [torch.from_numpy(a.copy()).to(device) for a in host]
     offsets, total = [], 0
