@@ -53,9 +53,9 @@ if has hf; then  # against transformers generate() on the same weights, batch 1 
   bench 420 --input-len 1024 --output-len 128 --concurrency 1,8,32 --variants fixed,hf --compare --repeats 1 \
         --warmup-prompts 1 --async-scheduling --max-num-batched-tokens 8192 --output-json "$out/hf.json" 2> "$out/hf.err" | tail -12
 fi
-if has adaptive; then  # continuous depth batching vs cohort vs full depth (synthetic mean 2.5 loops; sync: trace mode)
+if has adaptive; then  # continuous depth batching vs cohort vs full depth (synthetic mean 2.5 loops)
   bench 300 --input-len 128 --output-len 512 --concurrency 128 --depth-dist mean2.5 --compare \
-        --variants refill,no_refill,fixed --repeats 1 --max-num-batched-tokens 8192 \
+        --variants refill,no_refill,fixed --repeats 1 --max-num-batched-tokens 8192 --async-scheduling \
         --output-json "$out/adaptive.json" 2> "$out/adaptive.err" | tail -6
 fi
 # the device returns at most 8 files: everything also goes back in one archive

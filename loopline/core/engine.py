@@ -77,8 +77,7 @@ class EngineStats:
 
 def _check_async_support(args: EngineArgs) -> None:
     """Async scheduling keeps decode state on the device; what it does not cover yet is refused."""
-    unsupported = {"kv_allocation": args.kv_allocation != "full", "enable_preemption": args.enable_preemption,
-                   "exit_mode": args.exit_mode == "trace"}
+    unsupported = {"kv_allocation": args.kv_allocation != "full", "enable_preemption": args.enable_preemption}
     for name, bad in unsupported.items():
         if bad:
             raise InvalidRequestError(f"async_scheduling does not support {name}={getattr(args, name)!r} yet",
@@ -129,7 +128,8 @@ class LLMEngine:
                                   args.block_size, args.max_num_seqs, Sampler(args.logprobs_mode), device, dtype)
         self._pending: tuple[SchedulerOutput, Callable[[], RunnerOutput]] | None = None  # async: step in flight
         if self._async:
-            self.runner.enable_async(max_len, no_refill=args.scheduling_mode == "no_refill")
+            self.runner.enable_async(max_len, no_refill=args.scheduling_mode == "no_refill",
+                                     per_token_exits=self.exit_policy.per_token)
         if device.type == "cuda" and not args.enforce_eager and self.runner.backend.name == "triton":
             self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture), args.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)

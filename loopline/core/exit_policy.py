@@ -18,6 +18,7 @@ from loopline.sampling_params import SamplingParams
 
 class ExitPolicy(ABC):
     name: str
+    per_token = False  # True: the rule changes with the token index (the device needs it under async scheduling)
 
     def __init__(self, num_loops: int, default_threshold: float) -> None:
         self.num_loops = num_loops
@@ -59,6 +60,7 @@ class TraceExit(ExitPolicy):
     """
 
     name = "trace"
+    per_token = True
 
     def validate(self, params: SamplingParams) -> None:
         if not params.exit_depths:

@@ -35,8 +35,23 @@ class DeviceDecodeState:
         self.token_index = torch.zeros(num_slots, **i64)  # index in the completion of the token sampled next
         self.tables = torch.full((num_slots, layout.num_planes, max_blocks), scratch_block, dtype=torch.int32,
                                  device=device)
+        self.max_tokens = max_blocks * block_size  # token indices a trace row covers
+        self.trace: Tensor | None = None  # [slots, max_tokens] exit depth of each token (exit_mode="trace")
         self.counts: Tensor | None = None  # [slots, vocab] f32 generated-token counts (penalties)
         self.seen: Tensor | None = None  # [slots, vocab] bool: in the prompt or generated
+
+    def set_trace(self, slot: int, depths: list[int]) -> None:
+        """Recorded exit depths of ``slot``'s tokens; the last one repeats past the end (``TraceExit``)."""
+        if self.trace is None:
+            self.trace = torch.ones(self.loop.shape[0], self.max_tokens, dtype=torch.long, device=self.device)
+        row = np.full(self.max_tokens, depths[-1], dtype=np.int64)
+        n = min(len(depths), self.max_tokens)
+        row[:n] = depths[:n]
+        self.trace[slot] = stage(self.device, row)[0]
+
+    def trace_depths(self, slots: Tensor, token_index: Tensor) -> Tensor:
+        assert self.trace is not None, "set_trace() first"
+        return self.trace[slots, token_index.clamp(max=self.max_tokens - 1)]
 
     def track_penalties(self, slot: int, prompt: Tensor, vocab: int) -> None:
         """Starts counting ``slot``'s tokens for a request with penalties (its prompt is seen)."""

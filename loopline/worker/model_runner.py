@@ -105,6 +105,7 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         self.decode_state: DeviceDecodeState | None = None  # async scheduling only
         self._no_refill = False
+        self._per_token_exits = False
         self._graphs_max_seq_len: int | None = None  # graphs to recapture after a sleep
         self._graphs_max_tokens: int | None = None
         self._kv_shape = shape
@@ -112,12 +113,16 @@ class ModelRunner:
         self.requests: dict[str, _RequestState] = {}
         self.snapshots: dict[str, Snapshot] = {}
 
-    def enable_async(self, max_model_len: int, no_refill: bool) -> None:
-        """Keeps decode slots' loop, position and token on the device (see ``decode_state.py``)."""
+    def enable_async(self, max_model_len: int, no_refill: bool, per_token_exits: bool = False) -> None:
+        """Keeps decode slots' loop, position and token on the device (see ``decode_state.py``).
+
+        ``per_token_exits``: the exit rule depends on the token index (``exit_mode="trace"``), which
+        only the device knows; requests' recorded depths then live on the device too."""
         max_blocks = -(-(max_model_len + 1) // self.block_size)
         self.decode_state = DeviceDecodeState(self.max_num_seqs + 1, self.layout, self.block_size, max_blocks,
                                               self.scratch_block, self.device)
         self._no_refill = no_refill
+        self._per_token_exits = per_token_exits
 
     def capture_graphs(self, max_seq_len: int, max_num_batched_tokens: int | None = None) -> None:
         """Captures decode-only steps, and steps with small prefill chunks (given the token budget),
@@ -180,6 +185,8 @@ class ModelRunner:
             self.decode_state.set_tables(new.slot, new.block_tables)
             if has_penalties(new.params):
                 self.decode_state.track_penalties(new.slot, self.requests[new.request_id].prompt, self.vocab_size)
+            if self._per_token_exits:
+                self.decode_state.set_trace(new.slot, new.params.exit_depths)
 
     # --- preemption -------------------------------------------------------------------
     def _blocks_index(self, tables: list[np.ndarray]) -> Tensor:
@@ -248,6 +255,8 @@ class ModelRunner:
                 dev, ([r.slot for r in rows[:nd]], np.int64), ([e.min_loops for e in exits], np.int64),
                 ([e.max_loops for e in exits], np.int64), ([e.threshold for e in exits], np.float32))
             loops, pos, plane_slots, run, tidx = ds.rows(slots, self._no_refill)
+            if self._per_token_exits:  # the host's token index lags; the device's is exact
+                min_loops = max_loops = ds.trace_depths(slots, tidx)
             scratch_kv = self.scratch_block * self.block_size
             dec = DecodeTensors(
                 slots=torch.where(run, slots, self.scratch_slot), loops=loops, starts=loops == 1,

@@ -105,10 +105,28 @@ def test_async_abort_frees_kv(tiny_gqa):
 
 
 def test_async_refuses_what_it_does_not_support(tiny_gqa):
-    for bad in (dict(kv_allocation="incremental"), dict(enable_preemption=True), dict(exit_mode="trace")):
+    for bad in (dict(kv_allocation="incremental"), dict(enable_preemption=True)):
         with pytest.raises(InvalidRequestError) as e:
             LLMEngine(EngineArgs(model=str(tiny_gqa.path), device="cpu", async_scheduling=True, **bad))
         assert e.value.param in bad
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+def test_async_trace_exits_equal_sync(tiny_gqa, layout, mode):
+    """Per-token recorded depths (exit_mode="trace", the bench's --depth-dist) are read on the device."""
+    rng = random.Random(7)
+    reqs = {f"t{i}": (ids(n, seed=n), SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True,
+                                                       exit_depths=[rng.randint(1, 4) for _ in range(k)]))
+            for i, (n, k) in enumerate(((5, 11), (12, 3), (7, 1), (9, 11)))}
+    arrivals = {"t3": 6}
+    kw = dict(kv_layout=layout, scheduling_mode=mode, exit_mode="trace")
+    sync = run(tiny_gqa, reqs, arrivals, **kw)
+    asynch = run(tiny_gqa, reqs, arrivals, async_scheduling=True, **kw)
+    same(asynch, sync)
+    for rid, (prompt, params) in reqs.items():  # the trace was followed, its last depth repeating
+        trace = params.exit_depths
+        assert asynch[rid][0][1] == [trace[min(k, len(trace) - 1)] for k in range(11)]
 
 
 @pytest.mark.parametrize("mode", ["refill", "no_refill"])
