@@ -43,15 +43,16 @@ class DeviceDecodeState:
     def set_trace(self, slot: int, depths: list[int]) -> None:
         """Recorded exit depths of ``slot``'s tokens; the last one repeats past the end (``TraceExit``)."""
         if self.trace is None:
-            self.trace = torch.ones(self.loop.shape[0], self.max_tokens, dtype=torch.long, device=self.device)
-        row = np.full(self.max_tokens, depths[-1], dtype=np.int64)
+            # int8: depths are loop counts, and a row spans max_model_len tokens
+            self.trace = torch.ones(self.loop.shape[0], self.max_tokens, dtype=torch.int8, device=self.device)
+        row = np.full(self.max_tokens, depths[-1], dtype=np.int8)
         n = min(len(depths), self.max_tokens)
         row[:n] = depths[:n]
         self.trace[slot] = stage(self.device, row)[0]
 
     def trace_depths(self, slots: Tensor, token_index: Tensor) -> Tensor:
         assert self.trace is not None, "set_trace() first"
-        return self.trace[slots, token_index.clamp(max=self.max_tokens - 1)]
+        return self.trace[slots, token_index.clamp(max=self.max_tokens - 1)].long()
 
     def track_penalties(self, slot: int, prompt: Tensor, vocab: int) -> None:
         """Starts counting ``slot``'s tokens for a request with penalties (its prompt is seen)."""
