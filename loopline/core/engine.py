@@ -75,22 +75,11 @@ class EngineStats:
         return self.loops_of_generated / self.generated_tokens if self.generated_tokens else 0.0
 
 
-def _check_async_support(args: EngineArgs) -> None:
-    """Async scheduling keeps decode state on the device; what it does not cover yet is refused."""
-    unsupported = {"kv_allocation": args.kv_allocation != "full", "enable_preemption": args.enable_preemption}
-    for name, bad in unsupported.items():
-        if bad:
-            raise InvalidRequestError(f"async_scheduling does not support {name}={getattr(args, name)!r} yet",
-                                      param=name)
-
-
 class LLMEngine:
     """Lower-level streaming engine (vLLM names): ``add_request``, ``step``, ``abort_request``."""
 
     def __init__(self, args: EngineArgs, model: OuroForCausalLM | None = None) -> None:
         args.validate()
-        if args.async_scheduling:
-            _check_async_support(args)
         model_path = args.model
         if model_path is None and (model is None or not args.skip_tokenizer_init):
             from loopline.models.tiny import default_checkpoint  # the bundled model (or its tokenizer)

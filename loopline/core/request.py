@@ -92,7 +92,8 @@ class Request:
     def num_positions(self) -> int:
         """Positions whose KV the request has written or writes this step (for incremental allocation)."""
         if self.status == RequestStatus.DECODE or self.resume_status == RequestStatus.DECODE:
-            return self.next_position + 1
+            # async scheduling: the device may already feed the token after the last one the host saw
+            return min(self.next_position + 1 + self.spare_positions, self.num_tokens_reserved)
         return self.prompt_len
 
     @property

@@ -163,6 +163,7 @@ class Scheduler:
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._out = SchedulerOutput([])
         self._snapshot_blocks: dict[str, int] = {}
+        self._moved_now: set[str] = set()  # started, resumed or preempted in the current schedule()
 
     # --- lifecycle --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -208,6 +209,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.budget
         rows: list[ScheduledRow] = []
+        self._moved_now.clear()
         self._admit()
         decoding = [r for r in self.running if r.status == RequestStatus.DECODE]
         # NOTE: with async scheduling the device decides loops and cohorts; token_loop stays 0.
@@ -258,6 +260,8 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting:
             req = self.waiting.peek()
+            if req.request_id in self._moved_now:
+                break  # preempted in this step: it resumes in a later one
             if len(self.running) >= self.max_num_seqs or not self._try_allocate(req):
                 if self._preempt_for(req):
                     continue
@@ -276,6 +280,7 @@ class Scheduler:
         return alloc is not None
 
     def _start(self, req: Request) -> None:
+        self._moved_now.add(req.request_id)
         alloc = self.kv.get(req.request_id)
         req.slot = self._free_slots.pop()
         self.running.append(req)
@@ -298,7 +303,7 @@ class Scheduler:
     def _grow(self, req: Request) -> bool:
         """Makes room for the position the next decode token writes, preempting if allowed."""
         while True:
-            added = self.kv.grow(req.request_id, req.next_position + 1)
+            added = self.kv.grow(req.request_id, req.num_positions)
             if added is not None:
                 if any(added):
                     self._out.block_updates.setdefault(req.request_id, [[] for _ in added])
@@ -307,18 +312,23 @@ class Scheduler:
                 return True
             if self.preemption is None:
                 return False
-            victim = self.preemption.pick_victim(self.running, self.kv)
+            victim = self.preemption.pick_victim(self._victims(), self.kv)
             if victim is None:
                 return False
             self._preempt(victim)
             if victim is req:
                 return False
 
+    def _victims(self) -> list[Request]:
+        """Running requests that may be preempted: not ones started or resumed in this same step
+        (they have not run; preempting them would only thrash)."""
+        return [r for r in self.running if r.request_id not in self._moved_now]
+
     def _preempt_for(self, waiting: Request) -> bool:
         """Preempts a running request of strictly lower priority than ``waiting``."""
         if self.preemption is None:
             return False
-        victim = self.preemption.pick_victim(self.running, self.kv, worse_than=waiting.priority)
+        victim = self.preemption.pick_victim(self._victims(), self.kv, worse_than=waiting.priority)
         if victim is None:
             return False
         self._preempt(victim)
@@ -326,6 +336,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         assert self.preemption is not None
+        self._moved_now.add(req.request_id)
         blocks = self.kv.get(req.request_id).num_blocks
         self.preemption.swapped_blocks += blocks
         self._snapshot_blocks[req.request_id] = blocks

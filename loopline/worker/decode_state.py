@@ -16,6 +16,8 @@ first request with penalties arrives.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -53,6 +55,24 @@ class DeviceDecodeState:
     def trace_depths(self, slots: Tensor, token_index: Tensor) -> Tensor:
         assert self.trace is not None, "set_trace() first"
         return self.trace[slots, token_index.clamp(max=self.max_tokens - 1)].long()
+
+    def _per_slot(self) -> dict[str, Tensor]:
+        rows = {"loop": self.loop, "pos": self.pos, "token": self.token, "token_index": self.token_index}
+        for name in ("trace", "counts", "seen"):
+            if getattr(self, name) is not None:
+                rows[name] = getattr(self, name)
+        return rows
+
+    def save(self, slot: int, to_host: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+        """The slot's state (preemption), through ``to_host`` (a non-blocking copy to pinned memory)."""
+        return {name: to_host(t[slot]) for name, t in self._per_slot().items()}
+
+    def load(self, slot: int, saved: dict[str, Tensor], block_tables: list) -> None:
+        """Restores ``save``'s state into ``slot`` (resumption), with the request's new block tables."""
+        per_slot = self._per_slot()
+        for name, t in saved.items():
+            per_slot[name][slot] = t.to(self.device, non_blocking=True)
+        self.set_tables(slot, block_tables)
 
     def track_penalties(self, slot: int, prompt: Tensor, vocab: int) -> None:
         """Starts counting ``slot``'s tokens for a request with penalties (its prompt is seen)."""

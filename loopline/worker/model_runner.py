@@ -181,12 +181,18 @@ class ModelRunner:
             sel_depth=torch.zeros(t, dtype=torch.long, device=dev),
             slot=new.slot,
         )
-        if self.decode_state is not None:
-            self.decode_state.set_tables(new.slot, new.block_tables)
-            if has_penalties(new.params):
-                self.decode_state.track_penalties(new.slot, self.requests[new.request_id].prompt, self.vocab_size)
-            if self._per_token_exits:
-                self.decode_state.set_trace(new.slot, new.params.exit_depths)
+        self._init_decode_slot(self.requests[new.request_id], new.block_tables)
+
+    def _init_decode_slot(self, st: _RequestState, block_tables: list) -> None:
+        """A request's per-slot device state before its first token (async scheduling)."""
+        ds = self.decode_state
+        if ds is None:
+            return
+        ds.set_tables(st.slot, block_tables)
+        if has_penalties(st.params):
+            ds.track_penalties(st.slot, st.prompt, self.vocab_size)
+        if self._per_token_exits:
+            ds.set_trace(st.slot, st.params.exit_depths)
 
     # --- preemption -------------------------------------------------------------------
     def _blocks_index(self, tables: list[np.ndarray]) -> Tensor:
@@ -194,6 +200,7 @@ class ModelRunner:
         return torch.from_numpy(np.concatenate(tables).astype(np.int64)).to(self.device)
 
     def _snapshot(self, request_id: str) -> None:
+        """Moves a preempted request to CPU memory: KV of every plane, slot state, request state."""
         st = self.requests.pop(request_id)
         idx = self._blocks_index(st.block_arrays)
         pin = self.device.type == "cuda"
@@ -207,7 +214,8 @@ class ModelRunner:
         self.snapshots[request_id] = Snapshot(
             k=to_host(self.k_cache[:, idx]), v=to_host(self.v_cache[:, idx]),
             slot_hidden=to_host(self.slot_hidden[slot]), slot_survival=to_host(self.slot_survival[slot]),
-            state=st.to(torch.device("cpu")), blocks_per_plane=len(st.block_arrays[0]))
+            state=st.to(torch.device("cpu")), blocks_per_plane=len(st.block_arrays[0]),
+            decode_state=self.decode_state.save(slot, to_host) if self.decode_state is not None else None)
 
     def _restore(self, resumed: ResumedRequestData) -> None:
         snap = self.snapshots.pop(resumed.request_id)
@@ -220,6 +228,8 @@ class ModelRunner:
         self.slot_hidden[resumed.slot] = snap.slot_hidden.to(self.device)
         self.slot_survival[resumed.slot] = snap.slot_survival.to(self.device)
         st.slot = resumed.slot
+        if snap.decode_state is not None:
+            self.decode_state.load(resumed.slot, snap.decode_state, resumed.block_tables)
         self.requests[resumed.request_id] = st
 
     @property
@@ -392,16 +402,21 @@ class ModelRunner:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
             self.snapshots.pop(rid, None)
+        # Snapshots before any freed block is written, and before a new request resets the
+        # device state of a slot a victim just gave up (the scheduler never preempts a request
+        # it started or resumed in the same step, nor resumes one it preempted).
+        for rid in sched.preempted_request_ids:
+            self._snapshot(rid)
         for new in sched.new_requests:
             self._add(new)
-        for rid in sched.preempted_request_ids:  # before any freed block is written
-            self._snapshot(rid)
         for resumed in sched.resumed_requests:
             self._restore(resumed)
         for rid, added in sched.block_updates.items():
             st = self.requests[rid]
             for plane, blocks in enumerate(added):
                 st.block_arrays[plane] = np.concatenate([st.block_arrays[plane], np.asarray(blocks, dtype=np.int32)])
+            if self.decode_state is not None:
+                self.decode_state.set_tables(st.slot, st.block_arrays)
 
     def _block_arrays(self, request_id: str) -> list[np.ndarray]:
         return self.requests[request_id].block_arrays

@@ -113,7 +113,8 @@ def test_shared_layout_reuses_nothing(tiny_gqa):
 
 
 # --- incremental allocation, watermark -------------------------------------------------------------
-def test_incremental_allocation_grows_and_matches_full(tiny_gqa):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_incremental_allocation_grows_and_matches_full(tiny_gqa, async_scheduling):
     reqs = {f"r{i}": (ids(5 + 3 * i, seed=i), ADAPTIVE.clone(max_tokens=12)) for i in range(3)}
     peaks = {}
 
@@ -123,7 +124,8 @@ def test_incremental_allocation_grows_and_matches_full(tiny_gqa):
         return f
 
     full = drain(engine_for(tiny_gqa), reqs, watch=watch("full"))
-    inc = drain(engine_for(tiny_gqa, kv_allocation="incremental"), reqs, watch=watch("inc"))
+    inc = drain(engine_for(tiny_gqa, kv_allocation="incremental", async_scheduling=async_scheduling), reqs,
+                watch=watch("inc"))
     assert {k: result(v) for k, v in inc.items()} == {k: result(v) for k, v in full.items()}
     assert peaks["inc"] < peaks["full"]
 
@@ -167,25 +169,28 @@ def test_priority_order_under_contention(tiny_gqa):
 
 
 # --- preemption ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 @pytest.mark.parametrize("mode", ["refill", "no_refill"])
-def test_preemption_under_tiny_pool_equals_unpressured_run(tiny_gqa, layout, mode):
+def test_preemption_under_tiny_pool_equals_unpressured_run(tiny_gqa, layout, mode, async_scheduling):
     reqs = {f"r{i}": (ids(6 + 2 * i, seed=20 + i), (ADAPTIVE if i % 2 else SAMPLED).clone(max_tokens=14))
             for i in range(4)}
     roomy = drain(engine_for(tiny_gqa, kv_layout=layout, scheduling_mode=mode), reqs)
     planes = 4 if layout == "last_exited" else 1
     eng = engine_for(tiny_gqa, kv_layout=layout, scheduling_mode=mode, kv_allocation="incremental",
-                     enable_preemption=True, num_kv_blocks=planes * 12)
+                     enable_preemption=True, num_kv_blocks=planes * 12, async_scheduling=async_scheduling)
     tight = drain(eng, reqs)
     assert eng.scheduler.num_preemptions > 0
     assert {k: result(v) for k, v in tight.items()} == {k: result(v) for k, v in roomy.items()}
     assert eng.kv.num_used_blocks == 0 and not eng.runner.snapshots
 
 
-def test_higher_priority_arrival_preempts_and_victim_resumes_exactly(tiny_gqa):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_higher_priority_arrival_preempts_and_victim_resumes_exactly(tiny_gqa, async_scheduling):
     low = {"low": (ids(10, seed=1), SAMPLED.clone(max_tokens=20, priority=10))}
     high = {"high": (ids(6, seed=2), ADAPTIVE.clone(priority=0))}
-    eng = engine_for(tiny_gqa, scheduling_policy="priority", enable_preemption=True, max_num_seqs=1)
+    eng = engine_for(tiny_gqa, scheduling_policy="priority", enable_preemption=True, max_num_seqs=1,
+                     async_scheduling=async_scheduling)
     out = drain(eng, {**low, **high}, arrivals={"low": 0, "high": 12})
     assert eng.scheduler.num_preemptions == 1
     assert out["high"].metrics.finished_time < out["low"].metrics.finished_time
@@ -202,13 +207,14 @@ def test_full_swap_space_makes_requests_wait(tiny_gqa):
     assert {k: result(v) for k, v in out.items()} == {k: result(v) for k, v in roomy.items()}
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
-def test_preemption_mid_prefill_resumes_exactly(tiny_gqa, layout):
+def test_preemption_mid_prefill_resumes_exactly(tiny_gqa, layout, async_scheduling):
     low = {"low": (ids(40, seed=3), SAMPLED.clone(max_tokens=6, priority=10))}
     high = {"high": (ids(5, seed=4), ADAPTIVE.clone(max_tokens=4, priority=0))}
     statuses = []
     eng = engine_for(tiny_gqa, kv_layout=layout, scheduling_policy="priority", enable_preemption=True,
-                     max_num_seqs=1, max_num_batched_tokens=8)
+                     max_num_seqs=1, max_num_batched_tokens=8, async_scheduling=async_scheduling)
 
     def watch(engine):
         statuses.append(engine.scheduler.requests["low"].status.value if "low" in engine.scheduler.requests else None)
@@ -218,3 +224,17 @@ def test_preemption_mid_prefill_resumes_exactly(tiny_gqa, layout):
     assert statuses[2] == "prefill" and statuses[3] == "preempted"  # preempted while its prompt was half done
     alone = drain(engine_for(tiny_gqa, kv_layout=layout, max_num_seqs=1, max_num_batched_tokens=8), low)
     assert result(out["low"]) == result(alone["low"])
+
+
+def test_async_preemption_keeps_device_state(tiny_gqa):
+    """Async scheduling keeps penalty counts and trace depths per slot on the device: a victim's move
+    out and back (to another slot) must carry them."""
+    pen = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, frequency_penalty=1.2,
+                         exit_depths=[2, 4, 1, 3, 4, 2])
+    reqs = {f"r{i}": (ids(6 + 2 * i, seed=40 + i), pen) for i in range(4)}
+    roomy = drain(engine_for(tiny_gqa, exit_mode="trace"), reqs)
+    eng = engine_for(tiny_gqa, exit_mode="trace", kv_allocation="incremental", enable_preemption=True,
+                     num_kv_blocks=4 * 12, async_scheduling=True)
+    tight = drain(eng, reqs)
+    assert eng.scheduler.num_preemptions > 0
+    assert {k: result(v) for k, v in tight.items()} == {k: result(v) for k, v in roomy.items()}
