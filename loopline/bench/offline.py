@@ -73,6 +73,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("last_exited", {"kv_layout": "last_exited"}, description="one KV plane per loop"),
     Variant("no_prefix_cache", {"enable_prefix_caching": False}, description="prefix caching off"),
     Variant("prefix_cache", {"enable_prefix_caching": True}, description="prefix caching on (full prompt pages reused)"),
+    Variant("sync", {"async_scheduling": False}, description="the host reads each step before launching the next"),
+    Variant("async", {"async_scheduling": True}, description="step n+1 launches before step n is read"),
+    Variant("eager", {"enforce_eager": True}, description="no CUDA graphs"),
     Variant("hf", hf=True, description="transformers generate(), static batches, full depth"),
 )}
 DEFAULT_COMPARE = ("refill", "no_refill", "fixed")

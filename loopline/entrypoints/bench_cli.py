@@ -47,7 +47,7 @@ def add_parser(sub: Any) -> None:
                    help="run variants interleaved and report ratios vs the first (default: refill,no_refill,fixed)")
     r.add_argument("--variants", default=None,
                    help="comma list for --compare from: refill, no_refill, fixed, shared, last_exited, "
-                        "no_prefix_cache, prefix_cache, hf")
+                        "no_prefix_cache, prefix_cache, sync, async, eager, hf")
     r.add_argument("--hf-baseline", action="store_true",
                    help="also run transformers generate() on the same weights (static batches of concurrency)")
     r.add_argument("--repeats", type=int, default=None, help="interleaved rounds, medians reported (default: 3 with --compare, else 1)")

@@ -105,6 +105,17 @@ def test_compare_interleaves_variants_and_reports_ratios():
     assert hf["mean_loops_per_token"] == 4.0 and hf["ttft_ms"]["p50"] > 0 and hf["tpot_ms"]["p50"] > 0
 
 
+def test_sync_async_variants_produce_the_same_tokens():
+    record = bench("--input-len", "6", "--output-len", "8", "--concurrency", "2", "--depth-dist", "1:0.5,4:0.5",
+                   "--compare", "--variants", "sync,async", "--repeats", "1")
+    (point,) = record["results"]
+    by_name = {row["name"]: row["median"] for row in point["variants"]}
+    assert by_name["sync"]["engine"]["async_scheduling"] is False
+    assert by_name["async"]["engine"]["async_scheduling"] is True
+    for key in ("output_tokens", "mean_loops_per_token", "exit_depth_counts"):
+        assert by_name["sync"][key] == by_name["async"][key]
+
+
 def test_hf_baseline_ignores_eos():
     import torch
 
