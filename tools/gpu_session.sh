@@ -2,7 +2,7 @@
 # One device call that checks and measures everything GPU-side (H200, ~8 minutes).
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
-# parts (default: tests kernels profile bench): tests kernels profile bench sync hf adaptive
+# parts (default: tests kernels profile bench): tests kernels profile bench sync overlap hf adaptive
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
 out=${1:?output folder}
@@ -48,6 +48,10 @@ for f in sorted(glob.glob(sys.argv[1] + "/fixed*.json")):
           "step ms", round(m["mean_step_time_ms"], 2), "prefill steps", m.get("prefill_steps"),
           "prefill s", round(m.get("prefill_step_time_s") or 0, 2), "decode step ms", round(m.get("decode_step_time_ms") or 0, 2))
 PY
+fi
+if has overlap; then  # sync vs async vs eager in one process, interleaved (ratios are the point)
+  bench 300 --input-len 1024 --output-len 128 --concurrency 1,32 --compare --variants sync,async,eager --repeats 2 \
+        --max-num-batched-tokens 8192 --output-json "$out/overlap.json" 2> "$out/overlap.err" | tail -12
 fi
 if has hf; then  # against transformers generate() on the same weights, batch 1 / 8 / 32
   bench 420 --input-len 1024 --output-len 128 --concurrency 1,8,32 --variants fixed,hf --compare --repeats 1 \
