@@ -92,31 +92,60 @@ def _copy_decode_rows(v: dict[str, Tensor], d, positions: Tensor, slot_mapping: 
     v["block_tables"][:n, :width].copy_(block_tables[:, :width])
 
 
+class _HostRows:
+    """Sync scheduling: every decode input of a replay comes from the host, in one copy."""
+
+    def fields(self, g: "DecodeGraphs", b: int) -> dict:
+        r = g.runner
+        scratch_kv = r.scratch_block * r.block_size
+        return {
+            "slots": (np.int64, (b,), r.scratch_slot), "loops": (np.int64, (b,), 1), "starts": (np.bool_, (b,), True),
+            "input_ids": (np.int64, (b,), 0), "min_loops": (np.int64, (b,), 1), "max_loops": (np.int64, (b,), 1),
+            "threshold": (np.float32, (b,), 1.0), "plane_slots": (np.int64, (b, r.layout.num_planes), scratch_kv),
+            "positions": (np.int64, (b,), 0), "slot_mapping": (np.int64, (b,), scratch_kv),
+            "seq_lens": (np.int32, (b,), 1), "block_tables": (np.int32, (b, g.max_blocks), r.scratch_block),
+        }
+
+    def rows(self, g: "DecodeGraphs", v: dict[str, Tensor]) -> tuple:
+        from loopline.worker.model_runner import DecodeTensors  # cycle-free at call time
+
+        d = DecodeTensors(**{k: v[k] for k in _DECODE_FIELDS})
+        return d, v["positions"], v["slot_mapping"], v["seq_lens"], v["block_tables"], ()
+
+
+class _DeviceRows:
+    """Async scheduling: the host sends slots and exit rules; the graph derives loops, positions,
+    tokens and tables from the device decode state itself, and also returns
+    ``(slots, loops, run, token_index)`` for sampling and the state's advance."""
+
+    def fields(self, g: "DecodeGraphs", b: int) -> dict:
+        return {"slots": (np.int64, (b,), g.runner.scratch_slot), "min_loops": (np.int64, (b,), 1),
+                "max_loops": (np.int64, (b,), 1), "threshold": (np.float32, (b,), 1.0)}
+
+    def rows(self, g: "DecodeGraphs", v: dict[str, Tensor]) -> tuple:
+        dec, positions, slot_mapping, seq_lens, tables, extras = g.runner.device_decode_rows(
+            v["slots"], v["min_loops"], v["max_loops"], v["threshold"])
+        return dec, positions, slot_mapping, seq_lens, tables, (v["slots"], *extras)
+
+
 class DecodeGraphs:
+    """Decode-only steps, one graph per bucketed row count; inputs from the host (sync) or
+    derived on the device from the decode state (async scheduling)."""
+
     def __init__(self, runner, max_rows: int, max_seq_len: int) -> None:
         self.runner = runner
         self.max_seq_len = max_seq_len
         self.sizes = bucket_sizes(max_rows)
         dev = runner.device
         self.max_blocks = -(-max_seq_len // runner.block_size)
-        scratch_kv = runner.scratch_block * runner.block_size
-        planes = runner.layout.num_planes
-        # name: (dtype, shape after the row axis, padding value); DecodeTensors' fields first
-        tails = {
-            "slots": (np.int64, (), runner.scratch_slot), "loops": (np.int64, (), 1), "starts": (np.bool_, (), True),
-            "input_ids": (np.int64, (), 0), "min_loops": (np.int64, (), 1), "max_loops": (np.int64, (), 1),
-            "threshold": (np.float32, (), 1.0), "plane_slots": (np.int64, (planes,), scratch_kv),
-            "positions": (np.int64, (), 0), "slot_mapping": (np.int64, (), scratch_kv), "seq_lens": (np.int32, (), 1),
-            "block_tables": (np.int32, (self.max_blocks,), runner.scratch_block),
-        }
-        self.layouts = {b: _Layout({n: (dt, (b, *tail), pad) for n, (dt, tail, pad) in tails.items()})
-                        for b in self.sizes}
+        self.source = _DeviceRows() if runner.decode_state is not None else _HostRows()
+        self.layouts = {b: _Layout(self.source.fields(self, b)) for b in self.sizes}
         self.inputs = torch.zeros(max(lay.nbytes for lay in self.layouts.values()), dtype=torch.uint8, device=dev)
         self.views = {b: lay.device_views(self.inputs) for b, lay in self.layouts.items()}
         self.padding = {b: torch.from_numpy(lay.padding).to(dev) for b, lay in self.layouts.items()}
         self.query_start_loc = torch.arange(self.sizes[-1] + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[Tensor, Tensor]] = {}
+        self.outputs: dict[int, tuple] = {}
 
     def fits(self, inp: StepInputs) -> bool:
         return inp.decode.n <= self.sizes[-1] and inp.max_seq_len <= self.max_seq_len
@@ -129,16 +158,14 @@ class DecodeGraphs:
         self.inputs[:self.layouts[b].nbytes].copy_(self.padding[b])
 
     # --- capture ----------------------------------------------------------------------
-    def _forward(self, b: int) -> tuple[Tensor, Tensor]:
-        from loopline.worker.model_runner import DecodeTensors  # cycle-free at call time
-
-        r, v = self.runner, self.views[b]
-        d = DecodeTensors(**{k: v[k] for k in _DECODE_FIELDS})
-        meta = PagedAttentionMetadata(self.query_start_loc[:b + 1], v["seq_lens"], v["block_tables"],
-                                      v["slot_mapping"], max_query_len=1, max_seq_len=self.max_seq_len)
+    def _forward(self, b: int) -> tuple:
+        r = self.runner
+        d, positions, slot_mapping, seq_lens, tables, extras = self.source.rows(self, self.views[b])
+        meta = PagedAttentionMetadata(self.query_start_loc[:b + 1], seq_lens, tables, slot_mapping,
+                                      max_query_len=1, max_seq_len=self.max_seq_len)
         x = r.decode_inputs(d)
-        h, gate = r.model.loop(x, v["positions"], PagedAttention(r.backend, r.k_cache, r.v_cache, meta, r.scale))
-        return r._decode_tail(h, gate, d)
+        h, gate = r.model.loop(x, positions, PagedAttention(r.backend, r.k_cache, r.v_cache, meta, r.scale))
+        return (*r._decode_tail(h, gate, d), *extras)
 
     @torch.inference_mode()
     def capture(self):
@@ -159,28 +186,32 @@ class DecodeGraphs:
 
     # --- replay -----------------------------------------------------------------------
     def run(self, inp: StepInputs) -> tuple[Tensor, Tensor]:
-        """Replays with host inputs: one pinned image of the bucket's layout, one copy."""
+        """Replays with host inputs (sync): one pinned image of the bucket's layout, one copy.
+        Returns the rows' ``(exit, logits)``."""
         n = inp.decode.n
         lay = self.layouts[self._bucket(n)]
         pinned, v = _pinned_image(lay, self.inputs.is_cuda)
         _put_decode_rows(v, inp)
         self.inputs[:lay.nbytes].copy_(pinned, non_blocking=True)
-        return self._replay(n)
+        ex, logits = self._replay(n)
+        return ex, logits
 
-    def run_tensors(self, d, positions: Tensor, slot_mapping: Tensor, seq_lens: Tensor,
-                    block_tables: Tensor) -> tuple[Tensor, Tensor]:
-        """Replays with inputs already on the device (async scheduling); no host sync."""
-        n = d.slots.shape[0]
-        b = self._bucket(n)
-        self.reset_inputs(b)
-        _copy_decode_rows(self.views[b], d, positions, slot_mapping, seq_lens, block_tables)
-        return self._replay(n)
+    def run_slots(self, slots: np.ndarray, min_loops: np.ndarray, max_loops: np.ndarray,
+                  threshold: np.ndarray) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        """Replays decode rows of ``slots`` (async scheduling): one copy of four small arrays, the rest
+        comes from the device state. Returns ``(exit, logits, (slots, loops, run, token_index))``."""
+        n = slots.shape[0]
+        lay = self.layouts[self._bucket(n)]
+        pinned, v = _pinned_image(lay, self.inputs.is_cuda)
+        v["slots"][:n], v["min_loops"][:n], v["max_loops"][:n], v["threshold"][:n] = slots, min_loops, max_loops, threshold
+        self.inputs[:lay.nbytes].copy_(pinned, non_blocking=True)
+        ex, logits, *extras = self._replay(n)
+        return ex, logits, tuple(extras)
 
-    def _replay(self, n: int) -> tuple[Tensor, Tensor]:
+    def _replay(self, n: int) -> tuple[Tensor, ...]:
         b = self._bucket(n)
         self.graphs[b].replay()
-        ex, logits = self.outputs[b]
-        return ex[:n], logits[:n]
+        return tuple(t[:n] for t in self.outputs[b])
 
 
 def mixed_buckets(max_decode: int, max_tokens: int) -> tuple[list[int], list[int]]:

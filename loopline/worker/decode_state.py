@@ -44,13 +44,17 @@ class DeviceDecodeState:
 
     def set_trace(self, slot: int, depths: list[int]) -> None:
         """Recorded exit depths of ``slot``'s tokens; the last one repeats past the end (``TraceExit``)."""
-        if self.trace is None:
-            # int8: depths are loop counts, and a row spans max_model_len tokens
-            self.trace = torch.ones(self.loop.shape[0], self.max_tokens, dtype=torch.int8, device=self.device)
+        self.allocate_trace()
         row = np.full(self.max_tokens, depths[-1], dtype=np.int8)
         n = min(len(depths), self.max_tokens)
         row[:n] = depths[:n]
         self.trace[slot] = stage(self.device, row)[0]
+
+    def allocate_trace(self) -> None:
+        """The per-slot depth table (before CUDA graphs capture reads of it)."""
+        if self.trace is None:
+            # int8: depths are loop counts, and a row spans max_model_len tokens
+            self.trace = torch.ones(self.loop.shape[0], self.max_tokens, dtype=torch.int8, device=self.device)
 
     def trace_depths(self, slots: Tensor, token_index: Tensor) -> Tensor:
         assert self.trace is not None, "set_trace() first"

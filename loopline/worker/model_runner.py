@@ -123,6 +123,8 @@ class ModelRunner:
                                               self.scratch_block, self.device)
         self._no_refill = no_refill
         self._per_token_exits = per_token_exits
+        if per_token_exits:
+            self.decode_state.allocate_trace()
 
     def capture_graphs(self, max_seq_len: int, max_num_batched_tokens: int | None = None) -> None:
         """Captures decode-only steps, and steps with small prefill chunks (given the token budget),
@@ -237,6 +239,29 @@ class ModelRunner:
         return sum(s.k.nbytes + s.v.nbytes for s in self.snapshots.values())
 
     # --- one step, async: launch now, read later ---------------------------------------
+    def device_decode_rows(self, slots: Tensor, min_loops: Tensor, max_loops: Tensor, threshold: Tensor):
+        """Decode rows ``slots`` derived from the device state (async scheduling), without the host.
+
+        Returns ``(DecodeTensors, positions, slot_mapping, seq_lens, block_tables, (loops, run,
+        token_index))``; a row with ``run`` False (a ``no_refill`` slot waiting for its cohort) runs
+        on scratch and changes nothing. Used eagerly and inside CUDA graphs.
+        """
+        ds = self.decode_state
+        loops, pos, plane_slots, run, tidx = ds.rows(slots, self._no_refill)
+        if self._per_token_exits:  # the host's token index lags; the device's is exact
+            min_loops = max_loops = ds.trace_depths(slots, tidx)
+        scratch_kv = self.scratch_block * self.block_size
+        dec = DecodeTensors(
+            slots=torch.where(run, slots, self.scratch_slot), loops=loops, starts=loops == 1,
+            input_ids=ds.token[slots], min_loops=min_loops, max_loops=max_loops, threshold=threshold,
+            plane_slots=torch.where(run[:, None], plane_slots, scratch_kv))
+        plane = self.layout.plane_index(loops)
+        positions = torch.where(run, pos, 0)
+        slot_mapping = dec.plane_slots.gather(1, plane[:, None]).squeeze(1)
+        seq_lens = torch.where(run, pos + 1, 1).to(torch.int32)
+        tables = torch.where(run[:, None], ds.tables[slots, plane], self.scratch_block)
+        return dec, positions, slot_mapping, seq_lens, tables, (loops, run, tidx)
+
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> Callable[[], RunnerOutput]:
         """Queues a step on the device and returns the call that reads its results.
@@ -261,34 +286,26 @@ class ModelRunner:
         graphed = False
         if nd:
             exits = [r.exit for r in rows[:nd]]
-            slots, min_loops, max_loops, threshold = stage(
-                dev, ([r.slot for r in rows[:nd]], np.int64), ([e.min_loops for e in exits], np.int64),
-                ([e.max_loops for e in exits], np.int64), ([e.threshold for e in exits], np.float32))
-            loops, pos, plane_slots, run, tidx = ds.rows(slots, self._no_refill)
-            if self._per_token_exits:  # the host's token index lags; the device's is exact
-                min_loops = max_loops = ds.trace_depths(slots, tidx)
-            scratch_kv = self.scratch_block * self.block_size
-            dec = DecodeTensors(
-                slots=torch.where(run, slots, self.scratch_slot), loops=loops, starts=loops == 1,
-                input_ids=ds.token[slots], min_loops=min_loops, max_loops=max_loops, threshold=threshold,
-                plane_slots=torch.where(run[:, None], plane_slots, scratch_kv))
-            plane = self.layout.plane_index(loops)
-            positions = torch.where(run, pos, 0)
-            slot_mapping = dec.plane_slots.gather(1, plane[:, None]).squeeze(1)
-            seq_lens = torch.where(run, pos + 1, 1).to(torch.int32)
-            tables = ds.tables[slots, plane]
-            tables = torch.where(run[:, None], tables, self.scratch_block)
+            host_rows = (np.fromiter((r.slot for r in rows[:nd]), np.int64, nd),
+                         np.fromiter((e.min_loops for e in exits), np.int64, nd),
+                         np.fromiter((e.max_loops for e in exits), np.int64, nd),
+                         np.fromiter((e.threshold for e in exits), np.float32, nd))
             bound = max(self.requests[r.request_id].prompt.numel() + (self.requests[r.request_id].params.max_tokens or 0) + 1
                         for r in rows[:nd])
             key = self._mixed_key(rows, nd, p_tokens, max(bound, p_seq))
             if nd == len(rows) and self.graphs is not None and bound <= self.graphs.max_seq_len:
-                ex, logits = self.graphs.run_tensors(dec, positions, slot_mapping, seq_lens, tables)
-                graphed = True
-            elif key is not None:
-                ex, logits = self._run_mixed(key, rows, nd, exited, sample_hidden, sample_meta, prompt_logprobs,
-                                             decode_device=(dec, positions, slot_mapping, seq_lens, tables))
+                # the graph derives the rows from the device state itself: one copy of four arrays
+                ex, logits, (slots, loops, run, tidx) = self.graphs.run_slots(*host_rows)
                 graphed = True
             else:
+                slots, *exit_arrays = stage(dev, *host_rows)
+                dec, positions, slot_mapping, seq_lens, tables, (loops, run, tidx) = self.device_decode_rows(
+                    slots, *exit_arrays)
+                if key is not None:
+                    ex, logits = self._run_mixed(key, rows, nd, exited, sample_hidden, sample_meta, prompt_logprobs,
+                                                 decode_device=(dec, positions, slot_mapping, seq_lens, tables))
+                    graphed = True
+            if not graphed:
                 x_parts.append(self.decode_inputs(dec))
                 pos_parts.append(positions)
                 map_parts.append(slot_mapping)

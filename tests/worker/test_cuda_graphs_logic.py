@@ -61,14 +61,15 @@ def ids(n, seed=0, vocab=500):
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def run(tiny, graphs: bool, **kw):
+def run(tiny, graphs: bool, params: SamplingParams | None = None, **kw):
     engine = LLMEngine(EngineArgs(model=str(tiny.path), dtype="float32", device="cpu", skip_tokenizer_init=True,
                                   block_size=4, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=128, **kw))
     if graphs:
         simulate_graphs(engine, 64, 24)
-    params = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True, exit_threshold=0.7, logprobs=1)
+    params = params or SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True, exit_threshold=0.7,
+                                      logprobs=1)
     with_prompt_logprobs = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, exit_threshold=0.7,
-                                          prompt_logprobs=1)
+                                          prompt_logprobs=1, exit_depths=params.exit_depths)
     for i, n in enumerate((3, 14, 9, 21, 5)):  # 5 rows: padded to the bucket of 6 (sizes 1, 2, 4, 6)
         engine.add_request(f"r{i}", ids(n, seed=n), params)
     done = {}
@@ -101,3 +102,16 @@ def test_graph_input_path_equals_eager(tiny_gqa, layout, async_scheduling):
     assert _EagerReplay.replays > 20  # decode steps really went through the graph path
     assert _EagerMixedReplay.replays > 5  # and so did steps with prefill chunks
     assert with_graphs == run(tiny_gqa, graphs=False, **kw)
+
+
+def test_async_graphs_with_trace_depths_and_penalties(tiny_gqa):
+    """Under async scheduling the decode graph derives each row from the device state, trace depths
+    and all; penalties read the device's counts after it."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, frequency_penalty=0.8, logprobs=1,
+                            exit_depths=[3, 1, 4, 2])
+    kw = dict(async_scheduling=True, exit_mode="trace")
+    _EagerReplay.replays = 0
+    with_graphs = run(tiny_gqa, graphs=True, params=params, **kw)
+    assert _EagerReplay.replays > 20
+    assert with_graphs == run(tiny_gqa, graphs=False, params=params, **kw)
+    assert all(depths[:4] == [3, 1, 4, 2] for _, depths, *_ in with_graphs.values() if len(depths) >= 4)
