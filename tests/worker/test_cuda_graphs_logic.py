@@ -90,6 +90,7 @@ def run(tiny, graphs: bool, params: SamplingParams | None = None, **kw):
                                   for d in out.prompt_logprobs]
                 lps = [round(x, 4) for x in c.token_logprobs] if c.token_logprobs is not None else None
                 done[out.request_id] = (c.token_ids, c.exit_depths, lps, prompt_lps)
+    run.engine = engine
     return done
 
 
@@ -115,3 +116,12 @@ def test_async_graphs_with_trace_depths_and_penalties(tiny_gqa):
     assert _EagerReplay.replays > 20
     assert with_graphs == run(tiny_gqa, graphs=False, params=params, **kw)
     assert all(depths[:4] == [3, 1, 4, 2] for _, depths, *_ in with_graphs.values() if len(depths) >= 4)
+
+
+def test_async_graphs_under_preemption(tiny_gqa):
+    """Victims leave and re-enter slots while decode and mixed steps replay graphs (async)."""
+    kw = dict(async_scheduling=True, kv_allocation="incremental", enable_preemption=True)
+    _EagerReplay.replays = 0
+    tight = run(tiny_gqa, graphs=True, num_kv_blocks=4 * 14, **kw)
+    assert _EagerReplay.replays > 20 and run.engine.scheduler.num_preemptions > 0
+    assert tight == run(tiny_gqa, graphs=False)
