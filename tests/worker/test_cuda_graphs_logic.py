@@ -118,9 +118,10 @@ def test_async_graphs_with_trace_depths_and_penalties(tiny_gqa):
     assert all(depths[:4] == [3, 1, 4, 2] for _, depths, *_ in with_graphs.values() if len(depths) >= 4)
 
 
-def test_async_graphs_under_preemption(tiny_gqa):
-    """Victims leave and re-enter slots while decode and mixed steps replay graphs (async)."""
-    kw = dict(async_scheduling=True, kv_allocation="incremental", enable_preemption=True)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_graphs_under_preemption(tiny_gqa, async_scheduling):
+    """Victims leave and re-enter slots while decode and mixed steps replay graphs."""
+    kw = dict(async_scheduling=async_scheduling, kv_allocation="incremental", enable_preemption=True)
     _EagerReplay.replays = 0
     tight = run(tiny_gqa, graphs=True, num_kv_blocks=4 * 14, **kw)
     assert _EagerReplay.replays > 20 and run.engine.scheduler.num_preemptions > 0
