@@ -62,7 +62,7 @@ class EngineStats:
     loops_of_generated: int = 0  # sum of exit depths
     finished_requests: int = 0
     step_time_s: float = 0.0
-    prefill_steps: int = 0  # steps with at least one prefill chunk (eager), and their host time
+    prefill_steps: int = 0  # steps with at least one prefill chunk, and their host time
     prefill_step_time_s: float = 0.0
     exit_depth_counts: dict[int, int] = field(default_factory=dict)
 

@@ -92,6 +92,58 @@ def _copy_decode_rows(v: dict[str, Tensor], d, positions: Tensor, slot_mapping: 
     v["block_tables"][:n, :width].copy_(block_tables[:, :width])
 
 
+def _decode_fields(runner, b: int) -> dict:
+    """Layout fields of ``b`` decode rows' ``DecodeTensors``, padded with scratch rows."""
+    scratch_kv = runner.scratch_block * runner.block_size
+    return {
+        "slots": (np.int64, (b,), runner.scratch_slot), "loops": (np.int64, (b,), 1), "starts": (np.bool_, (b,), True),
+        "input_ids": (np.int64, (b,), 0), "min_loops": (np.int64, (b,), 1), "max_loops": (np.int64, (b,), 1),
+        "threshold": (np.float32, (b,), 1.0),
+        "plane_slots": (np.int64, (b, runner.layout.num_planes), scratch_kv),
+    }
+
+
+class _GraphSet:
+    """Graphs keyed by bucket over one device input buffer laid out per key (:class:`_Layout`).
+
+    Subclasses give ``_forward(key)`` (the captured work, reading ``self.views[key]``) and
+    ``_capture_order()`` (largest first, so one memory pool serves them all)."""
+
+    def _init_inputs(self, layouts: dict, device: torch.device) -> None:
+        self.layouts = layouts
+        self.inputs = torch.zeros(max(lay.nbytes for lay in layouts.values()), dtype=torch.uint8, device=device)
+        self.views = {k: lay.device_views(self.inputs) for k, lay in layouts.items()}
+        self.padding = {k: torch.from_numpy(lay.padding).to(device) for k, lay in layouts.items()}
+        self.graphs: dict = {}  # key -> torch.cuda.CUDAGraph
+        self.outputs: dict = {}  # key -> the captured outputs
+
+    def reset_inputs(self, key) -> None:
+        """Fills graph ``key``'s inputs with scratch rows (on the device)."""
+        self.inputs[:self.layouts[key].nbytes].copy_(self.padding[key])
+
+    def _forward(self, key) -> tuple:
+        raise NotImplementedError
+
+    def _capture_order(self) -> list:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def capture(self, pool=None):
+        """Captures every graph in one memory pool; returns the pool."""
+        for key in self._capture_order():
+            self.reset_inputs(key)
+            for _ in range(2):  # compile kernels, settle allocations
+                self._forward(key)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[key] = self._forward(key)
+            pool = graph.pool()
+            self.graphs[key] = graph
+        torch.cuda.synchronize()
+        return pool
+
+
 class _HostRows:
     """Sync scheduling: every decode input of a replay comes from the host, in one copy."""
 
@@ -99,10 +151,7 @@ class _HostRows:
         r = g.runner
         scratch_kv = r.scratch_block * r.block_size
         return {
-            "slots": (np.int64, (b,), r.scratch_slot), "loops": (np.int64, (b,), 1), "starts": (np.bool_, (b,), True),
-            "input_ids": (np.int64, (b,), 0), "min_loops": (np.int64, (b,), 1), "max_loops": (np.int64, (b,), 1),
-            "threshold": (np.float32, (b,), 1.0), "plane_slots": (np.int64, (b, r.layout.num_planes), scratch_kv),
-            "positions": (np.int64, (b,), 0), "slot_mapping": (np.int64, (b,), scratch_kv),
+            **_decode_fields(r, b), "positions": (np.int64, (b,), 0), "slot_mapping": (np.int64, (b,), scratch_kv),
             "seq_lens": (np.int32, (b,), 1), "block_tables": (np.int32, (b, g.max_blocks), r.scratch_block),
         }
 
@@ -128,7 +177,7 @@ class _DeviceRows:
         return dec, positions, slot_mapping, seq_lens, tables, (v["slots"], *extras)
 
 
-class DecodeGraphs:
+class DecodeGraphs(_GraphSet):
     """Decode-only steps, one graph per bucketed row count; inputs from the host (sync) or
     derived on the device from the decode state (async scheduling)."""
 
@@ -139,13 +188,8 @@ class DecodeGraphs:
         dev = runner.device
         self.max_blocks = -(-max_seq_len // runner.block_size)
         self.source = _DeviceRows() if runner.decode_state is not None else _HostRows()
-        self.layouts = {b: _Layout(self.source.fields(self, b)) for b in self.sizes}
-        self.inputs = torch.zeros(max(lay.nbytes for lay in self.layouts.values()), dtype=torch.uint8, device=dev)
-        self.views = {b: lay.device_views(self.inputs) for b, lay in self.layouts.items()}
-        self.padding = {b: torch.from_numpy(lay.padding).to(dev) for b, lay in self.layouts.items()}
+        self._init_inputs({b: _Layout(self.source.fields(self, b)) for b in self.sizes}, dev)
         self.query_start_loc = torch.arange(self.sizes[-1] + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple] = {}
 
     def fits(self, inp: StepInputs) -> bool:
         return inp.decode.n <= self.sizes[-1] and inp.max_seq_len <= self.max_seq_len
@@ -153,9 +197,8 @@ class DecodeGraphs:
     def _bucket(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
 
-    def reset_inputs(self, b: int) -> None:
-        """Fills bucket ``b``'s inputs with scratch rows (on the device)."""
-        self.inputs[:self.layouts[b].nbytes].copy_(self.padding[b])
+    def _capture_order(self) -> list[int]:
+        return list(reversed(self.sizes))
 
     # --- capture ----------------------------------------------------------------------
     def _forward(self, b: int) -> tuple:
@@ -166,23 +209,6 @@ class DecodeGraphs:
         x = r.decode_inputs(d)
         h, gate = r.model.loop(x, positions, PagedAttention(r.backend, r.k_cache, r.v_cache, meta, r.scale))
         return (*r._decode_tail(h, gate, d), *extras)
-
-    @torch.inference_mode()
-    def capture(self):
-        """Captures every bucket (largest first, one memory pool); returns the pool."""
-        pool = None
-        for b in reversed(self.sizes):
-            self.reset_inputs(b)
-            for _ in range(2):  # compile kernels, settle allocations
-                self._forward(b)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._forward(b)
-            pool = graph.pool()
-            self.graphs[b] = graph
-        torch.cuda.synchronize()
-        return pool
 
     # --- replay -----------------------------------------------------------------------
     def run(self, inp: StepInputs) -> tuple[Tensor, Tensor]:
@@ -221,7 +247,7 @@ def mixed_buckets(max_decode: int, max_tokens: int) -> tuple[list[int], list[int
     return decode, prefill
 
 
-class MixedGraphs:
+class MixedGraphs(_GraphSet):
     """CUDA graphs for steps with prefill chunks: up to ``D`` decode rows and ``P`` prefill tokens.
 
     Eagerly such a step launches ~300 kernels from Python, which costs more host
@@ -246,32 +272,23 @@ class MixedGraphs:
         cfg = runner.model.config
         self.tile = runner.work_tile_tokens or 64  # a backend without work lists ignores them
         scratch_kv = runner.scratch_block * runner.block_size
-        planes = runner.layout.num_planes
-        self.layouts: dict[tuple[int, int], _Layout] = {}
+        layouts: dict[tuple[int, int], _Layout] = {}
         for d in self.decode_sizes:
             for p in self.prefill_sizes:
                 rows = d + max_prefill_rows
-                self.layouts[d, p] = _Layout({
-                    "slots": (np.int64, (d,), runner.scratch_slot), "loops": (np.int64, (d,), 1),
-                    "starts": (np.bool_, (d,), True), "input_ids": (np.int64, (d,), 0),
-                    "min_loops": (np.int64, (d,), 1), "max_loops": (np.int64, (d,), 1),
-                    "threshold": (np.float32, (d,), 1.0), "plane_slots": (np.int64, (d, planes), scratch_kv),
+                lay = layouts[d, p] = _Layout({
+                    **_decode_fields(runner, d),
                     "positions": (np.int64, (d + p,), 0), "slot_mapping": (np.int64, (d + p,), scratch_kv),
                     "query_start_loc": (np.int32, (rows + 1,), d), "seq_lens": (np.int32, (rows,), 1),
                     "block_tables": (np.int32, (rows, self.max_blocks), runner.scratch_block),
                     "work_tiles": (np.int32, (2, d + max_prefill_rows + p // self.tile), -1),
                 })
-                lay = self.layouts[d, p]
                 v = lay.host_views(lay.padding)
                 v["query_start_loc"][:d + 1] = np.arange(d + 1)  # padding decode rows: one query each
                 v["work_tiles"][0, :d] = np.arange(d)
                 v["work_tiles"][1, :d] = 0
-        self.inputs = torch.zeros(max(lay.nbytes for lay in self.layouts.values()), dtype=torch.uint8, device=dev)
-        self.views = {k: lay.device_views(self.inputs) for k, lay in self.layouts.items()}
-        self.padding = {k: torch.from_numpy(lay.padding).to(dev) for k, lay in self.layouts.items()}
+        self._init_inputs(layouts, dev)
         self.x_prefill = torch.zeros(self.prefill_sizes[-1], cfg.hidden_size, dtype=runner.dtype, device=dev)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], tuple] = {}
         self.replays = 0
 
     def bucket(self, nd: int, prefill_tokens: int, prefill_rows: int, max_seq_len: int) -> tuple[int, int] | None:
@@ -282,8 +299,8 @@ class MixedGraphs:
         p = next((s for s in self.prefill_sizes if s >= prefill_tokens), None)
         return None if d is None or p is None else (d, p)
 
-    def reset_inputs(self, key: tuple[int, int]) -> None:
-        self.inputs[:self.layouts[key].nbytes].copy_(self.padding[key])
+    def _capture_order(self) -> list[tuple[int, int]]:
+        return sorted(self.layouts, key=lambda k: (-k[1], -k[0]))
 
     # --- capture ----------------------------------------------------------------------
     def _forward(self, key: tuple[int, int]):
@@ -302,26 +319,12 @@ class MixedGraphs:
         ex, logits = r._decode_tail(h[:d], gate[:d], dec) if d else (None, None)
         return ex, logits, h[d:], gate[d:]
 
-    @torch.inference_mode()
-    def capture(self, pool=None):
-        for key in sorted(self.layouts, key=lambda k: (-k[1], -k[0])):
-            self.reset_inputs(key)
-            for _ in range(2):  # compile kernels, settle allocations
-                self._forward(key)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[key] = self._forward(key)
-            pool = graph.pool()
-            self.graphs[key] = graph
-        torch.cuda.synchronize()
-        return pool
-
     # --- replay -----------------------------------------------------------------------
     def run(self, key: tuple[int, int], prefill: StepInputs, x_prefill: list[Tensor], decode: StepInputs | None = None,
             decode_device: tuple | None = None):
-        """Replays graph ``key``: prefill rows from host inputs, decode rows from host inputs (``decode``) or
-        device tensors (``decode_device``: DecodeTensors, positions, slot_mapping, seq_lens, block_tables).
+        """Replays graph ``key``: prefill rows from host inputs, decode rows from host inputs (the first
+        rows of ``decode``) or device tensors (``decode_device``: DecodeTensors, positions, slot_mapping,
+        seq_lens, block_tables).
 
         Returns the decode rows' ``(exit, logits)`` and the prefill tokens' ``(h, gate)``."""
         d, p = key

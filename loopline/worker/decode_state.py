@@ -12,7 +12,9 @@ the host in between.
 Presence, frequency and repetition penalties need each slot's generated
 tokens, which the host reads one step late; so the device keeps them too, as
 per-slot token counts and a seen mask (prompt or output), allocated when the
-first request with penalties arrives.
+first request with penalties arrives. Likewise ``exit_mode="trace"`` depths
+are kept per slot and read at the device's token index. A preempted request's
+slot state is saved and loaded with it (``save`` / ``load``).
 """
 from __future__ import annotations
 
@@ -93,7 +95,8 @@ class DeviceDecodeState:
             self.seen[slots, tokens] |= taken
 
     def set_tables(self, slot: int, block_tables: list[list[int]]) -> None:
-        for (plane, blocks), dev in zip(enumerate(block_tables), stage(self.device, *((b, np.int32) for b in block_tables))):
+        staged = stage(self.device, *((blocks, np.int32) for blocks in block_tables))
+        for plane, (blocks, dev) in enumerate(zip(block_tables, staged)):
             self.tables[slot, plane, :len(blocks)] = dev
 
     def start(self, slots: Tensor, tokens: Tensor, positions: Tensor) -> None:

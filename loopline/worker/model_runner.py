@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from loopline.attention import AttentionBackend
-from loopline.attention.base import build_work_tiles
 from loopline.attention.paged import PagedAttention
 from loopline.core.contracts import (
     ExitParams,
@@ -41,7 +40,7 @@ from loopline.worker.sampler import Sampler, SamplerOutput
 from loopline.worker.sampling_inputs import SampleBatch, build_sampling_tensors, has_penalties
 from loopline.worker.staging import stage
 from loopline.worker.swap import Snapshot
-from loopline.worker.step_inputs import DecodeBatch, StepInputs, build_step_inputs
+from loopline.worker.step_inputs import DecodeBatch, StepInputs, build_step_inputs, work_list
 
 _SEED_MASK = 2**63 - 1
 
@@ -331,10 +330,7 @@ class ModelRunner:
             width = max(t.shape[1] for t in table_parts)
             tables_all = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=self.scratch_block)
                                     for t in table_parts])
-            work = None
-            if max_q > 1 and self.work_tile_tokens:
-                work = build_work_tiles(np.diff(offsets), self.work_tile_tokens)
-            qsl, *work = stage(dev, (offsets, np.int32), *([work] if work is not None else []))
+            qsl, *work = stage(dev, (offsets, np.int32), *work_list(offsets, max_q, self.work_tile_tokens))
             meta = PagedAttentionMetadata(
                 work_tiles=work[0] if work else None,
                 query_start_loc=qsl, seq_lens=torch.cat(seq_parts),
@@ -351,7 +347,8 @@ class ModelRunner:
             ds.advance(slots, loops, run, ex, batch.out.token_ids[:nd])
         if sample_meta:  # prompts that finished: their first token is fed next, at position prompt_len
             done_rows = [rows[m[0]] for m in sample_meta]
-            done_slots, done_ends = stage(dev, ([r.slot for r in done_rows], np.int64), ([r.end for r in done_rows], np.int64))
+            done_slots, done_ends = stage(dev, ([r.slot for r in done_rows], np.int64),
+                                          ([r.end for r in done_rows], np.int64))
             ds.start(done_slots, batch.out.token_ids[nd:], done_ends)
         wait = batch.to_host_async()
         return lambda: self._collect(rows, batch, wait(), exited, prompt_logprobs)
@@ -372,9 +369,9 @@ class ModelRunner:
         if self.graphs is not None and inp.decode_only and self.graphs.fits(inp):
             ex, logits = self.graphs.run(inp)
         elif key is not None:
-            decode = build_step_inputs(rows[:nd], self._block_arrays, self.layout.num_planes, self.block_size) if nd else None
+            # the step's inputs hold the decode rows first; the graph reads only those
             ex, logits = self._run_mixed(key, rows, nd, exited, sample_hidden, sample_meta, prompt_logprobs,
-                                         decode=decode)
+                                         decode=inp if nd else None)
         else:
             dec = self._decode_tensors(inp.decode) if nd else None
             x = self._gather_inputs(inp, dec)

@@ -60,13 +60,20 @@ class StepInputs:
     def to_device(self, device: torch.device, tile_tokens: int | None = None) -> tuple[Tensor, PagedAttentionMetadata]:
         """Positions and attention metadata; with ``tile_tokens`` prefill steps get a work list."""
         arrays = [self.offsets.astype(np.int32), self.seq_lens, self.block_tables, self.slot_mapping, self.positions]
-        if tile_tokens and self.max_query_len > 1:
-            arrays.append(build_work_tiles(np.diff(self.offsets), tile_tokens))
-        offsets, seq_lens, tables, slot_mapping, positions, *work = stage(device, *arrays)
+        work = work_list(self.offsets, self.max_query_len, tile_tokens)
+        offsets, seq_lens, tables, slot_mapping, positions, *work = stage(device, *arrays, *work)
         meta = PagedAttentionMetadata(
             query_start_loc=offsets, seq_lens=seq_lens, block_tables=tables, slot_mapping=slot_mapping,
             max_query_len=self.max_query_len, max_seq_len=self.max_seq_len, work_tiles=work[0] if work else None)
         return positions, meta
+
+
+def work_list(offsets, max_query_len: int, tile_tokens: int | None) -> list[np.ndarray]:
+    """The attention work list of a step with prefill chunks (``[]`` for decode-only steps or a
+    backend without work lists), as a list to splice into a ``stage`` call."""
+    if not tile_tokens or max_query_len <= 1:
+        return []
+    return [build_work_tiles(np.diff(np.asarray(offsets)), tile_tokens)]
 
 
 def slot_of(blocks: np.ndarray, pos: np.ndarray | int, block_size: int) -> np.ndarray:
