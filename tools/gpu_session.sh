@@ -2,7 +2,7 @@
 # One device call that checks and measures everything GPU-side (H200, ~8 minutes).
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
-# parts (default: tests kernels profile bench): tests kernels profile bench sync overlap hf adaptive
+# parts (default: tests kernels profile bench): tests diag kernels sweep profile bench sync overlap hf adaptive
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
 out=${1:?output folder}
@@ -10,8 +10,9 @@ commit=${2:-unknown}
 shift 2 || shift $#
 parts=${*:-tests kernels profile bench}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LOOPLINE_GIT_COMMIT=$commit
-bench() { timeout "$1" python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --no-progress \
-          --kv-cache-memory-gb 40 "${@:2}"; }
+# The KV pool is sized from free memory (gpu_memory_utilization 0.9): ~120 GiB holds 128 requests of 1,152
+# tokens at 4 planes. Runs in one process with the transformers baseline cap it (`--kv-cache-memory-gb`).
+bench() { timeout "$1" python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --no-progress "${@:2}"; }
 has() { [[ " $parts " == *" $1 "* ]]; }
 
 if has tests; then  # correctness on the GPU: attention, sampler, fused kernels, engine (graphs, async, backends)
@@ -19,8 +20,18 @@ if has tests; then  # correctness on the GPU: attention, sampler, fused kernels,
   echo "gpu tests rc=$? $(tail -1 "$out/gpu_tests.log")"
   grep -E "^(FAILED|ERROR)" "$out/gpu_tests.log" | head -10
 fi
+if has diag; then  # the KV pool sized from free memory, alone in a process, with cuBLAS's own log
+  CUBLAS_LOGINFO_DBG=1 CUBLAS_LOGDEST_DBG="$out/cublas.log" timeout 120 python3 -m pytest -q -m gpu \
+    tests/worker/test_gpu_engine.py -k profiling_pass > "$out/diag.log" 2>&1
+  echo "diag rc=$? $(tail -1 "$out/diag.log")"; grep -iE "error|fail" "$out/cublas.log" 2>/dev/null | head -5
+  grep -E "^E .*(Error|bucket)" "$out/diag.log" | head -5
+fi
 if has kernels; then  # kernel micro-benchmarks
-  timeout 300 python3 -m loopline.attention.bench_attention --sweep 2>&1 | grep -v Warn | tee "$out/kernels.txt"
+  timeout 120 python3 -m loopline.attention.bench_attention 2>&1 | grep -v Warn | tee "$out/kernels.txt"
+fi
+if has sweep; then  # decode attention launch parameters and kernels, in CUDA graphs
+  timeout 300 python3 -c "from loopline.attention.bench_attention import sweep_decode; sweep_decode(128 ** -0.5)" \
+    2>&1 | grep -v Warn | tee "$out/sweep.txt"
 fi
 if has profile; then  # where a step's time goes
   { timeout 90 python3 tools/profile_step.py --rows 1 --kernels 2>&1 | grep -v Warn | head -32
@@ -51,11 +62,11 @@ PY
 fi
 if has overlap; then  # sync vs async vs eager in one process, interleaved (ratios are the point)
   bench 300 --input-len 1024 --output-len 128 --concurrency 1,32 --compare --variants sync,async,eager --repeats 2 \
-        --max-num-batched-tokens 8192 --output-json "$out/overlap.json" 2> "$out/overlap.err" | tail -12
+        --max-num-batched-tokens 8192 --kv-cache-memory-gb 40 --output-json "$out/overlap.json" 2> "$out/overlap.err" | tail -12
 fi
 if has hf; then  # against transformers generate() on the same weights, batch 1 / 8 / 32
   bench 420 --input-len 1024 --output-len 128 --concurrency 1,8,32 --variants fixed,hf --compare --repeats 1 \
-        --warmup-prompts 1 --async-scheduling --max-num-batched-tokens 8192 --output-json "$out/hf.json" 2> "$out/hf.err" | tail -12
+        --warmup-prompts 1 --async-scheduling --max-num-batched-tokens 8192 --kv-cache-memory-gb 40 --output-json "$out/hf.json" 2> "$out/hf.err" | tail -12
 fi
 if has adaptive; then  # continuous depth batching vs cohort vs full depth (synthetic mean 2.5 loops)
   bench 300 --input-len 128 --output-len 512 --concurrency 128 --depth-dist mean2.5 --compare \

@@ -136,8 +136,12 @@ class _GraphSet:
                 self._forward(key)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[key] = self._forward(key)
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[key] = self._forward(key)
+            except RuntimeError as e:  # name the bucket: the CUDA error alone does not say which shape failed
+                raise RuntimeError(f"{type(self).__name__}: capturing the graph for bucket {key} failed "
+                                   f"(enforce_eager=True runs without graphs): {e}") from e
             pool = graph.pool()
             self.graphs[key] = graph
         torch.cuda.synchronize()
