@@ -2,7 +2,7 @@
 # One device call that checks and measures everything GPU-side (H200, ~8 minutes).
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
-# parts (default: tests kernels profile bench): tests diag kernels sweep profile bench sync overlap hf adaptive
+# parts (default: tests kernels profile bench): tests diag kernels sweep profile wide bench sync overlap hf adaptive
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
 out=${1:?output folder}
@@ -20,10 +20,11 @@ if has tests; then  # correctness on the GPU: attention, sampler, fused kernels,
   echo "gpu tests rc=$? $(tail -1 "$out/gpu_tests.log")"
   grep -E "^(FAILED|ERROR)" "$out/gpu_tests.log" | head -10
 fi
-if has diag; then  # the KV pool sized from free memory, alone in a process, with cuBLAS's own log
-  CUBLAS_LOGINFO_DBG=1 CUBLAS_LOGDEST_DBG="$out/cublas.log" timeout 120 python3 -m pytest -q -m gpu \
-    tests/worker/test_gpu_engine.py -k profiling_pass > "$out/diag.log" 2>&1
+if has diag; then  # the GPU engine tests alone, with cuBLAS's own log
+  CUBLAS_LOGINFO_DBG=1 CUBLAS_LOGDEST_DBG="$out/cublas.log" timeout 150 python3 -m pytest -q -x -m gpu \
+    tests/worker/test_gpu_engine.py > "$out/diag.log" 2>&1
   echo "diag rc=$? $(tail -1 "$out/diag.log")"; grep -iE "error|fail" "$out/cublas.log" 2>/dev/null | head -5
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv
   grep -E "^E .*(Error|bucket)" "$out/diag.log" | head -5
 fi
 if has kernels; then  # kernel micro-benchmarks
@@ -40,6 +41,13 @@ if has profile; then  # where a step's time goes
     timeout 90 python3 tools/profile_step.py --prefill --rows 8 --kernels 2>&1 | grep -v Warn | head -18
   } > "$out/profile.txt"
   cat "$out/profile.txt"
+fi
+if has wide; then  # decode steps of 32 and 128 rows per kernel; one row with a small and a full-size KV pool
+  { timeout 90 python3 tools/profile_step.py --rows 32 --kernels --async-scheduling 2>&1 | grep -v Warn | head -22
+    timeout 120 python3 tools/profile_step.py --rows 128 --kernels --async-scheduling 2>&1 | grep -v Warn | head -22
+    for gb in 8 110; do timeout 60 python3 tools/profile_step.py --rows 1 --async-scheduling --kv-gb $gb 2>&1 | grep -v Warn | head -1; done
+  } > "$out/wide.txt"
+  cat "$out/wide.txt"
 fi
 if has bench; then  # full depth, 1024 in / 128 out, async scheduling (sync too with "sync")
   modes=async; has sync && modes="sync async"

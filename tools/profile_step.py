@@ -80,15 +80,17 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true",
                     help="profile prefill steps instead: --rows prompts of --context tokens in one step")
     ap.add_argument("--kernels", action="store_true", help="also print device time per kernel name (torch.profiler)")
+    ap.add_argument("--kv-gb", type=float, default=None,
+                    help="KV pool in GiB (default: enough for the rows, at least 8)")
     a = ap.parse_args()
     cfg = random_checkpoint_config(a.config)
     with torch.device("cuda"):
         model = OuroForCausalLM(cfg).to(torch.bfloat16)
     engine = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=max(8, a.rows),
-                                  kv_cache_memory_gb=8, enforce_eager=a.eager, async_scheduling=a.async_scheduling,
-                                  max_num_batched_tokens=max(2048, a.rows * a.context) if a.prefill else 2048,
+                                  kv_cache_memory_gb=a.kv_gb or max(8.0, a.rows * 0.9), enforce_eager=a.eager, async_scheduling=a.async_scheduling,
+                                  max_num_batched_tokens=max(2048, a.rows * a.context) if a.prefill else 8192,
                                   max_model_len=a.context + 512), model=model)
-    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)  # enough loop steps for every phase
     if a.prefill:
         return profile_prefill(engine, a, params)
     for i in range(a.rows):  # distinct prompts: shared prefix pages would make KV reads hit L2

@@ -110,8 +110,7 @@ def sweep_decode(scale: float) -> None:
     cases = [("decode B=1 ctx=1024", [(1, 1024)], (None, 8, 16)),
              ("decode B=32 ctx=1024", [(1, 1024)] * 32, (None,)),
              ("decode B=128 ctx=1024", [(1, 1024)] * 128, (None,))]
-    launches = [None] + [DecodeLaunch(bn, w, st, vec) for vec in (False, True) for bn in (32, 64, 128)
-                         for w in (4, 8) for st in (2, 3)]
+    launches = [None] + [DecodeLaunch(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
     for label, rows, split_choices in cases:
         steps = layer_steps(rows)
         results = []

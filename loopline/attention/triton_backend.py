@@ -52,8 +52,6 @@ _LOG2E = 1.4426950408889634
 _PROGRAMS_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 128
 _MAX_SPLITS = 16
-# Decode-only steps of models without GQA use _paged_decode_mha_kernel (see bench_attention --sweep).
-_VECTOR_MHA_DECODE = False
 
 
 def triton_available() -> bool:
@@ -189,87 +187,6 @@ def _paged_attention_kernel(
 
 
 @_jit
-def _paged_decode_mha_kernel(
-    q_ptr,  # [N, H, D], one query per row (N == rows)
-    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D], KVH == H
-    v_cache_ptr,
-    out_ptr,  # [N, H, D] (NUM_SPLITS == 1)
-    part_out_ptr,  # [NUM_SPLITS, N, H, D] fp32 (NUM_SPLITS > 1)
-    part_lse_ptr,  # [NUM_SPLITS, N, H] fp32 (NUM_SPLITS > 1)
-    seq_lens_ptr,  # [N] int32
-    block_tables_ptr,  # [N, max_blocks] int32
-    qk_scale,  # softmax scale * log2(e)
-    num_tokens,
-    num_heads,
-    stride_qn,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_on,
-    stride_oh,
-    stride_bt,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    """Decode rows of a model without GQA: q . k and p . v as vector reductions in fp32.
-
-    With one query per (row, head), ``_paged_attention_kernel`` would fill one of 16
-    MMA rows; here a program holds one q vector and reduces over ``BLOCK_N`` keys at
-    a time, so its registers carry K/V tiles instead of padding."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + row)
-    steps_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    kv_lo = split * steps_per_split * BLOCK_N
-    kv_hi = tl.minimum(seq_len, kv_lo + steps_per_split * BLOCK_N)
-
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    row64 = row.to(tl.int64)
-    q = tl.load(q_ptr + row64 * stride_qn + head * stride_qh + offs_d).to(tl.float32) * qk_scale  # [D]
-    table = block_tables_ptr + row64 * stride_bt
-    k_head = head.to(tl.int64) * stride_kh
-    v_head = head.to(tl.int64) * stride_vh
-    m_i = -1.0e30  # finite start: see _paged_attention_kernel
-    l_i = 0.0
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        pos = start + offs_n
-        n_valid = pos < kv_hi
-        block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)  # int64: big pools
-        in_block = (pos % BLOCK_SIZE).to(tl.int64)
-        k_off = block * stride_kb + in_block * stride_ks + k_head
-        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)  # [BLOCK_N, D]
-        s = tl.sum(k.to(tl.float32) * q[None, :], 1)  # [BLOCK_N]
-        s = tl.where(n_valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        p = tl.exp2(s - m_new)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        v_off = block * stride_vb + in_block * stride_vs + v_head
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)  # [BLOCK_N, D]
-        acc = acc * alpha + tl.sum(v.to(tl.float32) * p[:, None], 0)
-        m_i = m_new
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + row64 * stride_on + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
-    else:
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        p_idx = (split * num_tokens + row64) * num_heads + head
-        tl.store(part_lse_ptr + p_idx, lse)
-        tl.store(part_out_ptr + p_idx * HEAD_DIM + offs_d, o)
-
-
-@_jit
 def _merge_splits_kernel(
     part_out_ptr,  # [NUM_SPLITS, N, H, D] fp32, contiguous
     part_lse_ptr,  # [NUM_SPLITS, N, H] fp32, contiguous
@@ -398,7 +315,6 @@ class DecodeLaunch:
     block_n: int | None = None  # keys per inner step
     num_warps: int | None = None
     num_stages: int | None = None
-    vector: bool | None = None  # models without GQA: the vector-reduction kernel instead of the MMA one
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -516,10 +432,8 @@ class TritonAttentionBackend(AttentionBackend):
             grid = (num_rows, kvh, q_tiles * num_splits)
         num_warps = 8 if block_m * d >= 64 * 256 else 4
         num_stages = 3 if elem_bytes <= 2 and d <= 128 else 2  # fp32 / D=256 tiles: keep shared memory in bounds
-        vector = False
         if meta.max_query_len == 1 and work is None:
             tune = self.decode_launch
-            vector = group == 1 and n == num_rows and (tune.vector if tune.vector is not None else _VECTOR_MHA_DECODE)
             block_n = tune.block_n or block_n
             num_warps = tune.num_warps or num_warps
             num_stages = tune.num_stages or num_stages
@@ -530,32 +444,20 @@ class TritonAttentionBackend(AttentionBackend):
             part_lse = torch.empty((num_splits, n, heads), dtype=torch.float32, device=q.device)
         else:
             part_out = part_lse = out  # unused by the kernel
-        if vector:
-            _paged_decode_mha_kernel[(num_rows, heads, num_splits)](
-                q, k_cache, v_cache, out, part_out, part_lse, meta.seq_lens, meta.block_tables,
-                scale * _LOG2E, n, heads,
-                q.stride(0), q.stride(1),
-                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                out.stride(0), out.stride(1), meta.block_tables.stride(0),
-                BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=d, NUM_SPLITS=num_splits,
-                num_warps=num_warps, num_stages=num_stages,
-            )  # fmt: skip
-        else:
-            _paged_attention_kernel[grid](
-                q, k_cache, v_cache, out, part_out, part_lse,
-                meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                work if work is not None else meta.seq_lens, work.shape[1] if work is not None else 0,
-                scale * _LOG2E, n, heads,
-                q.stride(0), q.stride(1),
-                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                out.stride(0), out.stride(1),
-                meta.block_tables.stride(0),
-                G=group, TILE_T=tile_t, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-                HEAD_DIM=d, NUM_SPLITS=num_splits, DOT_PRECISION=precision, WORK_LIST=work is not None,
-                num_warps=num_warps, num_stages=num_stages,
-            )  # fmt: skip
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, out, part_out, part_lse,
+            meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            work if work is not None else meta.seq_lens, work.shape[1] if work is not None else 0,
+            scale * _LOG2E, n, heads,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1),
+            meta.block_tables.stride(0),
+            G=group, TILE_T=tile_t, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+            HEAD_DIM=d, NUM_SPLITS=num_splits, DOT_PRECISION=precision, WORK_LIST=work is not None,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
         if num_splits > 1:
             _merge_splits_kernel[(n, heads)](
                 part_out, part_lse, out, n, heads, out.stride(0), out.stride(1),

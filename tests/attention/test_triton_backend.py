@@ -113,14 +113,6 @@ def test_decode_launch_override_matches_torch():
                  decode_launch=DecodeLaunch(block_n=16, num_warps=2, num_stages=2))
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_mha_decode_kernel_matches_torch(num_splits):
-    # Models without GQA may decode through the vector-reduction kernel; split ranges may be empty.
-    rows = [(1, 70), (1, 2), (1, 33), (1, 16)]
-    check_attend(rows, 2, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5, num_splits=num_splits,
-                 decode_launch=DecodeLaunch(block_n=16, num_warps=2, num_stages=2, vector=True))
-
-
 def test_build_work_tiles():
     tiles = build_work_tiles(np.array([1, 70, 0, 64]), 64, capacity=6)
     assert tiles.tolist() == [[0, 1, 1, 3, -1, -1], [0, 0, 1, 0, -1, -1]]
