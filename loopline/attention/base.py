@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from torch import Tensor
 
 
@@ -68,10 +69,20 @@ class AttentionBackend(ABC):
         """Query tokens per work tile for ``group`` query heads per KV head; None: no work list."""
         return None
 
-    @abstractmethod
     def copy_slots(self, k_cache: Tensor, v_cache: Tensor, src: Tensor, dst: Tensor) -> None:
         """For every layer copy K/V at physical slots ``src[i]`` to ``dst[i]`` (``[M]`` int64).
 
         Caches here are the full ``[num_layers, num_blocks, block_size, kv_heads, D]``
-        tensors; ``last_exited`` uses this to fill deeper planes at exit.
+        tensors; ``last_exited`` uses this to fill deeper planes at exit. Graph-safe: one
+        gather and one scatter per cache over ``(layer, slot)`` rows. (Indexing the slot axis
+        of the 5-D cache directly makes torch split the copy into one kernel per 2**31
+        elements of the pool: 49 launches per step with a 110 GiB pool.)
         """
+        if src.shape[0] == 0:
+            return
+        num_layers, slots = k_cache.shape[0], k_cache.shape[1] * k_cache.shape[2]
+        first = torch.arange(num_layers, device=src.device)[:, None] * slots  # row of each layer's slot 0
+        src_rows, dst_rows = (first + src[None, :]).reshape(-1), (first + dst[None, :]).reshape(-1)
+        for cache in (k_cache, v_cache):
+            rows = cache.view(num_layers * slots, -1)
+            rows[dst_rows] = rows[src_rows]

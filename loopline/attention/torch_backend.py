@@ -53,8 +53,3 @@ class TorchAttentionBackend(AttentionBackend):
             scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
             out[q_lo:q_hi] = torch.einsum("hqs,shd->qhd", scores.softmax(-1), v).to(q.dtype)
         return out
-
-    def copy_slots(self, k_cache: Tensor, v_cache: Tensor, src: Tensor, dst: Tensor) -> None:
-        for cache in (k_cache, v_cache):
-            flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
-            flat[:, dst] = flat[:, src]

@@ -15,7 +15,7 @@ The same contract as :class:`~loopline.attention.torch_backend.TorchAttentionBac
   ``_merge_splits_kernel`` combines by their log-sum-exp.
 * ``_write_kv_kernel`` stores a step's new K/V at ``slot_mapping`` (slot < 0: skip).
 * ``_copy_slots_kernel`` copies K/V between physical slots in every layer
-  (the ``last_exited`` exit copy).
+  (the ``last_exited`` exit copy; not used by the engine, see ``copy_slots_triton``).
 
 Without CUDA the kernels run only under ``TRITON_INTERPRET=1`` (slow, for tests).
 """
@@ -50,7 +50,7 @@ _LOG2E = 1.4426950408889634
 # Split-KV: aim for this many programs per SM and give each split at least
 # this many keys, so tiny contexts are not split into pure overhead.
 _PROGRAMS_PER_SM = 2
-_MIN_KEYS_PER_SPLIT = 128
+_MIN_KEYS_PER_SPLIT = 64  # bench_attention --sweep, H200: 16 splits of 64 keys beat 8 of 128 at one row
 _MAX_SPLITS = 16
 
 
@@ -360,21 +360,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ copy_slots
 
-    def copy_slots(self, k_cache: Tensor, v_cache: Tensor, src: Tensor, dst: Tensor) -> None:
-        """Exit copy as one gather/scatter per cache (graph-safe).
-
-        NOTE: ``_copy_slots_kernel`` passes the interpreter tests but faulted with an
-        illegal address on the H200 (triton 3.6); until it is fixed there, the copy
-        uses torch indexing, which is one kernel per cache and fine at decode sizes.
-        """
-        if src.shape[0] == 0:
-            return
-        for cache in (k_cache, v_cache):
-            flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
-            flat[:, dst] = flat[:, src]
-
     def copy_slots_triton(self, k_cache: Tensor, v_cache: Tensor, src: Tensor, dst: Tensor) -> None:
-        """The Triton exit-copy kernel (see the note on :meth:`copy_slots`).
+        """The Triton exit-copy kernel; not used by the engine.
+
+        NOTE: it passes the interpreter tests but faulted with an illegal address on the
+        H200 (triton 3.6), so the engine uses the base class's torch gather/scatter.
 
         Programs run in parallel, so ``src`` and ``dst`` must not share slots
         (true for the exit copy: planes e+1..R are written from plane e)."""

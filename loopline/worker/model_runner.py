@@ -466,12 +466,13 @@ class ModelRunner:
         self.slot_survival[d.slots] = survival
         if self._copies_on_exit:
             # NOTE: last_exited: a token exiting at loop e fills planes e..R-1 (0-based) with its
-            # loop-e KV. Rows that do not exit copy their slot onto itself (a no-op), so the
-            # copy needs no host decision.
+            # loop-e KV. Every other entry copies the scratch slot onto itself (a no-op on real
+            # data that stays in L2), so the copy has a fixed shape and needs no host decision.
             planes = torch.arange(self.layout.num_planes, device=h.device)
             src = d.plane_slots.gather(1, (d.loops - 1)[:, None]).expand_as(d.plane_slots)
             deeper = ex[:, None] & (planes[None, :] >= d.loops[:, None])
-            dst = torch.where(deeper, d.plane_slots, src)
+            scratch = self.scratch_block * self.block_size
+            src, dst = torch.where(deeper, src, scratch), torch.where(deeper, d.plane_slots, scratch)
             self.backend.copy_slots(self.k_cache, self.v_cache, src.reshape(-1), dst.reshape(-1))
         return ex, self.model.head(h)
 
