@@ -77,8 +77,8 @@ if has hf; then  # against transformers generate() on the same weights, batch 1 
         --warmup-prompts 1 --async-scheduling --max-num-batched-tokens 8192 --kv-cache-memory-gb 40 --output-json "$out/hf.json" 2> "$out/hf.err" | tail -12
 fi
 if has adaptive; then  # continuous depth batching vs cohort vs full depth (synthetic mean 2.5 loops)
-  bench 300 --input-len 128 --output-len 512 --concurrency 128 --depth-dist mean2.5 --compare \
-        --variants refill,no_refill,fixed --repeats 1 --max-num-batched-tokens 8192 --async-scheduling \
+  bench 420 --input-len 128 --output-len 512 --concurrency 128 --depth-dist mean2.5 --compare \
+        --variants refill,no_refill,fixed --repeats 2 --max-num-batched-tokens 8192 --async-scheduling \
         --output-json "$out/adaptive.json" 2> "$out/adaptive.err" | tail -6
 fi
 # the device returns at most 8 files: everything also goes back in one archive

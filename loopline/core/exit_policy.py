@@ -78,11 +78,12 @@ def make_exit_policy(mode: str, num_loops: int, default_threshold: float) -> Exi
     return policies[mode](num_loops, default_threshold)
 
 
-def exit_decision(loop: Tensor, survival: Tensor, gate_logit: Tensor, min_loops: Tensor, max_loops: Tensor,
-                  threshold: Tensor) -> tuple[Tensor, Tensor]:
+def exit_decision(loop: Tensor | int, survival: Tensor | float, gate_logit: Tensor, min_loops: Tensor | int,
+                  max_loops: Tensor | int, threshold: Tensor | float) -> tuple[Tensor, Tensor]:
     """Applies the exit rule after loop ``loop`` (1-based) for B rows.
 
     survival: ``[B]`` fp32 ``prod_{i<r}(1 - lambda_i)`` before this loop (1 at loop 1).
+    Every argument but the gate may also be a Python number shared by all rows.
     Returns ``(exit [B] bool, survival after this loop [B] fp32)``; ``F_r = 1 - survival``.
     """
     lam = torch.sigmoid(gate_logit.float())

@@ -129,22 +129,30 @@ class _GraphSet:
 
     @torch.inference_mode()
     def capture(self, pool=None):
-        """Captures every graph in one memory pool; returns the pool."""
+        """Captures every graph in one memory pool; returns the pool.
+
+        Warm-up runs on the capture stream itself: per-stream resources (cuBLAS's
+        workspace for that stream, its kernel choice given that workspace) then exist
+        before capture, where creating them is not allowed."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
         for key in self._capture_order():
-            self.reset_inputs(key)
-            for _ in range(2):  # compile kernels, settle allocations
-                self._forward(key)
-            torch.cuda.synchronize()
+            with torch.cuda.stream(stream):
+                self.reset_inputs(key)
+                for _ in range(2):  # compile kernels, settle allocations
+                    self._forward(key)
+            stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.outputs[key] = self._forward(key)
             except RuntimeError as e:  # name the bucket: the CUDA error alone does not say which shape failed
                 raise RuntimeError(f"{type(self).__name__}: capturing the graph for bucket {key} failed "
                                    f"(enforce_eager=True runs without graphs): {e}") from e
             pool = graph.pool()
             self.graphs[key] = graph
-        torch.cuda.synchronize()
+        stream.synchronize()
+        torch.cuda.current_stream().wait_stream(stream)
         return pool
 
 
@@ -266,7 +274,7 @@ class MixedGraphs(_GraphSet):
     run eagerly: their GPU time hides the launches.
     """
 
-    def __init__(self, runner, max_decode: int, max_tokens: int, max_seq_len: int, max_prefill_rows: int = 8) -> None:
+    def __init__(self, runner, max_decode: int, max_tokens: int, max_seq_len: int, max_prefill_rows: int = 16) -> None:
         self.runner = runner
         self.max_seq_len = max_seq_len
         self.max_prefill_rows = max_prefill_rows

@@ -480,17 +480,20 @@ class ModelRunner:
         st = self.requests[row.request_id]
         lo, hi = row.start, row.end
         ep = st.prompt_exit
-        n = hi - lo
-        loop = torch.full((n,), row.loop, device=self.device)
-        survival = st.survival[lo:hi] if row.loop > 1 else torch.ones(n, device=self.device)
-        ex, survival = exit_decision(loop, survival, gate, torch.full_like(loop, ep.min_loops),
-                                     torch.full_like(loop, ep.max_loops),
-                                     torch.full((n,), ep.threshold, dtype=torch.float32, device=self.device))
-        st.survival[lo:hi] = survival
-        newly = ex & (st.sel_depth[lo:hi] == 0)
-        # torch.where, not boolean indexing: a mask index would sync with the host
-        st.sel_hidden[lo:hi] = torch.where(newly[:, None], h, st.sel_hidden[lo:hi])
-        st.sel_depth[lo:hi] = torch.where(newly, row.loop, st.sel_depth[lo:hi])
+        # NOTE: a chunk's rule is one (loop, min, max, threshold) for all its positions, so it
+        # goes in as scalars; each op here is a launch per prefill row, which bounds steps
+        # that carry many rows.
+        if ep.threshold < 1.0:  # the gate decides, position by position
+            survival = st.survival[lo:hi] if row.loop > 1 else 1.0
+            ex, survival = exit_decision(row.loop, survival, gate, ep.min_loops, ep.max_loops, ep.threshold)
+            st.survival[lo:hi] = survival
+            newly = ex & (st.sel_depth[lo:hi] == 0)
+            # torch.where, not boolean indexing: a mask index would sync with the host
+            st.sel_hidden[lo:hi] = torch.where(newly[:, None], h, st.sel_hidden[lo:hi])
+            st.sel_depth[lo:hi] = torch.where(newly, row.loop, st.sel_depth[lo:hi])
+        elif row.loop == ep.max_loops:  # no early exit: every position exits exactly at max_loops
+            st.sel_hidden[lo:hi] = h
+            st.sel_depth[lo:hi] = row.loop
         if row.loop < self.num_loops:
             st.hidden[lo:hi] = h
             return
