@@ -75,8 +75,8 @@ class AttentionBackend(ABC):
         Caches here are the full ``[num_layers, num_blocks, block_size, kv_heads, D]``
         tensors; ``last_exited`` uses this to fill deeper planes at exit. Graph-safe: one
         gather and one scatter per cache over ``(layer, slot)`` rows. (Indexing the slot axis
-        of the 5-D cache directly makes torch split the copy into one kernel per 2**31
-        elements of the pool: 49 launches per step with a 110 GiB pool.)
+        of the 5-D cache directly makes torch split the copy into kernels by 32-bit offset
+        ranges of the whole pool: 49 launches per step with a 110 GiB pool on the H200.)
         """
         if src.shape[0] == 0:
             return
