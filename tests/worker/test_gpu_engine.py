@@ -120,3 +120,42 @@ def test_mixed_step_graphs_equal_eager(tiny_gqa, layout, async_scheduling):
     assert mixed is not None and mixed.replays > 5  # steps with prefill chunks really replayed a graph
     eager, _ = _staggered(tiny_gqa, enforce_eager=True, **kw)
     assert graphed == eager and len(graphed) == 8
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_graphs_follow_weight_updates_sleep_and_wake_up(tiny_gqa, tiny_factory, async_scheduling):
+    # In-place weight updates must reach the captured graphs (packed q/k/v and gate/up views);
+    # sleep(level=2) re-lays the weights and the pool out at new addresses, so wake_up recaptures.
+    prompts = [ids(n, seed=n) for n in (3, 17, 40, 9, 25)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, exit_threshold=0.7)
+    kw = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="triton",
+              async_scheduling=async_scheduling)
+    new = tiny_factory(3)
+    want_old = run(tiny_gqa, prompts, params, enforce_eager=True, **kw)
+    want_new = run(new, prompts, params, enforce_eager=True, **kw)
+    assert want_new != want_old  # the update is visible in the outputs
+
+    llm = tiny_gqa.llm(device="cuda", skip_tokenizer_init=True, num_kv_blocks=512, **kw)
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+
+    def generate():
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].exit_depths) for o in outs]
+
+    replays = runner.mixed_graphs.replays
+    assert generate() == want_old and runner.mixed_graphs.replays > replays
+    engine.start_weight_update(1)
+    engine.update_weights(new.state_dict.items())
+    engine.finish_weight_update()
+    assert generate() == want_new  # same graphs, new weights in place
+
+    engine.sleep(level=2)
+    assert runner.graphs is None and runner.mixed_graphs is None
+    engine.wake_up(tags=["weights"])
+    engine.start_weight_update(2)
+    engine.update_weights(tiny_gqa.state_dict.items())
+    engine.finish_weight_update()
+    engine.wake_up(tags=["kv_cache"])
+    assert runner.graphs is not None and runner.mixed_graphs is not None
+    replays = runner.mixed_graphs.replays
+    assert generate() == want_old and runner.mixed_graphs.replays > replays
