@@ -74,7 +74,7 @@ if has overlap; then  # sync vs async vs eager in one process, interleaved (rati
 fi
 if has hf; then  # against transformers generate() on the same weights, batch 1 / 8 / 32
   bench 420 --input-len 1024 --output-len 128 --concurrency 1,8,32 --variants fixed,hf --compare --repeats 1 \
-        --warmup-prompts 1 --async-scheduling --max-num-batched-tokens 8192 --kv-cache-memory-gb 40 --output-json "$out/hf.json" 2> "$out/hf.err" | tail -12
+        --async-scheduling --max-num-batched-tokens 8192 --kv-cache-memory-gb 40 --output-json "$out/hf.json" 2> "$out/hf.err" | tail -12
 fi
 if has adaptive; then  # continuous depth batching vs cohort vs full depth (synthetic mean 2.5 loops)
   bench 420 --input-len 128 --output-len 512 --concurrency 128 --depth-dist mean2.5 --compare \
