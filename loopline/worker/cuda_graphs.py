@@ -19,7 +19,7 @@ from torch import Tensor
 from loopline.attention import PagedAttentionMetadata
 from loopline.attention.base import build_work_tiles
 from loopline.attention.paged import PagedAttention
-from loopline.worker.staging import _ALIGN, _TORCH_DTYPES
+from loopline.worker.staging import aligned, torch_dtype
 from loopline.worker.step_inputs import StepInputs
 
 
@@ -42,7 +42,7 @@ class _Layout:
         off = 0
         for name, (dtype, shape, _) in fields.items():
             self.fields[name] = (off, np.dtype(dtype), shape)
-            off += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN
+            off += aligned(int(np.prod(shape)) * np.dtype(dtype).itemsize)
         self.nbytes = off
         self.padding = np.zeros(off, dtype=np.uint8)
         for name, view in self.host_views(self.padding).items():
@@ -53,7 +53,7 @@ class _Layout:
                 for name, (off, dt, shape) in self.fields.items()}
 
     def device_views(self, buf: Tensor) -> dict[str, Tensor]:
-        return {name: buf[off:off + int(np.prod(shape)) * dt.itemsize].view(_TORCH_DTYPES[dt]).view(shape)
+        return {name: buf[off:off + int(np.prod(shape)) * dt.itemsize].view(torch_dtype(dt)).view(shape)
                 for name, (off, dt, shape) in self.fields.items()}
 
 
@@ -231,8 +231,7 @@ class DecodeGraphs(_GraphSet):
         pinned, v = _pinned_image(lay, self.inputs.is_cuda)
         _put_decode_rows(v, inp)
         self.inputs[:lay.nbytes].copy_(pinned, non_blocking=True)
-        ex, logits = self._replay(n)
-        return ex, logits
+        return self._replay(n)
 
     def run_slots(self, slots: np.ndarray, min_loops: np.ndarray, max_loops: np.ndarray,
                   threshold: np.ndarray) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:

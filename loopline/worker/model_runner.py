@@ -392,11 +392,8 @@ class ModelRunner:
         prefill = build_step_inputs(rows[nd:], self._block_arrays, self.layout.num_planes, self.block_size)
         ex, logits, h, gate = self.mixed_graphs.run(key, prefill, self._prefill_inputs(rows[nd:]), decode=decode,
                                                     decode_device=decode_device)
-        offsets = prefill.token_offsets
-        for j, i in enumerate(range(nd, len(rows))):
-            lo, hi = offsets[j], offsets[j + 1]
-            self._finish_prefill_row(i, rows[i], h[lo:hi], gate[lo:hi], exited, sample_hidden, sample_meta,
-                                     prompt_logprobs)
+        self._book_prefill_rows(rows, nd, h, gate, prefill.token_offsets, exited, sample_hidden, sample_meta,
+                                prompt_logprobs)
         return ex, logits
 
     def _run_loop(self, rows, nd, x, positions, meta, offsets, dec, exited, sample_hidden, sample_meta,
@@ -404,10 +401,7 @@ class ModelRunner:
         """One eager traversal for all rows; books prefill rows; returns the decode rows' (exit, logits)."""
         attn = PagedAttention(self.backend, self.k_cache, self.v_cache, meta, self.scale)
         h, gate = self.model.loop(x, positions, attn)
-        for i in range(nd, len(rows)):
-            lo, hi = offsets[i], offsets[i + 1]
-            self._finish_prefill_row(i, rows[i], h[lo:hi], gate[lo:hi], exited, sample_hidden, sample_meta,
-                                     prompt_logprobs)
+        self._book_prefill_rows(rows, nd, h, gate, offsets[nd:], exited, sample_hidden, sample_meta, prompt_logprobs)
         if dec is None:
             return None, None
         return self._decode_tail(h[:nd], gate[:nd], dec)
@@ -475,6 +469,14 @@ class ModelRunner:
             src, dst = torch.where(deeper, src, scratch), torch.where(deeper, d.plane_slots, scratch)
             self.backend.copy_slots(self.k_cache, self.v_cache, src.reshape(-1), dst.reshape(-1))
         return ex, self.model.head(h)
+
+    def _book_prefill_rows(self, rows, nd, h, gate, offsets, exited, sample_hidden, sample_meta,
+                           prompt_logprobs) -> None:
+        """Books prefill rows ``rows[nd:]``; the j-th one's tokens are ``h[offsets[j]:offsets[j + 1]]``."""
+        for j, i in enumerate(range(nd, len(rows))):
+            lo, hi = offsets[j], offsets[j + 1]
+            self._finish_prefill_row(i, rows[i], h[lo:hi], gate[lo:hi], exited, sample_hidden, sample_meta,
+                                     prompt_logprobs)
 
     def _finish_prefill_row(self, i, row, h, gate, exited, sample_hidden, sample_meta, prompt_logprobs) -> None:
         st = self.requests[row.request_id]

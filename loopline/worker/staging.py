@@ -17,6 +17,16 @@ from torch import Tensor
 _ALIGN = 16  # bytes: every view starts aligned for any element type
 
 
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up so that the next array in a packed buffer starts aligned for any dtype."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a numpy dtype, for views of a packed byte buffer."""
+    return _TORCH_DTYPES[np.dtype(dtype)]
+
+
 def _as_array(a) -> np.ndarray:
     if isinstance(a, np.ndarray):
         return a
@@ -38,13 +48,13 @@ def stage(device: torch.device, *arrays) -> list[Tensor]:
     offsets, total = [], 0
     for a in host:
         offsets.append(total)
-        total += -(-a.nbytes // _ALIGN) * _ALIGN
+        total += aligned(a.nbytes)
     pinned = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=True)
     buf = pinned.numpy()
     for a, off in zip(host, offsets):
         buf[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
     dev = pinned.to(device, non_blocking=True)
-    return [dev[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape) for a, off in zip(host, offsets)]
+    return [dev[off:off + a.nbytes].view(torch_dtype(a.dtype)).view(a.shape) for a, off in zip(host, offsets)]
 
 
 _TORCH_DTYPES = {np.dtype(k): v for k, v in {
