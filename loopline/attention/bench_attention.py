@@ -108,8 +108,8 @@ def sweep_decode(scale: float) -> None:
 
     print("\n# decode launch sweep (us per call, CUDA graph cycling over >= 256 MB of K/V); default rule first")
     cases = [("decode B=1 ctx=1024", [(1, 1024)], (None, 8, 16)),
-             ("decode B=32 ctx=1024", [(1, 1024)] * 32, (None,)),
-             ("decode B=128 ctx=1024", [(1, 1024)] * 128, (None,))]
+             ("decode B=32 ctx=1024", [(1, 1024)] * 32, (None, 2, 4)),
+             ("decode B=128 ctx=1024", [(1, 1024)] * 128, (None, 2))]
     launches = [None] + [DecodeLaunch(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
     for label, rows, split_choices in cases:
         steps = layer_steps(rows)
