@@ -32,7 +32,8 @@ if has kernels; then  # kernel micro-benchmarks
   timeout 120 python3 -m loopline.attention.bench_attention 2>&1 | grep -v Warn | tee "$out/kernels.txt"
 fi
 if has sweep; then  # decode attention launch parameters and kernels, in CUDA graphs
-  timeout 300 python3 -c "from loopline.attention.bench_attention import sweep_decode; sweep_decode(128 ** -0.5)" \
+  timeout 300 python3 -c "from loopline.attention.bench_attention import sweep_decode as d, sweep_prefill as p
+d(128 ** -0.5); p(128 ** -0.5)" \
     2>&1 | grep -v Warn | tee "$out/sweep.txt"
 fi
 if has gemm; then  # projection GEMMs at decode row counts: cuBLAS, cuBLASLt, transposed weights, Triton split-K

@@ -73,10 +73,10 @@ class AttentionBackend(ABC):
         """For every layer copy K/V at physical slots ``src[i]`` to ``dst[i]`` (``[M]`` int64).
 
         Caches here are the full ``[num_layers, num_blocks, block_size, kv_heads, D]``
-        tensors; ``last_exited`` uses this to fill deeper planes at exit. Graph-safe: one
-        gather and one scatter per cache over ``(layer, slot)`` rows. (Indexing the slot axis
-        of the 5-D cache directly makes torch split the copy into kernels by 32-bit offset
-        ranges of the whole pool: 49 launches per step with a 110 GiB pool on the H200.)
+        tensors. Graph-safe: one gather and one scatter per cache over ``(layer, slot)`` rows.
+        (Indexing the slot axis of the 5-D cache directly makes torch split the copy into
+        kernels by 32-bit offset ranges of the whole pool: 49 launches per step with a
+        110 GiB pool on the H200.)
         """
         if src.shape[0] == 0:
             return
@@ -86,3 +86,23 @@ class AttentionBackend(ABC):
         for cache in (k_cache, v_cache):
             rows = cache.view(num_layers * slots, -1)
             rows[dst_rows] = rows[src_rows]
+
+    def copy_exited(self, k_cache: Tensor, v_cache: Tensor, plane_slots: Tensor, loops: Tensor, exits: Tensor,
+                    scratch_slot: int) -> None:
+        """The ``last_exited`` exit copy of one decode step, decided on the device.
+
+        Row ``b`` with ``exits[b]`` left at loop ``e = loops[b]``: in every layer, its K/V
+        at ``plane_slots[b, e - 1]`` (0-based planes) goes to ``plane_slots[b, p]`` for
+        every deeper plane ``p >= e``. ``plane_slots``: ``[B, P]`` int64; ``loops``:
+        ``[B]``; ``exits``: ``[B]`` bool. No host sync, so it can be captured.
+
+        This generic version copies a fixed ``B x P`` entries: every entry without a copy
+        moves ``scratch_slot`` onto itself (a no-op that stays in L2), so its cost grows
+        with the batch whether or not anything exits. Backends with kernels override it.
+        """
+        planes = torch.arange(plane_slots.shape[1], device=plane_slots.device)
+        src = plane_slots.gather(1, (loops.long() - 1)[:, None]).expand_as(plane_slots)
+        deeper = exits[:, None] & (planes[None, :] >= loops[:, None])
+        src = torch.where(deeper, src, scratch_slot)
+        dst = torch.where(deeper, plane_slots, scratch_slot)
+        self.copy_slots(k_cache, v_cache, src.reshape(-1), dst.reshape(-1))

@@ -130,6 +130,47 @@ def sweep_decode(scale: float) -> None:
             print(f"  {us:8.1f} us  {step_bytes(rows) / (us * 1e-6) / 1e9:6.0f} GB/s  {launch}  splits={splits}")
 
 
+def sweep_prefill(scale: float, rows: list[tuple[int, int]] | None = None) -> None:
+    """Launch parameters of prefill steps (query rows, keys per step, warps, stages) over a work list."""
+    import itertools
+
+    from loopline.attention.triton_backend import PrefillLaunch, TritonAttentionBackend
+
+    rows = rows or [(1024, 1024)] * 8
+    q, k_cache, v_cache, meta = make_step(rows)
+    ref = TritonAttentionBackend().attend(q, k_cache, v_cache, _with_work(meta, rows, TritonAttentionBackend()), scale)
+    tflop = step_flops(rows) / 1e12
+    print(f"\n# prefill launch sweep, {len(rows)} x {rows[0][0]} tokens (ms per call, TFLOP/s); default rule first")
+    launches = [None] + [PrefillLaunch(bm, bn, w, st) for bm, bn, w, st in
+                         itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
+    results = []
+    for launch in launches:
+        be = TritonAttentionBackend(prefill_launch=launch)
+        m = _with_work(meta, rows, be)
+        try:
+            got = be.attend(q, k_cache, v_cache, m, scale)
+            err = (got.float() - ref.float()).abs().max().item()
+            ms = time_ms(lambda: be.attend(q, k_cache, v_cache, m, scale), warmup=2, reps=10)
+        except Exception as e:  # e.g. out of shared memory for the largest tiles
+            print(f"  skipped {launch}: {type(e).__name__}")
+            continue
+        results.append((ms, launch, err))
+    print(f"default {results[0][0]:.3f} ms ({tflop / (results[0][0] * 1e-3):.0f} TFLOP/s); best:")
+    for ms, launch, err in sorted(results, key=lambda r: r[0])[:8]:
+        print(f"  {ms:7.3f} ms  {tflop / (ms * 1e-3):5.0f} TFLOP/s  max err {err:.1e}  {launch}")
+
+
+def _with_work(meta: PagedAttentionMetadata, rows, backend) -> PagedAttentionMetadata:
+    """``meta`` with the work list the engine builds for prefill steps, at ``backend``'s tile size."""
+    import dataclasses
+
+    from loopline.attention.base import build_work_tiles
+
+    tile = backend.work_tile_tokens(HEADS // KV_HEADS)
+    work = torch.from_numpy(build_work_tiles([n for n, _ in rows], tile)).to(meta.seq_lens.device)
+    return dataclasses.replace(meta, work_tiles=work)
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -178,6 +219,7 @@ def main() -> None:
         print(f"{label:34s} {t_ref:9.3f} {t_fast:10.3f} {t_ref / t_fast:7.1f}x {bw} {tflops:8.1f} {err:8.1e}")
     if "--sweep" in sys.argv:
         sweep_decode(scale)
+        sweep_prefill(scale)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ The same contract as :class:`~loopline.attention.torch_backend.TorchAttentionBac
   ``num_splits`` programs (flash-decoding) whose partial results
   ``_merge_splits_kernel`` combines by their log-sum-exp.
 * ``_write_kv_kernel`` stores a step's new K/V at ``slot_mapping`` (slot < 0: skip).
-* ``_copy_slots_kernel`` copies K/V between physical slots in every layer
-  (the ``last_exited`` exit copy; not used by the engine, see ``copy_slots_triton``).
+* ``_copy_exited_kernel`` is the ``last_exited`` exit copy: rows whose token exits
+  before the last loop copy their K/V into the deeper planes, in every layer; the
+  other rows' programs return at once.
 
 Without CUDA the kernels run only under ``TRITON_INTERPRET=1`` (slow, for tests).
 """
@@ -60,6 +61,41 @@ def triton_available() -> bool:
 
 
 # --------------------------------------------------------------------------- kernels
+
+
+@_jit
+def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, qk_scale,
+                 stride_kb, stride_ks, stride_vb, stride_vs,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step over keys ``start .. start + BLOCK_N``; MASKED: apply causality and ``kv_hi``."""
+    pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        n_valid = pos < kv_hi
+        block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0)
+    else:
+        block = tl.load(table + pos // BLOCK_SIZE)
+    # NOTE: int64 before multiplying: block id * block stride exceeds 2**31 in big pools.
+    block = block.to(tl.int64)
+    in_block = (pos % BLOCK_SIZE).to(tl.int64)
+    k_ptrs = k_head + (block * stride_kb + in_block * stride_ks)[None, :] + offs_d[:, None]  # [D, BLOCK_N]
+    v_ptrs = v_head + (block * stride_vb + in_block * stride_vs)[:, None] + offs_d[None, :]  # [BLOCK_N, D]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=n_valid[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+    if MASKED:
+        s = tl.where(n_valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+    alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @_jit
@@ -146,31 +182,20 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    offs_n = tl.arange(0, BLOCK_N)
     table = block_tables_ptr + row.to(tl.int64) * stride_bt
-    k_head = kv_head.to(tl.int64) * stride_kh
-    v_head = kv_head.to(tl.int64) * stride_vh
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        pos = start + offs_n  # [BLOCK_N] key positions
-        n_valid = pos < kv_hi
-        # NOTE: int64 before multiplying: block id * block stride exceeds 2**31 in big pools.
-        block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)  # [BLOCK_N]
-        in_block = (pos % BLOCK_SIZE).to(tl.int64)
-        k_off = block * stride_kb + in_block * stride_ks + k_head  # [BLOCK_N]
-        v_off = block * stride_vb + in_block * stride_vs + v_head  # [BLOCK_N]
-        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=n_valid[None, :], other=0.0)  # [D, BLOCK_N]
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=n_valid[:, None], other=0.0)  # [BLOCK_N, D]
-
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
-        visible = n_valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
-        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    # Whole key blocks that every query of the tile sees (positions <= its first query's)
+    # need no mask; only the blocks from there to kv_hi (the diagonal, a ragged end) do.
+    full_hi = tl.maximum(kv_lo, tl.minimum(kv_hi, ctx_len + tile_start + 1) // BLOCK_N * BLOCK_N)
+    for start in range(kv_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, qk_scale,
+                                     stride_kb, stride_ks, stride_vb, stride_vs,
+                                     BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION, False)
+    for start in range(full_hi, kv_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, qk_scale,
+                                     stride_kb, stride_ks, stride_vb, stride_vs,
+                                     BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION, True)
 
     # Only padding M rows (and, with splits, rows whose split saw no visible key) have l_i == 0.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -255,12 +280,15 @@ def _write_kv_kernel(
 
 
 @_jit
-def _copy_slots_kernel(
+def _copy_exited_kernel(
     k_cache_ptr,  # [L, num_blocks, BLOCK_SIZE, KVH, D]
     v_cache_ptr,
-    src_ptr,  # [M] int64 physical slots
-    dst_ptr,  # [M] int64
+    plane_slots_ptr,  # [B, P] int64 physical slot of each row's position in every plane
+    loops_ptr,  # [B] the loop each row just ran (1-based)
+    exits_ptr,  # [B] bool (as int8): the row's token exits at this loop
+    num_planes,
     num_kv_heads,
+    stride_ps,
     stride_kl,
     stride_kb,
     stride_ks,
@@ -273,23 +301,28 @@ def _copy_slots_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    i = tl.program_id(0)
+    # One program per (row, layer, head chunk). A row that does not exit returns at once,
+    # so a step where nothing exits early costs one tiny launch, not a copy per row.
+    b = tl.program_id(0).to(tl.int64)
+    if tl.load(exits_ptr + b) == 0:
+        return
+    e = tl.load(loops_ptr + b).to(tl.int32)  # planes e..P-1 (0-based) take plane e-1's K/V
+    if e >= num_planes:
+        return
     layer = tl.program_id(1).to(tl.int64)
-    src = tl.load(src_ptr + i).to(tl.int64)
-    dst = tl.load(dst_ptr + i).to(tl.int64)
     offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = (offs_h < num_kv_heads)[:, None]
     heads = offs_h.to(tl.int64)[:, None]
-
     k_layer = k_cache_ptr + layer * stride_kl + heads * stride_kh + offs_d[None, :]  # [BLOCK_H, D] pointers
-    k_src = k_layer + (src // BLOCK_SIZE) * stride_kb + (src % BLOCK_SIZE) * stride_ks
-    k_dst = k_layer + (dst // BLOCK_SIZE) * stride_kb + (dst % BLOCK_SIZE) * stride_ks
-    tl.store(k_dst, tl.load(k_src, mask=mask), mask=mask)
     v_layer = v_cache_ptr + layer * stride_vl + heads * stride_vh + offs_d[None, :]
-    v_src = v_layer + (src // BLOCK_SIZE) * stride_vb + (src % BLOCK_SIZE) * stride_vs
-    v_dst = v_layer + (dst // BLOCK_SIZE) * stride_vb + (dst % BLOCK_SIZE) * stride_vs
-    tl.store(v_dst, tl.load(v_src, mask=mask), mask=mask)
+    src = tl.load(plane_slots_ptr + b * stride_ps + (e - 1)).to(tl.int64)
+    k = tl.load(k_layer + (src // BLOCK_SIZE) * stride_kb + (src % BLOCK_SIZE) * stride_ks, mask=mask)
+    v = tl.load(v_layer + (src // BLOCK_SIZE) * stride_vb + (src % BLOCK_SIZE) * stride_vs, mask=mask)
+    for p in range(e, num_planes):
+        dst = tl.load(plane_slots_ptr + b * stride_ps + p).to(tl.int64)
+        tl.store(k_layer + (dst // BLOCK_SIZE) * stride_kb + (dst % BLOCK_SIZE) * stride_ks, k, mask=mask)
+        tl.store(v_layer + (dst // BLOCK_SIZE) * stride_vb + (dst % BLOCK_SIZE) * stride_vs, v, mask=mask)
 
 
 # --------------------------------------------------------------------------- host side
@@ -317,17 +350,29 @@ class DecodeLaunch:
     num_stages: int | None = None
 
 
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """Launch parameters of steps with prefill chunks; ``None`` keeps the default rule."""
+
+    block_m: int | None = None  # query rows per program (tokens x query heads of one KV head)
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention with Triton kernels; see the module docstring for the design.
 
     ``num_splits`` forces the split-KV factor of ``attend`` (tests); ``None``
     picks it from the grid size and the SM count. ``decode_launch`` overrides
-    the launch parameters of decode-only steps (``bench_attention --sweep``).
+    the launch parameters of decode-only steps, ``prefill_launch`` those of the
+    others (``bench_attention --sweep``).
     """
 
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None, decode_launch: DecodeLaunch | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, decode_launch: DecodeLaunch | None = None,
+                 prefill_launch: PrefillLaunch | None = None) -> None:
         if triton is None:
             raise RuntimeError("TritonAttentionBackend needs the `triton` package (pip install loopline[triton])")
         if not torch.cuda.is_available() and not _INTERPRET:
@@ -339,6 +384,9 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"num_splits must be in 1..64 or None, got {num_splits}")
         self.num_splits = num_splits
         self.decode_launch = decode_launch or DecodeLaunch()
+        self.prefill_launch = prefill_launch or PrefillLaunch()
+        if self.prefill_launch.block_m is not None and not _is_pow2(self.prefill_launch.block_m):
+            raise ValueError(f"prefill_launch.block_m must be a power of two, got {self.prefill_launch.block_m}")
         self._sm_count: dict[int, int] = {}
 
     # ------------------------------------------------------------------ write_kv
@@ -358,25 +406,22 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_H=block_h,
         )  # fmt: skip
 
-    # ------------------------------------------------------------------ copy_slots
+    # ------------------------------------------------------------------ copy_exited
 
-    def copy_slots_triton(self, k_cache: Tensor, v_cache: Tensor, src: Tensor, dst: Tensor) -> None:
-        """The Triton exit-copy kernel; not used by the engine.
+    def copy_exited(self, k_cache: Tensor, v_cache: Tensor, plane_slots: Tensor, loops: Tensor, exits: Tensor,
+                    scratch_slot: int) -> None:
+        """The exit copy as one predicated kernel: rows that do not exit early cost a program that returns.
 
-        NOTE: it passes the interpreter tests but faulted with an illegal address on the
-        H200 (triton 3.6), so the engine uses the base class's torch gather/scatter.
-
-        Programs run in parallel, so ``src`` and ``dst`` must not share slots
-        (true for the exit copy: planes e+1..R are written from plane e)."""
-        m = src.shape[0]
-        if m == 0:
+        ``scratch_slot`` is unused: nothing is copied for rows without an exit."""
+        rows, num_planes = plane_slots.shape
+        if rows == 0 or num_planes < 2:
             return
         num_layers, _, block_size, kvh, d = k_cache.shape
-        assert v_cache.shape == k_cache.shape and dst.shape == src.shape
-        assert k_cache.stride(-1) == v_cache.stride(-1) == 1
+        assert v_cache.shape == k_cache.shape and loops.shape == exits.shape == (rows,)
+        assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and plane_slots.stride(1) == 1
         block_h = _heads_per_program(kvh, d)
-        _copy_slots_kernel[(m, num_layers, triton.cdiv(kvh, block_h))](
-            k_cache, v_cache, src, dst, kvh,
+        _copy_exited_kernel[(rows, num_layers, triton.cdiv(kvh, block_h))](
+            k_cache, v_cache, plane_slots, loops, exits.view(torch.int8), num_planes, kvh, plane_slots.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             BLOCK_SIZE=block_size, HEAD_DIM=d, BLOCK_H=block_h,
@@ -409,7 +454,8 @@ class TritonAttentionBackend(AttentionBackend):
         if work is not None:  # one program per listed tile, at the tile size the list was built for
             block_m = self._work_block_m(group)
         else:
-            block_m = max(16, min(64, _next_pow2(meta.max_query_len * group)), _next_pow2(group))
+            widest = self.prefill_launch.block_m or 64
+            block_m = max(16, min(widest, _next_pow2(meta.max_query_len * group)), _next_pow2(group))
         tile_t = block_m // group
         q_tiles = triton.cdiv(max(meta.max_query_len, 1), tile_t)
         elem_bytes = k_cache.element_size()
@@ -423,7 +469,14 @@ class TritonAttentionBackend(AttentionBackend):
         num_warps = 8 if block_m * d >= 64 * 256 else 4
         num_stages = 3 if elem_bytes <= 2 and d <= 128 else 2  # fp32 / D=256 tiles: keep shared memory in bounds
         if meta.max_query_len == 1 and work is None:
+            # Decode: 2 stages leave room for more programs per SM (bench_attention --sweep, H200:
+            # 72.4 vs 74.3 us at 32 rows, 258.5 vs 263.9 us at 128 rows, ctx 1024).
             tune = self.decode_launch
+            block_n = tune.block_n or block_n
+            num_warps = tune.num_warps or num_warps
+            num_stages = tune.num_stages or 2
+        else:
+            tune = self.prefill_launch
             block_n = tune.block_n or block_n
             num_warps = tune.num_warps or num_warps
             num_stages = tune.num_stages or num_stages
@@ -456,9 +509,8 @@ class TritonAttentionBackend(AttentionBackend):
             )  # fmt: skip
         return out
 
-    @staticmethod
-    def _work_block_m(group: int) -> int:
-        return max(64, _next_pow2(group))
+    def _work_block_m(self, group: int) -> int:
+        return max(self.prefill_launch.block_m or 64, _next_pow2(group))
 
     def work_tile_tokens(self, group: int) -> int:
         """Prefill steps run one program per (row, 64-row query tile); see ``build_work_tiles``."""

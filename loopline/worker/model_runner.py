@@ -458,16 +458,9 @@ class ModelRunner:
         ex, survival = exit_decision(d.loops, survival, gate, d.min_loops, d.max_loops, d.threshold)
         self.slot_hidden[d.slots] = h
         self.slot_survival[d.slots] = survival
-        if self._copies_on_exit:
-            # NOTE: last_exited: a token exiting at loop e fills planes e..R-1 (0-based) with its
-            # loop-e KV. Every other entry copies the scratch slot onto itself (a no-op on real
-            # data that stays in L2), so the copy has a fixed shape and needs no host decision.
-            planes = torch.arange(self.layout.num_planes, device=h.device)
-            src = d.plane_slots.gather(1, (d.loops - 1)[:, None]).expand_as(d.plane_slots)
-            deeper = ex[:, None] & (planes[None, :] >= d.loops[:, None])
-            scratch = self.scratch_block * self.block_size
-            src, dst = torch.where(deeper, src, scratch), torch.where(deeper, d.plane_slots, scratch)
-            self.backend.copy_slots(self.k_cache, self.v_cache, src.reshape(-1), dst.reshape(-1))
+        if self._copies_on_exit:  # last_exited: a token exiting at loop e fills its deeper planes
+            self.backend.copy_exited(self.k_cache, self.v_cache, d.plane_slots, d.loops, ex,
+                                     self.scratch_block * self.block_size)
         return ex, self.model.head(h)
 
     def _book_prefill_rows(self, rows, nd, h, gate, offsets, exited, sample_hidden, sample_meta,

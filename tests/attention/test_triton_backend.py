@@ -17,7 +17,12 @@ pytest.importorskip("triton")
 
 from loopline.attention.base import PagedAttentionMetadata, build_work_tiles  # noqa: E402
 from loopline.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from loopline.attention.triton_backend import DecodeLaunch, TritonAttentionBackend, triton_available  # noqa: E402
+from loopline.attention.triton_backend import (  # noqa: E402
+    DecodeLaunch,
+    PrefillLaunch,
+    TritonAttentionBackend,
+    triton_available,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -62,12 +67,13 @@ def make_case(rows, heads, kv_heads, head_dim, block_size, dtype, device, seed=0
 
 
 def check_attend(rows, heads, kv_heads, head_dim, block_size, dtype, atol, num_splits=None, seed=0, work_pad=None,
-                 decode_launch=None):
+                 decode_launch=None, prefill_launch=None):
     """``work_pad``: launch over a work list padded by this many empty entries (the graph-capturable grid)."""
     q, k_cache, v_cache, meta = make_case(rows, heads, kv_heads, head_dim, block_size, dtype, DEVICE, seed)
     scale = head_dim**-0.5
     want = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, scale)
-    backend = TritonAttentionBackend(num_splits=num_splits, decode_launch=decode_launch)
+    backend = TritonAttentionBackend(num_splits=num_splits, decode_launch=decode_launch,
+                                     prefill_launch=prefill_launch)
     if work_pad is not None:
         tile = backend.work_tile_tokens(heads // kv_heads)
         q_lens = [n for n, _ in rows]
@@ -99,6 +105,13 @@ def test_attend_several_query_tiles_and_key_steps():
     check_attend(rows, 8, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5)
 
 
+def test_attend_causal_edge_at_every_key_block_offset():
+    # Keys before a tile's first query skip the causal mask in whole 64-key blocks; chunks whose
+    # first query sits at every offset around a block edge check that no later key leaks in.
+    rows = [(3, s) for s in range(60, 70)] + [(1, s) for s in (63, 64, 65)]
+    check_attend(rows, 2, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads,kv_heads,rows", [(4, 2, MIXED_ROWS), (2, 2, [(70, 90), (1, 70), (3, 3)])],
                          ids=["gqa", "mha-two-tiles"])
 def test_attend_work_list_matches_torch(heads, kv_heads, rows):
@@ -111,6 +124,16 @@ def test_decode_launch_override_matches_torch():
     rows = [(1, 70), (1, 5), (1, 33)]
     check_attend(rows, 4, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5, num_splits=2,
                  decode_launch=DecodeLaunch(block_n=16, num_warps=2, num_stages=2))
+
+
+@pytest.mark.parametrize("work_pad", [None, 2], ids=["grid", "work-list"])
+def test_prefill_launch_override_matches_torch(work_pad):
+    # bench_attention's prefill sweep times other tiles (here 32 query rows: 16 tokens x G=2).
+    rows = [(40, 90), (1, 30), (17, 17)]
+    check_attend(rows, 4, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5, work_pad=work_pad,
+                 prefill_launch=PrefillLaunch(block_m=32, block_n=16, num_warps=2, num_stages=2))
+    with pytest.raises(ValueError, match="block_m"):
+        TritonAttentionBackend(prefill_launch=PrefillLaunch(block_m=48))
 
 
 def test_build_work_tiles():
@@ -159,16 +182,50 @@ def test_write_kv_skips_negative_slots():
     torch.testing.assert_close(v_cache.view(-1, kvh, d), want_v, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("method", ["copy_slots", "copy_slots_triton"])
-def test_copy_slots_matches_torch(method):
+def test_copy_slots_copies_every_layer():
     shape = (3, 5, 4, 2, 16)  # [layers, blocks, block_size, kv_heads, D]
     k_cache = torch.randn(shape, device=DEVICE)
     v_cache = torch.randn(shape, device=DEVICE)
     src = torch.tensor([0, 5, 9, 2], dtype=torch.int64, device=DEVICE)
     dst = torch.tensor([12, 19, 3, 7], dtype=torch.int64, device=DEVICE)
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    TorchAttentionBackend().copy_slots(want_k, want_v, src, dst)
-    getattr(TritonAttentionBackend(), method)(k_cache, v_cache, src, dst)
+    for layer in range(shape[0]):
+        for cache, want in ((k_cache, want_k), (v_cache, want_v)):
+            want[layer].view(-1, 2, 16)[dst] = cache[layer].view(-1, 2, 16)[src]
+    TritonAttentionBackend().copy_slots(k_cache, v_cache, src, dst)
+    torch.testing.assert_close(k_cache, want_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
+
+
+def exit_copy_case(device, num_blocks=12, seed=0):
+    """Four rows over four planes: exits at loops 1 and 3, one row at the last loop, one that does not exit."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (3, num_blocks, 4, 2, 16)  # [layers, blocks, block_size, kv_heads, D]
+    k_cache = torch.randn(shape, generator=gen).to(device)
+    v_cache = torch.randn(shape, generator=gen).to(device)
+    slots = torch.randperm((num_blocks - 1) * 4, generator=gen)[:16].view(4, 4)  # [rows, planes]; last block scratch
+    loops = torch.tensor([1, 3, 4, 2])
+    exits = torch.tensor([True, True, True, False])
+    return k_cache, v_cache, slots.to(device), loops.to(device), exits.to(device), (num_blocks - 1) * 4
+
+
+def expected_exit_copy(k_cache, v_cache, slots, loops, exits):
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for b in range(slots.shape[0]):
+        e = int(loops[b])
+        for p in range(e, slots.shape[1]) if exits[b] else ():
+            for cache, want in ((k_cache, want_k), (v_cache, want_v)):
+                flat, out = cache.view(cache.shape[0], -1, *cache.shape[3:]), want.view(cache.shape[0], -1, *cache.shape[3:])
+                out[:, slots[b, p]] = flat[:, slots[b, e - 1]]
+    return want_k, want_v
+
+
+@pytest.mark.parametrize("backend", [TorchAttentionBackend(), TritonAttentionBackend()], ids=["torch", "triton"])
+def test_copy_exited_fills_deeper_planes_of_exiting_rows_only(backend):
+    k_cache, v_cache, slots, loops, exits, scratch = exit_copy_case(DEVICE)
+    want_k, want_v = expected_exit_copy(k_cache, v_cache, slots, loops, exits)
+    assert not torch.equal(want_k, k_cache)  # the case copies something
+    backend.copy_exited(k_cache, v_cache, slots, loops, exits, scratch)
     torch.testing.assert_close(k_cache, want_k, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
 
@@ -267,5 +324,14 @@ def test_gpu_large_block_ids_use_64bit_offsets():
     expect = layered.view(2, -1, kvh, d)[:, src].clone()
     backend.copy_slots(layered, layered, src, dst)
     torch.testing.assert_close(layered.view(2, -1, kvh, d)[:, dst], expect, atol=0, rtol=0)
+    # the exit copy there too: a row leaving at loop 1 fills planes 2 and 3 from plane 1
+    plane_slots = torch.stack([src[:3], dst[:3]])  # [2 rows, 3 planes]; row 1 does not exit
+    expect = layered.view(2, -1, kvh, d)[:, plane_slots[0, 0]].clone()
+    untouched = layered.view(2, -1, kvh, d)[:, plane_slots[1]].clone()
+    loops = torch.tensor([1, 1], device="cuda")
+    backend.copy_exited(layered, layered, plane_slots, loops, torch.tensor([True, False], device="cuda"), 0)
+    for p in (1, 2):
+        torch.testing.assert_close(layered.view(2, -1, kvh, d)[:, plane_slots[0, p]], expect, atol=0, rtol=0)
+    torch.testing.assert_close(layered.view(2, -1, kvh, d)[:, plane_slots[1]], untouched, atol=0, rtol=0)
     del pool, layered
     torch.cuda.empty_cache()
