@@ -138,16 +138,39 @@ def tile_grid(k: int) -> list[TileConfig]:
     return out
 
 
+def compare_swiglu(rows: list[int]) -> None:
+    """The MLP's tail at decode: silu_mul kernel + cuBLAS down_proj vs loopline's one-kernel swiglu_down."""
+    from loopline.kernels.fused import TritonOps
+    from loopline.kernels.skinny_gemm import swiglu_down
+
+    k, n = SHAPES["down"]
+    weights, ops = weight_copies(k, n), TritonOps()
+    gb = k * n * 2 / 1e9
+    print("down_proj(silu(gate) * up): silu_mul + cuBLAS vs swiglu_down (us, GB/s of weight)")
+    for m in rows:
+        gate_up = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16)
+        gate, up = gate_up.split([k, k], dim=-1)
+        base = time_per_call(lambda x, w: F.linear(ops.silu_mul(gate, up), w), gate, weights)
+        fused = time_per_call(lambda x, w: swiglu_down(gate, up, w), gate, weights)
+        err = (swiglu_down(gate, up, weights[0]).float() - F.linear(ops.silu_mul(gate, up), weights[0]).float())
+        print(f"  M={m:<3} silu_mul+cuBLAS {base:6.2f} us ({gb / base * 1e6:4.0f})  swiglu_down {fused:6.2f} us "
+              f"({gb / fused * 1e6:4.0f})  {base / fused:4.2f}x  max|diff| {err.abs().max().item():.1e}", flush=True)
+    del weights
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,32,64,128")
     p.add_argument("--sweep", action="store_true", help="also time the Triton split-K kernel over a grid of tiles")
+    p.add_argument("--swiglu", action="store_true", help="only compare the MLP tail (silu_mul + down_proj)")
     a = p.parse_args()
     warm = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     for _ in range(200):  # lift the clocks before the first timing
         warm @ warm
     del warm
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16, us per call in CUDA graphs (GB/s)")
+    if a.swiglu:
+        return compare_swiglu([1, 4, 8, 16, 32, 64])
     total = {}
     for name, (k, n) in SHAPES.items():
         weights = weight_copies(k, n)

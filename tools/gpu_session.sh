@@ -2,8 +2,8 @@
 # One device call that checks and measures everything GPU-side (H200, ~8 minutes).
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
-# parts (default: tests kernels profile bench): tests diag kernels sweep gemm profile prefill wide bench sync overlap hf
-# adaptive
+# parts (default: tests kernels profile bench): tests diag kernels sweep gemm swiglu profile prefill wide bench sync
+# overlap hf adaptive
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
 out=${1:?output folder}
@@ -38,6 +38,9 @@ d(128 ** -0.5); p(128 ** -0.5)" \
 fi
 if has gemm; then  # projection GEMMs at decode row counts: cuBLAS, cuBLASLt, transposed weights, Triton split-K
   timeout 300 python3 tools/bench_gemm.py --sweep 2>&1 | grep -v Warn | tee "$out/gemm.txt"
+fi
+if has swiglu; then  # the MLP tail at decode row counts: silu_mul + cuBLAS vs one swiglu_down kernel
+  timeout 120 python3 tools/bench_gemm.py --swiglu 2>&1 | grep -v Warn | tee "$out/swiglu.txt"
 fi
 if has prefill; then  # one 8 x 1024-token prefill loop per kernel
   timeout 90 python3 tools/profile_step.py --prefill --rows 8 --kernels 2>&1 | grep -v Warn | head -18 | tee "$out/prefill.txt"

@@ -467,14 +467,14 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits = self._pick_num_splits(q.device, num_rows * kvh * q_tiles, q_tiles, meta.max_seq_len)
             grid = (num_rows, kvh, q_tiles * num_splits)
         num_warps = 8 if block_m * d >= 64 * 256 else 4
-        num_stages = 3 if elem_bytes <= 2 and d <= 128 else 2  # fp32 / D=256 tiles: keep shared memory in bounds
+        # 2 stages leave shared memory for more programs per SM (bench_attention --sweep, H200, bf16:
+        # 8 x 1024-token prefill 0.192 vs 0.280 ms at 3 stages; decode 72.4 vs 74.3 us at 32 rows).
+        num_stages = 2
         if meta.max_query_len == 1 and work is None:
-            # Decode: 2 stages leave room for more programs per SM (bench_attention --sweep, H200:
-            # 72.4 vs 74.3 us at 32 rows, 258.5 vs 263.9 us at 128 rows, ctx 1024).
             tune = self.decode_launch
             block_n = tune.block_n or block_n
             num_warps = tune.num_warps or num_warps
-            num_stages = tune.num_stages or 2
+            num_stages = tune.num_stages or num_stages
         else:
             tune = self.prefill_launch
             block_n = tune.block_n or block_n

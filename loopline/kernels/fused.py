@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from loopline.kernels.skinny_gemm import swiglu_down, use_swiglu_down
 from loopline.models.ops import TorchOps
 
 try:
@@ -178,6 +179,13 @@ class TritonOps(TorchOps):
             q, k, q_out, k_out, cos, sin, hq, hk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
             HALF=d // 2, BLOCK_H=block_h)
         return q_out, k_out
+
+    def swiglu_down(self, mlp: torch.nn.Module, gate: Tensor, up: Tensor) -> Tensor:
+        # Decode-sized batches: activation and down projection in one split-K kernel (skinny_gemm).
+        weight = mlp.down_proj.weight
+        if use_swiglu_down(gate, weight) and mlp.down_proj.bias is None:
+            return swiglu_down(gate, up, weight)
+        return super().swiglu_down(mlp, gate, up)
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]
         if gate.requires_grad or up.requires_grad:

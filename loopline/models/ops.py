@@ -59,5 +59,9 @@ class TorchOps:
     def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
         return F.silu(gate) * up
 
+    def swiglu_down(self, mlp: torch.nn.Module, gate: Tensor, up: Tensor) -> Tensor:
+        """The MLP's output ``down_proj(silu(gate) * up)``."""
+        return mlp.down_proj(self.silu_mul(gate, up))
+
 
 TORCH_OPS = TorchOps()

@@ -126,7 +126,7 @@ class OuroMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
-        return self.down_proj(ops.silu_mul(*ops.project_gate_up(self, x)))
+        return ops.swiglu_down(self, *ops.project_gate_up(self, x))
 
 
 class OuroDecoderLayer(nn.Module):

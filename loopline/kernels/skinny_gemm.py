@@ -1,0 +1,166 @@
+"""``down_proj(silu(gate) * up)`` for decode-sized batches in one Triton kernel (inference only).
+
+At decode a projection multiplies a few token rows by a whole weight matrix, so
+its time is the time to stream the weight once. For Ouro's down projection
+(K = 5632 >> N = 2048) cuBLAS reaches ~2.1 TB/s at 1-64 rows on an H200
+(``tools/bench_gemm.py``): its grid over N alone is too small for the GPU, and
+its split-K kernel adds a reduction. This kernel owns ``BLOCK_N`` weight rows
+per program and splits K so the grid fills the GPU; every token row lives in
+the program, and the SwiGLU activation is computed while loading them, so the
+separate ``silu_mul`` kernel (and its round trip through memory) goes away.
+
+Rounding follows the reference (``TorchOps.silu_mul`` then ``F.linear``): silu
+rounded to the activation dtype, the product rounded again, fp32 accumulation,
+one rounding of the sum. Split-K partials are summed in a fixed order by a
+second kernel, so results are the same on every run (no atomics).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the kernel is unusable without triton
+    triton = None
+
+MAX_ROWS = 64  # token rows one program holds; more rows are a GEMM cuBLAS does well
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_down_kernel(
+        g_ptr, u_ptr, w_ptr, out_ptr,  # gate/up [M, K] (unit last stride), W [N, K], out [SPLIT_K, M, N]
+        M, N, K, k_per_split,
+        stride_gm, stride_um, stride_wn, stride_os, stride_om,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        # Out-of-range rows are clamped, not masked: they re-read a valid (cached) row, the loads stay
+        # unpredicated and wide, and the store drops their results.
+        rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+        rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
+        offs_k = pid_k.to(tl.int64) * k_per_split + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
+        g_ptrs = g_ptr + rows_x[:, None] * stride_gm + offs_k[None, :]
+        u_ptrs = u_ptr + rows_x[:, None] * stride_um + offs_k[None, :]
+        dtype = w_ptr.dtype.element_ty
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(0, k_per_split, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")  # read once: keep it out of x's way in L2
+                g = tl.load(g_ptrs).to(tl.float32)
+                u = tl.load(u_ptrs).to(tl.float32)
+            else:
+                k_mask = offs_k[None, :] + k < K
+                w = tl.load(w_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
+                g = tl.load(g_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+                u = tl.load(u_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # silu rounded like F.silu
+            x = (act * u).to(dtype)  # [BLOCK_M, BLOCK_K], the reference's silu_mul output
+            # W as the left operand: its rows are the MMA's M, so the K-contiguous tile needs no
+            # transpose, and the token rows (padded to 16) are the narrow right operand.
+            acc = tl.dot(w, tl.trans(x), acc)
+            w_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        ptrs = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
+
+    @triton.jit
+    def _split_k_reduce_kernel(ws_ptr, y_ptr, N, stride_ws, stride_wm, stride_ym,
+                               SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+        # Partials summed in split order, one rounding at the end: the same bits on every run.
+        m = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(ws_ptr + s * stride_ws + m * stride_wm + cols, mask=mask, other=0.0)
+        tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+class SkinnyConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def skinny_config(n: int, k: int, num_sms: int = 132) -> SkinnyConfig:
+    """Launch configuration for an ``[m <= MAX_ROWS, k] x [n, k]^T`` product (a fixed rule, no autotuning).
+
+    From ``tools/bench_gemm.py --sweep`` on an H200 (Ouro-1.4B's down projection, 1-64 rows): 64 weight
+    rows x 128 columns per step, 5 stages deep; K is split while the doubled grid still fits about one
+    program per SM and each split keeps at least two K blocks.
+    """
+    block_n, block_k = 64, 128
+    programs, split_k = triton.cdiv(n, block_n), 1
+    while 2 * programs * split_k <= num_sms and k // (2 * split_k) >= 2 * block_k:
+        split_k *= 2
+    return SkinnyConfig(block_n, block_k, split_k, num_warps=4, num_stages=5)
+
+
+def use_swiglu_down(gate: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`swiglu_down` applies: a decode-sized 16-bit batch, no autograd."""
+    if triton is None or gate.dim() != 2 or not 1 <= gate.shape[0] <= MAX_ROWS:
+        return False
+    if gate.dtype not in _DTYPES or weight.dtype != gate.dtype or gate.shape[1] != weight.shape[1]:
+        return False
+    return not (gate.requires_grad or weight.requires_grad)
+
+
+def swiglu_down(gate: Tensor, up: Tensor, weight: Tensor, config: SkinnyConfig | None = None) -> Tensor:
+    """``F.linear(F.silu(gate) * up, weight)`` for ``gate``/``up`` ``[M <= MAX_ROWS, K]``, ``weight`` ``[N, K]``.
+
+    Rows of ``gate``/``up`` may be strided views (e.g. halves of one packed projection); each needs
+    unit stride along K, as does ``weight``. Check :func:`use_swiglu_down` first.
+    """
+    m, k = gate.shape
+    n = weight.shape[0]
+    if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"swiglu_down wants gate/up [M, K] of one shape with unit stride along K, got "
+                         f"{tuple(gate.shape)} / {tuple(up.shape)}")
+    cfg = config or skinny_config(n, k, _sm_count(gate.device))
+    y = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
+    # Each split covers a whole number of K blocks; a tail split may run past K and read masked zeros.
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    even_k = k_per_split * cfg.split_k == k
+    if cfg.split_k == 1:
+        out, stride_os, stride_om = y, 0, y.stride(0)
+    else:
+        out = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=gate.device)
+        stride_os, stride_om = out.stride(0), out.stride(1)
+    _swiglu_down_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+        gate, up, weight, out, m, n, k, k_per_split, gate.stride(0), up.stride(0), weight.stride(0), stride_os,
+        stride_om, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=even_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.split_k > 1:
+        block = 1024
+        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](out, y, n, out.stride(0), out.stride(1), y.stride(0),
+                                                           SPLIT_K=cfg.split_k, BLOCK=block)
+    return y
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any grid works; use the H200's so tests take the GPU's path
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+__all__ = ["MAX_ROWS", "SkinnyConfig", "skinny_config", "swiglu_down", "use_swiglu_down"]
