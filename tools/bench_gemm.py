@@ -139,22 +139,22 @@ def tile_grid(k: int) -> list[TileConfig]:
 
 
 def compare_swiglu(rows: list[int]) -> None:
-    """The MLP's tail at decode: silu_mul kernel + cuBLAS down_proj vs loopline's one-kernel swiglu_down."""
+    """The MLP's tail at decode, as the engine runs it: silu_mul, then down_proj by cuBLAS or the skinny kernel."""
     from loopline.kernels.fused import TritonOps
-    from loopline.kernels.skinny_gemm import swiglu_down
+    from loopline.kernels.skinny_gemm import skinny_linear
 
     k, n = SHAPES["down"]
     weights, ops = weight_copies(k, n), TritonOps()
     gb = k * n * 2 / 1e9
-    print("down_proj(silu(gate) * up): silu_mul + cuBLAS vs swiglu_down (us, GB/s of weight)")
+    print("down_proj(silu_mul(gate, up)): cuBLAS vs skinny_linear (us per call incl. silu_mul, GB/s of weight)")
     for m in rows:
-        gate_up = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16)
-        gate, up = gate_up.split([k, k], dim=-1)
+        gate, up = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16).split([k, k], dim=-1)
         base = time_per_call(lambda x, w: F.linear(ops.silu_mul(gate, up), w), gate, weights)
-        fused = time_per_call(lambda x, w: swiglu_down(gate, up, w), gate, weights)
-        err = (swiglu_down(gate, up, weights[0]).float() - F.linear(ops.silu_mul(gate, up), weights[0]).float())
-        print(f"  M={m:<3} silu_mul+cuBLAS {base:6.2f} us ({gb / base * 1e6:4.0f})  swiglu_down {fused:6.2f} us "
-              f"({gb / fused * 1e6:4.0f})  {base / fused:4.2f}x  max|diff| {err.abs().max().item():.1e}", flush=True)
+        fast = time_per_call(lambda x, w: skinny_linear(ops.silu_mul(gate, up), w), gate, weights)
+        act = ops.silu_mul(gate, up)
+        err = (skinny_linear(act, weights[0]).float() - F.linear(act, weights[0]).float()).abs().max().item()
+        print(f"  M={m:<3} cuBLAS {base:6.2f} us ({gb / base * 1e6:4.0f})  skinny {fast:6.2f} us "
+              f"({gb / fast * 1e6:4.0f})  {base / fast:4.2f}x  max|diff| {err:.1e}", flush=True)
     del weights
 
 
@@ -162,7 +162,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,32,64,128")
     p.add_argument("--sweep", action="store_true", help="also time the Triton split-K kernel over a grid of tiles")
-    p.add_argument("--swiglu", action="store_true", help="only compare the MLP tail (silu_mul + down_proj)")
+    p.add_argument("--swiglu", action="store_true", help="only compare the MLP tail (silu_mul + down_proj by cuBLAS or skinny_linear)")
     a = p.parse_args()
     warm = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     for _ in range(200):  # lift the clocks before the first timing

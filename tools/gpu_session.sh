@@ -39,7 +39,7 @@ fi
 if has gemm; then  # projection GEMMs at decode row counts: cuBLAS, cuBLASLt, transposed weights, Triton split-K
   timeout 300 python3 tools/bench_gemm.py --sweep 2>&1 | grep -v Warn | tee "$out/gemm.txt"
 fi
-if has swiglu; then  # the MLP tail at decode row counts: silu_mul + cuBLAS vs one swiglu_down kernel
+if has swiglu; then  # the MLP tail at decode row counts: down_proj by cuBLAS vs the skinny split-K kernel
   timeout 120 python3 tools/bench_gemm.py --swiglu 2>&1 | grep -v Warn | tee "$out/swiglu.txt"
 fi
 if has prefill; then  # one 8 x 1024-token prefill loop per kernel

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from loopline.kernels.skinny_gemm import swiglu_down, use_swiglu_down
+from loopline.kernels.skinny_gemm import skinny_linear, use_skinny
 from loopline.models.ops import TorchOps
 
 try:
@@ -181,11 +181,11 @@ class TritonOps(TorchOps):
         return q_out, k_out
 
     def swiglu_down(self, mlp: torch.nn.Module, gate: Tensor, up: Tensor) -> Tensor:
-        # Decode-sized batches: activation and down projection in one split-K kernel (skinny_gemm).
-        weight = mlp.down_proj.weight
-        if use_swiglu_down(gate, weight) and mlp.down_proj.bias is None:
-            return swiglu_down(gate, up, weight)
-        return super().swiglu_down(mlp, gate, up)
+        # Decode-sized batches: a split-K kernel streams down_proj's wide-K weight faster than cuBLAS.
+        act, down = self.silu_mul(gate, up), mlp.down_proj
+        if down.bias is None and use_skinny(act, down.weight):
+            return skinny_linear(act, down.weight)
+        return down(act)
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]
         if gate.requires_grad or up.requires_grad:

@@ -1,18 +1,18 @@
-"""``down_proj(silu(gate) * up)`` for decode-sized batches in one Triton kernel (inference only).
+"""Skinny matmul ``y = x @ W.T`` for decode-sized batches (inference only).
 
 At decode a projection multiplies a few token rows by a whole weight matrix, so
 its time is the time to stream the weight once. For Ouro's down projection
-(K = 5632 >> N = 2048) cuBLAS reaches ~2.1 TB/s at 1-64 rows on an H200
+(K = 5632 >> N = 2048) cuBLAS reaches ~2.0-2.1 TB/s at 1-64 rows on an H200
 (``tools/bench_gemm.py``): its grid over N alone is too small for the GPU, and
 its split-K kernel adds a reduction. This kernel owns ``BLOCK_N`` weight rows
-per program and splits K so the grid fills the GPU; every token row lives in
-the program, and the SwiGLU activation is computed while loading them, so the
-separate ``silu_mul`` kernel (and its round trip through memory) goes away.
+per program, reads them in K-contiguous tiles, and splits K so the grid fills
+the GPU; every token row lives in the program. Accumulation is fp32 with one
+rounding; split-K partials are summed in a fixed order by a second kernel, so
+results are the same on every run (no atomics).
 
-Rounding follows the reference (``TorchOps.silu_mul`` then ``F.linear``): silu
-rounded to the activation dtype, the product rounded again, fp32 accumulation,
-one rounding of the sum. Split-K partials are summed in a fixed order by a
-second kernel, so results are the same on every run (no atomics).
+(Computing the SwiGLU activation while loading the rows, to drop the separate
+``silu_mul`` kernel, measured slower: 15.95 vs 13.10 us at 32 rows, since every
+program along N recomputes it.)
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ _DTYPES = (torch.float16, torch.bfloat16)
 if triton is not None:
 
     @triton.jit
-    def _swiglu_down_kernel(
-        g_ptr, u_ptr, w_ptr, out_ptr,  # gate/up [M, K] (unit last stride), W [N, K], out [SPLIT_K, M, N]
+    def _skinny_kernel(
+        x_ptr, w_ptr, out_ptr,  # x [M, K] (unit last stride), W [N, K] (unit last stride), out [SPLIT_K, M, N]
         M, N, K, k_per_split,
-        stride_gm, stride_um, stride_wn, stride_os, stride_om,
+        stride_xm, stride_wn, stride_os, stride_om,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
@@ -50,28 +50,21 @@ if triton is not None:
         rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
         offs_k = pid_k.to(tl.int64) * k_per_split + tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
-        g_ptrs = g_ptr + rows_x[:, None] * stride_gm + offs_k[None, :]
-        u_ptrs = u_ptr + rows_x[:, None] * stride_um + offs_k[None, :]
-        dtype = w_ptr.dtype.element_ty
+        x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in range(0, k_per_split, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")  # read once: keep it out of x's way in L2
-                g = tl.load(g_ptrs).to(tl.float32)
-                u = tl.load(u_ptrs).to(tl.float32)
+                x = tl.load(x_ptrs)
             else:
                 k_mask = offs_k[None, :] + k < K
                 w = tl.load(w_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
-                g = tl.load(g_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-                u = tl.load(u_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # silu rounded like F.silu
-            x = (act * u).to(dtype)  # [BLOCK_M, BLOCK_K], the reference's silu_mul output
+                x = tl.load(x_ptrs, mask=k_mask, other=0.0)
             # W as the left operand: its rows are the MMA's M, so the K-contiguous tile needs no
             # transpose, and the token rows (padded to 16) are the narrow right operand.
             acc = tl.dot(w, tl.trans(x), acc)
             w_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
         ptrs = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
 
@@ -99,7 +92,7 @@ class SkinnyConfig(NamedTuple):
 def skinny_config(n: int, k: int, num_sms: int = 132) -> SkinnyConfig:
     """Launch configuration for an ``[m <= MAX_ROWS, k] x [n, k]^T`` product (a fixed rule, no autotuning).
 
-    From ``tools/bench_gemm.py --sweep`` on an H200 (Ouro-1.4B's down projection, 1-64 rows): 64 weight
+    From ``tools/bench_gemm.py --sweep`` on an H200 (Ouro-1.4B's down projection, 32 and 64 rows): 64 weight
     rows x 128 columns per step, 5 stages deep; K is split while the doubled grid still fits about one
     program per SM and each split keeps at least two K blocks.
     """
@@ -110,39 +103,38 @@ def skinny_config(n: int, k: int, num_sms: int = 132) -> SkinnyConfig:
     return SkinnyConfig(block_n, block_k, split_k, num_warps=4, num_stages=5)
 
 
-def use_swiglu_down(gate: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`swiglu_down` applies: a decode-sized 16-bit batch, no autograd."""
-    if triton is None or gate.dim() != 2 or not 1 <= gate.shape[0] <= MAX_ROWS:
+def use_skinny(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`skinny_linear` applies: a decode-sized 16-bit batch, no autograd."""
+    if triton is None or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != weight.shape[1]:
         return False
-    if gate.dtype not in _DTYPES or weight.dtype != gate.dtype or gate.shape[1] != weight.shape[1]:
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype or x.stride(1) != 1 or weight.stride(1) != 1:
         return False
-    return not (gate.requires_grad or weight.requires_grad)
+    return not (x.requires_grad or weight.requires_grad)
 
 
-def swiglu_down(gate: Tensor, up: Tensor, weight: Tensor, config: SkinnyConfig | None = None) -> Tensor:
-    """``F.linear(F.silu(gate) * up, weight)`` for ``gate``/``up`` ``[M <= MAX_ROWS, K]``, ``weight`` ``[N, K]``.
+def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None) -> Tensor:
+    """``F.linear(x, weight)`` for ``x`` ``[M <= MAX_ROWS, K]`` (rows may be strided) and ``weight`` ``[N, K]``.
 
-    Rows of ``gate``/``up`` may be strided views (e.g. halves of one packed projection); each needs
-    unit stride along K, as does ``weight``. Check :func:`use_swiglu_down` first.
+    Both need unit stride along K; :func:`use_skinny` says whether the engine should call it.
     """
-    m, k = gate.shape
+    m, k = x.shape
     n = weight.shape[0]
-    if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"swiglu_down wants gate/up [M, K] of one shape with unit stride along K, got "
-                         f"{tuple(gate.shape)} / {tuple(up.shape)}")
-    cfg = config or skinny_config(n, k, _sm_count(gate.device))
-    y = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
+    if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != k:
+        raise ValueError(f"skinny_linear wants x [M, K] and weight [N, K] with unit stride along K, got "
+                         f"{tuple(x.shape)} / {tuple(weight.shape)}")
+    cfg = config or skinny_config(n, k, _sm_count(x.device))
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     # Each split covers a whole number of K blocks; a tail split may run past K and read masked zeros.
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     even_k = k_per_split * cfg.split_k == k
     if cfg.split_k == 1:
         out, stride_os, stride_om = y, 0, y.stride(0)
     else:
-        out = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=gate.device)
+        out = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         stride_os, stride_om = out.stride(0), out.stride(1)
-    _swiglu_down_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        gate, up, weight, out, m, n, k, k_per_split, gate.stride(0), up.stride(0), weight.stride(0), stride_os,
-        stride_om, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+        x, weight, out, m, n, k, k_per_split, x.stride(0), weight.stride(0), stride_os, stride_om,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=even_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         block = 1024
@@ -163,4 +155,4 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-__all__ = ["MAX_ROWS", "SkinnyConfig", "skinny_config", "swiglu_down", "use_swiglu_down"]
+__all__ = ["MAX_ROWS", "SkinnyConfig", "skinny_config", "skinny_linear", "use_skinny"]

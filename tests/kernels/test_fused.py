@@ -154,30 +154,30 @@ def test_engine_with_fused_ops_survives_sleep_and_weight_updates(tiny_gqa, tiny_
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 33])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_swiglu_down_matches_silu_mul_then_linear(rows, dtype):
-    from loopline.kernels.skinny_gemm import SkinnyConfig, skinny_config, swiglu_down
+def test_skinny_linear_matches_linear(rows, dtype):
+    from loopline.kernels.skinny_gemm import SkinnyConfig, skinny_config, skinny_linear
 
     g = torch.Generator().manual_seed(2)
     k, n = 512, 96
-    gate_up = torch.randn(rows, 2 * k, generator=g).to(DEVICE, dtype)
-    gate, up = gate_up.split([k, k], dim=-1)  # strided halves of one packed projection
+    x = torch.randn(rows, 2 * k, generator=g).to(DEVICE, dtype)[:, :k]  # a strided view, as split halves are
     weight = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
-    want = torch.nn.functional.linear(TorchOps.silu_mul(gate, up), weight)
+    want = torch.nn.functional.linear(x, weight)
     assert skinny_config(n, k).split_k > 1  # the rule splits this K: partials and the reduce run
     for cfg in (None, SkinnyConfig(64, 128, 1, 4, 2), SkinnyConfig(32, 128, 3, 4, 2)):  # 3 splits: a ragged tail
-        close(swiglu_down(gate, up, weight, cfg), want, dtype)
-    with pytest.raises(AssertionError):  # the test can fail: gate and up swapped are caught
-        close(swiglu_down(up, gate, weight), want, dtype)
+        close(skinny_linear(x, weight, cfg), want, dtype)
+    with pytest.raises(AssertionError):  # the test can fail: a transposed-order weight is caught
+        close(skinny_linear(x, weight.flip(1).contiguous()), want, dtype)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the engine takes the kernel for 16-bit activations only")
-def test_swiglu_down_is_what_triton_ops_run_for_decode_batches():
+def test_triton_ops_mlp_tail_uses_skinny_gemm_for_decode_batches():
     from loopline.kernels import skinny_gemm
 
     mlp = torch.nn.Module()
     mlp.down_proj = torch.nn.Linear(256, 64, bias=False).to(DEVICE, torch.bfloat16)
     gate, up = torch.randn(2, 8, 256, device=DEVICE, dtype=torch.bfloat16)
-    assert skinny_gemm.use_swiglu_down(gate, mlp.down_proj.weight)
+    assert skinny_gemm.use_skinny(gate, mlp.down_proj.weight)
     close(TritonOps().swiglu_down(mlp, gate, up), TorchOps().swiglu_down(mlp, gate, up), torch.bfloat16)
     big = torch.randn(skinny_gemm.MAX_ROWS + 1, 256, device=DEVICE, dtype=torch.bfloat16)
-    assert not skinny_gemm.use_swiglu_down(big, mlp.down_proj.weight)
+    assert not skinny_gemm.use_skinny(big, mlp.down_proj.weight)
+    assert not skinny_gemm.use_skinny(gate.float(), mlp.down_proj.weight.float())
