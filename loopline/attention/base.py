@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from loopline.models.ops import Rope
+
 
 @dataclass
 class PagedAttentionMetadata:
@@ -60,6 +62,15 @@ class AttentionBackend(ABC):
     @abstractmethod
     def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> None:
         """k_cache/v_cache: one layer, ``[num_blocks, block_size, kv_heads, D]``; k/v: ``[N, kv_heads, D]``."""
+
+    def rotate_and_write_kv(self, k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, rope: Rope,
+                            meta: PagedAttentionMetadata) -> Tensor:
+        """Applies ``rope`` to q and k, stores K/V like :meth:`write_kv`; returns the rotated q.
+
+        Backends with kernels override it to do all of it in one pass over the step's rows."""
+        q, k = rope(q, k)
+        self.write_kv(k_cache, v_cache, k, v, meta)
+        return q
 
     @abstractmethod
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMetadata, scale: float) -> Tensor:

@@ -4,10 +4,11 @@ from __future__ import annotations
 from torch import Tensor
 
 from loopline.attention.base import AttentionBackend, PagedAttentionMetadata
+from loopline.models.ops import Rope
 
 
 class PagedAttention:
-    """``attn(layer, q, k, v)`` for one step: store this step's K/V, then attend.
+    """``attn(layer, q, k, v, rope)`` for one step: rotate, store this step's K/V, then attend.
 
     NOTE: every row writes before any row reads (per layer), so rows of the same
     request in one step may read each other's fresh KV (chunk wavefronts).
@@ -17,7 +18,7 @@ class PagedAttention:
                  scale: float) -> None:
         self.backend, self.k_cache, self.v_cache, self.meta, self.scale = backend, k_cache, v_cache, meta, scale
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: Rope) -> Tensor:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        self.backend.write_kv(kc, vc, k, v, self.meta)
+        q = self.backend.rotate_and_write_kv(kc, vc, q, k, v, rope, self.meta)
         return self.backend.attend(q, kc, vc, self.meta, self.scale)

@@ -1,7 +1,7 @@
 """Paged attention in Triton: one launch for a whole step's rows.
 
 The same contract as :class:`~loopline.attention.torch_backend.TorchAttentionBackend`
-(the reference it is tested against), with three kernels:
+(the reference it is tested against), with these kernels:
 
 * ``_paged_attention_kernel`` serves decode rows and prefill chunks together.
   Grid ``(row, kv_head, q_tile * num_splits)``. The M dimension of a program's
@@ -13,7 +13,9 @@ The same contract as :class:`~loopline.attention.torch_backend.TorchAttentionBac
   With few programs (small decode batches) the key range is split across
   ``num_splits`` programs (flash-decoding) whose partial results
   ``_merge_splits_kernel`` combines by their log-sum-exp.
-* ``_write_kv_kernel`` stores a step's new K/V at ``slot_mapping`` (slot < 0: skip).
+* ``_write_kv_kernel`` stores a step's new K/V at ``slot_mapping`` (slot < 0: skip);
+  ``_rope_write_kv_kernel`` also applies rotary to q and k on the way (what the
+  engine runs: the rotated k never makes a round trip through memory).
 * ``_copy_exited_kernel`` is the ``last_exited`` exit copy: rows whose token exits
   before the last loop copy their K/V into the deeper planes, in every layer; the
   other rows' programs return at once.
@@ -30,6 +32,7 @@ import torch
 from torch import Tensor
 
 from loopline.attention.base import AttentionBackend, PagedAttentionMetadata
+from loopline.models.ops import Rope
 
 try:
     import triton
@@ -280,6 +283,84 @@ def _write_kv_kernel(
 
 
 @_jit
+def _rotate_half(x1, x2, c, s, dtype: tl.constexpr):
+    """Rotate-half RoPE of the two halves, rounded like the reference: each product to dtype, then the sum."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    o1 = ((x1 * c).to(dtype).to(tl.float32) + (-x2 * s).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
+    return o1, o2
+
+
+@_jit
+def _rope_write_kv_kernel(
+    q_ptr,  # [N, H, D], unit last stride (may be a view of a packed projection)
+    k_ptr,  # [N, KVH, D]
+    v_ptr,  # [N, KVH, D]
+    q_out_ptr,  # [N, H, D] contiguous
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
+    v_cache_ptr,
+    cos_ptr,  # [N, D] (both halves equal)
+    sin_ptr,
+    slot_mapping_ptr,  # [N] int64; < 0 = padding: q is still rotated, nothing is stored
+    num_heads,
+    num_kv_heads,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_cs,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    BLOCK_SIZE: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # Axis 1: 0 rotates q into q_out, 1 rotates k into the cache, 2 copies v into the cache.
+    n = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h64 = heads.to(tl.int64)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    if part == 0:
+        mask = (heads < num_heads)[:, None]
+        src = q_ptr + n * stride_qn + h64 * stride_qh + d
+        c = tl.load(cos_ptr + n * stride_cs + d).to(tl.float32)
+        s = tl.load(sin_ptr + n * stride_cs + d).to(tl.float32)
+        o1, o2 = _rotate_half(tl.load(src, mask=mask, other=0.0), tl.load(src + HALF, mask=mask, other=0.0), c, s,
+                              q_out_ptr.dtype.element_ty)
+        dst = q_out_ptr + (n * num_heads + h64) * (2 * HALF) + d
+        tl.store(dst, o1, mask=mask)
+        tl.store(dst + HALF, o2, mask=mask)
+    else:
+        slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
+        if slot >= 0:
+            mask = (heads < num_kv_heads)[:, None]
+            block = slot // BLOCK_SIZE
+            in_block = slot % BLOCK_SIZE
+            if part == 1:
+                src = k_ptr + n * stride_kn + h64 * stride_kh + d
+                c = tl.load(cos_ptr + n * stride_cs + d).to(tl.float32)
+                s = tl.load(sin_ptr + n * stride_cs + d).to(tl.float32)
+                o1, o2 = _rotate_half(tl.load(src, mask=mask, other=0.0), tl.load(src + HALF, mask=mask, other=0.0),
+                                      c, s, k_ptr.dtype.element_ty)
+                dst = k_cache_ptr + block * stride_kcb + in_block * stride_kcs + h64 * stride_kch + d
+                tl.store(dst, o1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            else:
+                src = v_ptr + n * stride_vn + h64 * stride_vh + d
+                dst = v_cache_ptr + block * stride_vcb + in_block * stride_vcs + h64 * stride_vch + d
+                tl.store(dst, tl.load(src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst + HALF, tl.load(src + HALF, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@_jit
 def _copy_exited_kernel(
     k_cache_ptr,  # [L, num_blocks, BLOCK_SIZE, KVH, D]
     v_cache_ptr,
@@ -405,6 +486,29 @@ class TritonAttentionBackend(AttentionBackend):
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_H=block_h,
         )  # fmt: skip
+
+    # ------------------------------------------------------------------ rotate_and_write_kv
+
+    def rotate_and_write_kv(self, k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, rope: Rope,
+                            meta: PagedAttentionMetadata) -> Tensor:
+        """Rotary on q and k and the K/V store in one launch (the rotated k goes straight to the cache)."""
+        n, heads, d = q.shape
+        kvh = k.shape[1]
+        if n == 0 or q.requires_grad or k.requires_grad:
+            return super().rotate_and_write_kv(k_cache, v_cache, q, k, v, rope, meta)
+        assert k_cache.dim() == 4 and k_cache.shape[2:] == (kvh, d) and v.shape == k.shape
+        assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and rope.cos.stride(-1) == rope.sin.stride(-1) == 1
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        q_out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
+        block_h = min(_next_pow2(max(heads, kvh)), 16)
+        _rope_write_kv_kernel[(n, 3, triton.cdiv(max(heads, kvh), block_h))](
+            q, k, v, q_out, k_cache, v_cache, rope.cos, rope.sin, meta.slot_mapping, heads, kvh,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), rope.cos.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            BLOCK_SIZE=k_cache.shape[1], HALF=d // 2, BLOCK_H=block_h,
+        )  # fmt: skip
+        return q_out
 
     # ------------------------------------------------------------------ copy_exited
 

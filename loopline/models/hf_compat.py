@@ -35,6 +35,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from loopline.models.ops import Rope
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
 
 _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
@@ -117,8 +118,9 @@ class _CachedLoopAttention:
         self.cache, self.first_entry = cache, first_entry
         self.batch, self.seq, self.allowed = batch, seq, allowed
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: Rope) -> Tensor:
         b, t = self.batch, self.seq
+        q, k = rope(q, k)
         # [N, heads, D] -> [B, heads, T, D]
         q = q.view(b, t, *q.shape[1:]).transpose(1, 2)
         k = k.view(b, t, *k.shape[1:]).transpose(1, 2)

@@ -7,6 +7,8 @@ tested against it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -65,3 +67,20 @@ class TorchOps:
 
 
 TORCH_OPS = TorchOps()
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding of one step's rows: ``cos``/``sin`` ``[N, head_dim]``, applied by ``ops``.
+
+    Attention objects receive q and k before rotation together with a ``Rope``, so a backend
+    may rotate while storing K/V (one kernel) instead of after a separate pass.
+    """
+
+    cos: Tensor
+    sin: Tensor
+    ops: TorchOps = TORCH_OPS
+
+    def __call__(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotated ``(q, k)`` for ``[N, heads, D]`` q and ``[N, kv_heads, D]`` k."""
+        return self.ops.rotary(q, k, self.cos, self.sin)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loopline.models.ops import TORCH_OPS, TorchOps
+from loopline.models.ops import TORCH_OPS, Rope, TorchOps
 
 
 @dataclass(frozen=True)
@@ -69,13 +69,14 @@ class OuroConfig:
 class Attention(Protocol):
     """Attention for one layer of one loop over flattened rows.
 
-    ``q``: ``[N, num_heads, head_dim]``; ``k``, ``v``: ``[N, num_kv_heads, head_dim]``
-    (rotary already applied). Returns ``[N, num_heads, head_dim]``. The object
+    ``q``: ``[N, num_heads, head_dim]``; ``k``, ``v``: ``[N, num_kv_heads, head_dim]``,
+    before rotary: the object applies ``rope`` to q and k first (``q, k = rope(q, k)``),
+    or fuses it with storing K/V. Returns ``[N, num_heads, head_dim]``. The object
     knows where each row's keys live (its KV plane, its positions); ``layer``
     is the index inside the shared stack.
     """
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: Rope) -> Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -106,15 +107,14 @@ class OuroAttention(nn.Module):
         self.v_proj = nn.Linear(h, config.kv_size, bias=False)
         self.o_proj = nn.Linear(config.q_size, h, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attn: Attention, ops: TorchOps) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, layer: int, attn: Attention, ops: TorchOps) -> Tensor:
         n = x.shape[0]
         c = self.config
         q, k, v = ops.project_qkv(self, x)
         q = q.view(n, c.num_attention_heads, c.head_dim)
         k = k.view(n, c.num_key_value_heads, c.head_dim)
         v = v.view(n, c.num_key_value_heads, c.head_dim)
-        q, k = ops.rotary(q, k, cos, sin)
-        o = attn(layer, q, k, v)
+        o = attn(layer, q, k, v, rope)
         return self.o_proj(o.reshape(n, c.q_size))
 
 
@@ -143,13 +143,13 @@ class OuroDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps)
 
-    def forward(self, x: Tensor, normed: Tensor, cos: Tensor, sin: Tensor, attn: Attention, next_norm: RMSNorm,
+    def forward(self, x: Tensor, normed: Tensor, rope: Rope, attn: Attention, next_norm: RMSNorm,
                 ops: TorchOps) -> tuple[Tensor, Tensor]:
         """x: the residual stream; normed: ``input_layernorm(x)``. Returns the new residual
         stream and ``next_norm`` of it (the next layer's input norm, or the loop's final norm),
         so each residual add and the norm after it are one fused op."""
         eps = self.input_layernorm.eps
-        a = self.self_attn(normed, cos, sin, self.index, attn, ops)
+        a = self.self_attn(normed, rope, self.index, attn, ops)
         x, m_in = ops.add_rms_norm(x, a, self.input_layernorm_2.weight, self.post_attention_layernorm.weight, eps)
         m = self.mlp(m_in, ops)
         return ops.add_rms_norm(x, m, self.post_attention_layernorm_2.weight, next_norm.weight, eps)
@@ -188,8 +188,9 @@ class DenseCausalAttention:
         self.batch, self.seq = batch, seq
         self.history = history
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: Rope) -> Tensor:
         b, t = self.batch, self.seq
+        q, k = rope(q, k)
         if self.history is not None:
             k, v = self.history(layer, k, v)
         # [B, heads, T, D]
@@ -241,12 +242,12 @@ class OuroForCausalLM(nn.Module):
         logit ``[N]`` (``lambda_r = sigmoid(logit)``).
         """
         ops = ops or self.ops
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype)
+        rope = Rope(*rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype), ops)
         layers = self.model.layers
         x, normed = hidden, ops.rms_norm(hidden, layers[0].input_layernorm.weight, self.config.rms_norm_eps)
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, normed = layer(x, normed, cos, sin, attn, next_norm, ops)
+            x, normed = layer(x, normed, rope, attn, next_norm, ops)
         h = normed  # the final norm of the loop: the next loop's input and the gate's
         return h, self.gate_logits(h)
 

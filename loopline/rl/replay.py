@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from loopline.errors import InvalidRequestError
+from loopline.models.ops import Rope
 from loopline.models.ouro import DenseCausalAttention, OuroForCausalLM
 
 LAYOUTS = ("last_exited", "shared")
@@ -197,8 +198,9 @@ class _PrefixAttention:
         self.prefix_k, self.prefix_v = prefix_k, prefix_v
         self.own: dict[int, tuple[Tensor, Tensor]] = {}
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: Rope) -> Tensor:
         # q: [B, heads, D]; k, v: [B, kv_heads, D]
+        q, k = rope(q, k)
         self.own[layer] = (k, v)
         keys = torch.cat([self.prefix_k[layer], k[:, None]], dim=1)  # [B, p+1, kv_heads, D]
         values = torch.cat([self.prefix_v[layer], v[:, None]], dim=1)

@@ -182,6 +182,43 @@ def test_write_kv_skips_negative_slots():
     torch.testing.assert_close(v_cache.view(-1, kvh, d), want_v, atol=0, rtol=0)
 
 
+def test_rotate_and_write_kv_matches_rotary_then_write():
+    # One kernel rotates q, rotates k into the cache and stores v; q/k/v are strided views of one
+    # packed projection (GQA: 4 query heads, 2 KV heads).
+    from loopline.models.ops import Rope
+    from loopline.models.ouro import rotary_cos_sin
+
+    gen = torch.Generator().manual_seed(5)
+    n, hq, hk, d, block_size = 5, 4, 2, 16, 4
+    qkv = torch.randn(n, (hq + 2 * hk) * d, generator=gen).to(DEVICE)
+    q, k, v = (t.view(n, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+    rope = Rope(*rotary_cos_sin(torch.tensor([7, 0, 3, 12, 5], device=DEVICE), d, 10000.0, torch.float32))
+    slots = torch.tensor([9, 2, 0, 14, 5], dtype=torch.int64, device=DEVICE)
+    meta = PagedAttentionMetadata(query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
+                                  seq_lens=torch.tensor([n], dtype=torch.int32, device=DEVICE),
+                                  block_tables=torch.zeros(1, 4, dtype=torch.int32, device=DEVICE),
+                                  slot_mapping=slots, max_query_len=n, max_seq_len=n)
+    results = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        k_cache = torch.zeros(4, block_size, hk, d, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+        q_out = backend.rotate_and_write_kv(k_cache, v_cache, q, k, v, rope, meta)
+        results.append((q_out, k_cache, v_cache))
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    # slot -1 (padding, Triton only): q is still rotated, nothing is stored
+    meta.slot_mapping = torch.tensor([9, 2, -1, 14, 5], dtype=torch.int64, device=DEVICE)
+    k_cache, v_cache = torch.zeros_like(k_cache), torch.zeros_like(k_cache)
+    q_out = TritonAttentionBackend().rotate_and_write_kv(k_cache, v_cache, q, k, v, rope, meta)
+    torch.testing.assert_close(q_out, results[0][0], atol=1e-6, rtol=1e-6)
+    for cache, want in ((k_cache, results[0][1]), (v_cache, results[0][2])):
+        torch.testing.assert_close(cache.view(-1, hk, d)[slots], want.view(-1, hk, d)[slots] * (slots != 0)[:, None, None])
+    swapped = Rope(rope.sin, rope.cos)
+    q_bad = TritonAttentionBackend().rotate_and_write_kv(torch.zeros_like(k_cache), torch.zeros_like(k_cache), q, k,
+                                                         v, swapped, meta)
+    assert not torch.allclose(q_bad, results[0][0])  # the comparison can fail
+
+
 def test_copy_slots_copies_every_layer():
     shape = (3, 5, 4, 2, 16)  # [layers, blocks, block_size, kv_heads, D]
     k_cache = torch.randn(shape, device=DEVICE)

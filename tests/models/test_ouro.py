@@ -96,8 +96,9 @@ class DenseAttention:
         self.batch, self.seq, self.loop = batch, seq, loop
         self.key_loops, self.store, self.num_loops = key_loops, store, num_loops
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope) -> torch.Tensor:
         b, t = self.batch, self.seq
+        q, k = rope(q, k)
         heads, kv_heads, d = q.shape[1], k.shape[1], q.shape[2]
         qd = q.reshape(b, t, heads, d)
         kd = k.reshape(b, t, kv_heads, d)
