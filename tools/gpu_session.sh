@@ -16,10 +16,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LOOPLINE_GIT_COMMIT=$commit
 bench() { timeout "$1" python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --no-progress "${@:2}"; }
 has() { [[ " $parts " == *" $1 "* ]]; }
 
-if has tests; then  # correctness on the GPU: attention, sampler, fused kernels, engine (graphs, async, backends)
-  timeout 240 python3 -m pytest -q -m gpu tests/attention tests/kernels tests/worker > "$out/gpu_tests.log" 2>&1
+if has tests; then  # correctness on the GPU: every kernel test (bf16 cases too), then the GPU engine tests
+  timeout 150 python3 -m pytest -q tests/attention tests/kernels > "$out/kernel_tests.log" 2>&1
+  echo "kernel tests rc=$? $(tail -1 "$out/kernel_tests.log")"
+  timeout 240 python3 -m pytest -q -m gpu tests/worker > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$? $(tail -1 "$out/gpu_tests.log")"
-  grep -E "^(FAILED|ERROR)" "$out/gpu_tests.log" | head -10
+  grep -hE "^(FAILED|ERROR)" "$out/kernel_tests.log" "$out/gpu_tests.log" | head -10
 fi
 if has diag; then  # the GPU engine tests alone, with cuBLAS's own log
   CUBLAS_LOGINFO_DBG=1 CUBLAS_LOGDEST_DBG="$out/cublas.log" timeout 150 python3 -m pytest -q -x -m gpu \

@@ -39,6 +39,7 @@ if triton is not None:
         M, N, K, k_per_split,
         stride_xm, stride_wn, stride_os, stride_om,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+        PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding); ignored for 16-bit operands
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -62,7 +63,7 @@ if triton is not None:
                 x = tl.load(x_ptrs, mask=k_mask, other=0.0)
             # W as the left operand: its rows are the MMA's M, so the K-contiguous tile needs no
             # transpose, and the token rows (padded to 16) are the narrow right operand.
-            acc = tl.dot(w, tl.trans(x), acc)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         ptrs = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -135,7 +136,8 @@ def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None)
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, weight, out, m, n, k, k_per_split, x.stride(0), weight.stride(0), stride_os, stride_om,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=even_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=even_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         block = 1024
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](out, y, n, out.stride(0), out.stride(1), y.stride(0),

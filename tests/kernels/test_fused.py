@@ -169,6 +169,7 @@ def test_skinny_linear_matches_linear(rows, dtype):
         close(skinny_linear(x, weight.flip(1).contiguous()), want, dtype)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="the engine takes the kernel for 16-bit activations only")
 def test_triton_ops_mlp_tail_uses_skinny_gemm_for_decode_batches():
     from loopline.kernels import skinny_gemm
