@@ -90,18 +90,19 @@ class SkinnyConfig(NamedTuple):
     num_stages: int
 
 
-def skinny_config(n: int, k: int, num_sms: int = 132) -> SkinnyConfig:
+def skinny_config(n: int, k: int, num_sms: int = 132, elem_bytes: int = 2) -> SkinnyConfig:
     """Launch configuration for an ``[m <= MAX_ROWS, k] x [n, k]^T`` product (a fixed rule, no autotuning).
 
     From ``tools/bench_gemm.py --sweep`` on an H200 (Ouro-1.4B's down projection, 32 and 64 rows): 64 weight
     rows x 128 columns per step, 5 stages deep; K is split while the doubled grid still fits about one
-    program per SM and each split keeps at least two K blocks.
+    program per SM and each split keeps at least two K blocks. fp32 operands (tests; the engine
+    takes the kernel for 16-bit ones) get 2 stages so 64 rows still fit in shared memory.
     """
     block_n, block_k = 64, 128
     programs, split_k = triton.cdiv(n, block_n), 1
     while 2 * programs * split_k <= num_sms and k // (2 * split_k) >= 2 * block_k:
         split_k *= 2
-    return SkinnyConfig(block_n, block_k, split_k, num_warps=4, num_stages=5)
+    return SkinnyConfig(block_n, block_k, split_k, num_warps=4, num_stages=5 if elem_bytes <= 2 else 2)
 
 
 def use_skinny(x: Tensor, weight: Tensor) -> bool:
@@ -110,7 +111,8 @@ def use_skinny(x: Tensor, weight: Tensor) -> bool:
         return False
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or x.stride(1) != 1 or weight.stride(1) != 1:
         return False
-    return not (x.requires_grad or weight.requires_grad)
+    # Parameters keep requires_grad under inference_mode; only recorded autograd rules the kernel out.
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
 
 
 def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None) -> Tensor:
@@ -123,7 +125,7 @@ def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None)
     if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != k:
         raise ValueError(f"skinny_linear wants x [M, K] and weight [N, K] with unit stride along K, got "
                          f"{tuple(x.shape)} / {tuple(weight.shape)}")
-    cfg = config or skinny_config(n, k, _sm_count(x.device))
+    cfg = config or skinny_config(n, k, _sm_count(x.device), x.element_size())
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     # Each split covers a whole number of K blocks; a tail split may run past K and read masked zeros.
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k

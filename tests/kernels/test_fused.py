@@ -171,14 +171,21 @@ def test_skinny_linear_matches_linear(rows, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="the engine takes the kernel for 16-bit activations only")
-def test_triton_ops_mlp_tail_uses_skinny_gemm_for_decode_batches():
+def test_triton_ops_mlp_tail_uses_skinny_gemm_for_decode_batches(monkeypatch):
+    import loopline.kernels.fused as fused
     from loopline.kernels import skinny_gemm
 
     mlp = torch.nn.Module()
     mlp.down_proj = torch.nn.Linear(256, 64, bias=False).to(DEVICE, torch.bfloat16)
+    weight = mlp.down_proj.weight  # requires grad, as the engine's parameters do
     gate, up = torch.randn(2, 8, 256, device=DEVICE, dtype=torch.bfloat16)
-    assert skinny_gemm.use_skinny(gate, mlp.down_proj.weight)
-    close(TritonOps().swiglu_down(mlp, gate, up), TorchOps().swiglu_down(mlp, gate, up), torch.bfloat16)
-    big = torch.randn(skinny_gemm.MAX_ROWS + 1, 256, device=DEVICE, dtype=torch.bfloat16)
-    assert not skinny_gemm.use_skinny(big, mlp.down_proj.weight)
-    assert not skinny_gemm.use_skinny(gate.float(), mlp.down_proj.weight.float())
+    calls = []
+    monkeypatch.setattr(fused, "skinny_linear", lambda x, w: calls.append(x.shape[0]) or skinny_gemm.skinny_linear(x, w))
+    with torch.inference_mode():  # how the engine runs the model
+        got, want = TritonOps().swiglu_down(mlp, gate, up), TorchOps().swiglu_down(mlp, gate, up)
+        big = torch.randn(skinny_gemm.MAX_ROWS + 1, 256, device=DEVICE, dtype=torch.bfloat16)
+        assert not skinny_gemm.use_skinny(big, weight)
+        assert not skinny_gemm.use_skinny(gate.float(), weight.float())
+    assert calls == [8]
+    close(got, want, torch.bfloat16)
+    assert not skinny_gemm.use_skinny(gate, weight)  # autograd recording: the differentiable path
