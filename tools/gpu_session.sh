@@ -2,8 +2,8 @@
 # One device call that checks and measures everything GPU-side (H200, ~8 minutes).
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
-# parts (default: tests kernels profile bench): tests diag kernels sweep gemm swiglu profile prefill wide bench sync
-# overlap hf adaptive
+# parts (default: tests kernels profile bench): tests diag kernels sweep gemm swiglu profile prefill mixed wide bench
+# sync overlap hf adaptive
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
 out=${1:?output folder}
@@ -54,6 +54,10 @@ if has profile; then  # where a step's time goes
     timeout 90 python3 tools/profile_step.py --prefill --rows 8 --kernels 2>&1 | grep -v Warn | head -18
   } > "$out/profile.txt"
   cat "$out/profile.txt"
+fi
+if has mixed; then  # a C = 128 prefill step: 120 rows decoding while 8 prompts of 1,024 tokens prefill
+  timeout 150 python3 tools/profile_step.py --rows 120 --mixed-prompts 8 --kernels --async-scheduling 2>&1 \
+    | grep -v Warn | head -20 | tee "$out/mixed.txt"
 fi
 if has wide; then  # decode steps of 32 and 128 rows per kernel; one row with a small and a full-size KV pool
   { timeout 90 python3 tools/profile_step.py --rows 32 --kernels --async-scheduling 2>&1 | grep -v Warn | head -22

@@ -1,7 +1,9 @@
 """Where does a decode step's time go? (GPU, Ouro shapes, random weights)
 
-python tools/profile_step.py --rows 1 --context 1024 [--eager]
+python tools/profile_step.py --rows 1 --context 1024 [--eager] [--kernels]
 Prints the mean step time, the CUDA-graph replay time alone, and a host profile.
+--prefill times whole-prompt prefill loops; --mixed-prompts P times steps that carry P prompts next
+to --rows decoding rows (a C = 128 run's prefill steps).
 """
 from __future__ import annotations
 
@@ -69,6 +71,37 @@ def profile_prefill(engine: LLMEngine, a: argparse.Namespace, params: SamplingPa
             print(f"  {e.self_device_time_total / 1e3:8.2f} ms  {e.count:5d} calls  {e.key[:90]}")
 
 
+def profile_mixed(engine: LLMEngine, a: argparse.Namespace, params: SamplingParams) -> None:
+    """With ``a.rows`` rows decoding, adds ``a.mixed_prompts`` prompts and times the steps that carry them.
+
+    These are the steps of a C = 128 run that carry prompt chunks next to ~120 decode rows; the kernel
+    table is one such step's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = engine.model.config.vocab_size - 8
+    for i in range(a.mixed_prompts):  # distinct from the decode rows' prompts
+        engine.add_request(f"m{i}", [5 + (i * 104729 + j) % vocab for j in range(a.context)], params)
+    times, profiled = [], None
+    for step in range(4 * -(-a.mixed_prompts * a.context // 8192) + 4):  # every loop of every chunk, and a few more
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if step == 2 and a.kernels:
+            with profile(activities=[ProfilerActivity.CUDA]) as profiled:
+                engine.step()
+                torch.cuda.synchronize()
+        else:
+            engine.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    print(f"mixed: {a.rows} decode rows + {a.mixed_prompts} x {a.context}-token prompts, step ms: "
+          f"{[round(t, 1) for t in times]}")
+    if profiled is not None:
+        rows = [e for e in profiled.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+        print(f"  one step's device time: {sum(e.self_device_time_total for e in rows) / 1e3:.2f} ms")
+        for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:16]:
+            print(f"  {e.self_device_time_total / 1e3:8.2f} ms  {e.count:5d} calls  {e.key[:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="ouro-1.4b")
@@ -80,14 +113,16 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true",
                     help="profile prefill steps instead: --rows prompts of --context tokens in one step")
     ap.add_argument("--kernels", action="store_true", help="also print device time per kernel name (torch.profiler)")
+    ap.add_argument("--mixed-prompts", type=int, default=0,
+                    help="once --rows rows decode, add this many --context-token prompts and time the mixed steps")
     ap.add_argument("--kv-gb", type=float, default=None,
                     help="KV pool in GiB (default: enough for the rows, at least 8)")
     a = ap.parse_args()
     cfg = random_checkpoint_config(a.config)
     with torch.device("cuda"):
         model = OuroForCausalLM(cfg).to(torch.bfloat16)
-    engine = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=max(8, a.rows),
-                                  kv_cache_memory_gb=a.kv_gb or max(8.0, a.rows * 0.9), enforce_eager=a.eager, async_scheduling=a.async_scheduling,
+    engine = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=max(8, a.rows + a.mixed_prompts),
+                                  kv_cache_memory_gb=a.kv_gb or max(8.0, (a.rows + a.mixed_prompts) * 0.9), enforce_eager=a.eager, async_scheduling=a.async_scheduling,
                                   max_num_batched_tokens=max(2048, a.rows * a.context) if a.prefill else 8192,
                                   max_model_len=a.context + 512), model=model)
     params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)  # enough loop steps for every phase
@@ -99,6 +134,8 @@ def main() -> None:
         engine.step()
     for _ in range(8):
         engine.step()
+    if a.mixed_prompts:
+        return profile_mixed(engine, a, params)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(a.steps):
