@@ -16,6 +16,7 @@ program along N recomputes it.)
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -147,16 +148,15 @@ def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None)
     return y
 
 
-_SM_COUNTS: dict[int, int] = {}
-
-
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: any grid works; use the H200's so tests take the GPU's path
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 __all__ = ["MAX_ROWS", "SkinnyConfig", "skinny_config", "skinny_linear", "use_skinny"]
