@@ -38,25 +38,41 @@ def print_kernel_table(engine: LLMEngine, steps: int) -> None:
         print(f"  {t / steps:9.1f} us/step  {e.count / steps:7.1f} calls/step  {e.key[:90]}")
 
 
-def profile_prefill(engine: LLMEngine, a: argparse.Namespace, params: SamplingParams) -> None:
-    """Times whole-prompt prefill steps (one loop each) and prints where one step's device time goes."""
+def timed_step(engine: LLMEngine, kernels: bool = False):
+    """One engine step between device syncs: ``(ms, profiler or None)``; ``kernels`` records its CUDA kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    p = None
+    if kernels:
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            engine.step()
+            torch.cuda.synchronize()
+    else:
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3, p
+
+
+def print_step_kernels(p, top: int) -> None:
+    rows = [e for e in p.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    print(f"  one step's device time: {sum(e.self_device_time_total for e in rows) / 1e3:.2f} ms")
+    for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"  {e.self_device_time_total / 1e3:8.2f} ms  {e.count:5d} calls  {e.key[:90]}")
+
+
+def profile_prefill(engine: LLMEngine, a: argparse.Namespace, params: SamplingParams) -> None:
+    """Times whole-prompt prefill steps (one loop each) and prints where one step's device time goes."""
+    profiled = None
     for rep in range(3):
         for i in range(a.rows):
             engine.add_request(f"p{rep}-{i}", list(range(3 + rep, 3 + rep + a.context)), params)
         times = []
         for loop in range(4):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            if rep == 2 and loop == 1 and a.kernels:
-                with profile(activities=[ProfilerActivity.CUDA]) as p:
-                    engine.step()
-                    torch.cuda.synchronize()
-            else:
-                engine.step()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
+            ms, p = timed_step(engine, kernels=rep == 2 and loop == 1 and a.kernels)
+            times.append(ms)
+            profiled = profiled if p is None else p
         for rid in list(engine.scheduler.requests):
             engine.abort_request(rid)
         engine.step()
@@ -65,10 +81,8 @@ def profile_prefill(engine: LLMEngine, a: argparse.Namespace, params: SamplingPa
         print(f"prefill {a.rows} x {a.context} tokens, loop steps ms: {[round(t, 2) for t in times]} "
               f"(linear layers alone: {flops / 1e12:.2f} TFLOP per loop -> "
               f"{flops / (min(times[1:]) * 1e-3) / 1e12:.0f} TFLOP/s at the fastest step)")
-    if a.kernels:
-        rows = [e for e in p.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
-        for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:14]:
-            print(f"  {e.self_device_time_total / 1e3:8.2f} ms  {e.count:5d} calls  {e.key[:90]}")
+    if profiled is not None:
+        print_step_kernels(profiled, 14)
 
 
 def profile_mixed(engine: LLMEngine, a: argparse.Namespace, params: SamplingParams) -> None:
@@ -76,30 +90,18 @@ def profile_mixed(engine: LLMEngine, a: argparse.Namespace, params: SamplingPara
 
     These are the steps of a C = 128 run that carry prompt chunks next to ~120 decode rows; the kernel
     table is one such step's."""
-    from torch.profiler import ProfilerActivity, profile
-
     vocab = engine.model.config.vocab_size - 8
     for i in range(a.mixed_prompts):  # distinct from the decode rows' prompts
         engine.add_request(f"m{i}", [5 + (i * 104729 + j) % vocab for j in range(a.context)], params)
     times, profiled = [], None
     for step in range(4 * -(-a.mixed_prompts * a.context // 8192) + 4):  # every loop of every chunk, and a few more
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if step == 2 and a.kernels:
-            with profile(activities=[ProfilerActivity.CUDA]) as profiled:
-                engine.step()
-                torch.cuda.synchronize()
-        else:
-            engine.step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
+        ms, p = timed_step(engine, kernels=step == 2 and a.kernels)
+        times.append(ms)
+        profiled = profiled if p is None else p
     print(f"mixed: {a.rows} decode rows + {a.mixed_prompts} x {a.context}-token prompts, step ms: "
           f"{[round(t, 1) for t in times]}")
     if profiled is not None:
-        rows = [e for e in profiled.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
-        print(f"  one step's device time: {sum(e.self_device_time_total for e in rows) / 1e3:.2f} ms")
-        for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:16]:
-            print(f"  {e.self_device_time_total / 1e3:8.2f} ms  {e.count:5d} calls  {e.key[:90]}")
+        print_step_kernels(profiled, 16)
 
 
 def main() -> None:

@@ -1,26 +1,13 @@
 """Fused Triton layer ops vs the reference ops (CPU under TRITON_INTERPRET=1, GPU when present)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_testing import DEVICE, DTYPES, close
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-
-from loopline.kernels.fused import TritonOps  # noqa: E402
-from loopline.models.ops import TorchOps  # noqa: E402
-from loopline.models.ouro import rotary_cos_sin  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-
-
-def close(a, b, dtype):
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+from loopline.kernels.fused import TritonOps
+from loopline.models.ops import TorchOps
+from loopline.models.ouro import rotary_cos_sin
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

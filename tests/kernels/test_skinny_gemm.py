@@ -1,27 +1,14 @@
 """The split-K skinny GEMM against F.linear, and the MLP tail that uses it (CPU interpreter or GPU)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_testing import DEVICE, DTYPES, close
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-
-from loopline.kernels import skinny_gemm  # noqa: E402
-from loopline.kernels.fused import TritonOps  # noqa: E402
-from loopline.kernels.skinny_gemm import SkinnyConfig, skinny_config, skinny_linear  # noqa: E402
-from loopline.models.ops import TorchOps  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-
-
-def close(a, b, dtype):
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+from loopline.kernels import skinny_gemm
+from loopline.kernels.fused import TritonOps
+from loopline.kernels.skinny_gemm import SkinnyConfig, skinny_config, skinny_linear
+from loopline.models.ops import TorchOps
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 33])
