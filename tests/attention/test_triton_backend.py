@@ -1,30 +1,22 @@
-"""Triton paged attention against the torch reference.
+"""Triton paged attention against the torch reference (CPU interpreter or GPU; see triton_testing).
 
-Without CUDA the kernels run in Triton's CPU interpreter, which must be
-switched on before triton (and the backend module) is imported. CPU cases
-are fp32 only: the interpreter mis-computes ``tl.dot`` on bf16 operands
-(triton 3.9), so bf16 is covered by the GPU tests.
+CPU cases are fp32 only: the interpreter mis-computes ``tl.dot`` on bf16
+operands, so bf16 is covered by the GPU tests.
 """
-import os
-
 import numpy as np
 import pytest
 import torch
+from triton_testing import DEVICE
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-
-from loopline.attention.base import PagedAttentionMetadata, build_work_tiles  # noqa: E402
-from loopline.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from loopline.attention.triton_backend import (  # noqa: E402
+from loopline.attention.base import PagedAttentionMetadata, build_work_tiles
+from loopline.attention.torch_backend import TorchAttentionBackend
+from loopline.attention.triton_backend import (
     DecodeLaunch,
     PrefillLaunch,
     TritonAttentionBackend,
     triton_available,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
