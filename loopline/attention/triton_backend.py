@@ -523,6 +523,7 @@ class TritonAttentionBackend(AttentionBackend):
         num_layers, _, block_size, kvh, d = k_cache.shape
         assert v_cache.shape == k_cache.shape and loops.shape == exits.shape == (rows,)
         assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and plane_slots.stride(1) == 1
+        assert loops.is_contiguous() and exits.is_contiguous()  # the kernel indexes them by row
         block_h = _heads_per_program(kvh, d)
         _copy_exited_kernel[(rows, num_layers, triton.cdiv(kvh, block_h))](
             k_cache, v_cache, plane_slots, loops, exits.view(torch.int8), num_planes, kvh, plane_slots.stride(0),
