@@ -553,8 +553,9 @@ class TritonAttentionBackend(AttentionBackend):
         group = heads // kvh
         # Q tile: 16 M rows for decode-only steps (the G heads of one token, padded),
         # growing to 64 with max_query_len (prefill chunks); never fewer rows than G.
-        # Decode rows in a mixed step use 1 of their tile's tokens: wasted MMA rows,
-        # but decode is bound by reading K/V, which is the same either way.
+        # Decode rows in a mixed step use 1 of their tile's tokens: wasted MMA and softmax rows.
+        # NOTE: by estimate that makes ~120 of them compute-bound (about 9 vs 6 ms of a C = 128
+        # mixed step); not measured yet (docs/benchmarks/h200-2026-11-30.md).
         work = meta.work_tiles
         if work is not None:  # one program per listed tile, at the tile size the list was built for
             block_m = self._work_block_m(group)
@@ -575,16 +576,10 @@ class TritonAttentionBackend(AttentionBackend):
         # 2 stages leave shared memory for more programs per SM (bench_attention --sweep, H200, bf16:
         # 8 x 1024-token prefill 0.192 vs 0.280 ms at 3 stages; decode 72.4 vs 74.3 us at 32 rows).
         num_stages = 2
-        if meta.max_query_len == 1 and work is None:
-            tune = self.decode_launch
-            block_n = tune.block_n or block_n
-            num_warps = tune.num_warps or num_warps
-            num_stages = tune.num_stages or num_stages
-        else:
-            tune = self.prefill_launch
-            block_n = tune.block_n or block_n
-            num_warps = tune.num_warps or num_warps
-            num_stages = tune.num_stages or num_stages
+        tune = self.decode_launch if meta.max_query_len == 1 and work is None else self.prefill_launch
+        block_n = tune.block_n or block_n
+        num_warps = tune.num_warps or num_warps
+        num_stages = tune.num_stages or num_stages
         precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
 
         if num_splits > 1:
