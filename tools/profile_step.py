@@ -30,12 +30,17 @@ def print_kernel_table(engine: LLMEngine, steps: int) -> None:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    rows = [e for e in p.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
-    total = sum(getattr(e, "self_device_time_total", 0) for e in rows)
+    rows = kernel_rows(p)
+    total = sum(e.self_device_time_total for e in rows)
     print(f"device time per step: {total / steps / 1e3:.3f} ms over {steps} steps")
-    for e in sorted(rows, key=lambda e: -getattr(e, "self_device_time_total", 0))[:25]:
-        t = getattr(e, "self_device_time_total", 0)
-        print(f"  {t / steps:9.1f} us/step  {e.count / steps:7.1f} calls/step  {e.key[:90]}")
+    for e in rows[:25]:
+        print(f"  {e.self_device_time_total / steps:9.1f} us/step  {e.count / steps:7.1f} calls/step  {e.key[:90]}")
+
+
+def kernel_rows(p) -> list:
+    """A profile's entries with device time, longest first."""
+    rows = [e for e in p.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    return sorted(rows, key=lambda e: -e.self_device_time_total)
 
 
 def timed_step(engine: LLMEngine, kernels: bool = False):
@@ -56,9 +61,9 @@ def timed_step(engine: LLMEngine, kernels: bool = False):
 
 
 def print_step_kernels(p, top: int) -> None:
-    rows = [e for e in p.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    rows = kernel_rows(p)
     print(f"  one step's device time: {sum(e.self_device_time_total for e in rows) / 1e3:.2f} ms")
-    for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:top]:
+    for e in rows[:top]:
         print(f"  {e.self_device_time_total / 1e3:8.2f} ms  {e.count:5d} calls  {e.key[:90]}")
 
 

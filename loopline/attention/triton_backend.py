@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from loopline.attention.base import AttentionBackend, PagedAttentionMetadata
+from loopline.kernels import cuda_sm_count
 from loopline.models.ops import Rope
 
 try:
@@ -468,7 +469,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.prefill_launch = prefill_launch or PrefillLaunch()
         if self.prefill_launch.block_m is not None and not _is_pow2(self.prefill_launch.block_m):
             raise ValueError(f"prefill_launch.block_m must be a power of two, got {self.prefill_launch.block_m}")
-        self._sm_count: dict[int, int] = {}
 
     # ------------------------------------------------------------------ write_kv
 
@@ -626,11 +626,7 @@ class TritonAttentionBackend(AttentionBackend):
             return self.num_splits
         if q_tiles > 1 or device.type != "cuda":
             return 1
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        sms = self._sm_count.get(index)
-        if sms is None:
-            sms = self._sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        wanted = math.ceil(_PROGRAMS_PER_SM * sms / programs)
+        wanted = math.ceil(_PROGRAMS_PER_SM * cuda_sm_count(device) / programs)
         by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
         splits = max(1, min(wanted, by_length, _MAX_SPLITS))
         # Round down to a power of two: NUM_SPLITS is a compile-time constant,

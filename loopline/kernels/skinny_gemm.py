@@ -16,11 +16,12 @@ program along N recomputes it.)
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from loopline.kernels import cuda_sm_count
 
 try:
     import triton
@@ -151,12 +152,7 @@ def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: any grid works; use the H200's so tests take the GPU's path
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return cuda_sm_count(device)
 
 
 __all__ = ["MAX_ROWS", "SkinnyConfig", "skinny_config", "skinny_linear", "use_skinny"]
