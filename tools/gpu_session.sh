@@ -2,8 +2,8 @@
 # One device call that checks and measures everything GPU-side (H200, ~8 minutes).
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
-# parts (default: tests kernels profile bench): tests diag kernels sweep gemm swiglu profile prefill mixed wide bench
-# sync overlap hf adaptive
+# parts (default: tests kernels profile bench): tests diag kernels sweep gemm swiglu gemv profile prefill mixed wide
+# bench sync overlap hf adaptive; LOOPLINE_BENCH_C (default "1 32 128") picks bench's concurrencies
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
 out=${1:?output folder}
@@ -44,6 +44,9 @@ fi
 if has swiglu; then  # the MLP tail at decode row counts: down_proj by cuBLAS vs the skinny split-K kernel
   timeout 120 python3 tools/bench_gemm.py --swiglu 2>&1 | grep -v Warn | tee "$out/swiglu.txt"
 fi
+if has gemv; then  # one-row products: cuBLAS vs the GEMV kernel's launches, and its fused prologues
+  timeout 360 python3 tools/bench_gemm.py --gemv 2>&1 | grep -v Warn | tee "$out/gemv.txt"
+fi
 if has prefill; then  # one 8 x 1024-token prefill loop per kernel
   timeout 90 python3 tools/profile_step.py --prefill --rows 8 --kernels 2>&1 | grep -v Warn | head -18 | tee "$out/prefill.txt"
 fi
@@ -68,7 +71,7 @@ if has wide; then  # decode steps of 32 and 128 rows per kernel; one row with a 
 fi
 if has bench; then  # full depth, 1024 in / 128 out, async scheduling (sync too with "sync")
   modes=async; has sync && modes="sync async"
-  for c in 1 32 128; do
+  for c in ${LOOPLINE_BENCH_C:-1 32 128}; do
     for mode in $modes; do
       flag=""; [ $mode = async ] && flag=--async-scheduling
       bench 150 --input-len 1024 --output-len 128 --concurrency $c --max-num-batched-tokens 8192 $flag \
