@@ -38,12 +38,17 @@ class PagedAttentionMetadata:
     # ``AttentionBackend.work_tile_tokens``): a backend that tiles queries launches one
     # program per entry instead of rows x max tiles, and a fixed-size list can be captured.
     work_tiles: Tensor | None = None
+    # With a work list: the first ``num_decode_rows`` rows have one query each and no work tile;
+    # a backend attends them in a decode launch (small query tiles) next to the listed tiles.
+    num_decode_rows: int = 0
 
 
-def build_work_tiles(q_lens: np.ndarray, tile_tokens: int, capacity: int | None = None) -> np.ndarray:
-    """``[2, T]`` int32 (row, tile) pairs covering every query of every row; padded with -1 to ``capacity``."""
+def build_work_tiles(q_lens: np.ndarray, tile_tokens: int, capacity: int | None = None,
+                     first_row: int = 0) -> np.ndarray:
+    """``[2, T]`` int32 (row, tile) pairs covering every query of rows ``first_row, first_row + 1, ...``
+    (``q_lens`` are theirs); padded with -1 to ``capacity``."""
     tiles = -(-np.asarray(q_lens, dtype=np.int64) // tile_tokens)
-    rows = np.repeat(np.arange(len(tiles), dtype=np.int32), tiles)
+    rows = np.repeat(np.arange(first_row, first_row + len(tiles), dtype=np.int32), tiles)
     starts = np.cumsum(tiles) - tiles
     ids = (np.arange(len(rows)) - np.repeat(starts, tiles)).astype(np.int32)
     n = len(rows) if capacity is None else capacity

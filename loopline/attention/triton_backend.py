@@ -553,9 +553,8 @@ class TritonAttentionBackend(AttentionBackend):
         group = heads // kvh
         # Q tile: 16 M rows for decode-only steps (the G heads of one token, padded),
         # growing to 64 with max_query_len (prefill chunks); never fewer rows than G.
-        # Decode rows in a mixed step use 1 of their tile's tokens: wasted MMA and softmax rows.
-        # NOTE: by estimate that makes ~120 of them compute-bound (about 9 vs 6 ms of a C = 128
-        # mixed step); not measured yet (docs/benchmarks/h200-2026-11-30.md).
+        # Decode rows of a mixed step (meta.num_decode_rows) are not on the work list: they get
+        # a decode launch below, since a 64-row tile would hold 1 query and 63 padding rows.
         work = meta.work_tiles
         if work is not None:  # one program per listed tile, at the tile size the list was built for
             block_m = self._work_block_m(group)
@@ -582,25 +581,21 @@ class TritonAttentionBackend(AttentionBackend):
         num_stages = tune.num_stages or num_stages
         precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
 
+        if work is not None and meta.num_decode_rows:
+            # Decode rows of a mixed step: one query each, so 16-row tiles, not the work list's 64
+            # (whose padding rows would multiply their softmax and MMA work by 64 / G).
+            decode_m = max(16, _next_pow2(group))
+            self._launch(q, k_cache, v_cache, out, out, out, meta, None, scale, (meta.num_decode_rows, kvh, 1),
+                         group, decode_m // group, decode_m, self.decode_launch.block_n or block_n, 1, precision,
+                         self.decode_launch.num_warps or 4,
+                         self.decode_launch.num_stages or num_stages)
         if num_splits > 1:
             part_out = torch.empty((num_splits, n, heads, d), dtype=torch.float32, device=q.device)
             part_lse = torch.empty((num_splits, n, heads), dtype=torch.float32, device=q.device)
         else:
             part_out = part_lse = out  # unused by the kernel
-        _paged_attention_kernel[grid](
-            q, k_cache, v_cache, out, part_out, part_lse,
-            meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            work if work is not None else meta.seq_lens, work.shape[1] if work is not None else 0,
-            scale * _LOG2E, n, heads,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            out.stride(0), out.stride(1),
-            meta.block_tables.stride(0),
-            G=group, TILE_T=tile_t, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-            HEAD_DIM=d, NUM_SPLITS=num_splits, DOT_PRECISION=precision, WORK_LIST=work is not None,
-            num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
+        self._launch(q, k_cache, v_cache, out, part_out, part_lse, meta, work, scale, grid, group, tile_t, block_m,
+                     block_n, num_splits, precision, num_warps, num_stages)
         if num_splits > 1:
             _merge_splits_kernel[(n, heads)](
                 part_out, part_lse, out, n, heads, out.stride(0), out.stride(1),
@@ -608,6 +603,24 @@ class TritonAttentionBackend(AttentionBackend):
                 num_warps=4 if d >= 128 else 2,
             )  # fmt: skip
         return out
+
+    @staticmethod
+    def _launch(q, k_cache, v_cache, out, part_out, part_lse, meta, work, scale, grid, group, tile_t, block_m, block_n,
+                num_splits, precision, num_warps, num_stages) -> None:
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, out, part_out, part_lse,
+            meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            work if work is not None else meta.seq_lens, work.shape[1] if work is not None else 0,
+            scale * _LOG2E, q.shape[0], q.shape[1],
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1),
+            meta.block_tables.stride(0),
+            G=group, TILE_T=tile_t, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1],
+            HEAD_DIM=q.shape[2], NUM_SPLITS=num_splits, DOT_PRECISION=precision, WORK_LIST=work is not None,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
 
     def _work_block_m(self, group: int) -> int:
         return max(self.prefill_launch.block_m or 64, _next_pow2(group))

@@ -292,12 +292,11 @@ class MixedGraphs(_GraphSet):
                     "positions": (np.int64, (d + p,), 0), "slot_mapping": (np.int64, (d + p,), scratch_kv),
                     "query_start_loc": (np.int32, (rows + 1,), d), "seq_lens": (np.int32, (rows,), 1),
                     "block_tables": (np.int32, (rows, self.max_blocks), runner.scratch_block),
-                    "work_tiles": (np.int32, (2, d + max_prefill_rows + p // self.tile), -1),
+                    # decode rows get their own attention launch; the list holds the prompt tiles
+                    "work_tiles": (np.int32, (2, max_prefill_rows + p // self.tile), -1),
                 })
                 v = lay.host_views(lay.padding)
                 v["query_start_loc"][:d + 1] = np.arange(d + 1)  # padding decode rows: one query each
-                v["work_tiles"][0, :d] = np.arange(d)
-                v["work_tiles"][1, :d] = 0
         self._init_inputs(layouts, dev)
         self.x_prefill = torch.zeros(self.prefill_sizes[-1], cfg.hidden_size, dtype=runner.dtype, device=dev)
         self.replays = 0
@@ -320,7 +319,8 @@ class MixedGraphs(_GraphSet):
         r, v = self.runner, self.views[key]
         d, p = key
         meta = PagedAttentionMetadata(v["query_start_loc"], v["seq_lens"], v["block_tables"], v["slot_mapping"],
-                                      max_query_len=p, max_seq_len=self.max_seq_len, work_tiles=v["work_tiles"])
+                                      max_query_len=p, max_seq_len=self.max_seq_len, work_tiles=v["work_tiles"],
+                                      num_decode_rows=d)
         dec = None
         x = self.x_prefill[:p]
         if d:
@@ -354,8 +354,7 @@ class MixedGraphs(_GraphSet):
         v["query_start_loc"][d:d + n_rows + 1] = d + prefill.offsets
         v["seq_lens"][d:d + n_rows] = prefill.seq_lens
         v["block_tables"][d:d + n_rows, :prefill.block_tables.shape[1]] = prefill.block_tables
-        q_lens = np.concatenate([np.ones(d, dtype=np.int64), np.diff(prefill.offsets)])
-        v["work_tiles"][:] = build_work_tiles(q_lens, self.tile, v["work_tiles"].shape[1])
+        v["work_tiles"][:] = build_work_tiles(np.diff(prefill.offsets), self.tile, v["work_tiles"].shape[1], first_row=d)
         self.inputs[:lay.nbytes].copy_(pinned, non_blocking=True)
         if decode_device is not None and nd:
             _copy_decode_rows(self.views[key], *decode_device)

@@ -330,9 +330,9 @@ class ModelRunner:
             width = max(t.shape[1] for t in table_parts)
             tables_all = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=self.scratch_block)
                                     for t in table_parts])
-            qsl, *work = stage(dev, (offsets, np.int32), *work_list(offsets, max_q, self.work_tile_tokens))
+            qsl, *work = stage(dev, (offsets, np.int32), *work_list(offsets, max_q, self.work_tile_tokens, nd))
             meta = PagedAttentionMetadata(
-                work_tiles=work[0] if work else None,
+                work_tiles=work[0] if work else None, num_decode_rows=nd if work else 0,
                 query_start_loc=qsl, seq_lens=torch.cat(seq_parts),
                 block_tables=tables_all, slot_mapping=torch.cat(map_parts), max_query_len=max_q, max_seq_len=max_seq)
             ex, logits = self._run_loop(rows, nd, torch.cat(x_parts), torch.cat(pos_parts), meta, offsets,

@@ -60,20 +60,23 @@ class StepInputs:
     def to_device(self, device: torch.device, tile_tokens: int | None = None) -> tuple[Tensor, PagedAttentionMetadata]:
         """Positions and attention metadata; with ``tile_tokens`` prefill steps get a work list."""
         arrays = [self.offsets.astype(np.int32), self.seq_lens, self.block_tables, self.slot_mapping, self.positions]
-        work = work_list(self.offsets, self.max_query_len, tile_tokens)
+        work = work_list(self.offsets, self.max_query_len, tile_tokens, self.decode.n)
         offsets, seq_lens, tables, slot_mapping, positions, *work = stage(device, *arrays, *work)
         meta = PagedAttentionMetadata(
             query_start_loc=offsets, seq_lens=seq_lens, block_tables=tables, slot_mapping=slot_mapping,
-            max_query_len=self.max_query_len, max_seq_len=self.max_seq_len, work_tiles=work[0] if work else None)
+            max_query_len=self.max_query_len, max_seq_len=self.max_seq_len, work_tiles=work[0] if work else None,
+            num_decode_rows=self.decode.n if work else 0)
         return positions, meta
 
 
-def work_list(offsets, max_query_len: int, tile_tokens: int | None) -> list[np.ndarray]:
+def work_list(offsets, max_query_len: int, tile_tokens: int | None, num_decode_rows: int = 0) -> list[np.ndarray]:
     """The attention work list of a step with prefill chunks (``[]`` for decode-only steps or a
-    backend without work lists), as a list to splice into a ``stage`` call."""
+    backend without work lists), as a list to splice into a ``stage`` call. The first
+    ``num_decode_rows`` rows (one query each) stay off it: the backend gives them a decode launch."""
     if not tile_tokens or max_query_len <= 1:
         return []
-    return [build_work_tiles(np.diff(np.asarray(offsets)), tile_tokens)]
+    q_lens = np.diff(np.asarray(offsets))[num_decode_rows:]
+    return [build_work_tiles(q_lens, tile_tokens, first_row=num_decode_rows)]
 
 
 def slot_of(blocks: np.ndarray, pos: np.ndarray | int, block_size: int) -> np.ndarray:

@@ -59,8 +59,9 @@ def make_case(rows, heads, kv_heads, head_dim, block_size, dtype, device, seed=0
 
 
 def check_attend(rows, heads, kv_heads, head_dim, block_size, dtype, atol, num_splits=None, seed=0, work_pad=None,
-                 decode_launch=None, prefill_launch=None):
-    """``work_pad``: launch over a work list padded by this many empty entries (the graph-capturable grid)."""
+                 decode_launch=None, prefill_launch=None, decode_rows=0):
+    """``work_pad``: launch over a work list padded by this many empty entries (the graph-capturable grid);
+    ``decode_rows``: the first rows (one query each) stay off the list and get their own decode launch."""
     q, k_cache, v_cache, meta = make_case(rows, heads, kv_heads, head_dim, block_size, dtype, DEVICE, seed)
     scale = head_dim**-0.5
     want = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, scale)
@@ -68,9 +69,10 @@ def check_attend(rows, heads, kv_heads, head_dim, block_size, dtype, atol, num_s
                                      prefill_launch=prefill_launch)
     if work_pad is not None:
         tile = backend.work_tile_tokens(heads // kv_heads)
-        q_lens = [n for n, _ in rows]
+        q_lens = [n for n, _ in rows][decode_rows:]
         needed = sum(-(-n // tile) for n in q_lens)
-        meta.work_tiles = torch.from_numpy(build_work_tiles(q_lens, tile, needed + work_pad)).to(DEVICE)
+        meta.work_tiles = torch.from_numpy(build_work_tiles(q_lens, tile, needed + work_pad, decode_rows)).to(DEVICE)
+        meta.num_decode_rows = decode_rows
     got = backend.attend(q, k_cache, v_cache, meta, scale)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
@@ -111,6 +113,14 @@ def test_attend_work_list_matches_torch(heads, kv_heads, rows):
     check_attend(rows, heads, kv_heads, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5, work_pad=3)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+def test_mixed_step_decode_rows_in_their_own_launch(heads, kv_heads):
+    # A mixed step as the engine lays it out: decode rows first, then prompt chunks on the work list.
+    rows = [(1, 70), (1, 5), (1, 33), (40, 90), (3, 3)]
+    check_attend(rows, heads, kv_heads, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5, work_pad=2,
+                 decode_rows=3)
+
+
 def test_decode_launch_override_matches_torch():
     # bench_attention --sweep times other launch parameters of decode-only steps; results must not change.
     rows = [(1, 70), (1, 5), (1, 33)]
@@ -131,6 +141,7 @@ def test_prefill_launch_override_matches_torch(work_pad):
 def test_build_work_tiles():
     tiles = build_work_tiles(np.array([1, 70, 0, 64]), 64, capacity=6)
     assert tiles.tolist() == [[0, 1, 1, 3, -1, -1], [0, 0, 1, 0, -1, -1]]
+    assert build_work_tiles(np.array([70, 3]), 64, first_row=5).tolist() == [[5, 5, 6], [0, 1, 0]]
     with pytest.raises(ValueError, match="capacity"):
         build_work_tiles(np.array([65]), 64, capacity=1)
 
