@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from loopline.kernels.gemv import gemv, use_gemv
 from loopline.kernels.skinny_gemm import skinny_linear, use_skinny
 from loopline.models.ops import TorchOps
 
@@ -101,6 +102,11 @@ def _pack(linears: list[torch.nn.Linear]) -> tuple[Tensor, list[int]]:
     return packed, sizes
 
 
+def _linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``F.linear(x, weight)``; one row takes the GEMV kernel, which streams the weight faster than cuBLAS."""
+    return gemv(x, weight) if use_gemv(x, weight) else torch.nn.functional.linear(x, weight)
+
+
 def _row_major(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -136,7 +142,7 @@ class TritonOps(TorchOps):
         if packed is None or x.requires_grad:
             return None
         weight, sizes = packed
-        return torch.nn.functional.linear(x, weight).split(sizes, dim=-1)
+        return _linear(x, weight).split(sizes, dim=-1)
 
     def project_qkv(self, attn: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
         return self._packed_linear(attn, x) or TorchOps.project_qkv(attn, x)
@@ -180,9 +186,15 @@ class TritonOps(TorchOps):
             HALF=d // 2, BLOCK_H=block_h)
         return q_out, k_out
 
+    def linear(self, module: torch.nn.Linear, x: Tensor) -> Tensor:  # type: ignore[override]
+        return _linear(x, module.weight) if module.bias is None else module(x)
+
     def swiglu_down(self, mlp: torch.nn.Module, gate: Tensor, up: Tensor) -> Tensor:
+        down = mlp.down_proj
+        if down.bias is None and use_gemv(gate, down.weight):  # one row: the activation rides the load
+            return gemv(gate, down.weight, up=up)
         # Decode-sized batches: a split-K kernel streams down_proj's wide-K weight faster than cuBLAS.
-        act, down = self.silu_mul(gate, up), mlp.down_proj
+        act = self.silu_mul(gate, up)
         if down.bias is None and use_skinny(act, down.weight):
             return skinny_linear(act, down.weight)
         return down(act)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from loopline.kernels import cuda_sm_count
+from loopline.kernels import cuda_sm_count, kernel_operands
 
 try:
     import triton
@@ -30,7 +30,6 @@ except ImportError:  # pragma: no cover - the kernel is unusable without triton
     triton = None
 
 MAX_ROWS = 64  # token rows one program holds; more rows are a GEMM cuBLAS does well
-_DTYPES = (torch.float16, torch.bfloat16)
 
 
 if triton is not None:
@@ -109,12 +108,7 @@ def skinny_config(n: int, k: int, num_sms: int = 132, elem_bytes: int = 2) -> Sk
 
 def use_skinny(x: Tensor, weight: Tensor) -> bool:
     """Whether :func:`skinny_linear` applies: a decode-sized 16-bit batch, no autograd."""
-    if triton is None or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != weight.shape[1]:
-        return False
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype or x.stride(1) != 1 or weight.stride(1) != 1:
-        return False
-    # Parameters keep requires_grad under inference_mode; only recorded autograd rules the kernel out.
-    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    return triton is not None and kernel_operands(x, weight) and 1 <= x.shape[0] <= MAX_ROWS
 
 
 def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None) -> Tensor:

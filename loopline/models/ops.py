@@ -29,6 +29,11 @@ class TorchOps:
         return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
     @staticmethod
+    def linear(module: torch.nn.Linear, x: Tensor) -> Tensor:
+        """``module(x)``: a projection with no packing (the attention output's ``o_proj``)."""
+        return module(x)
+
+    @staticmethod
     def project_gate_up(mlp: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
         """``gate_proj(x), up_proj(x)`` of a SwiGLU MLP."""
         return mlp.gate_proj(x), mlp.up_proj(x)

@@ -115,7 +115,7 @@ class OuroAttention(nn.Module):
         k = k.view(n, c.num_key_value_heads, c.head_dim)
         v = v.view(n, c.num_key_value_heads, c.head_dim)
         o = attn(layer, q, k, v, rope)
-        return self.o_proj(o.reshape(n, c.q_size))
+        return ops.linear(self.o_proj, o.reshape(n, c.q_size))
 
 
 class OuroMLP(nn.Module):
