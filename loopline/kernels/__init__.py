@@ -19,12 +19,12 @@ def _sm_count(index: int) -> int:
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def kernel_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight.T`` may take a decode-sized Triton matmul: 2-D 16-bit operands of one
-    dtype, unit stride along K, and no autograd being recorded."""
+def kernel_operands(x: torch.Tensor, weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = _KERNEL_DTYPES) -> bool:
+    """Whether ``x @ weight.T`` may take a decode-sized Triton matmul: 2-D operands of one dtype
+    (16-bit by default), unit stride along K, and no autograd being recorded."""
     if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.stride(1) != 1 or weight.stride(1) != 1:
         return False
-    if x.dtype not in _KERNEL_DTYPES or weight.dtype != x.dtype:
+    if x.dtype not in dtypes or weight.dtype != x.dtype:
         return False
     # Parameters keep requires_grad under inference_mode; only recorded autograd rules a kernel out.
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))

@@ -189,6 +189,12 @@ class TritonOps(TorchOps):
     def linear(self, module: torch.nn.Linear, x: Tensor) -> Tensor:  # type: ignore[override]
         return _linear(x, module.weight) if module.bias is None else module(x)
 
+    def logits(self, lm_head: torch.nn.Linear, h: Tensor, needed: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        # One decode row: the 200 MB vocabulary projection is read only when the row's token exits.
+        if needed is not None and lm_head.bias is None and use_gemv(h, lm_head.weight):
+            return gemv(h, lm_head.weight, needed=needed).float()
+        return TorchOps.logits(lm_head, h)
+
     def swiglu_down(self, mlp: torch.nn.Module, gate: Tensor, up: Tensor) -> Tensor:
         down = mlp.down_proj
         if down.bias is None and use_gemv(gate, down.weight):  # one row: the activation rides the load

@@ -33,18 +33,25 @@ try:
 except ImportError:  # pragma: no cover - the kernel is unusable without triton
     triton = None
 
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 
 
 if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, u_ptr, w_ptr, y_ptr,  # x [K] (and up [K] for SILU), W [N, K] (unit last stride), y [N]
+        x_ptr, u_ptr, w_ptr, y_ptr, needed_ptr,  # x [K] (and up [K] for SILU), W [N, K] (unit last stride), y [N]
         N, K, stride_wn,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SILU: tl.constexpr,
+        PREDICATED: tl.constexpr,  # needed_ptr: one int8 flag; 0 writes zeros without reading W
     ):
         dtype = y_ptr.dtype.element_ty
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if PREDICATED:
+            if tl.load(needed_ptr) == 0:
+                tl.store(y_ptr + rows, tl.zeros((BLOCK_N,), dtype=dtype), mask=rows < N)
+                return
         # Rows past N are clamped, not masked: they re-read a valid row, the loads stay unpredicated and
         # wide, and the store drops their results.
         w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
@@ -78,24 +85,33 @@ DEFAULT_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3)
 
 
 def use_gemv(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`gemv` applies: one 16-bit row, unit stride along K, no autograd."""
-    return triton is not None and kernel_operands(x, weight) and x.shape[0] == 1
+    """Whether :func:`gemv` applies: one row, unit stride along K, no autograd. fp32 too: with no MMA
+    the kernel is exact to fp32 rounding there, so fp32 engine tests check the path as served."""
+    return triton is not None and kernel_operands(x, weight, _DTYPES) and x.shape[0] == 1
 
 
-def gemv(x: Tensor, weight: Tensor, *, up: Tensor | None = None, config: GemvConfig | None = None) -> Tensor:
+def gemv(x: Tensor, weight: Tensor, *, up: Tensor | None = None, needed: Tensor | None = None,
+         config: GemvConfig | None = None) -> Tensor:
     """``F.linear(x, weight)`` for one row ``x`` ``[1, K]`` and ``weight`` ``[N, K]``; with ``up`` given,
-    ``F.linear(silu(x) * up, weight)`` (the MLP's down projection, activation computed on load)."""
+    ``F.linear(silu(x) * up, weight)`` (the MLP's down projection, activation computed on load).
+
+    ``needed``: a one-element bool tensor on the device; where it is False the kernel returns zeros
+    without reading the weight (the coda of a decode row whose token does not exit this loop)."""
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"gemv wants x [1, K] and weight [N, K] with unit stride along K, got "
                          f"{tuple(x.shape)} / {tuple(weight.shape)}")
     if up is not None and (up.shape != x.shape or up.stride(1) != 1):
         raise ValueError(f"gemv's up must be shaped like x {tuple(x.shape)} with unit stride, got {tuple(up.shape)}")
+    if needed is not None and (needed.numel() != 1 or needed.dtype != torch.bool):
+        raise ValueError(f"gemv's needed must be one bool, got {needed.dtype} {tuple(needed.shape)}")
     n, k = weight.shape
     cfg = config or DEFAULT_CONFIG
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, up if up is not None else x, weight, y, n, k, weight.stride(0),
+        x, up if up is not None else x, weight, y, needed.view(torch.int8) if needed is not None else x,
+        n, k, weight.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SILU=up is not None,
+        PREDICATED=needed is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 

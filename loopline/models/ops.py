@@ -34,6 +34,12 @@ class TorchOps:
         return module(x)
 
     @staticmethod
+    def logits(lm_head: torch.nn.Linear, h: Tensor, needed: Tensor | None = None) -> Tensor:
+        """fp32 ``lm_head(h)`` ``[M, vocab]``. ``needed`` (``[M]`` bool) marks the rows whose logits are
+        used; an implementation may return zeros for the others instead of computing them."""
+        return lm_head(h).float()
+
+    @staticmethod
     def project_gate_up(mlp: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
         """``gate_proj(x), up_proj(x)`` of a SwiGLU MLP."""
         return mlp.gate_proj(x), mlp.up_proj(x)

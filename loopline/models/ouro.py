@@ -255,9 +255,14 @@ class OuroForCausalLM(nn.Module):
         gate = self.model.early_exit_gate
         return F.linear(h.float(), gate.weight.float(), gate.bias.float()).squeeze(-1)
 
-    def head(self, hidden: Tensor) -> Tensor:
-        """Coda: ``[M, hidden]`` -> fp32 logits ``[M, vocab]``."""
-        return self.lm_head(hidden).float()
+    def head(self, hidden: Tensor, needed: Tensor | None = None) -> Tensor:
+        """Coda: ``[M, hidden]`` -> fp32 logits ``[M, vocab]``.
+
+        ``needed`` (``[M]`` bool on the device): rows whose logits are used; the others may come back
+        as zeros (the inference ops then skip reading ``lm_head`` for a step where nothing exits)."""
+        if needed is None:
+            return self.lm_head(hidden).float()
+        return self.ops.logits(self.lm_head, hidden, needed)
 
     # --- dense, differentiable forward -----------------------------------------------
     def forward_dense(

@@ -461,7 +461,7 @@ class ModelRunner:
         if self._copies_on_exit:  # last_exited: a token exiting at loop e fills its deeper planes
             self.backend.copy_exited(self.k_cache, self.v_cache, d.plane_slots, d.loops, ex,
                                      self.scratch_block * self.block_size)
-        return ex, self.model.head(h)
+        return ex, self.model.head(h, needed=ex)  # rows not exiting: logits unused (may be zeros)
 
     def _book_prefill_rows(self, rows, nd, h, gate, offsets, exited, sample_hidden, sample_meta,
                            prompt_logprobs) -> None:

@@ -47,7 +47,7 @@ def test_gemv_silu_is_the_mlp_tail(dtype, cfg):
     close(gemv(gate, weight, up=up, config=cfg), _reference(TorchOps.silu_mul(gate, up), weight), dtype)
 
 
-def test_gemv_rejects_bad_shapes_and_applies_to_one_16_bit_row():
+def test_gemv_rejects_bad_shapes_and_applies_to_one_row():
     w = torch.zeros(8, 16)
     with pytest.raises(ValueError, match="x \\[1, K\\]"):
         gemv(torch.zeros(2, 16), w)
@@ -57,7 +57,9 @@ def test_gemv_rejects_bad_shapes_and_applies_to_one_16_bit_row():
     with torch.inference_mode():
         assert use_gemv(torch.zeros(1, 16, dtype=torch.bfloat16), bf)
         assert not use_gemv(torch.zeros(2, 16, dtype=torch.bfloat16), bf)
-        assert not use_gemv(torch.zeros(1, 16), w)
+        assert use_gemv(torch.zeros(1, 16), w)
+        assert not use_gemv(torch.zeros(1, 16, dtype=torch.float64), w.double())
+        assert not use_gemv(torch.zeros(1, 16), bf)
     assert not use_gemv(torch.zeros(1, 16, dtype=torch.bfloat16), bf.requires_grad_())  # autograd: reference path
 
 
@@ -93,3 +95,32 @@ def test_triton_ops_take_gemv_for_one_row_only(monkeypatch):
                       torch.bfloat16)
     # one row: packed q/k/v, o_proj, packed gate/up, down with the activation; three rows: none
     assert calls == [(192, 64), (64, 64), (192, 64), (64, 96)]
+
+
+@pytest.mark.parametrize("dtype", PRODUCT_DTYPES)
+def test_gemv_needed_flag_skips_the_weight(dtype):
+    g = torch.Generator().manual_seed(4)
+    weight = _weight(256, 72, dtype, g)
+    x = torch.randn(1, 256, generator=g).to(DEVICE, dtype)
+    yes, no = (torch.tensor([f], device=DEVICE) for f in (True, False))
+    close(gemv(x, weight, needed=yes), _reference(x, weight), dtype)
+    assert torch.equal(gemv(x, weight, needed=no), torch.zeros(1, 72, dtype=dtype, device=DEVICE))
+    with pytest.raises(ValueError, match="needed must be one bool"):
+        gemv(x, weight, needed=torch.ones(2, dtype=torch.bool, device=DEVICE))
+
+
+def test_one_row_logits_are_computed_only_when_needed():
+    from loopline.kernels.fused import TritonOps
+
+    g = torch.Generator().manual_seed(5)
+    head = torch.nn.Linear(64, 200, bias=False).to(DEVICE, torch.bfloat16)
+    head.weight.data = _weight(64, 200, torch.bfloat16, g)
+    h = torch.randn(1, 64, generator=g).to(DEVICE, torch.bfloat16)
+    with torch.inference_mode():
+        want = TorchOps.logits(head, h)
+        assert want.dtype == torch.float32
+        close(TritonOps().logits(head, h, torch.tensor([True], device=DEVICE)), want, torch.bfloat16)
+        assert not TritonOps().logits(head, h, torch.tensor([False], device=DEVICE)).any()
+        two = torch.cat([h, h])  # more rows: every row computed, flags or not
+        close(TritonOps().logits(head, two, torch.tensor([False, True], device=DEVICE)), want.expand(2, -1),
+              torch.bfloat16)

@@ -1,8 +1,10 @@
 """The engine on the Triton attention backend equals the torch backend, on the CPU interpreter.
 
 Covers what the GPU tests check on CUDA, where CI has none: rotary fused into the K/V store,
-the predicated exit-copy kernel (early exits under ``last_exited``) and steps that mix decode
-rows with prompt chunks (attention over a work list).
+the predicated exit-copy kernel (early exits under ``last_exited``), steps that mix decode
+rows with prompt chunks (attention over a work list), and the fused layer kernels, including
+the one-row GEMV with the coda skipped for a row whose token does not exit (the last request
+decodes alone).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from loopline.sampling_params import SamplingParams
 def generate(model: OuroForCausalLM, backend: str) -> dict:
     engine = LLMEngine(EngineArgs(device=DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=4,
                                   num_kv_blocks=200, block_size=8, max_num_batched_tokens=48, max_model_len=300,
-                                  attention_backend=backend, enforce_eager=True), model=model)
+                                  attention_backend=backend, kernel_backend=backend, enforce_eager=True), model=model)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, exit_threshold=0.7, logprobs=0)
     for i, n in enumerate([5, 70, 33, 90]):  # a 48-token budget: chunked prompts next to decoding rows
         engine.add_request(f"r{i}", [(i * 31 + j) % 250 for j in range(n)], params)
