@@ -60,7 +60,7 @@ class EngineArgs:
     logprobs_mode: LogprobsMode = _opt("raw_logprobs", "logprobs of the raw model logits or of the processed sampling distribution")
     max_logprobs: int = _opt(20, "largest logprobs / prompt_logprobs a request may ask for")
     attention_backend: AttentionBackendName = _opt("auto", "paged attention backend ('auto': triton on CUDA, torch on CPU)")
-    kernel_backend: AttentionBackendName = _opt("auto", "layer math (norms, rotary, SwiGLU, packed q/k/v and gate/up GEMMs, split-K down_proj for <= 64 rows): 'auto' (fused triton kernels on CUDA), 'torch' (reference), 'triton'")
+    kernel_backend: AttentionBackendName = _opt("auto", "layer math (norms, rotary, SwiGLU, packed q/k/v and gate/up GEMMs, split-K down_proj for <= 64 rows, a GEMV for one row): 'auto' (fused triton kernels on CUDA), 'torch' (reference), 'triton'")
     enforce_eager: bool = _opt(False, "disable CUDA graphs")
     max_seq_len_to_capture: int = _opt(8192, "longest context served by CUDA graphs; longer decode steps run eagerly")
     async_scheduling: bool = _opt(False, "launch step n+1 before reading step n: decode slots advance on the device, "
