@@ -36,7 +36,6 @@ except ImportError:  # pragma: no cover - the kernel is unusable without triton
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-
 if triton is not None:
 
     @triton.jit
