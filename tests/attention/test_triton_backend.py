@@ -375,3 +375,23 @@ def test_gpu_large_block_ids_use_64bit_offsets():
     torch.testing.assert_close(layered.view(2, -1, kvh, d)[:, plane_slots[1]], untouched, atol=0, rtol=0)
     del pool, layered
     torch.cuda.empty_cache()
+
+
+def test_attention_kernels_are_not_specialized_on_step_sizes():
+    """Per-step sizes must not pick kernel variants: a new one would compile mid-serving (or mid-capture).
+
+    Checked on the compiled (not interpreted) kernel objects, in a fresh interpreter."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from loopline.attention import triton_backend as t; "
+            "print(json.dumps({k: [list(f.do_not_specialize), f.arg_names] for k, f in "
+            "(('attn', t._paged_attention_kernel), ('merge', t._merge_splits_kernel))}))")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    got = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                    check=True).stdout)
+    for name, sizes in (("attn", {"num_work_tiles", "num_tokens", "stride_bt"}), ("merge", {"num_tokens"})):
+        fixed, params = got[name]
+        assert set(fixed) == sizes and sizes <= set(params), (name, fixed)
