@@ -12,6 +12,9 @@ features the batch uses).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -144,7 +147,7 @@ class _GraphSet:
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with _no_gc(), torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.outputs[key] = self._forward(key)
             except RuntimeError as e:  # name the bucket: the CUDA error alone does not say which shape failed
                 raise RuntimeError(f"{type(self).__name__}: capturing the graph for bucket {key} failed "
@@ -154,6 +157,23 @@ class _GraphSet:
         stream.synchronize()
         torch.cuda.current_stream().wait_stream(stream)
         return pool
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """Python's cyclic GC paused for one capture (``torch.cuda.graph`` collects once before it).
+
+    A collection can start at any allocation and free objects whose teardown calls CUDA (pinned
+    host buffers, events), which a stream capturing in torch's default global mode does not
+    permit: the capture is invalidated. The suspected cause of a capture failure seen once on the
+    H200 ("operation not permitted when stream is capturing", docs/benchmarks/h200-2026-11-30.md)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _HostRows:

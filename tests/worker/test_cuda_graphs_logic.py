@@ -126,3 +126,21 @@ def test_graphs_under_preemption(tiny_gqa, async_scheduling):
     tight = run(tiny_gqa, graphs=True, num_kv_blocks=4 * 14, **kw)
     assert _EagerReplay.replays > 20 and run.engine.scheduler.num_preemptions > 0
     assert tight == run(tiny_gqa, graphs=False)
+
+
+def test_captures_run_with_python_gc_paused_and_restore_it():
+    import gc
+
+    from loopline.worker.cuda_graphs import _no_gc
+
+    assert gc.isenabled()
+    with _no_gc():
+        assert not gc.isenabled()  # no collection (and no CUDA teardown) can start mid-capture
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _no_gc():
+            pass
+        assert not gc.isenabled()  # a caller's own setting is left as it was
+    finally:
+        gc.enable()
