@@ -260,8 +260,6 @@ class OuroForCausalLM(nn.Module):
 
         ``needed`` (``[M]`` bool on the device): rows whose logits are used; the others may come back
         as zeros (the inference ops then skip reading ``lm_head`` for a step where nothing exits)."""
-        if needed is None:
-            return self.lm_head(hidden).float()
         return self.ops.logits(self.lm_head, hidden, needed)
 
     # --- dense, differentiable forward -----------------------------------------------
