@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from loopline.attention.base import AttentionBackend, PagedAttentionMetadata
-from loopline.kernels import cuda_sm_count
+from loopline.kernels import cuda_sm_count, grid_dependency_wait, pdl_options
 from loopline.models.ops import Rope
 
 try:
@@ -148,7 +148,9 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 caches (no TF32 rounding), else "tf32" (ignored for 16-bit)
     WORK_LIST: tl.constexpr,  # grid (T, kv_head, 1) over the work list instead of (row, kv_head, q_tile * splits)
+    PDL: tl.constexpr,
 ):
+    grid_dependency_wait(PDL)
     kv_head = tl.program_id(1)
     if WORK_LIST:
         row = tl.load(work_tiles_ptr + tl.program_id(0))
@@ -237,7 +239,9 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -332,7 +336,9 @@ def _rope_write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency_wait(PDL)
     # Axis 1: 0 rotates q into q_out, 1 rotates k into the cache, 2 copies v into the cache.
     n = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -516,7 +522,7 @@ class TritonAttentionBackend(AttentionBackend):
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), rope.cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            BLOCK_SIZE=k_cache.shape[1], HALF=d // 2, BLOCK_H=block_h,
+            BLOCK_SIZE=k_cache.shape[1], HALF=d // 2, BLOCK_H=block_h, **pdl_options(q.device),
         )  # fmt: skip
         return q_out
 
@@ -609,7 +615,7 @@ class TritonAttentionBackend(AttentionBackend):
         if num_splits > 1:
             _merge_splits_kernel[(n, heads)](
                 part_out, part_lse, out, n, heads, out.stride(0), out.stride(1),
-                NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=d,
+                NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=d, **pdl_options(q.device),
                 num_warps=4 if d >= 128 else 2,
             )  # fmt: skip
         return out
@@ -629,7 +635,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.block_tables.stride(0),
             G=group, TILE_T=tile_t, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1],
             HEAD_DIM=q.shape[2], NUM_SPLITS=num_splits, DOT_PRECISION=precision, WORK_LIST=work is not None,
-            num_warps=num_warps, num_stages=num_stages,
+            **pdl_options(q.device), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
 
     def _work_block_m(self, group: int) -> int:

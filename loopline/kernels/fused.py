@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from loopline.kernels import grid_dependency_wait, pdl_options
 from loopline.kernels.gemv import gemv, use_gemv
 from loopline.kernels.skinny_gemm import skinny_linear, use_skinny
 from loopline.models.ops import TorchOps
@@ -29,8 +30,9 @@ if triton is not None:
         x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, y_ptr,  # rows of [N, H]; weights [H]
         n_cols, eps,
         stride_x, stride_b, stride_xo, stride_y,
-        BLOCK: tl.constexpr, HAS_BRANCH: tl.constexpr,
+        BLOCK: tl.constexpr, HAS_BRANCH: tl.constexpr, PDL: tl.constexpr,
     ):
+        grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -157,7 +159,7 @@ class TritonOps(TorchOps):
         y = torch.empty_like(x)
         n, h = x.shape
         _add_rms_norm_kernel[(n,)](x, x, weight, weight, x, y, h, eps, x.stride(0), x.stride(0), x.stride(0),
-                                   y.stride(0), BLOCK=triton.next_power_of_2(h), HAS_BRANCH=False)
+                                   y.stride(0), BLOCK=triton.next_power_of_2(h), HAS_BRANCH=False, **pdl_options(x.device))
         return y
 
     def add_rms_norm(self, x: Tensor, branch: Tensor, branch_weight: Tensor, next_weight: Tensor,
@@ -169,7 +171,7 @@ class TritonOps(TorchOps):
         n, h = x.shape
         _add_rms_norm_kernel[(n,)](x, branch, branch_weight, next_weight, x_out, y, h, eps, x.stride(0),
                                    branch.stride(0), x_out.stride(0), y.stride(0),
-                                   BLOCK=triton.next_power_of_2(h), HAS_BRANCH=True)
+                                   BLOCK=triton.next_power_of_2(h), HAS_BRANCH=True, **pdl_options(x.device))
         return x_out, y
 
     def rotary(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]

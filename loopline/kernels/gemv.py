@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from loopline.kernels import kernel_operands
+from loopline.kernels import grid_dependency_wait, kernel_operands, pdl_options
 
 try:
     import triton
@@ -39,34 +39,51 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 if triton is not None:
 
     @triton.jit
+    def _weight_tile(w_rows, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        cols = k + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            return tl.load(w_rows + cols[None, :], eviction_policy="evict_first")  # read once
+        return tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0, eviction_policy="evict_first")
+
+    @triton.jit
+    def _row_chunk(x_ptr, u_ptr, k, K, BLOCK_K: tl.constexpr, SILU: tl.constexpr, dtype: tl.constexpr):
+        """Columns ``k .. k + BLOCK_K`` of the input row in fp32 (``silu(gate) * up`` with SILU)."""
+        cols = k + tl.arange(0, BLOCK_K)
+        m = cols < K
+        x = tl.load(x_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if SILU:  # silu(gate) rounded like F.silu, then the product rounded, as TorchOps.silu_mul
+            act = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
+            x = (act * tl.load(u_ptr + cols, mask=m, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        return x
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr, u_ptr, w_ptr, y_ptr, needed_ptr,  # x [K] (and up [K] for SILU), W [N, K] (unit last stride), y [N]
         N, K, stride_wn,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SILU: tl.constexpr,
         PREDICATED: tl.constexpr,  # needed_ptr: one int8 flag; 0 writes zeros without reading W
+        PDL: tl.constexpr,
     ):
         dtype = y_ptr.dtype.element_ty
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PREDICATED:
-            if tl.load(needed_ptr) == 0:
-                tl.store(y_ptr + rows, tl.zeros((BLOCK_N,), dtype=dtype), mask=rows < N)
-                return
         # Rows past N are clamped, not masked: they re-read a valid row, the loads stay unpredicated and
         # wide, and the store drops their results.
         w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            cols = k + tl.arange(0, BLOCK_K)
-            m = cols < K
-            if EVEN_K:
-                w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")  # read once
-            else:
-                w = tl.load(w_rows + cols[None, :], mask=m[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + cols, mask=m, other=0.0).to(tl.float32)
-            if SILU:  # silu(gate) rounded like F.silu, then the product rounded, as TorchOps.silu_mul
-                act = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
-                x = (act * tl.load(u_ptr + cols, mask=m, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
+        if PDL and not PREDICATED:
+            # No earlier kernel writes the weights: the first tile streams in while they finish.
+            w = _weight_tile(w_rows, 0, K, BLOCK_K, EVEN_K)
+            grid_dependency_wait(PDL)
+            acc += w.to(tl.float32) * _row_chunk(x_ptr, u_ptr, 0, K, BLOCK_K, SILU, dtype)[None, :]
+        else:
+            grid_dependency_wait(PDL)
+            if PREDICATED:
+                if tl.load(needed_ptr) == 0:
+                    tl.store(y_ptr + rows, tl.zeros((BLOCK_N,), dtype=dtype), mask=rows < N)
+                    return
+        for k in range(BLOCK_K if PDL and not PREDICATED else 0, K, BLOCK_K):
+            w = _weight_tile(w_rows, k, K, BLOCK_K, EVEN_K)
+            acc += w.to(tl.float32) * _row_chunk(x_ptr, u_ptr, k, K, BLOCK_K, SILU, dtype)[None, :]
         tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(dtype), mask=rows < N)
 
 
@@ -110,7 +127,7 @@ def gemv(x: Tensor, weight: Tensor, *, up: Tensor | None = None, needed: Tensor 
         x, up if up is not None else x, weight, y, needed.view(torch.int8) if needed is not None else x,
         n, k, weight.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SILU=up is not None,
-        PREDICATED=needed is not None,
+        PREDICATED=needed is not None, **pdl_options(x.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 

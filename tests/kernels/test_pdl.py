@@ -1,0 +1,126 @@
+"""Programmatic dependent launch: the kernels that launch early must wait before they depend on anything.
+
+A kernel launched with PDL may start while the kernel before it still runs, so every program has to
+pass ``griddepcontrol.wait`` before it reads an activation, writes, or returns. The CPU interpreter
+cannot run the GDC instructions, so these tests compile the kernels for an H100/H200 (sm_90) on the
+CPU and read the order of the instructions in the PTX.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+WAIT = "griddepcontrol.wait"
+_ATTN_POINTERS = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start_loc_ptr": "*i32",
+                  "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "work_tiles_ptr": "*i32"}
+_G = {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True}
+# name: (module, kernel, pointer types (default *bf16), constexprs, PDL)
+CASES = {
+    "gemv": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
+             {**_G, "SILU": False, "PREDICATED": False}, True),
+    "gemv_silu": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
+                  {**_G, "SILU": True, "PREDICATED": False}, True),
+    "gemv_predicated": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
+                        {**_G, "SILU": False, "PREDICATED": True}, True),
+    "gemv_no_pdl": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
+                    {**_G, "SILU": False, "PREDICATED": False}, False),
+    "add_rms_norm": ("loopline.kernels.fused", "_add_rms_norm_kernel", {}, {"BLOCK": 256, "HAS_BRANCH": True}, True),
+    "rope_write_kv": ("loopline.attention.triton_backend", "_rope_write_kv_kernel", {"slot_mapping_ptr": "*i64"},
+                      {"BLOCK_SIZE": 16, "HALF": 32, "BLOCK_H": 4}, True),
+    "merge_splits": ("loopline.attention.triton_backend", "_merge_splits_kernel",
+                     {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
+                     {"NUM_SPLITS": 4, "SPLITS_PAD": 4, "HEAD_DIM": 64}, True),
+    "paged_attention": ("loopline.attention.triton_backend", "_paged_attention_kernel", _ATTN_POINTERS,
+                        {"G": 2, "TILE_T": 8, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_SIZE": 16, "HEAD_DIM": 64,
+                         "NUM_SPLITS": 2, "DOT_PRECISION": "tf32", "WORK_LIST": True}, True),
+}
+
+
+def compile_cases() -> dict[str, list[str]]:
+    """Each case's memory, return and grid-dependency instructions in PTX order, compiled for sm_90
+    (runtime ints i32, ``qk_scale`` / ``eps`` fp32). Needs the kernels as compiled (not interpreted)."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    out = {}
+    for name, (module, attr, pointers, constants, pdl) in CASES.items():
+        kernel = getattr(importlib.import_module(module), attr)
+        signature = {}
+        for arg in kernel.arg_names:
+            if arg in constants or arg == "PDL":
+                signature[arg] = "constexpr"
+            elif arg.endswith("_ptr"):
+                signature[arg] = pointers.get(arg, "*bf16")
+            else:
+                signature[arg] = "fp32" if arg in ("qk_scale", "eps") else "i32"
+        src = ASTSource(fn=kernel, signature=signature, constexprs={**constants, "PDL": pdl})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4, "num_stages": 2, "launch_pdl": pdl}).asm["ptx"]
+        out[name] = [x.strip() for x in ptx.splitlines()
+                     if re.search(r"griddepcontrol|\b(ld|st|atom|red)\.global|\bret;", x)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ptx() -> dict[str, list[str]]:
+    # A fresh process: kernels imported under TRITON_INTERPRET=1 (the CPU kernel tests) cannot be compiled.
+    code = "import json, sys; sys.path.insert(0, sys.argv[1]); import test_pdl; print(json.dumps(test_pdl.compile_cases()))"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _check_waits_first(lines: list[str], prefetch: str | None = None) -> None:
+    """No store, atomic or return before the wait; loads before it only of the ``prefetch`` kind."""
+    wait = next((i for i, x in enumerate(lines) if WAIT in x), None)
+    assert wait is not None, "no griddepcontrol.wait"
+    before = lines[:wait]
+    assert not [x for x in before if re.search(r"\b(st|atom|red)\.global|\bret;", x)], "writes before the wait"
+    loads = [x for x in before if "ld.global" in x]
+    if prefetch is None:
+        assert not loads, f"loads before the wait: {loads[:2]}"
+    else:
+        assert loads and all(prefetch in x for x in loads), "the weight prefetch is missing or reads other data"
+
+
+@pytest.mark.parametrize("case", ["gemv", "gemv_silu"])
+def test_gemv_prefetches_only_weights_before_the_wait(ptx, case):
+    # Weight loads carry evict_first; the row (written by the kernel before) is read after the wait.
+    _check_waits_first(ptx[case], prefetch="evict_first")
+
+
+def test_predicated_gemv_reads_nothing_before_the_wait(ptx):
+    # The coda must not stream the vocabulary projection for a token that does not exit.
+    _check_waits_first(ptx["gemv_predicated"])
+
+
+def test_without_pdl_no_grid_dependency_control(ptx):
+    assert ptx["gemv_no_pdl"] and not any("griddepcontrol" in x for x in ptx["gemv_no_pdl"])
+
+
+@pytest.mark.parametrize("case", ["add_rms_norm", "rope_write_kv", "merge_splits", "paged_attention"])
+def test_kernels_wait_before_everything(ptx, case):
+    _check_waits_first(ptx[case])
+
+
+def test_pdl_options_off_without_a_hopper_gpu(monkeypatch):
+    from loopline.kernels import pdl_options
+
+    assert pdl_options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    if torch.cuda.is_available():
+        monkeypatch.setenv("LOOPLINE_PDL", "0")
+        assert pdl_options(torch.device("cuda")) == {"PDL": False, "launch_pdl": False}
