@@ -16,6 +16,7 @@ import torch
 
 from loopline.config import EngineArgs
 from loopline.core.engine import LLMEngine
+from loopline.kernels import gemv
 from loopline.models.ouro import OuroForCausalLM
 from loopline.models.tiny import random_checkpoint_config
 from loopline.sampling_params import SamplingParams
@@ -124,7 +125,11 @@ def main() -> None:
                     help="once --rows rows decode, add this many --context-token prompts and time the mixed steps")
     ap.add_argument("--kv-gb", type=float, default=None,
                     help="KV pool in GiB (default: enough for the rows, at least 8)")
+    ap.add_argument("--gemv-config", default=None,
+                    help="block_n,block_k,num_warps,num_stages for every one-row GEMV (default: the kernel's own)")
     a = ap.parse_args()
+    if a.gemv_config:
+        gemv.DEFAULT_CONFIG = gemv.GemvConfig(*map(int, a.gemv_config.split(",")))
     cfg = random_checkpoint_config(a.config)
     with torch.device("cuda"):
         model = OuroForCausalLM(cfg).to(torch.bfloat16)
