@@ -13,6 +13,12 @@ With ``up`` the kernel computes ``silu(gate) * up`` while loading the row
 projection needs no separate activation kernel: 8.6 vs 12.7 us for
 ``silu_mul`` + cuBLAS. Rounding follows :class:`loopline.models.ops.TorchOps`.
 
+On Hopper the kernel is launched with programmatic dependent launch
+(:func:`loopline.kernels.pdl_options`): its programs start while the kernel
+before still runs and load their first weight tile, which nothing in the step
+writes, before they wait for the input row. A decode step's GEMVs then
+overlap the tails of the attention and norm kernels between them.
+
 (Also measured and not kept: splitting K across programs, summed in-kernel by
 the last split, never won; fusing the residual add + RMSNorm before q/k/v and
 gate/up into the load gained 1.06x / 0.99x, as every program re-reads the row
@@ -94,10 +100,12 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-# From ``tools/bench_gemm.py --gemv`` on an H200 (bf16, Ouro-1.4B's four shapes): 4 weight rows x 1,024
-# columns per program was the best or within 0.4% of the best launch for every shape; splitting K
-# (summed in-kernel) never won, as even the smallest shape gives 512 programs.
-DEFAULT_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=4, num_stages=3)
+# Whole decode steps on an H200 (``tools/profile_step.py --rows 1 --gemv-config``, PDL on, CUDA graph replay):
+# 4 weight rows x 2,048 columns per program, 8 warps, gave 1.245 ms against 1.357 ms for the 4 x 1,024 launch
+# that was best kernel by kernel (``tools/bench_gemm.py --gemv``): with K = 2,048 a program's whole weight
+# streams in before it waits for the row. Of twelve launches, 4 warps gave 1.262 ms, 2 or 8 rows 1.28-1.35 ms,
+# and 4,096 columns or 16 warps 1.66-2.13 ms; 1 or 2 pipeline stages made no difference.
+DEFAULT_CONFIG = GemvConfig(block_n=4, block_k=2048, num_warps=8, num_stages=2)
 
 
 def use_gemv(x: Tensor, weight: Tensor) -> bool:
