@@ -34,6 +34,12 @@ class TorchOps:
         return module(x)
 
     @staticmethod
+    def exit_gate(gate: torch.nn.Linear, h: Tensor) -> Tensor:
+        """fp32 exit-gate logits ``[N]`` of ``h`` ``[N, hidden]``: the product taken in fp32."""
+        bias = None if gate.bias is None else gate.bias.float()
+        return F.linear(h.float(), gate.weight.float(), bias).squeeze(-1)
+
+    @staticmethod
     def logits(lm_head: torch.nn.Linear, h: Tensor, needed: Tensor | None = None) -> Tensor:
         """fp32 ``lm_head(h)`` ``[M, vocab]``. ``needed`` (``[M]`` bool) marks the rows whose logits are
         used; an implementation may return zeros for the others instead of computing them."""

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loopline.models.ops import TORCH_OPS, Rope, TorchOps
@@ -249,11 +248,7 @@ class OuroForCausalLM(nn.Module):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, normed = layer(x, normed, rope, attn, next_norm, ops)
         h = normed  # the final norm of the loop: the next loop's input and the gate's
-        return h, self.gate_logits(h)
-
-    def gate_logits(self, h: Tensor) -> Tensor:
-        gate = self.model.early_exit_gate
-        return F.linear(h.float(), gate.weight.float(), gate.bias.float()).squeeze(-1)
+        return h, ops.exit_gate(self.model.early_exit_gate, h)
 
     def head(self, hidden: Tensor, needed: Tensor | None = None) -> Tensor:
         """Coda: ``[M, hidden]`` -> fp32 logits ``[M, vocab]``.

@@ -55,6 +55,20 @@ def test_silu_mul(dtype):
     close(TritonOps().silu_mul(a, b), TorchOps.silu_mul(a, b), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_exit_gate(dtype, bias):
+    g = torch.Generator().manual_seed(3)
+    gate = torch.nn.Linear(48, 1, bias=bias).to(DEVICE, dtype)
+    h = torch.randn(7, 96, generator=g).to(DEVICE, dtype)[:, :48]  # 7 rows: a partial block; a row stride
+    got = TritonOps().exit_gate(gate, h)
+    assert got.dtype == torch.float32 and got.shape == (7,)
+    close(got, TorchOps.exit_gate(gate, h), torch.float32)  # fp32 products of the same rounded operands
+    assert TritonOps().exit_gate(gate, h[:0]).shape == (0,)
+    with pytest.raises(AssertionError):  # the test can fail: another row's logits are caught
+        close(got, TorchOps.exit_gate(gate, h.roll(1, 0)), torch.float32)
+
+
 def test_autograd_falls_back_to_reference():
     x = torch.randn(2, 8, device=DEVICE, requires_grad=True)
     w = torch.ones(8, device=DEVICE)
