@@ -13,9 +13,10 @@ The same contract as :class:`~loopline.attention.torch_backend.TorchAttentionBac
   With few programs (small decode batches) the key range is split across
   ``num_splits`` programs (flash-decoding) whose partial results
   ``_merge_splits_kernel`` combines by their log-sum-exp.
-* ``_write_kv_kernel`` stores a step's new K/V at ``slot_mapping`` (slot < 0: skip);
-  ``_rope_write_kv_kernel`` also applies rotary to q and k on the way (what the
-  engine runs: the rotated k never makes a round trip through memory).
+* ``_rope_write_kv_kernel`` stores a step's new K/V at ``slot_mapping`` (slot < 0:
+  skip) and applies rotary to q and k on the way (what the engine runs: the
+  rotated k never makes a round trip through memory); with ``ROTATE=False`` it
+  is the plain store of ``write_kv``.
 * ``_copy_exited_kernel`` is the ``last_exited`` exit copy: rows whose token exits
   before the last loop copy their K/V into the deeper planes, in every layer; the
   other rows' programs return at once.
@@ -257,47 +258,6 @@ def _merge_splits_kernel(
 
 
 @_jit
-def _write_kv_kernel(
-    k_ptr,  # [N, KVH, D]
-    v_ptr,  # [N, KVH, D]
-    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
-    v_cache_ptr,
-    slot_mapping_ptr,  # [N] int64; < 0 = padding, skipped
-    num_kv_heads,
-    stride_kn,
-    stride_kh,
-    stride_vn,
-    stride_vh,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,  # KV heads per program
-):
-    n = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
-    if slot < 0:
-        return
-    block = slot // BLOCK_SIZE
-    in_block = slot % BLOCK_SIZE
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask = (offs_h < num_kv_heads)[:, None]
-    heads = offs_h.to(tl.int64)[:, None]
-
-    k = tl.load(k_ptr + n * stride_kn + heads * stride_kh + offs_d[None, :], mask=mask)  # [BLOCK_H, D]
-    k_dst = k_cache_ptr + block * stride_kcb + in_block * stride_kcs + heads * stride_kch + offs_d[None, :]
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(v_ptr + n * stride_vn + heads * stride_vh + offs_d[None, :], mask=mask)
-    v_dst = v_cache_ptr + block * stride_vcb + in_block * stride_vcs + heads * stride_vch + offs_d[None, :]
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-@_jit
 def _rotate_half(x1, x2, c, s, dtype: tl.constexpr):
     """Rotate-half RoPE of the two halves, rounded like the reference: each product to dtype, then the sum."""
     x1 = x1.to(tl.float32)
@@ -308,8 +268,16 @@ def _rotate_half(x1, x2, c, s, dtype: tl.constexpr):
 
 
 @_jit
+def _store_half_heads(src, dst, mask, HALF: tl.constexpr):
+    """Copies ``[BLOCK_H, 2 * HALF]`` head vectors (as two halves), cast to the destination's dtype."""
+    dtype = dst.dtype.element_ty
+    tl.store(dst, tl.load(src, mask=mask).to(dtype), mask=mask)
+    tl.store(dst + HALF, tl.load(src + HALF, mask=mask).to(dtype), mask=mask)
+
+
+@_jit
 def _rope_write_kv_kernel(
-    q_ptr,  # [N, H, D], unit last stride (may be a view of a packed projection)
+    q_ptr,  # [N, H, D], unit last stride (may be a view of a packed projection); unused without ROTATE
     k_ptr,  # [N, KVH, D]
     v_ptr,  # [N, KVH, D]
     q_out_ptr,  # [N, H, D] contiguous
@@ -336,12 +304,13 @@ def _rope_write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ROTATE: tl.constexpr,  # False: the plain K/V store (grid axis 1 covers k and v only)
     PDL: tl.constexpr,
 ):
     grid_dependency_wait(PDL)
-    # Axis 1: 0 rotates q into q_out, 1 rotates k into the cache, 2 copies v into the cache.
+    # Part 0 rotates q into q_out, 1 stores k (rotated with ROTATE) into the cache, 2 copies v into the cache.
     n = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
+    part = tl.program_id(1) + (0 if ROTATE else 1)
     heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     h64 = heads.to(tl.int64)[:, None]
     d = tl.arange(0, HALF)[None, :]
@@ -363,18 +332,20 @@ def _rope_write_kv_kernel(
             in_block = slot % BLOCK_SIZE
             if part == 1:
                 src = k_ptr + n * stride_kn + h64 * stride_kh + d
-                c = tl.load(cos_ptr + n * stride_cs + d).to(tl.float32)
-                s = tl.load(sin_ptr + n * stride_cs + d).to(tl.float32)
-                o1, o2 = _rotate_half(tl.load(src, mask=mask, other=0.0), tl.load(src + HALF, mask=mask, other=0.0),
-                                      c, s, k_ptr.dtype.element_ty)
                 dst = k_cache_ptr + block * stride_kcb + in_block * stride_kcs + h64 * stride_kch + d
-                tl.store(dst, o1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-                tl.store(dst + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                if ROTATE:
+                    c = tl.load(cos_ptr + n * stride_cs + d).to(tl.float32)
+                    s = tl.load(sin_ptr + n * stride_cs + d).to(tl.float32)
+                    o1, o2 = _rotate_half(tl.load(src, mask=mask, other=0.0),
+                                          tl.load(src + HALF, mask=mask, other=0.0), c, s, k_ptr.dtype.element_ty)
+                    tl.store(dst, o1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                    tl.store(dst + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                else:
+                    _store_half_heads(src, dst, mask, HALF)
             else:
                 src = v_ptr + n * stride_vn + h64 * stride_vh + d
                 dst = v_cache_ptr + block * stride_vcb + in_block * stride_vcs + h64 * stride_vch + d
-                tl.store(dst, tl.load(src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
-                tl.store(dst + HALF, tl.load(src + HALF, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+                _store_half_heads(src, dst, mask, HALF)
 
 
 @_jit
@@ -494,14 +465,7 @@ class TritonAttentionBackend(AttentionBackend):
             return
         assert k_cache.dim() == 4 and k_cache.shape[2:] == (kvh, d) and v.shape == k.shape
         assert k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
-        block_h = _heads_per_program(kvh, d)
-        _write_kv_kernel[(n, triton.cdiv(kvh, block_h))](
-            k, v, k_cache, v_cache, meta.slot_mapping, kvh,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_H=block_h,
-        )  # fmt: skip
+        self._store_kv(k_cache, v_cache, k, k, v, None, None, meta, rotate=False)
 
     # ------------------------------------------------------------------ rotate_and_write_kv
 
@@ -516,15 +480,24 @@ class TritonAttentionBackend(AttentionBackend):
         assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and rope.cos.stride(-1) == rope.sin.stride(-1) == 1
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         q_out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
+        self._store_kv(k_cache, v_cache, q, k, v, q_out, rope, meta, rotate=True)
+        return q_out
+
+    @staticmethod
+    def _store_kv(k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, q_out: Tensor | None,
+                  rope: Rope | None, meta: PagedAttentionMetadata, rotate: bool) -> None:
+        """One launch of the store kernel: rotary on q and k on the way when ``rotate``, else K/V only."""
+        n, kvh, d = k.shape
+        heads = q.shape[1] if rotate else kvh
         block_h = min(_next_pow2(max(heads, kvh)), 16)
-        _rope_write_kv_kernel[(n, 3, triton.cdiv(max(heads, kvh), block_h))](
-            q, k, v, q_out, k_cache, v_cache, rope.cos, rope.sin, meta.slot_mapping, heads, kvh,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), rope.cos.stride(0),
+        cos, sin = (rope.cos, rope.sin) if rotate else (k, k)  # unread without rotation
+        _rope_write_kv_kernel[(n, 3 if rotate else 2, triton.cdiv(max(heads, kvh), block_h))](
+            q, k, v, q_out if rotate else k, k_cache, v_cache, cos, sin, meta.slot_mapping, heads, kvh,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            BLOCK_SIZE=k_cache.shape[1], HALF=d // 2, BLOCK_H=block_h, **pdl_options(q.device),
+            BLOCK_SIZE=k_cache.shape[1], HALF=d // 2, BLOCK_H=block_h, ROTATE=rotate, **pdl_options(k.device),
         )  # fmt: skip
-        return q_out
 
     # ------------------------------------------------------------------ copy_exited
 

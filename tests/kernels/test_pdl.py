@@ -40,7 +40,9 @@ CASES = {
     "exit_gate": ("loopline.kernels.fused", "_exit_gate_kernel", {"out_ptr": "*fp32"},
                   {"BLOCK_R": 4, "BLOCK": 256, "HAS_BIAS": True}, True),
     "rope_write_kv": ("loopline.attention.triton_backend", "_rope_write_kv_kernel", {"slot_mapping_ptr": "*i64"},
-                      {"BLOCK_SIZE": 16, "HALF": 32, "BLOCK_H": 4}, True),
+                      {"BLOCK_SIZE": 16, "HALF": 32, "BLOCK_H": 4, "ROTATE": True}, True),
+    "write_kv": ("loopline.attention.triton_backend", "_rope_write_kv_kernel", {"slot_mapping_ptr": "*i64"},
+                 {"BLOCK_SIZE": 16, "HALF": 32, "BLOCK_H": 4, "ROTATE": False}, True),
     "merge_splits": ("loopline.attention.triton_backend", "_merge_splits_kernel",
                      {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
                      {"NUM_SPLITS": 4, "SPLITS_PAD": 4, "HEAD_DIM": 64}, True),
@@ -117,7 +119,7 @@ def test_without_pdl_no_grid_dependency_control(ptx):
     assert ptx["gemv_no_pdl"] and not any("griddepcontrol" in x for x in ptx["gemv_no_pdl"])
 
 
-@pytest.mark.parametrize("case", ["add_rms_norm", "exit_gate", "rope_write_kv", "merge_splits", "paged_attention"])
+@pytest.mark.parametrize("case", ["add_rms_norm", "exit_gate", "rope_write_kv", "write_kv", "merge_splits", "paged_attention"])
 def test_kernels_wait_before_everything(ptx, case):
     _check_waits_first(ptx[case])
 
