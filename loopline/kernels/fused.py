@@ -176,7 +176,8 @@ class TritonOps(TorchOps):
         y = torch.empty_like(x)
         n, h = x.shape
         _add_rms_norm_kernel[(n,)](x, x, weight, weight, x, y, h, eps, x.stride(0), x.stride(0), x.stride(0),
-                                   y.stride(0), BLOCK=triton.next_power_of_2(h), HAS_BRANCH=False, **pdl_options(x.device))
+                                   y.stride(0), BLOCK=triton.next_power_of_2(h), HAS_BRANCH=False,
+                                   **pdl_options(x.device))
         return y
 
     def add_rms_norm(self, x: Tensor, branch: Tensor, branch_weight: Tensor, next_weight: Tensor,
@@ -192,8 +193,8 @@ class TritonOps(TorchOps):
         return x_out, y
 
     def exit_gate(self, gate: torch.nn.Linear, h: Tensor) -> Tensor:  # type: ignore[override]
-        # One kernel instead of casts, a cuBLAS fp32 GEMV and its split-K reduce (~20 us per decode step).
-        if h.requires_grad or gate.weight.requires_grad and torch.is_grad_enabled():
+        # One kernel instead of casts, a cuBLAS fp32 GEMV and its split-K reduce (17 us per step on an H200).
+        if h.requires_grad or (gate.weight.requires_grad and torch.is_grad_enabled()):
             return TorchOps.exit_gate(gate, h)
         h = _row_major(h)
         n, cols = h.shape

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton_testing  # noqa: F401  (first: sets up the interpreter for the kernel tests sharing this process)
 
 pytest.importorskip("triton")
 if getattr(pytest.importorskip("triton.language.extra.cuda"), "gdc_wait", None) is None:
@@ -83,9 +84,11 @@ def compile_cases() -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def ptx() -> dict[str, list[str]]:
     # A fresh process: kernels imported under TRITON_INTERPRET=1 (the CPU kernel tests) cannot be compiled.
-    code = "import json, sys; sys.path.insert(0, sys.argv[1]); import test_pdl; print(json.dumps(test_pdl.compile_cases()))"
+    code = ("import json, sys; sys.path[:0] = sys.argv[1:]; import test_pdl; "
+            "print(json.dumps(test_pdl.compile_cases()))")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    run = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
+    here = Path(__file__).parent
+    run = subprocess.run([sys.executable, "-c", code, str(here), str(here.parent)], env=env, capture_output=True,
                          text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -119,7 +122,8 @@ def test_without_pdl_no_grid_dependency_control(ptx):
     assert ptx["gemv_no_pdl"] and not any("griddepcontrol" in x for x in ptx["gemv_no_pdl"])
 
 
-@pytest.mark.parametrize("case", ["add_rms_norm", "exit_gate", "rope_write_kv", "write_kv", "merge_splits", "paged_attention"])
+@pytest.mark.parametrize("case", ["add_rms_norm", "exit_gate", "rope_write_kv", "write_kv", "merge_splits",
+                                  "paged_attention"])
 def test_kernels_wait_before_everything(ptx, case):
     _check_waits_first(ptx[case])
 
