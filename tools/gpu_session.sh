@@ -3,7 +3,7 @@
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests diag kernels sweep gemm swiglu gemv profile prefill mixed wide
-# bench sync overlap hf adaptive; LOOPLINE_BENCH_C (default "1 32 128") picks bench's concurrencies
+# splits bench sync overlap hf adaptive; LOOPLINE_BENCH_C (default "1 32 128") picks bench's concurrencies
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
 out=${1:?output folder}
@@ -68,6 +68,11 @@ if has wide; then  # decode steps of 32 and 128 rows per kernel; one row with a 
     for gb in 8 110; do timeout 60 python3 tools/profile_step.py --rows 1 --async-scheduling --kv-gb $gb 2>&1 | grep -v Warn | head -1; done
   } > "$out/wide.txt"
   cat "$out/wide.txt"
+fi
+if has splits; then  # one-row decode steps under other split-KV rules (MAX splits, MIN keys each), graph replay
+  for r in 16,64 8,64 4,64 32,32 8,128; do
+    echo "splits $r: $(timeout 60 python3 tools/profile_step.py --rows 1 --attn-splits $r 2>&1 | grep '^graph replay')"
+  done | tee "$out/splits.txt"
 fi
 if has bench; then  # full depth, 1024 in / 128 out, async scheduling (sync too with "sync")
   modes=async; has sync && modes="sync async"

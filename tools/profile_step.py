@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from loopline.attention import triton_backend
 from loopline.config import EngineArgs
 from loopline.core.engine import LLMEngine
 from loopline.kernels import gemv
@@ -127,7 +128,12 @@ def main() -> None:
                     help="KV pool in GiB (default: enough for the rows, at least 8)")
     ap.add_argument("--gemv-config", default=None,
                     help="block_n,block_k,num_warps,num_stages for every one-row GEMV (default: the kernel's own)")
+    ap.add_argument("--attn-splits", default=None,
+                    help="MAX,MIN_KEYS: split-KV rule of decode attention (at most MAX splits of at least "
+                         "MIN_KEYS keys; default: the backend's own)")
     a = ap.parse_args()
+    if a.attn_splits:
+        triton_backend._MAX_SPLITS, triton_backend._MIN_KEYS_PER_SPLIT = map(int, a.attn_splits.split(","))
     if a.gemv_config:
         gemv.DEFAULT_CONFIG = gemv.GemvConfig(*map(int, a.gemv_config.split(",")))
     cfg = random_checkpoint_config(a.config)
