@@ -465,7 +465,7 @@ class TritonAttentionBackend(AttentionBackend):
             return
         assert k_cache.dim() == 4 and k_cache.shape[2:] == (kvh, d) and v.shape == k.shape
         assert k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
-        self._store_kv(k_cache, v_cache, k, k, v, None, None, meta, rotate=False)
+        self._store_kv(k_cache, v_cache, k, v, meta)
 
     # ------------------------------------------------------------------ rotate_and_write_kv
 
@@ -480,23 +480,24 @@ class TritonAttentionBackend(AttentionBackend):
         assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and rope.cos.stride(-1) == rope.sin.stride(-1) == 1
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         q_out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
-        self._store_kv(k_cache, v_cache, q, k, v, q_out, rope, meta, rotate=True)
+        self._store_kv(k_cache, v_cache, k, v, meta, rotated=(q, q_out, rope))
         return q_out
 
     @staticmethod
-    def _store_kv(k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, q_out: Tensor | None,
-                  rope: Rope | None, meta: PagedAttentionMetadata, rotate: bool) -> None:
-        """One launch of the store kernel: rotary on q and k on the way when ``rotate``, else K/V only."""
+    def _store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata,
+                  rotated: tuple[Tensor, Tensor, Rope] | None = None) -> None:
+        """One launch of the store kernel; with ``rotated = (q, q_out, rope)`` rotary on q and k on the way."""
         n, kvh, d = k.shape
-        heads = q.shape[1] if rotate else kvh
+        q, q_out, cos, sin = (rotated[0], rotated[1], rotated[2].cos, rotated[2].sin) if rotated else (k, k, k, k)
+        heads = q.shape[1]  # kvh without rotation (q is k then, and unread like q_out, cos and sin)
         block_h = min(_next_pow2(max(heads, kvh)), 16)
-        cos, sin = (rope.cos, rope.sin) if rotate else (k, k)  # unread without rotation
-        _rope_write_kv_kernel[(n, 3 if rotate else 2, triton.cdiv(max(heads, kvh), block_h))](
-            q, k, v, q_out if rotate else k, k_cache, v_cache, cos, sin, meta.slot_mapping, heads, kvh,
+        _rope_write_kv_kernel[(n, 3 if rotated else 2, triton.cdiv(max(heads, kvh), block_h))](
+            q, k, v, q_out, k_cache, v_cache, cos, sin, meta.slot_mapping, heads, kvh,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            BLOCK_SIZE=k_cache.shape[1], HALF=d // 2, BLOCK_H=block_h, ROTATE=rotate, **pdl_options(k.device),
+            BLOCK_SIZE=k_cache.shape[1], HALF=d // 2, BLOCK_H=block_h, ROTATE=rotated is not None,
+            **pdl_options(k.device),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ copy_exited

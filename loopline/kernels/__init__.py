@@ -17,9 +17,13 @@ except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def cuda_sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (looked up once per device), for launch grids."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(_index(device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,7 +46,7 @@ def pdl_options(device: torch.device) -> dict[str, bool]:
     makes everything earlier kernels wrote visible. The kernel's ``PDL`` constant and the launch
     attribute always come together from here, so a kernel never launches early without waiting."""
     on = (gdc_wait is not None and device.type == "cuda" and os.environ.get("LOOPLINE_PDL", "1") != "0"
-          and _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9)
+          and _capability(_index(device))[0] >= 9)
     return {"PDL": on, "launch_pdl": on}
 
 
