@@ -188,10 +188,11 @@ def _paged_attention_kernel(
 
     # Causal: no query of this tile sees past its last query's position.
     kv_len = tl.minimum(seq_len, ctx_len + tile_start + TILE_T)
+    # Split s takes key steps ceil(s * steps / S) .. ceil((s + 1) * steps / S): sizes differ by at most one
+    # step, and split 0 is never empty.
     steps = tl.cdiv(kv_len, BLOCK_N)
-    steps_per_split = tl.cdiv(steps, NUM_SPLITS)
-    kv_lo = split * steps_per_split * BLOCK_N
-    kv_hi = tl.minimum(kv_len, kv_lo + steps_per_split * BLOCK_N)
+    kv_lo = tl.cdiv(split * steps, NUM_SPLITS) * BLOCK_N
+    kv_hi = tl.minimum(kv_len, tl.cdiv((split + 1) * steps, NUM_SPLITS) * BLOCK_N)
 
     # NOTE: m_i starts finite (not -inf) so a row that has seen only masked keys
     # gets exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).

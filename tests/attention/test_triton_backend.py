@@ -150,6 +150,10 @@ def test_attend_split_kv_matches_torch():
     # Forced splits: some split ranges are empty for short rows (lse = -inf, weight 0).
     rows = [(1, 23), (1, 2), (2, 17)]
     check_attend(rows, 4, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5, num_splits=3)
+    # Key steps that do not divide evenly: 19, 9, 4 and 3 steps of 16 keys over 4 splits.
+    rows = [(1, 300), (1, 130), (1, 64), (1, 33)]
+    check_attend(rows, 4, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5, num_splits=4,
+                 decode_launch=DecodeLaunch(block_n=16))
 
 
 def test_needs_cuda_or_interpreter(monkeypatch):
