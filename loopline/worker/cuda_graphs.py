@@ -193,6 +193,9 @@ class _HostRows:
         d = DecodeTensors(**{k: v[k] for k in _DECODE_FIELDS})
         return d, v["positions"], v["slot_mapping"], v["seq_lens"], v["block_tables"], ()
 
+    def exits(self, ex: Tensor, extras: tuple) -> Tensor:
+        return ex
+
 
 class _DeviceRows:
     """Async scheduling: the host sends slots and exit rules; the graph derives loops, positions,
@@ -207,6 +210,10 @@ class _DeviceRows:
         dec, positions, slot_mapping, seq_lens, tables, extras = g.runner.device_decode_rows(
             v["slots"], v["min_loops"], v["max_loops"], v["threshold"])
         return dec, positions, slot_mapping, seq_lens, tables, (v["slots"], *extras)
+
+    def exits(self, ex: Tensor, extras: tuple) -> Tensor:
+        """Only rows that ran exit (a ``no_refill`` row waiting for its cohort does not)."""
+        return ex & extras[2]  # (slots, loops, run, token_index)
 
 
 class DecodeGraphs(_GraphSet):
@@ -240,7 +247,8 @@ class DecodeGraphs(_GraphSet):
                                       max_query_len=1, max_seq_len=self.max_seq_len)
         x = r.decode_inputs(d)
         h, gate = r.model.loop(x, positions, PagedAttention(r.backend, r.k_cache, r.v_cache, meta, r.scale))
-        return (*r._decode_tail(h, gate, d), *extras)
+        ex, logits = r._decode_tail(h, gate, d)
+        return self.source.exits(ex, extras), logits, *extras
 
     # --- replay -----------------------------------------------------------------------
     def run(self, inp: StepInputs) -> tuple[Tensor, Tensor]:
@@ -256,7 +264,8 @@ class DecodeGraphs(_GraphSet):
     def run_slots(self, slots: np.ndarray, min_loops: np.ndarray, max_loops: np.ndarray,
                   threshold: np.ndarray) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
         """Replays decode rows of ``slots`` (async scheduling): one copy of four small arrays, the rest
-        comes from the device state. Returns ``(exit, logits, (slots, loops, run, token_index))``."""
+        comes from the device state. Returns ``(exit, logits, (slots, loops, run, token_index))``; only
+        rows that ran can exit."""
         n = slots.shape[0]
         lay = self.layouts[self._bucket(n)]
         pinned, v = _pinned_image(lay, self.inputs.is_cuda)

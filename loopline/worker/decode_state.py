@@ -126,9 +126,22 @@ class DeviceDecodeState:
 
     def advance(self, slots: Tensor, loops: Tensor, run: Tensor, exited: Tensor, sampled: Tensor) -> None:
         """After a step: exited slots take their sampled token and move to the next position."""
-        ex = exited & run
-        self.loop[slots] = torch.where(run, torch.where(ex, torch.zeros_like(loops), loops), self.loop[slots])
-        self.token[slots] = torch.where(ex, sampled, self.token[slots])
-        self.pos[slots] = self.pos[slots] + ex.long()
-        self.token_index[slots] = self.token_index[slots] + ex.long()
-        self._count(slots, sampled, ex)
+        # NOTE: imported here, not at the top: Triton reads TRITON_INTERPRET when it first decorates a
+        # kernel, and the CPU-interpreted tests set it after the engine modules are imported.
+        from loopline.kernels import slot_state
+
+        if self.loop.is_cuda and slot_state.available():  # one launch instead of ~15 tiny ones
+            slot_state.advance_slots(self.loop, self.token, self.pos, self.token_index, slots, loops, run, exited, sampled)
+        else:
+            advance_reference(self.loop, self.token, self.pos, self.token_index, slots, loops, run, exited, sampled)
+        self._count(slots, sampled, exited & run)
+
+
+def advance_reference(loop: Tensor, token: Tensor, pos: Tensor, token_index: Tensor, slots: Tensor, loops: Tensor,
+                      run: Tensor, exited: Tensor, sampled: Tensor) -> None:
+    """:func:`loopline.kernels.slot_state.advance_slots` in torch (the reference it is tested against)."""
+    ex = exited & run
+    loop[slots] = torch.where(run, torch.where(ex, torch.zeros_like(loops), loops), loop[slots])
+    token[slots] = torch.where(ex, sampled, token[slots])
+    pos[slots] = pos[slots] + ex.long()
+    token_index[slots] = token_index[slots] + ex.long()

@@ -282,7 +282,7 @@ class ModelRunner:
         x_parts, pos_parts, map_parts, seq_parts, table_parts, offsets = [], [], [], [], [], [0]
         p_tokens = sum(r.end - r.start for r in rows[nd:])
         p_seq = max((r.end for r in rows[nd:]), default=0)
-        graphed = False
+        graphed = decode_graphed = False
         if nd:
             exits = [r.exit for r in rows[:nd]]
             host_rows = (np.fromiter((r.slot for r in rows[:nd]), np.int64, nd),
@@ -295,7 +295,7 @@ class ModelRunner:
             if nd == len(rows) and self.graphs is not None and bound <= self.graphs.max_seq_len:
                 # the graph derives the rows from the device state itself: one copy of four arrays
                 ex, logits, (slots, loops, run, tidx) = self.graphs.run_slots(*host_rows)
-                graphed = True
+                graphed = decode_graphed = True
             else:
                 slots, *exit_arrays = stage(dev, *host_rows)
                 dec, positions, slot_mapping, seq_lens, tables, (loops, run, tidx) = self.device_decode_rows(
@@ -337,7 +337,7 @@ class ModelRunner:
                 block_tables=tables_all, slot_mapping=torch.cat(map_parts), max_query_len=max_q, max_seq_len=max_seq)
             ex, logits = self._run_loop(rows, nd, torch.cat(x_parts), torch.cat(pos_parts), meta, offsets,
                                         dec if nd else None, exited, sample_hidden, sample_meta, prompt_logprobs)
-        if ex is not None:
+        if ex is not None and not decode_graphed:  # the decode graph masks its exits itself
             ex = ex & run
         batch = self._sample(rows, nd, ex, logits, sample_hidden, sample_meta, depth=loops, token_index=tidx,
                              slots=slots)
@@ -556,8 +556,10 @@ class ModelRunner:
         depths = [depth if depth is not None else stage(self.device, ([r.loop for r in rows[:nd]], np.int64))[0]] if nd else []
         depths += [m[1] for m in sample_meta]
         flags = [ex] if ex is not None else []
-        flags.append(torch.ones(len(sample_meta), dtype=torch.bool, device=self.device))
-        return SampleBatch(row_idx, states, out, torch.cat(flags), torch.cat(depths))
+        if sample_meta:
+            flags.append(torch.ones(len(sample_meta), dtype=torch.bool, device=self.device))
+        # (no cat of a single part: at one decode row each launch is a sizeable part of the step)
+        return SampleBatch(row_idx, states, out, *(t[0] if len(t) == 1 else torch.cat(t) for t in (flags, depths)))
 
     def _collect(self, rows, batch: "SampleBatch", host: dict, exited, prompt_logprobs) -> RunnerOutput:
         sampled: list[SampledToken | None] = [None] * len(rows)
