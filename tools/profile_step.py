@@ -127,15 +127,20 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=None,
                     help="KV pool in GiB (default: enough for the rows, at least 8)")
     ap.add_argument("--gemv-config", default=None,
-                    help="block_n,block_k,num_warps,num_stages for every one-row GEMV (default: the kernel's own)")
+                    help="block_n,block_k,num_warps,num_stages for every one-row GEMV (default: the kernel's own); "
+                         "N:K=block_n,... for weights of one shape only, several separated by ';'")
     ap.add_argument("--attn-splits", default=None,
                     help="MAX,MIN_KEYS: split-KV rule of decode attention (at most MAX splits of at least "
                          "MIN_KEYS keys; default: the backend's own)")
     a = ap.parse_args()
     if a.attn_splits:
         triton_backend._MAX_SPLITS, triton_backend._MIN_KEYS_PER_SPLIT = map(int, a.attn_splits.split(","))
-    if a.gemv_config:
-        gemv.DEFAULT_CONFIG = gemv.GemvConfig(*map(int, a.gemv_config.split(",")))
+    for spec in (a.gemv_config or "").split(";"):
+        if "=" in spec:
+            shape, launch = spec.split("=")
+            gemv.SHAPE_CONFIGS[tuple(map(int, shape.split(":")))] = gemv.GemvConfig(*map(int, launch.split(",")))
+        elif spec:
+            gemv.DEFAULT_CONFIG = gemv.GemvConfig(*map(int, spec.split(",")))
     cfg = random_checkpoint_config(a.config)
     with torch.device("cuda"):
         model = OuroForCausalLM(cfg).to(torch.bfloat16)

@@ -106,6 +106,8 @@ class GemvConfig(NamedTuple):
 # streams in before it waits for the row. Of twelve launches, 4 warps gave 1.262 ms, 2 or 8 rows 1.28-1.35 ms,
 # and 4,096 columns or 16 warps 1.66-2.13 ms; 1 or 2 pipeline stages made no difference.
 DEFAULT_CONFIG = GemvConfig(block_n=4, block_k=2048, num_warps=8, num_stages=2)
+# Launches for particular weight shapes ``(N, K)``, where whole-step measurements found one better than the default.
+SHAPE_CONFIGS: dict[tuple[int, int], GemvConfig] = {}
 
 
 def use_gemv(x: Tensor, weight: Tensor) -> bool:
@@ -129,7 +131,7 @@ def gemv(x: Tensor, weight: Tensor, *, up: Tensor | None = None, needed: Tensor 
     if needed is not None and (needed.numel() != 1 or needed.dtype != torch.bool):
         raise ValueError(f"gemv's needed must be one bool, got {needed.dtype} {tuple(needed.shape)}")
     n, k = weight.shape
-    cfg = config or DEFAULT_CONFIG
+    cfg = config or SHAPE_CONFIGS.get((n, k), DEFAULT_CONFIG)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, up if up is not None else x, weight, y, needed.view(torch.int8) if needed is not None else x,
@@ -140,4 +142,4 @@ def gemv(x: Tensor, weight: Tensor, *, up: Tensor | None = None, needed: Tensor 
     return y
 
 
-__all__ = ["DEFAULT_CONFIG", "GemvConfig", "gemv", "use_gemv"]
+__all__ = ["DEFAULT_CONFIG", "SHAPE_CONFIGS", "GemvConfig", "gemv", "use_gemv"]
