@@ -1,27 +1,108 @@
-"""The per-slot decode state's advance after a step, as one kernel (async scheduling).
+"""The per-slot decode state's step ops, one kernel each (:class:`TritonSlotOps`).
 
-:meth:`loopline.worker.decode_state.DeviceDecodeState.advance` updates four
-per-slot tensors from a step's exits. Written with torch indexing that is
-about fifteen gathers, ``where``s and scatters of a few elements each, which
-at one decode row cost more device time than the exit rule itself; this
-kernel does it in one launch. Rows are distinct slots, so programs never
-write the same element.
+:class:`loopline.worker.decode_state.SlotOps` is the reference in torch: deriving
+a step's decode rows from the state (async scheduling), the exit rule with the
+slots' hidden state and survival, and the advance after sampling. There each
+gather, ``where`` and scatter of a few elements is a launch of its own, ~40 per
+step, which at one decode row cost ~10% of the step; here each op is one
+launch, one program per row. Rows are distinct slots (padding rows all use the
+scratch slot, whose contents nothing reads), so programs never race on live
+state.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, SlotOps
+
 try:
     import triton
     import triton.language as tl
-except ImportError:  # pragma: no cover - the kernel is unusable without triton
+except ImportError:  # pragma: no cover - the kernels are unusable without triton
     triton = None
 
-_BLOCK = 128
+_I64, _I32, _BOOL = torch.int64, torch.int32, torch.bool
 
 
 if triton is not None:
+
+    @triton.jit
+    def _decode_rows_kernel(
+        slots_ptr, min_in_ptr, max_in_ptr,  # [B] int64, from the host
+        loop_s, pos_s, token_s, tidx_s, tables_s, trace_s, plane_of_loop,  # state; plane of each 1-based loop
+        d_slots, loops_out, starts_out, ids_out, min_out, max_out, plane_slots_out,  # DecodeTensors fields
+        positions_out, slot_map_out, seq_lens_out, tables_out, run_out, tidx_out,
+        n_rows, max_blocks, trace_len, scratch_slot, scratch_block, block_size,
+        stride_ts, stride_tp, stride_trace,
+        PLANES: tl.constexpr, PLANES_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+        NO_REFILL: tl.constexpr, TRACE: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        slot = tl.load(slots_ptr + b)
+        loop = tl.load(loop_s + slot)
+        if NO_REFILL:  # a slot between tokens waits while any slot of the batch is mid-token
+            rows = tl.arange(0, ROWS_PAD)
+            batch = tl.load(slots_ptr + rows, mask=rows < n_rows, other=0)
+            in_flight = tl.max((tl.load(loop_s + batch, mask=rows < n_rows, other=0) > 0).to(tl.int32), 0)
+            run = (loop > 0) | (in_flight == 0)
+        else:
+            run = loop >= 0  # every row runs (a tensor, as the branch above makes)
+        loops = loop + 1
+        pos = tl.load(pos_s + slot)
+        tidx = tl.load(tidx_s + slot)
+        if TRACE:
+            depth = tl.load(trace_s + slot * stride_trace + tl.minimum(tidx, trace_len - 1)).to(tl.int64)
+            min_loops, max_loops = depth, depth
+        else:
+            min_loops = tl.load(min_in_ptr + b)
+            max_loops = tl.load(max_in_ptr + b)
+        plane = tl.load(plane_of_loop + loops)
+        table = tables_s + slot.to(tl.int64) * stride_ts
+        planes = tl.arange(0, PLANES_PAD)
+        pm = planes < PLANES
+        kv = tl.load(table + planes * stride_tp + pos // block_size, mask=pm, other=0).to(tl.int64) * block_size
+        kv = tl.where(run, kv + pos % block_size, scratch_block * block_size)
+        tl.store(plane_slots_out + b * PLANES + planes, kv, mask=pm)
+        tl.store(slot_map_out + b, tl.sum(tl.where(planes == plane, kv, 0), 0))
+        tl.store(d_slots + b, tl.where(run, slot, scratch_slot))
+        tl.store(loops_out + b, loops)
+        tl.store(starts_out + b, (loops == 1).to(tl.int8))
+        tl.store(ids_out + b, tl.load(token_s + slot))
+        tl.store(min_out + b, min_loops)
+        tl.store(max_out + b, max_loops)
+        tl.store(positions_out + b, tl.where(run, pos, 0))
+        tl.store(seq_lens_out + b, tl.where(run, pos + 1, 1).to(tl.int32))
+        tl.store(run_out + b, run.to(tl.int8))
+        tl.store(tidx_out + b, tidx)
+        for t in range(0, max_blocks, BLOCK_T):
+            cols = t + tl.arange(0, BLOCK_T)
+            cm = cols < max_blocks
+            blocks = tl.load(table + plane * stride_tp + cols, mask=cm, other=0)
+            tl.store(tables_out + b.to(tl.int64) * max_blocks + cols, tl.where(run, blocks, scratch_block), mask=cm)
+
+    @triton.jit
+    def _exit_and_store_kernel(
+        h_ptr, gate_ptr, slots_ptr, loops_ptr, min_ptr, max_ptr, thr_ptr,  # rows [B]; h [B, H]
+        hidden_s, survival_s, ex_out,  # slot state [S, H] / [S]; exit [B] bool
+        n_cols, stride_h, stride_hs,
+        BLOCK: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        loop = tl.load(loops_ptr + b)
+        survival = tl.where(loop == 1, 1.0, tl.load(survival_s + slot))
+        lam = tl.sigmoid(tl.load(gate_ptr + b).to(tl.float32))
+        survival = survival * (1.0 - lam)
+        thr = tl.load(thr_ptr + b)
+        early = (thr < 1.0) & (loop >= tl.load(min_ptr + b)) & ((1.0 - survival) >= thr)
+        ex = (loop >= tl.load(max_ptr + b)) | early
+        tl.store(ex_out + b, ex.to(tl.int8))
+        tl.store(survival_s + slot, survival)
+        for c in range(0, n_cols, BLOCK):
+            cols = c + tl.arange(0, BLOCK)
+            m = cols < n_cols
+            tl.store(hidden_s + slot * stride_hs + cols, tl.load(h_ptr + b * stride_h + cols, mask=m), mask=m)
 
     @triton.jit
     def _advance_kernel(
@@ -43,31 +124,99 @@ if triton is not None:
         tl.store(tidx_ptr + slot, tl.load(tidx_ptr + slot, mask=m & ex, other=0) + 1, mask=m & ex)
 
 
-def available() -> bool:
-    """Whether :func:`advance_slots` can run (triton is installed; CUDA, or the CPU interpreter)."""
-    return triton is not None
-
-
-def advance_slots(loop: Tensor, token: Tensor, pos: Tensor, token_index: Tensor, slots: Tensor, loops: Tensor,
-                  run: Tensor, exited: Tensor, sampled: Tensor) -> None:
-    """In place, for every row ``i`` that runs (``run[i]``), at ``s = slots[i]``: where the row's token
-    exited, ``loop[s] = 0``, ``token[s] = sampled[i]`` and ``pos[s]``, ``token_index[s]`` move on by
-    one; otherwise ``loop[s] = loops[i]``. Slots must be distinct; every tensor on one device."""
-    n = slots.shape[0]
-    if n == 0:
-        return
-    for name, t, dtype in (("loop", loop, torch.int64), ("token", token, torch.int64), ("pos", pos, torch.int64),
-                           ("token_index", token_index, torch.int64), ("slots", slots, torch.int64),
-                           ("loops", loops, torch.int64), ("run", run, torch.bool), ("exited", exited, torch.bool),
-                           ("sampled", sampled, torch.int64)):
+def _check(op: str, **tensors: tuple[Tensor, torch.dtype]) -> None:
+    for name, (t, dtype) in tensors.items():
         if t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"advance_slots: {name} must be a contiguous {dtype} tensor, got {t.dtype}")
-    for name, t in (("loops", loops), ("run", run), ("exited", exited), ("sampled", sampled)):
-        if t.shape != (n,):
-            raise ValueError(f"advance_slots: {name} must have one entry per row ({n}), got {tuple(t.shape)}")
-    _advance_kernel[(triton.cdiv(n, _BLOCK),)](
-        loop, token, pos, token_index, slots, loops, run.view(torch.int8), exited.view(torch.int8), sampled, n,
-        BLOCK=_BLOCK, num_warps=4)
+            raise ValueError(f"{op}: {name} must be a contiguous {dtype} tensor, got {t.dtype}"
+                             f"{'' if t.is_contiguous() else ' (not contiguous)'}")
 
 
-__all__ = ["advance_slots", "available"]
+def _int8(t: Tensor) -> Tensor:
+    return t.view(torch.int8)
+
+
+class TritonSlotOps(SlotOps):
+    """:class:`SlotOps` with each op one Triton kernel (CUDA, or the CPU interpreter in tests)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        if triton is None:
+            raise RuntimeError("TritonSlotOps needs the triton package")
+        self._plane_of_loop: dict[tuple[int, torch.device], Tensor] = {}
+
+    def _planes(self, ds: DeviceDecodeState) -> Tensor:
+        """The layout's plane of every loop ``0 .. num_loops`` as a device table (``plane_index`` for the
+        kernel; loop 0 never runs, its entry only keeps the table's index the loop itself)."""
+        key = (id(ds.layout), ds.device)
+        if key not in self._plane_of_loop:
+            loops = torch.arange(1, ds.layout.num_loops + 1, dtype=_I64)
+            planes = torch.cat([torch.zeros(1, dtype=_I64), ds.layout.plane_index(loops).to(_I64)])
+            self._plane_of_loop[key] = planes.to(ds.device)
+        return self._plane_of_loop[key]
+
+    def decode_rows(self, ds: DeviceDecodeState, slots: Tensor, min_loops: Tensor, max_loops: Tensor,
+                    threshold: Tensor, no_refill: bool, per_token_exits: bool, scratch_slot: int) -> DecodeRows:
+        n = slots.shape[0]
+        _check("decode_rows", slots=(slots, _I64), min_loops=(min_loops, _I64), max_loops=(max_loops, _I64))
+        planes, max_blocks = ds.layout.num_planes, ds.tables.shape[2]
+        dev = slots.device
+        i64 = dict(dtype=_I64, device=dev)
+        loops, ids, positions, slot_mapping, tidx = (torch.empty(n, **i64) for _ in range(5))
+        d_slots, mins, maxs = torch.empty(n, **i64), torch.empty(n, **i64), torch.empty(n, **i64)
+        starts, run = torch.empty(n, dtype=_BOOL, device=dev), torch.empty(n, dtype=_BOOL, device=dev)
+        seq_lens = torch.empty(n, dtype=_I32, device=dev)
+        plane_slots = torch.empty((n, planes), **i64)
+        tables = torch.empty((n, max_blocks), dtype=_I32, device=dev)
+        if n:
+            trace = ds.trace if per_token_exits else ds.loop
+            assert trace is not None, "set_trace() first"
+            plane_of_loop = self._planes(ds)
+            _decode_rows_kernel[(n,)](
+                slots, min_loops, max_loops, ds.loop, ds.pos, ds.token, ds.token_index, ds.tables, trace,
+                plane_of_loop, d_slots, loops, _int8(starts), ids, mins, maxs, plane_slots,
+                positions, slot_mapping, seq_lens, tables, _int8(run), tidx,
+                n, max_blocks, ds.max_tokens, scratch_slot, ds.scratch_block, ds.block_size,
+                ds.tables.stride(0), ds.tables.stride(1), trace.stride(0),
+                PLANES=planes, PLANES_PAD=triton.next_power_of_2(planes), ROWS_PAD=triton.next_power_of_2(n),
+                BLOCK_T=min(triton.next_power_of_2(max_blocks), 256), NO_REFILL=no_refill, TRACE=per_token_exits,
+                num_warps=1)
+        if per_token_exits:
+            mins = maxs  # one tensor, as the reference returns
+        dec = DecodeTensors(slots=d_slots, loops=loops, starts=starts, input_ids=ids, min_loops=mins,
+                            max_loops=maxs, threshold=threshold, plane_slots=plane_slots)
+        return DecodeRows(dec, positions, slot_mapping, seq_lens, tables, loops, run, tidx)
+
+    def exit_and_store(self, h: Tensor, gate: Tensor, d: DecodeTensors, slot_hidden: Tensor,
+                       slot_survival: Tensor) -> Tensor:
+        n, cols = h.shape
+        ex = torch.empty(n, dtype=_BOOL, device=h.device)
+        if n == 0:
+            return ex
+        _check("exit_and_store", gate=(gate, torch.float32), slots=(d.slots, _I64), loops=(d.loops, _I64),
+               min_loops=(d.min_loops, _I64), max_loops=(d.max_loops, _I64), threshold=(d.threshold, torch.float32),
+               slot_survival=(slot_survival, torch.float32))
+        if h.stride(1) != 1 or slot_hidden.stride(1) != 1 or slot_hidden.dtype != h.dtype:
+            raise ValueError("exit_and_store: h and slot_hidden must share a dtype and have unit column stride")
+        _exit_and_store_kernel[(n,)](
+            h, gate, d.slots, d.loops, d.min_loops, d.max_loops, d.threshold, slot_hidden, slot_survival, _int8(ex),
+            cols, h.stride(0), slot_hidden.stride(0), BLOCK=min(triton.next_power_of_2(cols), 4096), num_warps=4)
+        return ex
+
+    def advance(self, ds: DeviceDecodeState, slots: Tensor, loops: Tensor, run: Tensor, exited: Tensor,
+                sampled: Tensor) -> None:
+        n = slots.shape[0]
+        if n == 0:
+            return
+        _check("advance", slots=(slots, _I64), loops=(loops, _I64), run=(run, _BOOL), exited=(exited, _BOOL),
+               sampled=(sampled, _I64))
+        for name, t in (("loops", loops), ("run", run), ("exited", exited), ("sampled", sampled)):
+            if t.shape != (n,):
+                raise ValueError(f"advance: {name} must have one entry per row ({n}), got {tuple(t.shape)}")
+        block = 128
+        _advance_kernel[(triton.cdiv(n, block),)](
+            ds.loop, ds.token, ds.pos, ds.token_index, slots, loops, _int8(run), _int8(exited), sampled, n,
+            BLOCK=block, num_warps=4)
+
+
+__all__ = ["TritonSlotOps"]

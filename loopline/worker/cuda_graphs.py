@@ -22,6 +22,7 @@ from torch import Tensor
 from loopline.attention import PagedAttentionMetadata
 from loopline.attention.base import build_work_tiles
 from loopline.attention.paged import PagedAttention
+from loopline.worker.decode_state import DecodeTensors
 from loopline.worker.staging import aligned, torch_dtype
 from loopline.worker.step_inputs import StepInputs
 
@@ -188,8 +189,6 @@ class _HostRows:
         }
 
     def rows(self, g: "DecodeGraphs", v: dict[str, Tensor]) -> tuple:
-        from loopline.worker.model_runner import DecodeTensors  # cycle-free at call time
-
         d = DecodeTensors(**{k: v[k] for k in _DECODE_FIELDS})
         return d, v["positions"], v["slot_mapping"], v["seq_lens"], v["block_tables"], ()
 
@@ -343,8 +342,6 @@ class MixedGraphs(_GraphSet):
 
     # --- capture ----------------------------------------------------------------------
     def _forward(self, key: tuple[int, int]):
-        from loopline.worker.model_runner import DecodeTensors  # cycle-free at call time
-
         r, v = self.runner, self.views[key]
         d, p = key
         meta = PagedAttentionMetadata(v["query_start_loc"], v["seq_lens"], v["block_tables"], v["slot_mapping"],

@@ -15,23 +15,117 @@ per-slot token counts and a seen mask (prompt or output), allocated when the
 first request with penalties arrives. Likewise ``exit_mode="trace"`` depths
 are kept per slot and read at the device's token index. A preempted request's
 slot state is saved and loaded with it (``save`` / ``load``).
+
+:class:`SlotOps` computes a step's decode rows from this state, the exit rule
+with the slots' hidden state and survival, and the advance, in torch (the
+reference). At one decode row each torch op is a launch of its own, ~40 per
+step; ``loopline.kernels.slot_state.TritonSlotOps`` does each of the three in
+one kernel.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from loopline.core.exit_policy import exit_decision
 from loopline.kv.layout import KVLayout
 from loopline.worker.staging import stage
 
 
+@dataclass
+class DecodeTensors:
+    """Decode rows on the device (see :class:`~loopline.worker.step_inputs.DecodeBatch`)."""
+
+    slots: Tensor
+    loops: Tensor
+    starts: Tensor
+    input_ids: Tensor
+    min_loops: Tensor
+    max_loops: Tensor
+    threshold: Tensor
+    plane_slots: Tensor
+
+
+class DecodeRows(NamedTuple):
+    """A step's decode rows derived from the device state (async scheduling)."""
+
+    dec: DecodeTensors
+    positions: Tensor  # [B] int64
+    slot_mapping: Tensor  # [B] int64, the K/V slot this loop writes
+    seq_lens: Tensor  # [B] int32
+    block_tables: Tensor  # [B, max_blocks] int32, of the plane this loop reads
+    loops: Tensor  # [B] int64, the loop each row runs (1-based)
+    run: Tensor  # [B] bool; False: a no_refill slot waiting for its cohort, run on scratch
+    token_index: Tensor  # [B] int64, index in the completion of the token being computed
+
+
+class SlotOps:
+    """The per-slot decode state's step ops in torch: the reference for ``TritonSlotOps``."""
+
+    name = "torch"
+
+    def decode_rows(self, ds: "DeviceDecodeState", slots: Tensor, min_loops: Tensor, max_loops: Tensor,
+                    threshold: Tensor, no_refill: bool, per_token_exits: bool, scratch_slot: int) -> DecodeRows:
+        """Decode rows ``slots`` ``[B]`` from the state; a row with ``run`` False (a ``no_refill`` slot
+        waiting for its cohort) runs on scratch and changes nothing. ``per_token_exits``: the rows'
+        min and max loops come from the recorded depths at the device's token index."""
+        loop = ds.loop[slots]
+        run = torch.ones_like(loop, dtype=torch.bool)
+        if no_refill:
+            in_flight = (loop > 0).any()
+            run = (loop > 0) | ~in_flight
+        loops = loop + 1
+        pos = ds.pos[slots]
+        tidx = ds.token_index[slots]
+        if per_token_exits:  # the host's token index lags; the device's is exact
+            min_loops = max_loops = ds.trace_depths(slots, tidx)
+        bs = ds.block_size
+        blk = (pos // bs).view(-1, 1, 1).expand(-1, ds.layout.num_planes, 1)
+        plane_slots = ds.tables[slots].gather(2, blk).squeeze(2).long() * bs + (pos % bs)[:, None]
+        scratch_kv = ds.scratch_block * bs
+        dec = DecodeTensors(
+            slots=torch.where(run, slots, scratch_slot), loops=loops, starts=loops == 1,
+            input_ids=ds.token[slots], min_loops=min_loops, max_loops=max_loops, threshold=threshold,
+            plane_slots=torch.where(run[:, None], plane_slots, scratch_kv))
+        plane = ds.layout.plane_index(loops)
+        return DecodeRows(
+            dec, positions=torch.where(run, pos, 0), slot_mapping=dec.plane_slots.gather(1, plane[:, None]).squeeze(1),
+            seq_lens=torch.where(run, pos + 1, 1).to(torch.int32),
+            block_tables=torch.where(run[:, None], ds.tables[slots, plane], ds.scratch_block),
+            loops=loops, run=run, token_index=tidx)
+
+    def exit_and_store(self, h: Tensor, gate: Tensor, d: DecodeTensors, slot_hidden: Tensor,
+                       slot_survival: Tensor) -> Tensor:
+        """The exit rule after this loop for decode rows ``d`` (``gate``: their gate logits), and their
+        slots' hidden state (``h``) and survival stored for the next loop. Returns ``exit [B] bool``."""
+        survival = torch.where(d.loops == 1, torch.ones_like(gate), slot_survival[d.slots])
+        ex, survival = exit_decision(d.loops, survival, gate, d.min_loops, d.max_loops, d.threshold)
+        slot_hidden[d.slots] = h
+        slot_survival[d.slots] = survival
+        return ex
+
+    def advance(self, ds: "DeviceDecodeState", slots: Tensor, loops: Tensor, run: Tensor, exited: Tensor,
+                sampled: Tensor) -> None:
+        """After a step, for rows that ran: exited slots restart at loop 0 with their sampled token at the
+        next position, the others keep the loop they ran."""
+        ex = exited & run
+        ds.loop[slots] = torch.where(run, torch.where(ex, torch.zeros_like(loops), loops), ds.loop[slots])
+        ds.token[slots] = torch.where(ex, sampled, ds.token[slots])
+        ds.pos[slots] = ds.pos[slots] + ex.long()
+        ds.token_index[slots] = ds.token_index[slots] + ex.long()
+
+
 class DeviceDecodeState:
     def __init__(self, num_slots: int, layout: KVLayout, block_size: int, max_blocks: int, scratch_block: int,
-                 device: torch.device) -> None:
+                 device: torch.device, ops: SlotOps | None = None) -> None:
         self.layout, self.block_size, self.device = layout, block_size, device
+        self.scratch_block = scratch_block
+        self.ops = ops or SlotOps()  # how a step reads and advances the state (torch, or fused kernels)
         i64 = dict(dtype=torch.long, device=device)
         self.loop = torch.zeros(num_slots, **i64)  # loops done by the in-flight token; 0: start a token
         self.pos = torch.zeros(num_slots, **i64)  # position of the token being fed
@@ -107,41 +201,7 @@ class DeviceDecodeState:
         self.token_index[slots] = 1
         self._count(slots, tokens, torch.ones_like(slots, dtype=torch.bool))
 
-    def rows(self, slots: Tensor, no_refill: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Step inputs of decode rows ``slots`` ``[B]``: ``(loops, positions, plane_slots [B, P], run, token_index)``.
-
-        ``run`` is False for a ``no_refill`` slot that waits for its cohort: such a row
-        runs on scratch and changes nothing.
-        """
-        loop = self.loop[slots]
-        run = torch.ones_like(loop, dtype=torch.bool)
-        if no_refill:
-            in_flight = (loop > 0).any()
-            run = (loop > 0) | ~in_flight
-        loops = loop + 1
-        pos = self.pos[slots]
-        blk = (pos // self.block_size).view(-1, 1, 1).expand(-1, self.layout.num_planes, 1)
-        plane_slots = self.tables[slots].gather(2, blk).squeeze(2).long() * self.block_size + (pos % self.block_size)[:, None]
-        return loops, pos, plane_slots, run, self.token_index[slots]
-
     def advance(self, slots: Tensor, loops: Tensor, run: Tensor, exited: Tensor, sampled: Tensor) -> None:
         """After a step: exited slots take their sampled token and move to the next position."""
-        # NOTE: imported here, not at the top: Triton reads TRITON_INTERPRET when it first decorates a
-        # kernel, and the CPU-interpreted tests set it after the engine modules are imported.
-        from loopline.kernels import slot_state
-
-        if self.loop.is_cuda and slot_state.available():  # one launch instead of ~15 tiny ones
-            slot_state.advance_slots(self.loop, self.token, self.pos, self.token_index, slots, loops, run, exited, sampled)
-        else:
-            advance_reference(self.loop, self.token, self.pos, self.token_index, slots, loops, run, exited, sampled)
+        self.ops.advance(self, slots, loops, run, exited, sampled)
         self._count(slots, sampled, exited & run)
-
-
-def advance_reference(loop: Tensor, token: Tensor, pos: Tensor, token_index: Tensor, slots: Tensor, loops: Tensor,
-                      run: Tensor, exited: Tensor, sampled: Tensor) -> None:
-    """:func:`loopline.kernels.slot_state.advance_slots` in torch (the reference it is tested against)."""
-    ex = exited & run
-    loop[slots] = torch.where(run, torch.where(ex, torch.zeros_like(loops), loops), loop[slots])
-    token[slots] = torch.where(ex, sampled, token[slots])
-    pos[slots] = pos[slots] + ex.long()
-    token_index[slots] = token_index[slots] + ex.long()

@@ -35,7 +35,7 @@ from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import SamplingParams
 from loopline.attention import PagedAttentionMetadata
 from loopline.worker.cuda_graphs import DecodeGraphs, MixedGraphs
-from loopline.worker.decode_state import DeviceDecodeState
+from loopline.worker.decode_state import DecodeTensors, DeviceDecodeState, SlotOps
 from loopline.worker.sampler import Sampler, SamplerOutput
 from loopline.worker.sampling_inputs import SampleBatch, build_sampling_tensors, has_penalties
 from loopline.worker.staging import stage
@@ -43,6 +43,18 @@ from loopline.worker.swap import Snapshot
 from loopline.worker.step_inputs import DecodeBatch, StepInputs, build_step_inputs, work_list
 
 _SEED_MASK = 2**63 - 1
+
+
+def _slot_ops(model: OuroForCausalLM) -> SlotOps:
+    """The decode state's step ops in the kernels the model's layer ops use: fused Triton kernels with
+    ``kernel_backend="triton"``, the torch reference otherwise."""
+    if model.ops.name == "triton":
+        # NOTE: imported only here: Triton reads TRITON_INTERPRET when it decorates a kernel, and the
+        # CPU-interpreted tests set it after the engine modules are imported.
+        from loopline.kernels.slot_state import TritonSlotOps
+
+        return TritonSlotOps()
+    return SlotOps()
 
 
 @dataclass
@@ -66,20 +78,6 @@ class _RequestState:
                                 if isinstance(getattr(self, f.name), Tensor)})
 
 
-@dataclass
-class DecodeTensors:
-    """Decode rows on the device (see :class:`~loopline.worker.step_inputs.DecodeBatch`)."""
-
-    slots: Tensor
-    loops: Tensor
-    starts: Tensor
-    input_ids: Tensor
-    min_loops: Tensor
-    max_loops: Tensor
-    threshold: Tensor
-    plane_slots: Tensor
-
-
 class ModelRunner:
     def __init__(self, model: OuroForCausalLM, layout: KVLayout, backend: AttentionBackend, num_blocks: int,
                  block_size: int, max_num_seqs: int, sampler: Sampler, device: torch.device, dtype: torch.dtype) -> None:
@@ -98,6 +96,7 @@ class ModelRunner:
         # Per-slot decode state stays on the device between steps.
         self.slot_hidden = torch.zeros(max_num_seqs + 1, cfg.hidden_size, dtype=dtype, device=device)
         self.slot_survival = torch.ones(max_num_seqs + 1, dtype=torch.float32, device=device)
+        self.slot_ops = _slot_ops(model)
         self.max_num_seqs = max_num_seqs
         self.work_tile_tokens = backend.work_tile_tokens(cfg.num_attention_heads // cfg.num_key_value_heads)
         self.graphs: DecodeGraphs | None = None
@@ -119,7 +118,7 @@ class ModelRunner:
         only the device knows; requests' recorded depths then live on the device too."""
         max_blocks = -(-(max_model_len + 1) // self.block_size)
         self.decode_state = DeviceDecodeState(self.max_num_seqs + 1, self.layout, self.block_size, max_blocks,
-                                              self.scratch_block, self.device)
+                                              self.scratch_block, self.device, self.slot_ops)
         self._no_refill = no_refill
         self._per_token_exits = per_token_exits
         if per_token_exits:
@@ -245,21 +244,9 @@ class ModelRunner:
         token_index))``; a row with ``run`` False (a ``no_refill`` slot waiting for its cohort) runs
         on scratch and changes nothing. Used eagerly and inside CUDA graphs.
         """
-        ds = self.decode_state
-        loops, pos, plane_slots, run, tidx = ds.rows(slots, self._no_refill)
-        if self._per_token_exits:  # the host's token index lags; the device's is exact
-            min_loops = max_loops = ds.trace_depths(slots, tidx)
-        scratch_kv = self.scratch_block * self.block_size
-        dec = DecodeTensors(
-            slots=torch.where(run, slots, self.scratch_slot), loops=loops, starts=loops == 1,
-            input_ids=ds.token[slots], min_loops=min_loops, max_loops=max_loops, threshold=threshold,
-            plane_slots=torch.where(run[:, None], plane_slots, scratch_kv))
-        plane = self.layout.plane_index(loops)
-        positions = torch.where(run, pos, 0)
-        slot_mapping = dec.plane_slots.gather(1, plane[:, None]).squeeze(1)
-        seq_lens = torch.where(run, pos + 1, 1).to(torch.int32)
-        tables = torch.where(run[:, None], ds.tables[slots, plane], self.scratch_block)
-        return dec, positions, slot_mapping, seq_lens, tables, (loops, run, tidx)
+        r = self.slot_ops.decode_rows(self.decode_state, slots, min_loops, max_loops, threshold, self._no_refill,
+                                      self._per_token_exits, self.scratch_slot)
+        return r.dec, r.positions, r.slot_mapping, r.seq_lens, r.block_tables, (r.loops, r.run, r.token_index)
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> Callable[[], RunnerOutput]:
@@ -454,10 +441,7 @@ class ModelRunner:
 
         Returns ``(exit [B] bool, logits [B, V])``; the host reads both once at the end of the step.
         """
-        survival = torch.where(d.loops == 1, torch.ones_like(gate), self.slot_survival[d.slots])
-        ex, survival = exit_decision(d.loops, survival, gate, d.min_loops, d.max_loops, d.threshold)
-        self.slot_hidden[d.slots] = h
-        self.slot_survival[d.slots] = survival
+        ex = self.slot_ops.exit_and_store(h, gate, d, self.slot_hidden, self.slot_survival)
         if self._copies_on_exit:  # last_exited: a token exiting at loop e fills its deeper planes
             self.backend.copy_exited(self.k_cache, self.v_cache, d.plane_slots, d.loops, ex,
                                      self.scratch_block * self.block_size)

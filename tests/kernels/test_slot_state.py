@@ -1,45 +1,132 @@
-"""The decode state's advance kernel vs its torch reference (CPU under TRITON_INTERPRET=1, GPU when present)."""
+"""The decode state's fused step ops vs their torch reference (CPU under TRITON_INTERPRET=1, GPU when present).
+
+Each op runs on copies of one random state; every output and every state tensor must be equal (the
+exit rule's survival within fp32 rounding: the kernel's sigmoid is not torch's)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from triton_testing import DEVICE
 
-from loopline.kernels.slot_state import advance_slots
-from loopline.worker.decode_state import advance_reference
+from loopline.kernels.slot_state import TritonSlotOps
+from loopline.kv.layout import make_layout
+from loopline.worker.decode_state import DecodeTensors, DeviceDecodeState, SlotOps
+
+SLOTS, BLOCK, MAX_BLOCKS, LOOPS = 40, 4, 9, 4
 
 
-def _state(g: torch.Generator, slots: int) -> list[torch.Tensor]:
-    return [torch.randint(0, 1000, (slots,), generator=g).to(DEVICE) for _ in range(4)]
+def _state(g: torch.Generator, layout: str, trace: bool) -> DeviceDecodeState:
+    ds = DeviceDecodeState(SLOTS, make_layout(layout, LOOPS), BLOCK, MAX_BLOCKS, scratch_block=99, device=DEVICE)
+    ds.loop.copy_(torch.randint(0, LOOPS, (SLOTS,), generator=g))
+    ds.pos.copy_(torch.randint(0, MAX_BLOCKS * BLOCK - 1, (SLOTS,), generator=g))
+    ds.token.copy_(torch.randint(0, 1000, (SLOTS,), generator=g))
+    ds.token_index.copy_(torch.randint(0, 50, (SLOTS,), generator=g))
+    ds.tables.copy_(torch.randint(0, 99, ds.tables.shape, generator=g, dtype=torch.int32))
+    if trace:
+        ds.allocate_trace()
+        ds.trace.copy_(torch.randint(1, LOOPS + 1, ds.trace.shape, generator=g, dtype=torch.int8))
+    return ds
+
+
+def _clone(ds: DeviceDecodeState) -> DeviceDecodeState:
+    copy = DeviceDecodeState(SLOTS, ds.layout, BLOCK, MAX_BLOCKS, ds.scratch_block, DEVICE)
+    for name in ("loop", "pos", "token", "token_index", "tables", "trace"):
+        t = getattr(ds, name)
+        setattr(copy, name, None if t is None else t.clone())
+    return copy
+
+
+def _same_state(a: DeviceDecodeState, b: DeviceDecodeState) -> None:
+    for name in ("loop", "pos", "token", "token_index", "tables"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def _rows(g: torch.Generator, n: int) -> tuple[torch.Tensor, ...]:
+    slots = torch.randperm(SLOTS - 1, generator=g)[:n].to(DEVICE)  # distinct; the last slot is scratch
+    min_loops = torch.randint(1, 3, (n,), generator=g).to(DEVICE)
+    max_loops = torch.randint(3, LOOPS + 1, (n,), generator=g).to(DEVICE)
+    threshold = torch.rand(n, generator=g).to(DEVICE)
+    return slots, min_loops, max_loops, threshold
+
+
+@pytest.mark.parametrize("layout,no_refill,trace", [("last_exited", False, False), ("last_exited", True, False),
+                                                    ("shared", False, True), ("shared", True, False)])
+def test_decode_rows_matches_reference(layout, no_refill, trace):
+    g = torch.Generator().manual_seed(3)
+    ds = _state(g, layout, trace)
+    if no_refill:  # half the batch mid-token, half between tokens: the latter wait
+        ds.loop[:SLOTS // 2] = 0
+    rows = _rows(g, 13)
+    ref_ds, fused_ds = _clone(ds), _clone(ds)
+    ref = SlotOps().decode_rows(ref_ds, *rows, no_refill, trace, scratch_slot=SLOTS - 1)
+    out = TritonSlotOps().decode_rows(fused_ds, *rows, no_refill, trace, scratch_slot=SLOTS - 1)
+    for name in DecodeTensors.__dataclass_fields__:
+        a, b = getattr(out.dec, name), getattr(ref.dec, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for name in ("positions", "slot_mapping", "seq_lens", "block_tables", "loops", "run", "token_index"):
+        a, b = getattr(out, name), getattr(ref, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    _same_state(fused_ds, ref_ds)
+    assert bool(ref.run.all()) != no_refill  # the case is exercised: waiting rows exist only with no_refill
+    if trace:
+        assert not torch.equal(ref.dec.max_loops, rows[2])
+
+
+def test_exit_and_store_matches_reference():
+    g = torch.Generator().manual_seed(4)
+    n, hidden = 11, 40
+    slots, min_loops, max_loops, threshold = _rows(g, n)
+    loops = torch.randint(1, LOOPS + 1, (n,), generator=g).to(DEVICE)
+    # threshold 1 means no early exit, even for a gate so sure that the survival rounds to 0
+    threshold[:3], loops[:3], min_loops[:3], max_loops[:3] = 1.0, 2, 1, LOOPS
+    d = DecodeTensors(slots=slots, loops=loops, starts=loops == 1, input_ids=slots, min_loops=min_loops,
+                      max_loops=max_loops, threshold=threshold, plane_slots=slots[:, None])
+    h = torch.randn(n, hidden, generator=g).to(DEVICE)
+    gate = (3 * torch.randn(n, generator=g)).to(DEVICE)
+    gate[:3] = 30.0
+    hidden0 = torch.randn(SLOTS, hidden, generator=g).to(DEVICE)
+    survival0 = torch.rand(SLOTS, generator=g).to(DEVICE)
+    ref_h, ref_s, out_h, out_s = hidden0.clone(), survival0.clone(), hidden0.clone(), survival0.clone()
+    ex_ref = SlotOps().exit_and_store(h, gate, d, ref_h, ref_s)
+    ex = TritonSlotOps().exit_and_store(h, gate, d, out_h, out_s)
+    assert torch.equal(ex, ex_ref)
+    assert 0 < int(ex.sum()) < n  # both outcomes occur
+    assert torch.equal(out_h, ref_h) and not torch.equal(out_h, hidden0)
+    torch.testing.assert_close(out_s, ref_s, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300: more than one program
 def test_advance_matches_reference(rows):
     g = torch.Generator().manual_seed(rows)
     num_slots = 512
+    ds = DeviceDecodeState(num_slots, make_layout("last_exited", LOOPS), BLOCK, MAX_BLOCKS, 0, DEVICE)
+    for t in (ds.loop, ds.token, ds.pos, ds.token_index):
+        t.copy_(torch.randint(0, 1000, (num_slots,), generator=g))
     slots = torch.randperm(num_slots, generator=g)[:rows].to(DEVICE)  # distinct, unordered
     loops = torch.randint(1, 5, (rows,), generator=g).to(DEVICE)
     run = (torch.rand(rows, generator=g) < 0.8).to(DEVICE)
+    run[0] = True  # so that something changes
     exited = (torch.rand(rows, generator=g) < 0.5).to(DEVICE)
     sampled = torch.randint(0, 50000, (rows,), generator=g).to(DEVICE)
-    state = _state(g, num_slots)
-    before = [t.clone() for t in state]
-    ref = [t.clone() for t in state]
-    advance_reference(*ref, slots, loops, run, exited, sampled)
-    advance_slots(*state, slots, loops, run, exited, sampled)
-    for name, a, b in zip(("loop", "token", "pos", "token_index"), state, ref):
-        assert torch.equal(a, b), name
-    # the test can fail: the reference changed something, and a slot outside the rows is untouched
-    assert any(not torch.equal(a, b) for a, b in zip(before, ref))
-    untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
-    untouched[slots] = False
-    assert all(torch.equal(a[untouched], b[untouched]) for a, b in zip(state, before))
+    before, ref, out = _clone_slots(ds), _clone_slots(ds), _clone_slots(ds)
+    SlotOps().advance(ref, slots, loops, run, exited, sampled)
+    TritonSlotOps().advance(out, slots, loops, run, exited, sampled)
+    _same_state(out, ref)
+    assert any(not torch.equal(getattr(ref, n), getattr(before, n)) for n in ("loop", "pos", "token", "token_index"))
+
+
+def _clone_slots(ds: DeviceDecodeState) -> DeviceDecodeState:
+    copy = DeviceDecodeState(ds.loop.shape[0], ds.layout, BLOCK, MAX_BLOCKS, 0, DEVICE)
+    for name in ("loop", "pos", "token", "token_index", "tables"):
+        setattr(copy, name, getattr(ds, name).clone())
+    return copy
 
 
 def test_advance_rejects_bad_operands():
-    t = torch.zeros(4, dtype=torch.long, device=DEVICE)
+    ds = DeviceDecodeState(4, make_layout("last_exited", LOOPS), BLOCK, MAX_BLOCKS, 0, DEVICE)
+    t = torch.zeros(2, dtype=torch.long, device=DEVICE)
     flags = torch.zeros(2, dtype=torch.bool, device=DEVICE)
     with pytest.raises(ValueError, match="run must be a contiguous torch.bool"):
-        advance_slots(t, t, t, t, t[:2], t[:2], t[:2], flags, t[:2])
+        TritonSlotOps().advance(ds, t, t, t, flags, t)
     with pytest.raises(ValueError, match="loops must have one entry per row"):
-        advance_slots(t, t, t, t, t[:2], t[:3], flags, flags, t[:2])
+        TritonSlotOps().advance(ds, t, t[:1], flags, flags, t)

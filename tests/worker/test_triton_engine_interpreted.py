@@ -4,7 +4,8 @@ Covers what the GPU tests check on CUDA, where CI has none: rotary fused into th
 the predicated exit-copy kernel (early exits under ``last_exited``), steps that mix decode
 rows with prompt chunks (attention over a work list), and the fused layer kernels, including
 the one-row GEMV with the coda skipped for a row whose token does not exit (the last request
-decodes alone).
+decodes alone), and with async scheduling the fused decode-state kernels (rows from the device
+state, exit rule, advance).
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from loopline.models.ouro import OuroConfig, OuroForCausalLM
 from loopline.sampling_params import SamplingParams
 
 
-def generate(model: OuroForCausalLM, backend: str) -> dict:
+def generate(model: OuroForCausalLM, backend: str, async_scheduling: bool = False) -> dict:
     engine = LLMEngine(EngineArgs(device=DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=4,
                                   num_kv_blocks=200, block_size=8, max_num_batched_tokens=48, max_model_len=300,
-                                  attention_backend=backend, kernel_backend=backend, enforce_eager=True), model=model)
+                                  attention_backend=backend, kernel_backend=backend, enforce_eager=True,
+                                  async_scheduling=async_scheduling), model=model)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, exit_threshold=0.7, logprobs=0)
     for i, n in enumerate([5, 70, 33, 90]):  # a 48-token budget: chunked prompts next to decoding rows
         engine.add_request(f"r{i}", [(i * 31 + j) % 250 for j in range(n)], params)
@@ -38,11 +40,13 @@ def test_triton_backend_engine_equals_torch_backend():
     cfg = OuroConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     model = OuroForCausalLM(cfg).to(DEVICE)
-    want, got = generate(model, "torch"), generate(model, "triton")
-    assert len(want) == 4 and got.keys() == want.keys()
-    for rid, (tokens, depths, logprobs) in want.items():
-        assert got[rid][:2] == (tokens, depths), rid
-        # logprobs see any K/V a token reads, e.g. deeper planes an exit copy should have filled
-        torch.testing.assert_close(got[rid][2], logprobs, atol=1e-4, rtol=1e-4)
+    want = generate(model, "torch")
+    assert len(want) == 4
+    for got in (generate(model, "triton"), generate(model, "triton", async_scheduling=True)):
+        assert got.keys() == want.keys()
+        for rid, (tokens, depths, logprobs) in want.items():
+            assert got[rid][:2] == (tokens, depths), rid
+            # logprobs see any K/V a token reads, e.g. deeper planes an exit copy should have filled
+            torch.testing.assert_close(got[rid][2], logprobs, atol=1e-4, rtol=1e-4)
     depths = [d for _, ds, _ in want.values() for d in ds]
     assert min(depths) < cfg.total_ut_steps  # some tokens exit early, so the exit copy ran
