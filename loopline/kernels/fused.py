@@ -12,8 +12,7 @@ import torch
 from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, pdl_options
-from loopline.kernels.gemv import NormPrologue, fits_norm_prologue, gemv, use_gemv
-from loopline.kernels.norm import sandwich_norm
+from loopline.kernels.gemv import gemv, use_gemv
 from loopline.kernels.skinny_gemm import skinny_linear, use_skinny
 from loopline.models.ops import TorchOps
 
@@ -39,16 +38,19 @@ if triton is not None:
         mask = cols < n_cols
         dtype = y_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        wn = tl.load(wn_ptr + cols, mask=mask, other=0.0)
         if HAS_BRANCH:
-            b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0)
-            wb = tl.load(wb_ptr + cols, mask=mask, other=0.0)
-        else:
-            b, wb = x, wn  # unread
-        x, y = sandwich_norm(x, b, wb, wn, n_cols, eps, HAS_BRANCH, dtype)
-        if HAS_BRANCH:
-            tl.store(x_out_ptr + row * stride_xo + cols, x.to(dtype), mask=mask)
-        tl.store(y_ptr + row * stride_y + cols, y.to(dtype), mask=mask)
+            # x' = x + w_b * norm(b), rounded like the reference: norm -> dtype, * w -> dtype, + x -> dtype
+            b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+            rb = tl.rsqrt(tl.sum(b * b, axis=0) / n_cols + eps)
+            wb = tl.load(wb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            bn = ((b * rb).to(dtype).to(tl.float32) * wb).to(dtype)
+            x = (x.to(tl.float32) + bn.to(tl.float32)).to(dtype)
+            tl.store(x_out_ptr + row * stride_xo + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+        wn = tl.load(wn_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = ((xf * r).to(dtype).to(tl.float32) * wn).to(dtype)
+        tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
 
     @triton.jit
     def _exit_gate_kernel(
@@ -160,30 +162,6 @@ class TritonOps(TorchOps):
             return None
         weight, sizes = packed
         return _linear(x, weight).split(sizes, dim=-1)
-
-    def _norm_packed_linear(self, module: torch.nn.Module, x: Tensor, branch: Tensor | None,
-                            branch_weight: Tensor | None, norm_weight: Tensor, eps: float) -> tuple | None:
-        """One row: the residual add and norm computed by the packed projection's GEMV as it loads its row
-        (one kernel instead of two: at one row each is mostly its launch and the wait for the one before)."""
-        packed = self._packed.get(id(module))
-        if packed is None or x.requires_grad or (branch is not None and branch.requires_grad):
-            return None
-        weight, sizes = packed
-        if not (use_gemv(x, weight) and fits_norm_prologue(weight)) or x.stride(1) != 1:
-            return None
-        if branch is not None and (branch.shape != x.shape or branch.stride(1) != 1):
-            return None
-        x_out = torch.empty_like(x) if branch is not None else x
-        y = gemv(x, weight, norm=NormPrologue(branch, branch_weight, norm_weight, eps, x_out if branch is not None else None))
-        return x_out, y.split(sizes, dim=-1)
-
-    def norm_project_qkv(self, attn, x, branch, branch_weight, norm_weight, eps):  # type: ignore[override]
-        return (self._norm_packed_linear(attn, x, branch, branch_weight, norm_weight, eps)
-                or super().norm_project_qkv(attn, x, branch, branch_weight, norm_weight, eps))
-
-    def norm_project_gate_up(self, mlp, x, branch, branch_weight, norm_weight, eps):  # type: ignore[override]
-        return (self._norm_packed_linear(mlp, x, branch, branch_weight, norm_weight, eps)
-                or super().norm_project_gate_up(mlp, x, branch, branch_weight, norm_weight, eps))
 
     def project_qkv(self, attn: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
         return self._packed_linear(attn, x) or TorchOps.project_qkv(attn, x)

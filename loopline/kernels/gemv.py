@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, kernel_operands, pdl_options
-from loopline.kernels.norm import sandwich_norm
 
 try:
     import triton
@@ -64,33 +63,11 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _normed_row(x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, K, eps, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                    dtype: tl.constexpr):
-        """The whole input row (``K <= BLOCK_K``) as the sandwich norm makes it (NORM 1: ``norm(x)``, 2:
-        ``norm(x + norm(b))``, weighted); with 2, program 0 also stores ``x + norm(b)`` (the residual)."""
-        cols = tl.arange(0, BLOCK_K)
-        m = cols < K
-        x = tl.load(x_ptr + cols, mask=m, other=0.0)
-        wn = tl.load(wn_ptr + cols, mask=m, other=0.0)
-        if NORM == 2:
-            b = tl.load(b_ptr + cols, mask=m, other=0.0)
-            wb = tl.load(wb_ptr + cols, mask=m, other=0.0)
-        else:
-            b, wb = x, wn  # unread
-        x, y = sandwich_norm(x, b, wb, wn, K, eps, NORM == 2, dtype)
-        if NORM == 2:
-            if tl.program_id(0) == 0:
-                tl.store(x_out_ptr + cols, x.to(dtype), mask=m)
-        return y
-
-    @triton.jit
     def _gemv_kernel(
         x_ptr, u_ptr, w_ptr, y_ptr, needed_ptr,  # x [K] (and up [K] for SILU), W [N, K] (unit last stride), y [N]
-        b_ptr, wb_ptr, wn_ptr, x_out_ptr, eps,  # the norm prologue's branch row, weights, residual out
         N, K, stride_wn,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SILU: tl.constexpr,
         PREDICATED: tl.constexpr,  # needed_ptr: one int8 flag; 0 writes zeros without reading W
-        NORM: tl.constexpr,  # 0: x is the row; 1: norm(x) * wn; 2: also x + norm(b) * wb first (K <= BLOCK_K)
         PDL: tl.constexpr,
     ):
         dtype = y_ptr.dtype.element_ty
@@ -98,23 +75,19 @@ if triton is not None:
         # Rows past N are clamped, not masked: they re-read a valid row, the loads stay unpredicated and
         # wide, and the store drops their results.
         w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if PDL and not PREDICATED:
             # No earlier kernel writes the weights: the first tile streams in while they finish.
             w = _weight_tile(w_rows, 0, K, BLOCK_K, EVEN_K)
             grid_dependency_wait(PDL)
+            acc += w.to(tl.float32) * _row_chunk(x_ptr, u_ptr, 0, K, BLOCK_K, SILU, dtype)[None, :]
         else:
             grid_dependency_wait(PDL)
             if PREDICATED:
                 if tl.load(needed_ptr) == 0:
                     tl.store(y_ptr + rows, tl.zeros((BLOCK_N,), dtype=dtype), mask=rows < N)
                     return
-            w = _weight_tile(w_rows, 0, K, BLOCK_K, EVEN_K)
-        if NORM:
-            row = _normed_row(x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, K, eps, BLOCK_K, NORM, dtype)
-        else:
-            row = _row_chunk(x_ptr, u_ptr, 0, K, BLOCK_K, SILU, dtype)
-        acc = w.to(tl.float32) * row[None, :]
-        for k in range(BLOCK_K, K, BLOCK_K):
+        for k in range(BLOCK_K if PDL and not PREDICATED else 0, K, BLOCK_K):
             w = _weight_tile(w_rows, k, K, BLOCK_K, EVEN_K)
             acc += w.to(tl.float32) * _row_chunk(x_ptr, u_ptr, k, K, BLOCK_K, SILU, dtype)[None, :]
         tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(dtype), mask=rows < N)
@@ -137,29 +110,6 @@ DEFAULT_CONFIG = GemvConfig(block_n=4, block_k=2048, num_warps=8, num_stages=2)
 SHAPE_CONFIGS: dict[tuple[int, int], GemvConfig] = {}
 
 
-class NormPrologue(NamedTuple):
-    """The GEMV's input row computed from the residual stream ``x`` by the sandwich norm, as
-    :meth:`loopline.models.ops.TorchOps.add_rms_norm`: ``norm(x + norm(branch) * branch_weight) *
-    norm_weight``, the new residual ``x + norm(branch) * branch_weight`` stored in ``x_out``; without a
-    branch ``norm(x) * norm_weight`` (and ``x_out`` unused). Needs ``K <= block_k`` (one tile per row)."""
-
-    branch: Tensor | None
-    branch_weight: Tensor | None
-    norm_weight: Tensor
-    eps: float
-    x_out: Tensor | None
-
-
-def _config(weight: Tensor) -> GemvConfig:
-    return SHAPE_CONFIGS.get(tuple(weight.shape), DEFAULT_CONFIG)
-
-
-def fits_norm_prologue(weight: Tensor) -> bool:
-    """Whether :func:`gemv` can compute its input row with a :class:`NormPrologue` (the whole row fits
-    one tile of the weight's launch)."""
-    return weight.shape[1] <= _config(weight).block_k
-
-
 def use_gemv(x: Tensor, weight: Tensor) -> bool:
     """Whether :func:`gemv` applies: one row, unit stride along K, no autograd. fp32 too: with no MMA
     the kernel is exact to fp32 rounding there, so fp32 engine tests check the path as served."""
@@ -167,10 +117,9 @@ def use_gemv(x: Tensor, weight: Tensor) -> bool:
 
 
 def gemv(x: Tensor, weight: Tensor, *, up: Tensor | None = None, needed: Tensor | None = None,
-         norm: NormPrologue | None = None, config: GemvConfig | None = None) -> Tensor:
+         config: GemvConfig | None = None) -> Tensor:
     """``F.linear(x, weight)`` for one row ``x`` ``[1, K]`` and ``weight`` ``[N, K]``; with ``up`` given,
-    ``F.linear(silu(x) * up, weight)`` (the MLP's down projection, activation computed on load); with
-    ``norm`` given, the row is the sandwich norm of ``x`` (see :class:`NormPrologue`).
+    ``F.linear(silu(x) * up, weight)`` (the MLP's down projection, activation computed on load).
 
     ``needed``: a one-element bool tensor on the device; where it is False the kernel returns zeros
     without reading the weight (the coda of a decode row whose token does not exit this loop)."""
@@ -182,36 +131,15 @@ def gemv(x: Tensor, weight: Tensor, *, up: Tensor | None = None, needed: Tensor 
     if needed is not None and (needed.numel() != 1 or needed.dtype != torch.bool):
         raise ValueError(f"gemv's needed must be one bool, got {needed.dtype} {tuple(needed.shape)}")
     n, k = weight.shape
-    cfg = config or _config(weight)
-    if norm is not None:
-        _check_norm(norm, x, cfg, up is None and needed is None)
-    b, wb, wn, x_out = (norm.branch, norm.branch_weight, norm.norm_weight, norm.x_out) if norm else (x, x, x, x)
-    has_branch = norm is not None and norm.branch is not None
+    cfg = config or SHAPE_CONFIGS.get((n, k), DEFAULT_CONFIG)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, up if up is not None else x, weight, y, needed.view(torch.int8) if needed is not None else x,
-        b if has_branch else x, wb if has_branch else x, wn, x_out if has_branch else x, norm.eps if norm else 0.0,
         n, k, weight.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SILU=up is not None,
-        PREDICATED=needed is not None, NORM=0 if norm is None else 2 if has_branch else 1, **pdl_options(x.device),
+        PREDICATED=needed is not None, **pdl_options(x.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
-def _check_norm(norm: NormPrologue, x: Tensor, cfg: GemvConfig, alone: bool) -> None:
-    k = x.shape[1]
-    if not alone:
-        raise ValueError("gemv's norm prologue does not combine with up or needed")
-    if k > cfg.block_k:
-        raise ValueError(f"gemv's norm prologue needs K <= block_k ({cfg.block_k}), got K = {k}")
-    if norm.norm_weight.shape != (k,) or norm.norm_weight.stride(0) != 1:
-        raise ValueError(f"gemv's norm_weight must be a contiguous [{k}], got {tuple(norm.norm_weight.shape)}")
-    if norm.branch is not None:
-        for name, t, shape in (("branch", norm.branch, x.shape), ("branch_weight", norm.branch_weight, (k,)),
-                               ("x_out", norm.x_out, x.shape)):
-            if t is None or t.shape != shape or t.stride(-1) != 1:
-                raise ValueError(f"gemv's {name} must be shaped {tuple(shape)} with unit stride, got "
-                                 f"{None if t is None else tuple(t.shape)}")
-
-
-__all__ = ["DEFAULT_CONFIG", "SHAPE_CONFIGS", "GemvConfig", "NormPrologue", "fits_norm_prologue", "gemv", "use_gemv"]
+__all__ = ["DEFAULT_CONFIG", "SHAPE_CONFIGS", "GemvConfig", "gemv", "use_gemv"]

@@ -64,25 +64,6 @@ class TorchOps:
         x = x + self.rms_norm(branch, branch_weight, eps)
         return x, self.rms_norm(x, next_weight, eps)
 
-    def norm_project_qkv(self, attn: torch.nn.Module, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None,
-                         norm_weight: Tensor, eps: float) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
-        """A residual add, the norm after it and the q/k/v projections: ``x' = x + norm(branch)`` (``x``
-        itself without a branch) and ``project_qkv(norm'(x'))``. Returns ``(x', (q, k, v))``."""
-        x, normed = self._norm_input(x, branch, branch_weight, norm_weight, eps)
-        return x, self.project_qkv(attn, normed)
-
-    def norm_project_gate_up(self, mlp: torch.nn.Module, x: Tensor, branch: Tensor, branch_weight: Tensor,
-                             norm_weight: Tensor, eps: float) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """As :meth:`norm_project_qkv`, into the MLP's gate/up projections: ``(x', (gate, up))``."""
-        x, normed = self._norm_input(x, branch, branch_weight, norm_weight, eps)
-        return x, self.project_gate_up(mlp, normed)
-
-    def _norm_input(self, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None, norm_weight: Tensor,
-                    eps: float) -> tuple[Tensor, Tensor]:
-        if branch is None:
-            return x, self.rms_norm(x, norm_weight, eps)
-        return self.add_rms_norm(x, branch, branch_weight, norm_weight, eps)
-
     @staticmethod
     def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """Rotate-half RoPE on ``[N, heads, D]`` q and k; cos/sin ``[N, D]``."""

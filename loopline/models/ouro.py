@@ -106,10 +106,10 @@ class OuroAttention(nn.Module):
         self.v_proj = nn.Linear(h, config.kv_size, bias=False)
         self.o_proj = nn.Linear(config.q_size, h, bias=False)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, rope: Rope, layer: int, attn: Attention, ops: TorchOps) -> Tensor:
-        """Attention over projected ``q, k, v`` ``[N, q_size]``, ``[N, kv_size]`` x 2, then ``o_proj``."""
-        n = q.shape[0]
+    def forward(self, x: Tensor, rope: Rope, layer: int, attn: Attention, ops: TorchOps) -> Tensor:
+        n = x.shape[0]
         c = self.config
+        q, k, v = ops.project_qkv(self, x)
         q = q.view(n, c.num_attention_heads, c.head_dim)
         k = k.view(n, c.num_key_value_heads, c.head_dim)
         v = v.view(n, c.num_key_value_heads, c.head_dim)
@@ -142,18 +142,16 @@ class OuroDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps)
 
-    def forward(self, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None, rope: Rope, attn: Attention,
+    def forward(self, x: Tensor, normed: Tensor, rope: Rope, attn: Attention, next_norm: RMSNorm,
                 ops: TorchOps) -> tuple[Tensor, Tensor]:
-        """x: the residual stream, to which the previous layer's MLP output ``branch`` is still to be added
-        (normed, with ``branch_weight``; None in the first layer). Returns the residual stream and this
-        layer's MLP output, which the next layer (or the loop's final norm) adds the same way. Each residual
-        add, the norm after it and the projections after that are one op (one kernel at one row)."""
+        """x: the residual stream; normed: ``input_layernorm(x)``. Returns the new residual
+        stream and ``next_norm`` of it (the next layer's input norm, or the loop's final norm),
+        so each residual add and the norm after it are one fused op."""
         eps = self.input_layernorm.eps
-        x, (q, k, v) = ops.norm_project_qkv(self.self_attn, x, branch, branch_weight, self.input_layernorm.weight, eps)
-        a = self.self_attn(q, k, v, rope, self.index, attn, ops)
-        x, (gate, up) = ops.norm_project_gate_up(self.mlp, x, a, self.input_layernorm_2.weight,
-                                                 self.post_attention_layernorm.weight, eps)
-        return x, ops.swiglu_down(self.mlp, gate, up)
+        a = self.self_attn(normed, rope, self.index, attn, ops)
+        x, m_in = ops.add_rms_norm(x, a, self.input_layernorm_2.weight, self.post_attention_layernorm.weight, eps)
+        m = self.mlp(m_in, ops)
+        return ops.add_rms_norm(x, m, self.post_attention_layernorm_2.weight, next_norm.weight, eps)
 
 
 class OuroModel(nn.Module):
@@ -244,12 +242,12 @@ class OuroForCausalLM(nn.Module):
         """
         ops = ops or self.ops
         rope = Rope(*rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype), ops)
-        x, branch, branch_weight = hidden, None, None
-        for layer in self.model.layers:
-            x, branch = layer(x, branch, branch_weight, rope, attn, ops)
-            branch_weight = layer.post_attention_layernorm_2.weight
-        # the final norm of the loop: the next loop's input and the gate's
-        _, h = ops.add_rms_norm(x, branch, branch_weight, self.model.norm.weight, self.config.rms_norm_eps)
+        layers = self.model.layers
+        x, normed = hidden, ops.rms_norm(hidden, layers[0].input_layernorm.weight, self.config.rms_norm_eps)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, normed = layer(x, normed, rope, attn, next_norm, ops)
+        h = normed  # the final norm of the loop: the next loop's input and the gate's
         return h, ops.exit_gate(self.model.early_exit_gate, h)
 
     def head(self, hidden: Tensor, needed: Tensor | None = None) -> Tensor:

@@ -7,7 +7,7 @@ from triton_testing import DEVICE, DTYPES, close
 
 from loopline.kernels.fused import TritonOps
 from loopline.models.ops import TorchOps
-from loopline.models.ouro import DenseCausalAttention, rotary_cos_sin
+from loopline.models.ouro import rotary_cos_sin
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,37 +92,6 @@ def _loop(model, ops):
     with torch.inference_mode():
         h, g = model.loop(model.embed(ids), torch.arange(6, device=DEVICE), DenseCausalAttention(1, 6), ops)
     return h, g
-
-
-def test_one_row_loop_takes_the_fused_norm_projections(monkeypatch):
-    """At one row the residual add + norm before q/k/v and gate/up ride in the projection's GEMV: no
-    separate norm kernel except the loop's final one, and the same loop output as the reference."""
-    import loopline.kernels.fused as fused
-
-    model = _tiny_model()
-    ops = TritonOps()
-    model.use_ops(ops)
-    norms = []
-    monkeypatch.setattr(fused, "_add_rms_norm_kernel", _Counting(fused._add_rms_norm_kernel, norms))
-    with torch.inference_mode():
-        x = model.embed(torch.tensor([5], device=DEVICE))
-        pos = torch.tensor([0], device=DEVICE)
-        h, g = model.loop(x, pos, DenseCausalAttention(1, 1), ops)
-        ref_h, ref_g = model.loop(x, pos, DenseCausalAttention(1, 1), TorchOps())
-    close(h, ref_h, torch.float32)
-    close(g, ref_g, torch.float32)
-    assert len(norms) == 1  # the final norm; 2 layers x 2 norms ride in the GEMVs
-
-
-class _Counting:
-    """A kernel launcher that records each launch (``kernel[grid](...)``)."""
-
-    def __init__(self, kernel, calls: list) -> None:
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        self.calls.append(grid)
-        return self.kernel[grid]
 
 
 def test_packed_projections_keep_names_values_and_in_place_updates():

@@ -30,15 +30,13 @@ _G = {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True}
 # name: (module, kernel, pointer types (default *bf16), constexprs, PDL)
 CASES = {
     "gemv": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
-             {**_G, "SILU": False, "PREDICATED": False, "NORM": 0}, True),
+             {**_G, "SILU": False, "PREDICATED": False}, True),
     "gemv_silu": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
-                  {**_G, "SILU": True, "PREDICATED": False, "NORM": 0}, True),
-    "gemv_norm": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
-                  {**_G, "SILU": False, "PREDICATED": False, "NORM": 2}, True),
+                  {**_G, "SILU": True, "PREDICATED": False}, True),
     "gemv_predicated": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
-                        {**_G, "SILU": False, "PREDICATED": True, "NORM": 0}, True),
+                        {**_G, "SILU": False, "PREDICATED": True}, True),
     "gemv_no_pdl": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
-                    {**_G, "SILU": False, "PREDICATED": False, "NORM": 0}, False),
+                    {**_G, "SILU": False, "PREDICATED": False}, False),
     "add_rms_norm": ("loopline.kernels.fused", "_add_rms_norm_kernel", {}, {"BLOCK": 256, "HAS_BRANCH": True}, True),
     "exit_gate": ("loopline.kernels.fused", "_exit_gate_kernel", {"out_ptr": "*fp32"},
                   {"BLOCK_R": 4, "BLOCK": 256, "HAS_BIAS": True}, True),
@@ -109,7 +107,7 @@ def _check_waits_first(lines: list[str], prefetch: str | None = None) -> None:
         assert loads and all(prefetch in x for x in loads), "the weight prefetch is missing or reads other data"
 
 
-@pytest.mark.parametrize("case", ["gemv", "gemv_silu", "gemv_norm"])
+@pytest.mark.parametrize("case", ["gemv", "gemv_silu"])
 def test_gemv_prefetches_only_weights_before_the_wait(ptx, case):
     # Weight loads carry evict_first; the row (written by the kernel before) is read after the wait.
     _check_waits_first(ptx[case], prefetch="evict_first")
