@@ -139,6 +139,17 @@ def counter_uniform(seeds: Tensor, token_index: Tensor, vocab_size: int) -> Tens
 # Logit processing
 
 
+def _argmax(x: Tensor) -> Tensor:
+    """``x.argmax(dim=-1)`` of fp32 ``[B, V]``; on CUDA the chunked Triton argmax (same result, two short
+    launches instead of one long reduction: ``loopline.kernels.sampling``)."""
+    if x.is_cuda and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1:
+        from loopline.kernels import sampling  # NOTE: lazily, as the other Triton kernels (TRITON_INTERPRET)
+
+        if sampling.available():
+            return sampling.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
     """Repetition, then frequency and presence penalties (vLLM semantics). [B, V] -> [B, V].
 
@@ -238,13 +249,13 @@ class Sampler:
         x = apply_penalties(logits, t) if t.any_penalties else logits
         z = process_logits(x, t) if (processed or not t.all_greedy) else None
 
-        greedy_ids = x.argmax(dim=-1)  # [B]
+        greedy_ids = _argmax(x)  # [B]
         if t.all_greedy:
             token_ids = greedy_ids
         else:
             u = self._uniform(t.seeds, t.token_index, x.shape[-1])  # [B, V]
             # Gumbel-max: argmax(z + Gumbel) ~ softmax(z); masked -inf never wins.
-            sampled = (z - torch.log(-torch.log(u))).argmax(dim=-1)
+            sampled = _argmax(z - torch.log(-torch.log(u)))
             token_ids = torch.where(t.temperature < SAMPLING_EPS, greedy_ids, sampled)
 
         if not want_logprobs:
