@@ -27,7 +27,9 @@ _I64, _I32, _BOOL = torch.int64, torch.int32, torch.bool
 
 if triton is not None:
 
-    @triton.jit
+    # NOTE: the row count changes from step to step (eager steps); not specializing on it keeps one
+    # compiled variant instead of one per (== 1, divisible by 16) pattern, compiled mid-run.
+    @triton.jit(do_not_specialize=["n_rows"])
     def _decode_rows_kernel(
         slots_ptr, min_in_ptr, max_in_ptr,  # [B] int64, from the host
         loop_s, pos_s, token_s, tidx_s, tables_s, trace_s, plane_of_loop,  # state; plane of each 1-based loop
@@ -104,7 +106,7 @@ if triton is not None:
             m = cols < n_cols
             tl.store(hidden_s + slot * stride_hs + cols, tl.load(h_ptr + b * stride_h + cols, mask=m), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _advance_kernel(
         loop_ptr, token_ptr, pos_ptr, tidx_ptr,  # per-slot state [S] int64, updated in place
         slots_ptr, loops_ptr, run_ptr, exited_ptr, sampled_ptr,  # per row [B]: int64, int64, bool, bool, int64
@@ -178,7 +180,8 @@ class TritonSlotOps(SlotOps):
                 positions, slot_mapping, seq_lens, tables, _int8(run), tidx,
                 n, max_blocks, ds.max_tokens, scratch_slot, ds.scratch_block, ds.block_size,
                 ds.tables.stride(0), ds.tables.stride(1), trace.stride(0),
-                PLANES=planes, PLANES_PAD=triton.next_power_of_2(planes), ROWS_PAD=triton.next_power_of_2(n),
+                PLANES=planes, PLANES_PAD=triton.next_power_of_2(planes),
+                ROWS_PAD=triton.next_power_of_2(n) if no_refill else 1,  # only no_refill reads the batch
                 BLOCK_T=min(triton.next_power_of_2(max_blocks), 256), NO_REFILL=no_refill, TRACE=per_token_exits,
                 num_warps=1)
         if per_token_exits:
