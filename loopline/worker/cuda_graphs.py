@@ -212,7 +212,8 @@ class _DeviceRows:
 
     def exits(self, ex: Tensor, extras: tuple) -> Tensor:
         """Only rows that ran exit (a ``no_refill`` row waiting for its cohort does not)."""
-        return ex & extras[2]  # (slots, loops, run, token_index)
+        _slots, _loops, run, _token_index = extras
+        return ex & run
 
 
 class DecodeGraphs(_GraphSet):
