@@ -14,7 +14,7 @@ from torch import Tensor
 from loopline.kernels import grid_dependency_wait, pdl_options
 from loopline.kernels.gemv import gemv, use_gemv
 from loopline.kernels.skinny_gemm import skinny_linear, use_skinny
-from loopline.models.ops import TorchOps
+from loopline.models.ops import TorchOps, rotary_cos_sin
 
 try:
     import triton
@@ -145,6 +145,7 @@ class TritonOps(TorchOps):
         if triton is None:
             raise RuntimeError("TritonOps needs the triton package")
         self._packed: dict[int, tuple[Tensor, list[int]]] = {}
+        self._rope: tuple[tuple, Tensor] | None = None  # ((head_dim, theta, dtype, device), [P, 2, D] cos/sin)
 
     def prepare(self, model: torch.nn.Module) -> None:
         self._packed = {}
@@ -152,9 +153,23 @@ class TritonOps(TorchOps):
             a, m = layer.self_attn, layer.mlp
             self._packed[id(a)] = _pack([a.q_proj, a.k_proj, a.v_proj])
             self._packed[id(m)] = _pack([m.gate_proj, m.up_proj])
+        # RoPE's cos/sin of every position, computed once (by the reference's function: the same values):
+        # a step then gathers its rows in one launch instead of computing them in ~9.
+        c, w = model.config, model.lm_head.weight
+        key = (c.head_dim, c.rope_theta, w.dtype, w.device)
+        positions = torch.arange(c.max_position_embeddings, device=w.device)
+        self._rope = key, torch.stack(rotary_cos_sin(positions, c.head_dim, c.rope_theta, w.dtype), dim=1)
 
     def release(self, model: torch.nn.Module) -> None:
         self._packed = {}
+        self._rope = None
+
+    def cos_sin(self, positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        # Positions are below max_position_embeddings: the engine caps max_model_len there.
+        if self._rope is None or self._rope[0] != (head_dim, theta, dtype, positions.device):
+            return rotary_cos_sin(positions, head_dim, theta, dtype)
+        rows = self._rope[1][positions]  # [N, 2, D]
+        return rows[:, 0], rows[:, 1]
 
     def _packed_linear(self, module: torch.nn.Module, x: Tensor) -> tuple[Tensor, ...] | None:
         packed = self._packed.get(id(module))

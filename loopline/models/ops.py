@@ -14,6 +14,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin ``[N, head_dim]`` for rotate-half RoPE, angles in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 class TorchOps:
     name = "torch"
 
@@ -63,6 +71,11 @@ class TorchOps:
         """Sandwich-norm residual: ``x' = x + norm(branch)``; returns ``(x', norm'(x'))``."""
         x = x + self.rms_norm(branch, branch_weight, eps)
         return x, self.rms_norm(x, next_weight, eps)
+
+    @staticmethod
+    def cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """RoPE's cos/sin ``[N, head_dim]`` at ``positions`` (:func:`rotary_cos_sin`)."""
+        return rotary_cos_sin(positions, head_dim, theta, dtype)
 
     @staticmethod
     def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:

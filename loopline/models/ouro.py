@@ -88,14 +88,6 @@ class RMSNorm(nn.Module):
         return TORCH_OPS.rms_norm(x, self.weight, self.eps)
 
 
-def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin ``[N, head_dim]`` for rotate-half RoPE, angles in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 class OuroAttention(nn.Module):
     def __init__(self, config: OuroConfig) -> None:
         super().__init__()
@@ -241,7 +233,7 @@ class OuroForCausalLM(nn.Module):
         logit ``[N]`` (``lambda_r = sigmoid(logit)``).
         """
         ops = ops or self.ops
-        rope = Rope(*rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype), ops)
+        rope = Rope(*ops.cos_sin(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype), ops)
         layers = self.model.layers
         x, normed = hidden, ops.rms_norm(hidden, layers[0].input_layernorm.weight, self.config.rms_norm_eps)
         for i, layer in enumerate(layers):

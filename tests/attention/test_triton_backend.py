@@ -193,7 +193,7 @@ def test_rotate_and_write_kv_matches_rotary_then_write():
     # One kernel rotates q, rotates k into the cache and stores v; q/k/v are strided views of one
     # packed projection (GQA: 4 query heads, 2 KV heads).
     from loopline.models.ops import Rope
-    from loopline.models.ouro import rotary_cos_sin
+    from loopline.models.ops import rotary_cos_sin
 
     gen = torch.Generator().manual_seed(5)
     n, hq, hk, d, block_size = 5, 4, 2, 16, 4

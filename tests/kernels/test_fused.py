@@ -7,7 +7,7 @@ from triton_testing import DEVICE, DTYPES, close
 
 from loopline.kernels.fused import TritonOps
 from loopline.models.ops import TorchOps
-from loopline.models.ouro import rotary_cos_sin
+from loopline.models.ops import rotary_cos_sin
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,6 +92,23 @@ def _loop(model, ops):
     with torch.inference_mode():
         h, g = model.loop(model.embed(ids), torch.arange(6, device=DEVICE), DenseCausalAttention(1, 6), ops)
     return h, g
+
+
+def test_cos_sin_table_equals_the_reference():
+    model = _tiny_model()
+    ops = TritonOps()
+    c = model.config
+    positions = torch.tensor([0, 5, 4095, c.max_position_embeddings - 1, 5], device=DEVICE)
+    want = rotary_cos_sin(positions, c.head_dim, c.rope_theta, torch.float32)
+    model.use_ops(ops)
+    got = ops.cos_sin(positions, c.head_dim, c.rope_theta, torch.float32)
+    assert ops._rope is not None  # the table is what answered
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)  # the same function computed the table: identical values
+    half = ops.cos_sin(positions, c.head_dim, c.rope_theta, torch.float16)  # not the table's dtype: computed
+    assert half[0].dtype == torch.float16 and torch.equal(half[0], want[0].half())
+    model.use_ops(TorchOps())
+    assert ops._rope is None  # released with the packed weights
 
 
 def test_packed_projections_keep_names_values_and_in_place_updates():
