@@ -1,6 +1,8 @@
 """The one-row GEMV and its fused SwiGLU activation against the reference ops (CPU interpreter or GPU)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from triton_testing import DEVICE, DTYPES, close
@@ -79,6 +81,9 @@ def test_triton_ops_take_gemv_for_one_row_only(monkeypatch):
     model.model = torch.nn.Module()
     model.model.layers = [torch.nn.Module()]
     model.model.layers[0].self_attn, model.model.layers[0].mlp = attn, mlp
+    # what TritonOps.prepare reads besides the layers: RoPE's shape and the activation dtype
+    model.config = SimpleNamespace(head_dim=16, rope_theta=10000.0, max_position_embeddings=32)
+    model.lm_head = attn.o_proj
     fast, ref = TritonOps(), TorchOps()
     fast.prepare(model)
     calls = []
