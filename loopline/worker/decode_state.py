@@ -204,4 +204,5 @@ class DeviceDecodeState:
     def advance(self, slots: Tensor, loops: Tensor, run: Tensor, exited: Tensor, sampled: Tensor) -> None:
         """After a step: exited slots take their sampled token and move to the next position."""
         self.ops.advance(self, slots, loops, run, exited, sampled)
-        self._count(slots, sampled, exited & run)
+        if self.counts is not None:  # (the mask is a launch of its own: only when penalties count tokens)
+            self._count(slots, sampled, exited & run)
