@@ -81,6 +81,14 @@ class AttentionBackend(ABC):
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMetadata, scale: float) -> Tensor:
         """q: ``[N, heads, D]`` -> ``[N, heads, D]`` (fp32 accumulation, output in q's dtype)."""
 
+    def rotate_store_attend(self, k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, rope: Rope,
+                            meta: PagedAttentionMetadata, scale: float) -> Tensor:
+        """One layer's attention of a step: :meth:`rotate_and_write_kv`, then :meth:`attend` on the rotated q.
+
+        Backends with kernels may do it in fewer launches where the step's shape allows (decode rows)."""
+        q = self.rotate_and_write_kv(k_cache, v_cache, q, k, v, rope, meta)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
     def work_tile_tokens(self, group: int) -> int | None:
         """Query tokens per work tile for ``group`` query heads per KV head; None: no work list."""
         return None

@@ -20,5 +20,4 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: Rope) -> Tensor:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        q = self.backend.rotate_and_write_kv(kc, vc, q, k, v, rope, self.meta)
-        return self.backend.attend(q, kc, vc, self.meta, self.scale)
+        return self.backend.rotate_store_attend(kc, vc, q, k, v, rope, self.meta, self.scale)

@@ -13,6 +13,11 @@ The same contract as :class:`~loopline.attention.torch_backend.TorchAttentionBac
   With few programs (small decode batches) the key range is split across
   ``num_splits`` programs (flash-decoding) whose partial results
   ``_merge_splits_kernel`` combines by their log-sum-exp.
+* ``_decode_attention_kernel`` serves decode-only steps (one query per row):
+  rotary on q and on the row's own key, its K/V store, and attention over the
+  row's history in one launch. With splits (small batches), each program loads
+  its first key tile before its grid-dependency wait, while the kernels before
+  it still run (the history was written by earlier steps).
 * ``_rope_write_kv_kernel`` stores a step's new K/V at ``slot_mapping`` (slot < 0:
   skip) and applies rotary to q and k on the way (what the engine runs: the
   rotated k never makes a round trip through memory); with ``ROTATE=False`` it
@@ -79,11 +84,10 @@ def triton_available() -> bool:
 
 
 @_jit
-def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, qk_scale,
-                 stride_kb, stride_ks, stride_vb, stride_vs,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
-    """One online-softmax step over keys ``start .. start + BLOCK_N``; MASKED: apply causality and ``kv_hi``."""
+def _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """Keys ``[D, BLOCK_N]`` and values ``[BLOCK_N, D]`` of positions ``start .. start + BLOCK_N`` through the
+    row's block table; MASKED: positions from ``kv_hi`` on read as zeros."""
     pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
@@ -102,15 +106,35 @@ def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, q
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
+    return k, v
+
+
+@_jit
+def _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step of queries ``q`` ``[BLOCK_M, D]`` over a key tile; MASKED: only ``visible``
+    ``[BLOCK_M, BLOCK_N]`` scores count."""
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
     if MASKED:
-        s = tl.where(n_valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
     alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@_jit
+def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, qk_scale,
+                 stride_kb, stride_ks, stride_vb, stride_vs,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step over keys ``start .. start + BLOCK_N``; MASKED: apply causality and ``kv_hi``."""
+    k, v = _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                         BLOCK_N, BLOCK_SIZE, HEAD_DIM, MASKED)
+    pos = start + tl.arange(0, BLOCK_N)
+    visible = (pos < kv_hi)[None, :] & (pos[None, :] <= q_pos[:, None])
+    return _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, MASKED)
 
 
 @_jit_step_sizes("num_work_tiles", "num_tokens", "stride_bt")
@@ -251,7 +275,8 @@ def _merge_splits_kernel(
     s_valid = offs_s < NUM_SPLITS
     idx = (offs_s * num_tokens + n) * num_heads + h  # [SPLITS_PAD]
     lse = tl.load(part_lse_ptr + idx, mask=s_valid, other=float("-inf"))
-    # Split 0 always holds key 0, which every query sees, so the max is finite.
+    # Split 0 holds key 0, which every query sees (the fused decode kernel: the last split holds the
+    # row's own key), so the max is finite.
     w = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]
     o = tl.load(part_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None], other=0.0)
     o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)  # [D]
@@ -347,6 +372,143 @@ def _rope_write_kv_kernel(
                 src = v_ptr + n * stride_vn + h64 * stride_vh + d
                 dst = v_cache_ptr + block * stride_vcb + in_block * stride_vcs + h64 * stride_vch + d
                 _store_half_heads(src, dst, mask, HALF)
+
+
+@_jit
+def _rotate_full(x, partner, c, s, first_half, dtype: tl.constexpr):
+    """Rotate-half RoPE of whole head vectors, given each element's partner in the other half
+    (``x[d ± D/2]``); rounded like :func:`_rotate_half`, so the values are the same."""
+    x = x.to(tl.float32)
+    partner = tl.where(first_half, -partner.to(tl.float32), partner.to(tl.float32))
+    return ((x * c).to(dtype).to(tl.float32) + (partner * s).to(dtype).to(tl.float32)).to(dtype)
+
+
+@_jit_step_sizes("num_tokens", "stride_bt")
+def _decode_attention_kernel(
+    q_ptr,  # [N, H, D] this step's projections before rotary, unit last stride (views of the packed q/k/v)
+    k_ptr,  # [N, KVH, D]
+    v_ptr,  # [N, KVH, D]
+    cos_ptr,  # [N, D] (both halves equal)
+    sin_ptr,
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
+    v_cache_ptr,
+    out_ptr,  # [N, H, D] (NUM_SPLITS == 1)
+    part_out_ptr,  # [NUM_SPLITS, N, H, D] fp32, contiguous (NUM_SPLITS > 1)
+    part_lse_ptr,  # [NUM_SPLITS, N, H] fp32, contiguous (NUM_SPLITS > 1)
+    seq_lens_ptr,  # [N] int32: row n's query is at position seq_lens[n] - 1
+    block_tables_ptr,  # [N, max_blocks] int32
+    slot_mapping_ptr,  # [N] int64, where the row's K/V goes (< 0: not stored)
+    qk_scale,
+    num_tokens,
+    num_heads,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_cs,
+    stride_kb,
+    stride_ks,
+    stride_kch,
+    stride_vb,
+    stride_vs,
+    stride_vch,
+    stride_on,
+    stride_oh,
+    stride_bt,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,  # load the first key tile before the wait: 1.6x the registers, for small grids
+    PDL: tl.constexpr,
+):
+    """Decode rows (one query each, row n = token n): rotary, the K/V store and attention in one launch.
+
+    Grid ``(row, kv_head, split)``. The keys before the row's own position were written by earlier
+    steps, so with PDL (and PREFETCH) a program loads its first tile of them *before* its grid-dependency wait,
+    while the kernels before it still run. That is safe because the loop that calls attention
+    starts with a kernel launched without PDL (``OuroForCausalLM.loop``'s RoPE gather), after the
+    step's metadata is written: everything read before the wait was complete before that kernel
+    began. After the wait the program rotates q; the last split also rotates the row's own key,
+    stores its K/V in the cache for later steps and attends it from registers (no other program
+    reads that position in this layer)."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    n = row.to(tl.int64)
+    hist = tl.load(seq_lens_ptr + row) - 1  # keys written by earlier steps: positions 0 .. hist - 1
+    steps = tl.cdiv(hist, BLOCK_N)
+    kv_lo = tl.cdiv(split * steps, NUM_SPLITS) * BLOCK_N  # splits as in _paged_attention_kernel
+    kv_hi = tl.minimum(hist, tl.cdiv((split + 1) * steps, NUM_SPLITS) * BLOCK_N)
+    table = block_tables_ptr + row.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kch
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vch
+    if PREFETCH:
+        k, v = _load_kv_tile(kv_lo, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, True)
+    grid_dependency_wait(PDL)
+
+    cache_dtype = k_cache_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_valid = offs_m < G
+    head = (kv_head * G + offs_m).to(tl.int64)  # [BLOCK_M] query heads of this KV head (rows >= G: padding)
+    first_half = offs_d < HEAD_DIM // 2
+    partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+    c = tl.load(cos_ptr + n * stride_cs + offs_d).to(tl.float32)
+    s = tl.load(sin_ptr + n * stride_cs + offs_d).to(tl.float32)
+    q_rows = q_ptr + n * stride_qn + head[:, None] * stride_qh
+    q = _rotate_full(tl.load(q_rows + offs_d[None, :], mask=m_valid[:, None], other=0.0),
+                     tl.load(q_rows + partner[None, :], mask=m_valid[:, None], other=0.0),
+                     c[None, :], s[None, :], first_half[None, :], q_ptr.dtype.element_ty).to(cache_dtype)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: see _paged_attention_kernel
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    first = kv_lo
+    if PREFETCH:
+        visible = (kv_lo + tl.arange(0, BLOCK_N) < kv_hi)[None, :]
+        m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
+        first = kv_lo + BLOCK_N
+    for start in range(first, kv_hi, BLOCK_N):
+        k, v = _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, True)
+        visible = (start + tl.arange(0, BLOCK_N) < kv_hi)[None, :]
+        m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
+    if split == NUM_SPLITS - 1:
+        k_row = k_ptr + n * stride_kn + kv_head.to(tl.int64) * stride_kh
+        k_new = _rotate_full(tl.load(k_row + offs_d), tl.load(k_row + partner), c, s, first_half,
+                             k_ptr.dtype.element_ty).to(cache_dtype)
+        v_new = tl.load(v_ptr + n * stride_vn + kv_head.to(tl.int64) * stride_vh + offs_d).to(cache_dtype)
+        slot = tl.load(slot_mapping_ptr + n)
+        if slot >= 0:
+            block = slot // BLOCK_SIZE
+            in_block = slot % BLOCK_SIZE
+            tl.store(k_head + block * stride_kb + in_block * stride_ks + offs_d, k_new)
+            tl.store(v_head + block * stride_vb + in_block * stride_vs + offs_d, v_new)
+        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_M]
+        m_new = tl.maximum(m_i, score)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(score - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p.to(cache_dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        o_off = n * stride_on + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
+    else:  # as _paged_attention_kernel's partials; an empty split has lse = -inf
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        p_idx = (split * num_tokens + n) * num_heads + head
+        tl.store(part_lse_ptr + p_idx, lse, mask=m_valid)
+        tl.store(part_out_ptr + p_idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=m_valid[:, None])
 
 
 @_jit
@@ -523,6 +685,74 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_SIZE=block_size, HEAD_DIM=d, BLOCK_H=block_h,
         )  # fmt: skip
 
+    # ------------------------------------------------------------------ rotate_store_attend
+
+    def rotate_store_attend(self, k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, rope: Rope,
+                            meta: PagedAttentionMetadata, scale: float) -> Tensor:
+        """Decode-only steps (one query per row): rotary, the K/V store and attention as one kernel
+        (``_decode_attention_kernel``); other steps store, then attend."""
+        n, heads, d = q.shape
+        _, block_size, kvh, _ = k_cache.shape
+        if (meta.max_query_len != 1 or meta.work_tiles is not None or n == 0 or n != meta.seq_lens.shape[0]
+                or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return super().rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
+        self._check_shapes(heads, kvh, d, block_size)
+        assert k_cache.shape == v_cache.shape and k.shape == v.shape == (n, kvh, d)
+        assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and rope.cos.stride() == rope.sin.stride()
+        q, k, v, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, rope.cos, rope.sin))
+        group = heads // kvh
+        block_m = max(16, _next_pow2(group))
+        launch = self.decode_launch
+        block_n = launch.block_n or max(16, min(64, 16384 // (d * k_cache.element_size())))
+        num_splits = self._pick_num_splits(q.device, n * kvh, 1, meta.max_seq_len)
+        out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
+        part_out, part_lse = self._partials(num_splits, out)
+        _decode_attention_kernel[(n, kvh, num_splits)](
+            q, k, v, cos, sin, k_cache, v_cache, out, part_out, part_lse,
+            meta.seq_lens, meta.block_tables, meta.slot_mapping, scale * _LOG2E, n, heads,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1), meta.block_tables.stride(0),
+            G=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=d, NUM_SPLITS=num_splits,
+            DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", **pdl_options(q.device),
+            # With splits (small batches) the step is latency-bound and the grid fits in one wave at two
+            # programs per SM; larger grids keep the pipelined loop's lower register count.
+            PREFETCH=num_splits > 1,
+            num_warps=launch.num_warps or 4, num_stages=launch.num_stages or 2,
+        )  # fmt: skip
+        self._merge(num_splits, part_out, part_lse, out)
+        return out
+
+    @staticmethod
+    def _check_shapes(heads: int, kvh: int, d: int, block_size: int) -> None:
+        if heads % kvh:
+            raise ValueError(f"num_heads ({heads}) must be a multiple of num_kv_heads ({kvh})")
+        if not (_is_pow2(d) and 16 <= d <= 256):
+            raise ValueError(f"head_dim must be a power of two in 16..256, got {d}")
+        if not _is_pow2(block_size):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+
+    @staticmethod
+    def _partials(num_splits: int, out: Tensor) -> tuple[Tensor, Tensor]:
+        """Split-KV workspaces ``[S, N, H, D]`` and ``[S, N, H]`` fp32 (``out`` itself, unread, without splits)."""
+        if num_splits == 1:
+            return out, out
+        n, heads, d = out.shape
+        return (torch.empty((num_splits, n, heads, d), dtype=torch.float32, device=out.device),
+                torch.empty((num_splits, n, heads), dtype=torch.float32, device=out.device))
+
+    @staticmethod
+    def _merge(num_splits: int, part_out: Tensor, part_lse: Tensor, out: Tensor) -> None:
+        if num_splits == 1:
+            return
+        n, heads, d = out.shape
+        _merge_splits_kernel[(n, heads)](
+            part_out, part_lse, out, n, heads, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=d, **pdl_options(out.device),
+            num_warps=4 if d >= 128 else 2,
+        )  # fmt: skip
+
     # ------------------------------------------------------------------ attend
 
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMetadata, scale: float) -> Tensor:
@@ -532,12 +762,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
         if n == 0 or num_rows == 0:
             return out
-        if heads % kvh:
-            raise ValueError(f"num_heads ({heads}) must be a multiple of num_kv_heads ({kvh})")
-        if not (_is_pow2(d) and 16 <= d <= 256):
-            raise ValueError(f"head_dim must be a power of two in 16..256, got {d}")
-        if not _is_pow2(block_size):
-            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self._check_shapes(heads, kvh, d, block_size)
         assert k_cache.shape == v_cache.shape and k_cache.shape[3] == d
         assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
 
@@ -580,19 +805,10 @@ class TritonAttentionBackend(AttentionBackend):
                          group, decode_m // group, decode_m, self.decode_launch.block_n or block_n, 1, precision,
                          self.decode_launch.num_warps or 4,
                          self.decode_launch.num_stages or num_stages)
-        if num_splits > 1:
-            part_out = torch.empty((num_splits, n, heads, d), dtype=torch.float32, device=q.device)
-            part_lse = torch.empty((num_splits, n, heads), dtype=torch.float32, device=q.device)
-        else:
-            part_out = part_lse = out  # unused by the kernel
+        part_out, part_lse = self._partials(num_splits, out)
         self._launch(q, k_cache, v_cache, out, part_out, part_lse, meta, work, scale, grid, group, tile_t, block_m,
                      block_n, num_splits, precision, num_warps, num_stages)
-        if num_splits > 1:
-            _merge_splits_kernel[(n, heads)](
-                part_out, part_lse, out, n, heads, out.stride(0), out.stride(1),
-                NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=d, **pdl_options(q.device),
-                num_warps=4 if d >= 128 else 2,
-            )  # fmt: skip
+        self._merge(num_splits, part_out, part_lse, out)
         return out
 
     @staticmethod

@@ -233,6 +233,8 @@ class OuroForCausalLM(nn.Module):
         logit ``[N]`` (``lambda_r = sigmoid(logit)``).
         """
         ops = ops or self.ops
+        # NOTE: the RoPE gather is a plain (non-PDL) launch after the step's metadata is written; the fused
+        # decode attention relies on that to read the history K/V before its grid-dependency wait.
         rope = Rope(*ops.cos_sin(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype), ops)
         layers = self.model.layers
         x, normed = hidden, ops.rms_norm(hidden, layers[0].input_layernorm.weight, self.config.rms_norm_eps)

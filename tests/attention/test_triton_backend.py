@@ -138,6 +138,79 @@ def test_prefill_launch_override_matches_torch(work_pad):
         TritonAttentionBackend(prefill_launch=PrefillLaunch(block_m=48))
 
 
+def check_fused_decode(seq_lens, heads, kv_heads, head_dim, block_size, dtype, atol, num_splits=None, seed=0,
+                       padding_slots=(), block_n=None):
+    """Decode rows through ``rotate_store_attend`` (rotary + K/V store + attention in one kernel) against the
+    reference: torch's rotary and store, then torch attention. Both the output and the cache must match;
+    rows in ``padding_slots`` have slot -1 (nothing stored, attention still computed)."""
+    from loopline.models.ops import Rope, rotary_cos_sin
+
+    rows = [(1, s) for s in seq_lens]
+    _, k_cache, v_cache, meta = make_case(rows, heads, kv_heads, head_dim, block_size, dtype, DEVICE, seed)
+    n = len(rows)
+    gen = torch.Generator().manual_seed(seed + 1)
+    # q/k/v as views of one packed projection, as the engine passes them
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    q, k, v = (t.view(n, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                             kv_heads * head_dim], dim=-1))
+    rope = Rope(*rotary_cos_sin(meta.seq_lens.long() - 1, head_dim, 10000.0, dtype))
+    if padding_slots:
+        meta.slot_mapping = meta.slot_mapping.clone()
+        meta.slot_mapping[list(padding_slots)] = -1
+    scale = head_dim**-0.5
+    ref = TorchAttentionBackend()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    q_rot, k_rot = rope(q, k)
+    stored = meta.slot_mapping >= 0
+    flat_k, flat_v = want_k.view(-1, kv_heads, head_dim), want_v.view(-1, kv_heads, head_dim)
+    flat_k[meta.slot_mapping[stored]] = k_rot[stored]
+    flat_v[meta.slot_mapping[stored]] = v[stored]
+    # the reference attends rows without a stored key over the key their K/V would have been
+    ref_k, ref_v = want_k.clone(), want_v.clone()
+    own = torch.tensor([b for b in range(n) if not stored[b]], dtype=torch.long)
+    if len(own):
+        true_slots = make_case(rows, heads, kv_heads, head_dim, block_size, dtype, DEVICE, seed)[3].slot_mapping
+        ref_k.view(-1, kv_heads, head_dim)[true_slots[own]] = k_rot[own]
+        ref_v.view(-1, kv_heads, head_dim)[true_slots[own]] = v[own]
+    want = ref.attend(q_rot, ref_k, ref_v, meta, scale)
+    backend = TritonAttentionBackend(num_splits=num_splits, decode_launch=DecodeLaunch(block_n=block_n))
+    got = backend.rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+    torch.testing.assert_close(k_cache, want_k, atol=0, rtol=0, equal_nan=True)  # the rotary kernel's exact values
+    torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0, equal_nan=True)
+    return got
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2), (6, 2)], ids=["gqa", "mha", "gqa3"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fused_decode_matches_rotary_store_then_attend(heads, kv_heads, num_splits):
+    # Contexts of one token (no history: only the row's own key), inside one page, over page edges and
+    # over several 16-key steps; with 3 splits some splits of short rows are empty.
+    check_fused_decode([1, 2, 13, 17, 70, 33], heads, kv_heads, head_dim=16, block_size=8, dtype=torch.float32,
+                       atol=1e-5, num_splits=num_splits, block_n=16)
+
+
+def test_fused_decode_padding_rows_store_nothing():
+    check_fused_decode([9, 40, 3], 4, 2, head_dim=16, block_size=4, dtype=torch.float32, atol=1e-5, num_splits=2,
+                       padding_slots=(1,), block_n=16)
+
+
+def test_fused_decode_takes_decode_only_steps():
+    # Steps with a prefill chunk take the separate store, then attention: the result is the reference's too.
+    from loopline.models.ops import Rope, rotary_cos_sin
+
+    rows = [(1, 13), (5, 9)]
+    q, k_cache, v_cache, meta = make_case(rows, 4, 2, 16, 4, torch.float32, DEVICE)
+    k = torch.randn(6, 2, 16).to(DEVICE)
+    rope = Rope(*rotary_cos_sin(torch.tensor([12, 4, 5, 6, 7, 8]).to(DEVICE), 16, 10000.0, torch.float32))
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    want = TorchAttentionBackend().rotate_store_attend(*caches[0], q, k, k, rope, meta, 0.25)
+    got = TritonAttentionBackend().rotate_store_attend(*caches[1], q, k, k, rope, meta, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[1][0], caches[0][0], atol=1e-6, rtol=1e-6, equal_nan=True)
+
+
 def test_build_work_tiles():
     tiles = build_work_tiles(np.array([1, 70, 0, 64]), 64, capacity=6)
     assert tiles.tolist() == [[0, 1, 1, 3, -1, -1], [0, 0, 1, 0, -1, -1]]
@@ -309,6 +382,17 @@ def test_gpu_attend_decode(n_rows, heads, kv_heads):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("n_rows", [1, 4, 64])
+@pytest.mark.parametrize("heads,kv_heads", [(16, 16), (16, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
+def test_gpu_fused_decode(n_rows, heads, kv_heads, dtype, atol):
+    # The split rule of the GPU (16 splits at one row), PDL on Hopper: the history prefetched before the wait.
+    seq_lens = torch.randint(1, 2001, (n_rows,), generator=torch.Generator().manual_seed(n_rows)).tolist()
+    check_fused_decode(seq_lens, heads, kv_heads, head_dim=128, block_size=16, dtype=dtype, atol=atol)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_gpu_attend_other_head_dims(head_dim):
     rows = random_rows(8, max_seq=700, max_chunk=100, seed=head_dim)
@@ -392,10 +476,12 @@ def test_attention_kernels_are_not_specialized_on_step_sizes():
 
     code = ("import json; from loopline.attention import triton_backend as t; "
             "print(json.dumps({k: [list(f.do_not_specialize), f.arg_names] for k, f in "
-            "(('attn', t._paged_attention_kernel), ('merge', t._merge_splits_kernel))}))")
+            "(('attn', t._paged_attention_kernel), ('merge', t._merge_splits_kernel), "
+            "('decode', t._decode_attention_kernel))}))")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     got = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                     check=True).stdout)
-    for name, sizes in (("attn", {"num_work_tiles", "num_tokens", "stride_bt"}), ("merge", {"num_tokens"})):
+    for name, sizes in (("attn", {"num_work_tiles", "num_tokens", "stride_bt"}), ("merge", {"num_tokens"}),
+                        ("decode", {"num_tokens", "stride_bt"})):
         fixed, params = got[name]
         assert set(fixed) == sizes and sizes <= set(params), (name, fixed)
