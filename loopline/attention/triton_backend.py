@@ -73,8 +73,6 @@ _LOG2E = 1.4426950408889634
 _PROGRAMS_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 64  # bench_attention --sweep, H200: 16 splits of 64 keys beat 8 of 128 at one row
 _MAX_SPLITS = 16
-# Split launches have at most ~2 programs per SM (the rule above), so rows x KV heads stays small there.
-_SPLIT_COUNTERS = 16384
 
 
 def triton_available() -> bool:
@@ -271,32 +269,18 @@ def _merge_splits_kernel(
 ):
     grid_dependency_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) + tl.arange(0, 1)
-    _merge_partials(part_out_ptr, part_lse_ptr, out_ptr, n, h, h < num_heads, num_tokens, num_heads,
-                    stride_on, stride_oh, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, False)
-
-
-@_jit
-def _merge_partials(part_out_ptr, part_lse_ptr, out_ptr, n, heads, h_valid, num_tokens, num_heads,
-                    stride_on, stride_oh, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, UNCACHED: tl.constexpr):
-    """Combines the split partials of token ``n``, query heads ``heads`` ``[HB]``, by their log-sum-exp.
-
-    UNCACHED: read past L1 (partials written by other programs of the same launch)."""
+    h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    valid = (offs_s < NUM_SPLITS)[:, None] & h_valid[None, :]  # [SPLITS_PAD, HB]
-    idx = (offs_s[:, None] * num_tokens + n) * num_heads + heads[None, :]
-    cache: tl.constexpr = ".cg" if UNCACHED else ""
-    lse = tl.load(part_lse_ptr + idx, mask=valid, other=float("-inf"), cache_modifier=cache)
+    s_valid = offs_s < NUM_SPLITS
+    idx = (offs_s * num_tokens + n) * num_heads + h  # [SPLITS_PAD]
+    lse = tl.load(part_lse_ptr + idx, mask=s_valid, other=float("-inf"))
     # Split 0 holds key 0, which every query sees (the fused decode kernel: the last split holds the
     # row's own key), so the max is finite.
-    w = tl.exp2(lse - tl.max(lse, 0)[None, :])  # [SPLITS_PAD, HB]
-    o = tl.load(part_out_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=valid[:, :, None],
-                other=0.0, cache_modifier=cache)
-    o = tl.sum(o * w[:, :, None], 0) / tl.sum(w, 0)[:, None]  # [HB, D]
-    o_ptrs = out_ptr + n * stride_on + heads.to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_valid[:, None])
+    w = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]
+    o = tl.load(part_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)  # [D]
+    tl.store(out_ptr + n * stride_on + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 @_jit
@@ -414,7 +398,6 @@ def _decode_attention_kernel(
     seq_lens_ptr,  # [N] int32: row n's query is at position seq_lens[n] - 1
     block_tables_ptr,  # [N, max_blocks] int32
     slot_mapping_ptr,  # [N] int64, where the row's K/V goes (< 0: not stored)
-    counters_ptr,  # [N * KVH] int32 zeros (FUSED_MERGE): finished splits per (row, KV head)
     qk_scale,
     num_tokens,
     num_heads,
@@ -442,9 +425,6 @@ def _decode_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,  # load the first key tile before the wait: 1.6x the registers, for small grids
-    FUSED_MERGE: tl.constexpr,  # NUM_SPLITS > 1: the last split merges (else _merge_splits_kernel does)
-    SPLITS_PAD: tl.constexpr,
-    G_PAD: tl.constexpr,  # next power of two >= G
     PDL: tl.constexpr,
 ):
     """Decode rows (one query each, row n = token n): rotary, the K/V store and attention in one launch.
@@ -529,17 +509,6 @@ def _decode_attention_kernel(
         p_idx = (split * num_tokens + n) * num_heads + head
         tl.store(part_lse_ptr + p_idx, lse, mask=m_valid)
         tl.store(part_out_ptr + p_idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=m_valid[:, None])
-        if FUSED_MERGE:
-            # The last split of (row, KV head) to finish merges: a separate merge kernel would add a
-            # launch and a grid-completion wait per layer. The barrier orders every thread's partial
-            # stores before the release; the last program resets the counter for the next launch.
-            tl.debug_barrier()
-            counter = counters_ptr + row * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                offs_g = tl.arange(0, G_PAD)
-                _merge_partials(part_out_ptr, part_lse_ptr, out_ptr, n, kv_head * G + offs_g, offs_g < G,
-                                num_tokens, num_heads, stride_on, stride_oh, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, True)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @_jit
@@ -646,7 +615,6 @@ class TritonAttentionBackend(AttentionBackend):
         if num_splits is not None and not 1 <= num_splits <= 64:
             raise ValueError(f"num_splits must be in 1..64 or None, got {num_splits}")
         self.num_splits = num_splits
-        self._counters: dict[torch.device, Tensor] = {}
         self.decode_launch = decode_launch or DecodeLaunch()
         self.prefill_launch = prefill_launch or PrefillLaunch()
         if self.prefill_launch.block_m is not None and not _is_pow2(self.prefill_launch.block_m):
@@ -739,11 +707,9 @@ class TritonAttentionBackend(AttentionBackend):
         num_splits = self._pick_num_splits(q.device, n * kvh, 1, meta.max_seq_len)
         out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
         part_out, part_lse = self._partials(num_splits, out)
-        counters = self._split_counters(q.device, n * kvh) if num_splits > 1 else None
         _decode_attention_kernel[(n, kvh, num_splits)](
             q, k, v, cos, sin, k_cache, v_cache, out, part_out, part_lse,
-            meta.seq_lens, meta.block_tables, meta.slot_mapping, counters if counters is not None else meta.seq_lens,
-            scale * _LOG2E, n, heads,
+            meta.seq_lens, meta.block_tables, meta.slot_mapping, scale * _LOG2E, n, heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -752,21 +718,11 @@ class TritonAttentionBackend(AttentionBackend):
             DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", **pdl_options(q.device),
             # With splits (small batches) the step is latency-bound and the grid fits in one wave at two
             # programs per SM; larger grids keep the pipelined loop's lower register count.
-            PREFETCH=num_splits > 1, FUSED_MERGE=counters is not None, SPLITS_PAD=_next_pow2(num_splits),
-            G_PAD=_next_pow2(group), num_warps=launch.num_warps or 4, num_stages=launch.num_stages or 2,
+            PREFETCH=num_splits > 1,
+            num_warps=launch.num_warps or 4, num_stages=launch.num_stages or 2,
         )  # fmt: skip
-        if counters is None:
-            self._merge(num_splits, part_out, part_lse, out)
+        self._merge(num_splits, part_out, part_lse, out)
         return out
-
-    def _split_counters(self, device: torch.device, needed: int) -> Tensor | None:
-        """The fused merge's zeroed counters on ``device`` (every launch leaves them zero again), or None
-        where ``needed`` exceeds them. Allocated once, never replaced: captured graphs keep the address;
-        none is made during a capture (the graphs' warm-up runs make it first)."""
-        buf = self._counters.get(device)
-        if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            buf = self._counters[device] = torch.zeros(_SPLIT_COUNTERS, dtype=torch.int32, device=device)
-        return buf if buf is not None and needed <= buf.numel() else None
 
     @staticmethod
     def _check_shapes(heads: int, kvh: int, d: int, block_size: int) -> None:

@@ -177,9 +177,6 @@ def check_fused_decode(seq_lens, heads, kv_heads, head_dim, block_size, dtype, a
     got = backend.rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
-    # again on the same backend (the same K/V stored again): the fused merge's counters start from zero
-    again = backend.rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
-    torch.testing.assert_close(again, got, atol=0, rtol=0)
     torch.testing.assert_close(k_cache, want_k, atol=0, rtol=0, equal_nan=True)  # the rotary kernel's exact values
     torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0, equal_nan=True)
     return got
