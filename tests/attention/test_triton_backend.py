@@ -177,7 +177,10 @@ def check_fused_decode(seq_lens, heads, kv_heads, head_dim, block_size, dtype, a
     got = backend.rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
-    torch.testing.assert_close(k_cache, want_k, atol=0, rtol=0, equal_nan=True)  # the rotary kernel's exact values
+    # K within rounding of torch's rotary (Triton's bf16 rounding of the products is not always torch's, in
+    # the separate store kernel too; fp32 may fuse a multiply-add); V exact
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(k_cache, want_k, atol=tol, rtol=tol, equal_nan=True)
     torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0, equal_nan=True)
     return got
 
