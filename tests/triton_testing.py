@@ -6,6 +6,7 @@ when a kernel is decorated. CPU cases are fp32 only (the interpreter mis-compute
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -23,3 +24,34 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     """Equal within fp32 rounding for fp32, within bf16 rounding otherwise."""
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@contextlib.contextmanager
+def fused_decode_for_every_split_count():
+    """The fused decode kernel also without splits (by default it serves split launches only; the CPU never splits)."""
+    import loopline.attention.triton_backend as tb
+
+    saved, tb._FUSED_DECODE_MIN_SPLITS = tb._FUSED_DECODE_MIN_SPLITS, 1
+    try:
+        yield
+    finally:
+        tb._FUSED_DECODE_MIN_SPLITS = saved
+
+
+@contextlib.contextmanager
+def spy_on_kernel(name: str, launches: list):
+    """Records each launch of the backend module's kernel ``name`` (its grid) in ``launches``."""
+    import loopline.attention.triton_backend as tb
+
+    kernel = getattr(tb, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    setattr(tb, name, Spy())
+    try:
+        yield
+    finally:
+        setattr(tb, name, kernel)

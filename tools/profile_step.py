@@ -132,7 +132,12 @@ def main() -> None:
     ap.add_argument("--attn-splits", default=None,
                     help="MAX,MIN_KEYS: split-KV rule of decode attention (at most MAX splits of at least "
                          "MIN_KEYS keys; default: the backend's own)")
+    ap.add_argument("--fused-decode-min-splits", type=int, default=None,
+                    help="decode-only steps with at least this many key splits take the fused decode attention "
+                         "kernel (default: the backend's own; 1: every decode-only step)")
     a = ap.parse_args()
+    if a.fused_decode_min_splits is not None:
+        triton_backend._FUSED_DECODE_MIN_SPLITS = a.fused_decode_min_splits
     if a.attn_splits:
         triton_backend._MAX_SPLITS, triton_backend._MIN_KEYS_PER_SPLIT = map(int, a.attn_splits.split(","))
     for spec in (a.gemv_config or "").split(";"):

@@ -73,6 +73,10 @@ _LOG2E = 1.4426950408889634
 _PROGRAMS_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 64  # bench_attention --sweep, H200: 16 splits of 64 keys beat 8 of 128 at one row
 _MAX_SPLITS = 16
+# Decode-only steps with at least this many splits take the fused decode kernel. Without splits (32 or 128
+# rows) the separate store + attention kernels measured faster on an H200: 7.843 vs 8.079 ms per step
+# at 128 rows, 3.043 vs 3.063 at 32 (tools/ab_step.sh, e58e277); with them (one row) 1.187 vs 1.096.
+_FUSED_DECODE_MIN_SPLITS = 2
 
 
 def triton_available() -> bool:
@@ -475,7 +479,13 @@ def _decode_attention_kernel(
         visible = (kv_lo + tl.arange(0, BLOCK_N) < kv_hi)[None, :]
         m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
         first = kv_lo + BLOCK_N
-    for start in range(first, kv_hi, BLOCK_N):
+    # Whole tiles without masks; only the row's ragged last tile needs one.
+    full_hi = kv_lo + (kv_hi - kv_lo) // BLOCK_N * BLOCK_N
+    for start in range(first, full_hi, BLOCK_N):
+        k, v = _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, False)
+        m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, DOT_PRECISION, False)
+    for start in range(tl.maximum(first, full_hi), kv_hi, BLOCK_N):
         k, v = _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                              BLOCK_N, BLOCK_SIZE, HEAD_DIM, True)
         visible = (start + tl.arange(0, BLOCK_N) < kv_hi)[None, :]
@@ -689,12 +699,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     def rotate_store_attend(self, k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, rope: Rope,
                             meta: PagedAttentionMetadata, scale: float) -> Tensor:
-        """Decode-only steps (one query per row): rotary, the K/V store and attention as one kernel
-        (``_decode_attention_kernel``); other steps store, then attend."""
+        """Decode-only steps of small batches (split keys): rotary, the K/V store and attention as one
+        kernel (``_decode_attention_kernel``); other steps store, then attend."""
         n, heads, d = q.shape
         _, block_size, kvh, _ = k_cache.shape
         if (meta.max_query_len != 1 or meta.work_tiles is not None or n == 0 or n != meta.seq_lens.shape[0]
                 or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return super().rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
+        num_splits = self._pick_num_splits(q.device, n * kvh, 1, meta.max_seq_len)
+        if num_splits < _FUSED_DECODE_MIN_SPLITS:
             return super().rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
         self._check_shapes(heads, kvh, d, block_size)
         assert k_cache.shape == v_cache.shape and k.shape == v.shape == (n, kvh, d)
@@ -704,7 +717,6 @@ class TritonAttentionBackend(AttentionBackend):
         block_m = max(16, _next_pow2(group))
         launch = self.decode_launch
         block_n = launch.block_n or max(16, min(64, 16384 // (d * k_cache.element_size())))
-        num_splits = self._pick_num_splits(q.device, n * kvh, 1, meta.max_seq_len)
         out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
         part_out, part_lse = self._partials(num_splits, out)
         _decode_attention_kernel[(n, kvh, num_splits)](

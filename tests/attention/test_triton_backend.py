@@ -6,7 +6,7 @@ operands, so bf16 is covered by the GPU tests.
 import numpy as np
 import pytest
 import torch
-from triton_testing import DEVICE
+from triton_testing import DEVICE, fused_decode_for_every_split_count, spy_on_kernel
 
 from loopline.attention.base import PagedAttentionMetadata, build_work_tiles
 from loopline.attention.torch_backend import TorchAttentionBackend
@@ -174,7 +174,10 @@ def check_fused_decode(seq_lens, heads, kv_heads, head_dim, block_size, dtype, a
         ref_v.view(-1, kv_heads, head_dim)[true_slots[own]] = v[own]
     want = ref.attend(q_rot, ref_k, ref_v, meta, scale)
     backend = TritonAttentionBackend(num_splits=num_splits, decode_launch=DecodeLaunch(block_n=block_n))
-    got = backend.rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
+    launches = []
+    with fused_decode_for_every_split_count(), spy_on_kernel("_decode_attention_kernel", launches):
+        got = backend.rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
+    assert len(launches) == 1  # the fused kernel, not the store + attention fallback
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
     # K within rounding of torch's rotary (Triton's bf16 rounding of the products is not always torch's, in
@@ -201,6 +204,7 @@ def test_fused_decode_padding_rows_store_nothing():
 
 def test_fused_decode_takes_decode_only_steps():
     # Steps with a prefill chunk take the separate store, then attention: the result is the reference's too.
+    # (By default decode-only steps without splits do as well: see _FUSED_DECODE_MIN_SPLITS.)
     from loopline.models.ops import Rope, rotary_cos_sin
 
     rows = [(1, 13), (5, 9)]
@@ -209,7 +213,10 @@ def test_fused_decode_takes_decode_only_steps():
     rope = Rope(*rotary_cos_sin(torch.tensor([12, 4, 5, 6, 7, 8]).to(DEVICE), 16, 10000.0, torch.float32))
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     want = TorchAttentionBackend().rotate_store_attend(*caches[0], q, k, k, rope, meta, 0.25)
-    got = TritonAttentionBackend().rotate_store_attend(*caches[1], q, k, k, rope, meta, 0.25)
+    launches = []
+    with fused_decode_for_every_split_count(), spy_on_kernel("_decode_attention_kernel", launches):
+        got = TritonAttentionBackend().rotate_store_attend(*caches[1], q, k, k, rope, meta, 0.25)
+    assert launches == []
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(caches[1][0], caches[0][0], atol=1e-6, rtol=1e-6, equal_nan=True)
 

@@ -2,7 +2,8 @@
 
 Covers what the GPU tests check on CUDA, where CI has none: rotary fused into the K/V store,
 the predicated exit-copy kernel (early exits under ``last_exited``), steps that mix decode
-rows with prompt chunks (attention over a work list), and the fused layer kernels, including
+rows with prompt chunks (attention over a work list), decode-only steps through the fused decode
+attention kernel (rotary, K/V store and attention in one launch), and the fused layer kernels, including
 the one-row GEMV with the coda skipped for a row whose token does not exit (the last request
 decodes alone), and with async scheduling the fused decode-state kernels (rows from the device
 state, exit rule, advance).
@@ -10,7 +11,7 @@ state, exit rule, advance).
 from __future__ import annotations
 
 import torch
-from triton_testing import DEVICE
+from triton_testing import DEVICE, fused_decode_for_every_split_count, spy_on_kernel
 
 from loopline.config import EngineArgs
 from loopline.core.engine import LLMEngine
@@ -42,7 +43,11 @@ def test_triton_backend_engine_equals_torch_backend():
     model = OuroForCausalLM(cfg).to(DEVICE)
     want = generate(model, "torch")
     assert len(want) == 4
-    for got in (generate(model, "triton"), generate(model, "triton", async_scheduling=True)):
+    launches = []  # decode-only steps through the fused decode kernel (by default small GPU batches take it)
+    with fused_decode_for_every_split_count(), spy_on_kernel("_decode_attention_kernel", launches):
+        results = [generate(model, "triton"), generate(model, "triton", async_scheduling=True)]
+    assert launches
+    for got in results:
         assert got.keys() == want.keys()
         for rid, (tokens, depths, logprobs) in want.items():
             assert got[rid][:2] == (tokens, depths), rid
