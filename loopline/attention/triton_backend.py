@@ -74,8 +74,9 @@ _PROGRAMS_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 64  # bench_attention --sweep, H200: 16 splits of 64 keys beat 8 of 128 at one row
 _MAX_SPLITS = 16
 # Decode-only steps with at least this many splits take the fused decode kernel. Without splits (32 or 128
-# rows) the separate store + attention kernels measured faster on an H200: 7.843 vs 8.079 ms per step
-# at 128 rows, 3.043 vs 3.063 at 32 (tools/ab_step.sh, e58e277); with them (one row) 1.187 vs 1.096.
+# rows) the separate store + attention kernels measured faster on an H200: 7.82-8.13 vs 8.38 ms per step at
+# 128 rows, 3.031 vs 3.096 at 32 (profile_step --fused-decode-min-splits 1, 29ed633); with them (one row)
+# the fused kernel wins, 1.096 vs 1.187 ms.
 _FUSED_DECODE_MIN_SPLITS = 2
 
 
@@ -479,13 +480,8 @@ def _decode_attention_kernel(
         visible = (kv_lo + tl.arange(0, BLOCK_N) < kv_hi)[None, :]
         m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
         first = kv_lo + BLOCK_N
-    # Whole tiles without masks; only the row's ragged last tile needs one.
-    full_hi = kv_lo + (kv_hi - kv_lo) // BLOCK_N * BLOCK_N
-    for start in range(first, full_hi, BLOCK_N):
-        k, v = _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, False)
-        m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, DOT_PRECISION, False)
-    for start in range(tl.maximum(first, full_hi), kv_hi, BLOCK_N):
+    # (Whole tiles without masks, in a loop of their own, measured slower: 1.110 vs 1.095 ms per one-row step.)
+    for start in range(first, kv_hi, BLOCK_N):
         k, v = _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                              BLOCK_N, BLOCK_SIZE, HEAD_DIM, True)
         visible = (start + tl.arange(0, BLOCK_N) < kv_hi)[None, :]
