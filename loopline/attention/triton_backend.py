@@ -90,27 +90,29 @@ def triton_available() -> bool:
 
 @_jit
 def _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+                  EVICT: tl.constexpr = ""):
     """Keys ``[D, BLOCK_N]`` and values ``[BLOCK_N, D]`` of positions ``start .. start + BLOCK_N`` through the
-    row's block table; MASKED: positions from ``kv_hi`` on read as zeros."""
+    row's block table; MASKED: positions from ``kv_hi`` on read as zeros. EVICT: the loads' L2 eviction
+    policy (the fused decode kernel marks what it reads before its wait, which tests/kernels/test_pdl.py checks)."""
     pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
         n_valid = pos < kv_hi
-        block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0, eviction_policy=EVICT)
     else:
-        block = tl.load(table + pos // BLOCK_SIZE)
+        block = tl.load(table + pos // BLOCK_SIZE, eviction_policy=EVICT)
     # NOTE: int64 before multiplying: block id * block stride exceeds 2**31 in big pools.
     block = block.to(tl.int64)
     in_block = (pos % BLOCK_SIZE).to(tl.int64)
     k_ptrs = k_head + (block * stride_kb + in_block * stride_ks)[None, :] + offs_d[:, None]  # [D, BLOCK_N]
     v_ptrs = v_head + (block * stride_vb + in_block * stride_vs)[:, None] + offs_d[None, :]  # [BLOCK_N, D]
     if MASKED:
-        k = tl.load(k_ptrs, mask=n_valid[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=n_valid[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=n_valid[None, :], other=0.0, eviction_policy=EVICT)
+        v = tl.load(v_ptrs, mask=n_valid[:, None], other=0.0, eviction_policy=EVICT)
     else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+        k = tl.load(k_ptrs, eviction_policy=EVICT)
+        v = tl.load(v_ptrs, eviction_policy=EVICT)
     return k, v
 
 
@@ -446,16 +448,16 @@ def _decode_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     n = row.to(tl.int64)
-    hist = tl.load(seq_lens_ptr + row) - 1  # keys written by earlier steps: positions 0 .. hist - 1
+    hist = tl.load(seq_lens_ptr + row, eviction_policy="evict_last") - 1  # keys of earlier steps: 0 .. hist - 1
     steps = tl.cdiv(hist, BLOCK_N)
     kv_lo = tl.cdiv(split * steps, NUM_SPLITS) * BLOCK_N  # splits as in _paged_attention_kernel
     kv_hi = tl.minimum(hist, tl.cdiv((split + 1) * steps, NUM_SPLITS) * BLOCK_N)
     table = block_tables_ptr + row.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kch
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vch
-    if PREFETCH:
+    if PREFETCH:  # read once per step: streamed past L2
         k, v = _load_kv_tile(kv_lo, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, True)
+                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, "evict_first")
     grid_dependency_wait(PDL)
 
     cache_dtype = k_cache_ptr.dtype.element_ty

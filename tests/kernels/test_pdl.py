@@ -27,6 +27,9 @@ WAIT = "griddepcontrol.wait"
 _ATTN_POINTERS = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start_loc_ptr": "*i32",
                   "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "work_tiles_ptr": "*i32"}
 _G = {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True}
+_DECODE_POINTERS = {**_ATTN_POINTERS, "slot_mapping_ptr": "*i64"}
+_DECODE = {"G": 2, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "NUM_SPLITS": 2,
+           "DOT_PRECISION": "tf32"}
 # name: (module, kernel, pointer types (default *bf16), constexprs, PDL)
 CASES = {
     "gemv": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
@@ -50,6 +53,10 @@ CASES = {
     "paged_attention": ("loopline.attention.triton_backend", "_paged_attention_kernel", _ATTN_POINTERS,
                         {"G": 2, "TILE_T": 8, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_SIZE": 16, "HEAD_DIM": 64,
                          "NUM_SPLITS": 2, "DOT_PRECISION": "tf32", "WORK_LIST": True}, True),
+    "decode_attention": ("loopline.attention.triton_backend", "_decode_attention_kernel", _DECODE_POINTERS,
+                         {**_DECODE, "PREFETCH": False}, True),
+    "decode_attention_prefetch": ("loopline.attention.triton_backend", "_decode_attention_kernel", _DECODE_POINTERS,
+                                  {**_DECODE, "PREFETCH": True}, True),
 }
 
 
@@ -94,8 +101,8 @@ def ptx() -> dict[str, list[str]]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def _check_waits_first(lines: list[str], prefetch: str | None = None) -> None:
-    """No store, atomic or return before the wait; loads before it only of the ``prefetch`` kind."""
+def _check_waits_first(lines: list[str], prefetch: tuple[str, ...] | str | None = None) -> None:
+    """No store, atomic or return before the wait; loads before it only of the ``prefetch`` kinds."""
     wait = next((i for i, x in enumerate(lines) if WAIT in x), None)
     assert wait is not None, "no griddepcontrol.wait"
     before = lines[:wait]
@@ -104,7 +111,8 @@ def _check_waits_first(lines: list[str], prefetch: str | None = None) -> None:
     if prefetch is None:
         assert not loads, f"loads before the wait: {loads[:2]}"
     else:
-        assert loads and all(prefetch in x for x in loads), "the weight prefetch is missing or reads other data"
+        kinds = (prefetch,) if isinstance(prefetch, str) else prefetch
+        assert loads and all(any(k in x for k in kinds) for x in loads), "the prefetch is missing or reads other data"
 
 
 @pytest.mark.parametrize("case", ["gemv", "gemv_silu"])
@@ -120,6 +128,16 @@ def test_predicated_gemv_reads_nothing_before_the_wait(ptx):
 
 def test_without_pdl_no_grid_dependency_control(ptx):
     assert ptx["gemv_no_pdl"] and not any("griddepcontrol" in x for x in ptx["gemv_no_pdl"])
+
+
+def test_decode_attention_prefetches_only_history_before_the_wait(ptx):
+    # Before its wait the fused decode kernel reads the row's length (evict_last), its block table and the
+    # K/V of earlier steps (evict_first); q, k, v of this step and the cos/sin rows come after it.
+    _check_waits_first(ptx["decode_attention_prefetch"], prefetch=("evict_first", "evict_last"))
+    after = ptx["decode_attention_prefetch"][[WAIT in x for x in ptx["decode_attention_prefetch"]].index(True):]
+    assert any("ld.global" in x and "evict" not in x for x in after)  # the activations, after the wait
+    # Without the prefetch (large batches) only the row's length is read before the wait.
+    _check_waits_first(ptx["decode_attention"], prefetch=("evict_last",))
 
 
 @pytest.mark.parametrize("case", ["add_rms_norm", "exit_gate", "rope_write_kv", "write_kv", "merge_splits",
