@@ -91,7 +91,7 @@ def triton_available() -> bool:
 @_jit
 def _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-                  EVICT: tl.constexpr = ""):
+                  EVICT: tl.constexpr):
     """Keys ``[D, BLOCK_N]`` and values ``[BLOCK_N, D]`` of positions ``start .. start + BLOCK_N`` through the
     row's block table; MASKED: positions from ``kv_hi`` on read as zeros. EVICT: the loads' L2 eviction
     policy (the fused decode kernel marks what it reads before its wait, which tests/kernels/test_pdl.py checks)."""
@@ -138,7 +138,7 @@ def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, q
                  DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """One online-softmax step over keys ``start .. start + BLOCK_N``; MASKED: apply causality and ``kv_hi``."""
     k, v = _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-                         BLOCK_N, BLOCK_SIZE, HEAD_DIM, MASKED)
+                         BLOCK_N, BLOCK_SIZE, HEAD_DIM, MASKED, "")
     pos = start + tl.arange(0, BLOCK_N)
     visible = (pos < kv_hi)[None, :] & (pos[None, :] <= q_pos[:, None])
     return _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, MASKED)
@@ -485,7 +485,7 @@ def _decode_attention_kernel(
     # (Whole tiles without masks, in a loop of their own, measured slower: 1.110 vs 1.095 ms per one-row step.)
     for start in range(first, kv_hi, BLOCK_N):
         k, v = _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, True)
+                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, "")
         visible = (start + tl.arange(0, BLOCK_N) < kv_hi)[None, :]
         m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
     if split == NUM_SPLITS - 1:
