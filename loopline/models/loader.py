@@ -297,8 +297,10 @@ def load_model(model_dir: PathLike, dtype: torch.dtype | str | None = None, devi
 
     state: dict[str, Tensor] = {}
     for name in expected:
-        # pop so the source tensor can be freed as soon as its copy exists.
-        state[name] = weights.pop(name).to(device=device, dtype=target)
+        # pop so the source tensor can be freed as soon as its copy exists. NOTE: copy even without a cast or
+        # move: the loaded tensor is a view of the file's buffer at the header's offset, unaligned for SIMD, and
+        # CPU matmuls on it rounded differently from (and ran slower than) the same values in a fresh tensor.
+        state[name] = weights.pop(name).to(device=device, dtype=target, copy=True)
     non_finite = [n for n, t in state.items() if not bool(torch.isfinite(t).all())]
     if non_finite:
         raise CheckpointError(

@@ -62,6 +62,7 @@ def test_round_trip_state_dict_and_forward(pristine):
     assert list(got) == list(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in got.values())
+    assert all(t.data_ptr() % 64 == 0 for t in got.values())  # own, aligned storage, not views of the file
     ids = torch.randint(0, 500, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         a, b = model.forward_dense(ids), ref.forward_dense(ids)
