@@ -175,7 +175,7 @@ def check_fused_decode(seq_lens, heads, kv_heads, head_dim, block_size, dtype, a
     want = ref.attend(q_rot, ref_k, ref_v, meta, scale)
     backend = TritonAttentionBackend(num_splits=num_splits, decode_launch=DecodeLaunch(block_n=block_n))
     launches = []
-    with fused_decode_for_every_split_count(), spy_on_kernel("_decode_attention_kernel", launches):
+    with fused_decode_for_every_split_count(), spy_on_kernel("decode_attention_kernel", launches):
         got = backend.rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
     assert len(launches) == 1  # the fused kernel, not the store + attention fallback
     assert got.dtype == q.dtype and got.shape == q.shape
@@ -214,7 +214,7 @@ def test_fused_decode_takes_decode_only_steps():
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     want = TorchAttentionBackend().rotate_store_attend(*caches[0], q, k, k, rope, meta, 0.25)
     launches = []
-    with fused_decode_for_every_split_count(), spy_on_kernel("_decode_attention_kernel", launches):
+    with fused_decode_for_every_split_count(), spy_on_kernel("decode_attention_kernel", launches):
         got = TritonAttentionBackend().rotate_store_attend(*caches[1], q, k, k, rope, meta, 0.25)
     assert launches == []
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -484,10 +484,10 @@ def test_attention_kernels_are_not_specialized_on_step_sizes():
     import subprocess
     import sys
 
-    code = ("import json; from loopline.attention import triton_backend as t; "
+    code = ("import json; from loopline.attention import triton_kernels as t; "
             "print(json.dumps({k: [list(f.do_not_specialize), f.arg_names] for k, f in "
-            "(('attn', t._paged_attention_kernel), ('merge', t._merge_splits_kernel), "
-            "('decode', t._decode_attention_kernel))}))")
+            "(('attn', t.paged_attention_kernel), ('merge', t.merge_splits_kernel), "
+            "('decode', t.decode_attention_kernel))}))")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     got = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                     check=True).stdout)

@@ -44,7 +44,7 @@ def test_triton_backend_engine_equals_torch_backend():
     want = generate(model, "torch")
     assert len(want) == 4
     launches = []  # decode-only steps through the fused decode kernel (by default small GPU batches take it)
-    with fused_decode_for_every_split_count(), spy_on_kernel("_decode_attention_kernel", launches):
+    with fused_decode_for_every_split_count(), spy_on_kernel("decode_attention_kernel", launches):
         results = [generate(model, "triton"), generate(model, "triton", async_scheduling=True)]
     assert launches
     for got in results:

@@ -1,0 +1,537 @@
+"""The Triton kernels of paged attention (:mod:`loopline.attention.triton_backend` launches them).
+
+* ``paged_attention_kernel`` serves decode rows and prefill chunks together.
+  Grid ``(row, kv_head, q_tile * num_splits)``. The M dimension of a program's
+  Q tile packs ``TILE_T`` query tokens x the ``G = heads // kv_heads`` query
+  heads of one KV head (row ``m`` is token ``m // G``, head ``m % G``), so a
+  KV page is loaded once per GQA group, and a decode row fills ``G`` of the
+  16 M rows instead of one of 64. Keys are walked ``BLOCK_N`` positions at a
+  time through the row's block table with an online softmax in fp32.
+  With few programs (small decode batches) the key range is split across
+  ``num_splits`` programs (flash-decoding) whose partial results
+  ``merge_splits_kernel`` combines by their log-sum-exp.
+* ``decode_attention_kernel`` serves decode-only steps (one query per row):
+  rotary on q and on the row's own key, its K/V store, and attention over the
+  row's history in one launch. With splits (small batches), each program loads
+  its first key tile before its grid-dependency wait, while the kernels before
+  it still run (the history was written by earlier steps).
+* ``rope_write_kv_kernel`` stores a step's new K/V at ``slot_mapping`` (slot < 0:
+  skip) and applies rotary to q and k on the way (what the engine runs: the
+  rotated k never makes a round trip through memory); with ``ROTATE=False`` it
+  is the plain store of ``write_kv``.
+* ``copy_exited_kernel`` is the ``last_exited`` exit copy: rows whose token exits
+  before the last loop copy their K/V into the deeper planes, in every layer; the
+  other rows' programs return at once.
+
+Without CUDA the kernels run only under ``TRITON_INTERPRET=1`` (slow, for tests). The module imports
+without triton (the kernels are then plain functions nobody calls).
+"""
+from __future__ import annotations  # NOTE: keeps `tl.constexpr` annotations lazy, so this imports without triton
+
+import os
+
+from loopline.kernels import grid_dependency_wait
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # the backend is unusable, but the module still imports for triton_available()
+    triton = None
+    tl = None
+
+    def _jit(fn=None, **_):
+        return fn if fn is not None else (lambda f: f)
+
+
+def _jit_step_sizes(*names: str):
+    """``triton.jit`` that does not specialize the named integer arguments on their values.
+
+    Triton compiles a variant per (== 1, divisible by 16) pattern of every integer argument.
+    Token counts, work-list lengths and block-table widths change from step to step, so each
+    new pattern compiled a variant in the middle of serving: the first C = 128 run in a
+    process spent ~1.4 s more in its prefill steps than the runs after it."""
+    return _jit(do_not_specialize=names)
+
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when this
+# module is imported; what counts is the value at that moment.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
+
+
+@_jit
+def _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+                  EVICT: tl.constexpr):
+    """Keys ``[D, BLOCK_N]`` and values ``[BLOCK_N, D]`` of positions ``start .. start + BLOCK_N`` through the
+    row's block table; MASKED: positions from ``kv_hi`` on read as zeros. EVICT: the loads' L2 eviction
+    policy (the fused decode kernel marks what it reads before its wait, which tests/kernels/test_pdl.py checks)."""
+    pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        n_valid = pos < kv_hi
+        block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0, eviction_policy=EVICT)
+    else:
+        block = tl.load(table + pos // BLOCK_SIZE, eviction_policy=EVICT)
+    # NOTE: int64 before multiplying: block id * block stride exceeds 2**31 in big pools.
+    block = block.to(tl.int64)
+    in_block = (pos % BLOCK_SIZE).to(tl.int64)
+    k_ptrs = k_head + (block * stride_kb + in_block * stride_ks)[None, :] + offs_d[:, None]  # [D, BLOCK_N]
+    v_ptrs = v_head + (block * stride_vb + in_block * stride_vs)[:, None] + offs_d[None, :]  # [BLOCK_N, D]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=n_valid[None, :], other=0.0, eviction_policy=EVICT)
+        v = tl.load(v_ptrs, mask=n_valid[:, None], other=0.0, eviction_policy=EVICT)
+    else:
+        k = tl.load(k_ptrs, eviction_policy=EVICT)
+        v = tl.load(v_ptrs, eviction_policy=EVICT)
+    return k, v
+
+
+@_jit
+def _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step of queries ``q`` ``[BLOCK_M, D]`` over a key tile; MASKED: only ``visible``
+    ``[BLOCK_M, BLOCK_N]`` scores count."""
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+    alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@_jit
+def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, qk_scale,
+                 stride_kb, stride_ks, stride_vb, stride_vs,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step over keys ``start .. start + BLOCK_N``; MASKED: apply causality and ``kv_hi``."""
+    k, v = _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                         BLOCK_N, BLOCK_SIZE, HEAD_DIM, MASKED, "")
+    pos = start + tl.arange(0, BLOCK_N)
+    visible = (pos < kv_hi)[None, :] & (pos[None, :] <= q_pos[:, None])
+    return _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, MASKED)
+
+
+@_jit_step_sizes("num_work_tiles", "num_tokens", "stride_bt")
+def paged_attention_kernel(
+    q_ptr,  # [N, H, D]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
+    out_ptr,  # [N, H, D] (NUM_SPLITS == 1)
+    part_out_ptr,  # [NUM_SPLITS, N, H, D] fp32, contiguous (NUM_SPLITS > 1)
+    part_lse_ptr,  # [NUM_SPLITS, N, H] fp32, contiguous (NUM_SPLITS > 1)
+    query_start_loc_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32
+    block_tables_ptr,  # [B, max_blocks] int32
+    work_tiles_ptr,  # [2, T] int32 (row, q_tile) per program (WORK_LIST), row < 0 = padding
+    num_work_tiles,  # T, the stride between the two halves of the work list
+    qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
+    num_tokens,  # N, for the workspace layout
+    num_heads,  # H, for the workspace layout
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    stride_bt,
+    G: tl.constexpr,  # query heads per KV head
+    TILE_T: tl.constexpr,  # query tokens per program; TILE_T * G <= BLOCK_M
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # keys per inner step
+    BLOCK_SIZE: tl.constexpr,  # page size of the cache
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 caches (no TF32 rounding), else "tf32" (ignored for 16-bit)
+    WORK_LIST: tl.constexpr,  # grid (T, kv_head, 1) over the work list instead of (row, kv_head, q_tile * splits)
+    PDL: tl.constexpr,
+):
+    grid_dependency_wait(PDL)
+    kv_head = tl.program_id(1)
+    if WORK_LIST:
+        row = tl.load(work_tiles_ptr + tl.program_id(0))
+        q_tile = tl.load(work_tiles_ptr + num_work_tiles + tl.program_id(0))
+        split = 0
+        if row < 0:
+            return
+    else:
+        row = tl.program_id(0)
+        q_tile = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(query_start_loc_ptr + row)
+    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
+    tile_start = q_tile * TILE_T
+    # The grid is sized by max_query_len; shorter rows (decode) have spare tiles.
+    if tile_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + row)
+    ctx_len = seq_len - q_len  # the row's queries sit at positions ctx_len .. seq_len-1
+
+    # M rows: (token, head-in-group) pairs, token-major.
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = tile_start + offs_m // G  # [BLOCK_M] query index within the row
+    head = kv_head * G + offs_m % G  # [BLOCK_M] query head
+    m_valid = (offs_m < TILE_T * G) & (tok < q_len)
+    q_pos = ctx_len + tok  # [BLOCK_M] absolute position of each query
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q_row = (q_start + tok).to(tl.int64)
+    q_off = q_row * stride_qn + head.to(tl.int64) * stride_qh  # [BLOCK_M]
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)  # [BLOCK_M, D]
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    # Causal: no query of this tile sees past its last query's position.
+    kv_len = tl.minimum(seq_len, ctx_len + tile_start + TILE_T)
+    # Split s takes key steps ceil(s * steps / S) .. ceil((s + 1) * steps / S): sizes differ by at most one
+    # step, and split 0 is never empty.
+    steps = tl.cdiv(kv_len, BLOCK_N)
+    kv_lo = tl.cdiv(split * steps, NUM_SPLITS) * BLOCK_N
+    kv_hi = tl.minimum(kv_len, tl.cdiv((split + 1) * steps, NUM_SPLITS) * BLOCK_N)
+
+    # NOTE: m_i starts finite (not -inf) so a row that has seen only masked keys
+    # gets exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    table = block_tables_ptr + row.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    # Whole key blocks that every query of the tile sees (positions <= its first query's)
+    # need no mask; only the blocks from there to kv_hi (the diagonal, a ragged end) do.
+    full_hi = tl.maximum(kv_lo, tl.minimum(kv_hi, ctx_len + tile_start + 1) // BLOCK_N * BLOCK_N)
+    for start in range(kv_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, qk_scale,
+                                     stride_kb, stride_ks, stride_vb, stride_vs,
+                                     BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION, False)
+    for start in range(full_hi, kv_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, qk_scale,
+                                     stride_kb, stride_ks, stride_vb, stride_vs,
+                                     BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION, True)
+
+    # Only padding M rows (and, with splits, rows whose split saw no visible key) have l_i == 0.
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]  # [BLOCK_M, D]
+    if NUM_SPLITS == 1:
+        o_off = q_row * stride_on + head.to(tl.int64) * stride_oh
+        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
+    else:
+        # Normalized partial output + its log2-sum-exp; an empty split has lse = -inf (weight 0).
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        p_idx = (split * num_tokens + q_row) * num_heads + head  # [BLOCK_M] into [S, N, H]
+        tl.store(part_lse_ptr + p_idx, lse, mask=m_valid)
+        tl.store(part_out_ptr + p_idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=m_valid[:, None])
+
+
+@_jit_step_sizes("num_tokens")
+def merge_splits_kernel(
+    part_out_ptr,  # [NUM_SPLITS, N, H, D] fp32, contiguous
+    part_lse_ptr,  # [NUM_SPLITS, N, H] fp32, contiguous
+    out_ptr,  # [N, H, D]
+    num_tokens,
+    num_heads,
+    stride_on,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+    HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    grid_dependency_wait(PDL)
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_valid = offs_s < NUM_SPLITS
+    idx = (offs_s * num_tokens + n) * num_heads + h  # [SPLITS_PAD]
+    lse = tl.load(part_lse_ptr + idx, mask=s_valid, other=float("-inf"))
+    # Split 0 holds key 0, which every query sees (the fused decode kernel: the last split holds the
+    # row's own key), so the max is finite.
+    w = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]
+    o = tl.load(part_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)  # [D]
+    tl.store(out_ptr + n * stride_on + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+@_jit
+def _rotate_half(x1, x2, c, s, dtype: tl.constexpr):
+    """Rotate-half RoPE of the two halves, rounded like the reference: each product to dtype, then the sum."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    o1 = ((x1 * c).to(dtype).to(tl.float32) + (-x2 * s).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
+    return o1, o2
+
+
+@_jit
+def _store_half_heads(src, dst, mask, HALF: tl.constexpr):
+    """Copies ``[BLOCK_H, 2 * HALF]`` head vectors (as two halves), cast to the destination's dtype."""
+    dtype = dst.dtype.element_ty
+    tl.store(dst, tl.load(src, mask=mask).to(dtype), mask=mask)
+    tl.store(dst + HALF, tl.load(src + HALF, mask=mask).to(dtype), mask=mask)
+
+
+@_jit
+def rope_write_kv_kernel(
+    q_ptr,  # [N, H, D], unit last stride (may be a view of a packed projection); unused without ROTATE
+    k_ptr,  # [N, KVH, D]
+    v_ptr,  # [N, KVH, D]
+    q_out_ptr,  # [N, H, D] contiguous
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
+    v_cache_ptr,
+    cos_ptr,  # [N, D] (both halves equal)
+    sin_ptr,
+    slot_mapping_ptr,  # [N] int64; < 0 = padding: q is still rotated, nothing is stored
+    num_heads,
+    num_kv_heads,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_cs,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    BLOCK_SIZE: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROTATE: tl.constexpr,  # False: the plain K/V store (grid axis 1 covers k and v only)
+    PDL: tl.constexpr,
+):
+    grid_dependency_wait(PDL)
+    # Part 0 rotates q into q_out, 1 stores k (rotated with ROTATE) into the cache, 2 copies v into the cache.
+    n = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1) + (0 if ROTATE else 1)
+    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h64 = heads.to(tl.int64)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    if part == 0:
+        mask = (heads < num_heads)[:, None]
+        src = q_ptr + n * stride_qn + h64 * stride_qh + d
+        c = tl.load(cos_ptr + n * stride_cs + d).to(tl.float32)
+        s = tl.load(sin_ptr + n * stride_cs + d).to(tl.float32)
+        o1, o2 = _rotate_half(tl.load(src, mask=mask, other=0.0), tl.load(src + HALF, mask=mask, other=0.0), c, s,
+                              q_out_ptr.dtype.element_ty)
+        dst = q_out_ptr + (n * num_heads + h64) * (2 * HALF) + d
+        tl.store(dst, o1, mask=mask)
+        tl.store(dst + HALF, o2, mask=mask)
+    else:
+        slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
+        if slot >= 0:
+            mask = (heads < num_kv_heads)[:, None]
+            block = slot // BLOCK_SIZE
+            in_block = slot % BLOCK_SIZE
+            if part == 1:
+                src = k_ptr + n * stride_kn + h64 * stride_kh + d
+                dst = k_cache_ptr + block * stride_kcb + in_block * stride_kcs + h64 * stride_kch + d
+                if ROTATE:
+                    c = tl.load(cos_ptr + n * stride_cs + d).to(tl.float32)
+                    s = tl.load(sin_ptr + n * stride_cs + d).to(tl.float32)
+                    o1, o2 = _rotate_half(tl.load(src, mask=mask, other=0.0),
+                                          tl.load(src + HALF, mask=mask, other=0.0), c, s, k_ptr.dtype.element_ty)
+                    tl.store(dst, o1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                    tl.store(dst + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                else:
+                    _store_half_heads(src, dst, mask, HALF)
+            else:
+                src = v_ptr + n * stride_vn + h64 * stride_vh + d
+                dst = v_cache_ptr + block * stride_vcb + in_block * stride_vcs + h64 * stride_vch + d
+                _store_half_heads(src, dst, mask, HALF)
+
+
+@_jit
+def _rotate_full(x, partner, c, s, first_half, dtype: tl.constexpr):
+    """Rotate-half RoPE of whole head vectors, given each element's partner in the other half
+    (``x[d ± D/2]``); rounded like :func:`_rotate_half`, so the values are the same."""
+    x = x.to(tl.float32)
+    partner = tl.where(first_half, -partner.to(tl.float32), partner.to(tl.float32))
+    return ((x * c).to(dtype).to(tl.float32) + (partner * s).to(dtype).to(tl.float32)).to(dtype)
+
+
+@_jit_step_sizes("num_tokens", "stride_bt")
+def decode_attention_kernel(
+    q_ptr,  # [N, H, D] this step's projections before rotary, unit last stride (views of the packed q/k/v)
+    k_ptr,  # [N, KVH, D]
+    v_ptr,  # [N, KVH, D]
+    cos_ptr,  # [N, D] (both halves equal)
+    sin_ptr,
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
+    v_cache_ptr,
+    out_ptr,  # [N, H, D] (NUM_SPLITS == 1)
+    part_out_ptr,  # [NUM_SPLITS, N, H, D] fp32, contiguous (NUM_SPLITS > 1)
+    part_lse_ptr,  # [NUM_SPLITS, N, H] fp32, contiguous (NUM_SPLITS > 1)
+    seq_lens_ptr,  # [N] int32: row n's query is at position seq_lens[n] - 1
+    block_tables_ptr,  # [N, max_blocks] int32
+    slot_mapping_ptr,  # [N] int64, where the row's K/V goes (< 0: not stored)
+    qk_scale,
+    num_tokens,
+    num_heads,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_cs,
+    stride_kb,
+    stride_ks,
+    stride_kch,
+    stride_vb,
+    stride_vs,
+    stride_vch,
+    stride_on,
+    stride_oh,
+    stride_bt,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,  # load the first key tile before the wait: 1.6x the registers, for small grids
+    PDL: tl.constexpr,
+):
+    """Decode rows (one query each, row n = token n): rotary, the K/V store and attention in one launch.
+
+    Grid ``(row, kv_head, split)``. The keys before the row's own position were written by earlier
+    steps, so with PDL (and PREFETCH) a program loads its first tile of them *before* its grid-dependency wait,
+    while the kernels before it still run. That is safe because the loop that calls attention
+    starts with a kernel launched without PDL (``OuroForCausalLM.loop``'s RoPE gather), after the
+    step's metadata is written: everything read before the wait was complete before that kernel
+    began. After the wait the program rotates q; the last split also rotates the row's own key,
+    stores its K/V in the cache for later steps and attends it from registers (no other program
+    reads that position in this layer)."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    n = row.to(tl.int64)
+    hist = tl.load(seq_lens_ptr + row, eviction_policy="evict_last") - 1  # keys of earlier steps: 0 .. hist - 1
+    steps = tl.cdiv(hist, BLOCK_N)
+    kv_lo = tl.cdiv(split * steps, NUM_SPLITS) * BLOCK_N  # splits as in paged_attention_kernel
+    kv_hi = tl.minimum(hist, tl.cdiv((split + 1) * steps, NUM_SPLITS) * BLOCK_N)
+    table = block_tables_ptr + row.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kch
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vch
+    if PREFETCH:  # read once per step: streamed past L2
+        k, v = _load_kv_tile(kv_lo, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, "evict_first")
+    grid_dependency_wait(PDL)
+
+    cache_dtype = k_cache_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_valid = offs_m < G
+    head = (kv_head * G + offs_m).to(tl.int64)  # [BLOCK_M] query heads of this KV head (rows >= G: padding)
+    first_half = offs_d < HEAD_DIM // 2
+    partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+    c = tl.load(cos_ptr + n * stride_cs + offs_d).to(tl.float32)
+    s = tl.load(sin_ptr + n * stride_cs + offs_d).to(tl.float32)
+    q_rows = q_ptr + n * stride_qn + head[:, None] * stride_qh
+    q = _rotate_full(tl.load(q_rows + offs_d[None, :], mask=m_valid[:, None], other=0.0),
+                     tl.load(q_rows + partner[None, :], mask=m_valid[:, None], other=0.0),
+                     c[None, :], s[None, :], first_half[None, :], q_ptr.dtype.element_ty).to(cache_dtype)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: see paged_attention_kernel
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    first = kv_lo
+    if PREFETCH:
+        visible = (kv_lo + tl.arange(0, BLOCK_N) < kv_hi)[None, :]
+        m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
+        first = kv_lo + BLOCK_N
+    # (Whole tiles without masks, in a loop of their own, measured slower: 1.110 vs 1.095 ms per one-row step.)
+    for start in range(first, kv_hi, BLOCK_N):
+        k, v = _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, "")
+        visible = (start + tl.arange(0, BLOCK_N) < kv_hi)[None, :]
+        m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
+    if split == NUM_SPLITS - 1:
+        k_row = k_ptr + n * stride_kn + kv_head.to(tl.int64) * stride_kh
+        k_new = _rotate_full(tl.load(k_row + offs_d), tl.load(k_row + partner), c, s, first_half,
+                             k_ptr.dtype.element_ty).to(cache_dtype)
+        v_new = tl.load(v_ptr + n * stride_vn + kv_head.to(tl.int64) * stride_vh + offs_d).to(cache_dtype)
+        slot = tl.load(slot_mapping_ptr + n)
+        if slot >= 0:
+            block = slot // BLOCK_SIZE
+            in_block = slot % BLOCK_SIZE
+            tl.store(k_head + block * stride_kb + in_block * stride_ks + offs_d, k_new)
+            tl.store(v_head + block * stride_vb + in_block * stride_vs + offs_d, v_new)
+        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_M]
+        m_new = tl.maximum(m_i, score)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(score - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p.to(cache_dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        o_off = n * stride_on + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
+    else:  # as paged_attention_kernel's partials; an empty split has lse = -inf
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        p_idx = (split * num_tokens + n) * num_heads + head
+        tl.store(part_lse_ptr + p_idx, lse, mask=m_valid)
+        tl.store(part_out_ptr + p_idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=m_valid[:, None])
+
+
+@_jit
+def copy_exited_kernel(
+    k_cache_ptr,  # [L, num_blocks, BLOCK_SIZE, KVH, D]
+    v_cache_ptr,
+    plane_slots_ptr,  # [B, P] int64 physical slot of each row's position in every plane
+    loops_ptr,  # [B] the loop each row just ran (1-based)
+    exits_ptr,  # [B] bool (as int8): the row's token exits at this loop
+    num_planes,
+    num_kv_heads,
+    stride_ps,
+    stride_kl,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vl,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # One program per (row, layer, head chunk). A row that does not exit returns at once,
+    # so a step where nothing exits early costs one tiny launch, not a copy per row.
+    b = tl.program_id(0).to(tl.int64)
+    if tl.load(exits_ptr + b) == 0:
+        return
+    e = tl.load(loops_ptr + b).to(tl.int32)  # planes e..P-1 (0-based) take plane e-1's K/V
+    if e >= num_planes:
+        return
+    layer = tl.program_id(1).to(tl.int64)
+    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_h < num_kv_heads)[:, None]
+    heads = offs_h.to(tl.int64)[:, None]
+    k_layer = k_cache_ptr + layer * stride_kl + heads * stride_kh + offs_d[None, :]  # [BLOCK_H, D] pointers
+    v_layer = v_cache_ptr + layer * stride_vl + heads * stride_vh + offs_d[None, :]
+    src = tl.load(plane_slots_ptr + b * stride_ps + (e - 1)).to(tl.int64)
+    k = tl.load(k_layer + (src // BLOCK_SIZE) * stride_kb + (src % BLOCK_SIZE) * stride_ks, mask=mask)
+    v = tl.load(v_layer + (src // BLOCK_SIZE) * stride_vb + (src % BLOCK_SIZE) * stride_vs, mask=mask)
+    for p in range(e, num_planes):
+        dst = tl.load(plane_slots_ptr + b * stride_ps + p).to(tl.int64)
+        tl.store(k_layer + (dst // BLOCK_SIZE) * stride_kb + (dst % BLOCK_SIZE) * stride_ks, k, mask=mask)
+        tl.store(v_layer + (dst // BLOCK_SIZE) * stride_vb + (dst % BLOCK_SIZE) * stride_vs, v, mask=mask)
