@@ -53,6 +53,21 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
+def _key_block(head_dim: int, elem_bytes: int) -> int:
+    """Keys per inner step: K and V tiles of BLOCK_N x D stay at ~16 KB each per pipeline stage."""
+    return max(16, min(64, 16384 // (head_dim * elem_bytes)))
+
+
+def _decode_block_m(group: int) -> int:
+    """Q tile rows of a launch with one query per row: the G heads of one token, padded to 16."""
+    return max(16, _next_pow2(group))
+
+
+def _dot_precision(cache_dtype: torch.dtype) -> str:
+    """The dots' input precision: ieee for fp32 caches (no TF32 rounding), else tf32 (ignored for 16 bits)."""
+    return "ieee" if cache_dtype == torch.float32 else "tf32"
+
+
 def _heads_per_program(num_kv_heads: int, head_dim: int) -> int:
     """KV heads one copy program moves: about 2K elements, a power of two."""
     return min(_next_pow2(num_kv_heads), max(1, 2048 // head_dim))
@@ -189,9 +204,9 @@ class TritonAttentionBackend(AttentionBackend):
         assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and rope.cos.stride() == rope.sin.stride()
         q, k, v, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, rope.cos, rope.sin))
         group = heads // kvh
-        block_m = max(16, _next_pow2(group))
+        block_m = _decode_block_m(group)
         launch = self.decode_launch
-        block_n = launch.block_n or max(16, min(64, 16384 // (d * k_cache.element_size())))
+        block_n = launch.block_n or _key_block(d, k_cache.element_size())
         out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
         part_out, part_lse = self._partials(num_splits, out)
         decode_attention_kernel[(n, kvh, num_splits)](
@@ -202,7 +217,7 @@ class TritonAttentionBackend(AttentionBackend):
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             out.stride(0), out.stride(1), meta.block_tables.stride(0),
             G=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=d, NUM_SPLITS=num_splits,
-            DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", **pdl_options(q.device),
+            DOT_PRECISION=_dot_precision(k_cache.dtype), **pdl_options(q.device),
             # With splits (small batches) the step is latency-bound and the grid fits in one wave at two
             # programs per SM; larger grids keep the pipelined loop's lower register count.
             PREFETCH=num_splits > 1,
@@ -266,9 +281,7 @@ class TritonAttentionBackend(AttentionBackend):
             block_m = max(16, min(widest, _next_pow2(meta.max_query_len * group)), _next_pow2(group))
         tile_t = block_m // group
         q_tiles = triton.cdiv(max(meta.max_query_len, 1), tile_t)
-        elem_bytes = k_cache.element_size()
-        # K and V tiles of BLOCK_N x D stay at ~16 KB each per pipeline stage.
-        block_n = max(16, min(64, 16384 // (d * elem_bytes)))
+        block_n = _key_block(d, k_cache.element_size())
         if work is not None:
             num_splits, grid = 1, (work.shape[1], kvh, 1)
         else:
@@ -282,12 +295,12 @@ class TritonAttentionBackend(AttentionBackend):
         block_n = tune.block_n or block_n
         num_warps = tune.num_warps or num_warps
         num_stages = tune.num_stages or num_stages
-        precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+        precision = _dot_precision(k_cache.dtype)
 
         if work is not None and meta.num_decode_rows:
             # Decode rows of a mixed step: one query each, so 16-row tiles, not the work list's 64
             # (whose padding rows would multiply their softmax and MMA work by 64 / G).
-            decode_m = max(16, _next_pow2(group))
+            decode_m = _decode_block_m(group)
             self._launch(q, k_cache, v_cache, out, out, out, meta, None, scale, (meta.num_decode_rows, kvh, 1),
                          group, decode_m // group, decode_m, self.decode_launch.block_n or block_n, 1, precision,
                          self.decode_launch.num_warps or 4,

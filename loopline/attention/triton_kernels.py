@@ -267,9 +267,13 @@ def _rotate_half(x1, x2, c, s, dtype: tl.constexpr):
     """Rotate-half RoPE of the two halves, rounded like the reference: each product to dtype, then the sum."""
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
-    o1 = ((x1 * c).to(dtype).to(tl.float32) + (-x2 * s).to(dtype).to(tl.float32)).to(dtype)
-    o2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
-    return o1, o2
+    return _rotated(x1, -x2, c, s, dtype), _rotated(x2, x1, c, s, dtype)
+
+
+@_jit
+def _rotated(x, partner, c, s, dtype: tl.constexpr):
+    """``x * c + partner * s`` (fp32 inputs) rounded like the reference: each product to dtype, then the sum."""
+    return ((x * c).to(dtype).to(tl.float32) + (partner * s).to(dtype).to(tl.float32)).to(dtype)
 
 
 @_jit
@@ -357,9 +361,8 @@ def rope_write_kv_kernel(
 def _rotate_full(x, partner, c, s, first_half, dtype: tl.constexpr):
     """Rotate-half RoPE of whole head vectors, given each element's partner in the other half
     (``x[d ± D/2]``); rounded like :func:`_rotate_half`, so the values are the same."""
-    x = x.to(tl.float32)
     partner = tl.where(first_half, -partner.to(tl.float32), partner.to(tl.float32))
-    return ((x * c).to(dtype).to(tl.float32) + (partner * s).to(dtype).to(tl.float32)).to(dtype)
+    return _rotated(x.to(tl.float32), partner, c, s, dtype)
 
 
 @_jit_step_sizes("num_tokens", "stride_bt")
