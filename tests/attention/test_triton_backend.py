@@ -154,6 +154,7 @@ def check_fused_decode(seq_lens, heads, kv_heads, head_dim, block_size, dtype, a
     q, k, v = (t.view(n, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
                                                              kv_heads * head_dim], dim=-1))
     rope = Rope(*rotary_cos_sin(meta.seq_lens.long() - 1, head_dim, 10000.0, dtype))
+    true_slots = meta.slot_mapping
     if padding_slots:
         meta.slot_mapping = meta.slot_mapping.clone()
         meta.slot_mapping[list(padding_slots)] = -1
@@ -169,7 +170,6 @@ def check_fused_decode(seq_lens, heads, kv_heads, head_dim, block_size, dtype, a
     ref_k, ref_v = want_k.clone(), want_v.clone()
     own = torch.tensor([b for b in range(n) if not stored[b]], dtype=torch.long)
     if len(own):
-        true_slots = make_case(rows, heads, kv_heads, head_dim, block_size, dtype, DEVICE, seed)[3].slot_mapping
         ref_k.view(-1, kv_heads, head_dim)[true_slots[own]] = k_rot[own]
         ref_v.view(-1, kv_heads, head_dim)[true_slots[own]] = v[own]
     want = ref.attend(q_rot, ref_k, ref_v, meta, scale)
