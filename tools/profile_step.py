@@ -111,6 +111,36 @@ def profile_mixed(engine: LLMEngine, a: argparse.Namespace, params: SamplingPara
         print_step_kernels(profiled, 16)
 
 
+ABLATIONS = ("norms", "merge", "attention", "gemv")
+
+
+def ablate(kinds: list[str]) -> None:
+    """Replaces the kernels of ``kinds`` by no-ops (an empty result of the right shape), so that the step time
+    without them shows what they cost inside the PDL chain. The outputs are garbage: timing only."""
+    from loopline.kernels import fused
+
+    unknown = set(kinds) - set(ABLATIONS)
+    if unknown:
+        raise SystemExit(f"--ablate: unknown {sorted(unknown)}, choose from {ABLATIONS}")
+    if "norms" in kinds:
+        fused.TritonOps.add_rms_norm = lambda self, x, branch, wb, wn, eps: (x, branch)
+        fused.TritonOps.rms_norm = lambda self, x, weight, eps: x
+    if "merge" in kinds:
+        triton_backend.TritonAttentionBackend._merge = staticmethod(lambda num_splits, part_out, part_lse, out: None)
+    if "attention" in kinds:
+        triton_backend.TritonAttentionBackend.rotate_store_attend = (
+            lambda self, k_cache, v_cache, q, k, v, rope, meta, scale: torch.empty_like(q))
+    if "gemv" in kinds:  # the layers' GEMVs; the vocabulary projection (needed=...) still runs
+        real = fused.gemv
+
+        def no_gemv(x, weight, *, up=None, needed=None, config=None):
+            if needed is not None:
+                return real(x, weight, up=up, needed=needed, config=config)
+            return torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+
+        fused.gemv = no_gemv
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="ouro-1.4b")
@@ -135,7 +165,10 @@ def main() -> None:
     ap.add_argument("--fused-decode-min-splits", type=int, default=None,
                     help="decode-only steps with at least this many key splits take the fused decode attention "
                          "kernel (default: the backend's own; 1: every decode-only step)")
+    ap.add_argument("--ablate", default="",
+                    help=f"comma-separated kernels to replace by no-ops, timing only: {', '.join(ABLATIONS)}")
     a = ap.parse_args()
+    ablate([k for k in a.ablate.split(",") if k])
     if a.fused_decode_min_splits is not None:
         triton_backend._FUSED_DECODE_MIN_SPLITS = a.fused_decode_min_splits
     if a.attn_splits:
