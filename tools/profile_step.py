@@ -122,9 +122,11 @@ def ablate(kinds: list[str]) -> None:
     unknown = set(kinds) - set(ABLATIONS)
     if unknown:
         raise SystemExit(f"--ablate: unknown {sorted(unknown)}, choose from {ABLATIONS}")
-    if "norms" in kinds:
+    if "norms" in kinds:  # the add + RMSNorm kernels, and the norms inside the q/k/v and gate/up GEMVs
         fused.TritonOps.add_rms_norm = lambda self, x, branch, wb, wn, eps: (x, branch)
         fused.TritonOps.rms_norm = lambda self, x, weight, eps: x
+        fused.TritonOps.norm_project_qkv = lambda self, attn, x, b, wb, wn, eps: (x, self.project_qkv(attn, x))
+        fused.TritonOps.norm_project_gate_up = lambda self, mlp, x, b, wb, wn, eps: (x, self.project_gate_up(mlp, x))
     if "merge" in kinds:
         triton_backend.TritonAttentionBackend._merge = staticmethod(lambda num_splits, part_out, part_lse, out: None)
     if "attention" in kinds:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, pdl_options
-from loopline.kernels.gemv import gemv, use_gemv
+from loopline.kernels.gemv import gemv, norm_gemv, use_gemv, use_norm_gemv
 from loopline.kernels.skinny_gemm import skinny_linear, use_skinny
 from loopline.models.ops import TorchOps, rotary_cos_sin
 
@@ -184,6 +184,27 @@ class TritonOps(TorchOps):
             return None
         weight, sizes = packed
         return _linear(x, weight).split(sizes, dim=-1)
+
+    def _norm_packed(self, module: torch.nn.Module, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None,
+                     weight: Tensor, eps: float) -> tuple[Tensor, tuple[Tensor, ...]] | None:
+        """One row: the add + RMSNorm rides the packed projection's kernel (one launch instead of two)."""
+        packed = self._packed.get(id(module))
+        if packed is None or not use_norm_gemv(x, packed[0]):
+            return None
+        if branch is not None and not use_norm_gemv(branch, packed[0]):
+            return None
+        x_out, y = norm_gemv(x, packed[0], weight, eps, branch=branch, branch_weight=branch_weight)
+        return x_out, y.split(packed[1], dim=-1)
+
+    def norm_project_qkv(self, attn: torch.nn.Module, x: Tensor, branch: Tensor | None,  # type: ignore[override]
+                         branch_weight: Tensor | None, weight: Tensor, eps: float):
+        return (self._norm_packed(attn, x, branch, branch_weight, weight, eps)
+                or super().norm_project_qkv(attn, x, branch, branch_weight, weight, eps))
+
+    def norm_project_gate_up(self, mlp: torch.nn.Module, x: Tensor, branch: Tensor,  # type: ignore[override]
+                             branch_weight: Tensor, weight: Tensor, eps: float):
+        return (self._norm_packed(mlp, x, branch, branch_weight, weight, eps)
+                or super().norm_project_gate_up(mlp, x, branch, branch_weight, weight, eps))
 
     def project_qkv(self, attn: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
         return self._packed_linear(attn, x) or TorchOps.project_qkv(attn, x)

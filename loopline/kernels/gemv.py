@@ -1,4 +1,4 @@
-"""One-row matmul ``y = x @ W.T``, optionally with the SwiGLU activation fused (inference only).
+"""One-row matmul ``y = x @ W.T``, optionally with the SwiGLU activation or the add + RMSNorm fused (inference only).
 
 At concurrency 1 a decode step multiplies one token row by every weight matrix
 of the stack, so the step is the time to stream 2.5 GB of weights plus the
@@ -19,10 +19,20 @@ before still runs and load their first weight tile, which nothing in the step
 writes, before they wait for the input row. A decode step's GEMVs then
 overlap the tails of the attention and norm kernels between them.
 
+:func:`norm_gemv` is the same product with the layer's residual add + RMSNorm
+in front (q/k/v and gate/up at one row), on a fixed grid of programs that each
+walk several row blocks: a program computes the norm once, after its wait, and
+keeps the next block's weight load in flight while it reduces the current one.
+It replaced 48 of a step's 49 norm launches: 0.992 against 1.063 ms per one-row
+step (H200; ``tools/profile_step.py --rows 1 --async-scheduling``). An earlier
+try put the norm into this kernel's many-wave grid, where every program of
+every wave paid the two row reductions after its wait: 1.297 against 1.227 ms.
+
 (Also measured and not kept: splitting K across programs, summed in-kernel by
-the last split, never won; fusing the residual add + RMSNorm before q/k/v and
-gate/up into the load gained 1.06x / 0.99x, as every program re-reads the row
-twice for its statistics first.)
+the last split, never won. The row kernel for ``o_proj`` (no norm; 1.011 vs
+1.001 ms) and for ``down_proj`` (whole 5,632-column rows, 1.012-1.024 vs
+0.992 ms), two blocks ahead (1.064-1.143 ms), L2 prefetch instructions for the
+later waves' rows (1.18-1.34 vs 1.06 ms).)
 """
 from __future__ import annotations
 
@@ -31,7 +41,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from loopline.kernels import grid_dependency_wait, kernel_operands, pdl_options
+from loopline.kernels import cuda_sm_count, grid_dependency_wait, kernel_operands, pdl_options
 
 try:
     import triton
@@ -93,6 +103,64 @@ if triton is not None:
         tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(dtype), mask=rows < N)
 
 
+    @triton.jit
+    def _normed_row(x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, K, eps, BLOCK_K: tl.constexpr,
+                    HAS_BRANCH: tl.constexpr, WRITE_X, dtype: tl.constexpr):
+        """``rms_norm(x') * wn`` in fp32, with ``x' = x + rms_norm(b) * wb`` (HAS_BRANCH; stored to ``x_out``
+        where WRITE_X) or ``x`` itself. Rounded as :meth:`TorchOps.add_rms_norm` and the add + RMSNorm kernel."""
+        cols = tl.arange(0, BLOCK_K)
+        m = cols < K
+        x = tl.load(x_ptr + cols, mask=m, other=0.0)
+        if HAS_BRANCH:
+            b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            rb = tl.rsqrt(tl.sum(b * b, axis=0) / K + eps)
+            wb = tl.load(wb_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            bn = ((b * rb).to(dtype).to(tl.float32) * wb).to(dtype)
+            x = (x.to(tl.float32) + bn.to(tl.float32)).to(dtype)
+            if WRITE_X:
+                tl.store(x_out_ptr + cols, x, mask=m)
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+        wn = tl.load(wn_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        return ((xf * r).to(dtype).to(tl.float32) * wn).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _row_block(w_ptr, block, blocks, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+        """Whole weight rows ``block * BLOCK_N ..`` (clamped to N - 1, like :func:`_gemv_kernel`); a block
+        from ``blocks`` on reads nothing (the load ahead past a program's last block)."""
+        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = (rows < blocks * BLOCK_N)[:, None]
+        cols = tl.arange(0, BLOCK_K)
+        ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn + cols[None, :]
+        if EVEN_K:
+            return tl.load(ptrs, mask=live, other=0.0, eviction_policy="evict_first")  # read once
+        return tl.load(ptrs, mask=live & (cols < K)[None, :], other=0.0, eviction_policy="evict_first")
+
+    @triton.jit
+    def _norm_gemv_kernel(
+        x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, w_ptr, y_ptr,  # rows [K], norm weights [K], W [N, K], y [N]
+        N, K, stride_wn, eps,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BRANCH: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        dtype = y_ptr.dtype.element_ty
+        pid = tl.program_id(0)
+        step = tl.num_programs(0)
+        blocks = tl.cdiv(N, BLOCK_N)
+        # No earlier kernel writes the weights: the first block streams in while they finish.
+        w = _row_block(w_ptr, pid, blocks, N, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
+        grid_dependency_wait(PDL)
+        xv = _normed_row(x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, K, eps, BLOCK_K, HAS_BRANCH, pid == 0, dtype)
+        block = pid
+        for _ in range(pid, blocks, step):
+            ahead = _row_block(w_ptr, block + step, blocks, N, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
+            rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(y_ptr + rows, tl.sum(w.to(tl.float32) * xv[None, :], axis=1).to(dtype), mask=rows < N)
+            w = ahead
+            block += step
+
+
 class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
@@ -142,4 +210,49 @@ def gemv(x: Tensor, weight: Tensor, *, up: Tensor | None = None, needed: Tensor 
     return y
 
 
-__all__ = ["DEFAULT_CONFIG", "SHAPE_CONFIGS", "GemvConfig", "gemv", "use_gemv"]
+# norm_gemv's launch (H200, one-row steps, same call): 4 rows x whole row per block, 4 warps, 5 programs per
+# SM (what fits at 96 registers) gave 0.992 ms; 8 warps at 4 per SM 0.999; 3 per SM 1.001, 2 per SM 1.132;
+# without the load ahead 1.027.
+_NORM_BLOCK_N, _NORM_WARPS, _NORM_PROGRAMS_PER_SM = 4, 4, 5
+_NORM_MAX_K = 2048  # whole rows per block: wider ones would not fit a program's registers
+
+
+def use_norm_gemv(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`norm_gemv` applies: :func:`use_gemv`'s one row, contiguous, of at most 2,048 columns."""
+    return use_gemv(x, weight) and x.is_contiguous() and x.shape[1] <= _NORM_MAX_K
+
+
+def norm_gemv(x: Tensor, weight: Tensor, norm_weight: Tensor, eps: float, *, branch: Tensor | None = None,
+              branch_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One row through the residual add, the RMSNorm and a projection, in one kernel.
+
+    Returns ``(x', y)``: ``x' = x + rms_norm(branch) * branch_weight`` (``x`` itself without ``branch``) and
+    ``y = F.linear(rms_norm(x') * norm_weight, weight)``, rounded as :meth:`TorchOps.add_rms_norm` then
+    :func:`gemv`."""
+    n, k = weight.shape
+    if x.shape != (1, k) or not x.is_contiguous() or weight.stride(1) != 1 or k > _NORM_MAX_K:
+        raise ValueError(f"norm_gemv wants x [1, K] contiguous with K <= {_NORM_MAX_K} and weight [N, K] with "
+                         f"unit stride along K, got {tuple(x.shape)} / {tuple(weight.shape)}")
+    if (branch is None) != (branch_weight is None):
+        raise ValueError("norm_gemv's branch and branch_weight come together")
+    if branch is not None and (branch.shape != x.shape or not branch.is_contiguous() or branch.dtype != x.dtype):
+        raise ValueError(f"norm_gemv's branch must be contiguous and shaped like x {tuple(x.shape)} {x.dtype}, "
+                         f"got {tuple(branch.shape)} {branch.dtype}")
+    for name, w in (("norm_weight", norm_weight), ("branch_weight", branch_weight)):
+        if w is not None and (w.shape != (k,) or not w.is_contiguous()):
+            raise ValueError(f"norm_gemv's {name} must be contiguous [{k}], got {tuple(w.shape)}")
+    blocks = triton.cdiv(n, _NORM_BLOCK_N)
+    # The CPU interpreter gets three programs, so that the tests walk several blocks per program.
+    grid = min(blocks, _NORM_PROGRAMS_PER_SM * cuda_sm_count(x.device) if x.is_cuda else 3)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    x_out = torch.empty_like(x) if branch is not None else x
+    block_k = triton.next_power_of_2(k)
+    _norm_gemv_kernel[(grid,)](
+        x, branch if branch is not None else x, branch_weight if branch_weight is not None else norm_weight,
+        norm_weight, x_out, weight, y, n, k, weight.stride(0), eps,
+        BLOCK_N=_NORM_BLOCK_N, BLOCK_K=block_k, EVEN_K=k == block_k, HAS_BRANCH=branch is not None,
+        **pdl_options(x.device), num_warps=_NORM_WARPS)
+    return x_out, y
+
+
+__all__ = ["DEFAULT_CONFIG", "SHAPE_CONFIGS", "GemvConfig", "gemv", "norm_gemv", "use_gemv", "use_norm_gemv"]

@@ -72,6 +72,25 @@ class TorchOps:
         x = x + self.rms_norm(branch, branch_weight, eps)
         return x, self.rms_norm(x, next_weight, eps)
 
+    def norm_project_qkv(self, attn: torch.nn.Module, x: Tensor, branch: Tensor | None,
+                         branch_weight: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+        """The norm in front of q/k/v and the projection: ``x' = x + norm(branch)`` (``x`` without a
+        branch), then ``project_qkv(norm'(x'))``. Returns ``(x', (q, k, v))``."""
+        x, normed = self._add_norm(x, branch, branch_weight, weight, eps)
+        return x, self.project_qkv(attn, normed)
+
+    def norm_project_gate_up(self, mlp: torch.nn.Module, x: Tensor, branch: Tensor, branch_weight: Tensor,
+                             weight: Tensor, eps: float) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """``x' = x + norm(branch)``, then ``project_gate_up(norm'(x'))``. Returns ``(x', (gate, up))``."""
+        x, normed = self.add_rms_norm(x, branch, branch_weight, weight, eps)
+        return x, self.project_gate_up(mlp, normed)
+
+    def _add_norm(self, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None, weight: Tensor,
+                  eps: float) -> tuple[Tensor, Tensor]:
+        if branch is None:
+            return x, self.rms_norm(x, weight, eps)
+        return self.add_rms_norm(x, branch, branch_weight, weight, eps)
+
     @staticmethod
     def cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """RoPE's cos/sin ``[N, head_dim]`` at ``positions`` (:func:`rotary_cos_sin`)."""

@@ -98,10 +98,12 @@ class OuroAttention(nn.Module):
         self.v_proj = nn.Linear(h, config.kv_size, bias=False)
         self.o_proj = nn.Linear(config.q_size, h, bias=False)
 
-    def forward(self, x: Tensor, rope: Rope, layer: int, attn: Attention, ops: TorchOps) -> Tensor:
-        n = x.shape[0]
+    def forward(self, qkv: tuple[Tensor, Tensor, Tensor], rope: Rope, layer: int, attn: Attention,
+                ops: TorchOps) -> Tensor:
+        """Attention of projected ``q, k, v`` (``ops.project_qkv`` of the normed input), then ``o_proj``."""
+        q, k, v = qkv
+        n = q.shape[0]
         c = self.config
-        q, k, v = ops.project_qkv(self, x)
         q = q.view(n, c.num_attention_heads, c.head_dim)
         k = k.view(n, c.num_key_value_heads, c.head_dim)
         v = v.view(n, c.num_key_value_heads, c.head_dim)
@@ -134,16 +136,18 @@ class OuroDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps)
 
-    def forward(self, x: Tensor, normed: Tensor, rope: Rope, attn: Attention, next_norm: RMSNorm,
+    def forward(self, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None, rope: Rope, attn: Attention,
                 ops: TorchOps) -> tuple[Tensor, Tensor]:
-        """x: the residual stream; normed: ``input_layernorm(x)``. Returns the new residual
-        stream and ``next_norm`` of it (the next layer's input norm, or the loop's final norm),
-        so each residual add and the norm after it are one fused op."""
+        """x: the residual stream, still without ``branch`` (the previous layer's MLP output, None in the
+        first layer), which adds as ``rms_norm(branch) * branch_weight``. Returns the new residual stream
+        and this layer's MLP output, likewise not yet added: each residual add, the norm after it and
+        the projection that reads the norm are one op (``ops.norm_project_*``), fused where one row runs."""
         eps = self.input_layernorm.eps
-        a = self.self_attn(normed, rope, self.index, attn, ops)
-        x, m_in = ops.add_rms_norm(x, a, self.input_layernorm_2.weight, self.post_attention_layernorm.weight, eps)
-        m = self.mlp(m_in, ops)
-        return ops.add_rms_norm(x, m, self.post_attention_layernorm_2.weight, next_norm.weight, eps)
+        x, qkv = ops.norm_project_qkv(self.self_attn, x, branch, branch_weight, self.input_layernorm.weight, eps)
+        a = self.self_attn(qkv, rope, self.index, attn, ops)
+        x, gate_up = ops.norm_project_gate_up(self.mlp, x, a, self.input_layernorm_2.weight,
+                                              self.post_attention_layernorm.weight, eps)
+        return x, ops.swiglu_down(self.mlp, *gate_up)
 
 
 class OuroModel(nn.Module):
@@ -236,12 +240,12 @@ class OuroForCausalLM(nn.Module):
         # NOTE: the RoPE gather is a plain (non-PDL) launch after the step's metadata is written; the fused
         # decode attention relies on that to read the history K/V before its grid-dependency wait.
         rope = Rope(*ops.cos_sin(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype), ops)
-        layers = self.model.layers
-        x, normed = hidden, ops.rms_norm(hidden, layers[0].input_layernorm.weight, self.config.rms_norm_eps)
-        for i, layer in enumerate(layers):
-            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, normed = layer(x, normed, rope, attn, next_norm, ops)
-        h = normed  # the final norm of the loop: the next loop's input and the gate's
+        x, branch, branch_weight = hidden, None, None
+        for layer in self.model.layers:
+            x, branch = layer(x, branch, branch_weight, rope, attn, ops)
+            branch_weight = layer.post_attention_layernorm_2.weight
+        # The last residual add and the final norm: the next loop's input and the gate's.
+        _, h = ops.add_rms_norm(x, branch, branch_weight, self.model.norm.weight, self.config.rms_norm_eps)
         return h, ops.exit_gate(self.model.early_exit_gate, h)
 
     def head(self, hidden: Tensor, needed: Tensor | None = None) -> Tensor:

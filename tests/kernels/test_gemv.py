@@ -1,4 +1,5 @@
-"""The one-row GEMV and its fused SwiGLU activation against the reference ops (CPU interpreter or GPU)."""
+"""The one-row GEMV, its fused SwiGLU activation and its fused add + RMSNorm against the reference ops
+(CPU interpreter or GPU)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -7,7 +8,7 @@ import pytest
 import torch
 from triton_testing import DEVICE, DTYPES, close
 
-from loopline.kernels.gemv import GemvConfig, gemv, use_gemv
+from loopline.kernels.gemv import GemvConfig, gemv, norm_gemv, use_gemv, use_norm_gemv
 from loopline.models.ops import TorchOps
 
 F = torch.nn.functional
@@ -129,3 +130,89 @@ def test_one_row_logits_are_computed_only_when_needed():
         two = torch.cat([h, h])  # more rows: every row computed, flags or not
         close(TritonOps().logits(head, two, torch.tensor([False, True], device=DEVICE)), want.expand(2, -1),
               torch.bfloat16)
+
+
+def _norm_case(k: int, n: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x, b = (torch.randn(1, k, generator=g).to(DEVICE, dtype) for _ in range(2))
+    wb, wn = ((torch.rand(k, generator=g) + 0.5).to(DEVICE, dtype) for _ in range(2))
+    return x, b, wb, wn, _weight(k, n, dtype, g)
+
+
+@pytest.mark.parametrize("dtype", PRODUCT_DTYPES)
+@pytest.mark.parametrize("k,n", [(64, 40), (48, 7), (256, 130), (2048, 24)])  # ragged K, N past the blocks
+def test_norm_gemv_is_add_rms_norm_then_the_product(dtype, k, n):
+    """x' and the product of rms_norm(x') against TorchOps; without a branch, x passes through untouched.
+    N spans several blocks per program (three programs in the interpreter), some programs one more.
+    The interpreter truncates fp32 -> bf16 casts, so there bf16 is checked against the add + RMSNorm
+    kernel, which rounds the same way (itself checked against TorchOps in test_fused)."""
+    from loopline.kernels.fused import TritonOps
+
+    x, b, wb, wn, weight = _norm_case(k, n, dtype, seed=k + n)
+    ref = TorchOps() if dtype == torch.float32 or DEVICE == "cuda" else TritonOps()
+    x_ref, normed = ref.add_rms_norm(x, b, wb, wn, 1e-6)
+    x_out, y = norm_gemv(x, weight, wn, 1e-6, branch=b, branch_weight=wb)
+    close(x_out, x_ref, dtype)
+    close(y, _reference(normed, weight), dtype)
+    same, y_plain = norm_gemv(x, weight, wn, 1e-6)
+    assert same is x
+    close(y_plain, _reference(ref.rms_norm(x, wn, 1e-6), weight), dtype)
+
+
+def test_norm_gemv_rejects_bad_operands():
+    x, b, wb, wn, weight = _norm_case(64, 8, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="x \\[1, K\\]"):
+        norm_gemv(torch.zeros(2, 64, device=DEVICE), weight, wn, 1e-6)
+    with pytest.raises(ValueError, match="K <= 2048"):
+        norm_gemv(torch.zeros(1, 4096, device=DEVICE), torch.zeros(8, 4096, device=DEVICE), None, 1e-6)
+    with pytest.raises(ValueError, match="come together"):
+        norm_gemv(x, weight, wn, 1e-6, branch=b)
+    with pytest.raises(ValueError, match="branch must be"):
+        norm_gemv(x, weight, wn, 1e-6, branch=b[:, :32], branch_weight=wb)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        norm_gemv(x, weight, wn[:32], 1e-6)
+    assert use_norm_gemv(x, weight) and not use_norm_gemv(torch.zeros(2, 64, device=DEVICE), weight)
+    assert not use_norm_gemv(torch.zeros(1, 4096, device=DEVICE), torch.zeros(8, 4096, device=DEVICE))
+
+
+def test_triton_ops_fuse_the_norm_into_one_row_projections(monkeypatch):
+    """norm_project_qkv / norm_project_gate_up take norm_gemv at one row (with and without a branch) and the
+    reference's add + RMSNorm, then the projection, at three; both agree with TorchOps."""
+    import loopline.kernels.fused as fused
+    from loopline.kernels.fused import TritonOps
+
+    g = torch.Generator().manual_seed(5)
+    attn, mlp = torch.nn.Module(), torch.nn.Module()
+    for mod, names, n in ((attn, ("q_proj", "k_proj", "v_proj"), 32), (mlp, ("gate_proj", "up_proj"), 80)):
+        for name in names:
+            lin = torch.nn.Linear(64, n, bias=False).to(DEVICE, torch.bfloat16)
+            lin.weight.data = _weight(64, n, torch.bfloat16, g)
+            setattr(mod, name, lin)
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = [torch.nn.Module()]
+    model.model.layers[0].self_attn, model.model.layers[0].mlp = attn, mlp
+    model.config = SimpleNamespace(head_dim=16, rope_theta=10000.0, max_position_embeddings=32)
+    model.lm_head = attn.q_proj
+    fast, ref = TritonOps(), TorchOps()
+    fast.prepare(model)
+    calls = []
+    monkeypatch.setattr(fused, "norm_gemv", lambda x, w, *a, **kw: calls.append((w.shape, "branch" in kw and
+                                                                                 kw["branch"] is not None))
+                        or norm_gemv(x, w, *a, **kw))
+    wb, wn = ((torch.rand(64, generator=g) + 0.5).to(DEVICE, torch.bfloat16) for _ in range(2))
+    with torch.inference_mode():
+        for rows in (1, 3):
+            x, b = (torch.randn(rows, 64, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+            for branch in (None, b):
+                got_x, got = fast.norm_project_qkv(attn, x, branch, None if branch is None else wb, wn, 1e-6)
+                want_x, want = ref.norm_project_qkv(attn, x, branch, None if branch is None else wb, wn, 1e-6)
+                close(got_x, want_x, torch.bfloat16)
+                for a, e in zip(got, want, strict=True):
+                    close(a, e, torch.bfloat16)
+            got_x, (gate, up) = fast.norm_project_gate_up(mlp, x, b, wb, wn, 1e-6)
+            want_x, (gate_r, up_r) = ref.norm_project_gate_up(mlp, x, b, wb, wn, 1e-6)
+            close(got_x, want_x, torch.bfloat16)
+            close(gate, gate_r, torch.bfloat16)
+            close(up, up_r, torch.bfloat16)
+    assert calls == [((96, 64), False), ((96, 64), True), ((160, 64), True)]

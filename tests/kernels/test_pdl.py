@@ -40,6 +40,8 @@ CASES = {
                         {**_G, "SILU": False, "PREDICATED": True}, True),
     "gemv_no_pdl": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
                     {**_G, "SILU": False, "PREDICATED": False}, False),
+    "norm_gemv": ("loopline.kernels.gemv", "_norm_gemv_kernel", {},
+                  {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True, "HAS_BRANCH": True}, True),
     "add_rms_norm": ("loopline.kernels.fused", "_add_rms_norm_kernel", {}, {"BLOCK": 256, "HAS_BRANCH": True}, True),
     "exit_gate": ("loopline.kernels.fused", "_exit_gate_kernel", {"out_ptr": "*fp32"},
                   {"BLOCK_R": 4, "BLOCK": 256, "HAS_BIAS": True}, True),
@@ -115,7 +117,7 @@ def _check_waits_first(lines: list[str], prefetch: tuple[str, ...] | str | None 
         assert loads and all(any(k in x for k in kinds) for x in loads), "the prefetch is missing or reads other data"
 
 
-@pytest.mark.parametrize("case", ["gemv", "gemv_silu"])
+@pytest.mark.parametrize("case", ["gemv", "gemv_silu", "norm_gemv"])
 def test_gemv_prefetches_only_weights_before_the_wait(ptx, case):
     # Weight loads carry evict_first; the row (written by the kernel before) is read after the wait.
     _check_waits_first(ptx[case], prefetch="evict_first")
