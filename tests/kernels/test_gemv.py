@@ -66,11 +66,9 @@ def test_gemv_rejects_bad_shapes_and_applies_to_one_row():
     assert not use_gemv(torch.zeros(1, 16, dtype=torch.bfloat16), bf.requires_grad_())  # autograd: reference path
 
 
-def test_triton_ops_take_gemv_for_one_row_only(monkeypatch):
-    import loopline.kernels.fused as fused
-    from loopline.kernels.fused import TritonOps
-
-    g = torch.Generator().manual_seed(3)
+def _one_layer_model(g: torch.Generator) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    """``(model, attn, mlp)``: one layer's projections (hidden 64, q/k/v 64 each, MLP 96) in bf16 and what
+    TritonOps.prepare reads besides the layers (RoPE's shape, the activation dtype via lm_head)."""
     attn, mlp = torch.nn.Module(), torch.nn.Module()
     for mod, names, (k, n) in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj"), (64, 64)),
                                (mlp, ("gate_proj", "up_proj"), (64, 96)), (mlp, ("down_proj",), (96, 64))):
@@ -82,9 +80,17 @@ def test_triton_ops_take_gemv_for_one_row_only(monkeypatch):
     model.model = torch.nn.Module()
     model.model.layers = [torch.nn.Module()]
     model.model.layers[0].self_attn, model.model.layers[0].mlp = attn, mlp
-    # what TritonOps.prepare reads besides the layers: RoPE's shape and the activation dtype
     model.config = SimpleNamespace(head_dim=16, rope_theta=10000.0, max_position_embeddings=32)
     model.lm_head = attn.o_proj
+    return model, attn, mlp
+
+
+def test_triton_ops_take_gemv_for_one_row_only(monkeypatch):
+    import loopline.kernels.fused as fused
+    from loopline.kernels.fused import TritonOps
+
+    g = torch.Generator().manual_seed(3)
+    model, attn, mlp = _one_layer_model(g)
     fast, ref = TritonOps(), TorchOps()
     fast.prepare(model)
     calls = []
@@ -182,18 +188,7 @@ def test_triton_ops_fuse_the_norm_into_one_row_projections(monkeypatch):
     from loopline.kernels.fused import TritonOps
 
     g = torch.Generator().manual_seed(5)
-    attn, mlp = torch.nn.Module(), torch.nn.Module()
-    for mod, names, n in ((attn, ("q_proj", "k_proj", "v_proj"), 32), (mlp, ("gate_proj", "up_proj"), 80)):
-        for name in names:
-            lin = torch.nn.Linear(64, n, bias=False).to(DEVICE, torch.bfloat16)
-            lin.weight.data = _weight(64, n, torch.bfloat16, g)
-            setattr(mod, name, lin)
-    model = torch.nn.Module()
-    model.model = torch.nn.Module()
-    model.model.layers = [torch.nn.Module()]
-    model.model.layers[0].self_attn, model.model.layers[0].mlp = attn, mlp
-    model.config = SimpleNamespace(head_dim=16, rope_theta=10000.0, max_position_embeddings=32)
-    model.lm_head = attn.q_proj
+    model, attn, mlp = _one_layer_model(g)
     fast, ref = TritonOps(), TorchOps()
     fast.prepare(model)
     calls = []
@@ -215,4 +210,4 @@ def test_triton_ops_fuse_the_norm_into_one_row_projections(monkeypatch):
             close(got_x, want_x, torch.bfloat16)
             close(gate, gate_r, torch.bfloat16)
             close(up, up_r, torch.bfloat16)
-    assert calls == [((96, 64), False), ((96, 64), True), ((160, 64), True)]
+    assert calls == [((192, 64), False), ((192, 64), True), ((192, 64), True)]
