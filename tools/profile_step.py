@@ -164,6 +164,9 @@ def main() -> None:
     ap.add_argument("--attn-splits", default=None,
                     help="MAX,MIN_KEYS: split-KV rule of decode attention (at most MAX splits of at least "
                          "MIN_KEYS keys; default: the backend's own)")
+    ap.add_argument("--attn-num-splits", type=int, default=None,
+                    help="every decode launch the split rule splits takes exactly this many splits (any count, "
+                         "not only the rule's powers of two: e.g. 24 at one row, 384 programs)")
     ap.add_argument("--fused-decode-min-splits", type=int, default=None,
                     help="decode-only steps with at least this many key splits take the fused decode attention "
                          "kernel (default: the backend's own; 1: every decode-only step)")
@@ -173,6 +176,14 @@ def main() -> None:
     ablate([k for k in a.ablate.split(",") if k])
     if a.fused_decode_min_splits is not None:
         triton_backend._FUSED_DECODE_MIN_SPLITS = a.fused_decode_min_splits
+    if a.attn_num_splits:
+        rule = triton_backend.TritonAttentionBackend._pick_num_splits
+
+        def exact(self, device, programs, q_tiles, max_seq_len):
+            chosen = rule(self, device, programs, q_tiles, max_seq_len)
+            return a.attn_num_splits if chosen > 1 else chosen
+
+        triton_backend.TritonAttentionBackend._pick_num_splits = exact
     if a.attn_splits:
         triton_backend._MAX_SPLITS, triton_backend._MIN_KEYS_PER_SPLIT = map(int, a.attn_splits.split(","))
     for spec in (a.gemv_config or "").split(";"):
