@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, pdl_options
-from loopline.kernels.gemv import gemv, norm_gemv, use_gemv, use_norm_gemv
+from loopline.kernels.gemv import gemv, norm_gemv, normed_row, use_gemv, use_norm_gemv
 from loopline.kernels.skinny_gemm import skinny_linear, use_skinny
 from loopline.models.ops import TorchOps, rotary_cos_sin
 
@@ -35,22 +35,11 @@ if triton is not None:
         grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
         dtype = y_ptr.dtype.element_ty
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        if HAS_BRANCH:
-            # x' = x + w_b * norm(b), rounded like the reference: norm -> dtype, * w -> dtype, + x -> dtype
-            b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-            rb = tl.rsqrt(tl.sum(b * b, axis=0) / n_cols + eps)
-            wb = tl.load(wb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            bn = ((b * rb).to(dtype).to(tl.float32) * wb).to(dtype)
-            x = (x.to(tl.float32) + bn.to(tl.float32)).to(dtype)
-            tl.store(x_out_ptr + row * stride_xo + cols, x, mask=mask)
-        xf = x.to(tl.float32)
-        r = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-        wn = tl.load(wn_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = ((xf * r).to(dtype).to(tl.float32) * wn).to(dtype)
-        tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+        # x' = x + w_b * norm(b), rounded like the reference: norm -> dtype, * w -> dtype, + x -> dtype
+        y = normed_row(x_ptr + row * stride_x, b_ptr + row * stride_b, wb_ptr, wn_ptr, x_out_ptr + row * stride_xo,
+                       n_cols, eps, BLOCK, HAS_BRANCH, True, dtype)
+        tl.store(y_ptr + row * stride_y + cols, y.to(dtype), mask=cols < n_cols)
 
     @triton.jit
     def _exit_gate_kernel(

@@ -104,10 +104,11 @@ if triton is not None:
 
 
     @triton.jit
-    def _normed_row(x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, K, eps, BLOCK_K: tl.constexpr,
+    def normed_row(x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, K, eps, BLOCK_K: tl.constexpr,
                     HAS_BRANCH: tl.constexpr, WRITE_X, dtype: tl.constexpr):
         """``rms_norm(x') * wn`` in fp32, with ``x' = x + rms_norm(b) * wb`` (HAS_BRANCH; stored to ``x_out``
-        where WRITE_X) or ``x`` itself. Rounded as :meth:`TorchOps.add_rms_norm` and the add + RMSNorm kernel."""
+        where WRITE_X) or ``x`` itself, rounded as :meth:`TorchOps.add_rms_norm`. The add + RMSNorm kernel
+        (``kernels/fused.py``) computes its rows with it too, so the two paths round alike by construction."""
         cols = tl.arange(0, BLOCK_K)
         m = cols < K
         x = tl.load(x_ptr + cols, mask=m, other=0.0)
@@ -151,7 +152,7 @@ if triton is not None:
         # No earlier kernel writes the weights: the first block streams in while they finish.
         w = _row_block(w_ptr, pid, blocks, N, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
         grid_dependency_wait(PDL)
-        xv = _normed_row(x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, K, eps, BLOCK_K, HAS_BRANCH, pid == 0, dtype)
+        xv = normed_row(x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, K, eps, BLOCK_K, HAS_BRANCH, pid == 0, dtype)
         block = pid
         for _ in range(pid, blocks, step):
             ahead = _row_block(w_ptr, block + step, blocks, N, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
@@ -159,6 +160,8 @@ if triton is not None:
             tl.store(y_ptr + rows, tl.sum(w.to(tl.float32) * xv[None, :], axis=1).to(dtype), mask=rows < N)
             w = ahead
             block += step
+else:  # pragma: no cover
+    normed_row = None  # imported by kernels/fused.py, whose kernels are unusable without triton too
 
 
 class GemvConfig(NamedTuple):
