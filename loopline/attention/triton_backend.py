@@ -29,10 +29,18 @@ from loopline.models.ops import Rope
 
 _LOG2E = 1.4426950408889634
 # Split-KV: aim for this many programs per SM and give each split at least
-# this many keys, so tiny contexts are not split into pure overhead.
-_PROGRAMS_PER_SM = 2
+# this many keys, so tiny contexts are not split into pure overhead. One row of
+# 16 KV heads (H200, 132 SMs) thus takes 20 splits, one 64-key tile each up to
+# 1,280 keys: a one-row step at 1,088 / 1,152 keys took 0.988 / 0.990 ms with
+# 20 splits, 1.020 / 1.031 with 16 (where one split reads a second tile after
+# its grid-dependency wait) and 1.04-1.06 with 24 (384 programs do not fit in
+# one wave beside the previous kernel's).
+_PROGRAMS_PER_SM = 2.5
 _MIN_KEYS_PER_SPLIT = 64  # bench_attention --sweep, H200: 16 splits of 64 keys beat 8 of 128 at one row
-_MAX_SPLITS = 16
+_MAX_SPLITS = 20
+# The split counts kernels are compiled for (NUM_SPLITS is a compile-time constant, and a growing
+# max_seq_len should not compile a kernel per value): a rule's count rounds down to one of them.
+_SPLIT_COUNTS = (1, 2, 4, 8, 12, 16, 20)
 # Decode-only steps with at least this many splits take the fused decode kernel. Without splits (32 or 128
 # rows) the separate store + attention kernels measured faster on an H200: 7.82-8.13 vs 8.38 ms per step at
 # 128 rows, 3.031 vs 3.096 at 32 (profile_step --fused-decode-min-splits 1, 29ed633); with them (one row)
@@ -349,6 +357,4 @@ class TritonAttentionBackend(AttentionBackend):
         wanted = math.ceil(_PROGRAMS_PER_SM * cuda_sm_count(device) / programs)
         by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
         splits = max(1, min(wanted, by_length, _MAX_SPLITS))
-        # Round down to a power of two: NUM_SPLITS is a compile-time constant,
-        # and a growing max_seq_len should not compile a kernel per value.
-        return 1 << (splits.bit_length() - 1)
+        return max(c for c in _SPLIT_COUNTS if c <= splits)

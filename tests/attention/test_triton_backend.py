@@ -189,7 +189,7 @@ def check_fused_decode(seq_lens, heads, kv_heads, head_dim, block_size, dtype, a
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2), (6, 2)], ids=["gqa", "mha", "gqa3"])
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, 20])  # 20: most splits get no key tile
 def test_fused_decode_matches_rotary_store_then_attend(heads, kv_heads, num_splits):
     # Contexts of one token (no history: only the row's own key), inside one page, over page edges and
     # over several 16-key steps; with 3 splits some splits of short rows are empty.
@@ -495,3 +495,23 @@ def test_attention_kernels_are_not_specialized_on_step_sizes():
                         ("decode", {"num_tokens", "stride_bt"})):
         fixed, params = got[name]
         assert set(fixed) == sizes and sizes <= set(params), (name, fixed)
+
+
+def test_split_rule_fills_one_wave_and_compiles_few_counts(monkeypatch):
+    """The split-KV count by SM count, batch and context (no GPU needed: the rule uses host ints only)."""
+    import loopline.attention.triton_backend as tb
+
+    monkeypatch.setattr(tb, "cuda_sm_count", lambda device: 132)  # an H200
+    backend, cuda = TritonAttentionBackend(), torch.device("cuda")
+
+    def splits(rows, kv_heads, max_seq_len, q_tiles=1):
+        return backend._pick_num_splits(cuda, rows * kv_heads * q_tiles, q_tiles, max_seq_len)
+
+    assert splits(1, 16, 8192) == 20  # one row of Ouro: ~2.5 programs per SM, one key tile each to 1,280 keys
+    assert splits(1, 16, 1024) == 16  # at least 64 keys per split
+    assert splits(1, 16, 300) == 4
+    assert splits(2, 16, 8192) == 8 and splits(8, 16, 8192) == 2 and splits(32, 16, 8192) == 1
+    assert splits(1, 16, 8192, q_tiles=4) == 1  # prefill tiles are never split
+    counts = {splits(r, h, n) for r in range(1, 70) for h in (1, 2, 4, 8, 16) for n in range(1, 9000, 97)}
+    assert counts <= set(tb._SPLIT_COUNTS) and {1, 4, 12, 20} <= counts
+    assert TritonAttentionBackend(num_splits=24)._pick_num_splits(cuda, 16, 1, 64) == 24  # forced: any count
