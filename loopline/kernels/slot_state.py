@@ -1,11 +1,12 @@
 """The per-slot decode state's step ops, one kernel each (:class:`TritonSlotOps`).
 
 :class:`loopline.worker.decode_state.SlotOps` is the reference in torch: deriving
-a step's decode rows from the state (async scheduling), the exit rule with the
-slots' hidden state and survival, and the advance after sampling. There each
-gather, ``where`` and scatter of a few elements is a launch of its own, ~40 per
-step, which at one decode row cost ~10% of the step; here each op is one
-launch, one program per row. Rows are distinct slots (padding rows all use the
+a step's decode rows from the state (async scheduling), the loop's input (the
+prelude or the slot's hidden state), the exit rule with the slots' hidden state
+and survival, and the advance after sampling. There each gather, ``where`` and
+scatter of a few elements is a launch of its own, ~40 per step, which at one
+decode row cost ~10% of the step; here each op is one launch, one program per
+row. Rows are distinct slots (padding rows all use the
 scratch slot, whose contents nothing reads), so programs never race on live
 state.
 """
@@ -106,6 +107,24 @@ if triton is not None:
             m = cols < n_cols
             tl.store(hidden_s + slot * stride_hs + cols, tl.load(h_ptr + b * stride_h + cols, mask=m), mask=m)
 
+    @triton.jit
+    def _decode_inputs_kernel(
+        ids_ptr, starts_ptr, slots_ptr,  # rows [B]: int64, bool, int64
+        embed_ptr, hidden_s, out_ptr,  # embedding [V, H], slot hidden state [S, H], out [B, H]
+        n_cols, stride_e, stride_hs, stride_o,
+        BLOCK: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        # One source row per program: the fed token's embedding or the slot's hidden state, never both.
+        if tl.load(starts_ptr + b) != 0:
+            src = embed_ptr + tl.load(ids_ptr + b) * stride_e
+        else:
+            src = hidden_s + tl.load(slots_ptr + b) * stride_hs
+        for c in range(0, n_cols, BLOCK):
+            cols = c + tl.arange(0, BLOCK)
+            m = cols < n_cols
+            tl.store(out_ptr + b.to(tl.int64) * stride_o + cols, tl.load(src + cols, mask=m), mask=m)
+
     @triton.jit(do_not_specialize=["n_rows"])
     def _advance_kernel(
         loop_ptr, token_ptr, pos_ptr, tidx_ptr,  # per-slot state [S] int64, updated in place
@@ -189,6 +208,26 @@ class TritonSlotOps(SlotOps):
         dec = DecodeTensors(slots=d_slots, loops=loops, starts=starts, input_ids=ids, min_loops=mins,
                             max_loops=maxs, threshold=threshold, plane_slots=plane_slots)
         return DecodeRows(dec, positions, slot_mapping, seq_lens, tables, loops, run, tidx)
+
+    def decode_inputs(self, d: DecodeTensors, embed_weight: Tensor, slot_hidden: Tensor) -> Tensor:
+        # One launch instead of the embedding, the gather and the where (3 at one row, ~2 us each). It is
+        # a plain launch (no PDL): the layers' first PDL kernels may read what decode_rows wrote before
+        # their grid-dependency wait only because a plain launch separates them from it.
+        n = d.slots.shape[0]
+        cols = slot_hidden.shape[1]
+        if embed_weight.dtype != slot_hidden.dtype or embed_weight.shape[1] != cols:
+            raise ValueError(f"decode_inputs: embed_weight ({embed_weight.dtype}, {embed_weight.shape[1]} columns) "
+                             f"and slot_hidden ({slot_hidden.dtype}, {cols} columns) must match")
+        if embed_weight.stride(1) != 1 or slot_hidden.stride(1) != 1:
+            raise ValueError("decode_inputs: embed_weight and slot_hidden must have unit column stride")
+        out = torch.empty((n, cols), dtype=slot_hidden.dtype, device=slot_hidden.device)
+        if n == 0:
+            return out
+        _check("decode_inputs", input_ids=(d.input_ids, _I64), starts=(d.starts, _BOOL), slots=(d.slots, _I64))
+        _decode_inputs_kernel[(n,)](
+            d.input_ids, _int8(d.starts), d.slots, embed_weight, slot_hidden, out, cols, embed_weight.stride(0),
+            slot_hidden.stride(0), out.stride(0), BLOCK=min(triton.next_power_of_2(cols), 4096), num_warps=4)
+        return out
 
     def exit_and_store(self, h: Tensor, gate: Tensor, d: DecodeTensors, slot_hidden: Tensor,
                        slot_survival: Tensor) -> Tensor:

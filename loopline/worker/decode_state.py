@@ -20,7 +20,7 @@ slot state is saved and loaded with it (``save`` / ``load``).
 with the slots' hidden state and survival, and the advance, in torch (the
 reference). At one decode row each torch op is a launch of its own, ~40 per
 step; ``loopline.kernels.slot_state.TritonSlotOps`` does each of the three in
-one kernel.
+one kernel (the loop's input, the prelude or the slot's hidden state, too).
 """
 from __future__ import annotations
 
@@ -98,6 +98,11 @@ class SlotOps:
             seq_lens=torch.where(run, pos + 1, 1).to(torch.int32),
             block_tables=torch.where(run[:, None], ds.tables[slots, plane], ds.scratch_block),
             loops=loops, run=run, token_index=tidx)
+
+    def decode_inputs(self, d: DecodeTensors, embed_weight: Tensor, slot_hidden: Tensor) -> Tensor:
+        """The loop's input of decode rows ``d`` ``[B, H]``: the prelude (the embedding of the fed token)
+        for rows starting a token, the slot's hidden state for the others."""
+        return torch.where(d.starts[:, None], embed_weight[d.input_ids], slot_hidden[d.slots])
 
     def exit_and_store(self, h: Tensor, gate: Tensor, d: DecodeTensors, slot_hidden: Tensor,
                        slot_survival: Tensor) -> Tensor:

@@ -4,6 +4,8 @@ Each op runs on copies of one random state; every output and every state tensor 
 exit rule's survival within fp32 rounding: the kernel's sigmoid is not torch's)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from triton_testing import DEVICE
@@ -93,6 +95,28 @@ def test_exit_and_store_matches_reference():
     assert 0 < int(ex.sum()) < n  # both outcomes occur
     assert torch.equal(out_h, ref_h) and not torch.equal(out_h, hidden0)
     torch.testing.assert_close(out_s, ref_s, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("hidden", [40, 4100])  # 4100: more than one column block per row
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_inputs_matches_reference(hidden, dtype):
+    g = torch.Generator().manual_seed(5)
+    n, vocab = 9, 300
+    slots = torch.randperm(SLOTS - 1, generator=g)[:n].to(DEVICE)
+    loops = torch.randint(1, LOOPS + 1, (n,), generator=g).to(DEVICE)
+    loops[:2], loops[2:4] = 1, 3  # both sources occur
+    ids = torch.randint(0, vocab, (n,), generator=g).to(DEVICE)
+    d = DecodeTensors(slots=slots, loops=loops, starts=loops == 1, input_ids=ids, min_loops=loops,
+                      max_loops=loops, threshold=loops.float(), plane_slots=slots[:, None])
+    embed = torch.randn(vocab, hidden, generator=g).to(DEVICE, dtype)
+    slot_hidden = torch.randn(SLOTS, hidden, generator=g).to(DEVICE, dtype)
+    out = TritonSlotOps().decode_inputs(d, embed, slot_hidden)
+    assert out.dtype == dtype and torch.equal(out, SlotOps().decode_inputs(d, embed, slot_hidden))
+    assert torch.equal(out[0], embed[ids[0]]) and torch.equal(out[2], slot_hidden[slots[2]])
+    with pytest.raises(ValueError, match="embed_weight .* and slot_hidden .* must match"):
+        TritonSlotOps().decode_inputs(d, embed.float() if dtype != torch.float32 else embed.double(), slot_hidden)
+    with pytest.raises(ValueError, match="input_ids must be a contiguous torch.int64"):
+        TritonSlotOps().decode_inputs(dataclasses.replace(d, input_ids=ids.int()), embed, slot_hidden)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])  # 300: more than one program
