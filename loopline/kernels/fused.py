@@ -42,21 +42,25 @@ if triton is not None:
         tl.store(y_ptr + row * stride_y + cols, y.to(dtype), mask=cols < n_cols)
 
     @triton.jit
-    def _exit_gate_kernel(
-        h_ptr, w_ptr, b_ptr, out_ptr,  # h [N, H] rows, weight [H], bias [1], out [N] fp32
-        n_rows, n_cols, stride_h,
-        BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    def _norm_exit_gate_kernel(
+        x_ptr, b_ptr, wb_ptr, wn_ptr, wg_ptr, bg_ptr, y_ptr, gate_ptr,  # rows of [N, H]; weights [H]; gate [N] fp32
+        n_cols, eps,
+        stride_x, stride_b, stride_y,
+        BLOCK: tl.constexpr, HAS_BRANCH: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
     ):
         grid_dependency_wait(PDL)
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-        h = tl.load(h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
-        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        logit = tl.sum(h.to(tl.float32) * w[None, :], axis=1)
+        m = cols < n_cols
+        dtype = y_ptr.dtype.element_ty
+        # The residual sum itself is not needed after the loop: only h = norm(x') is stored.
+        y = normed_row(x_ptr + row * stride_x, b_ptr + row * stride_b, wb_ptr, wn_ptr, x_ptr, n_cols, eps, BLOCK,
+                       HAS_BRANCH, False, dtype)
+        tl.store(y_ptr + row * stride_y + cols, y.to(dtype), mask=m)
+        logit = tl.sum(y * tl.load(wg_ptr + cols, mask=m, other=0.0).to(tl.float32), axis=0)
         if HAS_BIAS:
-            logit += tl.load(b_ptr).to(tl.float32)
-        tl.store(out_ptr + rows, logit, mask=rows < n_rows)
+            logit += tl.load(bg_ptr).to(tl.float32)
+        tl.store(gate_ptr + row, logit)
 
     @triton.jit
     def _rotary_kernel(
@@ -225,21 +229,26 @@ class TritonOps(TorchOps):
                                    num_warps=_norm_warps(n))
         return x_out, y
 
-    def exit_gate(self, gate: torch.nn.Linear, h: Tensor) -> Tensor:  # type: ignore[override]
-        # One kernel instead of casts, a cuBLAS fp32 GEMV and its split-K reduce (17 us per step on an H200).
-        if h.requires_grad or (gate.weight.requires_grad and torch.is_grad_enabled()):
-            return TorchOps.exit_gate(gate, h)
-        h = _row_major(h)
-        n, cols = h.shape
-        out = torch.empty(n, dtype=torch.float32, device=h.device)
+    def norm_exit_gate(self, gate: torch.nn.Linear, x: Tensor, branch: Tensor | None,  # type: ignore[override]
+                       branch_weight: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        # One launch for the loop's last add + norm and the gate: a link less in a decode step's chain (the
+        # gate alone, a kernel of its own, had replaced casts, a cuBLAS fp32 GEMV and its split-K reduce).
+        if (x.requires_grad or (branch is not None and branch.requires_grad)
+                or (gate.weight.requires_grad and torch.is_grad_enabled())):
+            return super().norm_exit_gate(gate, x, branch, branch_weight, weight, eps)
+        x = _row_major(x)
+        branch = x if branch is None else _row_major(branch)
+        n, h = x.shape
+        y = torch.empty_like(x)
+        logits = torch.empty(n, dtype=torch.float32, device=x.device)
         if n == 0:
-            return out
-        rows = 4
-        _exit_gate_kernel[(triton.cdiv(n, rows),)](
-            h, gate.weight, gate.bias if gate.bias is not None else gate.weight, out, n, cols, h.stride(0),
-            BLOCK_R=rows, BLOCK=triton.next_power_of_2(cols), HAS_BIAS=gate.bias is not None,
-            **pdl_options(h.device))
-        return out
+            return y, logits
+        _norm_exit_gate_kernel[(n,)](
+            x, branch, weight if branch_weight is None else branch_weight, weight, gate.weight,
+            gate.weight if gate.bias is None else gate.bias, y, logits, h, eps, x.stride(0), branch.stride(0),
+            y.stride(0), BLOCK=triton.next_power_of_2(h), HAS_BRANCH=branch is not x, HAS_BIAS=gate.bias is not None,
+            **pdl_options(x.device), num_warps=_norm_warps(n))
+        return y, logits
 
     def rotary(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         if q.requires_grad or k.requires_grad:

@@ -47,6 +47,13 @@ class TorchOps:
         bias = None if gate.bias is None else gate.bias.float()
         return F.linear(h.float(), gate.weight.float(), bias).squeeze(-1)
 
+    def norm_exit_gate(self, gate: torch.nn.Linear, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None,
+                       weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """The loop's end: ``h = norm(x + norm(branch))`` (``x`` without a branch) and its fp32 exit-gate
+        logits. Returns ``(h, logits [N])``."""
+        _, h = self._add_norm(x, branch, branch_weight, weight, eps)
+        return h, self.exit_gate(gate, h)
+
     @staticmethod
     def logits(lm_head: torch.nn.Linear, h: Tensor, needed: Tensor | None = None) -> Tensor:
         """fp32 ``lm_head(h)`` ``[M, vocab]``. ``needed`` (``[M]`` bool) marks the rows whose logits are

@@ -244,9 +244,9 @@ class OuroForCausalLM(nn.Module):
         for layer in self.model.layers:
             x, branch = layer(x, branch, branch_weight, rope, attn, ops)
             branch_weight = layer.post_attention_layernorm_2.weight
-        # The last residual add and the final norm: the next loop's input and the gate's.
-        _, h = ops.add_rms_norm(x, branch, branch_weight, self.model.norm.weight, self.config.rms_norm_eps)
-        return h, ops.exit_gate(self.model.early_exit_gate, h)
+        # The last residual add and the final norm (the next loop's input), and the exit gate on it.
+        return ops.norm_exit_gate(self.model.early_exit_gate, x, branch, branch_weight, self.model.norm.weight,
+                                  self.config.rms_norm_eps)
 
     def head(self, hidden: Tensor, needed: Tensor | None = None) -> Tensor:
         """Coda: ``[M, hidden]`` -> fp32 logits ``[M, vocab]``.

@@ -434,7 +434,7 @@ class ModelRunner:
 
     def decode_inputs(self, d: DecodeTensors) -> Tensor:
         """Prelude for rows starting a token, the slot's hidden state for the others. [B, H]"""
-        return torch.where(d.starts[:, None], self.model.embed(d.input_ids), self.slot_hidden[d.slots])
+        return self.slot_ops.decode_inputs(d, self.model.model.embed_tokens.weight, self.slot_hidden)
 
     def _decode_tail(self, h: Tensor, gate: Tensor, d: DecodeTensors) -> tuple[Tensor, Tensor]:
         """Exit rule, slot state, the exit copy and the coda for every decode row, without host syncs.
@@ -530,8 +530,9 @@ class ModelRunner:
         ds = self.decode_state
         tensors = build_sampling_tensors(states, index, all_logits.shape[-1], self.sampler.logprobs_mode, self.device,
                                          host_penalties=ds is None)
-        if token_index is not None:
-            tensors.token_index = torch.cat([token_index, tensors.token_index[nd:]])
+        if token_index is not None:  # (no cat without prompt rows: a launch of its own)
+            tensors.token_index = (torch.cat([token_index, tensors.token_index[nd:]]) if sample_meta
+                                   else token_index)
         if ds is not None and tensors.any_penalties:
             done = stage(self.device, ([rows[m[0]].slot for m in sample_meta], np.int64))[0]
             row_slots = torch.cat([slots, done]) if nd else done

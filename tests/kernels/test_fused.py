@@ -57,16 +57,22 @@ def test_silu_mul(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_exit_gate(dtype, bias):
+@pytest.mark.parametrize("with_branch", [True, False])
+def test_norm_exit_gate(dtype, bias, with_branch):
     g = torch.Generator().manual_seed(3)
     gate = torch.nn.Linear(48, 1, bias=bias).to(DEVICE, dtype)
-    h = torch.randn(7, 96, generator=g).to(DEVICE, dtype)[:, :48]  # 7 rows: a partial block; a row stride
-    got = TritonOps().exit_gate(gate, h)
-    assert got.dtype == torch.float32 and got.shape == (7,)
-    close(got, TorchOps.exit_gate(gate, h), torch.float32)  # fp32 products of the same rounded operands
-    assert TritonOps().exit_gate(gate, h[:0]).shape == (0,)
+    x = torch.randn(7, 96, generator=g).to(DEVICE, dtype)[:, :48]  # 7 rows with a row stride; 48: masked columns
+    branch = torch.randn(7, 48, generator=g).to(DEVICE, dtype) if with_branch else None
+    wb, wn = ((1 + 0.1 * torch.randn(48, generator=g)).to(DEVICE, dtype) for _ in range(2))
+    h, logits = TritonOps().norm_exit_gate(gate, x, branch, wb if with_branch else None, wn, 1e-6)
+    ref_h, ref_logits = TorchOps().norm_exit_gate(gate, x, branch, wb if with_branch else None, wn, 1e-6)
+    assert logits.dtype == torch.float32 and logits.shape == (7,) and h.dtype == dtype
+    close(h, ref_h, dtype)
+    close(logits, ref_logits, torch.float32 if dtype == torch.float32 else dtype)
+    empty = TritonOps().norm_exit_gate(gate, x[:0], None if branch is None else branch[:0], wb, wn, 1e-6)
+    assert empty[0].shape == (0, 48) and empty[1].shape == (0,)
     with pytest.raises(AssertionError):  # the test can fail: another row's logits are caught
-        close(got, TorchOps.exit_gate(gate, h.roll(1, 0)), torch.float32)
+        close(logits, ref_logits.roll(1, 0), torch.float32)
 
 
 def test_autograd_falls_back_to_reference():
