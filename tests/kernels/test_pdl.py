@@ -43,8 +43,8 @@ CASES = {
     "norm_gemv": ("loopline.kernels.gemv", "_norm_gemv_kernel", {},
                   {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True, "HAS_BRANCH": True}, True),
     "add_rms_norm": ("loopline.kernels.fused", "_add_rms_norm_kernel", {}, {"BLOCK": 256, "HAS_BRANCH": True}, True),
-    "exit_gate": ("loopline.kernels.fused", "_exit_gate_kernel", {"out_ptr": "*fp32"},
-                  {"BLOCK_R": 4, "BLOCK": 256, "HAS_BIAS": True}, True),
+    "norm_exit_gate": ("loopline.kernels.fused", "_norm_exit_gate_kernel", {"gate_ptr": "*fp32"},
+                       {"BLOCK": 256, "HAS_BRANCH": True, "HAS_BIAS": True}, True),
     "rope_write_kv": ("loopline.attention.triton_kernels", "rope_write_kv_kernel", {"slot_mapping_ptr": "*i64"},
                       {"BLOCK_SIZE": 16, "HALF": 32, "BLOCK_H": 4, "ROTATE": True}, True),
     "write_kv": ("loopline.attention.triton_kernels", "rope_write_kv_kernel", {"slot_mapping_ptr": "*i64"},
@@ -142,7 +142,7 @@ def test_decode_attention_prefetches_only_history_before_the_wait(ptx):
     _check_waits_first(ptx["decode_attention"], prefetch=("evict_last",))
 
 
-@pytest.mark.parametrize("case", ["add_rms_norm", "exit_gate", "rope_write_kv", "write_kv", "merge_splits",
+@pytest.mark.parametrize("case", ["add_rms_norm", "norm_exit_gate", "rope_write_kv", "write_kv", "merge_splits",
                                   "paged_attention"])
 def test_kernels_wait_before_everything(ptx, case):
     _check_waits_first(ptx[case])
