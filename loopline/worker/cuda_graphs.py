@@ -120,10 +120,21 @@ class _GraphSet:
         self.padding = {k: torch.from_numpy(lay.padding).to(device) for k, lay in layouts.items()}
         self.graphs: dict = {}  # key -> torch.cuda.CUDAGraph
         self.outputs: dict = {}  # key -> the captured outputs
+        self._uploaded: bytes | None = None  # the host image the device inputs hold, if one does
 
     def reset_inputs(self, key) -> None:
         """Fills graph ``key``'s inputs with scratch rows (on the device)."""
         self.inputs[:self.layouts[key].nbytes].copy_(self.padding[key])
+        self._uploaded = None
+
+    def _upload(self, pinned: Tensor) -> None:
+        """Copies a host image of the inputs to the device, unless the device already holds it: async
+        decode steps of an unchanged batch send the same four arrays every step, and at one row each
+        copy is a link of the step's chain (the graphs never write their inputs)."""
+        image = pinned.numpy().tobytes()
+        if image != self._uploaded:
+            self.inputs[:pinned.shape[0]].copy_(pinned, non_blocking=True)
+            self._uploaded = image
 
     def _forward(self, key) -> tuple:
         raise NotImplementedError
@@ -210,10 +221,14 @@ class _DeviceRows:
             v["slots"], v["min_loops"], v["max_loops"], v["threshold"])
         return dec, positions, slot_mapping, seq_lens, tables, (v["slots"], *extras)
 
+    def __init__(self, no_refill: bool) -> None:
+        self.no_refill = no_refill
+
     def exits(self, ex: Tensor, extras: tuple) -> Tensor:
-        """Only rows that ran exit (a ``no_refill`` row waiting for its cohort does not)."""
+        """Only rows that ran exit (a ``no_refill`` row waiting for its cohort does not; without
+        ``no_refill`` every row runs, and the mask would be a launch of its own)."""
         _slots, _loops, run, _token_index = extras
-        return ex & run
+        return ex & run if self.no_refill else ex
 
 
 class DecodeGraphs(_GraphSet):
@@ -226,7 +241,7 @@ class DecodeGraphs(_GraphSet):
         self.sizes = bucket_sizes(max_rows)
         dev = runner.device
         self.max_blocks = -(-max_seq_len // runner.block_size)
-        self.source = _DeviceRows() if runner.decode_state is not None else _HostRows()
+        self.source = _DeviceRows(runner._no_refill) if runner.decode_state is not None else _HostRows()
         self._init_inputs({b: _Layout(self.source.fields(self, b)) for b in self.sizes}, dev)
         self.query_start_loc = torch.arange(self.sizes[-1] + 1, dtype=torch.int32, device=dev)
 
@@ -258,7 +273,7 @@ class DecodeGraphs(_GraphSet):
         lay = self.layouts[self._bucket(n)]
         pinned, v = _pinned_image(lay, self.inputs.is_cuda)
         _put_decode_rows(v, inp)
-        self.inputs[:lay.nbytes].copy_(pinned, non_blocking=True)
+        self._upload(pinned)
         return self._replay(n)
 
     def run_slots(self, slots: np.ndarray, min_loops: np.ndarray, max_loops: np.ndarray,
@@ -270,7 +285,7 @@ class DecodeGraphs(_GraphSet):
         lay = self.layouts[self._bucket(n)]
         pinned, v = _pinned_image(lay, self.inputs.is_cuda)
         v["slots"][:n], v["min_loops"][:n], v["max_loops"][:n], v["threshold"][:n] = slots, min_loops, max_loops, threshold
-        self.inputs[:lay.nbytes].copy_(pinned, non_blocking=True)
+        self._upload(pinned)
         ex, logits, *extras = self._replay(n)
         return ex, logits, tuple(extras)
 

@@ -144,3 +144,31 @@ def test_captures_run_with_python_gc_paused_and_restore_it():
         assert not gc.isenabled()  # a caller's own setting is left as it was
     finally:
         gc.enable()
+
+
+def test_async_no_refill_graphs_equal_eager(tiny_gqa):
+    """no_refill rows waiting for their cohort run on scratch: the graph masks their exits."""
+    kw = dict(async_scheduling=True, scheduling_mode="no_refill")
+    _EagerReplay.replays = 0
+    with_graphs = run(tiny_gqa, graphs=True, **kw)
+    assert _EagerReplay.replays > 20
+    assert with_graphs == run(tiny_gqa, graphs=False, **kw)
+
+
+def test_inputs_upload_only_when_the_image_changes(tiny_gqa):
+    import torch
+
+    engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True,
+                                  block_size=4, max_num_seqs=2, max_model_len=64))
+    graphs = DecodeGraphs(engine.runner, 2, 64)
+    image = torch.arange(16, dtype=torch.uint8)
+    graphs._upload(image)
+    assert torch.equal(graphs.inputs[:16], image)
+    graphs.inputs[0] = 77  # stands in for a write the cache does not know of
+    graphs._upload(image.clone())  # the same bytes: no copy
+    assert int(graphs.inputs[0]) == 77
+    graphs._upload(image + 1)  # other bytes: copied
+    assert torch.equal(graphs.inputs[:16], image + 1)
+    graphs.reset_inputs(graphs.sizes[0])  # forgets what the device holds
+    graphs._upload(image + 1)
+    assert torch.equal(graphs.inputs[:16], image + 1)
