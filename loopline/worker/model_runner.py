@@ -37,7 +37,7 @@ from loopline.attention import PagedAttentionMetadata
 from loopline.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from loopline.worker.decode_state import DecodeTensors, DeviceDecodeState, SlotOps
 from loopline.worker.sampler import Sampler, SamplerOutput
-from loopline.worker.sampling_inputs import SampleBatch, build_sampling_tensors, has_penalties
+from loopline.worker.sampling_inputs import ParamsStager, SampleBatch, build_sampling_tensors, has_penalties
 from loopline.worker.staging import stage
 from loopline.worker.swap import Snapshot
 from loopline.worker.step_inputs import DecodeBatch, StepInputs, build_step_inputs, work_list
@@ -103,6 +103,7 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         self.decode_state: DeviceDecodeState | None = None  # async scheduling only
         self._no_refill = False
+        self._sampling_params = ParamsStager()  # the sampled rows' parameters, on the device while unchanged
         self._per_token_exits = False
         self._graphs_max_seq_len: int | None = None  # graphs to recapture after a sleep
         self._graphs_max_tokens: int | None = None
@@ -324,8 +325,8 @@ class ModelRunner:
                 block_tables=tables_all, slot_mapping=torch.cat(map_parts), max_query_len=max_q, max_seq_len=max_seq)
             ex, logits = self._run_loop(rows, nd, torch.cat(x_parts), torch.cat(pos_parts), meta, offsets,
                                         dec if nd else None, exited, sample_hidden, sample_meta, prompt_logprobs)
-        if ex is not None and not decode_graphed:  # the decode graph masks its exits itself
-            ex = ex & run
+        if ex is not None and not decode_graphed and self._no_refill:  # (the decode graph masks its own)
+            ex = ex & run  # a no_refill row waiting for its cohort does not exit; otherwise every row runs
         batch = self._sample(rows, nd, ex, logits, sample_hidden, sample_meta, depth=loops, token_index=tidx,
                              slots=slots)
         if batch is None:
@@ -527,12 +528,12 @@ class ModelRunner:
         row_idx = list(range(nd)) + [m[0] for m in sample_meta]
         states = [self.requests[rows[i].request_id] for i in row_idx]
         index = [rows[i].token_index for i in range(nd)] + [m[2] for m in sample_meta]
+        if token_index is not None:  # the device's (async): exact, where the host's lags; no cat without prompts
+            index = (torch.cat([token_index, stage(self.device, (index[nd:], np.int64))[0]]) if sample_meta
+                     else token_index)
         ds = self.decode_state
         tensors = build_sampling_tensors(states, index, all_logits.shape[-1], self.sampler.logprobs_mode, self.device,
-                                         host_penalties=ds is None)
-        if token_index is not None:  # (no cat without prompt rows: a launch of its own)
-            tensors.token_index = (torch.cat([token_index, tensors.token_index[nd:]]) if sample_meta
-                                   else token_index)
+                                         host_penalties=ds is None, params=self._sampling_params)
         if ds is not None and tensors.any_penalties:
             done = stage(self.device, ([rows[m[0]].slot for m in sample_meta], np.int64))[0]
             row_slots = torch.cat([slots, done]) if nd else done

@@ -19,6 +19,9 @@ from loopline.worker.sampler import SamplerOutput, SamplingTensors
 from loopline.worker.staging import stage
 
 
+_PACKED = ("exit", "depth", "ids")  # [M] each: bool, int64, int64
+
+
 @dataclass
 class SampleBatch:
     """A step's sampled rows on the device, and their reading back to the host."""
@@ -46,17 +49,28 @@ class SampleBatch:
         if self.exit_flags.device.type != "cuda":
             host = {k: t.tolist() if t is not None else None for k, t in tensors.items()}
             return lambda: host
-        pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if t is not None else None
-                  for k, t in tensors.items()}
-        for k, t in tensors.items():
-            if t is not None:
-                pinned[k].copy_(t, non_blocking=True)
+        # The three per-row results every step reads travel as one int64 array: one stack and one copy
+        # instead of three copies (at one decode row each is a link of the step's chain).
+        packed = [k for k in _PACKED if tensors[k] is not None]
+        rest = {k: t for k, t in tensors.items() if k not in packed and t is not None}
+        stacked = torch.stack([tensors[k] for k in packed]) if packed else None
+        pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in rest.items()}
+        host_stack = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True) if packed else None
+        if packed:
+            host_stack.copy_(stacked, non_blocking=True)
+        for k, t in rest.items():
+            pinned[k].copy_(t, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
 
         def wait() -> dict:
             done.synchronize()
-            return {k: t.tolist() if t is not None else None for k, t in pinned.items()}
+            host = dict.fromkeys(tensors)
+            host.update({k: t.tolist() for k, t in pinned.items()})
+            if packed:
+                for k, row in zip(packed, host_stack.tolist()):
+                    host[k] = [bool(v) for v in row] if k == "exit" else row
+            return host
 
         return wait
 
@@ -66,21 +80,46 @@ def has_penalties(p) -> bool:
     return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0
 
 
-def build_sampling_tensors(states: list, token_index: list[int], vocab: int, default_mode: str,
-                           device: torch.device, host_penalties: bool = True) -> SamplingTensors:
+class ParamsStager:
+    """The rows' per-request sampling parameters on the device, staged again only when they change.
+
+    From one step to the next a decode batch usually samples the same requests, whose parameters
+    are fixed: the device copy of the last step is reused then (its tensors are never written), and
+    a step of an unchanged batch sends nothing (at one decode row a copy is a link of the step)."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._staged: list[Tensor] = []
+
+    def __call__(self, device: torch.device, states: list) -> list[Tensor]:
+        """``temperature, top_p, min_p, presence, frequency, repetition, top_k, seeds`` ``[B]`` each."""
+        rows = tuple((s.params.temperature, s.params.top_p, s.params.min_p, s.params.presence_penalty,
+                      s.params.frequency_penalty, s.params.repetition_penalty, max(s.params.top_k, 0), s.seed)
+                     for s in states)
+        key = (device, rows)
+        if key != self._key:
+            f32, i64 = np.float32, np.int64
+            cols = list(zip(*rows)) if rows else [()] * 8
+            self._staged = stage(device, *((c, dt) for c, dt in zip(cols, (f32,) * 6 + (i64, i64))))
+            self._key = key
+        return self._staged
+
+
+def build_sampling_tensors(states: list, token_index: list[int] | Tensor, vocab: int, default_mode: str,
+                           device: torch.device, host_penalties: bool = True,
+                           params: ParamsStager | None = None) -> SamplingTensors:
     """Per-row sampling parameters of the rows sampled this step (``states``: request states).
 
+    ``token_index``: each row's index in its completion, host ints or already on the device.
     Penalties need each row's prompt and generated tokens (``state.prompt``, ``state.output_ids``);
     with ``host_penalties=False`` the caller supplies ``output_counts`` / ``seen_mask`` itself.
+    ``params`` reuses the parameters' device copy across calls (see :class:`ParamsStager`).
     """
     dev = device
     ps = [s.params for s in states]
-    f32, i64 = np.float32, np.int64
-    (temperature, top_p, min_p, presence, frequency, repetition, top_k, seeds, index) = stage(
-        dev, ([p.temperature for p in ps], f32), ([p.top_p for p in ps], f32), ([p.min_p for p in ps], f32),
-        ([p.presence_penalty for p in ps], f32), ([p.frequency_penalty for p in ps], f32),
-        ([p.repetition_penalty for p in ps], f32), ([max(p.top_k, 0) for p in ps], i64),
-        ([s.seed for s in states], i64), (token_index, i64))
+    i64 = np.int64
+    temperature, top_p, min_p, presence, frequency, repetition, top_k, seeds = (params or ParamsStager())(dev, states)
+    index = token_index if isinstance(token_index, Tensor) else stage(dev, (token_index, i64))[0]
     any_pen = any(has_penalties(p) for p in ps)
     counts = seen = None
     if any_pen and host_penalties:

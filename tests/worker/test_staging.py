@@ -46,3 +46,24 @@ def test_stage_cuda_is_one_async_copy():
     assert not done.query()  # the matmuls are still running: stage() did not synchronize
     torch.cuda.synchronize()
     assert staged.tolist() == [0, 1, 2]
+
+
+def test_params_stager_reuses_the_device_copy_while_the_rows_are_unchanged():
+    from types import SimpleNamespace
+
+    from loopline import SamplingParams
+    from loopline.worker.sampling_inputs import ParamsStager
+
+    def row(seed, **kw):
+        return SimpleNamespace(params=SamplingParams(**kw), seed=seed)
+
+    rows = [row(1, temperature=0.7, top_k=5), row(2, temperature=0.0, repetition_penalty=1.3)]
+    stager = ParamsStager()
+    first = stager(torch.device("cpu"), rows)
+    assert [t.tolist() for t in first] == [[0.699999988079071, 0.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0],
+                                           [1.0, 1.2999999523162842], [5, 0], [1, 2]]
+    again = stager(torch.device("cpu"), [row(1, temperature=0.7, top_k=5), rows[1]])  # equal values, new objects
+    assert all(a is b for a, b in zip(again, first))
+    changed = stager(torch.device("cpu"), [rows[0], row(3, temperature=0.0, repetition_penalty=1.3)])
+    assert changed[7].tolist() == [1, 3] and changed[0] is not first[0]
+    assert [t.shape for t in stager(torch.device("cpu"), [])] == [(0,)] * 8
