@@ -170,6 +170,8 @@ def main() -> None:
     ap.add_argument("--fused-decode-min-splits", type=int, default=None,
                     help="decode-only steps with at least this many key splits take the fused decode attention "
                          "kernel (default: the backend's own; 1: every decode-only step)")
+    ap.add_argument("--decode-launch", default=None,
+                    help="BLOCK_N,WARPS,STAGES of decode-only attention launches (default: the backend's own)")
     ap.add_argument("--ablate", default="",
                     help=f"comma-separated kernels to replace by no-ops, timing only: {', '.join(ABLATIONS)}")
     a = ap.parse_args()
@@ -184,6 +186,14 @@ def main() -> None:
             return a.attn_num_splits if chosen > 1 else chosen
 
         triton_backend.TritonAttentionBackend._pick_num_splits = exact
+    if a.decode_launch:
+        launch = triton_backend.DecodeLaunch(*map(int, a.decode_launch.split(",")))
+        init = triton_backend.TritonAttentionBackend.__init__
+
+        def with_launch(self, num_splits=None, decode_launch=None, prefill_launch=None):
+            init(self, num_splits, decode_launch or launch, prefill_launch)
+
+        triton_backend.TritonAttentionBackend.__init__ = with_launch
     if a.attn_splits:
         triton_backend._MAX_SPLITS, triton_backend._MIN_KEYS_PER_SPLIT = map(int, a.attn_splits.split(","))
     for spec in (a.gemv_config or "").split(";"):
