@@ -229,7 +229,9 @@ class TritonAttentionBackend(AttentionBackend):
             # With splits (small batches) the step is latency-bound and the grid fits in one wave at two
             # programs per SM; larger grids keep the pipelined loop's lower register count.
             PREFETCH=num_splits > 1,
-            num_warps=launch.num_warps or 4, num_stages=launch.num_stages or 2,
+            # One stage with splits: a split reads one or two key tiles, nothing for a pipeline to overlap
+            # (one-row step at 1,088 keys 0.961 / 0.962 ms against 0.970 / 0.970 with 2 stages, H200).
+            num_warps=launch.num_warps or 4, num_stages=launch.num_stages or (1 if num_splits > 1 else 2),
         )  # fmt: skip
         self._merge(num_splits, part_out, part_lse, out)
         return out
