@@ -172,6 +172,8 @@ def main() -> None:
                          "kernel (default: the backend's own; 1: every decode-only step)")
     ap.add_argument("--decode-launch", default=None,
                     help="BLOCK_N,WARPS,STAGES of decode-only attention launches (default: the backend's own)")
+    ap.add_argument("--prefill-launch", default=None,
+                    help="BLOCK_M,BLOCK_N,WARPS,STAGES of attention launches with prefill chunks (with --prefill)")
     ap.add_argument("--ablate", default="",
                     help=f"comma-separated kernels to replace by no-ops, timing only: {', '.join(ABLATIONS)}")
     a = ap.parse_args()
@@ -186,12 +188,13 @@ def main() -> None:
             return a.attn_num_splits if chosen > 1 else chosen
 
         triton_backend.TritonAttentionBackend._pick_num_splits = exact
-    if a.decode_launch:
-        launch = triton_backend.DecodeLaunch(*map(int, a.decode_launch.split(",")))
+    if a.decode_launch or a.prefill_launch:
+        decode = triton_backend.DecodeLaunch(*map(int, a.decode_launch.split(","))) if a.decode_launch else None
+        prefill = triton_backend.PrefillLaunch(*map(int, a.prefill_launch.split(","))) if a.prefill_launch else None
         init = triton_backend.TritonAttentionBackend.__init__
 
         def with_launch(self, num_splits=None, decode_launch=None, prefill_launch=None):
-            init(self, num_splits, decode_launch or launch, prefill_launch)
+            init(self, num_splits, decode_launch or decode, prefill_launch or prefill)
 
         triton_backend.TritonAttentionBackend.__init__ = with_launch
     if a.attn_splits:
