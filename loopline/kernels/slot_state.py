@@ -6,9 +6,8 @@ prelude or the slot's hidden state), the exit rule with the slots' hidden state
 and survival, and the advance after sampling. There each gather, ``where`` and
 scatter of a few elements is a launch of its own, ~40 per step, which at one
 decode row cost ~10% of the step; here each op is one launch, one program per
-row. Rows are distinct slots (padding rows all use the
-scratch slot, whose contents nothing reads), so programs never race on live
-state.
+row. Rows are distinct slots (padding rows all use the scratch slot, whose
+contents nothing reads), so programs never race on live state.
 """
 from __future__ import annotations
 

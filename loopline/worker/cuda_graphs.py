@@ -203,7 +203,7 @@ class _HostRows:
         d = DecodeTensors(**{k: v[k] for k in _DECODE_FIELDS})
         return d, v["positions"], v["slot_mapping"], v["seq_lens"], v["block_tables"], ()
 
-    def exits(self, ex: Tensor, extras: tuple) -> Tensor:
+    def exits(self, g: "DecodeGraphs", ex: Tensor, extras: tuple) -> Tensor:
         return ex
 
 
@@ -221,14 +221,9 @@ class _DeviceRows:
             v["slots"], v["min_loops"], v["max_loops"], v["threshold"])
         return dec, positions, slot_mapping, seq_lens, tables, (v["slots"], *extras)
 
-    def __init__(self, no_refill: bool) -> None:
-        self.no_refill = no_refill
-
-    def exits(self, ex: Tensor, extras: tuple) -> Tensor:
-        """Only rows that ran exit (a ``no_refill`` row waiting for its cohort does not; without
-        ``no_refill`` every row runs, and the mask would be a launch of its own)."""
+    def exits(self, g: "DecodeGraphs", ex: Tensor, extras: tuple) -> Tensor:
         _slots, _loops, run, _token_index = extras
-        return ex & run if self.no_refill else ex
+        return g.runner.exits_that_ran(ex, run)
 
 
 class DecodeGraphs(_GraphSet):
@@ -241,7 +236,7 @@ class DecodeGraphs(_GraphSet):
         self.sizes = bucket_sizes(max_rows)
         dev = runner.device
         self.max_blocks = -(-max_seq_len // runner.block_size)
-        self.source = _DeviceRows(runner._no_refill) if runner.decode_state is not None else _HostRows()
+        self.source = _DeviceRows() if runner.decode_state is not None else _HostRows()
         self._init_inputs({b: _Layout(self.source.fields(self, b)) for b in self.sizes}, dev)
         self.query_start_loc = torch.arange(self.sizes[-1] + 1, dtype=torch.int32, device=dev)
 
@@ -263,7 +258,7 @@ class DecodeGraphs(_GraphSet):
         x = r.decode_inputs(d)
         h, gate = r.model.loop(x, positions, PagedAttention(r.backend, r.k_cache, r.v_cache, meta, r.scale))
         ex, logits = r._decode_tail(h, gate, d)
-        return self.source.exits(ex, extras), logits, *extras
+        return self.source.exits(self, ex, extras), logits, *extras
 
     # --- replay -----------------------------------------------------------------------
     def run(self, inp: StepInputs) -> tuple[Tensor, Tensor]:

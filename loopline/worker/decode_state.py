@@ -16,11 +16,11 @@ first request with penalties arrives. Likewise ``exit_mode="trace"`` depths
 are kept per slot and read at the device's token index. A preempted request's
 slot state is saved and loaded with it (``save`` / ``load``).
 
-:class:`SlotOps` computes a step's decode rows from this state, the exit rule
-with the slots' hidden state and survival, and the advance, in torch (the
-reference). At one decode row each torch op is a launch of its own, ~40 per
-step; ``loopline.kernels.slot_state.TritonSlotOps`` does each of the three in
-one kernel (the loop's input, the prelude or the slot's hidden state, too).
+:class:`SlotOps` computes a step's decode rows from this state, the loop's
+input (the prelude or the slot's hidden state), the exit rule with the slots'
+hidden state and survival, and the advance, in torch (the reference). At one
+decode row each torch op is a launch of its own, ~40 per step;
+``loopline.kernels.slot_state.TritonSlotOps`` does each of the four in one kernel.
 """
 from __future__ import annotations
 

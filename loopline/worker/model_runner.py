@@ -325,8 +325,8 @@ class ModelRunner:
                 block_tables=tables_all, slot_mapping=torch.cat(map_parts), max_query_len=max_q, max_seq_len=max_seq)
             ex, logits = self._run_loop(rows, nd, torch.cat(x_parts), torch.cat(pos_parts), meta, offsets,
                                         dec if nd else None, exited, sample_hidden, sample_meta, prompt_logprobs)
-        if ex is not None and not decode_graphed and self._no_refill:  # (the decode graph masks its own)
-            ex = ex & run  # a no_refill row waiting for its cohort does not exit; otherwise every row runs
+        if ex is not None and not decode_graphed:  # (the decode graph masks its own)
+            ex = self.exits_that_ran(ex, run)
         batch = self._sample(rows, nd, ex, logits, sample_hidden, sample_meta, depth=loops, token_index=tidx,
                              slots=slots)
         if batch is None:
@@ -432,6 +432,12 @@ class ModelRunner:
         ids = iter(stage(self.device, *((r.input_token_ids, np.int64) for r in starting)))
         return [self.model.embed(next(ids)) if r.loop == 1 else self.requests[r.request_id].hidden[r.start:r.end]
                 for r in prefill]
+
+    def exits_that_ran(self, ex: Tensor, run: Tensor) -> Tensor:
+        """Exit flags of async decode rows, where only rows that ran exit: a ``no_refill`` row waiting
+        for its cohort does not. Without ``no_refill`` every row runs, and the mask would be a launch
+        of its own."""
+        return ex & run if self._no_refill else ex
 
     def decode_inputs(self, d: DecodeTensors) -> Tensor:
         """Prelude for rows starting a token, the slot's hidden state for the others. [B, H]"""

@@ -19,7 +19,7 @@ from loopline.worker.sampler import SamplerOutput, SamplingTensors
 from loopline.worker.staging import stage
 
 
-_PACKED = ("exit", "depth", "ids")  # [M] each: bool, int64, int64
+_PACKED = ("exit", "depth", "ids")  # [M] each, always present: bool, int64, int64
 
 
 @dataclass
@@ -51,25 +51,19 @@ class SampleBatch:
             return lambda: host
         # The three per-row results every step reads travel as one int64 array: one stack and one copy
         # instead of three copies (at one decode row each is a link of the step's chain).
-        packed = [k for k in _PACKED if tensors[k] is not None]
-        rest = {k: t for k, t in tensors.items() if k not in packed and t is not None}
-        stacked = torch.stack([tensors[k] for k in packed]) if packed else None
-        pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in rest.items()}
-        host_stack = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True) if packed else None
-        if packed:
-            host_stack.copy_(stacked, non_blocking=True)
-        for k, t in rest.items():
+        rest = {k: t for k, t in tensors.items() if k not in _PACKED and t is not None}
+        sources = {"packed": torch.stack([tensors[k] for k in _PACKED]), **rest}
+        pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in sources.items()}
+        for k, t in sources.items():
             pinned[k].copy_(t, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
 
         def wait() -> dict:
             done.synchronize()
-            host = dict.fromkeys(tensors)
-            host.update({k: t.tolist() for k, t in pinned.items()})
-            if packed:
-                for k, row in zip(packed, host_stack.tolist()):
-                    host[k] = [bool(v) for v in row] if k == "exit" else row
+            host = {k: pinned[k].tolist() if k in rest else None for k in tensors}
+            exit_flags, host["depth"], host["ids"] = pinned["packed"].tolist()
+            host["exit"] = [bool(v) for v in exit_flags]
             return host
 
         return wait
