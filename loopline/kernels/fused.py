@@ -270,7 +270,7 @@ class TritonOps(TorchOps):
     def logits(self, lm_head: torch.nn.Linear, h: Tensor, needed: Tensor | None = None) -> Tensor:  # type: ignore[override]
         # One decode row: the 200 MB vocabulary projection is read only when the row's token exits.
         if needed is not None and lm_head.bias is None and use_gemv(h, lm_head.weight):
-            return gemv(h, lm_head.weight, needed=needed).float()
+            return gemv(h, lm_head.weight, needed=needed, out_dtype=torch.float32)
         return TorchOps.logits(lm_head, h)
 
     def swiglu_down(self, mlp: torch.nn.Module, gate: Tensor, up: Tensor) -> Tensor:

@@ -80,7 +80,7 @@ if triton is not None:
         PREDICATED: tl.constexpr,  # needed_ptr: one int8 flag; 0 writes zeros without reading W
         PDL: tl.constexpr,
     ):
-        dtype = y_ptr.dtype.element_ty
+        dtype = x_ptr.dtype.element_ty  # y is rounded to the operands' dtype, then stored as y's (fp32 logits)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         # Rows past N are clamped, not masked: they re-read a valid row, the loads stay unpredicated and
         # wide, and the store drops their results.
@@ -95,12 +95,12 @@ if triton is not None:
             grid_dependency_wait(PDL)
             if PREDICATED:
                 if tl.load(needed_ptr) == 0:
-                    tl.store(y_ptr + rows, tl.zeros((BLOCK_N,), dtype=dtype), mask=rows < N)
+                    tl.store(y_ptr + rows, tl.zeros((BLOCK_N,), dtype=y_ptr.dtype.element_ty), mask=rows < N)
                     return
         for k in range(BLOCK_K if PDL and not PREDICATED else 0, K, BLOCK_K):
             w = _weight_tile(w_rows, k, K, BLOCK_K, EVEN_K)
             acc += w.to(tl.float32) * _row_chunk(x_ptr, u_ptr, k, K, BLOCK_K, SILU, dtype)[None, :]
-        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(dtype), mask=rows < N)
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(dtype).to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
     @triton.jit
@@ -192,12 +192,14 @@ def use_gemv(x: Tensor, weight: Tensor) -> bool:
 
 
 def gemv(x: Tensor, weight: Tensor, *, up: Tensor | None = None, needed: Tensor | None = None,
-         config: GemvConfig | None = None) -> Tensor:
+         config: GemvConfig | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
     """``F.linear(x, weight)`` for one row ``x`` ``[1, K]`` and ``weight`` ``[N, K]``; with ``up`` given,
     ``F.linear(silu(x) * up, weight)`` (the MLP's down projection, activation computed on load).
 
     ``needed``: a one-element bool tensor on the device; where it is False the kernel returns zeros
-    without reading the weight (the coda of a decode row whose token does not exit this loop)."""
+    without reading the weight (the coda of a decode row whose token does not exit this loop).
+    ``out_dtype``: the result's dtype (default ``x``'s), holding ``F.linear(x, weight).to(out_dtype)``:
+    rounded to ``x``'s dtype first, so fp32 logits need no conversion launch of their own."""
     if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"gemv wants x [1, K] and weight [N, K] with unit stride along K, got "
                          f"{tuple(x.shape)} / {tuple(weight.shape)}")
@@ -205,9 +207,11 @@ def gemv(x: Tensor, weight: Tensor, *, up: Tensor | None = None, needed: Tensor 
         raise ValueError(f"gemv's up must be shaped like x {tuple(x.shape)} with unit stride, got {tuple(up.shape)}")
     if needed is not None and (needed.numel() != 1 or needed.dtype != torch.bool):
         raise ValueError(f"gemv's needed must be one bool, got {needed.dtype} {tuple(needed.shape)}")
+    if out_dtype is not None and out_dtype not in _DTYPES:
+        raise ValueError(f"gemv's out_dtype must be one of {', '.join(map(str, _DTYPES))}, got {out_dtype}")
     n, k = weight.shape
     cfg = config or SHAPE_CONFIGS.get((n, k), DEFAULT_CONFIG)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, up if up is not None else x, weight, y, needed.view(torch.int8) if needed is not None else x,
         n, k, weight.stride(0),

@@ -128,7 +128,8 @@ if triton is not None:
     def _advance_kernel(
         loop_ptr, token_ptr, pos_ptr, tidx_ptr,  # per-slot state [S] int64, updated in place
         slots_ptr, loops_ptr, run_ptr, exited_ptr, sampled_ptr,  # per row [B]: int64, int64, bool, bool, int64
-        n_rows, BLOCK: tl.constexpr,
+        record_ptr,  # [3, B] int64: exit, loop, token per row (RECORD)
+        n_rows, BLOCK: tl.constexpr, RECORD: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = rows < n_rows
@@ -137,9 +138,14 @@ if triton is not None:
         ex = (tl.load(exited_ptr + rows, mask=m, other=0) != 0) & run
         # A row that runs and exits restarts its slot at loop 0, one that runs on takes the loop it
         # just ran; a waiting row (run False) changes nothing.
-        loops = tl.where(ex, 0, tl.load(loops_ptr + rows, mask=m, other=0))
-        tl.store(loop_ptr + slot, loops, mask=m & run)
-        tl.store(token_ptr + slot, tl.load(sampled_ptr + rows, mask=m & ex, other=0), mask=m & ex)
+        ran = tl.load(loops_ptr + rows, mask=m, other=0)
+        tl.store(loop_ptr + slot, tl.where(ex, 0, ran), mask=m & run)
+        sampled = tl.load(sampled_ptr + rows, mask=m, other=0)
+        tl.store(token_ptr + slot, sampled, mask=m & ex)
+        if RECORD:
+            tl.store(record_ptr + rows, ex.to(tl.int64), mask=m)
+            tl.store(record_ptr + n_rows + rows, ran, mask=m)
+            tl.store(record_ptr + 2 * n_rows + rows, sampled, mask=m)
         tl.store(pos_ptr + slot, tl.load(pos_ptr + slot, mask=m & ex, other=0) + 1, mask=m & ex)
         tl.store(tidx_ptr + slot, tl.load(tidx_ptr + slot, mask=m & ex, other=0) + 1, mask=m & ex)
 
@@ -245,19 +251,21 @@ class TritonSlotOps(SlotOps):
         return ex
 
     def advance(self, ds: DeviceDecodeState, slots: Tensor, loops: Tensor, run: Tensor, exited: Tensor,
-                sampled: Tensor) -> None:
+                sampled: Tensor, record: Tensor | None = None) -> None:
         n = slots.shape[0]
         if n == 0:
             return
         _check("advance", slots=(slots, _I64), loops=(loops, _I64), run=(run, _BOOL), exited=(exited, _BOOL),
-               sampled=(sampled, _I64))
+               sampled=(sampled, _I64), **({"record": (record, _I64)} if record is not None else {}))
         for name, t in (("loops", loops), ("run", run), ("exited", exited), ("sampled", sampled)):
             if t.shape != (n,):
                 raise ValueError(f"advance: {name} must have one entry per row ({n}), got {tuple(t.shape)}")
+        if record is not None and record.shape != (3, n):
+            raise ValueError(f"advance: record must be [3, {n}] (exit, loop, token per row), got {tuple(record.shape)}")
         block = 128
         _advance_kernel[(triton.cdiv(n, block),)](
-            ds.loop, ds.token, ds.pos, ds.token_index, slots, loops, _int8(run), _int8(exited), sampled, n,
-            BLOCK=block, num_warps=4)
+            ds.loop, ds.token, ds.pos, ds.token_index, slots, loops, _int8(run), _int8(exited), sampled,
+            record if record is not None else slots, n, BLOCK=block, RECORD=record is not None, num_warps=4)
 
 
 __all__ = ["TritonSlotOps"]

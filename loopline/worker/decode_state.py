@@ -115,10 +115,15 @@ class SlotOps:
         return ex
 
     def advance(self, ds: "DeviceDecodeState", slots: Tensor, loops: Tensor, run: Tensor, exited: Tensor,
-                sampled: Tensor) -> None:
+                sampled: Tensor, record: Tensor | None = None) -> None:
         """After a step, for rows that ran: exited slots restart at loop 0 with their sampled token at the
-        next position, the others keep the loop they ran."""
+        next position, the others keep the loop they ran.
+
+        ``record``: ``[3, B]`` int64; where given it also receives each row's exit flag (``exited & run``),
+        loop and sampled token, the step's results as the host reads them back (:class:`SampleBatch`)."""
         ex = exited & run
+        if record is not None:
+            record.copy_(torch.stack([ex.long(), loops, sampled]))
         ds.loop[slots] = torch.where(run, torch.where(ex, torch.zeros_like(loops), loops), ds.loop[slots])
         ds.token[slots] = torch.where(ex, sampled, ds.token[slots])
         ds.pos[slots] = ds.pos[slots] + ex.long()
@@ -206,8 +211,10 @@ class DeviceDecodeState:
         self.token_index[slots] = 1
         self._count(slots, tokens, torch.ones_like(slots, dtype=torch.bool))
 
-    def advance(self, slots: Tensor, loops: Tensor, run: Tensor, exited: Tensor, sampled: Tensor) -> None:
-        """After a step: exited slots take their sampled token and move to the next position."""
-        self.ops.advance(self, slots, loops, run, exited, sampled)
+    def advance(self, slots: Tensor, loops: Tensor, run: Tensor, exited: Tensor, sampled: Tensor,
+                record: Tensor | None = None) -> None:
+        """After a step: exited slots take their sampled token and move to the next position
+        (``record``: see :meth:`SlotOps.advance`)."""
+        self.ops.advance(self, slots, loops, run, exited, sampled, record)
         if self.counts is not None:  # (the mask is a launch of its own: only when penalties count tokens)
             self._count(slots, sampled, exited & run)

@@ -332,7 +332,11 @@ class ModelRunner:
         if batch is None:
             return lambda: RunnerOutput(exited, [None] * len(rows), prompt_logprobs)
         if nd:
-            ds.advance(slots, loops, run, ex, batch.out.token_ids[:nd])
+            # Without finished prompts the decode rows are every sampled row: the advance packs their
+            # results for the readback as it applies them, instead of a stack of its own.
+            record = None if sample_meta else torch.empty((3, nd), dtype=torch.int64, device=dev)
+            ds.advance(slots, loops, run, ex, batch.out.token_ids[:nd], record)
+            batch.packed = record
         if sample_meta:  # prompts that finished: their first token is fed next, at position prompt_len
             done_rows = [rows[m[0]] for m in sample_meta]
             done_slots, done_ends = stage(dev, ([r.slot for r in done_rows], np.int64),

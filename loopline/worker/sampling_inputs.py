@@ -31,6 +31,9 @@ class SampleBatch:
     out: SamplerOutput
     exit_flags: Tensor  # [M] bool: the token exited (decode) / the prompt finished
     depth: Tensor  # [M] exit depth
+    # [3, M] int64: exit_flags, depth and the token ids already packed on the device (the decode state's
+    # advance records them, see SlotOps.advance); None: packed here, by one stack, when read back.
+    packed: Tensor | None = None
 
     def _tensors(self) -> dict[str, Tensor | None]:
         o = self.out
@@ -49,10 +52,11 @@ class SampleBatch:
         if self.exit_flags.device.type != "cuda":
             host = {k: t.tolist() if t is not None else None for k, t in tensors.items()}
             return lambda: host
-        # The three per-row results every step reads travel as one int64 array: one stack and one copy
-        # instead of three copies (at one decode row each is a link of the step's chain).
+        # The three per-row results every step reads travel as one int64 array: one copy instead of three
+        # (at one decode row each is a link of the step's chain), and no stack where they come packed.
         rest = {k: t for k, t in tensors.items() if k not in _PACKED and t is not None}
-        sources = {"packed": torch.stack([tensors[k] for k in _PACKED]), **rest}
+        packed = self.packed if self.packed is not None else torch.stack([tensors[k] for k in _PACKED])
+        sources = {"packed": packed, **rest}
         pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in sources.items()}
         for k, t in sources.items():
             pinned[k].copy_(t, non_blocking=True)

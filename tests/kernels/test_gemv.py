@@ -121,6 +121,20 @@ def test_gemv_needed_flag_skips_the_weight(dtype):
         gemv(x, weight, needed=torch.ones(2, dtype=torch.bool, device=DEVICE))
 
 
+def test_gemv_out_dtype_rounds_like_the_operands_first():
+    g = torch.Generator().manual_seed(6)
+    weight = _weight(256, 72, torch.bfloat16, g)
+    x = torch.randn(1, 256, generator=g).to(DEVICE, torch.bfloat16)
+    yes, no = (torch.tensor([f], device=DEVICE) for f in (True, False))
+    wide = gemv(x, weight, needed=yes, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    assert torch.equal(wide, gemv(x, weight, needed=yes).float())  # bf16 rounding, then exact in fp32
+    assert not torch.equal(wide, _reference(x, weight))  # the test can fail: unrounded sums differ
+    assert torch.equal(gemv(x, weight, needed=no, out_dtype=torch.float32), torch.zeros(1, 72, device=DEVICE))
+    with pytest.raises(ValueError, match="out_dtype must be one of"):
+        gemv(x, weight, out_dtype=torch.int32)
+
+
 def test_one_row_logits_are_computed_only_when_needed():
     from loopline.kernels.fused import TritonOps
 

@@ -132,11 +132,17 @@ def test_advance_matches_reference(rows):
     run[0] = True  # so that something changes
     exited = (torch.rand(rows, generator=g) < 0.5).to(DEVICE)
     sampled = torch.randint(0, 50000, (rows,), generator=g).to(DEVICE)
-    before, ref, out = _clone_slots(ds), _clone_slots(ds), _clone_slots(ds)
-    SlotOps().advance(ref, slots, loops, run, exited, sampled)
-    TritonSlotOps().advance(out, slots, loops, run, exited, sampled)
+    before, ref, out, plain = _clone_slots(ds), _clone_slots(ds), _clone_slots(ds), _clone_slots(ds)
+    ref_record, record = (torch.full((3, rows), -7, dtype=torch.long, device=DEVICE) for _ in range(2))
+    SlotOps().advance(ref, slots, loops, run, exited, sampled, ref_record)
+    TritonSlotOps().advance(out, slots, loops, run, exited, sampled, record)
+    TritonSlotOps().advance(plain, slots, loops, run, exited, sampled)  # no record: the same state
     _same_state(out, ref)
+    _same_state(plain, ref)
     assert any(not torch.equal(getattr(ref, n), getattr(before, n)) for n in ("loop", "pos", "token", "token_index"))
+    # the record: what the host reads back, the rows' exits (only rows that ran), loops and tokens
+    assert torch.equal(ref_record, torch.stack([(exited & run).long(), loops, sampled]))
+    assert torch.equal(record, ref_record)
 
 
 def _clone_slots(ds: DeviceDecodeState) -> DeviceDecodeState:
@@ -154,3 +160,7 @@ def test_advance_rejects_bad_operands():
         TritonSlotOps().advance(ds, t, t, t, flags, t)
     with pytest.raises(ValueError, match="loops must have one entry per row"):
         TritonSlotOps().advance(ds, t, t[:1], flags, flags, t)
+    with pytest.raises(ValueError, match="record must be \\[3, 2\\]"):
+        TritonSlotOps().advance(ds, t, t, flags, flags, t, torch.zeros(2, 2, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="record must be a contiguous torch.int64"):
+        TritonSlotOps().advance(ds, t, t, flags, flags, t, torch.zeros(3, 2, dtype=torch.int32, device=DEVICE))
