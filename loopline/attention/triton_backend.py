@@ -190,7 +190,7 @@ class TritonAttentionBackend(AttentionBackend):
             k_cache, v_cache, plane_slots, loops, exits.view(torch.int8), num_planes, kvh, plane_slots.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-            BLOCK_SIZE=block_size, HEAD_DIM=d, BLOCK_H=block_h,
+            BLOCK_SIZE=block_size, HEAD_DIM=d, BLOCK_H=block_h, **pdl_options(k_cache.device),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ rotate_store_attend

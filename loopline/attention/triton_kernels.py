@@ -515,7 +515,9 @@ def copy_exited_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency_wait(PDL)
     # One program per (row, layer, head chunk). A row that does not exit returns at once,
     # so a step where nothing exits early costs one tiny launch, not a copy per row.
     b = tl.program_id(0).to(tl.int64)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from loopline.kernels import grid_dependency_wait, pdl_options
+
 try:
     import triton
     import triton.language as tl
@@ -24,7 +26,9 @@ _CHUNK = 2048
 if triton is not None:
 
     @triton.jit
-    def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, nan_ptr, n_cols, stride_x, n_chunks, CHUNK: tl.constexpr):
+    def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, nan_ptr, n_cols, stride_x, n_chunks, CHUNK: tl.constexpr,
+                             PDL: tl.constexpr):
+        grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
         cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -40,7 +44,9 @@ if triton is not None:
         tl.store(nan_ptr + out, has_nan)
 
     @triton.jit
-    def _pick_chunk_kernel(val_ptr, idx_ptr, nan_ptr, out_ptr, n_chunks, CHUNKS_PAD: tl.constexpr):
+    def _pick_chunk_kernel(val_ptr, idx_ptr, nan_ptr, out_ptr, n_chunks, CHUNKS_PAD: tl.constexpr,
+                           PDL: tl.constexpr):
+        grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, CHUNKS_PAD)
         m = c < n_chunks
@@ -72,8 +78,10 @@ def argmax_rows(x: Tensor) -> Tensor:
     val = torch.empty((b, chunks), dtype=torch.float32, device=x.device)
     idx = torch.empty((b, chunks), dtype=torch.int32, device=x.device)
     nan = torch.empty((b, chunks), dtype=torch.int32, device=x.device)
-    _chunk_argmax_kernel[(b, chunks)](x, val, idx, nan, v, x.stride(0), chunks, CHUNK=_CHUNK, num_warps=8)
-    _pick_chunk_kernel[(b,)](val, idx, nan, out, chunks, CHUNKS_PAD=triton.next_power_of_2(chunks), num_warps=1)
+    pdl = pdl_options(x.device)
+    _chunk_argmax_kernel[(b, chunks)](x, val, idx, nan, v, x.stride(0), chunks, CHUNK=_CHUNK, **pdl, num_warps=8)
+    _pick_chunk_kernel[(b,)](val, idx, nan, out, chunks, CHUNKS_PAD=triton.next_power_of_2(chunks), **pdl,
+                             num_warps=1)
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from loopline.kernels import grid_dependency_wait, pdl_options
 from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, SlotOps
 
 try:
@@ -88,8 +89,9 @@ if triton is not None:
         h_ptr, gate_ptr, slots_ptr, loops_ptr, min_ptr, max_ptr, thr_ptr,  # rows [B]; h [B, H]
         hidden_s, survival_s, ex_out,  # slot state [S, H] / [S]; exit [B] bool
         n_cols, stride_h, stride_hs,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
+        grid_dependency_wait(PDL)
         b = tl.program_id(0)
         slot = tl.load(slots_ptr + b).to(tl.int64)
         loop = tl.load(loops_ptr + b)
@@ -129,8 +131,9 @@ if triton is not None:
         loop_ptr, token_ptr, pos_ptr, tidx_ptr,  # per-slot state [S] int64, updated in place
         slots_ptr, loops_ptr, run_ptr, exited_ptr, sampled_ptr,  # per row [B]: int64, int64, bool, bool, int64
         record_ptr,  # [3, B] int64: exit, loop, token per row (RECORD)
-        n_rows, BLOCK: tl.constexpr, RECORD: tl.constexpr,
+        n_rows, BLOCK: tl.constexpr, RECORD: tl.constexpr, PDL: tl.constexpr,
     ):
+        grid_dependency_wait(PDL)
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = rows < n_rows
         slot = tl.load(slots_ptr + rows, mask=m, other=0)
@@ -247,7 +250,8 @@ class TritonSlotOps(SlotOps):
             raise ValueError("exit_and_store: h and slot_hidden must share a dtype and have unit column stride")
         _exit_and_store_kernel[(n,)](
             h, gate, d.slots, d.loops, d.min_loops, d.max_loops, d.threshold, slot_hidden, slot_survival, _int8(ex),
-            cols, h.stride(0), slot_hidden.stride(0), BLOCK=min(triton.next_power_of_2(cols), 4096), num_warps=4)
+            cols, h.stride(0), slot_hidden.stride(0), BLOCK=min(triton.next_power_of_2(cols), 4096),
+            **pdl_options(h.device), num_warps=4)
         return ex
 
     def advance(self, ds: DeviceDecodeState, slots: Tensor, loops: Tensor, run: Tensor, exited: Tensor,
@@ -265,7 +269,8 @@ class TritonSlotOps(SlotOps):
         block = 128
         _advance_kernel[(triton.cdiv(n, block),)](
             ds.loop, ds.token, ds.pos, ds.token_index, slots, loops, _int8(run), _int8(exited), sampled,
-            record if record is not None else slots, n, BLOCK=block, RECORD=record is not None, num_warps=4)
+            record if record is not None else slots, n, BLOCK=block, RECORD=record is not None,
+            **pdl_options(slots.device), num_warps=4)
 
 
 __all__ = ["TritonSlotOps"]

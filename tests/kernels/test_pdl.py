@@ -59,6 +59,23 @@ CASES = {
                          {**_DECODE, "PREFETCH": False}, True),
     "decode_attention_prefetch": ("loopline.attention.triton_kernels", "decode_attention_kernel", _DECODE_POINTERS,
                                   {**_DECODE, "PREFETCH": True}, True),
+    # the small kernels around the layers: the exit rule, the exit copy, the greedy choice and the advance
+    "exit_and_store": ("loopline.kernels.slot_state", "_exit_and_store_kernel",
+                       {"gate_ptr": "*fp32", "slots_ptr": "*i64", "loops_ptr": "*i64", "min_ptr": "*i64",
+                        "max_ptr": "*i64", "thr_ptr": "*fp32", "hidden_s": "*bf16", "survival_s": "*fp32",
+                        "ex_out": "*i8"}, {"BLOCK": 256}, True),
+    "copy_exited": ("loopline.attention.triton_kernels", "copy_exited_kernel",
+                    {"plane_slots_ptr": "*i64", "loops_ptr": "*i64", "exits_ptr": "*i8"},
+                    {"BLOCK_SIZE": 16, "HEAD_DIM": 64, "BLOCK_H": 4}, True),
+    "chunk_argmax": ("loopline.kernels.sampling", "_chunk_argmax_kernel",
+                     {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32"}, {"CHUNK": 2048},
+                     True),
+    "pick_chunk": ("loopline.kernels.sampling", "_pick_chunk_kernel",
+                   {"val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "out_ptr": "*i64"}, {"CHUNKS_PAD": 32},
+                   True),
+    "advance": ("loopline.kernels.slot_state", "_advance_kernel",
+                {**{f"{n}_ptr": "*i64" for n in ("loop", "token", "pos", "tidx", "slots", "loops", "sampled", "record")},
+                 "run_ptr": "*i8", "exited_ptr": "*i8"}, {"BLOCK": 128, "RECORD": True}, True),
 }
 
 
@@ -78,7 +95,7 @@ def compile_cases() -> dict[str, list[str]]:
         for arg in kernel.arg_names:
             if arg in constants or arg == "PDL":
                 signature[arg] = "constexpr"
-            elif arg.endswith("_ptr"):
+            elif arg.endswith("_ptr") or arg in pointers:
                 signature[arg] = pointers.get(arg, "*bf16")
             else:
                 signature[arg] = "fp32" if arg in ("qk_scale", "eps") else "i32"
@@ -143,7 +160,8 @@ def test_decode_attention_prefetches_only_history_before_the_wait(ptx):
 
 
 @pytest.mark.parametrize("case", ["add_rms_norm", "norm_exit_gate", "rope_write_kv", "write_kv", "merge_splits",
-                                  "paged_attention"])
+                                  "paged_attention", "exit_and_store", "copy_exited", "chunk_argmax", "pick_chunk",
+                                  "advance"])
 def test_kernels_wait_before_everything(ptx, case):
     _check_waits_first(ptx[case])
 
