@@ -7,6 +7,7 @@ device and reads them back, at once (sync) or through pinned buffers later
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,10 +59,16 @@ class SampleBatch:
         packed = self.packed if self.packed is not None else torch.stack([tensors[k] for k in _PACKED])
         sources = {"packed": packed, **rest}
         pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in sources.items()}
-        for k, t in sources.items():
-            pinned[k].copy_(t, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        # The copies run on a stream of their own, after the step: on the step's stream a copy would sit
+        # between this step's last kernel and the next step's first, a link of the chain at one row.
+        main, side = torch.cuda.current_stream(packed.device), _readback_stream(packed.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for k, t in sources.items():
+                pinned[k].copy_(t, non_blocking=True)
+                t.record_stream(side)  # the step's stream may reuse the memory only after the copy
+            done = torch.cuda.Event()
+            done.record(side)
 
         def wait() -> dict:
             done.synchronize()
@@ -71,6 +78,12 @@ class SampleBatch:
             return host
 
         return wait
+
+
+@functools.lru_cache(maxsize=None)
+def _readback_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream that reads a device's step results back to the host (one per device)."""
+    return torch.cuda.Stream(device)
 
 
 def has_penalties(p) -> bool:
