@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 torch.set_num_threads(1)  # tiny models: threads only add contention on small CI machines
+# Without a GPU, Triton kernels run in its CPU interpreter, which Triton reads when a kernel is decorated:
+# set here, before any test module imports a kernel, so that any subset of the tests sees one mode.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 class Tiny:

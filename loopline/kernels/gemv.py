@@ -179,9 +179,11 @@ class GemvConfig(NamedTuple):
 DEFAULT_CONFIG = GemvConfig(block_n=4, block_k=2048, num_warps=8, num_stages=2)
 # Launches for particular weight shapes ``(N, K)``, where whole-step measurements found one better than the default.
 SHAPE_CONFIGS: dict[tuple[int, int], GemvConfig] = {
-    # Ouro's coda (lm_head, 49,152 x 2,048: 12,288 programs at the default): 16 rows per program gave a
-    # 0.971 ms one-row step at 1,088 keys against 0.975 (8 rows 0.973; 4 or 2 rows at 4 warps 0.978 / 0.986).
-    (49152, 2048): GemvConfig(block_n=16, block_k=2048, num_warps=8, num_stages=2),
+    # Ouro's coda (lm_head, 49,152 x 2,048: 12,288 programs at the default): fewer, longer programs win, as
+    # the step reads it at every loop (predicated: most loops only write zeros). One-row steps at 1,024 keys
+    # (one call): 64 rows x 512 columns 0.930 ms, 32 x 512 at 4 warps 0.931, 32 x 1,024 0.933, 16 x 2,048
+    # 0.936; earlier (1,088 keys) 16 x 2,048 0.971 against 0.975 at the default and 0.973 at 8 rows.
+    (49152, 2048): GemvConfig(block_n=64, block_k=512, num_warps=8, num_stages=2),
 }
 
 
