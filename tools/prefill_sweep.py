@@ -10,20 +10,13 @@ causal tiles first). Times are CUDA-graph replays over >= 64 MB of pools (as a m
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import sys
 
 import torch
 
-from loopline.attention.base import build_work_tiles
-from loopline.attention.bench_attention import HEAD_DIM, graph_time_us, layer_steps, step_flops
+from loopline.attention.bench_attention import HEAD_DIM, _with_work, graph_time_us, layer_steps, step_flops
 from loopline.attention.triton_backend import PrefillLaunch, TritonAttentionBackend
-
-
-def work_list(backend: TritonAttentionBackend, rows: list[tuple[int, int]], order: str) -> torch.Tensor:
-    w = build_work_tiles([n for n, _ in rows], backend.work_tile_tokens(1))
-    return torch.from_numpy(w[:, ::-1].copy() if order == "desc" else w).cuda()
 
 
 def main() -> None:
@@ -38,7 +31,7 @@ def main() -> None:
     for launch in launches:
         be = TritonAttentionBackend(prefill_launch=launch)
         for order in ("asc", "desc"):
-            metas = [dataclasses.replace(s[3], work_tiles=work_list(be, rows, order)) for s in steps]
+            metas = [_with_work(s[3], rows, be, reverse=order == "desc") for s in steps]
             try:
                 got = be.attend(steps[0][0], steps[0][1], steps[0][2], metas[0], scale)
                 ref = got if ref is None else ref

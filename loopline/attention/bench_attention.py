@@ -160,14 +160,16 @@ def sweep_prefill(scale: float, rows: list[tuple[int, int]] | None = None) -> No
         print(f"  {ms:7.3f} ms  {tflop / (ms * 1e-3):5.0f} TFLOP/s  max err {err:.1e}  {launch}")
 
 
-def _with_work(meta: PagedAttentionMetadata, rows, backend) -> PagedAttentionMetadata:
-    """``meta`` with the work list the engine builds for prefill steps, at ``backend``'s tile size."""
+def _with_work(meta: PagedAttentionMetadata, rows, backend, reverse: bool = False) -> PagedAttentionMetadata:
+    """``meta`` with the work list the engine builds for prefill steps, at ``backend``'s tile size
+    (``reverse``: its entries last to first, each prompt's longest causal tiles first)."""
     import dataclasses
 
     from loopline.attention.base import build_work_tiles
 
     tile = backend.work_tile_tokens(HEADS // KV_HEADS)
-    work = torch.from_numpy(build_work_tiles([n for n, _ in rows], tile)).to(meta.seq_lens.device)
+    tiles = build_work_tiles([n for n, _ in rows], tile)
+    work = torch.from_numpy(tiles[:, ::-1].copy() if reverse else tiles).to(meta.seq_lens.device)
     return dataclasses.replace(meta, work_tiles=work)
 
 
