@@ -66,11 +66,14 @@ def cublaslt_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         torch.backends.cuda.preferred_blas_library(prev)
 
 
-def tile_grid(k: int) -> list[SkinnyConfig]:
+def tile_grid(k: int, m: int = 64) -> list[SkinnyConfig]:
+    """Tiles to sweep; above 64 rows also 64-column steps (a 128-row operand fills shared memory sooner)."""
     out = []
-    for (bn, w), s, st in itertools.product(((64, 4), (128, 8)), (1, 2, 4, 8), (3, 5)):
-        if k % (s * 128) == 0 and k // (s * 128) >= 2:
-            out.append(SkinnyConfig(bn, 128, s, w, st))
+    steps = ((128, (3, 5)),) if m <= 64 else ((128, (2, 3)), (64, (3, 4, 6)))
+    for (bn, w), s, (bk, stages) in itertools.product(((64, 4), (128, 8)), (1, 2, 3, 4, 8), steps):
+        for st in stages:
+            if k % (s * bk) == 0 and k // (s * bk) >= 2:
+                out.append(SkinnyConfig(bn, bk, s, w, st))
     return out
 
 
@@ -159,8 +162,8 @@ def main() -> None:
                    "cublaslt": time_per_call(cublaslt_linear, x, weights)}
             res["nn"] = time_per_call(lambda x, wt: x @ wt, x, transposed)
             best = []
-            if a.sweep and 16 < m <= 64:
-                for cfg in tile_grid(k):
+            if a.sweep and 16 < m <= 128:
+                for cfg in tile_grid(k, m):
                     try:
                         got = skinny_linear(x, weights[0], cfg).float()
                         if (got - ref).abs().max().item() > 0.05:

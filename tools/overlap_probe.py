@@ -1,6 +1,7 @@
 """Can decode attention (memory-bound) hide under prefill GEMMs (compute-bound) on two streams? (GPU)
 
 python3 tools/overlap_probe.py [--rows 128] [--context 1024] [--tokens 8192] [--reps 20] [--pair gemm|prefill]
+                               [--partition 16,32,48]
 
 A C = 128 run spends its time in two kinds of work that use different limits of the chip: prompt
 GEMMs (tensor cores) and decode attention over 1K-token histories (HBM). Run one after the other, as
@@ -15,6 +16,16 @@ and prints how much of the shorter one the concurrent run hid. ``--pair prefill`
 launch with the prefill attention of ``--tokens // 1024`` prompts of 1,024 tokens instead (the two
 attention launches of a C = 128 mixed step). It decides whether a two-stream mixed step (decode rows
 beside prompt chunks) can beat the serial bound; nothing in the engine uses two streams yet.
+
+``--partition N,...`` splits the chip instead of sharing it: the decode attention runs on a stream of a
+CUDA green context of N SMs, and cuBLAS leaves N SMs out of its GEMMs (``torch._C._set_sm_carveout_experimental``),
+so neither waits for the other's blocks to drain. It prints the attention's bandwidth on N SMs, the GEMMs'
+time on the rest, and the two together against the serial time on the whole chip.
+
+``--stream-read N,...`` asks what such a split could give at best: the read bandwidth of a plain streaming
+kernel (each program sums its own contiguous slice of 4 GB) on green contexts of N SMs, at a few
+programs per SM and load widths. If memory-bound work needs the whole chip to reach HBM bandwidth, no split
+of the SMs can hide it under compute-bound work.
 """
 from __future__ import annotations
 
@@ -24,7 +35,7 @@ import torch
 
 from loopline.attention.base import PagedAttentionMetadata
 from loopline.attention.bench_attention import _with_work, make_step, step_flops
-from loopline.attention.triton_backend import TritonAttentionBackend
+from loopline.attention.triton_backend import DecodeLaunch, TritonAttentionBackend
 
 
 def decode_case(rows: int, context: int, heads: int = 16, head_dim: int = 128, block_size: int = 16):
@@ -51,13 +62,22 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--pair", choices=("gemm", "prefill"), default="gemm")
+    ap.add_argument("--partition", type=lambda v: [int(n) for n in v.split(",")], default=None,
+                    help="SM counts for the decode attention's green context, e.g. 16,32,48")
+    ap.add_argument("--stream-read", type=lambda v: [int(n) for n in v.split(",")], default=None,
+                    help="SM counts for the streaming-read ceiling, e.g. 16,32,66,132")
+    ap.add_argument("--decode-launch", type=lambda v: [int(n) for n in v.split(",")], default=None,
+                    help="the decode attention's BLOCK_N,num_warps,num_stages (default: the engine's)")
+    ap.add_argument("--blas", choices=("cublas", "cublaslt"), default=None, help="torch's preferred BLAS library")
     a = ap.parse_args()
+    if a.blas:
+        torch.backends.cuda.preferred_blas_library(a.blas)
     hidden, inter = 2048, 5632
     x = torch.randn(a.tokens, hidden, device="cuda", dtype=torch.bfloat16)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                for n, k in ((3 * hidden, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter))]
     act = torch.randn(a.tokens, inter, device="cuda", dtype=torch.bfloat16)
-    backend = TritonAttentionBackend()
+    backend = TritonAttentionBackend(decode_launch=DecodeLaunch(*a.decode_launch) if a.decode_launch else None)
     q, k_cache, v_cache, meta = decode_case(a.rows, a.context)
     scale = 128 ** -0.5
 
@@ -104,6 +124,12 @@ def main() -> None:
         gemms()
         main_stream.wait_stream(hi)
 
+    if a.stream_read:
+        stream_read(a, timed)
+        return
+    if a.partition:
+        partition(a, gemms, attention, timed)
+        return
     for trial in range(2):
         t_gemm, t_attn, t_serial, t_conc = (timed(f) for f in (gemms, attention, serial, concurrent))
         hidden_ms = t_serial - t_conc
@@ -112,6 +138,100 @@ def main() -> None:
         print(f"trial {trial}: {what} {t_gemm:.3f} ms ({flops / t_gemm * 1e3:.0f} TFLOP/s), decode attention "
               f"{t_attn:.3f} ms ({kv_gb / t_attn:.2f} TB/s), one stream {t_serial:.3f} ms, two streams {t_conc:.3f} ms: "
               f"hid {hidden_ms:.3f} ms = {hidden_ms / min(t_gemm, t_attn):.0%} of the shorter")
+
+
+def stream_read(a: argparse.Namespace, timed) -> None:
+    """The ``--stream-read`` measurement (see the module docstring)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_kernel(x_ptr, out_ptr, n_per_prog, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+        base = tl.program_id(0).to(tl.int64) * n_per_prog
+        acc = tl.zeros([BLOCK], tl.float32)
+        for i in range(0, n_per_prog, BLOCK * UNROLL):
+            for u in tl.static_range(UNROLL):
+                offs = base + i + u * BLOCK + tl.arange(0, BLOCK)
+                acc += tl.load(x_ptr + offs, eviction_policy="evict_first").to(tl.float32)
+        tl.store(out_ptr + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), acc)
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.ones(1 << 31, device="cuda", dtype=torch.bfloat16)  # 4 GiB
+    gb = x.numel() * 2 / 1e9
+    main_stream = torch.cuda.current_stream()
+    for n in a.stream_read:
+        stream = main_stream if n >= sms else green_stream(n)
+        results = []
+        for per_sm, block, unroll, warps in ((1, 4096, 4, 8), (2, 4096, 4, 8), (4, 2048, 4, 4), (8, 2048, 2, 4),
+                                             (2, 8192, 2, 8), (4, 4096, 4, 8)):
+            programs = n * per_sm
+            n_per_prog = x.numel() // programs // (block * unroll) * (block * unroll)
+            out = torch.empty(programs * block, device="cuda", dtype=torch.float32)
+
+            def run(p=programs, m=n_per_prog, o=out, b=block, u=unroll, w=warps) -> None:
+                stream.wait_stream(main_stream)
+                with torch.cuda.stream(stream):
+                    read_kernel[(p,)](x, o, m, BLOCK=b, UNROLL=u, num_warps=w)
+                main_stream.wait_stream(stream)
+
+            ms = timed(run)
+            results.append((gb * n_per_prog * programs / x.numel() / ms, per_sm, block, unroll, warps))
+        best = max(results)
+        print(f"stream read on {n:3d} SMs: best {best[0]:.2f} TB/s ({best[0] / n * 1e3:.0f} GB/s per SM) at "
+              f"{best[1]} programs/SM, {best[2]} x {best[3]} elements per step, {best[4]} warps; all: "
+              + ", ".join(f"{r[0]:.2f}" for r in results), flush=True)
+
+
+def green_stream(num_sms: int) -> torch.cuda.Stream:
+    """A stream whose kernels run on ``num_sms`` SMs only (a CUDA green context)."""
+    from torch.cuda.green_contexts import GreenContext
+
+    try:
+        ctx = GreenContext.create(num_sms=num_sms, device_id=torch.cuda.current_device())
+    except TypeError:  # older signature: create(num_sms, device_id)
+        ctx = GreenContext.create(num_sms, torch.cuda.current_device())
+    green_stream.keep.append(ctx)  # the context must outlive its stream
+    return ctx.Stream()
+
+
+green_stream.keep = []
+
+
+def partition(a: argparse.Namespace, gemms, attention, timed) -> None:
+    """The ``--partition`` measurement (see the module docstring)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    main_stream = torch.cuda.current_stream()
+    kv_gb = a.rows * a.context * 16 * 128 * 2 * 2 / 1e9
+    what = "GEMMs" if a.pair == "gemm" else "prefill attention"
+    t_gemm, t_attn = timed(gemms), timed(attention)
+    print(f"decode launch {a.decode_launch or 'default'}; whole chip ({sms} SMs): {what} {t_gemm:.3f} ms, "
+          f"attention {t_attn:.3f} ms ({kv_gb / t_attn:.2f} TB/s), serial {t_gemm + t_attn:.3f} ms")
+    for n in a.partition:
+        side = green_stream(n)
+
+        def attention_side() -> None:
+            side.wait_stream(main_stream)
+            with torch.cuda.stream(side):
+                attention()
+            main_stream.wait_stream(side)
+
+        torch._C._set_sm_carveout_experimental(n)
+        try:
+            g = timed(gemms)
+            attn_n = timed(attention_side)
+
+            def both() -> None:
+                side.wait_stream(main_stream)
+                with torch.cuda.stream(side):
+                    attention()
+                gemms()
+                main_stream.wait_stream(side)
+
+            t_both = timed(both)
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+        print(f"partition {n:3d} SMs: attention alone {attn_n:.3f} ms ({kv_gb / attn_n:.2f} TB/s), {what} on "
+              f"{sms - n} SMs {g:.3f} ms, both {t_both:.3f} ms: {t_gemm + t_attn - t_both:+.3f} ms against serial")
 
 
 if __name__ == "__main__":
