@@ -99,7 +99,6 @@ def main() -> None:
         backend.attend(q, k_cache, v_cache, meta, scale)
 
     hi = torch.cuda.Stream(priority=-1)  # the highest priority
-    main_stream = torch.cuda.current_stream()
 
     def timed(fn) -> float:
         for _ in range(3):
@@ -118,11 +117,7 @@ def main() -> None:
         attention()
 
     def concurrent() -> None:
-        hi.wait_stream(main_stream)
-        with torch.cuda.stream(hi):
-            attention()
-        gemms()
-        main_stream.wait_stream(hi)
+        fork(hi, attention, gemms)
 
     if a.stream_read:
         stream_read(a, timed)
@@ -168,18 +163,26 @@ def stream_read(a: argparse.Namespace, timed) -> None:
             n_per_prog = x.numel() // programs // (block * unroll) * (block * unroll)
             out = torch.empty(programs * block, device="cuda", dtype=torch.float32)
 
-            def run(p=programs, m=n_per_prog, o=out, b=block, u=unroll, w=warps) -> None:
-                stream.wait_stream(main_stream)
-                with torch.cuda.stream(stream):
-                    read_kernel[(p,)](x, o, m, BLOCK=b, UNROLL=u, num_warps=w)
-                main_stream.wait_stream(stream)
+            def read(p=programs, m=n_per_prog, o=out, b=block, u=unroll, w=warps) -> None:
+                read_kernel[(p,)](x, o, m, BLOCK=b, UNROLL=u, num_warps=w)
 
-            ms = timed(run)
+            ms = timed(lambda: fork(stream, read))
             results.append((gb * n_per_prog * programs / x.numel() / ms, per_sm, block, unroll, warps))
         best = max(results)
         print(f"stream read on {n:3d} SMs: best {best[0]:.2f} TB/s ({best[0] / n * 1e3:.0f} GB/s per SM) at "
               f"{best[1]} programs/SM, {best[2]} x {best[3]} elements per step, {best[4]} warps; all: "
               + ", ".join(f"{r[0]:.2f}" for r in results), flush=True)
+
+
+def fork(side: torch.cuda.Stream, on_side, on_main=None) -> None:
+    """Runs ``on_side()`` on ``side`` after the current stream's work, ``on_main()`` meanwhile, then joins."""
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        on_side()
+    if on_main is not None:
+        on_main()
+    main.wait_stream(side)
 
 
 def green_stream(num_sms: int) -> torch.cuda.Stream:
@@ -200,7 +203,6 @@ green_stream.keep = []
 def partition(a: argparse.Namespace, gemms, attention, timed) -> None:
     """The ``--partition`` measurement (see the module docstring)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    main_stream = torch.cuda.current_stream()
     kv_gb = a.rows * a.context * 16 * 128 * 2 * 2 / 1e9
     what = "GEMMs" if a.pair == "gemm" else "prefill attention"
     t_gemm, t_attn = timed(gemms), timed(attention)
@@ -209,25 +211,11 @@ def partition(a: argparse.Namespace, gemms, attention, timed) -> None:
     for n in a.partition:
         side = green_stream(n)
 
-        def attention_side() -> None:
-            side.wait_stream(main_stream)
-            with torch.cuda.stream(side):
-                attention()
-            main_stream.wait_stream(side)
-
         torch._C._set_sm_carveout_experimental(n)
         try:
             g = timed(gemms)
-            attn_n = timed(attention_side)
-
-            def both() -> None:
-                side.wait_stream(main_stream)
-                with torch.cuda.stream(side):
-                    attention()
-                gemms()
-                main_stream.wait_stream(side)
-
-            t_both = timed(both)
+            attn_n = timed(lambda: fork(side, attention))
+            t_both = timed(lambda: fork(side, attention, gemms))
         finally:
             torch._C._set_sm_carveout_experimental(None)
         print(f"partition {n:3d} SMs: attention alone {attn_n:.3f} ms ({kv_gb / attn_n:.2f} TB/s), {what} on "
