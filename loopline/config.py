@@ -13,6 +13,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import torch
 
+from loopline.attention import not_provided_reason
 from loopline.errors import InvalidRequestError
 
 KVLayoutName = Literal["last_exited", "shared"]
@@ -87,6 +88,9 @@ class EngineArgs:
 
         for name in ("block_size", "max_num_seqs", "max_seq_len_to_capture", "log_stats_interval", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "kv_cache_memory_gb"):
             positive(name, getattr(self, name))
+        reason = not_provided_reason(self.attention_backend)
+        if reason is not None:
+            raise InvalidRequestError(reason, param="attention_backend")
         for name, lit in (("kv_layout", KVLayoutName), ("scheduling_mode", SchedulingMode), ("scheduling_policy", SchedulingPolicy),
                           ("exit_mode", ExitMode), ("kv_allocation", KVAllocationName), ("logprobs_mode", LogprobsMode), ("attention_backend", AttentionBackendName), ("kernel_backend", AttentionBackendName), ("dtype", DType)):
             allowed = get_args(lit)

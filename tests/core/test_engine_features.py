@@ -229,3 +229,23 @@ def test_stats_are_logged_when_enabled(tiny_gqa, caplog):
     assert lines and "rows/step" in lines[-1] and "KV usage" in lines[-1]
     quiet = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True))
     assert quiet._stat_logger is None
+
+
+@pytest.mark.parametrize("name,package", [("flashinfer", "flashinfer"), ("FLASH_ATTN", "flash_attn"),
+                                          ("flash-attn", "flash_attn")])
+def test_flash_backends_are_refused_with_the_reason(name, package, monkeypatch):
+    # vLLM users ask for these by habit: an explicit error that says why, never a silent fallback.
+    import importlib.util
+
+    from loopline.attention import get_attention_backend
+
+    for installed in (False, True):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda mod, installed=installed: object() if installed else None)
+        for refuse in (lambda: EngineArgs(attention_backend=name).validate(),
+                       lambda: get_attention_backend(name, torch.device("cpu"))):
+            with pytest.raises(InvalidRequestError) as e:
+                refuse()
+            assert e.value.param == "attention_backend"
+            assert f"no {package} backend" in str(e.value)
+            assert ("is installed" if installed else "is not installed") in str(e.value)
+    EngineArgs(attention_backend="torch").validate()  # the others still pass
