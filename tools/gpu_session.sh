@@ -3,7 +3,7 @@
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests diag kernels sweep gemm swiglu gemv profile prefill mixed wide
-# splits bench sync overlap hf adaptive; LOOPLINE_BENCH_C (default "1 32 128") picks bench's concurrencies
+# splits bench sync overlap partition hf adaptive; LOOPLINE_BENCH_C (default "1 32 128") picks bench's concurrencies
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
 out=${1:?output folder}
@@ -96,6 +96,11 @@ fi
 if has overlap; then  # sync vs async vs eager in one process, interleaved (ratios are the point)
   bench 300 --input-len 1024 --output-len 128 --concurrency 1,32 --compare --variants sync,async,eager --repeats 2 \
         --max-num-batched-tokens 8192 --kv-cache-memory-gb 40 --output-json "$out/overlap.json" 2> "$out/overlap.err" | tail -12
+fi
+if has partition; then  # how much of HBM N SMs reach (a streaming read, the decode attention) and the split chip
+  { timeout 90 python3 tools/overlap_probe.py --reps 5 --stream-read 32,48,66,132 2>&1 | grep -v Warn
+    timeout 90 python3 tools/overlap_probe.py --pair prefill --partition 32,48,66 2>&1 | grep -v Warn
+  } | tee "$out/partition.txt"
 fi
 if has hf; then  # against transformers generate() on the same weights, batch 1 / 8 / 32
   bench 420 --input-len 1024 --output-len 128 --concurrency 1,8,32 --variants fixed,hf --compare --repeats 1 \
