@@ -1,7 +1,8 @@
 """Can decode attention (memory-bound) hide under prefill GEMMs (compute-bound) on two streams? (GPU)
 
 python3 tools/overlap_probe.py [--rows 128] [--context 1024] [--tokens 8192] [--reps 20] [--pair gemm|prefill]
-                               [--partition 16,32,48]
+                               [--partition 16,32,48 | --stream-read 16,32,66,132] [--decode-launch 64,4,2]
+                               [--blas cublas|cublaslt]
 
 A C = 128 run spends its time in two kinds of work that use different limits of the chip: prompt
 GEMMs (tensor cores) and decode attention over 1K-token histories (HBM). Run one after the other, as
@@ -70,6 +71,9 @@ def main() -> None:
                     help="the decode attention's BLOCK_N,num_warps,num_stages (default: the engine's)")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"), default=None, help="torch's preferred BLAS library")
     a = ap.parse_args()
+    if a.stream_read:  # needs none of the cases below
+        stream_read(a)
+        return
     if a.blas:
         torch.backends.cuda.preferred_blas_library(a.blas)
     hidden, inter = 2048, 5632
@@ -99,18 +103,8 @@ def main() -> None:
         backend.attend(q, k_cache, v_cache, meta, scale)
 
     hi = torch.cuda.Stream(priority=-1)  # the highest priority
-
-    def timed(fn) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(a.reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / a.reps
+    kv_gb = a.rows * a.context * 16 * 128 * 2 * 2 / 1e9
+    what = "layer GEMMs" if a.pair == "gemm" else "prefill attention"
 
     def serial() -> None:
         gemms()
@@ -119,23 +113,32 @@ def main() -> None:
     def concurrent() -> None:
         fork(hi, attention, gemms)
 
-    if a.stream_read:
-        stream_read(a, timed)
-        return
     if a.partition:
-        partition(a, gemms, attention, timed)
+        partition(a, gemms, attention, what, kv_gb)
         return
     for trial in range(2):
-        t_gemm, t_attn, t_serial, t_conc = (timed(f) for f in (gemms, attention, serial, concurrent))
+        t_gemm, t_attn, t_serial, t_conc = (timed(f, a.reps) for f in (gemms, attention, serial, concurrent))
         hidden_ms = t_serial - t_conc
-        kv_gb = a.rows * a.context * 16 * 128 * 2 * 2 / 1e9
-        what = "layer GEMMs" if a.pair == "gemm" else "prefill attention"
         print(f"trial {trial}: {what} {t_gemm:.3f} ms ({flops / t_gemm * 1e3:.0f} TFLOP/s), decode attention "
               f"{t_attn:.3f} ms ({kv_gb / t_attn:.2f} TB/s), one stream {t_serial:.3f} ms, two streams {t_conc:.3f} ms: "
               f"hid {hidden_ms:.3f} ms = {hidden_ms / min(t_gemm, t_attn):.0%} of the shorter")
 
 
-def stream_read(a: argparse.Namespace, timed) -> None:
+def timed(fn, reps: int) -> float:
+    """Milliseconds per call of ``fn()`` by CUDA events, after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def stream_read(a: argparse.Namespace) -> None:
     """The ``--stream-read`` measurement (see the module docstring)."""
     import triton
     import triton.language as tl
@@ -166,7 +169,7 @@ def stream_read(a: argparse.Namespace, timed) -> None:
             def read(p=programs, m=n_per_prog, o=out, b=block, u=unroll, w=warps) -> None:
                 read_kernel[(p,)](x, o, m, BLOCK=b, UNROLL=u, num_warps=w)
 
-            ms = timed(lambda: fork(stream, read))
+            ms = timed(lambda: fork(stream, read), a.reps)
             results.append((gb * n_per_prog * programs / x.numel() / ms, per_sm, block, unroll, warps))
         best = max(results)
         print(f"stream read on {n:3d} SMs: best {best[0]:.2f} TB/s ({best[0] / n * 1e3:.0f} GB/s per SM) at "
@@ -200,22 +203,19 @@ def green_stream(num_sms: int) -> torch.cuda.Stream:
 green_stream.keep = []
 
 
-def partition(a: argparse.Namespace, gemms, attention, timed) -> None:
+def partition(a: argparse.Namespace, gemms, attention, what: str, kv_gb: float) -> None:
     """The ``--partition`` measurement (see the module docstring)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    kv_gb = a.rows * a.context * 16 * 128 * 2 * 2 / 1e9
-    what = "GEMMs" if a.pair == "gemm" else "prefill attention"
-    t_gemm, t_attn = timed(gemms), timed(attention)
+    t_gemm, t_attn = timed(gemms, a.reps), timed(attention, a.reps)
     print(f"decode launch {a.decode_launch or 'default'}; whole chip ({sms} SMs): {what} {t_gemm:.3f} ms, "
           f"attention {t_attn:.3f} ms ({kv_gb / t_attn:.2f} TB/s), serial {t_gemm + t_attn:.3f} ms")
     for n in a.partition:
         side = green_stream(n)
-
         torch._C._set_sm_carveout_experimental(n)
         try:
-            g = timed(gemms)
-            attn_n = timed(lambda: fork(side, attention))
-            t_both = timed(lambda: fork(side, attention, gemms))
+            g = timed(gemms, a.reps)
+            attn_n = timed(lambda: fork(side, attention), a.reps)
+            t_both = timed(lambda: fork(side, attention, gemms), a.reps)
         finally:
             torch._C._set_sm_carveout_experimental(None)
         print(f"partition {n:3d} SMs: attention alone {attn_n:.3f} ms ({kv_gb / attn_n:.2f} TB/s), {what} on "
