@@ -101,12 +101,15 @@ def profile_mixed(engine: LLMEngine, a: argparse.Namespace, params: SamplingPara
     for i in range(a.mixed_prompts):  # distinct from the decode rows' prompts
         engine.add_request(f"m{i}", [5 + (i * 104729 + j) % vocab for j in range(a.context)], params)
     times, profiled = [], None
-    for step in range(4 * -(-a.mixed_prompts * a.context // 8192) + 4):  # every loop of every chunk, and a few more
+    budget = engine.config.max_num_batched_tokens - a.rows
+    replays = engine.runner.mixed_graphs.replays if engine.runner.mixed_graphs is not None else 0
+    for step in range(4 * -(-a.mixed_prompts * a.context // budget) + 4):  # every loop of every chunk, and a few more
         ms, p = timed_step(engine, kernels=step == 2 and a.kernels)
         times.append(ms)
         profiled = profiled if p is None else p
     print(f"mixed: {a.rows} decode rows + {a.mixed_prompts} x {a.context}-token prompts, step ms: "
-          f"{[round(t, 1) for t in times]}")
+          f"{[round(t, 1) for t in times]}; budget {engine.config.max_num_batched_tokens}, mixed-graph replays "
+          f"{(engine.runner.mixed_graphs.replays if engine.runner.mixed_graphs is not None else 0) - replays}")
     if profiled is not None:
         print_step_kernels(profiled, 16)
 
@@ -156,6 +159,8 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="also print device time per kernel name (torch.profiler)")
     ap.add_argument("--mixed-prompts", type=int, default=0,
                     help="once --rows rows decode, add this many --context-token prompts and time the mixed steps")
+    ap.add_argument("--budget", type=int, default=8192,
+                    help="max_num_batched_tokens of decode and mixed steps (the engine's token budget)")
     ap.add_argument("--kv-gb", type=float, default=None,
                     help="KV pool in GiB (default: enough for the rows, at least 8)")
     ap.add_argument("--gemv-config", default=None,
@@ -210,7 +215,7 @@ def main() -> None:
         model = OuroForCausalLM(cfg).to(torch.bfloat16)
     engine = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=max(8, a.rows + a.mixed_prompts),
                                   kv_cache_memory_gb=a.kv_gb or max(8.0, (a.rows + a.mixed_prompts) * 0.9), enforce_eager=a.eager, async_scheduling=a.async_scheduling,
-                                  max_num_batched_tokens=max(2048, a.rows * a.context) if a.prefill else 8192,
+                                  max_num_batched_tokens=max(2048, a.rows * a.context) if a.prefill else a.budget,
                                   max_model_len=a.context + 512), model=model)
     params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)  # enough loop steps for every phase
     if a.prefill:

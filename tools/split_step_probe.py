@@ -1,0 +1,127 @@
+"""Would a mixed step run faster with its decode rows and its prompt chunk on two halves of the chip? (GPU)
+
+python3 tools/split_step_probe.py [--sms 48,64,80] [--chunks 1024,2048,4096,8192] [--rows 128] [--context 1024]
+                                  [--blas cublaslt|cublas]
+
+The design this tests: one engine step, two sub-forwards. The decode rows (``--rows`` tokens over
+``--context`` keys) run their 24 layers on a CUDA green context of N SMs while a prompt chunk of C tokens
+runs its 24 layers on the rest of the chip (cuBLAS told to leave N SMs out, so its GEMM grids fit the
+rest). The step ends when both have. Against it: the engine's mixed step on the whole chip, where every
+layer's GEMMs take the decode rows and the chunk together and the two attention launches run one after
+the other.
+
+Per layer: the four projection GEMMs of Ouro-1.4B (qkv, o, gate/up, down) and attention (the engine's
+Triton launches: decode rows over paged 1K histories; the chunk as C / 1,024 prompts of 1,024 tokens with
+their work list). Norms, rotary and SwiGLU are left out (on the whole chip they are ~10% of a mixed step),
+so is the decode step's own traffic beyond attention and weights. Weights cycle through four copies and
+K/V through four pools so that layers do not hit in L2.
+
+Prints, per (N, C): the whole-chip mixed step, the decode half alone on N SMs, the chunk alone on the rest,
+both at once, and the split step's time as a fraction of the whole-chip one (below 1: the split wins).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from overlap_probe import decode_case, fork, green_stream, timed  # noqa: E402
+
+from loopline.attention.bench_attention import _with_work, make_step  # noqa: E402
+from loopline.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+HIDDEN, INTER, LAYERS, COPIES = 2048, 5632, 24, 4
+SCALE = 128 ** -0.5
+
+
+def main() -> None:
+    ints = lambda v: [int(n) for n in v.split(",")]  # noqa: E731
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sms", type=ints, default=[48, 64, 80])
+    ap.add_argument("--chunks", type=ints, default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--blas", choices=("cublas", "cublaslt"), default="cublaslt",
+                    help="torch's BLAS library for every GEMM here (only cuBLASLt honours the SM carveout)")
+    a = ap.parse_args()
+    torch.backends.cuda.preferred_blas_library(a.blas)
+    dev, bf16 = "cuda", torch.bfloat16
+    total_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    weights = [[torch.randn(n, k, device=dev, dtype=bf16) * 0.02
+                for n, k in ((3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))]
+               for _ in range(COPIES)]
+    backend = TritonAttentionBackend()
+    decode_kv = [decode_case(a.rows, a.context) for _ in range(COPIES)]
+    streams = {n: green_stream(n) for n in a.sms}
+
+    def layers(tokens: int, attend) -> None:
+        """24 layers' GEMMs for ``tokens`` rows, with ``attend(layer)`` after each qkv projection."""
+        x = torch.randn(tokens, HIDDEN, device=dev, dtype=bf16)
+        act = torch.randn(tokens, INTER, device=dev, dtype=bf16)
+
+        def run() -> None:
+            for layer in range(LAYERS):
+                w = weights[layer % COPIES]
+                torch.nn.functional.linear(x, w[0])
+                attend(layer)
+                torch.nn.functional.linear(x, w[1])
+                torch.nn.functional.linear(x, w[2])
+                torch.nn.functional.linear(act, w[3])
+        return run
+
+    def decode_attention(layer: int) -> None:
+        q, k, v, meta = decode_kv[layer % COPIES]
+        backend.attend(q, k, v, meta, SCALE)
+
+    for chunk in a.chunks:
+        prompts = [(1024, 1024)] * max(1, chunk // 1024)
+        pools = []
+        for _ in range(COPIES):
+            pq, pk, pv, pmeta = make_step(prompts)
+            pools.append((pq, pk, pv, _with_work(pmeta, prompts, backend)))
+
+        def prefill_attention(layer: int) -> None:
+            pq, pk, pv, pmeta = pools[layer % COPIES]
+            backend.attend(pq, pk, pv, pmeta, SCALE)
+
+        def both_attentions(layer: int) -> None:
+            decode_attention(layer)
+            prefill_attention(layer)
+
+        whole = timed(layers(a.rows + chunk, both_attentions), a.reps)
+        decode, prefill = layers(a.rows, decode_attention), layers(chunk, prefill_attention)
+        torch.backends.cuda.preferred_blas_library("cublas")  # what the engine runs
+        whole_cublas = timed(layers(a.rows + chunk, both_attentions), a.reps)
+        torch.backends.cuda.preferred_blas_library(a.blas)
+        print(f"chunk {chunk:5d}: whole-chip step {whole:.2f} ms ({whole_cublas:.2f} with default cuBLAS); "
+              f"decode half alone {timed(decode, a.reps):.2f}, chunk alone {timed(prefill, a.reps):.2f} ms", flush=True)
+        for n in a.sms:
+            side = streams[n]
+            # cuBLAS sizes its grids by the carveout: the decode GEMMs for the n SMs they run on, the
+            # chunk's for the rest. Both are set before each launch, from this one host thread.
+            def decode_side(n=n) -> None:
+                torch._C._set_sm_carveout_experimental(total_sms - n)
+                decode()
+
+            def prefill_main(n=n) -> None:
+                torch._C._set_sm_carveout_experimental(n)
+                prefill()
+
+            try:
+                t_dec = timed(lambda: fork(side, decode_side), a.reps)
+                t_pre = timed(prefill_main, a.reps)
+                t_both = timed(lambda: fork(side, decode_side, prefill_main), a.reps)
+            finally:
+                torch._C._set_sm_carveout_experimental(None)
+            print(f"chunk {chunk:5d}, decode on {n:3d} SMs: whole-chip step {whole:7.2f} ms; decode half alone "
+                  f"{t_dec:6.2f}, chunk alone on the rest {t_pre:6.2f}, both {t_both:6.2f} ms: "
+                  f"{t_both / whole:.2f} of the whole-chip step", flush=True)
+
+
+if __name__ == "__main__":
+    main()
