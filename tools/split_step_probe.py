@@ -1,7 +1,7 @@
 """Would a mixed step run faster with its decode rows and its prompt chunk on two halves of the chip? (GPU)
 
 python3 tools/split_step_probe.py [--sms 48,64,80] [--chunks 1024,2048,4096,8192] [--rows 128] [--context 1024]
-                                  [--blas cublaslt|cublas]
+                                  [--blas cublaslt|cublas] [--green-check]
 
 The design this tests: one engine step, two sub-forwards. The decode rows (``--rows`` tokens over
 ``--context`` keys) run their 24 layers on a CUDA green context of N SMs while a prompt chunk of C tokens
@@ -15,6 +15,9 @@ Triton launches: decode rows over paged 1K histories; the chunk as C / 1,024 pro
 their work list). Norms, rotary and SwiGLU are left out (on the whole chip they are ~10% of a mixed step),
 so is the decode step's own traffic beyond attention and weights. Weights cycle through four copies and
 K/V through four pools so that layers do not hit in L2.
+
+``--green-check`` asks instead whether two green contexts made one after the other get disjoint SMs (so
+that both halves could be confined): a compute-bound kernel filling each, alone and both at once.
 
 Prints, per (N, C): the whole-chip mixed step, the decode half alone on N SMs, the chunk alone on the rest,
 both at once, and the split step's time as a fraction of the whole-chip one (below 1: the split wins).
@@ -38,6 +41,34 @@ HIDDEN, INTER, LAYERS, COPIES = 2048, 5632, 24, 4
 SCALE = 128 ** -0.5
 
 
+def green_check() -> None:
+    """The ``--green-check`` measurement (see the module docstring)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def spin(out, ITERS: tl.constexpr):
+        x = tl.arange(0, 128).to(tl.float32) + tl.program_id(0)
+        y = x * 0.5
+        for _ in range(ITERS):
+            x = x * 1.0000001 + y
+            y = y * 0.9999999 - x * 1e-7
+        tl.store(out + tl.program_id(0) * 128 + tl.arange(0, 128), x + y)
+
+    def filler(n: int):
+        out = torch.empty(n * 8 * 128, device="cuda")
+        return lambda: spin[(n * 8,)](out, ITERS=20000, num_warps=4)  # 8 programs of 4 warps per SM
+
+    for na, nb in ((64, 64), (48, 80), (32, 96)):
+        a, b = green_stream(na), green_stream(nb)
+        fa, fb = filler(na), filler(nb)
+        t_a, t_b = timed(lambda: fork(a, fa), 5), timed(lambda: fork(b, fb), 5)
+        t_ab = timed(lambda: fork(a, fa, lambda: fork(b, fb)), 5)
+        verdict = "disjoint" if t_ab < 1.3 * max(t_a, t_b) else "the same SMs"
+        print(f"green contexts of {na} and {nb} SMs: alone {t_a:.2f} / {t_b:.2f} ms, both at once {t_ab:.2f} ms "
+              f"({verdict})", flush=True)
+
+
 def main() -> None:
     ints = lambda v: [int(n) for n in v.split(",")]  # noqa: E731
     ap = argparse.ArgumentParser()
@@ -46,9 +77,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--green-check", action="store_true", help="only check whether two green contexts share SMs")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"), default="cublaslt",
                     help="torch's BLAS library for every GEMM here (only cuBLASLt honours the SM carveout)")
     a = ap.parse_args()
+    if a.green_check:
+        return green_check()
     torch.backends.cuda.preferred_blas_library(a.blas)
     dev, bf16 = "cuda", torch.bfloat16
     total_sms = torch.cuda.get_device_properties(0).multi_processor_count

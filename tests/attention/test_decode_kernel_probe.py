@@ -1,0 +1,59 @@
+"""tools/decode_kernel_probe.py's experimental kernels compute attention (and the gather kernel reads what it
+should), so that what the probe times on a GPU is a correct kernel. Interpreted on the CPU, fp32."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from triton_testing import DEVICE  # first: it sets TRITON_INTERPRET before triton is imported
+
+from loopline.attention.base import PagedAttentionMetadata
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+probe = pytest.importorskip("decode_kernel_probe")
+
+
+def paged_case(seq_lens: list[int], heads: int = 4, head_dim: int = 32, block_size: int = 16):
+    """fp32 K/V in shuffled pages, one query per row."""
+    g = torch.Generator().manual_seed(0)
+    pages = -(-max(seq_lens) // block_size)
+    rows = len(seq_lens)
+    perm = torch.randperm(rows * pages, generator=g).to(torch.int32)
+    shape = (rows * pages, block_size, heads, head_dim)
+    k_cache, v_cache, q = (torch.randn(s, generator=g).to(DEVICE) for s in (shape, shape, (rows, heads, head_dim)))
+    meta = PagedAttentionMetadata(
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=perm.view(rows, pages).to(DEVICE),
+        slot_mapping=torch.zeros(rows, dtype=torch.int64, device=DEVICE), max_query_len=1, max_seq_len=max(seq_lens))
+    return q, k_cache, v_cache, meta
+
+
+SEQ_LENS = [70, 1, 16, 33]  # a ragged last page, a single key, exactly one page, one key past two
+
+
+@pytest.mark.parametrize("name,params", probe.VARIANTS, ids=[f"{n}{p}" for n, p in probe.VARIANTS])
+def test_probe_kernel_matches_reference(name, params):
+    q, k_cache, v_cache, meta = paged_case(SEQ_LENS)
+    scale = q.shape[-1] ** -0.5
+    out = torch.full_like(q, float("nan"))
+    probe.launch(name, params, q, k_cache, v_cache, meta, scale, out)
+    torch.testing.assert_close(out, probe.reference(q, k_cache, v_cache, meta, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_gather_read_sums_each_rows_pages():
+    q, k_cache, v_cache, meta = paged_case(SEQ_LENS)
+    rows, heads, d = q.shape
+    sink = torch.empty(rows * heads * d, device=DEVICE)
+    hg, pages, warps = 2, 2, 4
+    probe.gather_read_kernel[(rows, heads // hg)](
+        k_cache, v_cache, sink, meta.seq_lens, meta.block_tables, k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        HG=hg, PAGES=pages, BLOCK_SIZE=k_cache.shape[1], D=d, num_warps=warps)
+    bs = k_cache.shape[1]
+    for r, n in enumerate(SEQ_LENS):
+        blocks = meta.block_tables[r, : -(-n // bs)].long()
+        want = (k_cache[blocks].flatten(0, 1)[:n] + v_cache[blocks].flatten(0, 1)[:n]).sum(0)  # [heads, d]
+        torch.testing.assert_close(sink.view(rows, heads, d)[r], want, atol=1e-4, rtol=1e-5)
