@@ -1,7 +1,7 @@
 """Would a mixed step run faster with its decode rows and its prompt chunk on two halves of the chip? (GPU)
 
 python3 tools/split_step_probe.py [--sms 48,64,80] [--chunks 1024,2048,4096,8192] [--rows 128] [--context 1024]
-                                  [--blas cublaslt|cublas] [--green-check]
+                                  [--blas cublaslt|cublas] [--disjoint] [--green-check]
 
 The design this tests: one engine step, two sub-forwards. The decode rows (``--rows`` tokens over
 ``--context`` keys) run their 24 layers on a CUDA green context of N SMs while a prompt chunk of C tokens
@@ -16,7 +16,9 @@ their work list). Norms, rotary and SwiGLU are left out (on the whole chip they 
 so is the decode step's own traffic beyond attention and weights. Weights cycle through four copies and
 K/V through four pools so that layers do not hit in L2.
 
-``--green-check`` asks instead whether two green contexts made one after the other get disjoint SMs (so
+``--disjoint`` confines the chunk too: the driver API splits the SMs once into N and the rest, and each
+half runs on a green context of its own (``disjoint_streams``), so neither half's blocks can land on the
+other's SMs. ``--green-check`` asks instead whether two green contexts made one after the other get disjoint SMs (so
 that both halves could be confined): a compute-bound kernel filling each, alone and both at once.
 
 Prints, per (N, C): the whole-chip mixed step, the decode half alone on N SMs, the chunk alone on the rest,
@@ -39,6 +41,39 @@ from loopline.attention.triton_backend import TritonAttentionBackend  # noqa: E4
 
 HIDDEN, INTER, LAYERS, COPIES = 2048, 5632, 24, 4
 SCALE = 128 ** -0.5
+
+
+def disjoint_streams(num_sms: int) -> tuple[torch.cuda.ExternalStream, torch.cuda.ExternalStream, int]:
+    """Streams of two green contexts on *disjoint* SMs, ``num_sms`` and the rest, by the driver API.
+
+    ``GreenContext.create`` splits the whole device each time, so its contexts share SMs (``--green-check``);
+    this splits once and keeps the remainder. Returns (first stream, rest stream, SMs of the rest)."""
+    import ctypes
+
+    torch.cuda.init()
+    cu = ctypes.CDLL("libcuda.so.1")
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with CUresult {rc}")
+
+    resource = lambda: (ctypes.c_ubyte * 144)()  # noqa: E731  CUdevResource (CUDA 12.4+ ABI v1: 4 + 92 + 48 bytes)
+    dev = ctypes.c_int()
+    check(cu.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device()), "cuDeviceGet")
+    whole, group, rest = resource(), resource(), resource()
+    check(cu.cuDeviceGetDevResource(dev, whole, 1), "cuDeviceGetDevResource")  # CU_DEV_RESOURCE_TYPE_SM
+    groups = ctypes.c_uint(1)
+    check(cu.cuDevSmResourceSplitByCount(group, ctypes.byref(groups), whole, rest, 0, num_sms),
+          "cuDevSmResourceSplitByCount")
+    streams = []
+    for res in (group, rest):
+        desc, ctx, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        check(cu.cuDevResourceGenerateDesc(ctypes.byref(desc), res, 1), "cuDevResourceGenerateDesc")
+        check(cu.cuGreenCtxCreate(ctypes.byref(ctx), desc, dev, 1), "cuGreenCtxCreate")  # default stream
+        check(cu.cuGreenCtxStreamCreate(ctypes.byref(stream), ctx, 1, 0), "cuGreenCtxStreamCreate")  # non-blocking
+        streams.append(torch.cuda.ExternalStream(stream.value))
+    rest_sms = int.from_bytes(bytes(rest[96:100]), "little")  # CUdevSmResource.smCount
+    return streams[0], streams[1], rest_sms
 
 
 def green_check() -> None:
@@ -67,6 +102,13 @@ def green_check() -> None:
         verdict = "disjoint" if t_ab < 1.3 * max(t_a, t_b) else "the same SMs"
         print(f"green contexts of {na} and {nb} SMs: alone {t_a:.2f} / {t_b:.2f} ms, both at once {t_ab:.2f} ms "
               f"({verdict})", flush=True)
+        a, b, nb = disjoint_streams(na)
+        fa, fb = filler(na), filler(nb)
+        t_a, t_b = timed(lambda: fork(a, fa), 5), timed(lambda: fork(b, fb), 5)
+        t_ab = timed(lambda: fork(a, fa, lambda: fork(b, fb)), 5)
+        verdict = "disjoint" if t_ab < 1.3 * max(t_a, t_b) else "the same SMs"
+        print(f"driver split into {na} and {nb} SMs: alone {t_a:.2f} / {t_b:.2f} ms, both at once {t_ab:.2f} ms "
+              f"({verdict})", flush=True)
 
 
 def main() -> None:
@@ -78,6 +120,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--green-check", action="store_true", help="only check whether two green contexts share SMs")
+    ap.add_argument("--disjoint", action="store_true",
+                    help="the chunk on a green context of the other SMs too (driver API split), not the default stream")
     ap.add_argument("--blas", choices=("cublas", "cublaslt"), default="cublaslt",
                     help="torch's BLAS library for every GEMM here (only cuBLASLt honours the SM carveout)")
     a = ap.parse_args()
@@ -91,7 +135,8 @@ def main() -> None:
                for _ in range(COPIES)]
     backend = TritonAttentionBackend()
     decode_kv = [decode_case(a.rows, a.context) for _ in range(COPIES)]
-    streams = {n: green_stream(n) for n in a.sms}
+    # decode side, chunk side (None: the chunk runs on the default stream, free to use any SM)
+    streams = {n: disjoint_streams(n)[:2] if a.disjoint else (green_stream(n), None) for n in a.sms}
 
     def layers(tokens: int, attend) -> None:
         """24 layers' GEMMs for ``tokens`` rows, with ``attend(layer)`` after each qkv projection."""
@@ -135,16 +180,19 @@ def main() -> None:
         print(f"chunk {chunk:5d}: whole-chip step {whole:.2f} ms ({whole_cublas:.2f} with default cuBLAS); "
               f"decode half alone {timed(decode, a.reps):.2f}, chunk alone {timed(prefill, a.reps):.2f} ms", flush=True)
         for n in a.sms:
-            side = streams[n]
+            side, rest = streams[n]
             # cuBLAS sizes its grids by the carveout: the decode GEMMs for the n SMs they run on, the
             # chunk's for the rest. Both are set before each launch, from this one host thread.
             def decode_side(n=n) -> None:
                 torch._C._set_sm_carveout_experimental(total_sms - n)
                 decode()
 
-            def prefill_main(n=n) -> None:
+            def prefill_main(n=n, rest=rest) -> None:
                 torch._C._set_sm_carveout_experimental(n)
-                prefill()
+                if rest is None:
+                    prefill()
+                else:
+                    fork(rest, prefill)
 
             try:
                 t_dec = timed(lambda: fork(side, decode_side), a.reps)
