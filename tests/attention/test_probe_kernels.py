@@ -1,5 +1,6 @@
-"""tools/decode_kernel_probe.py's experimental kernels compute attention (and the gather kernel reads what it
-should), so that what the probe times on a GPU is a correct kernel. Interpreted on the CPU, fp32."""
+"""The experimental kernels of the GPU probes compute what they claim, so that what a probe times is a correct
+kernel: tools/decode_kernel_probe.py's attention kernels (and its gather read), tools/coresidency_probe.py's
+GEMM. Interpreted on the CPU, fp32."""
 from __future__ import annotations
 
 import sys
@@ -13,6 +14,7 @@ from loopline.attention.base import PagedAttentionMetadata
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 probe = pytest.importorskip("decode_kernel_probe")
+coresidency = pytest.importorskip("coresidency_probe")
 
 
 def paged_case(seq_lens: list[int], heads: int = 4, head_dim: int = 32, block_size: int = 16):
@@ -57,3 +59,12 @@ def test_gather_read_sums_each_rows_pages():
         blocks = meta.block_tables[r, : -(-n // bs)].long()
         want = (k_cache[blocks].flatten(0, 1)[:n] + v_cache[blocks].flatten(0, 1)[:n]).sum(0)  # [heads, d]
         torch.testing.assert_close(sink.view(rows, heads, d)[r], want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_sm", [0, 1], ids=["tile-per-program", "persistent"])
+def test_coresidency_gemm_matches_torch(per_sm):
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(70, 128, generator=g).to(DEVICE), torch.randn(96, 128, generator=g).to(DEVICE)
+    out = torch.full((70, 96), float("nan"), device=DEVICE)
+    coresidency.triton_linear(x, w, out, 32, 32, 32, 1, 4, per_sm)  # ragged last tiles in M and N
+    torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-5)
