@@ -94,22 +94,18 @@ def green_check() -> None:
         out = torch.empty(n * 8 * 128, device="cuda")
         return lambda: spin[(n * 8,)](out, ITERS=20000, num_warps=4)  # 8 programs of 4 warps per SM
 
-    for na, nb in ((64, 64), (48, 80), (32, 96)):
-        a, b = green_stream(na), green_stream(nb)
+    def pair(label: str, a: torch.cuda.Stream, b: torch.cuda.Stream, na: int, nb: int) -> None:
         fa, fb = filler(na), filler(nb)
         t_a, t_b = timed(lambda: fork(a, fa), 5), timed(lambda: fork(b, fb), 5)
         t_ab = timed(lambda: fork(a, fa, lambda: fork(b, fb)), 5)
         verdict = "disjoint" if t_ab < 1.3 * max(t_a, t_b) else "the same SMs"
-        print(f"green contexts of {na} and {nb} SMs: alone {t_a:.2f} / {t_b:.2f} ms, both at once {t_ab:.2f} ms "
-              f"({verdict})", flush=True)
-        a, b, nb = disjoint_streams(na)
-        fa, fb = filler(na), filler(nb)
-        t_a, t_b = timed(lambda: fork(a, fa), 5), timed(lambda: fork(b, fb), 5)
-        t_ab = timed(lambda: fork(a, fa, lambda: fork(b, fb)), 5)
-        verdict = "disjoint" if t_ab < 1.3 * max(t_a, t_b) else "the same SMs"
-        print(f"driver split into {na} and {nb} SMs: alone {t_a:.2f} / {t_b:.2f} ms, both at once {t_ab:.2f} ms "
-              f"({verdict})", flush=True)
+        print(f"{label} {na} and {nb} SMs: alone {t_a:.2f} / {t_b:.2f} ms, both at once {t_ab:.2f} ms ({verdict})",
+              flush=True)
 
+    for na, nb in ((64, 64), (48, 80), (32, 96)):
+        pair("green contexts of", green_stream(na), green_stream(nb), na, nb)
+        a, b, rest = disjoint_streams(na)
+        pair("driver split into", a, b, na, rest)
 
 def main() -> None:
     ints = lambda v: [int(n) for n in v.split(",")]  # noqa: E731
