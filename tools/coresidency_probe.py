@@ -31,11 +31,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from decode_kernel_probe import launch  # noqa: E402
-from overlap_probe import decode_case, fork, timed  # noqa: E402
+from overlap_probe import HIDDEN, INTER, decode_case, decode_kv_gb, fork, timed  # noqa: E402
 
 from loopline.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
-HIDDEN, GATE_UP = 2048, 2 * 5632
+GATE_UP = 2 * INTER
 
 
 @triton.jit
@@ -94,7 +94,7 @@ def main() -> None:
     backend = TritonAttentionBackend()
     scale = 128 ** -0.5
     out_attn = torch.empty_like(cases[0][0])
-    kv_gb = 128 * 1024 * 16 * 128 * 2 * 2 / 1e9
+    kv_gb = decode_kv_gb(128, 1024)
     hi = torch.cuda.Stream(priority=-1)
 
     def attention(kind, times: int):

@@ -38,7 +38,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from loopline.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from loopline.attention.triton_kernels import _softmax_step, merge_splits_kernel  # noqa: E402
+from loopline.attention.triton_kernels import _softmax_step  # noqa: E402
 
 _LOG2E = 1.4426950408889634
 
@@ -256,7 +256,22 @@ def gather_read_kernel(k_cache, v_cache, out_ptr, seq_lens, block_tables, stride
              + offs_d[None, :], tl.sum(acc.to(tl.float32), 0))
 
 
+def gather_read(k_cache, v_cache, meta, hg: int, pages: int, warps: int) -> torch.Tensor:
+    """One ``gather_read_kernel`` launch; returns each row's K + V summed over its positions, ``[rows, KVH, D]``."""
+    rows = meta.seq_lens.shape[0]
+    _, block_size, kvh, d = k_cache.shape
+    sink = torch.empty(rows, kvh, d, dtype=torch.float32, device=k_cache.device)
+    gather_read_kernel[(rows, kvh // hg)](k_cache, v_cache, sink, meta.seq_lens, meta.block_tables,
+                                          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                                          meta.block_tables.stride(0), HG=hg, PAGES=pages, BLOCK_SIZE=block_size,
+                                          D=d, num_warps=warps, num_stages=1)
+    return sink
+
+
 def launch(name: str, params: tuple, q, k_cache, v_cache, meta, scale: float, out: torch.Tensor) -> None:
+    """One launch of variant ``name`` (``VARIANTS``, ``GATHER``) writing attention into ``out``
+    (``gather``: into a sink of its own)."""
     rows, heads, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     args = (q, k_cache, v_cache, out, meta.seq_lens, meta.block_tables, scale * _LOG2E,
@@ -271,27 +286,20 @@ def launch(name: str, params: tuple, q, k_cache, v_cache, meta, scale: float, ou
                                      DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                                      num_warps=warps, num_stages=1)
     elif name == "gather":
-        hg, pages, warps = params
-        sink = torch.empty(rows * heads * d, dtype=torch.float32, device=q.device)
-        gather_read_kernel[(rows, kvh // hg)](k_cache, v_cache, sink, meta.seq_lens, meta.block_tables,
-                                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                                              meta.block_tables.stride(0), HG=hg, PAGES=pages,
-                                              BLOCK_SIZE=block_size, D=d, num_warps=warps, num_stages=1)
+        gather_read(k_cache, v_cache, meta, *params)
     elif name == "warp":
         pages, warps, pre, splits = params
-        part_out = torch.empty((splits, rows, heads, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((splits, rows, heads), dtype=torch.float32, device=q.device)
+        # the engine's split-KV workspaces and merge, as its own split launches use them
+        part_out, part_lse = TritonAttentionBackend._partials(splits, out)
         warp_kernel[(rows, kvh, splits)](*args, part_out, part_lse, rows, heads, PAGES=pages, BLOCK_SIZE=block_size,
                                          D=d, NUM_SPLITS=splits, PREFETCH=bool(pre), num_warps=warps, num_stages=1)
-        if splits > 1:
-            merge_splits_kernel[(rows, heads)](part_out, part_lse, out, rows, heads, out.stride(0), out.stride(1),
-                                               NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-                                               HEAD_DIM=d, PDL=False, num_warps=4)
-    else:
+        TritonAttentionBackend._merge(splits, part_out, part_lse, out)
+    elif name == "lanes":
         hg, pages, warps, pre = params
         lanes_kernel[(rows, kvh // hg)](*args, HG=hg, PAGES=pages, BLOCK_SIZE=block_size, D=d, PREFETCH=bool(pre),
                                         num_warps=warps, num_stages=1)
+    else:
+        raise ValueError(f"unknown variant {name!r}: prefetch, gather, warp or lanes")
 
 
 GATHER = [("gather", (1, 4, 8)), ("gather", (1, 2, 4)), ("gather", (1, 8, 8)), ("gather", (2, 2, 8)),
@@ -321,7 +329,7 @@ def reference(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
 
 
 def main() -> None:
-    from overlap_probe import decode_case, fork, green_stream, timed
+    from overlap_probe import decode_case, decode_kv_gb, fork, green_stream, timed
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=128)
@@ -344,15 +352,14 @@ def main() -> None:
             print(f"check {name} {params}: max abs err {err:.2e}", flush=True)
             assert err < 2e-2, (name, params, err)
     q, k_cache, v_cache, meta = decode_case(a.rows, a.context)
-    kv_gb = a.rows * a.context * 16 * 128 * 2 * 2 / 1e9
+    kv_gb = decode_kv_gb(a.rows, a.context)
     out = torch.empty_like(q)
     cases = [("engine", None, lambda: backend.attend(q, k_cache, v_cache, meta, scale))]
-    cases += [(n, p, (lambda n=n, p=p: launch(n, p, q, k_cache, v_cache, meta, scale, out))) for n, p in VARIANTS]
+    # --gather: no attention math, what the access pattern itself allows
+    cases += [(n, p, (lambda n=n, p=p: launch(n, p, q, k_cache, v_cache, meta, scale, out)))
+              for n, p in (GATHER if a.gather else VARIANTS)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     streams = {n: (torch.cuda.current_stream() if n >= sms else green_stream(n)) for n in a.sms}
-    if a.gather:  # no attention math: what the access pattern itself allows
-        cases = cases[:1] + [(n, p, (lambda n=n, p=p: launch(n, p, q, k_cache, v_cache, meta, scale, out)))
-                             for n, p in GATHER]
     for name, params, fn in cases:
         rates = []
         for n in a.sms:

@@ -39,6 +39,20 @@ from loopline.attention.bench_attention import _with_work, make_step, step_flops
 from loopline.attention.triton_backend import DecodeLaunch, TritonAttentionBackend
 
 
+HIDDEN, INTER = 2048, 5632  # Ouro-1.4B
+
+
+def layer_weights() -> list[torch.Tensor]:
+    """One layer's projection weights of Ouro-1.4B (qkv, o, gate/up, down), random bf16 on the GPU."""
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            for n, k in ((3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))]
+
+
+def decode_kv_gb(rows: int, context: int, heads: int = 16, head_dim: int = 128) -> float:
+    """GB of bf16 K and V that one launch over ``decode_case(rows, context)`` reads."""
+    return rows * context * heads * head_dim * 2 * 2 / 1e9
+
+
 def decode_case(rows: int, context: int, heads: int = 16, head_dim: int = 128, block_size: int = 16):
     """Random bf16 paged K/V (distinct pages per row, shuffled) and one query per row."""
     pages = -(-context // block_size)
@@ -76,18 +90,16 @@ def main() -> None:
         return
     if a.blas:
         torch.backends.cuda.preferred_blas_library(a.blas)
-    hidden, inter = 2048, 5632
-    x = torch.randn(a.tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-               for n, k in ((3 * hidden, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter))]
-    act = torch.randn(a.tokens, inter, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(a.tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    weights = layer_weights()
+    act = torch.randn(a.tokens, INTER, device="cuda", dtype=torch.bfloat16)
     backend = TritonAttentionBackend(decode_launch=DecodeLaunch(*a.decode_launch) if a.decode_launch else None)
     q, k_cache, v_cache, meta = decode_case(a.rows, a.context)
     scale = 128 ** -0.5
 
     def layer_gemms() -> None:
         for w in weights:
-            torch.nn.functional.linear(act if w.shape[1] == inter else x, w)
+            torch.nn.functional.linear(act if w.shape[1] == INTER else x, w)
 
     prompts = [(1024, 1024)] * max(1, a.tokens // 1024)
     pq, pk, pv, pmeta = make_step(prompts)
@@ -103,7 +115,7 @@ def main() -> None:
         backend.attend(q, k_cache, v_cache, meta, scale)
 
     hi = torch.cuda.Stream(priority=-1)  # the highest priority
-    kv_gb = a.rows * a.context * 16 * 128 * 2 * 2 / 1e9
+    kv_gb = decode_kv_gb(a.rows, a.context)
     what = "layer GEMMs" if a.pair == "gemm" else "prefill attention"
 
     def serial() -> None:

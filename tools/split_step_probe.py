@@ -29,17 +29,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from overlap_probe import decode_case, fork, green_stream, timed  # noqa: E402
+from overlap_probe import HIDDEN, INTER, decode_case, fork, green_stream, layer_weights, timed  # noqa: E402
 
 from loopline.attention.bench_attention import _with_work, make_step  # noqa: E402
 from loopline.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
-HIDDEN, INTER, LAYERS, COPIES = 2048, 5632, 24, 4
+LAYERS, COPIES = 24, 4
 SCALE = 128 ** -0.5
 
 
@@ -107,6 +108,7 @@ def green_check() -> None:
         a, b, rest = disjoint_streams(na)
         pair("driver split into", a, b, na, rest)
 
+
 def main() -> None:
     ints = lambda v: [int(n) for n in v.split(",")]  # noqa: E731
     ap = argparse.ArgumentParser()
@@ -126,15 +128,13 @@ def main() -> None:
     torch.backends.cuda.preferred_blas_library(a.blas)
     dev, bf16 = "cuda", torch.bfloat16
     total_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    weights = [[torch.randn(n, k, device=dev, dtype=bf16) * 0.02
-                for n, k in ((3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))]
-               for _ in range(COPIES)]
+    weights = [layer_weights() for _ in range(COPIES)]
     backend = TritonAttentionBackend()
     decode_kv = [decode_case(a.rows, a.context) for _ in range(COPIES)]
     # decode side, chunk side (None: the chunk runs on the default stream, free to use any SM)
     streams = {n: disjoint_streams(n)[:2] if a.disjoint else (green_stream(n), None) for n in a.sms}
 
-    def layers(tokens: int, attend) -> None:
+    def layers(tokens: int, attend) -> Callable[[], None]:
         """24 layers' GEMMs for ``tokens`` rows, with ``attend(layer)`` after each qkv projection."""
         x = torch.randn(tokens, HIDDEN, device=dev, dtype=bf16)
         act = torch.randn(tokens, INTER, device=dev, dtype=bf16)
