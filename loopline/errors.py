@@ -25,3 +25,7 @@ class EngineStateError(LooplineError, RuntimeError):
 class WeightUpdateError(InvalidRequestError):
     """A weight update was rejected (bad version, unknown / missing / duplicate names, wrong
     shape or dtype, non-finite values); ``param`` names the tensor or field."""
+
+
+class EngineDeadError(LooplineError, RuntimeError):
+    """The engine stopped after a device fault and serves nothing until restarted."""

@@ -2,8 +2,9 @@
 # One device call that checks and measures everything GPU-side (H200, ~8 minutes).
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
-# parts (default: tests kernels profile bench): tests diag kernels sweep gemm swiglu gemv profile prefill mixed wide
-# splits bench sync overlap partition hf adaptive; LOOPLINE_BENCH_C (default "1 32 128") picks bench's concurrencies
+# parts (default: tests kernels profile bench): tests slow diag kernels sweep gemm swiglu gemv profile prefill mixed
+# wide splits bench headline sync overlap partition hf adaptive serve; LOOPLINE_BENCH_C (default "1 32 128") picks
+# bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
 out=${1:?output folder}
@@ -22,6 +23,15 @@ if has tests; then  # correctness on the GPU: every kernel test (bf16 cases too)
   timeout 240 python3 -m pytest -q -m gpu tests/worker > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$? $(tail -1 "$out/gpu_tests.log")"
   grep -hE "^(FAILED|ERROR)" "$out/kernel_tests.log" "$out/gpu_tests.log" | head -10
+fi
+if has slow; then  # the tests the CPU run leaves out (Triton-interpreter length there, seconds here)
+  timeout 200 python3 -m pytest -q -m slow tests > "$out/slow_tests.log" 2>&1
+  echo "slow tests rc=$? $(tail -1 "$out/slow_tests.log")"; grep -hE "^(FAILED|ERROR)" "$out/slow_tests.log" | head -5
+fi
+if has headline; then  # README's headline table: the defaults a user gets, no tuning flags
+  timeout 420 python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --input-len 1024 \
+    --output-len 128 --concurrency 1,32,128 --no-progress --output-json "$out/headline.json" 2> "$out/headline.err" \
+    | tail -8 || tail -3 "$out/headline.err"
 fi
 if has diag; then  # the GPU engine tests alone, with cuBLAS's own log
   CUBLAS_LOGINFO_DBG=1 CUBLAS_LOGDEST_DBG="$out/cublas.log" timeout 150 python3 -m pytest -q -x -m gpu \
@@ -106,10 +116,38 @@ if has hf; then  # against transformers generate() on the same weights, batch 1 
   bench 420 --input-len 1024 --output-len 128 --concurrency 1,8,32 --variants fixed,hf --compare --repeats 1 \
         --async-scheduling --max-num-batched-tokens 8192 --kv-cache-memory-gb 40 --output-json "$out/hf.json" 2> "$out/hf.err" | tail -12
 fi
-if has adaptive; then  # continuous depth batching vs cohort vs full depth (synthetic mean 2.5 loops)
+if has adaptive; then  # continuous depth batching vs cohort vs full depth (synthetic mean 2.5 loops), defaults
   bench 420 --input-len 128 --output-len 512 --concurrency 128 --depth-dist mean2.5 --compare \
-        --variants refill,no_refill,fixed --repeats 2 --max-num-batched-tokens 8192 --async-scheduling \
-        --output-json "$out/adaptive.json" 2> "$out/adaptive.err" | tail -6
+        --variants refill,no_refill,fixed --repeats 2 --output-json "$out/adaptive.json" 2> "$out/adaptive.err" | tail -6
+fi
+if has serve; then  # loopline serve vs the offline engine, same random Ouro-1.4B checkpoint on disk, C = 32 and 128
+  ckpt=/tmp/ouro-1.4b-random
+  timeout 300 python3 tools/write_random_checkpoint.py "$ckpt" --config ouro-1.4b || echo "checkpoint write failed"
+  for c in ${LOOPLINE_SERVE_C:-32 128}; do
+    bench 200 --model "$ckpt" --input-len 1024 --output-len 128 --concurrency $c --max-num-seqs 128 \
+      --output-json "$out/offline-c$c.json" > /dev/null 2> "$out/offline-c$c.err" || tail -3 "$out/offline-c$c.err"
+  done
+  python3 -m loopline.entrypoints.cli serve --model "$ckpt" --dtype bfloat16 --max-num-seqs 128 --port 8011 \
+    > "$out/serve.log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
+  for c in ${LOOPLINE_SERVE_C:-32 128}; do
+    timeout 200 python3 -m loopline.entrypoints.cli bench serve --base-url http://127.0.0.1:8011 --input-len 1024 \
+      --output-len 128 --num-prompts $((2 * c)) --concurrency $c --json > "$out/serve-c$c.json" 2> "$out/serve-c$c.err" \
+      || tail -3 "$out/serve-c$c.err"
+  done
+  kill $server; wait $server 2>/dev/null
+  python3 - "$out" <<'PY'
+import json, sys
+for c in (32, 128):
+    try:
+        off = json.load(open(f"{sys.argv[1]}/offline-c{c}.json"))["results"][0]["variants"][0]["median"]
+        srv = json.load(open(f"{sys.argv[1]}/serve-c{c}.json"))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"C={c}: missing ({e})"); continue
+    s = srv.get("output_throughput") or srv.get("metrics", {}).get("output_throughput")
+    print(f"C={c}: offline {off['output_throughput']:.1f} tok/s, serve {s:.1f} tok/s, serve/offline {s / off['output_throughput']:.3f}")
+PY
 fi
 # the device returns at most 8 files: everything also goes back in one archive
 tar -czf "$out/all.tgz" -C "$out" --exclude all.tgz . 2>/dev/null

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from loopline.config import EngineArgs
-from loopline.core.engine import LLMEngine
+from loopline.engine import LLMEngine
 from loopline.models.ouro import OuroForCausalLM
 from loopline.models.tiny import make_tiny_checkpoint, random_checkpoint_config, tiny_config
 from loopline.sampling_params import SamplingParams

@@ -20,7 +20,7 @@ def not_provided_reason(name: str) -> str | None:
         return None
     installed = importlib.util.find_spec(package) is not None
     return (f"attention_backend={name!r}: loopline has no {package} backend (the {package} package is "
-            f"{'installed' if installed else 'not installed'} here): with async scheduling each decode step's "
+            f"{'installed' if installed else 'not installed'} here): each decode step's "
             "block tables and sequence lengths are derived on the GPU, inside CUDA graphs, and these libraries "
             "plan every step from page tables on the host. Use 'triton' (the default on CUDA) or 'torch'")
 

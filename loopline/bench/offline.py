@@ -23,7 +23,7 @@ from loopline.bench.env import DeviceTimer
 from loopline.bench.metrics import ByteModel, RequestTiming, latency_metrics, peak_gbps
 from loopline.bench.workload import Workload
 from loopline.config import EngineArgs, resolve_device, resolve_dtype
-from loopline.core.engine import EngineStats, LLMEngine
+from loopline.engine import EngineStats, LLMEngine
 from loopline.errors import InvalidRequestError
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
 from loopline.sampling_params import SamplingParams
@@ -115,14 +115,12 @@ def build_model(args: EngineArgs, config_name: str | None, seed: int) -> tuple[O
 def engine_args_for(base: EngineArgs, variant: Variant, spec: BenchSpec, dtype: torch.dtype) -> EngineArgs:
     """The engine arguments of one run: the CLI's, the variant's overrides, sized for the concurrency.
 
-    ``max_num_seqs`` / ``max_num_batched_tokens`` left as ``None`` by the bench CLI
-    become ``concurrency`` and ``max(2048, max_num_seqs)``.
+    ``max_num_seqs`` left as ``None`` by the bench CLI becomes ``concurrency``; the token budget
+    stays the engine's default unless given.
     """
     args = dataclasses.replace(base, **variant.overrides)
     seqs = args.max_num_seqs if args.max_num_seqs is not None else spec.concurrency
-    tokens = args.max_num_batched_tokens if args.max_num_batched_tokens is not None else max(2048, seqs)
-    return dataclasses.replace(args, skip_tokenizer_init=True, dtype=DTYPE_NAMES[dtype], max_num_seqs=seqs,
-                               max_num_batched_tokens=tokens)
+    return dataclasses.replace(args, skip_tokenizer_init=True, dtype=DTYPE_NAMES[dtype], max_num_seqs=seqs)
 
 
 def sampling_params_for(exit_mode: str, spec: BenchSpec, workload: Workload, index: int) -> SamplingParams:

@@ -1,7 +1,7 @@
 """The typed contract of one engine step (DESIGN.md §2).
 
-``Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() ->
-RunnerOutput -> Scheduler.update(...)``. Host-side plain data only.
+``Scheduler.schedule() -> SchedulerOutput -> ModelRunner.launch() -> handle.get()
+-> RunnerOutput -> Scheduler.update(...)``. Host-side plain data only.
 """
 from __future__ import annotations
 
@@ -34,23 +34,26 @@ class NewRequestData:
 
 @dataclass
 class ScheduledRow:
-    """One unit of work at one loop: a prefill chunk or a decode token."""
+    """One unit of work at one loop: a prefill chunk or a decode token.
+
+    A decode row names only its slot and exit rule: the device decode state knows the slot's
+    loop, position and token (its ``start``/``end``/``loop``/``plane`` are placeholders)."""
 
     request_id: str
     is_prefill: bool
-    start: int  # positions [start, end)
+    start: int  # prefill: positions [start, end)
     end: int
-    loop: int  # 1-based loop this row runs
+    loop: int  # prefill: 1-based loop this row runs
     plane: int
-    input_token_ids: list[int] | None  # set when loop == 1 (prelude)
+    input_token_ids: list[int] | None  # prefill: set when loop == 1 (prelude)
     slot: int = -1  # decode slot
     is_last_chunk: bool = False  # prefill: holds the last prompt position
     exit: ExitParams | None = None  # decode rows
-    token_index: int = 0  # index of the token this row may sample within its completion
+    seq: int = -1  # the request's arrival number: a row's results never reach a later request of the same id
 
     @property
     def num_tokens(self) -> int:
-        return self.end - self.start
+        return self.end - self.start if self.is_prefill else 1
 
 
 @dataclass

@@ -1,15 +1,12 @@
 """When does a token stop looping? (DESIGN.md §1 exit rule)
 
-Host side: an :class:`ExitPolicy` strategy turns a request and a token index
-into the row's :class:`ExitParams`. Device side: :func:`exit_decision` applies
-the rule to a batch of rows, vectorized.
+Host side (no torch): an :class:`ExitPolicy` strategy turns a request and a
+token index into the row's :class:`ExitParams`. The device applies the rule to
+a batch of rows in ``loopline.worker.exit_rule``.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-
-import torch
-from torch import Tensor
 
 from loopline.core.contracts import ExitParams
 from loopline.errors import InvalidRequestError
@@ -18,7 +15,7 @@ from loopline.sampling_params import SamplingParams
 
 class ExitPolicy(ABC):
     name: str
-    per_token = False  # True: the rule changes with the token index (the device needs it under async scheduling)
+    per_token = False  # True: the rule changes with the token index, which only the device knows
 
     def __init__(self, num_loops: int, default_threshold: float) -> None:
         self.num_loops = num_loops
@@ -76,18 +73,3 @@ class TraceExit(ExitPolicy):
 def make_exit_policy(mode: str, num_loops: int, default_threshold: float) -> ExitPolicy:
     policies = {cls.name: cls for cls in (ThresholdExit, FixedExit, TraceExit)}
     return policies[mode](num_loops, default_threshold)
-
-
-def exit_decision(loop: Tensor | int, survival: Tensor | float, gate_logit: Tensor, min_loops: Tensor | int,
-                  max_loops: Tensor | int, threshold: Tensor | float) -> tuple[Tensor, Tensor]:
-    """Applies the exit rule after loop ``loop`` (1-based) for B rows.
-
-    survival: ``[B]`` fp32 ``prod_{i<r}(1 - lambda_i)`` before this loop (1 at loop 1).
-    Every argument but the gate may also be a Python number shared by all rows.
-    Returns ``(exit [B] bool, survival after this loop [B] fp32)``; ``F_r = 1 - survival``.
-    """
-    lam = torch.sigmoid(gate_logit.float())
-    survival = survival * (1.0 - lam)
-    cdf = 1.0 - survival
-    early = (threshold < 1.0) & (loop >= min_loops) & (cdf >= threshold)
-    return (loop >= max_loops) | early, survival

@@ -43,7 +43,6 @@ class Request:
     cache_salt: object = None  # the scheduler's prefix-cache salt (weight version) when prefill began
     # decode progress
     slot: int = -1
-    token_loop: int = 0  # loops done by the in-flight decode token; 0: none in flight
     # results
     output: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None
@@ -61,12 +60,11 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output)
 
-    spare_positions: int = 0  # async scheduling may feed one token past the end before it learns of it
-
     @property
     def num_tokens_reserved(self) -> int:
-        """Positions that may hold KV: the last sampled token is never fed back (in sync mode)."""
-        return self.prompt_len + self.max_tokens - 1 + self.spare_positions
+        """Positions that may hold KV: every prompt and output token, since the device may feed the
+        last sampled token back before the host learns the request finished."""
+        return self.prompt_len + self.max_tokens
 
     @property
     def priority(self) -> int:
@@ -92,8 +90,8 @@ class Request:
     def num_positions(self) -> int:
         """Positions whose KV the request has written or writes this step (for incremental allocation)."""
         if self.status == RequestStatus.DECODE or self.resume_status == RequestStatus.DECODE:
-            # async scheduling: the device may already feed the token after the last one the host saw
-            return min(self.next_position + 1 + self.spare_positions, self.num_tokens_reserved)
+            # the device may already feed the token after the last one the host saw
+            return min(self.next_position + 2, self.num_tokens_reserved)
         return self.prompt_len
 
     @property

@@ -13,7 +13,6 @@ victim to CPU memory when KV runs out or a higher-priority request waits).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from loopline.core.contracts import (
@@ -30,28 +29,6 @@ from loopline.kv.manager import KVCacheManager
 
 
 # --- strategies -------------------------------------------------------------------------------
-class SchedulingMode:
-    """Whether a decode slot whose token exited may start its next token now."""
-
-    name = "refill"
-
-    def may_start_token(self, running_decode: Iterable[Request]) -> bool:
-        return True
-
-
-class NoRefill(SchedulingMode):
-    """Cohort baseline: exited rows idle until every in-flight token has exited."""
-
-    name = "no_refill"
-
-    def may_start_token(self, running_decode: Iterable[Request]) -> bool:
-        return not any(r.token_loop > 0 for r in running_decode)
-
-
-def make_scheduling_mode(name: str) -> SchedulingMode:
-    return {"refill": SchedulingMode, "no_refill": NoRefill}[name]()
-
-
 class Allocation:
     """Full reservation: a request's whole ``prompt + max_tokens`` is allocated at admission."""
 
@@ -75,42 +52,6 @@ class IncrementalAllocation(Allocation):
 
     def needs_growth(self) -> bool:
         return True
-
-
-class Progress:
-    """When prefill and decode progress is booked: after the step ran (sync scheduling)."""
-
-    ahead = False
-
-    def scheduled(self, sched: "Scheduler", req: Request, chunk: PrefillChunk) -> None:
-        pass
-
-    def finished(self, sched: "Scheduler", req: Request, row: ScheduledRow, exited: bool) -> None:
-        if row.is_prefill:
-            chunk = next(c for c in req.chunks if c.start == row.start)
-            chunk.loops_done += 1
-            if exited:
-                sched.prefill_done(req)
-        elif exited:
-            req.token_loop = 0
-        else:
-            req.token_loop += 1
-
-
-class AheadProgress(Progress):
-    """Async scheduling: the host schedules step n+1 before it reads step n, so prefill
-    progress is booked when a row is scheduled (it does not depend on results) and
-    decode slots advance on the device (``worker/decode_state.py``)."""
-
-    ahead = True
-
-    def scheduled(self, sched: "Scheduler", req: Request, chunk: PrefillChunk) -> None:
-        chunk.loops_done += 1
-        if req.fully_chunked and all(c.loops_done == sched.num_loops for c in req.chunks):
-            sched.prefill_done(req)
-
-    def finished(self, sched: "Scheduler", req: Request, row: ScheduledRow, exited: bool) -> None:
-        pass
 
 
 def make_allocation(name: str) -> Allocation:
@@ -138,13 +79,12 @@ class Preemption:
 
 # --- scheduler --------------------------------------------------------------------------------
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, exit_policy: ExitPolicy, mode: SchedulingMode, queue: RequestQueue,
+    def __init__(self, kv: KVCacheManager, exit_policy: ExitPolicy, queue: RequestQueue,
                  max_num_seqs: int, max_num_batched_tokens: int, num_loops: int,
                  allocation: Allocation | None = None, preemption: Preemption | None = None,
-                 watermark_blocks: int = 0, progress: Progress | None = None) -> None:
+                 watermark_blocks: int = 0) -> None:
         self.kv = kv
         self.exit_policy = exit_policy
-        self.mode = mode
         self.waiting = queue
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -155,7 +95,6 @@ class Scheduler:
         self.allocation = allocation or Allocation()
         self.preemption = preemption
         self.watermark_blocks = watermark_blocks
-        self.progress = progress or Progress()
         self.cache_salt: object = 0  # the weight version: prefix-cache keys include it
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -211,13 +150,12 @@ class Scheduler:
         rows: list[ScheduledRow] = []
         self._moved_now.clear()
         self._admit()
-        decoding = [r for r in self.running if r.status == RequestStatus.DECODE]
-        # NOTE: with async scheduling the device decides loops and cohorts; token_loop stays 0.
-        may_start = self.progress.ahead or self.mode.may_start_token(decoding)
-        for req in decoding:
-            if req.status != RequestStatus.DECODE or (req.token_loop == 0 and not may_start):
-                continue  # preempted while another request grew, or waiting for its cohort
-            if req.token_loop == 0 and self.allocation.needs_growth() and not self._grow(req):
+        # NOTE: the device decides each decode row's loop (and no_refill cohorts); a row only names
+        # its slot, so every decoding request gets one every step.
+        for req in [r for r in self.running if r.status == RequestStatus.DECODE]:
+            if req.status != RequestStatus.DECODE:
+                continue  # preempted while another request grew
+            if self.allocation.needs_growth() and not self._grow(req):
                 continue  # out of KV: it waits (or was preempted)
             rows.append(self._decode_row(req))
             budget -= 1
@@ -230,18 +168,11 @@ class Scheduler:
         return out
 
     def _decode_row(self, req: Request) -> ScheduledRow:
-        if self.progress.ahead:
-            # The device knows this slot's loop, position and token; the row only names the slot.
-            return ScheduledRow(request_id=req.request_id, is_prefill=False, start=-1, end=0, loop=0, plane=-1,
-                                input_token_ids=None, slot=req.slot,
-                                exit=self.exit_policy.params_for(req.params, req.num_output_tokens), token_index=-1)
-        pos = req.next_position
-        loop = req.token_loop + 1
-        token_index = req.num_output_tokens
-        return ScheduledRow(
-            request_id=req.request_id, is_prefill=False, start=pos, end=pos + 1, loop=loop,
-            plane=self.kv.layout.plane(loop), input_token_ids=[req.last_token_id] if loop == 1 else None,
-            slot=req.slot, exit=self.exit_policy.params_for(req.params, token_index), token_index=token_index)
+        # The device knows this slot's loop, position and token; the row only names the slot and the
+        # exit rule (per-token rules are read on the device at its own token index).
+        return ScheduledRow(request_id=req.request_id, is_prefill=False, start=-1, end=0, loop=0, plane=-1,
+                            input_token_ids=None, slot=req.slot,
+                            exit=self.exit_policy.params_for(req.params, req.num_output_tokens), seq=req.arrival_seq)
 
     # --- admission --------------------------------------------------------------------
     def _may_overcommit(self) -> bool:
@@ -363,7 +294,7 @@ class Scheduler:
                 rows.append(self._prefill_row(req, chunk))
                 planned[i] += 1
                 budget -= n
-                self.progress.scheduled(self, req, chunk)
+                self._book_loop(req, chunk)
         if budget > 0 and not req.fully_chunked:
             if layout.chunk_may_run(done + [0], planned + [0], len(req.chunks), False):
                 start = req.num_chunked
@@ -371,8 +302,15 @@ class Scheduler:
                 req.chunks.append(chunk)
                 rows.append(self._prefill_row(req, chunk))
                 budget -= chunk.end - chunk.start
-                self.progress.scheduled(self, req, chunk)
+                self._book_loop(req, chunk)
         return budget
+
+    def _book_loop(self, req: Request, chunk: PrefillChunk) -> None:
+        """Books a prefill chunk's loop when it is scheduled: prefill progress does not depend on
+        results, so the next step can be scheduled before this one is read."""
+        chunk.loops_done += 1
+        if req.fully_chunked and all(c.loops_done == self.num_loops for c in req.chunks):
+            self.prefill_done(req)
 
     def _prefill_row(self, req: Request, chunk: PrefillChunk) -> ScheduledRow:
         loop = chunk.loops_done + 1
@@ -380,21 +318,26 @@ class Scheduler:
         return ScheduledRow(
             request_id=req.request_id, is_prefill=True, start=chunk.start, end=chunk.end, loop=loop,
             plane=self.kv.layout.plane(loop), input_token_ids=ids, slot=req.slot,
-            is_last_chunk=chunk.end == req.prompt_len, token_index=0)
+            is_last_chunk=chunk.end == req.prompt_len, seq=req.arrival_seq)
 
     # --- update -----------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Applies a step's results; returns requests that received a token."""
         touched: list[Request] = []
-        for row, exited, sample in zip(sched.rows, result.exited, result.sampled):
-            req = self.requests.get(row.request_id)
+        for row, sample in zip(sched.rows, result.sampled):
+            req = self.owner(row)
             if req is None:  # finished or aborted meanwhile
                 continue
-            self.progress.finished(self, req, row, exited)
             if sample is not None:
                 req.output.append(sample)
                 touched.append(req)
         return touched
+
+    def owner(self, row: ScheduledRow) -> Request | None:
+        """The unfinished request a row was scheduled for. A step read after its request finished
+        (the overlapped engine) finds none, also when a new request took the same id meanwhile."""
+        req = self.requests.get(row.request_id)
+        return req if req is not None and req.arrival_seq == row.seq else None
 
     def prefill_done(self, req: Request) -> None:
         req.status = RequestStatus.DECODE

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from loopline.config import EngineArgs
-from loopline.core.engine import LLMEngine, PromptType
+from loopline.engine import LLMEngine, PromptType
 from loopline.entrypoints.chat_utils import ChatEncoder
 from loopline.errors import EngineStateError
 from loopline.outputs import RequestOutput

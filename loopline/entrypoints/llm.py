@@ -8,7 +8,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from loopline.config import EngineArgs
-from loopline.core.engine import LLMEngine, PromptType
+from loopline.engine import LLMEngine, PromptType
 from loopline.entrypoints.chat_utils import ChatEncoder
 from loopline.errors import EngineStateError, InvalidRequestError
 from loopline.outputs import RequestOutput

@@ -4,7 +4,7 @@
 * :mod:`loopline.rl.weights` -- validated, in-place full-weight updates.
 * :mod:`loopline.rl.lifecycle` -- pause / resume and sleep / wake-up state.
 
-The engine-facing methods are on :class:`~loopline.core.engine.LLMEngine` and
+The engine-facing methods are on :class:`~loopline.engine.LLMEngine` and
 :class:`~loopline.LLM` (``start_weight_update``, ``pause_generation``, ...).
 """
 from loopline.rl.replay import replay_logprobs, replay_logprobs_batch

@@ -1,13 +1,14 @@
-"""CUDA graphs for decode-only steps at bucketed row counts.
+"""CUDA graphs for decode-only steps at bucketed row counts, and for steps with small prefill chunks.
 
-A decode-only step (prelude for rows starting a token, one traversal, gate,
-exit rule, slot state, exit copy and coda) is captured once per bucket size.
-Its inputs live in one persistent device buffer laid out per bucket
-(:class:`_Layout`), so a replay needs exactly one host-to-device copy: the
-host fills a pinned image of the layout, scratch padding included, and copies
-it in without waiting for the device. Padding rows use a scratch slot and a
-scratch KV block that no request owns, so they never touch real state.
-Sampling runs eagerly on the graph's logits (its work depends on which
+A decode-only step (decode rows derived from the device decode state,
+prelude for rows starting a token, one traversal, gate, exit rule, slot
+state, exit copy and coda) is captured once per bucket size. The host sends
+only the rows' slots and exit rules, in one persistent device buffer laid out
+per bucket (:class:`_Layout`), so a replay needs at most one host-to-device
+copy: the host fills a pinned image of the layout, scratch padding included,
+and copies it in without waiting for the device. Padding rows use a scratch
+slot and a scratch KV block that no request owns, so they never touch real
+state. Sampling runs eagerly on the graph's logits (its work depends on which
 features the batch uses).
 """
 from __future__ import annotations
@@ -22,9 +23,9 @@ from torch import Tensor
 from loopline.attention import PagedAttentionMetadata
 from loopline.attention.base import build_work_tiles
 from loopline.attention.paged import PagedAttention
-from loopline.worker.decode_state import DecodeTensors
+from loopline.worker.decode_state import DecodeRows, DecodeTensors, SlotRows
 from loopline.worker.staging import aligned, torch_dtype
-from loopline.worker.step_inputs import StepInputs
+from loopline.worker.step_inputs import PrefillInputs
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
@@ -72,28 +73,16 @@ def _pinned_image(lay: _Layout, on_cuda: bool) -> tuple[Tensor, dict[str, np.nda
     return pinned, lay.host_views(image)
 
 
-def _put_decode_rows(v: dict[str, np.ndarray], inp: StepInputs) -> None:
-    """Writes the decode rows of ``inp`` (its first ``decode.n`` rows) into host views ``v``."""
-    n = inp.decode.n
+def _copy_decode_rows(v: dict[str, Tensor], rows: DecodeRows) -> None:
+    """Copies decode rows derived on the device into a mixed graph's device views ``v``."""
+    n = rows.slots.shape[0]
     for name in _DECODE_FIELDS:
-        v[name][:n] = getattr(inp.decode, name)
-    v["positions"][:n] = inp.positions[:n]
-    v["slot_mapping"][:n] = inp.slot_mapping[:n]
-    v["seq_lens"][:n] = inp.seq_lens[:n]
-    v["block_tables"][:n, :inp.block_tables.shape[1]] = inp.block_tables[:n]
-
-
-def _copy_decode_rows(v: dict[str, Tensor], d, positions: Tensor, slot_mapping: Tensor, seq_lens: Tensor,
-                      block_tables: Tensor) -> None:
-    """Copies device-side decode rows (async scheduling) into device views ``v``."""
-    n = d.slots.shape[0]
-    for name in _DECODE_FIELDS:
-        v[name][:n].copy_(getattr(d, name))
-    v["positions"][:n].copy_(positions)
-    v["slot_mapping"][:n].copy_(slot_mapping)
-    v["seq_lens"][:n].copy_(seq_lens)
-    width = min(block_tables.shape[1], v["block_tables"].shape[1])  # keys past max_seq_len are never read
-    v["block_tables"][:n, :width].copy_(block_tables[:, :width])
+        v[name][:n].copy_(getattr(rows.dec, name))
+    v["positions"][:n].copy_(rows.positions)
+    v["slot_mapping"][:n].copy_(rows.slot_mapping)
+    v["seq_lens"][:n].copy_(rows.seq_lens)
+    width = min(rows.block_tables.shape[1], v["block_tables"].shape[1])  # keys past max_seq_len are never read
+    v["block_tables"][:n, :width].copy_(rows.block_tables[:, :width])
 
 
 def _decode_fields(runner, b: int) -> dict:
@@ -128,7 +117,7 @@ class _GraphSet:
         self._uploaded = None
 
     def _upload(self, pinned: Tensor) -> None:
-        """Copies a host image of the inputs to the device, unless the device already holds it: async
+        """Copies a host image of the inputs to the device, unless the device already holds it:
         decode steps of an unchanged batch send the same four arrays every step, and at one row each
         copy is a link of the step's chain (the graphs never write their inputs)."""
         image = pinned.numpy().tobytes()
@@ -188,47 +177,10 @@ def _no_gc():
             gc.enable()
 
 
-class _HostRows:
-    """Sync scheduling: every decode input of a replay comes from the host, in one copy."""
-
-    def fields(self, g: "DecodeGraphs", b: int) -> dict:
-        r = g.runner
-        scratch_kv = r.scratch_block * r.block_size
-        return {
-            **_decode_fields(r, b), "positions": (np.int64, (b,), 0), "slot_mapping": (np.int64, (b,), scratch_kv),
-            "seq_lens": (np.int32, (b,), 1), "block_tables": (np.int32, (b, g.max_blocks), r.scratch_block),
-        }
-
-    def rows(self, g: "DecodeGraphs", v: dict[str, Tensor]) -> tuple:
-        d = DecodeTensors(**{k: v[k] for k in _DECODE_FIELDS})
-        return d, v["positions"], v["slot_mapping"], v["seq_lens"], v["block_tables"], ()
-
-    def exits(self, g: "DecodeGraphs", ex: Tensor, extras: tuple) -> Tensor:
-        return ex
-
-
-class _DeviceRows:
-    """Async scheduling: the host sends slots and exit rules; the graph derives loops, positions,
-    tokens and tables from the device decode state itself, and also returns
-    ``(slots, loops, run, token_index)`` for sampling and the state's advance."""
-
-    def fields(self, g: "DecodeGraphs", b: int) -> dict:
-        return {"slots": (np.int64, (b,), g.runner.scratch_slot), "min_loops": (np.int64, (b,), 1),
-                "max_loops": (np.int64, (b,), 1), "threshold": (np.float32, (b,), 1.0)}
-
-    def rows(self, g: "DecodeGraphs", v: dict[str, Tensor]) -> tuple:
-        dec, positions, slot_mapping, seq_lens, tables, extras = g.runner.device_decode_rows(
-            v["slots"], v["min_loops"], v["max_loops"], v["threshold"])
-        return dec, positions, slot_mapping, seq_lens, tables, (v["slots"], *extras)
-
-    def exits(self, g: "DecodeGraphs", ex: Tensor, extras: tuple) -> Tensor:
-        _slots, _loops, run, _token_index = extras
-        return g.runner.exits_that_ran(ex, run)
-
-
 class DecodeGraphs(_GraphSet):
-    """Decode-only steps, one graph per bucketed row count; inputs from the host (sync) or
-    derived on the device from the decode state (async scheduling)."""
+    """Decode-only steps, one graph per bucketed row count. The host sends slots and exit rules;
+    the graph derives loops, positions, tokens and tables from the device decode state itself, and
+    also returns the rows' :class:`SlotRows` for sampling and the state's advance."""
 
     def __init__(self, runner, max_rows: int, max_seq_len: int) -> None:
         self.runner = runner
@@ -236,12 +188,10 @@ class DecodeGraphs(_GraphSet):
         self.sizes = bucket_sizes(max_rows)
         dev = runner.device
         self.max_blocks = -(-max_seq_len // runner.block_size)
-        self.source = _DeviceRows() if runner.decode_state is not None else _HostRows()
-        self._init_inputs({b: _Layout(self.source.fields(self, b)) for b in self.sizes}, dev)
+        self._init_inputs({b: _Layout({
+            "slots": (np.int64, (b,), runner.scratch_slot), "min_loops": (np.int64, (b,), 1),
+            "max_loops": (np.int64, (b,), 1), "threshold": (np.float32, (b,), 1.0)}) for b in self.sizes}, dev)
         self.query_start_loc = torch.arange(self.sizes[-1] + 1, dtype=torch.int32, device=dev)
-
-    def fits(self, inp: StepInputs) -> bool:
-        return inp.decode.n <= self.sizes[-1] and inp.max_seq_len <= self.max_seq_len
 
     def _bucket(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
@@ -251,43 +201,28 @@ class DecodeGraphs(_GraphSet):
 
     # --- capture ----------------------------------------------------------------------
     def _forward(self, b: int) -> tuple:
-        r = self.runner
-        d, positions, slot_mapping, seq_lens, tables, extras = self.source.rows(self, self.views[b])
-        meta = PagedAttentionMetadata(self.query_start_loc[:b + 1], seq_lens, tables, slot_mapping,
-                                      max_query_len=1, max_seq_len=self.max_seq_len)
-        x = r.decode_inputs(d)
-        h, gate = r.model.loop(x, positions, PagedAttention(r.backend, r.k_cache, r.v_cache, meta, r.scale))
-        ex, logits = r._decode_tail(h, gate, d)
-        return self.source.exits(self, ex, extras), logits, *extras
+        r, v = self.runner, self.views[b]
+        rows = r.decode_rows(v["slots"], v["min_loops"], v["max_loops"], v["threshold"])
+        meta = PagedAttentionMetadata(self.query_start_loc[:b + 1], rows.seq_lens, rows.block_tables,
+                                      rows.slot_mapping, max_query_len=1, max_seq_len=self.max_seq_len)
+        x = r.decode_inputs(rows.dec)
+        h, gate = r.model.loop(x, rows.positions, PagedAttention(r.backend, r.k_cache, r.v_cache, meta, r.scale))
+        ex, logits = r._decode_tail(h, gate, rows.dec)
+        return r.exits_that_ran(ex, rows.run), logits, v["slots"], rows.loops, rows.run, rows.token_index
 
     # --- replay -----------------------------------------------------------------------
-    def run(self, inp: StepInputs) -> tuple[Tensor, Tensor]:
-        """Replays with host inputs (sync): one pinned image of the bucket's layout, one copy.
-        Returns the rows' ``(exit, logits)``."""
-        n = inp.decode.n
-        lay = self.layouts[self._bucket(n)]
-        pinned, v = _pinned_image(lay, self.inputs.is_cuda)
-        _put_decode_rows(v, inp)
-        self._upload(pinned)
-        return self._replay(n)
-
     def run_slots(self, slots: np.ndarray, min_loops: np.ndarray, max_loops: np.ndarray,
-                  threshold: np.ndarray) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
-        """Replays decode rows of ``slots`` (async scheduling): one copy of four small arrays, the rest
-        comes from the device state. Returns ``(exit, logits, (slots, loops, run, token_index))``; only
-        rows that ran can exit."""
+                  threshold: np.ndarray) -> tuple[Tensor, Tensor, SlotRows]:
+        """Replays decode rows of ``slots``: one copy of four small arrays, the rest comes from the
+        device state. Returns ``(exit, logits, SlotRows)``; only rows that ran can exit."""
         n = slots.shape[0]
-        lay = self.layouts[self._bucket(n)]
-        pinned, v = _pinned_image(lay, self.inputs.is_cuda)
+        b = self._bucket(n)
+        pinned, v = _pinned_image(self.layouts[b], self.inputs.is_cuda)
         v["slots"][:n], v["min_loops"][:n], v["max_loops"][:n], v["threshold"][:n] = slots, min_loops, max_loops, threshold
         self._upload(pinned)
-        ex, logits, *extras = self._replay(n)
-        return ex, logits, tuple(extras)
-
-    def _replay(self, n: int) -> tuple[Tensor, ...]:
-        b = self._bucket(n)
         self.graphs[b].replay()
-        return tuple(t[:n] for t in self.outputs[b])
+        ex, logits, *rows = (t[:n] for t in self.outputs[b])
+        return ex, logits, SlotRows(*rows)
 
 
 def mixed_buckets(max_decode: int, max_tokens: int) -> tuple[list[int], list[int]]:
@@ -368,22 +303,15 @@ class MixedGraphs(_GraphSet):
         return ex, logits, h[d:], gate[d:]
 
     # --- replay -----------------------------------------------------------------------
-    def run(self, key: tuple[int, int], prefill: StepInputs, x_prefill: list[Tensor], decode: StepInputs | None = None,
-            decode_device: tuple | None = None):
-        """Replays graph ``key``: prefill rows from host inputs, decode rows from host inputs (the first
-        rows of ``decode``) or device tensors (``decode_device``: DecodeTensors, positions, slot_mapping,
-        seq_lens, block_tables).
+    def run(self, key: tuple[int, int], prefill: PrefillInputs, x_prefill: list[Tensor],
+            decode: DecodeRows | None = None):
+        """Replays graph ``key``: prefill rows from host inputs, decode rows (if any) derived on the device.
 
         Returns the decode rows' ``(exit, logits)`` and the prefill tokens' ``(h, gate)``."""
         d, p = key
         lay = self.layouts[key]
         pinned, v = _pinned_image(lay, self.inputs.is_cuda)
-        nd = 0
-        if decode is not None:
-            nd = decode.decode.n
-            _put_decode_rows(v, decode)
-        elif decode_device is not None:
-            nd = decode_device[0].slots.shape[0]
+        nd = decode.slots.shape[0] if decode is not None else 0
         n_rows, n_tok = len(prefill.rows), int(prefill.offsets[-1])
         v["positions"][d:d + n_tok] = prefill.positions
         v["slot_mapping"][d:d + n_tok] = prefill.slot_mapping
@@ -393,8 +321,8 @@ class MixedGraphs(_GraphSet):
         v["block_tables"][d:d + n_rows, :prefill.block_tables.shape[1]] = prefill.block_tables
         v["work_tiles"][:] = build_work_tiles(np.diff(prefill.offsets), self.tile, v["work_tiles"].shape[1], first_row=d)
         self.inputs[:lay.nbytes].copy_(pinned, non_blocking=True)
-        if decode_device is not None and nd:
-            _copy_decode_rows(self.views[key], *decode_device)
+        if nd:
+            _copy_decode_rows(self.views[key], decode)
         off = 0
         for part in x_prefill:
             self.x_prefill[off:off + part.shape[0]].copy_(part)

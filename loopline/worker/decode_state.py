@@ -1,16 +1,16 @@
-"""Per-slot decode state that advances on the device (async scheduling).
+"""Per-slot decode state that advances on the device.
 
-With ``async_scheduling`` the host launches step n+1 before it reads step n's
-results, so it cannot tell a decode slot which loop to run or which token to
+The host may launch step n+1 before it reads step n's results (the overlapped
+engine), so it never tells a decode slot which loop to run or which token to
 feed. The device does: after each step a slot whose token exited starts its
 next token at loop 1 at the next position, fed with the token it just sampled
 (``refill``), or idles until no slot is in flight (``no_refill``); a slot
-whose token did not exit runs its next loop. The exit rule itself ran on the
-device, so these are exactly the sync engine's decisions, only never read by
-the host in between.
+whose token did not exit runs its next loop. The exit rule itself runs on the
+device, so the host never needs to read a decision before the next step, and
+no exit is ever delayed or approximated.
 
 Presence, frequency and repetition penalties need each slot's generated
-tokens, which the host reads one step late; so the device keeps them too, as
+tokens, which the host may read one step late; so the device keeps them too, as
 per-slot token counts and a seen mask (prompt or output), allocated when the
 first request with penalties arrives. Likewise ``exit_mode="trace"`` depths
 are kept per slot and read at the device's token index. A preempted request's
@@ -20,7 +20,7 @@ slot state is saved and loaded with it (``save`` / ``load``).
 input (the prelude or the slot's hidden state), the exit rule with the slots'
 hidden state and survival, and the advance, in torch (the reference). At one
 decode row each torch op is a launch of its own, ~40 per step;
-``loopline.kernels.slot_state.TritonSlotOps`` does each of the four in one kernel.
+``loopline.worker.triton_slot_ops.TritonSlotOps`` does each of the four in one kernel.
 """
 from __future__ import annotations
 
@@ -32,14 +32,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loopline.core.exit_policy import exit_decision
+from loopline.worker.exit_rule import exit_decision
 from loopline.kv.layout import KVLayout
 from loopline.worker.staging import stage
 
 
 @dataclass
 class DecodeTensors:
-    """Decode rows on the device (see :class:`~loopline.worker.step_inputs.DecodeBatch`)."""
+    """Decode rows on the device, as the layer loop, the exit rule and the exit copy read them."""
 
     slots: Tensor
     loops: Tensor
@@ -51,9 +51,19 @@ class DecodeTensors:
     plane_slots: Tensor
 
 
-class DecodeRows(NamedTuple):
-    """A step's decode rows derived from the device state (async scheduling)."""
+class SlotRows(NamedTuple):
+    """What sampling and the state's advance need of a step's decode rows."""
 
+    slots: Tensor  # [B] int64, the rows' slots (not masked: see DecodeTensors.slots)
+    loops: Tensor  # [B] int64, the loop each row runs (1-based)
+    run: Tensor  # [B] bool; False: a no_refill slot waiting for its cohort, run on scratch
+    token_index: Tensor  # [B] int64, index in the completion of the token being computed
+
+
+class DecodeRows(NamedTuple):
+    """A step's decode rows derived from the device state."""
+
+    slots: Tensor  # [B] int64, as the host named them
     dec: DecodeTensors
     positions: Tensor  # [B] int64
     slot_mapping: Tensor  # [B] int64, the K/V slot this loop writes
@@ -94,7 +104,7 @@ class SlotOps:
             plane_slots=torch.where(run[:, None], plane_slots, scratch_kv))
         plane = ds.layout.plane_index(loops)
         return DecodeRows(
-            dec, positions=torch.where(run, pos, 0), slot_mapping=dec.plane_slots.gather(1, plane[:, None]).squeeze(1),
+            slots, dec, positions=torch.where(run, pos, 0), slot_mapping=dec.plane_slots.gather(1, plane[:, None]).squeeze(1),
             seq_lens=torch.where(run, pos + 1, 1).to(torch.int32),
             block_tables=torch.where(run[:, None], ds.tables[slots, plane], ds.scratch_block),
             loops=loops, run=run, token_index=tidx)

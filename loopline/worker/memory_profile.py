@@ -48,3 +48,41 @@ def peak_step_bytes(model: OuroForCausalLM, backend: AttentionBackend, num_token
     if cuda:
         torch.cuda.empty_cache()
     return peak
+
+
+_CPU_KV_GB = 1.0  # the most the CPU pool takes unless told (kv_cache_memory_gb / num_kv_blocks)
+
+
+def num_kv_blocks(config, model: OuroForCausalLM, backend: AttentionBackend) -> int:
+    """KV pages for the pool (all planes together), from the engine config (``EngineConfig``).
+
+    An explicit ``num_kv_blocks`` or ``kv_cache_memory_gb`` wins. On CUDA the pool takes what
+    ``gpu_memory_utilization`` leaves after the weights and the largest step's activations (a
+    profiling pass). On the CPU it holds ``max_num_seqs`` requests of ``max_model_len`` tokens at
+    every plane, at most 1 GiB: a small model does not reserve memory it can never use.
+    """
+    from loopline.errors import CapacityError
+    from loopline.kv.layout import make_layout
+
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    mc = model.config
+    per_block = 2 * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads * mc.head_dim * \
+        torch.tensor([], dtype=config.dtype).element_size()
+    device = config.device
+    if config.kv_cache_memory_gb is not None:
+        budget = config.kv_cache_memory_gb * 2**30
+    elif device.type == "cuda":
+        # Profiling pass: the largest step's activations must fit beside the pool.
+        peak = peak_step_bytes(model, backend, config.max_num_batched_tokens, config.max_num_seqs,
+                               config.block_size, config.dtype, device)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - (1.0 - config.gpu_memory_utilization) * total - peak
+    else:
+        planes = make_layout(config.kv_layout, mc.total_ut_steps).num_planes
+        full = config.max_num_seqs * planes * -(-config.max_model_len // config.block_size)
+        budget = min(_CPU_KV_GB * 2**30, full * per_block)
+    blocks = int(budget // per_block)
+    if blocks <= 0:
+        raise CapacityError(f"no memory left for the KV cache (one block needs {per_block} bytes)", param="kv_cache_memory_gb")
+    return blocks

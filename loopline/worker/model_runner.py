@@ -3,11 +3,11 @@
 One step (DESIGN.md §4): prelude for rows that start a token, one traversal of
 the shared stack + final norm + gate for all rows (each attending its own
 plane), exit decisions, the ``last_exited`` exit copy, and coda + sampling for
-rows whose token exits -- all in ``execute``.
-
-This is the simple synchronous path: the host reads exit flags and sampled
-tokens at the end of each step. It is the reference the fast paths are tested
-against.
+rows whose token exits -- all queued by ``launch`` without waiting for the
+device. Decode slots' loops, positions and tokens live on the device
+(``decode_state.py``); the host reads a step's results through the handle
+``launch`` returns, at once (synchronous engine) or after it launched the next
+step (overlapped engine). There is no other execution path.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loopline.attention import AttentionBackend
+from loopline.attention import AttentionBackend, PagedAttentionMetadata
 from loopline.attention.paged import PagedAttention
 from loopline.core.contracts import (
     ExitParams,
@@ -27,34 +27,48 @@ from loopline.core.contracts import (
     ResumedRequestData,
     RunnerOutput,
     SampledToken,
+    ScheduledRow,
     SchedulerOutput,
 )
-from loopline.core.exit_policy import exit_decision
 from loopline.kv.layout import KVLayout
 from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import SamplingParams
-from loopline.attention import PagedAttentionMetadata
 from loopline.worker.cuda_graphs import DecodeGraphs, MixedGraphs
-from loopline.worker.decode_state import DecodeTensors, DeviceDecodeState, SlotOps
+from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, SlotOps
+from loopline.worker.exit_rule import exit_decision
 from loopline.worker.sampler import Sampler, SamplerOutput
-from loopline.worker.sampling_inputs import ParamsStager, SampleBatch, build_sampling_tensors, has_penalties
+from loopline.worker.sampling_inputs import HostSample, ParamsStager, SampleBatch, build_sampling_tensors, has_penalties
 from loopline.worker.staging import stage
 from loopline.worker.swap import Snapshot
-from loopline.worker.step_inputs import DecodeBatch, StepInputs, build_step_inputs, work_list
+from loopline.worker.step_inputs import build_prefill_inputs, work_list
 
 _SEED_MASK = 2**63 - 1
 
 
-def _slot_ops(model: OuroForCausalLM) -> SlotOps:
-    """The decode state's step ops in the kernels the model's layer ops use: fused Triton kernels with
-    ``kernel_backend="triton"``, the torch reference otherwise."""
-    if model.ops.name == "triton":
-        # NOTE: imported only here: Triton reads TRITON_INTERPRET when it decorates a kernel, and the
-        # CPU-interpreted tests set it after the engine modules are imported.
-        from loopline.kernels.slot_state import TritonSlotOps
+class StepHandle:
+    """A launched step: ``get()`` waits for its results and returns them (once)."""
 
-        return TritonSlotOps()
-    return SlotOps()
+    def __init__(self, read: Callable[[], RunnerOutput]) -> None:
+        self._read: Callable[[], RunnerOutput] | None = read
+
+    @classmethod
+    def ready(cls, output: RunnerOutput) -> "StepHandle":
+        return cls(lambda: output)
+
+    def get(self) -> RunnerOutput:
+        assert self._read is not None, "a step's results are read once"
+        read, self._read = self._read, None
+        return read()
+
+
+@dataclass
+class _Booked:
+    """Prefill rows' results gathered while a step is launched."""
+
+    exited: list[bool]  # per step row: the prompt finished (decode rows: filled at readback)
+    hidden: list[Tensor] = field(default_factory=list)  # last prompt position's hidden, per finished prompt
+    meta: list[tuple[int, Tensor]] = field(default_factory=list)  # (step row, exit depth [1]) per finished prompt
+    prompt_logprobs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -70,8 +84,8 @@ class _RequestState:
     survival: Tensor  # [T] f32 prod(1 - lambda) so far
     sel_hidden: Tensor  # [T, H] hidden at the depth the exit rule picked
     sel_depth: Tensor  # [T] int64, 0 = not yet exited
+    max_len: int = 0  # prompt + max_tokens + 1: bounds the decode rows' sequence length
     slot: int = -1
-    output_ids: list[int] = field(default_factory=list)
 
     def to(self, device: torch.device) -> "_RequestState":
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
@@ -79,8 +93,14 @@ class _RequestState:
 
 
 class ModelRunner:
+    """Runs steps on the device. ``no_refill``: a decode slot whose token exited idles until every
+    slot's token has exited (the cohort baseline); ``per_token_exits``: the exit rule depends on the
+    token index (``exit_mode="trace"``), which only the device knows, so recorded depths live there."""
+
     def __init__(self, model: OuroForCausalLM, layout: KVLayout, backend: AttentionBackend, num_blocks: int,
-                 block_size: int, max_num_seqs: int, sampler: Sampler, device: torch.device, dtype: torch.dtype) -> None:
+                 block_size: int, max_num_seqs: int, max_model_len: int, sampler: Sampler, device: torch.device,
+                 dtype: torch.dtype, *, slot_ops: SlotOps | None = None, no_refill: bool = False,
+                 per_token_exits: bool = False) -> None:
         cfg = model.config
         self.model, self.layout, self.backend, self.sampler = model, layout, backend, sampler
         self.device, self.dtype, self.block_size = device, dtype, block_size
@@ -96,34 +116,25 @@ class ModelRunner:
         # Per-slot decode state stays on the device between steps.
         self.slot_hidden = torch.zeros(max_num_seqs + 1, cfg.hidden_size, dtype=dtype, device=device)
         self.slot_survival = torch.ones(max_num_seqs + 1, dtype=torch.float32, device=device)
-        self.slot_ops = _slot_ops(model)
+        self.slot_ops = slot_ops or SlotOps()  # the decode state's step ops (worker/backends.py picks them)
         self.max_num_seqs = max_num_seqs
+        max_blocks = -(-(max_model_len + 1) // block_size)
+        self.decode_state = DeviceDecodeState(max_num_seqs + 1, layout, block_size, max_blocks, self.scratch_block,
+                                              device, self.slot_ops)
+        self._no_refill = no_refill
+        self._per_token_exits = per_token_exits
+        if per_token_exits:
+            self.decode_state.allocate_trace()
         self.work_tile_tokens = backend.work_tile_tokens(cfg.num_attention_heads // cfg.num_key_value_heads)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
-        self.decode_state: DeviceDecodeState | None = None  # async scheduling only
-        self._no_refill = False
         self._sampling_params = ParamsStager()  # the sampled rows' parameters, on the device while unchanged
-        self._per_token_exits = False
         self._graphs_max_seq_len: int | None = None  # graphs to recapture after a sleep
         self._graphs_max_tokens: int | None = None
         self._kv_shape = shape
         self._copies_on_exit = len(layout.exit_copy_planes(1)) > 0
         self.requests: dict[str, _RequestState] = {}
         self.snapshots: dict[str, Snapshot] = {}
-
-    def enable_async(self, max_model_len: int, no_refill: bool, per_token_exits: bool = False) -> None:
-        """Keeps decode slots' loop, position and token on the device (see ``decode_state.py``).
-
-        ``per_token_exits``: the exit rule depends on the token index (``exit_mode="trace"``), which
-        only the device knows; requests' recorded depths then live on the device too."""
-        max_blocks = -(-(max_model_len + 1) // self.block_size)
-        self.decode_state = DeviceDecodeState(self.max_num_seqs + 1, self.layout, self.block_size, max_blocks,
-                                              self.scratch_block, self.device, self.slot_ops)
-        self._no_refill = no_refill
-        self._per_token_exits = per_token_exits
-        if per_token_exits:
-            self.decode_state.allocate_trace()
 
     def capture_graphs(self, max_seq_len: int, max_num_batched_tokens: int | None = None) -> None:
         """Captures decode-only steps, and steps with small prefill chunks (given the token budget),
@@ -164,6 +175,7 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:
+        """K and V bytes of one page at one plane, all layers."""
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * model_cfg.num_hidden_layers * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim * elem
 
@@ -180,15 +192,13 @@ class ModelRunner:
             survival=torch.ones(t, dtype=torch.float32, device=dev),
             sel_hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
             sel_depth=torch.zeros(t, dtype=torch.long, device=dev),
-            slot=new.slot,
+            max_len=t + (new.params.max_tokens or 0) + 1, slot=new.slot,
         )
         self._init_decode_slot(self.requests[new.request_id], new.block_tables)
 
     def _init_decode_slot(self, st: _RequestState, block_tables: list) -> None:
-        """A request's per-slot device state before its first token (async scheduling)."""
+        """A request's per-slot device state before its first token."""
         ds = self.decode_state
-        if ds is None:
-            return
         ds.set_tables(st.slot, block_tables)
         if has_penalties(st.params):
             ds.track_penalties(st.slot, st.prompt, self.vocab_size)
@@ -216,7 +226,7 @@ class ModelRunner:
             k=to_host(self.k_cache[:, idx]), v=to_host(self.v_cache[:, idx]),
             slot_hidden=to_host(self.slot_hidden[slot]), slot_survival=to_host(self.slot_survival[slot]),
             state=st.to(torch.device("cpu")), blocks_per_plane=len(st.block_arrays[0]),
-            decode_state=self.decode_state.save(slot, to_host) if self.decode_state is not None else None)
+            decode_state=self.decode_state.save(slot, to_host))
 
     def _restore(self, resumed: ResumedRequestData) -> None:
         snap = self.snapshots.pop(resumed.request_id)
@@ -229,148 +239,82 @@ class ModelRunner:
         self.slot_hidden[resumed.slot] = snap.slot_hidden.to(self.device)
         self.slot_survival[resumed.slot] = snap.slot_survival.to(self.device)
         st.slot = resumed.slot
-        if snap.decode_state is not None:
-            self.decode_state.load(resumed.slot, snap.decode_state, resumed.block_tables)
+        self.decode_state.load(resumed.slot, snap.decode_state, resumed.block_tables)
         self.requests[resumed.request_id] = st
 
     @property
     def snapshot_bytes(self) -> int:
         return sum(s.k.nbytes + s.v.nbytes for s in self.snapshots.values())
 
-    # --- one step, async: launch now, read later ---------------------------------------
-    def device_decode_rows(self, slots: Tensor, min_loops: Tensor, max_loops: Tensor, threshold: Tensor):
-        """Decode rows ``slots`` derived from the device state (async scheduling), without the host.
+    def decode_rows(self, slots: Tensor, min_loops: Tensor, max_loops: Tensor, threshold: Tensor) -> DecodeRows:
+        """Decode rows ``slots`` derived from the device state, without the host; a row with ``run``
+        False (a ``no_refill`` slot waiting for its cohort) runs on scratch and changes nothing.
+        Used eagerly and inside CUDA graphs."""
+        return self.slot_ops.decode_rows(self.decode_state, slots, min_loops, max_loops, threshold, self._no_refill,
+                                         self._per_token_exits, self.scratch_slot)
 
-        Returns ``(DecodeTensors, positions, slot_mapping, seq_lens, block_tables, (loops, run,
-        token_index))``; a row with ``run`` False (a ``no_refill`` slot waiting for its cohort) runs
-        on scratch and changes nothing. Used eagerly and inside CUDA graphs.
-        """
-        r = self.slot_ops.decode_rows(self.decode_state, slots, min_loops, max_loops, threshold, self._no_refill,
-                                      self._per_token_exits, self.scratch_slot)
-        return r.dec, r.positions, r.slot_mapping, r.seq_lens, r.block_tables, (r.loops, r.run, r.token_index)
-
+    # --- one step: launch now, read when asked ---------------------------------------
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> Callable[[], RunnerOutput]:
-        """Queues a step on the device and returns the call that reads its results.
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Queues one step on the device and returns the handle that reads its results.
 
         Decode rows' loops, positions and tokens come from the device state
-        (``DeviceDecodeState``), so the host never waits inside or between steps.
+        (``DeviceDecodeState``), so the host never waits inside or between steps:
+        a synchronous caller calls ``handle.get()`` at once, the overlapped engine
+        launches the next step first.
         """
-        assert self.decode_state is not None, "enable_async() first"
         self._apply_lifecycle(sched)
         rows = sched.rows
         if not rows:
-            return lambda: RunnerOutput([], [])
-        dev, ds = self.device, self.decode_state
+            return StepHandle.ready(RunnerOutput([], []))
         nd = sum(1 for r in rows if not r.is_prefill)
-        exited = [False] * len(rows)
-        prompt_logprobs: dict = {}
-        sample_hidden, sample_meta = [], []
-        ex = logits = loops = run = tidx = slots = None
-        x_parts, pos_parts, map_parts, seq_parts, table_parts, offsets = [], [], [], [], [], [0]
-        p_tokens = sum(r.end - r.start for r in rows[nd:])
-        p_seq = max((r.end for r in rows[nd:]), default=0)
-        graphed = decode_graphed = False
+        booked = _Booked([False] * len(rows))
+        prefill = rows[nd:]
+        p_tokens = sum(r.num_tokens for r in prefill)
+        max_seq = max((r.end for r in prefill), default=0)
+        ex = logits = dec = None
         if nd:
-            exits = [r.exit for r in rows[:nd]]
-            host_rows = (np.fromiter((r.slot for r in rows[:nd]), np.int64, nd),
-                         np.fromiter((e.min_loops for e in exits), np.int64, nd),
-                         np.fromiter((e.max_loops for e in exits), np.int64, nd),
-                         np.fromiter((e.threshold for e in exits), np.float32, nd))
-            bound = max(self.requests[r.request_id].prompt.numel() + (self.requests[r.request_id].params.max_tokens or 0) + 1
-                        for r in rows[:nd])
-            key = self._mixed_key(rows, nd, p_tokens, max(bound, p_seq))
+            host_rows = self._decode_host_rows(rows[:nd])
+            # Decode rows' lengths live on the device: bound them by each request's longest sequence.
+            bound = max(self.requests[r.request_id].max_len for r in rows[:nd])
+            max_seq = max(max_seq, bound)
             if nd == len(rows) and self.graphs is not None and bound <= self.graphs.max_seq_len:
                 # the graph derives the rows from the device state itself: one copy of four arrays
-                ex, logits, (slots, loops, run, tidx) = self.graphs.run_slots(*host_rows)
-                graphed = decode_graphed = True
+                ex, logits, dec = self.graphs.run_slots(*host_rows)
             else:
-                slots, *exit_arrays = stage(dev, *host_rows)
-                dec, positions, slot_mapping, seq_lens, tables, (loops, run, tidx) = self.device_decode_rows(
-                    slots, *exit_arrays)
-                if key is not None:
-                    ex, logits = self._run_mixed(key, rows, nd, exited, sample_hidden, sample_meta, prompt_logprobs,
-                                                 decode_device=(dec, positions, slot_mapping, seq_lens, tables))
-                    graphed = True
-            if not graphed:
-                x_parts.append(self.decode_inputs(dec))
-                pos_parts.append(positions)
-                map_parts.append(slot_mapping)
-                seq_parts.append(seq_lens)
-                table_parts.append(tables)
-                offsets += list(range(1, nd + 1))
-        elif (key := self._mixed_key(rows, 0, p_tokens, p_seq)) is not None:
-            self._run_mixed(key, rows, 0, exited, sample_hidden, sample_meta, prompt_logprobs)
-            graphed = True
-        if not graphed:  # an eager step: prefill rows (and decode rows unless a graph ran them)
-            max_seq = bound if nd else 0
-            max_q = 1 if nd else 0
-            if nd < len(rows):
-                inp = build_step_inputs(rows[nd:], self._block_arrays, self.layout.num_planes, self.block_size)
-                x_parts.append(self._gather_inputs(inp, None))
-                p_pos, p_meta = inp.to_device(dev)
-                pos_parts.append(p_pos)
-                map_parts.append(p_meta.slot_mapping)
-                seq_parts.append(p_meta.seq_lens)
-                table_parts.append(p_meta.block_tables)
-                offsets += [nd + o for o in inp.token_offsets[1:]]
-                max_seq, max_q = max(max_seq, p_meta.max_seq_len), max(max_q, p_meta.max_query_len)
-            width = max(t.shape[1] for t in table_parts)
-            tables_all = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=self.scratch_block)
-                                    for t in table_parts])
-            qsl, *work = stage(dev, (offsets, np.int32), *work_list(offsets, max_q, self.work_tile_tokens, nd))
-            meta = PagedAttentionMetadata(
-                work_tiles=work[0] if work else None, num_decode_rows=nd if work else 0,
-                query_start_loc=qsl, seq_lens=torch.cat(seq_parts),
-                block_tables=tables_all, slot_mapping=torch.cat(map_parts), max_query_len=max_q, max_seq_len=max_seq)
-            ex, logits = self._run_loop(rows, nd, torch.cat(x_parts), torch.cat(pos_parts), meta, offsets,
-                                        dec if nd else None, exited, sample_hidden, sample_meta, prompt_logprobs)
-        if ex is not None and not decode_graphed:  # (the decode graph masks its own)
-            ex = self.exits_that_ran(ex, run)
-        batch = self._sample(rows, nd, ex, logits, sample_hidden, sample_meta, depth=loops, token_index=tidx,
-                             slots=slots)
-        if batch is None:
-            return lambda: RunnerOutput(exited, [None] * len(rows), prompt_logprobs)
+                dec = self.decode_rows(*stage(self.device, *host_rows))
+        if ex is None:  # not a decode-graph step
+            key = self._mixed_key(rows, nd, p_tokens, max_seq)
+            if key is not None:
+                ex, logits = self._run_mixed(key, rows, nd, booked, dec)
+            else:
+                ex, logits = self._run_eager(rows, nd, dec, max_seq, booked)
+            if dec is not None:  # (the decode graph masks its own)
+                ex = self.exits_that_ran(ex, dec.run)
+        batch = self._sample(rows, nd, ex, logits, booked, dec)
+        if batch is None:  # prefill rows only, none finished its prompt
+            return StepHandle.ready(RunnerOutput(booked.exited, [None] * len(rows), booked.prompt_logprobs))
+        ds = self.decode_state
         if nd:
             # Without finished prompts the decode rows are every sampled row: the advance packs their
             # results for the readback as it applies them, instead of a stack of its own.
-            record = None if sample_meta else torch.empty((3, nd), dtype=torch.int64, device=dev)
-            ds.advance(slots, loops, run, ex, batch.out.token_ids[:nd], record)
+            record = None if booked.meta else torch.empty((3, nd), dtype=torch.int64, device=self.device)
+            ds.advance(dec.slots, dec.loops, dec.run, ex, batch.out.token_ids[:nd], record)
             batch.packed = record
-        if sample_meta:  # prompts that finished: their first token is fed next, at position prompt_len
-            done_rows = [rows[m[0]] for m in sample_meta]
-            done_slots, done_ends = stage(dev, ([r.slot for r in done_rows], np.int64),
-                                          ([r.end for r in done_rows], np.int64))
-            ds.start(done_slots, batch.out.token_ids[nd:], done_ends)
+        if booked.meta:  # prompts that finished: their first token is fed next, at position prompt_len
+            done = [rows[i] for i, _ in booked.meta]
+            slots, ends = stage(self.device, ([r.slot for r in done], np.int64), ([r.end for r in done], np.int64))
+            ds.start(slots, batch.out.token_ids[nd:], ends)
         wait = batch.to_host_async()
-        return lambda: self._collect(rows, batch, wait(), exited, prompt_logprobs)
+        return StepHandle(lambda: self._collect(rows, batch, wait(), booked))
 
-    # --- one step ---------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        self._apply_lifecycle(sched)
-        rows = sched.rows
-        if not rows:
-            return RunnerOutput([], [])
-        inp = build_step_inputs(rows, self._block_arrays, self.layout.num_planes, self.block_size)
-        nd = inp.decode.n
-        exited = [False] * len(rows)
-        prompt_logprobs: dict = {}
-        sample_hidden, sample_meta = [], []  # prefill rows that finished: (row index, depth, token index)
-        key = self._mixed_key(rows, nd, int(inp.offsets[-1]) - nd, inp.max_seq_len)
-        if self.graphs is not None and inp.decode_only and self.graphs.fits(inp):
-            ex, logits = self.graphs.run(inp)
-        elif key is not None:
-            # the step's inputs hold the decode rows first; the graph reads only those
-            ex, logits = self._run_mixed(key, rows, nd, exited, sample_hidden, sample_meta, prompt_logprobs,
-                                         decode=inp if nd else None)
-        else:
-            dec = self._decode_tensors(inp.decode) if nd else None
-            x = self._gather_inputs(inp, dec)
-            positions, meta = inp.to_device(self.device, self.work_tile_tokens)
-            ex, logits = self._run_loop(rows, nd, x, positions, meta, inp.token_offsets, dec, exited, sample_hidden,
-                                        sample_meta, prompt_logprobs)
-        return self._sample_and_collect(rows, nd, ex, logits, sample_hidden, sample_meta, exited, prompt_logprobs)
+    def _decode_host_rows(self, rows: list[ScheduledRow]) -> tuple[np.ndarray, ...]:
+        """What the host tells the device about decode rows: their slots and exit rules."""
+        n = len(rows)
+        return (np.fromiter((r.slot for r in rows), np.int64, n),
+                np.fromiter((r.exit.min_loops for r in rows), np.int64, n),
+                np.fromiter((r.exit.max_loops for r in rows), np.int64, n),
+                np.fromiter((r.exit.threshold for r in rows), np.float32, n))
 
     def _mixed_key(self, rows, nd: int, prefill_tokens: int, max_seq_len: int) -> tuple[int, int] | None:
         """The mixed-step graph that runs this step, if any (steps with prefill rows only)."""
@@ -378,25 +322,53 @@ class ModelRunner:
             return None
         return self.mixed_graphs.bucket(nd, prefill_tokens, len(rows) - nd, max_seq_len)
 
-    def _run_mixed(self, key, rows, nd, exited, sample_hidden, sample_meta, prompt_logprobs, decode=None,
-                   decode_device=None) -> tuple[Tensor | None, Tensor | None]:
-        """A step with prefill rows through a captured graph; books the prefill rows like ``_run_loop``."""
-        prefill = build_step_inputs(rows[nd:], self._block_arrays, self.layout.num_planes, self.block_size)
-        ex, logits, h, gate = self.mixed_graphs.run(key, prefill, self._prefill_inputs(rows[nd:]), decode=decode,
-                                                    decode_device=decode_device)
-        self._book_prefill_rows(rows, nd, h, gate, prefill.token_offsets, exited, sample_hidden, sample_meta,
-                                prompt_logprobs)
+    def _run_mixed(self, key, rows, nd: int, booked: "_Booked", dec: DecodeRows | None) -> tuple[Tensor | None, Tensor | None]:
+        """A step with prefill rows through a captured graph; books the prefill rows like ``_run_eager``."""
+        prefill = build_prefill_inputs(rows[nd:], self._block_arrays, self.block_size)
+        ex, logits, h, gate = self.mixed_graphs.run(key, prefill, self._prefill_inputs(rows[nd:]), dec)
+        self._book_prefill_rows(rows, nd, h, gate, prefill.token_offsets, booked)
         return ex, logits
 
-    def _run_loop(self, rows, nd, x, positions, meta, offsets, dec, exited, sample_hidden, sample_meta,
-                  prompt_logprobs) -> tuple[Tensor | None, Tensor | None]:
-        """One eager traversal for all rows; books prefill rows; returns the decode rows' (exit, logits)."""
+    def _run_eager(self, rows, nd: int, dec: DecodeRows | None, max_seq: int,
+                   booked: "_Booked") -> tuple[Tensor | None, Tensor | None]:
+        """One eager traversal for all rows (decode rows first); books prefill rows; returns the
+        decode rows' ``(exit, logits)``."""
+        dev = self.device
+        x_parts, pos_parts, map_parts, seq_parts, table_parts, offsets = [], [], [], [], [], [0]
+        max_q = 0
+        if dec is not None:
+            x_parts.append(self.decode_inputs(dec.dec))
+            pos_parts.append(dec.positions)
+            map_parts.append(dec.slot_mapping)
+            seq_parts.append(dec.seq_lens)
+            table_parts.append(dec.block_tables)
+            offsets += list(range(1, nd + 1))
+            max_q = 1
+        if nd < len(rows):
+            inp = build_prefill_inputs(rows[nd:], self._block_arrays, self.block_size)
+            x_parts += self._prefill_inputs(rows[nd:])
+            positions, slot_mapping, seq_lens, tables = stage(dev, inp.positions, inp.slot_mapping, inp.seq_lens,
+                                                              inp.block_tables)
+            pos_parts.append(positions)
+            map_parts.append(slot_mapping)
+            seq_parts.append(seq_lens)
+            table_parts.append(tables)
+            offsets += [nd + o for o in inp.token_offsets[1:]]
+            max_q = max(max_q, inp.max_query_len)
+        width = max(t.shape[1] for t in table_parts)
+        tables_all = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=self.scratch_block)
+                                for t in table_parts])
+        qsl, *work = stage(dev, (offsets, np.int32), *work_list(offsets, max_q, self.work_tile_tokens, nd))
+        meta = PagedAttentionMetadata(
+            work_tiles=work[0] if work else None, num_decode_rows=nd if work else 0,
+            query_start_loc=qsl, seq_lens=torch.cat(seq_parts), block_tables=tables_all,
+            slot_mapping=torch.cat(map_parts), max_query_len=max_q, max_seq_len=max_seq)
         attn = PagedAttention(self.backend, self.k_cache, self.v_cache, meta, self.scale)
-        h, gate = self.model.loop(x, positions, attn)
-        self._book_prefill_rows(rows, nd, h, gate, offsets[nd:], exited, sample_hidden, sample_meta, prompt_logprobs)
+        h, gate = self.model.loop(torch.cat(x_parts), torch.cat(pos_parts), attn)
+        self._book_prefill_rows(rows, nd, h, gate, offsets[nd:], booked)
         if dec is None:
             return None, None
-        return self._decode_tail(h[:nd], gate[:nd], dec)
+        return self._decode_tail(h[:nd], gate[:nd], dec.dec)
 
     def _apply_lifecycle(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
@@ -415,20 +387,10 @@ class ModelRunner:
             st = self.requests[rid]
             for plane, blocks in enumerate(added):
                 st.block_arrays[plane] = np.concatenate([st.block_arrays[plane], np.asarray(blocks, dtype=np.int32)])
-            if self.decode_state is not None:
-                self.decode_state.set_tables(st.slot, st.block_arrays)
+            self.decode_state.set_tables(st.slot, st.block_arrays)
 
     def _block_arrays(self, request_id: str) -> list[np.ndarray]:
         return self.requests[request_id].block_arrays
-
-    def _decode_tensors(self, d: DecodeBatch) -> DecodeTensors:
-        names = [f.name for f in fields(DecodeTensors)]
-        return DecodeTensors(**dict(zip(names, stage(self.device, *(getattr(d, n) for n in names)))))
-
-    def _gather_inputs(self, inp: StepInputs, dec: DecodeTensors | None) -> Tensor:
-        parts = [self.decode_inputs(dec)] if dec is not None else []
-        parts += self._prefill_inputs(inp.rows[inp.decode.n:])
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _prefill_inputs(self, prefill: list) -> list[Tensor]:
         """Each prefill row's input: embeddings at loop 1, the previous loop's hidden state after."""
@@ -438,7 +400,7 @@ class ModelRunner:
                 for r in prefill]
 
     def exits_that_ran(self, ex: Tensor, run: Tensor) -> Tensor:
-        """Exit flags of async decode rows, where only rows that ran exit: a ``no_refill`` row waiting
+        """Exit flags of decode rows, where only rows that ran exit: a ``no_refill`` row waiting
         for its cohort does not. Without ``no_refill`` every row runs, and the mask would be a launch
         of its own."""
         return ex & run if self._no_refill else ex
@@ -458,15 +420,13 @@ class ModelRunner:
                                      self.scratch_block * self.block_size)
         return ex, self.model.head(h, needed=ex)  # rows not exiting: logits unused (may be zeros)
 
-    def _book_prefill_rows(self, rows, nd, h, gate, offsets, exited, sample_hidden, sample_meta,
-                           prompt_logprobs) -> None:
+    def _book_prefill_rows(self, rows, nd: int, h: Tensor, gate: Tensor, offsets, booked: _Booked) -> None:
         """Books prefill rows ``rows[nd:]``; the j-th one's tokens are ``h[offsets[j]:offsets[j + 1]]``."""
         for j, i in enumerate(range(nd, len(rows))):
             lo, hi = offsets[j], offsets[j + 1]
-            self._finish_prefill_row(i, rows[i], h[lo:hi], gate[lo:hi], exited, sample_hidden, sample_meta,
-                                     prompt_logprobs)
+            self._finish_prefill_row(i, rows[i], h[lo:hi], gate[lo:hi], booked)
 
-    def _finish_prefill_row(self, i, row, h, gate, exited, sample_hidden, sample_meta, prompt_logprobs) -> None:
+    def _finish_prefill_row(self, i: int, row: ScheduledRow, h: Tensor, gate: Tensor, booked: _Booked) -> None:
         st = self.requests[row.request_id]
         lo, hi = row.start, row.end
         ep = st.prompt_exit
@@ -489,12 +449,12 @@ class ModelRunner:
             return
         # The chunk finished its last loop: prompt logprobs, and the first token if last chunk.
         if st.params.prompt_logprobs is not None:
-            prompt_logprobs.setdefault(row.request_id, []).extend(self._prompt_logprobs(st, lo, hi))
+            booked.prompt_logprobs.setdefault(row.request_id, []).extend(self._prompt_logprobs(st, lo, hi))
         if row.is_last_chunk:
-            exited[i] = True
+            booked.exited[i] = True
             last = st.prompt.numel() - 1
-            sample_hidden.append(st.sel_hidden[last])
-            sample_meta.append((i, st.sel_depth[last:last + 1], 0))
+            booked.hidden.append(st.sel_hidden[last])
+            booked.meta.append((i, st.sel_depth[last:last + 1]))
 
     def _prompt_logprobs(self, st: _RequestState, lo: int, hi: int) -> list:
         """Position p predicts prompt token p+1 from its hidden at the depth the rule picked."""
@@ -513,65 +473,48 @@ class ModelRunner:
         return out
 
     # --- coda + sampling --------------------------------------------------------------
-    def _sample_and_collect(self, rows, nd, ex, logits, sample_hidden, sample_meta, exited, prompt_logprobs) -> RunnerOutput:
-        """Samples every decode row (kept only where its token exits) and every finished prompt,
-        then reads everything back in one transfer."""
-        batch = self._sample(rows, nd, ex, logits, sample_hidden, sample_meta)
-        if batch is None:
-            return RunnerOutput(exited, [None] * len(rows), prompt_logprobs)
-        return self._collect(rows, batch, batch.to_host(), exited, prompt_logprobs)
-
-    def _sample(self, rows, nd, ex, logits, sample_hidden, sample_meta, depth: Tensor | None = None,
-                token_index: Tensor | None = None, slots: Tensor | None = None) -> "SampleBatch | None":
-        """Coda + sampling for decode rows ``[:nd]`` (logits given) and finished prompts, on the device.
-
-        ``depth`` / ``token_index`` / ``slots``: the decode rows' loops, token indices and slots when
-        the device holds their state (async scheduling; penalties then read the device's token
-        counts); otherwise the rows and the host's token lists say.
-        """
+    def _sample(self, rows, nd: int, ex: Tensor | None, logits: Tensor | None, booked: _Booked,
+                dec: DecodeRows | None) -> SampleBatch | None:
+        """Coda + sampling for decode rows ``[:nd]`` (logits given; their loops, token indices and slots
+        from the device state ``dec``) and for prompts that finished, on the device."""
         parts = [logits] if logits is not None else []
-        if sample_hidden:
-            parts.append(self.model.head(torch.stack(sample_hidden)))
+        if booked.hidden:
+            parts.append(self.model.head(torch.stack(booked.hidden)))
         if not parts:
             return None
         all_logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        row_idx = list(range(nd)) + [m[0] for m in sample_meta]
+        row_idx = list(range(nd)) + [i for i, _ in booked.meta]
         states = [self.requests[rows[i].request_id] for i in row_idx]
-        index = [rows[i].token_index for i in range(nd)] + [m[2] for m in sample_meta]
-        if token_index is not None:  # the device's (async): exact, where the host's lags; no cat without prompts
-            index = (torch.cat([token_index, stage(self.device, (index[nd:], np.int64))[0]]) if sample_meta
-                     else token_index)
+        n_done = len(booked.meta)
+        first = torch.zeros(n_done, dtype=torch.long, device=self.device)  # a finished prompt samples token 0
+        # (no cat of a single part: at one decode row each launch is a sizeable part of the step)
+        index = first if not nd else dec.token_index if not n_done else torch.cat([dec.token_index, first])
+        tensors = build_sampling_tensors(states, index, self.sampler.logprobs_mode, self.device,
+                                         params=self._sampling_params)
         ds = self.decode_state
-        tensors = build_sampling_tensors(states, index, all_logits.shape[-1], self.sampler.logprobs_mode, self.device,
-                                         host_penalties=ds is None, params=self._sampling_params)
-        if ds is not None and tensors.any_penalties:
-            done = stage(self.device, ([rows[m[0]].slot for m in sample_meta], np.int64))[0]
-            row_slots = torch.cat([slots, done]) if nd else done
+        if tensors.any_penalties:  # the device counts every slot's tokens
+            done = stage(self.device, ([rows[i].slot for i, _ in booked.meta], np.int64))[0]
+            row_slots = torch.cat([dec.slots, done]) if nd else done
             tensors.output_counts, tensors.seen_mask = ds.counts[row_slots], ds.seen[row_slots]
         out: SamplerOutput = self.sampler(all_logits, tensors)
-        depths = [depth if depth is not None else stage(self.device, ([r.loop for r in rows[:nd]], np.int64))[0]] if nd else []
-        depths += [m[1] for m in sample_meta]
-        flags = [ex] if ex is not None else []
-        if sample_meta:
-            flags.append(torch.ones(len(sample_meta), dtype=torch.bool, device=self.device))
-        # (no cat of a single part: at one decode row each launch is a sizeable part of the step)
+        depths = ([dec.loops] if nd else []) + [depth for _, depth in booked.meta]
+        flags = ([ex] if nd else []) + ([torch.ones(n_done, dtype=torch.bool, device=self.device)] if n_done else [])
         return SampleBatch(row_idx, states, out, *(t[0] if len(t) == 1 else torch.cat(t) for t in (flags, depths)))
 
-    def _collect(self, rows, batch: "SampleBatch", host: dict, exited, prompt_logprobs) -> RunnerOutput:
+    def _collect(self, rows, batch: SampleBatch, host: HostSample, booked: _Booked) -> RunnerOutput:
+        exited = booked.exited
         sampled: list[SampledToken | None] = [None] * len(rows)
         for j, row_i in enumerate(batch.row_idx):
-            if not host["exit"][j]:
+            if not host.exit[j]:
                 continue
             st = batch.states[j]
             exited[row_i] = True
             k = st.params.logprobs
             top = None
-            if k is not None and k > 0 and host["top_ids"] is not None:
-                top = list(zip(host["top_ids"][j][:k], host["top_lps"][j][:k]))
-            tid = host["ids"][j]
+            if k is not None and k > 0 and host.top_ids is not None:
+                top = list(zip(host.top_ids[j][:k], host.top_lps[j][:k]))
             sampled[row_i] = SampledToken(
-                token_id=tid, exit_depth=host["depth"][j],
-                logprob=host["lps"][j] if host["lps"] is not None else None,
-                rank=host["ranks"][j] if host["ranks"] is not None else None, top=top)
-            st.output_ids.append(tid)
-        return RunnerOutput(exited, sampled, prompt_logprobs)
+                token_id=host.ids[j], exit_depth=host.depth[j],
+                logprob=host.lps[j] if host.lps is not None else None,
+                rank=host.ranks[j] if host.ranks is not None else None, top=top)
+        return RunnerOutput(exited, sampled, booked.prompt_logprobs)

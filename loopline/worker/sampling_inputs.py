@@ -2,8 +2,8 @@
 
 :func:`build_sampling_tensors` turns the sampled rows' requests into
 ``SamplingTensors``; :class:`SampleBatch` holds a step's sampled rows on the
-device and reads them back, at once (sync) or through pinned buffers later
-(async scheduling).
+device and reads them back as a :class:`HostSample`, through pinned buffers
+copied while the next step runs.
 """
 from __future__ import annotations
 
@@ -24,6 +24,19 @@ _PACKED = ("exit", "depth", "ids")  # [M] each, always present: bool, int64, int
 
 
 @dataclass
+class HostSample:
+    """A step's sampled rows as host lists, one entry per sampled row (``SampleBatch.row_idx``)."""
+
+    exit: list[bool]  # the token exited (decode) / the prompt finished
+    depth: list[int]  # exit depth
+    ids: list[int]  # sampled token
+    lps: list[float] | None = None  # logprob of the sampled token (rows that asked for logprobs)
+    ranks: list[int] | None = None
+    top_ids: list[list[int]] | None = None  # [M][k] top logprobs
+    top_lps: list[list[float]] | None = None
+
+
+@dataclass
 class SampleBatch:
     """A step's sampled rows on the device, and their reading back to the host."""
 
@@ -41,17 +54,11 @@ class SampleBatch:
         return {"exit": self.exit_flags, "depth": self.depth, "ids": o.token_ids, "lps": o.logprobs, "ranks": o.ranks,
                 "top_ids": o.top_ids, "top_lps": o.top_logprobs}
 
-    def to_host(self) -> dict:
-        """Reads everything back now (one sync)."""
-        if self.exit_flags.device.type == "cuda":
-            return self.to_host_async()()
-        return {k: t.tolist() if t is not None else None for k, t in self._tensors().items()}
-
-    def to_host_async(self) -> Callable[[], dict]:
+    def to_host_async(self) -> Callable[[], HostSample]:
         """Starts non-blocking copies to pinned memory; the returned call waits for them."""
         tensors = self._tensors()
-        if self.exit_flags.device.type != "cuda":
-            host = {k: t.tolist() if t is not None else None for k, t in tensors.items()}
+        if self.exit_flags.device.type != "cuda":  # the CPU is the device: its results are ready
+            host = HostSample(**{k: t.tolist() if t is not None else None for k, t in tensors.items()})
             return lambda: host
         # The three per-row results every step reads travel as one int64 array: one copy instead of three
         # (at one decode row each is a link of the step's chain), and no stack where they come packed.
@@ -70,12 +77,11 @@ class SampleBatch:
             done = torch.cuda.Event()
             done.record(side)
 
-        def wait() -> dict:
+        def wait() -> HostSample:
             done.synchronize()
-            host = {k: pinned[k].tolist() if k in rest else None for k in tensors}
-            exit_flags, host["depth"], host["ids"] = pinned["packed"].tolist()
-            host["exit"] = [bool(v) for v in exit_flags]
-            return host
+            exit_flags, depth, ids = pinned["packed"].tolist()
+            return HostSample([bool(v) for v in exit_flags], depth, ids,
+                              **{k: pinned[k].tolist() for k in rest})
 
         return wait
 
@@ -116,14 +122,13 @@ class ParamsStager:
         return self._staged
 
 
-def build_sampling_tensors(states: list, token_index: list[int] | Tensor, vocab: int, default_mode: str,
-                           device: torch.device, host_penalties: bool = True,
-                           params: ParamsStager | None = None) -> SamplingTensors:
+def build_sampling_tensors(states: list, token_index: list[int] | Tensor, default_mode: str,
+                           device: torch.device, params: ParamsStager | None = None) -> SamplingTensors:
     """Per-row sampling parameters of the rows sampled this step (``states``: request states).
 
     ``token_index``: each row's index in its completion, host ints or already on the device.
-    Penalties need each row's prompt and generated tokens (``state.prompt``, ``state.output_ids``);
-    with ``host_penalties=False`` the caller supplies ``output_counts`` / ``seen_mask`` itself.
+    Penalties need each row's generated-token counts and seen mask: the caller supplies
+    ``output_counts`` / ``seen_mask`` from the device decode state.
     ``params`` reuses the parameters' device copy across calls (see :class:`ParamsStager`).
     """
     dev = device
@@ -132,16 +137,6 @@ def build_sampling_tensors(states: list, token_index: list[int] | Tensor, vocab:
     temperature, top_p, min_p, presence, frequency, repetition, top_k, seeds = (params or ParamsStager())(dev, states)
     index = token_index if isinstance(token_index, Tensor) else stage(dev, (token_index, i64))[0]
     any_pen = any(has_penalties(p) for p in ps)
-    counts = seen = None
-    if any_pen and host_penalties:
-        counts = torch.zeros(len(ps), vocab, dtype=torch.float32, device=dev)
-        seen = torch.zeros(len(ps), vocab, dtype=torch.bool, device=dev)
-        for j, s in enumerate(states):
-            if s.output_ids:
-                ids = stage(dev, (s.output_ids, i64))[0]
-                counts[j].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
-                seen[j, ids] = True
-            seen[j, s.prompt] = True
     want = [p.logprobs for p in ps if p.logprobs is not None]
     # Per-request logprobs modes (None: the sampler's): one mode for the batch when the rows that
     # want logprobs agree; a per-row tensor (both distributions computed) only when they differ.
@@ -153,7 +148,7 @@ def build_sampling_tensors(states: list, token_index: list[int] | Tensor, vocab:
     return SamplingTensors(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence,
         frequency_penalty=frequency, repetition_penalty=repetition, seeds=seeds, token_index=index,
-        output_counts=counts, seen_mask=seen,
+        output_counts=None, seen_mask=None,
         all_greedy=all(p.greedy for p in ps), any_penalties=any_pen,
         any_top_k=any(p.top_k > 0 for p in ps), any_top_p=any(p.top_p < 1.0 for p in ps),
         any_min_p=any(p.min_p > 0 for p in ps),

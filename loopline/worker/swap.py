@@ -17,6 +17,6 @@ class Snapshot:
     slot_survival: Tensor  # []
     state: Any  # the request state, moved to the CPU
     blocks_per_plane: int
-    decode_state: dict[str, Tensor] | None = None  # the slot's device decode state (async scheduling)
+    decode_state: dict[str, Tensor]  # the slot's device decode state (loop, position, token, counts, trace)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from loopline import SamplingParams
 from loopline.config import EngineArgs
-from loopline.core.engine import LLMEngine
+from loopline.engine import LLMEngine
 from loopline.entrypoints.cli import main as cli_main
 from loopline.errors import CapacityError, InvalidRequestError
 from reference import reference_forward
@@ -83,7 +83,7 @@ def test_eos_stops_unless_ignored(tiny_gqa):
     assert eos in engine.model_config.eos_token_ids
     prompt = {"prompt_token_ids": ids(5)}
     greedy = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
-    engine._eos = frozenset({greedy.outputs[0].token_ids[2]})  # pretend the checkpoint's eos is that token
+    engine.inputs._eos = frozenset({greedy.outputs[0].token_ids[2]})  # pretend the checkpoint's eos is that token
     out = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)[0].outputs[0]
     cut = greedy.outputs[0].token_ids.index(greedy.outputs[0].token_ids[2]) + 1
     assert out.token_ids == greedy.outputs[0].token_ids[:cut] and out.finish_reason == "stop" and out.stop_reason is None
@@ -132,7 +132,76 @@ def test_abort_frees_kv_at_once(tiny_gqa):
     aborted = [o for o in outs if o.request_id == "a"]
     assert aborted and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
     engine.abort_request(["b", "unknown"])
-    assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished_requests()
+    assert engine.kv.num_used_blocks == 0
+    assert engine.has_unfinished_requests()  # b's abort is still to be returned
+    assert [o.outputs[0].finish_reason for o in engine.step()] == ["abort"]
+    assert not engine.has_unfinished_requests()
+
+
+def _drain(engine, requests):
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = [(c.token_ids, c.exit_depths) for c in o.outputs]
+    return done
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_request_id_reused_right_after_it_finished(tiny_gqa, overlap):
+    """The overlapped engine reads a step after launching the next: a step still in flight for a finished
+    request must not feed a new request that took its id."""
+    engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True,
+                                  async_scheduling=overlap))
+    p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, exit_threshold=0.7)
+    first = _drain(engine, {"x": (ids(5, seed=1), p)})
+    again = _drain(engine, {"x": (ids(9, seed=2), p)})
+    fresh = _drain(LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu",
+                                        skip_tokenizer_init=True)), {"x": (ids(9, seed=2), p)})
+    assert len(first["x"][0][0]) == 6 and again == fresh
+
+
+def test_child_ids_never_collide_with_user_ids(tiny_gqa):
+    """``n=2`` as ``x`` and a request named ``x#0`` run side by side, each its own."""
+    engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True))
+    two = SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)
+    one = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    both = _drain(engine, {"x": (ids(6, seed=1), two), "x#0": (ids(4, seed=2), one)})
+    alone = _drain(LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu",
+                                        skip_tokenizer_init=True)), {"x#0": (ids(4, seed=2), one)})
+    assert [len(t) for t, _ in both["x"]] == [5, 5] and both["x#0"] == alone["x#0"]
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny_gqa, monkeypatch):
+    """An unexpected error inside a step fails the requests of that step (KV and slots freed) and nothing else."""
+    engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True))
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("good", ids(5, seed=1), p)
+    for _ in range(6):
+        engine.step()
+    add = engine.runner._add
+
+    def broken_add(new):
+        if new.request_id.startswith("bad"):
+            raise OverflowError("a value the device cannot hold")
+        return add(new)
+
+    monkeypatch.setattr(engine.runner, "_add", broken_add)
+    engine.add_request("bad", ids(4, seed=2), p)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0]
+    assert done["bad"].finish_reason == "abort" and "internal error" in done["bad"].stop_reason
+    assert done["good"].finish_reason == "abort"  # it shared the failed step
+    assert engine.kv.num_used_blocks == 0 and engine.stats.failed_requests == 2
+    monkeypatch.setattr(engine.runner, "_add", add)
+    assert _drain(engine, {"after": (ids(5, seed=1), p)})["after"][0][0] == _drain(
+        LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True)),
+        {"after": (ids(5, seed=1), p)})["after"][0][0]
 
 
 def test_kv_pressure_waits_and_never_overcommits(tiny_gqa):

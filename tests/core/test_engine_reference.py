@@ -12,7 +12,7 @@ import pytest
 
 from loopline import SamplingParams
 from loopline.config import EngineArgs
-from loopline.core.engine import LLMEngine
+from loopline.engine import LLMEngine
 from reference import reference_generate
 
 

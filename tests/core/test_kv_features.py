@@ -11,7 +11,8 @@ import pytest
 
 from loopline import SamplingParams
 from loopline.config import EngineArgs
-from loopline.core.engine import LLMEngine
+from loopline.engine import LLMEngine
+from loopline.engine.input_processor import child_request_id
 
 
 def ids(n, seed=0, vocab=500):
@@ -217,7 +218,8 @@ def test_preemption_mid_prefill_resumes_exactly(tiny_gqa, layout, async_scheduli
                      max_num_seqs=1, max_num_batched_tokens=8, async_scheduling=async_scheduling)
 
     def watch(engine):
-        statuses.append(engine.scheduler.requests["low"].status.value if "low" in engine.scheduler.requests else None)
+        low = engine.scheduler.requests.get(child_request_id("low", 0))
+        statuses.append(low.status.value if low is not None else None)
 
     out = drain(eng, {**low, **high}, arrivals={"low": 0, "high": 3}, watch=watch)
     assert eng.scheduler.num_preemptions == 1

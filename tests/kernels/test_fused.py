@@ -147,7 +147,7 @@ def test_packed_projections_keep_names_values_and_in_place_updates():
 def test_engine_with_fused_ops_survives_sleep_and_weight_updates(tiny_gqa, tiny_factory):
     from loopline import SamplingParams
     from loopline.config import EngineArgs
-    from loopline.core.engine import LLMEngine
+    from loopline.engine import LLMEngine
 
     def generate(engine):
         engine.add_request(f"r{engine.stats.steps}", [5, 9, 23, 7, 11], SamplingParams(max_tokens=4, temperature=0.0,

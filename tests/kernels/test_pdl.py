@@ -60,7 +60,7 @@ CASES = {
     "decode_attention_prefetch": ("loopline.attention.triton_kernels", "decode_attention_kernel", _DECODE_POINTERS,
                                   {**_DECODE, "PREFETCH": True}, True),
     # the small kernels around the layers: the exit rule, the exit copy, the greedy choice and the advance
-    "exit_and_store": ("loopline.kernels.slot_state", "_exit_and_store_kernel",
+    "exit_and_store": ("loopline.worker.triton_slot_ops", "_exit_and_store_kernel",
                        {"gate_ptr": "*fp32", "slots_ptr": "*i64", "loops_ptr": "*i64", "min_ptr": "*i64",
                         "max_ptr": "*i64", "thr_ptr": "*fp32", "hidden_s": "*bf16", "survival_s": "*fp32",
                         "ex_out": "*i8"}, {"BLOCK": 256}, True),
@@ -73,7 +73,7 @@ CASES = {
     "pick_chunk": ("loopline.kernels.sampling", "_pick_chunk_kernel",
                    {"val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "out_ptr": "*i64"}, {"CHUNKS_PAD": 32},
                    True),
-    "advance": ("loopline.kernels.slot_state", "_advance_kernel",
+    "advance": ("loopline.worker.triton_slot_ops", "_advance_kernel",
                 {**{f"{n}_ptr": "*i64" for n in ("loop", "token", "pos", "tidx", "slots", "loops", "sampled", "record")},
                  "run_ptr": "*i8", "exited_ptr": "*i8"}, {"BLOCK": 128, "RECORD": True}, True),
 }

@@ -10,7 +10,7 @@ import pytest
 import torch
 from triton_testing import DEVICE
 
-from loopline.kernels.slot_state import TritonSlotOps
+from loopline.worker.triton_slot_ops import TritonSlotOps
 from loopline.kv.layout import make_layout
 from loopline.worker.decode_state import DecodeTensors, DeviceDecodeState, SlotOps
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from loopline.config import EngineArgs
-from loopline.core.engine import LLMEngine
+from loopline.engine import LLMEngine
 
 
 def prompt_ids(n: int, seed: int = 0, vocab: int = 500) -> list[int]:

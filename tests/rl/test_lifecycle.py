@@ -87,17 +87,14 @@ def test_pause_keep_freezes_and_resumes_exactly(small, run, ids, layout, pause_a
     add_all(engine, load(ids))
     done = {o.request_id: o for o in steps(engine, pause_at) if o.finished}
     engine.pause_generation("keep")
-    frozen = {rid: (len(r.output), r.status, r.token_loop) for rid, r in engine.scheduler.requests.items()}
+    frozen = {rid: (len(r.output), r.status) for rid, r in engine.scheduler.requests.items()}
     assert frozen, "requests must be in flight when the pause lands"
     assert steps(engine, 5) == []
-    assert {rid: (len(r.output), r.status, r.token_loop) for rid, r in engine.scheduler.requests.items()} == frozen
+    assert {rid: (len(r.output), r.status) for rid, r in engine.scheduler.requests.items()} == frozen
     engine.resume_generation()
     done.update(run(engine))
     got = summary(done)
-    if not async_scheduling:
-        assert got == reference
-        return
-    # Async batches rows differently: tokens and depths identical, logprobs to fp32 tolerance.
+    # The pause changes how rows are batched: tokens and depths identical, logprobs to fp32 tolerance.
     assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in reference.items()}
     assert all(abs(a - b) < 1e-5 for k in got for a, b in zip(got[k][2], reference[k][2]))
 
@@ -109,7 +106,8 @@ def test_keep_pause_across_a_weight_update(tiny_factory, small, engine_for, run,
     add_all(engine, reqs)
     steps(engine, 3)
     engine.pause_generation("keep")
-    mid_prefill = [rid for rid, r in engine.scheduler.requests.items() if r.status == RequestStatus.PREFILL]
+    mid_prefill = [rid.rsplit("#", 1)[0] for rid, r in engine.scheduler.requests.items()
+                   if r.status == RequestStatus.PREFILL]
     assert mid_prefill
     engine.start_weight_update(1)
     engine.update_weights(new.state_dict.items())

@@ -95,7 +95,7 @@ def test_kv_pool_sized_after_a_profiling_pass(tiny_gqa):
 def _staggered(tiny, **kw):
     """Requests arriving while others decode: steps mixing decode rows and small prefill chunks."""
     from loopline.config import EngineArgs
-    from loopline.core.engine import LLMEngine
+    from loopline.engine import LLMEngine
 
     engine = LLMEngine(EngineArgs(model=str(tiny.path), device="cuda", dtype="float32", skip_tokenizer_init=True,
                                   block_size=8, max_num_seqs=8, num_kv_blocks=512, attention_backend="triton", **kw))

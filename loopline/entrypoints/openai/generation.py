@@ -17,7 +17,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from loopline.core.engine import PromptType
+from loopline.engine import PromptType
 from loopline.entrypoints.async_llm import AsyncLLM, OutputStream
 from loopline.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from loopline.entrypoints.openai.protocol import APIError

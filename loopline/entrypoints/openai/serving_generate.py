@@ -32,7 +32,7 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from loopline.core.engine import PromptType
+from loopline.engine import PromptType
 from loopline.entrypoints.openai.generation import Generation, ServingContext
 from loopline.entrypoints.openai.logprobs import finite
 from loopline.entrypoints.openai.protocol import OpenAIBaseModel

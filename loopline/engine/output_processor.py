@@ -1,4 +1,11 @@
-"""Turns sampled tokens into ``RequestOutput``s: detokenization, stop strings, logprobs, ``n`` grouping."""
+"""Turns sampled tokens into ``RequestOutput``s: detokenization, stop strings, logprobs, ``n`` grouping.
+
+Text grows incrementally (``detokenizer.py``) and stop strings are searched
+only in the text a token added (plus the few characters before it a stop
+string could start in). While a request with stop strings runs, its visible
+text holds back the last ``max(len(stop)) - 1`` characters, which a stop
+string could still start in: streamed text is never taken back.
+"""
 from __future__ import annotations
 
 import time
@@ -6,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loopline.core.request import Request
+from loopline.engine.detokenizer import IncrementalDetokenizer
 from loopline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from loopline.sampling_params import SamplingParams
 
@@ -19,10 +27,11 @@ class _Completion:
     weight_versions: list[Any] = field(default_factory=list)  # per token: the weights that produced it
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
-    text: str = ""
+    text: str = ""  # visible text (see the module docstring)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    stop_text_end: int | None = None  # text truncated here after a stop string
+    detok: IncrementalDetokenizer | None = None  # None: no tokenizer, or detokenize=False
+    stopped: bool = False  # a stop string ended the text: later tokens add none
 
 
 @dataclass
@@ -52,6 +61,10 @@ class OutputProcessor:
     def has(self, request_id: str) -> bool:
         return request_id in self._parents
 
+    def has_unreported(self) -> bool:
+        """Whether some request changed since the last :meth:`collect`."""
+        return any(p.dirty for p in self._parents.values())
+
     def children(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
         return list(parent.children) if parent else []
@@ -65,10 +78,16 @@ class OutputProcessor:
         self._parents[request_id] = parent
         for i, cid in enumerate(children):
             self._child_parent[cid] = (request_id, i)
-            self._completions[cid] = _Completion(i, params.seed + i, logprobs=[] if params.logprobs is not None else None)
+            detok = None
+            if self.tokenizer is not None and params.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            self._completions[cid] = _Completion(i, params.seed + i, logprobs=[] if params.logprobs is not None else None,
+                                                 detok=detok)
 
     # --- per token ----------------------------------------------------------------------
-    def on_token(self, req: Request, weight_version: Any = None) -> None:
+    def on_token(self, req: Request, weight_version: Any = None, check_stop: bool = True) -> tuple[str, str] | None:
+        """Books ``req``'s newest token; returns ``("stop", stop string)`` when its text hit one
+        (the text is cut before it, or after it with ``include_stop_str_in_output``)."""
         comp = self._completions[req.request_id]
         parent = self._parents[self._child_parent[req.request_id][0]]
         tok = req.output[-1]
@@ -84,38 +103,47 @@ class OutputProcessor:
                 if tid not in entry:
                     entry[tid] = Logprob(lp, rank, self._piece(tid))
             comp.logprobs.append(entry)
-        if comp.stop_text_end is None:
-            comp.text = self._decode(comp.token_ids, parent.params)
         now = time.time()
         parent.metrics.first_token_time = parent.metrics.first_token_time or now
         parent.metrics.last_token_time = now
-        if req.is_finished:
-            self.on_finished(req)
         parent.dirty = True
-
-    def check_stop_strings(self, req: Request) -> tuple[str, str] | None:
-        """Finishes on a stop string: the text is cut before it (or after, with include_stop_str_in_output)."""
-        params = req.params
-        if not params.stop:
+        if comp.detok is None or comp.stopped:
             return None
-        comp = self._completions[req.request_id]
-        text = self._decode(comp.token_ids + [req.output[-1].token_id], params)
+        new = comp.detok.push(tok.token_id)
+        stop = self._find_stop(comp, req.params, len(new)) if check_stop and req.params.stop else None
+        if stop is None:
+            comp.text = comp.detok.text[:len(comp.detok.text) - self._holdback(req.params)]
+        return stop
+
+    @staticmethod
+    def _holdback(params: SamplingParams) -> int:
+        return max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
+
+    def _find_stop(self, comp: _Completion, params: SamplingParams, new_len: int) -> tuple[str, str] | None:
+        """The earliest stop string that ends in the last ``new_len`` characters of the text."""
+        if not new_len:
+            return None
+        text = comp.detok.text
+        start = max(0, len(text) - new_len - self._holdback(params))
         best = None
         for s in params.stop:
-            idx = text.find(s)
+            idx = text.find(s, start)
             if idx >= 0 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:
             return None
         idx, s = best
-        comp.stop_text_end = idx + len(s) if params.include_stop_str_in_output else idx
-        comp.text = text[:comp.stop_text_end]
+        comp.stopped = True
+        comp.text = text[:idx + len(s) if params.include_stop_str_in_output else idx]
         return "stop", s
 
     def on_finished(self, req: Request) -> None:
         comp = self._completions[req.request_id]
         if comp.finish_reason is None:
             comp.finish_reason, comp.stop_reason = req.finish_reason, req.stop_reason
+            if comp.detok is not None and not comp.stopped:  # the whole text, held-back characters too
+                comp.detok.flush()
+                comp.text = comp.detok.text
         parent = self._parents[self._child_parent[req.request_id][0]]
         parent.dirty = True
 
@@ -166,11 +194,6 @@ class OutputProcessor:
             self._completions.pop(c, None)
 
     # --- text ---------------------------------------------------------------------------
-    def _decode(self, ids: list[int], params: SamplingParams) -> str:
-        if self.tokenizer is None or not params.detokenize:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-
     def _piece(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None

@@ -1,7 +1,7 @@
 """The per-slot decode state's step ops, one kernel each (:class:`TritonSlotOps`).
 
 :class:`loopline.worker.decode_state.SlotOps` is the reference in torch: deriving
-a step's decode rows from the state (async scheduling), the loop's input (the
+a step's decode rows from the state, the loop's input (the
 prelude or the slot's hidden state), the exit rule with the slots' hidden state
 and survival, and the advance after sampling. There each gather, ``where`` and
 scatter of a few elements is a launch of its own, ~40 per step, which at one
@@ -215,7 +215,7 @@ class TritonSlotOps(SlotOps):
             mins = maxs  # one tensor, as the reference returns
         dec = DecodeTensors(slots=d_slots, loops=loops, starts=starts, input_ids=ids, min_loops=mins,
                             max_loops=maxs, threshold=threshold, plane_slots=plane_slots)
-        return DecodeRows(dec, positions, slot_mapping, seq_lens, tables, loops, run, tidx)
+        return DecodeRows(slots, dec, positions, slot_mapping, seq_lens, tables, loops, run, tidx)
 
     def decode_inputs(self, d: DecodeTensors, embed_weight: Tensor, slot_hidden: Tensor) -> Tensor:
         # One launch instead of the embedding, the gather and the where (3 at one row, ~2 us each). It is

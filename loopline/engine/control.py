@@ -1,0 +1,147 @@
+"""Engine control for RL trainers: pause / resume, sleep / wake up, versioned full-weight updates.
+
+The state and its rules live in ``loopline.rl`` (``GenerationControl``,
+``WeightUpdater``); this module applies them to the engine's parts: it
+finishes or holds requests in the scheduler, frees and restores the KV pool
+and the weights, and commits weight versions (prefix cache reset, new salt).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from loopline.core.scheduler import Scheduler
+from loopline.engine.output_processor import OutputProcessor
+from loopline.errors import EngineStateError, InvalidRequestError, WeightUpdateError
+from loopline.kv.manager import KVCacheManager
+from loopline.models.loader import CONFIG_FILE, iter_checkpoint, load_config
+from loopline.models.ouro import OuroForCausalLM
+from loopline.rl.lifecycle import PAUSE_MODES, WAKE_TAGS, GenerationControl
+from loopline.rl.weights import WeightUpdater
+from loopline.worker.model_runner import ModelRunner
+
+# config.json fields a published checkpoint must share with the served model
+_ARCHITECTURE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "total_ut_steps")
+
+
+class EngineControl(GenerationControl):
+    """Pause, sleep and weight-update control over one engine's scheduler, KV, runner and model."""
+
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, runner: ModelRunner, model: OuroForCausalLM,
+                 outputs: OutputProcessor, model_config: Any, device: Any) -> None:
+        super().__init__()
+        self.scheduler, self.kv, self.runner, self.model, self.outputs = scheduler, kv, runner, model, outputs
+        self.model_config, self.device = model_config, device
+        self.weights = WeightUpdater(model)
+        self.weight_version: Any = 0
+
+    # --- readiness --------------------------------------------------------------------
+    def not_ready_reason(self) -> str | None:
+        """Why the engine cannot generate now (None: it can)."""
+        if self.weights.in_progress:
+            return f"a weight update to version {self.weights.pending_version} is in progress"
+        if self.weights.broken:
+            return ("the weights are partially updated (an update failed after copying some tensors); publish a "
+                    "complete update (start_weight_update / update_weights / finish_weight_update) first")
+        if self.is_sleeping:
+            return "the engine is asleep; call wake_up() first"
+        return None
+
+    def check_may_generate(self) -> None:
+        reason = self.not_ready_reason()
+        if reason is not None:
+            raise EngineStateError(f"cannot generate: {reason}")
+
+    def step_blocked(self) -> bool:
+        """True when a step must not run the model: frozen by a ``"keep"`` pause, or no usable weights
+        or KV (requests then wait; none can be in flight, since updates and sleep need none)."""
+        return self.frozen or self.not_ready_reason() is not None
+
+    # --- weight updates ---------------------------------------------------------------
+    def start_weight_update(self, version: int) -> None:
+        if self.scheduler.has_unfinished() and not self.frozen:
+            raise EngineStateError(
+                f"weight updates need an idle or paused engine, but {len(self.scheduler.requests)} request(s) are "
+                "generating; pause_generation('abort' | 'keep'), or 'wait' until is_drained, first")
+        if self.weights_asleep:
+            raise EngineStateError("the weights are asleep (sleep(level=2)); wake_up(tags=['weights']) first")
+        self.weights.start(version, self.weight_version)
+
+    def finish_weight_update(self) -> int:
+        version, changed = self.weights.finish()
+        if changed:
+            self.weight_version = version
+            self.scheduler.cache_salt = version
+            self.kv.reset_prefix_cache()
+        return version
+
+    def update_weights_from_disk(self, path: str, version: int) -> int:
+        self.start_weight_update(version)
+        try:
+            if (Path(path) / CONFIG_FILE).is_file():
+                cfg, mine = load_config(path), self.model_config
+                differ = [f"{k}={getattr(cfg, k)!r} (serving {getattr(mine, k)!r})" for k in _ARCHITECTURE
+                          if getattr(cfg, k) != getattr(mine, k)]
+                if differ:
+                    raise WeightUpdateError(f"{path}: the checkpoint's architecture differs: {', '.join(differ)}",
+                                            param="path")
+            seen: set[str] = set()
+            for shard in iter_checkpoint(path):  # dry run: names, shapes, dtypes, finite values, duplicates
+                seen.update(n for n, _, _ in self.weights.validate(shard, already_seen=seen))
+            for shard in iter_checkpoint(path):
+                self.weights.update(shard)
+        except BaseException:
+            self.weights.abort()  # no-op if the failed call already closed the update
+            raise
+        return self.finish_weight_update()
+
+    # --- pause ------------------------------------------------------------------------
+    def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise InvalidRequestError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", param="mode")
+        self.pause_mode = mode
+        if mode == "abort":
+            finished = [self.scheduler.finish_request(rid, "abort") for rid in list(self.scheduler.requests)]
+            finished += [self.drop_held(req.request_id) for req in list(self.held)]
+            for req in finished:
+                self.outputs.on_finished(req)
+
+    def resume(self) -> None:
+        if not self.is_paused:
+            return
+        self.check_may_generate()
+        self.pause_mode = None
+        for req in self.take_held():
+            self.scheduler.add_request(req)
+
+    # --- sleep ------------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        if level not in (1, 2):
+            raise InvalidRequestError(f"level must be 1 or 2, got {level!r}", param="level")
+        if self.scheduler.has_unfinished():
+            raise EngineStateError(f"sleep needs no request in flight, but {len(self.scheduler.requests)} are "
+                                   "unfinished; abort them (pause_generation('abort')) or let them finish")
+        if self.weights.in_progress:
+            raise EngineStateError("a weight update is in progress; finish or abort it before sleeping")
+        if not self.kv_asleep:
+            self.kv.reset_prefix_cache()  # cached pages die with the pool
+            self.runner.release_kv_cache()
+            self.kv_asleep = True
+        if level == 2 and not self.weights_asleep:
+            self.model.ops.release(self.model)  # packed weights must not pin device memory
+            self.offload_weights(self.model)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        tags = list(WAKE_TAGS) if tags is None else list(tags)
+        bad = [t for t in tags if t not in WAKE_TAGS]
+        if bad:
+            raise InvalidRequestError(f"tags must be among {list(WAKE_TAGS)}, got {bad}", param="tags")
+        if "weights" in tags and self.weights_asleep:
+            self.restore_weights(self.model, self.device)
+            self.model.ops.prepare(self.model)
+        if "kv_cache" in tags and self.kv_asleep:
+            self.runner.allocate_kv_cache()
+            self.kv_asleep = False
+        if not self.is_sleeping:
+            self.runner.restore_graphs()  # needs both weights and KV at their (new) addresses

@@ -1,0 +1,348 @@
+"""The engine: ``add_request`` / ``step`` / ``abort_request``, one step on one screen.
+
+``step()``: ``scheduler.schedule() -> runner.launch() -> handle.get() ->
+scheduler.update()``, then the output processor turns new tokens into
+``RequestOutput``s. With ``async_scheduling`` (the default) the engine launches
+step n+1 before it reads step n; without, it reads each step at once. Both are
+the same calls in another order: there is one execution path.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from loopline.config import EngineArgs, EngineConfig, resolve_device, resolve_dtype
+from loopline.core.contracts import RunnerOutput, SchedulerOutput
+from loopline.core.exit_policy import make_exit_policy
+from loopline.core.queue import make_queue
+from loopline.core.request import Request
+from loopline.core.scheduler import Preemption, Scheduler, make_allocation
+from loopline.engine.control import EngineControl
+from loopline.engine.input_processor import InputProcessor, PromptType
+from loopline.engine.output_processor import OutputProcessor
+from loopline.engine.stat_logger import StatLogger
+from loopline.errors import EngineDeadError, InvalidRequestError
+from loopline.kv.layout import make_layout
+from loopline.kv.manager import KVCacheManager
+from loopline.models.loader import load_config, load_model, load_tokenizer
+from loopline.models.ouro import OuroForCausalLM
+from loopline.outputs import RequestOutput
+from loopline.sampling_params import SamplingParams
+from loopline.worker.backends import select_backends
+from loopline.worker.memory_profile import num_kv_blocks
+from loopline.worker.model_runner import ModelRunner, StepHandle
+from loopline.worker.sampler import Sampler
+
+logger = logging.getLogger("loopline")
+
+__all__ = ["LLMEngine", "EngineStats", "PromptType"]
+
+
+@dataclass
+class EngineStats:
+    """Counters since start (benchmarks and /metrics read them)."""
+
+    steps: int = 0
+    rows: int = 0
+    scheduled_tokens: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    loops_of_generated: int = 0  # sum of exit depths
+    finished_requests: int = 0
+    failed_requests: int = 0  # failed by an error while being served (the engine went on)
+    step_time_s: float = 0.0
+    prefill_steps: int = 0  # steps with at least one prefill chunk, and their host time
+    prefill_step_time_s: float = 0.0
+    exit_depth_counts: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def rows_per_step(self) -> float:
+        return self.rows / self.steps if self.steps else 0.0
+
+    @property
+    def mean_exit_depth(self) -> float:
+        return self.loops_of_generated / self.generated_tokens if self.generated_tokens else 0.0
+
+    def count_step(self, sched: SchedulerOutput, elapsed: float) -> None:
+        self.steps += 1 if sched.rows else 0
+        self.rows += len(sched.rows)
+        self.scheduled_tokens += sched.num_tokens
+        self.step_time_s += elapsed
+        if any(r.is_prefill for r in sched.rows):
+            self.prefill_steps += 1
+            self.prefill_step_time_s += elapsed
+
+    def count_token(self, exit_depth: int) -> None:
+        self.generated_tokens += 1
+        self.loops_of_generated += exit_depth
+        self.exit_depth_counts[exit_depth] = self.exit_depth_counts.get(exit_depth, 0) + 1
+
+
+def _is_device_fault(e: BaseException) -> bool:
+    """A fault of the device itself (the engine cannot go on), as opposed to one request's failure."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return (accelerator_error is not None and isinstance(e, accelerator_error)) or (
+        isinstance(e, RuntimeError) and ("CUDA error" in str(e) or "device-side assert" in str(e)))
+
+
+class LLMEngine:
+    """Lower-level streaming engine (vLLM names): ``add_request``, ``step``, ``abort_request``."""
+
+    def __init__(self, args: EngineArgs, model: OuroForCausalLM | None = None) -> None:
+        args.validate()
+        model_path = args.model
+        if model_path is None and (model is None or not args.skip_tokenizer_init):
+            from loopline.models.tiny import default_checkpoint  # the bundled model (or its tokenizer)
+            model_path = str(default_checkpoint())
+        model_cfg = load_config(model_path) if model is None else model.config
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, model_cfg.torch_dtype, device)
+        max_len = args.max_model_len or model_cfg.max_position_embeddings
+        if max_len > model_cfg.max_position_embeddings:
+            raise InvalidRequestError(
+                f"max_model_len must be <= the model's max_position_embeddings ({model_cfg.max_position_embeddings}), got {max_len}",
+                param="max_model_len")
+        self.config = cfg = EngineConfig(args, model_path, device, dtype, max_len, model_cfg.total_ut_steps)
+        self.model_config = model_cfg
+        self.model = model.to(device=device, dtype=dtype).eval() if model is not None else load_model(model_path, dtype, device)
+        backends = select_backends(args.attention_backend, args.kernel_backend, device)
+        self.model.use_ops(backends.layer_ops)
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or model_path)
+        layout = make_layout(args.kv_layout, model_cfg.total_ut_steps)
+        num_blocks = num_kv_blocks(cfg, self.model, backends.attention)
+        self.kv = KVCacheManager(num_blocks, args.block_size, layout, args.enable_prefix_caching)
+        self.exit_policy = make_exit_policy(args.exit_mode, model_cfg.total_ut_steps, model_cfg.early_exit_threshold)
+        block_bytes = ModelRunner.kv_bytes_per_block(model_cfg, args.block_size, dtype)
+        preemption = Preemption(int(args.swap_space * 2**30 // block_bytes)) if args.enable_preemption else None
+        self.scheduler = Scheduler(self.kv, self.exit_policy, make_queue(args.scheduling_policy), args.max_num_seqs,
+                                   cfg.max_num_batched_tokens, model_cfg.total_ut_steps,
+                                   allocation=make_allocation(args.kv_allocation), preemption=preemption,
+                                   watermark_blocks=int(args.kv_watermark * num_blocks))
+        self.runner = ModelRunner(self.model, layout, backends.attention, num_blocks, args.block_size, args.max_num_seqs,
+                                  max_len, Sampler(args.logprobs_mode), device, dtype, slot_ops=backends.slot_ops,
+                                  no_refill=args.scheduling_mode == "no_refill",
+                                  per_token_exits=self.exit_policy.per_token)
+        if device.type == "cuda" and not args.enforce_eager and backends.attention.name == "triton":
+            self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture), cfg.max_num_batched_tokens)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.inputs = InputProcessor(cfg, model_cfg, self.tokenizer, self.exit_policy, self.kv,
+                                     frozenset(model_cfg.eos_token_ids), self.outputs.chat_end_ids)
+        self.control = EngineControl(self.scheduler, self.kv, self.runner, self.model, self.outputs, model_cfg, device)
+        self.stats = EngineStats()
+        self._stat_logger = None if args.disable_log_stats else StatLogger(args.log_stats_interval)
+        self._overlap = args.async_scheduling
+        self._pending: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not yet read
+        self.dead_reason: str | None = None  # a device fault stopped the engine
+
+    # --- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    *, chat_stop: bool = False) -> None:
+        """Validates and queues a request; raises ``InvalidRequestError`` and changes nothing on bad input.
+
+        While generation is paused the request is held and starts at ``resume_generation()``.
+        """
+        self._check_alive()
+        if not self.control.is_paused:
+            self.control.check_may_generate()
+        if self.outputs.has(request_id):
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
+        req = self.inputs.process(request_id, prompt, params, chat_stop)
+        self.outputs.add(request_id, req.prompt, req.prompt_token_ids, req.params,
+                         [c.request_id for c in req.children], self.control.weight_version)
+        for child in req.children:
+            if not self.control.hold(child):
+                self.scheduler.add_request(child)
+        self.stats.prompt_tokens += len(req.prompt_token_ids) * len(req.children)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Aborts requests (unknown ids are ignored); their KV is freed at once."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            for child in self.outputs.children(rid):
+                self._finish(child, "abort")
+
+    def _finish(self, child_id: str, reason: str, stop_reason: int | str | None = None) -> None:
+        req = self.scheduler.finish_request(child_id, reason, stop_reason) or self.control.drop_held(child_id, reason)
+        if req is not None:
+            self.outputs.on_finished(req)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prompt page (pages in use stay with their requests)."""
+        self.kv.reset_prefix_cache()
+
+    def has_unfinished_requests(self) -> bool:
+        # NOTE: a launched step not yet read matters only for requests still in the scheduler: the
+        # results of finished ones are dropped when it is read (by the next step, whenever that is).
+        # Outputs not yet returned (an abort's) come from the next step too.
+        return self.scheduler.has_unfinished() or bool(self.control.held) or self.outputs.has_unreported()
+
+    def has_runnable_requests(self) -> bool:
+        """Whether ``step()`` can advance a request: some are in the scheduler and no ``"keep"``
+        pause freezes them (requests held by a pause wait for ``resume_generation()``)."""
+        return self.scheduler.has_unfinished() and not self.control.frozen
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests) + len(self.control.held)
+
+    # --- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one loop for every scheduled row; returns outputs of requests that progressed."""
+        self._check_alive()
+        t0 = time.perf_counter()
+        if self.control.step_blocked():  # paused with mode "keep", or no usable weights / KV
+            return self.outputs.collect()
+        sched = self.scheduler.schedule()
+        if sched.is_empty and self.scheduler.num_running and not sched.preempted_request_ids:
+            self._fail_blocked()
+            sched = self.scheduler.schedule()
+        try:
+            handle = self.runner.launch(sched)
+        except Exception as e:  # one step's requests fail; the engine goes on
+            self._fail_step(sched, e)
+            handle = None
+        previous = self._pending
+        self._pending = (sched, handle) if handle is not None and sched.rows else None
+        if not self._overlap and self._pending is not None:
+            previous, self._pending = self._pending, None
+        if previous is not None:
+            self._read(*previous)
+        self.stats.count_step(sched, time.perf_counter() - t0)
+        if self._stat_logger is not None:
+            self._stat_logger.maybe_log(self)
+        return self.outputs.collect()
+
+    def _read(self, sched: SchedulerOutput, handle: StepHandle) -> None:
+        try:
+            result = handle.get()
+        except Exception as e:
+            self._fail_step(sched, e)
+            return
+        self._apply_results(sched, result)
+
+    def _apply_results(self, sched: SchedulerOutput, result: RunnerOutput) -> None:
+        touched = self.scheduler.update(sched, result)
+        if result.prompt_logprobs:
+            live = {r.request_id for r in sched.rows if self.scheduler.owner(r) is not None}
+            for rid, entries in result.prompt_logprobs.items():
+                if rid in live:
+                    self.outputs.add_prompt_logprobs(rid, entries)
+        for req in touched:
+            try:
+                self._book_token(req)
+            except Exception as e:  # e.g. a tokenizer failing on this request's text
+                self._fail(req.request_id, e)
+
+    def _book_token(self, req: Request) -> None:
+        self.stats.count_token(req.output[-1].exit_depth)
+        stop = self.scheduler.check_stop(req)
+        text_stop = self.outputs.on_token(req, self.control.weight_version, check_stop=stop is None)
+        stop = stop or text_stop
+        if stop is not None:
+            self._finish(req.request_id, *stop)
+            self.stats.finished_requests += 1
+
+    # --- failures -----------------------------------------------------------------------
+    def _fail_blocked(self) -> None:
+        """Nothing can progress (KV and swap space exhausted): fail one request, clearly."""
+        victim = self.scheduler.blocked_victim()
+        logger.error("KV cache and swap space exhausted: aborting request %s", victim.request_id)
+        self._finish(victim.request_id, "abort", "kv cache and swap space exhausted")
+
+    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> None:
+        """A step failed: a device fault stops the engine; anything else fails the step's requests
+        (their KV and slots freed) and the engine serves the others."""
+        if _is_device_fault(error):
+            self.dead_reason = f"device fault: {type(error).__name__}"
+            logger.exception("device fault: the engine stops")
+            raise EngineDeadError(f"the engine stopped after a device fault ({type(error).__name__}); restart it") from error
+        ids = {r.request_id for r in sched.rows} | {n.request_id for n in sched.new_requests}
+        ids |= {r.request_id for r in sched.resumed_requests}
+        logger.error("step failed (%d rows, %d new, %d resumed): failing requests %s",
+                     len(sched.rows), len(sched.new_requests), len(sched.resumed_requests), sorted(ids),
+                     exc_info=error)
+        for rid in sorted(ids):
+            self._fail(rid, error, log=False)
+
+    def _fail(self, child_id: str, error: Exception, log: bool = True) -> None:
+        if log:
+            logger.error("request %s failed", child_id, exc_info=error)
+        # (the runner drops its state with the next step's finished_request_ids)
+        self._finish(child_id, "abort", f"internal error ({type(error).__name__}); see the server log")
+        self.stats.failed_requests += 1
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine stopped ({self.dead_reason}); restart it")
+
+    # --- RL: weight updates, pause / resume, sleep (engine/control.py) -------------------
+    @property
+    def weight_version(self) -> Any:
+        return self.control.weight_version
+
+    @property
+    def weights(self):
+        return self.control.weights
+
+    def get_weight_version(self) -> int:
+        """The committed weight version (0 for the weights loaded at start)."""
+        return self.control.weight_version
+
+    def start_weight_update(self, version: int) -> None:
+        """Opens a full-weight update to ``version`` (>= the committed one; equal re-publishes).
+
+        The engine must be idle or paused with nothing generating (``"abort"``, a drained
+        ``"wait"``, or ``"keep"``, whose frozen requests continue on the new weights).
+        """
+        self.control.start_weight_update(version)
+
+    def update_weights(self, weights: Any) -> int:
+        """Validates, then copies in place, one batch of ``(HF name, tensor)`` pairs (call once per shard)."""
+        return self.control.weights.update(weights)
+
+    def finish_weight_update(self) -> int:
+        """Commits the update once every parameter arrived: prefix cache reset, new salt, new version."""
+        return self.control.finish_weight_update()
+
+    def abort_weight_update(self) -> None:
+        """Drops an open update: the old weights still serve unless some tensors were already copied."""
+        self.control.weights.abort()
+
+    def update_weights_from_disk(self, path: str, version: int) -> int:
+        """Publishes a safetensors checkpoint directory as ``version``: every shard is read and
+        validated before anything is copied, then streamed shard by shard."""
+        return self.control.update_weights_from_disk(path, version)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Pauses generation: ``"abort"`` in-flight requests, ``"wait"`` for them to drain (keep
+        stepping), or ``"keep"`` them frozen with their KV. New requests are held until resume.
+        Outputs of aborted requests come from the next ``step()``."""
+        self.control.pause(mode)
+
+    def resume_generation(self) -> None:
+        """Resumes after a pause: frozen requests continue, held ones are queued in arrival order."""
+        self.control.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.control.is_paused
+
+    @property
+    def is_drained(self) -> bool:
+        """Paused and no request left in flight (held ones have not started)."""
+        return self.control.is_paused and not self.scheduler.has_unfinished()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.control.is_sleeping
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees device memory for a colocated trainer: level 1 the KV pool, level 2 also the
+        weights (moved to CPU memory). Needs no request in flight."""
+        self.control.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restores what ``sleep`` released (``tags``: ``"weights"`` and/or ``"kv_cache"``; default both)."""
+        self.control.wake_up(tags)
