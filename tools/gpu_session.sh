@@ -11,7 +11,7 @@ out=${1:?output folder}
 commit=${2:-unknown}
 shift 2 || shift $#
 parts=${*:-tests kernels profile bench}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LOOPLINE_GIT_COMMIT=$commit
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} LOOPLINE_GIT_COMMIT=$commit
 # The KV pool is sized from free memory (gpu_memory_utilization 0.9): ~120 GiB holds 128 requests of 1,152
 # tokens at 4 planes. Runs in one process with the transformers baseline cap it (`--kv-cache-memory-gb`).
 bench() { timeout "$1" python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --no-progress "${@:2}"; }
