@@ -36,7 +36,8 @@ def peak_step_bytes(model: OuroForCausalLM, backend: AttentionBackend, num_token
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    positions = torch.arange(num_tokens, device=device)
+    # a step's positions are each below the context length even when its tokens are more (several prompts)
+    positions = torch.arange(num_tokens, device=device) % cfg.max_position_embeddings
     x = model.embed(torch.zeros(num_tokens, dtype=torch.long, device=device))
     h, _ = model.loop(x, positions, PagedAttention(backend, k_cache, v_cache, meta, 1.0 / math.sqrt(cfg.head_dim)))
     logits = model.head(h[:num_sampled])

@@ -61,4 +61,8 @@ def test_coresidency_gemm_matches_torch(per_sm):
     x, w = torch.randn(70, 128, generator=g).to(DEVICE), torch.randn(96, 128, generator=g).to(DEVICE)
     out = torch.full((70, 96), float("nan"), device=DEVICE)
     coresidency.triton_linear(x, w, out, 32, 32, 32, 1, 4, per_sm)  # ragged last tiles in M and N
-    torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-5)
+    ref = x.double() @ w.double().T
+    # the interpreter computes in fp32; on a GPU the fp32 dot runs on tensor cores in tf32 (~1e-3 relative)
+    tol = dict(atol=1e-4, rtol=1e-5) if DEVICE == "cpu" else dict(atol=0.1, rtol=1e-2)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    assert (out - ref.float()).norm() / ref.norm() < (1e-6 if DEVICE == "cpu" else 2e-3)
