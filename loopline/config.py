@@ -141,11 +141,14 @@ class EngineConfig:
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequestError(f"device {device!r} requested but CUDA is not available", param="device")
+    """The engine's device; a CUDA device always carries its index (threads that launch work on it,
+    like the server's engine thread, must select it by index)."""
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidRequestError(f"device {device!r} requested but CUDA is not available", param="device")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

@@ -124,8 +124,9 @@ if has serve; then  # loopline serve vs the offline engine, same random Ouro-1.4
   ckpt=/tmp/ouro-1.4b-random
   timeout 300 python3 tools/write_random_checkpoint.py "$ckpt" --config ouro-1.4b || echo "checkpoint write failed"
   for c in ${LOOPLINE_SERVE_C:-32 128}; do
-    bench 200 --model "$ckpt" --input-len 1024 --output-len 128 --concurrency $c --max-num-seqs 128 \
-      --output-json "$out/offline-c$c.json" > /dev/null 2> "$out/offline-c$c.err" || tail -3 "$out/offline-c$c.err"
+    timeout 200 python3 -m loopline.entrypoints.cli bench --model "$ckpt" --dtype bfloat16 --no-progress --input-len 1024 \
+      --output-len 128 --concurrency $c --max-num-seqs 128 --output-json "$out/offline-c$c.json" > /dev/null \
+      2> "$out/offline-c$c.err" || tail -3 "$out/offline-c$c.err"
   done
   python3 -m loopline.entrypoints.cli serve --model "$ckpt" --dtype bfloat16 --max-num-seqs 128 --port 8011 \
     > "$out/serve.log" 2>&1 &
