@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import loopline
 from loopline.config import EngineArgs
 from loopline.entrypoints.async_llm import AsyncLLM
+from loopline.entrypoints.openai.body import validation_error
 from loopline.entrypoints.openai.generation import ClientDisconnected, ServingContext
 from loopline.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from loopline.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -179,14 +180,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}"
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more error(s))"
-        return reply(APIError(400, message, param=param, code="invalid_type" if param else "invalid_json"))
+        return reply(validation_error(list(exc.errors())))
 
     @app.exception_handler(EngineStateError)
     async def on_engine_state(request: Request, exc: EngineStateError) -> JSONResponse:

@@ -35,7 +35,7 @@ from starlette.responses import Response
 from loopline.core.engine import PromptType
 from loopline.entrypoints.openai.generation import Generation, ServingContext
 from loopline.entrypoints.openai.logprobs import finite
-from loopline.entrypoints.openai.protocol import OpenAIBaseModel
+from loopline.entrypoints.openai.protocol import StrictRequest, check_request_id
 from loopline.entrypoints.openai.sse import sse_event
 from loopline.errors import InvalidRequestError
 from loopline.outputs import CompletionOutput, RequestOutput
@@ -46,7 +46,7 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 _UNSUPPORTED = ("regex", "json_schema", "ebnf", "structural_tag", "logit_bias", "min_new_tokens", "min_tokens")
 
 
-class GenerateSamplingParams(OpenAIBaseModel):
+class GenerateSamplingParams(StrictRequest):
     """``sampling_params`` of ``POST /generate`` (unknown fields are ignored, as elsewhere)."""
 
     max_new_tokens: int | None = None
@@ -74,7 +74,19 @@ class GenerateSamplingParams(OpenAIBaseModel):
     exit_threshold: float | None = None
     priority: int = 0
 
-    def to_sampling_params(self, default_logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, default_logprobs: int | None, where: str = "sampling_params") -> SamplingParams:
+        """The engine's ``SamplingParams``; ``where`` prefixes ``param`` in errors (``sampling_params[1]``)."""
+        try:
+            return self._to_sampling_params(default_logprobs)
+        except InvalidRequestError as e:
+            param, message = (e.param or "").removeprefix("sampling_params."), str(e).removeprefix("sampling_params.")
+            sent = {"max_tokens": "max_new_tokens" if self.max_new_tokens is not None else "max_tokens",
+                    "seed": "sampling_seed" if self.seed is None and self.sampling_seed is not None else "seed"}
+            if param in sent and sent[param] != param:  # name the field the client sent
+                message, param = message.replace(param, sent[param], 1), sent[param]
+            raise InvalidRequestError(f"{where}.{message}", param=f"{where}.{param}" if param else where) from None
+
+    def _to_sampling_params(self, default_logprobs: int | None) -> SamplingParams:
         extra = self.model_extra or {}
         for name in _UNSUPPORTED:
             if extra.get(name):
@@ -94,7 +106,7 @@ class GenerateSamplingParams(OpenAIBaseModel):
             min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=self.exit_threshold)
 
 
-class GenerateRequest(OpenAIBaseModel):
+class GenerateRequest(StrictRequest):
     """``POST /generate`` (SGLang's shape, token ids in)."""
 
     input_ids: list[int] | list[list[int]] | None = None
@@ -130,12 +142,14 @@ class GenerateRequest(OpenAIBaseModel):
         rids = [self.rid] if isinstance(self.rid, str) else list(self.rid)
         if len(rids) != num_prompts:
             raise InvalidRequestError(f"rid must give one id per prompt ({num_prompts}), got {len(rids)}", param="rid")
-        if not all(rids) or len(set(rids)) != len(rids):
-            raise InvalidRequestError("rid entries must be non-empty and distinct", param="rid")
+        for rid in rids:
+            check_request_id(rid, "rid")
+        if len(set(rids)) != len(rids):
+            raise InvalidRequestError("rid entries must be distinct", param="rid")
         return rids
 
     def sampling(self, num_prompts: int) -> list[SamplingParams]:
-        if not isinstance(self.top_logprobs_num, int) or not 0 <= self.top_logprobs_num <= 20:
+        if not 0 <= self.top_logprobs_num <= 20:
             raise InvalidRequestError(f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num}",
                                       param="top_logprobs_num")
         default_logprobs = self.top_logprobs_num if self.return_logprob else None
@@ -143,7 +157,9 @@ class GenerateRequest(OpenAIBaseModel):
         if isinstance(self.sampling_params, list) and len(per_prompt) != num_prompts:
             raise InvalidRequestError(f"sampling_params must be one object, or one per prompt ({num_prompts}), "
                                       f"got {len(per_prompt)}", param="sampling_params")
-        params = [p.to_sampling_params(default_logprobs) for p in per_prompt]
+        many = isinstance(self.sampling_params, list)
+        params = [p.to_sampling_params(default_logprobs, f"sampling_params[{i}]" if many else "sampling_params")
+                  for i, p in enumerate(per_prompt)]
         return params if len(params) == num_prompts else params * num_prompts
 
 
