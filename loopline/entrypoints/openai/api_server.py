@@ -35,7 +35,8 @@ from loopline.entrypoints.openai.serving_chat import create_chat_completion
 from loopline.entrypoints.openai.serving_completion import create_completion
 from loopline.entrypoints.openai.serving_generate import GenerateRequest, create_generate
 from loopline.entrypoints.openai.serving_rl import add_rl_routes
-from loopline.errors import CapacityError, EngineStateError, InvalidRequestError
+from loopline.entrypoints.openai.errors import internal_error, to_api_error
+from loopline.errors import InvalidRequestError, LooplineError
 
 logger = logging.getLogger("loopline.api")
 
@@ -93,10 +94,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
 
     @app.get("/health")
     async def health() -> Response:
-        if ctx.ready and not ctx.shutting_down and async_llm.is_running:
+        """200 when the server can generate; else 503 with a body saying why (a clear state, never silent)."""
+        problem = ("the server is shutting down" if ctx.shutting_down else
+                   "the server is starting" if not ctx.ready else async_llm.health_problem())
+        if problem is None:
             return Response(status_code=200)
-        why = "shutting down" if ctx.shutting_down else "not ready" if async_llm.is_running or not ctx.ready else "engine stopped"
-        err = APIError(503, f"the server is {why}", type="service_unavailable", code="service_unavailable")
+        err = APIError(503, problem, type="service_unavailable", code="service_unavailable")
         return JSONResponse(err.body(), status_code=503)
 
     @app.get("/version")
@@ -173,18 +176,13 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         return reply(exc)
 
-    @app.exception_handler(InvalidRequestError)
-    async def on_invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        code = "context_length_exceeded" if isinstance(exc, CapacityError) else "invalid_value"
-        return reply(APIError(400, str(exc), param=exc.param, code=code))
+    @app.exception_handler(LooplineError)
+    async def on_loopline_error(request: Request, exc: LooplineError) -> JSONResponse:
+        return reply(to_api_error(exc, request.url.path))
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return reply(validation_error(list(exc.errors())))
-
-    @app.exception_handler(EngineStateError)
-    async def on_engine_state(request: Request, exc: EngineStateError) -> JSONResponse:
-        return reply(APIError(503, str(exc), type="service_unavailable", code="service_unavailable"))
 
     @app.exception_handler(ClientDisconnected)
     async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
@@ -192,8 +190,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(Exception)
     async def on_internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error on %s", request.url.path)
-        err = APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
+        err = internal_error(exc, request.url.path)  # logged with an id; the body names only the id
         return JSONResponse(err.body(), status_code=500)
 
 

@@ -12,7 +12,7 @@ from loopline.entrypoints.openai.logprobs import chat_logprobs
 from loopline.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                   ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
                                                   ChatStreamChoice, DeltaMessage, UsageInfo)
-from loopline.entrypoints.openai.sse import sse_event
+from loopline.entrypoints.openai.sse import error_event, sse_event
 from loopline.errors import InvalidRequestError
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -84,7 +84,7 @@ class _ChatView:
             if self.req.include_usage:
                 yield self._chunk([], self._usage())
         except Exception as e:  # headers are sent: report in-band
-            yield sse_event({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            yield error_event(e, "stream")
         finally:
             self.gen.close()
         yield "data: [DONE]\n\n"

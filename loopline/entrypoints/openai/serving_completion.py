@@ -10,7 +10,7 @@ from starlette.responses import Response
 from loopline.entrypoints.openai.generation import DeltaTracker, Generation, ServingContext
 from loopline.entrypoints.openai.logprobs import completion_logprobs
 from loopline.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
-from loopline.entrypoints.openai.sse import sse_event
+from loopline.entrypoints.openai.sse import error_event, sse_event
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
 
@@ -120,7 +120,7 @@ class _CompletionView:
                 yield sse_event(CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
                                                    choices=[], usage=self._usage()).model_dump())
         except Exception as e:  # headers are sent: report in-band, as OpenAI does
-            yield sse_event({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            yield error_event(e, "stream")
         finally:
             gen.close()
         yield "data: [DONE]\n\n"

@@ -36,7 +36,7 @@ from loopline.core.engine import PromptType
 from loopline.entrypoints.openai.generation import Generation, ServingContext
 from loopline.entrypoints.openai.logprobs import finite
 from loopline.entrypoints.openai.protocol import StrictRequest, check_request_id
-from loopline.entrypoints.openai.sse import sse_event
+from loopline.entrypoints.openai.sse import error_event, sse_event
 from loopline.errors import InvalidRequestError
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -191,7 +191,7 @@ async def _stream(gen: Generation, params: list[SamplingParams], start: float) -
                 sent[key] = len(c.token_ids)
                 yield sse_event(completion_json(out, c, p, start))
     except Exception as e:  # headers are sent: report in-band
-        yield sse_event({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        yield error_event(e, "stream")
     finally:
         gen.close()
     yield "data: [DONE]\n\n"
