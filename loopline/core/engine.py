@@ -35,7 +35,7 @@ from loopline.models.loader import CONFIG_FILE, iter_checkpoint, load_config, lo
 from loopline.models.ouro import OuroForCausalLM
 from loopline.outputs import RequestOutput
 from loopline.rl.lifecycle import PAUSE_MODES, WAKE_TAGS, GenerationControl
-from loopline.rl.weights import WeightUpdater
+from loopline.rl.weights import WeightUpdater, check_checkpoint_files
 from loopline.sampling_params import SamplingParams
 from loopline.worker.memory_profile import peak_step_bytes
 from loopline.worker.model_runner import ModelRunner
@@ -353,6 +353,7 @@ class LLMEngine:
         validated before anything is copied, then streamed shard by shard."""
         self.start_weight_update(version)
         try:
+            check_checkpoint_files(path)  # every file it names stays inside the directory
             if (Path(path) / CONFIG_FILE).is_file():
                 cfg, mine = load_config(path), self.model_config
                 differ = [f"{k}={getattr(cfg, k)!r} (serving {getattr(mine, k)!r})" for k in _ARCHITECTURE
@@ -363,6 +364,7 @@ class LLMEngine:
             seen: set[str] = set()
             for shard in iter_checkpoint(path):  # dry run: names, shapes, dtypes, finite values, duplicates
                 seen.update(n for n, _, _ in self.weights.validate(shard, already_seen=seen))
+            self.weights.check_complete(seen, path)  # a missing tensor is refused before the first copy
             for shard in iter_checkpoint(path):
                 self.update_weights(shard)
         except BaseException:

@@ -248,10 +248,19 @@ def test_update_weights_from_disk_rejects_bad_input_and_keeps_serving(srv, llm, 
            ({"model_path": str(new.path), "version": -1}, "version"),
            ({"model_path": str(new.path), "version": 1, "weight_version": 2}, "version"),
            ({"model_path": str(new.path / "nope"), "version": 1}, "model_path"),
-           ({"model_path": str(tiny_mha.path), "version": 1}, "path"),
+           ({"model_path": str(tiny_mha.path), "version": 1}, "model_path"),
+           ({"model_path": str(new.path), "version": "\uff11"}, "version"),  # a full-width digit one
+           ({"model_path": str(new.path), "version": "\u0661"}, "version"),  # an Arabic-Indic one
+           ({"model_path": str(new.path), "version": " 1"}, "version"),
+           ({"model_path": str(new.path), "version": 2**63}, "version"),
+           ({"model_path": str(new.path), "version": True}, "version"),
            ({"version": 1}, "model_path")]
     for body, param in bad:
-        assert error(post(srv, "/update_weights_from_disk", body), 400)["param"] == param, body
+        err = error(post(srv, "/update_weights_from_disk", body), 400)
+        assert err["param"] == param, body
+        if param == "model_path" and "model_path" in body:  # says "not loadable", no config values or file names
+            assert "not a loadable checkpoint" in err["message"] and "total_ut_steps" not in err["message"]
+            assert "nope" not in err["message"] and "error id" in err["message"]
     assert get(srv, "/get_weight_version").json() == {"weight_version": 0}
     assert generate(srv, input_ids=PROMPT, sampling_params=sp).json()["output_ids"] == before  # old weights serve
 
