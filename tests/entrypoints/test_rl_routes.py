@@ -26,7 +26,7 @@ def llm(make_engine_args):
 def srv(llm, serve_app):
     from loopline.entrypoints.openai.api_server import build_app
 
-    return serve_app(build_app(llm, "tiny-rl", api_key=KEY, shutdown_engine=False))
+    return serve_app(build_app(llm, "tiny-rl", api_key=KEY, shutdown_engine=False, enable_rl_api=True))
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +204,10 @@ def test_pause_abort_hold_and_resume(srv, llm, pool):
 def test_pause_keep_via_query_string_and_bad_mode(srv, llm, pool):
     assert error(post(srv, "/pause_generation", {"mode": "soon"}), 400)["param"] == "mode"
     assert error(post(srv, "/sleep", {"level": True}), 400)["param"] == "level"
-    assert error(post(srv, "/pause_generation", content=b"{not json"), 400)["code"] == "invalid_json"
+    r = httpx.post(srv.base_url + "/pause_generation", content=b"{not json",
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert error(r, 400)["code"] == "invalid_json"
+    assert error(post(srv, "/pause_generation", content=b"{not json"), 415)["code"] == "unsupported_media_type"
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 120, "seed": 5, "ignore_eos": True}}
     reference = generate(srv, **body).json()["output_ids"]
     kept = pool.submit(post, srv, "/generate", body)

@@ -10,6 +10,7 @@ and pydantic validation errors (``param`` is the field path, e.g.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any, TypeVar
@@ -21,6 +22,7 @@ from loopline.entrypoints.openai.protocol import APIError
 
 T = TypeVar("T", bound=BaseModel)
 
+_OFF_LOOP_BYTES = 256 * 1024
 _SURROGATE = re.compile("[\ud800-\udfff]")
 # Parts of a pydantic error location that name a type tried in a union (``str``, ``list[int]``,
 # a model class such as ``GenerateSamplingParams``), not a field: field names are snake_case.
@@ -116,6 +118,14 @@ def parse_model(data: Any, model: type[T]) -> T:
 
 
 async def parse_body(raw: Request, model: type[T]) -> T:
-    """The request's JSON body as ``model`` (an empty body is an empty object)."""
+    """The request's JSON body as ``model`` (an empty body is an empty object).
+
+    A large body is decoded and validated on a worker thread: tens of megabytes of JSON take
+    long enough to stall every other request on the event loop.
+    """
     body = await raw.body()
-    return parse_model(decode_json(body) if body.strip() else {}, model)
+    if not body.strip():
+        return parse_model({}, model)
+    if len(body) < _OFF_LOOP_BYTES:
+        return parse_model(decode_json(body), model)
+    return await asyncio.to_thread(lambda: parse_model(decode_json(body), model))

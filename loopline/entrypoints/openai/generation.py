@@ -177,11 +177,12 @@ class ServingContext:
     """What the route handlers share: the engine, the served name(s), metrics and the in-flight limit."""
 
     def __init__(self, async_llm: AsyncLLM, model_names: list[str], metrics: ServerMetrics,
-                 max_concurrent_requests: int) -> None:
+                 max_concurrent_requests: int, max_prompts_per_request: int = 1024) -> None:
         self.llm = async_llm
         self.model_names = model_names
         self.metrics = metrics
         self.max_concurrent_requests = max_concurrent_requests
+        self.max_prompts_per_request = max_prompts_per_request
         self.in_flight = 0
         self.ready = False
         self.shutting_down = False
@@ -194,6 +195,13 @@ class ServingContext:
         if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist (this server serves {self.model_names[0]!r}).",
                            param="model", code="model_not_found")
+
+    def check_num_prompts(self, num_prompts: int, param: str) -> None:
+        """Refuses a request with more prompts than ``max_prompts_per_request`` (before any is tokenized)."""
+        if num_prompts > self.max_prompts_per_request:
+            raise APIError(400, f"{param} holds {num_prompts} prompts; this server takes at most "
+                                f"{self.max_prompts_per_request} per request (--max-prompts-per-request)",
+                           param=param, code="invalid_value")
 
     def new_generation(self, prefix: str, num_prompts: int, request_ids: list[str] | None = None) -> Generation:
         """Takes an in-flight slot (429 when none is left); the slot is released by ``Generation.close``.

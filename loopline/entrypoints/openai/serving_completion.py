@@ -19,6 +19,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     ctx.check_model(req.model)
     params = req.to_sampling_params()
     prompts = req.prompts()
+    ctx.check_num_prompts(len(prompts), "prompt")
     gen = ctx.new_generation("cmpl", len(prompts))
     raw.state.generation = gen
     await gen.start(prompts, params)  # a validation error propagates (the generation closed itself)

@@ -165,6 +165,7 @@ class GenerateRequest(StrictRequest):
 
 async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Request) -> Response:
     prompts, single = req.prompts()
+    ctx.check_num_prompts(len(prompts), "input_ids" if req.input_ids is not None else "text")
     params = req.sampling(len(prompts))
     rids = req.request_ids(len(prompts))
     gen = ctx.new_generation("gen", len(prompts), request_ids=rids)

@@ -20,11 +20,11 @@ from collections.abc import Awaitable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
-from pydantic import BeforeValidator, StrictStr, ValidationError
+from pydantic import BeforeValidator, StrictStr
 from starlette.requests import Request
 
 from loopline.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from loopline.entrypoints.openai.body import decode_json, parse_model
 from loopline.entrypoints.openai.protocol import APIError, OpenAIBaseModel
 from loopline.errors import EngineStateError, InvalidRequestError, WeightUpdateError
 from loopline.models.loader import CheckpointError
@@ -68,8 +68,9 @@ class WakeUpRequest(OpenAIBaseModel):
     tags: list[str] | None = None
 
 
-def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> None:
-    """Registers the RL control routes on ``app`` (``auth``: the API-key dependencies)."""
+def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> list[str]:
+    """Registers the RL control routes on ``app`` (``auth``: the API-key dependencies); returns their paths."""
+    before = {getattr(r, "path", None) for r in app.routes}
 
     async def pause(raw: Request) -> dict:
         req = await _parse(raw, PauseRequest)
@@ -140,6 +141,8 @@ def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> None:
     async def is_sleeping() -> dict:
         return {"is_sleeping": await _control(llm.is_sleeping())}
 
+    return sorted({getattr(r, "path", None) for r in app.routes} - before - {None})
+
 
 def _version(req: UpdateFromDiskRequest) -> int:
     """The version to publish: an integer (SGLang clients may send it as a string of digits)."""
@@ -193,14 +196,8 @@ async def _parse(raw: Request, model: type[T], list_fields: tuple[str, ...] = ()
                             for k in raw.query_params}
     body = await raw.body()
     if body.strip():
-        try:
-            parsed = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the body is not valid JSON ({e})", code="invalid_json") from e
+        parsed = decode_json(body)
         if not isinstance(parsed, dict):
             raise APIError(400, "the body must be a JSON object", code="invalid_json")
         data.update(parsed)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise RequestValidationError(e.errors()) from e
+    return parse_model(data, model)
