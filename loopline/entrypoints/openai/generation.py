@@ -49,14 +49,15 @@ class Generation:
 
     async def start(self, prompts: list[PromptType], params: SamplingParams | list[SamplingParams],
                     chat_stop: bool = False) -> None:
-        """Adds every prompt (``params``: one for all, or one per prompt); on a validation error
-        aborts the ones already added and re-raises it."""
+        """Adds every prompt as one engine command (``params``: one for all, or one per prompt): all are
+        accepted or none. On a validation error or cancellation (the client left) every one of them
+        is aborted at once and the error re-raised."""
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        trackers = {rid: self.metrics.tracker() for rid in self.ids}
         try:
-            for rid, prompt, p in zip(self.ids, prompts, per_prompt):
-                tracker = self.metrics.tracker()
-                await self.llm.add_request(rid, prompt, p, chat_stop=chat_stop, stream=self.stream)
-                self.trackers[rid] = tracker
+            await self.llm.add_requests(list(zip(self.ids, prompts, per_prompt)), chat_stop=chat_stop,
+                                        stream=self.stream)
+            self.trackers = trackers
         except BaseException:
             self.close()
             raise
@@ -225,6 +226,12 @@ class ServingContext:
         return Generation(self.llm, self.metrics, f"{prefix}-{uuid.uuid4().hex}", num_prompts, on_close=release,
                           request_ids=request_ids)
 
+    async def start(self, raw: Request, gen: Generation, prompts: list[PromptType],
+                    params: SamplingParams | list[SamplingParams], chat_stop: bool = False) -> None:
+        """``gen.start(...)``, abandoned (every prompt aborted at once) if the client disconnects meanwhile:
+        tokenizing and adding thousands of prompts takes a while."""
+        await _unless_disconnected(raw, gen.start(prompts, params, chat_stop=chat_stop), gen)
+
     async def respond(self, raw: Request, gen: Generation, stream: bool, events: Callable[[], AsyncIterator[str]],
                       build: Callable[[list[RequestOutput]], Any]) -> Response:
         """Streams ``events()`` as server-sent events, or runs the generation to completion and
@@ -239,18 +246,24 @@ class ServingContext:
 
     async def run_unless_disconnected(self, raw: Request, gen: Generation) -> list[RequestOutput]:
         """Runs a non-streamed generation; a client that goes away aborts it (and frees its KV)."""
-        collect = asyncio.ensure_future(gen.run_to_completion())
-        watch = asyncio.ensure_future(_until_disconnected(raw))
-        try:
-            done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not collect.done():
-                collect.cancel()
-                gen.close()
-        if collect not in done:
-            raise ClientDisconnected()
-        return collect.result()
+        return await _unless_disconnected(raw, gen.run_to_completion(), gen)
+
+
+async def _unless_disconnected(raw: Request, work: Any, gen: Generation) -> Any:
+    """Awaits ``work``; if the client disconnects first, cancels it, aborts the generation and
+    raises :class:`ClientDisconnected`."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(raw))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            gen.close()
+    if task not in done:
+        raise ClientDisconnected()
+    return task.result()
 
 
 class ClientDisconnected(Exception):

@@ -37,7 +37,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                   param="messages") from e
     gen = ctx.new_generation("chatcmpl", 1)
     raw.state.generation = gen
-    await gen.start([{"prompt_token_ids": prompt_ids}], params, chat_stop=True)  # closes itself on a bad request
+    await ctx.start(raw, gen, [{"prompt_token_ids": prompt_ids}], params, chat_stop=True)  # closes itself on a bad request
     view = _ChatView(ctx, req, gen, params)
     return await ctx.respond(raw, gen, req.stream, view.stream, lambda outs: view.response(outs[0]).model_dump())
 

@@ -22,7 +22,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     ctx.check_num_prompts(len(prompts), "prompt")
     gen = ctx.new_generation("cmpl", len(prompts))
     raw.state.generation = gen
-    await gen.start(prompts, params)  # a validation error propagates (the generation closed itself)
+    await ctx.start(raw, gen, prompts, params)  # a validation error propagates (the generation closed itself)
     view = _CompletionView(ctx, req, gen, params)
     return await ctx.respond(raw, gen, req.stream, view.stream, lambda outs: view.response(outs).model_dump())
 
