@@ -269,6 +269,8 @@ class _RequestLog:
             raise
         finally:
             path = scope.get("path", "")
+            if not path.isprintable():  # a decoded %0A in the path must not forge a log line
+                path = repr(path)
             gen = scope["state"].get("generation")
             extra = f" {gen.id} {gen.summary()}" if gen is not None else ""
             client = scope.get("client") or ("-", 0)
