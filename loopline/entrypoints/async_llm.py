@@ -196,6 +196,12 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self._dead is not None and not self._stopping
 
+    def weights_state(self) -> str:
+        """``"committed"``, ``"updating"`` (an update is open) or ``"partially_updated"`` (a failed
+        update left some tensors new: generation is refused until a complete update lands)."""
+        weights = self.engine.weights
+        return "partially_updated" if weights.broken else "updating" if weights.in_progress else "committed"
+
     def health_problem(self) -> str | None:
         """Why the engine cannot serve now (``None``: healthy): stopped, failed, or holding
         partially updated weights. Safe to call from any thread (it reads flags only)."""

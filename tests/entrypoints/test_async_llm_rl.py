@@ -240,7 +240,7 @@ def test_pause_keep_then_a_half_failed_update_then_pause_wait_keeps_the_engine_a
         await llm.update_weights({n: new_state_dict[n] for n in names[:3]})  # copied: now partially new
         with pytest.raises(WeightUpdateError, match="incomplete"):
             await llm.finish_weight_update()
-        assert "partially updated" in llm.health_problem()
+        assert "partially updated" in llm.health_problem() and llm.weights_state() == "partially_updated"
         await llm.pause_generation("wait")  # frozen requests would step on broken weights: they fail instead
         with pytest.raises(EngineStateError, match="partially updated"):
             await task
@@ -249,7 +249,7 @@ def test_pause_keep_then_a_half_failed_update_then_pause_wait_keeps_the_engine_a
         await llm.update_weights(new_state_dict)
         assert await llm.finish_weight_update() == 2
         await llm.resume_generation()
-        assert llm.health_problem() is None
+        assert llm.health_problem() is None and llm.weights_state() == "committed"
         out = await final(llm, ids(5), SamplingParams(max_tokens=3, ignore_eos=True), "after")
         assert out.weight_version == 2 and len(out.outputs[0].token_ids) == 3
 

@@ -264,7 +264,7 @@ def test_update_weights_from_disk_rejects_bad_input_and_keeps_serving(srv, llm, 
         if param == "model_path" and "model_path" in body:  # says "not loadable", no config values or file names
             assert "not a loadable checkpoint" in err["message"] and "total_ut_steps" not in err["message"]
             assert "nope" not in err["message"] and "error id" in err["message"]
-    assert get(srv, "/get_weight_version").json() == {"weight_version": 0}
+    assert get(srv, "/get_weight_version").json() == {"weight_version": 0, "weights": "committed"}
     assert generate(srv, input_ids=PROMPT, sampling_params=sp).json()["output_ids"] == before  # old weights serve
 
     assert post(srv, "/pause_generation", {"mode": "abort"}).status_code == 200
@@ -280,7 +280,7 @@ def test_update_weights_from_disk_rejects_bad_input_and_keeps_serving(srv, llm, 
     assert after["output_ids"] == expected != before
     assert error(post(srv, "/update_weights_from_disk", {"model_path": str(new.path), "version": 0}), 400)["param"] \
         == "version"  # versions never go back
-    assert get(srv, "/get_weight_version").json() == {"weight_version": 1}
+    assert get(srv, "/get_weight_version").json() == {"weight_version": 1, "weights": "committed"}
 
 
 def test_sleep_and_wake_up(srv):
@@ -299,3 +299,35 @@ def test_sleep_and_wake_up(srv):
     assert r.json() == {"success": True, "is_sleeping": False}
     assert post(srv, "/resume_generation").status_code == 200
     assert generate(srv, input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).status_code == 200
+
+
+def test_a_half_failed_update_is_reported_on_health_and_the_rl_routes(srv, llm, tiny_factory):
+    import asyncio
+
+    from loopline.errors import WeightUpdateError
+
+    new = tiny_factory(3).state_dict
+    assert post(srv, "/pause_generation", {"mode": "abort"}).status_code == 200
+
+    async def half_failed():
+        await llm.start_weight_update(10)
+        await llm.update_weights({n: new[n] for n in sorted(new)[:2]})
+        with pytest.raises(WeightUpdateError):
+            await llm.finish_weight_update()
+
+    asyncio.run(half_failed())
+    health = httpx.get(srv.base_url + "/health")
+    assert health.status_code == 503 and "partially updated" in health.json()["error"]["message"]
+    assert get(srv, "/get_weight_version").json()["weights"] == "partially_updated"
+    assert error(post(srv, "/resume_generation"), 409)["code"] == "conflict"  # fails closed, and says so
+
+    async def repair():
+        await llm.start_weight_update(11)
+        await llm.update_weights(new)
+        await llm.finish_weight_update()
+
+    asyncio.run(repair())
+    assert httpx.get(srv.base_url + "/health").status_code == 200
+    assert get(srv, "/get_weight_version").json() == {"weight_version": 11, "weights": "committed"}
+    assert post(srv, "/resume_generation").status_code == 200
+    assert generate(srv, input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).json()["weight_version"] == 11

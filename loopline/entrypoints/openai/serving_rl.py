@@ -123,7 +123,8 @@ def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> list[str]:
 
     @app.get("/get_weight_version", dependencies=auth)
     async def get_weight_version() -> dict:
-        return {"weight_version": await _control(llm.get_weight_version())}
+        version = await _control(llm.get_weight_version())
+        return {"weight_version": version, "weights": llm.weights_state()}  # "weights": a clear state, never silent
 
     @app.post("/sleep", dependencies=auth)
     async def sleep(raw: Request) -> dict:
