@@ -30,6 +30,7 @@ import loopline
 from loopline.config import EngineArgs
 from loopline.entrypoints.async_llm import AsyncLLM
 from loopline.entrypoints.openai.body import parse_body, validation_error
+from loopline.entrypoints.openai.errors import internal_error, to_api_error
 from loopline.entrypoints.openai.generation import ClientDisconnected, ServingContext
 from loopline.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from loopline.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -40,7 +41,6 @@ from loopline.entrypoints.openai.serving_generate import GenerateRequest, create
 from loopline.entrypoints.openai.security import SecurityConfig, SecurityGuard, is_loopback
 from loopline.entrypoints.openai.serving_rl import add_rl_routes
 from loopline.entrypoints.tokenizer_pool import TokenizerPool
-from loopline.entrypoints.openai.errors import internal_error, to_api_error
 from loopline.errors import InvalidRequestError, LooplineError
 
 logger = logging.getLogger("loopline.api")

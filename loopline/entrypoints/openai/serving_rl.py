@@ -13,7 +13,6 @@ Route names follow SGLang (``/pause_generation``, ``/continue_generation``,
 """
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections.abc import Awaitable
