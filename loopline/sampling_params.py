@@ -15,6 +15,9 @@ _MIN_SEED, _MAX_SEED = -(2**63), 2**63 - 1
 _MAX_INT32 = 2**31 - 1
 MAX_N = 1024
 MAX_LOGPROBS = 20
+# Stop strings are matched against the text after every token on the engine thread: bound
+# their number and length so one request cannot slow every other one down.
+MAX_STOP_STRINGS, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
 # Per-request logprobs mode: vLLM's names, plus the short forms vime sends.
 _LOGPROBS_MODES = {"raw_logprobs": "raw_logprobs", "processed_logprobs": "processed_logprobs",
                    "raw": "raw_logprobs", "processed": "processed_logprobs"}
@@ -87,9 +90,16 @@ class SamplingParams:
         _float_in("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             _int_in("seed", self.seed, _MIN_SEED, _MAX_SEED - (self.n - 1))  # n - 1: choice i uses seed + i
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+                                      param="stop")
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise InvalidRequestError(f"stop must be non-empty strings, got {s!r}", param="stop")
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_LEN:
+                raise InvalidRequestError(f"stop must be strings of 1 to {MAX_STOP_LEN} characters, got {s!r:.60}",
+                                          param="stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                                      f"got {len(self.stop_token_ids)}", param="stop_token_ids")
         for t in self.stop_token_ids:
             _int_in("stop_token_ids", t, 0, _MAX_INT32)
         if self.logprobs is not None:

@@ -517,7 +517,11 @@ class AsyncLLM:
         """A failed ``step()``: fails the requests to blame (the named ones, else every one in flight),
         aborts them in the engine (frees their KV) and keeps serving the others."""
         error_id = _error_id()
-        blamed = error.request_ids if isinstance(error, RequestFailedError) else list(self._streams)
+        if isinstance(error, RequestFailedError):
+            blamed = error.request_ids
+        else:  # every request that was in the step; those a pause holds back never reached it
+            held = {self._children.get(r.request_id, r.request_id) for r in self.engine.control.held}
+            blamed = [rid for rid in self._streams if rid not in held]
         logger.exception("engine step failed (error id %s); failing request(s) %s", error_id,
                          ", ".join(blamed[:20]) + (" ..." if len(blamed) > 20 else "") or "-")
         if _is_device_fault(error):

@@ -292,3 +292,30 @@ def test_http_a_failed_step_is_a_500_with_an_id_and_the_server_keeps_serving(mak
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     finally:
         llm.shutdown()
+
+
+def test_a_step_error_spares_the_requests_a_pause_holds_back(make_engine_args):
+    from loopline.errors import EngineInternalError
+
+    llm = AsyncLLM(make_engine_args())
+    try:
+        async def main():
+            running = await llm.add_request("running", PROMPT, SamplingParams(max_tokens=60, ignore_eos=True))
+            pause = asyncio.ensure_future(llm.pause_generation("wait"))
+            while not llm.engine.is_paused:
+                await asyncio.sleep(0.001)
+            held = asyncio.ensure_future(collect(llm, PROMPT, SamplingParams(max_tokens=3, ignore_eos=True), "held"))
+            while not llm.engine.control.held:
+                await asyncio.sleep(0.001)
+            _inject_step_failures(llm, [RuntimeError("boom")])
+            with pytest.raises(EngineInternalError):
+                while True:
+                    await running.get()
+            await pause  # nothing left in flight: the pause is in force
+            await llm.resume_generation()
+            outs = await held
+            assert len(outs[-1].outputs[0].token_ids) == 3
+
+        run(main())
+    finally:
+        llm.shutdown()
