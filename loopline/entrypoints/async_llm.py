@@ -164,6 +164,7 @@ class AsyncLLM:
         # Engine thread only: the ids the engine gives the choices of live n > 1 requests
         # (``id#i``) -> the parent id, so no user id can collide with one of them.
         self._children: dict[str, str] = {}
+        self._choices: dict[str, list[str]] = {}  # parent id -> its choices' ids (the inverse)
         self._step_failures = 0  # consecutive failed steps
         # Engine thread only: results of control calls that ran (sent after the next step), and
         # pause("wait") callers waiting for the requests in flight to finish.
@@ -482,7 +483,10 @@ class AsyncLLM:
                                               error_id) from e
                 added.append(request_id)
                 self._streams[request_id] = (cmd.stream, loop)
-                self._children.update({c: request_id for c in _child_ids(request_id, params)})
+                choices = _child_ids(request_id, params)
+                if choices:
+                    self._choices[request_id] = choices
+                    self._children.update({c: request_id for c in choices})
         except Exception as e:  # all or none: the ones already added go again
             self._abort(added)
             for rid in added:
@@ -509,7 +513,7 @@ class AsyncLLM:
     def _forget(self, request_id: str) -> tuple[OutputStream, asyncio.AbstractEventLoop] | None:
         """Drops a request that ended (its stream target and its choices' ids); returns the target."""
         target = self._streams.pop(request_id, None)
-        for child in [c for c, parent in self._children.items() if parent == request_id]:
+        for child in self._choices.pop(request_id, ()):
             del self._children[child]
         return target
 
@@ -608,6 +612,7 @@ class AsyncLLM:
             _call_soon(loop, stream._fail, error)
         self._streams.clear()
         self._children.clear()
+        self._choices.clear()
         self.snapshot = dataclasses.replace(self.snapshot, num_running=0, num_waiting=0)
 
 
