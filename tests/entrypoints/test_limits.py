@@ -43,7 +43,8 @@ def test_a_large_tokenize_does_not_block_health(srv):
     latencies = _latencies_while(srv, busy)
     busy.join()
     assert result["status"] == 200 and result["count"] > 100_000
-    assert latencies and max(latencies) < 1.0, (max(latencies), result["took"])
+    # tokenizing 2 MB takes ~3 s: on the event loop, /health would wait that long
+    assert latencies and max(latencies) < 1.5, (max(latencies), result["took"])
 
 
 def test_a_large_prompt_does_not_delay_a_small_request(srv):
@@ -66,7 +67,7 @@ def test_a_large_prompt_does_not_delay_a_small_request(srv):
         small.append(time.monotonic() - t0)
     busy.join()
     assert result == {"status": 400, "param": "prompt"}  # longer than max_model_len
-    assert small and max(small) < 1.5, small
+    assert small and max(small) < 2.0, small  # tokenizing 3 MB takes ~5 s: on the engine thread, they would wait
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -3,7 +3,9 @@
 ``build_app(async_llm, ...)`` makes the app (tests run it under a real uvicorn
 in a thread); ``run_server(args)`` is ``loopline serve``. Every error is an
 OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``; a bad
-request gets a 4xx and never affects other requests.
+request gets a 4xx and never affects other requests. The RL control routes
+are mounted only with ``enable_rl_api``; ``security.SecurityGuard`` checks
+Host, Origin, Content-Type and body size before any route runs.
 """
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loopline.entrypoints.openai.errors import internal_error
 from loopline.entrypoints.openai.protocol import APIError
+from loopline.errors import InvalidRequestError
 
 logger = logging.getLogger("loopline.api")
 
@@ -66,7 +67,8 @@ class SecurityConfig:
     def __post_init__(self) -> None:
         size = self.max_request_body_bytes
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"max_request_body_bytes must be an integer >= 1, got {size!r}")
+            raise InvalidRequestError(f"max_request_body_bytes must be an integer >= 1, got {size!r}",
+                                      param="max_request_body_bytes")
 
     @classmethod
     def for_bind(cls, host: str, extra_hosts: Iterable[str] = (), **kwargs: Any) -> "SecurityConfig":
