@@ -150,9 +150,20 @@ def test_a_duplicate_rid_is_refused_without_touching_the_live_request(srv, llm, 
     live = pool.submit(generate, srv, input_ids=PROMPT, rid="dup",
                        sampling_params={"max_new_tokens": 120, "ignore_eos": True})
     wait_for(lambda: running(llm))
-    assert error(generate(srv, input_ids=PROMPT, rid="dup"), 400)["param"] == "request_id"
+    assert error(generate(srv, input_ids=PROMPT, rid="dup"), 400)["param"] == "rid"
     out = live.result(60).json()
     assert out["finish_reason"] == "length" and len(out["output_ids"]) == 120
+
+
+def test_a_rid_never_collides_with_the_choice_ids_of_another_request(srv, llm, pool):
+    live = pool.submit(generate, srv, input_ids=PROMPT, rid="x",
+                       sampling_params={"max_new_tokens": 120, "ignore_eos": True, "n": 2})
+    wait_for(lambda: running(llm))
+    err = error(generate(srv, input_ids=PROMPT, rid="x#0"), 400)  # the engine's id of x's first choice
+    assert err["param"] == "rid" and "in use" in err["message"]
+    outs = live.result(60).json()
+    assert [len(o["output_ids"]) for o in outs] == [120, 120]
+    assert generate(srv, input_ids=PROMPT, rid="x#0", sampling_params={"max_new_tokens": 2}).status_code == 200
 
 
 def test_generate_stream_ends_with_the_whole_completion(srv):

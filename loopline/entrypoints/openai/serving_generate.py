@@ -171,7 +171,12 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
     gen = ctx.new_generation("gen", len(prompts), request_ids=rids)
     raw.state.generation = gen
     start = time.monotonic()
-    await ctx.start(raw, gen, prompts, params)  # a validation error propagates (the generation closed itself)
+    try:
+        await ctx.start(raw, gen, prompts, params)  # a validation error propagates (the generation closed itself)
+    except InvalidRequestError as e:
+        if e.param == "request_id":  # name the field the client sent
+            raise InvalidRequestError(str(e), param="rid") from None
+        raise
 
     def build(outs: list[RequestOutput]) -> Any:
         items = [completion_json(out, c, p, start) for out, p in zip(outs, params) for c in out.outputs]
