@@ -13,6 +13,8 @@ _MIN_SEED, _MAX_SEED = -(2**63), 2**63 - 1
 # Integer fields with no natural upper bound still get one, so a huge JSON number is a clear
 # 400 here instead of an OverflowError when it is staged into an int32/int64 tensor.
 _MAX_INT32 = 2**31 - 1
+# The sampler stages float fields as float32: a larger value would become inf on the device.
+_MAX_FLOAT32 = 3.4028234663852886e38
 MAX_N = 1024
 MAX_LOGPROBS = 20
 # Stop strings are matched against the text after every token on the engine thread: bound
@@ -82,7 +84,7 @@ class SamplingParams:
         _int_in("n", self.n, 1, MAX_N)
         if self.max_tokens is not None:
             _int_in("max_tokens", self.max_tokens, 1, _MAX_INT32)
-        _float_in("temperature", self.temperature, 0.0, None)
+        _float_in("temperature", self.temperature, 0.0, _MAX_FLOAT32)
         _float_in("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or 1 <= self.top_k <= _MAX_INT32):
             raise InvalidRequestError(f"top_k must be -1 or 0 (off) or an integer in [1, vocab size], got {self.top_k!r}",
@@ -108,7 +110,7 @@ class SamplingParams:
             _int_in("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _float_in("repetition_penalty", self.repetition_penalty, 0.0, None, lo_open=True)
+        _float_in("repetition_penalty", self.repetition_penalty, 0.0, _MAX_FLOAT32, lo_open=True)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean, got {getattr(self, name)!r}", param=name)
