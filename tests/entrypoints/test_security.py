@@ -74,10 +74,19 @@ def test_rl_api_on_a_non_loopback_bind_needs_an_api_key(host, rl_api, key, ok):
 
 
 # --- Host (DNS rebinding) ---------------------------------------------------------------------------
+def _errors(srv) -> float:
+    for line in httpx.get(srv.base_url + "/metrics").text.splitlines():
+        if line.startswith("loopline:requests_total{") and 'status="error"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_host_header_allow_list(closed, rl):
     port = closed.port
+    before = _errors(closed)
     for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", f"10.0.0.1:{port}"):
         is_openai_error(httpx.get(closed.base_url + "/v1/models", headers={"Host": host}), 400, "invalid_host")
+    assert _errors(closed) == before + 4  # refusals count as errors on /metrics
     for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "LOCALHOST"):
         assert httpx.get(closed.base_url + "/v1/models", headers={"Host": host}).status_code == 200, host
     assert httpx.get(rl.base_url + "/is_paused", headers={"Host": "trainer.internal:80"}).status_code == 200

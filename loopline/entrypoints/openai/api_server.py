@@ -182,7 +182,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
 
     # Outermost last: the request log sees every answer, CORS headers go on the guard's refusals too.
     security = security or SecurityConfig()
-    app.add_middleware(SecurityGuard, config=dataclasses.replace(security, control_paths=frozenset(control_paths)))
+    app.add_middleware(SecurityGuard, config=dataclasses.replace(security, control_paths=frozenset(control_paths)),
+                       on_refusal=lambda status: metrics.requests["error"].inc())
     if security.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(security.allowed_origins),
                            allow_methods=allowed_methods or ["*"], allow_headers=allowed_headers or ["*"],

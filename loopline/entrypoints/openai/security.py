@@ -27,7 +27,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,9 +108,10 @@ class _BodyTooLarge(Exception):
 class SecurityGuard:
     """ASGI middleware enforcing a :class:`SecurityConfig` (see the module docstring)."""
 
-    def __init__(self, app: ASGIApp, config: SecurityConfig) -> None:
+    def __init__(self, app: ASGIApp, config: SecurityConfig, on_refusal: Callable[[int], None] | None = None) -> None:
         self.app = app
         self.config = config
+        self.on_refusal = on_refusal  # called with the status of each refusal (metrics)
 
     def _refusal(self, scope: Scope, headers: Headers) -> APIError | None:
         cfg = self.config
@@ -139,6 +140,8 @@ class SecurityGuard:
             return
         refusal = self._refusal(scope, Headers(scope=scope))
         if refusal is not None:
+            if self.on_refusal is not None:
+                self.on_refusal(refusal.status)
             if refusal.status != 413:  # read the (bounded) body, so the keep-alive connection stays usable
                 await _drain(receive, self.config.max_request_body_bytes)
             await _send_error(send, refusal)
