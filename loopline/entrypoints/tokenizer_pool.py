@@ -4,7 +4,9 @@ A 2 MB prompt takes seconds to tokenize; done on the event loop it stalls
 ``/health`` and every stream, done on the engine thread it stalls every
 running request. :class:`TokenizerPool` runs it on a few worker threads
 instead. NOTE: one Hugging Face fast tokenizer must not be used from two
-threads at once, so each worker gets its own copy (made lazily, on first use).
+threads at once, so each worker gets its own copy. The copies are made when
+the pool is built, before the engine thread starts detokenizing with the
+original (copying reads the tokenizer).
 """
 from __future__ import annotations
 
@@ -27,17 +29,19 @@ class TokenizerPool:
 
     def __init__(self, tokenizer: Any, model_path: str | None, config_extra: dict[str, Any] | None,
                  workers: int = DEFAULT_WORKERS) -> None:
-        self._tokenizer = tokenizer
-        self._model_path, self._config_extra = model_path, config_extra
+        # One (tokenizer, chat encoder) per worker thread; a thread takes one on its first job.
+        self._spare = [(tok, ChatEncoder(tok, model_path, config_extra))
+                       for tok in (copy.deepcopy(tokenizer) for _ in range(workers))]
+        self._lock = threading.Lock()
         self._local = threading.local()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loopline-tokenizer")
 
     def _own(self) -> tuple[Any, ChatEncoder]:
         """This worker's tokenizer copy and chat encoder."""
-        if not hasattr(self._local, "tok"):
-            self._local.tok = copy.deepcopy(self._tokenizer)
-            self._local.chat = ChatEncoder(self._local.tok, self._model_path, self._config_extra)
-        return self._local.tok, self._local.chat
+        if not hasattr(self._local, "pair"):
+            with self._lock:
+                self._local.pair = self._spare.pop()  # the executor never runs more threads than copies
+        return self._local.pair
 
     async def run(self, fn: Callable[[Any, ChatEncoder], T]) -> T:
         """``fn(tokenizer, chat_encoder)`` on a worker thread; its exception reaches the caller."""
