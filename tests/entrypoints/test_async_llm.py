@@ -319,3 +319,37 @@ def test_a_step_error_spares_the_requests_a_pause_holds_back(make_engine_args):
         run(main())
     finally:
         llm.shutdown()
+
+
+def test_add_requests_is_all_or_none_and_a_cancelled_add_aborts_every_prompt(make_engine_args):
+    llm = AsyncLLM(make_engine_args())
+    try:
+        async def main():
+            params = SamplingParams(max_tokens=50, ignore_eos=True)
+            batch = [(f"b{i}", [5, 6, 7], params) for i in range(200)]
+            with pytest.raises(InvalidRequestError):  # one bad prompt: none of them is accepted
+                await llm.add_requests(batch + [("bad", [10**9], params)])
+            assert llm.engine.get_num_unfinished_requests() == 0
+            real_add = llm.engine.add_request
+
+            def slow_add(*args, **kwargs):  # 2,000 adds take ~2 s: the caller leaves half way
+                time.sleep(0.001)
+                return real_add(*args, **kwargs)
+
+            llm.engine.add_request = slow_add
+            task = asyncio.ensure_future(llm.add_requests([(f"c{i}", PROMPT, params) for i in range(2000)]))
+            while llm.engine.get_num_unfinished_requests() < 10:  # the engine thread is adding them
+                await asyncio.sleep(0.001)
+            assert not task.done()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 10
+            while llm.engine.get_num_unfinished_requests() or llm.engine.kv.num_used_blocks:
+                assert time.monotonic() < deadline, llm.engine.get_num_unfinished_requests()
+                await asyncio.sleep(0.01)
+
+        run(main())
+        assert llm.is_running
+    finally:
+        llm.shutdown()
