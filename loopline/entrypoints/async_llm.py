@@ -14,6 +14,13 @@ updates, ``reset_prefix_cache``, ``sleep`` / ``wake_up``; see docs/rl.md) are
 queued like adds and aborts and run on the engine thread between steps; their
 exceptions reach the caller unchanged.
 
+No request stops the thread: a failing ``add_request`` fails that add, a
+failing ``step()`` fails the requests to blame (``RequestFailedError`` names
+them, otherwise every request the step ran) and frees their KV; only a device
+fault or a step failing again and again stops it, and ``health_problem()``
+then says why. Text prompts are tokenized on a :class:`TokenizerPool`, never
+on the event loop or the engine thread.
+
 Usage (vLLM names)::
 
     llm = AsyncLLM(EngineArgs(model=path))
