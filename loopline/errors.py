@@ -27,5 +27,32 @@ class WeightUpdateError(InvalidRequestError):
     shape or dtype, non-finite values); ``param`` names the tensor or field."""
 
 
-class EngineDeadError(LooplineError, RuntimeError):
-    """The engine stopped after a device fault and serves nothing until restarted."""
+class EngineDeadError(EngineStateError):
+    """The engine stopped (a device fault, or the server's engine thread ended) and serves nothing
+    until restarted."""
+
+
+class EngineInternalError(LooplineError, RuntimeError):
+    """An internal failure (not the request's input) ended a request; the engine keeps serving.
+
+    The message carries no internal exception text: ``error_id`` finds the traceback in the
+    server log (``loopline.async`` logs it with this id).
+    """
+
+    def __init__(self, message: str, error_id: str) -> None:
+        super().__init__(message)
+        self.error_id = error_id
+
+
+class RequestFailedError(LooplineError, RuntimeError):
+    """What ``LLMEngine.step()`` raises when it can attribute a failure to some requests.
+
+    ``request_ids`` (the ids given to ``add_request``) failed; every other request is
+    untouched and keeps running. The front end (``AsyncLLM``) aborts the named requests, which
+    frees their KV and slots, and fails only their callers. Any other exception from ``step()``
+    cannot be attributed, so every request in flight fails instead.
+    """
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = list(request_ids)

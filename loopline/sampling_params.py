@@ -7,7 +7,19 @@ from typing import Any
 
 from loopline.errors import InvalidRequestError
 
-_MAX_SEED = 2**63 - 1
+# Seeds are int64 (the sampler keys its counter-based randomness on them); choice i of n uses
+# seed + i, so the largest seed leaves room for n - 1 more.
+_MIN_SEED, _MAX_SEED = -(2**63), 2**63 - 1
+# Integer fields with no natural upper bound still get one, so a huge JSON number is a clear
+# 400 here instead of an OverflowError when it is staged into an int32/int64 tensor.
+_MAX_INT32 = 2**31 - 1
+# The sampler stages float fields as float32: a larger value would become inf on the device.
+_MAX_FLOAT32 = 3.4028234663852886e38
+MAX_N = 1024
+MAX_LOGPROBS = 20
+# Stop strings are matched against the text after every token on the engine thread: bound
+# their number and length so one request cannot slow every other one down.
+MAX_STOP_STRINGS, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
 # Per-request logprobs mode: vLLM's names, plus the short forms vime sends.
 _LOGPROBS_MODES = {"raw_logprobs": "raw_logprobs", "processed_logprobs": "processed_logprobs",
                    "raw": "raw_logprobs", "processed": "processed_logprobs"}
@@ -57,38 +69,55 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}", param="stop")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}",
+                                      param="stop_token_ids")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
 
     # --- validation ---------------------------------------------------------------------
     def _validate(self) -> None:
-        _int_in("n", self.n, 1, 1024)
+        """Type and range of every field that does not need the checkpoint (see ``validate_for_model``)."""
+        _int_in("n", self.n, 1, MAX_N)
         if self.max_tokens is not None:
-            _int_in("max_tokens", self.max_tokens, 1, None)
-        _float_in("temperature", self.temperature, 0.0, None)
+            _int_in("max_tokens", self.max_tokens, 1, _MAX_INT32)
+        _float_in("temperature", self.temperature, 0.0, _MAX_FLOAT32)
         _float_in("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 0 and self.top_k != -1):
-            raise InvalidRequestError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}", param="top_k")
+        if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or 1 <= self.top_k <= _MAX_INT32):
+            raise InvalidRequestError(f"top_k must be -1 or 0 (off) or an integer in [1, vocab size], got {self.top_k!r}",
+                                      param="top_k")
         _float_in("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            _int_in("seed", self.seed, -_MAX_SEED, _MAX_SEED)
+            _int_in("seed", self.seed, _MIN_SEED, _MAX_SEED - (self.n - 1))  # n - 1: choice i uses seed + i
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+                                      param="stop")
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise InvalidRequestError(f"stop must be non-empty strings, got {s!r}", param="stop")
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_LEN:
+                raise InvalidRequestError(f"stop must be strings of 1 to {MAX_STOP_LEN} characters, got {s!r:.60}",
+                                          param="stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                                      f"got {len(self.stop_token_ids)}", param="stop_token_ids")
         for t in self.stop_token_ids:
-            _int_in("stop_token_ids", t, 0, None)
+            _int_in("stop_token_ids", t, 0, _MAX_INT32)
         if self.logprobs is not None:
-            _int_in("logprobs", self.logprobs, 0, 20)
+            _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
-            _int_in("prompt_logprobs", self.prompt_logprobs, 0, 20)
+            _int_in("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _float_in("repetition_penalty", self.repetition_penalty, 0.0, None, lo_open=True)
-        _int_in("priority", self.priority, -(2**31), 2**31 - 1)
-        _int_in("min_loops", self.min_loops, 1, None)
+        _float_in("repetition_penalty", self.repetition_penalty, 0.0, _MAX_FLOAT32, lo_open=True)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be a boolean, got {getattr(self, name)!r}", param=name)
+        _int_in("priority", self.priority, -(2**31), _MAX_INT32)
+        _int_in("min_loops", self.min_loops, 1, _MAX_INT32)
         if self.max_loops is not None:
-            _int_in("max_loops", self.max_loops, self.min_loops, None)
+            _int_in("max_loops", self.max_loops, self.min_loops, _MAX_INT32)
         if self.exit_threshold is not None:
             _float_in("exit_threshold", self.exit_threshold, 0.0, 1.0, lo_open=True)
         if self.logprobs_mode is not None:
@@ -101,7 +130,7 @@ class SamplingParams:
             if not isinstance(self.exit_depths, (list, tuple)) or not self.exit_depths:
                 raise InvalidRequestError("exit_depths must be a non-empty list of loop counts", param="exit_depths")
             for d in self.exit_depths:
-                _int_in("exit_depths", d, 1, None)
+                _int_in("exit_depths", d, 1, _MAX_INT32)
             self.exit_depths = list(self.exit_depths)
 
     def validate_for_model(self, total_ut_steps: int, vocab_size: int) -> None:
@@ -114,6 +143,9 @@ class SamplingParams:
         for d in self.exit_depths or []:
             if d > R:
                 raise InvalidRequestError(f"exit_depths entries must be in [1, {R}], got {d}", param="exit_depths")
+        if self.top_k > vocab_size:
+            raise InvalidRequestError(f"top_k must be -1 or 0 (off) or in [1, {vocab_size}] (the vocab size), "
+                                      f"got {self.top_k}", param="top_k")
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size}), got {t}", param="stop_token_ids")
@@ -130,8 +162,12 @@ class SamplingParams:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # NOTE: True is an int in Python
+
+
 def _int_in(name: str, value: Any, lo: int | None, hi: int | None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not _is_int(value):
         raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"

@@ -17,7 +17,7 @@ from loopline.kv.manager import KVCacheManager
 from loopline.models.loader import CONFIG_FILE, iter_checkpoint, load_config
 from loopline.models.ouro import OuroForCausalLM
 from loopline.rl.lifecycle import PAUSE_MODES, WAKE_TAGS, GenerationControl
-from loopline.rl.weights import WeightUpdater
+from loopline.rl.weights import WeightUpdater, check_checkpoint_files
 from loopline.worker.model_runner import ModelRunner
 
 # config.json fields a published checkpoint must share with the served model
@@ -55,8 +55,17 @@ class EngineControl(GenerationControl):
 
     def step_blocked(self) -> bool:
         """True when a step must not run the model: frozen by a ``"keep"`` pause, or no usable weights
-        or KV (requests then wait; none can be in flight, since updates and sleep need none)."""
-        return self.frozen or self.not_ready_reason() is not None
+        or KV with nothing in flight. Requests in flight that cannot run (a ``"wait"`` pause after an
+        update left the weights partial) raise ``EngineStateError``: the caller fails them; waiting
+        would deadlock, since a new update needs them finished or frozen."""
+        if self.frozen:
+            return True
+        reason = self.not_ready_reason()
+        if reason is None:
+            return False
+        if self.scheduler.has_unfinished():
+            raise EngineStateError(f"cannot step: {reason}")
+        return True
 
     # --- weight updates ---------------------------------------------------------------
     def start_weight_update(self, version: int) -> None:
@@ -79,6 +88,7 @@ class EngineControl(GenerationControl):
     def update_weights_from_disk(self, path: str, version: int) -> int:
         self.start_weight_update(version)
         try:
+            check_checkpoint_files(path)  # every file it names stays inside the directory
             if (Path(path) / CONFIG_FILE).is_file():
                 cfg, mine = load_config(path), self.model_config
                 differ = [f"{k}={getattr(cfg, k)!r} (serving {getattr(mine, k)!r})" for k in _ARCHITECTURE
@@ -89,6 +99,7 @@ class EngineControl(GenerationControl):
             seen: set[str] = set()
             for shard in iter_checkpoint(path):  # dry run: names, shapes, dtypes, finite values, duplicates
                 seen.update(n for n, _, _ in self.weights.validate(shard, already_seen=seen))
+            self.weights.check_complete(seen, path)  # a missing tensor is refused before the first copy
             for shard in iter_checkpoint(path):
                 self.weights.update(shard)
         except BaseException:

@@ -29,6 +29,11 @@ def child_request_id(request_id: str, index: int) -> str:
     return f"{request_id}#{index}"
 
 
+def parent_request_id(child_id: str) -> str:
+    """The id given to ``add_request`` of the request a scheduler id belongs to."""
+    return child_id.rsplit("#", 1)[0]
+
+
 @dataclass
 class ProcessedRequest:
     """A validated request, ready for the output processor and the scheduler."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -267,10 +268,12 @@ class LLMEngine:
             self._fail(rid, error, log=False)
 
     def _fail(self, child_id: str, error: Exception, log: bool = True) -> None:
-        if log:
-            logger.error("request %s failed", child_id, exc_info=error)
+        """Fails one request: finish reason ``abort``, and a stop reason naming an error id that finds
+        the traceback in the log (never the exception's text, which may carry internals)."""
+        error_id = uuid.uuid4().hex[:12]
+        logger.error("request %s failed (error id %s)", child_id, error_id, exc_info=error if log else None)
         # (the runner drops its state with the next step's finished_request_ids)
-        self._finish(child_id, "abort", f"internal error ({type(error).__name__}); see the server log")
+        self._finish(child_id, "abort", f"internal error (error id {error_id}); see the server log")
         self.stats.failed_requests += 1
 
     def _check_alive(self) -> None:

@@ -14,6 +14,13 @@ updates, ``reset_prefix_cache``, ``sleep`` / ``wake_up``; see docs/rl.md) are
 queued like adds and aborts and run on the engine thread between steps; their
 exceptions reach the caller unchanged.
 
+No request stops the thread: a failing ``add_request`` fails that add, a
+failing ``step()`` fails the requests to blame (``RequestFailedError`` names
+them, otherwise every request the step ran) and frees their KV; only a device
+fault or a step failing again and again stops it, and ``health_problem()``
+then says why. Text prompts are tokenized on a :class:`TokenizerPool`, never
+on the event loop or the engine thread.
+
 Usage (vLLM names)::
 
     llm = AsyncLLM(EngineArgs(model=path))
@@ -43,18 +50,23 @@ from torch import Tensor
 
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine, PromptType
+from loopline.engine.input_processor import parent_request_id
 from loopline.entrypoints.chat_utils import ChatEncoder
-from loopline.errors import EngineStateError
+from loopline.entrypoints.tokenizer_pool import TokenizerPool
+from loopline.errors import (EngineDeadError, EngineInternalError, EngineStateError, InvalidRequestError,
+                             LooplineError, RequestFailedError)
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
 
 logger = logging.getLogger("loopline.async")
 
 _IDLE_WAIT_S = 0.005
-
-
-class EngineDeadError(EngineStateError):
-    """The engine thread stopped (shutdown, or an internal error in ``step()``)."""
+# A step that fails this many times in a row, although every request in flight was failed and
+# aborted after each failure, is an engine fault rather than a bad request: the thread stops.
+_MAX_CONSECUTIVE_STEP_FAILURES = 3
+# Substrings of device faults (the CUDA context is unusable afterwards): never recovered from.
+_DEVICE_FAULTS = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS", "cuDNN error",
+                  "NCCL error", "unspecified launch failure")
 
 
 @dataclass(frozen=True)
@@ -111,9 +123,10 @@ class OutputStream:
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams
+    """Requests to add in one engine-thread command (a multi-prompt HTTP request is one command):
+    all of them are accepted, or none (the first error goes back, the ones added are aborted)."""
+
+    requests: list[tuple[str, PromptType, SamplingParams]]
     chat_stop: bool
     stream: OutputStream
     ack: asyncio.Future
@@ -146,9 +159,15 @@ class AsyncLLM:
         # concurrently, and one HF fast tokenizer must not be used from two threads at once.
         self.tokenizer = copy.deepcopy(self.engine.tokenizer)
         self._chat = ChatEncoder.for_engine(self.engine, self.tokenizer)
+        # Tokenization of large inputs runs here, off the event loop and off the engine thread.
+        self.tokenizers = (TokenizerPool(self.engine.tokenizer, self.engine.config.model_path,
+                                         self.engine.model_config.extra) if self.engine.tokenizer is not None else None)
         self._cond = threading.Condition()
         self._commands: list[_Command] = []  # FIFO: adds, aborts and control calls keep their order
         self._streams: dict[str, tuple[OutputStream, asyncio.AbstractEventLoop]] = {}  # engine thread only
+        # Engine thread only: the ids the engine gives the choices of live n > 1 requests
+        # (``id#i``) -> the parent id, so no user id can collide with one of them.
+        self._step_failures = 0  # consecutive failed steps
         # Engine thread only: results of control calls that ran (sent after the next step), and
         # pause("wait") callers waiting for the requests in flight to finish.
         self._replies: list[tuple[concurrent.futures.Future, Any, BaseException | None]] = []
@@ -180,6 +199,24 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self._dead is not None and not self._stopping
 
+    def weights_state(self) -> str:
+        """``"committed"``, ``"updating"`` (an update is open) or ``"partially_updated"`` (a failed
+        update left some tensors new: generation is refused until a complete update lands)."""
+        weights = self.engine.weights
+        return "partially_updated" if weights.broken else "updating" if weights.in_progress else "committed"
+
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve now (``None``: healthy): stopped, failed, or holding
+        partially updated weights. Safe to call from any thread (it reads flags only)."""
+        if self._stopping:
+            return "the engine is shutting down"
+        if self._dead is not None or not self._thread.is_alive():
+            return f"the engine stopped: {self._dead}" if self._dead is not None else "the engine thread stopped"
+        if self.engine.weights.broken:
+            return ("the weights are partially updated (a weight update failed after copying some tensors); "
+                    "generation is refused until a complete update lands")
+        return None
+
     def add_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
         """``fn(StepRecord)`` is called on the engine thread after every step that ran rows; keep it cheap."""
         self._step_listeners.append(fn)
@@ -197,16 +234,45 @@ class AsyncLLM:
 
         Several requests may share one ``stream`` (a multi-prompt HTTP request).
         """
+        return await self.add_requests([(request_id, prompt, params or SamplingParams())], chat_stop=chat_stop,
+                                       stream=stream)
+
+    async def add_requests(self, requests: list[tuple[str, PromptType, SamplingParams]], *, chat_stop: bool = False,
+                           stream: OutputStream | None = None) -> OutputStream:
+        """Queues several requests as one command: all are accepted or none (the first error is raised).
+
+        Text prompts are tokenized first, on the tokenizer pool (never on the event loop or the
+        engine thread). A caller cancelled while waiting (a client that went away) aborts every
+        one of them at once.
+        """
         loop = asyncio.get_running_loop()
         stream = stream or OutputStream()
+        requests = await self._pretokenize(list(requests))
         ack = loop.create_future()
-        self._submit(_Add(request_id, prompt, params or SamplingParams(), chat_stop, stream, ack))
+        self._submit(_Add(requests, chat_stop, stream, ack))
         try:
             await ack
         except asyncio.CancelledError:
-            self.abort_nowait(request_id)  # it may have been added before the caller went away
+            self.abort_nowait([rid for rid, _, _ in requests])  # some may have been added before the caller left
             raise
         return stream
+
+    async def _pretokenize(self, requests: list[tuple[str, PromptType, SamplingParams]]
+                           ) -> list[tuple[str, PromptType, SamplingParams]]:
+        """Text prompts become ``{"prompt": text, "prompt_token_ids": ids}`` (what the engine would compute)."""
+        texts = [i for i, (_, p, _) in enumerate(requests) if _text_of(p)]
+        if not texts or self.tokenizers is None or self._stopping or self._dead is not None:
+            return requests  # the engine reports what is wrong with them (or that it stopped)
+        try:
+            ids = await self.tokenizers.encode_many([_text_of(requests[i][1]) for i in texts])
+        except Exception as e:  # e.g. a lone surrogate from a Python caller
+            raise InvalidRequestError("the prompt could not be tokenized (it must be valid Unicode text)",
+                                      param="prompt") from e
+        for i, prompt_ids in zip(texts, ids):
+            rid, prompt, params = requests[i]
+            if prompt_ids:  # an empty encoding: the engine's own error message
+                requests[i] = (rid, {"prompt": _text_of(prompt), "prompt_token_ids": prompt_ids}, params)
+        return requests
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str, *,
                        chat_stop: bool = False) -> AsyncIterator[RequestOutput]:
@@ -331,13 +397,15 @@ class AsyncLLM:
             self._cond.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if self.tokenizers is not None:
+            self.tokenizers.shutdown()
 
     def _submit(self, cmd: _Add | _Call) -> None:
         with self._cond:
             if self._stopping or self._dead is not None:
                 error = self._dead or EngineDeadError("the engine is shutting down")
                 if isinstance(cmd, _Add):
-                    cmd.ack.get_loop().call_soon(_set_exception, cmd.ack, error)
+                    _call_soon(cmd.ack.get_loop(), _set_exception, cmd.ack, error)
                 else:
                     cmd.future.set_exception(error)
                 return
@@ -366,20 +434,26 @@ class AsyncLLM:
                     self._apply(cmd)
                 if stopping:
                     engine.abort_request(list(self._streams))
-                idle = not self._step()
+                try:
+                    idle = not self._step()
+                    self._step_failures = 0
+                except Exception as e:  # a request must not stop the engine: fail the ones to blame
+                    idle = True
+                    self._on_step_error(e)
                 self._send_replies()  # after the outputs the calls caused (e.g. aborts) were delivered
                 self._check_drained()
                 if stopping:
                     break
-        except BaseException as e:  # an engine bug: fail every waiter instead of hanging them
-            logger.exception("engine thread died")
-            self._die(e)
+        except BaseException as e:  # a device fault or an engine bug: fail every waiter instead of hanging them
+            error_id = _error_id()
+            logger.exception("engine thread stopped (error id %s)", error_id)
+            self._die(EngineDeadError(f"internal error (error id {error_id}); see the server log"))
             return
         self._die(EngineDeadError("the engine was shut down"))
 
     def _apply(self, cmd: _Command) -> None:
         if isinstance(cmd, list):
-            self.engine.abort_request(cmd)  # outputs with finish_reason "abort" come from the next step
+            self._abort(cmd)  # outputs with finish_reason "abort" come from the next step
             return
         if isinstance(cmd, _Call):
             if not cmd.future.set_running_or_notify_cancel():
@@ -395,13 +469,65 @@ class AsyncLLM:
                 self._replies.append((cmd.future, result, None))
             return
         loop = cmd.ack.get_loop()
+        added: list[str] = []
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, chat_stop=cmd.chat_stop)
-        except Exception as e:  # validation errors go back to the caller unchanged
-            loop.call_soon_threadsafe(_set_exception, cmd.ack, e)
+            for request_id, prompt, params in cmd.requests:
+                try:
+                    self.engine.add_request(request_id, prompt, params, chat_stop=cmd.chat_stop)
+                except LooplineError:
+                    raise  # validation, or a state that refuses requests (asleep): the engine changed nothing
+                except Exception as e:  # an internal failure while adding: undo what it may have left
+                    error_id = _error_id()
+                    logger.exception("adding request %s failed (error id %s)", request_id, error_id)
+                    self._abort([request_id])
+                    raise EngineInternalError(f"internal error while adding the request (error id {error_id})",
+                                              error_id) from e
+                added.append(request_id)
+                self._streams[request_id] = (cmd.stream, loop)
+        except Exception as e:  # all or none: the ones already added go again
+            self._abort(added)
+            for rid in added:
+                self._forget(rid)
+            _call_soon(loop, _set_exception, cmd.ack, e)
             return
-        self._streams[cmd.request_id] = (cmd.stream, loop)
-        loop.call_soon_threadsafe(_set_result, cmd.ack, None)
+        _call_soon(loop, _set_result, cmd.ack, None)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Aborts requests in the engine; a failure here is an engine fault (it propagates)."""
+        if request_ids:
+            self.engine.abort_request(request_ids)
+
+    def _forget(self, request_id: str) -> tuple[OutputStream, asyncio.AbstractEventLoop] | None:
+        """Drops a request that ended (its stream target and its choices' ids); returns the target."""
+        return self._streams.pop(request_id, None)
+
+    def _on_step_error(self, error: Exception) -> None:
+        """A failed ``step()``: fails the requests to blame (the named ones, else every one in flight),
+        aborts them in the engine (frees their KV) and keeps serving the others."""
+        error_id = _error_id()
+        if isinstance(error, RequestFailedError):
+            blamed = error.request_ids
+        else:  # every request that was in the step; those a pause holds back never reached it
+            held = {parent_request_id(r.request_id) for r in self.engine.control.held}
+            blamed = [rid for rid in self._streams if rid not in held]
+        logger.exception("engine step failed (error id %s); failing request(s) %s", error_id,
+                         ", ".join(blamed[:20]) + (" ..." if len(blamed) > 20 else "") or "-")
+        if _is_device_fault(error):
+            raise error  # the device is unusable: stop (``health_problem`` says so)
+        self._step_failures += 1
+        if self._step_failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineStateError(f"the engine step failed {self._step_failures} times in a row "
+                                   f"(error id {error_id})") from error
+        # EngineStateError ("cannot step: ...") is the engine's own clear message; anything else
+        # is internal and reaches clients only as its id.
+        failure = error if isinstance(error, EngineStateError) else EngineInternalError(
+            f"internal error while generating (error id {error_id}); the request was aborted", error_id)
+        self._abort([rid for rid in blamed if rid in self._streams])
+        for rid in blamed:
+            target = self._forget(rid)
+            if target is not None:
+                stream, loop = target
+                _call_soon(loop, stream._fail, failure)
 
     def _step(self) -> bool:
         """One engine step; delivers outputs; returns whether anything happened."""
@@ -412,12 +538,20 @@ class AsyncLLM:
         if rows and self._step_listeners:
             record = StepRecord(rows, engine.stats.scheduled_tokens - tokens0, time.perf_counter() - t0)
             for fn in self._step_listeners:
-                fn(record)
+                try:
+                    fn(record)
+                except Exception:  # metrics must never fail a step
+                    logger.exception("step listener %r failed", fn)
+        # NOTE: one wake-up of each event loop per step, not one per request: every call_soon_threadsafe
+        # writes the loop's self-pipe, and at 128 streams those calls cost the engine thread ~1 ms a step.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput]]] = {}
         for out in outs:
-            target = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            target = self._forget(out.request_id) if out.finished else self._streams.get(out.request_id)
             if target is not None:
                 stream, loop = target
-                _call_soon(loop, stream._put, out)
+                batches.setdefault(loop, []).append((stream, out))
+        for loop, batch in batches.items():
+            _call_soon(loop, _deliver, batch)
         self.snapshot = self._take_snapshot()
         return bool(rows or outs)
 
@@ -467,6 +601,35 @@ class AsyncLLM:
             _call_soon(loop, stream._fail, error)
         self._streams.clear()
         self.snapshot = dataclasses.replace(self.snapshot, num_running=0, num_waiting=0)
+
+
+def _text_of(prompt: PromptType) -> str | None:
+    """The text of a text prompt that still needs token ids (``None`` otherwise)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    return None
+
+
+def _is_device_fault(error: BaseException) -> bool:
+    if isinstance(error, EngineDeadError):  # the engine itself stopped after a device fault
+        return True
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return False  # recoverable: the requests that needed the memory fail
+    accel = getattr(torch, "AcceleratorError", None)
+    if accel is not None and isinstance(error, accel):
+        return True
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _DEVICE_FAULTS)
+
+
+def _error_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def _deliver(batch: list[tuple[OutputStream, RequestOutput]]) -> None:  # on the event loop
+    for stream, out in batch:
+        stream._put(out)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:

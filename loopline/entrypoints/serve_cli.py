@@ -2,9 +2,28 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from loopline.config import EngineArgs
+
+# NOTE: literals, not imports: building the parser must not import the server (FastAPI, uvicorn).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024
+
+
+def _str_list(value: str) -> list[str]:
+    """A list flag: a JSON list (vLLM's form, '["https://a.example"]') or comma-separated names."""
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {value!r} ({e})") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+        return items
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -17,11 +36,35 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients use in 'model' (default: the model path); the first is reported")
     server.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (env LOOPLINE_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' (env LOOPLINE_API_KEY) on every route except "
+                             "/health, /metrics and /version: /v1/completions, /v1/chat/completions, /v1/models, "
+                             "/tokenize, /detokenize and, with --enable-rl-api, /generate and every RL control route "
+                             "(pause/resume, abort, weight updates, prefix cache, sleep/wake_up)")
+    server.add_argument("--enable-rl-api", action="store_true",
+                        help="mount /generate and the RL control routes (pause, resume, abort, update weights from "
+                             "disk, sleep, wake_up, reset the prefix cache); a non-loopback --host then needs --api-key")
+    server.add_argument("--allowed-hosts", type=_str_list, default=[],
+                        help="Host header names to answer besides the loopback names (JSON list or comma-separated; "
+                             "'*': any); bound to a loopback address only the loopback names are answered by default, "
+                             "on another address any Host unless this is given")
+    server.add_argument("--allowed-origins", type=_str_list, default=[],
+                        help="origins allowed to make cross-origin (CORS) requests (JSON list or comma-separated; "
+                             "'*': any); none by default, so browsers on other sites are refused")
+    server.add_argument("--allowed-methods", type=_str_list, default=["*"],
+                        help="methods allowed in CORS requests from --allowed-origins")
+    server.add_argument("--allowed-headers", type=_str_list, default=["*"],
+                        help="headers allowed in CORS requests from --allowed-origins")
+    server.add_argument("--allow-credentials", action="store_true",
+                        help="allow credentials (cookies, Authorization) in CORS requests from --allowed-origins")
+    server.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies get HTTP 413")
+    server.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                        help="the most prompts one /v1/completions or /generate request may carry (more: HTTP 400)")
     server.add_argument("--max-concurrent-requests", type=int, default=256,
                         help="generation requests in flight before new ones get HTTP 429")
-    server.add_argument("--shutdown-timeout", type=int, default=30,
-                        help="seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted")
+    server.add_argument("--shutdown-timeout", type=float, default=30,
+                        help="seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted "
+                             "(streams then end with finish_reason 'abort' and [DONE])")
     server.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's own log level")
     EngineArgs.add_cli_args(p)

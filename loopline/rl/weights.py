@@ -16,6 +16,9 @@ One update is ``start(version) -> update(weights)* -> finish()``:
   lands. A failure before any copy leaves the old weights serving.
 * Re-publishing the committed version is a no-op when the tensors equal the
   current weights and an error (with nothing changed) when they differ.
+* From disk, :func:`check_checkpoint_files` keeps every file an index names
+  inside the checkpoint directory, and :meth:`WeightUpdater.check_complete`
+  refuses an incomplete set before the first copy (both change nothing).
 
 The engine owns the committed version and what a commit implies (prefix cache
 reset, cache salt); this module owns validation, copying and the
@@ -23,17 +26,22 @@ partially-updated state.
 """
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from loopline.errors import EngineStateError, WeightUpdateError
+from loopline.models.loader import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, CheckpointError
 
 # Buffers some exporters persist although the model recomputes them (as the loader ignores them).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+MAX_VERSION = 2**63 - 1  # versions are int64 (SGLang clients read them back as strings of digits)
 
 
 def _summary(items: list[str], limit: int = 5) -> str:
@@ -78,8 +86,8 @@ class WeightUpdater:
         if self.session is not None:
             raise EngineStateError(f"a weight update to version {self.session.version} is in progress; "
                                    "finish_weight_update() or abort_weight_update() first")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise WeightUpdateError(f"version must be a non-negative integer, got {version!r}", param="version")
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+            raise WeightUpdateError(f"version must be an integer in [0, 2**63 - 1], got {version!r}", param="version")
         if version < committed:
             raise WeightUpdateError(f"versions must increase: version {committed} is committed, got {version}",
                                     param="version")
@@ -124,6 +132,15 @@ class WeightUpdater:
     def abort(self) -> None:
         """Drops the open update; the weights are broken if some were already copied."""
         self._fail()
+
+    def check_complete(self, names: set[str] | frozenset[str], source: str = "the update") -> None:
+        """Refuses (``WeightUpdateError``, nothing changed) a set of validated names that misses a
+        parameter. Call it with every name a whole update will send, before its first copy:
+        :meth:`finish` would find the gap only after the other tensors were copied."""
+        missing = sorted(self._targets.keys() - set(names))
+        if missing:
+            raise WeightUpdateError(f"{source} is incomplete: {len(missing)} parameter(s) are missing: "
+                                    f"{_summary(missing)}", param=missing[0])
 
     # --- validation -------------------------------------------------------------------
     def validate(self, weights: Iterable[tuple[str, Tensor]], already_seen: set[str] | frozenset[str] = frozenset()
@@ -192,3 +209,49 @@ class WeightUpdater:
             self.broken = True
 
 
+
+
+def check_checkpoint_files(model_dir: str | os.PathLike) -> None:
+    """Refuses (``CheckpointError``) a checkpoint directory with a file that leads outside it.
+
+    A client names the directory; the files read are ``config.json``, ``model.safetensors`` or
+    the shards that ``model.safetensors.index.json`` lists. Each must be a plain relative name
+    (no absolute path, no ``..``) that resolves, symlinks followed, inside the directory.
+    Everything else about the files (present, parseable, complete) is the loader's to check.
+    """
+    root = Path(model_dir)
+    if not root.is_dir():
+        return  # the loader says what is wrong with it
+    real_root = root.resolve()
+    names = [CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE]
+    index = root / WEIGHTS_INDEX_FILE
+    if index.is_file() and _inside(real_root, index):
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (OSError, ValueError, AttributeError):
+            weight_map = None  # the loader reports a malformed index
+        if isinstance(weight_map, dict):
+            names += sorted({str(shard) for shard in weight_map.values()})
+    for name in names:
+        if not _plain_relative(name) or ((root / name).exists() or (root / name).is_symlink()) \
+                and not _inside(real_root, root / name):
+            raise CheckpointError(f"{model_dir}: {WEIGHTS_INDEX_FILE if name not in (CONFIG_FILE, WEIGHTS_FILE) else name} "
+                                  "names a file outside the checkpoint directory")
+
+
+def _plain_relative(name: str) -> bool:
+    """A relative file name without ``..``, drive or NUL (POSIX and Windows spellings)."""
+    if not name or "\x00" in name:
+        return False
+    for pure in (PurePosixPath(name), PureWindowsPath(name)):
+        if pure.is_absolute() or pure.drive or pure.root or ".." in pure.parts:
+            return False
+    return True
+
+
+def _inside(real_root: Path, path: Path) -> bool:
+    try:
+        path.resolve().relative_to(real_root)
+    except (ValueError, OSError, RuntimeError):  # outside, unreadable, or a symlink loop
+        return False
+    return True

@@ -83,7 +83,8 @@ def serve_app():
 
 @pytest.fixture(scope="module")
 def server(async_llm, serve_app):
-    """The main test server: served name ``tiny-test``, API key ``test-key``, 16 requests in flight at most."""
+    """The main test server: served name ``tiny-test``, API key ``test-key``, 16 requests in flight at most, RL API on."""
     from loopline.entrypoints.openai.api_server import build_app
 
-    return serve_app(build_app(async_llm, MODEL, api_key=API_KEY, max_concurrent_requests=16, shutdown_engine=False))
+    return serve_app(build_app(async_llm, MODEL, api_key=API_KEY, max_concurrent_requests=16, shutdown_engine=False,
+                               enable_rl_api=True))

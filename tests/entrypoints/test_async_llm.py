@@ -140,24 +140,108 @@ def test_shutdown_aborts_in_flight_and_refuses_new_work(make_engine_args):
     assert not llm.is_running and llm.engine.kv.num_used_blocks == 0
 
 
-def test_an_engine_error_fails_waiters_instead_of_hanging_them(make_engine_args, serve_app):
+def _inject_step_failures(llm, failures):
+    """Makes ``llm.engine.step`` raise ``failures.pop(0)`` while the list is not empty."""
+    real = llm.engine.step
+
+    def step():
+        if failures:
+            raise failures.pop(0)
+        return real()
+
+    llm.engine.step = step
+
+
+def test_an_unattributable_step_error_fails_the_requests_in_flight_and_the_engine_keeps_serving(make_engine_args):
+    from loopline.errors import EngineInternalError
+
     llm = AsyncLLM(make_engine_args())
+    try:
+        async def main():
+            ok = await collect(llm, PROMPT, SamplingParams(max_tokens=2), "warm")
+            assert ok[-1].finished
+            _inject_step_failures(llm, [RuntimeError("secret internal detail")])
+            with pytest.raises(EngineInternalError) as info:
+                await collect(llm, PROMPT, SamplingParams(max_tokens=50, ignore_eos=True), "x")
+            assert "secret" not in str(info.value) and info.value.error_id in str(info.value)
+            after = await collect(llm, PROMPT, SamplingParams(max_tokens=3, ignore_eos=True), "y")
+            assert len(after[-1].outputs[0].token_ids) == 3
 
-    def broken_step():
-        raise RuntimeError("injected engine failure")
+        run(main())
+        assert llm.is_running and llm.health_problem() is None and llm.engine.kv.num_used_blocks == 0
+    finally:
+        llm.shutdown()
 
-    llm.engine.step = broken_step
-    with pytest.raises(RuntimeError, match="injected"):
-        run(collect(llm, PROMPT, SamplingParams(max_tokens=2), "x"))
-    assert llm.errored and not llm.is_running
-    with pytest.raises(RuntimeError, match="injected"):  # later callers get the same error at once
+
+def test_an_attributed_step_error_fails_only_the_named_request(make_engine_args):
+    from loopline.errors import EngineInternalError, RequestFailedError
+
+    llm = AsyncLLM(make_engine_args())
+    try:
+        async def main():
+            bad = asyncio.ensure_future(collect(llm, PROMPT, SamplingParams(max_tokens=40, ignore_eos=True), "bad"))
+            good = asyncio.ensure_future(collect(llm, PROMPT, SamplingParams(max_tokens=40, ignore_eos=True), "good"))
+            while llm.snapshot.num_running < 2:
+                await asyncio.sleep(0.001)
+            _inject_step_failures(llm, [RequestFailedError("staging failed for request bad", ["bad"])])
+            with pytest.raises(EngineInternalError):
+                await bad
+            outs = await good
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 40
+
+        run(main())
+        assert llm.is_running and llm.engine.kv.num_used_blocks == 0
+    finally:
+        llm.shutdown()
+
+
+def test_a_step_that_keeps_failing_stops_the_engine_and_health_says_so(make_engine_args, serve_app):
+    llm = AsyncLLM(make_engine_args())
+    _inject_step_failures(llm, [RuntimeError("boom")] * 100)
+    for i in range(3):  # each request fails; the third consecutive failure is an engine fault
+        with pytest.raises(Exception):
+            run(collect(llm, PROMPT, SamplingParams(max_tokens=2), f"x{i}"))
+    deadline = time.monotonic() + 10
+    while llm.is_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert llm.errored and not llm.is_running and "error id" in llm.health_problem()
+    with pytest.raises(EngineDeadError):  # later callers get an error at once, never hang
         run(collect(llm, PROMPT, SamplingParams(max_tokens=2), "y"))
     from loopline.entrypoints.openai.api_server import build_app
 
     srv = serve_app(build_app(llm, "m"))
-    assert httpx.get(srv.base_url + "/health").status_code == 503
+    health = httpx.get(srv.base_url + "/health")
+    assert health.status_code == 503 and "error id" in health.json()["error"]["message"]
+    assert "boom" not in health.text
     r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": PROMPT})
     assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+
+
+def test_a_device_fault_stops_the_engine_at_once(make_engine_args):
+    llm = AsyncLLM(make_engine_args())
+    _inject_step_failures(llm, [RuntimeError("CUDA error: an illegal memory access was encountered")])
+    with pytest.raises(EngineDeadError):
+        run(collect(llm, PROMPT, SamplingParams(max_tokens=2), "x"))
+    assert llm.errored and "stopped" in llm.health_problem()
+
+
+def test_a_user_id_never_collides_with_a_choice_id(make_engine_args):
+    """The engine names every choice ``id#i`` (n = 1 too), so ``x`` with n=2 and a request named ``x#0``
+    are different requests and run side by side."""
+    llm = AsyncLLM(make_engine_args())
+    try:
+        async def main():
+            two = await llm.add_request("x", PROMPT, SamplingParams(n=2, max_tokens=30, ignore_eos=True))
+            one = await collect(llm, PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), "x#0")
+            assert len(one[-1].outputs[0].token_ids) == 2
+            while not (outs := await two.get())[-1].finished:
+                pass
+            assert [len(c.token_ids) for c in outs[-1].outputs] == [30, 30]
+
+        run(main())
+        assert llm.is_running and llm.engine.kv.num_used_blocks == 0
+    finally:
+        llm.shutdown()
 
 
 def test_async_scheduling_engine_behind_asyncllm(make_engine_args, tiny_gqa):
@@ -176,5 +260,88 @@ def test_async_scheduling_engine_behind_asyncllm(make_engine_args, tiny_gqa):
             assert res[-1].finished and (got.token_ids, got.exit_depths) == (off.outputs[0].token_ids,
                                                                              off.outputs[0].exit_depths)
         assert llm.engine.kv.num_used_blocks == 0
+    finally:
+        llm.shutdown()
+
+
+def test_http_a_failed_step_is_a_500_with_an_id_and_the_server_keeps_serving(make_engine_args, serve_app):
+    from loopline.entrypoints.openai.api_server import build_app
+
+    llm = AsyncLLM(make_engine_args())
+    try:
+        srv = serve_app(build_app(llm, "m", shutdown_engine=False))
+        _inject_step_failures(llm, [RuntimeError("secret internal detail")])
+        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5})
+        err = r.json()["error"]
+        assert r.status_code == 500 and err["code"] == "internal_error" and "error id" in err["message"]
+        assert "secret" not in r.text
+        _inject_step_failures(llm, [RuntimeError("secret internal detail")])
+        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "stream": True})
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]" and '"internal_error"' in events[-2] and "secret" not in r.text
+        assert httpx.get(srv.base_url + "/health").status_code == 200
+        ok = httpx.post(srv.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    finally:
+        llm.shutdown()
+
+
+def test_a_step_error_spares_the_requests_a_pause_holds_back(make_engine_args):
+    from loopline.errors import EngineInternalError
+
+    llm = AsyncLLM(make_engine_args())
+    try:
+        async def main():
+            running = await llm.add_request("running", PROMPT, SamplingParams(max_tokens=60, ignore_eos=True))
+            pause = asyncio.ensure_future(llm.pause_generation("wait"))
+            while not llm.engine.is_paused:
+                await asyncio.sleep(0.001)
+            held = asyncio.ensure_future(collect(llm, PROMPT, SamplingParams(max_tokens=3, ignore_eos=True), "held"))
+            while not llm.engine.control.held:
+                await asyncio.sleep(0.001)
+            _inject_step_failures(llm, [RuntimeError("boom")])
+            with pytest.raises(EngineInternalError):
+                while True:
+                    await running.get()
+            await pause  # nothing left in flight: the pause is in force
+            await llm.resume_generation()
+            outs = await held
+            assert len(outs[-1].outputs[0].token_ids) == 3
+
+        run(main())
+    finally:
+        llm.shutdown()
+
+
+def test_add_requests_is_all_or_none_and_a_cancelled_add_aborts_every_prompt(make_engine_args):
+    llm = AsyncLLM(make_engine_args())
+    try:
+        async def main():
+            params = SamplingParams(max_tokens=50, ignore_eos=True)
+            batch = [(f"b{i}", [5, 6, 7], params) for i in range(200)]
+            with pytest.raises(InvalidRequestError):  # one bad prompt: none of them is accepted
+                await llm.add_requests(batch + [("bad", [10**9], params)])
+            assert llm.engine.get_num_unfinished_requests() == 0
+            real_add = llm.engine.add_request
+
+            def slow_add(*args, **kwargs):  # 2,000 adds take ~2 s: the caller leaves half way
+                time.sleep(0.001)
+                return real_add(*args, **kwargs)
+
+            llm.engine.add_request = slow_add
+            task = asyncio.ensure_future(llm.add_requests([(f"c{i}", PROMPT, params) for i in range(2000)]))
+            while llm.engine.get_num_unfinished_requests() < 10:  # the engine thread is adding them
+                await asyncio.sleep(0.001)
+            assert not task.done()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 10
+            while llm.engine.get_num_unfinished_requests() or llm.engine.kv.num_used_blocks:
+                assert time.monotonic() < deadline, llm.engine.get_num_unfinished_requests()
+                await asyncio.sleep(0.01)
+
+        run(main())
+        assert llm.is_running
     finally:
         llm.shutdown()

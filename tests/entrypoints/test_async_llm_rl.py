@@ -224,3 +224,33 @@ def test_abort_all_and_control_calls_after_shutdown(make_engine_args):
             await llm.get_weight_version()
 
     run(main())
+
+
+def test_pause_keep_then_a_half_failed_update_then_pause_wait_keeps_the_engine_alive(llm, tiny_factory):
+    """The sequence that used to kill the engine thread: a step that raises fails only the
+    requests in flight, /health says why, and a complete update brings generation back."""
+    new_state_dict = tiny_factory(3).state_dict
+
+    async def main():
+        names = sorted(new_state_dict)
+        task = asyncio.ensure_future(final(llm, ids(5), LONG, "inflight"))
+        await wait_until(lambda: llm.snapshot.num_running == 1)
+        await llm.pause_generation("keep")
+        await llm.start_weight_update(1)
+        await llm.update_weights({n: new_state_dict[n] for n in names[:3]})  # copied: now partially new
+        with pytest.raises(WeightUpdateError, match="incomplete"):
+            await llm.finish_weight_update()
+        assert "partially updated" in llm.health_problem() and llm.weights_state() == "partially_updated"
+        await llm.pause_generation("wait")  # frozen requests would step on broken weights: they fail instead
+        with pytest.raises(EngineStateError, match="partially updated"):
+            await task
+        assert llm.is_running and llm.engine.kv.num_used_blocks == 0
+        await llm.start_weight_update(2)
+        await llm.update_weights(new_state_dict)
+        assert await llm.finish_weight_update() == 2
+        await llm.resume_generation()
+        assert llm.health_problem() is None and llm.weights_state() == "committed"
+        out = await final(llm, ids(5), SamplingParams(max_tokens=3, ignore_eos=True), "after")
+        assert out.weight_version == 2 and len(out.outputs[0].token_ids) == 3
+
+    run(main())

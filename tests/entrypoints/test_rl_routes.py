@@ -26,7 +26,7 @@ def llm(make_engine_args):
 def srv(llm, serve_app):
     from loopline.entrypoints.openai.api_server import build_app
 
-    return serve_app(build_app(llm, "tiny-rl", api_key=KEY, shutdown_engine=False))
+    return serve_app(build_app(llm, "tiny-rl", api_key=KEY, shutdown_engine=False, enable_rl_api=True))
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +132,9 @@ def test_generate_text_prompt(srv):
     ({"input_ids": [10**9]}, "prompt_token_ids"),
     ({"input_ids": "abc"}, "input_ids"),
     ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "max_tokens": 5}}, "sampling_params.max_new_tokens"),
-    ({"input_ids": PROMPT, "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"input_ids": PROMPT, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
     ({"input_ids": PROMPT, "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
-    ({"input_ids": PROMPT, "sampling_params": {"logprobs_mode": "final"}}, "logprobs_mode"),
+    ({"input_ids": PROMPT, "sampling_params": {"logprobs_mode": "final"}}, "sampling_params.logprobs_mode"),
     ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1000}}, "max_tokens"),
     ({"input_ids": [PROMPT, PROMPT], "rid": "one"}, "rid"),
     ({"input_ids": [PROMPT, PROMPT], "sampling_params": [{}, {}, {}]}, "sampling_params"),
@@ -150,9 +150,20 @@ def test_a_duplicate_rid_is_refused_without_touching_the_live_request(srv, llm, 
     live = pool.submit(generate, srv, input_ids=PROMPT, rid="dup",
                        sampling_params={"max_new_tokens": 120, "ignore_eos": True})
     wait_for(lambda: running(llm))
-    assert error(generate(srv, input_ids=PROMPT, rid="dup"), 400)["param"] == "request_id"
+    assert error(generate(srv, input_ids=PROMPT, rid="dup"), 400)["param"] == "rid"
     out = live.result(60).json()
     assert out["finish_reason"] == "length" and len(out["output_ids"]) == 120
+
+
+def test_a_rid_never_collides_with_the_choice_ids_of_another_request(srv, llm, pool):
+    """The engine names choices ``rid#i`` for every request, so a rid that looks like one is its own request."""
+    live = pool.submit(generate, srv, input_ids=PROMPT, rid="x",
+                       sampling_params={"max_new_tokens": 120, "ignore_eos": True, "n": 2})
+    wait_for(lambda: running(llm))
+    beside = generate(srv, input_ids=PROMPT, rid="x#0", sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+    assert beside.status_code == 200 and len(beside.json()["output_ids"]) == 2
+    outs = live.result(60).json()
+    assert [len(o["output_ids"]) for o in outs] == [120, 120]
 
 
 def test_generate_stream_ends_with_the_whole_completion(srv):
@@ -204,7 +215,10 @@ def test_pause_abort_hold_and_resume(srv, llm, pool):
 def test_pause_keep_via_query_string_and_bad_mode(srv, llm, pool):
     assert error(post(srv, "/pause_generation", {"mode": "soon"}), 400)["param"] == "mode"
     assert error(post(srv, "/sleep", {"level": True}), 400)["param"] == "level"
-    assert error(post(srv, "/pause_generation", content=b"{not json"), 400)["code"] == "invalid_json"
+    r = httpx.post(srv.base_url + "/pause_generation", content=b"{not json",
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert error(r, 400)["code"] == "invalid_json"
+    assert error(post(srv, "/pause_generation", content=b"{not json"), 415)["code"] == "unsupported_media_type"
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 120, "seed": 5, "ignore_eos": True}}
     reference = generate(srv, **body).json()["output_ids"]
     kept = pool.submit(post, srv, "/generate", body)
@@ -248,11 +262,20 @@ def test_update_weights_from_disk_rejects_bad_input_and_keeps_serving(srv, llm, 
            ({"model_path": str(new.path), "version": -1}, "version"),
            ({"model_path": str(new.path), "version": 1, "weight_version": 2}, "version"),
            ({"model_path": str(new.path / "nope"), "version": 1}, "model_path"),
-           ({"model_path": str(tiny_mha.path), "version": 1}, "path"),
+           ({"model_path": str(tiny_mha.path), "version": 1}, "model_path"),
+           ({"model_path": str(new.path), "version": "\uff11"}, "version"),  # a full-width digit one
+           ({"model_path": str(new.path), "version": "\u0661"}, "version"),  # an Arabic-Indic one
+           ({"model_path": str(new.path), "version": " 1"}, "version"),
+           ({"model_path": str(new.path), "version": 2**63}, "version"),
+           ({"model_path": str(new.path), "version": True}, "version"),
            ({"version": 1}, "model_path")]
     for body, param in bad:
-        assert error(post(srv, "/update_weights_from_disk", body), 400)["param"] == param, body
-    assert get(srv, "/get_weight_version").json() == {"weight_version": 0}
+        err = error(post(srv, "/update_weights_from_disk", body), 400)
+        assert err["param"] == param, body
+        if param == "model_path" and "model_path" in body:  # says "not loadable", no config values or file names
+            assert "not a loadable checkpoint" in err["message"] and "total_ut_steps" not in err["message"]
+            assert "nope" not in err["message"] and "error id" in err["message"]
+    assert get(srv, "/get_weight_version").json() == {"weight_version": 0, "weights": "committed"}
     assert generate(srv, input_ids=PROMPT, sampling_params=sp).json()["output_ids"] == before  # old weights serve
 
     assert post(srv, "/pause_generation", {"mode": "abort"}).status_code == 200
@@ -268,7 +291,7 @@ def test_update_weights_from_disk_rejects_bad_input_and_keeps_serving(srv, llm, 
     assert after["output_ids"] == expected != before
     assert error(post(srv, "/update_weights_from_disk", {"model_path": str(new.path), "version": 0}), 400)["param"] \
         == "version"  # versions never go back
-    assert get(srv, "/get_weight_version").json() == {"weight_version": 1}
+    assert get(srv, "/get_weight_version").json() == {"weight_version": 1, "weights": "committed"}
 
 
 def test_sleep_and_wake_up(srv):
@@ -287,3 +310,35 @@ def test_sleep_and_wake_up(srv):
     assert r.json() == {"success": True, "is_sleeping": False}
     assert post(srv, "/resume_generation").status_code == 200
     assert generate(srv, input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).status_code == 200
+
+
+def test_a_half_failed_update_is_reported_on_health_and_the_rl_routes(srv, llm, tiny_factory):
+    import asyncio
+
+    from loopline.errors import WeightUpdateError
+
+    new = tiny_factory(3).state_dict
+    assert post(srv, "/pause_generation", {"mode": "abort"}).status_code == 200
+
+    async def half_failed():
+        await llm.start_weight_update(10)
+        await llm.update_weights({n: new[n] for n in sorted(new)[:2]})
+        with pytest.raises(WeightUpdateError):
+            await llm.finish_weight_update()
+
+    asyncio.run(half_failed())
+    health = httpx.get(srv.base_url + "/health")
+    assert health.status_code == 503 and "partially updated" in health.json()["error"]["message"]
+    assert get(srv, "/get_weight_version").json()["weights"] == "partially_updated"
+    assert error(post(srv, "/resume_generation"), 409)["code"] == "conflict"  # fails closed, and says so
+
+    async def repair():
+        await llm.start_weight_update(11)
+        await llm.update_weights(new)
+        await llm.finish_weight_update()
+
+    asyncio.run(repair())
+    assert httpx.get(srv.base_url + "/health").status_code == 200
+    assert get(srv, "/get_weight_version").json() == {"weight_version": 11, "weights": "committed"}
+    assert post(srv, "/resume_generation").status_code == 200
+    assert generate(srv, input_ids=PROMPT, sampling_params={"max_new_tokens": 2}).json()["weight_version"] == 11

@@ -232,3 +232,87 @@ def test_disk_update_validates_every_shard_before_copying(tiny_gqa, engine_for, 
     with pytest.raises(WeightUpdateError, match="total_ut_steps=3"):
         engine.update_weights_from_disk(str(other), 1)
     assert results(run(engine, requests(ids))) == before and engine.get_weight_version() == 0
+
+
+def _drop_tensor(ckpt, shard: str) -> str:
+    """Removes one tensor from a shard file and from the index: a complete-looking, incomplete checkpoint."""
+    import json
+
+    tensors = load_file(str(ckpt / shard))
+    name = sorted(tensors)[-1]
+    del tensors[name]
+    save_file(tensors, str(ckpt / shard))
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    del index["weight_map"][name]
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    return name
+
+
+def test_disk_update_missing_a_tensor_is_refused_before_any_copy(tiny_gqa, engine_for, run, ids, tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=3, shards=3)
+    missing = _drop_tensor(ckpt, "model-00003-of-00003.safetensors")
+    engine = engine_for(tiny_gqa)
+    before = results(run(engine, requests(ids)))
+    params_before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    with pytest.raises(WeightUpdateError, match=f"incomplete: 1 parameter.*{missing}") as info:
+        engine.update_weights_from_disk(str(ckpt), 1)
+    assert info.value.param == missing
+    assert not engine.weights.broken and not engine.weights.in_progress and engine.get_weight_version() == 0
+    assert all(torch.equal(p, params_before[n]) for n, p in engine.model.named_parameters()), "nothing copied"
+    assert results(run(engine, requests(ids))) == before  # still serving the old weights
+
+
+def test_check_complete_names_what_is_missing(tiny_gqa, engine_for):
+    engine = engine_for(tiny_gqa)
+    names = set(engine.weights.names)
+    engine.weights.check_complete(names)
+    with pytest.raises(WeightUpdateError, match="2 parameter"):
+        engine.weights.check_complete(names - set(sorted(names)[:2]))
+
+
+def _index_pointing_at(ckpt, target: str) -> None:
+    import json
+
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    first = sorted(index["weight_map"])[0]
+    index["weight_map"][first] = target
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("escape", ["dotdot", "absolute", "symlink_out", "index_symlink_out", "single_symlink_out"])
+def test_disk_update_refuses_files_outside_the_checkpoint(tiny_gqa, engine_for, run, ids, tmp_path, escape):
+    from loopline.models.loader import CheckpointError
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=3, shards=3)
+    outside = make_tiny_checkpoint(tmp_path / "outside", seed=3, shards=3)  # a loadable shard, elsewhere
+    shard = "model-00001-of-00003.safetensors"
+    if escape == "dotdot":
+        _index_pointing_at(ckpt, f"../outside/{shard}")
+    elif escape == "absolute":
+        _index_pointing_at(ckpt, str(outside / shard))
+    elif escape == "symlink_out":
+        (ckpt / shard).unlink()
+        (ckpt / shard).symlink_to(outside / shard)
+    elif escape == "index_symlink_out":
+        (ckpt / "model.safetensors.index.json").unlink()
+        (ckpt / "model.safetensors.index.json").symlink_to(outside / "model.safetensors.index.json")
+    else:
+        single = make_tiny_checkpoint(tmp_path / "single", seed=3)
+        for f in ckpt.glob("model*"):
+            f.unlink()
+        (ckpt / "model.safetensors").symlink_to(single / "model.safetensors")
+    engine = engine_for(tiny_gqa)
+    before = results(run(engine, requests(ids)))
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        engine.update_weights_from_disk(str(ckpt), 1)
+    assert not engine.weights.broken and engine.get_weight_version() == 0
+    assert results(run(engine, requests(ids))) == before
+
+
+def test_symlinks_inside_the_checkpoint_are_fine(tiny_gqa, engine_for, tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=3, shards=3)
+    shard = "model-00002-of-00003.safetensors"
+    (ckpt / "blobs").mkdir()
+    (ckpt / shard).rename(ckpt / "blobs" / shard)
+    (ckpt / shard).symlink_to(ckpt / "blobs" / shard)  # the Hugging Face cache layout
+    assert engine_for(tiny_gqa).update_weights_from_disk(str(ckpt), 1) == 1

@@ -3,16 +3,20 @@
 ``build_app(async_llm, ...)`` makes the app (tests run it under a real uvicorn
 in a thread); ``run_server(args)`` is ``loopline serve``. Every error is an
 OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``; a bad
-request gets a 4xx and never affects other requests.
+request gets a 4xx and never affects other requests. The RL control routes
+are mounted only with ``enable_rl_api``; ``security.SecurityGuard`` checks
+Host, Origin, Content-Type and body size before any route runs.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
 import signal
+import sys
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,12 +24,16 @@ from typing import Any
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import loopline
 from loopline.config import EngineArgs
 from loopline.entrypoints.async_llm import AsyncLLM
+from loopline.entrypoints.openai.body import parse_body, validation_error
+from loopline.entrypoints.openai.errors import internal_error, to_api_error
 from loopline.entrypoints.openai.generation import ClientDisconnected, ServingContext
 from loopline.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from loopline.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -33,33 +41,47 @@ from loopline.entrypoints.openai.protocol import (APIError, ChatCompletionReques
 from loopline.entrypoints.openai.serving_chat import create_chat_completion
 from loopline.entrypoints.openai.serving_completion import create_completion
 from loopline.entrypoints.openai.serving_generate import GenerateRequest, create_generate
+from loopline.entrypoints.openai.security import SecurityConfig, SecurityGuard, is_loopback
 from loopline.entrypoints.openai.serving_rl import add_rl_routes
-from loopline.errors import CapacityError, EngineStateError, InvalidRequestError
+from loopline.entrypoints.tokenizer_pool import TokenizerPool
+from loopline.errors import InvalidRequestError, LooplineError
 
 logger = logging.getLogger("loopline.api")
 
 DEFAULT_MAX_CONCURRENT_REQUESTS = 256
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = None, api_key: str | None = None,
-              max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS, shutdown_engine: bool = True) -> FastAPI:
+              max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS, shutdown_engine: bool = True, *,
+              enable_rl_api: bool = False, security: SecurityConfig | None = None,
+              allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
+              allow_credentials: bool = False,
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST) -> FastAPI:
     """The FastAPI app serving ``async_llm``.
 
     ``served_model_name``: the name(s) clients must use in ``model`` (default:
     the model path); ``api_key``: when set, every route but ``/health``,
-    ``/version`` and ``/metrics`` needs ``Authorization: Bearer <key>`` (``/v1/*``,
-    ``/tokenize``, ``/detokenize``, ``/generate`` and the RL control routes of
-    ``serving_rl``); ``max_concurrent_requests``:
-    generation requests in flight before new ones get 429; ``shutdown_engine``:
-    stop the engine thread when the app shuts down.
+    ``/version`` and ``/metrics`` needs ``Authorization: Bearer <key>``;
+    ``max_concurrent_requests``: generation requests in flight before new ones
+    get 429; ``shutdown_engine``: stop the engine thread when the app shuts down.
+
+    ``enable_rl_api``: mount ``/generate`` and the RL control routes of
+    ``serving_rl`` (off by default: they let a client pause the engine and
+    load weights). ``security``: the guard's Host allow-list, CORS origins and
+    body size limit (default: any Host, no cross-origin requests, 32 MiB);
+    ``allowed_methods`` / ``allowed_headers`` / ``allow_credentials``: the CORS
+    answer for ``security.allowed_origins`` (vLLM's flags). ``max_prompts_per_request``:
+    the most prompts one completions or ``/generate`` request may carry.
     """
-    if isinstance(max_concurrent_requests, bool) or not isinstance(max_concurrent_requests, int) or max_concurrent_requests < 1:
-        raise InvalidRequestError(f"max_concurrent_requests must be an integer >= 1, got {max_concurrent_requests!r}",
-                                  param="max_concurrent_requests")
+    for name, value in (("max_concurrent_requests", max_concurrent_requests),
+                        ("max_prompts_per_request", max_prompts_per_request)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}", param=name)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [async_llm.engine.config.model_path or "ouro"]  # no path: an in-memory model
     metrics = ServerMetrics(async_llm, names[0])
-    ctx = ServingContext(async_llm, names, metrics, max_concurrent_requests)
+    ctx = ServingContext(async_llm, names, metrics, max_concurrent_requests, max_prompts_per_request)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -74,9 +96,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
             if shutdown_engine:
                 await asyncio.to_thread(async_llm.shutdown)
 
-    app = FastAPI(title="loopline", version=loopline.__version__, lifespan=lifespan)
+    # NOTE: no /docs, /redoc or /openapi.json: what the server exposes is exactly the routes below.
+    app = FastAPI(title="loopline", version=loopline.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.ctx = ctx
-    app.add_middleware(_RequestLog)
     _add_error_handlers(app, metrics)
 
     async def check_api_key(request: Request) -> None:
@@ -92,10 +115,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
 
     @app.get("/health")
     async def health() -> Response:
-        if ctx.ready and not ctx.shutting_down and async_llm.is_running:
+        """200 when the server can generate; else 503 with a body saying why (a clear state, never silent)."""
+        problem = ("the server is shutting down" if ctx.shutting_down else
+                   "the server is starting" if not ctx.ready else async_llm.health_problem())
+        if problem is None:
             return Response(status_code=200)
-        why = "shutting down" if ctx.shutting_down else "not ready" if async_llm.is_running or not ctx.ready else "engine stopped"
-        err = APIError(503, f"the server is {why}", type="service_unavailable", code="service_unavailable")
+        err = APIError(503, problem, type="service_unavailable", code="service_unavailable")
         return JSONResponse(err.body(), status_code=503)
 
     @app.get("/version")
@@ -113,52 +138,65 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
         return ModelList(data=cards).model_dump()
 
     @app.post("/v1/completions", dependencies=auth)
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
-        return await create_completion(ctx, req, raw)
+    async def completions(raw: Request) -> Response:
+        return await create_completion(ctx, await parse_body(raw, CompletionRequest), raw)
 
     @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        return await create_chat_completion(ctx, req, raw)
+    async def chat_completions(raw: Request) -> Response:
+        return await create_chat_completion(ctx, await parse_body(raw, ChatCompletionRequest), raw)
 
-    @app.post("/generate", dependencies=auth)
-    async def generate(req: GenerateRequest, raw: Request) -> Response:
-        return await create_generate(ctx, req, raw)
+    control_paths: set[str] = set()
+    if enable_rl_api:
+        @app.post("/generate", dependencies=auth)
+        async def generate(raw: Request) -> Response:
+            return await create_generate(ctx, await parse_body(raw, GenerateRequest), raw)
 
-    add_rl_routes(app, async_llm, auth)
+        control_paths |= {"/generate", *add_rl_routes(app, async_llm, auth)}
 
     @app.post("/tokenize", dependencies=auth)
-    async def tokenize(req: TokenizeRequest) -> dict:
+    async def tokenize(raw: Request) -> dict:
+        req = await parse_body(raw, TokenizeRequest)
         ctx.check_model(req.model)
-        tok = _tokenizer(async_llm)
+        pool = _tokenizers(async_llm)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
             conv = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = async_llm.encode_chat(conv, add_generation_prompt=req.add_generation_prompt)
+            ids = await pool.encode_chat(conv, add_generation_prompt=req.add_generation_prompt)
         else:
-            ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            ids = await pool.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": async_llm.max_model_len, "tokens": ids}
         if req.return_token_strs:
-            out["token_strs"] = tok.convert_ids_to_tokens(ids)
+            out["token_strs"] = await pool.convert_ids_to_tokens(ids)
         return out
 
     @app.post("/detokenize", dependencies=auth)
-    async def detokenize(req: DetokenizeRequest) -> dict:
+    async def detokenize(raw: Request) -> dict:
+        req = await parse_body(raw, DetokenizeRequest)
         ctx.check_model(req.model)
-        tok = _tokenizer(async_llm)
+        pool = _tokenizers(async_llm)
         vocab = async_llm.engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"tokens must be in [0, {vocab}), got {bad[0]}", param="tokens")
-        return {"prompt": tok.decode(req.tokens)}
+        return {"prompt": await pool.decode(req.tokens)}
 
+    # Outermost last: the request log sees every answer, CORS headers go on the guard's refusals too.
+    security = security or SecurityConfig()
+    app.add_middleware(SecurityGuard, config=dataclasses.replace(security, control_paths=frozenset(control_paths)),
+                       on_refusal=lambda status: metrics.requests["error"].inc())
+    if security.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(security.allowed_origins),
+                           allow_methods=allowed_methods or ["*"], allow_headers=allowed_headers or ["*"],
+                           allow_credentials=allow_credentials)
+    app.add_middleware(_RequestLog)
     return app
 
 
-def _tokenizer(async_llm: AsyncLLM) -> Any:
-    if async_llm.tokenizer is None:
+def _tokenizers(async_llm: AsyncLLM) -> TokenizerPool:
+    if async_llm.tokenizers is None:
         raise InvalidRequestError("the server runs without a tokenizer (skip_tokenizer_init)", param="prompt")
-    return async_llm.tokenizer
+    return async_llm.tokenizers
 
 
 # --- errors -------------------------------------------------------------------------------
@@ -172,25 +210,29 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         return reply(exc)
 
-    @app.exception_handler(InvalidRequestError)
-    async def on_invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        code = "context_length_exceeded" if isinstance(exc, CapacityError) else "invalid_value"
-        return reply(APIError(400, str(exc), param=exc.param, code=code))
+    @app.exception_handler(LooplineError)
+    async def on_loopline_error(request: Request, exc: LooplineError) -> JSONResponse:
+        return reply(to_api_error(exc, request.url.path))
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}"
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more error(s))"
-        return reply(APIError(400, message, param=param, code="invalid_type" if param else "invalid_json"))
+        return reply(validation_error(list(exc.errors())))
 
-    @app.exception_handler(EngineStateError)
-    async def on_engine_state(request: Request, exc: EngineStateError) -> JSONResponse:
-        return reply(APIError(503, str(exc), type="service_unavailable", code="service_unavailable"))
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own 404 / 405 / body-parse 400, as OpenAI-style bodies."""
+        method, path = request.method, request.url.path
+        if exc.status_code == 404:
+            err = APIError(404, f"no route {method} {path}", code="not_found")
+        elif exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            err = APIError(405, f"method {method} is not allowed on {path}" + (f" (allowed: {allow})" if allow else ""),
+                           code="method_not_allowed", headers=exc.headers)
+        elif exc.status_code == 400:
+            err = APIError(400, "the request body could not be parsed as JSON", code="invalid_json")
+        else:
+            err = APIError(exc.status_code, str(exc.detail), code=None, headers=exc.headers)
+        return reply(err)
 
     @app.exception_handler(ClientDisconnected)
     async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
@@ -198,8 +240,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(Exception)
     async def on_internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error on %s", request.url.path)
-        err = APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
+        err = internal_error(exc, request.url.path)  # logged with an id; the body names only the id
         return JSONResponse(err.body(), status_code=500)
 
 
@@ -232,6 +273,8 @@ class _RequestLog:
             raise
         finally:
             path = scope.get("path", "")
+            if not path.isprintable():  # a decoded %0A in the path must not forge a log line
+                path = repr(path)
             gen = scope["state"].get("generation")
             extra = f" {gen.id} {gen.summary()}" if gen is not None else ""
             client = scope.get("client") or ("-", 0)
@@ -240,23 +283,43 @@ class _RequestLog:
 
 
 # --- running --------------------------------------------------------------------------------
+_SWITCH_INTERVAL_S = 0.0005
+
+
 def run_server(ns: argparse.Namespace) -> int:
     """``loopline serve``: load the engine, then serve until SIGINT/SIGTERM."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("loopline").setLevel(logging.INFO)
+    api_key = ns.api_key or os.environ.get("LOOPLINE_API_KEY")
+    check_exposure(ns.host, ns.enable_rl_api, api_key)  # before the (slow) engine load
+    for flag in ("max_request_body_bytes", "max_prompts_per_request", "max_concurrent_requests"):
+        if getattr(ns, flag) < 1:
+            raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
+    if ns.shutdown_timeout < 0:
+        raise SystemExit(f"error: --shutdown-timeout must be >= 0, got {ns.shutdown_timeout}")
+    security = SecurityConfig.for_bind(ns.host, ns.allowed_hosts, allowed_origins=tuple(ns.allowed_origins),
+                                       max_request_body_bytes=ns.max_request_body_bytes)
     args = EngineArgs.from_cli_args(ns)
     async_llm = AsyncLLM(args)
     name = ns.served_model_name or ([args.model] if args.model else [_default_name()])
-    api_key = ns.api_key or os.environ.get("LOOPLINE_API_KEY")
-    app = build_app(async_llm, name, api_key, ns.max_concurrent_requests)
+    app = build_app(async_llm, name, api_key, ns.max_concurrent_requests, enable_rl_api=ns.enable_rl_api,
+                    security=security, allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
+                    allow_credentials=ns.allow_credentials, max_prompts_per_request=ns.max_prompts_per_request)
+    # NOTE: uvicorn cuts connections still open after its own timeout; ours aborts the requests first
+    # (so every stream ends with a final chunk and [DONE]) and uvicorn's is only the last resort.
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, access_log=False,
-                            timeout_graceful_shutdown=ns.shutdown_timeout)
-    server = _Server(config, app.state.ctx)
-    logger.info("listening on http://%s:%d (model %r)", ns.host, ns.port, name[0])
+                            timeout_graceful_shutdown=ns.shutdown_timeout + _ABORT_GRACE_S)
+    server = _Server(config, app.state.ctx, ns.shutdown_timeout)
+    logger.info("listening on http://%s:%d (model %r%s)", ns.host, ns.port, name[0],
+                ", RL API enabled" if ns.enable_rl_api else "")
     # NOTE: uvicorn re-raises the signal that stopped it once it has shut down; these
     # no-op handlers absorb it, so a graceful SIGINT/SIGTERM exits with status 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # NOTE: the engine thread and the event loop share the GIL. When the loop formats a burst of stream
+    # chunks, the engine thread waits for the interpreter's switch interval (5 ms by default) before it
+    # can launch the next step, and the GPU idles; at 0.5 ms it gets back within a fraction of a step.
+    sys.setswitchinterval(_SWITCH_INTERVAL_S)
     try:
         server.run()
     finally:
@@ -267,24 +330,58 @@ def run_server(ns: argparse.Namespace) -> int:
     return 0
 
 
+def check_exposure(host: str, enable_rl_api: bool, api_key: str | None) -> None:
+    """Refuses to expose the RL control routes beyond this machine without an API key."""
+    if enable_rl_api and not api_key and not is_loopback(host):
+        raise SystemExit(f"error: --enable-rl-api with --host {host} (not a loopback address) needs --api-key "
+                         "(or LOOPLINE_API_KEY): anyone who can reach the port could pause the engine and load weights")
+
+
 def _default_name() -> str:
     from loopline.models.tiny import DEFAULT_CHECKPOINT_NAME
     return DEFAULT_CHECKPOINT_NAME
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, with ``/health`` answering 503 from the moment a shutdown signal arrives.
+_ABORT_GRACE_S = 5.0  # after aborting at --shutdown-timeout: time for the final chunks to reach clients
 
-    On SIGINT/SIGTERM uvicorn stops accepting connections and waits up to
-    ``timeout_graceful_shutdown`` for in-flight requests; requests still running
-    then are cancelled, which aborts their engine requests (KV freed); the app's
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with a graceful drain on SIGINT/SIGTERM.
+
+    From the first signal ``/health`` answers 503 and new requests get 503;
+    uvicorn stops accepting connections and waits for the ones in flight.
+    After ``shutdown_timeout`` seconds every request still running is aborted
+    (its KV freed): streams end with a final chunk (``finish_reason: "abort"``)
+    and ``data: [DONE]``, whole responses carry what was generated. The app's
     shutdown then stops the engine thread.
     """
 
-    def __init__(self, config: uvicorn.Config, ctx: ServingContext) -> None:
+    def __init__(self, config: uvicorn.Config, ctx: ServingContext, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.ctx = ctx
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.ctx.shutting_down and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._start_drain)
         self.ctx.shutting_down = True
         super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self._abort_after_timeout())
+
+    async def _abort_after_timeout(self) -> None:
+        await asyncio.sleep(self.shutdown_timeout)
+        if self.ctx.in_flight:
+            logger.info("shutdown timeout (%.1fs): aborting %d request(s) still in flight", self.shutdown_timeout,
+                        self.ctx.in_flight)
+        try:
+            await self.ctx.llm.abort_all()
+        except Exception:  # the engine already stopped: nothing left to abort
+            logger.debug("abort at shutdown failed", exc_info=True)

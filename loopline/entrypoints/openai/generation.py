@@ -49,14 +49,15 @@ class Generation:
 
     async def start(self, prompts: list[PromptType], params: SamplingParams | list[SamplingParams],
                     chat_stop: bool = False) -> None:
-        """Adds every prompt (``params``: one for all, or one per prompt); on a validation error
-        aborts the ones already added and re-raises it."""
+        """Adds every prompt as one engine command (``params``: one for all, or one per prompt): all are
+        accepted or none. On a validation error or cancellation (the client left) every one of them
+        is aborted at once and the error re-raised."""
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        trackers = {rid: self.metrics.tracker() for rid in self.ids}
         try:
-            for rid, prompt, p in zip(self.ids, prompts, per_prompt):
-                tracker = self.metrics.tracker()
-                await self.llm.add_request(rid, prompt, p, chat_stop=chat_stop, stream=self.stream)
-                self.trackers[rid] = tracker
+            await self.llm.add_requests(list(zip(self.ids, prompts, per_prompt)), chat_stop=chat_stop,
+                                        stream=self.stream)
+            self.trackers = trackers
         except BaseException:
             self.close()
             raise
@@ -177,11 +178,12 @@ class ServingContext:
     """What the route handlers share: the engine, the served name(s), metrics and the in-flight limit."""
 
     def __init__(self, async_llm: AsyncLLM, model_names: list[str], metrics: ServerMetrics,
-                 max_concurrent_requests: int) -> None:
+                 max_concurrent_requests: int, max_prompts_per_request: int = 1024) -> None:
         self.llm = async_llm
         self.model_names = model_names
         self.metrics = metrics
         self.max_concurrent_requests = max_concurrent_requests
+        self.max_prompts_per_request = max_prompts_per_request
         self.in_flight = 0
         self.ready = False
         self.shutting_down = False
@@ -194,6 +196,13 @@ class ServingContext:
         if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist (this server serves {self.model_names[0]!r}).",
                            param="model", code="model_not_found")
+
+    def check_num_prompts(self, num_prompts: int, param: str) -> None:
+        """Refuses a request with more prompts than ``max_prompts_per_request`` (before any is tokenized)."""
+        if num_prompts > self.max_prompts_per_request:
+            raise APIError(400, f"{param} holds {num_prompts} prompts; this server takes at most "
+                                f"{self.max_prompts_per_request} per request (--max-prompts-per-request)",
+                           param=param, code="invalid_value")
 
     def new_generation(self, prefix: str, num_prompts: int, request_ids: list[str] | None = None) -> Generation:
         """Takes an in-flight slot (429 when none is left); the slot is released by ``Generation.close``.
@@ -217,6 +226,12 @@ class ServingContext:
         return Generation(self.llm, self.metrics, f"{prefix}-{uuid.uuid4().hex}", num_prompts, on_close=release,
                           request_ids=request_ids)
 
+    async def start(self, raw: Request, gen: Generation, prompts: list[PromptType],
+                    params: SamplingParams | list[SamplingParams], chat_stop: bool = False) -> None:
+        """``gen.start(...)``, abandoned (every prompt aborted at once) if the client disconnects meanwhile:
+        tokenizing and adding thousands of prompts takes a while."""
+        await _unless_disconnected(raw, gen.start(prompts, params, chat_stop=chat_stop), gen)
+
     async def respond(self, raw: Request, gen: Generation, stream: bool, events: Callable[[], AsyncIterator[str]],
                       build: Callable[[list[RequestOutput]], Any]) -> Response:
         """Streams ``events()`` as server-sent events, or runs the generation to completion and
@@ -231,18 +246,24 @@ class ServingContext:
 
     async def run_unless_disconnected(self, raw: Request, gen: Generation) -> list[RequestOutput]:
         """Runs a non-streamed generation; a client that goes away aborts it (and frees its KV)."""
-        collect = asyncio.ensure_future(gen.run_to_completion())
-        watch = asyncio.ensure_future(_until_disconnected(raw))
-        try:
-            done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not collect.done():
-                collect.cancel()
-                gen.close()
-        if collect not in done:
-            raise ClientDisconnected()
-        return collect.result()
+        return await _unless_disconnected(raw, gen.run_to_completion(), gen)
+
+
+async def _unless_disconnected(raw: Request, work: Any, gen: Generation) -> Any:
+    """Awaits ``work``; if the client disconnects first, cancels it, aborts the generation and
+    raises :class:`ClientDisconnected`."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(raw))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            gen.close()
+    if task not in done:
+        raise ClientDisconnected()
+    return task.result()
 
 
 class ClientDisconnected(Exception):

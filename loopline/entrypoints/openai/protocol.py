@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loopline.errors import InvalidRequestError
 from loopline.sampling_params import SamplingParams
@@ -29,6 +29,20 @@ class OpenAIBaseModel(BaseModel):
         return data
 
 
+class StrictRequest(OpenAIBaseModel):
+    """A JSON request body: no coercion, so ``true`` is not an integer and ``"2"`` is not a number.
+
+    NOTE: integers are still accepted for float fields (JSON has one number type); the RL
+    routes keep the lax base model because their fields may come from a query string.
+    """
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+# Chat roles the chat templates render; tools are not supported, so no "tool" role.
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
 # --- errors ---------------------------------------------------------------------------
 class ErrorInfo(BaseModel):
     message: str
@@ -42,11 +56,11 @@ class ErrorResponse(BaseModel):
 
 
 # --- requests -------------------------------------------------------------------------
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class ExtraSamplingFields(OpenAIBaseModel):
+class ExtraSamplingFields(StrictRequest):
     """loopline's extra request fields (not in OpenAI's API), shared by both endpoints."""
 
     top_k: int = 0
@@ -148,20 +162,38 @@ class CompletionRequest(_CommonRequest):
         return self._sampling(max_tokens, self.logprobs, prompt_logprobs)
 
 
-class ChatMessage(OpenAIBaseModel):
+class TextPart(StrictRequest):
+    """One part of a message's ``content`` list: only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictRequest):
+    """One chat message: a known role and its content (a string or text parts)."""
+
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
 
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {list(CHAT_ROLES)}, got {role!r}")
+        return role
+
+    @field_validator("content")
+    @classmethod
+    def _has_content(cls, content: Any) -> Any:
+        if content is None:
+            raise ValueError("content is required (a string or a list of text parts)")
+        return content
+
     def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequestError(f"only text content parts are supported, got type {part.get('type')!r}", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content or [])
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -188,13 +220,19 @@ class ChatCompletionRequest(_CommonRequest):
             raise InvalidRequestError("only response_format {'type': 'text'} is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        try:
+            return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        except InvalidRequestError as e:  # name the field the client sent
+            if e.param == "max_tokens" and self.max_completion_tokens is not None:
+                raise InvalidRequestError(str(e).replace("max_tokens", "max_completion_tokens"),
+                                          param="max_completion_tokens") from None
+            if e.param == "logprobs":
+                raise InvalidRequestError(str(e).replace("logprobs", "top_logprobs"), param="top_logprobs") from None
+            raise
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(StrictRequest):
     """``POST /tokenize``: ``prompt`` (a string) or ``messages`` (through the chat template)."""
 
     model: str | None = None
@@ -205,7 +243,7 @@ class TokenizeRequest(OpenAIBaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(StrictRequest):
     model: str | None = None
     tokens: list[int]
 
@@ -326,6 +364,21 @@ class ModelList(BaseModel):
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+MAX_REQUEST_ID_LEN = 256
+
+
+def check_request_id(rid: Any, param: str) -> str:
+    """A client-chosen request id: a non-empty printable ASCII string of at most 256 characters.
+
+    NOTE: ids are logged and echoed; control characters would forge log lines.
+    """
+    if not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID_LEN or not rid.isascii() \
+            or not rid.isprintable():
+        raise InvalidRequestError(f"{param} entries must be non-empty printable ASCII strings of at most "
+                                  f"{MAX_REQUEST_ID_LEN} characters, got {rid!r:.80}", param=param)
+    return rid
 
 
 def _nonempty_text(s: str) -> str:

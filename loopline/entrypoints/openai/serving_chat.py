@@ -12,7 +12,7 @@ from loopline.entrypoints.openai.logprobs import chat_logprobs
 from loopline.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                   ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
                                                   ChatStreamChoice, DeltaMessage, UsageInfo)
-from loopline.entrypoints.openai.sse import sse_event
+from loopline.entrypoints.openai.sse import error_event, sse_event
 from loopline.errors import InvalidRequestError
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -22,14 +22,22 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_model(req.model)
     params = req.to_sampling_params()
     try:
-        prompt_ids = ctx.llm.encode_chat(req.conversation(), add_generation_prompt=req.add_generation_prompt)
+        conversation, pool = req.conversation(), ctx.llm.tokenizers
+        if pool is None:  # no tokenizer: encode_chat raises the clear error
+            prompt_ids = ctx.llm.encode_chat(conversation, add_generation_prompt=req.add_generation_prompt)
+        else:  # templates over long conversations take a while: off the event loop
+            prompt_ids = await pool.encode_chat(conversation, add_generation_prompt=req.add_generation_prompt)
     except InvalidRequestError:
         raise
     except Exception as e:  # template errors (e.g. a role the template refuses)
-        raise InvalidRequestError(f"the chat template could not render messages: {e}", param="messages") from e
+        # NOTE: a template's own raise_exception() text is meant for the client; anything else
+        # (a bug, a tokenizer failure) is internal, so only its type is named.
+        detail = str(e) if type(e).__name__ == "TemplateError" else type(e).__name__
+        raise InvalidRequestError(f"the chat template could not render messages: {detail:.300}",
+                                  param="messages") from e
     gen = ctx.new_generation("chatcmpl", 1)
     raw.state.generation = gen
-    await gen.start([{"prompt_token_ids": prompt_ids}], params, chat_stop=True)  # closes itself on a bad request
+    await ctx.start(raw, gen, [{"prompt_token_ids": prompt_ids}], params, chat_stop=True)  # closes itself on a bad request
     view = _ChatView(ctx, req, gen, params)
     return await ctx.respond(raw, gen, req.stream, view.stream, lambda outs: view.response(outs[0]).model_dump())
 
@@ -84,7 +92,7 @@ class _ChatView:
             if self.req.include_usage:
                 yield self._chunk([], self._usage())
         except Exception as e:  # headers are sent: report in-band
-            yield sse_event({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            yield error_event(e, "stream")
         finally:
             self.gen.close()
         yield "data: [DONE]\n\n"

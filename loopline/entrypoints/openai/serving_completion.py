@@ -10,7 +10,7 @@ from starlette.responses import Response
 from loopline.entrypoints.openai.generation import DeltaTracker, Generation, ServingContext
 from loopline.entrypoints.openai.logprobs import completion_logprobs
 from loopline.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
-from loopline.entrypoints.openai.sse import sse_event
+from loopline.entrypoints.openai.sse import error_event, sse_event
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
 
@@ -19,9 +19,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     ctx.check_model(req.model)
     params = req.to_sampling_params()
     prompts = req.prompts()
+    ctx.check_num_prompts(len(prompts), "prompt")
     gen = ctx.new_generation("cmpl", len(prompts))
     raw.state.generation = gen
-    await gen.start(prompts, params)  # a validation error propagates (the generation closed itself)
+    await ctx.start(raw, gen, prompts, params)  # a validation error propagates (the generation closed itself)
     view = _CompletionView(ctx, req, gen, params)
     return await ctx.respond(raw, gen, req.stream, view.stream, lambda outs: view.response(outs).model_dump())
 
@@ -120,7 +121,7 @@ class _CompletionView:
                 yield sse_event(CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
                                                    choices=[], usage=self._usage()).model_dump())
         except Exception as e:  # headers are sent: report in-band, as OpenAI does
-            yield sse_event({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            yield error_event(e, "stream")
         finally:
             gen.close()
         yield "data: [DONE]\n\n"

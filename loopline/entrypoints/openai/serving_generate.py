@@ -35,8 +35,8 @@ from starlette.responses import Response
 from loopline.engine import PromptType
 from loopline.entrypoints.openai.generation import Generation, ServingContext
 from loopline.entrypoints.openai.logprobs import finite
-from loopline.entrypoints.openai.protocol import OpenAIBaseModel
-from loopline.entrypoints.openai.sse import sse_event
+from loopline.entrypoints.openai.protocol import StrictRequest, check_request_id
+from loopline.entrypoints.openai.sse import error_event, sse_event
 from loopline.errors import InvalidRequestError
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -46,7 +46,7 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 _UNSUPPORTED = ("regex", "json_schema", "ebnf", "structural_tag", "logit_bias", "min_new_tokens", "min_tokens")
 
 
-class GenerateSamplingParams(OpenAIBaseModel):
+class GenerateSamplingParams(StrictRequest):
     """``sampling_params`` of ``POST /generate`` (unknown fields are ignored, as elsewhere)."""
 
     max_new_tokens: int | None = None
@@ -74,7 +74,19 @@ class GenerateSamplingParams(OpenAIBaseModel):
     exit_threshold: float | None = None
     priority: int = 0
 
-    def to_sampling_params(self, default_logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, default_logprobs: int | None, where: str = "sampling_params") -> SamplingParams:
+        """The engine's ``SamplingParams``; ``where`` prefixes ``param`` in errors (``sampling_params[1]``)."""
+        try:
+            return self._to_sampling_params(default_logprobs)
+        except InvalidRequestError as e:
+            param, message = (e.param or "").removeprefix("sampling_params."), str(e).removeprefix("sampling_params.")
+            sent = {"max_tokens": "max_new_tokens" if self.max_new_tokens is not None else "max_tokens",
+                    "seed": "sampling_seed" if self.seed is None and self.sampling_seed is not None else "seed"}
+            if param in sent and sent[param] != param:  # name the field the client sent
+                message, param = message.replace(param, sent[param], 1), sent[param]
+            raise InvalidRequestError(f"{where}.{message}", param=f"{where}.{param}" if param else where) from None
+
+    def _to_sampling_params(self, default_logprobs: int | None) -> SamplingParams:
         extra = self.model_extra or {}
         for name in _UNSUPPORTED:
             if extra.get(name):
@@ -94,7 +106,7 @@ class GenerateSamplingParams(OpenAIBaseModel):
             min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=self.exit_threshold)
 
 
-class GenerateRequest(OpenAIBaseModel):
+class GenerateRequest(StrictRequest):
     """``POST /generate`` (SGLang's shape, token ids in)."""
 
     input_ids: list[int] | list[list[int]] | None = None
@@ -130,12 +142,14 @@ class GenerateRequest(OpenAIBaseModel):
         rids = [self.rid] if isinstance(self.rid, str) else list(self.rid)
         if len(rids) != num_prompts:
             raise InvalidRequestError(f"rid must give one id per prompt ({num_prompts}), got {len(rids)}", param="rid")
-        if not all(rids) or len(set(rids)) != len(rids):
-            raise InvalidRequestError("rid entries must be non-empty and distinct", param="rid")
+        for rid in rids:
+            check_request_id(rid, "rid")
+        if len(set(rids)) != len(rids):
+            raise InvalidRequestError("rid entries must be distinct", param="rid")
         return rids
 
     def sampling(self, num_prompts: int) -> list[SamplingParams]:
-        if not isinstance(self.top_logprobs_num, int) or not 0 <= self.top_logprobs_num <= 20:
+        if not 0 <= self.top_logprobs_num <= 20:
             raise InvalidRequestError(f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num}",
                                       param="top_logprobs_num")
         default_logprobs = self.top_logprobs_num if self.return_logprob else None
@@ -143,18 +157,26 @@ class GenerateRequest(OpenAIBaseModel):
         if isinstance(self.sampling_params, list) and len(per_prompt) != num_prompts:
             raise InvalidRequestError(f"sampling_params must be one object, or one per prompt ({num_prompts}), "
                                       f"got {len(per_prompt)}", param="sampling_params")
-        params = [p.to_sampling_params(default_logprobs) for p in per_prompt]
+        many = isinstance(self.sampling_params, list)
+        params = [p.to_sampling_params(default_logprobs, f"sampling_params[{i}]" if many else "sampling_params")
+                  for i, p in enumerate(per_prompt)]
         return params if len(params) == num_prompts else params * num_prompts
 
 
 async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Request) -> Response:
     prompts, single = req.prompts()
+    ctx.check_num_prompts(len(prompts), "input_ids" if req.input_ids is not None else "text")
     params = req.sampling(len(prompts))
     rids = req.request_ids(len(prompts))
     gen = ctx.new_generation("gen", len(prompts), request_ids=rids)
     raw.state.generation = gen
     start = time.monotonic()
-    await gen.start(prompts, params)  # a validation error propagates (the generation closed itself)
+    try:
+        await ctx.start(raw, gen, prompts, params)  # a validation error propagates (the generation closed itself)
+    except InvalidRequestError as e:
+        if e.param == "request_id":  # name the field the client sent
+            raise InvalidRequestError(str(e), param="rid") from None
+        raise
 
     def build(outs: list[RequestOutput]) -> Any:
         items = [completion_json(out, c, p, start) for out, p in zip(outs, params) for c in out.outputs]
@@ -175,7 +197,7 @@ async def _stream(gen: Generation, params: list[SamplingParams], start: float) -
                 sent[key] = len(c.token_ids)
                 yield sse_event(completion_json(out, c, p, start))
     except Exception as e:  # headers are sent: report in-band
-        yield sse_event({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        yield error_event(e, "stream")
     finally:
         gen.close()
     yield "data: [DONE]\n\n"

@@ -13,19 +13,24 @@ Route names follow SGLang (``/pause_generation``, ``/continue_generation``,
 """
 from __future__ import annotations
 
-import json
+import logging
+import uuid
 from collections.abc import Awaitable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
-from pydantic import BeforeValidator, StrictStr, ValidationError
+from pydantic import BeforeValidator, StrictStr
 from starlette.requests import Request
 
-from loopline.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from loopline.entrypoints.async_llm import AsyncLLM
+from loopline.errors import EngineDeadError
+from loopline.entrypoints.openai.body import decode_json, parse_model
 from loopline.entrypoints.openai.protocol import APIError, OpenAIBaseModel
-from loopline.errors import EngineStateError, InvalidRequestError
+from loopline.errors import EngineStateError, InvalidRequestError, WeightUpdateError
 from loopline.models.loader import CheckpointError
+from loopline.rl.weights import MAX_VERSION
+
+logger = logging.getLogger("loopline.api")
 
 T = TypeVar("T", bound=OpenAIBaseModel)
 
@@ -63,8 +68,9 @@ class WakeUpRequest(OpenAIBaseModel):
     tags: list[str] | None = None
 
 
-def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> None:
-    """Registers the RL control routes on ``app`` (``auth``: the API-key dependencies)."""
+def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> list[str]:
+    """Registers the RL control routes on ``app`` (``auth``: the API-key dependencies); returns their paths."""
+    before = {getattr(r, "path", None) for r in app.routes}
 
     async def pause(raw: Request) -> dict:
         req = await _parse(raw, PauseRequest)
@@ -111,13 +117,14 @@ def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> None:
         version = _version(req)
         if not req.model_path:
             raise InvalidRequestError("model_path must be a checkpoint directory", param="model_path")
-        committed = await _control(llm.update_weights_from_disk(req.model_path, version))
+        committed = await _load_from_disk(llm.update_weights_from_disk(req.model_path, version), req.model_path)
         return {"success": True, "message": f"weights from {req.model_path} serve as version {committed}",
                 "weight_version": committed}
 
     @app.get("/get_weight_version", dependencies=auth)
     async def get_weight_version() -> dict:
-        return {"weight_version": await _control(llm.get_weight_version())}
+        version = await _control(llm.get_weight_version())
+        return {"weight_version": version, "weights": llm.weights_state()}  # "weights": a clear state, never silent
 
     @app.post("/sleep", dependencies=auth)
     async def sleep(raw: Request) -> dict:
@@ -135,6 +142,8 @@ def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> None:
     async def is_sleeping() -> dict:
         return {"is_sleeping": await _control(llm.is_sleeping())}
 
+    return sorted({getattr(r, "path", None) for r in app.routes} - before - {None})
+
 
 def _version(req: UpdateFromDiskRequest) -> int:
     """The version to publish: an integer (SGLang clients may send it as a string of digits)."""
@@ -146,22 +155,40 @@ def _version(req: UpdateFromDiskRequest) -> int:
         raise InvalidRequestError(f"version ({given[0]!r}) and weight_version ({given[1]!r}) differ", param="version")
     v = given[0]
     if isinstance(v, str):
-        if not v.isdigit():
-            raise InvalidRequestError(f"version must be a non-negative integer, got {v!r}", param="version")
+        # NOTE: str.isdigit() and int() also accept non-ASCII digits ("١٢", "１２"): only 0-9 here.
+        if not (v.isascii() and v.isdigit()) or len(v) > 19:
+            raise InvalidRequestError(f"version must be a non-negative integer written with ASCII digits, got {v!r:.40}",
+                                      param="version")
         v = int(v)
+    if not 0 <= v <= MAX_VERSION:
+        raise InvalidRequestError(f"version must be in [0, 2**63 - 1], got {v}", param="version")
     return v
 
 
 async def _control(call: Awaitable[Any]) -> Any:
-    """Awaits an engine call; a state the engine refuses becomes 409, a bad checkpoint 400."""
+    """Awaits an engine call; a state the engine refuses becomes 409."""
     try:
         return await call
     except EngineDeadError:
         raise  # 503, as for generation
     except EngineStateError as e:
         raise APIError(409, str(e), type="invalid_request_error", code="conflict") from e
-    except CheckpointError as e:
-        raise APIError(400, str(e), param="model_path", code="invalid_value") from e
+
+
+async def _load_from_disk(call: Awaitable[Any], model_path: str) -> Any:
+    """Awaits an update from disk. A checkpoint it cannot load is a 400 that says only that: the
+    details (file names, tensor names, config values, the loader's messages) go to the log under
+    an error id, so a client cannot probe the server's files through the error."""
+    try:
+        return await _control(call)
+    except (CheckpointError, WeightUpdateError) as e:
+        if isinstance(e, WeightUpdateError) and e.param == "version":
+            raise  # about the request, not the files
+        error_id = uuid.uuid4().hex[:12]
+        logger.warning("update_weights_from_disk(%r) refused (error id %s): %s", model_path, error_id, e)
+        raise APIError(400, f"model_path is not a loadable checkpoint for this model (error id {error_id}; the "
+                            "server log has the details); nothing was changed", param="model_path",
+                       code="invalid_value") from None
 
 
 async def _parse(raw: Request, model: type[T], list_fields: tuple[str, ...] = ()) -> T:
@@ -170,14 +197,8 @@ async def _parse(raw: Request, model: type[T], list_fields: tuple[str, ...] = ()
                             for k in raw.query_params}
     body = await raw.body()
     if body.strip():
-        try:
-            parsed = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the body is not valid JSON ({e})", code="invalid_json") from e
+        parsed = decode_json(body)
         if not isinstance(parsed, dict):
             raise APIError(400, "the body must be a JSON object", code="invalid_json")
         data.update(parsed)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise RequestValidationError(e.errors()) from e
+    return parse_model(data, model)

@@ -6,11 +6,19 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
+
+from loopline.entrypoints.openai.errors import to_api_error
 from starlette.types import Receive, Scope, Send
 
 
 def sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def error_event(error: BaseException, where: str) -> str:
+    """The in-band error of a stream whose headers were sent (OpenAI's ``{"error": {...}}``), with
+    the same message and status mapping as a JSON reply (no internal exception text)."""
+    return sse_event(to_api_error(error, where).body())
 
 
 class SSEResponse(StreamingResponse):
