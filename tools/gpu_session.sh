@@ -143,11 +143,13 @@ import json, sys
 for c in (32, 128):
     try:
         off = json.load(open(f"{sys.argv[1]}/offline-c{c}.json"))["results"][0]["variants"][0]["median"]
-        srv = json.load(open(f"{sys.argv[1]}/serve-c{c}.json"))
+        srv = json.load(open(f"{sys.argv[1]}/serve-c{c}.json"))["results"]
     except (OSError, ValueError, KeyError) as e:
         print(f"C={c}: missing ({e})"); continue
-    s = srv.get("output_throughput") or srv.get("metrics", {}).get("output_throughput")
-    print(f"C={c}: offline {off['output_throughput']:.1f} tok/s, serve {s:.1f} tok/s, serve/offline {s / off['output_throughput']:.3f}")
+    s, o = srv["output_throughput"], off["output_throughput"]
+    print(f"C={c}: offline {o:.1f} tok/s (TTFT p50 {off['ttft_ms']['p50']:.0f} ms, TPOT p50 {off['tpot_ms']['p50']:.2f}), "
+          f"serve {s:.1f} tok/s (TTFT p50 {srv['ttft_ms']['p50']:.0f} ms, TPOT p50 {srv['tpot_ms']['p50']:.2f}), "
+          f"serve/offline {s / o:.3f}, failed {srv['failed']}")
 PY
 fi
 # the device returns at most 8 files: everything also goes back in one archive

@@ -105,7 +105,13 @@ async def run_serve_async(spec: ServeSpec, workload: Workload, transport: Any = 
 
     rng = random.Random(spec.seed)
     limit = asyncio.Semaphore(spec.concurrency) if spec.concurrency else None
-    async with httpx.AsyncClient(base_url=spec.base_url.rstrip("/"), timeout=spec.timeout_s, transport=transport) as client:
+    # NOTE: httpx pools at most 100 connections and keeps 20 alive by default: at concurrency 128 the
+    # client itself would queue 28 requests and reconnect for most others. One kept-alive connection
+    # per request in flight, as vllm bench serve's client does.
+    width = spec.concurrency or len(workload.prompts)
+    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
+    async with httpx.AsyncClient(base_url=spec.base_url.rstrip("/"), timeout=spec.timeout_s, transport=transport,
+                                 limits=limits) as client:
         model = await _resolve_model(client, spec.model)
 
         async def guarded(prompt: list[int]) -> RequestTiming:
