@@ -66,14 +66,26 @@ def _run_generate(ns: argparse.Namespace) -> int:
         outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     for prompt, out in zip(prompts, outs):
+        prompt_lps = logprob_rows(out.prompt_token_ids, out.prompt_logprobs, params.prompt_logprobs)
         for comp in out.outputs:
+            lps = logprob_rows(comp.token_ids, comp.logprobs, params.logprobs)
             if ns.json:
-                print(json.dumps({"prompt": prompt, "index": comp.index, "text": comp.text, "token_ids": comp.token_ids,
-                                  "exit_depths": comp.exit_depths, "finish_reason": comp.finish_reason,
-                                  "cumulative_logprob": comp.cumulative_logprob, "seed": comp.seed}))
+                record = {"prompt": prompt, "index": comp.index, "text": comp.text, "token_ids": comp.token_ids,
+                          "exit_depths": comp.exit_depths, "finish_reason": comp.finish_reason,
+                          "cumulative_logprob": comp.cumulative_logprob, "seed": comp.seed}
+                if lps is not None:
+                    record["logprobs"] = lps
+                if prompt_lps is not None:
+                    record["prompt_logprobs"] = prompt_lps
+                print(json.dumps(record))
             else:
                 print(f"prompt: {prompt!r}\noutput[{comp.index}]: {comp.text!r}\n"
-                      f"exit depths: {comp.exit_depths} (mean {comp.mean_exit_depth:.2f})  finish: {comp.finish_reason}\n")
+                      f"exit depths: {comp.exit_depths} (mean {comp.mean_exit_depth:.2f})  finish: {comp.finish_reason}")
+                if prompt_lps is not None and comp.index == 0:
+                    print("prompt logprobs (id, token, logprob, rank | top: id, token, logprob):\n" + format_logprob_rows(prompt_lps))
+                if lps is not None:
+                    print("logprobs (id, token, logprob, rank | top: id, token, logprob):\n" + format_logprob_rows(lps))
+                print()
     if ns.stats:
         st = llm.llm_engine.stats
         stats = {"steps": st.steps, "rows_per_step": round(st.rows_per_step, 2),
@@ -81,6 +93,36 @@ def _run_generate(ns: argparse.Namespace) -> int:
                  "elapsed_s": round(elapsed, 3), "output_tokens_per_s": round(st.generated_tokens / elapsed, 1)}
         print(json.dumps({"stats": stats}) if ns.json else "stats: " + ", ".join(f"{k}={v}" for k, v in stats.items()))
     return 0
+
+
+def logprob_rows(token_ids: list[int], entries: list | None, k: int | None) -> list[dict | None] | None:
+    """One JSON-ready row per token: its id, text, logprob and rank, and the top ``k`` ranked
+    (``None`` where a position has no logprob: the first prompt token)."""
+    if entries is None or k is None:
+        return None
+    rows: list[dict | None] = []
+    for tid, entry in zip(token_ids, entries):
+        if not entry:
+            rows.append(None)
+            continue
+        lp = entry[tid]
+        ranked = sorted((v.rank, t, v) for t, v in entry.items() if v.rank is not None and v.rank <= k)
+        rows.append({"token_id": tid, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank,
+                     "top": [{"token_id": t, "token": v.decoded_token, "logprob": v.logprob, "rank": r}
+                             for r, t, v in ranked]})
+    return rows
+
+
+def format_logprob_rows(rows: list[dict | None]) -> str:
+    lines = []
+    for row in rows:
+        if row is None:
+            lines.append("  (first prompt token: no logprob)")
+            continue
+        top = ", ".join(f"{t['token_id']} {t['token']!r} {t['logprob']:.3f}" for t in row["top"])
+        lines.append(f"  {row['token_id']:>6} {row['token']!r:<12} {row['logprob']:8.3f} {row['rank']:>6}"
+                     + (f" | {top}" if top else ""))
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         help="generation requests in flight before new ones get HTTP 429")
     server.add_argument("--shutdown-timeout", type=int, default=30,
                         help="seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted")
+    server.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="in logprobs, name every token 'token_id:<id>' instead of by its text "
+                             "(tokens that are not valid UTF-8 on their own stay identifiable)")
     server.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's own log level")
     EngineArgs.add_cli_args(p)

@@ -42,7 +42,8 @@ DEFAULT_MAX_CONCURRENT_REQUESTS = 256
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = None, api_key: str | None = None,
-              max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS, shutdown_engine: bool = True) -> FastAPI:
+              max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS, shutdown_engine: bool = True,
+              return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The FastAPI app serving ``async_llm``.
 
     ``served_model_name``: the name(s) clients must use in ``model`` (default:
@@ -51,7 +52,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
     ``/tokenize``, ``/detokenize``, ``/generate`` and the RL control routes of
     ``serving_rl``); ``max_concurrent_requests``:
     generation requests in flight before new ones get 429; ``shutdown_engine``:
-    stop the engine thread when the app shuts down.
+    stop the engine thread when the app shuts down; ``return_tokens_as_token_ids``: logprobs name
+    tokens ``token_id:<id>`` instead of by their text (vLLM's flag).
     """
     if isinstance(max_concurrent_requests, bool) or not isinstance(max_concurrent_requests, int) or max_concurrent_requests < 1:
         raise InvalidRequestError(f"max_concurrent_requests must be an integer >= 1, got {max_concurrent_requests!r}",
@@ -59,7 +61,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [async_llm.engine.config.model_path or "ouro"]  # no path: an in-memory model
     metrics = ServerMetrics(async_llm, names[0])
-    ctx = ServingContext(async_llm, names, metrics, max_concurrent_requests)
+    ctx = ServingContext(async_llm, names, metrics, max_concurrent_requests, return_tokens_as_token_ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -249,7 +251,8 @@ def run_server(ns: argparse.Namespace) -> int:
     async_llm = AsyncLLM(args)
     name = ns.served_model_name or ([args.model] if args.model else [_default_name()])
     api_key = ns.api_key or os.environ.get("LOOPLINE_API_KEY")
-    app = build_app(async_llm, name, api_key, ns.max_concurrent_requests)
+    app = build_app(async_llm, name, api_key, ns.max_concurrent_requests,
+                    return_tokens_as_token_ids=ns.return_tokens_as_token_ids)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, access_log=False,
                             timeout_graceful_shutdown=ns.shutdown_timeout)
     server = _Server(config, app.state.ctx)

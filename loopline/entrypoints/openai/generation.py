@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from loopline.core.engine import PromptType
 from loopline.entrypoints.async_llm import AsyncLLM, OutputStream
+from loopline.entrypoints.openai.logprobs import TokenNamer
 from loopline.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from loopline.entrypoints.openai.protocol import APIError
 from loopline.entrypoints.openai.sse import SSEResponse
@@ -177,8 +178,9 @@ class ServingContext:
     """What the route handlers share: the engine, the served name(s), metrics and the in-flight limit."""
 
     def __init__(self, async_llm: AsyncLLM, model_names: list[str], metrics: ServerMetrics,
-                 max_concurrent_requests: int) -> None:
+                 max_concurrent_requests: int, return_tokens_as_token_ids: bool = False) -> None:
         self.llm = async_llm
+        self.token_namer = TokenNamer(async_llm.tokenizer, return_tokens_as_token_ids)
         self.model_names = model_names
         self.metrics = metrics
         self.max_concurrent_requests = max_concurrent_requests
