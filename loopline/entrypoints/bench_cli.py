@@ -14,19 +14,21 @@ import shlex
 import sys
 from typing import Any
 
-from loopline.config import EngineArgs
 from loopline.errors import InvalidRequestError
 
-_FMT = argparse.ArgumentDefaultsHelpFormatter
+HELP = "offline throughput/latency benchmark (and `bench serve` for an HTTP server)"
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="offline throughput/latency benchmark (and `bench serve` for an HTTP server)",
-                       formatter_class=_FMT,
+    from loopline.config import EngineArgs
+    from loopline.entrypoints.cli import HelpFormatter, common_parser
+
+    p = sub.add_parser("bench", help=HELP, formatter_class=HelpFormatter, parents=[common_parser(config=False)],
                        description="Closed-loop offline benchmark of the engine on random prompts; see docs/benchmarks/README.md.")
     w = p.add_argument_group("workload")
     w.add_argument("--config", choices=["tiny", "ouro-1.4b", "ouro-2.6b"], default=None,
-                   help="random weights of these shapes, built in memory (default without --model: tiny)")
+                   help="random weights of these shapes, built in memory (default without --model: tiny); "
+                        "--config FILE.yaml reads flags from a YAML file instead, as for the other commands")
     w.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (random ids)")
     w.add_argument("--output-len", type=int, default=128, help="generated tokens per request (ignore_eos, greedy)")
     w.add_argument("--concurrency", default="8",
@@ -65,7 +67,10 @@ def add_parser(sub: Any) -> None:
 
 
 def _add_serve(sub: Any) -> None:
-    s = sub.add_parser("serve", help="drive a running OpenAI-compatible server over HTTP", formatter_class=_FMT)
+    from loopline.entrypoints.cli import HelpFormatter, common_parser
+
+    s = sub.add_parser("serve", help="drive a running OpenAI-compatible server over HTTP", formatter_class=HelpFormatter,
+                       parents=[common_parser(config=False)])
     s.add_argument("--base-url", required=True, help="server root, e.g. http://localhost:8000")
     s.add_argument("--model", dest="served_model", default=None, help="model name for requests (default: first of /v1/models)")
     s.add_argument("--input-len", dest="serve_input_len", type=int, default=1024, help="prompt tokens (random ids)")
@@ -153,6 +158,7 @@ def _variants(ns: argparse.Namespace) -> list:
 def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """Runs ``loopline bench`` from parsed arguments; returns the record (also used by tests)."""
     from loopline.bench.compare import run_point
+    from loopline.config import EngineArgs
     from loopline.bench.offline import BenchSpec, build_model
     from loopline.bench.report import environment, point_table
     from loopline.bench.workload import make_workload, parse_depth_dist

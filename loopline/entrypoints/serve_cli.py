@@ -4,12 +4,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from loopline.config import EngineArgs
+from loopline.errors import LooplineError
+
+HELP = "serve an OpenAI-compatible HTTP API (default model: the bundled tiny checkpoint)"
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (default model: the bundled tiny checkpoint)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from loopline.config import EngineArgs
+    from loopline.entrypoints.cli import HelpFormatter, common_parser
+
+    p = sub.add_parser("serve", help=HELP, formatter_class=HelpFormatter, parents=[common_parser()])
     p.add_argument("model_tag", nargs="?", default=None, help="checkpoint directory (same as --model)")
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -37,6 +41,6 @@ def _run_serve(ns: argparse.Namespace) -> int:
 
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
-            raise SystemExit("error: give the model either positionally or with --model, not both")
+            raise LooplineError("give the model either positionally or with --model, not both")
         ns.model = ns.model_tag
     return run_server(ns)
