@@ -66,8 +66,9 @@ class EngineArgs:
     max_seq_len_to_capture: int = _opt(8192, "longest context served by CUDA graphs; longer decode steps run eagerly")
     async_scheduling: bool = _opt(False, "launch step n+1 before reading step n: decode slots advance on the device, "
                                          "results are read one step behind (exact exits)")
-    disable_log_stats: bool = _opt(True, "do not log engine statistics (otherwise: one line every log_stats_interval seconds)")
-    log_stats_interval: float = _opt(5.0, "seconds between engine statistics log lines")
+    disable_log_stats: bool = _opt(False, "turn off the engine statistics line logged every log_stats_interval seconds "
+                                          "(logged at INFO: loopline serve shows it)")
+    log_stats_interval: float = _opt(10.0, "seconds between engine statistics log lines")
 
     # --- CLI ---------------------------------------------------------------------------
     @classmethod

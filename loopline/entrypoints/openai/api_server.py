@@ -34,6 +34,7 @@ from loopline.entrypoints.openai.serving_chat import create_chat_completion
 from loopline.entrypoints.openai.serving_completion import create_completion
 from loopline.entrypoints.openai.serving_generate import GenerateRequest, create_generate
 from loopline.entrypoints.openai.serving_rl import add_rl_routes
+from loopline.entrypoints.openai.startup import startup_line
 from loopline.errors import CapacityError, EngineStateError, InvalidRequestError
 
 logger = logging.getLogger("loopline.api")
@@ -99,6 +100,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
         why = "shutting down" if ctx.shutting_down else "not ready" if async_llm.is_running or not ctx.ready else "engine stopped"
         err = APIError(503, f"the server is {why}", type="service_unavailable", code="service_unavailable")
         return JSONResponse(err.body(), status_code=503)
+
+    # vLLM's (and SageMaker's) liveness route: the same answer as /health.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
 
     @app.get("/version")
     async def version() -> dict:
@@ -249,6 +253,7 @@ def run_server(ns: argparse.Namespace) -> int:
     logging.getLogger("loopline").setLevel(logging.INFO)
     args = EngineArgs.from_cli_args(ns)
     async_llm = AsyncLLM(args)
+    logger.info(startup_line(async_llm.engine, rl_api=getattr(ns, "enable_rl_api", True)))  # mounted unless the flag says no
     name = ns.served_model_name or ([args.model] if args.model else [_default_name()])
     api_key = ns.api_key or os.environ.get("LOOPLINE_API_KEY")
     app = build_app(async_llm, name, api_key, ns.max_concurrent_requests,
