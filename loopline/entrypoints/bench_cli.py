@@ -170,6 +170,10 @@ def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) 
     if ns.config and ns.model:
         raise InvalidRequestError("pass --model DIR or --config NAME, not both", param="config")
     concurrencies = _concurrencies(ns.concurrency)
+    if ns.plot:
+        from loopline.bench.plot import check_plot_available
+
+        check_plot_available(ns.plot)  # before minutes of benchmarking, not after
     exit_mode = _resolve_exit_mode(ns)
     variants = _variants(ns)
     repeats = ns.repeats or (3 if len(variants) > 1 else 1)
@@ -247,7 +251,9 @@ def _run_serve(ns: argparse.Namespace) -> int:
     workload = make_workload(ns.serve_num_prompts, ns.serve_input_len, ns.serve_output_len, ns.vocab_size, ns.serve_seed)
     spec = ServeSpec(ns.base_url, ns.serve_output_len, ns.request_rate, ns.serve_concurrency, ns.served_model,
                      ns.serve_seed, ns.timeout)
-    bar = tqdm(total=workload.num_prompts, disable=ns.serve_no_progress, unit="req", leave=False, desc="bench serve")
+    # disable=None: no bar when stderr is not a terminal (logs get no carriage-return litter)
+    bar = tqdm(total=workload.num_prompts, disable=True if ns.serve_no_progress else None, unit="req", leave=False,
+               desc="bench serve")
     try:
         result = run_serve(spec, workload, progress=bar.update)
     finally:
