@@ -59,7 +59,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or not action.option_strings:
+        # NOTE: identity, not ==: a default of 0 equals False but is worth telling.
+        unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if unset or "default:" in text or "(default" in text or not action.option_strings:
             return text
         return super()._get_help_string(action)
 
