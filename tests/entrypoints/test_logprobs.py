@@ -131,3 +131,11 @@ def test_chat_bytes_are_raw_token_bytes(server, tokenizer):
     for tid, t in zip(ch["token_ids"], ch["logprobs"]["content"]):
         assert t["bytes"] == namer.token_bytes(tid) and t["token"] == tokenizer.decode([tid])
         assert len(t["top_logprobs"]) == 3 and all(x["bytes"] is not None for x in t["top_logprobs"])
+
+
+def test_return_tokens_as_token_ids_per_request(server):
+    lp = complete(server, prompt="The cat sat", max_tokens=1, echo=True, logprobs=1,
+                  return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    assert lp["tokens"][:2] == ["token_id:305", "token_id:300"]
+    lp = complete(server, prompt="The cat sat", max_tokens=1, echo=True, logprobs=1)["choices"][0]["logprobs"]
+    assert lp["tokens"][:2] == ["The", " c"]  # the server default: text

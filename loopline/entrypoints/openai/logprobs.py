@@ -53,6 +53,12 @@ class TokenNamer:
         self.tokens_as_ids = tokens_as_ids or tokenizer is None
         self._text: dict[int, str] = {}
 
+    def for_request(self, tokens_as_ids: bool | None) -> "TokenNamer":
+        """This namer, or one with the request's own ``return_tokens_as_token_ids`` (``None``: the server's)."""
+        if tokens_as_ids is None or tokens_as_ids == self.tokens_as_ids or self.tokenizer is None:
+            return self
+        return TokenNamer(self.tokenizer, tokens_as_ids)
+
     def name(self, token_id: int, lp: Logprob | None = None) -> str:
         """The token's own text (``token_id:<id>`` with ``tokens_as_ids`` or without a tokenizer)."""
         if self.tokens_as_ids:

@@ -61,6 +61,7 @@ class ExtraSamplingFields(OpenAIBaseModel):
     exit_threshold: float | None = None
     priority: int = 0
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     logprobs_mode: str | None = None
 
 

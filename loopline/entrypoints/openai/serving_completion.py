@@ -59,7 +59,7 @@ class _CompletionView:
                   first: bool, start: int) -> CompletionLogProbs:
         """Logprobs of ``ids`` (the echoed prompt when ``first`` and echo, then generated tokens from
         ``start``), with offsets into the choice's whole text (prompt + completion under echo)."""
-        namer = self.ctx.token_namer
+        namer = self.ctx.token_namer.for_request(self.req.return_tokens_as_token_ids)
         base, offsets = 0, []
         if self.req.echo:
             prompt_ids = out.prompt_token_ids
