@@ -66,6 +66,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with a one-line error (no usage dump), exit status 2 as argparse's."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def add_sampling_args(parser: Any) -> None:
     from loopline.config import add_dataclass_args
     from loopline.sampling_params import SamplingParams
@@ -205,7 +212,7 @@ def common_parser(config: bool = True) -> argparse.ArgumentParser:
 def build_parser(only: str | None = None, lazy: bool = False) -> argparse.ArgumentParser:
     """The ``loopline`` parser. With ``lazy``, only subcommand ``only`` (if any) is built, the others are
     just listed: ``loopline --help`` and ``--version`` then need no torch."""
-    parser = argparse.ArgumentParser(prog="loopline", description="Inference and serving for looped language models (Ouro).",
+    parser = ArgumentParser(prog="loopline", description="Inference and serving for looped language models (Ouro).",
                                      epilog="Options of a command: loopline COMMAND --help. Any command takes "
                                             "--config FILE.yaml (its flags as keys; command-line flags win) and --debug.")
     parser.add_argument("--version", action="version", version=loopline.__version__)

@@ -78,6 +78,19 @@ def test_errors_are_one_line_with_exit_2_and_debug_shows_the_traceback(tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "none.txt" in r.stderr
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--bogus"], "unrecognized arguments: --bogus"),
+    (["generate", "--kv-layout", "nope"], "argument --kv-layout: invalid choice: 'nope'"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["bench", "serve"], "the following arguments are required: --base-url"),
+])
+def test_usage_errors_are_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
 def test_bad_option_values_exit_2_naming_the_field(capsys):
     assert main(["generate", "x", "--max-tokens", "0"]) == 2
     err = capsys.readouterr().err
