@@ -21,7 +21,7 @@ HELP = "offline throughput/latency benchmark (and `bench serve` for an HTTP serv
 
 def add_parser(sub: Any) -> None:
     from loopline.config import EngineArgs
-    from loopline.entrypoints.cli import HelpFormatter, common_parser
+    from loopline.entrypoints.cli import SAMPLING_HELP, HelpFormatter, common_parser
 
     p = sub.add_parser("bench", help=HELP, formatter_class=HelpFormatter, parents=[common_parser(config=False)],
                        description="Closed-loop offline benchmark of the engine on random prompts; see docs/benchmarks/README.md.")
@@ -40,8 +40,10 @@ def add_parser(sub: Any) -> None:
     w.add_argument("--depth-dist", default=None,
                    help="synthetic per-token exit depths, replayed with exit_mode=trace: 'd:w,...' "
                         "(e.g. 1:0.1,2:0.4,3:0.3,4:0.2), 'meanX' (e.g. mean2.5), 'uniform' or 'full'")
-    w.add_argument("--exit-threshold", type=float, default=None, help="SamplingParams.exit_threshold (exit_mode=threshold)")
-    w.add_argument("--min-loops", type=int, default=None, help="SamplingParams.min_loops (exit_mode=threshold)")
+    w.add_argument("--exit-threshold", type=float, default=None,
+                   help=SAMPLING_HELP["exit_threshold"] + "; with exit_mode=threshold")
+    w.add_argument("--min-loops", type=int, default=None,
+                   help=SAMPLING_HELP["min_loops"] + " (default: 1); with exit_mode=threshold")
     w.add_argument("--warmup-prompts", type=int, default=None, help="warm-up requests before each run (default: concurrency)")
     w.add_argument("--warmup-output-len", type=int, default=16, help="output tokens of each warm-up request")
     r = p.add_argument_group("comparison and output")
