@@ -53,6 +53,48 @@ def test_text_offsets_point_into_the_text(tokenizer):
     assert namer.text_offsets(ids, 0, len(ids)) == [0, 0, 0, 1, 1, 1, 2, 3, 3]
 
 
+def _exact_offsets(tok, ids: list[int], skip: bool = False) -> list[int]:
+    """The definition: token i's offset is len(decode(ids[:i])) less a trailing U+FFFD."""
+    out = []
+    for i in range(len(ids)):
+        text = tok.decode(ids[:i], skip_special_tokens=skip)
+        out.append(len(text.rstrip("\ufffd")) if text.endswith("\ufffd") else len(text))
+    return out
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_windowed_offsets_equal_the_definition_in_linear_time(tokenizer, skip):
+    import random
+
+    from loopline.entrypoints.openai.logprobs import TextOffsets
+
+    rng = random.Random(0)
+    ids = tokenizer.encode(("The river town woke slowly. " + MULTIBYTE + " <|im_end|> ") * 30)
+    ids += [rng.randrange(0, tokenizer.vocab_size) for _ in range(150)]  # random bytes, specials, broken characters
+    want = _exact_offsets(tokenizer, ids, skip)
+
+    class Counting:  # counts the tokens decoded
+        def __init__(self, tok):
+            self.tok, self.decoded = tok, 0
+
+        def decode(self, ids, **kw):
+            self.decoded += len(ids)
+            return self.tok.decode(ids, **kw)
+
+        def batch_decode(self, seqs, **kw):
+            self.decoded += sum(map(len, seqs))
+            return self.tok.batch_decode(seqs, **kw)
+
+    counting = Counting(tokenizer)
+    offsets = TextOffsets(counting, skip)
+    got = []
+    for k in range(0, len(ids), 5):  # a stream: the sequence grows 5 tokens per chunk
+        got += offsets.of(ids[:k + 5], k, min(len(ids), k + 5))
+    assert got == want
+    n = len(ids)
+    assert counting.decoded < 3 * n * TextOffsets.WINDOW and counting.decoded < n * n // 4, (counting.decoded, n)
+
+
 # --- over HTTP ---------------------------------------------------------------------------------
 def test_echo_tokens_and_offsets(server):
     body = complete(server, prompt="The cat sat", max_tokens=0, echo=True, logprobs=1)

@@ -95,19 +95,80 @@ class TokenNamer:
             out[key] = finite(entry[tid].logprob)
         return out
 
+    def offsets(self, skip_special_tokens: bool = False) -> "TextOffsets":
+        """A :class:`TextOffsets` for one token sequence (keep it while the sequence grows)."""
+        return TextOffsets(self.tokenizer, skip_special_tokens)
+
     def text_offsets(self, token_ids: list[int], start: int, end: int, base: int = 0,
                      skip_special_tokens: bool = False) -> list[int]:
-        """Offsets of tokens ``start..end-1`` in ``base`` + the text of ``token_ids``.
+        """Offsets of tokens ``start..end-1`` in ``base`` + the text of ``token_ids`` (see :class:`TextOffsets`)."""
+        return [base + o for o in self.offsets(skip_special_tokens).of(token_ids, start, end)]
 
-        A token's offset is the length of the text the tokens before it decode to, less a trailing
-        U+FFFD (an incomplete character, completed by this token): so a token that finishes a
-        multi-byte character points at that character's start.
-        """
+
+class TextOffsets:
+    """Character offsets of a growing token sequence in the text it decodes to, in linear time.
+
+    Token i's offset is the length of the text ``ids[:i]`` decodes to, less a
+    trailing U+FFFD (an incomplete character that token i completes), so a
+    token that finishes a multi-byte character points at the character's start.
+    Decoding every prefix costs O(n^2) (over a second for a 2k-token echo), so
+    prefixes are decoded from an *anchor* a instead: ``decode(ids[:i]) ==
+    decode(ids[:a]) + decode(ids[a:i])`` when the tokens around a decode the
+    same apart as together (checked on ``CONTEXT`` tokens each side: byte-level
+    pieces of one character, or a decoder that strips a leading space, fail the
+    check). Anchors advance ``WINDOW`` tokens at a time; where no position near
+    the window's end passes the check, that window decodes whole prefixes (exact,
+    slower).
+    """
+
+    WINDOW = 32
+    CONTEXT = 4
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.lengths = [0]  # lengths[i] = len(decode(ids[:i])) for i <= anchor
+        self.offsets = [0]  # offsets[i]: token i's offset, for i <= anchor
+        self.anchor = 0
+        self.exact = False  # the anchor failed the check: the next window decodes whole prefixes
+
+    def of(self, ids: list[int], start: int, end: int) -> list[int]:
+        """Offsets of tokens ``start..end-1`` of ``ids`` (the whole sequence so far)."""
         if self.tokenizer is None:
-            return [base] * (end - start)
-        prefixes = self.tokenizer.batch_decode([token_ids[:i] for i in range(start, end)],
-                                               skip_special_tokens=skip_special_tokens)
-        return [base + len(p) - (len(p) - len(p.rstrip("\ufffd"))) for p in prefixes]
+            return [0] * (end - start)
+        while len(ids) >= self.anchor + self.WINDOW + self.CONTEXT:
+            self._advance(ids)
+        # token i's offset comes from the prefix ids[:i]: positions up to end - 1 are needed
+        tail = self._window(ids, self.anchor, end - 1)[1] if end - 1 > self.anchor else []
+        known = self.offsets[start:min(end, self.anchor + 1)]
+        return known + tail[max(0, start - self.anchor - 1):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def _window(self, ids: list[int], a: int, b: int) -> tuple[list[int], list[int]]:
+        """(lengths, offsets) of positions a+1..b, decoded from anchor a (or whole, in exact mode)."""
+        base = 0 if self.exact else self.lengths[a]
+        texts = self.tokenizer.batch_decode([ids[0 if self.exact else a:i] for i in range(a + 1, b + 1)],
+                                            skip_special_tokens=self.skip)
+        lengths = [base + len(t) for t in texts]
+        # a suffix of nothing but U+FFFD strips back into the anchor's own trailing U+FFFD
+        floor = 0 if self.exact else self.offsets[a]
+        return lengths, [base + len(t.rstrip("\ufffd")) if t.rstrip("\ufffd") else floor
+                         for t in texts]
+
+    def _advance(self, ids: list[int]) -> None:
+        a, w, c = self.anchor, self.WINDOW, self.CONTEXT
+        lengths, offsets = self._window(ids, a, a + w)
+        self.lengths += lengths
+        self.offsets += offsets
+        for p in range(a + w, a + w - c, -1):  # the window's end, or a few tokens before it
+            near = ids[p - c:p + c]
+            if self._decode(near) == self._decode(ids[p - c:p]) + self._decode(ids[p:p + c]):
+                self.lengths, self.offsets = self.lengths[:p + 1], self.offsets[:p + 1]
+                self.anchor, self.exact = p, False
+                return
+        self.anchor, self.exact = a + w, True
 
 
 def _rank(lp: Logprob) -> int:

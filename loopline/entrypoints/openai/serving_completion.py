@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from loopline.entrypoints.openai.generation import DeltaTracker, Generation, ServingContext
-from loopline.entrypoints.openai.logprobs import completion_logprobs
+from loopline.entrypoints.openai.logprobs import TextOffsets, completion_logprobs
 from loopline.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                                   CompletionResponse, UsageInfo)
 from loopline.entrypoints.openai.sse import sse_event
@@ -36,6 +36,7 @@ class _CompletionView:
         self.echo_only = req.echo and req.max_tokens == 0  # one token was generated; drop it
         self.created = int(time.time())
         self.id = gen.id
+        self._text_offsets: dict[tuple[str, int], TextOffsets] = {}
 
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
@@ -67,7 +68,10 @@ class _CompletionView:
             if first:
                 offsets = namer.text_offsets(prompt_ids, 0, len(prompt_ids))
         n_gen = len(ids) - len(offsets)
-        offsets += namer.text_offsets(comp.token_ids, start, start + n_gen, base, self.params.skip_special_tokens)
+        # one TextOffsets per choice, kept across stream chunks: each chunk costs its own tokens only
+        key = (out.request_id, comp.index)
+        gen = self._text_offsets.setdefault(key, namer.offsets(self.params.skip_special_tokens))
+        offsets += [base + o for o in gen.of(comp.token_ids, start, start + n_gen)]
         return completion_logprobs(namer, ids, entries, offsets, self.req.logprobs)
 
     def _usage(self) -> UsageInfo:
