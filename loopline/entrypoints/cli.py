@@ -177,13 +177,15 @@ def logprob_rows(token_ids: list[int], entries: list | None, k: int | None) -> l
 
 
 def format_logprob_rows(rows: list[dict | None]) -> str:
+    """The text-mode table of :func:`logprob_rows`: one line per token, its top entries after ``|``."""
     lines = []
     for row in rows:
         if row is None:
             lines.append("  (first prompt token: no logprob)")
             continue
         top = ", ".join(f"{t['token_id']} {t['token']!r} {t['logprob']:.3f}" for t in row["top"])
-        lines.append(f"  {row['token_id']:>6} {row['token']!r:<12} {row['logprob']:8.3f} {row['rank']:>6}"
+        rank = "-" if row["rank"] is None else row["rank"]
+        lines.append(f"  {row['token_id']:>6} {row['token']!r:<12} {row['logprob']:8.3f} {rank:>6}"
                      + (f" | {top}" if top else ""))
     return "\n".join(lines)
 
