@@ -71,8 +71,9 @@ class EngineArgs:
     async_scheduling: bool = _opt(True, "overlap: launch step n+1 before reading step n's results (exact: exits are "
                                         "decided on the device); --no-async-scheduling reads every step at once, "
                                         "on the same execution path (for A/B measurements)")
-    disable_log_stats: bool = _opt(True, "do not log engine statistics (otherwise: one line every log_stats_interval seconds)")
-    log_stats_interval: float = _opt(5.0, "seconds between engine statistics log lines")
+    disable_log_stats: bool = _opt(False, "turn off the engine statistics line logged every log_stats_interval seconds "
+                                          "(logged at INFO: loopline serve shows it)")
+    log_stats_interval: float = _opt(10.0, "seconds between engine statistics log lines")
 
     # --- CLI ---------------------------------------------------------------------------
     @classmethod

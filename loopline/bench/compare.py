@@ -54,7 +54,8 @@ def run_point(model: OuroForCausalLM, base_args: EngineArgs, spec: BenchSpec, va
         from loopline.bench.hf_baseline import run_hf as hf_runner
     runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
     total = repeats * len(variants) * workload.num_prompts
-    bar = tqdm(total=total, disable=not progress, unit="req", dynamic_ncols=True, leave=False,
+    # disable=None: no bar when stderr is not a terminal (logs get no carriage-return litter)
+    bar = tqdm(total=total, disable=True if not progress else None, unit="req", dynamic_ncols=True, leave=False,
                desc=f"bench C={spec.concurrency}")
     try:
         for round_ in range(repeats):

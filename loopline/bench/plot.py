@@ -1,16 +1,25 @@
 """``--plot FILE.png``: output throughput vs concurrency, one line per variant."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from loopline.errors import LooplineError
 
 
 class PlotUnavailableError(LooplineError):
-    """matplotlib is not installed."""
+    """matplotlib is not installed (or the plot's folder does not exist)."""
 
 
-def plot_throughput(record: dict[str, Any], path: str) -> None:
+def check_plot_available(path: str) -> None:
+    """Fails before a benchmark runs, not after: matplotlib must import and ``path``'s folder exist."""
+    _pyplot()
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise PlotUnavailableError(f"--plot {path}: the folder {folder} does not exist")
+
+
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -19,6 +28,19 @@ def plot_throughput(record: dict[str, Any], path: str) -> None:
     except ImportError:
         raise PlotUnavailableError(
             "--plot needs matplotlib: pip install 'loopline[plot]' (or pip install matplotlib)") from None
+    return plt
+
+
+def plot_throughput(record: dict[str, Any], path: str) -> None:
+    plt = _pyplot()
+    fig = throughput_figure(record)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def throughput_figure(record: dict[str, Any]) -> Any:
+    """The matplotlib figure of :func:`plot_throughput` (one axes)."""
+    plt = _pyplot()
     points = record["results"]
     names = [row["name"] for row in points[0]["variants"]]
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -36,6 +58,7 @@ def plot_throughput(record: dict[str, Any], path: str) -> None:
     ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("output tokens / s (median)")
+    ax.set_ylim(bottom=0)  # ratios between lines read true only from a zero baseline
     p, hw = record["params"], record["hardware"]
     device = hw.get("gpu") or f"CPU ({hw['cpu_count']} cores)"
     commit = (record["git"].get("commit") or "unknown")[:10]
@@ -44,5 +67,4 @@ def plot_throughput(record: dict[str, Any], path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig

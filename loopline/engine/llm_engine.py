@@ -199,6 +199,8 @@ class LLMEngine:
         if sched.is_empty and self.scheduler.num_running and not sched.preempted_request_ids:
             self._fail_blocked()
             sched = self.scheduler.schedule()
+        for new in sched.new_requests:
+            self.outputs.on_scheduled(new.request_id)
         try:
             handle = self.runner.launch(sched)
         except Exception as e:  # one step's requests fail; the engine goes on

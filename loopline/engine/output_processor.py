@@ -61,6 +61,12 @@ class OutputProcessor:
     def has(self, request_id: str) -> bool:
         return request_id in self._parents
 
+    def on_scheduled(self, child_id: str) -> None:
+        """A request's first admission (its queue time ends); later ones (resumptions) change nothing."""
+        parent = self._parents.get(self._child_parent.get(child_id, (None,))[0])
+        if parent is not None and parent.metrics.first_scheduled_time is None:
+            parent.metrics.first_scheduled_time = time.time()
+
     def has_unreported(self) -> bool:
         """Whether some request changed since the last :meth:`collect`."""
         return any(p.dirty for p in self._parents.values())

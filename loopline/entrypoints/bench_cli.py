@@ -14,19 +14,21 @@ import shlex
 import sys
 from typing import Any
 
-from loopline.config import EngineArgs
 from loopline.errors import InvalidRequestError
 
-_FMT = argparse.ArgumentDefaultsHelpFormatter
+HELP = "offline throughput/latency benchmark (and `bench serve` for an HTTP server)"
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="offline throughput/latency benchmark (and `bench serve` for an HTTP server)",
-                       formatter_class=_FMT,
+    from loopline.config import EngineArgs
+    from loopline.entrypoints.cli import SAMPLING_HELP, HelpFormatter, common_parser
+
+    p = sub.add_parser("bench", help=HELP, formatter_class=HelpFormatter, parents=[common_parser(config=False)],
                        description="Closed-loop offline benchmark of the engine on random prompts; see docs/benchmarks/README.md.")
     w = p.add_argument_group("workload")
     w.add_argument("--config", choices=["tiny", "ouro-1.4b", "ouro-2.6b"], default=None,
-                   help="random weights of these shapes, built in memory (default without --model: tiny)")
+                   help="random weights of these shapes, built in memory (default without --model: tiny); "
+                        "--config FILE.yaml reads flags from a YAML file instead, as for the other commands")
     w.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (random ids)")
     w.add_argument("--output-len", type=int, default=128, help="generated tokens per request (ignore_eos, greedy)")
     w.add_argument("--concurrency", default="8",
@@ -38,8 +40,10 @@ def add_parser(sub: Any) -> None:
     w.add_argument("--depth-dist", default=None,
                    help="synthetic per-token exit depths, replayed with exit_mode=trace: 'd:w,...' "
                         "(e.g. 1:0.1,2:0.4,3:0.3,4:0.2), 'meanX' (e.g. mean2.5), 'uniform' or 'full'")
-    w.add_argument("--exit-threshold", type=float, default=None, help="SamplingParams.exit_threshold (exit_mode=threshold)")
-    w.add_argument("--min-loops", type=int, default=None, help="SamplingParams.min_loops (exit_mode=threshold)")
+    w.add_argument("--exit-threshold", type=float, default=None,
+                   help=SAMPLING_HELP["exit_threshold"] + "; with exit_mode=threshold")
+    w.add_argument("--min-loops", type=int, default=None,
+                   help=SAMPLING_HELP["min_loops"] + " (default: 1); with exit_mode=threshold")
     w.add_argument("--warmup-prompts", type=int, default=None, help="warm-up requests before each run (default: concurrency)")
     w.add_argument("--warmup-output-len", type=int, default=16, help="output tokens of each warm-up request")
     r = p.add_argument_group("comparison and output")
@@ -65,7 +69,10 @@ def add_parser(sub: Any) -> None:
 
 
 def _add_serve(sub: Any) -> None:
-    s = sub.add_parser("serve", help="drive a running OpenAI-compatible server over HTTP", formatter_class=_FMT)
+    from loopline.entrypoints.cli import HelpFormatter, common_parser
+
+    s = sub.add_parser("serve", help="drive a running OpenAI-compatible server over HTTP", formatter_class=HelpFormatter,
+                       parents=[common_parser(config=False)])
     s.add_argument("--base-url", required=True, help="server root, e.g. http://localhost:8000")
     s.add_argument("--model", dest="served_model", default=None, help="model name for requests (default: first of /v1/models)")
     s.add_argument("--input-len", dest="serve_input_len", type=int, default=1024, help="prompt tokens (random ids)")
@@ -153,6 +160,7 @@ def _variants(ns: argparse.Namespace) -> list:
 def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """Runs ``loopline bench`` from parsed arguments; returns the record (also used by tests)."""
     from loopline.bench.compare import run_point
+    from loopline.config import EngineArgs
     from loopline.bench.offline import BenchSpec, build_model
     from loopline.bench.report import environment, point_table
     from loopline.bench.workload import make_workload, parse_depth_dist
@@ -164,6 +172,10 @@ def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) 
     if ns.config and ns.model:
         raise InvalidRequestError("pass --model DIR or --config NAME, not both", param="config")
     concurrencies = _concurrencies(ns.concurrency)
+    if ns.plot:
+        from loopline.bench.plot import check_plot_available
+
+        check_plot_available(ns.plot)  # before minutes of benchmarking, not after
     exit_mode = _resolve_exit_mode(ns)
     variants = _variants(ns)
     repeats = ns.repeats or (3 if len(variants) > 1 else 1)
@@ -241,7 +253,9 @@ def _run_serve(ns: argparse.Namespace) -> int:
     workload = make_workload(ns.serve_num_prompts, ns.serve_input_len, ns.serve_output_len, ns.vocab_size, ns.serve_seed)
     spec = ServeSpec(ns.base_url, ns.serve_output_len, ns.request_rate, ns.serve_concurrency, ns.served_model,
                      ns.serve_seed, ns.timeout)
-    bar = tqdm(total=workload.num_prompts, disable=ns.serve_no_progress, unit="req", leave=False, desc="bench serve")
+    # disable=None: no bar when stderr is not a terminal (logs get no carriage-return litter)
+    bar = tqdm(total=workload.num_prompts, disable=True if ns.serve_no_progress else None, unit="req", leave=False,
+               desc="bench serve")
     try:
         result = run_serve(spec, workload, progress=bar.update)
     finally:

@@ -3,29 +3,90 @@
 Engine flags come from :class:`EngineArgs` and sampling flags from
 :class:`SamplingParams` (``--max-tokens``, ``--exit-threshold``, ...), so the
 CLI and the Python API share one definition.
+
+``loopline --help`` and ``--version`` import neither torch nor the engine:
+only the subcommand being run gets its full parser (which needs
+:class:`EngineArgs`, and so torch). Every error is one line on stderr and exit
+status 2; ``--debug`` (or ``LOOPLINE_DEBUG=1``) shows the traceback.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any
 
-from loopline.config import EngineArgs, add_dataclass_args
+import loopline
+from loopline.entrypoints import bench_cli, serve_cli
 from loopline.errors import LooplineError
-from loopline.sampling_params import SamplingParams
-
 
 SAMPLING_RENAMES = {"seed": "sampling_seed"}  # --seed is the engine's
 
+# Help of each sampling flag (the SamplingParams fields; docs/configuration.md says the same).
+SAMPLING_HELP = {
+    "n": "completions per prompt (completion i uses seed + i)",
+    "max_tokens": "tokens to generate at most (unset: up to max_model_len)",
+    "temperature": "sampling temperature; 0 is greedy",
+    "top_p": "nucleus sampling: keep the most likely tokens whose probabilities sum to top_p",
+    "top_k": "keep the k most likely tokens (0 or -1: off)",
+    "min_p": "drop tokens whose probability is below min_p times the top token's",
+    "seed": "request seed (unset: drawn from the engine's --seed and printed with --json)",
+    "stop": "stop at this string (repeat the flag for several)",
+    "stop_token_ids": "also stop at these token ids",
+    "ignore_eos": "do not stop at end-of-sequence",
+    "logprobs": "print each generated token's logprob and rank with the top K (K <= --max-logprobs)",
+    "prompt_logprobs": "print each prompt token's logprob and rank with the top K (the first token has none)",
+    "presence_penalty": "subtract this from the logits of tokens already generated, in [-2, 2]",
+    "frequency_penalty": "subtract this times the count of each generated token from its logit, in [-2, 2]",
+    "repetition_penalty": "divide positive (multiply negative) logits of tokens already seen (> 0; 1: off)",
+    "skip_special_tokens": "leave special tokens out of the text",
+    "include_stop_str_in_output": "keep the matched stop string at the end of the text",
+    "detokenize": "decode tokens to text",
+    "priority": "admission priority with --scheduling-policy priority (lower runs first)",
+    "min_loops": "a generated token runs at least this many loops",
+    "max_loops": "a generated token runs at most this many loops (unset: the checkpoint's total_ut_steps)",
+    "exit_threshold": "exit after the loop where the cumulative exit probability reaches this "
+                      "(unset: the checkpoint's early_exit_threshold; 1.0 = fixed depth)",
+    "exit_depths": "per-token exit depths replayed with --exit-mode trace (the last value repeats)",
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` only where there is a default to tell and the help does not name one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        # NOTE: identity, not ==: a default of 0 equals False but is worth telling.
+        unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if unset or "default:" in text or "(default" in text or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with a one-line error (no usage dump), exit status 2 as argparse's."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
 
 def add_sampling_args(parser: Any) -> None:
-    add_dataclass_args(parser.add_argument_group("sampling"), SamplingParams, rename=SAMPLING_RENAMES)
+    from loopline.config import add_dataclass_args
+    from loopline.sampling_params import SamplingParams
+
+    group = parser.add_argument_group("sampling")
+    add_dataclass_args(group, SamplingParams, rename=SAMPLING_RENAMES)
+    names = {SAMPLING_RENAMES.get(k, k): k for k in SAMPLING_HELP}
+    for action in group._group_actions:
+        action.help = SAMPLING_HELP[names[action.dest]]
 
 
-def sampling_from_ns(ns: argparse.Namespace) -> SamplingParams:
+def sampling_from_ns(ns: argparse.Namespace) -> Any:
+    from loopline.sampling_params import SamplingParams
+
     kwargs = {}
     for f in dataclasses.fields(SamplingParams):
         dest = SAMPLING_RENAMES.get(f.name, f.name)
@@ -35,8 +96,9 @@ def sampling_from_ns(ns: argparse.Namespace) -> SamplingParams:
 
 
 def _add_generate(sub: Any) -> None:
-    p = sub.add_parser("generate", help="generate text offline (default model: the bundled tiny checkpoint)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from loopline.config import EngineArgs
+
+    p = sub.add_parser("generate", help=GENERATE_HELP, formatter_class=HelpFormatter, parents=[common_parser()])
     p.add_argument("prompts", nargs="*", help="prompts (default: one demo prompt)")
     p.add_argument("--prompt-file", help="file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -48,6 +110,7 @@ def _add_generate(sub: Any) -> None:
 
 
 def _run_generate(ns: argparse.Namespace) -> int:
+    from loopline.config import EngineArgs
     from loopline.entrypoints.llm import LLM
 
     prompts = list(ns.prompts)
@@ -66,14 +129,26 @@ def _run_generate(ns: argparse.Namespace) -> int:
         outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     for prompt, out in zip(prompts, outs):
+        prompt_lps = logprob_rows(out.prompt_token_ids, out.prompt_logprobs, params.prompt_logprobs)
         for comp in out.outputs:
+            lps = logprob_rows(comp.token_ids, comp.logprobs, params.logprobs)
             if ns.json:
-                print(json.dumps({"prompt": prompt, "index": comp.index, "text": comp.text, "token_ids": comp.token_ids,
-                                  "exit_depths": comp.exit_depths, "finish_reason": comp.finish_reason,
-                                  "cumulative_logprob": comp.cumulative_logprob, "seed": comp.seed}))
+                record = {"prompt": prompt, "index": comp.index, "text": comp.text, "token_ids": comp.token_ids,
+                          "exit_depths": comp.exit_depths, "finish_reason": comp.finish_reason,
+                          "cumulative_logprob": comp.cumulative_logprob, "seed": comp.seed}
+                if lps is not None:
+                    record["logprobs"] = lps
+                if prompt_lps is not None:
+                    record["prompt_logprobs"] = prompt_lps
+                print(json.dumps(record))
             else:
                 print(f"prompt: {prompt!r}\noutput[{comp.index}]: {comp.text!r}\n"
-                      f"exit depths: {comp.exit_depths} (mean {comp.mean_exit_depth:.2f})  finish: {comp.finish_reason}\n")
+                      f"exit depths: {comp.exit_depths} (mean {comp.mean_exit_depth:.2f})  finish: {comp.finish_reason}")
+                if prompt_lps is not None and comp.index == 0:
+                    print("prompt logprobs (id, token, logprob, rank | top: id, token, logprob):\n" + format_logprob_rows(prompt_lps))
+                if lps is not None:
+                    print("logprobs (id, token, logprob, rank | top: id, token, logprob):\n" + format_logprob_rows(lps))
+                print()
     if ns.stats:
         st = llm.llm_engine.stats
         stats = {"steps": st.steps, "rows_per_step": round(st.rows_per_step, 2),
@@ -83,27 +158,157 @@ def _run_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loopline", description="Inference and serving for looped language models (Ouro).")
+def logprob_rows(token_ids: list[int], entries: list | None, k: int | None) -> list[dict | None] | None:
+    """One JSON-ready row per token: its id, text, logprob and rank, and the top ``k`` ranked
+    (``None`` where a position has no logprob: the first prompt token)."""
+    if entries is None or k is None:
+        return None
+    rows: list[dict | None] = []
+    for tid, entry in zip(token_ids, entries):
+        if not entry:
+            rows.append(None)
+            continue
+        lp = entry[tid]
+        ranked = sorted((v.rank, t, v) for t, v in entry.items() if v.rank is not None and v.rank <= k)
+        rows.append({"token_id": tid, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank,
+                     "top": [{"token_id": t, "token": v.decoded_token, "logprob": v.logprob, "rank": r}
+                             for r, t, v in ranked]})
+    return rows
+
+
+def format_logprob_rows(rows: list[dict | None]) -> str:
+    """The text-mode table of :func:`logprob_rows`: one line per token, its top entries after ``|``."""
+    lines = []
+    for row in rows:
+        if row is None:
+            lines.append("  (first prompt token: no logprob)")
+            continue
+        top = ", ".join(f"{t['token_id']} {t['token']!r} {t['logprob']:.3f}" for t in row["top"])
+        rank = "-" if row["rank"] is None else row["rank"]
+        lines.append(f"  {row['token_id']:>6} {row['token']!r:<12} {row['logprob']:8.3f} {rank:>6}"
+                     + (f" | {top}" if top else ""))
+    return "\n".join(lines)
+
+
+GENERATE_HELP = "generate text offline (default model: the bundled tiny checkpoint)"
+# name -> (help, builder of the full sub-parser)
+COMMANDS = {
+    "generate": (GENERATE_HELP, _add_generate),
+    "serve": (serve_cli.HELP, serve_cli.add_parser),
+    "bench": (bench_cli.HELP, bench_cli.add_parser),
+}
+
+
+def common_parser(config: bool = True) -> argparse.ArgumentParser:
+    """Options every subcommand takes: ``--debug``, and ``--config FILE.yaml`` (listed for ``--help``;
+    :func:`expand_config` replaces it before parsing)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("command")
+    if config:
+        g.add_argument("--config", metavar="FILE.yaml", help="read flags from a YAML file (keys: flag names; "
+                                                            "flags on the command line win)")
+    g.add_argument("--debug", action="store_true", help="print the traceback of an error (env LOOPLINE_DEBUG=1)")
+    return p
+
+
+def build_parser(only: str | None = None, lazy: bool = False) -> argparse.ArgumentParser:
+    """The ``loopline`` parser. With ``lazy``, only subcommand ``only`` (if any) is built, the others are
+    just listed: ``loopline --help`` and ``--version`` then need no torch."""
+    parser = ArgumentParser(prog="loopline", description="Inference and serving for looped language models (Ouro).",
+                                     epilog="Options of a command: loopline COMMAND --help. Any command takes "
+                                            "--config FILE.yaml (its flags as keys; command-line flags win) and --debug.")
+    parser.add_argument("--version", action="version", version=loopline.__version__)
     sub = parser.add_subparsers(dest="command", metavar="{generate,serve,bench}")
     sub.required = True
-    _add_generate(sub)
-    for name in ("serve", "bench"):
-        try:
-            module = __import__(f"loopline.entrypoints.{name}_cli", fromlist=["add_parser"])
-        except ImportError:
-            continue
-        module.add_parser(sub)
+    for name, (help_text, build) in COMMANDS.items():
+        if not lazy or name == only:
+            build(sub)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+def expand_config(argv: list[str]) -> list[str]:
+    """Replaces ``--config FILE.yaml`` with the flags the file holds, right after the subcommand, so
+    flags given on the command line (later in ``argv``) win, as with vLLM's ``--config``.
+
+    Keys are flag names without dashes (``max-num-seqs`` or ``max_num_seqs``); ``true`` / ``false``
+    give ``--flag`` / ``--no-flag``, lists give several values. ``loopline bench --config NAME``
+    (random weights of a model's shapes) is left alone unless NAME is a ``.yaml`` / ``.yml`` file.
+    """
+    command = next((j for j, a in enumerate(argv) if a in COMMANDS), None)
+    for i, arg in enumerate(argv):
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None
+        if path is None or (command is not None and argv[command] == "bench" and not path.endswith((".yaml", ".yml"))):
+            continue
+        if command is None or i < command:
+            raise LooplineError("--config FILE.yaml goes after the command, e.g. loopline serve --config FILE.yaml")
+        rest = argv[:i] + argv[i + (1 if "=" in arg else 2):]
+        return rest[:command + 1] + _config_flags(path) + rest[command + 1:]
+    return argv
+
+
+def _config_flags(path: str) -> list[str]:
     try:
+        import yaml
+    except ImportError:
+        raise LooplineError("--config FILE.yaml needs PyYAML: pip install pyyaml") from None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as e:
+        raise LooplineError(f"--config {path}: cannot read it ({e.strerror or e})") from None
+    except yaml.YAMLError as e:
+        raise LooplineError(f"--config {path}: invalid YAML ({' '.join(str(e).split())})") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise LooplineError(f"--config {path}: expected a mapping of flag names to values, found {type(data).__name__}")
+    flags: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if key == "config":
+            raise LooplineError(f"--config {path}: a config file cannot name another one")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + flag[2:])
+        elif value is None:
+            continue
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            raise LooplineError(f"--config {path}: {key}: expected a value or a list, got a mapping")
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _debug(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("LOOPLINE_DEBUG", "") not in ("", "0")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config(argv)
+        command = next((a for a in argv if a in COMMANDS), None)
+        ns = build_parser(only=command, lazy=True).parse_args(argv)
         return ns.func(ns)
-    except LooplineError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 -- the one place that turns any error into a clean CLI line
+        if _debug(argv):
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, (LooplineError, OSError)):
+        return text
+    return f"{type(e).__name__}: {text} (an internal error: rerun with --debug or LOOPLINE_DEBUG=1 for the traceback)"
 
 
 if __name__ == "__main__":

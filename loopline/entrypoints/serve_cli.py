@@ -5,7 +5,9 @@ import argparse
 import json
 from typing import Any
 
-from loopline.config import EngineArgs
+from loopline.errors import LooplineError
+
+HELP = "serve an OpenAI-compatible HTTP API (default model: the bundled tiny checkpoint)"
 
 # NOTE: literals, not imports: building the parser must not import the server (FastAPI, uvicorn).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
@@ -27,8 +29,10 @@ def _str_list(value: str) -> list[str]:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (default model: the bundled tiny checkpoint)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from loopline.config import EngineArgs
+    from loopline.entrypoints.cli import HelpFormatter, common_parser
+
+    p = sub.add_parser("serve", help=HELP, formatter_class=HelpFormatter, parents=[common_parser()])
     p.add_argument("model_tag", nargs="?", default=None, help="checkpoint directory (same as --model)")
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -65,6 +69,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     server.add_argument("--shutdown-timeout", type=float, default=30,
                         help="seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted "
                              "(streams then end with finish_reason 'abort' and [DONE])")
+    server.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="in logprobs, name every token 'token_id:<id>' instead of by its text "
+                             "(tokens that are not valid UTF-8 on their own stay identifiable)")
     server.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's own log level")
     EngineArgs.add_cli_args(p)
@@ -77,6 +84,6 @@ def _run_serve(ns: argparse.Namespace) -> int:
 
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
-            raise SystemExit("error: give the model either positionally or with --model, not both")
+            raise LooplineError("give the model either positionally or with --model, not both")
         ns.model = ns.model_tag
     return run_server(ns)

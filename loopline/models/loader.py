@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loopline.errors import LooplineError
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
 
 CONFIG_FILE = "config.json"
@@ -48,7 +50,7 @@ _DEFAULTS = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(LooplineError, ValueError):
     """A checkpoint directory that loopline cannot load (missing, corrupt or unsupported)."""
 
 
@@ -359,12 +361,25 @@ def chat_end_token_ids(tokenizer) -> list[int]:
 # --- helpers ------------------------------------------------------------------------
 
 
+# "owner/name" with the characters the Hugging Face Hub allows: what a vLLM user passes as --model.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
 def _existing_dir(model_dir: PathLike) -> Path:
     path = Path(model_dir)
-    if not path.is_dir():
-        what = "is not a directory" if path.exists() else "does not exist"
-        raise CheckpointError(f"model directory {path} {what}")
-    return path
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"model directory {path} is not a directory")
+    # NOTE: loopline never downloads (DESIGN.md §7: paths stay local), so say how to get the files here.
+    if _HUB_ID.match(str(model_dir)):
+        local = "./" + str(model_dir).split("/")[1]
+        raise CheckpointError(
+            f"model {str(model_dir)!r} is not a local directory; loopline loads local checkpoint directories only "
+            f"and never downloads: fetch it first, e.g. `hf download {model_dir} --local-dir {local}` "
+            f"(huggingface_hub), then pass {local}")
+    raise CheckpointError(f"model directory {path} does not exist (loopline loads local checkpoint directories only; "
+                          "download the weights first, e.g. with `hf download <repo> --local-dir <dir>`)")
 
 
 def _read_json(path: Path, *, required: bool) -> dict | None:

@@ -331,3 +331,49 @@ def test_shared_prefix_workload():
     assert len({tuple(p[12:]) for p in w.prompts}) == 4
     with pytest.raises(InvalidRequestError):
         make_workload(2, 8, 3, 500, seed=1, shared_prefix_len=9)
+
+
+# --- polish: --plot checked first, y from 0, quiet bars in logs, help ------------------------------
+
+
+def test_plot_is_checked_before_the_benchmark_runs(monkeypatch, tmp_path):
+    import loopline.bench.offline as offline
+    from loopline.bench.plot import PlotUnavailableError
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the benchmark ran before --plot was checked")
+
+    monkeypatch.setattr(offline, "build_model", must_not_run)
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "matplotlib", None)
+        with pytest.raises(PlotUnavailableError, match="needs matplotlib"):
+            bench("--plot", str(tmp_path / "x.png"))
+    pytest.importorskip("matplotlib")
+    with pytest.raises(PlotUnavailableError, match="does not exist"):
+        bench("--plot", str(tmp_path / "missing" / "x.png"))
+
+
+def test_plot_y_axis_starts_at_zero():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from loopline.bench.plot import throughput_figure
+
+    record = bench("--input-len", "4", "--output-len", "3", "--concurrency", "1,2")
+    fig = throughput_figure(record)
+    assert fig.axes[0].get_ylim()[0] == 0
+    plt.close(fig)
+
+
+def test_progress_bar_stays_out_of_logs(capsys):
+    argv = [a for a in TINY if a != "--no-progress"]
+    assert main(["bench", *argv, "--input-len", "4", "--output-len", "2", "--concurrency", "1"]) == 0
+    err = capsys.readouterr().err  # not a terminal: no bar, no carriage returns
+    assert "bench C=" not in err and "\r" not in err
+
+
+def test_bench_help_has_no_default_none():
+    sub = build_parser()._subparsers._group_actions[0].choices["bench"]
+    text = sub.format_help()
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert all(a.help for a in sub._actions if a.option_strings)

@@ -296,7 +296,10 @@ def test_stats_are_logged_when_enabled(tiny_gqa, caplog):
             engine.step()
     lines = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
     assert lines and "rows/step" in lines[-1] and "KV usage" in lines[-1]
-    quiet = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True))
+    assert LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu",
+                                skip_tokenizer_init=True))._stat_logger is not None  # on by default, as in vLLM
+    quiet = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True,
+                                 disable_log_stats=True))
     assert quiet._stat_logger is None
 
 

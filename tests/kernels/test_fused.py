@@ -144,6 +144,7 @@ def test_packed_projections_keep_names_values_and_in_place_updates():
     close(_loop(model, model.ops)[0], ref2, torch.float32)
 
 
+@pytest.mark.slow  # ~70 s in the Triton interpreter; each fused kernel has its own test above in the default run
 def test_engine_with_fused_ops_survives_sleep_and_weight_updates(tiny_gqa, tiny_factory):
     from loopline import SamplingParams
     from loopline.config import EngineArgs

@@ -327,3 +327,15 @@ def test_chat_end_token_ids_without_im_end():
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")))
     assert chat_end_token_ids(tok) == []
+
+
+def test_hub_id_and_missing_path_say_local_directories_only(tmp_path):
+    from loopline.errors import LooplineError
+
+    with pytest.raises(CheckpointError, match="loads local checkpoint directories only") as info:
+        load_config("ByteDance/Ouro-1.4B")
+    msg = str(info.value)
+    assert "hf download ByteDance/Ouro-1.4B --local-dir ./Ouro-1.4B" in msg and "\n" not in msg
+    assert isinstance(info.value, LooplineError)  # the CLI prints it as one line
+    with pytest.raises(CheckpointError, match="does not exist .*local checkpoint directories only"):
+        load_config(tmp_path / "missing")

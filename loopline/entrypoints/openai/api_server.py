@@ -43,6 +43,7 @@ from loopline.entrypoints.openai.serving_completion import create_completion
 from loopline.entrypoints.openai.serving_generate import GenerateRequest, create_generate
 from loopline.entrypoints.openai.security import SecurityConfig, SecurityGuard, is_loopback
 from loopline.entrypoints.openai.serving_rl import add_rl_routes
+from loopline.entrypoints.openai.startup import startup_line
 from loopline.entrypoints.tokenizer_pool import TokenizerPool
 from loopline.errors import InvalidRequestError, LooplineError
 
@@ -57,7 +58,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
               enable_rl_api: bool = False, security: SecurityConfig | None = None,
               allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
               allow_credentials: bool = False,
-              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST) -> FastAPI:
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+              return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The FastAPI app serving ``async_llm``.
 
     ``served_model_name``: the name(s) clients must use in ``model`` (default:
@@ -73,6 +75,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
     ``allowed_methods`` / ``allowed_headers`` / ``allow_credentials``: the CORS
     answer for ``security.allowed_origins`` (vLLM's flags). ``max_prompts_per_request``:
     the most prompts one completions or ``/generate`` request may carry.
+    ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:<id>`` instead of by
+    their text (vLLM's flag).
     """
     for name, value in (("max_concurrent_requests", max_concurrent_requests),
                         ("max_prompts_per_request", max_prompts_per_request)):
@@ -81,7 +85,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [async_llm.engine.config.model_path or "ouro"]  # no path: an in-memory model
     metrics = ServerMetrics(async_llm, names[0])
-    ctx = ServingContext(async_llm, names, metrics, max_concurrent_requests, max_prompts_per_request)
+    ctx = ServingContext(async_llm, names, metrics, max_concurrent_requests, max_prompts_per_request,
+                         return_tokens_as_token_ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -122,6 +127,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
             return Response(status_code=200)
         err = APIError(503, problem, type="service_unavailable", code="service_unavailable")
         return JSONResponse(err.body(), status_code=503)
+
+    # vLLM's (and SageMaker's) liveness route: the same answer as /health.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
 
     @app.get("/version")
     async def version() -> dict:
@@ -302,10 +310,12 @@ def run_server(ns: argparse.Namespace) -> int:
                                        max_request_body_bytes=ns.max_request_body_bytes)
     args = EngineArgs.from_cli_args(ns)
     async_llm = AsyncLLM(args)
+    logger.info(startup_line(async_llm.engine, rl_api=ns.enable_rl_api))
     name = ns.served_model_name or ([args.model] if args.model else [_default_name()])
     app = build_app(async_llm, name, api_key, ns.max_concurrent_requests, enable_rl_api=ns.enable_rl_api,
                     security=security, allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
-                    allow_credentials=ns.allow_credentials, max_prompts_per_request=ns.max_prompts_per_request)
+                    allow_credentials=ns.allow_credentials, max_prompts_per_request=ns.max_prompts_per_request,
+                    return_tokens_as_token_ids=ns.return_tokens_as_token_ids)
     # NOTE: uvicorn cuts connections still open after its own timeout; ours aborts the requests first
     # (so every stream ends with a final chunk and [DONE]) and uvicorn's is only the last resort.
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, access_log=False,

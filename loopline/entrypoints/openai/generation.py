@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from loopline.engine import PromptType
 from loopline.entrypoints.async_llm import AsyncLLM, OutputStream
+from loopline.entrypoints.openai.logprobs import TokenNamer
 from loopline.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from loopline.entrypoints.openai.protocol import APIError
 from loopline.entrypoints.openai.sse import SSEResponse
@@ -178,8 +179,10 @@ class ServingContext:
     """What the route handlers share: the engine, the served name(s), metrics and the in-flight limit."""
 
     def __init__(self, async_llm: AsyncLLM, model_names: list[str], metrics: ServerMetrics,
-                 max_concurrent_requests: int, max_prompts_per_request: int = 1024) -> None:
+                 max_concurrent_requests: int, max_prompts_per_request: int = 1024,
+                 return_tokens_as_token_ids: bool = False) -> None:
         self.llm = async_llm
+        self.token_namer = TokenNamer(async_llm.tokenizer, return_tokens_as_token_ids)
         self.model_names = model_names
         self.metrics = metrics
         self.max_concurrent_requests = max_concurrent_requests

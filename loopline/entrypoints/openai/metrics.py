@@ -3,14 +3,24 @@
 Per-request figures (latencies, token counts, exit depths, final status) are
 recorded by the HTTP layer from the ``RequestOutput``s it streams, through a
 :class:`RequestTracker` per engine request; per-step figures come from the
-engine thread's step listener; gauges read the engine snapshot at scrape time.
+engine thread's step listener; gauges and the engine's own running totals are
+read from the engine snapshot at scrape time.
+
+Names are vLLM's with the ``loopline:`` prefix where vLLM has the series
+(``vllm:time_to_first_token_seconds`` is ``loopline:time_to_first_token_seconds``),
+so a vLLM dashboard works after replacing the prefix; docs/serving.md lists
+them side by side, and docs/grafana-loopline.json charts them.
 """
 from __future__ import annotations
 
 import time
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from loopline.entrypoints.async_llm import AsyncLLM, StepRecord
 from loopline.outputs import RequestOutput
@@ -18,6 +28,10 @@ from loopline.outputs import RequestOutput
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+#: ``finished_reason`` values of ``loopline:request_success_total`` (vLLM's label and values).
+FINISHED_REASONS = ("stop", "length", "abort")
 
 #: Values of the ``status`` label of ``loopline:requests_total``.
 STATUSES = ("stop", "length", "abort", "error", "rejected")
@@ -53,6 +67,26 @@ class ServerMetrics:
         self.steps = counter("loopline:engine_steps", "Engine steps that ran at least one row").labels(**labels)
         self.rows = counter("loopline:engine_rows", "Rows run (a row: one decode token or prefill chunk at one loop)").labels(**labels)
         self.rows_per_step = histogram("loopline:rows_per_step", "Rows batched together in one engine step", _ROW_BUCKETS)
+        self.iteration_tokens = histogram("loopline:iteration_tokens_total", "Tokens scheduled in one engine step "
+                                          "(decode rows + prefill chunk tokens)", _ITERATION_BUCKETS)
+        success = counter("loopline:request_success", "Finished engine requests by finished_reason", ("finished_reason",))
+        self.request_success = {r: success.labels(finished_reason=r, **labels) for r in FINISHED_REASONS}
+        self.request_prompt_tokens = histogram("loopline:request_prompt_tokens", "Prompt tokens per finished request",
+                                               _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("loopline:request_generation_tokens",
+                                                   "Generated tokens per finished request (all n completions)", _TOKEN_BUCKETS)
+        self.tpot = histogram("loopline:request_time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (generated tokens - 1)", _LATENCY_BUCKETS)
+        # From the engine's RequestMetrics (first_scheduled_time, first/last token time): only
+        # observed when the engine records when a request was first scheduled.
+        self.queue_time = histogram("loopline:request_queue_time_seconds", "Time from arrival to first scheduled",
+                                    _LATENCY_BUCKETS)
+        self.prefill_time = histogram("loopline:request_prefill_time_seconds",
+                                      "Time from first scheduled to the first token", _LATENCY_BUCKETS)
+        self.decode_time = histogram("loopline:request_decode_time_seconds", "Time from the first to the last token",
+                                     _LATENCY_BUCKETS)
+        self.inference_time = histogram("loopline:request_inference_time_seconds",
+                                        "Time from first scheduled to the last token", _LATENCY_BUCKETS)
 
         def gauge(name: str, doc: str, read) -> None:
             Gauge(name, doc, ["model_name"], registry=reg).labels(**labels).set_function(read)
@@ -64,13 +98,12 @@ class ServerMetrics:
         gauge("loopline:kv_cache_total_blocks", "KV blocks in the pool", lambda: snap().kv_total_blocks)
         gauge("loopline:kv_cache_usage_perc", "Fraction of KV blocks in use",
               lambda: snap().kv_used_blocks / snap().kv_total_blocks if snap().kv_total_blocks else 0.0)
-        # Counters owned by the engine, exported as gauges of their running totals.
-        gauge("loopline:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache",
-              lambda: snap().prefix_cache_queries)
-        gauge("loopline:prefix_cache_hits_total", "Prompt tokens served from the prefix cache",
-              lambda: snap().prefix_cache_hits)
-        gauge("loopline:num_preemptions_total", "Requests preempted (snapshotted to CPU memory)",
-              lambda: snap().num_preemptions)
+        # Running totals the engine keeps: exported as counters read at scrape time.
+        reg.register(_EngineTotals(model_name, {
+            "loopline:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", lambda: snap().prefix_cache_queries),
+            "loopline:prefix_cache_hits": ("Prompt tokens served from the prefix cache", lambda: snap().prefix_cache_hits),
+            "loopline:num_preemptions": ("Requests preempted (snapshotted to CPU memory)", lambda: snap().num_preemptions),
+        }))
         self.in_flight = Gauge("loopline:http_requests_in_flight", "Generation HTTP requests being served",
                                ["model_name"], registry=reg).labels(**labels)
         async_llm.add_step_listener(self._on_step)
@@ -79,6 +112,7 @@ class ServerMetrics:
         self.steps.inc()
         self.rows.inc(rec.rows)
         self.rows_per_step.observe(rec.rows)
+        self.iteration_tokens.observe(rec.scheduled_tokens)
 
     def tracker(self) -> "RequestTracker":
         return RequestTracker(self)
@@ -98,8 +132,11 @@ class RequestTracker:
         self.seen: list[int] = []  # tokens already counted per completion
         self.done = False
         self.status: str | None = None
+        self.prompt_tokens = 0
+        self.last: RequestOutput | None = None
 
     def accepted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
         self.m.prompt_tokens.inc(prompt_tokens)
 
     def observe(self, out: RequestOutput) -> None:
@@ -125,6 +162,7 @@ class RequestTracker:
                 for _ in range(new):
                     self.m.itl.observe(gap)
             self.last_token_time = now
+        self.last = out
         if out.finished:
             reasons = [c.finish_reason for c in out.outputs]
             self.finish("abort" if "abort" in reasons else "length" if "length" in reasons else "stop")
@@ -136,5 +174,37 @@ class RequestTracker:
         self.done = True
         self.status = status
         self.m.requests[status].inc()
-        if status != "abort":
-            self.m.e2e.observe(time.monotonic() - self.start)
+        self.m.request_success[status].inc()
+        if status == "abort":
+            return
+        m, now = self.m, time.monotonic()
+        m.e2e.observe(now - self.start)
+        generated = sum(self.seen)
+        m.request_prompt_tokens.observe(self.prompt_tokens)
+        m.request_generation_tokens.observe(generated)
+        if generated > 1 and self.first_token_latency is not None and self.last_token_time is not None:
+            first = self.start + self.first_token_latency
+            m.tpot.observe((self.last_token_time - first) / (generated - 1))
+        timing = self.last.metrics if self.last is not None else None
+        if timing is not None and timing.first_scheduled_time is not None:
+            t = timing
+            m.queue_time.observe(max(0.0, t.first_scheduled_time - t.arrival_time))
+            if t.first_token_time is not None:
+                m.prefill_time.observe(max(0.0, t.first_token_time - t.first_scheduled_time))
+            if t.first_token_time is not None and t.last_token_time is not None:
+                m.decode_time.observe(max(0.0, t.last_token_time - t.first_token_time))
+                m.inference_time.observe(max(0.0, t.last_token_time - t.first_scheduled_time))
+
+
+class _EngineTotals(Collector):
+    """Counters whose values the engine keeps (read at scrape time): ``name -> (help, read)``."""
+
+    def __init__(self, model_name: str, totals: dict[str, tuple[str, Callable[[], float]]]) -> None:
+        self.model_name = model_name
+        self.totals = totals
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, (doc, read) in self.totals.items():
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], read())
+            yield family

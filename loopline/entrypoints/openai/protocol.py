@@ -75,6 +75,7 @@ class ExtraSamplingFields(StrictRequest):
     exit_threshold: float | None = None
     priority: int = 0
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     logprobs_mode: str | None = None
 
 

@@ -52,7 +52,8 @@ class _ChatView:
         if not self.req.logprobs or comp.logprobs is None:
             return None
         end = len(comp.token_ids) if end is None else end
-        return ChatLogProbs(content=chat_logprobs(comp.token_ids[start:end], comp.logprobs[start:end], self.top_k))
+        namer = self.ctx.token_namer.for_request(self.req.return_tokens_as_token_ids)
+        return ChatLogProbs(content=chat_logprobs(namer, comp.token_ids[start:end], comp.logprobs[start:end], self.top_k))
 
     def _usage(self) -> UsageInfo:
         prompt, generated = self.gen.usage()

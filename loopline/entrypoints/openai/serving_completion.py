@@ -8,8 +8,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from loopline.entrypoints.openai.generation import DeltaTracker, Generation, ServingContext
-from loopline.entrypoints.openai.logprobs import completion_logprobs
-from loopline.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from loopline.entrypoints.openai.logprobs import TextOffsets, completion_logprobs
+from loopline.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
+                                                  CompletionResponse, UsageInfo)
 from loopline.entrypoints.openai.sse import error_event, sse_event
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -36,6 +37,7 @@ class _CompletionView:
         self.echo_only = req.echo and req.max_tokens == 0  # one token was generated; drop it
         self.created = int(time.time())
         self.id = gen.id
+        self._text_offsets: dict[tuple[str, int], TextOffsets] = {}
 
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
@@ -55,6 +57,24 @@ class _CompletionView:
         ids = out.prompt_token_ids
         return ids, list(out.prompt_logprobs) if out.prompt_logprobs is not None else [None] * len(ids)
 
+    def _logprobs(self, out: RequestOutput, comp: CompletionOutput, ids: list[int], entries: list,
+                  first: bool, start: int) -> CompletionLogProbs:
+        """Logprobs of ``ids`` (the echoed prompt when ``first`` and echo, then generated tokens from
+        ``start``), with offsets into the choice's whole text (prompt + completion under echo)."""
+        namer = self.ctx.token_namer.for_request(self.req.return_tokens_as_token_ids)
+        base, offsets = 0, []
+        if self.req.echo:
+            prompt_ids = out.prompt_token_ids
+            base = len(self._prompt_text(out))
+            if first:
+                offsets = namer.text_offsets(prompt_ids, 0, len(prompt_ids))
+        n_gen = len(ids) - len(offsets)
+        # one TextOffsets per choice, kept across stream chunks: each chunk costs its own tokens only
+        key = (out.request_id, comp.index)
+        gen = self._text_offsets.setdefault(key, namer.offsets(self.params.skip_special_tokens))
+        offsets += [base + o for o in gen.of(comp.token_ids, start, start + n_gen)]
+        return completion_logprobs(namer, ids, entries, offsets, self.req.logprobs)
+
     def _usage(self) -> UsageInfo:
         prompt, generated = self.gen.usage(0 if self.echo_only else None)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
@@ -72,7 +92,7 @@ class _CompletionView:
                     prompt_ids, prompt_entries = self._prompt_part(out)
                     ids, entries, text = prompt_ids + ids, prompt_entries + entries, self._prompt_text(out) + text
                 if req.logprobs is not None:
-                    logprobs = completion_logprobs(ids, entries)
+                    logprobs = self._logprobs(out, comp, ids, entries, first=True, start=0)
                 choices.append(CompletionChoice(
                     index=p * self.n + comp.index, text=text, logprobs=logprobs,
                     finish_reason="length" if self.echo_only else comp.finish_reason, stop_reason=comp.stop_reason,
@@ -86,7 +106,6 @@ class _CompletionView:
     async def stream(self) -> AsyncIterator[str]:
         req, gen = self.req, self.gen
         deltas = DeltaTracker.for_params(self.params)
-        offsets: dict[tuple[int, int], int] = {}
         try:
             async for out in gen.outputs():
                 p = gen.prompt_index(out.request_id)
@@ -105,9 +124,7 @@ class _CompletionView:
                         ids, entries, text = prompt_ids + ids, prompt_entries + entries, self._prompt_text(out) + text
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = completion_logprobs(ids, entries, offsets.get((p, comp.index), 0))
-                        if logprobs.tokens:
-                            offsets[(p, comp.index)] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                        logprobs = self._logprobs(out, comp, ids, entries, first=first and req.echo, start=d.start_token)
                     finish = d.finish_reason and ("length" if self.echo_only else d.finish_reason)
                     choices.append(CompletionChoice(
                         index=p * self.n + comp.index, text=text, logprobs=logprobs, finish_reason=finish,

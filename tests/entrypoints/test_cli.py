@@ -1,0 +1,149 @@
+"""The ``loopline`` command as a user runs it: output, logprobs, errors, --version, --config."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from loopline.entrypoints.cli import main
+
+
+def _generate(tiny, capsys, *extra: str) -> str:
+    rc = main(["generate", "The cat sat", "--model", str(tiny.path), "--device", "cpu", "--dtype", "float32",
+               "--max-tokens", "3", "--sampling-seed", "1", *extra])
+    assert rc == 0
+    return capsys.readouterr().out
+
+
+def test_generate_json_prints_logprobs_and_prompt_logprobs(tiny_gqa, capsys):
+    rec = json.loads(_generate(tiny_gqa, capsys, "--logprobs", "2", "--prompt-logprobs", "1", "--json"))
+    assert len(rec["logprobs"]) == 3
+    for tid, row in zip(rec["token_ids"], rec["logprobs"]):
+        assert row["token_id"] == tid and row["logprob"] <= 0 and row["rank"] >= 1
+        assert [t["rank"] for t in row["top"]] == [1, 2]
+        assert row["top"][0]["logprob"] >= row["top"][1]["logprob"]
+    assert sum(r["logprob"] for r in rec["logprobs"]) == pytest.approx(rec["cumulative_logprob"], abs=1e-4)
+    prompt = rec["prompt_logprobs"]
+    assert len(prompt) == 5 and prompt[0] is None
+    assert [r["token"] for r in prompt[1:]] == [" c", "at", " s", "at"] and all(len(r["top"]) == 1 for r in prompt[1:])
+
+
+def test_generate_text_prints_logprob_tables(tiny_gqa, capsys):
+    out = _generate(tiny_gqa, capsys, "--logprobs", "1", "--prompt-logprobs", "0")
+    assert "prompt logprobs (id, token, logprob, rank" in out and "logprobs (id, token, logprob, rank" in out
+    assert "(first prompt token: no logprob)" in out
+    assert "' c'" in out  # a prompt token's text
+
+
+def test_generate_without_logprobs_prints_none(tiny_gqa, capsys):
+    out = _generate(tiny_gqa, capsys, "--json")
+    assert "logprobs" not in json.loads(out)
+
+
+# --- conventions: --version, lazy imports, one-line errors, --config -------------------------------
+def _run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "loopline.entrypoints.cli", *argv], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_version_and_help_do_not_import_torch():
+    import loopline
+
+    code = ("import sys, contextlib, io\nfrom loopline.entrypoints.cli import main\n"
+            "for argv in (['--version'], ['--help']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "        try: main(argv)\n"
+            "        except SystemExit as e: assert e.code == 0\n"
+            "    print(out.getvalue().splitlines()[0])\n"
+            "print('torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0, r.stderr
+    assert lines[0] == loopline.__version__ and lines[1].startswith("usage: loopline") and lines[2] == "False"
+
+
+def test_errors_are_one_line_with_exit_2_and_debug_shows_the_traceback(tmp_path):
+    r = _run("generate", "x", "--model", "ByteDance/Ouro-1.4B")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: model 'ByteDance/Ouro-1.4B' is not a local directory")
+    assert "hf download ByteDance/Ouro-1.4B" in r.stderr
+    r = _run("generate", "x", "--model", str(tmp_path / "missing"), "--debug")
+    assert r.returncode != 0 and "Traceback" in r.stderr and "CheckpointError" in r.stderr
+    r = _run("generate", "x", "--model", str(tmp_path / "missing"), env={"LOOPLINE_DEBUG": "1"})
+    assert "Traceback" in r.stderr
+    r = _run("generate", "--prompt-file", str(tmp_path / "none.txt"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "none.txt" in r.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--bogus"], "unrecognized arguments: --bogus"),
+    (["generate", "--kv-layout", "nope"], "argument --kv-layout: invalid choice: 'nope'"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["bench", "serve"], "the following arguments are required: --base-url"),
+])
+def test_usage_errors_are_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+def test_bad_option_values_exit_2_naming_the_field(capsys):
+    assert main(["generate", "x", "--max-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: max_tokens must be") and err.count("\n") == 1
+
+
+def test_config_yaml_gives_flags_and_the_command_line_wins(tmp_path, tiny_gqa, capsys):
+    from loopline.entrypoints.cli import build_parser, expand_config
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("port: 9001\nmax_num_seqs: 3\nkv-layout: shared\nenable-prefix-caching: true\n"
+                   "served-model-name: [a, b]\nreturn_tokens_as_token_ids: true\n")
+    argv = expand_config(["serve", "--config", str(cfg), "--port", "9002"])
+    ns = build_parser().parse_args(argv)
+    assert (ns.port, ns.max_num_seqs, ns.kv_layout, ns.enable_prefix_caching) == (9002, 3, "shared", True)
+    assert ns.served_model_name == ["a", "b"] and ns.return_tokens_as_token_ids
+    # generate end to end, with a value the command line overrides
+    gen = tmp_path / "gen.yaml"
+    gen.write_text(f"model: {tiny_gqa.path}\ndevice: cpu\ndtype: float32\nmax-tokens: 7\njson: true\n")
+    assert main(["generate", "hi", f"--config={gen}", "--max-tokens", "2", "--sampling-seed", "0"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 2
+
+
+@pytest.mark.parametrize("text, message", [
+    ("- a\n- b\n", "expected a mapping"),
+    ("port: [\n", "invalid YAML"),
+    ("no-such-flag: 1\n", "unrecognized arguments: --no-such-flag"),
+])
+def test_bad_config_files(tmp_path, capsys, text, message):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    try:
+        rc = main(["serve", "--config", str(cfg)])
+    except SystemExit as e:  # argparse's own error (usage + message)
+        rc = e.code
+    assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_bench_config_keeps_model_shape_names():
+    from loopline.entrypoints.cli import expand_config
+
+    assert expand_config(["bench", "--config", "ouro-1.4b"]) == ["bench", "--config", "ouro-1.4b"]
+
+
+def test_sampling_flags_have_help_and_no_default_none():
+    from loopline.entrypoints.cli import build_parser
+
+    gen = build_parser()._subparsers._group_actions[0].choices["generate"]
+    help_text = gen.format_help()
+    assert "(default: None)" not in help_text and "(default: False)" not in help_text
+    sampling = next(g for g in gen._action_groups if g.title == "sampling")
+    assert all(a.help for a in sampling._group_actions)
+    assert "--temperature TEMPERATURE" in help_text and "(default: 1.0)" in help_text
+    flat = " ".join(help_text.split())
+    assert "come from it (default: 0)" in flat and "vLLM's default) (default: 256)" in flat  # 0 is a default too
+    assert "the model's max_position_embeddings) (default" not in flat  # a help that names its default keeps it
