@@ -12,7 +12,7 @@ from loopline.entrypoints.openai.logprobs import chat_logprobs
 from loopline.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                   ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
                                                   ChatStreamChoice, DeltaMessage, UsageInfo)
-from loopline.entrypoints.openai.sse import error_event, sse_event
+from loopline.entrypoints.openai.sse import error_event, sse_model
 from loopline.errors import InvalidRequestError
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -68,8 +68,8 @@ class _ChatView:
                                       usage=self._usage(), prompt_token_ids=out.prompt_token_ids if ids else None)
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-        return sse_event(ChatCompletionChunk(id=self.gen.id, created=self.created, model=self.ctx.model_name,
-                                             choices=choices, usage=usage).model_dump())
+        return sse_model(ChatCompletionChunk(id=self.gen.id, created=self.created, model=self.ctx.model_name,
+                                             choices=choices, usage=usage))
 
     async def stream(self) -> AsyncIterator[str]:
         deltas = DeltaTracker.for_params(self.params)

@@ -11,7 +11,7 @@ from loopline.entrypoints.openai.generation import DeltaTracker, Generation, Ser
 from loopline.entrypoints.openai.logprobs import TextOffsets, completion_logprobs
 from loopline.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                                   CompletionResponse, UsageInfo)
-from loopline.entrypoints.openai.sse import error_event, sse_event
+from loopline.entrypoints.openai.sse import error_event, sse_model
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
 
@@ -132,11 +132,11 @@ class _CompletionView:
                         prompt_token_ids=out.prompt_token_ids if req.return_token_ids and first else None,
                         token_ids=self._generated(comp, d.start_token, d.end_token)[0] if req.return_token_ids else None))
                 if choices:
-                    yield sse_event(CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
-                                                       choices=choices).model_dump())
+                    yield sse_model(CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
+                                                       choices=choices))
             if req.include_usage:
-                yield sse_event(CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
-                                                   choices=[], usage=self._usage()).model_dump())
+                yield sse_model(CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
+                                                   choices=[], usage=self._usage()))
         except Exception as e:  # headers are sent: report in-band, as OpenAI does
             yield error_event(e, "stream")
         finally:
