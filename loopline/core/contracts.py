@@ -86,6 +86,17 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.rows
 
+    def without(self, request_ids: set[str]) -> "SchedulerOutput":
+        """This step with those requests' rows and admissions left out (they were failed); the
+        scheduler already freed their KV, so nothing else about them remains to apply."""
+        return SchedulerOutput(
+            rows=[r for r in self.rows if r.request_id not in request_ids],
+            new_requests=[n for n in self.new_requests if n.request_id not in request_ids],
+            finished_request_ids=self.finished_request_ids,
+            preempted_request_ids=[r for r in self.preempted_request_ids if r not in request_ids],
+            resumed_requests=[r for r in self.resumed_requests if r.request_id not in request_ids],
+            block_updates={k: v for k, v in self.block_updates.items() if k not in request_ids})
+
 
 @dataclass
 class SampledToken:

@@ -35,7 +35,7 @@ from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
 from loopline.worker.backends import select_backends
 from loopline.worker.memory_profile import num_kv_blocks
-from loopline.worker.model_runner import ModelRunner, StepHandle
+from loopline.worker.model_runner import ModelRunner, RowFailure, StepHandle
 from loopline.worker.sampler import Sampler
 
 logger = logging.getLogger("loopline")
@@ -201,11 +201,7 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         for new in sched.new_requests:
             self.outputs.on_scheduled(new.request_id)
-        try:
-            handle = self.runner.launch(sched)
-        except Exception as e:  # one step's requests fail; the engine goes on
-            self._fail_step(sched, e)
-            handle = None
+        sched, handle = self._launch(sched)
         previous = self._pending
         self._pending = (sched, handle) if handle is not None and sched.rows else None
         if not self._overlap and self._pending is not None:
@@ -216,6 +212,22 @@ class LLMEngine:
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self)
         return self.outputs.collect()
+
+    def _launch(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, StepHandle | None]:
+        """Launches a step; returns what ran and its handle. Requests the runner refuses before it
+        changed anything fail alone and the rest of the step is launched again; any other failure
+        fails the whole step's requests (their state may be half-applied)."""
+        try:
+            try:
+                return sched, self.runner.launch(sched)
+            except RowFailure as e:
+                for rid in e.request_ids:
+                    self._fail(rid, e)
+                sched = sched.without(set(e.request_ids))
+                return sched, self.runner.launch(sched)
+        except Exception as e:  # the engine goes on
+            self._fail_step(sched, e)
+            return sched, None
 
     def _read(self, sched: SchedulerOutput, handle: StepHandle) -> None:
         try:

@@ -45,6 +45,15 @@ from loopline.worker.step_inputs import build_prefill_inputs, work_list
 _SEED_MASK = 2**63 - 1
 
 
+class RowFailure(Exception):
+    """Raised by ``launch`` before it changed anything: these requests cannot run (their inputs do not
+    fit the device's types). The step may be launched again without them."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
 class StepHandle:
     """A launched step: ``get()`` waits for its results and returns them (once)."""
 
@@ -196,6 +205,21 @@ class ModelRunner:
         )
         self._init_decode_slot(self.requests[new.request_id], new.block_tables)
 
+    @staticmethod
+    def _fits_device(new: NewRequestData) -> bool:
+        """Whether a new request's values convert to the dtypes its tensors use (entry points validate
+        ranges; this is the last line, checked before anything is mutated)."""
+        p = new.params
+        ints = [p.top_k, new.seed & _SEED_MASK, *new.prompt_token_ids]
+        floats = [p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
+        try:
+            np.asarray(ints, dtype=np.int64)
+            with np.errstate(over="raise", invalid="raise"):
+                np.asarray(floats, dtype=np.float32)
+        except (OverflowError, ValueError, TypeError, FloatingPointError):
+            return False
+        return all(np.isfinite(floats))
+
     def _init_decode_slot(self, st: _RequestState, block_tables: list) -> None:
         """A request's per-slot device state before its first token."""
         ds = self.decode_state
@@ -263,6 +287,9 @@ class ModelRunner:
         a synchronous caller calls ``handle.get()`` at once, the overlapped engine
         launches the next step first.
         """
+        bad = [new.request_id for new in sched.new_requests if not self._fits_device(new)]
+        if bad:  # before any state changes: the engine fails these and launches the rest again
+            raise RowFailure("request inputs do not fit the device's integer or float types", bad)
         self._apply_lifecycle(sched)
         rows = sched.rows
         if not rows:

@@ -174,6 +174,30 @@ def test_child_ids_never_collide_with_user_ids(tiny_gqa):
     assert [len(t) for t, _ in both["x"]] == [5, 5] and both["x#0"] == alone["x#0"]
 
 
+def test_a_request_the_device_cannot_hold_fails_alone(tiny_gqa):
+    """Values past the device's types (entry points refuse them; here they slip past) fail only their
+    request, before anything changed: the request sharing its step goes on exactly."""
+    import copy
+
+    args = dict(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True)
+    engine = LLMEngine(EngineArgs(**args))
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, exit_threshold=0.7)
+    engine.add_request("good", ids(5, seed=1), p)
+    engine.add_request("bad", ids(4, seed=2), p)
+    bad = engine.scheduler.requests["bad#0"]
+    bad.params = copy.copy(bad.params)
+    object.__setattr__(bad.params, "top_k", 2**63)  # as if validation had missed it
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0]
+    assert done["bad"].finish_reason == "abort" and "internal error" in done["bad"].stop_reason
+    alone = _drain(LLMEngine(EngineArgs(**args)), {"good": (ids(5, seed=1), p)})["good"][0]
+    assert (done["good"].token_ids, done["good"].exit_depths) == alone and engine.stats.failed_requests == 1
+    assert engine.kv.num_used_blocks == 0
+
+
 def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny_gqa, monkeypatch):
     """An unexpected error inside a step fails the requests of that step (KV and slots freed) and nothing else."""
     engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True))
