@@ -1,4 +1,4 @@
-"""The ``loopline`` command: ``generate``, ``serve``, ``bench``.
+"""The ``loopline`` command: ``generate``, ``serve``, ``bench``, ``train``.
 
 Engine flags come from :class:`EngineArgs` and sampling flags from
 :class:`SamplingParams` (``--max-tokens``, ``--exit-threshold``, ...), so the
@@ -191,11 +191,21 @@ def format_logprob_rows(rows: list[dict | None]) -> str:
 
 
 GENERATE_HELP = "generate text offline (default model: the bundled tiny checkpoint)"
+TRAIN_HELP = "train the demo looped model (Ouro objective) on the offline corpus"
+
+
+def _add_train(sub: Any) -> None:
+    from loopline.train.cli import add_parser  # lazy: the training code is never imported by inference
+
+    add_parser(sub)
+
+
 # name -> (help, builder of the full sub-parser)
 COMMANDS = {
     "generate": (GENERATE_HELP, _add_generate),
     "serve": (serve_cli.HELP, serve_cli.add_parser),
     "bench": (bench_cli.HELP, bench_cli.add_parser),
+    "train": (TRAIN_HELP, _add_train),
 }
 
 
@@ -218,7 +228,7 @@ def build_parser(only: str | None = None, lazy: bool = False) -> argparse.Argume
                                      epilog="Options of a command: loopline COMMAND --help. Any command takes "
                                             "--config FILE.yaml (its flags as keys; command-line flags win) and --debug.")
     parser.add_argument("--version", action="version", version=loopline.__version__)
-    sub = parser.add_subparsers(dest="command", metavar="{generate,serve,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,serve,bench,train}")
     sub.required = True
     for name, (help_text, build) in COMMANDS.items():
         if not lazy or name == only:

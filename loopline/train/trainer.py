@@ -146,6 +146,34 @@ def init_weights(model: OuroForCausalLM, config: OuroConfig, generator: torch.Ge
                 p.copy_(torch.randn(p.shape, generator=generator) * s)
 
 
+DEFAULT_THRESHOLDS = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+
+def exit_depths(gate_logits: Tensor, threshold: float, min_loops: int = 1) -> Tensor:
+    """The engine's exit rule (DESIGN.md §1) on dense gate logits ``[R, ...]``: 1-based depths ``[...]``.
+
+    First loop r >= ``min_loops`` with ``F_r = 1 - prod_{i<=r}(1 - lambda_i) >= threshold``; the last loop
+    otherwise, and always at threshold 1 (fixed depth).
+    """
+    r = gate_logits.shape[0]
+    cdf = 1.0 - torch.cumprod(1.0 - torch.sigmoid(gate_logits.float()), 0)
+    loops = torch.arange(1, r + 1, device=cdf.device).view(-1, *([1] * (cdf.dim() - 1)))
+    fire = (cdf >= threshold) & (loops >= min_loops) if threshold < 1.0 else torch.zeros_like(cdf, dtype=torch.bool)
+    fire[-1] = True
+    return fire.float().argmax(0) + 1  # argmax returns the first True
+
+
+def choose_threshold(curve: list[dict], tolerance: float) -> float:
+    """The threshold of least mean depth whose held-out loss is within ``tolerance`` nats of full depth."""
+    full = next((p["loss"] for p in curve if p["threshold"] >= 1.0), None)
+    if full is None:
+        raise ValueError("choose_threshold: the curve needs the full-depth point (threshold 1.0)")
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance={tolerance}; allowed: >= 0")
+    ok = [p for p in curve if p["loss"] <= full + tolerance]
+    return min(ok, key=lambda p: (p["mean_depth"], -p["threshold"]))["threshold"]
+
+
 def _lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
     """Linear warmup to 1, then cosine down to ``min_ratio`` at ``total`` steps."""
     def f(step: int) -> float:
@@ -295,7 +323,8 @@ class Trainer:
 
     # --- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, stream: Tensor | None = None, batches: int | None = None) -> dict:
+    def evaluate(self, stream: Tensor | None = None, batches: int | None = None,
+                 thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS) -> dict:
         """Held-out loss of every loop, the expected loss under the gate, its mean exit depth and the stage-2 gate loss."""
         c = self.config
         stream = self.data.heldout if stream is None else stream
@@ -304,6 +333,7 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         sums, expected, depth, gate, count = None, 0.0, 0.0, 0.0, 0
+        curve = torch.zeros(len(thresholds), 2, dtype=torch.float64)  # per threshold: sum of depth, sum of loss
         for start in range(0, n, c.batch_size):
             w = windows.windows[start:min(n, start + c.batch_size)].to(self.device)
             with self._autocast():
@@ -314,6 +344,10 @@ class Trainer:
             tokens = loss[0].numel()
             exit_target = 1.0 - continue_targets(loss.float(), c.gate_k, c.gate_gamma)
             gate += float(F.binary_cross_entropy_with_logits(out.gate_logits[:-1], exit_target, reduction="sum")) / (p.shape[0] - 1)
+            for i, q in enumerate(thresholds):
+                d = exit_depths(out.gate_logits, q)  # [B, T], 1-based
+                curve[i, 0] += float(d.sum())
+                curve[i, 1] += float(loss.float().gather(0, (d - 1)[None]).sum())
             sums = loss.sum((1, 2)) if sums is None else sums + loss.sum((1, 2))
             expected += float((p * loss).sum())
             depth += float((p * loops).sum())
@@ -321,7 +355,9 @@ class Trainer:
         self.model.train(was_training)
         return {"heldout_tokens": count, "loop_losses": [float(x) / count for x in sums],
                 "expected_loss": expected / count, "mean_depth": depth / count, "gate_loss": gate / count,
-                "uniform_loss": math.log(c.model.vocab_size)}
+                "uniform_loss": math.log(c.model.vocab_size),
+                "curve": [{"threshold": q, "mean_depth": float(curve[i, 0]) / count, "loss": float(curve[i, 1]) / count}
+                          for i, q in enumerate(thresholds)]}
 
     # --- save / resume ---------------------------------------------------------------------------
     def save(self, checkpoint_dir: str | Path) -> Path:
