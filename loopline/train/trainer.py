@@ -62,7 +62,7 @@ class TrainConfig:
     seed: int = 0
     seq_len: int = 512
     batch_size: int = 64
-    stage1_steps: int = 2000
+    stage1_steps: int = 1500
     stage2_steps: int = 200
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -128,6 +128,20 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"TrainConfig: unknown field(s) {unknown}; allowed: {sorted(known)}")
         return cls(model=model, corpus=corpus, **raw)
+
+
+def stage_one_flops_per_token(config: TrainConfig) -> float:
+    """Matmul FLOPs of one stage-1 training token (forward + backward = 3 x forward), for run-time estimates.
+
+    Per loop: the layer stack (2 FLOPs per weight), ``lm_head`` (the loss is taken at every loop) and
+    attention over the full ``seq_len`` x ``seq_len`` score matrix (the dense forward masks, it does not skip).
+    """
+    m = config.model
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    layer = m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * m.intermediate_size
+    attention = 2 * 2 * config.seq_len * q  # q.k and p.v per token per layer
+    per_loop = 2 * layer * m.num_hidden_layers + attention * m.num_hidden_layers + 2 * m.hidden_size * m.vocab_size
+    return 3.0 * per_loop * m.total_ut_steps
 
 
 def init_weights(model: OuroForCausalLM, config: OuroConfig, generator: torch.Generator) -> None:
