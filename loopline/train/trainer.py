@@ -243,6 +243,7 @@ def build_data(config: TrainConfig) -> Data:
     """Corpus split -> tokenizer trained on the training split -> token streams of both splits."""
     train_docs, heldout_docs = split(config.corpus)
     tokenizer = train_tokenizer((d.text for d in train_docs), config.model.vocab_size)
+    assert tokenizer.get_vocab_size() <= config.model.vocab_size, (tokenizer.get_vocab_size(), config.model.vocab_size)
     train = torch.tensor(encode_documents(tokenizer, [d.text for d in train_docs]), dtype=torch.long)
     heldout = torch.tensor(encode_documents(tokenizer, [d.text for d in heldout_docs]), dtype=torch.long)
     info = corpus_info(config.corpus).to_dict()
@@ -260,6 +261,8 @@ class Trainer:
         self.data = data if data is not None else build_data(config)
         self.log = log or (lambda step, metrics: None)
         self.windows = TokenWindows(self.data.train, config.seq_len, config.seed)
+        # Nothing in the step draws from the global RNGs today (no dropout); they are seeded, saved and
+        # restored anyway, so a future random op keeps runs reproducible and resumes exact.
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         self.model = OuroForCausalLM(config.ouro_config())
@@ -277,8 +280,10 @@ class Trainer:
         c = self.config
         gate = self.model.model.early_exit_gate
         if self.stage == 1:
-            decay = [p for p in self.model.parameters() if p.dim() >= 2]
-            no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+            # Decay the matrices only; norms, the gate (a 1 x hidden probe of h_r) and its bias keep their scale.
+            gate_ids = {id(p) for p in gate.parameters()}
+            decay = [p for p in self.model.parameters() if p.dim() >= 2 and id(p) not in gate_ids]
+            no_decay = [p for p in self.model.parameters() if p.dim() < 2 or id(p) in gate_ids]
             groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
             lr, warmup, steps = c.lr, c.warmup_steps, c.stage1_steps
         else:
