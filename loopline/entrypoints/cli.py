@@ -22,6 +22,7 @@ from typing import Any
 import loopline
 from loopline.entrypoints import bench_cli, serve_cli
 from loopline.errors import LooplineError
+from loopline.train import cli as train_cli  # stdlib only at import: torch and the trainer load when it runs
 
 SAMPLING_RENAMES = {"seed": "sampling_seed"}  # --seed is the engine's
 
@@ -191,21 +192,13 @@ def format_logprob_rows(rows: list[dict | None]) -> str:
 
 
 GENERATE_HELP = "generate text offline (default model: the bundled tiny checkpoint)"
-TRAIN_HELP = "train the demo looped model (Ouro objective) on the offline corpus"
-
-
-def _add_train(sub: Any) -> None:
-    from loopline.train.cli import add_parser  # lazy: the training code is never imported by inference
-
-    add_parser(sub)
-
 
 # name -> (help, builder of the full sub-parser)
 COMMANDS = {
     "generate": (GENERATE_HELP, _add_generate),
     "serve": (serve_cli.HELP, serve_cli.add_parser),
     "bench": (bench_cli.HELP, bench_cli.add_parser),
-    "train": (TRAIN_HELP, _add_train),
+    "train": (train_cli.HELP, train_cli.add_parser),
 }
 
 

@@ -1,5 +1,8 @@
 """``loopline train pretrain`` (also ``python -m loopline.train pretrain``): one command per run.
 
+Imports only the standard library at module level (``loopline --help`` loads it); torch and the
+trainer are imported when the command runs.
+
 Builds the corpus, tokenizer and token streams from the :class:`TrainConfig`,
 trains both stages (saving resumable checkpoints every ``--save-every`` steps),
 evaluates on the held-out split, picks the exit threshold from the
@@ -14,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-HELP = "train the demo looped model (Ouro objective) on the offline corpus"  # loopline --help shows cli.TRAIN_HELP, the same text
+HELP = "train the demo looped model (Ouro objective) on the offline corpus"
 
 #: Named configurations. ``demo``: the bundled model's run (docs/training.md, H200 ~15 min);
 #: ``smoke``: a few KB of corpus and a 64-wide model, seconds on a CPU.

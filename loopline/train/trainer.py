@@ -425,7 +425,8 @@ class Trainer:
 
     # --- export ----------------------------------------------------------------------------------
     def export(self, out_dir: str | Path, early_exit_threshold: float | None = None, metrics: dict | None = None) -> Path:
-        """Writes a checkpoint directory (config.json, safetensors, tokenizer, training_info.json) for ``loopline.LLM``."""
+        """Writes a checkpoint directory (config.json, safetensors, tokenizer, training_info.json, MODEL_CARD.md)
+        for ``loopline.LLM``."""
         from safetensors.torch import save_file
 
         from loopline.models.tiny import _HF_ONLY_DEFAULTS, _config_json  # the one config.json writer
@@ -445,8 +446,12 @@ class Trainer:
         _dump(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": [0, 2]})
         write_tokenizer(self.data.tokenizer, out, config.max_position_embeddings)
         info = {"train_config": self.config.to_dict(), "step": self.step, "corpus": self.data.info,
+                "early_exit_threshold": float(threshold),
                 "parameters": sum(p.numel() for p in self.model.parameters()), "metrics": metrics or {}}
         _dump(out / "training_info.json", info)
+        from loopline.train.model_card import write_model_card
+
+        write_model_card(out)
         return out
 
 

@@ -57,6 +57,9 @@ def test_export_is_an_ouro_checkpoint(exported, threshold, trained):
                                    add_generation_prompt=True) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     info = json.loads((exported / "training_info.json").read_text())
     assert info["corpus"]["license"].startswith("PSF") and len(info["metrics"]["loop_losses"]) == 4
+    card = (exported / "MODEL_CARD.md").read_text()
+    assert "PSF-2.0" in card and info["corpus"]["sha256"] in card and f"{info['parameters']:,} parameters" in card
+    assert f"| loss | {info['metrics']['loop_losses'][0]:.4f} |" in card and f": {threshold}" in card
 
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
