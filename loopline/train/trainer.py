@@ -9,7 +9,9 @@ so a resumed run reads exactly the batches the uninterrupted one would.
 
 A training checkpoint (:meth:`Trainer.save`) holds the model, the optimizer and
 scheduler of the current stage, the step and every RNG state; :meth:`Trainer.resume`
-continues bit-for-bit on the same device. :meth:`Trainer.export` writes a
+continues bit-for-bit on the CPU (tested). NOTE: on CUDA some backward kernels (the
+embedding's scatter-add) are non-deterministic, so there a resumed run matches the
+uninterrupted one only to rounding unless ``torch.use_deterministic_algorithms(True)`` is set. :meth:`Trainer.export` writes a
 loopline / Hugging Face checkpoint directory that ``loopline.LLM(path)`` loads.
 """
 from __future__ import annotations
