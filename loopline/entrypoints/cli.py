@@ -1,4 +1,4 @@
-"""The ``loopline`` command: ``generate``, ``serve``, ``bench``.
+"""The ``loopline`` command: ``generate``, ``serve``, ``bench``, ``train``.
 
 Engine flags come from :class:`EngineArgs` and sampling flags from
 :class:`SamplingParams` (``--max-tokens``, ``--exit-threshold``, ...), so the
@@ -22,6 +22,7 @@ from typing import Any
 import loopline
 from loopline.entrypoints import bench_cli, serve_cli
 from loopline.errors import LooplineError
+from loopline.train import cli as train_cli  # stdlib only at import: torch and the trainer load when it runs
 
 SAMPLING_RENAMES = {"seed": "sampling_seed"}  # --seed is the engine's
 
@@ -191,11 +192,13 @@ def format_logprob_rows(rows: list[dict | None]) -> str:
 
 
 GENERATE_HELP = "generate text offline (default model: the bundled tiny checkpoint)"
+
 # name -> (help, builder of the full sub-parser)
 COMMANDS = {
     "generate": (GENERATE_HELP, _add_generate),
     "serve": (serve_cli.HELP, serve_cli.add_parser),
     "bench": (bench_cli.HELP, bench_cli.add_parser),
+    "train": (train_cli.HELP, train_cli.add_parser),
 }
 
 
@@ -218,7 +221,7 @@ def build_parser(only: str | None = None, lazy: bool = False) -> argparse.Argume
                                      epilog="Options of a command: loopline COMMAND --help. Any command takes "
                                             "--config FILE.yaml (its flags as keys; command-line flags win) and --debug.")
     parser.add_argument("--version", action="version", version=loopline.__version__)
-    sub = parser.add_subparsers(dest="command", metavar="{generate,serve,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,serve,bench,train}")
     sub.required = True
     for name, (help_text, build) in COMMANDS.items():
         if not lazy or name == only:

@@ -1,0 +1,147 @@
+"""``loopline train pretrain`` (also ``python -m loopline.train pretrain``): one command per run.
+
+Imports only the standard library at module level (``loopline --help`` loads it); torch and the
+trainer are imported when the command runs.
+
+Builds the corpus, tokenizer and token streams from the :class:`TrainConfig`,
+trains both stages (saving resumable checkpoints every ``--save-every`` steps),
+evaluates on the held-out split, picks the exit threshold from the
+depth-vs-loss curve and exports a checkpoint directory ``loopline.LLM`` loads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HELP = "train the demo looped model (Ouro objective) on the offline corpus"
+
+#: Named configurations. ``demo``: the bundled model's run (docs/training.md, H200 ~15 min);
+#: ``smoke``: a few KB of corpus and a 64-wide model, seconds on a CPU.
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {},  # the TrainConfig defaults are the demo run
+    "smoke": {
+        "model": {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256},
+        "corpus": {"max_bytes": 60_000, "heldout_per_mille": 200},
+        "seq_len": 64, "batch_size": 8, "stage1_steps": 30, "stage2_steps": 20, "lr": 1e-2, "warmup_steps": 5,
+        "stage2_lr": 3e-2, "stage2_warmup_steps": 2, "eval_batches": 2,
+    },
+}
+
+
+def add_parser(sub: Any) -> None:
+    """Adds ``train`` (with its ``pretrain`` subcommand) to the ``loopline`` parser."""
+    from loopline.entrypoints.cli import HelpFormatter
+
+    train = sub.add_parser("train", help=HELP, formatter_class=HelpFormatter)
+    tsub = train.add_subparsers(dest="train_command", metavar="{pretrain}")
+    tsub.required = True
+    p = tsub.add_parser("pretrain", help="stage 1 (expected loss + entropy) then stage 2 (gate only), then export",
+                        formatter_class=HelpFormatter)
+    p.add_argument("--out", required=True, help="checkpoint directory to export (config.json, safetensors, tokenizer)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="named TrainConfig")
+    p.add_argument("--config-file", help="JSON file of TrainConfig fields (applied over the preset)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override one TrainConfig field, dotted for nested ones (model.hidden_size=128); repeatable")
+    p.add_argument("--checkpoint-dir", help="where resumable training state is saved (default: OUT.train_state beside OUT, so "
+                        "the exported directory holds only what ships)")
+    p.add_argument("--save-every", type=int, default=500, help="save the training state every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --checkpoint-dir (its config wins)")
+    p.add_argument("--device", default="auto", help="'auto' (cuda when available), 'cpu', 'cuda' or 'cuda:N'")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--log-every", type=int, default=50, help="print a JSON line of metrics every N steps")
+    p.add_argument("--exit-threshold", type=float, default=None,
+                   help="early_exit_threshold to export (default: chosen from the held-out depth-vs-loss curve)")
+    p.add_argument("--threshold-tolerance", type=float, default=0.05,
+                   help="the chosen threshold is the one of least mean depth whose held-out loss is within this "
+                        "many nats of full depth")
+    p.set_defaults(func=run_pretrain)
+
+
+def build_config(preset: str, config_file: str | None, sets: list[str]):
+    """The :class:`TrainConfig` of a preset, a JSON file over it and ``FIELD=VALUE`` overrides over both."""
+    from loopline.train.trainer import TrainConfig
+
+    raw = json.loads(json.dumps(PRESETS[preset]))  # a deep copy
+    if config_file:
+        with open(config_file, encoding="utf-8") as fh:
+            _merge(raw, json.load(fh))
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}; allowed: FIELD=VALUE, e.g. --set stage1_steps=100")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = parsed
+    return TrainConfig.from_dict(raw)
+
+
+def _merge(base: dict, extra: dict) -> None:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+
+
+def run_pretrain(ns: argparse.Namespace) -> int:
+    import torch
+
+    from loopline.train.trainer import CHECKPOINT_FILE, Trainer, choose_threshold
+
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if ns.device == "auto" else ns.device
+    out = Path(ns.out)
+    ckpt = Path(ns.checkpoint_dir) if ns.checkpoint_dir else out.parent / (out.name + ".train_state")
+    t0 = time.perf_counter()
+
+    def log(step: int, metrics: dict) -> None:
+        if ns.log_every and (step % ns.log_every == 0):
+            print(json.dumps({"step": step, **{k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()},
+                              "elapsed_s": round(time.perf_counter() - t0, 1)}), flush=True)
+
+    if ns.resume:
+        if not (ckpt / CHECKPOINT_FILE).is_file():
+            raise FileNotFoundError(f"--resume: {ckpt / CHECKPOINT_FILE} does not exist (--checkpoint-dir)")
+        trainer = Trainer.resume(ckpt, device=device, log=log)
+        print(json.dumps({"resumed_at_step": trainer.step}), flush=True)
+    else:
+        trainer = Trainer(build_config(ns.preset, ns.config_file, ns.set), device=device, log=log)
+    config = trainer.config
+    params = sum(p.numel() for p in trainer.model.parameters())
+    print(json.dumps({"parameters": params, "train_tokens": trainer.data.train.numel(),
+                      "heldout_tokens": trainer.data.heldout.numel(), "device": device,
+                      "data_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    t_train = time.perf_counter()
+    start_step = trainer.step
+    trainer.train(save_every=ns.save_every, checkpoint_dir=ckpt)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    train_s = time.perf_counter() - t_train
+    trainer.save(ckpt)
+    metrics = trainer.evaluate(batches=max(config.eval_batches, 1))
+    threshold = ns.exit_threshold if ns.exit_threshold is not None else choose_threshold(metrics["curve"], ns.threshold_tolerance)
+    tokens = (trainer.step - start_step) * config.batch_size * config.seq_len
+    metrics.update(train_s=round(train_s, 1), train_tokens_per_s=round(tokens / max(train_s, 1e-9)),
+                   chosen_threshold=threshold)
+    trainer.export(out, early_exit_threshold=threshold, metrics=metrics)
+    print(json.dumps({"exported": str(out), **metrics}), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loopline.train pretrain ...``: the same parser as ``loopline train``."""
+    from loopline.entrypoints.cli import main as loopline_main
+
+    return loopline_main(["train", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,20 @@
+"""A tiny training run's config and data, built once per session (the tokenizer and streams take ~2 s)."""
+from __future__ import annotations
+
+import pytest
+
+from loopline.train.corpus import CorpusSpec
+from loopline.train.trainer import ModelShape, TrainConfig, build_data
+
+# A few tens of KB of corpus; 20% of files held out so the held-out split is never empty at this size.
+SMOKE = TrainConfig(
+    model=ModelShape(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
+    corpus=CorpusSpec(max_bytes=60_000, heldout_per_mille=200), seq_len=64, batch_size=8, stage1_steps=30,
+    stage2_steps=20, lr=1e-2, warmup_steps=5, stage2_lr=3e-2, stage2_warmup_steps=2, eval_batches=2,
+)
+
+
+@pytest.fixture(scope="session")
+def smoke_data():
+    return build_data(SMOKE)

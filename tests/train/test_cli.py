@@ -1,0 +1,43 @@
+"""``loopline train pretrain``: a smoke run end to end, resume through the CLI, errors that name the field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loopline.entrypoints.cli import main
+from loopline.train.cli import build_config
+
+
+def test_pretrain_smoke_exports_a_loadable_model_and_resumes(tmp_path, capsys):
+    out, ckpt = tmp_path / "demo", tmp_path / "state"
+    args = ["train", "pretrain", "--preset", "smoke", "--set", "stage1_steps=4", "--set", "stage2_steps=2",
+            "--out", str(out), "--checkpoint-dir", str(ckpt), "--log-every", "1", "--threads", "1"]
+    assert main(args) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    final = lines[-1]
+    assert final["exported"] == str(out) and 0 < final["chosen_threshold"] <= 1
+    assert json.loads((out / "config.json").read_text())["early_exit_threshold"] == final["chosen_threshold"]
+    assert not (out / "train_state.pt").exists() and (ckpt / "train_state.pt").is_file()
+    # the run is complete: a resume trains nothing more and exports the same weights
+    before = (out / "model.safetensors").read_bytes()
+    assert main([*args, "--resume"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0]) == {"resumed_at_step": 6}
+    assert (out / "model.safetensors").read_bytes() == before
+
+    from loopline import LLM, SamplingParams
+
+    llm = LLM(str(out), dtype="float32", device="cpu", kv_cache_memory_gb=1 / 64, disable_log_stats=True)
+    comp = llm.generate(["def f("], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert len(comp.exit_depths) == len(comp.token_ids) >= 1
+
+
+def test_overrides_and_their_errors(tmp_path, capsys):
+    config = build_config("smoke", None, ["model.hidden_size=96", "lr=0.002", "betas=[0.9, 0.99]"])
+    assert config.model.hidden_size == 96 and config.lr == 0.002 and config.betas == (0.9, 0.99)
+    with pytest.raises(ValueError, match="TrainConfig.lr"):
+        build_config("smoke", None, ["lr=-1"])
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        build_config("smoke", None, ["lr"])
+    assert main(["train", "pretrain", "--preset", "smoke", "--set", "stage1_step=3", "--out", str(tmp_path)]) == 2
+    assert "unknown field(s) ['stage1_step']" in capsys.readouterr().err

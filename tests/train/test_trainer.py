@@ -1,0 +1,95 @@
+"""The trainer on CPU: both stages lower their losses, resume is exact, the held-out split stays out."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from loopline.train.corpus import CorpusSpec, split
+from loopline.train.trainer import TokenWindows, TrainConfig, Trainer
+
+from train.conftest import SMOKE
+
+
+def test_both_stages_lower_their_losses(smoke_data):
+    trainer = Trainer(SMOKE, smoke_data)
+    start = trainer.evaluate()
+    trainer.train(until=SMOKE.stage1_steps)
+    after_one = trainer.evaluate()
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "early_exit_gate" not in n}
+    trainer.train()
+    end = trainer.evaluate()
+    assert trainer.step == SMOKE.total_steps
+    # stage 1: the LM learns (held-out, every loop) and stays far from its untrained ~uniform loss
+    assert all(b < a - 0.5 for a, b in zip(start["loop_losses"], after_one["loop_losses"])), (start, after_one)
+    assert after_one["expected_loss"] < start["uniform_loss"] - 0.5
+    # stage 2: the gate's loss falls; nothing but the gate moved
+    assert end["gate_loss"] < after_one["gate_loss"] - 1e-3, (after_one, end)
+    assert end["loop_losses"] == after_one["loop_losses"]
+    assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if n in frozen)
+
+
+@pytest.mark.parametrize("cut", [4, 10, 13])  # in stage 1, at the switch to stage 2, in stage 2
+def test_resume_continues_exactly(smoke_data, tmp_path, cut):
+    config = dataclasses.replace(SMOKE, stage1_steps=10, stage2_steps=6)
+    straight = Trainer(config, smoke_data)
+    straight.train()
+    first = Trainer(config, smoke_data)
+    first.train(until=cut)
+    first.save(tmp_path)
+    del first
+    resumed = Trainer.resume(tmp_path, smoke_data)
+    assert resumed.step == cut
+    resumed.train()
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
+        [k for k in a if not torch.equal(a[k], b[k])]
+    # the optimizer too (its moments), so a further resume would also continue exactly
+    sa, sb = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
+
+
+def test_resume_changes_nothing_when_not_resumed(smoke_data, tmp_path):
+    """Guards the test above: a run that diverges (another seed) is detected."""
+    a = Trainer(dataclasses.replace(SMOKE, stage1_steps=3, stage2_steps=0), smoke_data)
+    b = Trainer(dataclasses.replace(SMOKE, stage1_steps=3, stage2_steps=0, seed=1), smoke_data)
+    a.train(), b.train()
+    assert not torch.equal(a.model.lm_head.weight, b.model.lm_head.weight)
+
+
+def test_heldout_split_is_disjoint_and_deterministic(smoke_data):
+    train, heldout = split(SMOKE.corpus)
+    assert train and heldout
+    assert not {d.path for d in train} & {d.path for d in heldout}
+    assert not {d.text for d in train} & {d.text for d in heldout}
+    again = split(SMOKE.corpus)
+    assert [d.path for d in again[0]] == [d.path for d in train] and [d.path for d in again[1]] == [d.path for d in heldout]
+    # the training stream is exactly the training documents: no held-out token sequence got in
+    n_train = sum(len(smoke_data.tokenizer.encode(d.text).ids) + 1 for d in train)
+    assert smoke_data.train.numel() == n_train
+    # a file's split depends only on its path: a bigger corpus keeps every small-corpus assignment
+    big_train, big_heldout = split(dataclasses.replace(SMOKE.corpus, max_bytes=200_000))
+    assert {d.path for d in heldout} <= {d.path for d in big_heldout}
+    assert {d.path for d in train} <= {d.path for d in big_train}
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    stream = torch.arange(1000)
+    w = TokenWindows(stream, 9, seed=3)
+    x1, y1 = w.batch(5, 4)
+    x2, y2 = TokenWindows(stream, 9, seed=3).batch(5, 4)
+    assert torch.equal(x1, x2) and torch.equal(y1[:, :-1], x1[:, 1:])
+    assert not torch.equal(TokenWindows(stream, 9, seed=4).batch(5, 4)[0], x1)
+    # one epoch visits every window once
+    seen = torch.cat([w.batch(s, 1)[0][:, 0] for s in range(len(w))])
+    assert sorted(seen.tolist()) == [i * 9 for i in range(len(w))]
+
+
+def test_bad_config_names_the_field():
+    with pytest.raises(ValueError, match="TrainConfig.seq_len"):
+        TrainConfig(seq_len=1)
+    with pytest.raises(ValueError, match="CorpusSpec.heldout_per_mille"):
+        CorpusSpec(heldout_per_mille=0)
+    with pytest.raises(ValueError, match="unknown field"):
+        TrainConfig.from_dict({"learning_rate": 1})
