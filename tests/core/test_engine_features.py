@@ -138,6 +138,16 @@ def test_abort_frees_kv_at_once(tiny_gqa):
     assert not engine.has_unfinished_requests()
 
 
+def _finals(engine) -> dict:
+    """Steps until nothing is unfinished: each finished request's first completion."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0]
+    return done
+
+
 def _drain(engine, requests):
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
@@ -187,11 +197,7 @@ def test_a_request_the_device_cannot_hold_fails_alone(tiny_gqa):
     bad = engine.scheduler.requests["bad#0"]
     bad.params = copy.copy(bad.params)
     object.__setattr__(bad.params, "top_k", 2**63)  # as if validation had missed it
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.outputs[0]
+    done = _finals(engine)
     assert done["bad"].finish_reason == "abort" and "internal error" in done["bad"].stop_reason
     alone = _drain(LLMEngine(EngineArgs(**args)), {"good": (ids(5, seed=1), p)})["good"][0]
     assert (done["good"].token_ids, done["good"].exit_depths) == alone and engine.stats.failed_requests == 1
@@ -214,11 +220,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny_gqa, mo
 
     monkeypatch.setattr(engine.runner, "_add", broken_add)
     engine.add_request("bad", ids(4, seed=2), p)
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.outputs[0]
+    done = _finals(engine)
     assert done["bad"].finish_reason == "abort" and "internal error" in done["bad"].stop_reason
     assert done["good"].finish_reason == "abort"  # it shared the failed step
     assert engine.kv.num_used_blocks == 0 and engine.stats.failed_requests == 2
