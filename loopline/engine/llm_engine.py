@@ -34,13 +34,13 @@ from loopline.models.ouro import OuroForCausalLM
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
 from loopline.worker.backends import select_backends
-from loopline.worker.memory_profile import num_kv_blocks
+from loopline.worker.memory_profile import kv_bytes_per_block, num_kv_blocks
 from loopline.worker.model_runner import ModelRunner, RowFailure, StepHandle
 from loopline.worker.sampler import Sampler
 
 logger = logging.getLogger("loopline")
 
-__all__ = ["LLMEngine", "EngineStats", "PromptType"]
+__all__ = ["LLMEngine", "EngineStats", "PromptType", "is_device_fault"]
 
 
 @dataclass
@@ -83,11 +83,21 @@ class EngineStats:
         self.exit_depth_counts[exit_depth] = self.exit_depth_counts.get(exit_depth, 0) + 1
 
 
-def _is_device_fault(e: BaseException) -> bool:
+# Substrings of device faults (the CUDA context is unusable afterwards): never recovered from.
+_DEVICE_FAULTS = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS", "cuDNN error",
+                  "NCCL error", "unspecified launch failure")
+
+
+def is_device_fault(error: BaseException) -> bool:
     """A fault of the device itself (the engine cannot go on), as opposed to one request's failure."""
+    if isinstance(error, EngineDeadError):  # the engine already stopped after one
+        return True
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return False  # recoverable: the requests that needed the memory fail
     accelerator_error = getattr(torch, "AcceleratorError", None)
-    return (accelerator_error is not None and isinstance(e, accelerator_error)) or (
-        isinstance(e, RuntimeError) and ("CUDA error" in str(e) or "device-side assert" in str(e)))
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and any(s in str(error) for s in _DEVICE_FAULTS)
 
 
 class LLMEngine:
@@ -114,10 +124,10 @@ class LLMEngine:
         self.model.use_ops(backends.layer_ops)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or model_path)
         layout = make_layout(args.kv_layout, model_cfg.total_ut_steps)
-        num_blocks = num_kv_blocks(cfg, self.model, backends.attention)
+        num_blocks = num_kv_blocks(cfg, self.model, backends.attention, layout)
         self.kv = KVCacheManager(num_blocks, args.block_size, layout, args.enable_prefix_caching)
         self.exit_policy = make_exit_policy(args.exit_mode, model_cfg.total_ut_steps, model_cfg.early_exit_threshold)
-        block_bytes = ModelRunner.kv_bytes_per_block(model_cfg, args.block_size, dtype)
+        block_bytes = kv_bytes_per_block(model_cfg, args.block_size, dtype)
         preemption = Preemption(int(args.swap_space * 2**30 // block_bytes)) if args.enable_preemption else None
         self.scheduler = Scheduler(self.kv, self.exit_policy, make_queue(args.scheduling_policy), args.max_num_seqs,
                                    cfg.max_num_batched_tokens, model_cfg.total_ut_steps,
@@ -269,7 +279,7 @@ class LLMEngine:
     def _fail_step(self, sched: SchedulerOutput, error: Exception) -> None:
         """A step failed: a device fault stops the engine; anything else fails the step's requests
         (their KV and slots freed) and the engine serves the others."""
-        if _is_device_fault(error):
+        if is_device_fault(error):
             self.dead_reason = f"device fault: {type(error).__name__}"
             logger.exception("device fault: the engine stops")
             raise EngineDeadError(f"the engine stopped after a device fault ({type(error).__name__}); restart it") from error

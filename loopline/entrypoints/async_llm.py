@@ -50,6 +50,7 @@ from torch import Tensor
 
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine, PromptType
+from loopline.engine.llm_engine import is_device_fault
 from loopline.engine.input_processor import parent_request_id
 from loopline.entrypoints.chat_utils import ChatEncoder
 from loopline.entrypoints.tokenizer_pool import TokenizerPool
@@ -64,10 +65,6 @@ _IDLE_WAIT_S = 0.005
 # A step that fails this many times in a row, although every request in flight was failed and
 # aborted after each failure, is an engine fault rather than a bad request: the thread stops.
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
-# Substrings of device faults (the CUDA context is unusable afterwards): never recovered from.
-_DEVICE_FAULTS = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS", "cuDNN error",
-                  "NCCL error", "unspecified launch failure")
-
 
 @dataclass(frozen=True)
 class EngineSnapshot:
@@ -512,7 +509,7 @@ class AsyncLLM:
             blamed = [rid for rid in self._streams if rid not in held]
         logger.exception("engine step failed (error id %s); failing request(s) %s", error_id,
                          ", ".join(blamed[:20]) + (" ..." if len(blamed) > 20 else "") or "-")
-        if _is_device_fault(error):
+        if is_device_fault(error):
             raise error  # the device is unusable: stop (``health_problem`` says so)
         self._step_failures += 1
         if self._step_failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
@@ -610,17 +607,6 @@ def _text_of(prompt: PromptType) -> str | None:
     if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
         return prompt["prompt"]
     return None
-
-
-def _is_device_fault(error: BaseException) -> bool:
-    if isinstance(error, EngineDeadError):  # the engine itself stopped after a device fault
-        return True
-    if isinstance(error, torch.cuda.OutOfMemoryError):
-        return False  # recoverable: the requests that needed the memory fail
-    accel = getattr(torch, "AcceleratorError", None)
-    if accel is not None and isinstance(error, accel):
-        return True
-    return isinstance(error, RuntimeError) and any(s in str(error) for s in _DEVICE_FAULTS)
 
 
 def _error_id() -> str:

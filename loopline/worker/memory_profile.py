@@ -13,6 +13,8 @@ import torch
 
 from loopline.attention import AttentionBackend, PagedAttentionMetadata
 from loopline.attention.paged import PagedAttention
+from loopline.errors import CapacityError
+from loopline.kv.layout import KVLayout
 from loopline.models.ouro import OuroForCausalLM
 
 
@@ -54,7 +56,13 @@ def peak_step_bytes(model: OuroForCausalLM, backend: AttentionBackend, num_token
 _CPU_KV_GB = 1.0  # the most the CPU pool takes unless told (kv_cache_memory_gb / num_kv_blocks)
 
 
-def num_kv_blocks(config, model: OuroForCausalLM, backend: AttentionBackend) -> int:
+def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:
+    """K and V bytes of one page at one plane, all layers."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * model_cfg.num_hidden_layers * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim * elem
+
+
+def num_kv_blocks(config, model: OuroForCausalLM, backend: AttentionBackend, layout: KVLayout) -> int:
     """KV pages for the pool (all planes together), from the engine config (``EngineConfig``).
 
     An explicit ``num_kv_blocks`` or ``kv_cache_memory_gb`` wins. On CUDA the pool takes what
@@ -62,14 +70,9 @@ def num_kv_blocks(config, model: OuroForCausalLM, backend: AttentionBackend) -> 
     profiling pass). On the CPU it holds ``max_num_seqs`` requests of ``max_model_len`` tokens at
     every plane, at most 1 GiB: a small model does not reserve memory it can never use.
     """
-    from loopline.errors import CapacityError
-    from loopline.kv.layout import make_layout
-
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    mc = model.config
-    per_block = 2 * mc.num_hidden_layers * config.block_size * mc.num_key_value_heads * mc.head_dim * \
-        torch.tensor([], dtype=config.dtype).element_size()
+    per_block = kv_bytes_per_block(model.config, config.block_size, config.dtype)
     device = config.device
     if config.kv_cache_memory_gb is not None:
         budget = config.kv_cache_memory_gb * 2**30
@@ -80,8 +83,7 @@ def num_kv_blocks(config, model: OuroForCausalLM, backend: AttentionBackend) -> 
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1.0 - config.gpu_memory_utilization) * total - peak
     else:
-        planes = make_layout(config.kv_layout, mc.total_ut_steps).num_planes
-        full = config.max_num_seqs * planes * -(-config.max_model_len // config.block_size)
+        full = config.max_num_seqs * layout.num_planes * -(-config.max_model_len // config.block_size)
         budget = min(_CPU_KV_GB * 2**30, full * per_block)
     blocks = int(budget // per_block)
     if blocks <= 0:

@@ -182,12 +182,6 @@ class ModelRunner:
             max_seq_len, self._graphs_max_seq_len = self._graphs_max_seq_len, None
             self.capture_graphs(max_seq_len, self._graphs_max_tokens)
 
-    @staticmethod
-    def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:
-        """K and V bytes of one page at one plane, all layers."""
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * model_cfg.num_hidden_layers * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim * elem
-
     # --- request bookkeeping ----------------------------------------------------------
     def _add(self, new: NewRequestData) -> None:
         t, h = len(new.prompt_token_ids), self.model.config.hidden_size
@@ -210,7 +204,7 @@ class ModelRunner:
         """Whether a new request's values convert to the dtypes its tensors use (entry points validate
         ranges; this is the last line, checked before anything is mutated)."""
         p = new.params
-        ints = [p.top_k, new.seed & _SEED_MASK, *new.prompt_token_ids]
+        ints = [p.top_k, new.seed & _SEED_MASK]  # (prompt ids are range-checked at entry)
         floats = [p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
         try:
             np.asarray(ints, dtype=np.int64)
@@ -513,9 +507,13 @@ class ModelRunner:
         row_idx = list(range(nd)) + [i for i, _ in booked.meta]
         states = [self.requests[rows[i].request_id] for i in row_idx]
         n_done = len(booked.meta)
-        first = torch.zeros(n_done, dtype=torch.long, device=self.device)  # a finished prompt samples token 0
-        # (no cat of a single part: at one decode row each launch is a sizeable part of the step)
-        index = first if not nd else dec.token_index if not n_done else torch.cat([dec.token_index, first])
+        # A finished prompt samples token 0. (No tensor or cat of a single part on the decode path: at one
+        # decode row each op is a sizeable part of the step.)
+        if n_done:
+            first = torch.zeros(n_done, dtype=torch.long, device=self.device)
+            index = torch.cat([dec.token_index, first]) if nd else first
+        else:
+            index = dec.token_index
         tensors = build_sampling_tensors(states, index, self.sampler.logprobs_mode, self.device,
                                          params=self._sampling_params)
         ds = self.decode_state
