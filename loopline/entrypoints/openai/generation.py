@@ -137,19 +137,13 @@ class Delta:
 class DeltaTracker:
     """Turns cumulative completions into stream deltas.
 
-    While a completion runs, text that could still change is held back: the
-    last ``longest stop string - 1`` characters (a stop string may be forming,
-    and the engine cuts it from the text once complete) and trailing U+FFFD
-    (an incomplete UTF-8 character whose next byte is still to come). So the
-    concatenated deltas equal the final non-streamed text.
+    The engine's text of a running completion never shrinks: its output processor
+    holds back what could still change (the characters a stop string could start
+    in, an incomplete UTF-8 character). So each delta is the text added since the
+    last one, and the concatenated deltas equal the final non-streamed text.
     """
 
-    hold: int
     states: dict[tuple[int, int], DeltaState] = field(default_factory=dict)
-
-    @classmethod
-    def for_params(cls, params: SamplingParams) -> "DeltaTracker":
-        return cls(max((len(s) for s in params.stop), default=1) - 1)
 
     def state(self, prompt_idx: int, comp_idx: int) -> DeltaState:
         return self.states.setdefault((prompt_idx, comp_idx), DeltaState())
@@ -159,12 +153,8 @@ class DeltaTracker:
         if st.finished:
             return None
         text = comp.text
-        if comp.finish_reason is None:
-            end = len(text) - self.hold
-            while end > st.chars and text[end - 1] == "\ufffd":
-                end -= 1
-        else:
-            end = len(text)
+        end = len(text)
+        if comp.finish_reason is not None:
             st.finished = True
         new_text = text[st.chars:end] if end > st.chars else ""
         start = st.tokens

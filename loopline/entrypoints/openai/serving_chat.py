@@ -72,7 +72,7 @@ class _ChatView:
                                              choices=choices, usage=usage))
 
     async def stream(self) -> AsyncIterator[str]:
-        deltas = DeltaTracker.for_params(self.params)
+        deltas = DeltaTracker()
         try:
             yield self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                                for i in range(self.params.n)])

@@ -105,7 +105,7 @@ class _CompletionView:
     # --- stream ---------------------------------------------------------------------------
     async def stream(self) -> AsyncIterator[str]:
         req, gen = self.req, self.gen
-        deltas = DeltaTracker.for_params(self.params)
+        deltas = DeltaTracker()
         try:
             async for out in gen.outputs():
                 p = gen.prompt_index(out.request_id)
