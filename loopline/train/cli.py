@@ -54,6 +54,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", default="auto", help="'auto' (cuda when available), 'cpu', 'cuda' or 'cuda:N'")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-every", type=int, default=50, help="print a JSON line of metrics every N steps")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="print the held-out loss of every loop every N steps (0: only at the end); for watching "
+                        "over-fitting, it never changes the run")
     p.add_argument("--exit-threshold", type=float, default=None,
                    help="early_exit_threshold to export (default: chosen from the held-out depth-vs-loss curve)")
     p.add_argument("--threshold-tolerance", type=float, default=0.05,
@@ -125,10 +128,20 @@ def run_pretrain(ns: argparse.Namespace) -> int:
                       "data_s": round(time.perf_counter() - t0, 1)}), flush=True)
     t_train = time.perf_counter()
     start_step = trainer.step
-    trainer.train(save_every=ns.save_every, checkpoint_dir=ckpt)
+    eval_s = 0.0  # the periodic held-out evaluations, left out of the training throughput
+    while trainer.step < config.total_steps:
+        until = config.total_steps if not ns.eval_every else (trainer.step // ns.eval_every + 1) * ns.eval_every
+        trainer.train(until=until, save_every=ns.save_every, checkpoint_dir=ckpt)
+        if ns.eval_every and trainer.step < config.total_steps:
+            t_eval = time.perf_counter()
+            held = trainer.evaluate(thresholds=(1.0,))
+            eval_s += time.perf_counter() - t_eval
+            print(json.dumps({"step": trainer.step, "heldout_loop_losses": [round(x, 4) for x in held["loop_losses"]],
+                              "heldout_expected_loss": round(held["expected_loss"], 4),
+                              "elapsed_s": round(time.perf_counter() - t0, 1)}), flush=True)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    train_s = time.perf_counter() - t_train
+    train_s = time.perf_counter() - t_train - eval_s
     trainer.save(ckpt)
     metrics = trainer.evaluate(batches=max(config.eval_batches, 1))
     threshold = ns.exit_threshold if ns.exit_threshold is not None else choose_threshold(metrics["curve"], ns.threshold_tolerance)

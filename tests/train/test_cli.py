@@ -32,6 +32,17 @@ def test_pretrain_smoke_exports_a_loadable_model_and_resumes(tmp_path, capsys):
     assert len(comp.exit_depths) == len(comp.token_ids) >= 1
 
 
+def test_eval_every_reports_heldout_losses_and_leaves_the_run_alone(tmp_path, capsys):
+    base = ["train", "pretrain", "--preset", "smoke", "--set", "stage1_steps=4", "--set", "stage2_steps=2",
+            "--log-every", "0", "--threads", "1"]
+    assert main([*base, "--out", str(tmp_path / "a"), "--eval-every", "3"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    held = [x for x in lines if "heldout_loop_losses" in x]
+    assert [x["step"] for x in held] == [3] and len(held[0]["heldout_loop_losses"]) == 4
+    assert main([*base, "--out", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
 def test_overrides_and_their_errors(tmp_path, capsys):
     config = build_config("smoke", None, ["model.hidden_size=96", "lr=0.002", "betas=[0.9, 0.99]"])
     assert config.model.hidden_size == 96 and config.lr == 0.002 and config.betas == (0.9, 0.99)
