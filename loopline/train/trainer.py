@@ -63,8 +63,8 @@ class TrainConfig:
     corpus: CorpusSpec = CorpusSpec()
     seed: int = 0
     seq_len: int = 512
-    batch_size: int = 64
-    stage1_steps: int = 1500
+    batch_size: int = 32
+    stage1_steps: int = 1200
     stage2_steps: int = 200
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -73,6 +73,10 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     entropy_beta: float = 0.05  # stage 1 entropy bonus (paper: 0.1, later 0.05)
+    # lambda of the untrained gate (its bias is logit(lambda), its weight zero). 0.2 starts deep-first:
+    # p = (0.2, 0.16, 0.13, 0.51), like Ouro's trained exit mass (0.53 on the last loop). A zero gate
+    # (lambda 1/2, p_1 = 1/2) trained the first loop most and left the last loop the worst.
+    gate_init_exit: float = 0.2
     stage2_lr: float = 1e-3
     stage2_warmup_steps: int = 20
     gate_k: float = 50.0  # stage 2 target sharpness (paper: 50)
@@ -91,6 +95,7 @@ class TrainConfig:
             ("warmup_steps", self.warmup_steps >= 0, ">= 0"), ("stage2_warmup_steps", self.stage2_warmup_steps >= 0, ">= 0"),
             ("weight_decay", self.weight_decay >= 0, ">= 0"), ("grad_clip", self.grad_clip > 0, "> 0"),
             ("entropy_beta", self.entropy_beta >= 0, ">= 0"), ("gate_k", self.gate_k > 0, "> 0"),
+            ("gate_init_exit", 0 < self.gate_init_exit < 1, "(0, 1)"),
             ("early_exit_threshold", 0 < self.early_exit_threshold <= 1, "(0, 1]"),
             ("export_dtype", self.export_dtype in ("float32", "bfloat16"), "float32, bfloat16"),
             ("eval_batches", self.eval_batches >= 1, ">= 1"),
@@ -146,15 +151,15 @@ def stage_one_flops_per_token(config: TrainConfig) -> float:
     return 3.0 * per_loop * m.total_ut_steps
 
 
-def init_weights(model: OuroForCausalLM, config: OuroConfig, generator: torch.Generator) -> None:
-    """GPT-style init: N(0, initializer_range) matrices, unit norms, a zero gate (lambda = 1/2 everywhere)."""
+def init_weights(model: OuroForCausalLM, config: OuroConfig, generator: torch.Generator, gate_exit: float = 0.5) -> None:
+    """GPT-style init: N(0, initializer_range) matrices, unit norms, a constant gate (lambda = ``gate_exit``)."""
     std = config.initializer_range
     # Residual-branch outputs scaled down by depth (loops x layers) so the stream does not grow with the loop.
     out_std = std / math.sqrt(2 * config.num_hidden_layers * config.total_ut_steps)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "early_exit_gate" in name:
-                p.zero_()
+                p.fill_(math.log(gate_exit / (1 - gate_exit)) if name.endswith("bias") else 0.0)
             elif p.dim() == 1:
                 p.fill_(1.0)
             else:
@@ -268,7 +273,7 @@ class Trainer:
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         self.model = OuroForCausalLM(config.ouro_config())
-        init_weights(self.model, self.model.config, torch.Generator().manual_seed(config.seed))
+        init_weights(self.model, self.model.config, torch.Generator().manual_seed(config.seed), config.gate_init_exit)
         self.model.to(self.device).train()
         self.step = 0
         self._build_stage()
