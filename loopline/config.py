@@ -39,7 +39,7 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 class EngineArgs:
     """Every engine option (vLLM names where vLLM has one)."""
 
-    model: str | None = _opt(None, "checkpoint directory (Hugging Face layout); default: the bundled tiny checkpoint")
+    model: str | None = _opt(None, "checkpoint directory (Hugging Face layout); default: the bundled demo model")
     tokenizer: str | None = _opt(None, "tokenizer directory (default: the model directory)")
     skip_tokenizer_init: bool = _opt(False, "do not load a tokenizer; prompts must be token ids")
     dtype: DType = _opt("auto", "weight and activation dtype ('auto': the checkpoint's, float32 on CPU for bf16 checkpoints is not forced)")

@@ -76,3 +76,6 @@ class RequestOutput:
     weight_version: Any = None
     metrics: RequestMetrics | None = None
     sampling_params: Any = None  # the effective SamplingParams (resolved seed and loop bounds)
+    # With prompt_logprobs: the loop whose hidden state predicted each prompt token (aligned with
+    # prompt_logprobs, None for the first token), chosen by the same exit rule as generated tokens.
+    prompt_exit_depths: list[int | None] | None = None

@@ -3,7 +3,7 @@
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests slow diag kernels sweep gemm swiglu gemv profile prefill mixed
-# wide splits bench headline sync overlap partition hf adaptive serve; LOOPLINE_BENCH_C (default "1 32 128") picks
+# wide splits bench headline sync overlap partition hf adaptive demo serve; LOOPLINE_BENCH_C (default "1 32 128") picks
 # bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -119,6 +119,16 @@ fi
 if has adaptive; then  # continuous depth batching vs cohort vs full depth (synthetic mean 2.5 loops), defaults
   bench 420 --input-len 128 --output-len 512 --concurrency 128 --depth-dist mean2.5 --compare \
         --variants refill,no_refill,fixed --repeats 2 --output-json "$out/adaptive.json" 2> "$out/adaptive.err" | tail -6
+fi
+if has demo; then  # the bundled demo model: the engine-measured exit curve on the held-out split, its real exits benchmarked
+  timeout 240 python3 -m loopline.entrypoints.cli train curve --out "$out/demo_curve.json" > /dev/null 2> "$out/demo_curve.err" \
+    || tail -3 "$out/demo_curve.err"
+  python3 -c "import json; r = json.load(open('$out/demo_curve.json')); print('curve', r['python_version'], r['engine_s'], 's',
+r['max_abs_loss_diff'], r['depths_equal'], [(p['threshold'], round(p['mean_depth'], 3), round(p['loss'], 4)) for p in r['engine']])"
+  timeout 240 python3 -m loopline.entrypoints.cli bench --model loopline/models/demo_ouro --no-progress --input-len 128 \
+    --output-len 256 --concurrency 32,128 \
+    --compare --variants refill,no_refill,fixed --repeats 3 --output-json "$out/demo_adaptive.json" 2> "$out/demo_adaptive.err" \
+    | tail -8
 fi
 if has serve; then  # loopline serve vs the offline engine, same random Ouro-1.4B checkpoint on disk, C = 32 and 128
   ckpt=/tmp/ouro-1.4b-random

@@ -43,6 +43,7 @@ class _Parent:
     children: list[str]
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_exit_depths: list[int | None] | None = None
     dirty: bool = False
     weight_version: Any = None  # at add time, then of the newest token (never read at collection time)
 
@@ -81,6 +82,7 @@ class OutputProcessor:
                          weight_version=weight_version)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] + [None] * (len(prompt_ids) - 1)
+            parent.prompt_exit_depths = [None] * len(prompt_ids)
         self._parents[request_id] = parent
         for i, cid in enumerate(children):
             self._child_parent[cid] = (request_id, i)
@@ -158,13 +160,14 @@ class OutputProcessor:
         if parent.prompt_logprobs is None or self._child_parent[child_id][1] != 0:
             return
         ids = parent.prompt_token_ids
-        for pos, lp, rank, top in entries:
+        for pos, lp, rank, top, depth in entries:
             nxt = ids[pos + 1]
             entry = {nxt: Logprob(lp, rank, self._piece(nxt))}
             for r, (tid, v) in enumerate(top, start=1):
                 if tid not in entry:
                     entry[tid] = Logprob(v, r, self._piece(tid))
             parent.prompt_logprobs[pos + 1] = entry
+            parent.prompt_exit_depths[pos + 1] = depth
 
     # --- collection ---------------------------------------------------------------------
     def collect(self) -> list[RequestOutput]:
@@ -179,7 +182,7 @@ class OutputProcessor:
                 parent.metrics.finished_time = time.time()
             outs.append(RequestOutput(
                 request_id=rid, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
-                prompt_logprobs=parent.prompt_logprobs,
+                prompt_logprobs=parent.prompt_logprobs, prompt_exit_depths=parent.prompt_exit_depths,
                 outputs=[CompletionOutput(
                     index=c.index, text=c.text, token_ids=list(c.token_ids),
                     cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,

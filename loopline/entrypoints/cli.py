@@ -100,7 +100,7 @@ def _add_generate(sub: Any) -> None:
     from loopline.config import EngineArgs
 
     p = sub.add_parser("generate", help=GENERATE_HELP, formatter_class=HelpFormatter, parents=[common_parser()])
-    p.add_argument("prompts", nargs="*", help="prompts (default: one demo prompt)")
+    p.add_argument("prompts", nargs="*", help=f"prompts (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--prompt-file", help="file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
@@ -119,9 +119,11 @@ def _run_generate(ns: argparse.Namespace) -> int:
         with open(ns.prompt_file, encoding="utf-8") as fh:
             prompts += [line.rstrip("\n") for line in fh if line.strip()]
     if not prompts:
-        prompts = ["Once upon a time"]
+        prompts = [DEFAULT_PROMPT]
     params = sampling_from_ns(ns)
     args = EngineArgs.from_cli_args(ns)
+    if args.model is None:
+        print(DEMO_NOTICE, file=sys.stderr)
     llm = LLM(**dataclasses.asdict(args))
     t0 = time.perf_counter()
     if ns.chat:
@@ -191,7 +193,11 @@ def format_logprob_rows(rows: list[dict | None]) -> str:
     return "\n".join(lines)
 
 
-GENERATE_HELP = "generate text offline (default model: the bundled tiny checkpoint)"
+GENERATE_HELP = "generate text offline (default model: the bundled demo model)"
+DEFAULT_PROMPT = "def fibonacci(n):"  # the demo model knows Python's standard library, and little else
+DEMO_NOTICE = ("note: no --model given, so this is loopline's bundled demo model (5.5M parameters, trained on the "
+               "CPython standard library; see loopline/models/demo_ouro/MODEL_CARD.md). Real Ouro weights load from "
+               "a local directory: loopline generate --model /path/to/Ouro-1.4B")
 
 # name -> (help, builder of the full sub-parser)
 COMMANDS = {

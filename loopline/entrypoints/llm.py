@@ -18,7 +18,7 @@ from loopline.sampling_params import SamplingParams
 class LLM:
     """Generate from a looped model offline.
 
-    ``LLM()`` with no model uses the bundled tiny checkpoint. Keyword
+    ``LLM()`` with no model uses the bundled demo model. Keyword
     arguments are the fields of :class:`~loopline.config.EngineArgs`.
     """
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from loopline.errors import LooplineError
 
-HELP = "serve an OpenAI-compatible HTTP API (default model: the bundled tiny checkpoint)"
+HELP = "serve an OpenAI-compatible HTTP API (default model: the bundled demo model)"
 
 # NOTE: literals, not imports: building the parser must not import the server (FastAPI, uvicorn).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024

@@ -6,8 +6,8 @@ byte-level BPE tokenizer with a ChatML template) that the loader reads exactly
 like a real Ouro-1.4B directory. Everything is made locally and is
 byte-for-byte reproducible from ``(seed, overrides, shards)``.
 
-:func:`default_checkpoint` is the bundled tiny model every command uses when no
-model is given; :func:`random_checkpoint_config` gives the real 1.4B / 2.6B
+:func:`default_checkpoint` is the bundled demo model (trained, not random) every
+command uses when no model is given; :func:`random_checkpoint_config` gives the real 1.4B / 2.6B
 shapes for benchmarks that build random-weight models in memory.
 """
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,8 +22,8 @@ from torch import Tensor
 
 from loopline.models.ouro import OuroConfig, OuroForCausalLM, RMSNorm
 
-#: Bump when the bytes :func:`default_checkpoint` writes change, so caches refresh.
-DEFAULT_CHECKPOINT_NAME = "tiny-ouro-v1"
+#: The served model name of the default model (``loopline serve`` without ``--model``).
+DEFAULT_CHECKPOINT_NAME = "loopline-demo-ouro"
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 as in Ouro
 TOKENIZER_VOCAB_SIZE = 500
@@ -39,7 +37,7 @@ CHAT_TEMPLATE = (
 )
 
 # Written for loopline; the tokenizer is trained on it, so keep it stable
-# (changing it changes the default checkpoint: bump DEFAULT_CHECKPOINT_NAME).
+# (changing it changes every test checkpoint's tokenizer).
 _CORPUS = """\
 The river town woke slowly. Fishermen pulled their boats onto the gravel, and the
 baker opened her shutters before the sun had cleared the hills. Children ran along
@@ -323,29 +321,20 @@ def make_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, *, shards: int 
     return path
 
 
-def default_checkpoint() -> Path:
-    """The bundled tiny checkpoint, generated once into the cache and reused.
+#: The bundled default model: trained in-tree (docs/training.md), weights and card beside this file.
+DEMO_CHECKPOINT = Path(__file__).resolve().parent / "demo_ouro"
 
-    Lives at ``$LOOPLINE_CACHE/tiny-ouro-v1`` (default cache ``~/.cache/loopline``).
-    It is written to a temporary sibling directory and renamed into place, so
-    the directory exists only when complete, and concurrent first uses are
-    safe: the loser of the rename discards its copy and uses the winner's.
+
+def default_checkpoint() -> Path:
+    """The bundled demo model every command uses when no model is given (``loopline/models/demo_ouro``).
+
+    A 5.5M-parameter Ouro-architecture model trained on the CPython standard library by
+    ``loopline train pretrain --preset demo`` (its ``MODEL_CARD.md`` says how and how well).
     """
-    cache = Path(os.environ.get("LOOPLINE_CACHE") or Path.home() / ".cache" / "loopline").expanduser()
-    final = cache / DEFAULT_CHECKPOINT_NAME
-    if final.is_dir():
-        return final
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_CHECKPOINT_NAME}.tmp-", dir=cache))
-    try:
-        make_tiny_checkpoint(tmp, seed=0)
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
-    return final
+    if not (DEMO_CHECKPOINT / "model.safetensors").is_file():
+        raise FileNotFoundError(f"the bundled demo model is missing from {DEMO_CHECKPOINT} (an incomplete install?); "
+                                "give a checkpoint directory with --model / LLM(model=...)")
+    return DEMO_CHECKPOINT
 
 
 def random_checkpoint_config(name: str) -> OuroConfig:

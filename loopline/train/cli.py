@@ -38,7 +38,7 @@ def add_parser(sub: Any) -> None:
     from loopline.entrypoints.cli import HelpFormatter
 
     train = sub.add_parser("train", help=HELP, formatter_class=HelpFormatter)
-    tsub = train.add_subparsers(dest="train_command", metavar="{pretrain}")
+    tsub = train.add_subparsers(dest="train_command", metavar="{pretrain,curve}")
     tsub.required = True
     p = tsub.add_parser("pretrain", help="stage 1 (expected loss + entropy) then stage 2 (gate only), then export",
                         formatter_class=HelpFormatter)
@@ -63,6 +63,18 @@ def add_parser(sub: Any) -> None:
                    help="the chosen threshold is the one of least mean depth whose held-out loss is within this "
                         "many nats of full depth")
     p.set_defaults(func=run_pretrain)
+
+    c = tsub.add_parser("curve", help="the exit threshold vs held-out loss curve, measured through the engine "
+                                      "(and the dense model for comparison)", formatter_class=HelpFormatter)
+    c.add_argument("--model", default=None, help="checkpoint directory (default: the bundled demo model)")
+    c.add_argument("--out", help="write the JSON here (default: print it)")
+    c.add_argument("--seq-len", type=int, default=512, help="tokens per held-out window (the training eval's 512)")
+    c.add_argument("--max-windows", type=int, default=None, help="use at most N windows (default: the whole split)")
+    c.add_argument("--thresholds", default=",".join(str(q) for q in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)),
+                   help="comma-separated exit thresholds in (0, 1]")
+    c.add_argument("--device", default="auto", help="'auto' (cuda when available), 'cpu' or 'cuda:N'")
+    c.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "shared"])
+    c.set_defaults(func=run_curve)
 
 
 def build_config(preset: str, config_file: str | None, sets: list[str]):
@@ -150,6 +162,39 @@ def run_pretrain(ns: argparse.Namespace) -> int:
                    chosen_threshold=threshold)
     trainer.export(out, early_exit_threshold=threshold, metrics=metrics)
     print(json.dumps({"exported": str(out), **metrics}), flush=True)
+    return 0
+
+
+def run_curve(ns: argparse.Namespace) -> int:
+    import torch
+
+    from loopline.models.tiny import default_checkpoint
+    from loopline.train.engine_eval import dense_curve, engine_curve, heldout_stream
+
+    try:
+        thresholds = tuple(float(x) for x in ns.thresholds.split(","))
+    except ValueError:
+        raise ValueError(f"--thresholds {ns.thresholds!r}; allowed: comma-separated numbers in (0, 1]") from None
+    if not all(0 < q <= 1 for q in thresholds):
+        raise ValueError(f"--thresholds {ns.thresholds!r}; allowed: numbers in (0, 1]")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if ns.device == "auto" else ns.device
+    model = Path(ns.model) if ns.model else default_checkpoint()
+    stream = heldout_stream(model)
+    kw = dict(seq_len=ns.seq_len, max_windows=ns.max_windows, thresholds=thresholds)
+    t0 = time.perf_counter()
+    engine = engine_curve(model, stream, kv_layout=ns.kv_layout, device=device, **kw)
+    t1 = time.perf_counter()
+    dense = dense_curve(model, stream, device=device, **kw)
+    import platform
+
+    result = {"model": str(model), "python_version": platform.python_version(), "heldout_stream_tokens": len(stream),
+              "device": device, "kv_layout": ns.kv_layout, "engine_s": round(t1 - t0, 1), "engine": engine,
+              "dense": dense, "max_abs_loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in zip(engine, dense)),
+              "depths_equal": all(a["depth_histogram"] == b["depth_histogram"] for a, b in zip(engine, dense))}
+    text = json.dumps(result, indent=1)
+    if ns.out:
+        Path(ns.out).write_text(text + "\n", encoding="utf-8")
+    print(text)
     return 0
 
 

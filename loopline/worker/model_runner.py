@@ -478,7 +478,7 @@ class ModelRunner:
             booked.meta.append((i, st.sel_depth[last:last + 1]))
 
     def _prompt_logprobs(self, st: _RequestState, lo: int, hi: int) -> list:
-        """Position p predicts prompt token p+1 from its hidden at the depth the rule picked."""
+        """Position p predicts prompt token p+1 from its hidden at the depth the rule picked (returned too)."""
         hi = min(hi, st.prompt.numel() - 1)
         if hi <= lo:
             return []
@@ -488,10 +488,8 @@ class ModelRunner:
         ranks = (logp > chosen[:, None]).sum(1) + 1
         k = st.params.prompt_logprobs
         top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-        out = []
-        for j, (c, rk, tv, ti) in enumerate(zip(chosen.tolist(), ranks.tolist(), top_v.tolist(), top_i.tolist())):
-            out.append((lo + j, c, rk, list(zip(ti, tv))))
-        return out
+        rows = zip(chosen.tolist(), ranks.tolist(), top_v.tolist(), top_i.tolist(), st.sel_depth[lo:hi].tolist())
+        return [(lo + j, c, rk, list(zip(ti, tv)), depth) for j, (c, rk, tv, ti, depth) in enumerate(rows)]
 
     # --- coda + sampling --------------------------------------------------------------
     def _sample(self, rows, nd: int, ex: Tensor | None, logits: Tensor | None, booked: _Booked,

@@ -1,5 +1,4 @@
 import json
-import threading
 
 import pytest
 import torch
@@ -9,8 +8,6 @@ from loopline.models.loader import load_config, load_model, load_tokenizer
 from loopline.models.ouro import OuroForCausalLM
 from loopline.models.tiny import (
     CHAT_TEMPLATE,
-    DEFAULT_CHECKPOINT_NAME,
-    default_checkpoint,
     make_tiny_checkpoint,
     random_checkpoint_config,
     random_state_dict,
@@ -119,23 +116,6 @@ def test_chat_template_renders_chatml(tmp_path):
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
     assert tok.apply_chat_template(messages[1:], tokenize=False) == "<|im_start|>user\nHi!<|im_end|>\n"
-
-
-def test_default_checkpoint_is_created_once_and_reused(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOOPLINE_CACHE", str(tmp_path / "cache"))
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(default_checkpoint())) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    path = tmp_path / "cache" / DEFAULT_CHECKPOINT_NAME
-    assert results == [path] * 3
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [DEFAULT_CHECKPOINT_NAME]  # no temp dirs left
-    stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert default_checkpoint() == path
-    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
-    assert _files(path) == _files(make_tiny_checkpoint(tmp_path / "fresh", seed=0))
 
 
 @pytest.mark.parametrize("name, layers", [("ouro-1.4b", 24), ("Ouro-2.6B-Thinking", 48)])
