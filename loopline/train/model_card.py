@@ -1,8 +1,8 @@
 """``MODEL_CARD.md`` of an exported run, rendered from its ``training_info.json``.
 
-It states what the trainer measured (dense model, held-out split). The engine-measured
-depth-vs-loss curve and exit-depth histograms are added by the session that ships the
-weights (docs/training.md, "What remains").
+It states what the trainer measured (dense model, held-out split) and, when an
+``exit_curve.json`` (``loopline train curve --out``) lies beside it, the depth-vs-loss curve
+and exit-depth histograms measured through the engine.
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 
-def render_model_card(info: dict) -> str:
-    """Markdown of the card: corpus, license, architecture, held-out loss per loop, the threshold curve."""
+def render_model_card(info: dict, engine_curve: dict | None = None) -> str:
+    """Markdown of the card: corpus, license, architecture, held-out loss per loop, the threshold curves."""
     corpus, metrics, cfg = info["corpus"], info.get("metrics") or {}, info["train_config"]
     model = cfg["model"]
     lines = [
@@ -47,14 +47,36 @@ def render_model_card(info: dict) -> str:
         lines += ["", "## Exit threshold vs held-out loss (dense model, the engine's exit rule)", "",
                   "| threshold | mean loops | loss |", "|---|---|---|"]
         lines += [f"| {p['threshold']} | {p['mean_depth']:.3f} | {p['loss']:.4f} |" for p in metrics["curve"]]
+    if engine_curve:
+        lines += _engine_section(engine_curve)
     lines += ["", f"`early_exit_threshold` in config.json: {info['early_exit_threshold']}"]
     return "\n".join(lines) + "\n"
+
+
+def _engine_section(curve: dict) -> list[str]:
+    points = curve["engine"]
+    full = next(p["loss"] for p in points if p["threshold"] >= 1.0)
+    depths = sorted({d for p in points for d in p["depth_histogram"]}, key=int)
+    lines = ["", "## Exit threshold vs held-out loss, measured through the engine", "",
+             f"`loopline train curve` on {curve['device']} (CPython {curve['python_version']}'s held-out files, "
+             f"{points[0]['tokens']:,} scored tokens, KV layout `{curve['kv_layout']}`): every prompt position's depth "
+             "is the engine's exit rule (`prompt_exit_depths`), its loss the engine's `prompt_logprobs`. "
+             f"Largest loss difference to the dense model: {curve['max_abs_loss_diff']:.1e}; identical depth "
+             f"histograms: {'yes' if curve['depths_equal'] else 'no'}.", "",
+             "| threshold | mean loops | loss | vs full depth | " + " | ".join(f"depth {d}" for d in depths) + " |",
+             "|---" * (4 + len(depths)) + "|"]
+    for p in points:
+        hist = " | ".join(f"{p['depth_histogram'].get(d, 0) / p['tokens']:.1%}" for d in depths)
+        lines.append(f"| {p['threshold']} | {p['mean_depth']:.3f} | {p['loss']:.4f} | {p['loss'] - full:+.4f} | {hist} |")
+    return lines
 
 
 def write_model_card(export_dir: str | Path) -> Path:
     """Writes ``MODEL_CARD.md`` beside the weights from the directory's ``training_info.json``."""
     export_dir = Path(export_dir)
     info = json.loads((export_dir / "training_info.json").read_text(encoding="utf-8"))
+    curve_file = export_dir / "exit_curve.json"
+    curve = json.loads(curve_file.read_text(encoding="utf-8")) if curve_file.is_file() else None
     path = export_dir / "MODEL_CARD.md"
-    path.write_text(render_model_card(info), encoding="utf-8")
+    path.write_text(render_model_card(info, curve), encoding="utf-8")
     return path
