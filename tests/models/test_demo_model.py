@@ -41,6 +41,16 @@ def test_the_default_model_is_the_shipped_ouro_checkpoint(weights):
     assert info["train_config"] == expected
     card = (DEMO / "MODEL_CARD.md").read_text()
     assert "PSF-2.0" in card and info["corpus"]["sha256"] in card
+    assert "measured through the engine" in card  # exit_curve.json lies beside the weights
+
+
+def test_the_docs_render_the_model_card_unchanged():
+    from loopline.train.model_card import render_model_card
+
+    card = (DEMO / "MODEL_CARD.md").read_text()
+    info = json.loads((DEMO / "training_info.json").read_text())
+    assert card == render_model_card(info, json.loads((DEMO / "exit_curve.json").read_text()))
+    assert (DEMO.parents[2] / "docs" / "demo-model.md").read_text().startswith(card)
 
 
 def test_held_out_loss_measured_here_is_far_below_uniform_and_falls_from_loop_one():
