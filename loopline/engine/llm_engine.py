@@ -182,14 +182,18 @@ class LLMEngine:
             for child in self.outputs.children(rid):
                 self._finish(child, "abort")
 
-    def _finish(self, child_id: str, reason: str, stop_reason: int | str | None = None) -> None:
+    def _finish(self, child_id: str, reason: str, stop_reason: int | str | None = None) -> bool:
+        """Finishes a request; returns whether its output ended as asked (not by a failure)."""
         req = self._release(child_id, reason, stop_reason)
-        if req is None:
-            return
+        return req is not None and self._finish_output(req)
+
+    def _finish_output(self, req: Request) -> bool:
         try:
             self.outputs.on_finished(req)
+            return True
         except Exception as e:  # e.g. the detokenizer failing on its last characters: it fails alone
-            self._fail(child_id, e)
+            self._fail(req.request_id, e)
+            return False
 
     def _release(self, child_id: str, reason: str, stop_reason: int | str | None = None) -> Request | None:
         """Takes a request out of the scheduler (its KV, slot and snapshot freed; the runner drops its
@@ -293,8 +297,7 @@ class LLMEngine:
         stop = self.scheduler.check_stop(req)
         text_stop = self.outputs.on_token(req, self.control.weight_version, check_stop=stop is None)
         stop = stop or text_stop
-        if stop is not None:
-            self._finish(req.request_id, *stop)
+        if stop is not None and self._finish(req.request_id, *stop):
             self.stats.finished_requests += 1
 
     # --- failures -----------------------------------------------------------------------
@@ -388,7 +391,7 @@ class LLMEngine:
         """Pauses generation: ``"abort"`` in-flight requests, ``"wait"`` for them to drain (keep
         stepping), or ``"keep"`` them frozen with their KV. New requests are held until resume.
         Outputs of aborted requests come from the next ``step()``."""
-        self.control.pause(mode)
+        self.control.pause(mode, on_finished=self._finish_output)
 
     def resume_generation(self) -> None:
         """Resumes after a pause: frozen requests continue, held ones are queued in arrival order."""

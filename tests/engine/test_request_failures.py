@@ -164,3 +164,29 @@ def test_a_failed_choice_leaves_its_siblings_running(tiny_gqa, monkeypatch):
     assert (c1.token_ids, c1.exit_depths, c1.text, c1.finish_reason, c1.error_id) == \
         (a1.token_ids, a1.exit_depths, a1.text, "length", None)
     assert llm.llm_engine.kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("how", ["abort_request", "pause_abort"])
+def test_a_failure_while_aborting_fails_only_that_request(tiny_gqa, how):
+    """Aborting flushes each request's text; a request whose flush fails ends with an error id, the
+    others aborted with it end as plain aborts, and nothing is left in use."""
+    llm = tiny_gqa.llm(max_num_seqs=4)
+    engine = llm.llm_engine
+    for i, (prompt, sp) in enumerate(zip(PROMPTS, GOOD)):
+        engine.add_request(f"r{i}", prompt, sp.clone(max_tokens=50))
+    for _ in range(4):
+        engine.step()
+
+    def boom():
+        raise RuntimeError("an engine bug")
+
+    engine.outputs._completions["r1#0"].detok.flush = boom
+    if how == "pause_abort":
+        engine.pause_generation("abort")
+    else:
+        engine.abort_request(["r0", "r1", "r2"])
+    outs = {o.request_id: o for o in engine.step()}
+    assert set(outs) == {"r0", "r1", "r2"} and all(o.finished for o in outs.values())
+    assert outs["r1"].error_id is not None and outs["r1"].outputs[0].finish_reason == "abort"
+    assert all(outs[r].error_id is None and outs[r].outputs[0].finish_reason == "abort" for r in ("r0", "r2"))
+    assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished_requests()
