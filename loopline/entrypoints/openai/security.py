@@ -120,7 +120,6 @@ class _RequestBody:
 
     def __init__(self, receive: Receive, headers: Headers, limit: int) -> None:
         self._receive = receive
-        self.limit = limit
         self.drain_cap = 2 * limit
         length = headers.get("content-length")
         self.announced = int(length) if length is not None and length.strip().isdigit() else None
