@@ -43,6 +43,11 @@ class EngineInternalError(LooplineError, RuntimeError):
         super().__init__(message)
         self.error_id = error_id
 
+    @classmethod
+    def request_failed(cls, error_id: str) -> "EngineInternalError":
+        """What a caller gets for a request an internal error ended (``RequestOutput.error_id``)."""
+        return cls(f"internal error while generating (error id {error_id}); the request was aborted", error_id)
+
 
 class RequestFailedError(LooplineError, RuntimeError):
     """What ``LLMEngine.step()`` raises when it can attribute a failure to some requests.

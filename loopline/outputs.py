@@ -38,6 +38,10 @@ class CompletionOutput:
     # weight_versions[i]: the weight version that ran the forward producing token_ids[i]. All equal
     # unless a weight update landed while the request was frozen by pause_generation("keep").
     weight_versions: list[Any] = field(default_factory=list)
+    # Set when an internal error (not the request's input) ended this completion: finish_reason is
+    # "abort" and the server log has the traceback under this id. The server answers such a
+    # request with a 500 naming the id; the other requests of the step were not affected.
+    error_id: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -79,3 +83,8 @@ class RequestOutput:
     # With prompt_logprobs: the loop whose hidden state predicted each prompt token (aligned with
     # prompt_logprobs, None for the first token), chosen by the same exit rule as generated tokens.
     prompt_exit_depths: list[int | None] | None = None
+
+    @property
+    def error_id(self) -> str | None:
+        """The error id of the first completion an internal error ended (``None``: none was)."""
+        return next((c.error_id for c in self.outputs if c.error_id is not None), None)

@@ -115,3 +115,6 @@ class RunnerOutput:
     sampled: list[SampledToken | None]
     # request_id -> [(position p, {token: logprob} top-k incl. the actual next prompt token, rank)] for prompt logprobs
     prompt_logprobs: dict[str, list[tuple[int, float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
+    # request_id -> why its row's result could not be read (its ``sampled`` is None): that request
+    # fails alone, the step's other rows are booked as usual
+    failed: dict[str, Exception] = field(default_factory=dict)

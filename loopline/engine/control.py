@@ -7,9 +7,11 @@ and the weights, and commits weight versions (prefix cache reset, new salt).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loopline.core.request import Request
 from loopline.core.scheduler import Scheduler
 from loopline.engine.output_processor import OutputProcessor
 from loopline.errors import EngineStateError, InvalidRequestError, WeightUpdateError
@@ -108,7 +110,8 @@ class EngineControl(GenerationControl):
         return self.finish_weight_update()
 
     # --- pause ------------------------------------------------------------------------
-    def pause(self, mode: str) -> None:
+    def pause(self, mode: str, on_finished: Callable[[Request], None] | None = None) -> None:
+        """``on_finished(req)`` books each request ``"abort"`` ended (default: the output processor's)."""
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", param="mode")
         self.pause_mode = mode
@@ -116,7 +119,7 @@ class EngineControl(GenerationControl):
             finished = [self.scheduler.finish_request(rid, "abort") for rid in list(self.scheduler.requests)]
             finished += [self.drop_held(req.request_id) for req in list(self.held)]
             for req in finished:
-                self.outputs.on_finished(req)
+                (on_finished or self.outputs.on_finished)(req)
 
     def resume(self) -> None:
         if not self.is_paused:

@@ -5,6 +5,13 @@ scheduler.update()``, then the output processor turns new tokens into
 ``RequestOutput``s. With ``async_scheduling`` (the default) the engine launches
 step n+1 before it reads step n; without, it reads each step at once. Both are
 the same calls in another order: there is one execution path.
+
+Failures (DESIGN.md §7): whatever is done per request in a step -- reading its
+row, booking its token, detokenizing, stop checks, finishing, building its
+output -- fails that request alone (its KV, slot and snapshot freed, its output
+ended with ``finish_reason="abort"`` and an ``error_id``); the others go on
+exactly as without it. A failure of the step itself (the forward) fails the
+step's requests the same way. Only a device fault stops the engine.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ from loopline.config import EngineArgs, EngineConfig, resolve_device, resolve_dt
 from loopline.core.contracts import RunnerOutput, SchedulerOutput
 from loopline.core.exit_policy import make_exit_policy
 from loopline.core.queue import make_queue
-from loopline.core.request import Request
+from loopline.core.request import Request, RequestStatus
 from loopline.core.scheduler import Preemption, Scheduler, make_allocation
 from loopline.engine.control import EngineControl
 from loopline.engine.input_processor import InputProcessor, PromptType
@@ -175,10 +182,23 @@ class LLMEngine:
             for child in self.outputs.children(rid):
                 self._finish(child, "abort")
 
-    def _finish(self, child_id: str, reason: str, stop_reason: int | str | None = None) -> None:
-        req = self.scheduler.finish_request(child_id, reason, stop_reason) or self.control.drop_held(child_id, reason)
-        if req is not None:
+    def _finish(self, child_id: str, reason: str, stop_reason: int | str | None = None) -> bool:
+        """Finishes a request; returns whether its output ended as asked (not by a failure)."""
+        req = self._release(child_id, reason, stop_reason)
+        return req is not None and self._finish_output(req)
+
+    def _finish_output(self, req: Request) -> bool:
+        try:
             self.outputs.on_finished(req)
+            return True
+        except Exception as e:  # e.g. the detokenizer failing on its last characters: it fails alone
+            self._fail(req.request_id, e)
+            return False
+
+    def _release(self, child_id: str, reason: str, stop_reason: int | str | None = None) -> Request | None:
+        """Takes a request out of the scheduler (its KV, slot and snapshot freed; the runner drops its
+        state with the next step's ``finished_request_ids``) or out of a pause's held list."""
+        return self.scheduler.finish_request(child_id, reason, stop_reason) or self.control.drop_held(child_id, reason)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prompt page (pages in use stay with their requests)."""
@@ -204,7 +224,7 @@ class LLMEngine:
         self._check_alive()
         t0 = time.perf_counter()
         if self.control.step_blocked():  # paused with mode "keep", or no usable weights / KV
-            return self.outputs.collect()
+            return self._collect()
         sched = self.scheduler.schedule()
         if sched.is_empty and self.scheduler.num_running and not sched.preempted_request_ids:
             self._fail_blocked()
@@ -221,7 +241,10 @@ class LLMEngine:
         self.stats.count_step(sched, time.perf_counter() - t0)
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self)
-        return self.outputs.collect()
+        return self._collect()
+
+    def _collect(self) -> list[RequestOutput]:
+        return self.outputs.collect(on_error=self._fail_output)
 
     def _launch(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, StepHandle | None]:
         """Launches a step; returns what ran and its handle. Requests the runner refuses before it
@@ -242,22 +265,31 @@ class LLMEngine:
     def _read(self, sched: SchedulerOutput, handle: StepHandle) -> None:
         try:
             result = handle.get()
-        except Exception as e:
+            touched = self.scheduler.update(sched, result)
+        except Exception as e:  # not one request's: the step's requests fail
             self._fail_step(sched, e)
             return
-        self._apply_results(sched, result)
+        self._apply_results(sched, result, touched)
 
-    def _apply_results(self, sched: SchedulerOutput, result: RunnerOutput) -> None:
-        touched = self.scheduler.update(sched, result)
-        if result.prompt_logprobs:
+    def _apply_results(self, sched: SchedulerOutput, result: RunnerOutput, touched: list[Request]) -> None:
+        """Books a step's results request by request: a failure fails only the request it happened in."""
+        if result.failed or result.prompt_logprobs:
             live = {r.request_id for r in sched.rows if self.scheduler.owner(r) is not None}
-            for rid, entries in result.prompt_logprobs.items():
+            for rid, error in result.failed.items():  # rows whose results could not be read
                 if rid in live:
-                    self.outputs.add_prompt_logprobs(rid, entries)
+                    self._fail(rid, error)
+            for rid, entries in result.prompt_logprobs.items():
+                if rid in live and rid not in result.failed:
+                    try:
+                        self.outputs.add_prompt_logprobs(rid, entries)
+                    except Exception as e:
+                        self._fail(rid, e)
         for req in touched:
+            if req.status == RequestStatus.FINISHED:
+                continue  # failed above
             try:
                 self._book_token(req)
-            except Exception as e:  # e.g. a tokenizer failing on this request's text
+            except Exception as e:  # e.g. a tokenizer or a stop check failing on this request
                 self._fail(req.request_id, e)
 
     def _book_token(self, req: Request) -> None:
@@ -265,8 +297,7 @@ class LLMEngine:
         stop = self.scheduler.check_stop(req)
         text_stop = self.outputs.on_token(req, self.control.weight_version, check_stop=stop is None)
         stop = stop or text_stop
-        if stop is not None:
-            self._finish(req.request_id, *stop)
+        if stop is not None and self._finish(req.request_id, *stop):
             self.stats.finished_requests += 1
 
     # --- failures -----------------------------------------------------------------------
@@ -292,13 +323,27 @@ class LLMEngine:
             self._fail(rid, error, log=False)
 
     def _fail(self, child_id: str, error: Exception, log: bool = True) -> None:
-        """Fails one request: finish reason ``abort``, and a stop reason naming an error id that finds
-        the traceback in the log (never the exception's text, which may carry internals)."""
+        """Fails one request: its KV and slot freed, finish reason ``abort``, and an error id (in
+        ``error_id`` and the stop reason) that finds the traceback in the log -- never the exception's
+        text, which may carry internals. A request that already finished is left as it is."""
         error_id = uuid.uuid4().hex[:12]
-        logger.error("request %s failed (error id %s)", child_id, error_id, exc_info=error if log else None)
-        # (the runner drops its state with the next step's finished_request_ids)
-        self._finish(child_id, "abort", f"internal error (error id {error_id}); see the server log")
+        message = _failure_message(error_id)
+        try:
+            self._release(child_id, "abort", message)
+        finally:  # even if freeing failed, its caller must not wait forever
+            if self.outputs.on_failed(child_id, message, error_id):
+                logger.error("request %s failed (error id %s)", child_id, error_id, exc_info=error if log else None)
+                self.stats.failed_requests += 1
+
+    def _fail_output(self, request_id: str, error: Exception) -> tuple[str, str]:
+        """Building a request's output failed: every choice of it fails, under one error id."""
+        error_id = uuid.uuid4().hex[:12]
+        logger.error("the output of request %s failed (error id %s)", request_id, error_id, exc_info=error)
+        message = _failure_message(error_id)
+        for child_id in self.outputs.children(request_id):
+            self._release(child_id, "abort", message)
         self.stats.failed_requests += 1
+        return message, error_id
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -346,7 +391,7 @@ class LLMEngine:
         """Pauses generation: ``"abort"`` in-flight requests, ``"wait"`` for them to drain (keep
         stepping), or ``"keep"`` them frozen with their KV. New requests are held until resume.
         Outputs of aborted requests come from the next ``step()``."""
-        self.control.pause(mode)
+        self.control.pause(mode, on_finished=self._finish_output)
 
     def resume_generation(self) -> None:
         """Resumes after a pause: frozen requests continue, held ones are queued in arrival order."""
@@ -373,3 +418,7 @@ class LLMEngine:
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restores what ``sleep`` released (``tags``: ``"weights"`` and/or ``"kv_cache"``; default both)."""
         self.control.wake_up(tags)
+
+
+def _failure_message(error_id: str) -> str:
+    return f"internal error (error id {error_id}); see the server log"

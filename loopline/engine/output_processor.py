@@ -5,10 +5,16 @@ only in the text a token added (plus the few characters before it a stop
 string could start in). While a request with stop strings runs, its visible
 text holds back the last ``max(len(stop)) - 1`` characters, which a stop
 string could still start in: streamed text is never taken back.
+
+A failure while booking, finishing or collecting one request (a tokenizer that
+raises on its text, say) stays with that request: the engine fails it
+(:meth:`OutputProcessor.on_failed`, which never detokenizes) and every other
+request's output is built as if it had not been there.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +38,7 @@ class _Completion:
     stop_reason: int | str | None = None
     detok: IncrementalDetokenizer | None = None  # None: no tokenizer, or detokenize=False
     stopped: bool = False  # a stop string ended the text: later tokens add none
+    error_id: str | None = None  # an internal error ended it (finish_reason "abort")
 
 
 @dataclass
@@ -148,12 +155,24 @@ class OutputProcessor:
     def on_finished(self, req: Request) -> None:
         comp = self._completions[req.request_id]
         if comp.finish_reason is None:
-            comp.finish_reason, comp.stop_reason = req.finish_reason, req.stop_reason
+            # NOTE: text first: if detokenizing fails the completion is not finished, and the
+            # engine fails it instead (on_failed).
             if comp.detok is not None and not comp.stopped:  # the whole text, held-back characters too
                 comp.detok.flush()
                 comp.text = comp.detok.text
+            comp.finish_reason, comp.stop_reason = req.finish_reason, req.stop_reason
         parent = self._parents[self._child_parent[req.request_id][0]]
         parent.dirty = True
+
+    def on_failed(self, child_id: str, stop_reason: str, error_id: str) -> bool:
+        """Ends an unfinished completion with an internal error (finish reason ``abort``, ``error_id``),
+        without detokenizing (that may be what failed); returns whether there was one to end."""
+        comp = self._completions.get(child_id)
+        if comp is None or comp.finish_reason is not None:
+            return False  # finished (or collected and dropped) before the failure
+        comp.finish_reason, comp.stop_reason, comp.error_id = "abort", stop_reason, error_id
+        self._parents[self._child_parent[child_id][0]].dirty = True
+        return True
 
     def add_prompt_logprobs(self, child_id: str, entries: list) -> None:
         parent = self._parents[self._child_parent[child_id][0]]
@@ -170,31 +189,58 @@ class OutputProcessor:
             parent.prompt_exit_depths[pos + 1] = depth
 
     # --- collection ---------------------------------------------------------------------
-    def collect(self) -> list[RequestOutput]:
-        """Cumulative outputs of every request that changed since the last call."""
+    def collect(self, on_error: Callable[[str, Exception], tuple[str, str]] | None = None) -> list[RequestOutput]:
+        """Cumulative outputs of every request that changed since the last call.
+
+        ``on_error(request_id, error) -> (stop_reason, error_id)``: building that request's output
+        failed; the callback fails its choices and the request gets a bare failed output. Without a
+        callback the error propagates.
+        """
         outs = []
         for rid in [r for r, p in self._parents.items() if p.dirty]:
             parent = self._parents[rid]
             parent.dirty = False
-            comps = [self._completions[c] for c in parent.children]
-            finished = all(c.finish_reason is not None for c in comps)
-            if finished:
-                parent.metrics.finished_time = time.time()
-            outs.append(RequestOutput(
-                request_id=rid, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
-                prompt_logprobs=parent.prompt_logprobs, prompt_exit_depths=parent.prompt_exit_depths,
-                outputs=[CompletionOutput(
-                    index=c.index, text=c.text, token_ids=list(c.token_ids),
-                    cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    exit_depths=list(c.exit_depths), seed=c.seed, weight_versions=list(c.weight_versions))
-                    for c in comps],
-                finished=finished, weight_version=parent.weight_version, metrics=parent.metrics,
-                sampling_params=parent.params))
-            if finished:
+            try:
+                out = self._output(parent)
+            except Exception as e:
+                if on_error is None:
+                    raise
+                out = self._failed_output(parent, *on_error(rid, e))
+            outs.append(out)
+            if out.finished:
                 self._drop(rid)
         return outs
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        comps = [self._completions[c] for c in parent.children]
+        finished = all(c.finish_reason is not None for c in comps)
+        if finished:
+            parent.metrics.finished_time = time.time()
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=parent.prompt_logprobs, prompt_exit_depths=parent.prompt_exit_depths,
+            outputs=[CompletionOutput(
+                index=c.index, text=c.text, token_ids=list(c.token_ids),
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                exit_depths=list(c.exit_depths), seed=c.seed, weight_versions=list(c.weight_versions),
+                error_id=c.error_id)
+                for c in comps],
+            finished=finished, weight_version=parent.weight_version, metrics=parent.metrics,
+            sampling_params=parent.params)
+
+    def _failed_output(self, parent: _Parent, stop_reason: str, error_id: str) -> RequestOutput:
+        """The last output of a request whose output could not be built: every choice failed, plain
+        fields only (no text, no logprobs: building those may be what failed)."""
+        outputs = []
+        for c in (self._completions[cid] for cid in parent.children):
+            c.finish_reason, c.stop_reason, c.error_id = "abort", stop_reason, error_id
+            outputs.append(CompletionOutput(index=c.index, text="", token_ids=list(c.token_ids),
+                                            cumulative_logprob=None, logprobs=None, finish_reason="abort",
+                                            stop_reason=stop_reason, error_id=error_id))
+        return RequestOutput(request_id=parent.request_id, prompt=None, prompt_token_ids=list(parent.prompt_token_ids),
+                             prompt_logprobs=None, outputs=outputs, finished=True)
 
     def _drop(self, rid: str) -> None:
         parent = self._parents.pop(rid)

@@ -273,13 +273,16 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str, *,
                        chat_stop: bool = False) -> AsyncIterator[RequestOutput]:
-        """Yields the request's cumulative output each time it progresses, the last one ``finished``."""
+        """Yields the request's cumulative output each time it progresses, the last one ``finished``;
+        raises ``EngineInternalError`` if an internal error ended it (``RequestOutput.error_id``)."""
         stream = await self.add_request(request_id, prompt, sampling_params, chat_stop=chat_stop)
         finished = False
         try:
             while not finished:
                 for out in await stream.get():
                     finished = out.finished
+                    if out.error_id is not None:
+                        raise EngineInternalError.request_failed(out.error_id)
                     yield out
         finally:
             if not finished:

@@ -527,17 +527,23 @@ class ModelRunner:
     def _collect(self, rows, batch: SampleBatch, host: HostSample, booked: _Booked) -> RunnerOutput:
         exited = booked.exited
         sampled: list[SampledToken | None] = [None] * len(rows)
+        failed: dict[str, Exception] = {}
         for j, row_i in enumerate(batch.row_idx):
             if not host.exit[j]:
                 continue
-            st = batch.states[j]
             exited[row_i] = True
-            k = st.params.logprobs
-            top = None
-            if k is not None and k > 0 and host.top_ids is not None:
-                top = list(zip(host.top_ids[j][:k], host.top_lps[j][:k]))
-            sampled[row_i] = SampledToken(
-                token_id=host.ids[j], exit_depth=host.depth[j],
-                logprob=host.lps[j] if host.lps is not None else None,
-                rank=host.ranks[j] if host.ranks is not None else None, top=top)
-        return RunnerOutput(exited, sampled, booked.prompt_logprobs)
+            try:
+                sampled[row_i] = self._sampled_token(host, j, batch.states[j].params)
+            except Exception as e:  # one row's readback: only its request fails (the engine fails it)
+                failed[rows[row_i].request_id] = e
+        return RunnerOutput(exited, sampled, booked.prompt_logprobs, failed)
+
+    @staticmethod
+    def _sampled_token(host: HostSample, j: int, params: SamplingParams) -> SampledToken:
+        k = params.logprobs
+        top = None
+        if k is not None and k > 0 and host.top_ids is not None:
+            top = list(zip(host.top_ids[j][:k], host.top_lps[j][:k]))
+        return SampledToken(token_id=host.ids[j], exit_depth=host.depth[j],
+                            logprob=host.lps[j] if host.lps is not None else None,
+                            rank=host.ranks[j] if host.ranks is not None else None, top=top)

@@ -345,3 +345,95 @@ def test_add_requests_is_all_or_none_and_a_cancelled_add_aborts_every_prompt(mak
         assert llm.is_running
     finally:
         llm.shutdown()
+
+
+def _fail_one_request(monkeypatch, max_tokens: int, at_token: int = 5) -> None:
+    """An engine bug for the requests with this ``max_tokens``: booking their ``at_token``-th token raises
+    (in the output processor: detokenization and stop strings)."""
+    from loopline.engine.output_processor import OutputProcessor
+
+    real = OutputProcessor.on_token
+
+    def on_token(self, req, weight_version=None, check_stop=True):
+        if req.params.max_tokens == max_tokens and req.num_output_tokens == at_token:
+            raise RuntimeError("secret internal detail")
+        return real(self, req, weight_version, check_stop)
+
+    monkeypatch.setattr(OutputProcessor, "on_token", on_token)
+
+
+def _wait_for_no_kv(llm: AsyncLLM) -> None:
+    deadline = time.monotonic() + 10
+    while llm.engine.kv.num_used_blocks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert llm.engine.kv.num_used_blocks == 0
+
+
+def test_an_engine_bug_in_one_request_fails_it_alone(make_engine_args, tiny_gqa, monkeypatch):
+    """The failing request raises EngineInternalError (an id, no internals); the requests sharing its
+    steps finish exactly as each does alone; no KV is left in use and the engine serves on."""
+    from loopline.errors import EngineInternalError
+
+    _fail_one_request(monkeypatch, max_tokens=61)
+    good = [SamplingParams(max_tokens=30 + 4 * i, seed=i, ignore_eos=True, exit_threshold=0.7) for i in range(3)]
+    llm = AsyncLLM(make_engine_args())
+    try:
+        async def main():
+            bad = asyncio.ensure_future(collect(llm, PROMPT, SamplingParams(max_tokens=61, ignore_eos=True), "bad"))
+            goods = [asyncio.ensure_future(collect(llm, PROMPT, p, f"good-{i}")) for i, p in enumerate(good)]
+            with pytest.raises(EngineInternalError) as info:
+                await bad
+            assert "secret" not in str(info.value) and info.value.error_id in str(info.value)
+            return [(await g)[-1] for g in goods]
+
+        results = run(main())
+        _wait_for_no_kv(llm)
+        assert llm.is_running and llm.health_problem() is None and llm.engine.stats.failed_requests == 1
+    finally:
+        llm.shutdown()
+    serial = tiny_gqa.llm(max_num_seqs=4, max_model_len=256)
+    for out, p in zip(results, good):
+        alone = serial.generate(PROMPT, p, use_tqdm=False)[0].outputs[0]
+        got = out.outputs[0]
+        assert out.finished and (got.token_ids, got.exit_depths, got.text, got.finish_reason) == \
+            (alone.token_ids, alone.exit_depths, alone.text, "length")
+
+
+def test_http_an_engine_bug_in_one_request_is_its_500_and_the_others_finish(make_engine_args, serve_app, monkeypatch):
+    """Over HTTP, concurrently: the failing request gets a 500 (non-streamed) or an in-band error then
+    [DONE] (streamed), naming only an error id; the others answer exactly as each does alone."""
+    import concurrent.futures
+
+    from loopline.entrypoints.openai.api_server import build_app
+
+    _fail_one_request(monkeypatch, max_tokens=61)
+    llm = AsyncLLM(make_engine_args())
+    try:
+        srv = serve_app(build_app(llm, "m", shutdown_engine=False))
+        url = srv.base_url + "/v1/completions"
+        good = [{"prompt": PROMPT, "max_tokens": 30 + 4 * i, "seed": i, "ignore_eos": True, "return_token_ids": True}
+                for i in range(3)]
+        bad = {"prompt": PROMPT, "max_tokens": 61, "ignore_eos": True}
+
+        def post(body):
+            return httpx.post(url, json=body, timeout=60)
+
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            futures = [pool.submit(post, b) for b in [bad, {**bad, "stream": True}, *good]]
+            answers = [f.result() for f in futures]
+        r = answers[0]
+        err = r.json()["error"]
+        assert r.status_code == 500 and err["code"] == "internal_error" and "error id" in err["message"]
+        events = [e for e in answers[1].text.split("\n\n") if e]
+        assert answers[1].status_code == 200 and events[-1] == "data: [DONE]" and '"internal_error"' in events[-2]
+        assert "secret" not in r.text + answers[1].text
+        for body, r in zip(good, answers[2:]):
+            alone = post(body)  # serially, on the same server
+            assert r.status_code == 200 == alone.status_code
+            got, want = r.json()["choices"][0], alone.json()["choices"][0]
+            assert (got["text"], got["token_ids"], got["finish_reason"]) == \
+                (want["text"], want["token_ids"], "length")
+        _wait_for_no_kv(llm)
+        assert llm.is_running and httpx.get(srv.base_url + "/health").status_code == 200
+    finally:
+        llm.shutdown()

@@ -214,6 +214,103 @@ def _req(method: str, path: str, body: bytes = b"", content_type: str | None = "
     return head.encode() + b"\r\n" + body
 
 
+def _chunked(method: str, path: str, body: bytes, port: int, chunk: int = 1000) -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nTransfer-Encoding: chunked\r\n" \
+           "Content-Type: application/json\r\n\r\n"
+    parts = [body[i:i + chunk] for i in range(0, len(body), chunk)]
+    return head.encode() + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+def test_a_413_and_every_refusal_of_a_body_keep_the_connection(rl):
+    """Bodies the server refuses or never reads (up to twice the 4 KiB limit) are read and discarded
+    before the answer, so the same connection carries the next request."""
+    p = rl.port
+    good = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    big = json.dumps({"prompt": "x" * 6000, "max_tokens": 1}).encode()  # over the limit, under twice it
+    some = json.dumps({"prompt": "x" * 3000}).encode()
+    cases = [
+        (_req("POST", "/v1/completions", big, port=p), 413, "request_too_large"),  # from Content-Length
+        (_req("POST", "/v1/completions", good, port=p), 200, None),
+        (_chunked("POST", "/v1/completions", big, port=p), 413, "request_too_large"),  # while it streams in
+        (_req("POST", "/v1/completions", good, port=p), 200, None),
+        (_req("POST", "/nope", some, port=p), 404, "not_found"),  # no route reads the body
+        (_req("DELETE", "/v1/completions", some, port=p), 405, None),
+        (_req("GET", "/v1/models", some, port=p), 200, None),  # a route that never reads its body
+        (_req("POST", "/v1/completions", some, "text/plain", port=p), 415, "unsupported_media_type"),
+        (_req("POST", "/v1/completions", some.replace(b"}", b""), port=p), 400, "invalid_json"),
+        (_req("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": "x"}', port=p), 400, None),
+        (_req("POST", "/v1/completions", some, port=p).replace(b"127.0.0.1", b"evil.example", 1), 400,
+         "invalid_host"),
+        (_req("POST", "/v1/completions", good, port=p), 200, None),
+    ]
+    results = _exchange(p, [c[0] for c in cases])
+    for (raw, status, code), (got, body) in zip(cases, results):
+        assert got == status, (raw[:80], got, body)
+        if status != 200:
+            err = body["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], body
+            assert code is None or err["code"] == code, (raw[:80], err)
+
+
+def test_a_413_over_http_client_then_a_request_on_the_same_connection(rl):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", rl.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "x" * 5000}),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 413 and json.loads(r.read())["error"]["code"] == "request_too_large"
+        assert r.getheader("connection") is None and not r.will_close
+        sock = conn.sock
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 1}),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 1
+        assert conn.sock is sock  # the same connection
+    finally:
+        conn.close()
+
+
+def _answer_then_closed(sock: socket.socket) -> tuple[int, dict[str, str], dict]:
+    """Reads one response, then asserts the server closed the connection."""
+    f = sock.makefile("rb")
+    status = int(f.readline().split()[1])
+    headers = {}
+    while (line := f.readline()) not in (b"\r\n", b""):
+        k, _, v = line.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    body = json.loads(f.read(int(headers["content-length"])))
+    assert f.read() == b""  # closed by the server
+    return status, headers, body
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_a_body_past_twice_the_limit_is_refused_with_connection_close(rl, announced):
+    """Too large to be worth reading: the 413 comes at once (announced) or once twice the limit was
+    read (chunked), says ``Connection: close``, and the server closes; a new connection works."""
+    p = rl.port
+    with socket.create_connection(("127.0.0.1", p), timeout=30) as sock:
+        if announced:
+            sock.sendall(_req("POST", "/v1/completions", b"", port=p).replace(
+                b"Content-Length: 0", b"Content-Length: 100000") + b'{"prompt": "')
+        else:
+            sock.sendall(_chunked("POST", "/v1/completions", b"x" * 9000, port=p)[:-5])  # never ends
+        status, headers, body = _answer_then_closed(sock)
+    assert status == 413 and headers["connection"] == "close" and body["error"]["code"] == "request_too_large"
+    assert httpx.post(rl.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_a_refusal_of_an_expect_100_continue_request_comes_before_the_upload(rl):
+    p = rl.port
+    body = json.dumps({"prompt": "x" * 6000}).encode()
+    with socket.create_connection(("127.0.0.1", p), timeout=30) as sock:
+        sock.sendall(_req("POST", "/v1/completions", body, port=p)[:-len(body)].replace(
+            b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n"))  # headers only: the client waits
+        status, headers, err = _answer_then_closed(sock)  # a final answer, no "100 Continue"
+    assert status == 413 and headers["connection"] == "close" and err["error"]["code"] == "request_too_large"
+
+
 def test_every_error_is_an_openai_body_and_keep_alive_survives(closed):
     p = closed.port
     good = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()

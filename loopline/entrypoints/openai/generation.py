@@ -23,6 +23,7 @@ from loopline.entrypoints.openai.logprobs import TokenNamer
 from loopline.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from loopline.entrypoints.openai.protocol import APIError
 from loopline.entrypoints.openai.sse import SSEResponse
+from loopline.errors import EngineInternalError
 from loopline.outputs import CompletionOutput, RequestOutput
 from loopline.sampling_params import SamplingParams
 
@@ -68,7 +69,11 @@ class Generation:
         return len(self.latest) == len(self.ids) and all(o.finished for o in self.latest.values())
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Yields (newest cumulative) outputs as requests progress, until all have finished."""
+        """Yields (newest cumulative) outputs as requests progress, until all have finished.
+
+        Raises ``EngineInternalError`` (a 500, or an in-band stream error) when an internal error
+        ended one of them; ``close()`` then aborts the others of this HTTP request.
+        """
         while not self.finished:
             for out in await self.stream.get():
                 tracker = self.trackers[out.request_id]
@@ -76,6 +81,8 @@ class Generation:
                     tracker.accepted(len(out.prompt_token_ids))
                 tracker.observe(out)
                 self.latest[out.request_id] = out
+                if out.error_id is not None:
+                    raise EngineInternalError.request_failed(out.error_id)
                 yield out
 
     async def run_to_completion(self) -> list[RequestOutput]:

@@ -21,6 +21,16 @@ never reaches the engine, and every refusal is an OpenAI-style error body:
   logged). NOTE: answered here, not re-raised: Starlette's outermost error
   middleware re-raises after answering, and the server then drops the
   keep-alive connection, failing the client's next request.
+
+Keep-alive after any answer (an error, or a route that never read the body):
+an HTTP/1.1 connection can carry the next request only once this request's
+body has been read to its end, so before the response starts the guard reads
+and discards what the app left unread, up to ``2 * max_request_body_bytes``
+in all. A body announced (``Content-Length``) or found to be larger than
+that is not read: the answer carries ``Connection: close`` and the server
+closes the connection after it (reading it would cost more than a new
+connection). So is the body of an ``Expect: 100-continue`` request the app
+did not ask for: that client is still waiting to send it.
 """
 from __future__ import annotations
 
@@ -105,6 +115,43 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _RequestBody:
+    """One request's body as the app reads it (``receive``); ``drain`` reads and discards the rest."""
+
+    def __init__(self, receive: Receive, headers: Headers, limit: int) -> None:
+        self._receive = receive
+        self.drain_cap = 2 * limit
+        length = headers.get("content-length")
+        self.announced = int(length) if length is not None and length.strip().isdigit() else None
+        self.received = 0
+        self.done = not _has_body(headers)  # every byte of it was received (or the client left)
+        # NOTE: the server sends "100 Continue" at the first receive; before it such a client has
+        # sent no body and waits: reading now would only make it upload what is refused.
+        self.expect_continue = headers.get("expect", "").strip().lower() == "100-continue"
+        self.asked = False  # receive was called
+
+    async def receive(self) -> Message:
+        self.asked = True
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            self.done = not message.get("more_body", False)
+        else:  # http.disconnect
+            self.done = True
+        return message
+
+    async def drain(self) -> bool:
+        """Reads what is left of the body, up to ``drain_cap`` bytes in all; returns whether the
+        connection may carry another request (False: answer with ``Connection: close``)."""
+        if not self.done and ((self.announced or 0) > self.drain_cap or (self.expect_continue and not self.asked)):
+            return False
+        while not self.done:
+            if self.received > self.drain_cap:
+                return False
+            await self.receive()
+        return True
+
+
 class SecurityGuard:
     """ASGI middleware enforcing a :class:`SecurityConfig` (see the module docstring)."""
 
@@ -138,24 +185,22 @@ class SecurityGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        refusal = self._refusal(scope, Headers(scope=scope))
+        headers = Headers(scope=scope)
+        limit = self.config.max_request_body_bytes
+        body = _RequestBody(receive, headers, limit)
+        refusal = self._refusal(scope, headers)
         if refusal is not None:
             if self.on_refusal is not None:
                 self.on_refusal(refusal.status)
-            if refusal.status != 413:  # read the (bounded) body, so the keep-alive connection stays usable
-                await _drain(receive, self.config.max_request_body_bytes)
-            await _send_error(send, refusal)
+            await _send_error(send, refusal, keep_alive=await body.drain())
             return
-        limit = self.config.max_request_body_bytes
-        state = {"received": 0, "too_large": False, "started": False}
+        state = {"too_large": False, "started": False}
 
         async def limited_receive() -> Message:
-            message = await receive()
-            if message["type"] == "http.request":
-                state["received"] += len(message.get("body", b""))
-                if state["received"] > limit:
-                    state["too_large"] = True
-                    raise _BodyTooLarge()
+            message = await body.receive()
+            if message["type"] == "http.request" and body.received > limit:
+                state["too_large"] = True
+                raise _BodyTooLarge()
             return message
 
         async def guarded_send(message: Message) -> None:
@@ -163,31 +208,23 @@ class SecurityGuard:
                 return  # the app's answer to a body it could not read; the 413 below replaces it
             if message["type"] == "http.response.start":
                 state["started"] = True
+                if not await body.drain():  # e.g. a 404 for a POST whose body no route read
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)
 
         try:
             await self.app(scope, limited_receive, guarded_send)
         except Exception as e:
             if state["too_large"] and not state["started"]:
-                await _send_error(send, _too_large(limit))
+                await _send_error(send, _too_large(limit), keep_alive=await body.drain())
             elif not state["started"]:
-                await _send_error(send, internal_error(e, scope.get("path", "")))
+                error = internal_error(e, scope.get("path", ""))
+                await _send_error(send, error, keep_alive=await body.drain())
             else:  # the response had started: nothing valid can follow; the server closes the connection
                 logger.exception("error after the response to %s started", scope.get("path", ""))
             return
         if state["too_large"] and not state["started"]:
-            await _send_error(send, _too_large(limit))
-
-
-async def _drain(receive: Receive, limit: int) -> None:
-    received = 0
-    while received <= limit:
-        message = await receive()
-        if message["type"] != "http.request":
-            return
-        received += len(message.get("body", b""))
-        if not message.get("more_body", False):
-            return
+            await _send_error(send, _too_large(limit), keep_alive=await body.drain())
 
 
 def _too_large(limit: int) -> APIError:
@@ -213,9 +250,11 @@ def _same_origin(origin: str, scope: Scope, headers: Headers) -> bool:
     return origin.lower() == f"{scheme}://{headers.get('host', '')}".lower()
 
 
-async def _send_error(send: Send, err: APIError) -> None:
+async def _send_error(send: Send, err: APIError, keep_alive: bool = True) -> None:
     body = json.dumps(err.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
+    if not keep_alive:  # the rest of the request body was not read: the connection cannot carry another
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
