@@ -1,4 +1,4 @@
-"""``loopline train pretrain`` (also ``python -m loopline.train pretrain``): one command per run.
+"""``loopline train pretrain``, ``curve`` and ``grpo`` (also ``python -m loopline.train ...``): one command per run.
 
 Imports only the standard library at module level (``loopline --help`` loads it); torch and the
 trainer are imported when the command runs.
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-HELP = "train the demo looped model (Ouro objective) on the offline corpus"
+HELP = "train the demo looped model (Ouro objective) on the offline corpus, or fine-tune a checkpoint with GRPO"
 
 #: Named configurations. ``demo``: the bundled model's run (docs/training.md, H200 ~15 min);
 #: ``smoke``: a few KB of corpus and a 64-wide model, seconds on a CPU.
@@ -38,7 +38,7 @@ def add_parser(sub: Any) -> None:
     from loopline.entrypoints.cli import HelpFormatter
 
     train = sub.add_parser("train", help=HELP, formatter_class=HelpFormatter)
-    tsub = train.add_subparsers(dest="train_command", metavar="{pretrain,curve}")
+    tsub = train.add_subparsers(dest="train_command", metavar="{pretrain,curve,grpo}")
     tsub.required = True
     p = tsub.add_parser("pretrain", help="stage 1 (expected loss + entropy) then stage 2 (gate only), then export",
                         formatter_class=HelpFormatter)
@@ -75,6 +75,80 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--device", default="auto", help="'auto' (cuda when available), 'cpu' or 'cuda:N'")
     c.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "shared"])
     c.set_defaults(func=run_curve)
+    _add_grpo_parser(tsub, HelpFormatter)
+
+
+def _add_grpo_parser(tsub: Any, formatter: Any) -> None:
+    g = tsub.add_parser("grpo", help="GRPO on a checkpoint: rollouts on loopline.LLM, updates on the dense model, "
+                        "publication through the engine's weight-update transaction (docs/rl.md)", formatter_class=formatter)
+    g.add_argument("--model", default=None, help="checkpoint directory to start from (default: the bundled default model)")
+    g.add_argument("--out", required=True, help="run directory: log.jsonl, the resumable state, and the exported model/")
+    g.add_argument("--iterations", type=int, default=None, help="total iterations of the run (default: GRPOConfig's, 30)")
+    g.add_argument("--stop-after", type=int, default=None, help="stop (saving the state) after this iteration; "
+                   "continue with --resume")
+    g.add_argument("--resume", action="store_true", help="continue the run saved in --out (its config wins)")
+    g.add_argument("--seed", type=int, default=None, help="run seed: prompt order and sampling seeds (default 0)")
+    g.add_argument("--reward", default=None, help="'python_closes' (default), 'python_parses' or 'contains:WORD'")
+    g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override one GRPOConfig field (group_size=8, lr=3e-4, max_tokens=8, exit_threshold=0.6, ...); repeatable")
+    g.add_argument("--save-every", type=int, default=5, help="save the state every N iterations (and at the end)")
+    g.add_argument("--device", default="cpu", help="'cpu', 'cuda' or 'cuda:N' (trainer and engine share it)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.set_defaults(func=run_grpo)
+
+
+def grpo_config(ns: argparse.Namespace):
+    """The :class:`GRPOConfig` of ``--set`` overrides and the explicit flags."""
+    from loopline.train.grpo import GRPOConfig
+
+    raw: dict[str, Any] = {}
+    for item in ns.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}; allowed: FIELD=VALUE, e.g. --set group_size=8")
+        try:
+            raw[key] = json.loads(value)
+        except json.JSONDecodeError:
+            raw[key] = value
+    for name in ("model", "iterations", "seed", "reward"):
+        if getattr(ns, name) is not None:
+            raw[name] = getattr(ns, name)
+    return GRPOConfig.from_dict(raw)
+
+
+def run_grpo(ns: argparse.Namespace) -> int:
+    import torch
+
+    from loopline.train.grpo import GRPO, STATE_FILE
+
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_dir = out / "state"
+    t0 = time.perf_counter()
+    with open(out / "log.jsonl", "a", encoding="utf-8") as fh:
+        def log(record: dict) -> None:
+            line = json.dumps({**record, "elapsed_s": round(time.perf_counter() - t0, 1)})
+            print(line, flush=True)
+            fh.write(line + "\n")
+            fh.flush()
+
+        if ns.resume:
+            if not (state_dir / STATE_FILE).is_file():
+                raise FileNotFoundError(f"--resume: {state_dir / STATE_FILE} does not exist (--out)")
+            run = GRPO.resume(state_dir, device=ns.device, log=log, iterations=ns.iterations)
+            print(json.dumps({"resumed_at_iteration": run.iteration, "weight_version": run.weight_version}), flush=True)
+        else:
+            run = GRPO(grpo_config(ns), device=ns.device, log=log)
+            print(json.dumps({"model": run.model_path, "config": run.config.to_dict()}), flush=True)
+        until = run.config.iterations if ns.stop_after is None else ns.stop_after
+        run.train(until=until, save_every=ns.save_every, state_dir=state_dir)
+        run.save(state_dir)
+        if run.iteration >= run.config.iterations:
+            print(json.dumps({"exported": str(run.export(out / "model")), "iterations": run.iteration,
+                              "weight_version": run.weight_version}), flush=True)
+    return 0
 
 
 def build_config(preset: str, config_file: str | None, sets: list[str]):
