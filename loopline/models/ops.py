@@ -14,6 +14,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def upcast(t: Tensor) -> Tensor:
+    """``t`` in fp32 for the statistics and products taken in fp32; float64 stays float64, so a
+    float64 model computes in float64 throughout (finite-difference gradient checks)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos/sin ``[N, head_dim]`` for rotate-half RoPE, angles in fp32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
@@ -44,8 +50,8 @@ class TorchOps:
     @staticmethod
     def exit_gate(gate: torch.nn.Linear, h: Tensor) -> Tensor:
         """fp32 exit-gate logits ``[N]`` of ``h`` ``[N, hidden]``: the product taken in fp32."""
-        bias = None if gate.bias is None else gate.bias.float()
-        return F.linear(h.float(), gate.weight.float(), bias).squeeze(-1)
+        bias = None if gate.bias is None else upcast(gate.bias)
+        return F.linear(upcast(h), upcast(gate.weight), bias).squeeze(-1)
 
     def norm_exit_gate(self, gate: torch.nn.Linear, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None,
                        weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -58,7 +64,7 @@ class TorchOps:
     def logits(lm_head: torch.nn.Linear, h: Tensor, needed: Tensor | None = None) -> Tensor:
         """fp32 ``lm_head(h)`` ``[M, vocab]``. ``needed`` (``[M]`` bool) marks the rows whose logits are
         used; an implementation may return zeros for the others instead of computing them."""
-        return lm_head(h).float()
+        return upcast(lm_head(h))
 
     @staticmethod
     def project_gate_up(mlp: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -69,7 +75,7 @@ class TorchOps:
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """``weight * (x * rsqrt(mean(x^2) + eps))``: statistics in fp32, cast back before the weight."""
         dtype = x.dtype
-        xf = x.float()
+        xf = upcast(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(dtype)
 

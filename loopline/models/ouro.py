@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor, nn
 
-from loopline.models.ops import TORCH_OPS, Rope, TorchOps
+from loopline.models.ops import TORCH_OPS, Rope, TorchOps, upcast
 
 
 @dataclass(frozen=True)
@@ -197,10 +197,10 @@ class DenseCausalAttention:
             kd = kd.repeat_interleave(groups, dim=1)
             vd = vd.repeat_interleave(groups, dim=1)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        scores = torch.matmul(qd.float(), kd.float().transpose(-1, -2)) * scale
+        scores = torch.matmul(upcast(qd), upcast(kd).transpose(-1, -2)) * scale
         mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.matmul(scores.softmax(-1), vd.float()).to(q.dtype)
+        out = torch.matmul(scores.softmax(-1), upcast(vd)).to(q.dtype)
         return out.transpose(1, 2).reshape(b * t, *q.shape[1:])
 
 

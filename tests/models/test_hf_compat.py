@@ -102,3 +102,53 @@ def test_config_round_trip_and_validation(tiny_mha):
         OuroHFConfig(rope_scaling={"type": "linear", "factor": 2.0})
     with pytest.raises(ValueError, match="sliding"):
         OuroHFConfig(use_sliding_window=True)
+
+
+def test_float64_gradients_equal_finite_differences(tiny_mha, tmp_path):
+    """The training class's autograd gradients are the derivative of its loss (central differences in
+    float64), for weights the loops share (each is one parameter, its gradient summed over loops)."""
+    import json
+    import shutil
+
+    # The directory as the real Ouro one is laid out: an auto_map and remote code that must never run.
+    ckpt = tmp_path / "ouro"
+    shutil.copytree(tiny_mha.path, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "configuration_ouro.OuroConfig", "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    for name in ("configuration_ouro.py", "modeling_ouro.py"):
+        (ckpt / name).write_text("raise RuntimeError('remote code was executed')\n")
+    hf = OuroHFForCausalLM.from_pretrained(str(ckpt), dtype=torch.float64)
+    params = dict(hf.named_parameters())
+    assert set(params) == set(tiny_mha.state_dict) and len(list(hf.parameters())) == len(tiny_mha.state_dict)
+
+    ids = torch.randint(3, 500, (2, 6), generator=torch.Generator().manual_seed(2))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :2] = 0  # a left-padded row
+
+    def loss() -> torch.Tensor:
+        return hf(ids, attention_mask=attention_mask, labels=ids, use_cache=False).loss
+
+    loss().backward()
+    g = torch.Generator().manual_seed(3)
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+             "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight",
+             "lm_head.weight"]
+    eps = 1e-6
+    for name in names:
+        p = params[name]
+        assert p.dtype == torch.float64 and p.grad is not None
+        for _ in range(3):
+            idx = tuple(int(torch.randint(0, n, (1,), generator=g)) for n in p.shape)
+            if name == "model.embed_tokens.weight":
+                idx = (int(ids[0, 1]),) + idx[1:]  # a row the batch uses
+            with torch.no_grad():
+                p[idx] += eps
+                up = loss().item()
+                p[idx] -= 2 * eps
+                down = loss().item()
+                p[idx] += eps
+            fd = (up - down) / (2 * eps)
+            assert abs(fd - p.grad[idx].item()) <= 1e-6 + 1e-5 * abs(fd), (name, idx, fd, p.grad[idx].item())
+    # The gate has no effect on the full-depth loss: its gradient is exactly zero.
+    assert params["model.early_exit_gate.weight"].grad is None or not params["model.early_exit_gate.weight"].grad.any()
