@@ -91,6 +91,8 @@ def _add_grpo_parser(tsub: Any, formatter: Any) -> None:
     g.add_argument("--reward", default=None, help="'python_closes' (default), 'python_parses' or 'contains:WORD'")
     g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override one GRPOConfig field (group_size=8, lr=3e-4, max_tokens=8, exit_threshold=0.6, ...); repeatable")
+    g.add_argument("--eval", action="store_true", help="print the greedy reward over every prompt before and after "
+                   "the iterations (it never changes the run)")
     g.add_argument("--save-every", type=int, default=5, help="save the state every N iterations (and at the end)")
     g.add_argument("--device", default="cpu", help="'cpu', 'cuda' or 'cuda:N' (trainer and engine share it)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -143,8 +145,12 @@ def run_grpo(ns: argparse.Namespace) -> int:
             run = GRPO(grpo_config(ns), device=ns.device, log=log)
             print(json.dumps({"model": run.model_path, "config": run.config.to_dict()}), flush=True)
         until = run.config.iterations if ns.stop_after is None else ns.stop_after
+        if ns.eval:
+            print(json.dumps(run.evaluate()), flush=True)
         run.train(until=until, save_every=ns.save_every, state_dir=state_dir)
         run.save(state_dir)
+        if ns.eval:
+            print(json.dumps(run.evaluate()), flush=True)
         if run.iteration >= run.config.iterations:
             print(json.dumps({"exported": str(run.export(out / "model")), "iterations": run.iteration,
                               "weight_version": run.weight_version}), flush=True)

@@ -311,6 +311,17 @@ class GRPO:
         self.log(record)
         return record
 
+    def evaluate(self) -> dict:
+        """Greedy completions of every prompt in :data:`PROMPTS` on the served weights: their mean reward
+        (changes nothing: no RNG is drawn, no state moves)."""
+        from loopline import SamplingParams
+
+        params = SamplingParams(max_tokens=self.config.max_tokens, temperature=0.0, exit_threshold=self.config.exit_threshold)
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in self.prompt_ids], params, use_tqdm=False)
+        rewards = [self.reward_fn(p, o.outputs[0].text) for p, o in zip(PROMPTS, outs)]
+        return {"iteration": self.iteration, "greedy_reward": round(sum(rewards) / len(rewards), 6),
+                "weight_version": self.weight_version}
+
     def publish(self, version: int) -> float:
         """Sends the trainer's weights as ``version`` (validated, in shards); returns the paused seconds."""
         state = {k: v.detach() for k, v in self.model.state_dict().items()}

@@ -45,6 +45,9 @@ def test_trainer_and_rollout_logprobs_agree_within_1e_5(tiny_gqa, exits):
 def test_resume_after_iteration_k_repeats_iteration_k_plus_1(tiny_gqa, tmp_path):
     whole: list[dict] = []
     a = GRPO(config(tiny_gqa), log=whole.append)
+    a.train(until=1)
+    ev = a.evaluate()  # greedy, on the served weights: it must not change the run
+    assert ev["iteration"] == 1 and ev["weight_version"] == 1 and 0 <= ev["greedy_reward"] <= 1
     a.train()
 
     first: list[dict] = []
@@ -83,11 +86,12 @@ def test_train_grpo_command_stops_resumes_and_exports(tiny_gqa, tmp_path, capsys
     args = ["train", "grpo", "--model", str(tiny_gqa.path), "--out", str(out), "--iterations", "2", "--threads", "1",
             "--set", "prompts_per_iteration=2", "--set", "group_size=2", "--set", "max_tokens=4",
             "--set", "kv_cache_memory_gb=0.015625"]
-    assert main([*args, "--stop-after", "1"]) == 0
+    assert main([*args, "--stop-after", "1", "--eval"]) == 0
     assert not (out / "model").exists()
     assert main([*args, "--resume"]) == 0
     printed = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert {"resumed_at_iteration": 1, "weight_version": 1} in printed
+    assert [(x["iteration"], x["weight_version"]) for x in printed if "greedy_reward" in x] == [(0, 0), (1, 1)]
     log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in log] == [1, 2] and log[-1]["weight_version"] == 2
     assert printed[-1]["exported"] == str(out / "model")
