@@ -320,8 +320,10 @@ class LLM:
         """Releases the engine; the object serves nothing afterwards."""
         if not self._closed:
             self._closed = True
-            engine, self.engine = self.engine, None
-            del engine
+            on_cuda = self.engine.config.device.type == "cuda"
+            self.engine = None  # the last reference to the engine, its weights and its KV pool
+            if on_cuda:
+                torch.cuda.empty_cache()
 
     def __enter__(self) -> "LLM":
         return self
