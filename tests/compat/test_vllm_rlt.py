@@ -186,6 +186,22 @@ def test_logprob_semantics_equal_a_dense_teacher_forced_forward(tiny_gqa, llm, a
                 assert (ref - torch.tensor(out.log_probs)).abs().max().item() < TOL
 
 
+def test_loop_fields(llm):
+    prompt = ids(6, 9)
+    at_min = llm.generate([prompt], [V.SamplingParams(max_tokens=5, min_loops=2, exit_threshold=0.0)])[0]
+    assert at_min.exit_depths == [2] * 5  # threshold 0: every token exits at min_loops
+    assert at_min.sampling_params.exit_threshold == 0.0 and at_min.sampling_params.max_loops == 2
+    default = llm.generate([prompt], None)[0]  # the defaults: greedy, seed 0, fixed depth (the model's 4 loops)
+    assert default.exit_depths == [4] * len(default.token_ids) and default.sampling_params.max_loops == 4
+    assert default.token_ids == llm.generate([prompt], V.SamplingParams())[0].token_ids
+    capped = llm.generate([prompt], [V.SamplingParams(max_tokens=3, min_loops=9)])[0]  # above the depth: capped
+    assert capped.exit_depths == [4] * 3
+    with pytest.raises(ValueError):
+        llm.generate([prompt], [V.SamplingParams(max_loops=5)])  # deeper than the model
+    with pytest.raises(ValueError):
+        llm.generate([prompt, prompt], [V.SamplingParams()])  # one params per prompt
+
+
 def test_a_small_kv_pool_makes_requests_wait_not_fail(tiny_gqa):
     small = make_llm(tiny_gqa, cache_config=V.CacheConfig(num_blocks=40, block_size=4))  # 16 pages a request (4 planes): 2 at a time
     prompts = [ids(10, s) for s in range(6)]
