@@ -46,7 +46,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -80,7 +80,7 @@ class GRPOConfig:
     exit_threshold: float | None = None  # None: the checkpoint's early_exit_threshold
     kv_layout: str = "last_exited"
     publish_shards: int = 4
-    kv_cache_memory_gb: float = 0.125
+    kv_cache_memory_gb: float = 0.125  # the engine's KV pool (GiB), on the CPU and on a GPU shared with the trainer
 
     def __post_init__(self) -> None:
         checks = [("iterations", self.iterations >= 0), ("prompts_per_iteration", self.prompts_per_iteration >= 1),
@@ -138,10 +138,11 @@ class GRPO:
         # The exit gate gets no gradient from the sampled tokens' logprobs (docs/rl.md §2): it stays as loaded.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
-        engine_kw: dict[str, Any] = {"kv_cache_memory_gb": config.kv_cache_memory_gb} if self.device.type == "cpu" else {}
+        # A fixed KV pool on every device: on a GPU the trainer shares the memory the engine would otherwise size
+        # itself from (gpu_memory_utilization).
         self.llm = LLM(self.model_path, dtype="float32", device=str(self.device), seed=config.seed,
                        kv_layout=config.kv_layout, logprobs_mode="processed_logprobs", disable_log_stats=True,
-                       **engine_kw)
+                       kv_cache_memory_gb=config.kv_cache_memory_gb)
         self.prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
         self.iteration = 0
         self.weight_version = self.llm.get_weight_version()
