@@ -202,6 +202,17 @@ def test_loop_fields(llm):
         llm.generate([prompt, prompt], [V.SamplingParams()])  # one params per prompt
 
 
+def test_truncation_and_priority_reach_the_engine(llm):
+    prompt = ids(6, 11)
+    sp = V.SamplingParams(max_tokens=6, temperature=1.0, top_k=3, top_p=0.9, seed=4, logprobs=0,
+                          logprobs_mode="processed", priority=3, ignore_eos=True)
+    out = llm.generate([prompt], [sp])[0]
+    assert out.sampling_params.priority == 3 and out.sampling_params.top_k == 3
+    # processed logprobs are renormalised over the 3 kept tokens (untruncated: about -6.2 on this near-uniform model)
+    assert min(out.log_probs) > -3.0
+    assert max(out.log_probs) <= 0 and len(out.token_ids) == 6
+
+
 def test_a_small_kv_pool_makes_requests_wait_not_fail(tiny_gqa):
     small = make_llm(tiny_gqa, cache_config=V.CacheConfig(num_blocks=40, block_size=4))  # 16 pages a request (4 planes): 2 at a time
     prompts = [ids(10, s) for s in range(6)]
