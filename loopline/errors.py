@@ -5,6 +5,17 @@ from __future__ import annotations
 class LooplineError(Exception):
     """Base class of loopline's user-facing errors."""
 
+    def __reduce__(self):  # NOTE: subclasses take more than the message: rebuild without calling __init__
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> BaseException:
+    """Unpickles a :class:`LooplineError` (it crosses the engine process boundary) with its fields."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class InvalidRequestError(LooplineError, ValueError):
     """A request (prompt or sampling field) is invalid; ``param`` names the field."""

@@ -1,25 +1,26 @@
 """``AsyncLLM``: one continuously batched :class:`LLMEngine` shared by many asyncio callers.
 
-The engine is not thread-safe, so exactly one background thread owns it: it
-applies queued commands (add / abort / control calls) in arrival order, runs
-``step()`` while some request can progress, and sleeps on a condition variable
-otherwise -- also while a pause holds or freezes requests. Outputs go back
-to the event loop with ``loop.call_soon_threadsafe`` into per-request
-:class:`OutputStream`s. Because ``RequestOutput``s are cumulative, a stream
-keeps only the newest output per request: a slow consumer never makes the
-engine thread wait or queues unbounded history.
+The engine runs in an :class:`~loopline.entrypoints.engine_core.EngineCore` loop
+that is the only code touching it; ``AsyncLLM`` reaches it through a client
+strategy (``core_client``): :class:`MPClient`, the default, runs the loop in an
+engine process of its own, so the GPU launches of each step never wait for
+this process's event loop to release the GIL; :class:`InProcClient`, used when
+an existing ``engine=`` is given, runs the same loop on a background thread.
+Either way commands (add / abort / control calls) are applied in arrival
+order between steps, and each step's outputs come back as one message of
+deltas that the client turns into the cumulative ``RequestOutput``s of
+per-request :class:`OutputStream`s. A stream keeps only the newest output per
+request: a slow consumer never makes the engine wait or queues unbounded history.
 
 The RL control calls (``pause_generation``, ``resume_generation``, the weight
 updates, ``reset_prefix_cache``, ``sleep`` / ``wake_up``; see docs/rl.md) are
-queued like adds and aborts and run on the engine thread between steps; their
-exceptions reach the caller unchanged.
+queued like adds and aborts; their exceptions reach the caller unchanged.
 
-No request stops the thread: a failing ``add_request`` fails that add, a
-failing ``step()`` fails the requests to blame (``RequestFailedError`` names
-them, otherwise every request the step ran) and frees their KV; only a device
-fault or a step failing again and again stops it, and ``health_problem()``
-then says why. Text prompts are tokenized on a :class:`TokenizerPool`, never
-on the event loop or the engine thread.
+No request stops the engine: a failing ``add_request`` fails that add, a failing
+``step()`` fails the requests to blame and frees their KV; only a device fault,
+a step failing again and again or a dead engine process stops it, and
+``health_problem()`` then says why. Text prompts are tokenized on a
+:class:`TokenizerPool`, never on the event loop or in the engine loop.
 
 Usage (vLLM names)::
 
@@ -34,62 +35,29 @@ Usage (vLLM names)::
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import concurrent.futures
 import copy
-import logging
-import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine, PromptType
-from loopline.engine.llm_engine import is_device_fault
-from loopline.engine.input_processor import parent_request_id
 from loopline.entrypoints.chat_utils import ChatEncoder
+from loopline.entrypoints.core_client import EngineClient, InProcClient, MPClient
+from loopline.entrypoints.engine_core import EngineInfo, EngineSnapshot, StepRecord
 from loopline.entrypoints.tokenizer_pool import TokenizerPool
-from loopline.errors import (EngineDeadError, EngineInternalError, EngineStateError, InvalidRequestError,
-                             LooplineError, RequestFailedError)
+from loopline.errors import InvalidRequestError
+from loopline.models.loader import load_tokenizer
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
 
-logger = logging.getLogger("loopline.async")
-
-_IDLE_WAIT_S = 0.005
-# A step that fails this many times in a row, although every request in flight was failed and
-# aborted after each failure, is an engine fault rather than a bad request: the thread stops.
-_MAX_CONSECUTIVE_STEP_FAILURES = 3
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine gauges published by the engine thread after every iteration (safe to read anywhere)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_used_blocks: int = 0
-    kv_total_blocks: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # prompt tokens served from it
-    num_preemptions: int = 0
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One engine step as seen by step listeners (rows run, tokens scheduled, wall time)."""
-
-    rows: int
-    scheduled_tokens: int
-    duration_s: float
+__all__ = ["AsyncLLM", "OutputStream", "EngineSnapshot", "StepRecord", "EngineInfo"]
 
 
 class OutputStream:
-    """Outputs of one or more requests, filled from the engine thread, read on the event loop.
+    """Outputs of one or more requests, filled by the engine client, read on the event loop.
 
     ``get()`` waits until at least one request progressed and returns the newest
     cumulative output of every request that progressed since the last call.
@@ -118,31 +86,8 @@ class OutputStream:
         raise self._error
 
 
-@dataclass
-class _Add:
-    """Requests to add in one engine-thread command (a multi-prompt HTTP request is one command):
-    all of them are accepted, or none (the first error goes back, the ones added are aborted)."""
-
-    requests: list[tuple[str, PromptType, SamplingParams]]
-    chat_stop: bool
-    stream: OutputStream
-    ack: asyncio.Future
-
-
-@dataclass
-class _Call:
-    """``fn(engine)`` to run on the engine thread; its result or exception goes to ``future``."""
-
-    fn: Callable[[LLMEngine], Any]
-    future: concurrent.futures.Future
-    until_drained: bool = False  # pause("wait"): resolve once no request is in flight
-
-
-_Command = _Add | _Call | list  # a list: request ids to abort
-
-
 class AsyncLLM:
-    """Async front end of one :class:`LLMEngine` driven by a background thread.
+    """Async front end of one :class:`LLMEngine` (in an engine process, or on a thread over ``engine``).
 
     ``generate()`` is an async generator of cumulative ``RequestOutput``s; a
     consumer that stops early (``break``, ``aclose()``, cancellation) aborts its
@@ -151,72 +96,82 @@ class AsyncLLM:
     """
 
     def __init__(self, engine_args: EngineArgs | None = None, *, engine: LLMEngine | None = None) -> None:
-        self.engine = engine if engine is not None else LLMEngine(engine_args or EngineArgs())
-        # NOTE: the front end gets its own tokenizer copy: the engine thread detokenizes
-        # concurrently, and one HF fast tokenizer must not be used from two threads at once.
-        self.tokenizer = copy.deepcopy(self.engine.tokenizer)
-        self._chat = ChatEncoder.for_engine(self.engine, self.tokenizer)
-        # Tokenization of large inputs runs here, off the event loop and off the engine thread.
-        self.tokenizers = (TokenizerPool(self.engine.tokenizer, self.engine.config.model_path,
-                                         self.engine.model_config.extra) if self.engine.tokenizer is not None else None)
-        self._cond = threading.Condition()
-        self._commands: list[_Command] = []  # FIFO: adds, aborts and control calls keep their order
-        self._streams: dict[str, tuple[OutputStream, asyncio.AbstractEventLoop]] = {}  # engine thread only
-        # Engine thread only: the ids the engine gives the choices of live n > 1 requests
-        # (``id#i``) -> the parent id, so no user id can collide with one of them.
-        self._step_failures = 0  # consecutive failed steps
-        # Engine thread only: results of control calls that ran (sent after the next step), and
-        # pause("wait") callers waiting for the requests in flight to finish.
-        self._replies: list[tuple[concurrent.futures.Future, Any, BaseException | None]] = []
-        self._drain_waiters: list[concurrent.futures.Future] = []
-        self._stopping = False
-        self._dead: BaseException | None = None
-        self._step_listeners: list[Callable[[StepRecord], None]] = []
-        self.snapshot = self._take_snapshot()
-        self._thread = threading.Thread(target=self._run, name="loopline-engine", daemon=True)
-        self._thread.start()
+        self._client: EngineClient = InProcClient(engine) if engine is not None else MPClient(engine_args or EngineArgs())
+        info = self._client.info
+        self.config, self.model_config = info.config, info.model_config
+        if engine is not None:
+            # NOTE: the front end gets its own tokenizer copy: the engine thread detokenizes
+            # concurrently, and one HF fast tokenizer must not be used from two threads at once.
+            tokenizer = engine.tokenizer
+            self.tokenizer = copy.deepcopy(tokenizer)
+        else:
+            tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(self.config.tokenizer
+                                                                                    or self.config.model_path)
+            self.tokenizer = tokenizer
+        self._chat = ChatEncoder(self.tokenizer, self.config.model_path, self.model_config.extra)
+        # Tokenization of large inputs runs here, off the event loop and out of the engine loop.
+        self.tokenizers = (TokenizerPool(tokenizer, self.config.model_path, self.model_config.extra)
+                           if tokenizer is not None else None)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
         return cls(engine_args)
 
     # --- read-only facts about the engine -----------------------------------------------
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine object (only with the in-process client: ``AsyncLLM(engine=...)``)."""
+        return self._client.engine
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._client.info
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's gauges after its latest step (published with every engine message)."""
+        return self._client.snapshot
+
     async def get_tokenizer(self) -> Any:
         return self.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.config.max_model_len
+        return self.config.max_model_len
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping and self._dead is None
+        client = self._client
+        return client.is_alive() and not client.stopping and client.dead is None
 
     @property
     def errored(self) -> bool:
-        return self._dead is not None and not self._stopping
+        return self._client.dead is not None and not self._client.stopping
 
     def weights_state(self) -> str:
         """``"committed"``, ``"updating"`` (an update is open) or ``"partially_updated"`` (a failed
         update left some tensors new: generation is refused until a complete update lands)."""
-        weights = self.engine.weights
-        return "partially_updated" if weights.broken else "updating" if weights.in_progress else "committed"
+        return self._client.snapshot.weights_state
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve now (``None``: healthy): stopped, failed, or holding
         partially updated weights. Safe to call from any thread (it reads flags only)."""
-        if self._stopping:
+        client = self._client
+        if client.stopping:
             return "the engine is shutting down"
-        if self._dead is not None or not self._thread.is_alive():
-            return f"the engine stopped: {self._dead}" if self._dead is not None else "the engine thread stopped"
-        if self.engine.weights.broken:
+        if client.dead is not None:
+            return f"the engine stopped: {client.dead}"
+        if not client.is_alive():
+            return "the engine stopped"
+        if client.snapshot.weights_state == "partially_updated":
             return ("the weights are partially updated (a weight update failed after copying some tensors); "
                     "generation is refused until a complete update lands")
         return None
 
     def add_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
-        """``fn(StepRecord)`` is called on the engine thread after every step that ran rows; keep it cheap."""
-        self._step_listeners.append(fn)
+        """``fn(StepRecord)`` is called after every step that ran rows, on the thread that receives the
+        engine's messages (not the event loop); keep it cheap."""
+        self._client.add_step_listener(fn)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template: str | None = None) -> list[int]:
@@ -239,14 +194,14 @@ class AsyncLLM:
         """Queues several requests as one command: all are accepted or none (the first error is raised).
 
         Text prompts are tokenized first, on the tokenizer pool (never on the event loop or the
-        engine thread). A caller cancelled while waiting (a client that went away) aborts every
+        engine loop). A caller cancelled while waiting (a client that went away) aborts every
         one of them at once.
         """
         loop = asyncio.get_running_loop()
         stream = stream or OutputStream()
         requests = await self._pretokenize(list(requests))
         ack = loop.create_future()
-        self._submit(_Add(requests, chat_stop, stream, ack))
+        self._client.add(requests, chat_stop, stream, ack)
         try:
             await ack
         except asyncio.CancelledError:
@@ -258,7 +213,7 @@ class AsyncLLM:
                            ) -> list[tuple[str, PromptType, SamplingParams]]:
         """Text prompts become ``{"prompt": text, "prompt_token_ids": ids}`` (what the engine would compute)."""
         texts = [i for i, (_, p, _) in enumerate(requests) if _text_of(p)]
-        if not texts or self.tokenizers is None or self._stopping or self._dead is not None:
+        if not texts or self.tokenizers is None or self._client.stopping or self._client.dead is not None:
             return requests  # the engine reports what is wrong with them (or that it stopped)
         try:
             ids = await self.tokenizers.encode_many([_text_of(requests[i][1]) for i in texts])
@@ -312,14 +267,9 @@ class AsyncLLM:
 
         Their streams end with ``finish_reason="abort"`` and the tokens produced so far.
         """
-        def abort_all(engine: LLMEngine) -> list[str]:
-            ids = list(self._streams)
-            engine.abort_request(ids)
-            return ids
+        return await self._call("abort_all")
 
-        return await self._call(abort_all)
-
-    # --- RL control (docs/rl.md): each runs on the engine thread between steps -------------
+    # --- RL control (docs/rl.md): each runs in the engine loop between steps -------------
     async def pause_generation(self, mode: str = "abort") -> None:
         """Pauses generation (``"abort"`` | ``"wait"`` | ``"keep"``); new requests are held until resume.
 
@@ -327,280 +277,70 @@ class AsyncLLM:
         its final output; for ``"wait"`` every request in flight has finished (it raises
         ``EngineStateError`` if the pause is lifted or turned into ``"keep"`` before that).
         """
-        await self._call(lambda engine: engine.pause_generation(mode), until_drained=mode == "wait")
+        await self._call("pause_generation", (mode,), until_drained=mode == "wait")
 
     async def resume_generation(self) -> None:
         """Frozen requests continue; held ones start in arrival order."""
-        await self._call(lambda engine: engine.resume_generation())
+        await self._call("resume_generation")
 
     async def is_paused(self) -> bool:
-        return await self._call(lambda engine: engine.is_paused)
+        return await self._call("is_paused")
 
     async def get_weight_version(self) -> int:
-        return await self._call(lambda engine: engine.get_weight_version())
+        return await self._call("get_weight_version")
 
     async def start_weight_update(self, version: int) -> None:
-        await self._call(lambda engine: engine.start_weight_update(version))
+        await self._call("start_weight_update", (version,))
 
     async def update_weights(self, weights: Any) -> int:
         """One batch of ``(HF name, tensor)`` pairs (a dict or an iterable); returns how many it held.
 
         NOTE: the iterable is consumed here, on the caller's thread, before it is handed to
-        the engine thread: a generator that materializes tensors (e.g. with collectives)
+        the engine: a generator that materializes tensors (e.g. with collectives)
         runs where the caller expects it to.
         """
         if isinstance(weights, dict):
             weights = list(weights.items())
         elif isinstance(weights, Iterable) and not isinstance(weights, (str, bytes, Tensor)):
             weights = list(weights)
-        return await self._call(lambda engine: engine.update_weights(weights))
+        return await self._call("update_weights", (weights,))
 
     async def finish_weight_update(self) -> int:
-        return await self._call(lambda engine: engine.finish_weight_update())
+        return await self._call("finish_weight_update")
 
     async def abort_weight_update(self) -> None:
-        await self._call(lambda engine: engine.abort_weight_update())
+        await self._call("abort_weight_update")
 
     async def update_weights_from_disk(self, path: str, version: int) -> int:
-        """Publishes a safetensors directory as ``version`` (start, every shard, finish) on the engine thread."""
-        return await self._call(lambda engine: engine.update_weights_from_disk(path, version))
+        """Publishes a safetensors directory as ``version`` (start, every shard, finish) in the engine loop."""
+        return await self._call("update_weights_from_disk", (path, version))
 
     async def reset_prefix_cache(self) -> None:
-        await self._call(lambda engine: engine.reset_prefix_cache())
+        await self._call("reset_prefix_cache")
 
     async def sleep(self, level: int = 1) -> None:
-        await self._call(lambda engine: engine.sleep(level))
+        await self._call("sleep", (level,))
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._call(lambda engine: engine.wake_up(tags))
+        await self._call("wake_up", (tags,))
 
     async def is_sleeping(self) -> bool:
-        return await self._call(lambda engine: engine.is_sleeping)
+        return await self._call("is_sleeping")
 
-    async def _call(self, fn: Callable[[LLMEngine], Any], until_drained: bool = False) -> Any:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Call(fn, future, until_drained))
-        return await asyncio.wrap_future(future)
+    async def _call(self, name: str, args: tuple = (), until_drained: bool = False) -> Any:
+        return await asyncio.wrap_future(self._client.call(name, args, until_drained))
 
     def abort_nowait(self, request_id: str | list[str]) -> None:
         """Aborts requests without awaiting (safe in ``finally`` blocks and from any thread)."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        if ids:
-            with self._cond:
-                self._commands.append(ids)
-                self._cond.notify()
+        self._client.abort([request_id] if isinstance(request_id, str) else list(request_id))
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Aborts every unfinished request (their streams get ``finish_reason="abort"``) and stops the thread."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        """Aborts every unfinished request (their streams get ``finish_reason="abort"``) and stops the engine
+        (its thread, or its process)."""
+        self._client.stopping = True
+        self._client.shutdown(timeout)
         if self.tokenizers is not None:
             self.tokenizers.shutdown()
-
-    def _submit(self, cmd: _Add | _Call) -> None:
-        with self._cond:
-            if self._stopping or self._dead is not None:
-                error = self._dead or EngineDeadError("the engine is shutting down")
-                if isinstance(cmd, _Add):
-                    _call_soon(cmd.ack.get_loop(), _set_exception, cmd.ack, error)
-                else:
-                    cmd.future.set_exception(error)
-                return
-            self._commands.append(cmd)
-            self._cond.notify()
-
-    # --- the engine thread ----------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        device = engine.config.device
-        if device.type == "cuda":  # NOTE: a new thread starts on cuda:0; kernels must launch on the engine's device
-            torch.cuda.set_device(device)
-        idle = False  # the last step ran no rows although requests are unfinished (e.g. all wait for KV)
-        try:
-            while True:
-                with self._cond:
-                    # NOTE: requests held or frozen by a pause count as unfinished but cannot
-                    # progress: wait for a command (resume) instead of stepping.
-                    while not (self._commands or self._stopping or engine.has_runnable_requests()):
-                        self._cond.wait()
-                    if idle and not (self._commands or self._stopping):
-                        self._cond.wait(_IDLE_WAIT_S)  # do not spin on steps that cannot make progress
-                    commands, self._commands = self._commands, []
-                    stopping = self._stopping
-                for cmd in commands:
-                    self._apply(cmd)
-                if stopping:
-                    engine.abort_request(list(self._streams))
-                try:
-                    idle = not self._step()
-                    self._step_failures = 0
-                except Exception as e:  # a request must not stop the engine: fail the ones to blame
-                    idle = True
-                    self._on_step_error(e)
-                self._send_replies()  # after the outputs the calls caused (e.g. aborts) were delivered
-                self._check_drained()
-                if stopping:
-                    break
-        except BaseException as e:  # a device fault or an engine bug: fail every waiter instead of hanging them
-            error_id = _error_id()
-            logger.exception("engine thread stopped (error id %s)", error_id)
-            self._die(EngineDeadError(f"internal error (error id {error_id}); see the server log"))
-            return
-        self._die(EngineDeadError("the engine was shut down"))
-
-    def _apply(self, cmd: _Command) -> None:
-        if isinstance(cmd, list):
-            self._abort(cmd)  # outputs with finish_reason "abort" come from the next step
-            return
-        if isinstance(cmd, _Call):
-            if not cmd.future.set_running_or_notify_cancel():
-                return  # the caller gave up before it ran
-            try:
-                result = cmd.fn(self.engine)
-            except Exception as e:  # engine errors go back to the caller unchanged
-                self._replies.append((cmd.future, None, e))
-                return
-            if cmd.until_drained:
-                self._drain_waiters.append(cmd.future)
-            else:
-                self._replies.append((cmd.future, result, None))
-            return
-        loop = cmd.ack.get_loop()
-        added: list[str] = []
-        try:
-            for request_id, prompt, params in cmd.requests:
-                try:
-                    self.engine.add_request(request_id, prompt, params, chat_stop=cmd.chat_stop)
-                except LooplineError:
-                    raise  # validation, or a state that refuses requests (asleep): the engine changed nothing
-                except Exception as e:  # an internal failure while adding: undo what it may have left
-                    error_id = _error_id()
-                    logger.exception("adding request %s failed (error id %s)", request_id, error_id)
-                    self._abort([request_id])
-                    raise EngineInternalError(f"internal error while adding the request (error id {error_id})",
-                                              error_id) from e
-                added.append(request_id)
-                self._streams[request_id] = (cmd.stream, loop)
-        except Exception as e:  # all or none: the ones already added go again
-            self._abort(added)
-            for rid in added:
-                self._forget(rid)
-            _call_soon(loop, _set_exception, cmd.ack, e)
-            return
-        _call_soon(loop, _set_result, cmd.ack, None)
-
-    def _abort(self, request_ids: list[str]) -> None:
-        """Aborts requests in the engine; a failure here is an engine fault (it propagates)."""
-        if request_ids:
-            self.engine.abort_request(request_ids)
-
-    def _forget(self, request_id: str) -> tuple[OutputStream, asyncio.AbstractEventLoop] | None:
-        """Drops a request that ended (its stream target and its choices' ids); returns the target."""
-        return self._streams.pop(request_id, None)
-
-    def _on_step_error(self, error: Exception) -> None:
-        """A failed ``step()``: fails the requests to blame (the named ones, else every one in flight),
-        aborts them in the engine (frees their KV) and keeps serving the others."""
-        error_id = _error_id()
-        if isinstance(error, RequestFailedError):
-            blamed = error.request_ids
-        else:  # every request that was in the step; those a pause holds back never reached it
-            held = {parent_request_id(r.request_id) for r in self.engine.control.held}
-            blamed = [rid for rid in self._streams if rid not in held]
-        logger.exception("engine step failed (error id %s); failing request(s) %s", error_id,
-                         ", ".join(blamed[:20]) + (" ..." if len(blamed) > 20 else "") or "-")
-        if is_device_fault(error):
-            raise error  # the device is unusable: stop (``health_problem`` says so)
-        self._step_failures += 1
-        if self._step_failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
-            raise EngineStateError(f"the engine step failed {self._step_failures} times in a row "
-                                   f"(error id {error_id})") from error
-        # EngineStateError ("cannot step: ...") is the engine's own clear message; anything else
-        # is internal and reaches clients only as its id.
-        failure = error if isinstance(error, EngineStateError) else EngineInternalError(
-            f"internal error while generating (error id {error_id}); the request was aborted", error_id)
-        self._abort([rid for rid in blamed if rid in self._streams])
-        for rid in blamed:
-            target = self._forget(rid)
-            if target is not None:
-                stream, loop = target
-                _call_soon(loop, stream._fail, failure)
-
-    def _step(self) -> bool:
-        """One engine step; delivers outputs; returns whether anything happened."""
-        engine = self.engine
-        rows0, tokens0, t0 = engine.stats.rows, engine.stats.scheduled_tokens, time.perf_counter()
-        outs = engine.step()
-        rows = engine.stats.rows - rows0
-        if rows and self._step_listeners:
-            record = StepRecord(rows, engine.stats.scheduled_tokens - tokens0, time.perf_counter() - t0)
-            for fn in self._step_listeners:
-                try:
-                    fn(record)
-                except Exception:  # metrics must never fail a step
-                    logger.exception("step listener %r failed", fn)
-        # NOTE: one wake-up of each event loop per step, not one per request: every call_soon_threadsafe
-        # writes the loop's self-pipe, and at 128 streams those calls cost the engine thread ~1 ms a step.
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput]]] = {}
-        for out in outs:
-            target = self._forget(out.request_id) if out.finished else self._streams.get(out.request_id)
-            if target is not None:
-                stream, loop = target
-                batches.setdefault(loop, []).append((stream, out))
-        for loop, batch in batches.items():
-            _call_soon(loop, _deliver, batch)
-        self.snapshot = self._take_snapshot()
-        return bool(rows or outs)
-
-    def _send_replies(self) -> None:
-        replies, self._replies = self._replies, []
-        for future, result, error in replies:
-            _settle(future, result, error)
-
-    def _check_drained(self) -> None:
-        """Resolves ``pause_generation("wait")`` callers once nothing is in flight."""
-        if not self._drain_waiters:
-            return
-        engine = self.engine
-        if engine.is_drained:
-            error = None
-        elif engine.control.pause_mode != "wait":
-            state = "resumed" if not engine.is_paused else f"turned into a {engine.control.pause_mode!r} pause"
-            error = EngineStateError(f"generation was {state} before the requests in flight drained")
-        else:
-            return
-        waiters, self._drain_waiters = self._drain_waiters, []
-        for future in waiters:
-            _settle(future, None, error)
-
-    def _take_snapshot(self) -> EngineSnapshot:
-        engine = self.engine
-        cache = engine.kv.prefix_cache
-        return EngineSnapshot(engine.scheduler.num_running, engine.scheduler.num_waiting,
-                              engine.kv.num_used_blocks, engine.kv.pool.num_blocks,
-                              cache.stats.queries if cache else 0, cache.stats.hits if cache else 0,
-                              engine.scheduler.num_preemptions)
-
-    def _die(self, error: BaseException) -> None:
-        with self._cond:
-            self._dead = error
-            pending, self._commands = self._commands, []
-        for cmd in pending:
-            if isinstance(cmd, _Add):
-                _call_soon(cmd.ack.get_loop(), _set_exception, cmd.ack, error)
-            elif isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
-                cmd.future.set_exception(error)
-        self._send_replies()  # calls that ran before the failure keep their own outcome
-        waiters, self._drain_waiters = self._drain_waiters, []
-        for future in waiters:
-            _settle(future, None, error)
-        for stream, loop in self._streams.values():
-            _call_soon(loop, stream._fail, error)
-        self._streams.clear()
-        self.snapshot = dataclasses.replace(self.snapshot, num_running=0, num_waiting=0)
 
 
 def _text_of(prompt: PromptType) -> str | None:
@@ -610,37 +350,3 @@ def _text_of(prompt: PromptType) -> str | None:
     if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
         return prompt["prompt"]
     return None
-
-
-def _error_id() -> str:
-    return uuid.uuid4().hex[:12]
-
-
-def _deliver(batch: list[tuple[OutputStream, RequestOutput]]) -> None:  # on the event loop
-    for stream, out in batch:
-        stream._put(out)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-        pass
-
-
-def _settle(future: concurrent.futures.Future, result: Any, error: BaseException | None) -> None:
-    """Completes a running control call's future (it can no longer be cancelled)."""
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _set_result(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, error: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(error)

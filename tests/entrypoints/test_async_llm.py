@@ -8,8 +8,16 @@ import httpx
 import pytest
 
 from loopline import AsyncLLM, SamplingParams
-from loopline.entrypoints.async_llm import EngineDeadError
+from loopline.errors import EngineDeadError
 from loopline.errors import CapacityError, InvalidRequestError
+
+
+def in_thread(args) -> AsyncLLM:
+    """An AsyncLLM whose engine loop runs on a thread of this process (the test reads ``llm.engine``)."""
+    from loopline.engine import LLMEngine
+
+    return AsyncLLM(engine=LLMEngine(args))
+
 
 PROMPT = "The river town woke slowly."
 
@@ -49,7 +57,7 @@ def test_concurrent_generates_share_the_engine(async_llm):
 
     results = run(main())
     assert [len(r[-1].outputs[0].token_ids) for r in results] == [4, 5, 6, 7]
-    assert async_llm.engine.kv.num_used_blocks == 0
+    assert async_llm.snapshot.kv_used_blocks == 0
 
 
 @pytest.mark.parametrize("prompt,params,error,param", [
@@ -90,7 +98,7 @@ def test_stopping_early_aborts_and_frees_kv(async_llm):
         await wait_until(lambda: async_llm.snapshot.kv_used_blocks == 0 and async_llm.snapshot.num_running == 0)
 
     run(main())
-    assert async_llm.engine.kv.num_used_blocks == 0
+    assert async_llm.snapshot.kv_used_blocks == 0
 
 
 def test_abort_finishes_the_stream_with_abort(async_llm):
@@ -124,7 +132,7 @@ def test_cancelled_consumer_aborts(async_llm):
 
 
 def test_shutdown_aborts_in_flight_and_refuses_new_work(make_engine_args):
-    llm = AsyncLLM(make_engine_args())
+    llm = in_thread(make_engine_args())
 
     async def main():
         outs = []
@@ -155,7 +163,7 @@ def _inject_step_failures(llm, failures):
 def test_an_unattributable_step_error_fails_the_requests_in_flight_and_the_engine_keeps_serving(make_engine_args):
     from loopline.errors import EngineInternalError
 
-    llm = AsyncLLM(make_engine_args())
+    llm = in_thread(make_engine_args())
     try:
         async def main():
             ok = await collect(llm, PROMPT, SamplingParams(max_tokens=2), "warm")
@@ -176,7 +184,7 @@ def test_an_unattributable_step_error_fails_the_requests_in_flight_and_the_engin
 def test_an_attributed_step_error_fails_only_the_named_request(make_engine_args):
     from loopline.errors import EngineInternalError, RequestFailedError
 
-    llm = AsyncLLM(make_engine_args())
+    llm = in_thread(make_engine_args())
     try:
         async def main():
             bad = asyncio.ensure_future(collect(llm, PROMPT, SamplingParams(max_tokens=40, ignore_eos=True), "bad"))
@@ -196,7 +204,7 @@ def test_an_attributed_step_error_fails_only_the_named_request(make_engine_args)
 
 
 def test_a_step_that_keeps_failing_stops_the_engine_and_health_says_so(make_engine_args, serve_app):
-    llm = AsyncLLM(make_engine_args())
+    llm = in_thread(make_engine_args())
     _inject_step_failures(llm, [RuntimeError("boom")] * 100)
     for i in range(3):  # each request fails; the third consecutive failure is an engine fault
         with pytest.raises(Exception):
@@ -218,7 +226,7 @@ def test_a_step_that_keeps_failing_stops_the_engine_and_health_says_so(make_engi
 
 
 def test_a_device_fault_stops_the_engine_at_once(make_engine_args):
-    llm = AsyncLLM(make_engine_args())
+    llm = in_thread(make_engine_args())
     _inject_step_failures(llm, [RuntimeError("CUDA error: an illegal memory access was encountered")])
     with pytest.raises(EngineDeadError):
         run(collect(llm, PROMPT, SamplingParams(max_tokens=2), "x"))
@@ -228,7 +236,7 @@ def test_a_device_fault_stops_the_engine_at_once(make_engine_args):
 def test_a_user_id_never_collides_with_a_choice_id(make_engine_args):
     """The engine names every choice ``id#i`` (n = 1 too), so ``x`` with n=2 and a request named ``x#0``
     are different requests and run side by side."""
-    llm = AsyncLLM(make_engine_args())
+    llm = in_thread(make_engine_args())
     try:
         async def main():
             two = await llm.add_request("x", PROMPT, SamplingParams(n=2, max_tokens=30, ignore_eos=True))
@@ -245,7 +253,7 @@ def test_a_user_id_never_collides_with_a_choice_id(make_engine_args):
 
 
 def test_async_scheduling_engine_behind_asyncllm(make_engine_args, tiny_gqa):
-    llm = AsyncLLM(make_engine_args(async_scheduling=True))
+    llm = in_thread(make_engine_args(async_scheduling=True))
     try:
         async def main():
             params = [SamplingParams(max_tokens=5 + i, seed=i, ignore_eos=True, exit_threshold=0.7) for i in range(3)]
@@ -267,7 +275,7 @@ def test_async_scheduling_engine_behind_asyncllm(make_engine_args, tiny_gqa):
 def test_http_a_failed_step_is_a_500_with_an_id_and_the_server_keeps_serving(make_engine_args, serve_app):
     from loopline.entrypoints.openai.api_server import build_app
 
-    llm = AsyncLLM(make_engine_args())
+    llm = in_thread(make_engine_args())
     try:
         srv = serve_app(build_app(llm, "m", shutdown_engine=False))
         _inject_step_failures(llm, [RuntimeError("secret internal detail")])
@@ -289,7 +297,7 @@ def test_http_a_failed_step_is_a_500_with_an_id_and_the_server_keeps_serving(mak
 def test_a_step_error_spares_the_requests_a_pause_holds_back(make_engine_args):
     from loopline.errors import EngineInternalError
 
-    llm = AsyncLLM(make_engine_args())
+    llm = in_thread(make_engine_args())
     try:
         async def main():
             running = await llm.add_request("running", PROMPT, SamplingParams(max_tokens=60, ignore_eos=True))
@@ -314,7 +322,7 @@ def test_a_step_error_spares_the_requests_a_pause_holds_back(make_engine_args):
 
 
 def test_add_requests_is_all_or_none_and_a_cancelled_add_aborts_every_prompt(make_engine_args):
-    llm = AsyncLLM(make_engine_args())
+    llm = in_thread(make_engine_args())
     try:
         async def main():
             params = SamplingParams(max_tokens=50, ignore_eos=True)

@@ -9,6 +9,14 @@ import pytest
 from loopline import AsyncLLM, SamplingParams
 from loopline.errors import EngineStateError, InvalidRequestError, WeightUpdateError
 
+
+def in_thread(args) -> AsyncLLM:
+    """An AsyncLLM whose engine loop runs on a thread of this process (the test reads ``llm.engine``)."""
+    from loopline.engine import LLMEngine
+
+    return AsyncLLM(engine=LLMEngine(args))
+
+
 LONG = SamplingParams(max_tokens=120, temperature=1.0, ignore_eos=True, logprobs=0)
 
 
@@ -33,7 +41,7 @@ async def wait_until(cond, timeout: float = 20.0) -> None:
 
 @pytest.fixture
 def llm(make_engine_args):
-    llm = AsyncLLM(make_engine_args(max_num_batched_tokens=16))
+    llm = in_thread(make_engine_args(max_num_batched_tokens=16))
     yield llm
     llm.shutdown()
 
@@ -174,7 +182,7 @@ def test_weight_update_across_a_keep_pause_and_errors_keep_their_type(llm, tiny_
 def test_update_weights_from_disk_and_sleep(llm, tiny_factory, make_engine_args):
     new = tiny_factory(3)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
-    fresh = AsyncLLM(make_engine_args(model=str(new.path)))
+    fresh = in_thread(make_engine_args(model=str(new.path)))
     try:
         expected = run(final(fresh, ids(8), params, "x")).outputs[0].token_ids
     finally:
@@ -210,9 +218,9 @@ def test_update_weights_from_disk_and_sleep(llm, tiny_factory, make_engine_args)
 
 
 def test_abort_all_and_control_calls_after_shutdown(make_engine_args):
-    from loopline.entrypoints.async_llm import EngineDeadError
+    from loopline.errors import EngineDeadError
 
-    llm = AsyncLLM(make_engine_args())
+    llm = in_thread(make_engine_args())
 
     async def main():
         tasks = [asyncio.ensure_future(final(llm, ids(5 + i), LONG.clone(seed=i), f"a{i}")) for i in range(2)]

@@ -10,6 +10,14 @@ from loopline import AsyncLLM, SamplingParams
 from loopline.entrypoints.chat_utils import ChatEncoder, is_thinking_checkpoint
 from loopline.entrypoints.openai.api_server import build_app
 
+
+def in_thread(args) -> AsyncLLM:
+    """An AsyncLLM whose engine loop runs on a thread of this process (the test reads ``llm.engine``)."""
+    from loopline.engine import LLMEngine
+
+    return AsyncLLM(engine=LLMEngine(args))
+
+
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PREFIX = "<|im_start|>assistant\n"
 
@@ -61,7 +69,7 @@ def test_a_thinking_directory_name_is_enough(tiny_gqa, tmp_path):
 
 
 def test_chat_endpoint_and_tokenize_use_the_same_prompt(thinking, make_engine_args, serve_app):
-    llm = AsyncLLM(make_engine_args(model=str(thinking.path)))
+    llm = in_thread(make_engine_args(model=str(thinking.path)))
     try:
         srv = serve_app(build_app(llm, "m", shutdown_engine=False))
         expected = ChatEncoder.for_engine(llm.engine).encode(MESSAGES)

@@ -72,7 +72,6 @@ def test_a_large_prompt_does_not_delay_a_small_request(srv):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_aborts_all_its_prompts_at_once(srv, async_llm, stream):
-    engine = async_llm.engine
     body = {"prompt": [[5, 6, 7, 8]] * 3000, "max_tokens": 100, "ignore_eos": True, "stream": stream}
     left = {}
 
@@ -89,12 +88,12 @@ def test_a_client_that_leaves_aborts_all_its_prompts_at_once(srv, async_llm, str
     t = threading.Thread(target=client)
     t.start()
     deadline = time.monotonic() + 60
-    while engine.get_num_unfinished_requests() == 0 and t.is_alive():  # the prompts reached the engine
+    while async_llm.snapshot.num_unfinished == 0 and t.is_alive():  # the prompts reached the engine
         assert time.monotonic() < deadline
         time.sleep(0.005)
     t.join(60)
-    while engine.get_num_unfinished_requests() or engine.kv.num_used_blocks:
-        assert time.monotonic() - left["at"] < 5, (engine.get_num_unfinished_requests(), "requests outlived the client")
+    while async_llm.snapshot.num_unfinished or async_llm.snapshot.kv_used_blocks:
+        assert time.monotonic() - left["at"] < 5, (async_llm.snapshot, "requests outlived the client")
         time.sleep(0.01)
     r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

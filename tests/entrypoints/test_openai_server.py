@@ -231,9 +231,9 @@ def test_disconnect_aborts_and_frees_kv(server, async_llm):
             assert resp.status_code == 200
             lines = resp.iter_lines()
             assert next(lines).startswith("data: ")
-            assert async_llm.engine.kv.num_used_blocks > 0
+            assert async_llm.snapshot.kv_used_blocks > 0
     wait_for(lambda: metric(server, "loopline:requests_total", status="abort") > aborted)
-    wait_for(lambda: async_llm.engine.kv.num_used_blocks == 0)
+    wait_for(lambda: async_llm.snapshot.kv_used_blocks == 0)
     assert metric(server, "loopline:kv_cache_used_blocks") == 0
 
 
@@ -243,7 +243,7 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(server, async_llm)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(30, read=0.3))
     wait_for(lambda: metric(server, "loopline:requests_total", status="abort") > aborted)
-    wait_for(lambda: async_llm.engine.kv.num_used_blocks == 0)
+    wait_for(lambda: async_llm.snapshot.kv_used_blocks == 0)
 
 
 def test_too_many_requests_get_429(async_llm, serve_app):

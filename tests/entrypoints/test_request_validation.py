@@ -132,7 +132,7 @@ def test_generate_fields_out_of_range_get_400(server, body, param):
 def test_engine_serves_after_every_bad_request(server, async_llm):
     for route, body, _ in HTTP_BAD:
         httpx.post(server.base_url + route, json={"model": MODEL, **body}, headers=AUTH)
-    assert async_llm.is_running and async_llm.engine.kv.num_used_blocks == 0
+    assert async_llm.is_running and async_llm.snapshot.kv_used_blocks == 0
     r = httpx.post(server.base_url + "/v1/completions", headers=AUTH,
                    json={"model": MODEL, "prompt": "x", "max_tokens": 2, "top_k": 512, "seed": BIG - 1, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -60,12 +60,10 @@ def wait_for(cond, timeout: float = 30.0) -> None:
 
 
 def running(llm, n: int = 1) -> bool:
-    """At least n requests are in the engine and each has produced a token.
-
-    NOTE: read the scheduler, not the snapshot: the snapshot of the step that finished an
-    earlier request still counts it, while the new one may not be added yet."""
-    reqs = list(llm.engine.scheduler.requests.values())
-    return len(reqs) >= n and all(len(r.output) > 0 for r in reqs)
+    """At least n requests are in the engine and each has produced a token (the engine's snapshot
+    after its latest step)."""
+    snap = llm.snapshot
+    return snap.num_generating >= n and snap.num_generating == snap.num_running
 
 
 # --- /generate ---------------------------------------------------------------------------------

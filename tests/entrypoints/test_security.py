@@ -50,7 +50,7 @@ def test_control_routes_are_not_mounted_by_default(closed, async_llm):
         is_openai_error(httpx.post(closed.base_url + path, json={"mode": "keep"}), 404, "not_found")
     for path in RL_GETS:
         is_openai_error(httpx.get(closed.base_url + path), 404, "not_found")
-    assert not async_llm.engine.is_paused  # nothing reached the engine
+    assert not async_llm.snapshot.is_paused  # nothing reached the engine
     for path in ("/docs", "/openapi.json", "/redoc"):  # no route list served either
         assert httpx.get(closed.base_url + path).status_code == 404
     assert httpx.post(closed.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
@@ -109,7 +109,7 @@ def test_cross_origin_posts_are_refused(closed, rl, async_llm):
                     "cross_origin_forbidden")
     is_openai_error(httpx.post(rl.base_url + "/pause_generation", json={"mode": "keep"}, headers=evil), 403)
     is_openai_error(httpx.post(rl.base_url + "/pause?mode=keep", headers=evil), 403)  # no body, query string
-    assert not async_llm.engine.is_paused
+    assert not async_llm.snapshot.is_paused
     # control routes refuse cross-site GETs too (an <img src> sends Sec-Fetch-Site, not Origin)
     is_openai_error(httpx.get(rl.base_url + "/flush_cache", headers={"Sec-Fetch-Site": "cross-site"}), 403)
     is_openai_error(httpx.get(rl.base_url + "/get_weight_version", headers=evil), 403)
@@ -146,7 +146,7 @@ def test_post_bodies_must_be_json(rl, async_llm, content_type):
     err = is_openai_error(httpx.post(rl.base_url + "/pause_generation", content=body, headers=headers), 415,
                           "unsupported_media_type")
     assert "application/json" in err["message"]
-    assert not async_llm.engine.is_paused
+    assert not async_llm.snapshot.is_paused
 
 
 def test_json_with_charset_and_bodyless_posts_pass(rl):

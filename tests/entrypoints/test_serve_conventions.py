@@ -15,19 +15,19 @@ def test_ping_answers_like_health(server):
 
 
 def test_startup_line_reports_device_dtype_kv_pool_and_rl_api(async_llm):
-    engine = async_llm.engine
-    kv = kv_pool_summary(engine)
-    mc, cfg = engine.model_config, engine.config
+    info = async_llm.info  # what the engine process reported when it started
+    kv = kv_pool_summary(info)
+    mc, cfg = info.model_config, info.config
     page_bytes = 2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads * mc.head_dim * 4  # float32
-    assert kv["pages"] == engine.kv.pool.num_blocks and kv["planes"] == mc.total_ut_steps
+    assert kv["pages"] == async_llm.snapshot.kv_total_blocks and kv["planes"] == mc.total_ut_steps
     assert abs(kv["gib"] - kv["pages"] * page_bytes / 2**30) < 1e-9
     # the fixture's max_model_len is 256 tokens: 4 planes x 16 pages per request
     assert abs(kv["max_concurrency"] - kv["pages"] / (4 * 16)) < 1e-9
-    line = startup_line(engine, rl_api=False)
+    line = startup_line(info, rl_api=False)
     assert line.startswith("device cpu, dtype float32, KV layout last_exited; KV cache ")
     assert f"{kv['pages']} pages of 16 tokens" in line and "requests of max_model_len 256 at once" in line
     assert line.endswith("RL API off") and "\n" not in line
-    assert startup_line(engine, rl_api=True).endswith("RL API on")
+    assert startup_line(info, rl_api=True).endswith("RL API on")
 
 
 def test_stats_logging_is_on_by_default_every_10_s():

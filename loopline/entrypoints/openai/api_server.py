@@ -16,7 +16,6 @@ import logging
 import os
 import secrets
 import signal
-import sys
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -83,7 +82,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}", param=name)
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    names = names or [async_llm.engine.config.model_path or "ouro"]  # no path: an in-memory model
+    names = names or [async_llm.config.model_path or "ouro"]  # no path: an in-memory model
     metrics = ServerMetrics(async_llm, names[0])
     ctx = ServingContext(async_llm, names, metrics, max_concurrent_requests, max_prompts_per_request,
                          return_tokens_as_token_ids)
@@ -141,7 +140,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:
-        root = async_llm.engine.config.model_path or names[0]
+        root = async_llm.config.model_path or names[0]
         cards = [ModelCard(id=n, root=root, max_model_len=async_llm.max_model_len) for n in names]
         return ModelList(data=cards).model_dump()
 
@@ -183,7 +182,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
         req = await parse_body(raw, DetokenizeRequest)
         ctx.check_model(req.model)
         pool = _tokenizers(async_llm)
-        vocab = async_llm.engine.model_config.vocab_size
+        vocab = async_llm.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"tokens must be in [0, {vocab}), got {bad[0]}", param="tokens")
@@ -291,9 +290,6 @@ class _RequestLog:
 
 
 # --- running --------------------------------------------------------------------------------
-_SWITCH_INTERVAL_S = 0.0005
-
-
 def run_server(ns: argparse.Namespace) -> int:
     """``loopline serve``: load the engine, then serve until SIGINT/SIGTERM."""
     if not logging.getLogger().handlers:
@@ -310,7 +306,7 @@ def run_server(ns: argparse.Namespace) -> int:
                                        max_request_body_bytes=ns.max_request_body_bytes)
     args = EngineArgs.from_cli_args(ns)
     async_llm = AsyncLLM(args)
-    logger.info(startup_line(async_llm.engine, rl_api=ns.enable_rl_api))
+    logger.info(startup_line(async_llm.info, rl_api=ns.enable_rl_api))
     name = ns.served_model_name or ([args.model] if args.model else [_default_name()])
     app = build_app(async_llm, name, api_key, ns.max_concurrent_requests, enable_rl_api=ns.enable_rl_api,
                     security=security, allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
@@ -326,10 +322,6 @@ def run_server(ns: argparse.Namespace) -> int:
     # NOTE: uvicorn re-raises the signal that stopped it once it has shut down; these
     # no-op handlers absorb it, so a graceful SIGINT/SIGTERM exits with status 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-    # NOTE: the engine thread and the event loop share the GIL. When the loop formats a burst of stream
-    # chunks, the engine thread waits for the interpreter's switch interval (5 ms by default) before it
-    # can launch the next step, and the GPU idles; at 0.5 ms it gets back within a fraction of a step.
-    sys.setswitchinterval(_SWITCH_INTERVAL_S)
     try:
         server.run()
     finally:

@@ -3,7 +3,7 @@
 Per-request figures (latencies, token counts, exit depths, final status) are
 recorded by the HTTP layer from the ``RequestOutput``s it streams, through a
 :class:`RequestTracker` per engine request; per-step figures come from the
-engine thread's step listener; gauges and the engine's own running totals are
+engine client's step listener; gauges and the engine's own running totals are
 read from the engine snapshot at scrape time.
 
 Names are vLLM's with the ``loopline:`` prefix where vLLM has the series
@@ -45,7 +45,7 @@ class ServerMetrics:
     def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
         self.registry = reg = CollectorRegistry()
         labels = {"model_name": model_name}
-        num_loops = async_llm.engine.config.num_loops
+        num_loops = async_llm.config.num_loops
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, ["model_name", *extra], registry=reg)
@@ -108,7 +108,7 @@ class ServerMetrics:
                                ["model_name"], registry=reg).labels(**labels)
         async_llm.add_step_listener(self._on_step)
 
-    def _on_step(self, rec: StepRecord) -> None:  # engine thread; prometheus_client is thread-safe
+    def _on_step(self, rec: StepRecord) -> None:  # the engine client's thread; prometheus_client is thread-safe
         self.steps.inc()
         self.rows.inc(rec.rows)
         self.rows_per_step.observe(rec.rows)

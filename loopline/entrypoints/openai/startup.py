@@ -7,12 +7,11 @@ from typing import Any
 import torch
 
 
-def kv_pool_summary(engine: Any) -> dict[str, Any]:
-    """KV pool figures of a built engine: pages, GiB, and how many requests of ``max_model_len``
-    tokens fit at once (each needs ``planes * ceil(max_model_len / block_size)`` pages)."""
-    cfg, mc = engine.config, engine.model_config
-    pages = engine.kv.pool.num_blocks
-    planes = engine.kv.layout.num_planes
+def kv_pool_summary(info: Any) -> dict[str, Any]:
+    """KV pool figures of a built engine (its ``EngineInfo``): pages, GiB, and how many requests of
+    ``max_model_len`` tokens fit at once (each needs ``planes * ceil(max_model_len / block_size)`` pages)."""
+    cfg, mc = info.config, info.model_config
+    pages, planes = info.kv_pages, info.kv_planes
     elem = torch.empty((), dtype=cfg.dtype).element_size()
     page_bytes = 2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads * mc.head_dim * elem
     per_request = planes * math.ceil(cfg.max_model_len / cfg.block_size)
@@ -20,9 +19,9 @@ def kv_pool_summary(engine: Any) -> dict[str, Any]:
             "max_model_len": cfg.max_model_len, "max_concurrency": pages / per_request}
 
 
-def startup_line(engine: Any, rl_api: bool) -> str:
+def startup_line(info: Any, rl_api: bool) -> str:
     """One line: device, dtype, KV layout and pool (GiB, pages, requests of max_model_len at once), RL API."""
-    kv, cfg = kv_pool_summary(engine), engine.config
+    kv, cfg = kv_pool_summary(info), info.config
     return (f"device {cfg.device}, dtype {str(cfg.dtype).removeprefix('torch.')}, KV layout {cfg.kv_layout}; "
             f"KV cache {kv['gib']:.2f} GiB = {kv['pages']} pages of {kv['block_size']} tokens, "
             f"{kv['planes']} plane(s) per request: {kv['max_concurrency']:.2f} requests of max_model_len "

@@ -1,0 +1,555 @@
+"""The engine loop behind ``AsyncLLM``, and what it says to its client: one message per step.
+
+:class:`EngineCore` owns one :class:`LLMEngine` and is the only code that touches it.
+It applies queued commands (add / abort / control calls) in arrival order, runs
+``step()`` while some request can progress, and sleeps on its :class:`Inbox`
+otherwise -- also while a pause holds or freezes requests. After every
+iteration it emits one :class:`EngineMessage`: the outputs of the step as
+**deltas** (tokens, text, logprobs, exit depths added since the last message;
+never cumulative lists, whose pickling would cost O(n^2) over a request), the
+replies of the commands it applied, the step's :class:`StepRecord` and an
+:class:`EngineSnapshot`. The same loop runs on a thread of the server process
+(``core_client.InProcClient``) or in an engine process of its own
+(``core_client.MPClient``, through :func:`run_engine_process`); only ``emit``
+and who fills the inbox differ.
+
+No request stops the loop: a failing ``add_request`` fails that add, a failing
+``step()`` fails the requests to blame (``RequestFailedError`` names them,
+otherwise every request the step ran) and frees their KV; only a device fault
+or a step failing again and again stops it, and the last message then carries
+``dead``.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import queue
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from loopline.engine import LLMEngine, PromptType
+from loopline.engine.input_processor import parent_request_id
+from loopline.engine.llm_engine import is_device_fault
+from loopline.errors import (EngineDeadError, EngineInternalError, EngineStateError, LooplineError,
+                             RequestFailedError)
+from loopline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from loopline.sampling_params import SamplingParams
+
+logger = logging.getLogger("loopline.async")
+
+_IDLE_WAIT_S = 0.005
+# A step that fails this many times in a row, although every request in flight was failed and
+# aborted after each failure, is an engine fault rather than a bad request: the loop stops.
+_MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+# --- what the client reads -------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine gauges published after every iteration of the engine loop (safe to read anywhere)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # prompt tokens served from it
+    num_preemptions: int = 0
+    num_unfinished: int = 0  # requests (choices) in the scheduler or held by a pause
+    num_generating: int = 0  # requests (choices) in the scheduler that produced a token
+    is_paused: bool = False
+    weights_state: str = "committed"  # "committed" | "updating" | "partially_updated"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as seen by step listeners (rows run, tokens scheduled, wall time)."""
+
+    rows: int
+    scheduled_tokens: int
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Facts about a built engine that the front end needs (model, lengths, KV pool size)."""
+
+    config: Any  # EngineConfig
+    model_config: Any  # OuroConfig
+    kv_pages: int
+    kv_planes: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> "EngineInfo":
+        return cls(engine.config, engine.model_config, engine.kv.pool.num_blocks, engine.kv.layout.num_planes)
+
+
+# --- commands (client -> core) -----------------------------------------------------------------
+@dataclass
+class AddCmd:
+    """Requests to add as one command: all are accepted or none (the first error is the reply)."""
+
+    add_id: int
+    requests: list[tuple[str, PromptType, SamplingParams]]
+    chat_stop: bool
+
+
+@dataclass
+class AbortCmd:
+    request_ids: list[str]
+
+
+@dataclass
+class CallCmd:
+    """``engine.<name>(*args)`` (or the core's own ``call_<name>``) between steps; a non-callable
+    attribute is read. ``until_drained``: reply once no request is in flight (pause "wait")."""
+
+    call_id: int
+    name: str
+    args: tuple = ()
+    until_drained: bool = False
+
+
+@dataclass
+class ShutdownCmd:
+    """Abort every request, emit their final outputs and stop the loop."""
+
+
+Command = AddCmd | AbortCmd | CallCmd | ShutdownCmd
+
+
+# --- messages (core -> client) -----------------------------------------------------------------
+@dataclass
+class CompletionDelta:
+    """What one completion added since the last message. ``text`` replaces the full text from
+    character ``text_start`` on (the characters sent so far, unless earlier text changed)."""
+
+    index: int
+    text: str
+    text_start: int
+    token_ids: list[int]
+    exit_depths: list[int]
+    weight_versions: list[Any]
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    seed: int | None
+
+
+@dataclass
+class OutputDelta:
+    """One request's progress in one step. ``head`` (prompt, prompt ids, sampling params) comes
+    with its first delta only; ``prompt_logprobs`` whenever more prompt positions were filled."""
+
+    request_id: str
+    outputs: list[CompletionDelta]
+    finished: bool
+    weight_version: Any
+    metrics: RequestMetrics | None
+    head: tuple[str | None, list[int], Any] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass
+class Reply:
+    """The outcome of an add (``id``: its add_id) or a call (its call_id)."""
+
+    id: int
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class EngineMessage:
+    """Everything one iteration of the engine loop produced. ``dead``: the loop stopped (the last message)."""
+
+    outputs: list[OutputDelta] = field(default_factory=list)
+    failures: list[tuple[str, BaseException]] = field(default_factory=list)  # requests that failed alone
+    replies: list[Reply] = field(default_factory=list)
+    step: StepRecord | None = None
+    snapshot: EngineSnapshot = field(default_factory=EngineSnapshot)
+    dead: BaseException | None = None
+
+
+# --- deltas ----------------------------------------------------------------------------------
+class DeltaEncoder:
+    """Core side: turns the engine's cumulative ``RequestOutput``s into :class:`OutputDelta`s."""
+
+    def __init__(self) -> None:
+        # request id -> per completion (tokens sent, text sent), and prompt logprob positions sent
+        self._sent: dict[str, tuple[list[list[Any]], list[int]]] = {}
+
+    def encode(self, out: RequestOutput) -> OutputDelta:
+        state = self._sent.get(out.request_id)
+        head = None
+        if state is None:
+            state = self._sent[out.request_id] = ([[0, ""] for _ in out.outputs], [0])
+            head = (out.prompt, out.prompt_token_ids, out.sampling_params)
+        comps, prompt_sent = state
+        deltas = []
+        for comp, sent in zip(out.outputs, comps):
+            n, old = sent
+            start = len(old) if comp.text.startswith(old) else 0
+            deltas.append(CompletionDelta(
+                comp.index, comp.text[start:], start, comp.token_ids[n:], comp.exit_depths[n:],
+                comp.weight_versions[n:], comp.logprobs[n:] if comp.logprobs is not None else None,
+                comp.cumulative_logprob, comp.finish_reason, comp.stop_reason, comp.seed))
+            sent[0], sent[1] = len(comp.token_ids), comp.text
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None:
+            filled = sum(e is not None for e in out.prompt_logprobs)
+            if filled != prompt_sent[0]:
+                prompt_sent[0], prompt_logprobs = filled, list(out.prompt_logprobs)
+        if out.finished:
+            self.drop(out.request_id)
+        return OutputDelta(out.request_id, deltas, out.finished, out.weight_version, out.metrics, head,
+                           prompt_logprobs)
+
+    def drop(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+
+class _Assembled:
+    __slots__ = ("prompt", "prompt_token_ids", "params", "prompt_logprobs", "comps")
+
+    def __init__(self, head: tuple, n: int) -> None:
+        self.prompt, self.prompt_token_ids, self.params = head
+        self.prompt_logprobs = None
+        self.comps = [CompletionOutput(i, "", [], None, None) for i in range(n)]
+
+
+class OutputAssembler:
+    """Client side: rebuilds cumulative ``RequestOutput``s (what the server streams from) from deltas."""
+
+    def __init__(self) -> None:
+        self._reqs: dict[str, _Assembled] = {}
+
+    def apply(self, delta: OutputDelta) -> RequestOutput:
+        req = self._reqs.get(delta.request_id)
+        if req is None:
+            assert delta.head is not None, f"first delta of {delta.request_id} has no head"
+            req = self._reqs[delta.request_id] = _Assembled(delta.head, len(delta.outputs))
+        if delta.prompt_logprobs is not None:
+            req.prompt_logprobs = delta.prompt_logprobs
+        outs = []
+        for comp, d in zip(req.comps, delta.outputs):
+            comp.index, comp.text = d.index, comp.text[:d.text_start] + d.text
+            comp.token_ids += d.token_ids
+            comp.exit_depths += d.exit_depths
+            comp.weight_versions += d.weight_versions
+            if d.logprobs is not None:
+                comp.logprobs = (comp.logprobs or []) + d.logprobs
+            comp.cumulative_logprob, comp.finish_reason, comp.stop_reason, comp.seed = (
+                d.cumulative_logprob, d.finish_reason, d.stop_reason, d.seed)
+            # NOTE: copies: a consumer may keep an older output, which must not grow later.
+            outs.append(CompletionOutput(comp.index, comp.text, list(comp.token_ids), comp.cumulative_logprob,
+                                         list(comp.logprobs) if comp.logprobs is not None else None,
+                                         comp.finish_reason, comp.stop_reason, list(comp.exit_depths), comp.seed,
+                                         list(comp.weight_versions)))
+        if delta.finished:
+            self.drop(delta.request_id)
+        return RequestOutput(delta.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs,
+                             delta.finished, delta.weight_version, delta.metrics, req.params)
+
+    def drop(self, request_id: str) -> None:
+        self._reqs.pop(request_id, None)
+
+
+# --- the loop --------------------------------------------------------------------------------
+class Inbox:
+    """Commands for the engine loop, in arrival order (filled from any thread)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._commands: list[Command] = []
+        self._stopping = False
+
+    def put(self, cmd: Command) -> None:
+        with self._cond:
+            if isinstance(cmd, ShutdownCmd):
+                self._stopping = True
+            else:
+                self._commands.append(cmd)
+            self._cond.notify()
+
+    def take(self, runnable: Callable[[], bool], idle: bool) -> tuple[list[Command], bool]:
+        """Waits until there is a command, a shutdown, or (``runnable()``) work; returns the commands
+        and whether to stop. ``idle``: the last step made no progress, so wait a little anyway."""
+        with self._cond:
+            # NOTE: requests held or frozen by a pause count as unfinished but cannot progress:
+            # wait for a command (resume) instead of stepping.
+            while not (self._commands or self._stopping or runnable()):
+                self._cond.wait()
+            if idle and not (self._commands or self._stopping):
+                self._cond.wait(_IDLE_WAIT_S)  # do not spin on steps that cannot make progress
+            commands, self._commands = self._commands, []
+            return commands, self._stopping
+
+
+class EngineCore:
+    """Runs one engine from an :class:`Inbox`; ``emit(EngineMessage)`` after every iteration."""
+
+    def __init__(self, engine: LLMEngine, inbox: Inbox, emit: Callable[[EngineMessage], None]) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.emit = emit
+        self._live: set[str] = set()  # ids of accepted requests whose final output was not sent
+        self._encoder = DeltaEncoder()
+        self._msg = EngineMessage()  # being filled by this iteration
+        self._drain_waiters: list[int] = []  # pause("wait") calls waiting for the requests in flight
+        self._step_failures = 0  # consecutive failed steps
+        self._last_snapshot: EngineSnapshot | None = None
+
+    def run(self) -> None:
+        engine = self.engine
+        device = engine.config.device
+        if device.type == "cuda":  # NOTE: a new thread starts on cuda:0; kernels must launch on the engine's device
+            torch.cuda.set_device(device)
+        idle = False  # the last step ran no rows although requests are unfinished (e.g. all wait for KV)
+        try:
+            while True:
+                commands, stopping = self.inbox.take(self.engine.has_runnable_requests, idle)
+                for cmd in commands:
+                    self._apply(cmd)
+                if stopping:
+                    self.engine.abort_request(list(self._live))
+                try:
+                    idle = not self._step()
+                    self._step_failures = 0
+                except Exception as e:  # a request must not stop the engine: fail the ones to blame
+                    idle = True
+                    self._on_step_error(e)
+                self._check_drained()
+                self._flush()
+                if stopping:
+                    break
+        except BaseException:  # a device fault or an engine bug: fail every waiter instead of hanging them
+            error_id = _error_id()
+            logger.exception("engine loop stopped (error id %s)", error_id)
+            self._die(EngineDeadError(f"internal error (error id {error_id}); see the server log"))
+            return
+        self._die(EngineDeadError("the engine was shut down"))
+
+    # --- commands -----------------------------------------------------------------------------
+    def _apply(self, cmd: Command) -> None:
+        if isinstance(cmd, AbortCmd):
+            self._abort(cmd.request_ids)  # outputs with finish_reason "abort" come from the next step
+        elif isinstance(cmd, CallCmd):
+            try:
+                fn = getattr(self, f"call_{cmd.name}", None) or getattr(self.engine, cmd.name)
+                result = fn(*cmd.args) if callable(fn) else fn
+            except Exception as e:  # engine errors go back to the caller unchanged
+                self._msg.replies.append(Reply(cmd.call_id, None, e))
+                return
+            if cmd.until_drained:
+                self._drain_waiters.append(cmd.call_id)
+            else:
+                self._msg.replies.append(Reply(cmd.call_id, result))
+        else:
+            self._add(cmd)
+
+    def _add(self, cmd: AddCmd) -> None:
+        added: list[str] = []
+        try:
+            for request_id, prompt, params in cmd.requests:
+                try:
+                    self.engine.add_request(request_id, prompt, params, chat_stop=cmd.chat_stop)
+                except LooplineError:
+                    raise  # validation, or a state that refuses requests (asleep): the engine changed nothing
+                except Exception as e:  # an internal failure while adding: undo what it may have left
+                    error_id = _error_id()
+                    logger.exception("adding request %s failed (error id %s)", request_id, error_id)
+                    self._abort([request_id])
+                    raise EngineInternalError(f"internal error while adding the request (error id {error_id})",
+                                              error_id) from e
+                added.append(request_id)
+                self._live.add(request_id)
+        except Exception as e:  # all or none: the ones already added go again
+            self._abort(added)
+            self._live.difference_update(added)
+            self._msg.replies.append(Reply(cmd.add_id, None, e))
+            return
+        self._msg.replies.append(Reply(cmd.add_id))
+
+    def call_abort_all(self) -> list[str]:
+        """Aborts every unfinished request; returns their ids."""
+        ids = list(self._live)
+        self.engine.abort_request(ids)
+        return ids
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Aborts requests in the engine; a failure here is an engine fault (it propagates)."""
+        if request_ids:
+            self.engine.abort_request(request_ids)
+
+    # --- steps --------------------------------------------------------------------------------
+    def _step(self) -> bool:
+        """One engine step; its outputs go into this iteration's message; returns whether anything happened."""
+        engine = self.engine
+        rows0, tokens0, t0 = engine.stats.rows, engine.stats.scheduled_tokens, time.perf_counter()
+        outs = engine.step()
+        rows = engine.stats.rows - rows0
+        if rows:
+            self._msg.step = StepRecord(rows, engine.stats.scheduled_tokens - tokens0, time.perf_counter() - t0)
+        for out in outs:
+            if out.request_id in self._live:  # else it failed (or its add did): nobody waits for it
+                self._msg.outputs.append(self._encoder.encode(out))
+                if out.finished:
+                    self._live.discard(out.request_id)
+        return bool(rows or outs)
+
+    def _on_step_error(self, error: Exception) -> None:
+        """A failed ``step()``: fails the requests to blame (the named ones, else every one in flight),
+        aborts them in the engine (frees their KV) and keeps serving the others."""
+        error_id = _error_id()
+        if isinstance(error, RequestFailedError):
+            blamed = error.request_ids
+        else:  # every request that was in the step; those a pause holds back never reached it
+            held = {parent_request_id(r.request_id) for r in self.engine.control.held}
+            blamed = [rid for rid in self._live if rid not in held]
+        logger.exception("engine step failed (error id %s); failing request(s) %s", error_id,
+                         ", ".join(blamed[:20]) + (" ..." if len(blamed) > 20 else "") or "-")
+        if is_device_fault(error):
+            raise error  # the device is unusable: stop (the client's ``health_problem`` says so)
+        self._step_failures += 1
+        if self._step_failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineStateError(f"the engine step failed {self._step_failures} times in a row "
+                                   f"(error id {error_id})") from error
+        # EngineStateError ("cannot step: ...") is the engine's own clear message; anything else
+        # is internal and reaches clients only as its id.
+        failure = error if isinstance(error, EngineStateError) else EngineInternalError(
+            f"internal error while generating (error id {error_id}); the request was aborted", error_id)
+        self._abort([rid for rid in blamed if rid in self._live])
+        for rid in blamed:
+            if rid in self._live:
+                self._live.discard(rid)
+                self._encoder.drop(rid)
+                self._msg.failures.append((rid, failure))
+
+    def _check_drained(self) -> None:
+        """Replies to ``pause_generation("wait")`` callers once nothing is in flight."""
+        if not self._drain_waiters:
+            return
+        engine = self.engine
+        if engine.is_drained:
+            error = None
+        elif engine.control.pause_mode != "wait":
+            state = "resumed" if not engine.is_paused else f"turned into a {engine.control.pause_mode!r} pause"
+            error = EngineStateError(f"generation was {state} before the requests in flight drained")
+        else:
+            return
+        waiters, self._drain_waiters = self._drain_waiters, []
+        self._msg.replies += [Reply(call_id, None, error) for call_id in waiters]
+
+    # --- messages -----------------------------------------------------------------------------
+    def _flush(self) -> None:
+        msg, self._msg = self._msg, EngineMessage()
+        msg.snapshot = self._take_snapshot()
+        if msg.outputs or msg.failures or msg.replies or msg.step or msg.snapshot != self._last_snapshot:
+            self._last_snapshot = msg.snapshot
+            self.emit(msg)
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        engine = self.engine
+        cache, sched, weights = engine.kv.prefix_cache, engine.scheduler, engine.weights
+        return EngineSnapshot(sched.num_running, sched.num_waiting, engine.kv.num_used_blocks, engine.kv.pool.num_blocks,
+                              cache.stats.queries if cache else 0, cache.stats.hits if cache else 0,
+                              sched.num_preemptions, engine.get_num_unfinished_requests(),
+                              sum(1 for r in sched.requests.values() if r.output), engine.is_paused,
+                              "partially_updated" if weights.broken else "updating" if weights.in_progress
+                              else "committed")
+
+    def _die(self, error: BaseException) -> None:
+        """The last message: outputs and replies gathered so far, then ``dead`` (the client fails the rest)."""
+        msg, self._msg = self._msg, EngineMessage()
+        msg.replies += [Reply(call_id, None, error) for call_id in self._drain_waiters]
+        self._drain_waiters = []
+        try:
+            snapshot = self._take_snapshot()
+        except Exception:  # the engine is broken: keep its last gauges
+            snapshot = self._last_snapshot or EngineSnapshot()
+        msg.snapshot = replace(snapshot, num_running=0, num_waiting=0)
+        msg.dead = error
+        self.emit(msg)
+
+
+def _error_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+# --- the engine process ----------------------------------------------------------------------
+def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads: int) -> None:
+    """Entry point of the engine process (``MPClient``): builds the engine, sends its
+    :class:`EngineInfo` (or the exception that stopped the build), then runs the loop.
+
+    A receiver thread feeds the inbox from ``conn``; a sender thread writes the pickled
+    messages, so a slow reader never stalls a step. The server process owns shutdown:
+    SIGINT / SIGTERM are ignored here, and a closed connection means it went away.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("loopline").setLevel(log_level)
+    torch.set_num_threads(num_threads)
+    try:
+        engine = LLMEngine(engine_args)
+    except BaseException as e:  # the server raises it (e.g. an invalid flag) and exits
+        conn.send_bytes(_dumps(EngineMessage(dead=e)))
+        return
+    conn.send_bytes(pickle.dumps(EngineInfo.of(engine), pickle.HIGHEST_PROTOCOL))
+    inbox = Inbox()
+    outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def receive() -> None:
+        try:
+            while True:
+                inbox.put(conn.recv())
+        except (EOFError, OSError):  # the server process closed the connection or died
+            inbox.put(ShutdownCmd())
+
+    def send() -> None:
+        while (data := outbox.get()) is not None:
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                return
+
+    threading.Thread(target=receive, name="loopline-engine-recv", daemon=True).start()
+    sender = threading.Thread(target=send, name="loopline-engine-send", daemon=True)
+    sender.start()
+    EngineCore(engine, inbox, lambda msg: outbox.put(_dumps(msg))).run()
+    outbox.put(None)
+    sender.join(30)
+
+
+def _dumps(msg: EngineMessage) -> bytes:
+    """Pickles a message; an exception that cannot cross the process boundary becomes a plain one."""
+    try:
+        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+        if not (msg.replies or msg.failures or msg.dead):
+            return data
+        pickle.loads(data)  # an exception may pickle yet fail to unpickle
+        return data
+    except Exception:
+        pass
+    msg.replies = [replace(r, error=_portable(r.error)) if r.error is not None else r for r in msg.replies]
+    msg.failures = [(rid, _portable(e)) for rid, e in msg.failures]
+    msg.dead = _portable(msg.dead) if msg.dead is not None else None
+    return pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+
+
+def _portable(error: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(error, pickle.HIGHEST_PROTOCOL))
+        return error
+    except Exception:
+        return EngineStateError(f"{type(error).__name__}: {error}") if isinstance(error, LooplineError) else \
+            RuntimeError(f"{type(error).__name__}: {error}")
