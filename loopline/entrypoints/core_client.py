@@ -159,10 +159,10 @@ class EngineClient:
                 for stream, loop in self._streams.values():
                     batches.setdefault(loop, []).append((stream, _fail, msg.dead))
                 self._streams.clear()
-        if msg.step is not None:
+        for record in msg.steps:
             for fn in self._listeners:
                 try:
-                    fn(msg.step)
+                    fn(record)
                 except Exception:  # metrics must never fail a step
                     logger.exception("step listener %r failed", fn)
         for ack, error in acks:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import queue
 import signal
 import threading
 import time
@@ -48,6 +47,8 @@ _IDLE_WAIT_S = 0.005
 # A step that fails this many times in a row, although every request in flight was failed and
 # aborted after each failure, is an engine fault rather than a bad request: the loop stops.
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
+# Step records of steps without outputs wait at most this long for a message to ride on.
+_MAX_STEP_RECORD_DELAY_S = 0.05
 
 
 # --- what the client reads -------------------------------------------------------------------
@@ -174,7 +175,7 @@ class EngineMessage:
     outputs: list[OutputDelta] = field(default_factory=list)
     failures: list[tuple[str, BaseException]] = field(default_factory=list)  # requests that failed alone
     replies: list[Reply] = field(default_factory=list)
-    step: StepRecord | None = None
+    steps: list[StepRecord] = field(default_factory=list)  # the steps run since the last message
     snapshot: EngineSnapshot = field(default_factory=EngineSnapshot)
     dead: BaseException | None = None
 
@@ -307,6 +308,7 @@ class EngineCore:
         self._drain_waiters: list[int] = []  # pause("wait") calls waiting for the requests in flight
         self._step_failures = 0  # consecutive failed steps
         self._last_snapshot: EngineSnapshot | None = None
+        self._first_unsent = 0.0  # when the oldest step record not yet emitted was made
 
     def run(self) -> None:
         engine = self.engine
@@ -398,7 +400,7 @@ class EngineCore:
         outs = engine.step()
         rows = engine.stats.rows - rows0
         if rows:
-            self._msg.step = StepRecord(rows, engine.stats.scheduled_tokens - tokens0, time.perf_counter() - t0)
+            self._msg.steps.append(StepRecord(rows, engine.stats.scheduled_tokens - tokens0, time.perf_counter() - t0))
         for out in outs:
             if out.request_id in self._live:  # else it failed (or its add did): nobody waits for it
                 self._msg.outputs.append(self._encoder.encode(out))
@@ -451,11 +453,19 @@ class EngineCore:
 
     # --- messages -----------------------------------------------------------------------------
     def _flush(self) -> None:
-        msg, self._msg = self._msg, EngineMessage()
+        """Emits the iteration's message if it carries news for the client. Steps that only ran
+        rows (a token's inner loops, prefill chunks) ride along with the next message, or go
+        alone once ``_MAX_STEP_RECORD_DELAY_S`` old: at fixed depth R that is R x fewer messages."""
+        msg = self._msg
         msg.snapshot = self._take_snapshot()
-        if msg.outputs or msg.failures or msg.replies or msg.step or msg.snapshot != self._last_snapshot:
-            self._last_snapshot = msg.snapshot
-            self.emit(msg)
+        news = msg.outputs or msg.failures or msg.replies or msg.snapshot != self._last_snapshot
+        if not news and not (msg.steps and time.perf_counter() - self._first_unsent > _MAX_STEP_RECORD_DELAY_S):
+            if msg.steps and len(msg.steps) == 1:
+                self._first_unsent = time.perf_counter()
+            return
+        self._msg = EngineMessage()
+        self._last_snapshot = msg.snapshot
+        self.emit(msg)
 
     def _take_snapshot(self) -> EngineSnapshot:
         engine = self.engine
@@ -490,8 +500,8 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
     """Entry point of the engine process (``MPClient``): builds the engine, sends its
     :class:`EngineInfo` (or the exception that stopped the build), then runs the loop.
 
-    A receiver thread feeds the inbox from ``conn``; a sender thread writes the pickled
-    messages, so a slow reader never stalls a step. The server process owns shutdown:
+    A receiver thread feeds the inbox from ``conn``; the loop writes its messages itself (the
+    server's reader thread drains the pipe at once). The server process owns shutdown:
     SIGINT / SIGTERM are ignored here, and a closed connection means it went away.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -506,7 +516,6 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
         return
     conn.send_bytes(pickle.dumps(EngineInfo.of(engine), pickle.HIGHEST_PROTOCOL))
     inbox = Inbox()
-    outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
 
     def receive() -> None:
         try:
@@ -515,19 +524,19 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
         except (EOFError, OSError):  # the server process closed the connection or died
             inbox.put(ShutdownCmd())
 
-    def send() -> None:
-        while (data := outbox.get()) is not None:
-            try:
-                conn.send_bytes(data)
-            except OSError:
-                return
+    def send(msg: EngineMessage) -> None:
+        try:
+            conn.send_bytes(_dumps(msg))
+        except OSError:  # the server process is gone: the receiver stops the loop
+            pass
 
     threading.Thread(target=receive, name="loopline-engine-recv", daemon=True).start()
-    sender = threading.Thread(target=send, name="loopline-engine-send", daemon=True)
-    sender.start()
-    EngineCore(engine, inbox, lambda msg: outbox.put(_dumps(msg))).run()
-    outbox.put(None)
-    sender.join(30)
+    # NOTE: the loop runs on a thread of its own, as in the server process before: on a small CPU
+    # host, torch ops issued from the main thread ran up to 10x slower (its OpenMP team busy-waits
+    # when cores are oversubscribed). The process ends when the loop does.
+    loop = threading.Thread(target=EngineCore(engine, inbox, send).run, name="loopline-engine")
+    loop.start()
+    loop.join()
 
 
 def _dumps(msg: EngineMessage) -> bytes:
