@@ -139,7 +139,7 @@ _namespaces: dict[Path, dict] = {}
 
 def _run_python(block: Block, cwd: Path, url: str | None) -> None:
     code = block.code if url is None else block.code.replace("http://127.0.0.1:8000", url)
-    ns = _namespaces[block.path] if block.mark == "continue" else {"__name__": "__docs__"}
+    ns = _namespaces[block.path] if block.mark == "continue" else {"__name__": "__main__"}  # guarded examples (spawn) run too
     _namespaces[block.path] = ns
     old = Path.cwd()
     os.chdir(cwd)
