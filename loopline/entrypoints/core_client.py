@@ -187,7 +187,7 @@ class InProcClient(EngineClient):
         self.info = EngineInfo.of(engine)
         self._inbox = Inbox()
         core = EngineCore(engine, self._inbox, self._on_message)
-        self.snapshot = core._take_snapshot()
+        self.snapshot = core.take_snapshot()
         self._thread = threading.Thread(target=core.run, name="loopline-engine", daemon=True)
         self._thread.start()
 

@@ -400,6 +400,8 @@ class EngineCore:
         outs = engine.step()
         rows = engine.stats.rows - rows0
         if rows:
+            if not self._msg.steps:
+                self._first_unsent = t0
             self._msg.steps.append(StepRecord(rows, engine.stats.scheduled_tokens - tokens0, time.perf_counter() - t0))
         for out in outs:
             if out.request_id in self._live:  # else it failed (or its add did): nobody waits for it
@@ -457,17 +459,15 @@ class EngineCore:
         rows (a token's inner loops, prefill chunks) ride along with the next message, or go
         alone once ``_MAX_STEP_RECORD_DELAY_S`` old: at fixed depth R that is R x fewer messages."""
         msg = self._msg
-        msg.snapshot = self._take_snapshot()
+        msg.snapshot = self.take_snapshot()
         news = msg.outputs or msg.failures or msg.replies or msg.snapshot != self._last_snapshot
         if not news and not (msg.steps and time.perf_counter() - self._first_unsent > _MAX_STEP_RECORD_DELAY_S):
-            if msg.steps and len(msg.steps) == 1:
-                self._first_unsent = time.perf_counter()
             return
         self._msg = EngineMessage()
         self._last_snapshot = msg.snapshot
         self.emit(msg)
 
-    def _take_snapshot(self) -> EngineSnapshot:
+    def take_snapshot(self) -> EngineSnapshot:
         engine = self.engine
         cache, sched, weights = engine.kv.prefix_cache, engine.scheduler, engine.weights
         return EngineSnapshot(sched.num_running, sched.num_waiting, engine.kv.num_used_blocks, engine.kv.pool.num_blocks,
@@ -483,7 +483,7 @@ class EngineCore:
         msg.replies += [Reply(call_id, None, error) for call_id in self._drain_waiters]
         self._drain_waiters = []
         try:
-            snapshot = self._take_snapshot()
+            snapshot = self.take_snapshot()
         except Exception:  # the engine is broken: keep its last gauges
             snapshot = self._last_snapshot or EngineSnapshot()
         msg.snapshot = replace(snapshot, num_running=0, num_waiting=0)
@@ -541,14 +541,6 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
 
 def _dumps(msg: EngineMessage) -> bytes:
     """Pickles a message; an exception that cannot cross the process boundary becomes a plain one."""
-    try:
-        data = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
-        if not (msg.replies or msg.failures or msg.dead):
-            return data
-        pickle.loads(data)  # an exception may pickle yet fail to unpickle
-        return data
-    except Exception:
-        pass
     msg.replies = [replace(r, error=_portable(r.error)) if r.error is not None else r for r in msg.replies]
     msg.failures = [(rid, _portable(e)) for rid, e in msg.failures]
     msg.dead = _portable(msg.dead) if msg.dead is not None else None
@@ -556,6 +548,8 @@ def _dumps(msg: EngineMessage) -> bytes:
 
 
 def _portable(error: BaseException) -> BaseException:
+    """``error`` if it survives a pickle round trip (it may pickle yet fail to unpickle), else a
+    plain exception with its type and text."""
     try:
         pickle.loads(pickle.dumps(error, pickle.HIGHEST_PROTOCOL))
         return error
