@@ -501,11 +501,13 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
     :class:`EngineInfo` (or the exception that stopped the build), then runs the loop.
 
     A receiver thread feeds the inbox from ``conn``; the loop writes its messages itself (the
-    server's reader thread drains the pipe at once). The server process owns shutdown:
-    SIGINT / SIGTERM are ignored here, and a closed connection means it went away.
+    server's reader thread drains the pipe at once). The server process owns shutdown: SIGINT
+    (a Ctrl-C reaches the whole process group) is ignored here, so the server can drain first;
+    SIGTERM (multiprocessing's exit handler, a service manager) and a closed connection (the
+    server went away) stop the loop as a shutdown does: requests still running are aborted.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until the loop can stop cleanly
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("loopline").setLevel(log_level)
     torch.set_num_threads(num_threads)
@@ -536,7 +538,9 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
     # when cores are oversubscribed). The process ends when the loop does.
     loop = threading.Thread(target=EngineCore(engine, inbox, send).run, name="loopline-engine")
     loop.start()
-    loop.join()
+    signal.signal(signal.SIGTERM, lambda *_: inbox.put(ShutdownCmd()))
+    while loop.is_alive():  # NOTE: a timed join, so that the signal handler runs on this thread
+        loop.join(0.5)
 
 
 def _dumps(msg: EngineMessage) -> bytes:
