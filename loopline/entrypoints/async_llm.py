@@ -48,7 +48,7 @@ from loopline.entrypoints.chat_utils import ChatEncoder
 from loopline.entrypoints.core_client import EngineClient, InProcClient, MPClient
 from loopline.entrypoints.engine_core import EngineInfo, EngineSnapshot, StepRecord
 from loopline.entrypoints.tokenizer_pool import TokenizerPool
-from loopline.errors import InvalidRequestError
+from loopline.errors import EngineInternalError, InvalidRequestError
 from loopline.models.loader import load_tokenizer
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams

@@ -143,12 +143,14 @@ class CompletionDelta:
     finish_reason: str | None
     stop_reason: int | str | None
     seed: int | None
+    error_id: str | None = None
 
 
 @dataclass
 class OutputDelta:
     """One request's progress in one step. ``head`` (prompt, prompt ids, sampling params) comes
-    with its first delta only; ``prompt_logprobs`` whenever more prompt positions were filled."""
+    with its first delta only; ``prompt_logprobs`` (and ``prompt_exit_depths``) whenever more
+    prompt positions were filled."""
 
     request_id: str
     outputs: list[CompletionDelta]
@@ -157,6 +159,7 @@ class OutputDelta:
     metrics: RequestMetrics | None
     head: tuple[str | None, list[int], Any] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_exit_depths: list[int | None] | None = None
 
 
 @dataclass
@@ -202,28 +205,29 @@ class DeltaEncoder:
             deltas.append(CompletionDelta(
                 comp.index, comp.text[start:], start, comp.token_ids[n:], comp.exit_depths[n:],
                 comp.weight_versions[n:], comp.logprobs[n:] if comp.logprobs is not None else None,
-                comp.cumulative_logprob, comp.finish_reason, comp.stop_reason, comp.seed))
+                comp.cumulative_logprob, comp.finish_reason, comp.stop_reason, comp.seed, comp.error_id))
             sent[0], sent[1] = len(comp.token_ids), comp.text
-        prompt_logprobs = None
+        prompt_logprobs = prompt_depths = None
         if out.prompt_logprobs is not None:
             filled = sum(e is not None for e in out.prompt_logprobs)
             if filled != prompt_sent[0]:
                 prompt_sent[0], prompt_logprobs = filled, list(out.prompt_logprobs)
+                prompt_depths = list(out.prompt_exit_depths) if out.prompt_exit_depths is not None else None
         if out.finished:
             self.drop(out.request_id)
         return OutputDelta(out.request_id, deltas, out.finished, out.weight_version, out.metrics, head,
-                           prompt_logprobs)
+                           prompt_logprobs, prompt_depths)
 
     def drop(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
 
 
 class _Assembled:
-    __slots__ = ("prompt", "prompt_token_ids", "params", "prompt_logprobs", "comps")
+    __slots__ = ("prompt", "prompt_token_ids", "params", "prompt_logprobs", "prompt_exit_depths", "comps")
 
     def __init__(self, head: tuple, n: int) -> None:
         self.prompt, self.prompt_token_ids, self.params = head
-        self.prompt_logprobs = None
+        self.prompt_logprobs = self.prompt_exit_depths = None
         self.comps = [CompletionOutput(i, "", [], None, None) for i in range(n)]
 
 
@@ -239,7 +243,7 @@ class OutputAssembler:
             assert delta.head is not None, f"first delta of {delta.request_id} has no head"
             req = self._reqs[delta.request_id] = _Assembled(delta.head, len(delta.outputs))
         if delta.prompt_logprobs is not None:
-            req.prompt_logprobs = delta.prompt_logprobs
+            req.prompt_logprobs, req.prompt_exit_depths = delta.prompt_logprobs, delta.prompt_exit_depths
         outs = []
         for comp, d in zip(req.comps, delta.outputs):
             comp.index, comp.text = d.index, comp.text[:d.text_start] + d.text
@@ -248,17 +252,17 @@ class OutputAssembler:
             comp.weight_versions += d.weight_versions
             if d.logprobs is not None:
                 comp.logprobs = (comp.logprobs or []) + d.logprobs
-            comp.cumulative_logprob, comp.finish_reason, comp.stop_reason, comp.seed = (
-                d.cumulative_logprob, d.finish_reason, d.stop_reason, d.seed)
+            comp.cumulative_logprob, comp.finish_reason, comp.stop_reason, comp.seed, comp.error_id = (
+                d.cumulative_logprob, d.finish_reason, d.stop_reason, d.seed, d.error_id)
             # NOTE: copies: a consumer may keep an older output, which must not grow later.
             outs.append(CompletionOutput(comp.index, comp.text, list(comp.token_ids), comp.cumulative_logprob,
                                          list(comp.logprobs) if comp.logprobs is not None else None,
                                          comp.finish_reason, comp.stop_reason, list(comp.exit_depths), comp.seed,
-                                         list(comp.weight_versions)))
+                                         list(comp.weight_versions), comp.error_id))
         if delta.finished:
             self.drop(delta.request_id)
         return RequestOutput(delta.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs,
-                             delta.finished, delta.weight_version, delta.metrics, req.params)
+                             delta.finished, delta.weight_version, delta.metrics, req.params, req.prompt_exit_depths)
 
     def drop(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)

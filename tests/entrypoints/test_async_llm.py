@@ -384,7 +384,7 @@ def test_an_engine_bug_in_one_request_fails_it_alone(make_engine_args, tiny_gqa,
 
     _fail_one_request(monkeypatch, max_tokens=61)
     good = [SamplingParams(max_tokens=30 + 4 * i, seed=i, ignore_eos=True, exit_threshold=0.7) for i in range(3)]
-    llm = AsyncLLM(make_engine_args())
+    llm = in_thread(make_engine_args())  # the fault is patched into this process's engine
     try:
         async def main():
             bad = asyncio.ensure_future(collect(llm, PROMPT, SamplingParams(max_tokens=61, ignore_eos=True), "bad"))
@@ -415,7 +415,7 @@ def test_http_an_engine_bug_in_one_request_is_its_500_and_the_others_finish(make
     from loopline.entrypoints.openai.api_server import build_app
 
     _fail_one_request(monkeypatch, max_tokens=61)
-    llm = AsyncLLM(make_engine_args())
+    llm = in_thread(make_engine_args())  # the fault is patched into this process's engine
     try:
         srv = serve_app(build_app(llm, "m", shutdown_engine=False))
         url = srv.base_url + "/v1/completions"

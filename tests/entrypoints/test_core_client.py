@@ -46,8 +46,9 @@ async def stream(llm: AsyncLLM, prompt, params: SamplingParams, rid: str) -> lis
 
 def fields(out: RequestOutput) -> tuple:
     comps = [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason,
-              c.exit_depths, c.seed, c.weight_versions) for c in out.outputs]
-    return out.request_id, out.prompt, out.prompt_token_ids, out.prompt_logprobs, comps, out.finished, out.weight_version
+              c.exit_depths, c.seed, c.weight_versions, c.error_id) for c in out.outputs]
+    return (out.request_id, out.prompt, out.prompt_token_ids, out.prompt_logprobs, out.prompt_exit_depths, comps,
+            out.finished, out.weight_version)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -123,6 +124,7 @@ def test_weight_update_through_the_process_boundary_matches_the_thread_path(pair
         return before, after
 
     (b_mp, a_mp), (b_th, a_th) = run(main(mp)), run(main(th))
+    assert b_mp.outputs[0].token_ids == b_th.outputs[0].token_ids
     assert a_mp.outputs[0].token_ids != b_mp.outputs[0].token_ids and a_mp.weight_version == 1
     assert a_mp.outputs[0].token_ids == a_th.outputs[0].token_ids
     assert a_mp.outputs[0].token_logprobs == a_th.outputs[0].token_logprobs
