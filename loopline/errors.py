@@ -39,7 +39,7 @@ class WeightUpdateError(InvalidRequestError):
 
 
 class EngineDeadError(EngineStateError):
-    """The engine stopped (a device fault, or the server's engine thread ended) and serves nothing
+    """The engine stopped (a device fault, or the server's engine loop or engine process ended) and serves nothing
     until restarted."""
 
 

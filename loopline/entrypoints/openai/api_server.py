@@ -65,7 +65,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
     the model path); ``api_key``: when set, every route but ``/health``,
     ``/version`` and ``/metrics`` needs ``Authorization: Bearer <key>``;
     ``max_concurrent_requests``: generation requests in flight before new ones
-    get 429; ``shutdown_engine``: stop the engine thread when the app shuts down.
+    get 429; ``shutdown_engine``: stop the engine (its process or thread) when the app shuts down.
 
     ``enable_rl_api``: mount ``/generate`` and the RL control routes of
     ``serving_rl`` (off by default: they let a client pause the engine and
@@ -355,7 +355,7 @@ class _Server(uvicorn.Server):
     After ``shutdown_timeout`` seconds every request still running is aborted
     (its KV freed): streams end with a final chunk (``finish_reason: "abort"``)
     and ``data: [DONE]``, whole responses carry what was generated. The app's
-    shutdown then stops the engine thread.
+    shutdown then stops the engine process.
     """
 
     def __init__(self, config: uvicorn.Config, ctx: ServingContext, shutdown_timeout: float) -> None:

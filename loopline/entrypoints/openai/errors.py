@@ -31,7 +31,7 @@ def to_api_error(error: BaseException, where: str) -> APIError:
         return APIError(400, str(error), param=error.param, code="context_length_exceeded")
     if isinstance(error, InvalidRequestError):
         return APIError(400, str(error), param=error.param, code="invalid_value")
-    if isinstance(error, EngineInternalError):  # already logged with its id by the engine thread
+    if isinstance(error, EngineInternalError):  # already logged with its id by the engine loop
         return APIError(500, str(error), type="server_error", code="internal_error")
     if isinstance(error, EngineStateError):
         return APIError(503, str(error), type="service_unavailable", code="service_unavailable")

@@ -1,7 +1,7 @@
 """HTTP routes for RL trainers: pause / resume, abort, weight updates from disk, prefix cache, sleep.
 
 Each route calls the matching :class:`AsyncLLM` method (which runs on the
-engine thread) and answers a small JSON object. Fields come from the JSON
+engine loop) and answers a small JSON object. Fields come from the JSON
 body or, for vLLM-style clients, the query string (``POST /pause?mode=keep``).
 Bad input gets 400, a call the engine cannot honour in its current state
 (an update while requests generate, a resume while asleep, ...) gets 409;
