@@ -133,15 +133,14 @@ fi
 if has serve; then  # loopline serve vs the offline engine, same random Ouro-1.4B checkpoint on disk, C = 32 and 128
   ckpt=/tmp/ouro-1.4b-random
   timeout 300 python3 tools/write_random_checkpoint.py "$ckpt" --config ouro-1.4b || echo "checkpoint write failed"
-  for c in ${LOOPLINE_SERVE_C:-32 128}; do
-    timeout 200 python3 -m loopline.entrypoints.cli bench --model "$ckpt" --dtype bfloat16 --no-progress --input-len 1024 \
-      --output-len 128 --concurrency $c --max-num-seqs 128 --output-json "$out/offline-c$c.json" > /dev/null \
-      2> "$out/offline-c$c.err" || tail -3 "$out/offline-c$c.err"
-  done
+  # one offline process for both concurrencies (one model load), then the server on the same file
+  timeout 200 python3 -m loopline.entrypoints.cli bench --model "$ckpt" --dtype bfloat16 --no-progress --input-len 1024 \
+    --output-len 128 --concurrency 32,128 --max-num-seqs 128 --output-json "$out/offline.json" > /dev/null \
+    2> "$out/offline.err" || tail -3 "$out/offline.err"
   python3 -m loopline.entrypoints.cli serve --model "$ckpt" --dtype bfloat16 --max-num-seqs 128 --port 8011 \
     > "$out/serve.log" 2>&1 &
   server=$!
-  for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 1; done
+  for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8011/health > /dev/null && break; sleep 0.5; done
   for c in ${LOOPLINE_SERVE_C:-32 128}; do
     timeout 200 python3 -m loopline.entrypoints.cli bench serve --base-url http://127.0.0.1:8011 --input-len 1024 \
       --output-len 128 --num-prompts $((2 * c)) --concurrency $c --json > "$out/serve-c$c.json" 2> "$out/serve-c$c.err" \
@@ -152,9 +151,10 @@ if has serve; then  # loopline serve vs the offline engine, same random Ouro-1.4
 import json, sys
 for c in (32, 128):
     try:
-        off = json.load(open(f"{sys.argv[1]}/offline-c{c}.json"))["results"][0]["variants"][0]["median"]
+        off = next(r for r in json.load(open(f"{sys.argv[1]}/offline.json"))["results"]
+                   if r["concurrency"] == c)["variants"][0]["median"]
         srv = json.load(open(f"{sys.argv[1]}/serve-c{c}.json"))["results"]
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, StopIteration) as e:
         print(f"C={c}: missing ({e})"); continue
     s, o = srv["output_throughput"], off["output_throughput"]
     print(f"C={c}: offline {o:.1f} tok/s (TTFT p50 {off['ttft_ms']['p50']:.0f} ms, TPOT p50 {off['tpot_ms']['p50']:.2f}), "
