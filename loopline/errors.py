@@ -1,6 +1,8 @@
 """Typed exceptions for user errors (messages name the field, value and allowed range)."""
 from __future__ import annotations
 
+import uuid
+
 
 class LooplineError(Exception):
     """Base class of loopline's user-facing errors."""
@@ -41,6 +43,11 @@ class WeightUpdateError(InvalidRequestError):
 class EngineDeadError(EngineStateError):
     """The engine stopped (a device fault, or the server's engine loop or engine process ended) and serves nothing
     until restarted."""
+
+
+def new_error_id() -> str:
+    """A fresh id that ties an error a client sees to its traceback in the server log."""
+    return uuid.uuid4().hex[:12]
 
 
 class EngineInternalError(LooplineError, RuntimeError):

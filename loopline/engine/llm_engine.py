@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +32,7 @@ from loopline.engine.control import EngineControl
 from loopline.engine.input_processor import InputProcessor, PromptType
 from loopline.engine.output_processor import OutputProcessor
 from loopline.engine.stat_logger import StatLogger
-from loopline.errors import EngineDeadError, InvalidRequestError
+from loopline.errors import EngineDeadError, InvalidRequestError, new_error_id
 from loopline.kv.layout import make_layout
 from loopline.kv.manager import KVCacheManager
 from loopline.models.loader import load_config, load_model, load_tokenizer
@@ -326,7 +325,7 @@ class LLMEngine:
         """Fails one request: its KV and slot freed, finish reason ``abort``, and an error id (in
         ``error_id`` and the stop reason) that finds the traceback in the log -- never the exception's
         text, which may carry internals. A request that already finished is left as it is."""
-        error_id = uuid.uuid4().hex[:12]
+        error_id = new_error_id()
         message = _failure_message(error_id)
         try:
             self._release(child_id, "abort", message)
@@ -337,7 +336,7 @@ class LLMEngine:
 
     def _fail_output(self, request_id: str, error: Exception) -> tuple[str, str]:
         """Building a request's output failed: every choice of it fails, under one error id."""
-        error_id = uuid.uuid4().hex[:12]
+        error_id = new_error_id()
         logger.error("the output of request %s failed (error id %s)", request_id, error_id, exc_info=error)
         message = _failure_message(error_id)
         for child_id in self.outputs.children(request_id):

@@ -26,7 +26,6 @@ import pickle
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -36,7 +35,7 @@ import torch
 from loopline.engine import LLMEngine, PromptType
 from loopline.engine.input_processor import parent_request_id
 from loopline.engine.llm_engine import is_device_fault
-from loopline.errors import (EngineDeadError, EngineInternalError, EngineStateError, LooplineError,
+from loopline.errors import (EngineDeadError, EngineInternalError, EngineStateError, LooplineError, new_error_id,
                              RequestFailedError)
 from loopline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -338,7 +337,7 @@ class EngineCore:
                 if stopping:
                     break
         except BaseException:  # a device fault or an engine bug: fail every waiter instead of hanging them
-            error_id = _error_id()
+            error_id = new_error_id()
             logger.exception("engine loop stopped (error id %s)", error_id)
             self._die(EngineDeadError(f"internal error (error id {error_id}); see the server log"))
             return
@@ -371,7 +370,7 @@ class EngineCore:
                 except LooplineError:
                     raise  # validation, or a state that refuses requests (asleep): the engine changed nothing
                 except Exception as e:  # an internal failure while adding: undo what it may have left
-                    error_id = _error_id()
+                    error_id = new_error_id()
                     logger.exception("adding request %s failed (error id %s)", request_id, error_id)
                     self._abort([request_id])
                     raise EngineInternalError(f"internal error while adding the request (error id {error_id})",
@@ -417,7 +416,7 @@ class EngineCore:
     def _on_step_error(self, error: Exception) -> None:
         """A failed ``step()``: fails the requests to blame (the named ones, else every one in flight),
         aborts them in the engine (frees their KV) and keeps serving the others."""
-        error_id = _error_id()
+        error_id = new_error_id()
         if isinstance(error, RequestFailedError):
             blamed = error.request_ids
         else:  # every request that was in the step; those a pause holds back never reached it
@@ -493,10 +492,6 @@ class EngineCore:
         msg.snapshot = replace(snapshot, num_running=0, num_waiting=0)
         msg.dead = error
         self.emit(msg)
-
-
-def _error_id() -> str:
-    return uuid.uuid4().hex[:12]
 
 
 # --- the engine process ----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 HELP = "train the demo looped model (Ouro objective) on the offline corpus, or fine-tune a checkpoint with GRPO"
 
-#: Named configurations. ``demo``: the bundled model's run (docs/training.md, H200 ~15 min);
+#: Named configurations. ``demo``: the bundled model's run (docs/training.md, about 2 minutes on an H200);
 #: ``smoke``: a few KB of corpus and a 64-wide model, seconds on a CPU.
 PRESETS: dict[str, dict[str, Any]] = {
     "demo": {},  # the TrainConfig defaults are the demo run
@@ -265,8 +266,6 @@ def run_curve(ns: argparse.Namespace) -> int:
     engine = engine_curve(model, stream, kv_layout=ns.kv_layout, device=device, **kw)
     t1 = time.perf_counter()
     dense = dense_curve(model, stream, device=device, **kw)
-    import platform
-
     result = {"model": str(model), "python_version": platform.python_version(), "heldout_stream_tokens": len(stream),
               "device": device, "kv_layout": ns.kv_layout, "engine_s": round(t1 - t0, 1), "engine": engine,
               "dense": dense, "max_abs_loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in zip(engine, dense)),

@@ -9,14 +9,13 @@ rule applied to its gate values) give the training code's view for comparison.
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from loopline.train.trainer import DEFAULT_THRESHOLDS, exit_depths
+from loopline.train.trainer import DEFAULT_THRESHOLDS, TokenWindows, exit_depths
 
 __all__ = ["heldout_stream", "engine_curve", "dense_curve"]
 
@@ -31,13 +30,10 @@ def heldout_stream(model_dir: str | Path, corpus=None) -> list[int]:
     return encode_documents(load_trained(model_dir), [d.text for d in heldout])
 
 
-def _windows(stream: Sequence[int], seq_len: int, max_windows: int | None) -> list[list[int]]:
-    n = (len(stream) - 1) // seq_len
-    if max_windows is not None:
-        n = min(n, max_windows)
-    if n < 1:
-        raise ValueError(f"the stream ({len(stream)} tokens) is shorter than seq_len + 1 = {seq_len + 1}")
-    return [list(stream[i * seq_len:(i + 1) * seq_len + 1]) for i in range(n)]
+def _windows(stream: Sequence[int], seq_len: int, max_windows: int | None) -> torch.Tensor:
+    """The training evaluation's ``seq_len + 1`` windows of ``stream`` (at most ``max_windows``)."""
+    windows = TokenWindows(torch.as_tensor(list(stream), dtype=torch.long), seq_len, seed=0).windows
+    return windows if max_windows is None else windows[:max_windows]
 
 
 def _point(threshold: float, depths: list[int], nll: list[float]) -> dict:
@@ -52,7 +48,7 @@ def engine_curve(model_dir: str | Path, stream: Sequence[int], *, seq_len: int =
     """Per threshold: mean depth, held-out loss and depth histogram of ``stream`` through the engine."""
     from loopline import LLM, SamplingParams
 
-    windows = _windows(stream, seq_len, max_windows)
+    windows = _windows(stream, seq_len, max_windows).tolist()
     llm = LLM(str(model_dir), dtype=dtype, device=device, kv_layout=kv_layout, disable_log_stats=True,
               max_model_len=seq_len + 2)
     points = []
@@ -76,7 +72,7 @@ def dense_curve(model_dir: str | Path, stream: Sequence[int], *, seq_len: int = 
     from loopline.train.objective import loop_outputs, per_loop_token_loss
 
     model = load_model(model_dir, dtype=torch.float32, device=device).eval()
-    windows = torch.tensor(_windows(stream, seq_len, max_windows), dtype=torch.long)
+    windows = _windows(stream, seq_len, max_windows)
     per_q: dict[float, tuple[list[int], list[float]]] = {q: ([], []) for q in thresholds}
     for start in range(0, len(windows), batch):
         w = windows[start:start + batch].to(device)
@@ -87,7 +83,3 @@ def dense_curve(model_dir: str | Path, stream: Sequence[int], *, seq_len: int = 
             per_q[q][0].extend(d.flatten().tolist())
             per_q[q][1].extend(loss.gather(0, (d - 1)[None])[0].flatten().tolist())
     return [_point(q, *per_q[q]) for q in thresholds]
-
-
-def uniform_loss(vocab_size: int) -> float:
-    return math.log(vocab_size)

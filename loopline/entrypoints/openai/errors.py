@@ -7,17 +7,16 @@ error id and the client gets only that id.
 from __future__ import annotations
 
 import logging
-import uuid
 
 from loopline.entrypoints.openai.protocol import APIError
-from loopline.errors import CapacityError, EngineInternalError, EngineStateError, InvalidRequestError
+from loopline.errors import CapacityError, EngineInternalError, EngineStateError, InvalidRequestError, new_error_id
 
 logger = logging.getLogger("loopline.api")
 
 
 def internal_error(error: BaseException | None, where: str) -> APIError:
     """A 500 that names only an error id; the traceback goes to the log under that id."""
-    error_id = uuid.uuid4().hex[:12]
+    error_id = new_error_id()
     logger.error("internal error on %s (error id %s)", where, error_id, exc_info=error)
     return APIError(500, f"internal server error (error id {error_id}); the server log has the details",
                     type="server_error", code="internal_error")

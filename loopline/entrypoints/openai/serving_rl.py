@@ -14,7 +14,6 @@ Route names follow SGLang (``/pause_generation``, ``/continue_generation``,
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Awaitable
 from typing import Annotated, Any, TypeVar
 
@@ -26,7 +25,7 @@ from loopline.entrypoints.async_llm import AsyncLLM
 from loopline.errors import EngineDeadError
 from loopline.entrypoints.openai.body import decode_json, parse_model
 from loopline.entrypoints.openai.protocol import APIError, OpenAIBaseModel
-from loopline.errors import EngineStateError, InvalidRequestError, WeightUpdateError
+from loopline.errors import EngineStateError, InvalidRequestError, WeightUpdateError, new_error_id
 from loopline.models.loader import CheckpointError
 from loopline.rl.weights import MAX_VERSION
 
@@ -184,7 +183,7 @@ async def _load_from_disk(call: Awaitable[Any], model_path: str) -> Any:
     except (CheckpointError, WeightUpdateError) as e:
         if isinstance(e, WeightUpdateError) and e.param == "version":
             raise  # about the request, not the files
-        error_id = uuid.uuid4().hex[:12]
+        error_id = new_error_id()
         logger.warning("update_weights_from_disk(%r) refused (error id %s): %s", model_path, error_id, e)
         raise APIError(400, f"model_path is not a loadable checkpoint for this model (error id {error_id}; the "
                             "server log has the details); nothing was changed", param="model_path",
