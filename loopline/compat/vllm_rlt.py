@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,8 @@ from torch import nn
 
 from loopline.config import EngineArgs
 from loopline.errors import EngineStateError, InvalidRequestError, WeightUpdateError
+from loopline.sampling_params import SamplingParams as LooplineParams
+from loopline.sampling_params import _float_in, _int_in  # the engine's own range checks
 
 logger = logging.getLogger("loopline")
 
@@ -73,12 +74,6 @@ class SchedulerConfig:
 
 
 # --- sampling -----------------------------------------------------------------------------------
-def _int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value >= hi):
-        rng = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
-        raise InvalidRequestError(f"{name} must be an integer {rng}, got {value!r}", param=name)
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """vllm-rlt's sampling parameters (frozen; ``dataclasses.replace`` makes variants).
@@ -114,19 +109,15 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}",
                                       param="stop_token_ids")
         for t in self.stop_token_ids:
-            _int("stop_token_ids", t, 0)
-        _int("max_tokens", self.max_tokens, 1)
-        for name, lo, hi, lo_open in (("temperature", 0.0, math.inf, False), ("top_p", 0.0, 1.0, True),
-                                      ("exit_threshold", 0.0, 1.0, False)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or (v <= lo if lo_open else v < lo) or v > hi:
-                raise InvalidRequestError(f"{name} must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}",
-                                          param=name)
+            _int_in("stop_token_ids", t, 0, None)
+        _int_in("max_tokens", self.max_tokens, 1, None)
+        _float_in("temperature", self.temperature, 0.0, None)
+        _float_in("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _float_in("exit_threshold", self.exit_threshold, 0.0, 1.0)
         if self.top_k != -1:
-            _int("top_k", self.top_k, 1)
+            _int_in("top_k", self.top_k, 1, None)
         if self.seed is not None:
-            _int("seed", self.seed, 0, _MAX_SEED)
+            _int_in("seed", self.seed, 0, _MAX_SEED - 1)
         if self.latent_seed is not None:
             raise InvalidRequestError("latent_seed has no meaning for Ouro models; it must be None", param="latent_seed")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or self.logprobs != 0):
@@ -135,23 +126,21 @@ class SamplingParams:
         if self.logprobs_mode not in _LOGPROBS_MODES:
             raise InvalidRequestError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}",
                                       param="logprobs_mode")
-        _int("min_loops", self.min_loops, 1)
+        _int_in("min_loops", self.min_loops, 1, None)
         if self.max_loops is not None:
-            _int("max_loops", self.max_loops, self.min_loops)
+            _int_in("max_loops", self.max_loops, self.min_loops, None)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", param="ignore_eos")
-        _int("priority", self.priority, -(2**31), 2**31)
+        _int_in("priority", self.priority, -(2**31), 2**31 - 1)
 
     def to_loopline(self, num_loops: int) -> Any:
         """The :class:`loopline.SamplingParams` of this request on a model of ``num_loops`` loops."""
-        from loopline.sampling_params import SamplingParams as LLParams
-
         max_loops = num_loops if self.max_loops is None else self.max_loops
         min_loops = min(self.min_loops, max_loops)  # the default 2 on a one-loop model
         threshold = self.exit_threshold
         if threshold == 0.0:  # every cumulative probability reaches 0: exit at min_loops
             max_loops, threshold = min_loops, 1.0
-        return LLParams(n=1, max_tokens=self.max_tokens, temperature=float(self.temperature), top_p=float(self.top_p),
+        return LooplineParams(n=1, max_tokens=self.max_tokens, temperature=float(self.temperature), top_p=float(self.top_p),
                         top_k=self.top_k, seed=self.seed, stop_token_ids=list(self.stop_token_ids),
                         ignore_eos=self.ignore_eos, logprobs=self.logprobs, logprobs_mode=_LOGPROBS_MODES[self.logprobs_mode],
                         min_loops=min_loops, max_loops=max_loops, exit_threshold=float(threshold),
