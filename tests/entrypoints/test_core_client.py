@@ -176,3 +176,40 @@ def test_deltas_rebuild_cumulative_outputs_even_when_text_changes():
         rebuilt = asm.apply(delta)
         assert fields(rebuilt) == fields(cumulative)
     assert not enc._sent and not asm._reqs  # a finished request leaves no state on either side
+
+
+@pytest.mark.gpu
+def test_cuda_weight_update_through_the_engine_process(make_engine_args, tiny_factory, tiny_gqa):
+    """A trainer's CUDA tensors cross the pipe as CUDA IPC handles: the engine process on the same
+    GPU reads them in place, and the new weights give what a fresh engine on them gives."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    new = tiny_factory(3)
+    cuda_args = dict(device="cuda", dtype="float32", enforce_eager=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm = AsyncLLM(make_engine_args(**cuda_args))
+    fresh = LLMEngine(make_engine_args(model=str(new.path), **cuda_args))
+    try:
+        state = {n: t.to("cuda") for n, t in new.state_dict.items()}
+
+        async def main():
+            await llm.pause_generation("abort")
+            await llm.start_weight_update(1)
+            assert await llm.update_weights(list(state.items())) == len(state)
+            assert await llm.finish_weight_update() == 1
+            await llm.resume_generation()
+            return await llm.generate_tokens([5, 17, 42, 99], params)
+
+        out = run(main())
+        assert isinstance(llm._client, MPClient) and out.weight_version == 1
+        fresh.add_request("f", {"prompt_token_ids": [5, 17, 42, 99]}, params)
+        ref = None
+        while fresh.has_unfinished_requests():
+            for o in fresh.step():
+                ref = o
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].token_logprobs == pytest.approx(ref.outputs[0].token_logprobs, abs=1e-5)
+    finally:
+        llm.shutdown()
