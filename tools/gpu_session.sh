@@ -18,7 +18,7 @@ bench() { timeout "$1" python3 -m loopline.entrypoints.cli bench --config ouro-1
 has() { [[ " $parts " == *" $1 "* ]]; }
 
 if has tests; then  # correctness on the GPU: every kernel test (bf16 cases too), then the GPU engine tests
-  timeout 150 python3 -m pytest -q tests/attention tests/kernels > "$out/kernel_tests.log" 2>&1
+  timeout 280 python3 -m pytest -q tests/attention tests/kernels > "$out/kernel_tests.log" 2>&1
   echo "kernel tests rc=$? $(tail -1 "$out/kernel_tests.log")"
   timeout 240 python3 -m pytest -q -m gpu tests/worker tests/entrypoints/test_core_client.py > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$? $(tail -1 "$out/gpu_tests.log")"
