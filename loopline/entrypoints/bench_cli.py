@@ -131,7 +131,7 @@ def _add_serve(sub: Any) -> None:
     c.add_argument("records", nargs="+", metavar="RECORD.json", help="bench serve records")
     c.add_argument("--baseline", default=None,
                    help="the baseline record: its --label or its position among RECORD.json (0-based; default 0)")
-    c.add_argument("--output", dest="compare_output", metavar="FILE.md", default=None,
+    c.add_argument("--output-md", dest="compare_output", metavar="FILE.md", default=None,
                    help="also write the markdown to FILE.md")
     c.set_defaults(func=_run_compare)
 
