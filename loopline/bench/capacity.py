@@ -27,7 +27,8 @@ class TTFTBound:
 
     def __post_init__(self) -> None:
         if not (self.ms > 0 and math.isfinite(self.ms)):
-            raise InvalidRequestError(f"ttft_bound_ms must be a finite number > 0, got {self.ms}", param="ttft_bound_ms")
+            raise InvalidRequestError(f"ttft_bound_ms must be a finite number > 0, got {self.ms}",
+                                      param="ttft_bound_ms")
         if self.stat not in STATS:
             raise InvalidRequestError(f"ttft_bound_stat must be one of {', '.join(STATS)}, got {self.stat!r}",
                                       param="ttft_bound_stat")

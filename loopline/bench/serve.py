@@ -170,7 +170,7 @@ async def _send_all(client: Any, spec: ServeSpec, model: str | None, workload: W
     tasks = []
     for i in range(workload.num_prompts):
         tasks.append(asyncio.create_task(guarded(i)))
-        if math.isfinite(spec.request_rate):
+        if math.isfinite(spec.request_rate) and i + 1 < workload.num_prompts:  # no idle gap after the last one
             await asyncio.sleep(rng.expovariate(spec.request_rate))
     timings = await asyncio.gather(*tasks)
     return list(timings), time.perf_counter() - t0

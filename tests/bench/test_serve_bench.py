@@ -242,7 +242,8 @@ def tiny_server(tiny_gqa):
 
 def test_rates_and_replay_phases_against_a_server(tiny_server, tmp_path, capsys):
     out = tmp_path / "r.json"
-    argv = ["bench", "serve", "--base-url", tiny_server.base_url, "--dataset", "sharegpt-synthetic", "--output-len", "3",
+    argv = ["bench", "serve", "--base-url", tiny_server.base_url, "--dataset", "sharegpt-synthetic",
+            "--output-len", "3",
             "--num-prompts", "6", "--request-rate", "40,80", "--replay", "--label", "one", "--no-progress",
             "--output-json", str(out)]
     assert main(argv) == 0
