@@ -68,6 +68,7 @@ ckpt=${SCALEOUT_CKPT:-/tmp/ouro-1.4b-random}
 if [ "$ckpt" != bundled ]; then
   if [ ! -f "$ckpt/config.json" ]; then
     timeout 300 $py tools/write_random_checkpoint.py "$ckpt" --config ouro-1.4b > /dev/null || echo "checkpoint write failed"
+    echo "wrote the random Ouro-1.4B checkpoint in $((SECONDS - start_s)) s (counts against the budget)"
   fi
   model_flags="--model $ckpt $model_flags"
 fi
