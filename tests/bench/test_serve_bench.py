@@ -302,3 +302,14 @@ def test_bad_serve_arguments_name_the_field(argv, param):
     with pytest.raises(InvalidRequestError) as e:
         run_serve_bench(ns)
     assert e.value.param == param
+
+
+def test_serve_and_compare_help_have_no_default_none():
+    from loopline.entrypoints.cli import build_parser
+
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    subs = bench._subparsers._group_actions[0].choices
+    for name in ("serve", "compare"):
+        text = subs[name].format_help()
+        assert "(default: None)" not in text and "(default: False)" not in text
+        assert all(a.help for a in subs[name]._actions if a.option_strings)
