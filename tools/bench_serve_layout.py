@@ -85,7 +85,7 @@ def main() -> None:
                                 f"http://127.0.0.1:{port}", "--input-len", str(ns.input_len), "--output-len",
                                 str(ns.output_len), "--num-prompts", str(ns.num_prompts), "--concurrency",
                                 str(ns.concurrency), "--json", "--no-progress"], check=True, stdout=f, timeout=1200)
-            res = json.load(open(out))["results"]
+            res = json.load(open(out))["results"][0]  # one rate, one phase
             s = res["output_throughput"]
             print(f"serve ({layout}): {s:.1f} tok/s, TPOT p50 {res['tpot_ms']['p50']:.2f} ms, "
                   f"serve/offline {s / offline:.3f}, failed {res['failed']}")

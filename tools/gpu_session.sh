@@ -153,7 +153,7 @@ for c in (32, 128):
     try:
         off = next(r for r in json.load(open(f"{sys.argv[1]}/offline.json"))["results"]
                    if r["concurrency"] == c)["variants"][0]["median"]
-        srv = json.load(open(f"{sys.argv[1]}/serve-c{c}.json"))["results"]
+        srv = json.load(open(f"{sys.argv[1]}/serve-c{c}.json"))["results"][0]  # one rate, one phase
     except (OSError, ValueError, KeyError, StopIteration) as e:
         print(f"C={c}: missing ({e})"); continue
     s, o = srv["output_throughput"], off["output_throughput"]

@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from loopline.bench.offline import BenchSpec, Variant, run_engine
+from loopline.bench.report import ratio as _ratio
 from loopline.bench.workload import Workload
 from loopline.config import EngineArgs
 from loopline.models.ouro import OuroForCausalLM
@@ -35,10 +36,6 @@ def median_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def run_point(model: OuroForCausalLM, base_args: EngineArgs, spec: BenchSpec, variants: list[Variant],

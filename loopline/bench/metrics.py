@@ -9,6 +9,10 @@ Latency definitions follow ``vllm bench serve`` (docs/benchmarks/README.md):
 
 Offline, a token "arrives" when the ``step()`` that produced it returns, so
 times have the resolution of one engine step.
+
+Every percentile is pooled: taken over all requests' values (TTFT, TPOT, E2EL:
+one value per request) or all inter-token gaps (ITL), never an average of
+per-request percentiles.
 """
 from __future__ import annotations
 

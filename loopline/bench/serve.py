@@ -1,10 +1,17 @@
 """``loopline bench serve``: drives a running OpenAI-compatible server over HTTP.
 
 Each request is ``POST {base_url}/v1/completions`` with ``prompt`` as token ids,
-``stream=true``, ``max_tokens=output_len``, ``ignore_eos=true``, greedy. Arrivals
-are Poisson at ``request_rate`` requests/s (``inf``: all at t = 0); with
-``concurrency`` at most that many requests are in flight (closed loop when the
+``stream=true``, ``max_tokens`` = the request's output length, ``ignore_eos=true``,
+greedy. Arrivals are Poisson at ``request_rate`` requests/s (``inf``: all at t = 0);
+with ``concurrency`` at most that many requests are in flight (closed loop when the
 rate is ``inf``), like ``vllm bench serve --max-concurrency``.
+
+A run is one or more **phases** over the same request set: ``initial`` and, with
+replay, ``replay`` -- the same prompts sent again at once after the first phase has
+drained, with the same arrival gaps, so the second phase shows what the server's
+prefix cache does for repeated prompts. Around each phase the server's ``/metrics``
+are read for the prefix-cache counters (summed over every series, so a data-parallel
+front end's per-replica series count too).
 
 A streamed chunk that carries tokens is one arrival for TTFT/ITL. Tokens per
 chunk: the length of loopline's ``exit_depths`` extension (or ``token_ids``)
@@ -19,21 +26,26 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from loopline.bench.metrics import RequestTiming, latency_metrics
 from loopline.bench.workload import Workload
 
+PHASES = ("initial", "replay")
+
+#: Server counters read before and after each phase (Prometheus names without ``_total``).
+PREFIX_CACHE_COUNTERS = {"queries": "loopline:prefix_cache_queries", "hits": "loopline:prefix_cache_hits"}
+
 
 @dataclass(frozen=True)
 class ServeSpec:
     base_url: str
-    output_len: int
     request_rate: float = math.inf
     concurrency: int | None = None
     model: str | None = None
-    seed: int = 0
+    seed: int = 0  # arrival gaps
     timeout_s: float = 600.0
 
 
@@ -47,8 +59,8 @@ def _chunk_tokens(chunk: dict[str, Any]) -> tuple[int, list[int]]:
     return count, depths
 
 
-async def _one_request(client: Any, spec: ServeSpec, model: str | None, prompt: list[int]) -> RequestTiming:
-    payload: dict[str, Any] = {"prompt": prompt, "max_tokens": spec.output_len, "stream": True, "ignore_eos": True,
+async def _one_request(client: Any, model: str | None, prompt: list[int], max_tokens: int) -> RequestTiming:
+    payload: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
                                "temperature": 0.0, "stream_options": {"include_usage": True}}
     if model:
         payload["model"] = model
@@ -87,58 +99,152 @@ async def _one_request(client: Any, spec: ServeSpec, model: str | None, prompt: 
     return timing
 
 
+async def _models(client: Any) -> list[dict[str, Any]]:
+    try:
+        resp = await client.get("/v1/models")
+        return resp.json().get("data") or []
+    except Exception:  # noqa: BLE001 -- the model field is optional for loopline's server
+        return []
+
+
 async def _resolve_model(client: Any, model: str | None) -> str | None:
     if model:
         return model
+    data = await _models(client)
+    return data[0]["id"] if data else None
+
+
+def parse_counters(text: str, names: dict[str, str]) -> dict[str, float]:
+    """Sums every sample of each counter in a Prometheus text exposition (all label sets)."""
+    out = {key: 0.0 for key in names}
+    found = set()
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        metric, _, rest = line.partition(" ")
+        base = metric.split("{", 1)[0]
+        for key, name in names.items():
+            if base in (name, name + "_total"):
+                try:
+                    out[key] += float(rest.split()[0])
+                    found.add(key)
+                except (ValueError, IndexError):
+                    pass
+    return {k: v for k, v in out.items() if k in found}
+
+
+async def _prefix_cache_counters(client: Any) -> dict[str, float] | None:
     try:
-        resp = await client.get("/v1/models")
-        data = resp.json().get("data") or []
-        return data[0]["id"] if data else None
-    except Exception:  # noqa: BLE001 -- the model field is optional for loopline's server
+        resp = await client.get("/metrics")
+        if resp.status_code != 200:
+            return None
+        counters = parse_counters(resp.text, PREFIX_CACHE_COUNTERS)
+    except Exception:  # noqa: BLE001 -- a server without /metrics still gets benchmarked
         return None
+    return counters if len(counters) == len(PREFIX_CACHE_COUNTERS) else None
 
 
-async def run_serve_async(spec: ServeSpec, workload: Workload, transport: Any = None,
-                          progress: Any = None) -> dict[str, Any]:
-    """Sends every prompt of ``workload``; returns the latency/throughput record."""
+def _prefix_cache_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    if before is None or after is None:
+        return None
+    queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else None}
+
+
+async def _send_all(client: Any, spec: ServeSpec, model: str | None, workload: Workload,
+                    progress: Any) -> tuple[list[RequestTiming], float]:
+    rng = random.Random(spec.seed)  # NOTE: re-seeded per phase, so a replay has the same arrival gaps
+    limit = asyncio.Semaphore(spec.concurrency) if spec.concurrency else None
+
+    async def guarded(i: int) -> RequestTiming:
+        if limit is None:
+            timing = await _one_request(client, model, workload.prompts[i], workload.max_tokens(i))
+        else:
+            async with limit:
+                timing = await _one_request(client, model, workload.prompts[i], workload.max_tokens(i))
+        if progress is not None:
+            progress(1)
+        return timing
+
+    t0 = time.perf_counter()
+    tasks = []
+    for i in range(workload.num_prompts):
+        tasks.append(asyncio.create_task(guarded(i)))
+        if math.isfinite(spec.request_rate) and i + 1 < workload.num_prompts:  # no idle gap after the last one
+            await asyncio.sleep(rng.expovariate(spec.request_rate))
+    timings = await asyncio.gather(*tasks)
+    return list(timings), time.perf_counter() - t0
+
+
+def _phase_record(phase: str, spec: ServeSpec, model: str | None, workload: Workload, timings: list[RequestTiming],
+                  duration: float, prefix_cache: dict[str, float] | None) -> dict[str, Any]:
+    depths = [d for t in timings if t.error is None for d in (t.exit_depths or [])]
+    errors = [t.error for t in timings if t.error]
+    return {"variant": "serve", "phase": phase, "request_rate": spec.request_rate, "concurrency": spec.concurrency,
+            "num_prompts": workload.num_prompts, "requested_output_tokens": workload.output_tokens, "model": model,
+            **latency_metrics(timings, duration, workload.input_tokens),
+            "mean_loops_per_token": sum(depths) / len(depths) if depths else None,
+            "prefix_cache": prefix_cache, "errors": errors[:5]}
+
+
+async def run_phases_async(spec: ServeSpec, workload: Workload, phases: tuple[str, ...] = ("initial",),
+                           transport: Any = None, progress: Any = None) -> list[dict[str, Any]]:
+    """Sends ``workload`` once per phase, back to back; one record per phase."""
     import httpx
 
-    rng = random.Random(spec.seed)
-    limit = asyncio.Semaphore(spec.concurrency) if spec.concurrency else None
     # NOTE: httpx pools at most 100 connections and keeps 20 alive by default: at concurrency 128 the
     # client itself would queue 28 requests and reconnect for most others. One kept-alive connection
     # per request in flight, as vllm bench serve's client does.
-    width = spec.concurrency or len(workload.prompts)
+    width = spec.concurrency or workload.num_prompts
     limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
+    records = []
     async with httpx.AsyncClient(base_url=spec.base_url.rstrip("/"), timeout=spec.timeout_s, transport=transport,
                                  limits=limits) as client:
         model = await _resolve_model(client, spec.model)
+        for phase in phases:
+            before = await _prefix_cache_counters(client)
+            timings, duration = await _send_all(client, spec, model, workload, progress)
+            after = await _prefix_cache_counters(client)
+            records.append(_phase_record(phase, spec, model, workload, timings, duration,
+                                         _prefix_cache_delta(before, after)))
+    return records
 
-        async def guarded(prompt: list[int]) -> RequestTiming:
-            if limit is None:
-                timing = await _one_request(client, spec, model, prompt)
-            else:
-                async with limit:
-                    timing = await _one_request(client, spec, model, prompt)
-            if progress is not None:
-                progress(1)
-            return timing
 
-        t0 = time.perf_counter()
-        tasks = []
-        for prompt in workload.prompts:
-            tasks.append(asyncio.create_task(guarded(prompt)))
-            if math.isfinite(spec.request_rate):
-                await asyncio.sleep(rng.expovariate(spec.request_rate))
-        timings = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
-    depths = [d for t in timings if t.error is None for d in (t.exit_depths or [])]
-    record = {"variant": "serve", "model": model, **latency_metrics(list(timings), duration, workload.input_tokens),
-              "mean_loops_per_token": sum(depths) / len(depths) if depths else None}
-    errors = [t.error for t in timings if t.error]
-    record["errors"] = errors[:5]
-    return record
+def run_phases(spec: ServeSpec, workload: Workload, phases: tuple[str, ...] = ("initial",), transport: Any = None,
+               progress: Any = None) -> list[dict[str, Any]]:
+    return asyncio.run(run_phases_async(spec, workload, phases, transport, progress))
 
 
 def run_serve(spec: ServeSpec, workload: Workload, transport: Any = None, progress: Any = None) -> dict[str, Any]:
-    return asyncio.run(run_serve_async(spec, workload, transport, progress))
+    """One phase: the latency/throughput record of sending every prompt of ``workload`` once."""
+    return run_phases(spec, workload, ("initial",), transport, progress)[0]
+
+
+def run_rates(spec: ServeSpec, rates: list[float], workload_for: Callable[[int], Workload], replay: bool = False,
+              transport: Any = None, progress: Any = None) -> list[dict[str, Any]]:
+    """Every rate in turn (each with its initial and, with ``replay``, replay phase).
+
+    ``workload_for(k)`` gives rate ``k``'s request set; callers seed it with ``seed + k`` so
+    a rate's initial phase never hits what an earlier rate left in the prefix cache."""
+    import dataclasses
+
+    phases = PHASES if replay else PHASES[:1]
+    out = []
+    for k, rate in enumerate(rates):
+        out += run_phases(dataclasses.replace(spec, request_rate=rate, seed=spec.seed + k), workload_for(k), phases,
+                          transport, progress)
+    return out
+
+
+def server_info(base_url: str, transport: Any = None, timeout_s: float = 30.0) -> tuple[str | None, int | None]:
+    """(first served model id, its ``max_model_len``) from ``/v1/models``; Nones when not reported."""
+    import httpx
+
+    async def fetch() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport) as client:
+            return await _models(client)
+
+    data = asyncio.run(fetch())
+    if not data:
+        return None, None
+    return data[0].get("id"), data[0].get("max_model_len")

@@ -64,7 +64,7 @@ def add_parser(sub: Any) -> None:
     EngineArgs.add_cli_args(p)
     # None = "sized by the bench" (engine_args_for) or "resolved from --depth-dist" (exit_mode).
     p.set_defaults(max_num_seqs=None, max_num_batched_tokens=None, exit_mode=None)
-    _add_serve(p.add_subparsers(dest="bench_command", metavar="{serve}"))
+    _add_serve(p.add_subparsers(dest="bench_command", metavar="{serve,compare}"))
     p.set_defaults(func=functools.partial(_run_bench, defaults=vars(p.parse_args([]))))
 
 
@@ -72,21 +72,69 @@ def _add_serve(sub: Any) -> None:
     from loopline.entrypoints.cli import HelpFormatter, common_parser
 
     s = sub.add_parser("serve", help="drive a running OpenAI-compatible server over HTTP", formatter_class=HelpFormatter,
-                       parents=[common_parser(config=False)])
+                       parents=[common_parser(config=False)],
+                       description="Fixed-rate (Poisson) or closed-loop load on a running server; see "
+                                   "docs/benchmarks/README.md#loopline-bench-serve.")
     s.add_argument("--base-url", required=True, help="server root, e.g. http://localhost:8000")
     s.add_argument("--model", dest="served_model", default=None, help="model name for requests (default: first of /v1/models)")
-    s.add_argument("--input-len", dest="serve_input_len", type=int, default=1024, help="prompt tokens (random ids)")
-    s.add_argument("--output-len", dest="serve_output_len", type=int, default=128, help="max_tokens, with ignore_eos")
-    s.add_argument("--num-prompts", dest="serve_num_prompts", type=int, default=100, help="requests to send")
-    s.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
-    s.add_argument("--concurrency", dest="serve_concurrency", type=int, default=None,
-                   help="max requests in flight (closed loop with --request-rate inf)")
-    s.add_argument("--vocab-size", type=int, default=500, help="random prompt ids are drawn from [3, vocab_size)")
-    s.add_argument("--seed", dest="serve_seed", type=int, default=0, help="seed of prompts and arrivals")
-    s.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
-    s.add_argument("--json", dest="serve_json", action="store_true", help="print the record as JSON")
-    s.add_argument("--no-progress", dest="serve_no_progress", action="store_true", help="no progress bar")
+    w = s.add_argument_group("workload")
+    w.add_argument("--dataset", dest="serve_dataset", choices=["random", "sharegpt-synthetic"], default="random",
+                   help="random: every prompt --input-len random ids, every output --output-len tokens; "
+                        "sharegpt-synthetic: prompt and output lengths drawn from a lognormal fitted to published "
+                        "ShareGPT statistics (mean 229.7 in / 203.1 out, within [4, 1024]), random ids")
+    w.add_argument("--input-len", dest="serve_input_len", metavar="N", type=int, default=None,
+                   help="prompt tokens (random ids; --dataset random only; default 1024)")
+    w.add_argument("--output-len", dest="serve_output_len", metavar="N", type=int, default=None,
+                   help="max_tokens with ignore_eos (default 128 for random); with sharegpt-synthetic it fixes every "
+                        "output length instead of drawing it")
+    w.add_argument("--max-model-len", dest="serve_max_model_len", metavar="N", type=int, default=None,
+                   help="clip requests to this context (prompt + output); default: the server's max_model_len from "
+                        "/v1/models")
+    w.add_argument("--num-prompts", dest="serve_num_prompts", metavar="N", type=int, default=100,
+                   help="requests per phase")
+    w.add_argument("--vocab-size", type=int, default=500, help="random prompt ids are drawn from [3, vocab_size)")
+    w.add_argument("--seed", dest="serve_seed", metavar="N", type=int, default=0,
+                   help="seed of prompts, lengths and arrivals; rate k of a sweep uses seed + k")
+    load = s.add_argument_group("load")
+    load.add_argument("--request-rate", dest="request_rate", metavar="RATES", default=None,
+                      help="Poisson arrivals per second; a comma list (e.g. 4,8) runs each rate in turn; inf: all at "
+                           "once (default: inf, or none with only --capacity-rates)")
+    load.add_argument("--concurrency", dest="serve_concurrency", metavar="N", type=int, default=None,
+                      help="max requests in flight (closed loop with --request-rate inf)")
+    load.add_argument("--replay", action="store_true",
+                      help="when the initial phase has drained, send the same request set again right away, with the "
+                           "same arrival gaps (the immediate-replay phase); both phases are reported; the replay "
+                           "shows what prefix caching does for repeated prompts")
+    load.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    cap = s.add_argument_group("peak capacity")
+    cap.add_argument("--capacity-rates", metavar="RATES", default=None,
+                     help="comma list of rates to step through upwards (e.g. 1,2,4,8,16) until one breaks the TTFT "
+                          "bound; reports the highest that held")
+    cap.add_argument("--ttft-bound-ms", type=float, default=2000.0, help="the TTFT bound of --capacity-rates")
+    cap.add_argument("--ttft-bound-stat", choices=["p50", "p99", "mean"], default="p99",
+                     help="which TTFT statistic (pooled over requests) the bound applies to")
+    cap.add_argument("--capacity-refine", type=int, default=0,
+                     help="bisection steps between the last rate that held and the first that did not")
+    out = s.add_argument_group("output")
+    out.add_argument("--label", default=None,
+                     help="configuration name in the record and in `bench compare` tables (e.g. DP=4, 1P3D)")
+    out.add_argument("--json", dest="serve_json", action="store_true", help="print the record as JSON")
+    out.add_argument("--output-json", dest="serve_output_json", metavar="FILE", default=None,
+                     help="also write the record as JSON to FILE")
+    out.add_argument("--no-progress", dest="serve_no_progress", action="store_true", help="no progress bar")
     s.set_defaults(func=_run_serve)
+
+    c = sub.add_parser("compare", help="serving records side by side, as ratios against a baseline",
+                       formatter_class=HelpFormatter, parents=[common_parser(config=False)],
+                       description="Reads `loopline bench serve --output-json` records (one per configuration) and "
+                                   "prints a markdown table per (request rate, phase): every metric as a ratio "
+                                   "against the baseline record, and each record's peak capacity.")
+    c.add_argument("records", nargs="+", metavar="RECORD.json", help="bench serve records")
+    c.add_argument("--baseline", default=None,
+                   help="the baseline record: its --label or its position among RECORD.json (0-based; default 0)")
+    c.add_argument("--output-md", dest="compare_output", metavar="FILE.md", default=None,
+                   help="also write the markdown to FILE.md")
+    c.set_defaults(func=_run_compare)
 
 
 # --- offline ------------------------------------------------------------------------------
@@ -235,50 +283,173 @@ def _run_bench(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -
     return 0
 
 
-# --- serve --------------------------------------------------------------------------------
+# --- serve ---------------------------------------------------------------------------------
+
+
+def _rates(text: str, param: str, allow_inf: bool = True) -> list[float]:
+    """A comma list of request rates (> 0; ``inf`` where allowed)."""
+    try:
+        values = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"{param} must be a number or a comma list like 4,8, got {text!r}",
+                                  param=param) from None
+    ok = all(v > 0 and (allow_inf or math.isfinite(v)) and not math.isnan(v) for v in values)
+    if not values or not ok:
+        allowed = "numbers > 0 (inf: all at once)" if allow_inf else "finite numbers > 0"
+        raise InvalidRequestError(f"{param} must be {allowed}, got {text!r}", param=param)
+    if len(set(values)) != len(values):
+        raise InvalidRequestError(f"{param} must be distinct, got {text!r}", param=param)
+    return values
+
+
+def _dataset(ns: argparse.Namespace):
+    from loopline.bench.workload import RandomDataset, ShareGPTSynthetic
+
+    if ns.serve_dataset == "sharegpt-synthetic":
+        if ns.serve_input_len is not None:
+            raise InvalidRequestError("--input-len is for --dataset random; sharegpt-synthetic draws prompt lengths",
+                                      param="input_len")
+        return ShareGPTSynthetic(output_len=ns.serve_output_len)
+    return RandomDataset(input_len=ns.serve_input_len or 1024, output_len=ns.serve_output_len or 128)
+
+
+def run_serve_bench(ns: argparse.Namespace, transport: Any = None, progress: Any = None) -> dict[str, Any]:
+    """Runs ``loopline bench serve`` from parsed arguments; returns the record (also used by tests)."""
+    import dataclasses as dc
+
+    import torch
+
+    from loopline.bench.capacity import TTFTBound, check_rates, find_capacity
+    from loopline.bench.report import environment
+    from loopline.bench.serve import PHASES, ServeSpec, run_phases, run_rates, server_info
+
+    for name in ("serve_input_len", "serve_output_len", "serve_num_prompts", "serve_concurrency",
+                 "serve_max_model_len"):
+        _positive(name.removeprefix("serve_"), getattr(ns, name))
+    capacity_rates = (check_rates(_rates(ns.capacity_rates, "capacity_rates", allow_inf=False))
+                      if ns.capacity_rates else None)
+    bound = TTFTBound(ns.ttft_bound_ms, ns.ttft_bound_stat) if capacity_rates else None
+    if ns.capacity_refine < 0:
+        raise InvalidRequestError(f"capacity_refine must be >= 0, got {ns.capacity_refine}", param="capacity_refine")
+    if ns.request_rate is not None:
+        rates = _rates(ns.request_rate, "request_rate")
+    else:
+        rates = [] if capacity_rates else [math.inf]
+    dataset = _dataset(ns)
+    model, server_len = ns.served_model, None
+    if ns.served_model is None or ns.serve_max_model_len is None:  # ask the server only for what was not given
+        model, server_len = server_info(ns.base_url, transport)
+    max_model_len = ns.serve_max_model_len or server_len
+    spec = ServeSpec(ns.base_url, rates[0] if rates else math.inf, ns.serve_concurrency, model,
+                     ns.serve_seed, ns.timeout)
+
+    def workload_for(k: int):
+        return dataset.build(ns.serve_num_prompts, ns.vocab_size, ns.serve_seed + k, max_model_len)
+
+    runs = run_rates(spec, rates, workload_for, ns.replay, transport, progress) if rates else []
+    capacity = None
+    if capacity_rates:
+        first = len(rates)  # capacity steps get request sets of their own (seed + first + step)
+
+        def run_at(rate: float, step: int) -> dict[str, Any]:
+            k = first + step
+            return run_phases(dc.replace(spec, request_rate=rate, seed=ns.serve_seed + k), workload_for(k),
+                              PHASES[:1], transport, progress)[0]
+
+        capacity = find_capacity(run_at, capacity_rates, bound, ns.capacity_refine)
+    sample = workload_for(0)
+    params = {"base_url": ns.base_url, "model": spec.model, **dataset.describe(), "num_prompts": ns.serve_num_prompts,
+              "max_model_len": max_model_len, "request_rates": rates, "replay": ns.replay,
+              "concurrency": ns.serve_concurrency, "seed": ns.serve_seed, "vocab_size": ns.vocab_size,
+              "workload_seed0": {"mean_input_len": sample.input_tokens / max(sample.num_prompts, 1),
+                                 "mean_output_len": sample.output_tokens / max(sample.num_prompts, 1)},
+              "capacity_rates": capacity_rates, "ttft_bound_ms": ns.ttft_bound_ms if bound else None,
+              "ttft_bound_stat": ns.ttft_bound_stat if bound else None}
+    record = environment(torch.device("cpu"), None, params)  # the client's machine; the server's is not visible
+    record["label"] = ns.label or ns.base_url
+    record["results"] = runs
+    record["capacity"] = capacity
+    return record
 
 
 def _run_serve(ns: argparse.Namespace) -> int:
-    import torch
     from tqdm.auto import tqdm
 
-    from loopline.bench.report import environment
-    from loopline.bench.serve import ServeSpec, run_serve
-    from loopline.bench.workload import make_workload
+    from loopline.bench.report import serve_table
 
-    for name in ("serve_input_len", "serve_output_len", "serve_num_prompts", "serve_concurrency"):
-        _positive(name.removeprefix("serve_"), getattr(ns, name))
-    if not ns.request_rate > 0:
-        raise InvalidRequestError(f"request_rate must be > 0 (inf: all at once), got {ns.request_rate}", param="request_rate")
-    workload = make_workload(ns.serve_num_prompts, ns.serve_input_len, ns.serve_output_len, ns.vocab_size, ns.serve_seed)
-    spec = ServeSpec(ns.base_url, ns.serve_output_len, ns.request_rate, ns.serve_concurrency, ns.served_model,
-                     ns.serve_seed, ns.timeout)
     # disable=None: no bar when stderr is not a terminal (logs get no carriage-return litter)
-    bar = tqdm(total=workload.num_prompts, disable=True if ns.serve_no_progress else None, unit="req", leave=False,
-               desc="bench serve")
+    bar = tqdm(disable=True if ns.serve_no_progress else None, unit="req", leave=False, desc="bench serve")
     try:
-        result = run_serve(spec, workload, progress=bar.update)
+        record = run_serve_bench(ns, progress=bar.update)
     finally:
         bar.close()
-    params = {"base_url": ns.base_url, "model": result["model"], "input_len": ns.serve_input_len,
-              "output_len": ns.serve_output_len, "num_prompts": ns.serve_num_prompts,
-              "request_rate": ns.request_rate, "concurrency": ns.serve_concurrency, "seed": ns.serve_seed}
-    record = environment(torch.device("cpu"), None, params)  # the client's machine; the server's is not visible
-    record["results"] = result
+    text = json.dumps(record, indent=2, default=str)
+    if ns.serve_output_json:
+        with open(ns.serve_output_json, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    # NOTE: a capacity step may fail every request (overload is what it looks for): only the rates count here
+    ok = all(r.get("completed") for r in record["results"])
     if ns.serve_json:
-        print(json.dumps(record, indent=2, default=str))
-        return 0
-    m = result
-    print(f"command:  {shlex.join(['loopline', *sys.argv[1:]])}\nserver:   {ns.base_url} (model {m['model']})")
-    print(f"requests: {m['completed']} ok, {m['failed']} failed, {m['duration_s']:.2f} s")
-    for err in m["errors"]:
-        print(f"  error: {err}")
-    print(f"throughput: {m['request_throughput'] or 0:.2f} req/s, output {m['output_throughput'] or 0:,.1f} tok/s, "
-          f"total {m['total_token_throughput'] or 0:,.1f} tok/s")
-    if m["mean_loops_per_token"] is not None:
-        print(f"mean loops per token (server's exit_depths): {m['mean_loops_per_token']:.3f}")
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
-        s = m[key]
-        vals = " ".join(f"{k} {v:,.2f}" if v is not None else f"{k} -" for k, v in s.items())
-        print(f"{key[:-3].upper():5s} (ms): {vals}")
-    return 0 if m["completed"] else 1
+        print(text)
+        return 0 if ok else 1
+    p = record["params"]
+    print(f"command:  {record['command']}\nserver:   {ns.base_url} (model {p['model']}, max_model_len "
+          f"{p['max_model_len']}) | label {record['label']}")
+    w = p["workload_seed0"]
+    print(f"workload: {p['dataset']}, {p['num_prompts']} requests per phase, mean {w['mean_input_len']:.1f} in / "
+          f"{w['mean_output_len']:.1f} out (seed {p['seed']}), greedy, ignore_eos")
+    if record["results"]:
+        print("\n".join(serve_table(record["results"])))
+    for run in record["results"]:
+        for err in run["errors"]:
+            print(f"  error ({_rate_text(run['request_rate'])} req/s, {run['phase']}): {err}")
+    cap = record["capacity"]
+    if cap:
+        steps = ", ".join(f"{s['request_rate']:g}: p50/p99 TTFT {_ms(s['ttft_ms'], 'p50')}/"
+                          f"{_ms(s['ttft_ms'], 'p99')} ms"
+                          f"{'' if s['holds'] else ' (breaks the bound)'}" for s in cap["steps"])
+        value = cap["capacity_rps"]
+        head = ("below the lowest rate tried" if value is None
+                else (f">= {value:g} req/s (every rate held)" if cap["lower_bound_only"] else f"{value:g} req/s"))
+        print(f"peak capacity ({cap['bound']['text']}): {head}\n  {steps}")
+    return 0 if ok else 1
+
+
+def _rate_text(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _ms(summary: dict | None, stat: str) -> str:
+    value = (summary or {}).get(stat)
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _run_compare(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from loopline.bench.report import check_serve_record, serve_comparison
+
+    records = []
+    for path in ns.records:
+        try:
+            record = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise InvalidRequestError(f"{path}: cannot read a JSON record ({e})", param="records") from None
+        check_serve_record(record, path)
+        record.setdefault("label", Path(path).stem)
+        records.append(record)
+    baseline = 0
+    if ns.baseline is not None:
+        labels = [r["label"] for r in records]
+        if ns.baseline in labels:
+            baseline = labels.index(ns.baseline)
+        elif ns.baseline.isdigit() and int(ns.baseline) < len(records):
+            baseline = int(ns.baseline)
+        else:
+            raise InvalidRequestError(f"baseline {ns.baseline!r} is neither a record label ({', '.join(labels)}) nor "
+                                      f"an index in [0, {len(records) - 1}]", param="baseline")
+    text = "\n".join(serve_comparison(records, baseline))
+    print(text)
+    if ns.compare_output:
+        Path(ns.compare_output).write_text(text + "\n", encoding="utf-8")
+    return 0

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 import pytest
@@ -180,10 +179,10 @@ def test_parser_accepts_documented_flags():
     serve = build_parser().parse_args(["bench", "serve", "--base-url", "http://h:1", "--request-rate", "4",
                                        "--concurrency", "8", "--input-len", "16", "--output-len", "4",
                                        "--num-prompts", "10", "--model", "m", "--json"])
-    assert serve.bench_command == "serve" and serve.base_url == "http://h:1" and serve.request_rate == 4.0
+    assert serve.bench_command == "serve" and serve.base_url == "http://h:1" and serve.request_rate == "4"
     assert (serve.serve_concurrency, serve.serve_input_len, serve.serve_output_len) == (8, 16, 4)
     assert serve.served_model == "m" and serve.serve_json and serve.func.__name__ == "_run_serve"
-    assert math.isinf(build_parser().parse_args(["bench", "serve", "--base-url", "x"]).request_rate)
+    assert build_parser().parse_args(["bench", "serve", "--base-url", "x"]).request_rate is None  # inf unless capacity
 
 
 @pytest.mark.parametrize("argv, param", [
@@ -305,7 +304,7 @@ def test_bench_serve_against_stub():
         return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
 
     workload = make_workload(6, 5, 4, 500, seed=0)
-    spec = ServeSpec("http://stub", output_len=4, request_rate=1000.0, concurrency=2, seed=0)
+    spec = ServeSpec("http://stub", request_rate=1000.0, concurrency=2, seed=0)
     record = run_serve(spec, workload, transport=httpx.MockTransport(handler))
     assert record["model"] == "stub-model" and record["completed"] == 6 and record["failed"] == 0
     assert record["output_tokens"] == 6 * 4 and record["mean_loops_per_token"] == pytest.approx(2.5)
@@ -318,7 +317,7 @@ def test_bench_serve_against_stub():
             return httpx.Response(404)
         return httpx.Response(400, json={"error": {"message": "bad"}})
 
-    record = run_serve(ServeSpec("http://stub", output_len=4), make_workload(2, 3, 4, 500, 0),
+    record = run_serve(ServeSpec("http://stub"), make_workload(2, 3, 4, 500, 0),
                        transport=httpx.MockTransport(failing))
     assert record["completed"] == 0 and record["failed"] == 2 and "HTTP 400" in record["errors"][0]
 
