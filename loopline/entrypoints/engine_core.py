@@ -75,6 +75,7 @@ class StepRecord:
     rows: int
     scheduled_tokens: int
     duration_s: float
+    replica: int = 0  # the data-parallel replica that ran it (set by the front end)
 
 
 @dataclass(frozen=True)
