@@ -194,32 +194,36 @@ class DPClient(EngineClient):
             ack: asyncio.Future) -> None:
         """Routes each request to a replica and sends each replica its share; ``ack`` resolves once
         every share was accepted (or with the first refusal, after the accepted shares were aborted)."""
+        try:
+            groups = self._route(requests)
+        except LooplineError as e:
+            _call_soon(ack.get_loop(), _set_exception, ack, e)
+            return
+        join = _AddJoin(self, ack, chat_stop, stream)
+        for i, group in groups.items():
+            join.send(i, group)
+
+    def _route(self, requests: list[tuple[str, PromptType, SamplingParams]]) -> dict[int, list]:
+        """Picks each request's replica and records it as the owner (all or none: on an error nothing is kept)."""
         groups: dict[int, list[tuple[str, PromptType, SamplingParams]]] = {}
         with self._lock:
-            error = self._refusal()
-            if error is None:
-                try:
-                    for request in requests:
-                        rid = request[0]
-                        if rid in self._owner:
-                            raise InvalidRequestError(f"request_id {rid!r} is already in use", param="request_id")
-                        i = self.router.choose(_prompt_ids(request[1]), self.loads())
-                        groups.setdefault(i, []).append(request)
-                        self._owner[rid] = i
-                        self._in_flight[i] += 1
-                except LooplineError as e:  # nothing was sent yet: undo the bookkeeping
-                    for i, group in groups.items():
-                        self._release_locked([rid for rid, _, _ in group], i)
-                    error = e
-        if error is not None:
-            _call_soon(ack.get_loop(), _set_exception, ack, error)
-            return
-        join = _AddJoin(self, ack, groups)
-        loop = ack.get_loop()
-        for i, group in groups.items():
-            share = loop.create_future()
-            share.add_done_callback(partial(join.settled, i))
-            self._replicas[i].add(group, chat_stop, _ReplicaStream(self, i, stream, [r for r, _, _ in group]), share)
+            try:
+                error = self._refusal()
+                if error is not None:
+                    raise error
+                for request in requests:
+                    rid = request[0]
+                    if rid in self._owner:
+                        raise InvalidRequestError(f"request_id {rid!r} is already in use", param="request_id")
+                    i = self.router.choose(_prompt_ids(request[1]), self.loads())
+                    groups.setdefault(i, []).append(request)
+                    self._owner[rid] = i
+                    self._in_flight[i] += 1
+            except LooplineError:
+                for i, group in groups.items():
+                    self._release_locked([rid for rid, _, _ in group], i)
+                raise
+        return groups
 
     def abort(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}
@@ -289,24 +293,55 @@ class DPClient(EngineClient):
 
 
 class _AddJoin:
-    """One add split over replicas: resolves the caller's ack once every share settled (on its loop)."""
+    """One add split over replicas: resolves the caller's ack once every share settled (on its loop).
+    A share whose replica died before taking it (nothing started there) is routed again."""
 
-    def __init__(self, dp: DPClient, ack: asyncio.Future, groups: dict[int, list]) -> None:
-        self.dp, self.ack, self.groups = dp, ack, groups
-        self.outcomes: dict[int, BaseException | None] = {}
+    _REROUTED = object()
 
-    def settled(self, index: int, share: asyncio.Future) -> None:
-        self.outcomes[index] = share.exception()
-        if len(self.outcomes) < len(self.groups):
+    def __init__(self, dp: DPClient, ack: asyncio.Future, chat_stop: bool, stream: Any) -> None:
+        self.dp, self.ack, self.chat_stop, self.stream = dp, ack, chat_stop, stream
+        self.shares: list[tuple[int, list]] = []  # (replica, its requests)
+        self.outcomes: dict[int, Any] = {}  # share -> None (accepted), its error, or _REROUTED
+        self.pending = 0
+
+    def send(self, index: int, group: list) -> None:
+        k = len(self.shares)
+        self.shares.append((index, group))
+        self.pending += 1
+        share = self.ack.get_loop().create_future()
+        share.add_done_callback(partial(self.settled, k))
+        self.dp._replicas[index].add(group, self.chat_stop,
+                                     _ReplicaStream(self.dp, index, self.stream, [r for r, _, _ in group]), share)
+
+    def settled(self, k: int, share: asyncio.Future) -> None:
+        self.pending -= 1
+        index, group = self.shares[k]
+        error = share.exception()
+        if isinstance(error, EngineDeadError) and not _serves(self.dp._replicas[index]):
+            self.dp._release([rid for rid, _, _ in group], index)
+            try:
+                groups = self.dp._route(group)
+            except LooplineError as e:  # no replica is left (or the client is stopping)
+                error = e
+            else:
+                error = self._REROUTED
+                for i, g in groups.items():
+                    self.send(i, g)
+        self.outcomes[k] = error
+        if self.pending:
             return
-        failed = [(i, e) for i, e in self.outcomes.items() if e is not None]
+        failed = [(self.shares[j][0], e) for j, e in self.outcomes.items() if e is not None and e is not self._REROUTED]
         if not failed:
             _set_result(self.ack, None)
             return
-        accepted = [rid for i, e in self.outcomes.items() if e is None for rid, _, _ in self.groups[i]]
-        self.dp.abort(accepted)  # all or none, as on one engine
-        for i, group in self.groups.items():
-            self.dp._release([rid for rid, _, _ in group], i)
+        accepted = [(self.shares[j][0], [rid for rid, _, _ in self.shares[j][1]])
+                    for j, e in self.outcomes.items() if e is None]
+        self.dp.abort([rid for _, ids in accepted for rid in ids])  # all or none, as on one engine
+        for i, ids in accepted:
+            self.dp._release(ids, i)
+        for j, e in self.outcomes.items():
+            if e is not None and e is not self._REROUTED:
+                self.dp._release([rid for rid, _, _ in self.shares[j][1]], self.shares[j][0])
         i, error = failed[0]
         _set_exception(self.ack, _naming_replica(error, i, self.dp.size) if isinstance(error, EngineDeadError) else error)
 

@@ -107,8 +107,15 @@ class AsyncLLM:
     ``add_request`` reach the caller unchanged (``InvalidRequestError``).
     """
 
-    def __init__(self, engine_args: EngineArgs | None = None, *, engine: LLMEngine | None = None) -> None:
-        self._client: EngineClient = InProcClient(engine) if engine is not None else make_client(engine_args or EngineArgs())
+    def __init__(self, engine_args: EngineArgs | None = None, *, engine: LLMEngine | None = None,
+                 client: EngineClient | None = None) -> None:
+        """``engine_args``: engine process(es) built from them (the default); ``engine``: the loop on a
+        thread over that engine; ``client``: an engine client the caller built (e.g. a
+        ``DPClient`` over replicas it started, with a router of its own)."""
+        if sum(x is not None for x in (engine_args, engine, client)) > 1:
+            raise InvalidRequestError("give at most one of engine_args, engine and client", param="engine_args")
+        self._client: EngineClient = (client if client is not None else InProcClient(engine) if engine is not None
+                                      else make_client(engine_args or EngineArgs()))
         info = self._client.info
         self.config, self.model_config = info.config, info.model_config
         if engine is not None:

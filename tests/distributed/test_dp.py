@@ -195,7 +195,33 @@ class _Fake(EngineClient):
         return f
 
     def is_alive(self) -> bool:
-        return True
+        return self.dead is None
+
+    def add(self, requests, chat_stop, stream, ack) -> None:
+        """Accepts; a replica built with ``die_on_add`` dies instead, before taking anything."""
+        self.added = getattr(self, "added", []) + [rid for rid, _, _ in requests]
+        if self.result == "die_on_add":
+            self.dead = EngineDeadError("the engine process exited unexpectedly")
+            ack.get_loop().call_soon(ack.set_exception, self.dead)
+        else:
+            ack.get_loop().call_soon(ack.set_result, None)
+
+
+def test_a_share_whose_replica_died_before_taking_it_goes_to_a_live_one():
+    dying, live = _Fake("die_on_add"), _Fake()
+    dp = DPClient([dying, live])
+
+    async def main(rid):
+        ack = asyncio.get_running_loop().create_future()
+        dp.add([(rid, [1, 2, 3], SamplingParams())], False, object(), ack)
+        await ack
+
+    run(main("x"))
+    assert dying.added == ["x"] and live.added == ["x"] and dp.owner("x") == 1
+    with pytest.raises(EngineDeadError, match="every data-parallel replica stopped"):  # the last one dies too
+        live.result = "die_on_add"
+        run(main("y"))
+    assert dp.owner("y") is None and dp.dead is not None
 
 
 def test_fan_out_results_agree_concatenate_or_fail():
