@@ -12,7 +12,7 @@ For each variant, through ``AsyncLLM`` (no HTTP server: the GPU host has no Fast
 (a) **throughput**: a closed loop of ``--num-prompts`` random prompts at ``--concurrency``: output tok/s,
     median TTFT and E2E, and how many requests each replica served;
 (b) **exactness**: 4 greedy prompts run one at a time give the same token ids and exit depths as ``single``;
-(c) **prefix affinity** (N >= 2): prompts in 8 groups that share a 4-page prefix, with prefix caching on;
+(c) **prefix affinity** (N >= 2): prompts in up to 8 groups that share a 4-page prefix, with prefix caching on;
     the prefix-cache hit rate with the default router against a router that ignores prefixes.
 
 Writes ``OUTDIR/dp_measure.json`` (one record per variant) and prints a summary table.
@@ -99,7 +99,7 @@ def measure(name: str, llm: AsyncLLM, a: argparse.Namespace, vocab: int, exact_r
         counts[:] = [0] * len(counts)
     rec = {"variant": name, "replicas": len(llm.replicas())}
     rec.update(asyncio.run(closed_loop(llm, prompts(a.num_prompts, a.input_len, vocab, 0), a.output_len, a.concurrency)))
-    rec["requests_per_replica"] = counts
+    rec["requests_per_replica"] = list(counts) if counts is not None else None
     exact = asyncio.run(greedy_alone(llm, prompts(4, a.input_len, vocab, 1), 16))
     rec["exact_vs_single"] = None if exact_ref is None else exact == exact_ref
     return rec, exact
@@ -107,9 +107,10 @@ def measure(name: str, llm: AsyncLLM, a: argparse.Namespace, vocab: int, exact_r
 
 def affinity(args: EngineArgs, n: int, a: argparse.Namespace, vocab: int, block_size: int) -> dict:
     """Prefix-cache hit rate over N replicas: the default router against one without affinity."""
-    groups = prompts(8, 4 * block_size, vocab, 5)
+    n_groups = max(2, min(8, a.num_prompts // 8))
+    groups = prompts(n_groups, 4 * block_size, vocab, 5)
     rng = random.Random(6)
-    ids = [groups[rng.randrange(8)] + [rng.randrange(3, vocab) for _ in range(a.input_len // 4)] for _ in range(a.num_prompts)]
+    ids = [groups[rng.randrange(n_groups)] + [rng.randrange(3, vocab) for _ in range(a.input_len // 4)] for _ in range(a.num_prompts)]
     out = {}
     for label, router in (("affinity", None), ("load_only", LoadOnlyRouter(page_size=block_size))):
         client = make_client(EngineArgs(**{**vars_of(args), "data_parallel_size": n, "enable_prefix_caching": True}))

@@ -252,6 +252,21 @@ def test_dp_over_http_completions_stream_and_replica_metrics(dp, serve_app):
             assert re.search(rf'^{name}{{model_name="tiny",replica="{replica}"}} ', text, re.M), (name, replica)
     steps = [float(v) for v in re.findall(r'^loopline:engine_steps_total{.*replica="[01]"} (\S+)', text, re.M)]
     assert len(steps) == 2 and all(v > 0 for v in steps)  # both replicas ran steps
+    # a client that disconnects mid-stream: the abort reaches the replica that runs the request
+    def rows() -> float:
+        text = httpx.get(srv.base_url + "/metrics").text
+        return sum(float(v) for v in re.findall(r'^loopline:engine_rows_total{.*} (\S+)', text, re.M))
+
+    rows0 = rows()
+    with httpx.stream("POST", srv.base_url + "/v1/completions", timeout=60,
+                      json={**body, "prompt": "Once upon", "stream": True, "max_tokens": 200}) as s:
+        next(line for line in s.iter_lines() if line.startswith("data: {"))
+    deadline = time.monotonic() + 10
+    while any(r.snapshot.num_unfinished or r.snapshot.kv_used_blocks for r in dp.replicas()):
+        assert time.monotonic() < deadline, [r.snapshot for r in dp.replicas()]
+        time.sleep(0.05)
+    time.sleep(0.2)  # the last step records
+    assert rows() - rows0 < 400  # 200 tokens at 4 loops would run 800 rows: it was stopped early
 
 
 def test_killed_replica_fails_only_its_requests(make_engine_args, one, serve_app):
