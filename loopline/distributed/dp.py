@@ -175,8 +175,8 @@ class DPClient(EngineClient):
             return self._owner.get(request_id)
 
     # --- requests ---------------------------------------------------------------------------
-    def loads(self) -> list[ReplicaLoad]:
-        """What the router sees now, one entry per replica."""
+    def _loads_locked(self) -> list[ReplicaLoad]:
+        """What the router sees now, one entry per replica (under ``_lock``: it notes replicas that died)."""
         loads = []
         for i, client in enumerate(self._replicas):
             alive = _serves(client)
@@ -215,7 +215,7 @@ class DPClient(EngineClient):
                     rid = request[0]
                     if rid in self._owner:
                         raise InvalidRequestError(f"request_id {rid!r} is already in use", param="request_id")
-                    i = self.router.choose(_prompt_ids(request[1]), self.loads())
+                    i = self.router.choose(_prompt_ids(request[1]), self._loads_locked())
                     groups.setdefault(i, []).append(request)
                     self._owner[rid] = i
                     self._in_flight[i] += 1
