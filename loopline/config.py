@@ -24,6 +24,7 @@ LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVAllocationName = Literal["full", "incremental"]
+DistributedBackendName = Literal["mp", "ray"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # NOTE: on an H200 at concurrency 128, 8,192 tokens was ~5% faster than 2,048 (docs/benchmarks); on the CPU
@@ -74,6 +75,12 @@ class EngineArgs:
     disable_log_stats: bool = _opt(False, "turn off the engine statistics line logged every log_stats_interval seconds "
                                           "(logged at INFO: loopline serve shows it)")
     log_stats_interval: float = _opt(10.0, "seconds between engine statistics log lines")
+    # --- scale-out (docs/serving.md "Scale-out"; AsyncLLM and loopline serve) --------------
+    data_parallel_size: int = _opt(1, "engine replicas behind one front end, one per device (replica i on cuda:i; "
+                                      "CPU processes on CPU); requests are routed by load with prefix affinity")
+    distributed_executor_backend: DistributedBackendName = _opt(
+        "mp", "how replicas run: 'mp' (engine processes on this host) or 'ray' (Ray actors in a placement group, "
+              "one bundle per replica; needs loopline[ray])")
 
     # --- CLI ---------------------------------------------------------------------------
     @classmethod
@@ -98,7 +105,8 @@ class EngineArgs:
         if reason is not None:
             raise InvalidRequestError(reason, param="attention_backend")
         for name, lit in (("kv_layout", KVLayoutName), ("scheduling_mode", SchedulingMode), ("scheduling_policy", SchedulingPolicy),
-                          ("exit_mode", ExitMode), ("kv_allocation", KVAllocationName), ("logprobs_mode", LogprobsMode), ("attention_backend", AttentionBackendName), ("kernel_backend", AttentionBackendName), ("dtype", DType)):
+                          ("exit_mode", ExitMode), ("kv_allocation", KVAllocationName),
+                          ("distributed_executor_backend", DistributedBackendName), ("logprobs_mode", LogprobsMode), ("attention_backend", AttentionBackendName), ("kernel_backend", AttentionBackendName), ("dtype", DType)):
             allowed = get_args(lit)
             if getattr(self, name) not in allowed:
                 raise InvalidRequestError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}", param=name)
@@ -116,6 +124,22 @@ class EngineArgs:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", param="gpu_memory_utilization")
         if not self.device == "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise InvalidRequestError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}", param="device")
+        self._validate_scale_out()
+
+    def _validate_scale_out(self) -> None:
+        dp = self.data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise InvalidRequestError(f"data_parallel_size must be an integer >= 1, got {dp!r}", param="data_parallel_size")
+        if dp == 1:
+            return
+        if self.device.startswith("cuda:"):
+            raise InvalidRequestError(f"device must be 'auto', 'cuda' or 'cpu' with data_parallel_size {dp} (replica i "
+                                      f"runs on cuda:i), got {self.device!r}", param="device")
+        if self.distributed_executor_backend == "mp" and self.device != "cpu" and torch.cuda.is_available():
+            visible = torch.cuda.device_count()
+            if dp > visible:
+                raise InvalidRequestError(f"data_parallel_size must be in [1, {visible}] (one replica per visible CUDA "
+                                          f"device), got {dp}", param="data_parallel_size")
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,11 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, model: OuroForCausalLM | None = None) -> None:
         args.validate()
+        for name, one in (("data_parallel_size", 1), ("distributed_executor_backend", "mp")):
+            if getattr(args, name) != one:  # NOTE: replicas are AsyncLLM's (loopline.distributed), never a silent no-op
+                raise InvalidRequestError(f"{name} {getattr(args, name)!r} needs AsyncLLM or loopline serve, which run one "
+                                          f"engine per replica; LLM and LLMEngine run one engine ({name}={one!r})",
+                                          param=name)
         model_path = args.model
         if model_path is None and (model is None or not args.skip_tokenizer_init):
             from loopline.models.tiny import default_checkpoint  # the bundled model (or its tokenizer)

@@ -3,7 +3,8 @@
 The engine runs in an :class:`~loopline.entrypoints.engine_core.EngineCore` loop
 that is the only code touching it; ``AsyncLLM`` reaches it through a client
 strategy (``core_client``): :class:`MPClient`, the default, runs the loop in an
-engine process of its own, so the GPU launches of each step never wait for
+engine process of its own (``loopline.distributed.dp.DPClient`` routes over several
+such replicas when ``data_parallel_size > 1``), so the GPU launches of each step never wait for
 this process's event loop to release the GIL; :class:`InProcClient`, used when
 an existing ``engine=`` is given, runs the same loop on a background thread.
 Either way commands (add / abort / control calls) are applied in arrival
@@ -37,15 +38,17 @@ from __future__ import annotations
 import asyncio
 import copy
 import uuid
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from torch import Tensor
 
 from loopline.config import EngineArgs
+from loopline.distributed.dp import make_client
 from loopline.engine import LLMEngine, PromptType
 from loopline.entrypoints.chat_utils import ChatEncoder
-from loopline.entrypoints.core_client import EngineClient, InProcClient, MPClient
+from loopline.entrypoints.core_client import EngineClient, InProcClient
 from loopline.entrypoints.engine_core import EngineInfo, EngineSnapshot, StepRecord
 from loopline.entrypoints.tokenizer_pool import TokenizerPool
 from loopline.errors import EngineInternalError, InvalidRequestError
@@ -53,7 +56,16 @@ from loopline.models.loader import load_tokenizer
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "OutputStream", "EngineSnapshot", "StepRecord", "EngineInfo"]
+__all__ = ["AsyncLLM", "OutputStream", "EngineSnapshot", "StepRecord", "EngineInfo", "ReplicaState"]
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """One engine replica as the health route and the metrics see it (``problem``: ``None`` if it serves)."""
+
+    index: int
+    snapshot: EngineSnapshot
+    problem: str | None
 
 
 class OutputStream:
@@ -95,8 +107,15 @@ class AsyncLLM:
     ``add_request`` reach the caller unchanged (``InvalidRequestError``).
     """
 
-    def __init__(self, engine_args: EngineArgs | None = None, *, engine: LLMEngine | None = None) -> None:
-        self._client: EngineClient = InProcClient(engine) if engine is not None else MPClient(engine_args or EngineArgs())
+    def __init__(self, engine_args: EngineArgs | None = None, *, engine: LLMEngine | None = None,
+                 client: EngineClient | None = None) -> None:
+        """``engine_args``: engine process(es) built from them (the default); ``engine``: the loop on a
+        thread over that engine; ``client``: an engine client the caller built (e.g. a
+        ``DPClient`` over replicas it started, with a router of its own)."""
+        if sum(x is not None for x in (engine_args, engine, client)) > 1:
+            raise InvalidRequestError("give at most one of engine_args, engine and client", param="engine_args")
+        self._client: EngineClient = (client if client is not None else InProcClient(engine) if engine is not None
+                                      else make_client(engine_args or EngineArgs()))
         info = self._client.info
         self.config, self.model_config = info.config, info.model_config
         if engine is not None:
@@ -155,18 +174,13 @@ class AsyncLLM:
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve now (``None``: healthy): stopped, failed, or holding
-        partially updated weights. Safe to call from any thread (it reads flags only)."""
-        client = self._client
-        if client.stopping:
-            return "the engine is shutting down"
-        if client.dead is not None:
-            return f"the engine stopped: {client.dead}"
-        if not client.is_alive():
-            return "the engine stopped"
-        if client.snapshot.weights_state == "partially_updated":
-            return ("the weights are partially updated (a weight update failed after copying some tensors); "
-                    "generation is refused until a complete update lands")
-        return None
+        partially updated weights. Safe to call from any thread (it reads flags only). With
+        data-parallel replicas: ``None`` while one replica serves (``replicas()`` says which do)."""
+        return _problem(self._client)
+
+    def replicas(self) -> list[ReplicaState]:
+        """Every engine replica (one without data parallelism): its gauges and why it cannot serve, if so."""
+        return [ReplicaState(i, c.snapshot, _problem(c)) for i, c in enumerate(self._client.replicas())]
 
     def add_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
         """``fn(StepRecord)`` is called after every step that ran rows, on the thread that receives the
@@ -341,6 +355,19 @@ class AsyncLLM:
         self._client.shutdown(timeout)
         if self.tokenizers is not None:
             self.tokenizers.shutdown()
+
+
+def _problem(client: EngineClient) -> str | None:
+    if client.stopping:
+        return "the engine is shutting down"
+    if client.dead is not None:
+        return f"the engine stopped: {client.dead}"
+    if not client.is_alive():
+        return "the engine stopped"
+    if client.snapshot.weights_state == "partially_updated":
+        return ("the weights are partially updated (a weight update failed after copying some tensors); "
+                "generation is refused until a complete update lands")
+    return None
 
 
 def _text_of(prompt: PromptType) -> str | None:

@@ -116,6 +116,15 @@ class EngineClient:
     def add_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
         self._listeners.append(fn)
 
+    def has_stream(self, request_id: str) -> bool:
+        """Whether an accepted request's outputs are still routed (it has not finished or failed)."""
+        with self._lock:
+            return request_id in self._streams
+
+    def replicas(self) -> list["EngineClient"]:
+        """The engine loops behind this client (one; the data-parallel client has one per replica)."""
+        return [self]
+
     def _refusal(self) -> BaseException | None:
         if self.dead is not None:
             return self.dead

@@ -75,6 +75,7 @@ class StepRecord:
     rows: int
     scheduled_tokens: int
     duration_s: float
+    replica: int = 0  # the data-parallel replica that ran it (set by the front end)
 
 
 @dataclass(frozen=True)
@@ -510,6 +511,11 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("loopline").setLevel(log_level)
     torch.set_num_threads(num_threads)
+    device = getattr(engine_args, "device", "auto")
+    if isinstance(device, str) and device.startswith("cuda:"):
+        # NOTE: building the engine (memory profiling, CUDA graph capture) launches kernels on the current
+        # device: a data-parallel replica on cuda:i must make it its own before that.
+        torch.cuda.set_device(torch.device(device))
     try:
         engine = LLMEngine(engine_args)
     except BaseException as e:  # the server raises it (e.g. an invalid flag) and exits

@@ -119,10 +119,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
 
     @app.get("/health")
     async def health() -> Response:
-        """200 when the server can generate; else 503 with a body saying why (a clear state, never silent)."""
+        """200 when the server can generate; else 503 with a body saying why (a clear state, never silent).
+        With data-parallel replicas of which some stopped (the others serve): 200 with a body that names them."""
         problem = ("the server is shutting down" if ctx.shutting_down else
                    "the server is starting" if not ctx.ready else async_llm.health_problem())
         if problem is None:
+            down = {str(r.index): r.problem for r in async_llm.replicas() if r.problem is not None}
+            if down:
+                return JSONResponse({"status": "degraded", "unhealthy_replicas": down}, status_code=200)
             return Response(status_code=200)
         err = APIError(503, problem, type="service_unavailable", code="service_unavailable")
         return JSONResponse(err.body(), status_code=503)
@@ -307,6 +311,9 @@ def run_server(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     async_llm = AsyncLLM(args)
     logger.info(startup_line(async_llm.info, rl_api=ns.enable_rl_api))
+    if len(async_llm.replicas()) > 1:
+        logger.info("data parallel: %d engine replicas (%s backend), each with the KV pool above; requests routed by "
+                    "load with prefix affinity", len(async_llm.replicas()), args.distributed_executor_backend)
     name = ns.served_model_name or ([args.model] if args.model else [_default_name()])
     app = build_app(async_llm, name, api_key, ns.max_concurrent_requests, enable_rl_api=ns.enable_rl_api,
                     security=security, allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,

@@ -4,7 +4,10 @@ Per-request figures (latencies, token counts, exit depths, final status) are
 recorded by the HTTP layer from the ``RequestOutput``s it streams, through a
 :class:`RequestTracker` per engine request; per-step figures come from the
 engine client's step listener; gauges and the engine's own running totals are
-read from the engine snapshot at scrape time.
+read from the engine snapshot at scrape time. Engine-side series (gauges, engine
+totals, step series, ``loopline:replica_healthy``) carry a ``replica`` label: one
+series per data-parallel replica ("0" for a single engine); the per-request
+series are measured by the front end and have none.
 
 Names are vLLM's with the ``loopline:`` prefix where vLLM has the series
 (``vllm:time_to_first_token_seconds`` is ``loopline:time_to_first_token_seconds``),
@@ -22,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from loopline.entrypoints.async_llm import AsyncLLM, StepRecord
+from loopline.entrypoints.async_llm import AsyncLLM, EngineSnapshot, ReplicaState, StepRecord
 from loopline.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -64,11 +67,20 @@ class ServerMetrics:
         self.e2e = histogram("loopline:e2e_request_latency_seconds", "Time from arrival to the last token", _LATENCY_BUCKETS)
         self.exit_depth = histogram("loopline:exit_depth", "Loop at which each generated token exited",
                                     tuple(range(1, num_loops + 1)))
-        self.steps = counter("loopline:engine_steps", "Engine steps that ran at least one row").labels(**labels)
-        self.rows = counter("loopline:engine_rows", "Rows run (a row: one decode token or prefill chunk at one loop)").labels(**labels)
-        self.rows_per_step = histogram("loopline:rows_per_step", "Rows batched together in one engine step", _ROW_BUCKETS)
-        self.iteration_tokens = histogram("loopline:iteration_tokens_total", "Tokens scheduled in one engine step "
-                                          "(decode rows + prefill chunk tokens)", _ITERATION_BUCKETS)
+        # Engine-side series carry a ``replica`` label (vLLM's ``engine``): "0" without data parallelism.
+        replicas = [str(r.index) for r in async_llm.replicas()]
+
+        def per_replica(metric) -> list:
+            return [metric.labels(replica=r, **labels) for r in replicas]
+
+        self.steps = per_replica(counter("loopline:engine_steps", "Engine steps that ran at least one row", ("replica",)))
+        self.rows = per_replica(counter("loopline:engine_rows", "Rows run (a row: one decode token or prefill chunk at "
+                                        "one loop)", ("replica",)))
+        self.rows_per_step = per_replica(Histogram("loopline:rows_per_step", "Rows batched together in one engine step",
+                                                   ["model_name", "replica"], buckets=_ROW_BUCKETS, registry=reg))
+        self.iteration_tokens = per_replica(Histogram(
+            "loopline:iteration_tokens_total", "Tokens scheduled in one engine step (decode rows + prefill chunk tokens)",
+            ["model_name", "replica"], buckets=_ITERATION_BUCKETS, registry=reg))
         success = counter("loopline:request_success", "Finished engine requests by finished_reason", ("finished_reason",))
         self.request_success = {r: success.labels(finished_reason=r, **labels) for r in FINISHED_REASONS}
         self.request_prompt_tokens = histogram("loopline:request_prompt_tokens", "Prompt tokens per finished request",
@@ -88,31 +100,36 @@ class ServerMetrics:
         self.inference_time = histogram("loopline:request_inference_time_seconds",
                                         "Time from first scheduled to the last token", _LATENCY_BUCKETS)
 
-        def gauge(name: str, doc: str, read) -> None:
-            Gauge(name, doc, ["model_name"], registry=reg).labels(**labels).set_function(read)
+        def gauge(name: str, doc: str, read: Callable[[ReplicaState], float]) -> None:
+            family = Gauge(name, doc, ["model_name", "replica"], registry=reg)
+            for i, r in enumerate(replicas):
+                family.labels(replica=r, **labels).set_function(lambda i=i: read(async_llm.replicas()[i]))
 
-        snap = lambda: async_llm.snapshot  # noqa: E731
-        gauge("loopline:num_requests_running", "Sequences running (decode slots or prefill)", lambda: snap().num_running)
-        gauge("loopline:num_requests_waiting", "Sequences waiting for admission", lambda: snap().num_waiting)
-        gauge("loopline:kv_cache_used_blocks", "KV blocks in use (all planes)", lambda: snap().kv_used_blocks)
-        gauge("loopline:kv_cache_total_blocks", "KV blocks in the pool", lambda: snap().kv_total_blocks)
-        gauge("loopline:kv_cache_usage_perc", "Fraction of KV blocks in use",
-              lambda: snap().kv_used_blocks / snap().kv_total_blocks if snap().kv_total_blocks else 0.0)
+        gauge("loopline:num_requests_running", "Sequences running (decode slots or prefill)",
+              lambda r: r.snapshot.num_running)
+        gauge("loopline:num_requests_waiting", "Sequences waiting for admission", lambda r: r.snapshot.num_waiting)
+        gauge("loopline:kv_cache_used_blocks", "KV blocks in use (all planes)", lambda r: r.snapshot.kv_used_blocks)
+        gauge("loopline:kv_cache_total_blocks", "KV blocks in the pool", lambda r: r.snapshot.kv_total_blocks)
+        gauge("loopline:kv_cache_usage_perc", "Fraction of KV blocks in use", lambda r: r.snapshot.kv_used_blocks
+              / r.snapshot.kv_total_blocks if r.snapshot.kv_total_blocks else 0.0)
+        gauge("loopline:replica_healthy", "1 while the engine replica serves, 0 once it stopped (the health route "
+              "says why)", lambda r: float(r.problem is None))
         # Running totals the engine keeps: exported as counters read at scrape time.
-        reg.register(_EngineTotals(model_name, {
-            "loopline:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", lambda: snap().prefix_cache_queries),
-            "loopline:prefix_cache_hits": ("Prompt tokens served from the prefix cache", lambda: snap().prefix_cache_hits),
-            "loopline:num_preemptions": ("Requests preempted (snapshotted to CPU memory)", lambda: snap().num_preemptions),
+        reg.register(_EngineTotals(model_name, async_llm.replicas, {
+            "loopline:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", lambda s: s.prefix_cache_queries),
+            "loopline:prefix_cache_hits": ("Prompt tokens served from the prefix cache", lambda s: s.prefix_cache_hits),
+            "loopline:num_preemptions": ("Requests preempted (snapshotted to CPU memory)", lambda s: s.num_preemptions),
         }))
         self.in_flight = Gauge("loopline:http_requests_in_flight", "Generation HTTP requests being served",
                                ["model_name"], registry=reg).labels(**labels)
         async_llm.add_step_listener(self._on_step)
 
     def _on_step(self, rec: StepRecord) -> None:  # the engine client's thread; prometheus_client is thread-safe
-        self.steps.inc()
-        self.rows.inc(rec.rows)
-        self.rows_per_step.observe(rec.rows)
-        self.iteration_tokens.observe(rec.scheduled_tokens)
+        r = rec.replica
+        self.steps[r].inc()
+        self.rows[r].inc(rec.rows)
+        self.rows_per_step[r].observe(rec.rows)
+        self.iteration_tokens[r].observe(rec.scheduled_tokens)
 
     def tracker(self) -> "RequestTracker":
         return RequestTracker(self)
@@ -197,14 +214,18 @@ class RequestTracker:
 
 
 class _EngineTotals(Collector):
-    """Counters whose values the engine keeps (read at scrape time): ``name -> (help, read)``."""
+    """Counters whose values each engine replica keeps (read at scrape time): ``name -> (help, read)``."""
 
-    def __init__(self, model_name: str, totals: dict[str, tuple[str, Callable[[], float]]]) -> None:
+    def __init__(self, model_name: str, replicas: Callable[[], list[ReplicaState]],
+                 totals: dict[str, tuple[str, Callable[[EngineSnapshot], float]]]) -> None:
         self.model_name = model_name
+        self.replicas = replicas
         self.totals = totals
 
     def collect(self) -> Iterator[CounterMetricFamily]:
+        replicas = self.replicas()
         for name, (doc, read) in self.totals.items():
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], read())
+            family = CounterMetricFamily(name, doc, labels=["model_name", "replica"])
+            for r in replicas:
+                family.add_metric([self.model_name, str(r.index)], read(r.snapshot))
             yield family
