@@ -224,6 +224,11 @@ class LooplineServer:
     async def get_global_steps(self) -> int | None:
         return self._server().global_steps
 
+    async def get_load(self) -> dict[str, int]:
+        """Requests running and waiting in the engine after its latest step."""
+        snap = self._server().llm.snapshot
+        return {"num_running": int(snap.num_running), "num_waiting": int(snap.num_waiting)}
+
     def _server(self) -> RolloutServer:
         if self.server is None:
             raise RuntimeError("the engine is not built yet (init_engine)")
