@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
@@ -108,6 +109,31 @@ def publish(engine: _Target, weights: Iterable[tuple[str, Tensor]], version: int
                 abort()
             except Exception:  # the update was already closed by the failing call
                 pass
+        raise
+    return PublishStats(version=int(committed), buckets=buckets, tensors=tensors, bytes=total,
+                        largest_bucket_bytes=largest, seconds=time.perf_counter() - t0)
+
+
+async def publish_async(llm: Any, weights: Iterable[tuple[str, Tensor]], version: int,
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PublishStats:
+    """:func:`publish` for :class:`~loopline.AsyncLLM` (awaited calls; with the engine in its own
+    process, CUDA tensors cross as IPC handles and are copied device to device there)."""
+    t0 = time.perf_counter()
+    await llm.start_weight_update(version)
+    buckets = tensors = total = largest = 0
+    try:
+        for bucket in iter_buckets(weights, bucket_bytes):
+            nbytes = sum(tensor_bytes(t) for _, t in bucket if isinstance(t, Tensor))
+            n = len(bucket)
+            await llm.update_weights(bucket)
+            del bucket
+            buckets, tensors, total, largest = buckets + 1, tensors + n, total + nbytes, max(largest, nbytes)
+        committed = await llm.finish_weight_update()
+    except BaseException:
+        try:
+            await llm.abort_weight_update()
+        except Exception:  # the update was already closed by the failing call
+            pass
         raise
     return PublishStats(version=int(committed), buckets=buckets, tensors=tensors, bytes=total,
                         largest_bucket_bytes=largest, seconds=time.perf_counter() - t0)

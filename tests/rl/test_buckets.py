@@ -63,3 +63,28 @@ def test_publish_failure_aborts_and_keeps_the_old_version(tiny_gqa, engine_for):
         publish(engine, items, 1, bucket_bytes=1 << 30)
     assert engine.get_weight_version() == 0 and not engine.control.weights.in_progress
     assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_publish_async_in_buckets(tiny_gqa, tiny_factory, ids, engine_for, run):
+    import asyncio
+
+    from loopline import AsyncLLM, SamplingParams
+    from loopline.rl.buckets import publish_async
+
+    other = tiny_factory(7)
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True)
+
+    async def main(engine):
+        llm = AsyncLLM(engine=engine)
+        try:
+            assert await llm.device_memory_stats() is None  # CPU
+            stats = await publish_async(llm, iter(other.state_dict.items()), 1, bucket_bytes=2048)
+            return stats, await llm.generate_tokens(ids(5), params)
+        finally:
+            llm.shutdown()
+
+    stats, out = asyncio.run(main(engine_for(tiny_gqa)))
+    assert stats.version == 1 and stats.buckets > 1 and stats.tensors == len(other.state_dict)
+    ref = run(engine_for(other), {"r": (ids(5), params)})["r"].outputs[0]  # a fresh engine on the new weights
+    assert out.weight_version == 1 and out.outputs[0].token_ids == ref.token_ids
+    assert max(abs(a - b) for a, b in zip(out.outputs[0].token_logprobs, ref.token_logprobs)) <= 1e-5
