@@ -194,3 +194,18 @@ def test_weight_update_in_both_orders(tiny_gqa, tiny_factory, ids):
     assert third.token_ids == first.token_ids == fourth.token_ids  # the first weights again
     assert max(abs(a - b) for a, b in zip(third.log_probs, first.log_probs)) <= 1e-5
     assert second.log_probs != first.log_probs  # other weights served in between
+
+
+def test_inference_and_rl_code_import_neither_verl_nor_ray():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = ("import sys, loopline, loopline.rl, loopline.rl.rollout_server, loopline.entrypoints.cli, "
+             "loopline.entrypoints.openai.api_server; print(sorted(m for m in ('verl', 'ray') if m in sys.modules))")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
