@@ -157,7 +157,13 @@ def measure_engine_process(ckpt: Path, engine_dtype: str, device: torch.device, 
                               disable_log_stats=True))
     start_s = time.perf_counter() - t0
     try:
-        return asyncio.run(_measure_engine_process(llm, state, device, sources, dtypes, buckets_mb, repeats)), start_s
+        records = []
+        for source in sources:  # one failing route (e.g. a small /dev/shm for host tensors) spares the others
+            try:
+                records += asyncio.run(_measure_engine_process(llm, state, device, [source], dtypes, buckets_mb, repeats))
+            except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
+                records.append({"route": "engine_process", "source": source, "error": f"{type(e).__name__}: {e}"})
+        return records, start_s
     finally:
         llm.shutdown()
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import ray
 import torch
+import torch.multiprocessing  # noqa: F401  (registers torch's sharing reductions with ForkingPickler)
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY, BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
