@@ -161,6 +161,8 @@ def test_weight_update_in_both_orders(tiny_gqa, tiny_factory, ids):
     async def main():
         server = _server(tiny_gqa)
         try:
+            await server.wake_up()  # verl may wake an awake server: a no-op
+            await server.clear_kv_cache()
             first = await greedy(server)
             # hybrid: everything freed, weights back, update, KV back
             await server.sleep()
