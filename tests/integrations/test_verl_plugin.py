@@ -20,31 +20,10 @@ ray = pytest.importorskip("ray")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from verl_testing import LONG_RESPONSE, PROMPT_LENGTH, RESPONSE_LENGTH, compose, greedy_reference  # noqa: E402
+
 from loopline.models.loader import load_model  # noqa: E402
 from loopline.rl import replay_logprobs  # noqa: E402
-
-PROMPT_LENGTH, RESPONSE_LENGTH = 32, 8
-LONG_RESPONSE, MAX_MODEL_LEN, NUM_KV_BLOCKS = 400, 512, 2048  # the request aborted mid-generation
-
-
-def _compose(model_path: str, *overrides: str):
-    from hydra import compose, initialize_config_dir
-
-    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose(config_name="ppo_trainer", overrides=[
-            f"actor_rollout_ref.model.path={model_path}",
-            "actor_rollout_ref.rollout.name=loopline", "actor_rollout_ref.rollout.mode=async",
-            "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-            f"actor_rollout_ref.rollout.prompt_length={PROMPT_LENGTH}",
-            f"actor_rollout_ref.rollout.response_length={RESPONSE_LENGTH}",
-            "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.calculate_log_probs=True",
-            "actor_rollout_ref.rollout.agent.num_workers=1", "actor_rollout_ref.rollout.max_num_seqs=8",
-            f"+actor_rollout_ref.rollout.engine_kwargs.loopline.num_kv_blocks={NUM_KV_BLOCKS}",
-            f"+actor_rollout_ref.rollout.engine_kwargs.loopline.max_model_len={MAX_MODEL_LEN}",
-            *overrides])
-
 
 @pytest.fixture(scope="module")
 def tiny(tiny_factory):
@@ -53,7 +32,7 @@ def tiny(tiny_factory):
 
 @pytest.fixture(scope="module")
 def config(tiny):
-    return _compose(str(tiny.path))
+    return compose(str(tiny.path))
 
 
 @pytest.fixture(scope="module")
@@ -149,16 +128,6 @@ def test_greedy_validation_equals_a_fresh_llm(tiny, agent_loops):
 
 
 # --- weight updates in verl's two orders ----------------------------------------------------------
-def _greedy_reference(path, prompt, max_tokens=6):
-    from loopline import LLM, SamplingParams
-
-    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=NUM_KV_BLOCKS)
-    c = llm.generate([{"prompt_token_ids": list(prompt)}],
-                     SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, ignore_eos=True),
-                     use_tqdm=False)[0].outputs[0]
-    return list(c.token_ids), list(c.token_logprobs)
-
-
 def test_disaggregated_update_resubmits_the_aborted_request_on_new_weights(tiny, tiny_factory, servers, ids_):
     """verl's CheckpointEngineManager order: abort, release KV, CheckpointEngineWorker.update_weights
     (verl's own worker calls LooplineServerAdapter.update_weights), resume KV, resume generation.
@@ -195,16 +164,16 @@ def test_disaggregated_update_resubmits_the_aborted_request_on_new_weights(tiny,
     # the first attempt ran before any update, the resubmission after it
     assert result.extra_fields["min_global_steps"] == 0 and result.extra_fields["max_global_steps"] == 1
     assert result.extra_fields["global_steps"] == 1
-    old, _ = _greedy_reference(tiny.path, prompt, n)
+    old, _ = greedy_reference(tiny.path, prompt, n)
     k = next((i for i, (a, b) in enumerate(zip(old, result.token_ids)) if a != b), n)  # old weights up to here
     assert k < n  # the abort came before the end
     # the rest is the new weights' greedy continuation of prompt + partial (a new token may equal the
     # old one by chance, so the split is at most a few tokens before the first difference)
     splits = [j for j in range(k, max(-1, k - 3), -1)
-              if _greedy_reference(other.path, prompt + result.token_ids[:j], n - j)[0] == result.token_ids[j:]]
+              if greedy_reference(other.path, prompt + result.token_ids[:j], n - j)[0] == result.token_ids[j:]]
     assert splits, "the resubmitted part is not the new weights' greedy continuation"
     j = splits[0]
-    _, new_lp = _greedy_reference(other.path, prompt + result.token_ids[:j], n - j)
+    _, new_lp = greedy_reference(other.path, prompt + result.token_ids[:j], n - j)
     assert max(abs(a - b) for a, b in zip(result.log_probs[j:], new_lp)) <= 1e-5
 
 
@@ -244,7 +213,7 @@ def test_hybrid_update_through_the_adapter(tiny, config, servers, ids_):
     before, out, after_bad, again = asyncio.run(main())
     assert out.extra_fields["weight_version"] == before + 1 == after_bad
     assert out.extra_fields["global_steps"] == 2 and again.extra_fields["global_steps"] == 2
-    ref_tokens, ref_logprobs = _greedy_reference(tiny.path, prompt)
+    ref_tokens, ref_logprobs = greedy_reference(tiny.path, prompt)
     assert out.token_ids == ref_tokens == again.token_ids
     assert max(abs(a - b) for a, b in zip(out.log_probs, ref_logprobs)) <= 1e-5
 
