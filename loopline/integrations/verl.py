@@ -45,7 +45,7 @@ from verl.workers.rollout.base import _ROLLOUT_REGISTRY, BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
 from verl.workers.rollout.utils import ensure_async_iterator
 
-from loopline.rl.buckets import tensor_bytes
+from loopline.rl.buckets import BucketFiller
 from loopline.rl.rollout_server import EngineOptions, RolloutLimits, RolloutServer, engine_options
 
 logger = logging.getLogger("loopline.verl")
@@ -124,18 +124,15 @@ def unpack_bucket(bucket: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
 
 async def abuckets(weights: Any, bucket_bytes: int) -> AsyncIterator[list[tuple[str, torch.Tensor]]]:
     """:func:`loopline.rl.buckets.iter_buckets` over a sync or async ``(name, tensor)`` stream."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    filler = BucketFiller(bucket_bytes)
     async for name, tensor in ensure_async_iterator(weights):
-        nbytes = tensor_bytes(tensor) if isinstance(tensor, torch.Tensor) else 0
-        if bucket and size + nbytes > bucket_bytes:
-            full, bucket, size = bucket, [], 0
+        full = filler.add(name, tensor)
+        if full is not None:
             yield full
             del full
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+    last = filler.flush()
+    if last is not None:
+        yield last
 
 
 # --- the server actor ---------------------------------------------------------------------------

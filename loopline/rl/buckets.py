@@ -42,25 +42,45 @@ def check_bucket_bytes(bucket_bytes: int) -> int:
     return bucket_bytes
 
 
+class BucketFiller:
+    """Fills buckets of at most ``bucket_bytes`` (a larger tensor alone), in stream order: ``add``
+    returns the bucket it closed, ``flush`` the last one. It keeps no reference to a bucket it
+    returned, so the caller's is the last one (its tensors can be freed once sent)."""
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
+        self._bucket: list[tuple[str, Tensor]] = []
+        self._size = 0
+
+    def add(self, name: str, tensor: Tensor) -> list[tuple[str, Tensor]] | None:
+        nbytes = tensor_bytes(tensor) if isinstance(tensor, Tensor) else 0  # the engine names a non-tensor
+        full = None
+        if self._bucket and self._size + nbytes > self.bucket_bytes:
+            full, self._bucket, self._size = self._bucket, [], 0
+        self._bucket.append((name, tensor))
+        self._size += nbytes
+        return full
+
+    def flush(self) -> list[tuple[str, Tensor]] | None:
+        full, self._bucket, self._size = self._bucket or None, [], 0
+        return full
+
+
 def iter_buckets(weights: Iterable[tuple[str, Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
                  ) -> Iterator[list[tuple[str, Tensor]]]:
     """Groups ``(name, tensor)`` pairs into lists of at most ``bucket_bytes`` (an oversized tensor
     alone); pairs keep their order, and the stream is read only as far as the bucket being filled."""
-    check_bucket_bytes(bucket_bytes)
+    filler = BucketFiller(bucket_bytes)
     if isinstance(weights, dict):
         weights = weights.items()
-    bucket: list[tuple[str, Tensor]] = []
-    size = 0
     for name, tensor in weights:
-        nbytes = tensor_bytes(tensor) if isinstance(tensor, Tensor) else 0  # the engine names a non-tensor
-        if bucket and size + nbytes > bucket_bytes:
-            full, bucket, size = bucket, [], 0
-            yield full  # NOTE: no reference kept here: the caller's is the last one
-            del full
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+        full = filler.add(name, tensor)
+        if full is not None:
+            yield full
+            del full  # NOTE: no reference kept here: the caller's is the last one
+    last = filler.flush()
+    if last is not None:
+        yield last
 
 
 @dataclass(frozen=True)

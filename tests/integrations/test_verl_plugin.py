@@ -99,6 +99,28 @@ def test_registration_routes(env, registered):
     assert proc.stdout.strip().splitlines()[-1] == expected
 
 
+# --- adapter pieces (no Ray) -----------------------------------------------------------------------
+def test_async_buckets_match_the_sync_ones_and_cpu_tensors_pass_through():
+    from loopline.integrations.verl import abuckets, pack_bucket, unpack_bucket
+    from loopline.rl.buckets import iter_buckets
+
+    items = [(f"t{i}", torch.full((n,), float(i))) for i, n in enumerate([3, 5, 2, 10, 1, 1, 30, 4])]
+
+    async def agen():
+        for item in items:
+            yield item
+
+    async def collect(stream):
+        return [b async for b in abuckets(stream, 40)]
+
+    expected = [[n for n, _ in b] for b in iter_buckets(iter(items), 40)]
+    for stream in (iter(items), agen()):
+        assert [[n for n, _ in b] for b in asyncio.run(collect(stream))] == expected
+    packed = pack_bucket(items[:2])
+    assert all(p[1] is t for p, (_, t) in zip(packed, items[:2]))  # CPU: Ray serializes them as they are
+    assert unpack_bucket(packed) == packed
+
+
 # --- AgentLoopManager over the replica ------------------------------------------------------------
 def test_agent_loop_rollouts_equal_replay(tiny, agent_loops):
     out = agent_loops.generate_sequences(_batch(["count to three"] * 4 + ["name a colour"] * 2))
