@@ -65,7 +65,7 @@ def hybrid(tiny_factory):
 
     tiny = tiny_factory(0)
     config = compose(str(tiny.path))
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     try:
         pool = RayResourcePool(process_on_nodes=[1], use_gpu=True, max_colocate_count=1)

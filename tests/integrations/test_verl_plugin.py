@@ -39,7 +39,7 @@ def config(tiny):
 def servers(config):
     from verl.workers.rollout.llm_server import LLMServerManager
 
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     try:
         yield LLMServerManager.create(config)
