@@ -28,25 +28,21 @@ field, the loop defaults ``min_loops`` / ``max_loops`` / ``exit_threshold``, ``b
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import pickle
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import ray
 import torch
-import torch.multiprocessing  # noqa: F401  (registers torch's sharing reductions with ForkingPickler)
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY, BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
 from verl.workers.rollout.utils import ensure_async_iterator
 
 from loopline.rl.buckets import BucketFiller
-from loopline.rl.rollout_server import EngineOptions, RolloutLimits, RolloutServer, engine_options
+from loopline.rl.ipc import pack_bucket, unpack_bucket
+from loopline.rl.rollout_server import EngineOptions, RolloutServer, engine_options
 
 logger = logging.getLogger("loopline.verl")
 
@@ -103,25 +99,7 @@ def _options(config: Any, model_path: str, replica_rank: int) -> EngineOptions:
         seed=int(config.seed) * 1_000_003 + replica_rank, extra=extra)
 
 
-# --- weights across processes -------------------------------------------------------------------
-@dataclass(frozen=True)
-class _CudaIpc:
-    """A CUDA tensor pickled with torch's sharing reductions: an IPC handle, not the data."""
-
-    data: bytes
-
-
-def pack_bucket(bucket: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """CUDA tensors become IPC handles (the receiver maps the sender's memory, no host copy; the
-    sender keeps them alive until the call returns); CPU tensors travel as Ray serializes them."""
-    return [(n, _CudaIpc(bytes(ForkingPickler.dumps(t))) if isinstance(t, torch.Tensor) and t.is_cuda else t)
-            for n, t in bucket]
-
-
-def unpack_bucket(bucket: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    return [(n, pickle.loads(t.data) if isinstance(t, _CudaIpc) else t) for n, t in bucket]
-
-
+# --- weights across processes (loopline.rl.ipc: CUDA tensors as IPC handles) -------------------
 async def abuckets(weights: Any, bucket_bytes: int) -> AsyncIterator[list[tuple[str, torch.Tensor]]]:
     """:func:`loopline.rl.buckets.iter_buckets` over a sync or async ``(name, tensor)`` stream."""
     filler = BucketFiller(bucket_bytes)

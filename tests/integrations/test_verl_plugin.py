@@ -101,7 +101,8 @@ def test_registration_routes(env, registered):
 
 # --- adapter pieces (no Ray) -----------------------------------------------------------------------
 def test_async_buckets_match_the_sync_ones_and_cpu_tensors_pass_through():
-    from loopline.integrations.verl import abuckets, pack_bucket, unpack_bucket
+    from loopline.integrations.verl import abuckets
+    from loopline.rl.ipc import pack_bucket, unpack_bucket
     from loopline.rl.buckets import iter_buckets
 
     items = [(f"t{i}", torch.full((n,), float(i))) for i, n in enumerate([3, 5, 2, 10, 1, 1, 30, 4])]
@@ -204,7 +205,6 @@ def test_hybrid_update_through_the_adapter(tiny, config, servers, ids_):
     verl's adapter class as get_rollout_class returns it; wire formats other than named tensors and
     bad tensors are refused with the committed version unchanged."""
     from verl.workers.rollout.base import get_rollout_class
-    from verl.workers.rollout.replica import RolloutReplicaRegistry  # noqa: F401  (the module registers)
 
     adapter = get_rollout_class("loopline", "async")(config=config.actor_rollout_ref.rollout,
                                                      model_config=config.actor_rollout_ref.model, device_mesh=None,

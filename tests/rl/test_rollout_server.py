@@ -7,7 +7,6 @@ import time
 import pytest
 import torch
 
-from loopline import AsyncLLM
 from loopline.errors import InvalidRequestError, WeightUpdateError
 from loopline.models.loader import load_model
 from loopline.rl import replay_logprobs
