@@ -16,6 +16,10 @@ python tools/rl_gpu_measure.py [--config ouro-1.4b] [--device cuda] [--out DIR]
     (``caller_peak_extra_gib``: the gathered buckets, casts) and in the engine's
     (``engine_peak_extra_gib``).
 
+(e) ``ipc_bytes``: a bucket of device tensors packed with ``loopline.rl.ipc`` (CUDA IPC handles as
+    plain bytes, what the verl adapter sends over Ray) and rebuilt in another process: whether
+    every tensor arrived intact, and the bytes sent for the bucket's size.
+
 On the CPU (``--device cpu``, the test's reduced form) the ``device`` sources are CPU tensors and
 memory figures are None.
 """
@@ -168,6 +172,41 @@ def measure_engine_process(ckpt: Path, engine_dtype: str, device: torch.device, 
         llm.shutdown()
 
 
+_IPC_RECEIVER = """
+import json, pickle, sys
+from loopline.rl.ipc import unpack_bucket
+tensors = unpack_bucket(pickle.loads(sys.stdin.buffer.read()))
+print(json.dumps({n: float(t.double().sum()) for n, t in tensors}))
+"""
+
+
+def check_ipc_bytes(state: dict[str, torch.Tensor], device: torch.device, n: int = 8) -> dict | None:
+    """(e): ``n`` tensors on the device cross to a fresh process as IPC handles in bytes (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    from loopline.rl.ipc import pack_bucket
+
+    bucket = [(k, v.to(device)) for k, v in list(state.items())[:n]]
+    payload = pickle.dumps(pack_bucket(bucket))
+    root = str(Path(__file__).resolve().parents[1])
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _IPC_RECEIVER], input=payload, capture_output=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"ok": False, "error": proc.stderr.decode(errors="replace")[-2000:]}
+    seen = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    ok = all(abs(seen[k] - float(v.double().sum())) <= 1e-6 * max(1.0, abs(seen[k])) for k, v in bucket)
+    return {"ok": ok and len(seen) == len(bucket), "tensors": len(bucket), "payload_bytes": len(payload),
+            "bucket_bytes": sum(v.numel() * v.element_size() for _, v in bucket),
+            "receiver_process_s": round(seconds, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="ouro-1.4b")
@@ -241,6 +280,7 @@ def main() -> None:
         "engine_dtype": engine_dtype, "bucketed": bucketed, "engine_process_start_s":
             round(proc_start_s, 2) if proc_start_s is not None else None,
         "version_after": engine.get_weight_version(), "generates_after_update": after > 0,
+        "ipc_bytes": check_ipc_bytes(state, device),
     }
     line = json.dumps(result)
     print(line)
