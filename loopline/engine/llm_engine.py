@@ -410,6 +410,18 @@ class LLMEngine:
         """Paused and no request left in flight (held ones have not started)."""
         return self.control.is_paused and not self.scheduler.has_unfinished()
 
+    def device_memory_stats(self, reset_peak: bool = False) -> dict[str, int] | None:
+        """``{"allocated", "peak"}`` bytes of this process's CUDA allocator on the engine's device
+        (``None`` on the CPU); ``reset_peak`` starts a new peak. For measurements: an engine in its
+        own process is reached through ``AsyncLLM.device_memory_stats``."""
+        device = self.config.device
+        if device.type != "cuda":
+            return None
+        stats = {"allocated": torch.cuda.memory_allocated(device), "peak": torch.cuda.max_memory_allocated(device)}
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
+        return stats
+
     @property
     def is_sleeping(self) -> bool:
         return self.control.is_sleeping

@@ -341,6 +341,10 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return await self._call("is_sleeping")
 
+    async def device_memory_stats(self, reset_peak: bool = False) -> dict[str, int] | None:
+        """The engine process's CUDA allocator: ``{"allocated", "peak"}`` bytes (``None`` on the CPU)."""
+        return await self._call("device_memory_stats", (reset_peak,))
+
     async def _call(self, name: str, args: tuple = (), until_drained: bool = False) -> Any:
         return await asyncio.wrap_future(self._client.call(name, args, until_drained))
 

@@ -177,7 +177,14 @@ class WeightUpdater:
             in_call.add(name)
             items.append((name, target, tensor.detach().to(dtype=self._dtypes[name])))
         if items:
-            finite = torch.stack([torch.isfinite(src).all().to("cpu") for _, _, src in items]).tolist()
+            # NOTE: one flag per tensor, stacked on its own device: one host sync per device, not per tensor
+            by_device: dict[torch.device, list[int]] = {}
+            for i, (_, _, src) in enumerate(items):
+                by_device.setdefault(src.device, []).append(i)
+            finite = [True] * len(items)
+            for idx in by_device.values():
+                for i, ok in zip(idx, torch.stack([torch.isfinite(items[i][2]).all() for i in idx]).tolist()):
+                    finite[i] = ok
             bad = [n for (n, _, _), ok in zip(items, finite) if not ok]
             if bad:
                 raise WeightUpdateError(f"tensor(s) with non-finite values (NaN/Inf) as the model's dtype: {_summary(bad)}",
