@@ -14,6 +14,7 @@ class RequestStatus(enum.Enum):
     PREEMPTED = "preempted"  # waiting again, its state snapshotted in CPU memory
     PREFILL = "prefill"
     DECODE = "decode"
+    HANDOFF = "handoff"  # prefill worker: prompt done, first token sampled, moving to a decode worker
     FINISHED = "finished"
 
 

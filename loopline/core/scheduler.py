@@ -28,6 +28,10 @@ from loopline.core.request import PrefillChunk, Request, RequestStatus
 from loopline.kv.manager import KVCacheManager
 
 
+# Statuses whose rows a step runs (HANDOFF: the prompt's last loop, booked as the row was scheduled).
+_SCHEDULED = (RequestStatus.DECODE, RequestStatus.PREFILL, RequestStatus.HANDOFF)
+
+
 # --- strategies -------------------------------------------------------------------------------
 class Allocation:
     """Full reservation: a request's whole ``prompt + max_tokens`` is allocated at admission."""
@@ -82,7 +86,7 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, exit_policy: ExitPolicy, queue: RequestQueue,
                  max_num_seqs: int, max_num_batched_tokens: int, num_loops: int,
                  allocation: Allocation | None = None, preemption: Preemption | None = None,
-                 watermark_blocks: int = 0) -> None:
+                 watermark_blocks: int = 0, after_prefill: RequestStatus = RequestStatus.DECODE) -> None:
         self.kv = kv
         self.exit_policy = exit_policy
         self.waiting = queue
@@ -95,6 +99,9 @@ class Scheduler:
         self.allocation = allocation or Allocation()
         self.preemption = preemption
         self.watermark_blocks = watermark_blocks
+        # DECODE: the request decodes here; HANDOFF (a prefill worker, loopline.distributed.pd): it is
+        # never scheduled again and leaves with its first token for a decode worker.
+        self.after_prefill = after_prefill
         self.cache_salt: object = 0  # the weight version: prefix-cache keys include it
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -108,6 +115,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.push(request)
+
+    def adopt(self, request: Request) -> None:
+        """Queues a request handed off by a prefill worker: ``PREEMPTED`` with ``resume_status``
+        ``DECODE``, its state in a runner snapshot, so it resumes exactly like a preempted request."""
+        assert request.status == RequestStatus.PREEMPTED and request.resume_status == RequestStatus.DECODE
+        self.add_request(request)
 
     def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> Request | None:
         """Finishes (or aborts) a request and frees its KV, slot and snapshot at once."""
@@ -162,7 +175,7 @@ class Scheduler:
         for req in self.running:
             if req.status == RequestStatus.PREFILL and budget > 0:
                 budget = self._schedule_prefill(req, rows, budget)
-        rows = [r for r in rows if self.requests[r.request_id].status in (RequestStatus.DECODE, RequestStatus.PREFILL)]
+        rows = [r for r in rows if self.requests[r.request_id].status in _SCHEDULED]
         out, self._out = self._out, SchedulerOutput([])
         out.rows = rows
         return out
@@ -253,7 +266,7 @@ class Scheduler:
     def _victims(self) -> list[Request]:
         """Running requests that may be preempted: not ones started or resumed in this same step
         (they have not run; preempting them would only thrash)."""
-        return [r for r in self.running if r.request_id not in self._moved_now]
+        return [r for r in self.running if r.request_id not in self._moved_now and r.status != RequestStatus.HANDOFF]
 
     def _preempt_for(self, waiting: Request) -> bool:
         """Preempts a running request of strictly lower priority than ``waiting``."""
@@ -340,7 +353,7 @@ class Scheduler:
         return req if req is not None and req.arrival_seq == row.seq else None
 
     def prefill_done(self, req: Request) -> None:
-        req.status = RequestStatus.DECODE
+        req.status = self.after_prefill
         # NOTE: a prompt whose prefill began under older weights (frozen across an
         # update by pause "keep") is never cached under the new salt.
         if req.cache_salt == self.cache_salt:

@@ -39,7 +39,7 @@ from loopline.worker.exit_rule import exit_decision
 from loopline.worker.sampler import Sampler, SamplerOutput
 from loopline.worker.sampling_inputs import HostSample, ParamsStager, SampleBatch, build_sampling_tensors, has_penalties
 from loopline.worker.staging import stage
-from loopline.worker.swap import Snapshot
+from loopline.worker.swap import HandoffState, Snapshot
 from loopline.worker.step_inputs import build_prefill_inputs, work_list
 
 _SEED_MASK = 2**63 - 1
@@ -259,6 +259,42 @@ class ModelRunner:
         st.slot = resumed.slot
         self.decode_state.load(resumed.slot, snap.decode_state, resumed.block_tables)
         self.requests[resumed.request_id] = st
+
+    # --- prefill/decode disaggregation ----------------------------------------------------
+    def export_request(self, request_id: str) -> tuple[HandoffState, Tensor]:
+        """Takes a request whose prompt finished (its first token fed to its slot) off this runner:
+        its slot state on the CPU and a copy of its prompt's KV pages of every plane,
+        ``[2 (k, v), layers, planes * blocks, block_size, kv_heads, D]`` on this device (the pool's
+        pages may be reused at once). Exactly what a preemption snapshot holds, without the prefill
+        buffers a decode worker never reads."""
+        st = self.requests.pop(request_id)
+        blocks = -(-st.prompt.numel() // self.block_size)
+        idx = self._blocks_index([a[:blocks] for a in st.block_arrays])
+        kv = torch.empty((2, self.k_cache.shape[0], idx.numel(), *self.k_cache.shape[2:]), dtype=self.dtype,
+                         device=self.device)
+        torch.index_select(self.k_cache, 1, idx, out=kv[0])
+        torch.index_select(self.v_cache, 1, idx, out=kv[1])
+        cpu = torch.device("cpu")
+        slot = st.slot
+        state = HandoffState(
+            params=st.params, seed=st.seed, prompt_token_ids=st.prompt.tolist(), prompt_exit=st.prompt_exit,
+            max_len=st.max_len, blocks_per_plane=blocks, slot_hidden=self.slot_hidden[slot].to(cpu),
+            slot_survival=self.slot_survival[slot].to(cpu), decode_state=self.decode_state.save(slot, lambda t: t.to(cpu)))
+        return state, kv
+
+    def adopt_request(self, request_id: str, state: HandoffState, kv: Tensor) -> None:
+        """Holds a request exported by another runner (``export_request``) as a preemption snapshot:
+        the scheduler resumes it like a preempted request (``ResumedRequestData``)."""
+        h = self.model.config.hidden_size
+        cpu = torch.device("cpu")
+        st = _RequestState(params=state.params, seed=state.seed,
+                           prompt=torch.tensor(state.prompt_token_ids, dtype=torch.long), block_arrays=[],
+                           prompt_exit=state.prompt_exit, hidden=torch.empty(0, h, dtype=self.dtype, device=cpu),
+                           survival=torch.empty(0, device=cpu), sel_hidden=torch.empty(0, h, dtype=self.dtype, device=cpu),
+                           sel_depth=torch.empty(0, dtype=torch.long, device=cpu), max_len=state.max_len)
+        self.snapshots[request_id] = Snapshot(k=kv[0], v=kv[1], slot_hidden=state.slot_hidden,
+                                              slot_survival=state.slot_survival, state=st,
+                                              blocks_per_plane=state.blocks_per_plane, decode_state=state.decode_state)
 
     @property
     def snapshot_bytes(self) -> int:
