@@ -242,10 +242,11 @@ class LLMEngine:
         self.outputs.forget(rid)
         return handoff, kv
 
-    def adopt(self, handoff: Handoff, kv: torch.Tensor) -> None:
+    def adopt(self, handoff: Handoff, kv: torch.Tensor) -> str:
         """Takes over a request a prefill worker handed off (``kv``: its pages, as ``hand_off``
         returned them, on any device): it resumes at its second token exactly as in the engine that
-        produced its first, and its outputs continue the prefill worker's."""
+        produced its first, and its outputs continue the prefill worker's. Returns the text the
+        prefill worker reported (where this engine's text deltas start)."""
         self._check_alive()
         self.control.check_may_generate()
         if self.outputs.has(handoff.request_id):
@@ -259,8 +260,14 @@ class LLMEngine:
                       status=RequestStatus.PREEMPTED, output=[handoff.first])
         req.resume_status = RequestStatus.DECODE
         self.runner.adopt_request(handoff.child_id, handoff.runner, kv)
-        self.outputs.adopt(req, handoff.prompt, handoff.metrics, handoff.weight_version)
+        try:
+            text = self.outputs.adopt(req, handoff.prompt, handoff.metrics, handoff.weight_version)
+        except Exception:  # e.g. the detokenizer on the first token: nothing of it stays
+            self.runner.snapshots.pop(handoff.child_id, None)
+            self.outputs.forget(handoff.request_id)
+            raise
         self.scheduler.adopt(req)
+        return text
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

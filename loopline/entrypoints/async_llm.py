@@ -96,7 +96,7 @@ class AsyncLLM:
     """
 
     def __init__(self, engine_args: EngineArgs | None = None, *, engine: LLMEngine | None = None) -> None:
-        self._client: EngineClient = InProcClient(engine) if engine is not None else MPClient(engine_args or EngineArgs())
+        self._client: EngineClient = InProcClient(engine) if engine is not None else _process_client(engine_args or EngineArgs())
         info = self._client.info
         self.config, self.model_config = info.config, info.model_config
         if engine is not None:
@@ -341,6 +341,14 @@ class AsyncLLM:
         self._client.shutdown(timeout)
         if self.tokenizers is not None:
             self.tokenizers.shutdown()
+
+
+def _process_client(args: EngineArgs) -> EngineClient:
+    """The engine in a process of its own, or prefill and decode workers (``--prefill-workers``)."""
+    if args.prefill_workers:
+        from loopline.distributed.pd import PDClient
+        return PDClient(args)
+    return MPClient(args)
 
 
 def _text_of(prompt: PromptType) -> str | None:

@@ -180,6 +180,7 @@ class EngineMessage:
     steps: list[StepRecord] = field(default_factory=list)  # the steps run since the last message
     snapshot: EngineSnapshot = field(default_factory=EngineSnapshot)
     dead: BaseException | None = None
+    handoffs: list[Any] = field(default_factory=list)  # a prefill worker's requests leaving it (distributed.pd)
 
 
 # --- deltas ----------------------------------------------------------------------------------
@@ -219,6 +220,11 @@ class DeltaEncoder:
 
     def drop(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
+
+    def seed(self, request_id: str, tokens_sent: int, text_sent: str) -> None:
+        """A request whose first output another engine sent (a prefill worker's handoff): its
+        deltas continue from there, without a head."""
+        self._sent[request_id] = ([[tokens_sent, text_sent]], [0])
 
 
 class _Assembled:
@@ -495,7 +501,7 @@ class EngineCore:
 
 
 # --- the engine process ----------------------------------------------------------------------
-def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads: int) -> None:
+def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads: int, role: Any = None) -> None:
     """Entry point of the engine process (``MPClient``): builds the engine, sends its
     :class:`EngineInfo` (or the exception that stopped the build), then runs the loop.
 
@@ -504,6 +510,9 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
     (a Ctrl-C reaches the whole process group) is ignored here, so the server can drain first;
     SIGTERM (multiprocessing's exit handler, a service manager) and a closed connection (the
     server went away) stop the loop as a shutdown does: requests still running are aborted.
+
+    ``role`` (a prefill or decode worker, ``loopline.distributed.pd``) builds the engine and the
+    loop instead: ``role.build_engine(engine_args)`` and ``role.make_core(engine, inbox, emit)``.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until the loop can stop cleanly
@@ -511,7 +520,7 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
     logging.getLogger("loopline").setLevel(log_level)
     torch.set_num_threads(num_threads)
     try:
-        engine = LLMEngine(engine_args)
+        engine = LLMEngine(engine_args) if role is None else role.build_engine(engine_args)
     except BaseException as e:  # the server raises it (e.g. an invalid flag) and exits
         conn.send_bytes(_dumps(EngineMessage(dead=e)))
         return
@@ -535,7 +544,8 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
     # NOTE: the loop runs on a thread of its own, as in the server process before: on a small CPU
     # host, torch ops issued from the main thread ran up to 10x slower (its OpenMP team busy-waits
     # when cores are oversubscribed). The process ends when the loop does.
-    loop = threading.Thread(target=EngineCore(engine, inbox, send).run, name="loopline-engine")
+    core = EngineCore(engine, inbox, send) if role is None else role.make_core(engine, inbox, send)
+    loop = threading.Thread(target=core.run, name="loopline-engine")
     loop.start()
     signal.signal(signal.SIGTERM, lambda *_: inbox.put(ShutdownCmd()))
     while loop.is_alive():  # NOTE: a timed join, so that the signal handler runs on this thread
