@@ -146,6 +146,7 @@ class CudaIpcTransport(KVTransport):
     """Two processes on one GPU: the payload is a CUDA IPC handle of the sender's pages copy."""
 
     name = "cuda_ipc"
+    _stream: Any = None
 
     def start(self, rank: int, world_size: int, init_method: str, device: torch.device) -> None:
         super().start(rank, world_size, init_method, device)
@@ -169,13 +170,19 @@ class CudaIpcTransport(KVTransport):
             import pickle
             import torch.multiprocessing  # noqa: F401
             torch.cuda.set_device(self.device)
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
             try:
-                shared = pickle.loads(payload)  # waits (on the device) for the sender's copy
-                if tuple(shared.shape) != tuple(shape) or shared.dtype != dtype:
-                    raise KVTransferError(f"KV pages of shape {tuple(shared.shape)} {shared.dtype}, "
-                                          f"expected {tuple(shape)} {dtype}")
-                out = shared.clone()  # our own copy: the sender's memory is released at once
-                torch.cuda.current_stream(self.device).synchronize()
+                # NOTE: a stream of its own, so the copy overlaps the engine's steps on the default stream
+                with torch.cuda.stream(self._stream):
+                    shared = pickle.loads(payload)  # this stream waits for the sender's copy (its IPC event)
+                    if tuple(shared.shape) != tuple(shape) or shared.dtype != dtype:
+                        raise KVTransferError(f"KV pages of shape {tuple(shared.shape)} {shared.dtype}, "
+                                              f"expected {tuple(shape)} {dtype}")
+                    out = shared.clone()  # our own copy: the sender's memory is released at once
+                    self._stream.synchronize()
+                # the engine reads it on its stream; the allocator must not reuse it before that
+                out.record_stream(torch.cuda.default_stream(self.device))
                 del shared
                 return out
             except KVTransferError:
