@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from loopline.core.request import RequestStatus
 from loopline.engine import LLMEngine
 from loopline.engine.handoff import Handoff
 from loopline.engine.input_processor import parent_request_id
@@ -56,6 +57,8 @@ from loopline.errors import (CapacityError, EngineDeadError, EngineInternalError
 from loopline.distributed.kv_transfer import KVTransport, make_transport, resolve_transport
 
 logger = logging.getLogger("loopline.pd")
+
+_TAG_STRIDE = 2**16
 
 __all__ = ["PDClient", "PrefillCore", "DecodeCore", "WorkerRole"]
 
@@ -78,32 +81,84 @@ class PrefillCmd(AddCmd):
 
 
 @dataclass
-class AcceptCmd:
-    """A decode worker receives a handed-off request (``aborted``: the client aborted it meanwhile:
-    receive its pages, then end it as aborted)."""
+class PieceMsg:
+    """Prompt pages ``[first_page, first_page + n)`` of every plane a prefill worker started sending
+    (in ``EngineMessage.handoffs``): final KV, sent while the next chunks compute."""
+
+    request_id: str
+    tag: int
+    payload: Any
+    shape: tuple[int, ...]
+    dtype: Any
+    first_page: int
+
+
+@dataclass
+class HandoffMsg:
+    """A prefill worker's request leaving it after ``num_pieces`` pieces (in ``EngineMessage.handoffs``)."""
 
     handoff: Handoff
-    payload: Any
+    num_pieces: int
+
+
+@dataclass
+class PieceCmd:
+    """A decode worker receives a piece of a request's pages (from ``src_rank``, with ``tag``)."""
+
+    piece: PieceMsg
     src_rank: int
-    tag: int
+
+
+@dataclass
+class AcceptCmd:
+    """A decode worker takes over a handed-off request once its ``num_pieces`` pieces arrived
+    (``aborted``: the client aborted it meanwhile: it ends as aborted)."""
+
+    handoff: Handoff
+    num_pieces: int
+    src_rank: int
     aborted: bool = False
 
 
 @dataclass
-class TransferDoneCmd:
-    """Inside a decode worker: a receive finished (the transport's thread wakes the loop)."""
+class DropCmd:
+    """The request whose pieces a decode worker received will not come (it ended on its prefill worker)."""
 
     request_id: str
 
 
 @dataclass
-class HandoffMsg:
-    """A prefill worker's request leaving it (in ``EngineMessage.handoffs``)."""
+class PieceDoneCmd:
+    """Inside a decode worker: a piece's receive finished (the transport's thread wakes the loop)."""
 
-    handoff: Handoff
-    payload: Any
-    tag: int
-    decode_rank: int
+    request_id: str
+    future: concurrent.futures.Future
+    first_page: int
+
+
+class PageAssembly:
+    """A request's prompt pages, ``[2, layers, planes * pages, block_size, kv_heads, D]``, filled
+    piece by piece (a piece: pages ``[first, first + n)`` of every plane, plane-major)."""
+
+    def __init__(self, planes: int) -> None:
+        self.planes = planes
+        self.pieces: list[tuple[int, torch.Tensor]] = []
+
+    def put(self, first_page: int, piece: torch.Tensor) -> None:
+        self.pieces.append((first_page, piece))
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        device = self.pieces[0][1].device if self.pieces else torch.device("cpu")
+        out = torch.empty(shape, dtype=dtype, device=device)
+        pages = shape[2] // self.planes
+        covered = 0
+        for first, piece in self.pieces:
+            n = piece.shape[2] // self.planes
+            for p in range(self.planes):
+                out[:, :, p * pages + first:p * pages + first + n] = piece[:, :, p * n:(p + 1) * n]
+            covered += n
+        assert covered == pages, (covered, pages)
+        return out
 
 
 # --- the worker processes --------------------------------------------------------------------
@@ -131,12 +186,15 @@ class WorkerRole:
 
 
 class PrefillCore(EngineCore):
-    """The loop of a prefill worker: a request leaves after its first token (``HandoffMsg``)."""
+    """The loop of a prefill worker: after every step, the prompt pages that became final are sent
+    to the request's decode worker (``PieceMsg``) while the next chunks compute; a request leaves
+    after its first token with the rest (``HandoffMsg``)."""
 
     def __init__(self, engine: LLMEngine, inbox: Inbox, emit, transport: KVTransport) -> None:
         super().__init__(engine, inbox, emit)
         self.transport = transport
-        self._targets: dict[str, tuple[int, int]] = {}
+        self._targets: dict[str, tuple[int, int]] = {}  # request id -> (decode rank, first tag)
+        self._sent: dict[str, tuple[int, int]] = {}  # request id -> (pages sent, pieces sent)
 
     def _apply(self, cmd: Command) -> None:
         if isinstance(cmd, PrefillCmd):
@@ -145,73 +203,154 @@ class PrefillCore(EngineCore):
 
     def _step(self) -> bool:
         progressed = super()._step()
+        for child, pages in self.engine.final_prompt_pages().items():
+            rid = parent_request_id(child)
+            if rid not in self._targets:
+                continue
+            try:
+                sent, _ = self._sent.get(rid, (0, 0))
+                if pages > sent and self.engine.scheduler.requests[child].status == RequestStatus.PREFILL:
+                    self._send_piece(rid, self.engine.export_pages(child, sent, pages), sent, pages)
+            except Exception as e:  # this request fails; the others go on
+                self._fail(rid, e)
         for child in self.engine.ready_handoffs():
             progressed = True
             self._hand_off(child)
         if len(self._targets) > len(self._live):  # requests that finished or failed here
             self._targets = {rid: t for rid, t in self._targets.items() if rid in self._live}
+            self._sent = {rid: t for rid, t in self._sent.items() if rid in self._live}
         return progressed
+
+    def _send_piece(self, rid: str, kv: torch.Tensor, first: int, end: int) -> None:
+        rank, tag0 = self._targets[rid]
+        _, count = self._sent.get(rid, (0, 0))
+        tag = tag0 + count
+        payload, sent = self.transport.send(kv, rank, tag)
+        sent.add_done_callback(lambda f: f.exception() is not None and logger.error(
+            "request %s: sending KV pages to worker %d failed: %s", rid, rank, f.exception()))
+        self._sent[rid] = (end, count + 1)
+        self._msg.handoffs.append(PieceMsg(rid, tag, payload, tuple(kv.shape), kv.dtype, first))
 
     def _hand_off(self, child: str) -> None:
         rid = parent_request_id(child)
-        rank, tag = self._targets.pop(rid)
         try:
-            handoff, kv = self.engine.hand_off(child)
-            payload, sent = self.transport.send(kv, rank, tag)
-        except Exception as e:  # this request fails; the others go on
-            error_id = new_error_id()
-            logger.exception("request %s: the handoff failed (error id %s)", rid, error_id)
-            self.engine.abort_request(rid)
-            self._msg.failures.append((rid, EngineInternalError(
-                f"internal error while handing the request to a decode worker (error id {error_id})", error_id)))
-        else:
-            sent.add_done_callback(lambda f: f.exception() is not None and logger.error(
-                "request %s: sending its KV pages to worker %d failed: %s", rid, rank, f.exception()))
-            self._msg.handoffs.append(HandoffMsg(handoff, payload, tag, rank))
+            sent, _ = self._sent.get(rid, (0, 0))
+            handoff, rest = self.engine.hand_off(child, sent)
+            if rest.shape[2]:
+                self._send_piece(rid, rest, sent, sent + rest.shape[2] // self.engine.kv.layout.num_planes)
+            self._msg.handoffs.append(HandoffMsg(handoff, self._sent.get(rid, (0, 0))[1]))
+        except Exception as e:
+            self._fail(rid, e)
+        self._targets.pop(rid, None)
+        self._sent.pop(rid, None)
         self._live.discard(rid)
         self._encoder.drop(rid)
 
+    def _fail(self, rid: str, error: Exception) -> None:
+        error_id = new_error_id()
+        logger.error("request %s: handing it to a decode worker failed (error id %s)", rid, error_id, exc_info=error)
+        self.engine.abort_request(rid)
+        self._live.discard(rid)
+        self._encoder.drop(rid)
+        self._targets.pop(rid, None)
+        self._sent.pop(rid, None)
+        self._msg.failures.append((rid, EngineInternalError(
+            f"internal error while handing the request to a decode worker (error id {error_id})", error_id)))
+
+
+@dataclass
+class _Incoming:
+    """A decode worker's view of a request on its way: its pieces and, once sent, its handoff."""
+
+    pages: PageAssembly
+    outstanding: int = 0  # receives not finished
+    received: int = 0
+    accept: AcceptCmd | None = None
+    error: BaseException | None = None
+    aborted: bool = False
+    dropped: bool = False
+
 
 class DecodeCore(EngineCore):
-    """The loop of a decode worker: handed-off requests arrive (``AcceptCmd``), their pages are
-    received on the transport's threads while the loop steps, and they resume once complete."""
+    """The loop of a decode worker: the pieces of a request's pages are received on the transport's
+    threads while the loop steps (``PieceCmd``); the request resumes once its handoff
+    (``AcceptCmd``) and all its pieces are in."""
 
     def __init__(self, engine: LLMEngine, inbox: Inbox, emit, transport: KVTransport) -> None:
         super().__init__(engine, inbox, emit)
         self.transport = transport
-        self._pending: dict[str, tuple[AcceptCmd, concurrent.futures.Future]] = {}
-        self._aborted: set[str] = set()  # pending requests the client aborted
+        self._incoming: dict[str, _Incoming] = {}
 
     def _apply(self, cmd: Command) -> None:
-        if isinstance(cmd, AcceptCmd):
-            self._accept(cmd)
-        elif isinstance(cmd, TransferDoneCmd):
-            self._adopt(cmd.request_id)
+        if isinstance(cmd, PieceCmd):
+            self._receive(cmd)
+        elif isinstance(cmd, PieceDoneCmd):
+            self._piece_done(cmd)
+        elif isinstance(cmd, AcceptCmd):
+            inc = self._get(cmd.handoff.request_id)
+            inc.accept, inc.aborted = cmd, inc.aborted or cmd.aborted
+            self._maybe_adopt(cmd.handoff.request_id)
+        elif isinstance(cmd, DropCmd):
+            if cmd.request_id in self._incoming:
+                self._incoming[cmd.request_id].dropped = True
+                self._maybe_adopt(cmd.request_id)
         else:
             if isinstance(cmd, AbortCmd):
-                self._aborted.update(rid for rid in cmd.request_ids if rid in self._pending)
+                for rid in cmd.request_ids:
+                    if rid in self._incoming:
+                        self._incoming[rid].aborted = True
             super()._apply(cmd)
 
-    def _accept(self, cmd: AcceptCmd) -> None:
-        h = cmd.handoff
-        future = self.transport.recv(cmd.payload, h.kv_shape, h.kv_dtype, cmd.src_rank, cmd.tag)
-        self._pending[h.request_id] = (cmd, future)
-        if cmd.aborted:
-            self._aborted.add(h.request_id)
-        future.add_done_callback(lambda _f, rid=h.request_id: self.inbox.put(TransferDoneCmd(rid)))
+    def _get(self, rid: str) -> _Incoming:
+        if rid not in self._incoming:
+            self._incoming[rid] = _Incoming(PageAssembly(self.engine.kv.layout.num_planes))
+        return self._incoming[rid]
 
-    def _adopt(self, rid: str) -> None:
-        cmd, future = self._pending.pop(rid)
-        aborted = rid in self._aborted
-        self._aborted.discard(rid)
+    def _receive(self, cmd: PieceCmd) -> None:
+        piece = cmd.piece
+        inc = self._get(piece.request_id)
+        inc.outstanding += 1
+        future = self.transport.recv(piece.payload, piece.shape, piece.dtype, cmd.src_rank, piece.tag)
+        future.add_done_callback(lambda f, rid=piece.request_id, first=piece.first_page:
+                                 self.inbox.put(PieceDoneCmd(rid, f, first)))
+
+    def _piece_done(self, cmd: PieceDoneCmd) -> None:
+        inc = self._incoming.get(cmd.request_id)
+        if inc is None:
+            return
+        inc.outstanding -= 1
         try:
-            text = self.engine.adopt(cmd.handoff, future.result())
+            inc.pages.put(cmd.first_page, cmd.future.result())
+            inc.received += 1
+        except Exception as e:
+            inc.error = inc.error or e
+        self._maybe_adopt(cmd.request_id)
+
+    def _maybe_adopt(self, rid: str) -> None:
+        """Adopts (or fails, or forgets) a request once nothing of it is still on its way."""
+        inc = self._incoming[rid]
+        if inc.outstanding:
+            return
+        if inc.dropped:
+            del self._incoming[rid]
+            return
+        accept = inc.accept
+        if accept is None:
+            return  # more pieces, and the handoff, are coming
+        if inc.error is None and inc.received < accept.num_pieces:
+            return
+        del self._incoming[rid]
+        try:
+            if inc.error is not None:
+                raise inc.error
+            h = accept.handoff
+            text = self.engine.adopt(h, inc.pages.tensor(h.kv_shape, h.kv_dtype))
         except Exception as e:  # a failed transfer (or a refusal): this request fails alone
             if isinstance(e, LooplineError):
                 failure: Exception = e
             else:
                 error_id = new_error_id()
-                logger.error("request %s: receiving it from worker %d failed (error id %s): %s", rid, cmd.src_rank,
+                logger.error("request %s: receiving it from worker %d failed (error id %s): %s", rid, accept.src_rank,
                              error_id, e)
                 failure = EngineInternalError(f"the KV transfer of the request failed (error id {error_id}); "
                                               "it was aborted", error_id)
@@ -219,12 +358,8 @@ class DecodeCore(EngineCore):
             return
         self._live.add(rid)
         self._encoder.seed(rid, 1, text)
-        if aborted:
+        if inc.aborted:
             self.engine.abort_request(rid)
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
 
 
 # --- the front end ---------------------------------------------------------------------------
@@ -252,6 +387,7 @@ class _Placement:
     decode: _Worker
     blocks: int  # credit held on the decode worker
     on_decode: bool = False
+    pieces: bool = False  # some of its pages went to the decode worker already
 
 
 class PDClient(EngineClient):
@@ -278,6 +414,7 @@ class PDClient(EngineClient):
         self._add_requests: dict[int, list[str]] = {}
         self._aborted: set[str] = set()
         self._bcast: dict[int, list] = {}  # call id -> [name, workers left, results, error]
+        self.num_pieces = self.num_handoffs = 0  # pieces of pages forwarded, requests handed off
         self.prefill: list[_Worker] = []
         self.decode: list[_Worker] = []
         try:
@@ -357,7 +494,8 @@ class PDClient(EngineClient):
                 for rid, (decode, blocks) in targets.items():
                     self._credit[decode.rank] -= blocks
                     self._placed[rid] = _Placement(prefill, decode, blocks)
-                tags = {rid: (decode.rank, next(self._tags) % 2**31) for rid, (decode, _) in targets.items()}
+                # a request's pieces use tags first, first + 1, ... (fewer than _TAG_STRIDE: one per prompt page at most)
+                tags = {rid: (decode.rank, next(self._tags) * _TAG_STRIDE % 2**31) for rid, (decode, _) in targets.items()}
                 prefill._send(PrefillCmd(cmd.add_id, cmd.requests, cmd.chat_stop, targets=tags))
         if refusals:
             EngineClient._on_message(self, EngineMessage(replies=refusals, snapshot=self.snapshot))
@@ -394,6 +532,8 @@ class PDClient(EngineClient):
         self._aborted.discard(rid)
         if placed is not None:
             self._credit[placed.decode.rank] += placed.blocks
+            if placed.pieces and not placed.on_decode and placed.decode.alive:
+                placed.decode._send(DropCmd(rid))  # it ended before its handoff: the pieces there go
 
     # --- aborts and calls -------------------------------------------------------------------------
     def _abort(self, request_ids: list[str]) -> None:
@@ -447,6 +587,12 @@ class PDClient(EngineClient):
             if not worker.alive:
                 return
             worker.snapshot = msg.snapshot
+            for item in msg.handoffs:  # pieces first: a release below may drop them again
+                placed = self._placed.get(item.request_id) if isinstance(item, PieceMsg) else None
+                if placed is not None and placed.prefill is worker and not placed.on_decode:
+                    placed.pieces = True
+                    placed.decode._send(PieceCmd(item, worker.rank))
+                    self.num_pieces += 1
             outputs = [d for d in msg.outputs if self._holds(worker, d.request_id)]
             failures = [(rid, e) for rid, e in msg.failures if self._holds(worker, rid)]
             replies = []
@@ -466,11 +612,14 @@ class PDClient(EngineClient):
             for rid, _ in failures:
                 self._release(rid)
             for h in msg.handoffs:
+                if not isinstance(h, HandoffMsg):
+                    continue
                 placed = self._placed.get(h.handoff.request_id)
                 if placed is None or placed.prefill is not worker:
                     continue  # failed meanwhile (its decode worker died): the transfer is dropped
                 placed.on_decode = True
-                forward.append((placed.decode, AcceptCmd(h.handoff, h.payload, worker.rank, h.tag)))
+                self.num_handoffs += 1
+                forward.append((placed.decode, AcceptCmd(h.handoff, h.num_pieces, worker.rank)))
             dead = None
             if msg.dead is not None:
                 failures += self._worker_died(worker, msg.dead, replies)

@@ -35,5 +35,5 @@ class Handoff:
     weight_version: Any
     metrics: RequestMetrics
     runner: HandoffState
-    kv_shape: tuple[int, ...]  # of the KV pages tensor that travels on its own
+    kv_shape: tuple[int, ...]  # of all its prompt pages, [2, layers, planes * pages, ...] (they travel on their own)
     kv_dtype: Any  # torch.dtype

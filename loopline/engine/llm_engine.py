@@ -227,17 +227,40 @@ class LLMEngine:
         not end them: they wait for :meth:`hand_off`."""
         return [r.request_id for r in self.scheduler.running if r.status == RequestStatus.HANDOFF and r.output]
 
-    def hand_off(self, child_id: str) -> tuple[Handoff, torch.Tensor]:
+    def final_prompt_pages(self) -> dict[str, int]:
+        """Per prefilling request (scheduler id): how many of its prompt pages (per plane) hold final
+        KV -- every position in them ran its last loop in a step already launched -- so a prefill
+        worker can send them while the next chunks compute (``export_pages``)."""
+        loops, bs = self.config.num_loops, self.kv.block_size
+        out = {}
+        for req in self.scheduler.running:
+            if req.status == RequestStatus.HANDOFF:
+                out[req.request_id] = -(-req.prompt_len // bs)
+            elif req.status == RequestStatus.PREFILL:
+                done = 0
+                for chunk in req.chunks:  # in position order; a chunk finishes its last loop after the one before
+                    if chunk.loops_done < loops:
+                        break
+                    done = chunk.end
+                out[req.request_id] = done // bs
+        return out
+
+    def export_pages(self, child_id: str, first: int, last: int) -> torch.Tensor:
+        """A copy of a prefilling request's prompt pages ``[first, last)`` of every plane."""
+        return self.runner.export_pages(child_id, first, last)
+
+    def hand_off(self, child_id: str, first_page: int = 0) -> tuple[Handoff, torch.Tensor]:
         """Takes a ready request out of this engine for a decode worker: its :class:`Handoff` and a
-        copy of its prompt's KV pages (see ``ModelRunner.export_request``); its pages, slot and
-        output state here are freed at once and it reports nothing more."""
+        copy of its prompt's KV pages from ``first_page`` on (see ``ModelRunner.export_request``);
+        its pages, slot and output state here are freed at once and it reports nothing more."""
         req = self.scheduler.requests[child_id]
         assert req.status == RequestStatus.HANDOFF and len(req.output) == 1, child_id
         rid = parent_request_id(child_id)
-        state, kv = self.runner.export_request(child_id)
+        state, kv = self.runner.export_request(child_id, first_page)
+        shape = (*kv.shape[:2], self.kv.layout.num_planes * state.blocks_per_plane, *kv.shape[3:])
         handoff = Handoff(rid, child_id, self.outputs.prompt(rid), req.prompt_token_ids, req.params, req.seed,
                           req.max_tokens, req.eos_token_ids, req.output[0], self.control.weight_version,
-                          self.outputs.metrics(rid), state, tuple(kv.shape), kv.dtype)
+                          self.outputs.metrics(rid), state, shape, kv.dtype)
         self.scheduler.finish_request(child_id, "handoff")
         self.outputs.forget(rid)
         return handoff, kv

@@ -469,7 +469,7 @@ class EngineCore:
         alone once ``_MAX_STEP_RECORD_DELAY_S`` old: at fixed depth R that is R x fewer messages."""
         msg = self._msg
         msg.snapshot = self.take_snapshot()
-        news = msg.outputs or msg.failures or msg.replies or msg.snapshot != self._last_snapshot
+        news = msg.outputs or msg.failures or msg.replies or msg.handoffs or msg.snapshot != self._last_snapshot
         if not news and not (msg.steps and time.perf_counter() - self._first_unsent > _MAX_STEP_RECORD_DELAY_S):
             return
         self._msg = EngineMessage()

@@ -261,19 +261,31 @@ class ModelRunner:
         self.requests[resumed.request_id] = st
 
     # --- prefill/decode disaggregation ----------------------------------------------------
-    def export_request(self, request_id: str) -> tuple[HandoffState, Tensor]:
-        """Takes a request whose prompt finished (its first token fed to its slot) off this runner:
-        its slot state on the CPU and a copy of its prompt's KV pages of every plane,
-        ``[2 (k, v), layers, planes * blocks, block_size, kv_heads, D]`` on this device (the pool's
-        pages may be reused at once). Exactly what a preemption snapshot holds, without the prefill
-        buffers a decode worker never reads."""
-        st = self.requests.pop(request_id)
-        blocks = -(-st.prompt.numel() // self.block_size)
-        idx = self._blocks_index([a[:blocks] for a in st.block_arrays])
+    def export_pages(self, request_id: str, first: int, last: int) -> Tensor:
+        """A copy of a running request's pages ``[first, last)`` of every plane (plane-major),
+        ``[2 (k, v), layers, planes * (last - first), block_size, kv_heads, D]`` on this device, queued
+        after the steps already launched (so it holds what they wrote)."""
+        st = self.requests[request_id]
+        idx = self._blocks_index([a[first:last] for a in st.block_arrays])
         kv = torch.empty((2, self.k_cache.shape[0], idx.numel(), *self.k_cache.shape[2:]), dtype=self.dtype,
                          device=self.device)
         torch.index_select(self.k_cache, 1, idx, out=kv[0])
         torch.index_select(self.v_cache, 1, idx, out=kv[1])
+        return kv
+
+    def prompt_pages(self, request_id: str) -> int:
+        """Pages per plane that hold the request's prompt."""
+        return -(-self.requests[request_id].prompt.numel() // self.block_size)
+
+    def export_request(self, request_id: str, first_page: int = 0) -> tuple[HandoffState, Tensor]:
+        """Takes a request whose prompt finished (its first token fed to its slot) off this runner:
+        its slot state on the CPU and a copy of its prompt's pages from ``first_page`` on (the
+        earlier ones were exported already, ``export_pages``); the pool's pages may be reused at
+        once. With the earlier pages, exactly what a preemption snapshot holds, without the prefill
+        buffers a decode worker never reads."""
+        blocks = self.prompt_pages(request_id)
+        kv = self.export_pages(request_id, first_page, blocks)
+        st = self.requests.pop(request_id)
         cpu = torch.device("cpu")
         slot = st.slot
         state = HandoffState(

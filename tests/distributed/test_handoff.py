@@ -10,6 +10,7 @@ import torch
 
 from loopline import SamplingParams
 from loopline.config import EngineArgs
+from loopline.distributed.pd import PageAssembly
 from loopline.engine import LLMEngine
 
 
@@ -36,18 +37,31 @@ def drain(engine, requests):
 
 
 def drain_pd(prefill, decode, requests):
-    """Both engines stepped in turn; every ready request moves at once (its pages copied)."""
-    done, moved = {}, 0
+    """Both engines stepped in turn: after every step the prompt pages that became final are copied
+    out (as a prefill worker streams them), and every ready request moves with the rest."""
+    done, moved, pieces = {}, 0, {}
     for rid, (prompt, params) in requests.items():
         prefill.add_request(rid, {"prompt_token_ids": prompt}, params)
     while prefill.has_unfinished_requests() or decode.has_unfinished_requests():
         done.update((o.request_id, o) for o in prefill.step() if o.finished)
+        for child, pages in prefill.final_prompt_pages().items():
+            assembly = pieces.setdefault(child, PageAssembly(prefill.kv.layout.num_planes))
+            sent = sum(p.shape[2] for _, p in assembly.pieces) // assembly.planes
+            if pages > sent and child not in prefill.ready_handoffs():
+                assembly.put(sent, prefill.export_pages(child, sent, pages).clone())
         for child in prefill.ready_handoffs():
-            handoff, kv = prefill.hand_off(child)
-            decode.adopt(handoff, kv.clone())
+            assembly = pieces.pop(child, PageAssembly(prefill.kv.layout.num_planes))
+            sent = sum(p.shape[2] for _, p in assembly.pieces) // assembly.planes
+            handoff, rest = prefill.hand_off(child, sent)
+            assembly.put(sent, rest)
+            decode.adopt(handoff, assembly.tensor(handoff.kv_shape, handoff.kv_dtype))
             moved += 1
+            streamed[0] += len(assembly.pieces) - 1
         done.update((o.request_id, o) for o in decode.step() if o.finished)
     return done, moved
+
+
+streamed = [0]  # pieces sent before a request's handoff, over the module
 
 
 def result(out):
@@ -75,6 +89,7 @@ def test_handoff_gives_the_single_engines_outputs(tiny_gqa, layout):
     prefill, decode = engine_for(tiny_gqa, prefill_only=True, **kw), engine_for(tiny_gqa, **kw)
     pd, moved = drain_pd(prefill, decode, requests())
     assert moved == 4  # "c" ends with its first token on the prefill engine
+    assert streamed[0] > 0  # chunks' pages left before their prompt finished
     assert {k: result(v) for k, v in pd.items()} == {k: result(v) for k, v in single.items()}
     depths = {d for out in single.values() for d in out.outputs[0].exit_depths}
     assert len(depths) > 1  # the adaptive exits vary

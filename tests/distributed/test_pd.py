@@ -85,6 +85,8 @@ def test_pd_gives_the_single_engines_tokens_and_exit_depths(pd, tiny_gqa):
     ref = single_engine(tiny_gqa, layout)
     assert {k: result(v) for k, v in outs.items()} == {k: result(v) for k, v in ref.items()}
     assert len({d for o in ref.values() for d in o.outputs[0].exit_depths}) > 1  # adaptive exits vary
+    client = llm._client
+    assert client.num_handoffs == 4 and client.num_pieces > client.num_handoffs  # pages left chunk by chunk
     snaps = wait_idle(llm)
     assert all(s.kv_used_blocks == 0 for s in snaps)
     # a later request finds the shared prefix in the prefill worker's cache (shared caches nothing: docs)
