@@ -49,9 +49,15 @@ class KVTransport(ABC):
 
     name: str
 
+    # NOTE: NCCL point-to-point operations between two ranks must be issued in the same order on
+    # both: one thread each (a decode worker receives in the order the front end forwards, which
+    # is the order its prefill worker sent in). gloo matches by tag, so it may run several at once.
+    threads = 4
+
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"loopline-kv-{self.name}")
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.threads,
+                                                           thread_name_prefix=f"loopline-kv-{self.name}")
 
     def start(self, rank: int, world_size: int, init_method: str, device: torch.device) -> None:
         """Joins the workers' group (``rank`` of ``world_size``); returns at once, joining goes on
@@ -78,6 +84,7 @@ class TorchDistributedTransport(KVTransport):
 
     def __init__(self, backend: str, timeout_s: float) -> None:
         self.name = backend
+        self.threads = 1 if backend == "nccl" else 4
         super().__init__(timeout_s)
         self._joined = threading.Event()
         self._join_error: BaseException | None = None
@@ -147,6 +154,7 @@ class CudaIpcTransport(KVTransport):
 
     name = "cuda_ipc"
     _stream: Any = None
+    _sends = 0
 
     def start(self, rank: int, world_size: int, init_method: str, device: torch.device) -> None:
         super().start(rank, world_size, init_method, device)
@@ -158,6 +166,9 @@ class CudaIpcTransport(KVTransport):
         from multiprocessing.reduction import ForkingPickler
         import torch.multiprocessing  # noqa: F401  (registers the CUDA sharing reductions)
 
+        self._sends += 1
+        if self._sends % 64 == 0:  # frees the copies every receiver has released
+            torch.cuda.ipc_collect()
         buf = io.BytesIO()
         ForkingPickler(buf).dump(kv)  # an IPC handle + an event recorded on the current stream
         done: concurrent.futures.Future = concurrent.futures.Future()

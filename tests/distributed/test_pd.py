@@ -70,7 +70,8 @@ def wait_idle(llm, timeout=20.0):
     raise AssertionError(f"workers not idle: {llm._client.worker_snapshots}")
 
 
-@pytest.fixture(scope="module", params=[("last_exited", 1), ("shared", 2)], ids=["last_exited-1P1D", "shared-1P2D"])
+@pytest.fixture(scope="module", params=[("last_exited", 1), ("last_exited", 2), ("shared", 1), ("shared", 2)],
+                ids=["last_exited-1P1D", "last_exited-1P2D", "shared-1P1D", "shared-1P2D"])
 def pd(request, tiny_gqa):
     layout, decode = request.param
     llm = AsyncLLM(EngineArgs(model=str(tiny_gqa.path), kv_layout=layout, prefill_workers=1, decode_workers=decode, **BASE))
@@ -176,6 +177,18 @@ def test_abort_mid_transfer_leaks_nothing(faults):
 
     asyncio.run(main())
     wait_idle(faults)  # both sides: no page in use, no request left
+
+    async def mid_prefill():  # aborted while its first pages are on their way, before its handoff
+        client = faults._client
+        task = asyncio.create_task(faults.generate_tokens(ids(200, seed=23), params, "abort-prefill"))
+        while not (client._placed.get("abort-prefill") and client._placed["abort-prefill"].pieces):
+            await asyncio.sleep(0.001)
+        await faults.abort("abort-prefill")
+        return await task
+
+    out = asyncio.run(mid_prefill())
+    assert out.outputs[0].finish_reason == "abort" and not out.outputs[0].token_ids
+    wait_idle(faults)
     after = asyncio.run(faults.generate_tokens(ids(9, seed=30), SamplingParams(max_tokens=4, ignore_eos=True), "after-abort"))
     assert len(after.outputs[0].token_ids) == 4
 
@@ -233,3 +246,42 @@ def test_decode_worker_killed_mid_stream(faults):
     wait_idle(faults)
     again = asyncio.run(faults.generate_tokens(ids(7, seed=52), params.clone(max_tokens=5), "after-decode-death"))
     assert len(again.outputs[0].token_ids) == 5
+
+
+# --- admission credits -------------------------------------------------------------------------
+def test_decode_credit_holds_requests_back(tiny_gqa):
+    """A decode pool that holds one request at a time: the others wait in the front end (not on the
+    prefill worker) and all finish with the single engine's outputs; a request the pool can never
+    hold is refused."""
+    planes, pages = 4, -(-(20 + 10) // 4)
+    kw = {**BASE, "num_kv_blocks": planes * pages}
+    llm = AsyncLLM(EngineArgs(model=str(tiny_gqa.path), prefill_workers=1, decode_workers=1, **kw))
+    try:
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, exit_threshold=0.6)
+        reqs = {f"c{i}": (ids(20, seed=60 + i), params) for i in range(3)}
+
+        async def main():
+            tasks = [asyncio.create_task(llm.generate_tokens(p, sp, rid)) for rid, (p, sp) in reqs.items()]
+            await asyncio.sleep(0)
+            queued = len(llm._client._queue)
+            credits = []
+            while not all(t.done() for t in tasks):
+                credits.append(min(llm._client._credit.values()))
+                await asyncio.sleep(0.002)
+            return queued, credits, {t.result().request_id: t.result() for t in tasks}
+
+        queued, credits, outs = asyncio.run(main())
+        assert queued == 2 and min(credits) >= 0
+        engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), kv_layout="last_exited", **BASE))
+        for rid, (prompt, p) in reqs.items():
+            engine.add_request(rid, {"prompt_token_ids": prompt}, p)
+        ref = {}
+        while engine.has_unfinished_requests():
+            ref.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert {k: result(v) for k, v in outs.items()} == {k: result(v) for k, v in ref.items()}
+        with pytest.raises(InvalidRequestError) as e:
+            asyncio.run(llm.generate_tokens(ids(20, seed=1), params.clone(max_tokens=100), "too-big"))
+        assert e.value.param == "max_tokens"
+        wait_idle(llm)
+    finally:
+        llm.shutdown()
