@@ -27,6 +27,10 @@ fi
 echo "gpu=$gpu checkpoint=$ckpt rates=[$rates] prompts=$n transport=$transport"
 { git rev-parse HEAD 2>/dev/null; $py -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"; } > "$out/env.txt"
 
+# 0. correctness first: the PD tests (on a GPU also the CUDA IPC transport and 1P1D over it)
+timeout 240 $py -m pytest -q -m "gpu or not slow" tests/distributed > "$out/pd_tests.log" 2>&1
+echo "pd tests rc=$? $(tail -1 "$out/pd_tests.log")"; grep -hE "^(FAILED|ERROR)" "$out/pd_tests.log" | head -5
+
 # 1. transfer micro-benchmark (two processes, the transport the workers use)
 timeout 150 $py tools/pd_transfer_bench.py "${transfer[@]}" 2>&1 | grep -v Warn | tee "$out/transfer.txt"
 

@@ -8,6 +8,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from loopline import AsyncLLM, EngineArgs, SamplingParams
 from loopline.engine import LLMEngine
@@ -282,6 +283,29 @@ def test_decode_credit_holds_requests_back(tiny_gqa):
         with pytest.raises(InvalidRequestError) as e:
             asyncio.run(llm.generate_tokens(ids(20, seed=1), params.clone(max_tokens=100), "too-big"))
         assert e.value.param == "max_tokens"
+        wait_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_1p1d_over_cuda_ipc_on_one_gpu(tiny_gqa):
+    """Two workers on one GPU, pages over CUDA IPC: the single engine's outputs, requests one at a
+    time (the same step shapes on both sides, so the same kernels)."""
+    kw = {**BASE, "device": "cuda", "gpu_memory_utilization": 0.3}
+    llm = AsyncLLM(EngineArgs(model=str(tiny_gqa.path), prefill_workers=1, decode_workers=1, **kw))
+    try:
+        assert llm._client.transport == "cuda_ipc"
+        outs = {rid: asyncio.run(generate_all(llm, {rid: req}))[rid] for rid, req in workload().items()}
+        engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), **kw))
+        ref = {}
+        for rid, (prompt, params) in workload().items():
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            while engine.has_unfinished_requests():
+                ref.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert {k: result(v)[:3] for k, v in outs.items()} == {k: result(v)[:3] for k, v in ref.items()}
+        assert llm._client.num_pieces >= llm._client.num_handoffs == 4
         wait_idle(llm)
     finally:
         llm.shutdown()
