@@ -424,8 +424,10 @@ class PDClient(EngineClient):
                 if dev.type == "cuda":  # NOTE: workers start one after another on a shared device: each
                     # one's pool is sized from what the earlier ones left (cumulative fractions)
                     util *= (devices[:i + 1].count(dev)) / devices.count(dev)
+                # NOTE: seeds drawn for seed=None requests differ between prefill workers (as between the
+                # requests of one engine); one prefill worker draws exactly what one engine draws
                 wargs = dataclasses.replace(args, prefill_workers=0, decode_workers=0, device=str(dev),
-                                            gpu_memory_utilization=util)
+                                            gpu_memory_utilization=util, seed=args.seed + index)
                 role = WorkerRole(kind, i, num_p + num_d, init_method, transport, args.kv_transfer_timeout)
                 worker = _Worker(self, kind, index, i, wargs, role)
                 (self.prefill if kind == "prefill" else self.decode).append(worker)
