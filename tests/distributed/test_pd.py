@@ -83,12 +83,15 @@ def pd(request, tiny_gqa):
 def test_pd_gives_the_single_engines_tokens_and_exit_depths(pd, tiny_gqa):
     layout, llm = pd
     assert llm._client.transport == "gloo"
-    outs = asyncio.run(generate_all(llm, workload()))
-    ref = single_engine(tiny_gqa, layout)
+    # seed=None: one prefill worker draws the seeds one engine draws (requests arrive in the same order)
+    fresh = SamplingParams(max_tokens=10, temperature=1.0, seed=None, ignore_eos=True, exit_threshold=0.6)
+    requests = {**workload(), "fresh": (ids(8, seed=6), fresh)}
+    outs = asyncio.run(generate_all(llm, requests))
+    ref = single_engine(tiny_gqa, layout, requests)
     assert {k: result(v) for k, v in outs.items()} == {k: result(v) for k, v in ref.items()}
     assert len({d for o in ref.values() for d in o.outputs[0].exit_depths}) > 1  # adaptive exits vary
     client = llm._client
-    assert client.num_handoffs == 4 and client.num_pieces > client.num_handoffs  # pages left chunk by chunk
+    assert client.num_handoffs == 5 and client.num_pieces > client.num_handoffs  # pages left chunk by chunk
     snaps = wait_idle(llm)
     assert all(s.kv_used_blocks == 0 for s in snaps)
     # a later request finds the shared prefix in the prefill worker's cache (shared caches nothing: docs)
@@ -121,6 +124,23 @@ def test_n_above_one_is_refused(pd):
     with pytest.raises(InvalidRequestError) as e:
         asyncio.run(llm.generate_tokens([5, 6, 7], SamplingParams(n=2, max_tokens=2), "n2"))
     assert e.value.param == "n"
+
+
+def test_control_calls_go_to_every_worker_or_are_refused(pd):
+    from loopline.errors import EngineStateError
+    _, llm = pd
+
+    async def main():
+        await llm.reset_prefix_cache()
+        assert await llm.get_weight_version() == 0 and await llm.is_paused() is False
+        assert await llm.abort_all() == []
+        with pytest.raises(EngineStateError, match="not supported"):
+            await llm.pause_generation("wait")
+        with pytest.raises(EngineStateError, match="not supported"):
+            await llm.start_weight_update(1)
+
+    asyncio.run(main())
+    assert llm.health_problem() is None
 
 
 def test_flags_are_validated():
