@@ -266,7 +266,8 @@ class ModelRunner:
         ``[2 (k, v), layers, planes * (last - first), block_size, kv_heads, D]`` on this device, queued
         after the steps already launched (so it holds what they wrote)."""
         st = self.requests[request_id]
-        idx = self._blocks_index([a[first:last] for a in st.block_arrays])
+        # (staged through pinned memory: a pageable copy would wait for the steps in flight)
+        idx = stage(self.device, (np.concatenate([a[first:last] for a in st.block_arrays]), np.int64))[0]
         kv = torch.empty((2, self.k_cache.shape[0], idx.numel(), *self.k_cache.shape[2:]), dtype=self.dtype,
                          device=self.device)
         torch.index_select(self.k_cache, 1, idx, out=kv[0])
