@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from loopline import SamplingParams
 from loopline.config import EngineArgs
