@@ -94,3 +94,39 @@ def test_handoff_gives_the_single_engines_outputs(tiny_gqa, layout):
     assert len(depths) > 1  # the adaptive exits vary
     assert prefill.kv.num_used_blocks == 0 and decode.kv.num_used_blocks == 0
     assert not decode.runner.snapshots and not prefill.runner.requests
+
+
+# --- the decode worker's loop, with a transport that fails ---------------------------------------
+class FailingTransport:
+    """Every receive fails, as a dead or silent prefill worker's would (after the timeout)."""
+
+    def recv(self, payload, shape, dtype, peer, tag):
+        import concurrent.futures
+
+        from loopline.distributed.kv_transfer import KVTransferError
+        f = concurrent.futures.Future()
+        f.set_exception(KVTransferError("receiving KV pages from worker 0 failed: timed out"))
+        return f
+
+
+def test_a_failed_transfer_fails_its_request_alone(tiny_gqa):
+    from loopline.distributed.pd import AcceptCmd, DecodeCore, PieceCmd, PieceMsg
+    from loopline.entrypoints.engine_core import Inbox
+    from loopline.errors import EngineInternalError
+
+    prefill, decode = engine_for(tiny_gqa, prefill_only=True), engine_for(tiny_gqa)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prefill.add_request("lost", {"prompt_token_ids": ids(9, seed=1)}, params)
+    while not prefill.ready_handoffs():
+        prefill.step()
+    handoff, rest = prefill.hand_off(prefill.ready_handoffs()[0])
+    inbox = Inbox()
+    core = DecodeCore(decode, inbox, lambda msg: None, FailingTransport())
+    core._apply(PieceCmd(PieceMsg("lost", 7, None, tuple(rest.shape), rest.dtype, 0), src_rank=0))
+    core._apply(AcceptCmd(handoff, 1, src_rank=0))
+    for cmd in inbox.take(lambda: False, False)[0]:  # the receive's completion wakes the loop
+        core._apply(cmd)
+    (rid, error), = core._msg.failures
+    assert rid == "lost" and isinstance(error, EngineInternalError) and error.error_id
+    assert not core._incoming and not decode.scheduler.requests and not decode.runner.snapshots
+    assert decode.kv.num_used_blocks == 0 and prefill.kv.num_used_blocks == 0
