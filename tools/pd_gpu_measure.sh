@@ -4,7 +4,7 @@
 # micro-benchmark (bandwidth and overlap per chunk size). ~8 minutes on an H200.
 # Usage, from the repository root:   bash tools/pd_gpu_measure.sh OUTDIR
 # Without a GPU it runs a reduced form on the CPU (tiny checkpoint, gloo, a few requests): the same steps.
-# Env: PD_RATES (requests/s, default "2 8 16" on GPU), PD_NUM_PROMPTS (default 200 on GPU), PD_PORT.
+# Env: PD_RATES (requests/s, default "4 8 16" on GPU), PD_NUM_PROMPTS (default 120 on GPU), PD_PORT.
 set -u
 out=${1:?output folder}
 mkdir -p "$out"
@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 port=${PD_PORT:-8931}
 if $py -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  gpu=1; rates=${PD_RATES:-"2 8 16"}; n=${PD_NUM_PROMPTS:-200}; transport=cuda_ipc
+  gpu=1; rates=${PD_RATES:-"4 8 16"}; n=${PD_NUM_PROMPTS:-120}; transport=cuda_ipc
   ckpt=${PD_CHECKPOINT:-/tmp/ouro-1.4b-random}
   [ -f "$ckpt/config.json" ] || $py tools/write_random_checkpoint.py "$ckpt" --config ouro-1.4b > /dev/null
   engine=(--dtype bfloat16 --max-model-len 4096)
