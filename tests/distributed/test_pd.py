@@ -152,6 +152,16 @@ def test_flags_are_validated():
         assert e.value.param == param
 
 
+def test_serve_flags_reach_engine_args():
+    from loopline.entrypoints.cli import build_parser
+    ns = build_parser().parse_args(["serve", "--prefill-workers", "2", "--decode-workers", "3", "--kv-transport", "gloo",
+                                    "--kv-transfer-timeout", "5"])
+    args = EngineArgs.from_cli_args(ns)
+    assert (args.prefill_workers, args.decode_workers, args.kv_transport, args.kv_transfer_timeout) == (2, 3, "gloo", 5.0)
+    with pytest.raises(SystemExit):  # argparse refuses a transport it does not know
+        build_parser().parse_args(["serve", "--kv-transport", "rdma"])
+
+
 def test_missing_nixl_is_a_clear_error():
     pytest.importorskip("torch")
     try:
