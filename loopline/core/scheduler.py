@@ -218,9 +218,11 @@ class Scheduler:
         if self.allocation.needs_growth() and not self._may_overcommit():
             keep += self.kv.blocks_needed(req.num_tokens_reserved) - self.kv.blocks_needed(self.allocation.initial_tokens(req))
         resumed = req.status == RequestStatus.PREEMPTED
+        # NOTE: a handed-off request's prompt pages may already be cached here (they hold the same
+        # KV: same prefix, weights and layout); its own copies of them are then not restored
+        match = req.handed_off or not (resumed or req.params.prompt_logprobs is not None)
         alloc = self.kv.allocate(req.request_id, self.allocation.initial_tokens(req),
-                                 None if resumed or req.params.prompt_logprobs is not None else req.prompt_token_ids,
-                                 self.cache_salt, keep_free=keep)
+                                 req.prompt_token_ids if match else None, self.cache_salt, keep_free=keep)
         return alloc is not None
 
     def _start(self, req: Request) -> None:
@@ -232,7 +234,11 @@ class Scheduler:
             req.status, req.resume_status = req.resume_status, None
             if self.preemption is not None:
                 self.preemption.swapped_blocks -= self._snapshot_blocks.pop(req.request_id, 0)
-            self._out.resumed_requests.append(ResumedRequestData(req.request_id, alloc.block_tables, req.slot))
+            self._out.resumed_requests.append(ResumedRequestData(req.request_id, alloc.block_tables, req.slot,
+                                                                 alloc.num_cached_tokens // self.kv.block_size))
+            if req.handed_off:  # its prompt pages hold final KV once restored (before any row of this step runs)
+                req.handed_off = False
+                self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.cache_salt)
             return
         req.status = RequestStatus.PREFILL
         req.cache_salt = self.cache_salt

@@ -280,7 +280,7 @@ class LLMEngine:
                                 param="max_tokens")
         req = Request(handoff.child_id, list(handoff.prompt_token_ids), handoff.params, handoff.seed,
                       handoff.max_tokens, handoff.eos_token_ids, self.inputs.next_arrival_seq(),
-                      status=RequestStatus.PREEMPTED, output=[handoff.first])
+                      status=RequestStatus.PREEMPTED, output=[handoff.first], handed_off=True)
         req.resume_status = RequestStatus.DECODE
         self.runner.adopt_request(handoff.child_id, handoff.runner, kv)
         try:

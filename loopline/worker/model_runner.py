@@ -250,10 +250,16 @@ class ModelRunner:
         snap = self.snapshots.pop(resumed.request_id)
         st = snap.state.to(self.device)
         st.block_arrays = [np.asarray(t, dtype=np.int32) for t in resumed.block_tables]
-        # The new tables may be longer (room for the next position); the snapshot fills their heads.
-        idx = self._blocks_index([t[:snap.blocks_per_plane] for t in st.block_arrays])
-        self.k_cache[:, idx] = snap.k.to(self.device, non_blocking=True)
-        self.v_cache[:, idx] = snap.v.to(self.device, non_blocking=True)
+        # The new tables may be longer (room for the next position); the snapshot fills their heads,
+        # except pages the prefix cache gave it (shared with other requests: never written).
+        bpp, cached = snap.blocks_per_plane, resumed.num_cached_pages
+        idx = self._blocks_index([t[cached:bpp] for t in st.block_arrays])
+        k, v = snap.k, snap.v
+        if cached:
+            keep = torch.cat([torch.arange(p * bpp + cached, (p + 1) * bpp) for p in range(len(st.block_arrays))])
+            k, v = k[:, keep.to(k.device)], v[:, keep.to(v.device)]
+        self.k_cache[:, idx] = k.to(self.device, non_blocking=True)
+        self.v_cache[:, idx] = v.to(self.device, non_blocking=True)
         self.slot_hidden[resumed.slot] = snap.slot_hidden.to(self.device)
         self.slot_survival[resumed.slot] = snap.slot_survival.to(self.device)
         st.slot = resumed.slot

@@ -93,6 +93,8 @@ def test_handoff_gives_the_single_engines_outputs(tiny_gqa, layout):
     depths = {d for out in single.values() for d in out.outputs[0].exit_depths}
     assert len(depths) > 1  # the adaptive exits vary
     assert prefill.kv.num_used_blocks == 0 and decode.kv.num_used_blocks == 0
+    if layout == "last_exited":  # handed-off prompt pages are cached on the decode side and shared there
+        assert decode.kv.prefix_cache.stats.hits > 0
     assert not decode.runner.snapshots and not prefill.runner.requests
 
 

@@ -101,6 +101,9 @@ def test_pd_gives_the_single_engines_tokens_and_exit_depths(pd, tiny_gqa):
     assert result(out["late"]) == result(single_engine(tiny_gqa, layout, late)["late"])
     wait_idle(llm)
     assert llm._client.prefill[0].snapshot.prefix_cache_hits == (12 if layout == "last_exited" else 0)
+    # decode workers share the pages of a prefix they received before (shared caches nothing)
+    decode_hits = sum(w.snapshot.prefix_cache_hits for w in llm._client.decode)
+    assert decode_hits > 0 if layout == "last_exited" else decode_hits == 0
 
 
 def test_streamed_outputs_continue_across_the_handoff(pd):
