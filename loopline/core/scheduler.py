@@ -110,6 +110,7 @@ class Scheduler:
         self._out = SchedulerOutput([])
         self._snapshot_blocks: dict[str, int] = {}
         self._moved_now: set[str] = set()  # started, resumed or preempted in the current schedule()
+        self._restored_prompts: list[Request] = []  # handed-off requests resumed by the last schedule()
 
     # --- lifecycle --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -162,6 +163,7 @@ class Scheduler:
         budget = self.budget
         rows: list[ScheduledRow] = []
         self._moved_now.clear()
+        self._cache_restored_prompts()
         self._admit()
         # NOTE: the device decides each decode row's loop (and no_refill cohorts); a row only names
         # its slot, so every decoding request gets one every step.
@@ -179,6 +181,15 @@ class Scheduler:
         out, self._out = self._out, SchedulerOutput([])
         out.rows = rows
         return out
+
+    def _cache_restored_prompts(self) -> None:
+        """Caches the prompt pages of handed-off requests whose restore the previous step launched.
+        NOTE: only now: a page must never be found before its KV is written, and a step that failed
+        to launch failed (and removed) its requests."""
+        for req in self._restored_prompts:
+            if self.requests.get(req.request_id) is req and req.status == RequestStatus.DECODE:
+                self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.cache_salt)
+        self._restored_prompts.clear()
 
     def _decode_row(self, req: Request) -> ScheduledRow:
         # The device knows this slot's loop, position and token; the row only names the slot and the
@@ -236,9 +247,9 @@ class Scheduler:
                 self.preemption.swapped_blocks -= self._snapshot_blocks.pop(req.request_id, 0)
             self._out.resumed_requests.append(ResumedRequestData(req.request_id, alloc.block_tables, req.slot,
                                                                  alloc.num_cached_tokens // self.kv.block_size))
-            if req.handed_off:  # its prompt pages hold final KV once restored (before any row of this step runs)
+            if req.handed_off:  # its prompt pages hold final KV once this step's launch restored them
                 req.handed_off = False
-                self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.cache_salt)
+                self._restored_prompts.append(req)
             return
         req.status = RequestStatus.PREFILL
         req.cache_salt = self.cache_salt
