@@ -25,6 +25,7 @@ AttentionBackendName = Literal["auto", "torch", "triton"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVAllocationName = Literal["full", "incremental"]
 DistributedBackendName = Literal["mp", "ray"]
+KVTransportName = Literal["auto", "gloo", "nccl", "cuda_ipc", "nixl"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # NOTE: on an H200 at concurrency 128, 8,192 tokens was ~5% faster than 2,048 (docs/benchmarks); on the CPU
@@ -81,6 +82,14 @@ class EngineArgs:
     distributed_executor_backend: DistributedBackendName = _opt(
         "mp", "how replicas run: 'mp' (engine processes on this host) or 'ray' (Ray actors in a placement group, "
               "one bundle per replica; needs loopline[ray])")
+    # --- prefill/decode disaggregation (loopline.distributed.pd) ---
+    prefill_workers: int = _opt(0, "prefill worker processes (with --decode-workers): prompts run there, "
+                                   "decoding on the decode workers; 0: one engine does both")
+    decode_workers: int = _opt(0, "decode worker processes (with --prefill-workers)")
+    kv_transport: KVTransportName = _opt("auto", "how KV pages move from prefill to decode workers ('auto': gloo on "
+                                                 "the CPU, cuda_ipc when the workers share one GPU, else nccl; nixl "
+                                                 "needs the nixl package)")
+    kv_transfer_timeout: float = _opt(60.0, "seconds a KV transfer may take before its request fails")
 
     # --- CLI ---------------------------------------------------------------------------
     @classmethod
@@ -122,9 +131,15 @@ class EngineArgs:
             raise InvalidRequestError(f"swap_space must be >= 0 GiB, got {self.swap_space}", param="swap_space")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", param="gpu_memory_utilization")
+        self._validate_disaggregation()
         if not self.device == "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise InvalidRequestError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}", param="device")
         self._validate_scale_out()
+        if self.prefill_workers and (self.data_parallel_size > 1 or self.distributed_executor_backend != "mp"):
+            raise InvalidRequestError(
+                "prefill_workers/decode_workers run one disaggregated engine of engine processes on this host: "
+                f"data_parallel_size must be 1 and distributed_executor_backend 'mp' with them, got "
+                f"{self.data_parallel_size} and {self.distributed_executor_backend!r}", param="prefill_workers")
 
     def _validate_scale_out(self) -> None:
         dp = self.data_parallel_size
@@ -140,6 +155,24 @@ class EngineArgs:
             if dp > visible:
                 raise InvalidRequestError(f"data_parallel_size must be in [1, {visible}] (one replica per visible CUDA "
                                           f"device), got {dp}", param="data_parallel_size")
+
+    def _validate_disaggregation(self) -> None:
+        for name in ("prefill_workers", "decode_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 64:
+                raise InvalidRequestError(f"{name} must be an integer in [0, 64], got {value!r}", param=name)
+        if (self.prefill_workers == 0) != (self.decode_workers == 0):
+            raise InvalidRequestError(
+                "prefill_workers and decode_workers go together: both >= 1 (disaggregated) or both 0, got "
+                f"{self.prefill_workers} and {self.decode_workers}",
+                param="prefill_workers" if self.prefill_workers == 0 else "decode_workers")
+        if self.kv_transport not in get_args(KVTransportName):
+            raise InvalidRequestError(f"kv_transport must be one of {list(get_args(KVTransportName))}, "
+                                      f"got {self.kv_transport!r}", param="kv_transport")
+        if isinstance(self.kv_transfer_timeout, bool) or not isinstance(self.kv_transfer_timeout, (int, float)) \
+                or not 0 < self.kv_transfer_timeout <= 3600:
+            raise InvalidRequestError(f"kv_transfer_timeout must be in (0, 3600] seconds, got {self.kv_transfer_timeout!r}",
+                                      param="kv_transfer_timeout")
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ class ResumedRequestData:
     request_id: str
     block_tables: list[list[int]]
     slot: int
+    num_cached_pages: int = 0  # leading pages (per plane) the prefix cache already holds: not restored
 
 
 @dataclass

@@ -14,6 +14,7 @@ class RequestStatus(enum.Enum):
     PREEMPTED = "preempted"  # waiting again, its state snapshotted in CPU memory
     PREFILL = "prefill"
     DECODE = "decode"
+    HANDOFF = "handoff"  # prefill worker: prompt done, first token sampled, moving to a decode worker
     FINISHED = "finished"
 
 
@@ -49,6 +50,7 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     resume_status: RequestStatus | None = None  # status to return to after a preemption
+    handed_off: bool = False  # came from a prefill worker (its first admission restores its prompt's pages)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

@@ -28,6 +28,10 @@ from loopline.core.request import PrefillChunk, Request, RequestStatus
 from loopline.kv.manager import KVCacheManager
 
 
+# Statuses whose rows a step runs (HANDOFF: the prompt's last loop, booked as the row was scheduled).
+_SCHEDULED = (RequestStatus.DECODE, RequestStatus.PREFILL, RequestStatus.HANDOFF)
+
+
 # --- strategies -------------------------------------------------------------------------------
 class Allocation:
     """Full reservation: a request's whole ``prompt + max_tokens`` is allocated at admission."""
@@ -82,7 +86,7 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, exit_policy: ExitPolicy, queue: RequestQueue,
                  max_num_seqs: int, max_num_batched_tokens: int, num_loops: int,
                  allocation: Allocation | None = None, preemption: Preemption | None = None,
-                 watermark_blocks: int = 0) -> None:
+                 watermark_blocks: int = 0, after_prefill: RequestStatus = RequestStatus.DECODE) -> None:
         self.kv = kv
         self.exit_policy = exit_policy
         self.waiting = queue
@@ -95,6 +99,9 @@ class Scheduler:
         self.allocation = allocation or Allocation()
         self.preemption = preemption
         self.watermark_blocks = watermark_blocks
+        # DECODE: the request decodes here; HANDOFF (a prefill worker, loopline.distributed.pd): it is
+        # never scheduled again and leaves with its first token for a decode worker.
+        self.after_prefill = after_prefill
         self.cache_salt: object = 0  # the weight version: prefix-cache keys include it
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -103,11 +110,18 @@ class Scheduler:
         self._out = SchedulerOutput([])
         self._snapshot_blocks: dict[str, int] = {}
         self._moved_now: set[str] = set()  # started, resumed or preempted in the current schedule()
+        self._restored_prompts: list[Request] = []  # handed-off requests resumed by the last schedule()
 
     # --- lifecycle --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.push(request)
+
+    def adopt(self, request: Request) -> None:
+        """Queues a request handed off by a prefill worker: ``PREEMPTED`` with ``resume_status``
+        ``DECODE``, its state in a runner snapshot, so it resumes exactly like a preempted request."""
+        assert request.status == RequestStatus.PREEMPTED and request.resume_status == RequestStatus.DECODE
+        self.add_request(request)
 
     def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> Request | None:
         """Finishes (or aborts) a request and frees its KV, slot and snapshot at once."""
@@ -149,6 +163,7 @@ class Scheduler:
         budget = self.budget
         rows: list[ScheduledRow] = []
         self._moved_now.clear()
+        self._cache_restored_prompts()
         self._admit()
         # NOTE: the device decides each decode row's loop (and no_refill cohorts); a row only names
         # its slot, so every decoding request gets one every step.
@@ -162,10 +177,19 @@ class Scheduler:
         for req in self.running:
             if req.status == RequestStatus.PREFILL and budget > 0:
                 budget = self._schedule_prefill(req, rows, budget)
-        rows = [r for r in rows if self.requests[r.request_id].status in (RequestStatus.DECODE, RequestStatus.PREFILL)]
+        rows = [r for r in rows if self.requests[r.request_id].status in _SCHEDULED]
         out, self._out = self._out, SchedulerOutput([])
         out.rows = rows
         return out
+
+    def _cache_restored_prompts(self) -> None:
+        """Caches the prompt pages of handed-off requests whose restore the previous step launched.
+        NOTE: only now: a page must never be found before its KV is written, and a step that failed
+        to launch failed (and removed) its requests."""
+        for req in self._restored_prompts:
+            if self.requests.get(req.request_id) is req and req.status == RequestStatus.DECODE:
+                self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.cache_salt)
+        self._restored_prompts.clear()
 
     def _decode_row(self, req: Request) -> ScheduledRow:
         # The device knows this slot's loop, position and token; the row only names the slot and the
@@ -205,9 +229,11 @@ class Scheduler:
         if self.allocation.needs_growth() and not self._may_overcommit():
             keep += self.kv.blocks_needed(req.num_tokens_reserved) - self.kv.blocks_needed(self.allocation.initial_tokens(req))
         resumed = req.status == RequestStatus.PREEMPTED
+        # NOTE: a handed-off request's prompt pages may already be cached here (they hold the same
+        # KV: same prefix, weights and layout); its own copies of them are then not restored
+        match = req.handed_off or not (resumed or req.params.prompt_logprobs is not None)
         alloc = self.kv.allocate(req.request_id, self.allocation.initial_tokens(req),
-                                 None if resumed or req.params.prompt_logprobs is not None else req.prompt_token_ids,
-                                 self.cache_salt, keep_free=keep)
+                                 req.prompt_token_ids if match else None, self.cache_salt, keep_free=keep)
         return alloc is not None
 
     def _start(self, req: Request) -> None:
@@ -219,7 +245,11 @@ class Scheduler:
             req.status, req.resume_status = req.resume_status, None
             if self.preemption is not None:
                 self.preemption.swapped_blocks -= self._snapshot_blocks.pop(req.request_id, 0)
-            self._out.resumed_requests.append(ResumedRequestData(req.request_id, alloc.block_tables, req.slot))
+            self._out.resumed_requests.append(ResumedRequestData(req.request_id, alloc.block_tables, req.slot,
+                                                                 alloc.num_cached_tokens // self.kv.block_size))
+            if req.handed_off:  # its prompt pages hold final KV once this step's launch restored them
+                req.handed_off = False
+                self._restored_prompts.append(req)
             return
         req.status = RequestStatus.PREFILL
         req.cache_salt = self.cache_salt
@@ -253,7 +283,7 @@ class Scheduler:
     def _victims(self) -> list[Request]:
         """Running requests that may be preempted: not ones started or resumed in this same step
         (they have not run; preempting them would only thrash)."""
-        return [r for r in self.running if r.request_id not in self._moved_now]
+        return [r for r in self.running if r.request_id not in self._moved_now and r.status != RequestStatus.HANDOFF]
 
     def _preempt_for(self, waiting: Request) -> bool:
         """Preempts a running request of strictly lower priority than ``waiting``."""
@@ -340,7 +370,7 @@ class Scheduler:
         return req if req is not None and req.arrival_seq == row.seq else None
 
     def prefill_done(self, req: Request) -> None:
-        req.status = RequestStatus.DECODE
+        req.status = self.after_prefill
         # NOTE: a prompt whose prefill began under older weights (frozen across an
         # update by pause "keep") is never cached under the new salt.
         if req.cache_salt == self.cache_salt:

@@ -49,8 +49,13 @@ _WEIGHT_ORDER = ("committed", "updating", "partially_updated")  # the aggregate 
 
 
 def make_client(args: EngineArgs) -> EngineClient:
-    """The engine client for ``args``: one engine process, or ``data_parallel_size`` replicas
-    (engine processes or Ray actors) behind a :class:`DPClient`."""
+    """The engine client for ``args``: one engine process, prefill and decode workers behind a
+    ``PDClient`` (``prefill_workers``), or ``data_parallel_size`` replicas (engine processes or Ray
+    actors) behind a :class:`DPClient`."""
+    if args.prefill_workers:
+        from loopline.distributed.pd import PDClient
+
+        return PDClient(args)
     if args.data_parallel_size == 1 and args.distributed_executor_backend == "mp":
         return MPClient(args)
     args.validate()

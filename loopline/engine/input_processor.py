@@ -91,6 +91,10 @@ class InputProcessor:
                             next(self._arrivals)) for i in range(params.n)]
         return ProcessedRequest(request_id, prompt_text, ids, effective, children)
 
+    def next_arrival_seq(self) -> int:
+        """An arrival number for a request that arrives another way (a prefill worker's handoff)."""
+        return next(self._arrivals)
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

@@ -29,10 +29,11 @@ from loopline.core.queue import make_queue
 from loopline.core.request import Request, RequestStatus
 from loopline.core.scheduler import Preemption, Scheduler, make_allocation
 from loopline.engine.control import EngineControl
-from loopline.engine.input_processor import InputProcessor, PromptType
+from loopline.engine.handoff import Handoff
+from loopline.engine.input_processor import InputProcessor, PromptType, parent_request_id
 from loopline.engine.output_processor import OutputProcessor
 from loopline.engine.stat_logger import StatLogger
-from loopline.errors import EngineDeadError, InvalidRequestError, new_error_id
+from loopline.errors import CapacityError, EngineDeadError, InvalidRequestError, new_error_id
 from loopline.kv.layout import make_layout
 from loopline.kv.manager import KVCacheManager
 from loopline.models.loader import load_config, load_model, load_tokenizer
@@ -109,7 +110,9 @@ def is_device_fault(error: BaseException) -> bool:
 class LLMEngine:
     """Lower-level streaming engine (vLLM names): ``add_request``, ``step``, ``abort_request``."""
 
-    def __init__(self, args: EngineArgs, model: OuroForCausalLM | None = None) -> None:
+    def __init__(self, args: EngineArgs, model: OuroForCausalLM | None = None, *, prefill_only: bool = False) -> None:
+        """``prefill_only``: a prefill worker (``loopline.distributed.pd``): a request stops after its
+        first token and waits for :meth:`hand_off` instead of decoding here."""
         args.validate()
         for name, one in (("data_parallel_size", 1), ("distributed_executor_backend", "mp")):
             if getattr(args, name) != one:  # NOTE: replicas are AsyncLLM's (loopline.distributed), never a silent no-op
@@ -143,7 +146,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, self.exit_policy, make_queue(args.scheduling_policy), args.max_num_seqs,
                                    cfg.max_num_batched_tokens, model_cfg.total_ut_steps,
                                    allocation=make_allocation(args.kv_allocation), preemption=preemption,
-                                   watermark_blocks=int(args.kv_watermark * num_blocks))
+                                   watermark_blocks=int(args.kv_watermark * num_blocks),
+                                   after_prefill=RequestStatus.HANDOFF if prefill_only else RequestStatus.DECODE)
         self.runner = ModelRunner(self.model, layout, backends.attention, num_blocks, args.block_size, args.max_num_seqs,
                                   max_len, Sampler(args.logprobs_mode), device, dtype, slot_ops=backends.slot_ops,
                                   no_refill=args.scheduling_mode == "no_refill",
@@ -222,6 +226,77 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests) + len(self.control.held)
 
+    # --- prefill/decode disaggregation (loopline.distributed.pd) --------------------------
+    def ready_handoffs(self) -> list[str]:
+        """Requests (scheduler ids) of a prefill-only engine whose first token was booked and did
+        not end them: they wait for :meth:`hand_off`."""
+        return [r.request_id for r in self.scheduler.running if r.status == RequestStatus.HANDOFF and r.output]
+
+    def final_prompt_pages(self) -> dict[str, int]:
+        """Per prefilling request (scheduler id): how many of its prompt pages (per plane) hold final
+        KV -- every position in them ran its last loop in a step already launched -- so a prefill
+        worker can send them while the next chunks compute (``export_pages``)."""
+        loops, bs = self.config.num_loops, self.kv.block_size
+        out = {}
+        for req in self.scheduler.running:
+            if req.status == RequestStatus.HANDOFF:
+                out[req.request_id] = -(-req.prompt_len // bs)
+            elif req.status == RequestStatus.PREFILL:
+                done = 0
+                for chunk in req.chunks:  # in position order; a chunk finishes its last loop after the one before
+                    if chunk.loops_done < loops:
+                        break
+                    done = chunk.end
+                out[req.request_id] = done // bs
+        return out
+
+    def export_pages(self, child_id: str, first: int, last: int) -> torch.Tensor:
+        """A copy of a prefilling request's prompt pages ``[first, last)`` of every plane."""
+        return self.runner.export_pages(child_id, first, last)
+
+    def hand_off(self, child_id: str, first_page: int = 0) -> tuple[Handoff, torch.Tensor]:
+        """Takes a ready request out of this engine for a decode worker: its :class:`Handoff` and a
+        copy of its prompt's KV pages from ``first_page`` on (see ``ModelRunner.export_request``);
+        its pages, slot and output state here are freed at once and it reports nothing more."""
+        req = self.scheduler.requests[child_id]
+        assert req.status == RequestStatus.HANDOFF and len(req.output) == 1, child_id
+        rid = parent_request_id(child_id)
+        state, kv = self.runner.export_request(child_id, first_page)
+        shape = (*kv.shape[:2], self.kv.layout.num_planes * state.blocks_per_plane, *kv.shape[3:])
+        handoff = Handoff(rid, child_id, self.outputs.prompt(rid), req.prompt_token_ids, req.params, req.seed,
+                          req.max_tokens, req.eos_token_ids, req.output[0], self.control.weight_version,
+                          self.outputs.metrics(rid), state, shape, kv.dtype)
+        self.scheduler.finish_request(child_id, "handoff")
+        self.outputs.forget(rid)
+        return handoff, kv
+
+    def adopt(self, handoff: Handoff, kv: torch.Tensor) -> str:
+        """Takes over a request a prefill worker handed off (``kv``: its pages, as ``hand_off``
+        returned them, on any device): it resumes at its second token exactly as in the engine that
+        produced its first, and its outputs continue the prefill worker's. Returns the text the
+        prefill worker reported (where this engine's text deltas start)."""
+        self._check_alive()
+        self.control.check_may_generate()
+        if self.outputs.has(handoff.request_id):
+            raise InvalidRequestError(f"request_id {handoff.request_id!r} is already in use", param="request_id")
+        if not self.kv.fits_ever(len(handoff.prompt_token_ids) + handoff.max_tokens):
+            raise CapacityError(f"request needs {self.kv.blocks_needed(len(handoff.prompt_token_ids) + handoff.max_tokens)} "
+                                f"KV blocks but this decode worker's pool has {self.kv.pool.num_blocks}",
+                                param="max_tokens")
+        req = Request(handoff.child_id, list(handoff.prompt_token_ids), handoff.params, handoff.seed,
+                      handoff.max_tokens, handoff.eos_token_ids, self.inputs.next_arrival_seq(),
+                      status=RequestStatus.PREEMPTED, output=[handoff.first], handed_off=True)
+        req.resume_status = RequestStatus.DECODE
+        self.runner.adopt_request(handoff.child_id, handoff.runner, kv)
+        try:
+            text = self.outputs.adopt(req, handoff.prompt, handoff.metrics, handoff.weight_version)
+        except Exception:  # e.g. the detokenizer on the first token: nothing of it stays
+            self.runner.snapshots.pop(handoff.child_id, None)
+            self.outputs.forget(handoff.request_id)
+            raise
+        self.scheduler.adopt(req)
+        return text
+
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one loop for every scheduled row; returns outputs of requests that progressed."""
@@ -230,7 +305,8 @@ class LLMEngine:
         if self.control.step_blocked():  # paused with mode "keep", or no usable weights / KV
             return self._collect()
         sched = self.scheduler.schedule()
-        if sched.is_empty and self.scheduler.num_running and not sched.preempted_request_ids:
+        if sched.is_empty and not sched.preempted_request_ids and any(
+                r.status != RequestStatus.HANDOFF for r in self.scheduler.running):  # (those wait for hand_off)
             self._fail_blocked()
             sched = self.scheduler.schedule()
         for new in sched.new_requests:

@@ -20,6 +20,7 @@ from typing import Any
 
 from loopline.core.request import Request
 from loopline.engine.detokenizer import IncrementalDetokenizer
+from loopline.engine.input_processor import parent_request_id
 from loopline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from loopline.sampling_params import SamplingParams
 
@@ -98,6 +99,29 @@ class OutputProcessor:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             self._completions[cid] = _Completion(i, params.seed + i, logprobs=[] if params.logprobs is not None else None,
                                                  detok=detok)
+
+    def metrics(self, request_id: str) -> RequestMetrics:
+        return self._parents[request_id].metrics
+
+    def prompt(self, request_id: str) -> str | None:
+        return self._parents[request_id].prompt
+
+    def forget(self, request_id: str) -> None:
+        """Drops a request without a final output (it moved to a decode worker, which finishes it)."""
+        if request_id in self._parents:
+            self._drop(request_id)
+
+    def adopt(self, req: Request, prompt: str | None, metrics: RequestMetrics, weight_version: Any) -> str:
+        """Takes over a request whose first token another engine (a prefill worker) produced and
+        reported: its completion continues from that token (text, logprobs, stop strings) and is
+        not reported again. Returns the text reported so far."""
+        request_id = parent_request_id(req.request_id)
+        self.add(request_id, prompt, req.prompt_token_ids, req.params, [req.request_id], weight_version)
+        parent = self._parents[request_id]
+        parent.prompt_logprobs = parent.prompt_exit_depths = None  # the prefill worker reported them
+        self.on_token(req, weight_version, check_stop=False)
+        parent.metrics, parent.dirty = metrics, False
+        return self._completions[req.request_id].text
 
     # --- per token ----------------------------------------------------------------------
     def on_token(self, req: Request, weight_version: Any = None, check_stop: bool = True) -> tuple[str, str] | None:

@@ -219,13 +219,14 @@ class InProcClient(EngineClient):
 class MPClient(EngineClient):
     """The engine loop in a child process (``spawn``), built from ``engine_args`` there."""
 
-    def __init__(self, engine_args: Any) -> None:
+    def __init__(self, engine_args: Any, role: Any = None) -> None:
+        """``role``: what the process runs instead of a plain engine (``run_engine_process``)."""
         super().__init__()
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(target=run_engine_process, name="loopline-engine", daemon=True,
                                    args=(engine_args, child_conn, logging.getLogger("loopline").getEffectiveLevel(),
-                                         torch.get_num_threads()))
+                                         torch.get_num_threads(), role))
         self.process.start()
         child_conn.close()  # NOTE: ours closed, the pipe reports EOF as soon as the child dies
         self._send_lock = threading.Lock()

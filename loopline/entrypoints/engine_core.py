@@ -181,6 +181,7 @@ class EngineMessage:
     steps: list[StepRecord] = field(default_factory=list)  # the steps run since the last message
     snapshot: EngineSnapshot = field(default_factory=EngineSnapshot)
     dead: BaseException | None = None
+    handoffs: list[Any] = field(default_factory=list)  # a prefill worker's requests leaving it (distributed.pd)
 
 
 # --- deltas ----------------------------------------------------------------------------------
@@ -220,6 +221,11 @@ class DeltaEncoder:
 
     def drop(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
+
+    def seed(self, request_id: str, tokens_sent: int, text_sent: str) -> None:
+        """A request whose first output another engine sent (a prefill worker's handoff): its
+        deltas continue from there, without a head."""
+        self._sent[request_id] = ([[tokens_sent, text_sent]], [0])
 
 
 class _Assembled:
@@ -464,7 +470,7 @@ class EngineCore:
         alone once ``_MAX_STEP_RECORD_DELAY_S`` old: at fixed depth R that is R x fewer messages."""
         msg = self._msg
         msg.snapshot = self.take_snapshot()
-        news = msg.outputs or msg.failures or msg.replies or msg.snapshot != self._last_snapshot
+        news = msg.outputs or msg.failures or msg.replies or msg.handoffs or msg.snapshot != self._last_snapshot
         if not news and not (msg.steps and time.perf_counter() - self._first_unsent > _MAX_STEP_RECORD_DELAY_S):
             return
         self._msg = EngineMessage()
@@ -496,7 +502,7 @@ class EngineCore:
 
 
 # --- the engine process ----------------------------------------------------------------------
-def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads: int) -> None:
+def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads: int, role: Any = None) -> None:
     """Entry point of the engine process (``MPClient``): builds the engine, sends its
     :class:`EngineInfo` (or the exception that stopped the build), then runs the loop.
 
@@ -505,6 +511,9 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
     (a Ctrl-C reaches the whole process group) is ignored here, so the server can drain first;
     SIGTERM (multiprocessing's exit handler, a service manager) and a closed connection (the
     server went away) stop the loop as a shutdown does: requests still running are aborted.
+
+    ``role`` (a prefill or decode worker, ``loopline.distributed.pd``) builds the engine and the
+    loop instead: ``role.build_engine(engine_args)`` and ``role.make_core(engine, inbox, emit)``.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until the loop can stop cleanly
@@ -517,7 +526,7 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
         # device: a data-parallel replica on cuda:i must make it its own before that.
         torch.cuda.set_device(torch.device(device))
     try:
-        engine = LLMEngine(engine_args)
+        engine = LLMEngine(engine_args) if role is None else role.build_engine(engine_args)
     except BaseException as e:  # the server raises it (e.g. an invalid flag) and exits
         conn.send_bytes(_dumps(EngineMessage(dead=e)))
         return
@@ -541,7 +550,8 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
     # NOTE: the loop runs on a thread of its own, as in the server process before: on a small CPU
     # host, torch ops issued from the main thread ran up to 10x slower (its OpenMP team busy-waits
     # when cores are oversubscribed). The process ends when the loop does.
-    loop = threading.Thread(target=EngineCore(engine, inbox, send).run, name="loopline-engine")
+    core = EngineCore(engine, inbox, send) if role is None else role.make_core(engine, inbox, send)
+    loop = threading.Thread(target=core.run, name="loopline-engine")
     loop.start()
     signal.signal(signal.SIGTERM, lambda *_: inbox.put(ShutdownCmd()))
     while loop.is_alive():  # NOTE: a timed join, so that the signal handler runs on this thread

@@ -188,7 +188,14 @@ class DeviceDecodeState:
         return {name: to_host(t[slot]) for name, t in self._per_slot().items()}
 
     def load(self, slot: int, saved: dict[str, Tensor], block_tables: list) -> None:
-        """Restores ``save``'s state into ``slot`` (resumption), with the request's new block tables."""
+        """Restores ``save``'s state into ``slot`` (resumption), with the request's new block tables.
+        The state may come from another engine (a prefill worker): what it tracks is allocated here too."""
+        if "counts" in saved and self.counts is None:
+            vocab = saved["counts"].shape[-1]
+            self.counts = torch.zeros(self.loop.shape[0], vocab, dtype=torch.float32, device=self.device)
+            self.seen = torch.zeros(self.loop.shape[0], vocab, dtype=torch.bool, device=self.device)
+        if "trace" in saved:
+            self.allocate_trace()
         per_slot = self._per_slot()
         for name, t in saved.items():
             per_slot[name][slot] = t.to(self.device, non_blocking=True)

@@ -39,7 +39,7 @@ from loopline.worker.exit_rule import exit_decision
 from loopline.worker.sampler import Sampler, SamplerOutput
 from loopline.worker.sampling_inputs import HostSample, ParamsStager, SampleBatch, build_sampling_tensors, has_penalties
 from loopline.worker.staging import stage
-from loopline.worker.swap import Snapshot
+from loopline.worker.swap import HandoffState, Snapshot
 from loopline.worker.step_inputs import build_prefill_inputs, work_list
 
 _SEED_MASK = 2**63 - 1
@@ -250,15 +250,70 @@ class ModelRunner:
         snap = self.snapshots.pop(resumed.request_id)
         st = snap.state.to(self.device)
         st.block_arrays = [np.asarray(t, dtype=np.int32) for t in resumed.block_tables]
-        # The new tables may be longer (room for the next position); the snapshot fills their heads.
-        idx = self._blocks_index([t[:snap.blocks_per_plane] for t in st.block_arrays])
-        self.k_cache[:, idx] = snap.k.to(self.device, non_blocking=True)
-        self.v_cache[:, idx] = snap.v.to(self.device, non_blocking=True)
+        # The new tables may be longer (room for the next position); the snapshot fills their heads,
+        # except pages the prefix cache gave it (shared with other requests: never written).
+        bpp, cached = snap.blocks_per_plane, resumed.num_cached_pages
+        idx = self._blocks_index([t[cached:bpp] for t in st.block_arrays])
+        k, v = snap.k, snap.v
+        if cached:
+            keep = torch.cat([torch.arange(p * bpp + cached, (p + 1) * bpp) for p in range(len(st.block_arrays))])
+            k, v = k[:, keep.to(k.device)], v[:, keep.to(v.device)]
+        self.k_cache[:, idx] = k.to(self.device, non_blocking=True)
+        self.v_cache[:, idx] = v.to(self.device, non_blocking=True)
         self.slot_hidden[resumed.slot] = snap.slot_hidden.to(self.device)
         self.slot_survival[resumed.slot] = snap.slot_survival.to(self.device)
         st.slot = resumed.slot
         self.decode_state.load(resumed.slot, snap.decode_state, resumed.block_tables)
         self.requests[resumed.request_id] = st
+
+    # --- prefill/decode disaggregation ----------------------------------------------------
+    def export_pages(self, request_id: str, first: int, last: int) -> Tensor:
+        """A copy of a running request's pages ``[first, last)`` of every plane (plane-major),
+        ``[2 (k, v), layers, planes * (last - first), block_size, kv_heads, D]`` on this device, queued
+        after the steps already launched (so it holds what they wrote)."""
+        st = self.requests[request_id]
+        # (staged through pinned memory: a pageable copy would wait for the steps in flight)
+        idx = stage(self.device, (np.concatenate([a[first:last] for a in st.block_arrays]), np.int64))[0]
+        kv = torch.empty((2, self.k_cache.shape[0], idx.numel(), *self.k_cache.shape[2:]), dtype=self.dtype,
+                         device=self.device)
+        torch.index_select(self.k_cache, 1, idx, out=kv[0])
+        torch.index_select(self.v_cache, 1, idx, out=kv[1])
+        return kv
+
+    def prompt_pages(self, request_id: str) -> int:
+        """Pages per plane that hold the request's prompt."""
+        return -(-self.requests[request_id].prompt.numel() // self.block_size)
+
+    def export_request(self, request_id: str, first_page: int = 0) -> tuple[HandoffState, Tensor]:
+        """Takes a request whose prompt finished (its first token fed to its slot) off this runner:
+        its slot state on the CPU and a copy of its prompt's pages from ``first_page`` on (the
+        earlier ones were exported already, ``export_pages``); the pool's pages may be reused at
+        once. With the earlier pages, exactly what a preemption snapshot holds, without the prefill
+        buffers a decode worker never reads."""
+        blocks = self.prompt_pages(request_id)
+        kv = self.export_pages(request_id, first_page, blocks)
+        st = self.requests.pop(request_id)
+        cpu = torch.device("cpu")
+        slot = st.slot
+        state = HandoffState(
+            params=st.params, seed=st.seed, prompt_token_ids=st.prompt.tolist(), prompt_exit=st.prompt_exit,
+            max_len=st.max_len, blocks_per_plane=blocks, slot_hidden=self.slot_hidden[slot].to(cpu),
+            slot_survival=self.slot_survival[slot].to(cpu), decode_state=self.decode_state.save(slot, lambda t: t.to(cpu)))
+        return state, kv
+
+    def adopt_request(self, request_id: str, state: HandoffState, kv: Tensor) -> None:
+        """Holds a request exported by another runner (``export_request``) as a preemption snapshot:
+        the scheduler resumes it like a preempted request (``ResumedRequestData``)."""
+        h = self.model.config.hidden_size
+        cpu = torch.device("cpu")
+        st = _RequestState(params=state.params, seed=state.seed,
+                           prompt=torch.tensor(state.prompt_token_ids, dtype=torch.long), block_arrays=[],
+                           prompt_exit=state.prompt_exit, hidden=torch.empty(0, h, dtype=self.dtype, device=cpu),
+                           survival=torch.empty(0, device=cpu), sel_hidden=torch.empty(0, h, dtype=self.dtype, device=cpu),
+                           sel_depth=torch.empty(0, dtype=torch.long, device=cpu), max_len=state.max_len)
+        self.snapshots[request_id] = Snapshot(k=kv[0], v=kv[1], slot_hidden=state.slot_hidden,
+                                              slot_survival=state.slot_survival, state=st,
+                                              blocks_per_plane=state.blocks_per_plane, decode_state=state.decode_state)
 
     @property
     def snapshot_bytes(self) -> int:

@@ -20,3 +20,20 @@ class Snapshot:
     decode_state: dict[str, Tensor]  # the slot's device decode state (loop, position, token, counts, trace)
 
 
+
+
+@dataclass
+class HandoffState:
+    """What a decode worker needs of a request a prefill worker finished (prefill/decode
+    disaggregation): its sampling and exit settings and its slot's device state, on the CPU.
+    The KV pages travel on their own (``loopline.distributed.kv_transfer``)."""
+
+    params: Any  # SamplingParams (effective)
+    seed: int
+    prompt_token_ids: list[int]
+    prompt_exit: Any  # ExitParams
+    max_len: int
+    blocks_per_plane: int  # KV pages per plane that travel: those covering the prompt
+    slot_hidden: Tensor  # [H]
+    slot_survival: Tensor  # []
+    decode_state: dict[str, Tensor]  # the slot's decode state (loop 0, the first token, position, counts)

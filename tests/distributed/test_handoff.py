@@ -1,0 +1,134 @@
+"""The engine half of prefill/decode disaggregation, in one process: a prefill-only engine hands
+each request off after its first token and a decode engine adopts it; together they give exactly
+what one engine gives (tokens, exit depths, logprobs, text), in both KV layouts."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from loopline import SamplingParams
+from loopline.config import EngineArgs
+from loopline.distributed.pd import PageAssembly
+from loopline.engine import LLMEngine
+
+
+def ids(n, seed=0, vocab=500):
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def engine_for(tiny, prefill_only=False, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("device", "cpu")
+    kw.setdefault("block_size", 4)
+    kw.setdefault("max_num_seqs", 4)
+    return LLMEngine(EngineArgs(model=str(tiny.path), **kw), prefill_only=prefill_only)
+
+
+def drain(engine, requests):
+    done = {}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    return done
+
+
+def drain_pd(prefill, decode, requests):
+    """Both engines stepped in turn: after every step the prompt pages that became final are copied
+    out (as a prefill worker streams them), and every ready request moves with the rest."""
+    done, moved, pieces = {}, 0, {}
+    for rid, (prompt, params) in requests.items():
+        prefill.add_request(rid, {"prompt_token_ids": prompt}, params)
+    while prefill.has_unfinished_requests() or decode.has_unfinished_requests():
+        done.update((o.request_id, o) for o in prefill.step() if o.finished)
+        for child, pages in prefill.final_prompt_pages().items():
+            assembly = pieces.setdefault(child, PageAssembly(prefill.kv.layout.num_planes))
+            sent = sum(p.shape[2] for _, p in assembly.pieces) // assembly.planes
+            if pages > sent and child not in prefill.ready_handoffs():
+                assembly.put(sent, prefill.export_pages(child, sent, pages).clone())
+        for child in prefill.ready_handoffs():
+            assembly = pieces.pop(child, PageAssembly(prefill.kv.layout.num_planes))
+            sent = sum(p.shape[2] for _, p in assembly.pieces) // assembly.planes
+            handoff, rest = prefill.hand_off(child, sent)
+            assembly.put(sent, rest)
+            decode.adopt(handoff, assembly.tensor(handoff.kv_shape, handoff.kv_dtype))
+            moved += 1
+            streamed[0] += len(assembly.pieces) - 1
+        done.update((o.request_id, o) for o in decode.step() if o.finished)
+    return done, moved
+
+
+streamed = [0]  # pieces sent before a request's handoff, over the module
+
+
+def result(out):
+    """Tokens, exit depths, text and finish reason exactly; logprobs to float32 rounding (a decode
+    worker's batches differ from the single engine's, and a batch's size moves the last bits)."""
+    return [(c.token_ids, c.exit_depths, c.text, c.finish_reason,
+             [{k: round(v.logprob, 4) for k, v in e.items()} for e in c.logprobs] if c.logprobs else None)
+            for c in out.outputs]
+
+
+def requests():
+    system = ids(13, seed=99)
+    greedy = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, exit_threshold=0.6, logprobs=2)
+    sampled = SamplingParams(max_tokens=9, temperature=1.0, seed=5, ignore_eos=True, exit_threshold=0.6)
+    penalized = sampled.clone(seed=8, presence_penalty=0.5, repetition_penalty=1.2)
+    return {"a": (system + ids(7, seed=1), greedy), "b": (system + ids(22, seed=2), sampled),
+            "c": (ids(3, seed=3), greedy.clone(max_tokens=1)), "d": (ids(30, seed=4), penalized),
+            "e": (system + ids(5, seed=5), sampled.clone(seed=None))}
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_handoff_gives_the_single_engines_outputs(tiny_gqa, layout):
+    kw = dict(kv_layout=layout, max_num_batched_tokens=8, enable_prefix_caching=True)
+    single = drain(engine_for(tiny_gqa, **kw), requests())
+    prefill, decode = engine_for(tiny_gqa, prefill_only=True, **kw), engine_for(tiny_gqa, **kw)
+    pd, moved = drain_pd(prefill, decode, requests())
+    assert moved == 4  # "c" ends with its first token on the prefill engine
+    assert streamed[0] > 0  # chunks' pages left before their prompt finished
+    assert {k: result(v) for k, v in pd.items()} == {k: result(v) for k, v in single.items()}
+    depths = {d for out in single.values() for d in out.outputs[0].exit_depths}
+    assert len(depths) > 1  # the adaptive exits vary
+    assert prefill.kv.num_used_blocks == 0 and decode.kv.num_used_blocks == 0
+    if layout == "last_exited":  # handed-off prompt pages are cached on the decode side and shared there
+        assert decode.kv.prefix_cache.stats.hits > 0
+    assert not decode.runner.snapshots and not prefill.runner.requests
+
+
+# --- the decode worker's loop, with a transport that fails ---------------------------------------
+class FailingTransport:
+    """Every receive fails, as a dead or silent prefill worker's would (after the timeout)."""
+
+    def recv(self, payload, shape, dtype, peer, tag):
+        import concurrent.futures
+
+        from loopline.distributed.kv_transfer import KVTransferError
+        f = concurrent.futures.Future()
+        f.set_exception(KVTransferError("receiving KV pages from worker 0 failed: timed out"))
+        return f
+
+
+def test_a_failed_transfer_fails_its_request_alone(tiny_gqa):
+    from loopline.distributed.pd import AcceptCmd, DecodeCore, PieceCmd, PieceMsg
+    from loopline.entrypoints.engine_core import Inbox
+    from loopline.errors import EngineInternalError
+
+    prefill, decode = engine_for(tiny_gqa, prefill_only=True), engine_for(tiny_gqa)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prefill.add_request("lost", {"prompt_token_ids": ids(9, seed=1)}, params)
+    while not prefill.ready_handoffs():
+        prefill.step()
+    handoff, rest = prefill.hand_off(prefill.ready_handoffs()[0])
+    inbox = Inbox()
+    core = DecodeCore(decode, inbox, lambda msg: None, FailingTransport())
+    core._apply(PieceCmd(PieceMsg("lost", 7, None, tuple(rest.shape), rest.dtype, 0), src_rank=0))
+    core._apply(AcceptCmd(handoff, 1, src_rank=0))
+    for cmd in inbox.take(lambda: False, False)[0]:  # the receive's completion wakes the loop
+        core._apply(cmd)
+    (rid, error), = core._msg.failures
+    assert rid == "lost" and isinstance(error, EngineInternalError) and error.error_id
+    assert not core._incoming and not decode.scheduler.requests and not decode.runner.snapshots
+    assert decode.kv.num_used_blocks == 0 and prefill.kv.num_used_blocks == 0
