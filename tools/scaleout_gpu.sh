@@ -87,7 +87,7 @@ flags_of() {
     3p1d) echo "--prefill-workers 3 --decode-workers 1 --kv-transport $multi_transport" ;;
   esac
 }
-label_of() { case $1 in one) echo "one engine";; 1p1d-ipc) echo "1P1D (cuda_ipc)";; dp2) echo "DP=2";; dp4) echo "DP=4";;
+label_of() { case $1 in one) echo "one engine";; 1p1d-ipc) echo "1P1D ($ipc_transport)";; dp2) echo "DP=2";; dp4) echo "DP=4";;
   1p1d) echo "1P1D";; 1p3d) echo "1P3D";; 2p2d) echo "2P2D";; 3p1d) echo "3P1D";; esac; }
 
 serve_help=$($cli serve --help 2>&1)
