@@ -36,7 +36,8 @@ from typing import Any
 
 from loopline.config import EngineArgs, resolve_device
 from loopline.engine import LLMEngine, PromptType
-from loopline.entrypoints.core_client import EngineClient, MPClient, _call_soon, _set_exception, _set_result
+from loopline.entrypoints.core_client import (EngineClient, MPClient, _call_soon, _set_exception, _set_result,
+                                              _settle)
 from loopline.entrypoints.engine_core import EngineSnapshot, StepRecord
 from loopline.distributed.router import LoadAffinityRouter, ReplicaLoad, Router
 from loopline.errors import EngineDeadError, EngineStateError, InvalidRequestError, LooplineError
@@ -390,13 +391,3 @@ def _naming_replica(error: BaseException, index: int, size: int) -> BaseExceptio
     named = copy.copy(error)
     named.args = (f"data-parallel replica {index}: {error.args[0]}", *error.args[1:])
     return named
-
-
-def _settle(future: concurrent.futures.Future, result: Any, error: BaseException | None) -> None:
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except concurrent.futures.InvalidStateError:  # the caller gave up (cancelled)
-        pass
