@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -76,6 +77,10 @@ class EngineArgs:
     disable_log_stats: bool = _opt(False, "turn off the engine statistics line logged every log_stats_interval seconds "
                                           "(logged at INFO: loopline serve shows it)")
     log_stats_interval: float = _opt(10.0, "seconds between engine statistics log lines")
+    generation_config: str = _opt("auto", "where request sampling defaults come from (vLLM's option): 'auto' reads "
+                                          "the model's generation_config.json (temperature, top_p, top_k, min_p, "
+                                          "repetition_penalty, max_new_tokens as max_tokens); 'vllm' uses "
+                                          "SamplingParams' own defaults; else a folder holding a generation_config.json")
     # --- scale-out (docs/serving.md "Scale-out"; AsyncLLM and loopline serve) --------------
     data_parallel_size: int = _opt(1, "engine replicas behind one front end, one per device (replica i on cuda:i; "
                                       "CPU processes on CPU); requests are routed by load with prefix affinity")
@@ -132,6 +137,10 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", param="gpu_memory_utilization")
         self._validate_disaggregation()
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+                os.path.join(self.generation_config, "generation_config.json")):
+            raise InvalidRequestError(f"generation_config must be 'auto', 'vllm' or a folder holding a "
+                                      f"generation_config.json, got {self.generation_config!r}", param="generation_config")
         if not self.device == "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise InvalidRequestError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}", param="device")
         self._validate_scale_out()

@@ -436,7 +436,7 @@ class PDClient(EngineClient):
             raise
         first = self.prefill[0].info
         self.info = EngineInfo(first.config, first.model_config, sum(w.info.kv_pages for w in self.workers),
-                               first.kv_planes)
+                               first.kv_planes, first.sampling_defaults)
         self._credit = {w.rank: w.info.kv_pages for w in self.decode}
         self.snapshot = self._aggregate()
 

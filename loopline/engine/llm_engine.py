@@ -36,7 +36,7 @@ from loopline.engine.stat_logger import StatLogger
 from loopline.errors import CapacityError, EngineDeadError, InvalidRequestError, new_error_id
 from loopline.kv.layout import make_layout
 from loopline.kv.manager import KVCacheManager
-from loopline.models.loader import load_config, load_model, load_tokenizer
+from loopline.models.loader import load_config, load_model, load_tokenizer, sampling_defaults
 from loopline.models.ouro import OuroForCausalLM
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -124,6 +124,8 @@ class LLMEngine:
             from loopline.models.tiny import default_checkpoint  # the bundled model (or its tokenizer)
             model_path = str(default_checkpoint())
         model_cfg = load_config(model_path) if model is None else model.config
+        # the request defaults of LLM.generate(..., None) and of unset HTTP fields (vLLM's generation_config)
+        self.sampling_defaults: dict[str, Any] = sampling_defaults(args.generation_config, model_path)
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, model_cfg.torch_dtype, device)
         max_len = args.max_model_len or model_cfg.max_position_embeddings

@@ -155,6 +155,16 @@ class AsyncLLM:
         return self.tokenizer
 
     @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's request defaults (generation_config.json; ``{}`` with ``generation_config="vllm"``):
+        the HTTP server fills unset request fields from them."""
+        return dict(self._client.info.sampling_defaults)
+
+    async def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's defaults (vLLM's name)."""
+        return SamplingParams(**self.sampling_defaults)
+
+    @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
 

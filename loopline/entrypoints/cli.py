@@ -74,6 +74,10 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+#: sampling flags that, when not given, take the model's generation_config.json default
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+
+
 def add_sampling_args(parser: Any) -> None:
     from loopline.config import add_dataclass_args
     from loopline.sampling_params import SamplingParams
@@ -83,16 +87,25 @@ def add_sampling_args(parser: Any) -> None:
     names = {SAMPLING_RENAMES.get(k, k): k for k in SAMPLING_HELP}
     for action in group._group_actions:
         action.help = SAMPLING_HELP[names[action.dest]]
+        if names[action.dest] in MODEL_DEFAULT_FIELDS:  # unset: the model's default (sampling_from_ns)
+            fallback = "" if action.default is None else f", else {action.default}"
+            action.help += f" (default: the model's generation_config.json{fallback})"
+            action.default = None
 
 
-def sampling_from_ns(ns: argparse.Namespace) -> Any:
+def sampling_from_ns(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
+    """The request's SamplingParams from the flags; ``defaults`` (the model's generation_config
+    defaults) fill the fields whose flags were not given."""
     from loopline.sampling_params import SamplingParams
 
     kwargs = {}
     for f in dataclasses.fields(SamplingParams):
         dest = SAMPLING_RENAMES.get(f.name, f.name)
         if f.name != "extra" and hasattr(ns, dest):
-            kwargs[f.name] = getattr(ns, dest)
+            value = getattr(ns, dest)
+            if value is None and f.name in MODEL_DEFAULT_FIELDS:
+                value = (defaults or {}).get(f.name, f.default)
+            kwargs[f.name] = value
     return SamplingParams(**kwargs)
 
 
@@ -120,11 +133,12 @@ def _run_generate(ns: argparse.Namespace) -> int:
             prompts += [line.rstrip("\n") for line in fh if line.strip()]
     if not prompts:
         prompts = [DEFAULT_PROMPT]
-    params = sampling_from_ns(ns)
+    sampling_from_ns(ns)  # bad flag values fail before a model loads
     args = EngineArgs.from_cli_args(ns)
     if args.model is None:
         print(DEMO_NOTICE, file=sys.stderr)
     llm = LLM(**dataclasses.asdict(args))
+    params = sampling_from_ns(ns, llm.llm_engine.sampling_defaults)
     t0 = time.perf_counter()
     if ns.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)

@@ -86,10 +86,12 @@ class EngineInfo:
     model_config: Any  # OuroConfig
     kv_pages: int
     kv_planes: int
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the model's request defaults (generation_config)
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineInfo":
-        return cls(engine.config, engine.model_config, engine.kv.pool.num_blocks, engine.kv.layout.num_planes)
+        return cls(engine.config, engine.model_config, engine.kv.pool.num_blocks, engine.kv.layout.num_planes,
+                   dict(engine.sampling_defaults))
 
 
 # --- commands (client -> core) -----------------------------------------------------------------

@@ -114,10 +114,14 @@ class LLM:
             raise InvalidRequestError("prompts must be a string, a prompt dict, or a non-empty list of them", param="prompts")
         return list(prompts)
 
-    @staticmethod
-    def _params_for(batch: list, sampling_params: Any) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate(..., sampling_params=None)`` uses: ``SamplingParams`` with the model's
+        generation_config.json defaults (``generation_config="auto"``; none with ``"vllm"``)."""
+        return SamplingParams(**self.llm_engine.sampling_defaults)
+
+    def _params_for(self, batch: list, sampling_params: Any) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * len(batch)
+            return [self.get_default_sampling_params()] * len(batch)
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * len(batch)
         if len(sampling_params) != len(batch):

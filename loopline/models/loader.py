@@ -199,6 +199,37 @@ def _generation_eos(model_dir: Path, vocab: Any) -> list[int]:
     return ids
 
 
+#: generation_config.json keys that become request defaults, and the SamplingParams field each
+#: sets (vLLM's ``--generation-config auto``); other keys (do_sample, bos ids, ...) are ignored.
+SAMPLING_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def load_sampling_defaults(model_dir: PathLike) -> dict[str, Any]:
+    """The sampling defaults a checkpoint's ``generation_config.json`` sets, as SamplingParams
+    fields (``{}`` without the file). Each value is checked as SamplingParams checks it."""
+    from loopline.sampling_params import SamplingParams
+
+    path = _existing_dir(model_dir) / GENERATION_CONFIG_FILE
+    raw = _read_json(path, required=False) or {}
+    defaults = {field: raw[key] for key, field in SAMPLING_DEFAULT_KEYS.items() if raw.get(key) is not None}
+    for key, field in SAMPLING_DEFAULT_KEYS.items():
+        if field in defaults:
+            try:
+                SamplingParams(**{field: defaults[field]})
+            except (LooplineError, ValueError, TypeError) as e:
+                raise CheckpointError(f"{path}: {key}={raw[key]!r} is not a valid request default: {e}") from None
+    return defaults
+
+
+def sampling_defaults(source: str, model_dir: PathLike | None) -> dict[str, Any]:
+    """Request defaults by ``EngineArgs.generation_config``: ``"auto"``: the model's
+    generation_config.json; ``"vllm"``: none; else that folder's generation_config.json."""
+    if source == "vllm" or (source == "auto" and model_dir is None):
+        return {}
+    return load_sampling_defaults(model_dir if source == "auto" else source)
+
+
 def _is_token_id(value: Any, vocab: int | None) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0 and (vocab is None or value < vocab)
 

@@ -39,6 +39,12 @@ CHECKPOINT_FILE = "train_state.pt"
 STATE_VERSION = 1
 
 
+#: Request defaults written to the export's generation_config.json (the engine applies them where a
+#: request leaves the field unset, as vLLM does): T = 1 samples garbled code from a 5.5M-parameter
+#: model and greedy decoding loops (`os.path.join(os.path.join(...`); these read as Python.
+DEMO_SAMPLING_DEFAULTS = {"temperature": 0.5, "top_k": 20, "repetition_penalty": 1.15, "max_new_tokens": 48}
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The architecture fields a run chooses (the rest are Ouro's)."""
@@ -450,7 +456,7 @@ class Trainer:
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
         raw = {**_config_json(config, dict(_HF_ONLY_DEFAULTS)), "_name_or_path": "loopline-demo-ouro"}
         _dump(out / "config.json", raw)
-        _dump(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": [0, 2]})
+        _dump(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": [0, 2], **DEMO_SAMPLING_DEFAULTS})
         write_tokenizer(self.data.tokenizer, out, config.max_position_embeddings)
         info = {"train_config": self.config.to_dict(), "step": self.step, "corpus": self.data.info,
                 "early_exit_threshold": float(threshold),

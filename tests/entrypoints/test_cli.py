@@ -143,7 +143,7 @@ def test_sampling_flags_have_help_and_no_default_none():
     assert "(default: None)" not in help_text and "(default: False)" not in help_text
     sampling = next(g for g in gen._action_groups if g.title == "sampling")
     assert all(a.help for a in sampling._group_actions)
-    assert "--temperature TEMPERATURE" in help_text and "(default: 1.0)" in help_text
     flat = " ".join(help_text.split())
+    assert "--temperature TEMPERATURE" in help_text and "(default: the model's generation_config.json, else 1.0)" in flat
     assert "come from it (default: 0)" in flat and "vLLM's default) (default: 256)" in flat  # 0 is a default too
     assert "the model's max_position_embeddings) (default" not in flat  # a help that names its default keeps it

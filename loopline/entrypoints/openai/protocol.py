@@ -56,6 +56,10 @@ class ErrorResponse(BaseModel):
 
 
 # --- requests -------------------------------------------------------------------------
+#: SamplingParams' own defaults for the fields a model's generation_config may set
+SAMPLING_FALLBACKS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class StreamOptions(StrictRequest):
     include_usage: bool = False
 
@@ -63,9 +67,9 @@ class StreamOptions(StrictRequest):
 class ExtraSamplingFields(StrictRequest):
     """loopline's extra request fields (not in OpenAI's API), shared by both endpoints."""
 
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None  # unset: the model's default (generation_config.json), else 0
+    min_p: float | None = None  # unset: the model's default, else 0.0
+    repetition_penalty: float | None = None  # unset: the model's default, else 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -99,16 +103,25 @@ class _CommonRequest(ExtraSamplingFields):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                  defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """``defaults``: the model's request defaults (``AsyncLLM.sampling_defaults``), for the fields
+        the request leaves unset, as vLLM applies a model's generation_config."""
         self._check_unsupported()
+        d = defaults or {}
+
+        def pick(name: str, value: Any) -> Any:
+            return value if value is not None else d.get(name, SAMPLING_FALLBACKS[name])
+
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            n=self.n, max_tokens=max_tokens if max_tokens is not None else d.get("max_tokens"),
+            temperature=pick("temperature", self.temperature), top_p=pick("top_p", self.top_p),
+            top_k=pick("top_k", self.top_k), min_p=pick("min_p", self.min_p), seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
+            repetition_penalty=pick("repetition_penalty", self.repetition_penalty),
+            skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, priority=self.priority,
             min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=self.exit_threshold,
             logprobs_mode=self.logprobs_mode)
@@ -150,7 +163,7 @@ class CompletionRequest(_CommonRequest):
         raise InvalidRequestError("prompt must be a string, a list of strings, a list of token ids "
                                   "or a list of token-id lists", param="prompt")
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported (it must be unset or equal to n)", param="best_of")
         if self.suffix:
@@ -160,7 +173,7 @@ class CompletionRequest(_CommonRequest):
         # echo with max_tokens=0 (eval harnesses scoring a prompt): generate one token and drop it.
         max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._sampling(max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 class TextPart(StrictRequest):
@@ -214,7 +227,7 @@ class ChatCompletionRequest(_CommonRequest):
             raise InvalidRequestError("messages must not be empty", param="messages")
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.tools:
             raise InvalidRequestError("tools are not supported", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -223,7 +236,7 @@ class ChatCompletionRequest(_CommonRequest):
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         try:
-            return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+            return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults=defaults)
         except InvalidRequestError as e:  # name the field the client sent
             if e.param == "max_tokens" and self.max_completion_tokens is not None:
                 raise InvalidRequestError(str(e).replace("max_tokens", "max_completion_tokens"),

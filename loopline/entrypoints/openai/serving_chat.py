@@ -20,7 +20,7 @@ from loopline.sampling_params import SamplingParams
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
-    params = req.to_sampling_params()
+    params = req.to_sampling_params(ctx.llm.sampling_defaults)
     try:
         conversation, pool = req.conversation(), ctx.llm.tokenizers
         if pool is None:  # no tokenizer: encode_chat raises the clear error

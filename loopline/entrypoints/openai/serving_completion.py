@@ -18,7 +18,7 @@ from loopline.sampling_params import SamplingParams
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
-    params = req.to_sampling_params()
+    params = req.to_sampling_params(ctx.llm.sampling_defaults)
     prompts = req.prompts()
     ctx.check_num_prompts(len(prompts), "prompt")
     gen = ctx.new_generation("cmpl", len(prompts))
