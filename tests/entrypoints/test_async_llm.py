@@ -148,13 +148,19 @@ def test_shutdown_aborts_in_flight_and_refuses_new_work(make_engine_args):
     assert not llm.is_running and llm.engine.kv.num_used_blocks == 0
 
 
-def _inject_step_failures(llm, failures):
-    """Makes ``llm.engine.step`` raise ``failures.pop(0)`` while the list is not empty."""
+def _inject_step_failures(llm, failures, when=None, delay_s: float = 0.0):
+    """Makes ``llm.engine.step`` raise ``failures.pop(0)`` while the list is not empty, in steps where
+    ``when()`` holds (default: every step; the loop may also step an empty engine, where a failure
+    reaches no request). Until then each step waits ``delay_s`` first, so a request cannot finish
+    before the condition comes true on a fast machine."""
     real = llm.engine.step
+    when = when or (lambda: True)
 
     def step():
-        if failures:
+        if failures and when():
             raise failures.pop(0)
+        if failures and delay_s:
+            time.sleep(delay_s)
         return real()
 
     llm.engine.step = step
@@ -278,12 +284,13 @@ def test_http_a_failed_step_is_a_500_with_an_id_and_the_server_keeps_serving(mak
     llm = in_thread(make_engine_args())
     try:
         srv = serve_app(build_app(llm, "m", shutdown_engine=False))
-        _inject_step_failures(llm, [RuntimeError("secret internal detail")])
+        runnable = llm.engine.has_runnable_requests  # a failure must reach the request, not an empty step
+        _inject_step_failures(llm, [RuntimeError("secret internal detail")], when=runnable)
         r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5})
         err = r.json()["error"]
         assert r.status_code == 500 and err["code"] == "internal_error" and "error id" in err["message"]
         assert "secret" not in r.text
-        _inject_step_failures(llm, [RuntimeError("secret internal detail")])
+        _inject_step_failures(llm, [RuntimeError("secret internal detail")], when=runnable)
         r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "stream": True})
         events = [e for e in r.text.split("\n\n") if e]
         assert events[-1] == "data: [DONE]" and '"internal_error"' in events[-2] and "secret" not in r.text
@@ -300,14 +307,15 @@ def test_a_step_error_spares_the_requests_a_pause_holds_back(make_engine_args):
     llm = in_thread(make_engine_args())
     try:
         async def main():
+            # the step fails once a request is held, and runs slowly until then: "running" is still
+            # in flight when it fails, however fast the machine
+            _inject_step_failures(llm, [RuntimeError("boom")], when=lambda: bool(llm.engine.control.held),
+                                  delay_s=0.005)
             running = await llm.add_request("running", PROMPT, SamplingParams(max_tokens=60, ignore_eos=True))
             pause = asyncio.ensure_future(llm.pause_generation("wait"))
             while not llm.engine.is_paused:
                 await asyncio.sleep(0.001)
             held = asyncio.ensure_future(collect(llm, PROMPT, SamplingParams(max_tokens=3, ignore_eos=True), "held"))
-            while not llm.engine.control.held:
-                await asyncio.sleep(0.001)
-            _inject_step_failures(llm, [RuntimeError("boom")])
             with pytest.raises(EngineInternalError):
                 while True:
                     await running.get()
