@@ -50,15 +50,18 @@ def test_generation_config_option_is_validated(tmp_path):
 def test_llm_generate_without_params_uses_the_models_defaults(greedy_ckpt, tiny_gqa):
     from loopline import LLM
 
-    llm = LLM(str(greedy_ckpt), dtype="float32", device="cpu")
+    small = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=2)  # a small KV pool each
+    llm = LLM(str(greedy_ckpt), **small)
     assert llm.get_default_sampling_params().temperature == 0.0
     out = llm.generate({"prompt_token_ids": PROMPT}, use_tqdm=False)[0].outputs[0]
     greedy = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0.0, max_tokens=5),
                           use_tqdm=False)[0].outputs[0]
     assert out.token_ids == greedy.token_ids and len(out.token_ids) == 5
-    plain = LLM(str(greedy_ckpt), dtype="float32", device="cpu", generation_config="vllm")
+    del llm
+    plain = LLM(str(greedy_ckpt), generation_config="vllm", **small)
     assert plain.get_default_sampling_params() == SamplingParams()
-    other = LLM(str(tiny_gqa.path), dtype="float32", device="cpu", generation_config=str(greedy_ckpt))
+    del plain
+    other = LLM(str(tiny_gqa.path), generation_config=str(greedy_ckpt), **small)
     assert other.get_default_sampling_params().max_tokens == 5  # a folder of its own
 
 
