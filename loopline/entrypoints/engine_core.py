@@ -336,8 +336,10 @@ class EngineCore:
                 if stopping:
                     self.engine.abort_request(list(self._live))
                 try:
+                    rows = self.engine.stats.rows
                     idle = not self._step()
-                    self._step_failures = 0
+                    if self.engine.stats.rows > rows:  # NOTE: a step that ran no row proves nothing
+                        self._step_failures = 0
                 except Exception as e:  # a request must not stop the engine: fail the ones to blame
                     idle = True
                     self._on_step_error(e)

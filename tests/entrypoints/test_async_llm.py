@@ -211,7 +211,9 @@ def test_an_attributed_step_error_fails_only_the_named_request(make_engine_args)
 
 def test_a_step_that_keeps_failing_stops_the_engine_and_health_says_so(make_engine_args, serve_app):
     llm = in_thread(make_engine_args())
-    _inject_step_failures(llm, [RuntimeError("boom")] * 100)
+    # only steps with a request fail: the engine loop's steps of an empty engine in between must not
+    # reset the count of failures in a row
+    _inject_step_failures(llm, [RuntimeError("boom")] * 100, when=llm.engine.has_runnable_requests)
     for i in range(3):  # each request fails; the third consecutive failure is an engine fault
         with pytest.raises(Exception):
             run(collect(llm, PROMPT, SamplingParams(max_tokens=2), f"x{i}"))
