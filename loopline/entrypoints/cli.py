@@ -74,12 +74,9 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
-#: sampling flags that, when not given, take the model's generation_config.json default
-MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
-
-
 def add_sampling_args(parser: Any) -> None:
     from loopline.config import add_dataclass_args
+    from loopline.models.loader import SAMPLING_DEFAULT_KEYS
     from loopline.sampling_params import SamplingParams
 
     group = parser.add_argument_group("sampling")
@@ -87,7 +84,7 @@ def add_sampling_args(parser: Any) -> None:
     names = {SAMPLING_RENAMES.get(k, k): k for k in SAMPLING_HELP}
     for action in group._group_actions:
         action.help = SAMPLING_HELP[names[action.dest]]
-        if names[action.dest] in MODEL_DEFAULT_FIELDS:  # unset: the model's default (sampling_from_ns)
+        if names[action.dest] in SAMPLING_DEFAULT_KEYS.values():  # unset: the model's default (sampling_from_ns)
             fallback = "" if action.default is None else f", else {action.default}"
             action.help += f" (default: the model's generation_config.json{fallback})"
             action.default = None
@@ -96,6 +93,7 @@ def add_sampling_args(parser: Any) -> None:
 def sampling_from_ns(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
     """The request's SamplingParams from the flags; ``defaults`` (the model's generation_config
     defaults) fill the fields whose flags were not given."""
+    from loopline.models.loader import SAMPLING_DEFAULT_KEYS
     from loopline.sampling_params import SamplingParams
 
     kwargs = {}
@@ -103,7 +101,7 @@ def sampling_from_ns(ns: argparse.Namespace, defaults: dict[str, Any] | None = N
         dest = SAMPLING_RENAMES.get(f.name, f.name)
         if f.name != "extra" and hasattr(ns, dest):
             value = getattr(ns, dest)
-            if value is None and f.name in MODEL_DEFAULT_FIELDS:
+            if value is None and f.name in SAMPLING_DEFAULT_KEYS.values():
                 value = (defaults or {}).get(f.name, f.default)
             kwargs[f.name] = value
     return SamplingParams(**kwargs)

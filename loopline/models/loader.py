@@ -212,13 +212,15 @@ def load_sampling_defaults(model_dir: PathLike) -> dict[str, Any]:
 
     path = _existing_dir(model_dir) / GENERATION_CONFIG_FILE
     raw = _read_json(path, required=False) or {}
-    defaults = {field: raw[key] for key, field in SAMPLING_DEFAULT_KEYS.items() if raw.get(key) is not None}
+    defaults = {}
     for key, field in SAMPLING_DEFAULT_KEYS.items():
-        if field in defaults:
-            try:
-                SamplingParams(**{field: defaults[field]})
-            except (LooplineError, ValueError, TypeError) as e:
-                raise CheckpointError(f"{path}: {key}={raw[key]!r} is not a valid request default: {e}") from None
+        if raw.get(key) is None:
+            continue
+        try:
+            SamplingParams(**{field: raw[key]})
+        except (LooplineError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{path}: {key}={raw[key]!r} is not a valid request default: {e}") from None
+        defaults[field] = raw[key]
     return defaults
 
 

@@ -56,10 +56,6 @@ class ErrorResponse(BaseModel):
 
 
 # --- requests -------------------------------------------------------------------------
-#: SamplingParams' own defaults for the fields a model's generation_config may set
-SAMPLING_FALLBACKS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
-
-
 class StreamOptions(StrictRequest):
     include_usage: bool = False
 
@@ -110,8 +106,8 @@ class _CommonRequest(ExtraSamplingFields):
         self._check_unsupported()
         d = defaults or {}
 
-        def pick(name: str, value: Any) -> Any:
-            return value if value is not None else d.get(name, SAMPLING_FALLBACKS[name])
+        def pick(name: str, value: Any) -> Any:  # else the model's default, else SamplingParams' own
+            return value if value is not None else d.get(name, SamplingParams.__dataclass_fields__[name].default)
 
         return SamplingParams(
             n=self.n, max_tokens=max_tokens if max_tokens is not None else d.get("max_tokens"),
