@@ -46,7 +46,6 @@ from loopline.sampling_params import SamplingParams
 
 logger = logging.getLogger("loopline.dp")
 
-_WEIGHT_ORDER = ("committed", "updating", "partially_updated")  # the aggregate reports the worst
 
 
 def make_client(args: EngineArgs) -> EngineClient:
@@ -144,11 +143,7 @@ class DPClient(EngineClient):
     @property
     def snapshot(self) -> EngineSnapshot:
         """The live replicas' gauges added up (paused: all of them are; weights: the worst state)."""
-        snaps = [c.snapshot for c in self._replicas if _serves(c)] or [self._replicas[0].snapshot]
-        total = {f.name: sum(getattr(s, f.name) for s in snaps) for f in dataclasses.fields(EngineSnapshot)
-                 if f.type in ("int", int)}
-        return EngineSnapshot(**total, is_paused=all(s.is_paused for s in snaps),
-                              weights_state=max((s.weights_state for s in snaps), key=_WEIGHT_ORDER.index))
+        return EngineSnapshot.total([c.snapshot for c in self._replicas if _serves(c)] or [self._replicas[0].snapshot])
 
     def is_alive(self) -> bool:
         return any(_serves(c) for c in self._replicas)

@@ -673,20 +673,8 @@ class PDClient(EngineClient):
         return failures
 
     def _aggregate(self) -> EngineSnapshot:
-        """The workers' gauges summed (flags: any of them)."""
-        snaps = [w.snapshot for w in self.workers if w.alive]
-        if not snaps:
-            return EngineSnapshot()
-        values = {}
-        for f in dataclasses.fields(EngineSnapshot):
-            vals = [getattr(s, f.name) for s in snaps]
-            if isinstance(vals[0], bool):
-                values[f.name] = any(vals)
-            elif isinstance(vals[0], int):
-                values[f.name] = sum(vals)
-            else:
-                values[f.name] = next((v for v in vals if v != "committed"), vals[0])
-        return EngineSnapshot(**values)
+        """The live workers' gauges as one (``EngineSnapshot.total``)."""
+        return EngineSnapshot.total([w.snapshot for w in self.workers if w.alive])
 
     @property
     def worker_snapshots(self) -> dict[str, EngineSnapshot]:

@@ -27,7 +27,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -66,6 +66,19 @@ class EngineSnapshot:
     num_generating: int = 0  # requests (choices) in the scheduler that produced a token
     is_paused: bool = False
     weights_state: str = "committed"  # "committed" | "updating" | "partially_updated"
+
+    @classmethod
+    def total(cls, snaps: list["EngineSnapshot"]) -> "EngineSnapshot":
+        """Several engines' gauges as one (data-parallel replicas, prefill/decode workers): counts
+        added up, paused only if every engine is, the weights in the worst state any engine is in."""
+        if not snaps:
+            return cls()
+        counts = {f.name: sum(getattr(s, f.name) for s in snaps) for f in fields(cls) if f.type in ("int", int)}
+        return cls(**counts, is_paused=all(s.is_paused for s in snaps),
+                   weights_state=max((s.weights_state for s in snaps), key=_WEIGHTS_STATES.index))
+
+
+_WEIGHTS_STATES = ("committed", "updating", "partially_updated")  # from the best to the worst
 
 
 @dataclass(frozen=True)
