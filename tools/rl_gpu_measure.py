@@ -119,12 +119,18 @@ def measure_in_process(engine: LLMEngine, state, device, sources, dtypes, bucket
                     sync(device)
                     times.append(time.perf_counter() - t0)
                     peaks.append(_peak_extra(device, base))
-                records.append({"route": "in_process", "source": source, "trainer_dtype": str(dtype).split(".")[1],
-                                "bucket_mib": mb, "buckets": stats.buckets, "downtime_s": round(statistics.median(times), 4),
-                                "caller_peak_extra_gib": max(peaks) if peaks[0] is not None else None,
-                                "engine_peak_extra_gib": max(peaks) if peaks[0] is not None else None})
+                records.append(_record("in_process", source, dtype, mb, stats.buckets, times, peaks, peaks))
             del held
     return records
+
+
+def _record(route: str, source: str, dtype: torch.dtype, mb: float, buckets: int, times: list[float],
+            caller: list, engine: list) -> dict:
+    """One (route, source, dtype, bucket size) row: the median downtime and the highest peaks."""
+    return {"route": route, "source": source, "trainer_dtype": str(dtype).split(".")[1], "bucket_mib": mb,
+            "buckets": buckets, "downtime_s": round(statistics.median(times), 4),
+            "caller_peak_extra_gib": max(caller) if caller[0] is not None else None,
+            "engine_peak_extra_gib": max(engine) if engine[0] is not None else None}
 
 
 async def _measure_engine_process(llm: AsyncLLM, state, device, sources, dtypes, buckets_mb, repeats) -> list[dict]:
@@ -145,10 +151,7 @@ async def _measure_engine_process(llm: AsyncLLM, state, device, sources, dtypes,
                     caller.append(_peak_extra(device, base))
                     after = await llm.device_memory_stats()
                     engine.append(round((after["peak"] - before["allocated"]) / GIB, 4) if after else None)
-                records.append({"route": "engine_process", "source": source, "trainer_dtype": str(dtype).split(".")[1],
-                                "bucket_mib": mb, "buckets": stats.buckets, "downtime_s": round(statistics.median(times), 4),
-                                "caller_peak_extra_gib": max(caller) if caller[0] is not None else None,
-                                "engine_peak_extra_gib": max(engine) if engine[0] is not None else None})
+                records.append(_record("engine_process", source, dtype, mb, stats.buckets, times, caller, engine))
             del held
     return records
 
