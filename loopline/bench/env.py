@@ -117,6 +117,26 @@ class DeviceTimer:
 
         return profiled_busy_s(self._prof, DeviceType.CUDA)
 
+    def kernel_table(self, top: int = 30) -> list[dict[str, Any]] | None:
+        """Device time per kernel name, largest first (profiler method only; call after ``stop``)."""
+        if self._prof is None:
+            return None
+        from torch.autograd import DeviceType
+
+        return profiled_kernels(self._prof, DeviceType.CUDA, top)
+
+
+def profiled_kernels(prof: Any, device_type: Any, top: int) -> list[dict[str, Any]]:
+    """The ``top`` activities on ``device_type`` by total time: name, total ms, calls, mean us."""
+    totals: dict[str, list[float]] = {}
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == device_type:
+            t = totals.setdefault(e.name(), [0.0, 0])
+            t[0] += e.duration_ns()
+            t[1] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": name[:120], "total_ms": ns / 1e6, "calls": int(n), "mean_us": ns / n / 1e3} for name, (ns, n) in rows]
+
 
 def profiled_busy_s(prof: Any, device_type: Any) -> float:
     """Union of the intervals of every profiled activity on ``device_type`` (kernels, copies), in seconds."""

@@ -212,8 +212,12 @@ def bandwidth_fields(bytes_read: int, duration_s: float, device: torch.device) -
 
 def device_fields(timer: DeviceTimer, duration_s: float) -> dict[str, Any]:
     busy = timer.busy_s()
-    return {"gpu_timing": timer.method, "gpu_busy_s": busy,
-            "gpu_idle_fraction": max(0.0, 1.0 - busy / duration_s) if busy is not None and duration_s > 0 else None}
+    fields = {"gpu_timing": timer.method, "gpu_busy_s": busy,
+              "gpu_idle_fraction": max(0.0, 1.0 - busy / duration_s) if busy is not None and duration_s > 0 else None}
+    kernels = timer.kernel_table()
+    if kernels is not None:  # --profile-kernels: where the device time went
+        fields["kernels"] = kernels
+    return fields
 
 
 def run_engine(model: OuroForCausalLM, base_args: EngineArgs, spec: BenchSpec, variant: Variant, workload: Workload,

@@ -59,7 +59,8 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--output-json", metavar="FILE", default=None, help="also write the whole record as JSON to FILE")
     r.add_argument("--plot", metavar="FILE.png", default=None, help="write output tok/s vs concurrency (needs matplotlib)")
     r.add_argument("--profile-kernels", action="store_true",
-                   help="GPU idle from torch.profiler kernel intervals (exact, with profiler overhead) instead of CUDA events")
+                   help="GPU idle from torch.profiler kernel intervals (exact, with profiler overhead) instead of CUDA "
+                        "events; each run's record also gets its device time per kernel name ('kernels', top 30)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     EngineArgs.add_cli_args(p)
     # None = "sized by the bench" (engine_args_for) or "resolved from --depth-dist" (exit_mode).

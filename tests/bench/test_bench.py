@@ -266,12 +266,18 @@ def test_profiled_busy_time_reads_kineto_events():
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from loopline.bench.env import DeviceTimer, profiled_busy_s
+    from loopline.bench.env import DeviceTimer, profiled_busy_s, profiled_kernels
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         a = torch.randn(64, 64)
-        (a @ a).sum()
+        for _ in range(3):
+            (a @ a).sum()
     assert profiled_busy_s(prof, DeviceType.CPU) > 0  # the same reading the CUDA path does for GPU activities
+    table = profiled_kernels(prof, DeviceType.CPU, top=50)  # the per-kernel table --profile-kernels records
+    by_name = {row["name"]: row for row in table}
+    assert by_name["aten::mm"]["calls"] == 3
+    assert [r["total_ms"] for r in table] == sorted((r["total_ms"] for r in table), reverse=True)
+    assert len(profiled_kernels(prof, DeviceType.CPU, top=1)) == 1
     timer = DeviceTimer(torch.device("cpu"), "profiler")
     timer.start(), timer.before_step(), timer.after_step(), timer.stop()
     assert timer.busy_s() is None and timer.method is None  # no GPU, no idle fraction
