@@ -83,6 +83,10 @@ class TrainConfig:
     # p = (0.2, 0.16, 0.13, 0.51), like Ouro's trained exit mass (0.53 on the last loop). A zero gate
     # (lambda 1/2, p_1 = 1/2) trained the first loop most and left the last loop the worst.
     gate_init_exit: float = 0.2
+    # Stage-1 steps during which the gate keeps its initial exit distribution while the LM trains under it
+    # (0: the gate trains from the first step). A gate that moves while the deep loops are still worse than
+    # the shallow ones shifts mass away from them, and a loop given less weight trains less.
+    gate_freeze_steps: int = 0
     stage2_lr: float = 1e-3
     stage2_warmup_steps: int = 20
     gate_k: float = 50.0  # stage 2 target sharpness (paper: 50)
@@ -102,6 +106,7 @@ class TrainConfig:
             ("weight_decay", self.weight_decay >= 0, ">= 0"), ("grad_clip", self.grad_clip > 0, "> 0"),
             ("entropy_beta", self.entropy_beta >= 0, ">= 0"), ("gate_k", self.gate_k > 0, "> 0"),
             ("gate_init_exit", 0 < self.gate_init_exit < 1, "(0, 1)"),
+            ("gate_freeze_steps", 0 <= self.gate_freeze_steps <= self.stage1_steps, f"[0, stage1_steps={self.stage1_steps}]"),
             ("early_exit_threshold", 0 < self.early_exit_threshold <= 1, "(0, 1]"),
             ("export_dtype", self.export_dtype in ("float32", "bfloat16"), "float32, bfloat16"),
             ("eval_batches", self.eval_batches >= 1, ">= 1"),
@@ -331,6 +336,9 @@ class Trainer:
                 metrics = {"gate_loss": out.loss}
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
+        if self.stage == 1 and self.step < c.gate_freeze_steps:
+            for p in self.model.model.early_exit_gate.parameters():
+                p.grad = None  # AdamW skips a parameter without a gradient: no update, no moment
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
         self.optimizer.step()

@@ -36,6 +36,21 @@ def test_the_untrained_gate_starts_deep_first(smoke_data):
     assert torch.all(gate.weight == 0) and torch.allclose(torch.sigmoid(gate.bias), torch.tensor(0.2))
 
 
+def test_a_frozen_gate_keeps_its_init_while_the_lm_trains(smoke_data):
+    config = dataclasses.replace(SMOKE, stage1_steps=6, stage2_steps=0, gate_freeze_steps=3)
+    trainer = Trainer(config, smoke_data)
+    gate = trainer.model.model.early_exit_gate
+    init = [p.detach().clone() for p in gate.parameters()]
+    lm_head = trainer.model.lm_head.weight.detach().clone()
+    trainer.train(until=3)
+    assert all(torch.equal(p, q) for p, q in zip(gate.parameters(), init))
+    assert not torch.equal(trainer.model.lm_head.weight, lm_head)
+    trainer.train()  # after the freeze the gate trains with the rest
+    assert not all(torch.equal(p, q) for p, q in zip(gate.parameters(), init))
+    with pytest.raises(ValueError, match="gate_freeze_steps"):
+        dataclasses.replace(SMOKE, gate_freeze_steps=SMOKE.stage1_steps + 1)
+
+
 @pytest.mark.parametrize("cut", [4, 10, 13])  # in stage 1, at the switch to stage 2, in stage 2
 def test_resume_continues_exactly(smoke_data, tmp_path, cut):
     config = dataclasses.replace(SMOKE, stage1_steps=10, stage2_steps=6)
