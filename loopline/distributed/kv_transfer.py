@@ -27,6 +27,7 @@ import datetime
 import io
 import logging
 import threading
+import urllib.parse
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -38,6 +39,9 @@ from loopline.errors import InvalidRequestError
 logger = logging.getLogger("loopline.pd")
 
 TRANSPORTS = ("gloo", "nccl", "cuda_ipc", "nixl")
+#: How long a worker waits for the others to join the group: the workers of a pool start one after
+#: another, and on a GPU host each takes seconds (spawn, imports, engine), more than a transfer may.
+JOIN_TIMEOUT_S = 600.0
 
 
 class KVTransferError(RuntimeError):
@@ -99,7 +103,12 @@ class TorchDistributedTransport(KVTransport):
             import torch.distributed as dist
             try:
                 kwargs = {"device_id": device} if self.name == "nccl" else {}
-                dist.init_process_group(self.name, init_method=init_method, rank=rank, world_size=world_size,
+                # NOTE: the store waits for the whole pool, which starts one worker after another (each
+                # builds its engine first): JOIN_TIMEOUT_S, not one transfer's timeout, bounds that wait.
+                url = urllib.parse.urlparse(init_method)
+                store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0,
+                                      timeout=datetime.timedelta(seconds=max(self.timeout_s, JOIN_TIMEOUT_S)))
+                dist.init_process_group(self.name, store=store, rank=rank, world_size=world_size,
                                         timeout=datetime.timedelta(seconds=self.timeout_s), **kwargs)
             except BaseException as e:  # every transfer reports it
                 self._join_error = e

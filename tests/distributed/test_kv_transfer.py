@@ -3,6 +3,7 @@ transfer nobody answers fails with a clear error after its timeout (gloo on CPU;
 from __future__ import annotations
 
 import multiprocessing
+import time
 
 import pytest
 import torch
@@ -18,11 +19,13 @@ def _pieces(device: str) -> list[torch.Tensor]:
     return [torch.randn(SHAPE, generator=g).to(device) for _ in range(3)]
 
 
-def _peer(transport: str, init_method: str, device: str, conn) -> None:
+def _peer(transport: str, init_method: str, device: str, conn, timeout_s: float, delay_s: float) -> None:
     """The receiving side (rank 1): receives three pieces in the reverse order of their tags."""
     torch.set_num_threads(1)
-    t = make_transport(transport, 30.0)
+    time.sleep(delay_s)  # a worker that starts late (workers of a pool start one after another)
+    t = make_transport(transport, timeout_s)
     t.start(1, 2, init_method, torch.device(device))
+    conn.send("started")  # as a worker reports its start to the front end
     payloads = conn.recv()
     futures = [t.recv(payloads[i], SHAPE, torch.float32, 0, 10 + i) for i in (2, 1, 0)]
     got = [f.result().cpu() for f in futures][::-1]
@@ -31,14 +34,15 @@ def _peer(transport: str, init_method: str, device: str, conn) -> None:
     t.close()
 
 
-def _exchange(transport: str, device: str) -> list[bool]:
+def _exchange(transport: str, device: str, timeout_s: float = 30.0, peer_delay_s: float = 0.0) -> list[bool]:
     ctx = multiprocessing.get_context("spawn")
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_peer, args=(transport, init_method, device, child), daemon=True)
+    proc = ctx.Process(target=_peer, args=(transport, init_method, device, child, timeout_s, peer_delay_s), daemon=True)
     proc.start()
-    t = make_transport(transport, 30.0)
+    t = make_transport(transport, timeout_s)
     t.start(0, 2, init_method, torch.device(device))
+    assert conn.recv() == "started"  # transfers begin once every worker started, as in a pool
     pieces = _pieces(device)
     sent = [t.send(p, 1, 10 + i) for i, p in enumerate(pieces)]
     conn.send([payload for payload, _ in sent])
@@ -58,6 +62,21 @@ def test_gloo_moves_pages_exactly_and_times_out():
     t.start(0, 2, f"tcp://127.0.0.1:{_free_port()}", torch.device("cpu"))
     with pytest.raises(KVTransferError, match="did not form|failed to form"):
         t.recv(None, SHAPE, torch.float32, 1, 1).result(timeout=30)
+
+
+def _late_exchange(conn) -> None:
+    conn.send(_exchange("gloo", "cpu", timeout_s=3.0, peer_delay_s=6.0))
+
+
+def test_a_worker_joining_after_a_transfer_timeout_still_forms_the_group():
+    """A pool starts its workers one after another (seconds each on a GPU host): the group waits for
+    the last one longer than one transfer's timeout. (In a process of its own: a process joins once.)"""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_late_exchange, args=(child,))
+    proc.start()
+    assert conn.poll(60) and conn.recv() == [True, True, True]
+    proc.join(30)
 
 
 @pytest.mark.gpu
