@@ -39,8 +39,9 @@ from loopline.errors import InvalidRequestError
 logger = logging.getLogger("loopline.pd")
 
 TRANSPORTS = ("gloo", "nccl", "cuda_ipc", "nixl")
-#: How long a worker waits for the others to join the group: the workers of a pool start one after
-#: another, and on a GPU host each takes seconds (spawn, imports, engine), more than a transfer may.
+#: How long a worker waits for the others to join the group (and a first transfer for the group to
+#: form): the workers of a pool start one after another, and on a GPU host each takes seconds (spawn,
+#: imports, engine), more than one transfer may take.
 JOIN_TIMEOUT_S = 600.0
 
 
@@ -86,10 +87,12 @@ class KVTransport(ABC):
 class TorchDistributedTransport(KVTransport):
     """``torch.distributed`` point-to-point send / recv (``gloo`` or ``nccl``)."""
 
-    def __init__(self, backend: str, timeout_s: float) -> None:
+    def __init__(self, backend: str, timeout_s: float, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         self.name = backend
         self.threads = 1 if backend == "nccl" else 4
         super().__init__(timeout_s)
+        # Joining waits for the whole pool (see JOIN_TIMEOUT_S); a transfer's own timeout starts after.
+        self.join_timeout_s = max(timeout_s, join_timeout_s)
         self._joined = threading.Event()
         self._join_error: BaseException | None = None
 
@@ -103,11 +106,9 @@ class TorchDistributedTransport(KVTransport):
             import torch.distributed as dist
             try:
                 kwargs = {"device_id": device} if self.name == "nccl" else {}
-                # NOTE: the store waits for the whole pool, which starts one worker after another (each
-                # builds its engine first): JOIN_TIMEOUT_S, not one transfer's timeout, bounds that wait.
                 url = urllib.parse.urlparse(init_method)
                 store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0,
-                                      timeout=datetime.timedelta(seconds=max(self.timeout_s, JOIN_TIMEOUT_S)))
+                                      timeout=datetime.timedelta(seconds=self.join_timeout_s))
                 dist.init_process_group(self.name, store=store, rank=rank, world_size=world_size,
                                         timeout=datetime.timedelta(seconds=self.timeout_s), **kwargs)
             except BaseException as e:  # every transfer reports it
@@ -119,8 +120,10 @@ class TorchDistributedTransport(KVTransport):
         threading.Thread(target=join, name="loopline-kv-join", daemon=True).start()
 
     def _wait_joined(self) -> None:
-        if not self._joined.wait(self.timeout_s):
-            raise KVTransferError(f"the KV transport group did not form within {self.timeout_s}s")
+        # NOTE: a worker reports its start before it joins, so the first transfers may wait for the
+        # last worker's join: that is the pool's start, bounded by the join timeout, not a transfer's.
+        if not self._joined.wait(self.join_timeout_s):
+            raise KVTransferError(f"the KV transport group did not form within {self.join_timeout_s}s")
         if self._join_error is not None:
             raise KVTransferError(f"the KV transport group failed to form: {self._join_error}")
 
@@ -295,9 +298,11 @@ def resolve_transport(name: str, device: torch.device, devices_shared: bool) -> 
     return "cuda_ipc" if devices_shared else "nccl"
 
 
-def make_transport(name: str, timeout_s: float) -> KVTransport:
+def make_transport(name: str, timeout_s: float, join_timeout_s: float = JOIN_TIMEOUT_S) -> KVTransport:
+    """The transport ``name``; transfers time out after ``timeout_s``, joining the group after
+    ``join_timeout_s`` (torch.distributed transports)."""
     if name in ("gloo", "nccl"):
-        return TorchDistributedTransport(name, timeout_s)
+        return TorchDistributedTransport(name, timeout_s, join_timeout_s)
     if name == "cuda_ipc":
         return CudaIpcTransport(timeout_s)
     if name == "nixl":

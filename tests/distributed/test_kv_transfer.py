@@ -58,7 +58,7 @@ def _exchange(transport: str, device: str, timeout_s: float = 30.0, peer_delay_s
 def test_gloo_moves_pages_exactly_and_times_out():
     assert _exchange("gloo", "cpu") == [True, True, True]
     # a receive nobody sends to: a clear error once the timeout passes (here: the group never forms)
-    t = make_transport("gloo", 0.5)
+    t = make_transport("gloo", 0.5, join_timeout_s=0.5)
     t.start(0, 2, f"tcp://127.0.0.1:{_free_port()}", torch.device("cpu"))
     with pytest.raises(KVTransferError, match="did not form|failed to form"):
         t.recv(None, SHAPE, torch.float32, 1, 1).result(timeout=30)
