@@ -232,8 +232,10 @@ def run_pretrain(ns: argparse.Namespace) -> int:
         trainer = Trainer(build_config(ns.preset, ns.config_file, ns.set), device=device, log=log)
     config = trainer.config
     params = sum(p.numel() for p in trainer.model.parameters())
+    # how many times stage 1 reads each training token: over ~2 the held-out loss stops following the training loss
+    epochs = config.stage1_steps * config.batch_size * config.seq_len / trainer.data.train.numel()
     print(json.dumps({"parameters": params, "train_tokens": trainer.data.train.numel(),
-                      "heldout_tokens": trainer.data.heldout.numel(), "device": device,
+                      "heldout_tokens": trainer.data.heldout.numel(), "stage1_epochs": round(epochs, 2), "device": device,
                       "data_s": round(time.perf_counter() - t0, 1)}), flush=True)
     t_train = time.perf_counter()
     start_step = trainer.step
