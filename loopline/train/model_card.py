@@ -71,9 +71,10 @@ def _engine_section(curve: dict, with_packages: bool = False) -> list[str]:
     points = curve["engine"]
     full = next(p["loss"] for p in points if p["threshold"] >= 1.0)
     depths = sorted({d for p in points for d in p["depth_histogram"]}, key=int)
+    held = (f"the held-out files of CPython {curve['python_version']} and the packages" if with_packages
+            else f"CPython {curve['python_version']}'s held-out files")
     lines = ["", "## Exit threshold vs held-out loss, measured through the engine", "",
-             f"`loopline train curve` on {curve['device']} (CPython {curve['python_version']}"
-             f"{' and its packages' if with_packages else ''}'s held-out files, "
+             f"`loopline train curve` on {curve['device']} ({held}, "
              f"{points[0]['tokens']:,} scored tokens, KV layout `{curve['kv_layout']}`): every prompt position's depth "
              "is the engine's exit rule (`prompt_exit_depths`), its loss the engine's `prompt_logprobs`. "
              f"Largest loss difference to the dense model: {curve['max_abs_loss_diff']:.1e}; identical depth "

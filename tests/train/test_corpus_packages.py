@@ -192,11 +192,15 @@ def test_corpus_info_records_every_source(lib, site):
     assert std["heldout_bytes"] + pkg["heldout_bytes"] == info.heldout_bytes
     assert "good-pkg 1.2" in info.name and info.spec["packages"] == ["good-pkg"]
     assert info.sha256 != corpus_info(CorpusSpec(root=str(lib), max_file_bytes=1000, heldout_per_mille=300)).sha256
-    # the model card's table shows each of them
+    # the model card's table shows each of them, and its engine section names the packages' held-out files
+    point = {"threshold": 1.0, "mean_depth": 4.0, "loss": 3.0, "tokens": 8, "depth_histogram": {"4": 8}}
+    curve = {"engine": [point], "device": "cpu", "python_version": "3.x", "kv_layout": "shared",
+             "max_abs_loss_diff": 0.0, "depths_equal": True}
     card = render_model_card({"corpus": {**info.to_dict(), "train_tokens": 10, "heldout_tokens": 2},
                               "train_config": TrainConfig().to_dict(), "parameters": 1, "step": 0,
-                              "early_exit_threshold": 1.0})
+                              "early_exit_threshold": 1.0}, curve)
     assert "| good-pkg | 1.2 | License-Expression: MIT | 32 |" in card and f"| {STDLIB} |" in card
+    assert "the held-out files of CPython 3.x and the packages" in card
 
 
 def test_refused_missing_and_malformed_packages_are_named(lib, site):
