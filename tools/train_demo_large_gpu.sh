@@ -30,17 +30,20 @@ log=$out/$name.log
 mkdir -p "$root" "$out"
 
 $py - <<'PY' 2>&1 | tee -a "$log"
-import importlib.metadata as md, sys, sysconfig
+# which of the preset's packages this interpreter has and accepts (the run stops at the data on any error here:
+# drop a package with --set 'corpus.packages=[...]')
+import sys, sysconfig
 import torch
 from loopline.train.cli import DEMO_LARGE_PACKAGES
-def version(name):
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return "MISSING (the run will stop at the data; drop it with --set corpus.packages=[...])"
+from loopline.train.corpus import CorpusSpec, distribution_source
 print(sys.version.split()[0], sysconfig.get_paths()["stdlib"], "torch", torch.__version__,
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
-print("packages:", ", ".join(f"{p} {version(p)}" for p in DEMO_LARGE_PACKAGES))
+for name in DEMO_LARGE_PACKAGES:
+    try:
+        s = distribution_source(name, CorpusSpec())
+        print(f"  {name} {s.version}: {len(s.files)} files, {sum((s.root / f).stat().st_size for f in s.files):,} bytes; {s.license}")
+    except (LookupError, ValueError) as e:
+        print(f"  {name}: ERROR {e}")
 PY
 
 if [ ! -f "$model/training_info.json" ]; then

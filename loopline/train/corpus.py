@@ -28,7 +28,7 @@ import platform
 import re
 import sysconfig
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 
 from loopline.train.licenses import ALLOWED_SUMMARY, LicenseRefused, license_verdict
 
@@ -163,19 +163,41 @@ def distribution_source(name: str, spec: CorpusSpec) -> Source:
         raise LicenseRefused(f"CorpusSpec.packages: {name!r} {version} is not on the license allow-list: its "
                              f"metadata says {verdict.found}; allowed: {ALLOWED_SUMMARY}")
     root = Path(dist.locate_file(""))
+    files = _usable(dist.files or (), root, spec)
+    if not files:
+        # no file list (a distro package's egg-info keeps no RECORD) or none of it found: its top-level packages
+        files = _usable(_top_level_files(dist, root), root, spec)
+    if not files:
+        raise LookupError(f"CorpusSpec.packages: {name!r} {version} has no .py file under {root}, neither in its "
+                          "file list (RECORD) nor in its top-level packages (top_level.txt): an editable or "
+                          "non-Python install?")
+    return Source(canonical_name(name), version, verdict.found, root, canonical_name(name) + ":", tuple(files))
+
+
+def _usable(listed, root: Path, spec: CorpusSpec) -> list[str]:
+    """The ``.py`` files of a distribution's file list that pass the corpus's filters, as POSIX paths."""
     files = []
-    for f in dist.files or ():
+    for f in listed:
+        f = PurePosixPath(*PurePath(f).parts)
         # NOTE: RECORD may list files outside the package directory (scripts under ../../bin): never read them
         if f.suffix != ".py" or ".." in f.parts or f.parts[0].endswith((".dist-info", ".egg-info")) or _excluded(f.parts):
             continue
         p = root / f
         if not p.is_file() or p.stat().st_size > spec.max_file_bytes:
             continue
-        files.append(Path(*f.parts).as_posix())
-    if not files:
-        raise LookupError(f"CorpusSpec.packages: {name!r} {version} lists no .py file under {root} "
-                          "(an editable or non-Python install?)")
-    return Source(canonical_name(name), version, verdict.found, root, canonical_name(name) + ":", tuple(files))
+        files.append(f.as_posix())
+    return files
+
+
+def _top_level_files(dist: importlib.metadata.Distribution, root: Path) -> list[PurePosixPath]:
+    """Every ``.py`` file of the import packages and modules ``top_level.txt`` names, relative to ``root``."""
+    out: list[PurePosixPath] = []
+    for top in sorted(set((dist.read_text("top_level.txt") or "").split())):
+        if (root / top).is_dir():
+            out += [PurePosixPath(p.relative_to(root).as_posix()) for p in (root / top).rglob("*.py")]
+        elif (root / f"{top}.py").is_file():
+            out.append(PurePosixPath(f"{top}.py"))
+    return out
 
 
 def sources(spec: CorpusSpec) -> list[Source]:

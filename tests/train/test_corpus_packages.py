@@ -142,6 +142,11 @@ def site(tmp_path, monkeypatch):
     fake_dist(site, "vague", "0.2", "License: see LICENSE file\nClassifier: License :: OSI Approved",
               {"vague/__init__.py": "x = 1\n"})
     fake_dist(site, "empty_pkg", "3.0", "License: MIT", {"empty_pkg/README.txt": "no python\n"})
+    # a distro package's egg-info: no file list, only the top-level packages
+    lay_out(site, {"legacy_pkg/__init__.py": "A = 1\n", "legacy_pkg/util/io.py": "def read(): pass\n",
+                   "legacy_pkg/tests/test_a.py": "def test(): pass\n", "legacy_mod.py": "B = 2\n"})
+    lay_out(site / "legacy_pkg-2.0.egg-info", {"PKG-INFO": "Metadata-Version: 1.2\nName: legacy-pkg\nVersion: 2.0\n"
+                                                           "License: BSD\n", "top_level.txt": "legacy_pkg\nlegacy_mod\n"})
     monkeypatch.syspath_prepend(str(site))
     importlib.invalidate_caches()
     return site
@@ -161,6 +166,12 @@ def test_a_distributions_files_join_under_its_prefixed_paths(lib, site):
     order = [d.source for d in docs]
     assert order != sorted(order, key=lambda s: s != STDLIB)
     assert CorpusSpec(root=str(lib), packages=["good-pkg"]).packages == ("good-pkg",)  # JSON lists are accepted
+
+
+def test_a_distribution_without_a_file_list_gives_its_top_level_packages(lib, site):
+    docs = documents(CorpusSpec(root=str(lib), packages=("legacy-pkg",)))
+    assert sorted(d.path for d in docs if d.source == "legacy-pkg") == [
+        "legacy-pkg:legacy_mod.py", "legacy-pkg:legacy_pkg/__init__.py", "legacy-pkg:legacy_pkg/util/io.py"]
 
 
 def test_adding_a_package_never_moves_a_files_split(lib, site):
@@ -213,7 +224,7 @@ def test_refused_missing_and_malformed_packages_are_named(lib, site):
         build("vague")
     with pytest.raises(LookupError, match=r"'no-such-dist' is not installed"):
         build("no-such-dist")
-    with pytest.raises(LookupError, match=r"'empty_pkg' 3.0 lists no .py file"):
+    with pytest.raises(LookupError, match=r"'empty_pkg' 3.0 has no .py file"):
         build("empty_pkg")
     with pytest.raises(ValueError, match=r"CorpusSpec.packages='numpy'; allowed: a list"):
         CorpusSpec(packages="numpy")
