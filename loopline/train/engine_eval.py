@@ -22,11 +22,21 @@ __all__ = ["heldout_stream", "engine_curve", "dense_curve"]
 
 def heldout_stream(model_dir: str | Path, corpus=None) -> list[int]:
     """The held-out split (never trained on) encoded by ``model_dir``'s tokenizer, documents joined
-    with ``<|endoftext|>`` as in training."""
+    with ``<|endoftext|>`` as in training.
+
+    ``corpus`` (a :class:`~loopline.train.corpus.CorpusSpec`) defaults to the one the model was trained on,
+    read from its ``training_info.json`` (the default spec when there is none).
+    """
+    import json
+
     from loopline.train.corpus import CorpusSpec, split
     from loopline.train.tokenizer import encode_documents, load_trained
 
-    _, heldout = split(corpus or CorpusSpec())
+    if corpus is None:
+        info = Path(model_dir) / "training_info.json"
+        spec = json.loads(info.read_text(encoding="utf-8"))["corpus"]["spec"] if info.is_file() else {}
+        corpus = CorpusSpec(**spec)
+    _, heldout = split(corpus)
     return encode_documents(load_trained(model_dir), [d.text for d in heldout])
 
 

@@ -29,6 +29,7 @@ def render_model_card(info: dict, engine_curve: dict | None = None) -> str:
         f"- train: {corpus['train_files']} files, {corpus['train_bytes']:,} bytes, {corpus.get('train_tokens', 0):,} tokens",
         f"- held-out (never trained on): {corpus['heldout_files']} files, {corpus['heldout_bytes']:,} bytes, "
         f"{corpus.get('heldout_tokens', 0):,} tokens",
+        *_sources_section(corpus.get("sources")),
         "",
         "## Model",
         "",
@@ -48,17 +49,32 @@ def render_model_card(info: dict, engine_curve: dict | None = None) -> str:
                   "| threshold | mean loops | loss |", "|---|---|---|"]
         lines += [f"| {p['threshold']} | {p['mean_depth']:.3f} | {p['loss']:.4f} |" for p in metrics["curve"]]
     if engine_curve:
-        lines += _engine_section(engine_curve)
+        lines += _engine_section(engine_curve, with_packages=bool(corpus["spec"].get("packages")))
     lines += ["", f"`early_exit_threshold` in config.json: {info['early_exit_threshold']}"]
     return "\n".join(lines) + "\n"
 
 
-def _engine_section(curve: dict) -> list[str]:
+def _sources_section(sources: list[dict] | None) -> list[str]:
+    """One row per source of the corpus (absent from runs recorded before sources were: their card is unchanged)."""
+    if not sources:
+        return []
+    lines = ["", "Sources (a file's split is decided by its corpus path alone; a package's paths are prefixed "
+                 "`NAME:`):", "",
+             "| source | version | license metadata | files | bytes | held-out files | held-out bytes |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {s['name']} | {s['version']} | {s['license'].replace('|', '/')} | {s['files']:,} | {s['bytes']:,} | "
+              f"{s['heldout_files']:,} | {s['heldout_bytes']:,} |" for s in sources]
+    return lines
+
+
+def _engine_section(curve: dict, with_packages: bool = False) -> list[str]:
     points = curve["engine"]
     full = next(p["loss"] for p in points if p["threshold"] >= 1.0)
     depths = sorted({d for p in points for d in p["depth_histogram"]}, key=int)
+    held = (f"the held-out files of CPython {curve['python_version']} and the packages" if with_packages
+            else f"CPython {curve['python_version']}'s held-out files")
     lines = ["", "## Exit threshold vs held-out loss, measured through the engine", "",
-             f"`loopline train curve` on {curve['device']} (CPython {curve['python_version']}'s held-out files, "
+             f"`loopline train curve` on {curve['device']} ({held}, "
              f"{points[0]['tokens']:,} scored tokens, KV layout `{curve['kv_layout']}`): every prompt position's depth "
              "is the engine's exit rule (`prompt_exit_depths`), its loss the engine's `prompt_logprobs`. "
              f"Largest loss difference to the dense model: {curve['max_abs_loss_diff']:.1e}; identical depth "

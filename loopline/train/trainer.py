@@ -132,7 +132,7 @@ class TrainConfig:
                           torch_dtype=self.export_dtype)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "corpus": self.corpus.to_dict()}
 
     @classmethod
     def from_dict(cls, raw: dict) -> "TrainConfig":
@@ -259,12 +259,12 @@ class Data:
 
 def build_data(config: TrainConfig) -> Data:
     """Corpus split -> tokenizer trained on the training split -> token streams of both splits."""
+    info = corpus_info(config.corpus).to_dict()
     train_docs, heldout_docs = split(config.corpus)
     tokenizer = train_tokenizer((d.text for d in train_docs), config.model.vocab_size)
     assert tokenizer.get_vocab_size() <= config.model.vocab_size, (tokenizer.get_vocab_size(), config.model.vocab_size)
     train = torch.tensor(encode_documents(tokenizer, [d.text for d in train_docs]), dtype=torch.long)
     heldout = torch.tensor(encode_documents(tokenizer, [d.text for d in heldout_docs]), dtype=torch.long)
-    info = corpus_info(config.corpus).to_dict()
     info.update(train_tokens=train.numel(), heldout_tokens=heldout.numel())
     return Data(tokenizer, train, heldout, info)
 
