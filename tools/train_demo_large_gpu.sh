@@ -9,7 +9,8 @@
 # Calling the same command again resumes it (the checkpoint's config wins). Once trained, in the same or the
 # next call: `loopline train curve` ($EVAL_WINDOWS windows of $EVAL_SEQ_LEN tokens, default 256 x 512), the model
 # card, tools/heldout_per_byte.py, then NAME.summary.json, NAME.log and the exported directory as NAME.tar.*
-# (15 MB parts). A new NAME starts a new run.
+# (15 MB parts). A new NAME starts a new run. Needs the license-expression package (loopline[train]; on the device
+# machine carry its wheel and boolean.py's, both pure Python).
 # A reduced form for a CPU (about a minute):
 #   EVAL_WINDOWS=2 EVAL_SEQ_LEN=64 bash tools/train_demo_large_gpu.sh /tmp/out 300 cpu-check --device cpu \
 #     --set corpus.max_bytes=1500000 --set corpus.heldout_per_mille=100 --set stage1_steps=2 --set stage2_steps=2 --set batch_size=2 --set seq_len=64 \

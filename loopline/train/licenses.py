@@ -81,78 +81,53 @@ class _NotSpdx(ValueError):
     pass
 
 
-_SPDX_TOKEN = re.compile(r"\s*(\(|\)|[A-Za-z0-9][A-Za-z0-9.:+-]*)")
-_SPDX_ID = re.compile(r"^(LicenseRef-[A-Za-z0-9.-]+|[A-Za-z0-9][A-Za-z0-9.-]*\+?)$")
+def _licensing():
+    """The SPDX license list of ``license-expression`` (optional extra ``loopline[train]``)."""
+    try:
+        from license_expression import get_spdx_licensing
+    except ImportError as e:
+        raise ImportError("reading SPDX license expressions of corpus packages needs the license-expression "
+                          "package: pip install 'loopline[train]'") from e
+    global _LICENSING
+    if _LICENSING is None:
+        _LICENSING = get_spdx_licensing()
+    return _LICENSING
+
+
+_LICENSING = None
 
 
 def spdx_allowed(expression: str) -> bool:
     """Whether the SPDX license ``expression`` is satisfied by :data:`ALLOWED_SPDX`.
 
     ``AND`` needs every term allowed, ``OR`` one alternative, ``X WITH E`` needs ``X`` allowed and
-    ``E`` in :data:`ALLOWED_EXCEPTIONS`. Raises ``ValueError`` when ``expression`` is not SPDX syntax.
+    ``E`` in :data:`ALLOWED_EXCEPTIONS`. ``X+`` ("or later") reads as ``X-or-later``, which is not on the
+    list. Raises ``ValueError`` when ``expression`` is not an SPDX expression of known identifiers.
     """
-    tokens, pos, text = [], 0, expression.strip()
-    while pos < len(text):
-        m = _SPDX_TOKEN.match(text, pos)
-        if not m:
-            raise _NotSpdx(expression)
-        tokens.append(m.group(1))
-        pos = m.end()
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
-    if not tokens:
+    import boolean
+    from license_expression import LicenseSymbol, LicenseWithExceptionSymbol
+
+    try:
+        parsed = _licensing().parse(expression, validate=True, strict=True)
+    except Exception as e:  # the library's ExpressionError / ParseError: not SPDX, or unknown identifiers
+        raise _NotSpdx(expression) from e
+    if parsed is None:
         raise _NotSpdx(expression)
     allowed = {s.lower() for s in ALLOWED_SPDX}
     exceptions = {s.lower() for s in ALLOWED_EXCEPTIONS}
-    i = 0
 
-    def peek() -> str | None:
-        return tokens[i] if i < len(tokens) else None
-
-    def take() -> str:
-        nonlocal i
-        if i >= len(tokens):
-            raise _NotSpdx(expression)
-        i += 1
-        return tokens[i - 1]
-
-    def atom() -> bool:
-        tok = take()
-        if tok == "(":
-            value = or_expr()
-            if take() != ")":
-                raise _NotSpdx(expression)
-            return value
-        if tok.upper() in ("AND", "OR", "WITH", ")") or not _SPDX_ID.match(tok):
-            raise _NotSpdx(expression)
-        # "X+" means "X or later": the later versions of an allowed license are not known to be allowed
-        ok = tok.lower() in allowed
-        if (peek() or "").upper() == "WITH":
-            take()
-            exc = take()
-            if not _SPDX_ID.match(exc):
-                raise _NotSpdx(expression)
-            ok = ok and exc.lower() in exceptions
-        return ok
-
-    def and_expr() -> bool:
-        value = atom()
-        while (peek() or "").upper() == "AND":
-            take()
-            value = atom() and value
-        return value
-
-    def or_expr() -> bool:
-        value = and_expr()
-        while (peek() or "").upper() == "OR":
-            take()
-            value = and_expr() or value
-        return value
-
-    result = or_expr()
-    if i != len(tokens):
+    def holds(node) -> bool:
+        if isinstance(node, LicenseWithExceptionSymbol):
+            return holds(node.license_symbol) and node.exception_symbol.key.lower() in exceptions
+        if isinstance(node, LicenseSymbol):
+            return node.key.lower() in allowed
+        if isinstance(node, boolean.AND):
+            return all(holds(a) for a in node.args)
+        if isinstance(node, boolean.OR):
+            return any(holds(a) for a in node.args)
         raise _NotSpdx(expression)
-    return result
+
+    return holds(parsed)
 
 
 def _normalise(text: str) -> str:

@@ -46,11 +46,20 @@ def test_spdx_expressions_accepted(expression):
 
 
 @pytest.mark.parametrize("expression", [
-    "GPL-3.0-or-later", "MPL-2.0 AND MIT", "Apache-2.0 AND CNRI-Python", "LicenseRef-Proprietary", "MIT-CMU",
-    "Apache-2.0 WITH Classpath-exception-2.0", "MIT+", "(MIT AND LGPL-2.1-only) OR GPL-2.0-only",
+    "GPL-3.0-or-later", "MPL-2.0 AND MIT", "Apache-2.0 AND CNRI-Python", "MIT-CMU",
+    "Apache-2.0 WITH Classpath-exception-2.0", "(MIT AND LGPL-2.1-only) OR GPL-2.0-only",
 ])
 def test_spdx_expressions_refused(expression):
     assert not spdx_allowed(expression)
+    verdict = license_verdict(meta(expression=expression))
+    assert not verdict.allowed and expression in verdict.found
+
+
+@pytest.mark.parametrize("expression", ["LicenseRef-Proprietary", "MIT+"])
+def test_unknown_spdx_identifiers_are_refused(expression):
+    """Identifiers outside the SPDX list (a private LicenseRef, "or later" of a license that has none)."""
+    with pytest.raises(ValueError):
+        spdx_allowed(expression)
     verdict = license_verdict(meta(expression=expression))
     assert not verdict.allowed and expression in verdict.found
 
