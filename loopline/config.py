@@ -93,7 +93,8 @@ class EngineArgs:
                                    "decoding on the decode workers; 0: one engine does both")
     decode_workers: int = _opt(0, "decode workers (with --prefill-workers)")
     kv_transport: KVTransportName = _opt("auto", "how KV pages move from prefill to decode workers ('auto': gloo on "
-                                                 "the CPU, cuda_ipc when the workers share one GPU, else nccl; nixl "
+                                                 "the CPU, cuda_ipc when the workers share one GPU, else nccl; cuda_ipc "
+                                                 "is refused with the ray backend; nixl "
                                                  "needs the nixl package)")
     kv_transfer_timeout: float = _opt(60.0, "seconds a KV transfer may take before its request fails")
 

@@ -6,6 +6,7 @@ Skipped when ``ray`` is not installed (``pip install 'loopline[ray]'``)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -52,8 +53,15 @@ def test_1p1d_over_ray_gives_the_single_engines_tokens_and_exit_depths(cluster, 
     assert not live_groups()  # the placement group was released
 
 
-def test_a_killed_worker_actor_fails_only_its_requests(cluster, tiny_gqa):
+def test_a_killed_worker_actor_fails_only_its_requests(cluster, tiny_gqa, serve_app):
+    """A decode worker's actor killed mid-stream: its request fails, the other finishes, the server
+    keeps serving (/health 200, as with worker processes); once no decode worker is left, /health
+    is 503 and requests are refused."""
+    import httpx
+    from loopline.entrypoints.openai.api_server import build_app
+
     llm = AsyncLLM(pd_args(tiny_gqa, prefill_workers=1, decode_workers=2, kv_transfer_timeout=20))
+    srv = serve_app(build_app(llm, "t", shutdown_engine=False))
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     client = llm._client
 
@@ -80,7 +88,20 @@ def test_a_killed_worker_actor_fails_only_its_requests(cluster, tiny_gqa):
         wait_idle(llm)
         again = asyncio.run(llm.generate_tokens(ids(7, seed=52), params.clone(max_tokens=5), "after-death"))
         assert len(again.outputs[0].token_ids) == 5
-        assert client.decode[1 - victim.index].alive and client.prefill[0].alive
+        last = client.decode[1 - victim.index]
+        assert last.alive and client.prefill[0].alive
+        assert httpx.get(srv.base_url + "/health").status_code == 200
+        r = httpx.post(srv.base_url + "/v1/completions", json={"model": "t", "prompt": [5, 6, 7], "max_tokens": 3,
+                                                               "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        ray.kill(last.actor)  # no decode worker left: the engine is dead
+        deadline = time.monotonic() + 30
+        while llm.health_problem() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "no decode worker is left" in llm.health_problem()
+        assert httpx.get(srv.base_url + "/health").status_code == 503
+        with pytest.raises(EngineDeadError):
+            asyncio.run(llm.generate_tokens([5, 6], params.clone(max_tokens=2), "refused"))
     finally:
         llm.shutdown(10)
     assert not live_groups()
