@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation over Ray (``--distributed-executor-backend ray``) on the CPU: each
 worker a Ray actor in one placement group (a CPU bundle each), KV pages over gloo in a group that
-meets at the rank-0 worker's node address. 1P1D gives exactly the single engine's outputs; a killed
-worker actor fails only its requests and the rest keeps serving; bad combinations are refused.
+meets at the rank-0 worker's node address. 1P1D gives exactly the single engine's outputs; killed
+worker actors (prefill, decode) fail only their requests and the rest keeps serving; bad combinations are refused.
 Skipped when ``ray`` is not installed (``pip install 'loopline[ray]'``)."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from loopline.errors import EngineDeadError, InvalidRequestError  # noqa: E402
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=3, include_dashboard=False, configure_logging=False, object_store_memory=100 * 2**20)
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, object_store_memory=100 * 2**20)
     yield
     ray.shutdown()
 
@@ -53,17 +53,33 @@ def test_1p1d_over_ray_gives_the_single_engines_tokens_and_exit_depths(cluster, 
     assert not live_groups()  # the placement group was released
 
 
-def test_a_killed_worker_actor_fails_only_its_requests(cluster, tiny_gqa, serve_app):
-    """A decode worker's actor killed mid-stream: its request fails, the other finishes, the server
-    keeps serving (/health 200, as with worker processes); once no decode worker is left, /health
-    is 503 and requests are refused."""
+@pytest.mark.timeout(300)
+def test_killed_worker_actors_fail_only_their_requests(cluster, tiny_gqa, serve_app):
+    """2P2D: the single engine's outputs; a prefill worker's actor killed mid-chunk, then a decode worker's mid-stream: each fails
+    only its requests, the others finish, no KV page leaks, the server keeps serving (/health 200,
+    as with worker processes); once no decode worker is left, /health is 503 and requests are refused."""
     import httpx
     from loopline.entrypoints.openai.api_server import build_app
 
-    llm = AsyncLLM(pd_args(tiny_gqa, prefill_workers=1, decode_workers=2, kv_transfer_timeout=20))
+    llm = AsyncLLM(pd_args(tiny_gqa, prefill_workers=2, decode_workers=2, kv_transfer_timeout=20))
     srv = serve_app(build_app(llm, "t", shutdown_engine=False))
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     client = llm._client
+
+    async def prefill_death():
+        short = params.clone(max_tokens=8)
+        doomed = asyncio.create_task(llm.generate_tokens(ids(200, seed=40), short, "doomed"))  # ~40 chunks
+        while "doomed" not in client._placed:
+            await asyncio.sleep(0.001)
+        victim = client._placed["doomed"].prefill
+        other = asyncio.create_task(llm.generate_tokens(ids(12, seed=41), short, "other"))
+        while "other" not in client._placed:
+            await asyncio.sleep(0.001)
+        assert client._placed["other"].prefill is not victim  # least-loaded prefill worker
+        ray.kill(victim.actor)
+        with pytest.raises(EngineDeadError, match="prefill worker"):
+            await doomed
+        return await other, victim
 
     async def main():
         seen, other = [], None
@@ -82,6 +98,16 @@ def test_a_killed_worker_actor_fails_only_its_requests(cluster, tiny_gqa, serve_
         return seen, await other, victim
 
     try:
+        # the outputs of one engine across 4 actors; the transport group forms meanwhile (NOTE: before it has
+        # formed, killing rank 0, which holds its store, stalls the others' join up to JOIN_TIMEOUT_S)
+        outs = asyncio.run(generate_all(llm, workload()))
+        ref = single_engine(tiny_gqa, "last_exited")
+        assert {k: result(v) for k, v in outs.items()} == {k: result(v) for k, v in ref.items()}
+        assert {client._placed.get(k) for k in outs} == {None}  # released
+        wait_idle(llm)
+        other, dead_prefill = asyncio.run(prefill_death())
+        assert len(other.outputs[0].token_ids) == 8 and not dead_prefill.alive and llm.health_problem() is None
+        wait_idle(llm)
         seen, survivor, victim = asyncio.run(main())
         assert max(seen) < 120 and len(survivor.outputs[0].token_ids) == 30
         assert not victim.alive and llm.health_problem() is None  # degraded, still serving
@@ -89,7 +115,7 @@ def test_a_killed_worker_actor_fails_only_its_requests(cluster, tiny_gqa, serve_
         again = asyncio.run(llm.generate_tokens(ids(7, seed=52), params.clone(max_tokens=5), "after-death"))
         assert len(again.outputs[0].token_ids) == 5
         last = client.decode[1 - victim.index]
-        assert last.alive and client.prefill[0].alive
+        assert last.alive and client.prefill[1 - dead_prefill.index].alive
         assert httpx.get(srv.base_url + "/health").status_code == 200
         r = httpx.post(srv.base_url + "/v1/completions", json={"model": "t", "prompt": [5, 6, 7], "max_tokens": 3,
                                                                "ignore_eos": True}, timeout=60)
