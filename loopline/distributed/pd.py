@@ -531,6 +531,8 @@ class PDClient(EngineClient):
             self.pool.release()
             raise
         self.prefill, self.decode = workers[:num_p], workers[num_p:]
+        logger.info("prefill/decode: %d prefill + %d decode workers (%s), KV pages over %s, transport group at %s",
+                    num_p, num_d, type(self.pool).__name__, transport, init_method)
         first = self.prefill[0].info
         self.info = EngineInfo(first.config, first.model_config, sum(w.info.kv_pages for w in self.workers),
                                first.kv_planes, first.sampling_defaults)
