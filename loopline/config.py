@@ -85,14 +85,16 @@ class EngineArgs:
     data_parallel_size: int = _opt(1, "engine replicas behind one front end, one per device (replica i on cuda:i; "
                                       "CPU processes on CPU); requests are routed by load with prefix affinity")
     distributed_executor_backend: DistributedBackendName = _opt(
-        "mp", "how replicas run: 'mp' (engine processes on this host) or 'ray' (Ray actors in a placement group, "
-              "one bundle per replica; needs loopline[ray])")
+        "mp", "how replicas and prefill/decode workers run: 'mp' (engine processes on this host) or 'ray' (Ray "
+              "actors in a placement group, one bundle per replica or worker; needs loopline[ray])")
     # --- prefill/decode disaggregation (loopline.distributed.pd) ---
-    prefill_workers: int = _opt(0, "prefill worker processes (with --decode-workers): prompts run there, "
+    prefill_workers: int = _opt(0, "prefill workers (with --decode-workers; processes, or Ray actors with "
+                                   "--distributed-executor-backend ray): prompts run there, "
                                    "decoding on the decode workers; 0: one engine does both")
-    decode_workers: int = _opt(0, "decode worker processes (with --prefill-workers)")
+    decode_workers: int = _opt(0, "decode workers (with --prefill-workers)")
     kv_transport: KVTransportName = _opt("auto", "how KV pages move from prefill to decode workers ('auto': gloo on "
-                                                 "the CPU, cuda_ipc when the workers share one GPU, else nccl; nixl "
+                                                 "the CPU, cuda_ipc when the workers share one GPU, else nccl; cuda_ipc "
+                                                 "is refused with the ray backend; nixl "
                                                  "needs the nixl package)")
     kv_transfer_timeout: float = _opt(60.0, "seconds a KV transfer may take before its request fails")
 
@@ -144,11 +146,15 @@ class EngineArgs:
         if not self.device == "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise InvalidRequestError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}", param="device")
         self._validate_scale_out()
-        if self.prefill_workers and (self.data_parallel_size > 1 or self.distributed_executor_backend != "mp"):
+        if self.prefill_workers and self.data_parallel_size > 1:
             raise InvalidRequestError(
-                "prefill_workers/decode_workers run one disaggregated engine of engine processes on this host: "
-                f"data_parallel_size must be 1 and distributed_executor_backend 'mp' with them, got "
-                f"{self.data_parallel_size} and {self.distributed_executor_backend!r}", param="prefill_workers")
+                "prefill_workers/decode_workers run one disaggregated engine: data_parallel_size must be 1 with "
+                f"them, got {self.data_parallel_size}", param="prefill_workers")
+        if self.prefill_workers and self.distributed_executor_backend == "ray" and self.kv_transport == "cuda_ipc":
+            raise InvalidRequestError(
+                "kv_transport 'cuda_ipc' needs every worker on one GPU, but with distributed_executor_backend 'ray' "
+                "each worker has a GPU of its own (possibly on another host): use 'nccl' or 'auto'",
+                param="kv_transport")
 
     def _validate_scale_out(self) -> None:
         dp = self.data_parallel_size

@@ -7,6 +7,8 @@
 #   one        one engine (GPU 0)                       1p1d-ipc  1P1D on GPU 0, two processes, --kv-transport cuda_ipc
 #   dp2        --data-parallel-size 2                   1p1d      1P1D on two GPUs, --kv-transport nccl
 #   dp4        --data-parallel-size 4                   1p3d 2p2d 3p1d  P prefill + D decode workers, nccl
+#   1p1d-ray   1P1D as Ray actors on two GPUs, nccl     2p2d-ray  2P2D as Ray actors on four GPUs, nccl
+#              (--distributed-executor-backend ray: a local Ray started by the server; skipped without ray)
 #   groups:    one-gpu = one 1p1d-ipc | x2 = one dp2 1p1d | x4 = dp4 1p3d 2p2d 3p1d
 # Each configuration: start the server, wait for /health, run the rates (initial + immediate-replay phase each),
 # optionally the peak-capacity search, stop the server (its whole process group), write OUT/NAME.json. At the end,
@@ -23,6 +25,7 @@
 #   SCALEOUT_DEVICE (cuda)        cpu for the reduced CPU check (float32, gloo transports)
 #   SCALEOUT_SERVE_FLAGS (--enable-prefix-caching)  flags every server gets (prefix caching: the replay shows it)
 #   SCALEOUT_IPC_FLAGS (--gpu-memory-utilization 0.4)  extra flags of 1p1d-ipc (two processes share one GPU)
+#   SCALEOUT_RAY_STOP (1 on cuda, 0 on cpu)  `ray stop --force` after a *-ray part (every Ray process of the host)
 # Time per configuration ~ startup + sum over rates of 2 x PROMPTS / rate: 512 prompts at 4 and 8 req/s is
 # 256 + 128 s = ~6.5 minutes, so with the protocol's 512 prompts run ONE configuration per device call
 # (e.g. parts "dp4", then "1p3d", ...) and compare the records afterwards with `loopline bench compare`.
@@ -45,6 +48,7 @@ budget=${SCALEOUT_BUDGET_S:-570}
 device=${SCALEOUT_DEVICE:-cuda}
 serve_flags=${SCALEOUT_SERVE_FLAGS---enable-prefix-caching}
 ipc_flags=${SCALEOUT_IPC_FLAGS---gpu-memory-utilization 0.4}
+ray_stop=${SCALEOUT_RAY_STOP:-$([ "$device" = cpu ] && echo 0 || echo 1)}
 start_s=$SECONDS
 port=8021
 
@@ -74,7 +78,7 @@ if [ "$ckpt" != bundled ]; then
 fi
 
 # configuration -> (GPUs it needs, its serve flags)
-gpus_of() { case $1 in one|1p1d-ipc) echo 1;; dp2|1p1d) echo 2;; dp4|1p3d|2p2d|3p1d) echo 4;; *) echo 0;; esac; }
+gpus_of() { case $1 in one|1p1d-ipc) echo 1;; dp2|1p1d|1p1d-ray) echo 2;; dp4|1p3d|2p2d|3p1d|2p2d-ray) echo 4;; *) echo 0;; esac; }
 flags_of() {
   case $1 in
     one) echo "" ;;
@@ -85,10 +89,13 @@ flags_of() {
     1p3d) echo "--prefill-workers 1 --decode-workers 3 --kv-transport $multi_transport" ;;
     2p2d) echo "--prefill-workers 2 --decode-workers 2 --kv-transport $multi_transport" ;;
     3p1d) echo "--prefill-workers 3 --decode-workers 1 --kv-transport $multi_transport" ;;
+    1p1d-ray) echo "--prefill-workers 1 --decode-workers 1 --kv-transport $multi_transport --distributed-executor-backend ray" ;;
+    2p2d-ray) echo "--prefill-workers 2 --decode-workers 2 --kv-transport $multi_transport --distributed-executor-backend ray" ;;
   esac
 }
 label_of() { case $1 in one) echo "one engine";; 1p1d-ipc) echo "1P1D ($ipc_transport)";; dp2) echo "DP=2";; dp4) echo "DP=4";;
-  1p1d) echo "1P1D";; 1p3d) echo "1P3D";; 2p2d) echo "2P2D";; 3p1d) echo "3P1D";; esac; }
+  1p1d) echo "1P1D";; 1p3d) echo "1P3D";; 2p2d) echo "2P2D";; 3p1d) echo "3P1D";; 1p1d-ray) echo "1P1D (Ray)";;
+  2p2d-ray) echo "2P2D (Ray)";; esac; }
 
 serve_help=$($cli serve --help 2>&1)
 estimate_s() {  # startup + every phase at every rate (+ the capacity steps, assumed all run)
@@ -111,6 +118,11 @@ for name in $expanded; do
   done
   if [ -n "$missing" ]; then
     echo "$name: not run (this checkout's loopline serve has no$missing)" | tee "$out/$name.skipped"; continue
+  fi
+  ray_part=0
+  case $name in *-ray) ray_part=1;; esac
+  if [ $ray_part = 1 ] && ! $py -c "import ray" 2> /dev/null; then
+    echo "$name: not run (ray is not importable by $py: pip install 'loopline[ray]')" | tee "$out/$name.skipped"; continue
   fi
   if [ "$device" != cpu ]; then
     have=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -152,6 +164,9 @@ for name in $expanded; do
   for _ in $(seq 1 60); do kill -0 -- -$server 2> /dev/null || break; sleep 0.5; done
   kill -KILL -- -$server 2> /dev/null
   wait $server 2> /dev/null
+  # the local Ray the server started (GCS, raylet, actor workers) may run in sessions of their own
+  # (SCALEOUT_RAY_STOP=1, the default on GPUs: `ray stop` ends every Ray process of this host)
+  [ $ray_part = 1 ] && [ "$ray_stop" = 1 ] && { $py -m ray.scripts.scripts stop --force > /dev/null 2>&1 || echo "$name: ray stop failed"; }
 done
 
 # comparison tables over the records present (records of earlier calls: copy them into OUT first, or run
@@ -168,6 +183,8 @@ compare one-gpu one 1p1d-ipc
 compare x2-dp one dp2
 compare x2-pd dp2 1p1d
 compare x4 dp4 1p3d 2p2d 3p1d
+compare x2-ray 1p1d 1p1d-ray
+compare x4-ray 2p2d 2p2d-ray
 {
   echo "# Scale-out run, commit $commit"
   echo

@@ -1,9 +1,12 @@
-"""Prefill/decode disaggregation: prefill workers and decode workers as engine processes of their own.
+"""Prefill/decode disaggregation: prefill workers and decode workers as engines of their own.
 
 ``loopline serve --prefill-workers P --decode-workers D`` (``EngineArgs.prefill_workers`` /
 ``decode_workers``) gives ``AsyncLLM`` a :class:`PDClient` instead of the one-process client.
-Each worker is an engine process (``core_client.MPClient`` machinery, ``spawn``) whose loop is a
-:class:`PrefillCore` or a :class:`DecodeCore`. A request's life:
+Each worker is an engine whose loop is a :class:`PrefillCore` or a :class:`DecodeCore`; a
+:class:`WorkerPool` runs them: engine processes on this host (:class:`ProcessWorkerPool`,
+``core_client.MPClient`` machinery, ``spawn``), or Ray actors in a placement group, one bundle
+per worker, on any node of a Ray cluster (``--distributed-executor-backend ray``,
+``ray_backend.RayWorkerPool``, the actor machinery data-parallel replicas use). A request's life:
 
 1. **Admission (front end).** It waits in the front end until some decode worker has *credit*
    for its whole reservation (``planes * ceil((prompt + max_tokens) / block_size)`` KV pages):
@@ -40,6 +43,7 @@ import logging
 import socket
 import threading
 from collections import deque
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +64,7 @@ logger = logging.getLogger("loopline.pd")
 
 _TAG_STRIDE = 2**16
 
-__all__ = ["PDClient", "PrefillCore", "DecodeCore", "WorkerRole"]
+__all__ = ["PDClient", "PrefillCore", "DecodeCore", "WorkerRole", "WorkerPool", "ProcessWorkerPool"]
 
 # Calls the front end sends to every worker, and how their results combine.
 _BROADCAST = {
@@ -363,13 +367,33 @@ class DecodeCore(EngineCore):
 
 
 # --- the front end ---------------------------------------------------------------------------
-class _Worker(MPClient):
-    """One worker process; its messages go to the :class:`PDClient`."""
+@dataclass
+class WorkerSpec:
+    """One worker a :class:`WorkerPool` starts: its kind, index among its kind, rank in the
+    transport group, engine arguments and role."""
 
-    def __init__(self, owner: "PDClient", kind: str, index: int, rank: int, engine_args: Any, role: WorkerRole) -> None:
-        self.owner, self.kind, self.index, self.rank = owner, kind, index, rank
+    kind: str
+    index: int
+    rank: int
+    engine_args: Any
+    role: WorkerRole
+
+
+class WorkerLink:
+    """What :class:`PDClient` needs of a worker's client, whatever runs the worker (a mixin over an
+    engine client: an engine process's, a Ray actor's): its place in the pool, and its messages
+    going to the ``PDClient``."""
+
+    owner: "PDClient"
+    kind: str
+    index: int
+    rank: int
+    alive: bool
+
+    def _link(self, owner: "PDClient", spec: WorkerSpec) -> None:
+        # NOTE: before the engine client starts: its reader may deliver a message at once
+        self.owner, self.kind, self.index, self.rank = owner, spec.kind, spec.index, spec.rank
         self.alive = True
-        super().__init__(engine_args, role)
 
     @property
     def name(self) -> str:
@@ -379,12 +403,86 @@ class _Worker(MPClient):
         self.owner._on_worker_message(self, msg)
 
 
+class _Worker(WorkerLink, MPClient):
+    """One worker process; its messages go to the :class:`PDClient`."""
+
+    def __init__(self, owner: "PDClient", spec: WorkerSpec) -> None:
+        self._link(owner, spec)
+        MPClient.__init__(self, spec.engine_args, spec.role)
+
+
+class WorkerPool(ABC):
+    """Where a :class:`PDClient`'s workers run: engine processes on this host
+    (:class:`ProcessWorkerPool`) or Ray actors in a placement group (``ray_backend.RayWorkerPool``)."""
+
+    #: what the workers compute on (its type picks the KV transport) and whether they all share one GPU
+    device: torch.device
+    devices_shared: bool
+
+    @abstractmethod
+    def rendezvous(self) -> str:
+        """The ``tcp://host:port`` where the KV transport group meets (rank 0 listens there)."""
+
+    @abstractmethod
+    def worker_args(self, args: Any, rank: int) -> dict[str, Any]:
+        """The engine arguments worker ``rank``'s engine gets instead of the front end's (its device...)."""
+
+    @abstractmethod
+    def start(self, owner: "PDClient", specs: list[WorkerSpec]) -> list[WorkerLink]:
+        """Starts every worker and returns their clients, in order; if one fails, the started ones
+        are stopped and its error is raised."""
+
+    def release(self) -> None:
+        """Frees what the pool holds once every worker stopped (nothing for processes)."""
+
+
+class ProcessWorkerPool(WorkerPool):
+    """Workers as engine processes on this host: one GPU each where there are enough, else all on
+    the front end's device (and the transport group on the loopback interface)."""
+
+    def __init__(self, args: Any) -> None:
+        from loopline.config import resolve_device
+        self.device = resolve_device(args.device)
+        self.devices = _worker_devices(self.device, args.prefill_workers + args.decode_workers)
+        self.devices_shared = len(set(self.devices)) == 1
+
+    def rendezvous(self) -> str:
+        return f"tcp://127.0.0.1:{_free_port()}"
+
+    def worker_args(self, args: Any, rank: int) -> dict[str, Any]:
+        dev, util = self.devices[rank], args.gpu_memory_utilization
+        if dev.type == "cuda":  # NOTE: workers start one after another on a shared device: each
+            # one's pool is sized from what the earlier ones left (cumulative fractions)
+            util *= self.devices[:rank + 1].count(dev) / self.devices.count(dev)
+        return dict(device=str(dev), gpu_memory_utilization=util)
+
+    def start(self, owner: "PDClient", specs: list[WorkerSpec]) -> list[WorkerLink]:
+        workers: list[WorkerLink] = []
+        try:
+            for spec in specs:  # one after another: see worker_args
+                workers.append(_Worker(owner, spec))
+        except BaseException:
+            for w in workers:
+                w.stopping = True
+                w.shutdown(5)
+            raise
+        return workers
+
+
+def make_worker_pool(args: Any) -> WorkerPool:
+    """The pool ``args.distributed_executor_backend`` asks for (``ray`` imports Ray, only then)."""
+    if args.distributed_executor_backend == "ray":
+        from loopline.distributed.ray_backend import RayWorkerPool
+        return RayWorkerPool(args)
+    return ProcessWorkerPool(args)
+
+
 @dataclass
 class _Placement:
     """Where a request is: its prefill worker until its handoff arrives, then its decode worker."""
 
-    prefill: _Worker
-    decode: _Worker
+    prefill: WorkerLink
+    decode: WorkerLink
     blocks: int  # credit held on the decode worker
     on_decode: bool = False
     pieces: bool = False  # some of its pages went to the decode worker already
@@ -393,47 +491,48 @@ class _Placement:
 class PDClient(EngineClient):
     """``AsyncLLM``'s client for prefill/decode disaggregation (see the module docstring)."""
 
-    def __init__(self, engine_args: Any) -> None:
+    def __init__(self, engine_args: Any, pool: WorkerPool | None = None) -> None:
+        """``pool``: where the workers run (default: what ``distributed_executor_backend`` names)."""
         super().__init__()
         args = engine_args
         args.validate()
-        from loopline.config import resolve_device
-        device = resolve_device(args.device)
         num_p, num_d = args.prefill_workers, args.decode_workers
-        devices = _worker_devices(device, num_p + num_d)
-        shared = len(set(devices)) == 1
-        transport = resolve_transport(args.kv_transport, device, shared)
-        make_transport(transport, args.kv_transfer_timeout).close()  # a transport that cannot work: fail now
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self.transport = transport
         self._pd_lock = threading.RLock()
         self._tags = itertools.count(1)
         self._placed: dict[str, _Placement] = {}
         self._queue: deque[AddCmd] = deque()  # adds waiting for decode credit (back-pressure)
-        self._add_worker: dict[int, _Worker] = {}  # add id -> the prefill worker it went to
+        self._add_worker: dict[int, WorkerLink] = {}  # add id -> the prefill worker it went to
         self._add_requests: dict[int, list[str]] = {}
         self._aborted: set[str] = set()
         self._bcast: dict[int, list] = {}  # call id -> [name, workers left, results, error]
         self.num_pieces = self.num_handoffs = 0  # pieces of pages forwarded, requests handed off
-        self.prefill: list[_Worker] = []
-        self.decode: list[_Worker] = []
+        self.prefill: list[WorkerLink] = []
+        self.decode: list[WorkerLink] = []
+        self.pool = pool or make_worker_pool(args)
         try:
-            for i, dev in enumerate(devices):
-                kind, index = ("prefill", i) if i < num_p else ("decode", i - num_p)
-                util = args.gpu_memory_utilization
-                if dev.type == "cuda":  # NOTE: workers start one after another on a shared device: each
-                    # one's pool is sized from what the earlier ones left (cumulative fractions)
-                    util *= (devices[:i + 1].count(dev)) / devices.count(dev)
+            self.transport = transport = resolve_transport(args.kv_transport, self.pool.device,
+                                                           self.pool.devices_shared)
+            if transport in ("nccl", "cuda_ipc") and self.pool.device.type != "cuda":
+                raise InvalidRequestError(f"kv_transport {transport!r} needs the workers on CUDA devices; they run "
+                                          f"on {self.pool.device.type} (use 'gloo' or 'auto')", param="kv_transport")
+            make_transport(transport, args.kv_transfer_timeout).close()  # a transport that cannot work: fail now
+            self.init_method = init_method = self.pool.rendezvous()
+            specs = []
+            for rank in range(num_p + num_d):
+                kind, index = ("prefill", rank) if rank < num_p else ("decode", rank - num_p)
                 # NOTE: seeds drawn for seed=None requests differ between prefill workers (as between the
                 # requests of one engine); one prefill worker draws exactly what one engine draws
-                wargs = dataclasses.replace(args, prefill_workers=0, decode_workers=0, device=str(dev),
-                                            gpu_memory_utilization=util, seed=args.seed + index)
-                role = WorkerRole(kind, i, num_p + num_d, init_method, transport, args.kv_transfer_timeout)
-                worker = _Worker(self, kind, index, i, wargs, role)
-                (self.prefill if kind == "prefill" else self.decode).append(worker)
+                wargs = dataclasses.replace(args, prefill_workers=0, decode_workers=0, distributed_executor_backend="mp",
+                                            seed=args.seed + index, **self.pool.worker_args(args, rank))
+                role = WorkerRole(kind, rank, num_p + num_d, init_method, transport, args.kv_transfer_timeout)
+                specs.append(WorkerSpec(kind, index, rank, wargs, role))
+            workers = self.pool.start(self, specs)
         except BaseException:
-            self.shutdown(5)
+            self.pool.release()
             raise
+        self.prefill, self.decode = workers[:num_p], workers[num_p:]
+        logger.info("prefill/decode: %d prefill + %d decode workers (%s), KV pages over %s, transport group at %s",
+                    num_p, num_d, type(self.pool).__name__, transport, init_method)
         first = self.prefill[0].info
         self.info = EngineInfo(first.config, first.model_config, sum(w.info.kv_pages for w in self.workers),
                                first.kv_planes, first.sampling_defaults)
@@ -441,7 +540,7 @@ class PDClient(EngineClient):
         self.snapshot = self._aggregate()
 
     @property
-    def workers(self) -> list[_Worker]:
+    def workers(self) -> list[WorkerLink]:
         return self.prefill + self.decode
 
     # --- the transport of EngineClient ------------------------------------------------------------
@@ -465,6 +564,7 @@ class PDClient(EngineClient):
         for w in self.workers:
             w.stopping = True
             w.shutdown(timeout)
+        self.pool.release()
 
     # --- admission ------------------------------------------------------------------------------
     def _blocks(self, prompt: Any, params: Any) -> int:
@@ -502,13 +602,13 @@ class PDClient(EngineClient):
         if refusals:
             EngineClient._on_message(self, EngineMessage(replies=refusals, snapshot=self.snapshot))
 
-    def _plan(self, cmd: AddCmd) -> tuple[_Worker, dict[str, tuple[_Worker, int]]] | Exception | None:
+    def _plan(self, cmd: AddCmd) -> tuple[WorkerLink, dict[str, tuple[WorkerLink, int]]] | Exception | None:
         prefills = [w for w in self.prefill if w.alive]
         decodes = [w for w in self.decode if w.alive]
         if not prefills or not decodes:
             return EngineDeadError("no prefill or no decode worker is left")
         credit = dict(self._credit)
-        targets: dict[str, tuple[_Worker, int]] = {}
+        targets: dict[str, tuple[WorkerLink, int]] = {}
         for rid, prompt, params in cmd.requests:
             if params.n != 1:
                 return InvalidRequestError(f"n must be 1 with prefill/decode disaggregation, got {params.n}", param="n")
@@ -566,7 +666,7 @@ class PDClient(EngineClient):
             for w in live:
                 w._send(cmd)
 
-    def _gather_reply(self, worker: _Worker, reply: Reply) -> Reply | None:
+    def _gather_reply(self, worker: WorkerLink, reply: Reply) -> Reply | None:
         """A worker's reply to a broadcast call; the combined reply once every worker answered."""
         entry = self._bcast.get(reply.id)
         if entry is None:
@@ -583,8 +683,8 @@ class PDClient(EngineClient):
         return Reply(reply.id, None, entry[3]) if entry[3] is not None else Reply(reply.id, _BROADCAST[name](results))
 
     # --- messages from the workers ----------------------------------------------------------------
-    def _on_worker_message(self, worker: _Worker, msg: EngineMessage) -> None:
-        forward: list[tuple[_Worker, AcceptCmd]] = []
+    def _on_worker_message(self, worker: WorkerLink, msg: EngineMessage) -> None:
+        forward: list[tuple[WorkerLink, AcceptCmd]] = []
         with self._pd_lock:
             if not worker.alive:
                 return
@@ -641,11 +741,11 @@ class PDClient(EngineClient):
                     decode._send(accept)
         self._pump()
 
-    def _holds(self, worker: _Worker, rid: str) -> bool:
+    def _holds(self, worker: WorkerLink, rid: str) -> bool:
         placed = self._placed.get(rid)
         return placed is not None and (placed.decode if placed.on_decode else placed.prefill) is worker
 
-    def _worker_died(self, worker: _Worker, error: BaseException, replies: list[Reply]) -> list[tuple[str, BaseException]]:
+    def _worker_died(self, worker: WorkerLink, error: BaseException, replies: list[Reply]) -> list[tuple[str, BaseException]]:
         """Fails what the dead worker held: its requests (a decode worker's also while still
         prefilling for it: they are aborted there), its adds and its part of broadcast calls."""
         worker.alive = False

@@ -1,17 +1,23 @@
-"""Data-parallel replicas as Ray actors (``--distributed-executor-backend ray``).
+"""Engines as Ray actors (``--distributed-executor-backend ray``): data-parallel replicas, and
+the prefill and decode workers of a disaggregated engine.
 
-Each replica is an :class:`EngineActor`: the same :class:`EngineCore` loop that an
-engine process runs, on a thread of a Ray actor. The actors are placed with one
-placement group, one bundle per replica (``{"GPU": 1, "CPU": 1}`` on GPUs,
-``{"CPU": 1}`` otherwise), so Ray decides the nodes and each actor sees only its
-own GPU. Ray's actor calls are the transport: commands go down as ``submit``
-calls (numbered, because a threaded actor may run calls out of order and the
-engine loop must apply them in order), and a reader thread per replica
+Each engine is an :class:`EngineActor`: the same :class:`EngineCore` loop that an
+engine process runs, on a thread of a Ray actor (with a ``role``, the prefill or
+decode loop, as ``run_engine_process`` takes one). :class:`ActorGroup` places the
+actors with one placement group, one bundle per engine (``{"GPU": 1, "CPU": 1}``
+on GPUs, ``{"CPU": 1}`` otherwise), so Ray decides the nodes and each actor sees
+only its own GPU. Ray's actor calls are the transport: commands go down as
+``submit`` calls (numbered, because a threaded actor may run calls out of order
+and the engine loop must apply them in order), and a reader thread per engine
 long-polls ``poll`` for the engine messages (pickled by the actor as an engine
-process pickles them for its pipe). :class:`RayReplicaClient` is the
-front-end half; it routes the messages exactly as ``MPClient`` does, so
-``dp.DPClient`` treats both alike. An actor that dies (killed, its node lost)
-makes ``poll`` raise: the replica is dead and its requests fail.
+process pickles them for its pipe). :class:`RayEngineClient` is the front-end
+half; it routes the messages exactly as ``MPClient`` does, so ``dp.DPClient``
+and ``pd.PDClient`` treat both alike. An actor that dies (killed, its node lost)
+makes ``poll`` raise: that engine is dead and its requests fail.
+
+Users: :func:`start_ray_replicas` (data parallelism) and :class:`RayWorkerPool`
+(prefill/decode workers; the KV transport group meets at the rank-0 worker's
+node, on a port free there).
 
 ``ray`` is an optional dependency (``pip install 'loopline[ray]'``), imported
 only here and only when this backend is asked for. ``ray.init()`` joins the
@@ -24,6 +30,7 @@ import dataclasses
 import itertools
 import logging
 import pickle
+import socket
 import threading
 from functools import partial
 from typing import Any
@@ -32,6 +39,7 @@ import torch
 
 from loopline.config import EngineArgs
 from loopline.distributed.dp import DPClient, replica_args, start_in_parallel
+from loopline.distributed.pd import WorkerLink, WorkerPool, WorkerSpec
 from loopline.engine import LLMEngine
 from loopline.entrypoints.core_client import EngineClient
 from loopline.entrypoints.engine_core import (Command, EngineCore, EngineInfo, EngineMessage, EngineSnapshot, Inbox,
@@ -56,10 +64,11 @@ def import_ray() -> Any:
 
 
 class EngineActor:
-    """One replica's engine in a Ray actor: builds the engine, runs its loop on a thread, takes
-    numbered commands and hands out the loop's messages (pickled bytes) to ``poll``."""
+    """One engine in a Ray actor: builds the engine, runs its loop on a thread, takes numbered
+    commands and hands out the loop's messages (pickled bytes) to ``poll``. ``role``: a prefill or
+    decode worker's (``pd.WorkerRole``), which builds the engine and its loop instead."""
 
-    def __init__(self, engine_args: EngineArgs, log_level: int, num_threads: int) -> None:
+    def __init__(self, engine_args: EngineArgs, log_level: int, num_threads: int, role: Any = None) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("loopline").setLevel(log_level)
         torch.set_num_threads(num_threads)
@@ -69,14 +78,15 @@ class EngineActor:
         self._early: dict[int, Command] = {}  # commands that arrived before an earlier-numbered one
         self._loop: threading.Thread | None = None
         try:
-            engine = LLMEngine(engine_args)
+            engine = LLMEngine(engine_args) if role is None else role.build_engine(engine_args)
         except BaseException as e:  # the front end raises it (e.g. an invalid option)
             self._start = _dumps(EngineMessage(dead=e))
             return
         self._start = pickle.dumps(EngineInfo.of(engine), pickle.HIGHEST_PROTOCOL)
         self._inbox = Inbox()
-        self._loop = threading.Thread(target=EngineCore(engine, self._inbox, self._emit).run, name="loopline-engine",
-                                      daemon=True)
+        core = EngineCore(engine, self._inbox, self._emit) if role is None else \
+            role.make_core(engine, self._inbox, self._emit)
+        self._loop = threading.Thread(target=core.run, name="loopline-engine", daemon=True)
         self._loop.start()
 
     def start(self) -> bytes:
@@ -109,17 +119,19 @@ class EngineActor:
             self._cond.notify_all()
 
 
-class RayReplicaClient(EngineClient):
-    """The front-end half of one :class:`EngineActor` (routes its messages as ``MPClient`` does)."""
+class RayEngineClient(EngineClient):
+    """The front-end half of one :class:`EngineActor` (routes its messages as ``MPClient`` does);
+    ``what`` names the engine in errors ("replica 1", "decode worker 0")."""
 
-    def __init__(self, actor: Any, index: int) -> None:
+    def __init__(self, actor: Any, index: int, what: str | None = None) -> None:
         super().__init__()
         self._ray = import_ray()
         self.actor, self.index = actor, index
+        self._what = what or f"replica {index}"
         try:
             first = pickle.loads(self._ray.get(actor.start.remote()))
         except self._ray.exceptions.RayError as e:
-            raise EngineDeadError(f"the Ray actor of replica {index} failed while starting ({type(e).__name__}: "
+            raise EngineDeadError(f"the Ray actor of {self._what} failed while starting ({type(e).__name__}: "
                                   f"{e})") from None
         if isinstance(first, EngineMessage):  # the engine could not be built: its error, unchanged
             raise first.dead
@@ -127,7 +139,7 @@ class RayReplicaClient(EngineClient):
         self.snapshot = EngineSnapshot(kv_total_blocks=first.kv_pages)
         self._seq = itertools.count()
         self._send_lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read, name=f"loopline-ray-reader-{index}", daemon=True)
+        self._reader = threading.Thread(target=self._read, name=f"loopline-ray-reader-{self._what}", daemon=True)
         self._reader.start()
 
     def _send(self, cmd: Command) -> None:
@@ -145,7 +157,7 @@ class RayReplicaClient(EngineClient):
                         return
         except Exception as e:  # RayActorError (killed, node lost), or Ray shut down under us
             reason = f"its Ray actor died ({type(e).__name__})"
-        self._die(EngineDeadError(f"the engine of replica {self.index} stopped unexpectedly: {reason}"))
+        self._die(EngineDeadError(f"the engine of {self._what} stopped unexpectedly: {reason}"))
 
     def is_alive(self) -> bool:
         return self._reader.is_alive()
@@ -156,7 +168,7 @@ class RayReplicaClient(EngineClient):
             try:
                 ray.get(self.actor.shutdown.remote(timeout), timeout=None if timeout is None else timeout + 5)
             except Exception:  # already dead, or a step that never returns: killed below
-                logger.warning("replica %d did not stop cleanly; killing its actor", self.index, exc_info=True)
+                logger.warning("%s did not stop cleanly; killing its actor", self._what, exc_info=True)
         self._reader.join(_POLL_S + 5)
         try:
             ray.kill(self.actor)
@@ -164,47 +176,124 @@ class RayReplicaClient(EngineClient):
             pass
 
 
-def start_ray_replicas(args: EngineArgs, placement_timeout: float = _PLACEMENT_TIMEOUT_S) -> DPClient:
-    """``args.data_parallel_size`` engine actors in one placement group, behind a :class:`DPClient`."""
+RayReplicaClient = RayEngineClient  # the data-parallel name
+
+
+def _node_address() -> tuple[str, int]:
+    """This node's IP, as Ray knows it, and a TCP port free on it now (a Ray task's body)."""
     ray = import_ray()
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    if not ray.is_initialized():
-        ray.init()
-    n = args.data_parallel_size
-    gpu = args.device.startswith("cuda") or (args.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-    bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-    group = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-    try:
-        ray.get(group.ready(), timeout=placement_timeout)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(group)
-        raise InvalidRequestError(
-            f"data_parallel_size {n}: the Ray cluster cannot place {n} bundle(s) of {bundle} within "
-            f"{placement_timeout:.0f}s (it has {ray.available_resources()} free of {ray.cluster_resources()})",
-            param="data_parallel_size") from None
-    actor_cls = ray.remote(EngineActor)
-    level, threads = logging.getLogger("loopline").getEffectiveLevel(), torch.get_num_threads()
-    actors = []
-    for i in range(n):
-        replica = dataclasses.replace(replica_args(args, i, "ray"), device="cuda" if gpu else "cpu")
-        strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
-        actors.append(actor_cls.options(num_cpus=1, num_gpus=1 if gpu else 0, max_concurrency=_ACTOR_CONCURRENCY,
-                                        scheduling_strategy=strategy).remote(replica, level, threads))
 
-    def release() -> None:
+class ActorGroup:
+    """Engine actors in one placement group, one bundle per engine: what data-parallel replicas and
+    prefill/decode workers share. ``param`` names the option that asked for the bundles in errors."""
+
+    def __init__(self, count: int, device: str, param: str, placement_timeout: float = _PLACEMENT_TIMEOUT_S) -> None:
+        ray = self._ray = import_ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        if not ray.is_initialized():
+            ray.init()
+        #: GPU bundles: asked for (``cuda``), or ``auto`` on a cluster that has GPUs
+        self.gpu = device.startswith("cuda") or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        bundle = {"GPU": 1, "CPU": 1} if self.gpu else {"CPU": 1}
+        self.group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK")
+        self.actors: list[Any] = []
+        self._remove = remove_placement_group
+        try:
+            ray.get(self.group.ready(), timeout=placement_timeout)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.group)
+            raise InvalidRequestError(
+                f"{param} {count}: the Ray cluster cannot place {count} bundle(s) of {bundle} within "
+                f"{placement_timeout:.0f}s (it has {ray.available_resources()} free of {ray.cluster_resources()})",
+                param=param) from None
+
+    @property
+    def device(self) -> str:
+        """The engine device of an actor of this group (``cuda``: it sees only its own GPU)."""
+        return "cuda" if self.gpu else "cpu"
+
+    def _strategy(self, bundle: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=bundle)
+
+    def start(self, bundle: int, engine_args: EngineArgs, role: Any = None) -> Any:
+        """An :class:`EngineActor` in ``bundle`` (it builds its engine while this returns)."""
+        actor_cls = self._ray.remote(EngineActor)
+        level, threads = logging.getLogger("loopline").getEffectiveLevel(), torch.get_num_threads()
+        actor = actor_cls.options(num_cpus=1, num_gpus=1 if self.gpu else 0, max_concurrency=_ACTOR_CONCURRENCY,
+                                  scheduling_strategy=self._strategy(bundle)).remote(engine_args, level, threads, role)
+        self.actors.append(actor)
+        return actor
+
+    def node_address(self, bundle: int) -> tuple[str, int]:
+        """The IP of the node holding ``bundle`` and a port free there (reachable from the other nodes)."""
+        task = self._ray.remote(num_cpus=0)(_node_address)
+        return self._ray.get(task.options(scheduling_strategy=self._strategy(bundle)).remote(),
+                             timeout=_PLACEMENT_TIMEOUT_S)
+
+    def release(self) -> None:
+        """Kills every actor (those already stopped are skipped) and frees the placement group (once)."""
+        actors, self.actors = self.actors, []
         for actor in actors:
             try:
-                ray.kill(actor)
+                self._ray.kill(actor)
             except Exception:  # already gone
                 pass
-        remove_placement_group(group)
+        if self.group is not None:
+            self._remove(self.group)
+            self.group = None
 
+
+def start_ray_replicas(args: EngineArgs, placement_timeout: float = _PLACEMENT_TIMEOUT_S) -> DPClient:
+    """``args.data_parallel_size`` engine actors in one placement group, behind a :class:`DPClient`."""
+    n = args.data_parallel_size
+    group = ActorGroup(n, args.device, "data_parallel_size", placement_timeout)
     try:
-        clients = start_in_parallel([partial(RayReplicaClient, actor, i) for i, actor in enumerate(actors)])
+        actors = [group.start(i, dataclasses.replace(replica_args(args, i, "ray"), device=group.device))
+                  for i in range(n)]
+        clients = start_in_parallel([partial(RayEngineClient, actor, i) for i, actor in enumerate(actors)])
     except BaseException:
-        release()
+        group.release()
         raise
-    return DPClient(clients, on_shutdown=release)
+    return DPClient(clients, on_shutdown=group.release)
 
+
+class RayWorker(WorkerLink, RayEngineClient):
+    """A prefill or decode worker's Ray actor, as ``pd.PDClient`` sees it."""
+
+    def __init__(self, owner: Any, spec: WorkerSpec, actor: Any) -> None:
+        self._link(owner, spec)
+        RayEngineClient.__init__(self, actor, spec.index, what=self.name)
+
+
+class RayWorkerPool(WorkerPool):
+    """Prefill and decode workers as Ray actors, one placement-group bundle each (a GPU per bundle
+    on CUDA). The KV transport group meets at the node of bundle 0 (the first prefill worker, rank
+    0), on a port free there: the address Ray reports for that node, reachable from the others."""
+
+    def __init__(self, args: EngineArgs, placement_timeout: float = _PLACEMENT_TIMEOUT_S) -> None:
+        self._group = ActorGroup(args.prefill_workers + args.decode_workers, args.device, "prefill_workers",
+                                 placement_timeout)
+        # NOTE: the type only (the front end may have no GPU): each actor resolves its own device
+        self.device = torch.device("cuda" if self._group.gpu else "cpu")
+        self.devices_shared = False  # a GPU per bundle
+
+    def rendezvous(self) -> str:
+        host, port = self._group.node_address(0)
+        return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+    def worker_args(self, args: EngineArgs, rank: int) -> dict[str, Any]:
+        return dict(device=self._group.device)
+
+    def start(self, owner: Any, specs: list[WorkerSpec]) -> list[WorkerLink]:
+        # NOTE: every actor builds its engine at once; the clients then wait for each one's start
+        actors = [self._group.start(spec.rank, spec.engine_args, spec.role) for spec in specs]
+        return start_in_parallel([partial(RayWorker, owner, spec, actor) for spec, actor in zip(specs, actors)])
+
+    def release(self) -> None:
+        self._group.release()

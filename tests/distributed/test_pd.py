@@ -151,7 +151,8 @@ def test_flags_are_validated():
                       (dict(prefill_workers=1, decode_workers=1, kv_transport="tcp"), "kv_transport"),
                       (dict(prefill_workers=1, decode_workers=1, kv_transfer_timeout=0), "kv_transfer_timeout"),
                       (dict(prefill_workers=1, decode_workers=1, data_parallel_size=2, device="cpu"), "prefill_workers"),
-                      (dict(prefill_workers=1, decode_workers=1, distributed_executor_backend="ray"), "prefill_workers")]:
+                      (dict(prefill_workers=1, decode_workers=1, distributed_executor_backend="ray",
+                            kv_transport="cuda_ipc"), "kv_transport")]:
         with pytest.raises(InvalidRequestError) as e:
             EngineArgs(**kw).validate()
         assert e.value.param == param
