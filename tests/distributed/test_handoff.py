@@ -9,8 +9,8 @@ import pytest
 
 from loopline import SamplingParams
 from loopline.config import EngineArgs
-from loopline.distributed.pd import PageAssembly
 from loopline.engine import LLMEngine
+from loopline.engine.input_processor import child_request_id
 
 
 def ids(n, seed=0, vocab=500):
@@ -37,30 +37,50 @@ def drain(engine, requests):
 
 def drain_pd(prefill, decode, requests):
     """Both engines stepped in turn: after every step the prompt pages that became final are copied
-    out (as a prefill worker streams them), and every ready request moves with the rest."""
-    done, moved, pieces = {}, 0, {}
+    out (as a prefill worker streams them) and written into the pages the decode engine reserved
+    when the first of them arrived; every ready request moves with the rest."""
+    done, moved, sent = {}, 0, {}
+
+    def put(child, prompt, first, kv):
+        if first == 0:
+            decode.reserve_handoff(child, prompt)
+        decode.write_handoff_pages(child, first, kv)
+
     for rid, (prompt, params) in requests.items():
         prefill.add_request(rid, {"prompt_token_ids": prompt}, params)
     while prefill.has_unfinished_requests() or decode.has_unfinished_requests():
-        done.update((o.request_id, o) for o in prefill.step() if o.finished)
+        for out in prefill.step():
+            if out.finished:  # it ended on the prefill engine (its first token): what it sent goes
+                done[out.request_id] = out
+                child = child_request_id(out.request_id, 0)
+                dropped[0] += sent.pop(child, 0) > 0
+                decode.release_handoff(child)
         for child, pages in prefill.final_prompt_pages().items():
-            assembly = pieces.setdefault(child, PageAssembly(prefill.kv.layout.num_planes))
-            sent = sum(p.shape[2] for _, p in assembly.pieces) // assembly.planes
-            if pages > sent and child not in prefill.ready_handoffs():
-                assembly.put(sent, prefill.export_pages(child, sent, pages).clone())
+            first = sent.get(child, 0)
+            if pages > first and child not in prefill.ready_handoffs():
+                used = decode.kv.num_used_blocks
+                put(child, prefill.scheduler.requests[child].prompt_token_ids, first,
+                    prefill.export_pages(child, first, pages).clone())
+                sent[child] = pages
+                streamed[0] += 1
+                if first == 0:  # its prompt pages are held on the decode side while it still prefills
+                    grown = decode.kv.num_used_blocks - used
+                    reserved[0] += grown > 0
+                    assert grown == decode.kv.blocks_needed(prefill.scheduler.requests[child].prompt_len) - \
+                        decode.kv.layout.num_planes * (decode.kv.get(child).num_cached_tokens // decode.kv.block_size)
         for child in prefill.ready_handoffs():
-            assembly = pieces.pop(child, PageAssembly(prefill.kv.layout.num_planes))
-            sent = sum(p.shape[2] for _, p in assembly.pieces) // assembly.planes
-            handoff, rest = prefill.hand_off(child, sent)
-            assembly.put(sent, rest)
-            decode.adopt(handoff, assembly.tensor(handoff.kv_shape, handoff.kv_dtype))
+            first = sent.pop(child, 0)
+            handoff, rest = prefill.hand_off(child, first)
+            put(child, handoff.prompt_token_ids, first, rest)
+            decode.adopt(handoff)
             moved += 1
-            streamed[0] += len(assembly.pieces) - 1
         done.update((o.request_id, o) for o in decode.step() if o.finished)
     return done, moved
 
 
 streamed = [0]  # pieces sent before a request's handoff, over the module
+reserved = [0]  # requests whose pages the decode engine reserved before their handoff
+dropped = [0]  # requests that sent pages but ended on the prefill engine
 
 
 def result(out):
@@ -87,8 +107,8 @@ def test_handoff_gives_the_single_engines_outputs(tiny_gqa, layout):
     single = drain(engine_for(tiny_gqa, **kw), requests())
     prefill, decode = engine_for(tiny_gqa, prefill_only=True, **kw), engine_for(tiny_gqa, **kw)
     pd, moved = drain_pd(prefill, decode, requests())
-    assert moved == 4  # "c" ends with its first token on the prefill engine
-    assert streamed[0] > 0  # chunks' pages left before their prompt finished
+    assert moved == 4 and dropped[0] > 0  # "c" ends with its first token on the prefill engine, after its pages left
+    assert streamed[0] > 0 and reserved[0] > 0  # chunks' pages left, into reserved pages, before their prompt finished
     assert {k: result(v) for k, v in pd.items()} == {k: result(v) for k, v in single.items()}
     depths = {d for out in single.values() for d in out.outputs[0].exit_depths}
     assert len(depths) > 1  # the adaptive exits vary
