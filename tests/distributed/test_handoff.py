@@ -142,6 +142,18 @@ class LocalTransport:
         return f
 
 
+class PendingTransport:
+    """Receives that complete only when the test says so."""
+
+    def __init__(self):
+        self.futures = []
+
+    def recv(self, payload, shape, dtype, peer, tag):
+        import concurrent.futures
+        self.futures.append(concurrent.futures.Future())
+        return self.futures[-1]
+
+
 def decode_core(engine, transport):
     from loopline.distributed.pd import DecodeCore
     from loopline.entrypoints.engine_core import Inbox
@@ -243,6 +255,22 @@ def test_dropped_and_aborted_requests_free_their_reserved_pages(tiny_gqa):
     prefill.abort_request("gone")
     apply_all(core, DropCmd("gone"))
     assert decode.kv.num_used_blocks == 0 and not core._incoming and not decode.num_reserved_handoffs
+    # dropped while a receive is still on its way (a dead prefill worker's, until its timeout): the
+    # pages go at once, and what arrives later is written nowhere
+    pending = PendingTransport()
+    core.transport = pending
+    prompt = ids(30, seed=10)
+    child, pages = prefill_until_pieces(prefill, "dead", prompt, params)
+    kv = prefill.export_pages(child, 0, pages).clone()
+    apply_all(core, piece_cmd("dead", child, prompt, 0, kv))
+    assert decode.kv.num_used_blocks == decode.kv.blocks_needed(30)
+    prefill.abort_request("dead")
+    apply_all(core, DropCmd("dead"))
+    assert decode.kv.num_used_blocks == 0 and not decode.num_reserved_handoffs and "dead" in core._incoming
+    pending.futures[0].set_result(kv)
+    apply_all(core)
+    assert not core._incoming and decode.kv.num_used_blocks == 0
+    core.transport = LocalTransport()
     # aborted while its pages were on their way: it is taken over, then ends as aborted
     prompt = ids(30, seed=9)
     child, pages = prefill_until_pieces(prefill, "abort", prompt, params)
