@@ -265,10 +265,9 @@ class LLMEngine:
         assert req.status == RequestStatus.HANDOFF and len(req.output) == 1, child_id
         rid = parent_request_id(child_id)
         state, kv = self.runner.export_request(child_id, first_page)
-        shape = (*kv.shape[:2], self.kv.layout.num_planes * state.blocks_per_plane, *kv.shape[3:])
         handoff = Handoff(rid, child_id, self.outputs.prompt(rid), req.prompt_token_ids, req.params, req.seed,
                           req.max_tokens, req.eos_token_ids, req.output[0], self.control.weight_version,
-                          self.outputs.metrics(rid), state, shape, kv.dtype)
+                          self.outputs.metrics(rid), state)
         self.scheduler.finish_request(child_id, "handoff")
         self.outputs.forget(rid)
         return handoff, kv

@@ -205,12 +205,15 @@ def test_a_failed_transfer_fails_its_request_alone(tiny_gqa):
     assert decode.kv.num_used_blocks == 0 and prefill.kv.num_used_blocks == 0 and not decode.num_reserved_handoffs
 
 
-def test_pieces_are_written_into_pages_reserved_before_the_handoff(tiny_gqa):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_pieces_are_written_into_pages_reserved_before_the_handoff(tiny_gqa, device):
     """The decode side holds a request's prompt pages (every plane) from its first piece on, while its
-    prefill still runs; each piece lands in those pages, and adoption copies nothing."""
+    prefill still runs; each piece lands in those pages (on CUDA: on a stream of its own, which the
+    step resuming the request waits for), and adoption copies nothing."""
     from loopline.distributed.pd import AcceptCmd
 
-    kw = dict(max_num_batched_tokens=8)
+    kw = dict(max_num_batched_tokens=8, device=device, enforce_eager=True)
     prefill, decode = engine_for(tiny_gqa, prefill_only=True, **kw), engine_for(tiny_gqa, **kw)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompt = ids(30, seed=7)
@@ -220,6 +223,8 @@ def test_pieces_are_written_into_pages_reserved_before_the_handoff(tiny_gqa):
     apply_all(core, piece_cmd("r", child, prompt, 0, first))
     assert decode.kv.num_used_blocks == decode.kv.blocks_needed(30) == decode.kv.layout.num_planes * 8
     tables = decode.kv.get(child).block_tables
+    if device == "cuda":
+        torch.cuda.synchronize()
     for p, table in enumerate(tables):  # plane p's pages [0, pages) hold the piece's plane p
         got = decode.runner.k_cache[:, table[:pages]]
         assert torch.equal(got, first[0][:, p * pages:(p + 1) * pages])
