@@ -320,9 +320,10 @@ class ModelRunner:
         (the prefix cache gave them: shared, never written). On CUDA the copy runs on a stream of its
         own, after the steps already launched (they may still write pages freed to this request) and
         before the step that resumes the request (``_restore`` waits for it)."""
-        planes, n = len(block_tables), kv.shape[2] // max(1, len(block_tables))
+        planes = len(block_tables)
+        n = kv.shape[2] // planes if kv.dim() == 6 else 0
         expected = (2, self.k_cache.shape[0], planes * n, *self.k_cache.shape[2:])
-        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
+        if tuple(kv.shape) != expected or kv.dtype != self.dtype or not n:
             raise ValueError(f"KV pages of shape {tuple(kv.shape)} {kv.dtype}, expected {expected} {self.dtype}")
         if first < 0 or first + n > len(block_tables[0]):
             raise ValueError(f"pages [{first}, {first + n}) outside the {len(block_tables[0])} reserved per plane")

@@ -334,6 +334,11 @@ def test_reserve_handoff_validates(tiny_gqa):
         decode.write_handoff_pages("nobody#0", 0, torch.zeros(1))
     with pytest.raises(ValueError, match="expected"):  # a piece of the wrong shape writes nothing
         decode.write_handoff_pages("a#0", 0, torch.zeros(2, 1, 4, 4, 1, 1))
+    with pytest.raises(ValueError, match="expected"):
+        decode.write_handoff_pages("a#0", 0, torch.zeros(3))
+    piece = torch.zeros(2, *decode.runner.k_cache.shape[:1], 4 * 2, *decode.runner.k_cache.shape[2:])
+    with pytest.raises(ValueError, match="outside the 2 reserved"):  # pages [1, 3) of a 2-page prompt
+        decode.write_handoff_pages("a#0", 1, piece)
     decode.release_handoff("a#0")
     decode.release_handoff("a#0")  # (twice: ignored)
     assert decode.kv.num_used_blocks == 0
