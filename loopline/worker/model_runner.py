@@ -323,7 +323,7 @@ class ModelRunner:
         planes = len(block_tables)
         n = kv.shape[2] // planes if kv.dim() == 6 else 0
         expected = (2, self.k_cache.shape[0], planes * n, *self.k_cache.shape[2:])
-        if tuple(kv.shape) != expected or kv.dtype != self.dtype or not n:
+        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
             raise ValueError(f"KV pages of shape {tuple(kv.shape)} {kv.dtype}, expected {expected} {self.dtype}")
         if first < 0 or first + n > len(block_tables[0]):
             raise ValueError(f"pages [{first}, {first + n}) outside the {len(block_tables[0])} reserved per plane")
