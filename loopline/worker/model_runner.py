@@ -36,6 +36,7 @@ from loopline.sampling_params import SamplingParams
 from loopline.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, SlotOps
 from loopline.worker.exit_rule import exit_decision
+from loopline.worker.page_writes import PageWriter
 from loopline.worker.sampler import Sampler, SamplerOutput
 from loopline.worker.sampling_inputs import HostSample, ParamsStager, SampleBatch, build_sampling_tensors, has_penalties
 from loopline.worker.staging import stage
@@ -144,10 +145,7 @@ class ModelRunner:
         self._copies_on_exit = len(layout.exit_copy_planes(1)) > 0
         self.requests: dict[str, _RequestState] = {}
         self.snapshots: dict[str, Snapshot] = {}
-        # Handed-off pages written on a stream of their own (CUDA): per request, the event after its
-        # last write, which the step that first reads the pages (or reuses them) waits for.
-        self._page_writes: dict[str, torch.cuda.Event] = {}
-        self._write_stream: torch.cuda.Stream | None = None
+        self.page_writer = PageWriter(device)  # handed-off pages, written as they arrive
 
     def capture_graphs(self, max_seq_len: int, max_num_batched_tokens: int | None = None) -> None:
         """Captures decode-only steps, and steps with small prefill chunks (given the token budget),
@@ -167,7 +165,7 @@ class ModelRunner:
         """
         self.requests.clear()
         self.snapshots.clear()
-        self._page_writes.clear()
+        self.page_writer.clear()
         if self.graphs is not None:
             self._graphs_max_seq_len, self.graphs = self.graphs.max_seq_len, None
             self._graphs_max_tokens = self.mixed_graphs.prefill_sizes[-1] if self.mixed_graphs is not None else None
@@ -258,7 +256,7 @@ class ModelRunner:
         # The new tables may be longer (room for the next position); the snapshot fills their heads,
         # except pages the prefix cache gave it (shared with other requests: never written).
         if snap.k is None:  # a handed-off request: its pages were written in place as they arrived
-            self._wait_page_writes(resumed.request_id)
+            self.page_writer.wait(resumed.request_id)
         else:
             self._restore_pages(snap, st.block_arrays, resumed.num_cached_pages)
         self.slot_hidden[resumed.slot] = snap.slot_hidden.to(self.device)
@@ -332,35 +330,12 @@ class ModelRunner:
             return
         src = np.concatenate([p * n + pages - first for p in range(planes)])
         dst = np.concatenate([np.asarray(t, dtype=np.int64)[pages] for t in block_tables])
-        if self.device.type != "cuda":
-            src_t, dst_t = torch.from_numpy(src), torch.from_numpy(dst)
-            kv = kv.to(self.device)
-            self.k_cache.index_copy_(1, dst_t, kv[0].index_select(1, src_t))
-            self.v_cache.index_copy_(1, dst_t, kv[1].index_select(1, src_t))
-            return
-        if self._write_stream is None:
-            self._write_stream = torch.cuda.Stream(self.device)
-        stream = self._write_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            src_t, dst_t = stage(self.device, src, dst)
-            kv = kv.to(self.device, non_blocking=True)
-            self.k_cache.index_copy_(1, dst_t, kv[0].index_select(1, src_t))
-            self.v_cache.index_copy_(1, dst_t, kv[1].index_select(1, src_t))
-        kv.record_stream(stream)  # the allocator must not hand the received tensor out before the copy ran
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._page_writes[request_id] = event  # the stream is in order: the last event covers every write
+        self.page_writer.write(request_id, (self.k_cache, self.v_cache), dst, src, kv)
 
     def release_pages(self, request_id: str) -> None:
         """Forgets a request whose pages were written but will not be resumed (aborted, dropped,
         failed): steps launched from now on, which may reuse its pages, wait for the writes."""
-        self._wait_page_writes(request_id)
-
-    def _wait_page_writes(self, request_id: str) -> None:
-        event = self._page_writes.pop(request_id, None)
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+        self.page_writer.wait(request_id)
 
     def adopt_request(self, request_id: str, state: HandoffState) -> None:
         """Holds a request exported by another runner (``export_request``) as a preemption snapshot
@@ -512,7 +487,7 @@ class ModelRunner:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
             self.snapshots.pop(rid, None)
-            self._wait_page_writes(rid)  # its pages (freed) may be written by this step
+            self.page_writer.wait(rid)  # its pages (freed) may be written by this step
         # Snapshots before any freed block is written, and before a new request resets the
         # device state of a slot a victim just gave up (the scheduler never preempts a request
         # it started or resumed in the same step, nor resumes one it preempted).
