@@ -50,7 +50,7 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     resume_status: RequestStatus | None = None  # status to return to after a preemption
-    handed_off: bool = False  # came from a prefill worker (its first admission restores its prompt's pages)
+    handed_off: bool = False  # came from a prefill worker, its prompt pages reserved; its first admission adds the rest
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

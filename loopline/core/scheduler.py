@@ -119,8 +119,11 @@ class Scheduler:
 
     def adopt(self, request: Request) -> None:
         """Queues a request handed off by a prefill worker: ``PREEMPTED`` with ``resume_status``
-        ``DECODE``, its state in a runner snapshot, so it resumes exactly like a preempted request."""
+        ``DECODE``, its state in a runner snapshot, so it resumes exactly like a preempted request.
+        Its prompt pages are already in the KV manager (reserved as they arrived, written there);
+        admission only adds the rest of its reservation."""
         assert request.status == RequestStatus.PREEMPTED and request.resume_status == RequestStatus.DECODE
+        assert self.kv.owns(request.request_id), request.request_id
         self.add_request(request)
 
     def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> Request | None:
@@ -130,6 +133,7 @@ class Scheduler:
             return None
         if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
+            self.kv.free(req.request_id)  # a handed-off request's reserved prompt pages (else it owns none)
         else:
             self.running.remove(req)
             self.kv.free(req.request_id)
@@ -183,9 +187,10 @@ class Scheduler:
         return out
 
     def _cache_restored_prompts(self) -> None:
-        """Caches the prompt pages of handed-off requests whose restore the previous step launched.
-        NOTE: only now: a page must never be found before its KV is written, and a step that failed
-        to launch failed (and removed) its requests."""
+        """Caches the prompt pages of handed-off requests that the previous step resumed.
+        NOTE: only now: a page must never be found before its KV is written (the runner orders the
+        pages' writes before that step), and a step that failed to launch failed (and removed) its
+        requests."""
         for req in self._restored_prompts:
             if self.requests.get(req.request_id) is req and req.status == RequestStatus.DECODE:
                 self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.cache_salt)
@@ -228,10 +233,15 @@ class Scheduler:
         keep = self.watermark_blocks + self._reserved_growth()
         if self.allocation.needs_growth() and not self._may_overcommit():
             keep += self.kv.blocks_needed(req.num_tokens_reserved) - self.kv.blocks_needed(self.allocation.initial_tokens(req))
+        if req.handed_off:  # its prompt pages were reserved (and written) before it was adopted
+            if self.kv.grow(req.request_id, self.allocation.initial_tokens(req), keep_free=keep) is None:
+                return False
+            # NOTE: only once it resumes in this step: the runner orders its pages' writes before the
+            # step, so pages it gives up here are free to be written by any request from then on
+            self.kv.share_cached_prefix(req.request_id, req.prompt_token_ids, self.cache_salt)
+            return True
         resumed = req.status == RequestStatus.PREEMPTED
-        # NOTE: a handed-off request's prompt pages may already be cached here (they hold the same
-        # KV: same prefix, weights and layout); its own copies of them are then not restored
-        match = req.handed_off or not (resumed or req.params.prompt_logprobs is not None)
+        match = not (resumed or req.params.prompt_logprobs is not None)
         alloc = self.kv.allocate(req.request_id, self.allocation.initial_tokens(req),
                                  req.prompt_token_ids if match else None, self.cache_salt, keep_free=keep)
         return alloc is not None
@@ -247,7 +257,7 @@ class Scheduler:
                 self.preemption.swapped_blocks -= self._snapshot_blocks.pop(req.request_id, 0)
             self._out.resumed_requests.append(ResumedRequestData(req.request_id, alloc.block_tables, req.slot,
                                                                  alloc.num_cached_tokens // self.kv.block_size))
-            if req.handed_off:  # its prompt pages hold final KV once this step's launch restored them
+            if req.handed_off:  # its prompt pages hold final KV for every step launched from now on
                 req.handed_off = False
                 self._restored_prompts.append(req)
             return

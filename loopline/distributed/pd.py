@@ -23,9 +23,16 @@ per worker, on any node of a Ray cluster (``--distributed-executor-backend ray``
    (``LLMEngine.hand_off``: a copy of its prompt's KV pages of every plane -- all R for
    ``last_exited``, the one for ``shared`` -- and its slot's decode state), frees its pages at
    once, starts the transport's send on its own thread and reports the handoff; the front end
-   forwards it to the decode worker, which receives the pages and resumes the request exactly
-   as a preempted one (``LLMEngine.adopt``). Its text and logprob deltas continue the prefill
+   forwards it to the decode worker, which resumes the request exactly as a preempted one
+   (``LLMEngine.adopt``) once its pages are in. Its text and logprob deltas continue the prefill
    worker's in the same client stream.
+
+   The decode worker reserves the request's prompt pages (every plane the layout keeps) in its
+   own KV pool, through its KV manager, when the first piece arrives (``LLMEngine.reserve_handoff``;
+   the front end's credit guarantees the room), and writes every piece straight into them as it
+   is received (``LLMEngine.write_handoff_pages``: gloo's CPU tensor copied into the pages; on CUDA
+   a copy on a stream of its own that the step resuming the request waits for). Adoption then
+   copies nothing. A request that is dropped, fails or cannot be reserved frees its pages at once.
 
 Failures: a failed or timed-out transfer fails its request (clean error, an error id in the
 log); a dead worker fails only the requests it held (and, for a decode worker, those still
@@ -85,9 +92,19 @@ class PrefillCmd(AddCmd):
 
 
 @dataclass
+class PageReservation:
+    """What a decode worker needs to reserve a request's prompt pages (and to look its prefix up in
+    its prefix cache): sent with the request's first piece."""
+
+    child_id: str  # the scheduler's id, under which the pages are held
+    prompt_token_ids: list[int]
+
+
+@dataclass
 class PieceMsg:
     """Prompt pages ``[first_page, first_page + n)`` of every plane a prefill worker started sending
-    (in ``EngineMessage.handoffs``): final KV, sent while the next chunks compute."""
+    (in ``EngineMessage.handoffs``): final KV, sent while the next chunks compute. The first piece of
+    a request (``first_page == 0``) carries its ``reservation``."""
 
     request_id: str
     tag: int
@@ -95,6 +112,7 @@ class PieceMsg:
     shape: tuple[int, ...]
     dtype: Any
     first_page: int
+    reservation: PageReservation | None = None
 
 
 @dataclass
@@ -138,31 +156,6 @@ class PieceDoneCmd:
     request_id: str
     future: concurrent.futures.Future
     first_page: int
-
-
-class PageAssembly:
-    """A request's prompt pages, ``[2, layers, planes * pages, block_size, kv_heads, D]``, filled
-    piece by piece (a piece: pages ``[first, first + n)`` of every plane, plane-major)."""
-
-    def __init__(self, planes: int) -> None:
-        self.planes = planes
-        self.pieces: list[tuple[int, torch.Tensor]] = []
-
-    def put(self, first_page: int, piece: torch.Tensor) -> None:
-        self.pieces.append((first_page, piece))
-
-    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        device = self.pieces[0][1].device if self.pieces else torch.device("cpu")
-        out = torch.empty(shape, dtype=dtype, device=device)
-        pages = shape[2] // self.planes
-        covered = 0
-        for first, piece in self.pieces:
-            n = piece.shape[2] // self.planes
-            for p in range(self.planes):
-                out[:, :, p * pages + first:p * pages + first + n] = piece[:, :, p * n:(p + 1) * n]
-            covered += n
-        assert covered == pages, (covered, pages)
-        return out
 
 
 # --- the worker processes --------------------------------------------------------------------
@@ -213,8 +206,10 @@ class PrefillCore(EngineCore):
                 continue
             try:
                 sent, _ = self._sent.get(rid, (0, 0))
-                if pages > sent and self.engine.scheduler.requests[child].status == RequestStatus.PREFILL:
-                    self._send_piece(rid, self.engine.export_pages(child, sent, pages), sent, pages)
+                req = self.engine.scheduler.requests[child]
+                if pages > sent and req.status == RequestStatus.PREFILL:
+                    self._send_piece(rid, PageReservation(child, req.prompt_token_ids),
+                                     self.engine.export_pages(child, sent, pages), sent, pages)
             except Exception as e:  # this request fails; the others go on
                 self._fail(rid, e)
         for child in self.engine.ready_handoffs():
@@ -225,7 +220,7 @@ class PrefillCore(EngineCore):
             self._sent = {rid: t for rid, t in self._sent.items() if rid in self._live}
         return progressed
 
-    def _send_piece(self, rid: str, kv: torch.Tensor, first: int, end: int) -> None:
+    def _send_piece(self, rid: str, reservation: PageReservation, kv: torch.Tensor, first: int, end: int) -> None:
         rank, tag0 = self._targets[rid]
         _, count = self._sent.get(rid, (0, 0))
         tag = tag0 + count
@@ -233,7 +228,8 @@ class PrefillCore(EngineCore):
         sent.add_done_callback(lambda f: f.exception() is not None and logger.error(
             "request %s: sending KV pages to worker %d failed: %s", rid, rank, f.exception()))
         self._sent[rid] = (end, count + 1)
-        self._msg.handoffs.append(PieceMsg(rid, tag, payload, tuple(kv.shape), kv.dtype, first))
+        self._msg.handoffs.append(PieceMsg(rid, tag, payload, tuple(kv.shape), kv.dtype, first,
+                                           reservation if count == 0 else None))
 
     def _hand_off(self, child: str) -> None:
         rid = parent_request_id(child)
@@ -241,7 +237,8 @@ class PrefillCore(EngineCore):
             sent, _ = self._sent.get(rid, (0, 0))
             handoff, rest = self.engine.hand_off(child, sent)
             if rest.shape[2]:
-                self._send_piece(rid, rest, sent, sent + rest.shape[2] // self.engine.kv.layout.num_planes)
+                self._send_piece(rid, PageReservation(child, handoff.prompt_token_ids), rest, sent,
+                                 sent + rest.shape[2] // self.engine.kv.layout.num_planes)
             self._msg.handoffs.append(HandoffMsg(handoff, self._sent.get(rid, (0, 0))[1]))
         except Exception as e:
             self._fail(rid, e)
@@ -264,9 +261,10 @@ class PrefillCore(EngineCore):
 
 @dataclass
 class _Incoming:
-    """A decode worker's view of a request on its way: its pieces and, once sent, its handoff."""
+    """A decode worker's view of a request on its way: its reserved pages, its pieces and, once sent,
+    its handoff."""
 
-    pages: PageAssembly
+    child_id: str | None = None  # set once its pages are reserved in the engine
     outstanding: int = 0  # receives not finished
     received: int = 0
     accept: AcceptCmd | None = None
@@ -276,9 +274,10 @@ class _Incoming:
 
 
 class DecodeCore(EngineCore):
-    """The loop of a decode worker: the pieces of a request's pages are received on the transport's
-    threads while the loop steps (``PieceCmd``); the request resumes once its handoff
-    (``AcceptCmd``) and all its pieces are in."""
+    """The loop of a decode worker: a request's prompt pages are reserved in the engine's KV pool when
+    its first piece arrives (``PieceCmd``); the pieces are received on the transport's threads while
+    the loop steps, and each is written straight into its reserved pages; the request resumes once its
+    handoff (``AcceptCmd``) and all its pieces are in, with nothing left to copy."""
 
     def __init__(self, engine: LLMEngine, inbox: Inbox, emit, transport: KVTransport) -> None:
         super().__init__(engine, inbox, emit)
@@ -291,12 +290,14 @@ class DecodeCore(EngineCore):
         elif isinstance(cmd, PieceDoneCmd):
             self._piece_done(cmd)
         elif isinstance(cmd, AcceptCmd):
-            inc = self._get(cmd.handoff.request_id)
+            inc = self._incoming.setdefault(cmd.handoff.request_id, _Incoming())
             inc.accept, inc.aborted = cmd, inc.aborted or cmd.aborted
             self._maybe_adopt(cmd.handoff.request_id)
         elif isinstance(cmd, DropCmd):
             if cmd.request_id in self._incoming:
-                self._incoming[cmd.request_id].dropped = True
+                inc = self._incoming[cmd.request_id]
+                inc.dropped = True
+                self._release(inc)  # at once: receives still on their way (a dead sender's) write nothing
                 self._maybe_adopt(cmd.request_id)
         else:
             if isinstance(cmd, AbortCmd):
@@ -305,14 +306,15 @@ class DecodeCore(EngineCore):
                         self._incoming[rid].aborted = True
             super()._apply(cmd)
 
-    def _get(self, rid: str) -> _Incoming:
-        if rid not in self._incoming:
-            self._incoming[rid] = _Incoming(PageAssembly(self.engine.kv.layout.num_planes))
-        return self._incoming[rid]
-
     def _receive(self, cmd: PieceCmd) -> None:
         piece = cmd.piece
-        inc = self._get(piece.request_id)
+        inc = self._incoming.setdefault(piece.request_id, _Incoming())
+        if piece.reservation is not None and inc.child_id is None and inc.error is None:
+            try:
+                self.engine.reserve_handoff(piece.reservation.child_id, piece.reservation.prompt_token_ids)
+                inc.child_id = piece.reservation.child_id
+            except Exception as e:  # the request fails at its handoff; its pieces are still received
+                inc.error = e  # (so that the sender's transfers complete), and dropped
         inc.outstanding += 1
         future = self.transport.recv(piece.payload, piece.shape, piece.dtype, cmd.src_rank, piece.tag)
         future.add_done_callback(lambda f, rid=piece.request_id, first=piece.first_page:
@@ -324,32 +326,38 @@ class DecodeCore(EngineCore):
             return
         inc.outstanding -= 1
         try:
-            inc.pages.put(cmd.first_page, cmd.future.result())
+            kv = cmd.future.result()
+            if inc.error is None and not (inc.dropped or inc.aborted):  # (else its pages are not read)
+                if inc.child_id is None:
+                    raise EngineStateError(f"pages of request {cmd.request_id!r} arrived before its reservation")
+                self.engine.write_handoff_pages(inc.child_id, cmd.first_page, kv)
             inc.received += 1
         except Exception as e:
             inc.error = inc.error or e
+            self._release(inc)  # it will fail at its handoff: its pages go now
         self._maybe_adopt(cmd.request_id)
 
     def _maybe_adopt(self, rid: str) -> None:
-        """Adopts (or fails, or forgets) a request once nothing of it is still on its way."""
+        """Adopts (or fails, or forgets) a request once nothing of it is still on its way; whatever
+        does not end adopted frees its reserved pages."""
         inc = self._incoming[rid]
         if inc.outstanding:
             return
         if inc.dropped:
-            del self._incoming[rid]
+            self._forget(rid)
             return
         accept = inc.accept
         if accept is None:
             return  # more pieces, and the handoff, are coming
         if inc.error is None and inc.received < accept.num_pieces:
             return
-        del self._incoming[rid]
         try:
             if inc.error is not None:
                 raise inc.error
-            h = accept.handoff
-            text = self.engine.adopt(h, inc.pages.tensor(h.kv_shape, h.kv_dtype))
+            text = self.engine.adopt(accept.handoff)
+            del self._incoming[rid]
         except Exception as e:  # a failed transfer (or a refusal): this request fails alone
+            self._forget(rid)
             if isinstance(e, LooplineError):
                 failure: Exception = e
             else:
@@ -364,6 +372,15 @@ class DecodeCore(EngineCore):
         self._encoder.seed(rid, 1, text)
         if inc.aborted:
             self.engine.abort_request(rid)
+
+    def _forget(self, rid: str) -> None:
+        self._release(self._incoming.pop(rid))
+
+    def _release(self, inc: _Incoming) -> None:
+        """Frees a request's reserved pages (it will not be adopted); later pieces are not written."""
+        if inc.child_id is not None:
+            self.engine.release_handoff(inc.child_id)
+            inc.child_id = None
 
 
 # --- the front end ---------------------------------------------------------------------------

@@ -5,8 +5,9 @@ A prefill worker runs a request's prompt at full depth and samples its first tok
 where a single engine does (the step in which the last prompt chunk finishes its last loop:
 only that worker holds the last position's hidden state at the depth the exit rule picked).
 The request then leaves it as a :class:`Handoff` -- the request as the scheduler knew it, the
-runner's slot state and the output state the stream continues from -- and the decode worker
-resumes it as it would resume a preempted request.
+runner's slot state and the output state the stream continues from -- and the decode worker,
+whose pool already holds its prompt pages (reserved when the first of them arrived, written
+as they came), resumes it as it would resume a preempted request.
 """
 from __future__ import annotations
 
@@ -34,6 +35,4 @@ class Handoff:
     first: SampledToken  # the first generated token, already reported by the prefill worker
     weight_version: Any
     metrics: RequestMetrics
-    runner: HandoffState
-    kv_shape: tuple[int, ...]  # of all its prompt pages, [2, layers, planes * pages, ...] (they travel on their own)
-    kv_dtype: Any  # torch.dtype
+    runner: HandoffState  # (its KV pages travel on their own, into pages the decode worker reserved)

@@ -33,7 +33,7 @@ from loopline.engine.handoff import Handoff
 from loopline.engine.input_processor import InputProcessor, PromptType, parent_request_id
 from loopline.engine.output_processor import OutputProcessor
 from loopline.engine.stat_logger import StatLogger
-from loopline.errors import CapacityError, EngineDeadError, InvalidRequestError, new_error_id
+from loopline.errors import CapacityError, EngineDeadError, EngineStateError, InvalidRequestError, new_error_id
 from loopline.kv.layout import make_layout
 from loopline.kv.manager import KVCacheManager
 from loopline.models.loader import load_config, load_model, load_tokenizer, sampling_defaults
@@ -164,6 +164,7 @@ class LLMEngine:
         self._stat_logger = None if args.disable_log_stats else StatLogger(args.log_stats_interval)
         self._overlap = args.async_scheduling
         self._pending: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not yet read
+        self._reserved: set[str] = set()  # handed-off requests' prompt pages reserved before adopt()
         self.dead_reason: str | None = None  # a device fault stopped the engine
 
     # --- requests -----------------------------------------------------------------------
@@ -264,23 +265,68 @@ class LLMEngine:
         assert req.status == RequestStatus.HANDOFF and len(req.output) == 1, child_id
         rid = parent_request_id(child_id)
         state, kv = self.runner.export_request(child_id, first_page)
-        shape = (*kv.shape[:2], self.kv.layout.num_planes * state.blocks_per_plane, *kv.shape[3:])
         handoff = Handoff(rid, child_id, self.outputs.prompt(rid), req.prompt_token_ids, req.params, req.seed,
                           req.max_tokens, req.eos_token_ids, req.output[0], self.control.weight_version,
-                          self.outputs.metrics(rid), state, shape, kv.dtype)
+                          self.outputs.metrics(rid), state)
         self.scheduler.finish_request(child_id, "handoff")
         self.outputs.forget(rid)
         return handoff, kv
 
-    def adopt(self, handoff: Handoff, kv: torch.Tensor) -> str:
-        """Takes over a request a prefill worker handed off (``kv``: its pages, as ``hand_off``
-        returned them, on any device): it resumes at its second token exactly as in the engine that
-        produced its first, and its outputs continue the prefill worker's. Returns the text the
-        prefill worker reported (where this engine's text deltas start)."""
+    def reserve_handoff(self, child_id: str, prompt_token_ids: list[int]) -> None:
+        """Reserves, in this engine's KV pool, the prompt pages (every plane the layout keeps) of a
+        request a prefill worker is about to hand off, so that its pages are written straight into
+        them as they arrive (:meth:`write_handoff_pages`) and :meth:`adopt` copies nothing. Prompt
+        pages this engine's prefix cache holds are shared, not written. Raises (changing nothing)
+        ``CapacityError`` if the pool can never hold them, ``EngineStateError`` if it cannot now
+        (admission credits should prevent that); :meth:`release_handoff` undoes it."""
+        self._check_alive()
+        if child_id in self._reserved or child_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request_id {parent_request_id(child_id)!r} is already in use",
+                                      param="request_id")
+        need = self.kv.blocks_needed(len(prompt_token_ids))
+        if not self.kv.fits_ever(len(prompt_token_ids)):
+            raise CapacityError(f"the prompt needs {need} KV blocks but this decode worker's pool has "
+                                f"{self.kv.pool.num_blocks}", param="prompt")
+        if self.kv.allocate(child_id, len(prompt_token_ids), prompt_token_ids, self.scheduler.cache_salt) is None:
+            raise EngineStateError(f"the prompt needs up to {need} KV blocks but this decode worker has "
+                                   f"{self.kv.num_free_blocks} free of {self.kv.pool.num_blocks}: no room to "
+                                   "receive the request's pages")
+        self._reserved.add(child_id)
+
+    def write_handoff_pages(self, child_id: str, first_page: int, kv: torch.Tensor) -> None:
+        """Writes received prompt pages ``[first_page, first_page + n)`` of every plane (``kv``, as
+        ``export_pages`` gave them, on any device) into the pages :meth:`reserve_handoff` reserved."""
+        if child_id not in self._reserved:
+            raise EngineStateError(f"no prompt pages are reserved for request {parent_request_id(child_id)!r}")
+        alloc = self.kv.get(child_id)
+        self.runner.write_pages(child_id, alloc.block_tables, first_page, kv,
+                                skip=alloc.num_cached_tokens // self.kv.block_size)
+
+    def release_handoff(self, child_id: str) -> None:
+        """Frees the pages reserved for a request that will not be adopted (aborted, dropped or
+        failed before its handoff); unknown ids are ignored."""
+        if child_id in self._reserved:
+            self._reserved.discard(child_id)
+            self.runner.release_pages(child_id)
+            self.kv.free(child_id)
+
+    @property
+    def num_reserved_handoffs(self) -> int:
+        """Requests whose prompt pages are reserved here and that were not adopted yet."""
+        return len(self._reserved)
+
+    def adopt(self, handoff: Handoff) -> str:
+        """Takes over a request a prefill worker handed off, whose prompt pages were reserved
+        (:meth:`reserve_handoff`) and written (:meth:`write_handoff_pages`): it resumes at its second
+        token exactly as in the engine that produced its first, and its outputs continue the prefill
+        worker's. Returns the text the prefill worker reported (where this engine's text deltas
+        start). On an error the reservation stays (the caller releases it)."""
         self._check_alive()
         self.control.check_may_generate()
         if self.outputs.has(handoff.request_id):
             raise InvalidRequestError(f"request_id {handoff.request_id!r} is already in use", param="request_id")
+        if handoff.child_id not in self._reserved:
+            raise EngineStateError(f"no prompt pages are reserved for request {handoff.request_id!r}")
         if not self.kv.fits_ever(len(handoff.prompt_token_ids) + handoff.max_tokens):
             raise CapacityError(f"request needs {self.kv.blocks_needed(len(handoff.prompt_token_ids) + handoff.max_tokens)} "
                                 f"KV blocks but this decode worker's pool has {self.kv.pool.num_blocks}",
@@ -289,13 +335,14 @@ class LLMEngine:
                       handoff.max_tokens, handoff.eos_token_ids, self.inputs.next_arrival_seq(),
                       status=RequestStatus.PREEMPTED, output=[handoff.first], handed_off=True)
         req.resume_status = RequestStatus.DECODE
-        self.runner.adopt_request(handoff.child_id, handoff.runner, kv)
+        self.runner.adopt_request(handoff.child_id, handoff.runner)
         try:
             text = self.outputs.adopt(req, handoff.prompt, handoff.metrics, handoff.weight_version)
-        except Exception:  # e.g. the detokenizer on the first token: nothing of it stays
+        except Exception:  # e.g. the detokenizer on the first token: nothing of it stays but the reservation
             self.runner.snapshots.pop(handoff.child_id, None)
             self.outputs.forget(handoff.request_id)
             raise
+        self._reserved.discard(handoff.child_id)  # the scheduler owns its pages from now on
         self.scheduler.adopt(req)
         return text
 

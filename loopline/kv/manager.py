@@ -98,12 +98,13 @@ class KVCacheManager:
         self._allocs[request_id] = alloc
         return alloc
 
-    def grow(self, request_id: str, num_tokens: int) -> list[list[int]] | None:
-        """Extends the request to ``num_tokens`` positions; returns the new blocks per plane, or None if out of blocks."""
+    def grow(self, request_id: str, num_tokens: int, keep_free: int = 0) -> list[list[int]] | None:
+        """Extends the request to ``num_tokens`` positions; returns the new blocks per plane, or None if
+        fewer than ``keep_free`` blocks would stay available."""
         need = self.growth_blocks(request_id, num_tokens)
         if need == 0:
             return [[] for _ in range(self.layout.num_planes)]
-        if need > self.pool.num_free:
+        if need + keep_free > self.pool.num_free:
             return None
         fresh = self.pool.allocate(need)
         per = need // self.layout.num_planes
@@ -112,6 +113,26 @@ class KVCacheManager:
         for table, blocks in zip(alloc.block_tables, added):
             table.extend(blocks)
         return added
+
+    def share_cached_prefix(self, request_id: str, prompt_ids: list[int], salt: object) -> None:
+        """Swaps the request's own leading prompt pages for cached pages of the same prefix that were
+        registered after its pages were allocated (a handed-off request reserves its pages when its
+        first piece arrives, maybe before an earlier request with its prefix was cached): its own
+        copies are freed, the cached ones shared. Only for pages whose KV is final and identical."""
+        cache = self.prefix_cache
+        if cache is None or not prompt_ids:
+            return
+        alloc = self._allocs[request_id]
+        have = alloc.num_cached_tokens // self.block_size
+        keys = cache.page_keys(prompt_ids, salt, (len(prompt_ids) - 1) // self.block_size)
+        found = cache.match(keys[have:])  # (chained keys: page i's key names the whole prefix up to it)
+        for i, blocks in enumerate(found, start=have):
+            own = [table[i] for table in alloc.block_tables]
+            for table, block in zip(alloc.block_tables, blocks):
+                table[i] = block
+            self.pool.release(own, self._hook)
+        alloc.num_cached_tokens = (have + len(found)) * self.block_size
+        cache.stats.hits += len(found) * self.block_size
 
     def cache_prompt(self, request_id: str, prompt_ids: list[int], salt: object) -> None:
         """Registers the request's full prompt pages (their KV is complete at every loop)."""

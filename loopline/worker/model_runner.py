@@ -36,6 +36,7 @@ from loopline.sampling_params import SamplingParams
 from loopline.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, SlotOps
 from loopline.worker.exit_rule import exit_decision
+from loopline.worker.page_writes import PageWriter
 from loopline.worker.sampler import Sampler, SamplerOutput
 from loopline.worker.sampling_inputs import HostSample, ParamsStager, SampleBatch, build_sampling_tensors, has_penalties
 from loopline.worker.staging import stage
@@ -144,6 +145,7 @@ class ModelRunner:
         self._copies_on_exit = len(layout.exit_copy_planes(1)) > 0
         self.requests: dict[str, _RequestState] = {}
         self.snapshots: dict[str, Snapshot] = {}
+        self.page_writer = PageWriter(device)  # handed-off pages, written as they arrive
 
     def capture_graphs(self, max_seq_len: int, max_num_batched_tokens: int | None = None) -> None:
         """Captures decode-only steps, and steps with small prefill chunks (given the token budget),
@@ -163,6 +165,7 @@ class ModelRunner:
         """
         self.requests.clear()
         self.snapshots.clear()
+        self.page_writer.clear()
         if self.graphs is not None:
             self._graphs_max_seq_len, self.graphs = self.graphs.max_seq_len, None
             self._graphs_max_tokens = self.mixed_graphs.prefill_sizes[-1] if self.mixed_graphs is not None else None
@@ -252,19 +255,25 @@ class ModelRunner:
         st.block_arrays = [np.asarray(t, dtype=np.int32) for t in resumed.block_tables]
         # The new tables may be longer (room for the next position); the snapshot fills their heads,
         # except pages the prefix cache gave it (shared with other requests: never written).
-        bpp, cached = snap.blocks_per_plane, resumed.num_cached_pages
-        idx = self._blocks_index([t[cached:bpp] for t in st.block_arrays])
-        k, v = snap.k, snap.v
-        if cached:
-            keep = torch.cat([torch.arange(p * bpp + cached, (p + 1) * bpp) for p in range(len(st.block_arrays))])
-            k, v = k[:, keep.to(k.device)], v[:, keep.to(v.device)]
-        self.k_cache[:, idx] = k.to(self.device, non_blocking=True)
-        self.v_cache[:, idx] = v.to(self.device, non_blocking=True)
+        if snap.k is None:  # a handed-off request: its pages were written in place as they arrived
+            self.page_writer.wait(resumed.request_id)
+        else:
+            self._restore_pages(snap, st.block_arrays, resumed.num_cached_pages)
         self.slot_hidden[resumed.slot] = snap.slot_hidden.to(self.device)
         self.slot_survival[resumed.slot] = snap.slot_survival.to(self.device)
         st.slot = resumed.slot
         self.decode_state.load(resumed.slot, snap.decode_state, resumed.block_tables)
         self.requests[resumed.request_id] = st
+
+    def _restore_pages(self, snap: Snapshot, tables: list[np.ndarray], cached: int) -> None:
+        bpp = snap.blocks_per_plane
+        idx = self._blocks_index([t[cached:bpp] for t in tables])
+        k, v = snap.k, snap.v
+        if cached:
+            keep = torch.cat([torch.arange(p * bpp + cached, (p + 1) * bpp) for p in range(len(tables))])
+            k, v = k[:, keep.to(k.device)], v[:, keep.to(v.device)]
+        self.k_cache[:, idx] = k.to(self.device, non_blocking=True)
+        self.v_cache[:, idx] = v.to(self.device, non_blocking=True)
 
     # --- prefill/decode disaggregation ----------------------------------------------------
     def export_pages(self, request_id: str, first: int, last: int) -> Tensor:
@@ -301,9 +310,37 @@ class ModelRunner:
             slot_survival=self.slot_survival[slot].to(cpu), decode_state=self.decode_state.save(slot, lambda t: t.to(cpu)))
         return state, kv
 
-    def adopt_request(self, request_id: str, state: HandoffState, kv: Tensor) -> None:
-        """Holds a request exported by another runner (``export_request``) as a preemption snapshot:
-        the scheduler resumes it like a preempted request (``ResumedRequestData``)."""
+    def write_pages(self, request_id: str, block_tables: list[list[int]], first: int, kv: Tensor,
+                    skip: int = 0) -> None:
+        """Writes received pages into the pool: ``kv`` is ``[2, layers, planes * n, block_size, kv_heads,
+        D]`` (pages ``[first, first + n)`` of every plane, plane-major, as ``export_pages`` gives them),
+        page ``i`` of plane ``p`` goes to ``block_tables[p][i]``; pages below ``skip`` are left alone
+        (the prefix cache gave them: shared, never written). On CUDA the copy runs on a stream of its
+        own, after the steps already launched (they may still write pages freed to this request) and
+        before the step that resumes the request (``_restore`` waits for it)."""
+        planes = len(block_tables)
+        n = kv.shape[2] // planes if kv.dim() == 6 else 0
+        expected = (2, self.k_cache.shape[0], planes * n, *self.k_cache.shape[2:])
+        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
+            raise ValueError(f"KV pages of shape {tuple(kv.shape)} {kv.dtype}, expected {expected} {self.dtype}")
+        if first < 0 or first + n > len(block_tables[0]):
+            raise ValueError(f"pages [{first}, {first + n}) outside the {len(block_tables[0])} reserved per plane")
+        pages = np.arange(max(first, skip), first + n)
+        if not len(pages):
+            return
+        src = np.concatenate([p * n + pages - first for p in range(planes)])
+        dst = np.concatenate([np.asarray(t, dtype=np.int64)[pages] for t in block_tables])
+        self.page_writer.write(request_id, (self.k_cache, self.v_cache), dst, src, kv)
+
+    def release_pages(self, request_id: str) -> None:
+        """Forgets a request whose pages were written but will not be resumed (aborted, dropped,
+        failed): steps launched from now on, which may reuse its pages, wait for the writes."""
+        self.page_writer.wait(request_id)
+
+    def adopt_request(self, request_id: str, state: HandoffState) -> None:
+        """Holds a request exported by another runner (``export_request``) as a preemption snapshot
+        whose pages are in the pool already (``write_pages``): the scheduler resumes it like a
+        preempted request (``ResumedRequestData``) and no page is copied then."""
         h = self.model.config.hidden_size
         cpu = torch.device("cpu")
         st = _RequestState(params=state.params, seed=state.seed,
@@ -311,13 +348,13 @@ class ModelRunner:
                            prompt_exit=state.prompt_exit, hidden=torch.empty(0, h, dtype=self.dtype, device=cpu),
                            survival=torch.empty(0, device=cpu), sel_hidden=torch.empty(0, h, dtype=self.dtype, device=cpu),
                            sel_depth=torch.empty(0, dtype=torch.long, device=cpu), max_len=state.max_len)
-        self.snapshots[request_id] = Snapshot(k=kv[0], v=kv[1], slot_hidden=state.slot_hidden,
+        self.snapshots[request_id] = Snapshot(k=None, v=None, slot_hidden=state.slot_hidden,
                                               slot_survival=state.slot_survival, state=st,
                                               blocks_per_plane=state.blocks_per_plane, decode_state=state.decode_state)
 
     @property
     def snapshot_bytes(self) -> int:
-        return sum(s.k.nbytes + s.v.nbytes for s in self.snapshots.values())
+        return sum(s.k.nbytes + s.v.nbytes for s in self.snapshots.values() if s.k is not None)
 
     def decode_rows(self, slots: Tensor, min_loops: Tensor, max_loops: Tensor, threshold: Tensor) -> DecodeRows:
         """Decode rows ``slots`` derived from the device state, without the host; a row with ``run``
@@ -450,6 +487,7 @@ class ModelRunner:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
             self.snapshots.pop(rid, None)
+            self.page_writer.wait(rid)  # its pages (freed) may be written by this step
         # Snapshots before any freed block is written, and before a new request resets the
         # device state of a slot a victim just gave up (the scheduler never preempts a request
         # it started or resumed in the same step, nor resumes one it preempted).

@@ -11,8 +11,8 @@ from torch import Tensor
 class Snapshot:
     """A preempted request in CPU memory: every plane's KV pages, slot and request state."""
 
-    k: Tensor  # [layers, blocks, block_size, kv_heads, D] (blocks: plane-major)
-    v: Tensor
+    k: Tensor | None  # [layers, blocks, block_size, kv_heads, D] (blocks: plane-major); None: the
+    v: Tensor | None  # pages are in the pool already (a handed-off request's, written as they arrived)
     slot_hidden: Tensor  # [H]
     slot_survival: Tensor  # []
     state: Any  # the request state, moved to the CPU
@@ -26,7 +26,8 @@ class Snapshot:
 class HandoffState:
     """What a decode worker needs of a request a prefill worker finished (prefill/decode
     disaggregation): its sampling and exit settings and its slot's device state, on the CPU.
-    The KV pages travel on their own (``loopline.distributed.kv_transfer``)."""
+    The KV pages travel on their own (``loopline.distributed.kv_transfer``), straight into the
+    pages the decode worker reserved (``ModelRunner.write_pages``)."""
 
     params: Any  # SamplingParams (effective)
     seed: int

@@ -230,6 +230,32 @@ def test_abort_mid_transfer_leaks_nothing(faults):
     assert len(after.outputs[0].token_ids) == 4
 
 
+def test_decode_worker_holds_the_pages_before_the_handoff(faults):
+    """A decode worker reserves a request's prompt pages (every plane) in its own pool when the first
+    piece arrives: its KV gauge counts them while the prefill still runs; an abort then frees them."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    client = faults._client
+    pages = client.info.kv_planes * 200 // BASE["block_size"]
+
+    async def main():
+        task = asyncio.create_task(faults.generate_tokens(ids(200, seed=24), params, "reserved"))
+        deadline = time.monotonic() + 20
+        while not (client._placed.get("reserved") and client._placed["reserved"].pieces):
+            await asyncio.sleep(0.001)
+        placed = client._placed["reserved"]
+        while placed.decode.snapshot.kv_used_blocks < pages and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        held = placed.decode.snapshot.kv_used_blocks
+        prefilling = not placed.on_decode  # (read after the gauge: the pages were held before the handoff)
+        await faults.abort("reserved")
+        return held, prefilling, await task
+
+    held, prefilling, out = asyncio.run(main())
+    assert held == pages and prefilling
+    assert out.outputs[0].finish_reason == "abort" and not out.outputs[0].token_ids
+    wait_idle(faults)
+
+
 def test_prefill_worker_killed_mid_chunk(faults):
     long_prompt = ids(200, seed=40)  # ~40 chunks of 5 tokens x 4 loops: still prefilling when killed
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

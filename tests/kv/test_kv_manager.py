@@ -94,3 +94,33 @@ def test_prefix_cache_hits_only_full_pages_before_last_token():
     assert kv.allocate("c", 12, exact, salt=0).num_cached_tokens == 8
     assert kv.allocate("d", 16, prompt, salt=1).num_cached_tokens == 0  # another weight version
     assert kv.allocate("e", 16, [99] + prompt[1:], salt=0).num_cached_tokens == 0  # chained: first page differs
+
+
+def test_grow_keeps_blocks_free():
+    kv = KVCacheManager(12, 4, LastExitedLayout(2))
+    kv.allocate("a", 4)  # 2 blocks, 10 free
+    assert kv.grow("a", 20, keep_free=3) is None and kv.num_used_blocks == 2  # needs 8: only 7 may go
+    assert [len(x) for x in kv.grow("a", 20, keep_free=2)] == [4, 4] and kv.num_free_blocks == 2
+
+
+def test_share_cached_prefix_swaps_own_pages_for_pages_cached_later():
+    """A handed-off request's pages are reserved before an earlier request with its prefix was
+    cached; at admission its own copies of the now-cached pages are freed and the cached ones shared."""
+    kv = KVCacheManager(40, 4, LastExitedLayout(2), enable_prefix_caching=True)
+    prompt = list(range(3, 14))  # 11 tokens: 2 full pages before the last token
+    kv.allocate("early", 11, prompt, salt=0)
+    kv.allocate("late", 11, prompt, salt=0)  # nothing cached yet: its own 3 pages per plane
+    assert kv.num_used_blocks == 12
+    own = [list(t) for t in kv.get("late").block_tables]
+    kv.cache_prompt("early", prompt, salt=0)
+    kv.share_cached_prefix("late", prompt, salt=0)
+    early, late = kv.get("early").block_tables, kv.get("late").block_tables
+    assert [t[:2] for t in late] == [t[:2] for t in early] and [t[2] for t in late] == [t[2] for t in own]
+    assert kv.num_used_blocks == 12 - 2 * 2 and kv.get("late").num_cached_tokens == 8
+    assert kv.prefix_cache.stats.hits == 8
+    kv.share_cached_prefix("late", prompt, salt=0)  # again: nothing changes
+    assert kv.num_used_blocks == 8 and kv.prefix_cache.stats.hits == 8
+    kv.free("early")
+    kv.free("late")
+    assert kv.num_used_blocks == 0
+    assert kv.allocate("other-weights", 11, prompt, salt=1).num_cached_tokens == 0  # keys include the salt
