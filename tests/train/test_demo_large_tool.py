@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from loopline.train.cli import DEMO_LARGE_PACKAGES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,6 +32,7 @@ TINY = ["--set", f"corpus.packages={PRESENT}", "--set", "corpus.max_bytes=150000
         "--set", "stage2_warmup_steps=1", "--set", "eval_batches=1"]
 
 
+@pytest.mark.slow  # ~20-40 s of a 2-core CI run; the corpus logic it drives is tested fast in test_corpus_packages.py
 def test_the_reduced_cpu_form_trains_measures_and_returns_the_run(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable, "STATE_ROOT": str(tmp_path / "state"),
