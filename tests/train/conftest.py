@@ -1,6 +1,8 @@
 """A tiny training run's config and data, built once per session (the tokenizer and streams take ~2 s)."""
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 
 from loopline.train.corpus import CorpusSpec
@@ -18,3 +20,12 @@ SMOKE = TrainConfig(
 @pytest.fixture(scope="session")
 def smoke_data():
     return build_data(SMOKE)
+
+
+def installed(name: str) -> bool:
+    """Whether the distribution ``name`` is installed here (the demo-large tests use the packages present)."""
+    try:
+        importlib.metadata.distribution(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False

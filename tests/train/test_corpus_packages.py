@@ -3,7 +3,6 @@ and the real ones of ``demo-large``), the split's stability, the recorded source
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 from email.message import Message
 from pathlib import Path
 
@@ -15,6 +14,8 @@ from loopline.train.corpus import (STDLIB, CorpusSpec, canonical_name, corpus_in
 from loopline.train.licenses import LicenseRefused, license_verdict, spdx_allowed
 from loopline.train.model_card import render_model_card
 from loopline.train.trainer import TrainConfig
+
+from train.conftest import installed
 
 # --- the allow-list on hand-made metadata ------------------------------------------------------------
 
@@ -269,17 +270,9 @@ def test_a_spec_without_packages_gives_the_corpus_it_gave_before(tmp_path):
 # --- demo-large's real packages, on small budgets ----------------------------------------------------
 
 
-def _installed(name: str) -> bool:
-    try:
-        importlib.metadata.distribution(name)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
 def test_demo_large_packages_are_accepted_here():
     """loopline's own dependencies are always installed; the rest of the preset's list is checked where present."""
-    present = [p for p in DEMO_LARGE_PACKAGES if _installed(p)]
+    present = [p for p in DEMO_LARGE_PACKAGES if installed(p)]
     assert {"torch", "transformers", "numpy", "jinja2"} <= set(present)
     spec = CorpusSpec()
     for name in present:
@@ -289,7 +282,7 @@ def test_demo_large_packages_are_accepted_here():
 
 
 def test_demo_large_preset_on_a_small_budget():
-    present = [p for p in DEMO_LARGE_PACKAGES if _installed(p)]
+    present = [p for p in DEMO_LARGE_PACKAGES if installed(p)]
     config = build_config("demo-large", None, ["corpus.max_bytes=400000", f"corpus.packages={present!r}".replace("'", '"')])
     assert config.model == TrainConfig().model and config.seq_len == 512 and config.batch_size == 32
     info = corpus_info(config.corpus)

@@ -3,7 +3,6 @@ then measures the curve through the engine, writes the card, scores nats/byte ag
 returns a summary and the export."""
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -14,19 +13,13 @@ import pytest
 
 from loopline.train.cli import DEMO_LARGE_PACKAGES
 
+from train.conftest import installed
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _installed(name: str) -> bool:
-    try:
-        importlib.metadata.distribution(name)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
 # the preset's packages that this environment has (CI's fresh venv may lack triton, say; torch and numpy it has)
-PRESENT = json.dumps([p for p in DEMO_LARGE_PACKAGES if _installed(p)])
+PRESENT = json.dumps([p for p in DEMO_LARGE_PACKAGES if installed(p)])
 TINY = ["--set", f"corpus.packages={PRESENT}", "--set", "corpus.max_bytes=1500000", "--set", "corpus.heldout_per_mille=100", "--set", "stage1_steps=2",
         "--set", "stage2_steps=2", "--set", "batch_size=2", "--set", "seq_len=64", "--set", "warmup_steps=1",
         "--set", "stage2_warmup_steps=1", "--set", "eval_batches=1"]
