@@ -6,7 +6,9 @@
 Takes `loopline bench`'s arguments and runs it with timers around the engine's phases: scheduling,
 the launch (split into decode-graph, mixed-graph and eager traversals plus sampling), the wait for
 the device's results (``Event.synchronize`` of the readback), reading them back, and booking them.
-Per measured run it prints each phase's host milliseconds per step. In the overlapped loop the
+Per measured run it prints each phase's host milliseconds per step and, on CUDA, the device time
+per step of steps with decode rows only and of steps with prefill rows (CUDA events around each
+launch). In the overlapped loop the
 device is the bottleneck exactly when the host spends a good part of each step waiting; a run whose
 wait is near zero is host-bound, and the other phases say where the host's time goes.
 """
@@ -43,6 +45,26 @@ def timed(owner, name: str, label: str) -> None:
     setattr(owner, name, wrapper)
 
 
+SPANS: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []  # (step kind, rows, start, end)
+_launch = ModelRunner.launch
+
+
+def launch_with_events(self, sched):
+    """CUDA events around each launch: in a device-bound overlapped run the span between them is the
+    step's device time (its kernels run between the previous step's end and its own last kernel)."""
+    if self.device.type != "cuda" or not sched.rows:
+        return _launch(self, sched)
+    kind = "with prefill rows" if any(r.is_prefill for r in sched.rows) else "decode rows only"
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    handle = _launch(self, sched)
+    end.record()
+    SPANS.append((kind, len(sched.rows), start, end))
+    return handle
+
+
+ModelRunner.launch = launch_with_events
+
 for owner, name, label in [
     (LLMEngine, "step", "step (all)"), (Scheduler, "schedule", "schedule"), (ModelRunner, "launch", "launch"),
     (ModelRunner, "_run_eager", "  eager traversal"), (ModelRunner, "_run_mixed", "  mixed-graph traversal"),
@@ -59,6 +81,7 @@ _drive = offline.drive_closed_loop
 def drive(engine, workload, params, concurrency, tag="run", **kw):
     TIMES.clear()
     COUNTS.clear()
+    SPANS.clear()
     t0 = time.perf_counter()
     out = _drive(engine, workload, params, concurrency, tag=tag, **kw)
     wall = time.perf_counter() - t0
@@ -67,6 +90,13 @@ def drive(engine, workload, params, concurrency, tag="run", **kw):
         print(f"\n[{engine.config.args.scheduling_mode} {engine.config.args.exit_mode}] {steps} steps, {wall:.2f} s wall, {wall / steps * 1e3:.3f} ms/step")
         for label, t in TIMES.items():
             print(f"  {label:26s} {t / steps * 1e3:8.3f} ms/step  ({COUNTS[label]} calls, {t:.2f} s)")
+        if SPANS:  # device time per kind of step (CUDA only)
+            torch.cuda.synchronize()
+            for kind in sorted({k for k, *_ in SPANS}):
+                spans = [(rows, a.elapsed_time(b)) for k, rows, a, b in SPANS if k == kind]
+                ms = sum(t for _, t in spans)
+                print(f"  device, {kind:17s} {len(spans):6d} steps  {ms / len(spans):8.3f} ms/step  "
+                      f"{sum(r for r, _ in spans) / len(spans):6.1f} rows/step  ({ms / 1e3:.2f} s)")
         sys.stdout.flush()
     return out
 
