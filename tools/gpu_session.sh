@@ -3,7 +3,7 @@
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests slow diag kernels sweep gemm swiglu gemv profile prefill mixed
-# wide splits bench headline sync overlap partition hf adaptive demo serve; LOOPLINE_BENCH_C (default "1 32 128") picks
+# wide splits bench headline sync overlap partition hf adaptive phases pd demo serve; LOOPLINE_BENCH_C (default "1 32 128") picks
 # bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -119,6 +119,16 @@ fi
 if has adaptive; then  # continuous depth batching vs cohort vs full depth (synthetic mean 2.5 loops), defaults
   bench 420 --input-len 128 --output-len 512 --concurrency 128 --depth-dist mean2.5 --compare \
         --variants refill,no_refill,fixed --repeats 2 --output-json "$out/adaptive.json" 2> "$out/adaptive.err" | tail -6
+fi
+if has phases; then  # where refill's and full depth's steps go: host phases, device time per kind of step (#22)
+  timeout 300 python3 tools/step_phases.py --config ouro-1.4b --dtype bfloat16 --input-len 128 --output-len 512 \
+    --concurrency 128 --depth-dist mean2.5 --variants refill,fixed --repeats 1 --no-progress > "$out/phases.txt" 2>&1
+  echo "phases rc=$?"; grep -E "^\[|device,|wait for" "$out/phases.txt"
+fi
+if has pd; then  # prefill/decode on one GPU: the PD tests (CUDA IPC, in-place page writes), then the transfer benchmark
+  timeout 150 python3 -m pytest -q -m gpu tests/worker/test_page_writes.py tests/distributed > "$out/pd_gpu_tests.log" 2>&1
+  echo "pd gpu tests rc=$? $(tail -1 "$out/pd_gpu_tests.log")"; grep -hE "^(FAILED|ERROR)" "$out/pd_gpu_tests.log" | head -5
+  PD_PARTS="tests transfer" timeout 360 bash tools/pd_gpu_measure.sh "$out/pd" | tail -8
 fi
 if has demo; then  # the bundled demo model: the engine-measured exit curve on the held-out split, its real exits benchmarked
   timeout 240 python3 -m loopline.entrypoints.cli train curve --out "$out/demo_curve.json" > /dev/null 2> "$out/demo_curve.err" \
