@@ -416,6 +416,13 @@ class WorkerLink:
     def name(self) -> str:
         return f"{self.kind} worker {self.index}"
 
+    @property
+    def label(self) -> str:
+        return f"{self.kind}-{self.index}"
+
+    def is_alive(self) -> bool:
+        return self.alive and super().is_alive()
+
     def _on_message(self, msg: EngineMessage) -> None:
         self.owner._on_worker_message(self, msg)
 
@@ -559,6 +566,11 @@ class PDClient(EngineClient):
     @property
     def workers(self) -> list[WorkerLink]:
         return self.prefill + self.decode
+
+    def replicas(self) -> list[WorkerLink]:
+        """Every worker, prefill then decode (their index is their rank): /health names the dead ones,
+        and the metrics' ``replica`` label is the worker's ("prefill-0", "decode-1")."""
+        return self.workers
 
     # --- the transport of EngineClient ------------------------------------------------------------
     def _send(self, cmd: Command) -> None:
@@ -745,8 +757,9 @@ class PDClient(EngineClient):
                 if not self.is_alive():
                     dead = EngineDeadError(f"the {worker.name} stopped and no {worker.kind} worker is left: {msg.dead}")
             snapshot = self._aggregate()
+        steps = [dataclasses.replace(r, replica=worker.rank) for r in msg.steps]  # (replicas()[rank] is the worker)
         EngineClient._on_message(self, EngineMessage(outputs=outputs, failures=failures, replies=replies,
-                                                     steps=msg.steps, snapshot=snapshot, dead=dead))
+                                                     steps=steps, snapshot=snapshot, dead=dead))
         if forward:
             # NOTE: after the first token was routed: the decode worker's deltas come after it
             with self._pd_lock:

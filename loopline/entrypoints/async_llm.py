@@ -66,6 +66,7 @@ class ReplicaState:
     index: int
     snapshot: EngineSnapshot
     problem: str | None
+    name: str  # /health's and the metrics' name for it: "0", "1", ...; "prefill-0", "decode-0" for PD workers
 
 
 class OutputStream:
@@ -189,8 +190,9 @@ class AsyncLLM:
         return _problem(self._client)
 
     def replicas(self) -> list[ReplicaState]:
-        """Every engine replica (one without data parallelism): its gauges and why it cannot serve, if so."""
-        return [ReplicaState(i, c.snapshot, _problem(c)) for i, c in enumerate(self._client.replicas())]
+        """Every engine replica (one without data parallelism; each prefill and decode worker with them):
+        its gauges and why it cannot serve, if so."""
+        return [ReplicaState(i, c.snapshot, _problem(c), c.label or str(i)) for i, c in enumerate(self._client.replicas())]
 
     def add_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
         """``fn(StepRecord)`` is called after every step that ran rows, on the thread that receives the

@@ -121,8 +121,13 @@ class EngineClient:
         with self._lock:
             return request_id in self._streams
 
+    #: This engine's name among its front end's engines in /health and the metrics' ``replica`` label
+    #: (``None``: its index, "0" for a single engine; a prefill/decode worker: "prefill-0", "decode-1").
+    label: str | None = None
+
     def replicas(self) -> list["EngineClient"]:
-        """The engine loops behind this client (one; the data-parallel client has one per replica)."""
+        """The engine loops behind this client (one; the data-parallel client has one per replica, the
+        prefill/decode client one per worker)."""
         return [self]
 
     def _refusal(self) -> BaseException | None:

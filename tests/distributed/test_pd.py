@@ -197,6 +197,35 @@ def test_2p2d_gives_the_single_engines_outputs(faults, tiny_gqa):
     wait_idle(faults)
 
 
+def test_health_and_metrics_name_each_worker(faults, serve_app):
+    """/metrics' engine-side series carry one ``replica`` label per worker (prefill-0, prefill-1, decode-0,
+    decode-1), each worker's steps counted under its own; /health is a plain 200 while all serve."""
+    import re
+
+    import httpx
+
+    from loopline.entrypoints.openai.api_server import build_app
+
+    srv = serve_app(build_app(faults, "t", shutdown_engine=False))
+    body = {"model": "t", "prompt": [ids(12, seed=70), ids(9, seed=71)], "max_tokens": 6, "ignore_eos": True,
+            "temperature": 0}
+    assert httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60).status_code == 200
+    wait_idle(faults)
+    time.sleep(0.2)  # the last steps' records
+    names = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+    assert [r.name for r in faults.replicas()] == names and all(r.problem is None for r in faults.replicas())
+    health = httpx.get(srv.base_url + "/health")
+    assert health.status_code == 200 and not health.content
+    text = httpx.get(srv.base_url + "/metrics").text
+    for name in ("loopline:kv_cache_usage_perc", "loopline:replica_healthy", "loopline:engine_steps_total"):
+        for worker in names:
+            assert re.search(rf'^{name}{{model_name="t",replica="{worker}"}} ', text, re.M), (name, worker)
+    steps = {w: float(v) for w, v in re.findall(r'^loopline:engine_steps_total{model_name="t",replica="(\S+?)"} (\S+)',
+                                                 text, re.M)}
+    # both prompts were prefilled on some prefill worker and decoded on some decode worker, under their names
+    assert sum(steps[w] for w in names[:2]) > 0 and sum(steps[w] for w in names[2:]) > 0, steps
+
+
 def test_abort_mid_transfer_leaks_nothing(faults):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -297,15 +326,20 @@ def test_decode_worker_killed_mid_stream(faults):
                     other = asyncio.create_task(faults.generate_tokens(ids(11, seed=51), params.clone(max_tokens=30),
                                                                        "survivor"))
                 if placed is not None and placed.on_decode and out.outputs[0].token_ids[1:] and \
-                        "survivor" in faults._client._placed:
+                        "survivor" in faults._client._placed and not killed:
                     victim = placed.decode
                     assert faults._client._placed["survivor"].decode is not victim  # the other had more credit
                     victim.process.kill()
+                    killed.append(victim.label)
         return seen, await other
 
+    killed = []
     seen, survivor = asyncio.run(main())
+    victim_name, = killed
     assert max(seen) < 120 and len(survivor.outputs[0].token_ids) == 30
     assert faults.health_problem() is None
+    down = [r.name for r in faults.replicas() if r.problem is not None]  # /health's "unhealthy_replicas"
+    assert [n for n in down if n.startswith("decode-")] == [victim_name], down  # (a prefill worker may be down too)
     wait_idle(faults)
     again = asyncio.run(faults.generate_tokens(ids(7, seed=52), params.clone(max_tokens=5), "after-decode-death"))
     assert len(again.outputs[0].token_ids) == 5

@@ -124,7 +124,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
         problem = ("the server is shutting down" if ctx.shutting_down else
                    "the server is starting" if not ctx.ready else async_llm.health_problem())
         if problem is None:
-            down = {str(r.index): r.problem for r in async_llm.replicas() if r.problem is not None}
+            down = {r.name: r.problem for r in async_llm.replicas() if r.problem is not None}
             if down:
                 return JSONResponse({"status": "degraded", "unhealthy_replicas": down}, status_code=200)
             return Response(status_code=200)
@@ -311,7 +311,7 @@ def run_server(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     async_llm = AsyncLLM(args)
     logger.info(startup_line(async_llm.info, rl_api=ns.enable_rl_api))
-    if len(async_llm.replicas()) > 1:
+    if args.data_parallel_size > 1:
         logger.info("data parallel: %d engine replicas (%s backend), each with the KV pool above; requests routed by "
                     "load with prefix affinity", len(async_llm.replicas()), args.distributed_executor_backend)
     name = ns.served_model_name or ([args.model] if args.model else [_default_name()])

@@ -6,8 +6,9 @@ recorded by the HTTP layer from the ``RequestOutput``s it streams, through a
 engine client's step listener; gauges and the engine's own running totals are
 read from the engine snapshot at scrape time. Engine-side series (gauges, engine
 totals, step series, ``loopline:replica_healthy``) carry a ``replica`` label: one
-series per data-parallel replica ("0" for a single engine); the per-request
-series are measured by the front end and have none.
+series per data-parallel replica ("0" for a single engine) or per prefill/decode
+worker ("prefill-0", "decode-0", ...); the per-request series are measured by the
+front end and have none.
 
 Names are vLLM's with the ``loopline:`` prefix where vLLM has the series
 (``vllm:time_to_first_token_seconds`` is ``loopline:time_to_first_token_seconds``),
@@ -68,7 +69,7 @@ class ServerMetrics:
         self.exit_depth = histogram("loopline:exit_depth", "Loop at which each generated token exited",
                                     tuple(range(1, num_loops + 1)))
         # Engine-side series carry a ``replica`` label (vLLM's ``engine``): "0" without data parallelism.
-        replicas = [str(r.index) for r in async_llm.replicas()]
+        replicas = [r.name for r in async_llm.replicas()]
 
         def per_replica(metric) -> list:
             return [metric.labels(replica=r, **labels) for r in replicas]
@@ -227,5 +228,5 @@ class _EngineTotals(Collector):
         for name, (doc, read) in self.totals.items():
             family = CounterMetricFamily(name, doc, labels=["model_name", "replica"])
             for r in replicas:
-                family.add_metric([self.model_name, str(r.index)], read(r.snapshot))
+                family.add_metric([self.model_name, r.name], read(r.snapshot))
             yield family
