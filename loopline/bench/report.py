@@ -142,7 +142,11 @@ def serve_comparison(records: list[dict[str, Any]], baseline: int = 0) -> list[s
     for r in records:
         git, hw = r.get("git") or {}, r.get("hardware") or {}
         commit = (git.get("commit") or "unknown")[:12] + (" (+ local changes)" if git.get("dirty") else "")
-        device = hw.get("gpu") or hw.get("cpu") or "-"
+        gpus = hw.get("server_gpus") or []  # a serve record's server on the client's host
+        device = f"{len(gpus)} x {gpus[0]}" if len(gpus) > 1 and len(set(gpus)) == 1 else ", ".join(gpus) if gpus \
+            else hw.get("gpu") or hw.get("cpu") or "-"
+        if str(hw.get("server", "")).startswith("remote"):
+            device = f"client: {device} (server not visible)"
         lines.append(f"| {label(r)} | {commit} | {device} | `{r.get('command', '-')}` |")
     keys: list[tuple[Any, str]] = []
     for r in records:

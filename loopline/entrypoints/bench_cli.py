@@ -12,6 +12,7 @@ import json
 import math
 import shlex
 import sys
+import urllib.parse
 from typing import Any
 
 from loopline.errors import InvalidRequestError
@@ -287,6 +288,24 @@ def _run_bench(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -
 # --- serve ---------------------------------------------------------------------------------
 
 
+def server_hardware(base_url: str) -> dict[str, Any]:
+    """Where the server runs, for a serve record's ``hardware``: a server on this host (the benchmark
+    scripts' case) runs on this host's GPUs, named by ``nvidia-smi`` (the client never touches CUDA: a
+    context of its own would take memory the server sized its KV pool around); a remote server's
+    hardware is not visible from here."""
+    if urllib.parse.urlparse(base_url).hostname not in ("127.0.0.1", "localhost", "::1"):
+        return {"server": "remote: not visible here (the other fields are the client's)"}
+    import subprocess
+
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=20, check=True).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        names = []
+    gpus = [n.strip() for n in names if n.strip()]
+    return {"server": "this host", "server_gpus": gpus}
+
+
 def _rates(text: str, param: str, allow_inf: bool = True) -> list[float]:
     """A comma list of request rates (> 0; ``inf`` where allowed)."""
     try:
@@ -366,7 +385,8 @@ def run_serve_bench(ns: argparse.Namespace, transport: Any = None, progress: Any
                                  "mean_output_len": sample.output_tokens / max(sample.num_prompts, 1)},
               "capacity_rates": capacity_rates, "ttft_bound_ms": ns.ttft_bound_ms if bound else None,
               "ttft_bound_stat": ns.ttft_bound_stat if bound else None}
-    record = environment(torch.device("cpu"), None, params)  # the client's machine; the server's is not visible
+    record = environment(torch.device("cpu"), None, params)  # the client's machine
+    record["hardware"].update(server_hardware(ns.base_url))
     record["label"] = ns.label or ns.base_url
     record["results"] = runs
     record["capacity"] = capacity

@@ -189,10 +189,35 @@ def _cap(value, lower_only=False):
             "steps": [{"request_rate": 4, "holds": True}, {"request_rate": 8, "holds": not lower_only}]}
 
 
+def test_a_serve_record_names_the_servers_hardware_only_when_it_shares_this_host(monkeypatch):
+    import subprocess
+
+    from loopline.entrypoints.bench_cli import server_hardware
+
+    smi = subprocess.CompletedProcess([], 0, stdout="NVIDIA H200\nNVIDIA H200\n")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: smi)
+    for url in ("http://127.0.0.1:8000", "http://localhost:1", "http://[::1]:80"):
+        assert server_hardware(url) == {"server": "this host", "server_gpus": ["NVIDIA H200", "NVIDIA H200"]}
+    assert server_hardware("http://10.1.2.3:8000")["server"].startswith("remote")
+    assert "server_gpus" not in server_hardware("http://10.1.2.3:8000")
+
+    def no_smi(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", no_smi)
+    assert server_hardware("http://127.0.0.1:8000") == {"server": "this host", "server_gpus": []}
+    table = "\n".join(serve_comparison([_record("a", [_run(4, "initial", 1.0, 1.0)]),
+                                         {**_record("b", [_run(4, "initial", 1.0, 1.0)]),
+                                          "hardware": {"cpu": "Xeon", "server_gpus": ["NVIDIA H200"] * 4}}], 0))
+    assert "| b | abc123 | 4 x NVIDIA H200 |" in table
+
+
 def test_compare_table_has_ratios_against_the_baseline(tmp_path, capsys):
     dp4 = _record("DP=4", [_run(4, "initial", 1000.0, 200.0), _run(4, "replay", 1000.0, 100.0, hit_rate=0.9)],
                   _cap(8, lower_only=True))
     pd = _record("2P2D", [_run(4, "initial", 980.0, 150.0, itl99=5.0), _run(4, "replay", 990.0, 80.0)], _cap(4))
+    remote = {**pd, "hardware": {"gpu": None, "cpu": "Xeon", "server": "remote: not visible here"}}
+    assert "| 2P2D | abc123 | client: Xeon (server not visible) |" in "\n".join(serve_comparison([dp4, remote], 0))
     lines = serve_comparison([dp4, pd], baseline=0)
     text = "\n".join(lines)
     assert "Baseline: **DP=4**" in text and "**4 requests/s, initial phase**" in text and "replay phase" in text
@@ -256,6 +281,8 @@ def test_rates_and_replay_phases_against_a_server(tiny_server, tmp_path, capsys)
     p = record["params"]
     assert p["dataset"] == "sharegpt-synthetic" and p["fixed_output_len"] == 3 and p["max_model_len"] == 256
     assert record["label"] == "one" and p["request_rates"] == [40, 80] and p["replay"]
+    assert record["hardware"]["server"] == "this host"  # a loopback server shares the client's machine
+    assert isinstance(record["hardware"]["server_gpus"], list)
     for r in runs:
         assert r["completed"] == 6 and r["failed"] == 0 and r["output_tokens"] == 18
         assert r["ttft_ms"]["p99"] >= r["ttft_ms"]["p50"] > 0 and r["itl_ms"]["p50"] > 0
