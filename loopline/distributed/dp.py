@@ -2,7 +2,7 @@
 
 Each replica is a whole engine with a client of its own: an engine process
 (:class:`~loopline.entrypoints.core_client.MPClient`, ``--distributed-executor-backend mp``)
-or a Ray actor (``ray_backend.RayReplicaClient``). :class:`DPClient` has the
+or a Ray actor (``ray_backend.RayEngineClient``). :class:`DPClient` has the
 interface of one engine client, so ``AsyncLLM``, the HTTP server and the RL
 routes run unchanged over N replicas:
 

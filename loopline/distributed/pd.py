@@ -819,7 +819,8 @@ def _worker_devices(device: torch.device, count: int) -> list[torch.device]:
     return [device] * count
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free now on ``host``'s interface ("": every interface)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]

@@ -30,7 +30,6 @@ import dataclasses
 import itertools
 import logging
 import pickle
-import socket
 import threading
 from functools import partial
 from typing import Any
@@ -39,7 +38,7 @@ import torch
 
 from loopline.config import EngineArgs
 from loopline.distributed.dp import DPClient, replica_args, start_in_parallel
-from loopline.distributed.pd import WorkerLink, WorkerPool, WorkerSpec
+from loopline.distributed.pd import WorkerLink, WorkerPool, WorkerSpec, _free_port
 from loopline.engine import LLMEngine
 from loopline.entrypoints.core_client import EngineClient
 from loopline.entrypoints.engine_core import (Command, EngineCore, EngineInfo, EngineMessage, EngineSnapshot, Inbox,
@@ -176,15 +175,9 @@ class RayEngineClient(EngineClient):
             pass
 
 
-RayReplicaClient = RayEngineClient  # the data-parallel name
-
-
 def _node_address() -> tuple[str, int]:
     """This node's IP, as Ray knows it, and a TCP port free on it now (a Ray task's body)."""
-    ray = import_ray()
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    return import_ray().util.get_node_ip_address(), _free_port("")
 
 
 class ActorGroup:

@@ -79,9 +79,7 @@ class KVCacheManager:
         cache = self.prefix_cache
         cached: list[list[int]] = []
         if cache is not None and prompt_ids:
-            # The last prompt token is always computed (its hidden state is sampled from).
-            keys = cache.page_keys(prompt_ids, salt, (len(prompt_ids) - 1) // self.block_size)
-            cached = cache.match(keys)
+            cached = cache.match(self._prompt_page_keys(prompt_ids, salt))
         per_plane = self.blocks_for(num_tokens)
         new = (per_plane - len(cached)) * self.layout.num_planes
         if new + keep_free > self.pool.num_free:
@@ -114,6 +112,11 @@ class KVCacheManager:
             table.extend(blocks)
         return added
 
+    def _prompt_page_keys(self, prompt_ids: list[int], salt: object) -> list:
+        """Prefix-cache keys of the prompt's pages a request may take from the cache: the full pages
+        before its last token, which is always computed (its hidden state is sampled from)."""
+        return self.prefix_cache.page_keys(prompt_ids, salt, (len(prompt_ids) - 1) // self.block_size)
+
     def share_cached_prefix(self, request_id: str, prompt_ids: list[int], salt: object) -> None:
         """Swaps the request's own leading prompt pages for cached pages of the same prefix that were
         registered after its pages were allocated (a handed-off request reserves its pages when its
@@ -124,8 +127,8 @@ class KVCacheManager:
             return
         alloc = self._allocs[request_id]
         have = alloc.num_cached_tokens // self.block_size
-        keys = cache.page_keys(prompt_ids, salt, (len(prompt_ids) - 1) // self.block_size)
-        found = cache.match(keys[have:])  # (chained keys: page i's key names the whole prefix up to it)
+        # (chained keys: page i's key names the whole prefix up to it)
+        found = cache.match(self._prompt_page_keys(prompt_ids, salt)[have:])
         for i, blocks in enumerate(found, start=have):
             own = [table[i] for table in alloc.block_tables]
             for table, block in zip(alloc.block_tables, blocks):

@@ -28,10 +28,7 @@ class PageWriter:
               kv: Tensor) -> None:
         """``caches[i][:, dst[j]] = kv[i][:, src[j]]`` for k (i = 0) and v (i = 1)."""
         if self.device.type != "cuda":
-            src_t, dst_t = torch.from_numpy(src), torch.from_numpy(dst)
-            kv = kv.to(self.device)
-            for cache, part in zip(caches, kv):
-                cache.index_copy_(1, dst_t, part.index_select(1, src_t))
+            _copy(caches, kv.to(self.device), torch.from_numpy(dst), torch.from_numpy(src))
             return
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
@@ -40,8 +37,7 @@ class PageWriter:
         with torch.cuda.stream(stream):
             src_t, dst_t = stage(self.device, src, dst)
             kv = kv.to(self.device, non_blocking=True)
-            for cache, part in zip(caches, kv):
-                cache.index_copy_(1, dst_t, part.index_select(1, src_t))
+            _copy(caches, kv, dst_t, src_t)
         kv.record_stream(stream)  # the allocator must not hand the received tensor out before the copy ran
         event = torch.cuda.Event()
         event.record(stream)
@@ -55,3 +51,9 @@ class PageWriter:
 
     def clear(self) -> None:
         self._events.clear()
+
+
+def _copy(caches: tuple[Tensor, Tensor], kv: Tensor, dst: Tensor, src: Tensor) -> None:
+    """``caches[i][:, dst[j]] = kv[i][:, src[j]]`` for k (i = 0) and v (i = 1), on the current stream."""
+    for cache, part in zip(caches, kv):
+        cache.index_copy_(1, dst, part.index_select(1, src))
