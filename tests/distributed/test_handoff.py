@@ -213,7 +213,8 @@ def test_pieces_are_written_into_pages_reserved_before_the_handoff(tiny_gqa, dev
     step resuming the request waits for), and adoption copies nothing."""
     from loopline.distributed.pd import AcceptCmd
 
-    kw = dict(max_num_batched_tokens=8, device=device, enforce_eager=True)
+    # a pool of its own size: on CUDA the default (90% of the GPU) would leave nothing for the second engine
+    kw = dict(max_num_batched_tokens=8, device=device, enforce_eager=True, num_kv_blocks=128)
     prefill, decode = engine_for(tiny_gqa, prefill_only=True, **kw), engine_for(tiny_gqa, **kw)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompt = ids(30, seed=7)
