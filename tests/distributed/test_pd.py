@@ -394,7 +394,8 @@ def test_1p1d_over_cuda_ipc_on_one_gpu(tiny_gqa):
     try:
         assert llm._client.transport == "cuda_ipc"
         outs = {rid: asyncio.run(generate_all(llm, {rid: req}))[rid] for rid, req in workload().items()}
-        engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), **kw))
+        # a pool of its own size: the two workers already hold the utilization share
+        engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), **{**kw, "num_kv_blocks": 512}))
         ref = {}
         for rid, (prompt, params) in workload().items():
             engine.add_request(rid, {"prompt_token_ids": prompt}, params)
