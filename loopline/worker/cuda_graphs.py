@@ -228,9 +228,7 @@ class DecodeGraphs(_GraphSet):
 def mixed_buckets(max_decode: int, max_tokens: int) -> tuple[list[int], list[int]]:
     """Decode-row buckets (0 included) and prefill-token buckets of the mixed-step graphs."""
     decode = sorted({0, max_decode} | {b for b in (8, 16, 32, 64, 128, 256, 512, 1024) if b < max_decode})
-    # Padding tokens run through every projection: with power-of-two buckets a refill step's few prompts
-    # (128 x k tokens) wasted up to ~45% of its prefill compute. Steps of 128, then 256, waste at most 20%.
-    prefill = [p for p in (*range(128, 1025, 128), 1280, 1536, 1792, 2048) if p <= max_tokens] or [max_tokens]
+    prefill = [p for p in (128, 256, 512, 1024, 2048) if p <= max_tokens] or [max_tokens]
     return decode, prefill
 
 
