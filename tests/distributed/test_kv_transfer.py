@@ -65,7 +65,7 @@ def test_gloo_moves_pages_exactly_and_times_out():
 
 
 def _late_exchange(conn) -> None:
-    conn.send(_exchange("gloo", "cpu", timeout_s=3.0, peer_delay_s=6.0))
+    conn.send(_exchange("gloo", "cpu", timeout_s=1.0, peer_delay_s=2.5))
 
 
 def test_a_worker_joining_after_a_transfer_timeout_still_forms_the_group():

@@ -47,6 +47,7 @@ def _samples(out: Path, task: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # ~20 s on 2 cores: lm-eval's own start-up; run with -m slow
 def test_lm_eval_local_completions_matches_the_engine(async_llm, serve_app, tiny_gqa, tmp_path):
     from loopline.entrypoints.openai.api_server import build_app
 
