@@ -14,6 +14,9 @@ wait is near zero is host-bound, and the other phases say where the host's time 
 """
 from __future__ import annotations
 
+import cProfile
+import os
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -46,6 +49,9 @@ def timed(owner, name: str, label: str) -> None:
 
 
 SPANS: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []  # (step kind, rows, start, end)
+LAUNCH_HOST: dict[str, list[float]] = defaultdict(list)  # step kind -> host seconds of each launch
+# STEP_PHASES_CPROFILE=1: cProfile of the launches of steps with prefill rows (printed after the run)
+PREFILL_PROFILE = cProfile.Profile() if os.environ.get("STEP_PHASES_CPROFILE") else None
 _launch = ModelRunner.launch
 
 
@@ -56,9 +62,16 @@ def launch_with_events(self, sched):
         return _launch(self, sched)
     kind = "with prefill rows" if any(r.is_prefill for r in sched.rows) else "decode rows only"
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    prof = PREFILL_PROFILE if kind == "with prefill rows" else None
+    t0 = time.perf_counter()
     start.record()
+    if prof is not None:
+        prof.enable()
     handle = _launch(self, sched)
+    if prof is not None:
+        prof.disable()
     end.record()
+    LAUNCH_HOST[kind].append(time.perf_counter() - t0)
     SPANS.append((kind, len(sched.rows), start, end))
     return handle
 
@@ -82,6 +95,10 @@ def drive(engine, workload, params, concurrency, tag="run", **kw):
     TIMES.clear()
     COUNTS.clear()
     SPANS.clear()
+    LAUNCH_HOST.clear()
+    global PREFILL_PROFILE
+    if PREFILL_PROFILE is not None:  # this run's launches only
+        PREFILL_PROFILE = cProfile.Profile()
     t0 = time.perf_counter()
     out = _drive(engine, workload, params, concurrency, tag=tag, **kw)
     wall = time.perf_counter() - t0
@@ -95,8 +112,13 @@ def drive(engine, workload, params, concurrency, tag="run", **kw):
             for kind in sorted({k for k, *_ in SPANS}):
                 spans = [(rows, a.elapsed_time(b)) for k, rows, a, b in SPANS if k == kind]
                 ms = sum(t for _, t in spans)
+                host = LAUNCH_HOST[kind]
                 print(f"  device, {kind:17s} {len(spans):6d} steps  {ms / len(spans):8.3f} ms/step  "
-                      f"{sum(r for r, _ in spans) / len(spans):6.1f} rows/step  ({ms / 1e3:.2f} s)")
+                      f"{sum(r for r, _ in spans) / len(spans):6.1f} rows/step  ({ms / 1e3:.2f} s); host launch "
+                      f"{sum(host) / len(host) * 1e3:.3f} ms/step")
+        if PREFILL_PROFILE is not None and LAUNCH_HOST:
+            print("\nlaunches of steps with prefill rows, by cumulative time:")
+            pstats.Stats(PREFILL_PROFILE, stream=sys.stdout).sort_stats("cumulative").print_stats(45)
         sys.stdout.flush()
     return out
 
