@@ -66,6 +66,11 @@ if [ ! -f "$model/training_info.json" ]; then
   fi
 fi
 
+# The exported weights go back first: if the call's time runs out in the measurements below, they are
+# not lost (the second run's 508 s of training left too little for the rest, and nothing came back).
+pack() { rm -f "$out/$name.tar."*; (cd "$root" && tar cf - "$name") | split -b 15M - "$out/$name.tar."; }
+pack
+
 if [ ! -f "$model/exit_curve.json" ]; then
   timeout "${CURVE_LIMIT:-300}" $py -m loopline.entrypoints.cli train curve --model "$model" --out "$model/exit_curve.json" \
     --max-windows "$windows" --seq-len "$seq_len" > /dev/null 2> "$out/$name.curve.err" || tail -3 "$out/$name.curve.err"
@@ -100,4 +105,4 @@ if per_byte.is_file():
 dest.write_text(json.dumps(summary, indent=1) + "\n")
 print(json.dumps(summary, indent=1))
 PY
-(cd "$root" && tar cf - "$name") | split -b 15M - "$out/$name.tar."
+pack  # again, with the curve and the card
