@@ -95,6 +95,9 @@ class TrainConfig:
     export_dtype: str = "float32"
     autocast_bf16: bool = True  # on CUDA only: bf16 matmuls; master weights and optimizer stay fp32
     eval_batches: int = 8
+    # torch.compile backend of the training loss ("" = eager; "inductor" fuses the small model's ~2,000
+    # kernel launches per step on a GPU; "aot_eager" traces without code generation, for CPU tests)
+    compile: str = ""
 
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
@@ -110,6 +113,7 @@ class TrainConfig:
             ("early_exit_threshold", 0 < self.early_exit_threshold <= 1, "(0, 1]"),
             ("export_dtype", self.export_dtype in ("float32", "bfloat16"), "float32, bfloat16"),
             ("eval_batches", self.eval_batches >= 1, ">= 1"),
+            ("compile", self.compile in ("", "inductor", "aot_eager", "eager"), "'', inductor, aot_eager, eager"),
             ("model.total_ut_steps", self.model.total_ut_steps >= 2, ">= 2 (stage 2 compares consecutive loops)"),
             ("seq_len", self.seq_len <= self.model.max_position_embeddings, f"<= model.max_position_embeddings"),
         ]
@@ -286,6 +290,10 @@ class Trainer:
         self.model = OuroForCausalLM(config.ouro_config())
         init_weights(self.model, self.model.config, torch.Generator().manual_seed(config.seed), config.gate_init_exit)
         self.model.to(self.device).train()
+        self._stage_one, self._stage_two = stage_one_loss, stage_two_loss
+        if config.compile:  # the loss functions, not the module: state dicts keep their names
+            self._stage_one = torch.compile(stage_one_loss, backend=config.compile)
+            self._stage_two = torch.compile(stage_two_loss, backend=config.compile)
         self.step = 0
         self._build_stage()
 
@@ -329,10 +337,10 @@ class Trainer:
         ids, targets = (t.to(self.device, non_blocking=True) for t in self.windows.batch(self.step, c.batch_size))
         with self._autocast():
             if self.stage == 1:
-                out = stage_one_loss(self.model, ids, targets, c.entropy_beta)
+                out = self._stage_one(self.model, ids, targets, c.entropy_beta)
                 metrics = {"loss": out.loss, "expected_loss": out.expected_loss, "entropy": out.entropy}
             else:
-                out = stage_two_loss(self.model, ids, targets, c.gate_k, c.gate_gamma)
+                out = self._stage_two(self.model, ids, targets, c.gate_k, c.gate_gamma)
                 metrics = {"gate_loss": out.loss}
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
