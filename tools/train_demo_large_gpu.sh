@@ -9,7 +9,8 @@
 # Calling the same command again resumes it (the checkpoint's config wins). Once trained, in the same or the
 # next call: `loopline train curve` ($EVAL_WINDOWS windows of $EVAL_SEQ_LEN tokens, default 256 x 512), the model
 # card, tools/heldout_per_byte.py, then NAME.summary.json, NAME.log and the exported directory as NAME.tar.*
-# (15 MB parts). A new NAME starts a new run. Needs the license-expression package (loopline[train]; on the device
+# (15 MB parts); with BENCH=1, refill vs no_refill vs fixed on its exits (NAME.bench.json). A new NAME starts a new
+# run. Needs the license-expression package (loopline[train]; on the device
 # machine carry its wheel and boolean.py's, both pure Python).
 # A reduced form for a CPU (about a minute):
 #   EVAL_WINDOWS=2 EVAL_SEQ_LEN=64 bash tools/train_demo_large_gpu.sh /tmp/out 300 cpu-check --device cpu \
@@ -106,3 +107,8 @@ dest.write_text(json.dumps(summary, indent=1) + "\n")
 print(json.dumps(summary, indent=1))
 PY
 pack  # again, with the curve and the card
+if [ -n "${BENCH:-}" ]; then  # its real exits benchmarked as for the bundled model (docs/demo-model.md)
+  timeout "${BENCH_LIMIT:-150}" $py -m loopline.entrypoints.cli bench --model "$model" --no-progress --input-len 128 \
+    --output-len 256 --concurrency 32,128 --compare --variants refill,no_refill,fixed --repeats 3 \
+    --output-json "$out/$name.bench.json" 2>&1 | tail -25 | tee -a "$log"
+fi

@@ -218,9 +218,10 @@ def run_pretrain(ns: argparse.Namespace) -> int:
     ckpt = Path(ns.checkpoint_dir) if ns.checkpoint_dir else out.parent / (out.name + ".train_state")
     t0 = time.perf_counter()
 
-    def log(step: int, metrics: dict) -> None:
+    def log(step: int, metrics) -> None:  # StepMetrics: read (a device sync) only on the steps printed
         if ns.log_every and (step % ns.log_every == 0):
-            print(json.dumps({"step": step, **{k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()},
+            values = metrics.as_dict()
+            print(json.dumps({"step": step, **{k: round(v, 5) if isinstance(v, float) else v for k, v in values.items()},
                               "elapsed_s": round(time.perf_counter() - t0, 1)}), flush=True)
 
     if ns.resume:

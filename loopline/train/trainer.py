@@ -273,11 +273,27 @@ def build_data(config: TrainConfig) -> Data:
     return Data(tokenizer, train, heldout, info)
 
 
+@dataclass(frozen=True)
+class StepMetrics:
+    """One step's numbers. The tensors stay on the device until ``as_dict`` reads them: reading is a
+    host sync, so a run reads only the steps it logs and the GPU never waits for the host."""
+
+    stage: int
+    lr: float
+    tensors: dict[str, Tensor]
+
+    def as_dict(self) -> dict:
+        out: dict = {"stage": self.stage, "lr": self.lr}
+        for k, v in self.tensors.items():
+            out[k] = [round(float(x), 4) for x in v.tolist()] if v.dim() else float(v)
+        return out
+
+
 class Trainer:
     """Runs :class:`TrainConfig` step by step; ``log(step, metrics)`` receives each step's numbers."""
 
     def __init__(self, config: TrainConfig, data: Data | None = None, device: str | torch.device = "cpu",
-                 log: Callable[[int, dict], None] | None = None) -> None:
+                 log: Callable[[int, StepMetrics], None] | None = None) -> None:
         self.config = config
         self.device = torch.device(device)
         self.data = data if data is not None else build_data(config)
@@ -328,13 +344,17 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     # --- one step --------------------------------------------------------------------------------
-    def train_step(self) -> dict:
-        """Runs global step ``self.step`` and advances it; returns its metrics."""
+    def train_step(self) -> "StepMetrics":
+        """Runs global step ``self.step`` and advances it; returns its metrics (still on the device)."""
         c = self.config
         if self.step >= c.total_steps:
             raise RuntimeError(f"the run is complete ({c.total_steps} steps)")
         assert self._built_for == self.stage
-        ids, targets = (t.to(self.device, non_blocking=True) for t in self.windows.batch(self.step, c.batch_size))
+        # Pinned, so the copy queues behind the step in flight instead of waiting for it (a pageable
+        # copy would: the GPU would idle while the host launches the next step).
+        pin = self.device.type == "cuda"
+        ids, targets = ((t.pin_memory() if pin else t).to(self.device, non_blocking=pin)
+                        for t in self.windows.batch(self.step, c.batch_size))
         with self._autocast():
             if self.stage == 1:
                 out = self._stage_one(self.model, ids, targets, c.entropy_beta)
@@ -351,10 +371,9 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        metrics.update(mean_depth=out.mean_depth, grad_norm=grad_norm)
-        result = {"stage": self.stage, "lr": self.optimizer.param_groups[0]["lr"],
-                  **{k: float(v.detach()) for k, v in metrics.items()},
-                  "loop_losses": [round(float(x), 4) for x in out.loop_losses]}
+        metrics.update(mean_depth=out.mean_depth, grad_norm=grad_norm, loop_losses=out.loop_losses)
+        result = StepMetrics(self.stage, self.optimizer.param_groups[0]["lr"],
+                             {k: v.detach() for k, v in metrics.items()})
         self.log(self.step, result)
         self.step += 1
         if self.stage != self._built_for:
@@ -430,7 +449,7 @@ class Trainer:
 
     @classmethod
     def resume(cls, checkpoint_dir: str | Path, data: Data | None = None, device: str | torch.device = "cpu",
-               log: Callable[[int, dict], None] | None = None) -> "Trainer":
+               log: Callable[[int, StepMetrics], None] | None = None) -> "Trainer":
         """A trainer that continues the run saved in ``checkpoint_dir`` exactly where it stopped."""
         file = Path(checkpoint_dir) / CHECKPOINT_FILE
         if not file.is_file():

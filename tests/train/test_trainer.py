@@ -124,7 +124,7 @@ def test_a_compiled_loss_trains_like_the_eager_one(smoke_data, backend):
     config = dataclasses.replace(SMOKE, stage1_steps=1, stage2_steps=1)
     eager, compiled = Trainer(config, smoke_data), Trainer(dataclasses.replace(config, compile=backend), smoke_data)
     for _ in range(config.total_steps):  # both stages: stage 2 freezes all but the gate
-        a, b = eager.train_step(), compiled.train_step()
+        a, b = eager.train_step().as_dict(), compiled.train_step().as_dict()
         assert a["stage"] == b["stage"]
         for key in ("loss", "gate_loss", "mean_depth"):
             if key in a:
@@ -134,3 +134,30 @@ def test_a_compiled_loss_trains_like_the_eager_one(smoke_data, backend):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
     with pytest.raises(ValueError, match="compile"):
         dataclasses.replace(SMOKE, compile="tensorrt")
+
+
+def test_step_metrics_read_only_when_asked(smoke_data):
+    """A step hands its numbers back as device tensors; ``as_dict`` reads them (the only host sync of a step)."""
+    trainer = Trainer(dataclasses.replace(SMOKE, stage1_steps=1, stage2_steps=1), smoke_data)
+    first = trainer.train_step()
+    assert isinstance(first.tensors["loss"], torch.Tensor) and first.stage == 1
+    values = first.as_dict()
+    assert set(values) >= {"stage", "lr", "loss", "expected_loss", "entropy", "mean_depth", "grad_norm", "loop_losses"}
+    assert len(values["loop_losses"]) == SMOKE.model.total_ut_steps and isinstance(values["loss"], float)
+    assert "gate_loss" in trainer.train_step().as_dict()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_training_step_never_waits_for_the_device(smoke_data):
+    """The demo model's step is mostly kernel launches; a sync per step (a pageable batch copy, reading a
+    metric) made the GPU idle while the host launched the next one."""
+    trainer = Trainer(dataclasses.replace(SMOKE, stage1_steps=4, stage2_steps=1), smoke_data, device="cuda")
+    trainer.train_step()  # first-use work (cuBLAS handles, allocator) may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trainer.train_step()
+        trainer.train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
