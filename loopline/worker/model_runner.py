@@ -228,8 +228,8 @@ class ModelRunner:
 
     # --- preemption -------------------------------------------------------------------
     def _blocks_index(self, tables: list[np.ndarray]) -> Tensor:
-        """Physical blocks of every plane, plane-major."""
-        return torch.from_numpy(np.concatenate(tables).astype(np.int64)).to(self.device)
+        """Physical blocks of every plane, plane-major (staged: a pageable copy would wait for the steps in flight)."""
+        return stage(self.device, (np.concatenate(tables), np.int64))[0]
 
     def _snapshot(self, request_id: str) -> None:
         """Moves a preempted request to CPU memory: KV of every plane, slot state, request state."""
