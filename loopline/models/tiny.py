@@ -328,8 +328,8 @@ DEMO_CHECKPOINT = Path(__file__).resolve().parent / "demo_ouro"
 def default_checkpoint() -> Path:
     """The bundled demo model every command uses when no model is given (``loopline/models/demo_ouro``).
 
-    A 5.5M-parameter Ouro-architecture model trained on the CPython standard library by
-    ``loopline train pretrain --preset demo`` (its ``MODEL_CARD.md`` says how and how well).
+    A 5.5M-parameter Ouro-architecture model trained on the Python source of the standard library and twelve
+    packages by ``loopline train pretrain`` (preset ``demo-large``; its ``MODEL_CARD.md`` says how and how well).
     """
     if not (DEMO_CHECKPOINT / "model.safetensors").is_file():
         raise FileNotFoundError(f"the bundled demo model is missing from {DEMO_CHECKPOINT} (an incomplete install?); "

@@ -12,12 +12,21 @@ from loopline import LLM, SamplingParams
 from loopline.entrypoints.cli import DEFAULT_PROMPT, DEMO_NOTICE, main
 from loopline.models.loader import load_config, load_tokenizer
 from loopline.models.tiny import DEMO_CHECKPOINT, default_checkpoint
+from loopline.train.cli import SHIPPED_PRESET, build_config
+from loopline.train.corpus import CorpusSpec
 from loopline.train.engine_eval import dense_curve, engine_curve, heldout_stream
 from loopline.train.trainer import TrainConfig
 
 from reference import reference_generate
 
 DEMO = DEMO_CHECKPOINT
+
+
+def stdlib_heldout() -> list[int]:
+    """The held-out files of this interpreter's standard library alone (file paths decide the split, so none
+    was trained on): the packages of the model's corpus need not be installed where the tests run."""
+    spec = dict(json.loads((DEMO / "training_info.json").read_text())["corpus"]["spec"], packages=[])
+    return heldout_stream(DEMO, CorpusSpec(**spec))
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +44,10 @@ def test_the_default_model_is_the_shipped_ouro_checkpoint(weights):
     assert all(v.dtype == torch.float32 for v in weights.values())
     tok = load_tokenizer(DEMO)
     assert tok.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    # the recipe's defaults are the shipped run: `loopline train pretrain --preset demo` reproduces it
+    # the default preset is the shipped run: `loopline train pretrain` reproduces it
     # (a field added after the release is absent from its record; its default must keep the old behaviour)
     info = json.loads((DEMO / "training_info.json").read_text())
-    assert TrainConfig.from_dict(info["train_config"]) == TrainConfig()
+    assert TrainConfig.from_dict(info["train_config"]) == build_config(SHIPPED_PRESET, None, [])
     card = (DEMO / "MODEL_CARD.md").read_text()
     assert "PSF-2.0" in card and info["corpus"]["sha256"] in card
     assert "measured through the engine" in card  # exit_curve.json lies beside the weights
@@ -58,7 +67,7 @@ def test_held_out_loss_measured_here_is_far_below_uniform_and_falls_from_loop_on
     from loopline.models.loader import load_model
     from loopline.train.objective import loop_outputs, per_loop_token_loss
 
-    stream = torch.tensor(heldout_stream(DEMO)[: 4 * 256 + 1])
+    stream = torch.tensor(stdlib_heldout()[: 4 * 256 + 1])
     w = stream[:-1].view(4, 256)
     targets = stream[1:].view(4, 256)
     model = load_model(DEMO, dtype=torch.float32).eval()
@@ -90,7 +99,7 @@ def test_engine_matches_the_dense_oracle_on_the_trained_weights(weights, layout,
 
 
 def test_prompt_exit_depths_through_the_engine_equal_the_dense_exit_rule():
-    stream = heldout_stream(DEMO)
+    stream = stdlib_heldout()
     kw = dict(seq_len=96, max_windows=2, thresholds=(0.3, 0.6, 1.0))
     engine, dense = engine_curve(DEMO, stream, **kw), dense_curve(DEMO, stream, **kw)
     for e, d in zip(engine, dense):
