@@ -98,9 +98,7 @@ class TorchDistributedTransport(KVTransport):
 
     def start(self, rank: int, world_size: int, init_method: str, device: torch.device) -> None:
         super().start(rank, world_size, init_method, device)
-        if self.name == "nccl" and device.type != "cuda":
-            raise InvalidRequestError("kv_transport 'nccl' needs CUDA devices; use 'gloo' on the CPU",
-                                      param="kv_transport")
+        check_transport_device(self.name, device)
 
         def join() -> None:
             import torch.distributed as dist
@@ -170,9 +168,7 @@ class CudaIpcTransport(KVTransport):
 
     def start(self, rank: int, world_size: int, init_method: str, device: torch.device) -> None:
         super().start(rank, world_size, init_method, device)
-        if device.type != "cuda":
-            raise InvalidRequestError("kv_transport 'cuda_ipc' needs a CUDA device; use 'gloo' on the CPU",
-                                      param="kv_transport")
+        check_transport_device("cuda_ipc", device)
 
     def send(self, kv: Tensor, peer: int, tag: int) -> tuple[Any, concurrent.futures.Future]:
         from multiprocessing.reduction import ForkingPickler
@@ -287,6 +283,18 @@ class NixlTransport(KVTransport):
                 self._agent.deregister_memory(reg)
 
         return self._pool.submit(run)
+
+
+#: Transports that move pages between CUDA devices only.
+CUDA_TRANSPORTS = ("nccl", "cuda_ipc")
+
+
+def check_transport_device(name: str, device: torch.device) -> None:
+    """Refuses a CUDA-only transport for workers on another kind of device (the front end, before it starts
+    workers, and each worker's transport at start)."""
+    if name in CUDA_TRANSPORTS and device.type != "cuda":
+        raise InvalidRequestError(f"kv_transport {name!r} needs the workers on CUDA devices; they run on "
+                                  f"{device.type} (use 'gloo' or 'auto')", param="kv_transport")
 
 
 def resolve_transport(name: str, device: torch.device, devices_shared: bool) -> str:

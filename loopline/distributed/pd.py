@@ -65,7 +65,8 @@ from loopline.entrypoints.engine_core import (AbortCmd, AddCmd, CallCmd, Command
                                               EngineMessage, EngineSnapshot, Inbox, Reply, ShutdownCmd)
 from loopline.errors import (CapacityError, EngineDeadError, EngineInternalError, EngineStateError, InvalidRequestError,
                              LooplineError, new_error_id)
-from loopline.distributed.kv_transfer import KVTransport, make_transport, resolve_transport
+from loopline.distributed.kv_transfer import (KVTransport, check_transport_device, make_transport,
+                                              resolve_transport)
 
 logger = logging.getLogger("loopline.pd")
 
@@ -536,9 +537,7 @@ class PDClient(EngineClient):
         try:
             self.transport = transport = resolve_transport(args.kv_transport, self.pool.device,
                                                            self.pool.devices_shared)
-            if transport in ("nccl", "cuda_ipc") and self.pool.device.type != "cuda":
-                raise InvalidRequestError(f"kv_transport {transport!r} needs the workers on CUDA devices; they run "
-                                          f"on {self.pool.device.type} (use 'gloo' or 'auto')", param="kv_transport")
+            check_transport_device(transport, self.pool.device)
             make_transport(transport, args.kv_transfer_timeout).close()  # a transport that cannot work: fail now
             self.init_method = init_method = self.pool.rendezvous()
             specs = []

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from loopline.distributed.kv_transfer import KVTransferError, make_transport
+from loopline.distributed.kv_transfer import KVTransferError, check_transport_device, make_transport
+from loopline.errors import InvalidRequestError
 from loopline.distributed.pd import _free_port
 
 SHAPE = (2, 3, 8, 4, 2, 16)  # [k/v, layers, planes * pages, block_size, kv_heads, head_dim]
@@ -83,3 +84,19 @@ def test_a_worker_joining_after_a_transfer_timeout_still_forms_the_group():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_ipc_moves_pages_exactly():
     assert _exchange("cuda_ipc", "cuda:0") == [True, True, True]
+
+
+@pytest.mark.parametrize("name", ["nccl", "cuda_ipc"])
+def test_a_cuda_transport_refuses_cpu_workers_at_start(name):
+    """The front end and each worker's transport run the same check: the error names the field."""
+    cpu = torch.device("cpu")
+    with pytest.raises(InvalidRequestError, match=f"kv_transport '{name}' needs the workers on CUDA") as e:
+        check_transport_device(name, cpu)
+    assert e.value.param == "kv_transport"
+    transport = make_transport(name, timeout_s=1.0)
+    try:
+        with pytest.raises(InvalidRequestError, match="needs the workers on CUDA"):
+            transport.start(0, 1, f"tcp://127.0.0.1:{_free_port()}", cpu)
+    finally:
+        transport.close()
+    check_transport_device("gloo", cpu)  # no error
