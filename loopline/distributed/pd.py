@@ -802,8 +802,14 @@ class PDClient(EngineClient):
         return failures
 
     def _aggregate(self) -> EngineSnapshot:
-        """The live workers' gauges as one (``EngineSnapshot.total``)."""
-        return EngineSnapshot.total([w.snapshot for w in self.workers if w.alive])
+        """The live workers' gauges as one (``EngineSnapshot.total``). The prefix-cache counters are the
+        prefill workers' alone: a decode worker looks the same prompt up again to share its pages, which
+        saves memory but no prompt computation, and counting both would count every prompt twice."""
+        live = [w for w in self.workers if w.alive]
+        total = EngineSnapshot.total([w.snapshot for w in live])
+        prefill = [w.snapshot for w in live if w.kind == "prefill"]
+        return dataclasses.replace(total, prefix_cache_queries=sum(s.prefix_cache_queries for s in prefill),
+                                   prefix_cache_hits=sum(s.prefix_cache_hits for s in prefill))
 
     @property
     def worker_snapshots(self) -> dict[str, EngineSnapshot]:

@@ -344,7 +344,7 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     # --- one step --------------------------------------------------------------------------------
-    def train_step(self) -> "StepMetrics":
+    def train_step(self) -> StepMetrics:
         """Runs global step ``self.step`` and advances it; returns its metrics (still on the device)."""
         c = self.config
         if self.step >= c.total_steps:

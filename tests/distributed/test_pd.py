@@ -104,6 +104,10 @@ def test_pd_gives_the_single_engines_tokens_and_exit_depths(pd, tiny_gqa):
     # decode workers share the pages of a prefix they received before (shared caches nothing)
     decode_hits = sum(w.snapshot.prefix_cache_hits for w in llm._client.decode)
     assert decode_hits > 0 if layout == "last_exited" else decode_hits == 0
+    # the front end's counters (/metrics) count each prompt once: the prefill workers' lookups
+    total = llm._client._aggregate()
+    assert (total.prefix_cache_hits, total.prefix_cache_queries) == (
+        llm._client.prefill[0].snapshot.prefix_cache_hits, llm._client.prefill[0].snapshot.prefix_cache_queries)
 
 
 def test_streamed_outputs_continue_across_the_handoff(pd):
