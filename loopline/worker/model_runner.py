@@ -259,8 +259,9 @@ class ModelRunner:
             self.page_writer.wait(resumed.request_id)
         else:
             self._restore_pages(snap, st.block_arrays, resumed.num_cached_pages)
-        self.slot_hidden[resumed.slot] = snap.slot_hidden.to(self.device)
-        self.slot_survival[resumed.slot] = snap.slot_survival.to(self.device)
+        # (pinned on CUDA by the snapshot: the copies queue behind the steps in flight)
+        self.slot_hidden[resumed.slot].copy_(snap.slot_hidden, non_blocking=True)
+        self.slot_survival[resumed.slot].copy_(snap.slot_survival, non_blocking=True)
         st.slot = resumed.slot
         self.decode_state.load(resumed.slot, snap.decode_state, resumed.block_tables)
         self.requests[resumed.request_id] = st
