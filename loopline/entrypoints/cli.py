@@ -208,7 +208,8 @@ def format_logprob_rows(rows: list[dict | None]) -> str:
 GENERATE_HELP = "generate text offline (default model: the bundled demo model)"
 DEFAULT_PROMPT = "def fibonacci(n):"  # the demo model knows Python source code, and little else
 DEMO_NOTICE = ("note: no --model given, so this is loopline's bundled demo model (5.5M parameters, trained on the "
-               "Python source of the standard library and twelve packages; see loopline/models/demo_ouro/MODEL_CARD.md). Real Ouro weights load from "
+               "Python source of the standard library and twelve packages; see "
+               "loopline/models/demo_ouro/MODEL_CARD.md). Real Ouro weights load from "
                "a local directory: loopline generate --model /path/to/Ouro-1.4B")
 
 # name -> (help, builder of the full sub-parser)

@@ -259,7 +259,8 @@ class ModelRunner:
             self.page_writer.wait(resumed.request_id)
         else:
             self._restore_pages(snap, st.block_arrays, resumed.num_cached_pages)
-        # (pinned on CUDA by the snapshot: the copies queue behind the steps in flight)
+        # A preemption snapshot's buffers are pinned on CUDA, so these copies queue behind the steps in
+        # flight; a handoff's come from another process in pageable memory and copy synchronously.
         self.slot_hidden[resumed.slot].copy_(snap.slot_hidden, non_blocking=True)
         self.slot_survival[resumed.slot].copy_(snap.slot_survival, non_blocking=True)
         st.slot = resumed.slot
