@@ -131,7 +131,9 @@ class TorchOps:
 TORCH_OPS = TorchOps()
 
 
-@dataclass(frozen=True)
+# eq=False: identity hash. A field-wise __hash__ over tensors is meaningless, and torch 2.11's dynamo hashes
+# the object half-built while tracing its __init__ (AttributeError on `cos` under torch.compile).
+@dataclass(frozen=True, eq=False)
 class Rope:
     """Rotary position embedding of one step's rows: ``cos``/``sin`` ``[N, head_dim]``, applied by ``ops``.
 
