@@ -11,7 +11,10 @@ distribution whose CDF the engine's exit rule thresholds (DESIGN.md §1).
 * **Stage 1** (everything trains): ``sum_r p_r * L_r - beta * H(p)``, the
   expected next-token loss over the exit distribution minus an entropy bonus
   that keeps the gate from collapsing onto one loop early (the paper's beta:
-  0.1, later 0.05).
+  0.1, later 0.05). An optional final-loop term ``+ w * L_R`` (``w`` = 0:
+  Ouro's objective exactly) gives the last loop weight on every token, also
+  where the gate exits early: without it a small model trained briefly leaves
+  the last loop slightly worse than the one before (docs/training.md).
 * **Stage 2** (only the gate trains): the LM is frozen and each gate learns
   whether one more loop still pays. With the detached per-token losses ``L_r``,
   the improvement of loop r+1 is ``I_r = max(0, L_r - L_{r+1})``, the ideal
@@ -80,10 +83,14 @@ class StageOneLoss:
     mean_depth: Tensor  # E_p[r], mean over tokens (detached)
 
 
-def stage_one_loss(model: OuroForCausalLM, input_ids: Tensor, targets: Tensor, beta: float) -> StageOneLoss:
-    """Expected LM loss over the exit distribution minus ``beta`` times its entropy."""
+def stage_one_loss(model: OuroForCausalLM, input_ids: Tensor, targets: Tensor, beta: float,
+                   final_loop_weight: float = 0.0) -> StageOneLoss:
+    """Expected LM loss over the exit distribution minus ``beta`` times its entropy, plus
+    ``final_loop_weight`` times the last loop's loss."""
     if not beta >= 0.0:
         raise ValueError(f"beta={beta}; allowed: >= 0")
+    if not final_loop_weight >= 0.0:
+        raise ValueError(f"final_loop_weight={final_loop_weight}; allowed: >= 0")
     out = loop_outputs(model, input_ids)
     token_loss = per_loop_token_loss(model, out.hidden, targets)  # [R, B, T]
     log_p = exit_log_probs(out.gate_logits)
@@ -91,7 +98,10 @@ def stage_one_loss(model: OuroForCausalLM, input_ids: Tensor, targets: Tensor, b
     expected = (p * token_loss).sum(0).mean()
     entropy = -(p * log_p).sum(0).mean()
     loops = torch.arange(1, p.shape[0] + 1, device=p.device, dtype=p.dtype).view(-1, 1, 1)
-    return StageOneLoss(expected - beta * entropy, expected.detach(), entropy.detach(),
+    loss = expected - beta * entropy
+    if final_loop_weight:
+        loss = loss + final_loop_weight * token_loss[-1].mean()
+    return StageOneLoss(loss, expected.detach(), entropy.detach(),
                         token_loss.detach().mean((1, 2)), (p * loops).sum(0).mean().detach())
 
 

@@ -1,6 +1,7 @@
 """The training objective: per-loop outputs against the independent reference, the exit distribution, the stage losses."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from loopline.models.tiny import random_state_dict, tiny_config
@@ -71,6 +72,24 @@ def test_stage_one_is_expected_loss_minus_entropy():
     out.loss.backward()
     assert model.model.layers[0].mlp.up_proj.weight.grad is not None
     assert model.model.early_exit_gate.weight.grad.abs().sum() > 0
+
+
+def test_final_loop_weight_adds_the_last_loops_loss():
+    model, _ = _model()
+    ids = torch.randint(0, 500, (2, 9), generator=torch.Generator().manual_seed(2))
+    tgt = torch.randint(0, 500, (2, 9), generator=torch.Generator().manual_seed(3))
+    plain = stage_one_loss(model, ids, tgt, beta=0.1)
+    weighted = stage_one_loss(model, ids, tgt, beta=0.1, final_loop_weight=0.5)
+    last = per_loop_token_loss(model, loop_outputs(model, ids).hidden, tgt)[-1].mean()
+    torch.testing.assert_close(weighted.loss, plain.loss + 0.5 * last)
+    torch.testing.assert_close(weighted.expected_loss, plain.expected_loss)  # the logged metrics stay Ouro's
+    # the gate's gradient is the expected loss's alone: the added term does not depend on the exit distribution
+    gate = model.model.early_exit_gate.weight
+    (g_plain,) = torch.autograd.grad(plain.loss, gate)
+    (g_weighted,) = torch.autograd.grad(weighted.loss, gate)
+    torch.testing.assert_close(g_weighted, g_plain)
+    with pytest.raises(ValueError, match="final_loop_weight=-1.0"):
+        stage_one_loss(model, ids, tgt, beta=0.1, final_loop_weight=-1.0)
 
 
 def test_stage_two_trains_only_the_gate():
