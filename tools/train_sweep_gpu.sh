@@ -6,7 +6,7 @@
 # the same time (a 5.5M-parameter model leaves most of an H200 idle). Then the variant whose held-out
 # loss falls loop by loop and is lowest at full depth is measured through the engine (`loopline train
 # curve`) and returned as WINNER.tar.* (15 MB parts); every log goes back in logs.tgz, one line per
-# variant in summary.txt.
+# variant in summary.txt. SWEEP_CURVE=0 skips the winner's curve and weights.
 set -u
 out=${1:?output folder}
 limit=${2:?seconds per variant}
@@ -47,7 +47,7 @@ print(best[1] if best else "")
 PY
 )
 cat "$out/summary.txt"
-if [ -n "$winner" ]; then
+if [ -n "$winner" ] && [ "${SWEEP_CURVE:-1}" != 0 ]; then
   echo "winner: $winner"
   timeout 200 python3 -m loopline.entrypoints.cli train curve --model "/tmp/sweep/$winner" \
     --out "/tmp/sweep/$winner/exit_curve.json" > /dev/null 2> "$out/logs/curve.err" || tail -3 "$out/logs/curve.err"
