@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from loopline import AsyncLLM, EngineArgs, SamplingParams
-from loopline.distributed.dp import DPClient, make_client
+from loopline.distributed.dp import DPClient
+from loopline.distributed.launch import make_client
 from loopline.distributed.router import LoadAffinityRouter, ReplicaLoad
 from loopline.entrypoints.core_client import MPClient
 from loopline.models.tiny import make_tiny_checkpoint, random_checkpoint_config

@@ -36,7 +36,7 @@ from typing import Any
 
 from loopline.config import EngineArgs, resolve_device
 from loopline.engine import LLMEngine, PromptType
-from loopline.entrypoints.core_client import (EngineClient, MPClient, _call_soon, _set_exception, _set_result,
+from loopline.entrypoints.core_client import (EngineClient, _call_soon, _set_exception, _set_result,
                                               _settle)
 from loopline.entrypoints.engine_core import EngineSnapshot, StepRecord
 from loopline.distributed.router import LoadAffinityRouter, ReplicaLoad, Router
@@ -45,26 +45,6 @@ from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
 
 logger = logging.getLogger("loopline.dp")
-
-
-
-def make_client(args: EngineArgs) -> EngineClient:
-    """The engine client for ``args``: one engine process, prefill and decode workers behind a
-    ``PDClient`` (``prefill_workers``), or ``data_parallel_size`` replicas (engine processes or Ray
-    actors) behind a :class:`DPClient`."""
-    if args.prefill_workers:
-        from loopline.distributed.pd import PDClient
-
-        return PDClient(args)
-    if args.data_parallel_size == 1 and args.distributed_executor_backend == "mp":
-        return MPClient(args)
-    args.validate()
-    if args.distributed_executor_backend == "ray":
-        from loopline.distributed.ray_backend import start_ray_replicas  # NOTE: imports ray; only when asked for
-
-        return start_ray_replicas(args)
-    return DPClient(start_in_parallel([partial(MPClient, replica_args(args, i, "mp"))
-                                       for i in range(args.data_parallel_size)]))
 
 
 def replica_args(args: EngineArgs, index: int, backend: str) -> EngineArgs:

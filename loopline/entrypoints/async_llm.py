@@ -45,7 +45,7 @@ from typing import Any
 from torch import Tensor
 
 from loopline.config import EngineArgs
-from loopline.distributed.dp import make_client
+from loopline.distributed.launch import make_client
 from loopline.engine import LLMEngine, PromptType
 from loopline.entrypoints.chat_utils import ChatEncoder
 from loopline.entrypoints.core_client import EngineClient, InProcClient

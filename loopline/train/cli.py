@@ -11,6 +11,7 @@ depth-vs-loss curve and exports a checkpoint directory ``loopline.LLM`` loads.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import sys
@@ -290,7 +291,10 @@ def run_curve(ns: argparse.Namespace) -> int:
     engine = engine_curve(model, stream, kv_layout=ns.kv_layout, device=device, **kw)
     t1 = time.perf_counter()
     dense = dense_curve(model, stream, device=device, **kw)
-    result = {"model": str(model), "python_version": platform.python_version(), "heldout_stream_tokens": len(stream),
+    # The model by name and content, not by a local path (the file ships beside the weights).
+    name = json.loads((model / "config.json").read_text(encoding="utf-8")).get("_name_or_path") or model.name
+    weights = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(model.glob("*.safetensors")))).hexdigest()
+    result = {"model": name, "weights_sha256": weights, "python_version": platform.python_version(), "heldout_stream_tokens": len(stream),
               "device": device, "kv_layout": ns.kv_layout, "engine_s": round(t1 - t0, 1), "engine": engine,
               "dense": dense, "max_abs_loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in zip(engine, dense)),
               "depths_equal": all(a["depth_histogram"] == b["depth_histogram"] for a, b in zip(engine, dense))}

@@ -2,6 +2,7 @@
 exactness on its trained weights (tokens, exit depths, logprobs, prompt depths) and the first run."""
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -51,6 +52,10 @@ def test_the_default_model_is_the_shipped_ouro_checkpoint(weights):
     card = (DEMO / "MODEL_CARD.md").read_text()
     assert "PSF-2.0" in card and info["corpus"]["sha256"] in card
     assert "measured through the engine" in card  # exit_curve.json lies beside the weights
+    curve = json.loads((DEMO / "exit_curve.json").read_text())
+    # the curve was measured on these weights, and names them without a local path
+    assert curve["weights_sha256"] == hashlib.sha256((DEMO / "model.safetensors").read_bytes()).hexdigest()
+    assert curve["model"] == raw["_name_or_path"] and "/" not in curve["model"]
 
 
 def test_the_docs_render_the_model_card_unchanged():
