@@ -349,17 +349,26 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     # --- one step --------------------------------------------------------------------------------
+    def device_batch(self, step: int) -> tuple[Tensor, Tensor]:
+        """Step ``step``'s ``(input_ids, targets)`` on the training device.
+
+        On CUDA the copy is from pinned memory, so it queues behind the step in flight instead of
+        waiting for it (a pageable copy would: the GPU would idle while the host launches the next
+        step). The pinned staging tensor is not reused before its copy has run: the caching host
+        allocator records the copy's event (tests/train/test_trainer.py checks it under load).
+        """
+        pin = self.device.type == "cuda"
+        ids, targets = ((t.pin_memory() if pin else t).to(self.device, non_blocking=pin)
+                        for t in self.windows.batch(step, self.config.batch_size))
+        return ids, targets
+
     def train_step(self) -> StepMetrics:
         """Runs global step ``self.step`` and advances it; returns its metrics (still on the device)."""
         c = self.config
         if self.step >= c.total_steps:
             raise RuntimeError(f"the run is complete ({c.total_steps} steps)")
         assert self._built_for == self.stage
-        # Pinned, so the copy queues behind the step in flight instead of waiting for it (a pageable
-        # copy would: the GPU would idle while the host launches the next step).
-        pin = self.device.type == "cuda"
-        ids, targets = ((t.pin_memory() if pin else t).to(self.device, non_blocking=pin)
-                        for t in self.windows.batch(self.step, c.batch_size))
+        ids, targets = self.device_batch(self.step)
         with self._autocast():
             if self.stage == 1:
                 out = self._stage_one(self.model, ids, targets, c.entropy_beta, c.final_loop_weight)

@@ -147,6 +147,32 @@ def test_step_metrics_read_only_when_asked(smoke_data):
     assert "gate_loss" in trainer.train_step().as_dict()
 
 
+def test_device_batches_are_the_windows_batches(smoke_data):
+    trainer = Trainer(dataclasses.replace(SMOKE, stage1_steps=3, stage2_steps=1), smoke_data)
+    for step in range(3):
+        ids, targets = trainer.device_batch(step)
+        want_ids, want_targets = trainer.windows.batch(step, SMOKE.batch_size)
+        assert torch.equal(ids, want_ids) and torch.equal(targets, want_targets)
+        assert torch.equal(ids[:, 1:], targets[:, :-1])  # targets are the inputs shifted by one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_batch_copies_queued_behind_busy_work_arrive_intact(smoke_data):
+    """Each batch's pinned staging tensor is released as soon as the call returns; if the allocator handed
+    it out again before the queued copy ran, a later batch would overwrite an earlier one in flight."""
+    trainer = Trainer(dataclasses.replace(SMOKE, stage1_steps=40, stage2_steps=1), smoke_data, device="cuda")
+    x = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(20):  # tens of milliseconds of queued work: every copy below waits behind it
+        x = x @ x / 2048
+    batches = [trainer.device_batch(step) for step in range(40)]
+    torch.cuda.synchronize()
+    for step, (ids, targets) in enumerate(batches):
+        want_ids, want_targets = trainer.windows.batch(step, SMOKE.batch_size)
+        assert torch.equal(ids.cpu(), want_ids) and torch.equal(targets.cpu(), want_targets), step
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_training_step_never_waits_for_the_device(smoke_data):
