@@ -246,13 +246,17 @@ class TokenWindows:
             self._perm = (epoch, torch.randperm(len(self), generator=g))
         return self._perm[1]
 
-    def batch(self, step: int, batch_size: int) -> tuple[Tensor, Tensor]:
-        """``(input_ids, targets)`` ``[B, seq_len]`` of global step ``step``."""
+    def rows(self, step: int, batch_size: int) -> Tensor:
+        """The ``[B, seq_len + 1]`` windows of global step ``step`` (a contiguous copy)."""
         rows = []
         for j in range(step * batch_size, (step + 1) * batch_size):
             epoch, i = divmod(j, len(self))
             rows.append(self._permutation(epoch)[i])
-        w = self.windows[torch.stack(rows)]
+        return self.windows[torch.stack(rows)]
+
+    def batch(self, step: int, batch_size: int) -> tuple[Tensor, Tensor]:
+        """``(input_ids, targets)`` ``[B, seq_len]`` of global step ``step``: views of :meth:`rows`."""
+        w = self.rows(step, batch_size)
         return w[:, :-1], w[:, 1:]
 
 
@@ -352,15 +356,20 @@ class Trainer:
     def device_batch(self, step: int) -> tuple[Tensor, Tensor]:
         """Step ``step``'s ``(input_ids, targets)`` on the training device.
 
-        On CUDA the copy is from pinned memory, so it queues behind the step in flight instead of
-        waiting for it (a pageable copy would: the GPU would idle while the host launches the next
-        step). The pinned staging tensor is not reused before its copy has run: the caching host
-        allocator records the copy's event (tests/train/test_trainer.py checks it under load).
+        On CUDA the windows go over in one copy from pinned memory, so it queues behind the step in
+        flight instead of waiting for it (a pageable copy would: the GPU would idle while the host
+        launches the next step), and are split into inputs and targets there. The copy must be of
+        the contiguous windows: a strided pinned tensor (``ids = w[:, :-1]`` pinned) is first copied
+        into a pageable temporary by ``Tensor.to``, which defeats the pinning. The pinned tensor is
+        not reused before its copy has run: the caching host allocator records the copy's event
+        (tests/train/test_trainer.py checks it under load).
         """
-        pin = self.device.type == "cuda"
-        ids, targets = ((t.pin_memory() if pin else t).to(self.device, non_blocking=pin)
-                        for t in self.windows.batch(step, self.config.batch_size))
-        return ids, targets
+        w = self.windows.rows(step, self.config.batch_size)
+        if self.device.type == "cuda":
+            w = w.pin_memory().to(self.device, non_blocking=True)
+        else:
+            w = w.to(self.device)
+        return w[:, :-1], w[:, 1:]
 
     def train_step(self) -> StepMetrics:
         """Runs global step ``self.step`` and advances it; returns its metrics (still on the device)."""
