@@ -153,7 +153,12 @@ class OuroDecoderLayer(nn.Module):
 class OuroModel(nn.Module):
     def __init__(self, config: OuroConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # nn.Embedding's own N(0, 1) init, skipped on the meta device (load_model builds there): on meta it
+        # runs through torch._refs, whose first use imports torch._dynamo (~1.4 s of every process's start).
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if weight.device.type != "meta":
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(OuroDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.early_exit_gate = nn.Linear(config.hidden_size, 1, bias=True)
