@@ -294,8 +294,8 @@ def run_curve(ns: argparse.Namespace) -> int:
     # The model by name and content, not by a local path (the file ships beside the weights).
     name = json.loads((model / "config.json").read_text(encoding="utf-8")).get("_name_or_path") or model.name
     weights = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(model.glob("*.safetensors")))).hexdigest()
-    result = {"model": name, "weights_sha256": weights, "python_version": platform.python_version(), "heldout_stream_tokens": len(stream),
-              "device": device, "kv_layout": ns.kv_layout, "engine_s": round(t1 - t0, 1), "engine": engine,
+    result = {"model": name, "weights_sha256": weights, "python_version": platform.python_version(),
+              "heldout_stream_tokens": len(stream), "device": device, "kv_layout": ns.kv_layout, "engine_s": round(t1 - t0, 1), "engine": engine,
               "dense": dense, "max_abs_loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in zip(engine, dense)),
               "depths_equal": all(a["depth_histogram"] == b["depth_histogram"] for a, b in zip(engine, dense))}
     text = json.dumps(result, indent=1)

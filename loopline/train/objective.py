@@ -13,8 +13,9 @@ distribution whose CDF the engine's exit rule thresholds (DESIGN.md §1).
   that keeps the gate from collapsing onto one loop early (the paper's beta:
   0.1, later 0.05). An optional final-loop term ``+ w * L_R`` (``w`` = 0:
   Ouro's objective exactly) gives the last loop weight on every token, also
-  where the gate exits early: without it a small model trained briefly leaves
-  the last loop slightly worse than the one before (docs/training.md).
+  where the gate exits early. Tried against a small model's last loop ending
+  slightly behind the one before; it narrowed that gap only by making every
+  loop worse, so no preset uses it (docs/training.md, "What remains").
 * **Stage 2** (only the gate trains): the LM is frozen and each gate learns
   whether one more loop still pays. With the detached per-token losses ``L_r``,
   the improvement of loop r+1 is ``I_r = max(0, L_r - L_{r+1})``, the ideal
