@@ -51,6 +51,9 @@ class TorchOps:
     def exit_gate(gate: torch.nn.Linear, h: Tensor) -> Tensor:
         """fp32 exit-gate logits ``[N]`` of ``h`` ``[N, hidden]``: the product taken in fp32."""
         bias = None if gate.bias is None else upcast(gate.bias)
+        if torch.is_autocast_enabled(h.device.type):  # training under bf16 autocast would round it to bf16
+            with torch.autocast(h.device.type, enabled=False):
+                return F.linear(upcast(h), upcast(gate.weight), bias).squeeze(-1)
         return F.linear(upcast(h), upcast(gate.weight), bias).squeeze(-1)
 
     def norm_exit_gate(self, gate: torch.nn.Linear, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None,

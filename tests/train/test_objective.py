@@ -38,6 +38,18 @@ def test_loop_outputs_match_the_independent_reference_at_every_loop():
     torch.testing.assert_close(model.lm_head(out.hidden[-1]).float(), dense.logits[-1])
 
 
+def test_gate_logits_stay_fp32_under_bf16_autocast():
+    """The trainer runs the forward under bf16 autocast; the exit gate's product is taken in fp32 there too."""
+    model, _ = _model()
+    ids = torch.randint(0, 500, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = loop_outputs(model, ids)
+    assert out.gate_logits.dtype == torch.float32
+    gate = model.model.early_exit_gate
+    want = torch.stack([torch.nn.functional.linear(h, gate.weight, gate.bias).squeeze(-1) for h in out.hidden])
+    torch.testing.assert_close(out.gate_logits, want, rtol=1e-6, atol=1e-6)
+
+
 def test_exit_distribution_is_the_design_formula_and_sums_to_one():
     g = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(0)) * 3
     lam = torch.sigmoid(g)
