@@ -6,7 +6,8 @@
 # The run (~8 minutes of training on an H200 plus ~1 minute building the data) may not fit one device call of
 # 10 minutes: training stops after limit_s (default 540), its state saved every 500 steps under
 # $STATE_ROOT/NAME.state (default build/demo-large: ignored by git, so it stays on the warm machine between calls).
-# Calling the same command again resumes it (the checkpoint's config wins). Once trained, in the same or the
+# Calling the same command again resumes it (the checkpoint's config wins); with REQUIRE_RESUME=1 a call that
+# finds no saved state (the machine went cold between calls) stops at once instead of starting over. Once trained, in the same or the
 # next call: `loopline train curve` ($EVAL_WINDOWS windows of $EVAL_SEQ_LEN tokens, default 256 x 512), the model
 # card, tools/heldout_per_byte.py, then NAME.summary.json, NAME.log and the exported directory as NAME.tar.*
 # (15 MB parts); with BENCH=1, refill vs no_refill vs fixed on its exits (NAME.bench.json). A new NAME starts a new
@@ -53,6 +54,9 @@ if [ ! -f "$model/training_info.json" ]; then
   if [ -f "$state/train_state.pt" ]; then
     resume=(--resume)
     echo "resuming $state" | tee -a "$log"
+  elif [ -n "${REQUIRE_RESUME:-}" ]; then  # a follow-up call that landed on a fresh machine: stop, start nothing
+    echo "NO STATE: $state is not on this machine (a fresh one); nothing run" | tee -a "$log"
+    exit 0
   fi
   timeout "$limit" $py -m loopline.train pretrain --preset demo-large --out "$model" --checkpoint-dir "$state" \
     --save-every 500 --log-every 200 --eval-every 1000 "${resume[@]}" "$@" 2>&1 | tee -a "$log"

@@ -50,3 +50,16 @@ def test_the_reduced_cpu_form_trains_measures_and_returns_the_run(tmp_path):
                            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert again.returncode == 0 and '"step": 0, "stage"' not in again.stdout
     assert json.loads((out / "cpu-check.summary.json").read_text())["heldout_loop_losses"] == summary["heldout_loop_losses"]
+
+
+def test_a_follow_up_call_on_a_fresh_machine_starts_nothing(tmp_path):
+    """REQUIRE_RESUME=1 is for the second call of a run split over two: without the first call's state (the
+    machine went cold in between) it must stop, not spend the call training from step 0."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable, "STATE_ROOT": str(tmp_path / "state"),
+           "REQUIRE_RESUME": "1"}
+    run = subprocess.run(["bash", str(ROOT / "tools" / "train_demo_large_gpu.sh"), str(out), "300", "cold",
+                          "--device", "cpu", *TINY], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-2000:])
+    assert "NO STATE" in run.stdout and '"step"' not in run.stdout
+    assert not (tmp_path / "state" / "cold").exists() and not list(out.glob("cold.tar.*"))
