@@ -1,6 +1,7 @@
 """``loopline train pretrain``: a smoke run end to end, resume through the CLI, errors that name the field."""
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -52,3 +53,20 @@ def test_overrides_and_their_errors(tmp_path, capsys):
         build_config("smoke", None, ["lr"])
     assert main(["train", "pretrain", "--preset", "smoke", "--set", "stage1_step=3", "--out", str(tmp_path)]) == 2
     assert "unknown field(s) ['stage1_step']" in capsys.readouterr().err
+
+
+def test_curve_names_the_model_by_content_and_checks_max_windows(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["train", "pretrain", "--preset", "smoke", "--set", "stage1_steps=2", "--set", "stage2_steps=1",
+                 "--out", str(out), "--log-every", "0", "--threads", "1"]) == 0
+    capsys.readouterr()
+    curve_file = tmp_path / "curve.json"
+    assert main(["train", "curve", "--model", str(out), "--device", "cpu", "--max-windows", "1", "--seq-len", "16",
+                 "--thresholds", "0.5,1.0", "--out", str(curve_file)]) == 0
+    curve = json.loads(curve_file.read_text())
+    assert curve["model"] == json.loads((out / "config.json").read_text())["_name_or_path"]
+    assert curve["weights_sha256"] == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    assert [p["tokens"] for p in curve["engine"]] == [16, 16] and curve["depths_equal"]
+    capsys.readouterr()
+    assert main(["train", "curve", "--model", str(out), "--max-windows", "-1"]) == 2
+    assert "--max-windows -1; allowed: >= 0" in capsys.readouterr().err
