@@ -30,12 +30,16 @@ best = None
 with open(f"{out}/summary.txt", "w") as summary:
     for spec in specs:
         name = spec.split(":", 1)[0]
-        final = None
+        final, last_eval = None, None
         for line in open(f"{out}/logs/{name}.log"):
             if line.startswith("{") and '"curve"' in line:
                 final = json.loads(line)
-        if final is None:
-            print(f"{name}: no final line", file=summary)
+            elif line.startswith("{") and '"heldout_loop_losses"' in line:
+                last_eval = json.loads(line)
+        if final is None:  # cut by the limit: its last held-out evaluation, if any, still compares
+            cut = (f"cut; last evaluation at step {last_eval['step']}: {last_eval['heldout_loop_losses']}"
+                   if last_eval else "no evaluation")
+            print(f"{name}: no final line ({cut})", file=summary)
             continue
         losses = final["heldout"]["loop_losses"] if "heldout" in final else final["loop_losses"]
         falls = all(a > b for a, b in zip(losses, losses[1:]))

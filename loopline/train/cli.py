@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loopline.errors import InvalidRequestError
+
 HELP = "train the demo looped model (Ouro objective) on the offline corpus, or fine-tune a checkpoint with GRPO"
 
 #: Installed distributions of ``demo-large``'s corpus: torch and transformers, the packages they pull in on the
@@ -132,7 +134,7 @@ def grpo_config(ns: argparse.Namespace):
     for item in ns.set:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--set {item!r}; allowed: FIELD=VALUE, e.g. --set group_size=8")
+            raise InvalidRequestError(f"--set {item!r}; allowed: FIELD=VALUE, e.g. --set group_size=8")
         try:
             raw[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -193,7 +195,7 @@ def build_config(preset: str, config_file: str | None, sets: list[str]):
     for item in sets:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--set {item!r}; allowed: FIELD=VALUE, e.g. --set stage1_steps=100")
+            raise InvalidRequestError(f"--set {item!r}; allowed: FIELD=VALUE, e.g. --set stage1_steps=100")
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:
@@ -282,14 +284,14 @@ def run_curve(ns: argparse.Namespace) -> int:
     try:
         thresholds = tuple(float(x) for x in ns.thresholds.split(","))
     except ValueError:
-        raise ValueError(f"--thresholds {ns.thresholds!r}; allowed: comma-separated numbers in (0, 1]") from None
+        raise InvalidRequestError(f"--thresholds {ns.thresholds!r}; allowed: comma-separated numbers in (0, 1]") from None
     if not all(0 < q <= 1 for q in thresholds):
-        raise ValueError(f"--thresholds {ns.thresholds!r}; allowed: numbers in (0, 1]")
+        raise InvalidRequestError(f"--thresholds {ns.thresholds!r}; allowed: numbers in (0, 1]")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if ns.device == "auto" else ns.device
     model = Path(ns.model) if ns.model else default_checkpoint()
     stream = heldout_stream(model)
     if ns.max_windows < 0:
-        raise ValueError(f"--max-windows {ns.max_windows}; allowed: >= 0 (0: the whole split)")
+        raise InvalidRequestError(f"--max-windows {ns.max_windows}; allowed: >= 0 (0: the whole split)")
     kw = dict(seq_len=ns.seq_len, max_windows=ns.max_windows or None, thresholds=thresholds)
     t0 = time.perf_counter()
     engine = engine_curve(model, stream, kv_layout=ns.kv_layout, device=device, **kw)

@@ -30,6 +30,7 @@ import sysconfig
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePath, PurePosixPath
 
+from loopline.errors import InvalidRequestError
 from loopline.train.licenses import ALLOWED_SUMMARY, LicenseRefused, license_verdict
 
 LICENSE = "PSF-2.0 (Python Software Foundation License Version 2)"
@@ -55,23 +56,23 @@ class CorpusSpec:
 
     def __post_init__(self) -> None:
         if isinstance(self.packages, str) or not all(isinstance(p, str) for p in self.packages):
-            raise ValueError(f"CorpusSpec.packages={self.packages!r}; allowed: a list of distribution names, "
+            raise InvalidRequestError(f"CorpusSpec.packages={self.packages!r}; allowed: a list of distribution names, "
                              'e.g. ["numpy", "sympy"]')
         object.__setattr__(self, "packages", tuple(self.packages))  # a JSON list becomes the hashable tuple
         seen: dict[str, str] = {}
         for name in self.packages:
             if not _DIST_NAME.match(name):
-                raise ValueError(f"CorpusSpec.packages: {name!r} is not a distribution name; allowed: letters, "
+                raise InvalidRequestError(f"CorpusSpec.packages: {name!r} is not a distribution name; allowed: letters, "
                                  "digits, '.', '_' and '-', starting and ending with a letter or digit")
             if canonical_name(name) in seen:
-                raise ValueError(f"CorpusSpec.packages: {name!r} repeats {seen[canonical_name(name)]!r}")
+                raise InvalidRequestError(f"CorpusSpec.packages: {name!r} repeats {seen[canonical_name(name)]!r}")
             seen[canonical_name(name)] = name
         if self.max_bytes <= 0:
-            raise ValueError(f"CorpusSpec.max_bytes={self.max_bytes}; allowed: a positive integer")
+            raise InvalidRequestError(f"CorpusSpec.max_bytes={self.max_bytes}; allowed: a positive integer")
         if self.max_file_bytes <= 0:
-            raise ValueError(f"CorpusSpec.max_file_bytes={self.max_file_bytes}; allowed: a positive integer")
+            raise InvalidRequestError(f"CorpusSpec.max_file_bytes={self.max_file_bytes}; allowed: a positive integer")
         if not 0 < self.heldout_per_mille < 1000:
-            raise ValueError(f"CorpusSpec.heldout_per_mille={self.heldout_per_mille}; allowed: 1..999")
+            raise InvalidRequestError(f"CorpusSpec.heldout_per_mille={self.heldout_per_mille}; allowed: 1..999")
 
     def resolved_root(self) -> Path:
         return Path(self.root if self.root is not None else sysconfig.get_paths()["stdlib"])

@@ -50,6 +50,7 @@ from typing import Callable
 
 import torch
 
+from loopline.errors import InvalidRequestError
 from loopline.train.rewards import PROMPTS, contains, make_reward, python_closes, python_parses
 
 __all__ = ["GRPO", "GRPOConfig", "PROMPTS", "make_reward", "python_closes", "python_parses", "contains"]
@@ -92,7 +93,7 @@ class GRPOConfig:
                   ("exit_threshold", self.exit_threshold is None or 0 < self.exit_threshold <= 1)]
         for name, ok in checks:
             if not ok:
-                raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r} is out of range")
+                raise InvalidRequestError(f"GRPOConfig.{name}={getattr(self, name)!r} is out of range")
         make_reward(self.reward)
 
     def to_dict(self) -> dict:
@@ -104,7 +105,7 @@ class GRPOConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"GRPOConfig: unknown field(s) {unknown}; allowed: {sorted(known)}")
+            raise InvalidRequestError(f"GRPOConfig: unknown field(s) {unknown}; allowed: {sorted(known)}")
         if "betas" in raw:
             raw["betas"] = tuple(raw["betas"])
         return cls(**raw)
@@ -286,7 +287,7 @@ class GRPO:
         weights published under the saved weight version."""
         state = torch.load(Path(state_dir) / STATE_FILE, map_location="cpu", weights_only=False)
         if state.get("state_version") != STATE_VERSION:
-            raise ValueError(f"{state_dir}: GRPO state version {state.get('state_version')}; expected {STATE_VERSION}")
+            raise InvalidRequestError(f"{state_dir}: GRPO state version {state.get('state_version')}; expected {STATE_VERSION}")
         raw = dict(state["config"], model=state["model_path"])
         if iterations is not None:
             raw["iterations"] = iterations

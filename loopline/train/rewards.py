@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from typing import Any, Callable
 
+from loopline.errors import InvalidRequestError
+
 #: Python statements left open inside a bracket: a completion whose first line completes one
 #: (``prompt + line`` parses with :func:`ast.parse`) earns the ``python_parses`` reward.
 PROMPTS: tuple[str, ...] = (
@@ -88,5 +90,5 @@ def make_reward(spec: str) -> Callable[[str, str], float]:
     """``"python_closes"``, ``"python_parses"`` or ``"contains:WORD"``."""
     name, _, arg = spec.partition(":")
     if name not in REWARDS or (name == "contains") != bool(arg):
-        raise ValueError(f"reward={spec!r}; allowed: 'python_closes', 'python_parses', 'contains:WORD'")
+        raise InvalidRequestError(f"reward={spec!r}; allowed: 'python_closes', 'python_parses', 'contains:WORD'")
     return REWARDS[name](arg) if arg else REWARDS[name]()

@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from loopline.errors import InvalidRequestError
 from loopline.models.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus the specials
@@ -25,7 +26,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     if vocab_size < MIN_VOCAB:
-        raise ValueError(f"vocab_size={vocab_size}; allowed: >= {MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+        raise InvalidRequestError(f"vocab_size={vocab_size}; allowed: >= {MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
     tokenizer = Tokenizer(models.BPE())
     # Single digits keep numbers compositional; ByteLevel makes every byte sequence encodable (no unk).
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from loopline.errors import InvalidRequestError
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
 from loopline.train.corpus import CorpusSpec, corpus_info, split
-import torch.nn.functional as F
-
 from loopline.train.objective import (continue_targets, exit_log_probs, loop_outputs, per_loop_token_loss,
                                       stage_one_loss, stage_two_loss)
 from loopline.train.tokenizer import encode_documents, train_tokenizer, write_tokenizer
@@ -125,7 +125,7 @@ class TrainConfig:
         for name, ok, allowed in checks:
             if not ok:
                 value = self.model.total_ut_steps if name == "model.total_ut_steps" else getattr(self, name)
-                raise ValueError(f"TrainConfig.{name}={value!r}; allowed: {allowed}")
+                raise InvalidRequestError(f"TrainConfig.{name}={value!r}; allowed: {allowed}")
 
     @property
     def total_steps(self) -> int:
@@ -153,7 +153,7 @@ class TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"TrainConfig: unknown field(s) {unknown}; allowed: {sorted(known)}")
+            raise InvalidRequestError(f"TrainConfig: unknown field(s) {unknown}; allowed: {sorted(known)}")
         return cls(model=model, corpus=corpus, **raw)
 
 
@@ -232,7 +232,7 @@ class TokenWindows:
         self.seq_len, self.seed = seq_len, seed
         n = (stream.numel() - 1) // seq_len
         if n < 1:
-            raise ValueError(f"the token stream ({stream.numel()} tokens) is shorter than seq_len + 1 = {seq_len + 1}")
+            raise InvalidRequestError(f"the token stream ({stream.numel()} tokens) is shorter than seq_len + 1 = {seq_len + 1}")
         # window i covers tokens [i*seq_len, (i+1)*seq_len]: consecutive windows share one token, none is skipped
         self.windows = stream[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len)  # [n, seq_len + 1]
         self._perm: tuple[int, Tensor] | None = None
@@ -278,6 +278,12 @@ def build_data(config: TrainConfig) -> Data:
     assert tokenizer.get_vocab_size() <= config.model.vocab_size, (tokenizer.get_vocab_size(), config.model.vocab_size)
     train = torch.tensor(encode_documents(tokenizer, [d.text for d in train_docs]), dtype=torch.long)
     heldout = torch.tensor(encode_documents(tokenizer, [d.text for d in heldout_docs]), dtype=torch.long)
+    # Checked here, not at the first evaluation: a run would otherwise train until then and fail.
+    if heldout.numel() < config.seq_len + 1:
+        c = config.corpus
+        raise InvalidRequestError(f"the held-out split has {len(heldout_docs)} files and {heldout.numel()} tokens, fewer than "
+                         f"seq_len + 1 = {config.seq_len + 1}; raise corpus.heldout_per_mille={c.heldout_per_mille} "
+                         f"or corpus.max_bytes={c.max_bytes}")
     info.update(train_tokens=train.numel(), heldout_tokens=heldout.numel())
     return Data(tokenizer, train, heldout, info)
 
@@ -479,13 +485,13 @@ class Trainer:
             raise FileNotFoundError(f"{file}: no training checkpoint (Trainer.save writes it)")
         state = torch.load(file, map_location="cpu", weights_only=False)
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"{file}: version={state.get('version')!r}; allowed: {STATE_VERSION}")
+            raise InvalidRequestError(f"{file}: version={state.get('version')!r}; allowed: {STATE_VERSION}")
         trainer = cls(TrainConfig.from_dict(state["config"]), data, device, log)
         trainer.model.load_state_dict(state["model"])
         trainer.step = state["step"]
         trainer._build_stage()  # the optimizer of the stage the checkpoint was in, with its frozen parameters
         if trainer._built_for != state["built_for"]:
-            raise ValueError(f"{file}: stage mismatch (saved {state['built_for']}, step {state['step']})")
+            raise InvalidRequestError(f"{file}: stage mismatch (saved {state['built_for']}, step {state['step']})")
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -504,7 +510,7 @@ class Trainer:
 
         threshold = self.config.early_exit_threshold if early_exit_threshold is None else early_exit_threshold
         if not 0 < threshold <= 1:
-            raise ValueError(f"early_exit_threshold={threshold}; allowed: (0, 1]")
+            raise InvalidRequestError(f"early_exit_threshold={threshold}; allowed: (0, 1]")
         config = dataclasses.replace(self.model.config, early_exit_threshold=float(threshold),
                                      torch_dtype=self.config.export_dtype)
         out = Path(out_dir)

@@ -70,3 +70,14 @@ def test_curve_names_the_model_by_content_and_checks_max_windows(tmp_path, capsy
     capsys.readouterr()
     assert main(["train", "curve", "--model", str(out), "--max-windows", "-1"]) == 2
     assert "--max-windows -1; allowed: >= 0" in capsys.readouterr().err
+
+
+def test_a_bad_setting_is_a_user_error_on_one_line(tmp_path, capsys):
+    """Training settings are the user's input: the CLI names the field and the allowed range, and does not
+    call it an internal error."""
+    assert main(["train", "pretrain", "--preset", "smoke", "--out", str(tmp_path / "x"), "--set", "lr=-1"]) == 2
+    assert capsys.readouterr().err == "error: TrainConfig.lr=-1; allowed: > 0\n"
+    assert main(["train", "pretrain", "--preset", "smoke", "--out", str(tmp_path / "x"),
+                 "--set", "corpus.heldout_per_mille=1"]) == 2  # no held-out file in the smoke corpus
+    err = capsys.readouterr().err
+    assert err.startswith("error: the held-out split has 0 files") and "internal error" not in err

@@ -107,6 +107,15 @@ def test_batches_are_a_function_of_seed_and_step():
     assert sorted(seen.tolist()) == [i * 9 for i in range(len(w))]
 
 
+def test_an_empty_heldout_split_fails_before_training():
+    from loopline.train.trainer import build_data
+
+    config = dataclasses.replace(SMOKE, corpus=dataclasses.replace(SMOKE.corpus, heldout_per_mille=1))
+    assert split(config.corpus)[1] == []  # 1 per mille of the smoke corpus's few files: none held out
+    with pytest.raises(ValueError, match=r"held-out split has 0 files.*corpus.heldout_per_mille=1"):
+        build_data(config)
+
+
 def test_bad_config_names_the_field():
     with pytest.raises(ValueError, match="TrainConfig.seq_len"):
         TrainConfig(seq_len=1)
