@@ -7,8 +7,8 @@
 # 10 minutes: training stops after limit_s (default 540), its state saved every 500 steps under
 # $STATE_ROOT/NAME.state (default build/demo-large: ignored by git, so it stays on the warm machine between calls).
 # Calling the same command again resumes it (the checkpoint's config wins); with REQUIRE_RESUME=1 a call that
-# finds no saved state (the machine went cold between calls) stops at once instead of starting over. Once trained, in the same or the
-# next call: `loopline train curve` ($EVAL_WINDOWS windows of $EVAL_SEQ_LEN tokens, default 256 x 512), the model
+# finds no saved state (the machine went cold between calls) stops at once instead of starting over. Once
+# trained, in the same or the next call: `loopline train curve` ($EVAL_WINDOWS windows of $EVAL_SEQ_LEN tokens, default 256 x 512), the model
 # card, tools/heldout_per_byte.py, then NAME.summary.json, NAME.log and the exported directory as NAME.tar.*
 # (15 MB parts); with BENCH=1, refill vs no_refill vs fixed on its exits (NAME.bench.json). A new NAME starts a new
 # run. Needs the license-expression package (loopline[train]; on the device

@@ -7,6 +7,7 @@ tested against it.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -51,10 +52,11 @@ class TorchOps:
     def exit_gate(gate: torch.nn.Linear, h: Tensor) -> Tensor:
         """fp32 exit-gate logits ``[N]`` of ``h`` ``[N, hidden]``: the product taken in fp32."""
         bias = None if gate.bias is None else upcast(gate.bias)
-        if torch.is_autocast_enabled(h.device.type):  # training under bf16 autocast would round it to bf16
-            with torch.autocast(h.device.type, enabled=False):
-                return F.linear(upcast(h), upcast(gate.weight), bias).squeeze(-1)
-        return F.linear(upcast(h), upcast(gate.weight), bias).squeeze(-1)
+        # Training runs under bf16 autocast, which would round the product to bf16; inference never does.
+        fp32 = (torch.autocast(h.device.type, enabled=False) if torch.is_autocast_enabled(h.device.type)
+                else contextlib.nullcontext())
+        with fp32:
+            return F.linear(upcast(h), upcast(gate.weight), bias).squeeze(-1)
 
     def norm_exit_gate(self, gate: torch.nn.Linear, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None,
                        weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

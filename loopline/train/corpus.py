@@ -56,14 +56,15 @@ class CorpusSpec:
 
     def __post_init__(self) -> None:
         if isinstance(self.packages, str) or not all(isinstance(p, str) for p in self.packages):
-            raise InvalidRequestError(f"CorpusSpec.packages={self.packages!r}; allowed: a list of distribution names, "
-                             'e.g. ["numpy", "sympy"]')
+            raise InvalidRequestError(f"CorpusSpec.packages={self.packages!r}; allowed: a list of distribution "
+                                      'names, e.g. ["numpy", "sympy"]')
         object.__setattr__(self, "packages", tuple(self.packages))  # a JSON list becomes the hashable tuple
         seen: dict[str, str] = {}
         for name in self.packages:
             if not _DIST_NAME.match(name):
-                raise InvalidRequestError(f"CorpusSpec.packages: {name!r} is not a distribution name; allowed: letters, "
-                                 "digits, '.', '_' and '-', starting and ending with a letter or digit")
+                raise InvalidRequestError(f"CorpusSpec.packages: {name!r} is not a distribution name; allowed: "
+                                          "letters, digits, '.', '_' and '-', starting and ending with a letter "
+                                          "or digit")
             if canonical_name(name) in seen:
                 raise InvalidRequestError(f"CorpusSpec.packages: {name!r} repeats {seen[canonical_name(name)]!r}")
             seen[canonical_name(name)] = name

@@ -287,7 +287,8 @@ class GRPO:
         weights published under the saved weight version."""
         state = torch.load(Path(state_dir) / STATE_FILE, map_location="cpu", weights_only=False)
         if state.get("state_version") != STATE_VERSION:
-            raise InvalidRequestError(f"{state_dir}: GRPO state version {state.get('state_version')}; expected {STATE_VERSION}")
+            raise InvalidRequestError(f"{state_dir}: GRPO state version {state.get('state_version')}; "
+                                      f"expected {STATE_VERSION}")
         raw = dict(state["config"], model=state["model_path"])
         if iterations is not None:
             raw["iterations"] = iterations

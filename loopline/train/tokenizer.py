@@ -26,7 +26,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     if vocab_size < MIN_VOCAB:
-        raise InvalidRequestError(f"vocab_size={vocab_size}; allowed: >= {MIN_VOCAB} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+        raise InvalidRequestError(f"vocab_size={vocab_size}; allowed: >= {MIN_VOCAB} "
+                                  f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
     tokenizer = Tokenizer(models.BPE())
     # Single digits keep numbers compositional; ByteLevel makes every byte sequence encodable (no unk).
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(

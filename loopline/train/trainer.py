@@ -232,7 +232,8 @@ class TokenWindows:
         self.seq_len, self.seed = seq_len, seed
         n = (stream.numel() - 1) // seq_len
         if n < 1:
-            raise InvalidRequestError(f"the token stream ({stream.numel()} tokens) is shorter than seq_len + 1 = {seq_len + 1}")
+            raise InvalidRequestError(f"the token stream ({stream.numel()} tokens) is shorter than seq_len + 1 = "
+                                      f"{seq_len + 1}")
         # window i covers tokens [i*seq_len, (i+1)*seq_len]: consecutive windows share one token, none is skipped
         self.windows = stream[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len)  # [n, seq_len + 1]
         self._perm: tuple[int, Tensor] | None = None
@@ -281,9 +282,9 @@ def build_data(config: TrainConfig) -> Data:
     # Checked here, not at the first evaluation: a run would otherwise train until then and fail.
     if heldout.numel() < config.seq_len + 1:
         c = config.corpus
-        raise InvalidRequestError(f"the held-out split has {len(heldout_docs)} files and {heldout.numel()} tokens, fewer than "
-                         f"seq_len + 1 = {config.seq_len + 1}; raise corpus.heldout_per_mille={c.heldout_per_mille} "
-                         f"or corpus.max_bytes={c.max_bytes}")
+        raise InvalidRequestError(f"the held-out split has {len(heldout_docs)} files and {heldout.numel()} tokens, "
+                                  f"fewer than seq_len + 1 = {config.seq_len + 1}; raise corpus.heldout_per_mille="
+                                  f"{c.heldout_per_mille} or corpus.max_bytes={c.max_bytes}")
     info.update(train_tokens=train.numel(), heldout_tokens=heldout.numel())
     return Data(tokenizer, train, heldout, info)
 
