@@ -18,7 +18,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("curve", help="JSON written by `loopline train curve --out`")
     ap.add_argument("out", help="PNG to write")
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the curve's model)")
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the curve file's directory)")
     ns = ap.parse_args()
 
     import matplotlib
@@ -27,7 +27,8 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     curve = json.loads(Path(ns.curve).read_text())
-    info = json.loads((Path(ns.model or curve["model"]) / "training_info.json").read_text())
+    # the curve names its model without a path; `train curve --out DIR/exit_curve.json` writes it beside the weights
+    info = json.loads((Path(ns.model or Path(ns.curve).parent) / "training_info.json").read_text())
     losses = info["metrics"]["loop_losses"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
 

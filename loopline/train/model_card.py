@@ -38,6 +38,7 @@ def render_model_card(info: dict, engine_curve: dict | None = None) -> str:
         f"{model['num_attention_heads']} heads x {model['head_dim']}, total_ut_steps {model['total_ut_steps']}",
         f"- trained {info['step']} steps ({cfg['stage1_steps']} stage 1, {cfg['stage2_steps']} stage 2), "
         f"batch {cfg['batch_size']} x {cfg['seq_len']} tokens, seed {cfg['seed']}",
+        *_objective_lines(cfg),
     ]
     if metrics.get("loop_losses"):
         lines += ["", "## Held-out loss per loop (dense model, nats/token)", "",
@@ -52,6 +53,18 @@ def render_model_card(info: dict, engine_curve: dict | None = None) -> str:
         lines += _engine_section(engine_curve, with_packages=bool(corpus["spec"].get("packages")))
     lines += ["", f"`early_exit_threshold` in config.json: {info['early_exit_threshold']}"]
     return "\n".join(lines) + "\n"
+
+
+def _objective_lines(cfg: dict) -> list[str]:
+    """How the two stages trained (fields recorded after a release keep their defaults' meaning when absent)."""
+    freeze = cfg.get("gate_freeze_steps", 0)
+    init = cfg["gate_init_exit"]
+    p = [init * (1 - init) ** t for t in range(cfg["model"]["total_ut_steps"] - 1)]
+    p.append(1 - sum(p))
+    gate = (f"the gate held at its initial exit distribution p = ({', '.join(f'{x:.2f}' for x in p)}) for the first "
+            f"{freeze} steps" if freeze else f"the gate trained from p = ({', '.join(f'{x:.2f}' for x in p)})")
+    return [f"- stage 1: expected loss over the exit distribution plus entropy (beta {cfg['entropy_beta']}), "
+            f"peak lr {cfg['lr']}, {gate}; stage 2: the gate alone, peak lr {cfg['stage2_lr']}"]
 
 
 def _sources_section(sources: list[dict] | None) -> list[str]:
