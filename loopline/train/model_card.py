@@ -57,10 +57,17 @@ def render_model_card(info: dict, engine_curve: dict | None = None) -> str:
 
 def _objective_lines(cfg: dict) -> list[str]:
     """How the two stages trained (fields recorded after a release keep their defaults' meaning when absent)."""
+    import math
+
+    import torch
+
+    from loopline.train.objective import exit_log_probs
+
     freeze = cfg.get("gate_freeze_steps", 0)
     init = cfg["gate_init_exit"]
-    p = [init * (1 - init) ** t for t in range(cfg["model"]["total_ut_steps"] - 1)]
-    p.append(1 - sum(p))
+    # the untrained gate's constant logit (trainer.init_weights), through the trainer's own exit distribution
+    logits = torch.full((cfg["model"]["total_ut_steps"],), math.log(init / (1 - init)))
+    p = exit_log_probs(logits).exp().tolist()
     gate = (f"the gate held at its initial exit distribution p = ({', '.join(f'{x:.2f}' for x in p)}) for the first "
             f"{freeze} steps" if freeze else f"the gate trained from p = ({', '.join(f'{x:.2f}' for x in p)})")
     return [f"- stage 1: expected loss over the exit distribution plus entropy (beta {cfg['entropy_beta']}), "

@@ -58,8 +58,8 @@ _CPU_KV_GB = 1.0  # the most the CPU pool takes unless told (kv_cache_memory_gb 
 
 def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:
     """K and V bytes of one page at one plane, all layers."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * model_cfg.num_hidden_layers * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim * elem
+    return (2 * model_cfg.num_hidden_layers * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim
+            * dtype.itemsize)
 
 
 def num_kv_blocks(config, model: OuroForCausalLM, backend: AttentionBackend, layout: KVLayout) -> int:

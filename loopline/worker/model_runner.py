@@ -108,10 +108,10 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     first touched: ``torch.zeros`` writes every page up front (0.4 s and 1 GiB of resident memory for the
     default CPU pool, whatever the requests use); here only the blocks written cost memory. Zeros, not
     ``empty``: a masked position's weight is 0, and 0 times a stale NaN is still NaN."""
-    if device.type != "cpu" or math.prod(shape) == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
-    pages = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size())
+    if device.type != "cpu" or numel == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, numel * dtype.itemsize)
     return torch.frombuffer(pages, dtype=dtype, count=numel).view(shape)  # the tensor keeps the mapping alive
 
 
