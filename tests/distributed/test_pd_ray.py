@@ -12,6 +12,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from matching import approx_floats  # noqa: E402
 from distributed.test_pd import BASE, generate_all, ids, result, single_engine, wait_idle, workload  # noqa: E402
 from loopline import AsyncLLM, EngineArgs, SamplingParams  # noqa: E402
 from loopline.errors import EngineDeadError, InvalidRequestError  # noqa: E402
@@ -44,7 +45,7 @@ def test_1p1d_over_ray_gives_the_single_engines_tokens_and_exit_depths(cluster, 
         assert [type(w).__name__ for w in client.workers] == ["RayWorker", "RayWorker"]
         outs = asyncio.run(generate_all(llm, workload()))
         ref = single_engine(tiny_gqa, "last_exited")
-        assert {k: result(v) for k, v in outs.items()} == {k: result(v) for k, v in ref.items()}
+        assert approx_floats({k: result(v) for k, v in outs.items()}) == {k: result(v) for k, v in ref.items()}
         assert len({d for o in ref.values() for d in o.outputs[0].exit_depths}) > 1  # adaptive exits vary
         assert client.num_handoffs == 4 and client.num_pieces > client.num_handoffs  # pages left chunk by chunk
         assert all(s.kv_used_blocks == 0 for s in wait_idle(llm))
@@ -102,7 +103,7 @@ def test_killed_worker_actors_fail_only_their_requests(cluster, tiny_gqa, serve_
         # formed, killing rank 0, which holds its store, stalls the others' join up to JOIN_TIMEOUT_S)
         outs = asyncio.run(generate_all(llm, workload()))
         ref = single_engine(tiny_gqa, "last_exited")
-        assert {k: result(v) for k, v in outs.items()} == {k: result(v) for k, v in ref.items()}
+        assert approx_floats({k: result(v) for k, v in outs.items()}) == {k: result(v) for k, v in ref.items()}
         assert {client._placed.get(k) for k in outs} == {None}  # released
         wait_idle(llm)
         other, dead_prefill = asyncio.run(prefill_death())
