@@ -255,16 +255,16 @@ class LLMEngine:
 
     def export_pages(self, child_id: str, first: int, last: int) -> torch.Tensor:
         """A copy of a prefilling request's prompt pages ``[first, last)`` of every plane."""
-        return self.runner.export_pages(child_id, first, last)
+        return self.runner.pages.export_pages(child_id, first, last)
 
     def hand_off(self, child_id: str, first_page: int = 0) -> tuple[Handoff, torch.Tensor]:
         """Takes a ready request out of this engine for a decode worker: its :class:`Handoff` and a
-        copy of its prompt's KV pages from ``first_page`` on (see ``ModelRunner.export_request``);
+        copy of its prompt's KV pages from ``first_page`` on (see ``KVPages.export_request``);
         its pages, slot and output state here are freed at once and it reports nothing more."""
         req = self.scheduler.requests[child_id]
         assert req.status == RequestStatus.HANDOFF and len(req.output) == 1, child_id
         rid = parent_request_id(child_id)
-        state, kv = self.runner.export_request(child_id, first_page)
+        state, kv = self.runner.pages.export_request(child_id, first_page)
         handoff = Handoff(rid, child_id, self.outputs.prompt(rid), req.prompt_token_ids, req.params, req.seed,
                           req.max_tokens, req.eos_token_ids, req.output[0], self.control.weight_version,
                           self.outputs.metrics(rid), state)
@@ -299,15 +299,15 @@ class LLMEngine:
         if child_id not in self._reserved:
             raise EngineStateError(f"no prompt pages are reserved for request {parent_request_id(child_id)!r}")
         alloc = self.kv.get(child_id)
-        self.runner.write_pages(child_id, alloc.block_tables, first_page, kv,
-                                skip=alloc.num_cached_tokens // self.kv.block_size)
+        self.runner.pages.write_pages(child_id, alloc.block_tables, first_page, kv,
+                                      skip=alloc.num_cached_tokens // self.kv.block_size)
 
     def release_handoff(self, child_id: str) -> None:
         """Frees the pages reserved for a request that will not be adopted (aborted, dropped or
         failed before its handoff); unknown ids are ignored."""
         if child_id in self._reserved:
             self._reserved.discard(child_id)
-            self.runner.release_pages(child_id)
+            self.runner.pages.release_pages(child_id)
             self.kv.free(child_id)
 
     @property
@@ -335,11 +335,11 @@ class LLMEngine:
                       handoff.max_tokens, handoff.eos_token_ids, self.inputs.next_arrival_seq(),
                       status=RequestStatus.PREEMPTED, output=[handoff.first], handed_off=True)
         req.resume_status = RequestStatus.DECODE
-        self.runner.adopt_request(handoff.child_id, handoff.runner)
+        self.runner.pages.adopt_request(handoff.child_id, handoff.runner)
         try:
             text = self.outputs.adopt(req, handoff.prompt, handoff.metrics, handoff.weight_version)
         except Exception:  # e.g. the detokenizer on the first token: nothing of it stays but the reservation
-            self.runner.snapshots.pop(handoff.child_id, None)
+            self.runner.pages.snapshots.pop(handoff.child_id, None)
             self.outputs.forget(handoff.request_id)
             raise
         self._reserved.discard(handoff.child_id)  # the scheduler owns its pages from now on

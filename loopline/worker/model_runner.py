@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,9 +23,7 @@ from torch import Tensor
 from loopline.attention import AttentionBackend, PagedAttentionMetadata
 from loopline.attention.paged import PagedAttention
 from loopline.core.contracts import (
-    ExitParams,
     NewRequestData,
-    ResumedRequestData,
     RunnerOutput,
     SampledToken,
     ScheduledRow,
@@ -37,11 +35,11 @@ from loopline.sampling_params import SamplingParams
 from loopline.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, SlotOps
 from loopline.worker.exit_rule import exit_decision
-from loopline.worker.page_writes import PageWriter
+from loopline.worker.kv_pages import KVPages
 from loopline.worker.sampler import Sampler, SamplerOutput
 from loopline.worker.sampling_inputs import HostSample, ParamsStager, SampleBatch, build_sampling_tensors, has_penalties
 from loopline.worker.staging import stage
-from loopline.worker.swap import HandoffState, Snapshot
+from loopline.worker.request_state import RequestState
 from loopline.worker.step_inputs import build_prefill_inputs, work_list
 
 _SEED_MASK = 2**63 - 1
@@ -80,27 +78,6 @@ class _Booked:
     hidden: list[Tensor] = field(default_factory=list)  # last prompt position's hidden, per finished prompt
     meta: list[tuple[int, Tensor]] = field(default_factory=list)  # (step row, exit depth [1]) per finished prompt
     prompt_logprobs: dict = field(default_factory=dict)
-
-
-@dataclass
-class _RequestState:
-    """Device-side state of one running request."""
-
-    params: SamplingParams
-    seed: int
-    prompt: Tensor  # [T] int64
-    block_arrays: list[np.ndarray]  # per plane: physical blocks, int32 (host side; step inputs are built from them)
-    prompt_exit: ExitParams
-    hidden: Tensor  # [T, H] prefill hidden between loops
-    survival: Tensor  # [T] f32 prod(1 - lambda) so far
-    sel_hidden: Tensor  # [T, H] hidden at the depth the exit rule picked
-    sel_depth: Tensor  # [T] int64, 0 = not yet exited
-    max_len: int = 0  # prompt + max_tokens + 1: bounds the decode rows' sequence length
-    slot: int = -1
-
-    def to(self, device: torch.device) -> "_RequestState":
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
-                                if isinstance(getattr(self, f.name), Tensor)})
 
 
 def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -156,9 +133,10 @@ class ModelRunner:
         self._graphs_max_tokens: int | None = None
         self._kv_shape = shape
         self._copies_on_exit = len(layout.exit_copy_planes(1)) > 0
-        self.requests: dict[str, _RequestState] = {}
-        self.snapshots: dict[str, Snapshot] = {}
-        self.page_writer = PageWriter(device)  # handed-off pages, written as they arrive
+        self.requests: dict[str, RequestState] = {}
+        # preemption snapshots and the PD handoff's page export/import
+        self.pages = KVPages(lambda: (self.k_cache, self.v_cache), self.requests, self.slot_hidden,
+                             self.slot_survival, self.decode_state, block_size, cfg.hidden_size, dtype, device)
 
     def capture_graphs(self, max_seq_len: int, max_num_batched_tokens: int | None = None) -> None:
         """Captures decode-only steps, and steps with small prefill chunks (given the token budget),
@@ -177,8 +155,7 @@ class ModelRunner:
         recaptures them once the pool (and the weights) are back.
         """
         self.requests.clear()
-        self.snapshots.clear()
-        self.page_writer.clear()
+        self.pages.clear()
         if self.graphs is not None:
             self._graphs_max_seq_len, self.graphs = self.graphs.max_seq_len, None
             self._graphs_max_tokens = self.mixed_graphs.prefill_sizes[-1] if self.mixed_graphs is not None else None
@@ -202,7 +179,7 @@ class ModelRunner:
     def _add(self, new: NewRequestData) -> None:
         t, h = len(new.prompt_token_ids), self.model.config.hidden_size
         dev = self.device
-        self.requests[new.request_id] = _RequestState(
+        self.requests[new.request_id] = RequestState(
             params=new.params, seed=new.seed & _SEED_MASK,
             prompt=stage(dev, (new.prompt_token_ids, np.int64))[0],
             block_arrays=[np.asarray(bt, dtype=np.int32) for bt in new.block_tables],
@@ -230,7 +207,7 @@ class ModelRunner:
             return False
         return all(np.isfinite(floats))
 
-    def _init_decode_slot(self, st: _RequestState, block_tables: list) -> None:
+    def _init_decode_slot(self, st: RequestState, block_tables: list) -> None:
         """A request's per-slot device state before its first token."""
         ds = self.decode_state
         ds.set_tables(st.slot, block_tables)
@@ -238,138 +215,6 @@ class ModelRunner:
             ds.track_penalties(st.slot, st.prompt, self.vocab_size)
         if self._per_token_exits:
             ds.set_trace(st.slot, st.params.exit_depths)
-
-    # --- preemption -------------------------------------------------------------------
-    def _blocks_index(self, tables: list[np.ndarray]) -> Tensor:
-        """Physical blocks of every plane, plane-major (staged: a pageable copy would wait for the steps in flight)."""
-        return stage(self.device, (np.concatenate(tables), np.int64))[0]
-
-    def _snapshot(self, request_id: str) -> None:
-        """Moves a preempted request to CPU memory: KV of every plane, slot state, request state."""
-        st = self.requests.pop(request_id)
-        idx = self._blocks_index(st.block_arrays)
-        pin = self.device.type == "cuda"
-
-        def to_host(t: Tensor) -> Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            host.copy_(t, non_blocking=pin)
-            return host
-
-        slot = st.slot
-        self.snapshots[request_id] = Snapshot(
-            k=to_host(self.k_cache[:, idx]), v=to_host(self.v_cache[:, idx]),
-            slot_hidden=to_host(self.slot_hidden[slot]), slot_survival=to_host(self.slot_survival[slot]),
-            state=st.to(torch.device("cpu")), blocks_per_plane=len(st.block_arrays[0]),
-            decode_state=self.decode_state.save(slot, to_host))
-
-    def _restore(self, resumed: ResumedRequestData) -> None:
-        snap = self.snapshots.pop(resumed.request_id)
-        st = snap.state.to(self.device)
-        st.block_arrays = [np.asarray(t, dtype=np.int32) for t in resumed.block_tables]
-        # The new tables may be longer (room for the next position); the snapshot fills their heads,
-        # except pages the prefix cache gave it (shared with other requests: never written).
-        if snap.k is None:  # a handed-off request: its pages were written in place as they arrived
-            self.page_writer.wait(resumed.request_id)
-        else:
-            self._restore_pages(snap, st.block_arrays, resumed.num_cached_pages)
-        # A preemption snapshot's buffers are pinned on CUDA, so these copies queue behind the steps in
-        # flight; a handoff's come from another process in pageable memory and copy synchronously.
-        self.slot_hidden[resumed.slot].copy_(snap.slot_hidden, non_blocking=True)
-        self.slot_survival[resumed.slot].copy_(snap.slot_survival, non_blocking=True)
-        st.slot = resumed.slot
-        self.decode_state.load(resumed.slot, snap.decode_state, resumed.block_tables)
-        self.requests[resumed.request_id] = st
-
-    def _restore_pages(self, snap: Snapshot, tables: list[np.ndarray], cached: int) -> None:
-        bpp = snap.blocks_per_plane
-        idx = self._blocks_index([t[cached:bpp] for t in tables])
-        k, v = snap.k, snap.v
-        if cached:
-            keep = torch.cat([torch.arange(p * bpp + cached, (p + 1) * bpp) for p in range(len(tables))])
-            k, v = k[:, keep.to(k.device)], v[:, keep.to(v.device)]
-        self.k_cache[:, idx] = k.to(self.device, non_blocking=True)
-        self.v_cache[:, idx] = v.to(self.device, non_blocking=True)
-
-    # --- prefill/decode disaggregation ----------------------------------------------------
-    def export_pages(self, request_id: str, first: int, last: int) -> Tensor:
-        """A copy of a running request's pages ``[first, last)`` of every plane (plane-major),
-        ``[2 (k, v), layers, planes * (last - first), block_size, kv_heads, D]`` on this device, queued
-        after the steps already launched (so it holds what they wrote)."""
-        st = self.requests[request_id]
-        # (staged through pinned memory: a pageable copy would wait for the steps in flight)
-        idx = stage(self.device, (np.concatenate([a[first:last] for a in st.block_arrays]), np.int64))[0]
-        kv = torch.empty((2, self.k_cache.shape[0], idx.numel(), *self.k_cache.shape[2:]), dtype=self.dtype,
-                         device=self.device)
-        torch.index_select(self.k_cache, 1, idx, out=kv[0])
-        torch.index_select(self.v_cache, 1, idx, out=kv[1])
-        return kv
-
-    def prompt_pages(self, request_id: str) -> int:
-        """Pages per plane that hold the request's prompt."""
-        return -(-self.requests[request_id].prompt.numel() // self.block_size)
-
-    def export_request(self, request_id: str, first_page: int = 0) -> tuple[HandoffState, Tensor]:
-        """Takes a request whose prompt finished (its first token fed to its slot) off this runner:
-        its slot state on the CPU and a copy of its prompt's pages from ``first_page`` on (the
-        earlier ones were exported already, ``export_pages``); the pool's pages may be reused at
-        once. With the earlier pages, exactly what a preemption snapshot holds, without the prefill
-        buffers a decode worker never reads."""
-        blocks = self.prompt_pages(request_id)
-        kv = self.export_pages(request_id, first_page, blocks)
-        st = self.requests.pop(request_id)
-        cpu = torch.device("cpu")
-        slot = st.slot
-        state = HandoffState(
-            params=st.params, seed=st.seed, prompt_token_ids=st.prompt.tolist(), prompt_exit=st.prompt_exit,
-            max_len=st.max_len, blocks_per_plane=blocks, slot_hidden=self.slot_hidden[slot].to(cpu),
-            slot_survival=self.slot_survival[slot].to(cpu), decode_state=self.decode_state.save(slot, lambda t: t.to(cpu)))
-        return state, kv
-
-    def write_pages(self, request_id: str, block_tables: list[list[int]], first: int, kv: Tensor,
-                    skip: int = 0) -> None:
-        """Writes received pages into the pool: ``kv`` is ``[2, layers, planes * n, block_size, kv_heads,
-        D]`` (pages ``[first, first + n)`` of every plane, plane-major, as ``export_pages`` gives them),
-        page ``i`` of plane ``p`` goes to ``block_tables[p][i]``; pages below ``skip`` are left alone
-        (the prefix cache gave them: shared, never written). On CUDA the copy runs on a stream of its
-        own, after the steps already launched (they may still write pages freed to this request) and
-        before the step that resumes the request (``_restore`` waits for it)."""
-        planes = len(block_tables)
-        n = kv.shape[2] // planes if kv.dim() == 6 else 0
-        expected = (2, self.k_cache.shape[0], planes * n, *self.k_cache.shape[2:])
-        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
-            raise ValueError(f"KV pages of shape {tuple(kv.shape)} {kv.dtype}, expected {expected} {self.dtype}")
-        if first < 0 or first + n > len(block_tables[0]):
-            raise ValueError(f"pages [{first}, {first + n}) outside the {len(block_tables[0])} reserved per plane")
-        pages = np.arange(max(first, skip), first + n)
-        if not len(pages):
-            return
-        src = np.concatenate([p * n + pages - first for p in range(planes)])
-        dst = np.concatenate([np.asarray(t, dtype=np.int64)[pages] for t in block_tables])
-        self.page_writer.write(request_id, (self.k_cache, self.v_cache), dst, src, kv)
-
-    def release_pages(self, request_id: str) -> None:
-        """Forgets a request whose pages were written but will not be resumed (aborted, dropped,
-        failed): steps launched from now on, which may reuse its pages, wait for the writes."""
-        self.page_writer.wait(request_id)
-
-    def adopt_request(self, request_id: str, state: HandoffState) -> None:
-        """Holds a request exported by another runner (``export_request``) as a preemption snapshot
-        whose pages are in the pool already (``write_pages``): the scheduler resumes it like a
-        preempted request (``ResumedRequestData``) and no page is copied then."""
-        h = self.model.config.hidden_size
-        cpu = torch.device("cpu")
-        st = _RequestState(params=state.params, seed=state.seed,
-                           prompt=torch.tensor(state.prompt_token_ids, dtype=torch.long), block_arrays=[],
-                           prompt_exit=state.prompt_exit, hidden=torch.empty(0, h, dtype=self.dtype, device=cpu),
-                           survival=torch.empty(0, device=cpu), sel_hidden=torch.empty(0, h, dtype=self.dtype, device=cpu),
-                           sel_depth=torch.empty(0, dtype=torch.long, device=cpu), max_len=state.max_len)
-        self.snapshots[request_id] = Snapshot(k=None, v=None, slot_hidden=state.slot_hidden,
-                                              slot_survival=state.slot_survival, state=st,
-                                              blocks_per_plane=state.blocks_per_plane, decode_state=state.decode_state)
-
-    @property
-    def snapshot_bytes(self) -> int:
-        return sum(s.k.nbytes + s.v.nbytes for s in self.snapshots.values() if s.k is not None)
 
     def decode_rows(self, slots: Tensor, min_loops: Tensor, max_loops: Tensor, threshold: Tensor) -> DecodeRows:
         """Decode rows ``slots`` derived from the device state, without the host; a row with ``run``
@@ -501,17 +346,16 @@ class ModelRunner:
     def _apply_lifecycle(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
-            self.snapshots.pop(rid, None)
-            self.page_writer.wait(rid)  # its pages (freed) may be written by this step
+            self.pages.forget(rid)  # its pages (freed) may be written by this step
         # Snapshots before any freed block is written, and before a new request resets the
         # device state of a slot a victim just gave up (the scheduler never preempts a request
         # it started or resumed in the same step, nor resumes one it preempted).
         for rid in sched.preempted_request_ids:
-            self._snapshot(rid)
+            self.pages.snapshot(rid)
         for new in sched.new_requests:
             self._add(new)
         for resumed in sched.resumed_requests:
-            self._restore(resumed)
+            self.pages.restore(resumed)
         for rid, added in sched.block_updates.items():
             st = self.requests[rid]
             for plane, blocks in enumerate(added):
@@ -585,7 +429,7 @@ class ModelRunner:
             booked.hidden.append(st.sel_hidden[last])
             booked.meta.append((i, st.sel_depth[last:last + 1]))
 
-    def _prompt_logprobs(self, st: _RequestState, lo: int, hi: int) -> list:
+    def _prompt_logprobs(self, st: RequestState, lo: int, hi: int) -> list:
         """Position p predicts prompt token p+1 from its hidden at the depth the rule picked (returned too)."""
         hi = min(hi, st.prompt.numel() - 1)
         if hi <= lo:

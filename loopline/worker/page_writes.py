@@ -1,7 +1,7 @@
 """Received KV pages written into the pool off the compute stream (prefill/decode disaggregation).
 
 A decode worker writes each piece of a handed-off request's prompt pages into the pages it
-reserved as the piece arrives (``ModelRunner.write_pages``). On CUDA the copies run on a stream of
+reserved as the piece arrives (``KVPages.write_pages``). On CUDA the copies run on a stream of
 their own so that they overlap the steps: each copy first waits for the steps already launched
 (they may still write pages that were freed and reserved for this request), and the step that
 first reads the pages -- or that may reuse them, once the request is dropped -- waits for the

@@ -27,7 +27,7 @@ class HandoffState:
     """What a decode worker needs of a request a prefill worker finished (prefill/decode
     disaggregation): its sampling and exit settings and its slot's device state, on the CPU.
     The KV pages travel on their own (``loopline.distributed.kv_transfer``), straight into the
-    pages the decode worker reserved (``ModelRunner.write_pages``)."""
+    pages the decode worker reserved (``KVPages.write_pages``)."""
 
     params: Any  # SamplingParams (effective)
     seed: int

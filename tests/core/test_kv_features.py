@@ -183,7 +183,7 @@ def test_preemption_under_tiny_pool_equals_unpressured_run(tiny_gqa, layout, mod
     tight = drain(eng, reqs)
     assert eng.scheduler.num_preemptions > 0
     assert {k: result(v) for k, v in tight.items()} == {k: result(v) for k, v in roomy.items()}
-    assert eng.kv.num_used_blocks == 0 and not eng.runner.snapshots
+    assert eng.kv.num_used_blocks == 0 and not eng.runner.pages.snapshots
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

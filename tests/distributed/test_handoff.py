@@ -118,7 +118,7 @@ def test_handoff_gives_the_single_engines_outputs(tiny_gqa, layout):
     assert prefill.kv.num_used_blocks == 0 and decode.kv.num_used_blocks == 0
     if layout == "last_exited":  # handed-off prompt pages are cached on the decode side and shared there
         assert decode.kv.prefix_cache.stats.hits > 0
-    assert not decode.runner.snapshots and not prefill.runner.requests
+    assert not decode.runner.pages.snapshots and not prefill.runner.requests
 
 
 # --- the decode worker's loop, with a transport that fails ---------------------------------------
@@ -203,7 +203,7 @@ def test_a_failed_transfer_fails_its_request_alone(tiny_gqa):
     apply_all(core, AcceptCmd(handoff, 1, src_rank=0))
     (rid, error), = core._msg.failures
     assert rid == "lost" and isinstance(error, EngineInternalError) and error.error_id
-    assert not core._incoming and not decode.scheduler.requests and not decode.runner.snapshots
+    assert not core._incoming and not decode.scheduler.requests and not decode.runner.pages.snapshots
     assert decode.kv.num_used_blocks == 0 and prefill.kv.num_used_blocks == 0 and not decode.num_reserved_handoffs
 
 
@@ -236,7 +236,7 @@ def test_pieces_are_written_into_pages_reserved_before_the_handoff(tiny_gqa, dev
     handoff, rest = prefill.hand_off(child, pages)
     apply_all(core, piece_cmd("r", child, prompt, pages, rest, reserve=False), AcceptCmd(handoff, 2, src_rank=0))
     assert not core._msg.failures and "r" in core._live
-    assert decode.runner.snapshots[child].k is None  # nothing staged: the pages are in the pool
+    assert decode.runner.pages.snapshots[child].k is None  # nothing staged: the pages are in the pool
     assert decode.kv.get(child).block_tables[0][:8] == tables[0][:8]  # adoption kept the pages
     single = drain(engine_for(tiny_gqa, **kw), {"r": (prompt, params)})["r"].outputs[0]
     tokens = [handoff.first.token_id]
@@ -294,7 +294,7 @@ def test_dropped_and_aborted_requests_free_their_reserved_pages(tiny_gqa):
               AcceptCmd(handoff, 2, src_rank=0, aborted=True))
     outs = decode.step()
     assert [o.outputs[0].finish_reason for o in outs] == ["abort"]
-    assert decode.kv.num_used_blocks == 0 and not decode.runner.snapshots and not core._incoming
+    assert decode.kv.num_used_blocks == 0 and not decode.runner.pages.snapshots and not core._incoming
 
 
 def test_a_reservation_that_does_not_fit_fails_its_request_cleanly(tiny_gqa):
