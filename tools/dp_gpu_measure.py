@@ -34,7 +34,7 @@ from loopline import AsyncLLM, EngineArgs, SamplingParams
 from loopline.distributed.dp import DPClient
 from loopline.distributed.launch import make_client
 from loopline.distributed.router import LoadAffinityRouter, ReplicaLoad
-from loopline.entrypoints.core_client import MPClient
+from loopline.runtime.client import MPClient
 from loopline.models.tiny import make_tiny_checkpoint, random_checkpoint_config
 
 

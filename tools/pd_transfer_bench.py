@@ -90,8 +90,8 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     from loopline.distributed.kv_transfer import make_transport
-    from loopline.distributed.pd import _free_port
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    from loopline.distributed.worker_pool import free_port
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(a, child, init_method), daemon=True)

@@ -37,7 +37,7 @@ $py - <<'PY' 2>&1 | tee -a "$log"
 # drop a package with --set 'corpus.packages=[...]')
 import sys, sysconfig
 import torch
-from loopline.train.cli import DEMO_LARGE_PACKAGES
+from loopline.train.presets import DEMO_LARGE_PACKAGES
 from loopline.train.corpus import CorpusSpec, distribution_source
 print(sys.version.split()[0], sysconfig.get_paths()["stdlib"], "torch", torch.__version__,
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")

@@ -1,7 +1,7 @@
 """Data-parallel replicas behind one front end: :class:`DPClient`, the engine client ``AsyncLLM`` takes.
 
 Each replica is a whole engine with a client of its own: an engine process
-(:class:`~loopline.entrypoints.core_client.MPClient`, ``--distributed-executor-backend mp``)
+(:class:`~loopline.runtime.client.MPClient`, ``--distributed-executor-backend mp``)
 or a Ray actor (``ray_backend.RayEngineClient``). :class:`DPClient` has the
 interface of one engine client, so ``AsyncLLM``, the HTTP server and the RL
 routes run unchanged over N replicas:
@@ -36,12 +36,11 @@ from typing import Any
 
 from loopline.config import EngineArgs, resolve_device
 from loopline.engine import LLMEngine, PromptType
-from loopline.entrypoints.core_client import (EngineClient, _call_soon, _set_exception, _set_result,
-                                              _settle)
-from loopline.entrypoints.engine_core import EngineSnapshot, StepRecord
 from loopline.distributed.router import LoadAffinityRouter, ReplicaLoad, Router
 from loopline.errors import EngineDeadError, EngineStateError, InvalidRequestError, LooplineError
 from loopline.outputs import RequestOutput
+from loopline.runtime.client import EngineClient, call_soon, set_exception, set_result, settle
+from loopline.runtime.protocol import EngineSnapshot, StepRecord
 from loopline.sampling_params import SamplingParams
 
 logger = logging.getLogger("loopline.dp")
@@ -178,7 +177,7 @@ class DPClient(EngineClient):
         try:
             groups = self._route(requests)
         except LooplineError as e:
-            _call_soon(ack.get_loop(), _set_exception, ack, e)
+            call_soon(ack.get_loop(), set_exception, ack, e)
             return
         join = _AddJoin(self, ack, chat_stop, stream)
         for i, group in groups.items():
@@ -247,9 +246,9 @@ class DPClient(EngineClient):
             try:
                 result = self._combine(name, parts)
             except BaseException as e:  # noqa: BLE001  (handed to the caller)
-                _settle(future, None, e)
+                settle(future, None, e)
             else:
-                _settle(future, result, None)
+                settle(future, result, None)
 
         for _, part in parts:
             part.add_done_callback(settled)
@@ -313,7 +312,7 @@ class _AddJoin:
             return
         failed = [(self.shares[j][0], e) for j, e in self.outcomes.items() if e is not None and e is not self._REROUTED]
         if not failed:
-            _set_result(self.ack, None)
+            set_result(self.ack, None)
             return
         accepted = [(self.shares[j][0], [rid for rid, _, _ in self.shares[j][1]])
                     for j, e in self.outcomes.items() if e is None]
@@ -324,7 +323,7 @@ class _AddJoin:
             if e is not None and e is not self._REROUTED:
                 self.dp._release([rid for rid, _, _ in self.shares[j][1]], self.shares[j][0])
         i, error = failed[0]
-        _set_exception(self.ack, _naming_replica(error, i, self.dp.size) if isinstance(error, EngineDeadError) else error)
+        set_exception(self.ack, _naming_replica(error, i, self.dp.size) if isinstance(error, EngineDeadError) else error)
 
 
 class _ReplicaStream:

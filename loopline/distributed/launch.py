@@ -9,7 +9,8 @@ from functools import partial
 
 from loopline.config import EngineArgs
 from loopline.distributed.dp import DPClient, replica_args, start_in_parallel
-from loopline.entrypoints.core_client import EngineClient, MPClient
+from loopline.distributed.worker_pool import ProcessWorkerPool, WorkerPool
+from loopline.runtime.client import EngineClient, MPClient
 
 
 def make_client(args: EngineArgs) -> EngineClient:
@@ -19,7 +20,7 @@ def make_client(args: EngineArgs) -> EngineClient:
     if args.prefill_workers:
         from loopline.distributed.pd import PDClient
 
-        return PDClient(args)
+        return PDClient(args, make_worker_pool(args))
     if args.data_parallel_size == 1 and args.distributed_executor_backend == "mp":
         return MPClient(args)
     args.validate()
@@ -29,3 +30,12 @@ def make_client(args: EngineArgs) -> EngineClient:
         return start_ray_replicas(args)
     return DPClient(start_in_parallel([partial(MPClient, replica_args(args, i, "mp"))
                                        for i in range(args.data_parallel_size)]))
+
+
+def make_worker_pool(args: EngineArgs) -> WorkerPool:
+    """The pool of prefill/decode workers ``args.distributed_executor_backend`` asks for (``ray``
+    imports Ray, only then)."""
+    if args.distributed_executor_backend == "ray":
+        from loopline.distributed.ray_backend import RayWorkerPool
+        return RayWorkerPool(args)
+    return ProcessWorkerPool(args)

@@ -4,7 +4,7 @@
 ``decode_workers``) gives ``AsyncLLM`` a :class:`PDClient` instead of the one-process client.
 Each worker is an engine whose loop is a :class:`PrefillCore` or a :class:`DecodeCore`; a
 :class:`WorkerPool` runs them: engine processes on this host (:class:`ProcessWorkerPool`,
-``core_client.MPClient`` machinery, ``spawn``), or Ray actors in a placement group, one bundle
+``runtime.client.MPClient`` machinery, ``spawn``), or Ray actors in a placement group, one bundle
 per worker, on any node of a Ray cluster (``--distributed-executor-backend ray``,
 ``ray_backend.RayWorkerPool``, the actor machinery data-parallel replicas use). A request's life:
 
@@ -43,37 +43,26 @@ decode worker is left. Aborts reach whichever worker holds the request, also mid
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
 import logging
-import socket
 import threading
 from collections import deque
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from loopline.core.request import RequestStatus
-from loopline.engine import LLMEngine
-from loopline.engine.handoff import Handoff
-from loopline.engine.input_processor import parent_request_id
-from loopline.entrypoints.core_client import EngineClient, MPClient
-from loopline.entrypoints.engine_core import (AbortCmd, AddCmd, CallCmd, Command, EngineCore, EngineInfo,
-                                              EngineMessage, EngineSnapshot, Inbox, Reply, ShutdownCmd)
-from loopline.errors import (CapacityError, EngineDeadError, EngineInternalError, EngineStateError, InvalidRequestError,
-                             LooplineError, new_error_id)
-from loopline.distributed.kv_transfer import (KVTransport, check_transport_device, make_transport,
-                                              resolve_transport)
+from loopline.errors import CapacityError, EngineDeadError, EngineStateError, InvalidRequestError
+from loopline.distributed.kv_transfer import check_transport_device, make_transport, resolve_transport
+from loopline.distributed.pd_worker import WorkerRole
+from loopline.distributed.worker_pool import WorkerLink, WorkerPool, WorkerSpec
+from loopline.runtime.client import EngineClient
+from loopline.runtime.protocol import (AbortCmd, AcceptCmd, AddCmd, CallCmd, Command, DropCmd, EngineInfo,
+                                       EngineMessage, EngineSnapshot, HandoffMsg, PieceCmd, PieceMsg, PrefillCmd, Reply,
+                                       ShutdownCmd)
 
 logger = logging.getLogger("loopline.pd")
 
 _TAG_STRIDE = 2**16
-
-__all__ = ["PDClient", "PrefillCore", "DecodeCore", "WorkerRole", "WorkerPool", "ProcessWorkerPool"]
-
 # Calls the front end sends to every worker, and how their results combine.
 _BROADCAST = {
     "reset_prefix_cache": lambda rs: None,
@@ -82,424 +71,6 @@ _BROADCAST = {
     "is_paused": any,
     "is_sleeping": any,
 }
-
-
-# --- what crosses the pipes ------------------------------------------------------------------
-@dataclass
-class PrefillCmd(AddCmd):
-    """An add for a prefill worker: every request names its decode worker and transfer tag."""
-
-    targets: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (decode rank, tag)
-
-
-@dataclass
-class PageReservation:
-    """What a decode worker needs to reserve a request's prompt pages (and to look its prefix up in
-    its prefix cache): sent with the request's first piece."""
-
-    child_id: str  # the scheduler's id, under which the pages are held
-    prompt_token_ids: list[int]
-
-
-@dataclass
-class PieceMsg:
-    """Prompt pages ``[first_page, first_page + n)`` of every plane a prefill worker started sending
-    (in ``EngineMessage.handoffs``): final KV, sent while the next chunks compute. The first piece of
-    a request (``first_page == 0``) carries its ``reservation``."""
-
-    request_id: str
-    tag: int
-    payload: Any
-    shape: tuple[int, ...]
-    dtype: Any
-    first_page: int
-    reservation: PageReservation | None = None
-
-
-@dataclass
-class HandoffMsg:
-    """A prefill worker's request leaving it after ``num_pieces`` pieces (in ``EngineMessage.handoffs``)."""
-
-    handoff: Handoff
-    num_pieces: int
-
-
-@dataclass
-class PieceCmd:
-    """A decode worker receives a piece of a request's pages (from ``src_rank``, with ``tag``)."""
-
-    piece: PieceMsg
-    src_rank: int
-
-
-@dataclass
-class AcceptCmd:
-    """A decode worker takes over a handed-off request once its ``num_pieces`` pieces arrived
-    (``aborted``: the client aborted it meanwhile: it ends as aborted)."""
-
-    handoff: Handoff
-    num_pieces: int
-    src_rank: int
-    aborted: bool = False
-
-
-@dataclass
-class DropCmd:
-    """The request whose pieces a decode worker received will not come (it ended on its prefill worker)."""
-
-    request_id: str
-
-
-@dataclass
-class PieceDoneCmd:
-    """Inside a decode worker: a piece's receive finished (the transport's thread wakes the loop)."""
-
-    request_id: str
-    future: concurrent.futures.Future
-    first_page: int
-
-
-# --- the worker processes --------------------------------------------------------------------
-@dataclass
-class WorkerRole:
-    """How ``run_engine_process`` builds a prefill or decode worker (picklable: it crosses ``spawn``)."""
-
-    kind: str  # "prefill" | "decode"
-    rank: int  # in the transport group: prefill workers first, then decode workers
-    world_size: int
-    init_method: str
-    transport: str
-    timeout_s: float
-
-    def build_engine(self, engine_args: Any) -> LLMEngine:
-        # NOTE: the transport is made here, before the engine reports that it started, so that
-        # a transport that cannot work (nixl missing) is the start's error, not a dead worker.
-        self._transport = make_transport(self.transport, self.timeout_s)
-        return LLMEngine(engine_args, prefill_only=self.kind == "prefill")
-
-    def make_core(self, engine: LLMEngine, inbox: Inbox, emit) -> EngineCore:
-        self._transport.start(self.rank, self.world_size, self.init_method, engine.config.device)
-        cls = PrefillCore if self.kind == "prefill" else DecodeCore
-        return cls(engine, inbox, emit, self._transport)
-
-
-class PrefillCore(EngineCore):
-    """The loop of a prefill worker: after every step, the prompt pages that became final are sent
-    to the request's decode worker (``PieceMsg``) while the next chunks compute; a request leaves
-    after its first token with the rest (``HandoffMsg``)."""
-
-    def __init__(self, engine: LLMEngine, inbox: Inbox, emit, transport: KVTransport) -> None:
-        super().__init__(engine, inbox, emit)
-        self.transport = transport
-        self._targets: dict[str, tuple[int, int]] = {}  # request id -> (decode rank, first tag)
-        self._sent: dict[str, tuple[int, int]] = {}  # request id -> (pages sent, pieces sent)
-
-    def _apply(self, cmd: Command) -> None:
-        if isinstance(cmd, PrefillCmd):
-            self._targets.update(cmd.targets)
-        super()._apply(cmd)
-
-    def _step(self) -> bool:
-        progressed = super()._step()
-        for child, pages in self.engine.final_prompt_pages().items():
-            rid = parent_request_id(child)
-            if rid not in self._targets:
-                continue
-            try:
-                sent, _ = self._sent.get(rid, (0, 0))
-                req = self.engine.scheduler.requests[child]
-                if pages > sent and req.status == RequestStatus.PREFILL:
-                    self._send_piece(rid, PageReservation(child, req.prompt_token_ids),
-                                     self.engine.export_pages(child, sent, pages), sent, pages)
-            except Exception as e:  # this request fails; the others go on
-                self._fail(rid, e)
-        for child in self.engine.ready_handoffs():
-            progressed = True
-            self._hand_off(child)
-        if len(self._targets) > len(self._live):  # requests that finished or failed here
-            self._targets = {rid: t for rid, t in self._targets.items() if rid in self._live}
-            self._sent = {rid: t for rid, t in self._sent.items() if rid in self._live}
-        return progressed
-
-    def _send_piece(self, rid: str, reservation: PageReservation, kv: torch.Tensor, first: int, end: int) -> None:
-        rank, tag0 = self._targets[rid]
-        _, count = self._sent.get(rid, (0, 0))
-        tag = tag0 + count
-        payload, sent = self.transport.send(kv, rank, tag)
-        sent.add_done_callback(lambda f: f.exception() is not None and logger.error(
-            "request %s: sending KV pages to worker %d failed: %s", rid, rank, f.exception()))
-        self._sent[rid] = (end, count + 1)
-        self._msg.handoffs.append(PieceMsg(rid, tag, payload, tuple(kv.shape), kv.dtype, first,
-                                           reservation if count == 0 else None))
-
-    def _hand_off(self, child: str) -> None:
-        rid = parent_request_id(child)
-        try:
-            sent, _ = self._sent.get(rid, (0, 0))
-            handoff, rest = self.engine.hand_off(child, sent)
-            if rest.shape[2]:
-                self._send_piece(rid, PageReservation(child, handoff.prompt_token_ids), rest, sent,
-                                 sent + rest.shape[2] // self.engine.kv.layout.num_planes)
-            self._msg.handoffs.append(HandoffMsg(handoff, self._sent.get(rid, (0, 0))[1]))
-        except Exception as e:
-            self._fail(rid, e)
-        self._targets.pop(rid, None)
-        self._sent.pop(rid, None)
-        self._live.discard(rid)
-        self._encoder.drop(rid)
-
-    def _fail(self, rid: str, error: Exception) -> None:
-        error_id = new_error_id()
-        logger.error("request %s: handing it to a decode worker failed (error id %s)", rid, error_id, exc_info=error)
-        self.engine.abort_request(rid)
-        self._live.discard(rid)
-        self._encoder.drop(rid)
-        self._targets.pop(rid, None)
-        self._sent.pop(rid, None)
-        self._msg.failures.append((rid, EngineInternalError(
-            f"internal error while handing the request to a decode worker (error id {error_id})", error_id)))
-
-
-@dataclass
-class _Incoming:
-    """A decode worker's view of a request on its way: its reserved pages, its pieces and, once sent,
-    its handoff."""
-
-    child_id: str | None = None  # set once its pages are reserved in the engine
-    outstanding: int = 0  # receives not finished
-    received: int = 0
-    accept: AcceptCmd | None = None
-    error: BaseException | None = None
-    aborted: bool = False
-    dropped: bool = False
-
-
-class DecodeCore(EngineCore):
-    """The loop of a decode worker: a request's prompt pages are reserved in the engine's KV pool when
-    its first piece arrives (``PieceCmd``); the pieces are received on the transport's threads while
-    the loop steps, and each is written straight into its reserved pages; the request resumes once its
-    handoff (``AcceptCmd``) and all its pieces are in, with nothing left to copy."""
-
-    def __init__(self, engine: LLMEngine, inbox: Inbox, emit, transport: KVTransport) -> None:
-        super().__init__(engine, inbox, emit)
-        self.transport = transport
-        self._incoming: dict[str, _Incoming] = {}
-
-    def _apply(self, cmd: Command) -> None:
-        if isinstance(cmd, PieceCmd):
-            self._receive(cmd)
-        elif isinstance(cmd, PieceDoneCmd):
-            self._piece_done(cmd)
-        elif isinstance(cmd, AcceptCmd):
-            inc = self._incoming.setdefault(cmd.handoff.request_id, _Incoming())
-            inc.accept, inc.aborted = cmd, inc.aborted or cmd.aborted
-            self._maybe_adopt(cmd.handoff.request_id)
-        elif isinstance(cmd, DropCmd):
-            if cmd.request_id in self._incoming:
-                inc = self._incoming[cmd.request_id]
-                inc.dropped = True
-                self._release(inc)  # at once: receives still on their way (a dead sender's) write nothing
-                self._maybe_adopt(cmd.request_id)
-        else:
-            if isinstance(cmd, AbortCmd):
-                for rid in cmd.request_ids:
-                    if rid in self._incoming:
-                        self._incoming[rid].aborted = True
-            super()._apply(cmd)
-
-    def _receive(self, cmd: PieceCmd) -> None:
-        piece = cmd.piece
-        inc = self._incoming.setdefault(piece.request_id, _Incoming())
-        if piece.reservation is not None and inc.child_id is None and inc.error is None:
-            try:
-                self.engine.reserve_handoff(piece.reservation.child_id, piece.reservation.prompt_token_ids)
-                inc.child_id = piece.reservation.child_id
-            except Exception as e:  # the request fails at its handoff; its pieces are still received
-                inc.error = e  # (so that the sender's transfers complete), and dropped
-        inc.outstanding += 1
-        future = self.transport.recv(piece.payload, piece.shape, piece.dtype, cmd.src_rank, piece.tag)
-        future.add_done_callback(lambda f, rid=piece.request_id, first=piece.first_page:
-                                 self.inbox.put(PieceDoneCmd(rid, f, first)))
-
-    def _piece_done(self, cmd: PieceDoneCmd) -> None:
-        inc = self._incoming.get(cmd.request_id)
-        if inc is None:
-            return
-        inc.outstanding -= 1
-        try:
-            kv = cmd.future.result()
-            if inc.error is None and not (inc.dropped or inc.aborted):  # (else its pages are not read)
-                if inc.child_id is None:
-                    raise EngineStateError(f"pages of request {cmd.request_id!r} arrived before its reservation")
-                self.engine.write_handoff_pages(inc.child_id, cmd.first_page, kv)
-            inc.received += 1
-        except Exception as e:
-            inc.error = inc.error or e
-            self._release(inc)  # it will fail at its handoff: its pages go now
-        self._maybe_adopt(cmd.request_id)
-
-    def _maybe_adopt(self, rid: str) -> None:
-        """Adopts (or fails, or forgets) a request once nothing of it is still on its way; whatever
-        does not end adopted frees its reserved pages."""
-        inc = self._incoming[rid]
-        if inc.outstanding:
-            return
-        if inc.dropped:
-            self._forget(rid)
-            return
-        accept = inc.accept
-        if accept is None:
-            return  # more pieces, and the handoff, are coming
-        if inc.error is None and inc.received < accept.num_pieces:
-            return
-        try:
-            if inc.error is not None:
-                raise inc.error
-            text = self.engine.adopt(accept.handoff)
-            del self._incoming[rid]
-        except Exception as e:  # a failed transfer (or a refusal): this request fails alone
-            self._forget(rid)
-            if isinstance(e, LooplineError):
-                failure: Exception = e
-            else:
-                error_id = new_error_id()
-                logger.error("request %s: receiving it from worker %d failed (error id %s): %s", rid, accept.src_rank,
-                             error_id, e)
-                failure = EngineInternalError(f"the KV transfer of the request failed (error id {error_id}); "
-                                              "it was aborted", error_id)
-            self._msg.failures.append((rid, failure))
-            return
-        self._live.add(rid)
-        self._encoder.seed(rid, 1, text)
-        if inc.aborted:
-            self.engine.abort_request(rid)
-
-    def _forget(self, rid: str) -> None:
-        self._release(self._incoming.pop(rid))
-
-    def _release(self, inc: _Incoming) -> None:
-        """Frees a request's reserved pages (it will not be adopted); later pieces are not written."""
-        if inc.child_id is not None:
-            self.engine.release_handoff(inc.child_id)
-            inc.child_id = None
-
-
-# --- the front end ---------------------------------------------------------------------------
-@dataclass
-class WorkerSpec:
-    """One worker a :class:`WorkerPool` starts: its kind, index among its kind, rank in the
-    transport group, engine arguments and role."""
-
-    kind: str
-    index: int
-    rank: int
-    engine_args: Any
-    role: WorkerRole
-
-
-class WorkerLink:
-    """What :class:`PDClient` needs of a worker's client, whatever runs the worker (a mixin over an
-    engine client: an engine process's, a Ray actor's): its place in the pool, and its messages
-    going to the ``PDClient``."""
-
-    owner: "PDClient"
-    kind: str
-    index: int
-    rank: int
-    alive: bool
-
-    def _link(self, owner: "PDClient", spec: WorkerSpec) -> None:
-        # NOTE: before the engine client starts: its reader may deliver a message at once
-        self.owner, self.kind, self.index, self.rank = owner, spec.kind, spec.index, spec.rank
-        self.alive = True
-
-    @property
-    def name(self) -> str:
-        return f"{self.kind} worker {self.index}"
-
-    @property
-    def label(self) -> str:
-        return f"{self.kind}-{self.index}"
-
-    def is_alive(self) -> bool:
-        return self.alive and super().is_alive()
-
-    def _on_message(self, msg: EngineMessage) -> None:
-        self.owner._on_worker_message(self, msg)
-
-
-class _Worker(WorkerLink, MPClient):
-    """One worker process; its messages go to the :class:`PDClient`."""
-
-    def __init__(self, owner: "PDClient", spec: WorkerSpec) -> None:
-        self._link(owner, spec)
-        MPClient.__init__(self, spec.engine_args, spec.role)
-
-
-class WorkerPool(ABC):
-    """Where a :class:`PDClient`'s workers run: engine processes on this host
-    (:class:`ProcessWorkerPool`) or Ray actors in a placement group (``ray_backend.RayWorkerPool``)."""
-
-    #: what the workers compute on (its type picks the KV transport) and whether they all share one GPU
-    device: torch.device
-    devices_shared: bool
-
-    @abstractmethod
-    def rendezvous(self) -> str:
-        """The ``tcp://host:port`` where the KV transport group meets (rank 0 listens there)."""
-
-    @abstractmethod
-    def worker_args(self, args: Any, rank: int) -> dict[str, Any]:
-        """The engine arguments worker ``rank``'s engine gets instead of the front end's (its device...)."""
-
-    @abstractmethod
-    def start(self, owner: "PDClient", specs: list[WorkerSpec]) -> list[WorkerLink]:
-        """Starts every worker and returns their clients, in order; if one fails, the started ones
-        are stopped and its error is raised."""
-
-    def release(self) -> None:
-        """Frees what the pool holds once every worker stopped (nothing for processes)."""
-
-
-class ProcessWorkerPool(WorkerPool):
-    """Workers as engine processes on this host: one GPU each where there are enough, else all on
-    the front end's device (and the transport group on the loopback interface)."""
-
-    def __init__(self, args: Any) -> None:
-        from loopline.config import resolve_device
-        self.device = resolve_device(args.device)
-        self.devices = _worker_devices(self.device, args.prefill_workers + args.decode_workers)
-        self.devices_shared = len(set(self.devices)) == 1
-
-    def rendezvous(self) -> str:
-        return f"tcp://127.0.0.1:{_free_port()}"
-
-    def worker_args(self, args: Any, rank: int) -> dict[str, Any]:
-        dev, util = self.devices[rank], args.gpu_memory_utilization
-        if dev.type == "cuda":  # NOTE: workers start one after another on a shared device: each
-            # one's pool is sized from what the earlier ones left (cumulative fractions)
-            util *= self.devices[:rank + 1].count(dev) / self.devices.count(dev)
-        return dict(device=str(dev), gpu_memory_utilization=util)
-
-    def start(self, owner: "PDClient", specs: list[WorkerSpec]) -> list[WorkerLink]:
-        workers: list[WorkerLink] = []
-        try:
-            for spec in specs:  # one after another: see worker_args
-                workers.append(_Worker(owner, spec))
-        except BaseException:
-            for w in workers:
-                w.stopping = True
-                w.shutdown(5)
-            raise
-        return workers
-
-
-def make_worker_pool(args: Any) -> WorkerPool:
-    """The pool ``args.distributed_executor_backend`` asks for (``ray`` imports Ray, only then)."""
-    if args.distributed_executor_backend == "ray":
-        from loopline.distributed.ray_backend import RayWorkerPool
-        return RayWorkerPool(args)
-    return ProcessWorkerPool(args)
 
 
 @dataclass
@@ -516,8 +87,8 @@ class _Placement:
 class PDClient(EngineClient):
     """``AsyncLLM``'s client for prefill/decode disaggregation (see the module docstring)."""
 
-    def __init__(self, engine_args: Any, pool: WorkerPool | None = None) -> None:
-        """``pool``: where the workers run (default: what ``distributed_executor_backend`` names)."""
+    def __init__(self, engine_args: Any, pool: WorkerPool) -> None:
+        """``pool``: where the workers run (``launch.make_worker_pool`` picks it)."""
         super().__init__()
         args = engine_args
         args.validate()
@@ -533,7 +104,7 @@ class PDClient(EngineClient):
         self.num_pieces = self.num_handoffs = 0  # pieces of pages forwarded, requests handed off
         self.prefill: list[WorkerLink] = []
         self.decode: list[WorkerLink] = []
-        self.pool = pool or make_worker_pool(args)
+        self.pool = pool
         try:
             self.transport = transport = resolve_transport(args.kv_transport, self.pool.device,
                                                            self.pool.devices_shared)
@@ -815,17 +386,3 @@ class PDClient(EngineClient):
     def worker_snapshots(self) -> dict[str, EngineSnapshot]:
         """Each worker's own gauges (KV pages in use per side: tests, /metrics)."""
         return {w.name: w.snapshot for w in self.workers}
-
-
-def _worker_devices(device: torch.device, count: int) -> list[torch.device]:
-    """One device per worker where there are enough GPUs, else every worker on ``device``."""
-    if device.type == "cuda" and torch.cuda.device_count() >= count and device.index in (None, 0):
-        return [torch.device("cuda", i) for i in range(count)]
-    return [device] * count
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free now on ``host``'s interface ("": every interface)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -38,12 +38,12 @@ import torch
 
 from loopline.config import EngineArgs
 from loopline.distributed.dp import DPClient, replica_args, start_in_parallel
-from loopline.distributed.pd import WorkerLink, WorkerPool, WorkerSpec, _free_port
+from loopline.distributed.worker_pool import WorkerLink, WorkerPool, WorkerSpec, free_port
 from loopline.engine import LLMEngine
-from loopline.entrypoints.core_client import EngineClient
-from loopline.entrypoints.engine_core import (Command, EngineCore, EngineInfo, EngineMessage, EngineSnapshot, Inbox,
-                                              ShutdownCmd, _dumps)
 from loopline.errors import EngineDeadError, InvalidRequestError
+from loopline.runtime.client import EngineClient
+from loopline.runtime.core import EngineCore, Inbox, dumps
+from loopline.runtime.protocol import Command, EngineInfo, EngineMessage, EngineSnapshot, ShutdownCmd
 
 logger = logging.getLogger("loopline.dp")
 
@@ -65,7 +65,7 @@ def import_ray() -> Any:
 class EngineActor:
     """One engine in a Ray actor: builds the engine, runs its loop on a thread, takes numbered
     commands and hands out the loop's messages (pickled bytes) to ``poll``. ``role``: a prefill or
-    decode worker's (``pd.WorkerRole``), which builds the engine and its loop instead."""
+    decode worker's (``pd_worker.WorkerRole``), which builds the engine and its loop instead."""
 
     def __init__(self, engine_args: EngineArgs, log_level: int, num_threads: int, role: Any = None) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -79,7 +79,7 @@ class EngineActor:
         try:
             engine = LLMEngine(engine_args) if role is None else role.build_engine(engine_args)
         except BaseException as e:  # the front end raises it (e.g. an invalid option)
-            self._start = _dumps(EngineMessage(dead=e))
+            self._start = dumps(EngineMessage(dead=e))
             return
         self._start = pickle.dumps(EngineInfo.of(engine), pickle.HIGHEST_PROTOCOL)
         self._inbox = Inbox()
@@ -112,7 +112,7 @@ class EngineActor:
             self._loop.join(timeout)
 
     def _emit(self, msg: EngineMessage) -> None:
-        data = _dumps(msg)
+        data = dumps(msg)
         with self._cond:
             self._out.append(data)
             self._cond.notify_all()
@@ -177,7 +177,7 @@ class RayEngineClient(EngineClient):
 
 def _node_address() -> tuple[str, int]:
     """This node's IP, as Ray knows it, and a TCP port free on it now (a Ray task's body)."""
-    return import_ray().util.get_node_ip_address(), _free_port("")
+    return import_ray().util.get_node_ip_address(), free_port("")
 
 
 class ActorGroup:

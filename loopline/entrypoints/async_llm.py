@@ -1,8 +1,8 @@
 """``AsyncLLM``: one continuously batched :class:`LLMEngine` shared by many asyncio callers.
 
-The engine runs in an :class:`~loopline.entrypoints.engine_core.EngineCore` loop
+The engine runs in an :class:`~loopline.runtime.core.EngineCore` loop
 that is the only code touching it; ``AsyncLLM`` reaches it through a client
-strategy (``core_client``): :class:`MPClient`, the default, runs the loop in an
+strategy (``runtime.client``): :class:`MPClient`, the default, runs the loop in an
 engine process of its own (``loopline.distributed.dp.DPClient`` routes over several
 such replicas when ``data_parallel_size > 1``), so the GPU launches of each step never wait for
 this process's event loop to release the GIL; :class:`InProcClient`, used when
@@ -48,8 +48,8 @@ from loopline.config import EngineArgs
 from loopline.distributed.launch import make_client
 from loopline.engine import LLMEngine, PromptType
 from loopline.entrypoints.chat_utils import ChatEncoder
-from loopline.entrypoints.core_client import EngineClient, InProcClient
-from loopline.entrypoints.engine_core import EngineInfo, EngineSnapshot, StepRecord
+from loopline.runtime.client import EngineClient, InProcClient
+from loopline.runtime.protocol import EngineInfo, EngineSnapshot, StepRecord
 from loopline.entrypoints.tokenizer_pool import TokenizerPool
 from loopline.errors import EngineInternalError, InvalidRequestError
 from loopline.models.loader import load_tokenizer

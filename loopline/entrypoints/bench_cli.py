@@ -22,7 +22,7 @@ HELP = "offline throughput/latency benchmark (and `bench serve` for an HTTP serv
 
 def add_parser(sub: Any) -> None:
     from loopline.config import EngineArgs
-    from loopline.entrypoints.cli import SAMPLING_HELP, HelpFormatter, common_parser
+    from loopline.entrypoints.cli_args import SAMPLING_HELP, HelpFormatter, common_parser
 
     p = sub.add_parser("bench", help=HELP, formatter_class=HelpFormatter, parents=[common_parser(config=False)],
                        description="Closed-loop offline benchmark of the engine on random prompts; see docs/benchmarks/README.md.")
@@ -71,7 +71,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _add_serve(sub: Any) -> None:
-    from loopline.entrypoints.cli import HelpFormatter, common_parser
+    from loopline.entrypoints.cli_args import HelpFormatter, common_parser
 
     s = sub.add_parser("serve", help="drive a running OpenAI-compatible server over HTTP", formatter_class=HelpFormatter,
                        parents=[common_parser(config=False)],

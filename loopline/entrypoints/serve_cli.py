@@ -30,7 +30,7 @@ def _str_list(value: str) -> list[str]:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     from loopline.config import EngineArgs
-    from loopline.entrypoints.cli import HelpFormatter, common_parser
+    from loopline.entrypoints.cli_args import HelpFormatter, common_parser
 
     p = sub.add_parser("serve", help=HELP, formatter_class=HelpFormatter, parents=[common_parser()])
     p.add_argument("model_tag", nargs="?", default=None, help="checkpoint directory (same as --model)")

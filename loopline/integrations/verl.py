@@ -13,7 +13,7 @@ Three pieces, as verl's own classes call them:
   actor beside the replica's worker (the worker holds the replica's GPU; the server takes no Ray
   GPU and is pinned to that worker's node and device).
 * :class:`LooplineServer`: the async Ray actor that owns the engine (a
-  :class:`~loopline.rl.rollout_server.RolloutServer` over ``AsyncLLM``): ``generate`` ->
+  :class:`~loopline.entrypoints.rollout_server.RolloutServer` over ``AsyncLLM``): ``generate`` ->
   ``TokenOutput`` with ``exit_depths`` and ``global_steps`` in ``extra_fields``; abort / hold /
   resume, sleep / wake, KV release / resume; the weight transaction.
 * :class:`LooplineServerAdapter`: the ``BaseRollout`` in the trainer's or the checkpoint-engine
@@ -24,7 +24,7 @@ Engine options come from the rollout config (``dtype``, ``logprobs_mode``, ``max
 ``max_num_seqs``, ``max_num_batched_tokens``, ``gpu_memory_utilization``, ``enforce_eager``,
 ``enable_prefix_caching``, ``seed``) and from ``engine_kwargs.loopline`` (any ``EngineArgs``
 field, the loop defaults ``min_loops`` / ``max_loops`` / ``exit_threshold``, ``bucket_bytes``,
-``engine_process``): see :func:`loopline.rl.rollout_server.engine_options`.
+``engine_process``): see :func:`loopline.entrypoints.rollout_server.engine_options`.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 
 from loopline.rl.buckets import BucketFiller
 from loopline.rl.ipc import pack_bucket, unpack_bucket
-from loopline.rl.rollout_server import EngineOptions, RolloutServer, engine_options
+from loopline.entrypoints.rollout_server import EngineOptions, RolloutServer, engine_options
 
 logger = logging.getLogger("loopline.verl")
 

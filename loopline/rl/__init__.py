@@ -4,7 +4,7 @@
 * :mod:`loopline.rl.weights` -- validated, in-place full-weight updates.
 * :mod:`loopline.rl.lifecycle` -- pause / resume and sleep / wake-up state.
 * :mod:`loopline.rl.buckets` -- a trainer's ``(name, tensor)`` stream published in size-bounded buckets.
-* :mod:`loopline.rl.rollout_server` -- a token-in / token-out server over ``AsyncLLM`` with a
+* :mod:`loopline.entrypoints.rollout_server` -- a token-in / token-out server over ``AsyncLLM`` with a
   trainer's control flow (the core of the verl plug-in, ``loopline.integrations.verl``).
 
 The engine-facing methods are on :class:`~loopline.engine.LLMEngine` and

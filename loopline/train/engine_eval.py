@@ -1,6 +1,6 @@
 """The depth-vs-loss trade-off of a checkpoint, measured through the engine (``loopline train curve``).
 
-For each exit threshold, the held-out token stream goes through ``loopline.LLM`` as prompts with
+For each exit threshold, the held-out token stream goes through the engine (``LLMEngine``) as prompts with
 ``prompt_logprobs``: the engine picks every position's depth with its own exit rule
 (``RequestOutput.prompt_exit_depths``) and scores the next token from that depth's hidden state. The
 loss is the mean negative log-probability of the true next token; the mean depth and the depth
@@ -56,15 +56,22 @@ def engine_curve(model_dir: str | Path, stream: Sequence[int], *, seq_len: int =
                  thresholds: Sequence[float] = DEFAULT_THRESHOLDS, kv_layout: str = "last_exited",
                  device: str = "cpu", dtype: str = "float32") -> list[dict]:
     """Per threshold: mean depth, held-out loss and depth histogram of ``stream`` through the engine."""
-    from loopline import LLM, SamplingParams
+    from loopline.config import EngineArgs
+    from loopline.engine import LLMEngine
+    from loopline.sampling_params import SamplingParams
 
     windows = _windows(stream, seq_len, max_windows).tolist()
-    llm = LLM(str(model_dir), dtype=dtype, device=device, kv_layout=kv_layout, disable_log_stats=True,
-              max_model_len=seq_len + 2)
+    engine = LLMEngine(EngineArgs(model=str(model_dir), dtype=dtype, device=device, kv_layout=kv_layout,
+                                  disable_log_stats=True, max_model_len=seq_len + 2))
     points = []
     for q in thresholds:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, exit_threshold=q, detokenize=False)
-        outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+        for i, w in enumerate(windows):
+            engine.add_request(f"{q}-{i}", {"prompt_token_ids": w}, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+        outs = [done[f"{q}-{i}"] for i in range(len(windows))]
         depths, nll = [], []
         for w, out in zip(windows, outs):
             for pos in range(1, len(w)):

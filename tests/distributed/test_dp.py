@@ -16,7 +16,7 @@ import pytest
 from loopline import AsyncLLM, SamplingParams
 from loopline.distributed.dp import DPClient
 from loopline.engine import LLMEngine
-from loopline.entrypoints.core_client import EngineClient
+from loopline.runtime.client import EngineClient
 from loopline.errors import EngineDeadError, EngineStateError, InvalidRequestError, WeightUpdateError
 from loopline.outputs import RequestOutput
 

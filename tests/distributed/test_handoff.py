@@ -157,8 +157,8 @@ class PendingTransport:
 
 
 def decode_core(engine, transport):
-    from loopline.distributed.pd import DecodeCore
-    from loopline.entrypoints.engine_core import Inbox
+    from loopline.distributed.pd_worker import DecodeCore
+    from loopline.runtime.core import Inbox
     return DecodeCore(engine, Inbox(), lambda msg: None, transport)
 
 
@@ -171,7 +171,7 @@ def apply_all(core, *cmds):
 
 
 def piece_cmd(rid, child, prompt, first, kv, reserve=True):
-    from loopline.distributed.pd import PageReservation, PieceCmd, PieceMsg
+    from loopline.runtime.protocol import PageReservation, PieceCmd, PieceMsg
     return PieceCmd(PieceMsg(rid, 7 + first, kv, tuple(kv.shape), kv.dtype, first,
                              PageReservation(child, prompt) if reserve else None), src_rank=0)
 
@@ -187,7 +187,7 @@ def prefill_until_pieces(prefill, rid, prompt, params):
 
 
 def test_a_failed_transfer_fails_its_request_alone(tiny_gqa):
-    from loopline.distributed.pd import AcceptCmd
+    from loopline.runtime.protocol import AcceptCmd
     from loopline.errors import EngineInternalError
 
     prefill, decode = engine_for(tiny_gqa, prefill_only=True), engine_for(tiny_gqa)
@@ -213,7 +213,7 @@ def test_pieces_are_written_into_pages_reserved_before_the_handoff(tiny_gqa, dev
     """The decode side holds a request's prompt pages (every plane) from its first piece on, while its
     prefill still runs; each piece lands in those pages (on CUDA: on a stream of its own, which the
     step resuming the request waits for), and adoption copies nothing."""
-    from loopline.distributed.pd import AcceptCmd
+    from loopline.runtime.protocol import AcceptCmd
 
     # a pool of its own size: on CUDA the default (90% of the GPU) would leave nothing for the second engine
     kw = dict(max_num_batched_tokens=8, device=device, enforce_eager=True, num_kv_blocks=128)
@@ -248,8 +248,8 @@ def test_pieces_are_written_into_pages_reserved_before_the_handoff(tiny_gqa, dev
 
 
 def test_dropped_and_aborted_requests_free_their_reserved_pages(tiny_gqa):
-    from loopline.distributed.pd import AcceptCmd, DropCmd
-    from loopline.entrypoints.engine_core import AbortCmd
+    from loopline.runtime.protocol import AcceptCmd, DropCmd
+    from loopline.runtime.protocol import AbortCmd
 
     kw = dict(max_num_batched_tokens=8)
     prefill, decode = engine_for(tiny_gqa, prefill_only=True, **kw), engine_for(tiny_gqa, **kw)
@@ -300,7 +300,7 @@ def test_dropped_and_aborted_requests_free_their_reserved_pages(tiny_gqa):
 def test_a_reservation_that_does_not_fit_fails_its_request_cleanly(tiny_gqa):
     """The front end's credits should prevent it; if it happens anyway the request fails with a clear
     error, its pieces are still received (the sender's transfers complete), and nothing leaks."""
-    from loopline.distributed.pd import AcceptCmd
+    from loopline.runtime.protocol import AcceptCmd
     from loopline.errors import EngineStateError
 
     planes = 4

@@ -10,7 +10,7 @@ import torch
 
 from loopline.distributed.kv_transfer import KVTransferError, check_transport_device, make_transport
 from loopline.errors import InvalidRequestError
-from loopline.distributed.pd import _free_port
+from loopline.distributed.worker_pool import free_port
 
 SHAPE = (2, 3, 8, 4, 2, 16)  # [k/v, layers, planes * pages, block_size, kv_heads, head_dim]
 
@@ -37,7 +37,7 @@ def _peer(transport: str, init_method: str, device: str, conn, timeout_s: float,
 
 def _exchange(transport: str, device: str, timeout_s: float = 30.0, peer_delay_s: float = 0.0) -> list[bool]:
     ctx = multiprocessing.get_context("spawn")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_peer, args=(transport, init_method, device, child, timeout_s, peer_delay_s), daemon=True)
     proc.start()
@@ -60,7 +60,7 @@ def test_gloo_moves_pages_exactly_and_times_out():
     assert _exchange("gloo", "cpu") == [True, True, True]
     # a receive nobody sends to: a clear error once the timeout passes (here: the group never forms)
     t = make_transport("gloo", 0.5, join_timeout_s=0.5)
-    t.start(0, 2, f"tcp://127.0.0.1:{_free_port()}", torch.device("cpu"))
+    t.start(0, 2, f"tcp://127.0.0.1:{free_port()}", torch.device("cpu"))
     with pytest.raises(KVTransferError, match="did not form|failed to form"):
         t.recv(None, SHAPE, torch.float32, 1, 1).result(timeout=30)
 
@@ -96,7 +96,7 @@ def test_a_cuda_transport_refuses_cpu_workers_at_start(name):
     transport = make_transport(name, timeout_s=1.0)
     try:
         with pytest.raises(InvalidRequestError, match="needs the workers on CUDA"):
-            transport.start(0, 1, f"tcp://127.0.0.1:{_free_port()}", cpu)
+            transport.start(0, 1, f"tcp://127.0.0.1:{free_port()}", cpu)
     finally:
         transport.close()
     check_transport_device("gloo", cpu)  # no error

@@ -10,8 +10,8 @@ import pytest
 
 from loopline import AsyncLLM, SamplingParams
 from loopline.engine import LLMEngine
-from loopline.entrypoints.core_client import InProcClient, MPClient
-from loopline.entrypoints.engine_core import DeltaEncoder, OutputAssembler
+from loopline.runtime.client import InProcClient, MPClient
+from loopline.runtime.deltas import DeltaEncoder, OutputAssembler
 from loopline.errors import EngineDeadError, InvalidRequestError
 from loopline.outputs import CompletionOutput, RequestOutput
 

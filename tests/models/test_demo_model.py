@@ -13,7 +13,7 @@ from loopline import LLM, SamplingParams
 from loopline.entrypoints.cli import DEFAULT_PROMPT, DEMO_NOTICE, main
 from loopline.models.loader import load_config, load_tokenizer
 from loopline.models.tiny import DEMO_CHECKPOINT, default_checkpoint
-from loopline.train.cli import SHIPPED_PRESET, build_config
+from loopline.train.presets import SHIPPED_PRESET, build_config
 from loopline.train.corpus import CorpusSpec
 from loopline.train.engine_eval import dense_curve, engine_curve, heldout_stream
 from loopline.train.trainer import TrainConfig

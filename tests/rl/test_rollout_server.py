@@ -1,4 +1,4 @@
-"""loopline.rl.rollout_server: the framework-free core of the verl plug-in (no verl, no Ray)."""
+"""loopline.entrypoints.rollout_server: the framework-free core of the verl plug-in (no verl, no Ray)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,7 @@ import torch
 from loopline.errors import InvalidRequestError, WeightUpdateError
 from loopline.models.loader import load_model
 from loopline.rl import replay_logprobs
-from loopline.rl.rollout_server import (RequestRejected, RolloutLimits, RolloutServer, engine_options,
+from loopline.entrypoints.rollout_server import (RequestRejected, RolloutLimits, RolloutServer, engine_options,
                                         sampling_from_dict)
 
 LIMITS = RolloutLimits(prompt_length=16, response_length=8, max_model_len=24)
@@ -203,7 +203,7 @@ def test_inference_and_rl_code_import_neither_verl_nor_ray():
     import sys
     from pathlib import Path
 
-    probe = ("import sys, loopline, loopline.rl, loopline.rl.rollout_server, loopline.entrypoints.cli, "
+    probe = ("import sys, loopline, loopline.rl, loopline.entrypoints.rollout_server, loopline.entrypoints.cli, "
              "loopline.entrypoints.openai.api_server; print(sorted(m for m in ('verl', 'ray') if m in sys.modules))")
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=root,

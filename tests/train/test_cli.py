@@ -7,7 +7,7 @@ import json
 import pytest
 
 from loopline.entrypoints.cli import main
-from loopline.train.cli import build_config
+from loopline.train.presets import build_config
 
 
 def test_pretrain_smoke_exports_a_loadable_model_and_resumes(tmp_path, capsys):

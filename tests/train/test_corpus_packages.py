@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loopline.train.cli import DEMO_LARGE_PACKAGES, PRESETS, build_config
+from loopline.train.presets import DEMO_LARGE_PACKAGES, PRESETS, build_config
 from loopline.train.corpus import (STDLIB, CorpusSpec, canonical_name, corpus_info, distribution_source, documents,
                                    is_heldout, split)
 from loopline.train.licenses import LicenseRefused, license_verdict, spdx_allowed

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loopline.train.cli import DEMO_LARGE_PACKAGES
+from loopline.train.presets import DEMO_LARGE_PACKAGES
 
 from train.conftest import installed
 

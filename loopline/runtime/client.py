@@ -33,11 +33,12 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers the tensor-sharing reductions with the pickler)
 
 from loopline.engine import LLMEngine, PromptType
-from loopline.entrypoints.engine_core import (AbortCmd, AddCmd, CallCmd, Command, EngineCore, EngineInfo,
-                                              EngineMessage, EngineSnapshot, Inbox, OutputAssembler, ShutdownCmd,
-                                              StepRecord, run_engine_process)
 from loopline.errors import EngineDeadError
 from loopline.outputs import RequestOutput
+from loopline.runtime.core import EngineCore, Inbox, run_engine_process
+from loopline.runtime.deltas import OutputAssembler
+from loopline.runtime.protocol import (AbortCmd, AddCmd, CallCmd, Command, EngineInfo, EngineMessage, EngineSnapshot,
+                                       ShutdownCmd, StepRecord)
 from loopline.sampling_params import SamplingParams
 
 logger = logging.getLogger("loopline.async")
@@ -91,7 +92,7 @@ class EngineClient:
                 add_id = next(self._ids)
                 self._adds[add_id] = _PendingAdd([rid for rid, _, _ in requests], stream, ack)
         if error is not None:
-            _call_soon(ack.get_loop(), _set_exception, ack, error)
+            call_soon(ack.get_loop(), set_exception, ack, error)
             return
         self._send(AddCmd(add_id, requests, chat_stop))
 
@@ -180,13 +181,13 @@ class EngineClient:
                 except Exception:  # metrics must never fail a step
                     logger.exception("step listener %r failed", fn)
         for ack, error in acks:
-            _call_soon(ack.get_loop(), _set_exception if error is not None else _set_result, ack, error)
+            call_soon(ack.get_loop(), set_exception if error is not None else set_result, ack, error)
         # NOTE: one wake-up of each event loop per message, not one per request: every
         # call_soon_threadsafe writes the loop's self-pipe.
         for loop, batch in batches.items():
-            _call_soon(loop, _deliver, batch)
+            call_soon(loop, _deliver, batch)
         for future, result, error in replies:
-            _settle(future, result, error)
+            settle(future, result, error)
 
     def _die(self, error: BaseException) -> None:
         self._on_message(EngineMessage(snapshot=replace(self.snapshot, num_running=0, num_waiting=0), dead=error))
@@ -298,14 +299,14 @@ def _deliver(batch: list[tuple[Any, Callable, Any]]) -> None:
         fn(stream, arg)
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
     try:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the caller's loop is closed: nobody is listening any more
         pass
 
 
-def _settle(future: concurrent.futures.Future, result: Any, error: BaseException | None) -> None:
+def settle(future: concurrent.futures.Future, result: Any, error: BaseException | None) -> None:
     try:
         if error is not None:
             future.set_exception(error)
@@ -315,11 +316,11 @@ def _settle(future: concurrent.futures.Future, result: Any, error: BaseException
         pass
 
 
-def _set_result(fut: asyncio.Future, value: Any) -> None:
+def set_result(fut: asyncio.Future, value: Any) -> None:
     if not fut.done():
         fut.set_result(None)
 
 
-def _set_exception(fut: asyncio.Future, error: BaseException) -> None:
+def set_exception(fut: asyncio.Future, error: BaseException) -> None:
     if not fut.done():
         fut.set_exception(error)

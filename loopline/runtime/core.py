@@ -9,8 +9,8 @@ iteration it emits one :class:`EngineMessage`: the outputs of the step as
 never cumulative lists, whose pickling would cost O(n^2) over a request), the
 replies of the commands it applied, the step's :class:`StepRecord` and an
 :class:`EngineSnapshot`. The same loop runs on a thread of the server process
-(``core_client.InProcClient``) or in an engine process of its own
-(``core_client.MPClient``, through :func:`run_engine_process`); only ``emit``
+(``runtime.client.InProcClient``) or in an engine process of its own
+(``runtime.client.MPClient``, through :func:`run_engine_process`); only ``emit``
 and who fills the inbox differ.
 
 No request stops the loop: a failing ``add_request`` fails that add, a failing
@@ -27,18 +27,19 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from loopline.engine import LLMEngine, PromptType
+from loopline.engine import LLMEngine
 from loopline.engine.input_processor import parent_request_id
 from loopline.engine.llm_engine import is_device_fault
 from loopline.errors import (EngineDeadError, EngineInternalError, EngineStateError, LooplineError, new_error_id,
                              RequestFailedError)
-from loopline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from loopline.sampling_params import SamplingParams
+from loopline.runtime.deltas import DeltaEncoder
+from loopline.runtime.protocol import (AbortCmd, AddCmd, CallCmd, Command, EngineInfo, EngineMessage, EngineSnapshot,
+                                       Reply, ShutdownCmd, StepRecord)
 
 logger = logging.getLogger("loopline.async")
 
@@ -48,245 +49,6 @@ _IDLE_WAIT_S = 0.005
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
 # Step records of steps without outputs wait at most this long for a message to ride on.
 _MAX_STEP_RECORD_DELAY_S = 0.05
-
-
-# --- what the client reads -------------------------------------------------------------------
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine gauges published after every iteration of the engine loop (safe to read anywhere)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_used_blocks: int = 0
-    kv_total_blocks: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # prompt tokens served from it
-    num_preemptions: int = 0
-    num_unfinished: int = 0  # requests (choices) in the scheduler or held by a pause
-    num_generating: int = 0  # requests (choices) in the scheduler that produced a token
-    is_paused: bool = False
-    weights_state: str = "committed"  # "committed" | "updating" | "partially_updated"
-
-    @classmethod
-    def total(cls, snaps: list["EngineSnapshot"]) -> "EngineSnapshot":
-        """Several engines' gauges as one (data-parallel replicas, prefill/decode workers): counts
-        added up, paused only if every engine is, the weights in the worst state any engine is in."""
-        if not snaps:
-            return cls()
-        counts = {f.name: sum(getattr(s, f.name) for s in snaps) for f in fields(cls) if f.type in ("int", int)}
-        return cls(**counts, is_paused=all(s.is_paused for s in snaps),
-                   weights_state=max((s.weights_state for s in snaps), key=_WEIGHTS_STATES.index))
-
-
-_WEIGHTS_STATES = ("committed", "updating", "partially_updated")  # from the best to the worst
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One engine step as seen by step listeners (rows run, tokens scheduled, wall time)."""
-
-    rows: int
-    scheduled_tokens: int
-    duration_s: float
-    replica: int = 0  # the data-parallel replica that ran it (set by the front end)
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """Facts about a built engine that the front end needs (model, lengths, KV pool size)."""
-
-    config: Any  # EngineConfig
-    model_config: Any  # OuroConfig
-    kv_pages: int
-    kv_planes: int
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the model's request defaults (generation_config)
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> "EngineInfo":
-        return cls(engine.config, engine.model_config, engine.kv.pool.num_blocks, engine.kv.layout.num_planes,
-                   dict(engine.sampling_defaults))
-
-
-# --- commands (client -> core) -----------------------------------------------------------------
-@dataclass
-class AddCmd:
-    """Requests to add as one command: all are accepted or none (the first error is the reply)."""
-
-    add_id: int
-    requests: list[tuple[str, PromptType, SamplingParams]]
-    chat_stop: bool
-
-
-@dataclass
-class AbortCmd:
-    request_ids: list[str]
-
-
-@dataclass
-class CallCmd:
-    """``engine.<name>(*args)`` (or the core's own ``call_<name>``) between steps; a non-callable
-    attribute is read. ``until_drained``: reply once no request is in flight (pause "wait")."""
-
-    call_id: int
-    name: str
-    args: tuple = ()
-    until_drained: bool = False
-
-
-@dataclass
-class ShutdownCmd:
-    """Abort every request, emit their final outputs and stop the loop."""
-
-
-Command = AddCmd | AbortCmd | CallCmd | ShutdownCmd
-
-
-# --- messages (core -> client) -----------------------------------------------------------------
-@dataclass
-class CompletionDelta:
-    """What one completion added since the last message. ``text`` replaces the full text from
-    character ``text_start`` on (the characters sent so far, unless earlier text changed)."""
-
-    index: int
-    text: str
-    text_start: int
-    token_ids: list[int]
-    exit_depths: list[int]
-    weight_versions: list[Any]
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    seed: int | None
-    error_id: str | None = None
-
-
-@dataclass
-class OutputDelta:
-    """One request's progress in one step. ``head`` (prompt, prompt ids, sampling params) comes
-    with its first delta only; ``prompt_logprobs`` (and ``prompt_exit_depths``) whenever more
-    prompt positions were filled."""
-
-    request_id: str
-    outputs: list[CompletionDelta]
-    finished: bool
-    weight_version: Any
-    metrics: RequestMetrics | None
-    head: tuple[str | None, list[int], Any] | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    prompt_exit_depths: list[int | None] | None = None
-
-
-@dataclass
-class Reply:
-    """The outcome of an add (``id``: its add_id) or a call (its call_id)."""
-
-    id: int
-    result: Any = None
-    error: BaseException | None = None
-
-
-@dataclass
-class EngineMessage:
-    """Everything one iteration of the engine loop produced. ``dead``: the loop stopped (the last message)."""
-
-    outputs: list[OutputDelta] = field(default_factory=list)
-    failures: list[tuple[str, BaseException]] = field(default_factory=list)  # requests that failed alone
-    replies: list[Reply] = field(default_factory=list)
-    steps: list[StepRecord] = field(default_factory=list)  # the steps run since the last message
-    snapshot: EngineSnapshot = field(default_factory=EngineSnapshot)
-    dead: BaseException | None = None
-    handoffs: list[Any] = field(default_factory=list)  # a prefill worker's requests leaving it (distributed.pd)
-
-
-# --- deltas ----------------------------------------------------------------------------------
-class DeltaEncoder:
-    """Core side: turns the engine's cumulative ``RequestOutput``s into :class:`OutputDelta`s."""
-
-    def __init__(self) -> None:
-        # request id -> per completion (tokens sent, text sent), and prompt logprob positions sent
-        self._sent: dict[str, tuple[list[list[Any]], list[int]]] = {}
-
-    def encode(self, out: RequestOutput) -> OutputDelta:
-        state = self._sent.get(out.request_id)
-        head = None
-        if state is None:
-            state = self._sent[out.request_id] = ([[0, ""] for _ in out.outputs], [0])
-            head = (out.prompt, out.prompt_token_ids, out.sampling_params)
-        comps, prompt_sent = state
-        deltas = []
-        for comp, sent in zip(out.outputs, comps):
-            n, old = sent
-            start = len(old) if comp.text.startswith(old) else 0
-            deltas.append(CompletionDelta(
-                comp.index, comp.text[start:], start, comp.token_ids[n:], comp.exit_depths[n:],
-                comp.weight_versions[n:], comp.logprobs[n:] if comp.logprobs is not None else None,
-                comp.cumulative_logprob, comp.finish_reason, comp.stop_reason, comp.seed, comp.error_id))
-            sent[0], sent[1] = len(comp.token_ids), comp.text
-        prompt_logprobs = prompt_depths = None
-        if out.prompt_logprobs is not None:
-            filled = sum(e is not None for e in out.prompt_logprobs)
-            if filled != prompt_sent[0]:
-                prompt_sent[0], prompt_logprobs = filled, list(out.prompt_logprobs)
-                prompt_depths = list(out.prompt_exit_depths) if out.prompt_exit_depths is not None else None
-        if out.finished:
-            self.drop(out.request_id)
-        return OutputDelta(out.request_id, deltas, out.finished, out.weight_version, out.metrics, head,
-                           prompt_logprobs, prompt_depths)
-
-    def drop(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
-
-    def seed(self, request_id: str, tokens_sent: int, text_sent: str) -> None:
-        """A request whose first output another engine sent (a prefill worker's handoff): its
-        deltas continue from there, without a head."""
-        self._sent[request_id] = ([[tokens_sent, text_sent]], [0])
-
-
-class _Assembled:
-    __slots__ = ("prompt", "prompt_token_ids", "params", "prompt_logprobs", "prompt_exit_depths", "comps")
-
-    def __init__(self, head: tuple, n: int) -> None:
-        self.prompt, self.prompt_token_ids, self.params = head
-        self.prompt_logprobs = self.prompt_exit_depths = None
-        self.comps = [CompletionOutput(i, "", [], None, None) for i in range(n)]
-
-
-class OutputAssembler:
-    """Client side: rebuilds cumulative ``RequestOutput``s (what the server streams from) from deltas."""
-
-    def __init__(self) -> None:
-        self._reqs: dict[str, _Assembled] = {}
-
-    def apply(self, delta: OutputDelta) -> RequestOutput:
-        req = self._reqs.get(delta.request_id)
-        if req is None:
-            assert delta.head is not None, f"first delta of {delta.request_id} has no head"
-            req = self._reqs[delta.request_id] = _Assembled(delta.head, len(delta.outputs))
-        if delta.prompt_logprobs is not None:
-            req.prompt_logprobs, req.prompt_exit_depths = delta.prompt_logprobs, delta.prompt_exit_depths
-        outs = []
-        for comp, d in zip(req.comps, delta.outputs):
-            comp.index, comp.text = d.index, comp.text[:d.text_start] + d.text
-            comp.token_ids += d.token_ids
-            comp.exit_depths += d.exit_depths
-            comp.weight_versions += d.weight_versions
-            if d.logprobs is not None:
-                comp.logprobs = (comp.logprobs or []) + d.logprobs
-            comp.cumulative_logprob, comp.finish_reason, comp.stop_reason, comp.seed, comp.error_id = (
-                d.cumulative_logprob, d.finish_reason, d.stop_reason, d.seed, d.error_id)
-            # NOTE: copies: a consumer may keep an older output, which must not grow later.
-            outs.append(CompletionOutput(comp.index, comp.text, list(comp.token_ids), comp.cumulative_logprob,
-                                         list(comp.logprobs) if comp.logprobs is not None else None,
-                                         comp.finish_reason, comp.stop_reason, list(comp.exit_depths), comp.seed,
-                                         list(comp.weight_versions), comp.error_id))
-        if delta.finished:
-            self.drop(delta.request_id)
-        return RequestOutput(delta.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs,
-                             delta.finished, delta.weight_version, delta.metrics, req.params, req.prompt_exit_depths)
-
-    def drop(self, request_id: str) -> None:
-        self._reqs.pop(request_id, None)
 
 
 # --- the loop --------------------------------------------------------------------------------
@@ -545,7 +307,7 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
     try:
         engine = LLMEngine(engine_args) if role is None else role.build_engine(engine_args)
     except BaseException as e:  # the server raises it (e.g. an invalid flag) and exits
-        conn.send_bytes(_dumps(EngineMessage(dead=e)))
+        conn.send_bytes(dumps(EngineMessage(dead=e)))
         return
     conn.send_bytes(pickle.dumps(EngineInfo.of(engine), pickle.HIGHEST_PROTOCOL))
     inbox = Inbox()
@@ -559,7 +321,7 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
 
     def send(msg: EngineMessage) -> None:
         try:
-            conn.send_bytes(_dumps(msg))
+            conn.send_bytes(dumps(msg))
         except OSError:  # the server process is gone: the receiver stops the loop
             pass
 
@@ -575,7 +337,7 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
         loop.join(0.5)
 
 
-def _dumps(msg: EngineMessage) -> bytes:
+def dumps(msg: EngineMessage) -> bytes:
     """Pickles a message; an exception that cannot cross the process boundary becomes a plain one."""
     msg.replies = [replace(r, error=_portable(r.error)) if r.error is not None else r for r in msg.replies]
     msg.failures = [(rid, _portable(e)) for rid, e in msg.failures]

@@ -1,0 +1,95 @@
+"""What every ``loopline`` subcommand's parser shares: the help formatter, the common options and
+the sampling flags (from :class:`SamplingParams`, so the CLI and the Python API share one definition).
+Imported by ``cli.py`` and each subcommand's module; it imports none of them."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+SAMPLING_RENAMES = {"seed": "sampling_seed"}  # --seed is the engine's
+
+# Help of each sampling flag (the SamplingParams fields; docs/configuration.md says the same).
+SAMPLING_HELP = {
+    "n": "completions per prompt (completion i uses seed + i)",
+    "max_tokens": "tokens to generate at most (unset: up to max_model_len)",
+    "temperature": "sampling temperature; 0 is greedy",
+    "top_p": "nucleus sampling: keep the most likely tokens whose probabilities sum to top_p",
+    "top_k": "keep the k most likely tokens (0 or -1: off)",
+    "min_p": "drop tokens whose probability is below min_p times the top token's",
+    "seed": "request seed (unset: drawn from the engine's --seed and printed with --json)",
+    "stop": "stop at this string (repeat the flag for several)",
+    "stop_token_ids": "also stop at these token ids",
+    "ignore_eos": "do not stop at end-of-sequence",
+    "logprobs": "print each generated token's logprob and rank with the top K (K <= --max-logprobs)",
+    "prompt_logprobs": "print each prompt token's logprob and rank with the top K (the first token has none)",
+    "presence_penalty": "subtract this from the logits of tokens already generated, in [-2, 2]",
+    "frequency_penalty": "subtract this times the count of each generated token from its logit, in [-2, 2]",
+    "repetition_penalty": "divide positive (multiply negative) logits of tokens already seen (> 0; 1: off)",
+    "skip_special_tokens": "leave special tokens out of the text",
+    "include_stop_str_in_output": "keep the matched stop string at the end of the text",
+    "detokenize": "decode tokens to text",
+    "priority": "admission priority with --scheduling-policy priority (lower runs first)",
+    "min_loops": "a generated token runs at least this many loops",
+    "max_loops": "a generated token runs at most this many loops (unset: the checkpoint's total_ut_steps)",
+    "exit_threshold": "exit after the loop where the cumulative exit probability reaches this "
+                      "(unset: the checkpoint's early_exit_threshold; 1.0 = fixed depth)",
+    "exit_depths": "per-token exit depths replayed with --exit-mode trace (the last value repeats)",
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` only where there is a default to tell and the help does not name one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        # NOTE: identity, not ==: a default of 0 equals False but is worth telling.
+        unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if unset or "default:" in text or "(default" in text or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
+def add_sampling_args(parser: Any) -> None:
+    from loopline.config import add_dataclass_args
+    from loopline.models.loader import SAMPLING_DEFAULT_KEYS
+    from loopline.sampling_params import SamplingParams
+
+    group = parser.add_argument_group("sampling")
+    add_dataclass_args(group, SamplingParams, rename=SAMPLING_RENAMES)
+    names = {SAMPLING_RENAMES.get(k, k): k for k in SAMPLING_HELP}
+    for action in group._group_actions:
+        action.help = SAMPLING_HELP[names[action.dest]]
+        if names[action.dest] in SAMPLING_DEFAULT_KEYS.values():  # unset: the model's default (sampling_from_ns)
+            fallback = "" if action.default is None else f", else {action.default}"
+            action.help += f" (default: the model's generation_config.json{fallback})"
+            action.default = None
+
+
+def sampling_from_ns(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
+    """The request's SamplingParams from the flags; ``defaults`` (the model's generation_config
+    defaults) fill the fields whose flags were not given."""
+    from loopline.models.loader import SAMPLING_DEFAULT_KEYS
+    from loopline.sampling_params import SamplingParams
+
+    kwargs = {}
+    for f in dataclasses.fields(SamplingParams):
+        dest = SAMPLING_RENAMES.get(f.name, f.name)
+        if f.name != "extra" and hasattr(ns, dest):
+            value = getattr(ns, dest)
+            if value is None and f.name in SAMPLING_DEFAULT_KEYS.values():
+                value = (defaults or {}).get(f.name, f.default)
+            kwargs[f.name] = value
+    return SamplingParams(**kwargs)
+
+
+def common_parser(config: bool = True) -> argparse.ArgumentParser:
+    """Options every subcommand takes: ``--debug``, and ``--config FILE.yaml`` (listed for ``--help``;
+    :func:`expand_config` replaces it before parsing)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("command")
+    if config:
+        g.add_argument("--config", metavar="FILE.yaml", help="read flags from a YAML file (keys: flag names; "
+                                                            "flags on the command line win)")
+    g.add_argument("--debug", action="store_true", help="print the traceback of an error (env LOOPLINE_DEBUG=1)")
+    return p
