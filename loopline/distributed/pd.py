@@ -20,17 +20,17 @@ per worker, on any node of a Ray cluster (``--distributed-executor-backend ray``
    picked (and its gate values); sampling is counter-based (seed, token index 0), so the token is
    the single engine's. It streams to the client from there (TTFT pays no transfer).
 3. **Handoff.** If the first token did not end the request, the prefill worker exports it
-   (``LLMEngine.hand_off``: a copy of its prompt's KV pages of every plane -- all R for
+   (``LLMEngine.handoff.take``: a copy of its prompt's KV pages of every plane -- all R for
    ``last_exited``, the one for ``shared`` -- and its slot's decode state), frees its pages at
    once, starts the transport's send on its own thread and reports the handoff; the front end
    forwards it to the decode worker, which resumes the request exactly as a preempted one
-   (``LLMEngine.adopt``) once its pages are in. Its text and logprob deltas continue the prefill
+   (``LLMEngine.handoff.adopt``) once its pages are in. Its text and logprob deltas continue the prefill
    worker's in the same client stream.
 
    The decode worker reserves the request's prompt pages (every plane the layout keeps) in its
-   own KV pool, through its KV manager, when the first piece arrives (``LLMEngine.reserve_handoff``;
+   own KV pool, through its KV manager, when the first piece arrives (``LLMEngine.handoff.reserve``;
    the front end's credit guarantees the room), and writes every piece straight into them as it
-   is received (``LLMEngine.write_handoff_pages``: gloo's CPU tensor copied into the pages; on CUDA
+   is received (``LLMEngine.handoff.write_pages``: gloo's CPU tensor copied into the pages; on CUDA
    a copy on a stream of its own that the step resuming the request waits for). Adoption then
    copies nothing. A request that is dropped, fails or cannot be reserved frees its pages at once.
 

@@ -66,7 +66,7 @@ class PrefillCore(EngineCore):
 
     def _step(self) -> bool:
         progressed = super()._step()
-        for child, pages in self.engine.final_prompt_pages().items():
+        for child, pages in self.engine.handoff.final_prompt_pages().items():
             rid = parent_request_id(child)
             if rid not in self._targets:
                 continue
@@ -75,10 +75,10 @@ class PrefillCore(EngineCore):
                 req = self.engine.scheduler.requests[child]
                 if pages > sent and req.status == RequestStatus.PREFILL:
                     self._send_piece(rid, PageReservation(child, req.prompt_token_ids),
-                                     self.engine.export_pages(child, sent, pages), sent, pages)
+                                     self.engine.handoff.export_pages(child, sent, pages), sent, pages)
             except Exception as e:  # this request fails; the others go on
                 self._fail(rid, e)
-        for child in self.engine.ready_handoffs():
+        for child in self.engine.handoff.ready():
             progressed = True
             self._hand_off(child)
         if len(self._targets) > len(self._live):  # requests that finished or failed here
@@ -101,7 +101,7 @@ class PrefillCore(EngineCore):
         rid = parent_request_id(child)
         try:
             sent, _ = self._sent.get(rid, (0, 0))
-            handoff, rest = self.engine.hand_off(child, sent)
+            handoff, rest = self.engine.handoff.take(child, sent)
             if rest.shape[2]:
                 self._send_piece(rid, PageReservation(child, handoff.prompt_token_ids), rest, sent,
                                  sent + rest.shape[2] // self.engine.kv.layout.num_planes)
@@ -177,7 +177,7 @@ class DecodeCore(EngineCore):
         inc = self._incoming.setdefault(piece.request_id, _Incoming())
         if piece.reservation is not None and inc.child_id is None and inc.error is None:
             try:
-                self.engine.reserve_handoff(piece.reservation.child_id, piece.reservation.prompt_token_ids)
+                self.engine.handoff.reserve(piece.reservation.child_id, piece.reservation.prompt_token_ids)
                 inc.child_id = piece.reservation.child_id
             except Exception as e:  # the request fails at its handoff; its pieces are still received
                 inc.error = e  # (so that the sender's transfers complete), and dropped
@@ -196,7 +196,7 @@ class DecodeCore(EngineCore):
             if inc.error is None and not (inc.dropped or inc.aborted):  # (else its pages are not read)
                 if inc.child_id is None:
                     raise EngineStateError(f"pages of request {cmd.request_id!r} arrived before its reservation")
-                self.engine.write_handoff_pages(inc.child_id, cmd.first_page, kv)
+                self.engine.handoff.write_pages(inc.child_id, cmd.first_page, kv)
             inc.received += 1
         except Exception as e:
             inc.error = inc.error or e
@@ -220,7 +220,7 @@ class DecodeCore(EngineCore):
         try:
             if inc.error is not None:
                 raise inc.error
-            text = self.engine.adopt(accept.handoff)
+            text = self.engine.handoff.adopt(accept.handoff)
             del self._incoming[rid]
         except Exception as e:  # a failed transfer (or a refusal): this request fails alone
             self._forget(rid)
@@ -245,5 +245,5 @@ class DecodeCore(EngineCore):
     def _release(self, inc: _Incoming) -> None:
         """Frees a request's reserved pages (it will not be adopted); later pieces are not written."""
         if inc.child_id is not None:
-            self.engine.release_handoff(inc.child_id)
+            self.engine.handoff.release(inc.child_id)
             inc.child_id = None

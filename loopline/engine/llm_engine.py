@@ -29,11 +29,11 @@ from loopline.core.queue import make_queue
 from loopline.core.request import Request, RequestStatus
 from loopline.core.scheduler import Preemption, Scheduler, make_allocation
 from loopline.engine.control import EngineControl
-from loopline.engine.handoff import Handoff
-from loopline.engine.input_processor import InputProcessor, PromptType, parent_request_id
+from loopline.engine.handoff import HandoffPort
+from loopline.engine.input_processor import InputProcessor, PromptType
 from loopline.engine.output_processor import OutputProcessor
 from loopline.engine.stat_logger import StatLogger
-from loopline.errors import CapacityError, EngineDeadError, EngineStateError, InvalidRequestError, new_error_id
+from loopline.errors import EngineDeadError, InvalidRequestError, new_error_id
 from loopline.kv.layout import make_layout
 from loopline.kv.manager import KVCacheManager
 from loopline.models.loader import load_config, load_model, load_tokenizer, sampling_defaults
@@ -112,7 +112,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, model: OuroForCausalLM | None = None, *, prefill_only: bool = False) -> None:
         """``prefill_only``: a prefill worker (``loopline.distributed.pd``): a request stops after its
-        first token and waits for :meth:`hand_off` instead of decoding here."""
+        first token and waits for ``handoff.take`` instead of decoding here."""
         args.validate()
         for name, one in (("data_parallel_size", 1), ("distributed_executor_backend", "mp")):
             if getattr(args, name) != one:  # NOTE: replicas are AsyncLLM's (loopline.distributed), never a silent no-op
@@ -164,8 +164,10 @@ class LLMEngine:
         self._stat_logger = None if args.disable_log_stats else StatLogger(args.log_stats_interval)
         self._overlap = args.async_scheduling
         self._pending: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not yet read
-        self._reserved: set[str] = set()  # handed-off requests' prompt pages reserved before adopt()
         self.dead_reason: str | None = None  # a device fault stopped the engine
+        # prefill/decode disaggregation: requests leaving a prefill worker, arriving at a decode worker
+        self.handoff = HandoffPort(self.scheduler, self.kv, self.runner.pages, self.inputs, self.outputs,
+                                   self.control, cfg.num_loops, self._check_alive)
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -229,123 +231,6 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests) + len(self.control.held)
 
-    # --- prefill/decode disaggregation (loopline.distributed.pd) --------------------------
-    def ready_handoffs(self) -> list[str]:
-        """Requests (scheduler ids) of a prefill-only engine whose first token was booked and did
-        not end them: they wait for :meth:`hand_off`."""
-        return [r.request_id for r in self.scheduler.running if r.status == RequestStatus.HANDOFF and r.output]
-
-    def final_prompt_pages(self) -> dict[str, int]:
-        """Per prefilling request (scheduler id): how many of its prompt pages (per plane) hold final
-        KV -- every position in them ran its last loop in a step already launched -- so a prefill
-        worker can send them while the next chunks compute (``export_pages``)."""
-        loops, bs = self.config.num_loops, self.kv.block_size
-        out = {}
-        for req in self.scheduler.running:
-            if req.status == RequestStatus.HANDOFF:
-                out[req.request_id] = -(-req.prompt_len // bs)
-            elif req.status == RequestStatus.PREFILL:
-                done = 0
-                for chunk in req.chunks:  # in position order; a chunk finishes its last loop after the one before
-                    if chunk.loops_done < loops:
-                        break
-                    done = chunk.end
-                out[req.request_id] = done // bs
-        return out
-
-    def export_pages(self, child_id: str, first: int, last: int) -> torch.Tensor:
-        """A copy of a prefilling request's prompt pages ``[first, last)`` of every plane."""
-        return self.runner.pages.export_pages(child_id, first, last)
-
-    def hand_off(self, child_id: str, first_page: int = 0) -> tuple[Handoff, torch.Tensor]:
-        """Takes a ready request out of this engine for a decode worker: its :class:`Handoff` and a
-        copy of its prompt's KV pages from ``first_page`` on (see ``KVPages.export_request``);
-        its pages, slot and output state here are freed at once and it reports nothing more."""
-        req = self.scheduler.requests[child_id]
-        assert req.status == RequestStatus.HANDOFF and len(req.output) == 1, child_id
-        rid = parent_request_id(child_id)
-        state, kv = self.runner.pages.export_request(child_id, first_page)
-        handoff = Handoff(rid, child_id, self.outputs.prompt(rid), req.prompt_token_ids, req.params, req.seed,
-                          req.max_tokens, req.eos_token_ids, req.output[0], self.control.weight_version,
-                          self.outputs.metrics(rid), state)
-        self.scheduler.finish_request(child_id, "handoff")
-        self.outputs.forget(rid)
-        return handoff, kv
-
-    def reserve_handoff(self, child_id: str, prompt_token_ids: list[int]) -> None:
-        """Reserves, in this engine's KV pool, the prompt pages (every plane the layout keeps) of a
-        request a prefill worker is about to hand off, so that its pages are written straight into
-        them as they arrive (:meth:`write_handoff_pages`) and :meth:`adopt` copies nothing. Prompt
-        pages this engine's prefix cache holds are shared, not written. Raises (changing nothing)
-        ``CapacityError`` if the pool can never hold them, ``EngineStateError`` if it cannot now
-        (admission credits should prevent that); :meth:`release_handoff` undoes it."""
-        self._check_alive()
-        if child_id in self._reserved or child_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request_id {parent_request_id(child_id)!r} is already in use",
-                                      param="request_id")
-        need = self.kv.blocks_needed(len(prompt_token_ids))
-        if not self.kv.fits_ever(len(prompt_token_ids)):
-            raise CapacityError(f"the prompt needs {need} KV blocks but this decode worker's pool has "
-                                f"{self.kv.pool.num_blocks}", param="prompt")
-        if self.kv.allocate(child_id, len(prompt_token_ids), prompt_token_ids, self.scheduler.cache_salt) is None:
-            raise EngineStateError(f"the prompt needs up to {need} KV blocks but this decode worker has "
-                                   f"{self.kv.num_free_blocks} free of {self.kv.pool.num_blocks}: no room to "
-                                   "receive the request's pages")
-        self._reserved.add(child_id)
-
-    def write_handoff_pages(self, child_id: str, first_page: int, kv: torch.Tensor) -> None:
-        """Writes received prompt pages ``[first_page, first_page + n)`` of every plane (``kv``, as
-        ``export_pages`` gave them, on any device) into the pages :meth:`reserve_handoff` reserved."""
-        if child_id not in self._reserved:
-            raise EngineStateError(f"no prompt pages are reserved for request {parent_request_id(child_id)!r}")
-        alloc = self.kv.get(child_id)
-        self.runner.pages.write_pages(child_id, alloc.block_tables, first_page, kv,
-                                      skip=alloc.num_cached_tokens // self.kv.block_size)
-
-    def release_handoff(self, child_id: str) -> None:
-        """Frees the pages reserved for a request that will not be adopted (aborted, dropped or
-        failed before its handoff); unknown ids are ignored."""
-        if child_id in self._reserved:
-            self._reserved.discard(child_id)
-            self.runner.pages.release_pages(child_id)
-            self.kv.free(child_id)
-
-    @property
-    def num_reserved_handoffs(self) -> int:
-        """Requests whose prompt pages are reserved here and that were not adopted yet."""
-        return len(self._reserved)
-
-    def adopt(self, handoff: Handoff) -> str:
-        """Takes over a request a prefill worker handed off, whose prompt pages were reserved
-        (:meth:`reserve_handoff`) and written (:meth:`write_handoff_pages`): it resumes at its second
-        token exactly as in the engine that produced its first, and its outputs continue the prefill
-        worker's. Returns the text the prefill worker reported (where this engine's text deltas
-        start). On an error the reservation stays (the caller releases it)."""
-        self._check_alive()
-        self.control.check_may_generate()
-        if self.outputs.has(handoff.request_id):
-            raise InvalidRequestError(f"request_id {handoff.request_id!r} is already in use", param="request_id")
-        if handoff.child_id not in self._reserved:
-            raise EngineStateError(f"no prompt pages are reserved for request {handoff.request_id!r}")
-        if not self.kv.fits_ever(len(handoff.prompt_token_ids) + handoff.max_tokens):
-            raise CapacityError(f"request needs {self.kv.blocks_needed(len(handoff.prompt_token_ids) + handoff.max_tokens)} "
-                                f"KV blocks but this decode worker's pool has {self.kv.pool.num_blocks}",
-                                param="max_tokens")
-        req = Request(handoff.child_id, list(handoff.prompt_token_ids), handoff.params, handoff.seed,
-                      handoff.max_tokens, handoff.eos_token_ids, self.inputs.next_arrival_seq(),
-                      status=RequestStatus.PREEMPTED, output=[handoff.first], handed_off=True)
-        req.resume_status = RequestStatus.DECODE
-        self.runner.pages.adopt_request(handoff.child_id, handoff.runner)
-        try:
-            text = self.outputs.adopt(req, handoff.prompt, handoff.metrics, handoff.weight_version)
-        except Exception:  # e.g. the detokenizer on the first token: nothing of it stays but the reservation
-            self.runner.pages.snapshots.pop(handoff.child_id, None)
-            self.outputs.forget(handoff.request_id)
-            raise
-        self._reserved.discard(handoff.child_id)  # the scheduler owns its pages from now on
-        self.scheduler.adopt(req)
-        return text
-
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one loop for every scheduled row; returns outputs of requests that progressed."""
@@ -355,7 +240,7 @@ class LLMEngine:
             return self._collect()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.preempted_request_ids and any(
-                r.status != RequestStatus.HANDOFF for r in self.scheduler.running):  # (those wait for hand_off)
+                r.status != RequestStatus.HANDOFF for r in self.scheduler.running):  # (those wait for handoff.take)
             self._fail_blocked()
             sched = self.scheduler.schedule()
         for new in sched.new_requests:

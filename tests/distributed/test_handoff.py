@@ -45,8 +45,8 @@ def drain_pd(prefill, decode, requests):
 
     def put(child, prompt, first, kv):
         if first == 0:
-            decode.reserve_handoff(child, prompt)
-        decode.write_handoff_pages(child, first, kv)
+            decode.handoff.reserve(child, prompt)
+        decode.handoff.write_pages(child, first, kv)
 
     for rid, (prompt, params) in requests.items():
         prefill.add_request(rid, {"prompt_token_ids": prompt}, params)
@@ -56,13 +56,13 @@ def drain_pd(prefill, decode, requests):
                 done[out.request_id] = out
                 child = child_request_id(out.request_id, 0)
                 dropped[0] += sent.pop(child, 0) > 0
-                decode.release_handoff(child)
-        for child, pages in prefill.final_prompt_pages().items():
+                decode.handoff.release(child)
+        for child, pages in prefill.handoff.final_prompt_pages().items():
             first = sent.get(child, 0)
-            if pages > first and child not in prefill.ready_handoffs():
+            if pages > first and child not in prefill.handoff.ready():
                 used = decode.kv.num_used_blocks
                 put(child, prefill.scheduler.requests[child].prompt_token_ids, first,
-                    prefill.export_pages(child, first, pages).clone())
+                    prefill.handoff.export_pages(child, first, pages).clone())
                 sent[child] = pages
                 streamed[0] += 1
                 if first == 0:  # its prompt pages are held on the decode side while it still prefills
@@ -70,11 +70,11 @@ def drain_pd(prefill, decode, requests):
                     reserved[0] += grown > 0
                     assert grown == decode.kv.blocks_needed(prefill.scheduler.requests[child].prompt_len) - \
                         decode.kv.layout.num_planes * (decode.kv.get(child).num_cached_tokens // decode.kv.block_size)
-        for child in prefill.ready_handoffs():
+        for child in prefill.handoff.ready():
             first = sent.pop(child, 0)
-            handoff, rest = prefill.hand_off(child, first)
+            handoff, rest = prefill.handoff.take(child, first)
             put(child, handoff.prompt_token_ids, first, rest)
-            decode.adopt(handoff)
+            decode.handoff.adopt(handoff)
             moved += 1
         done.update((o.request_id, o) for o in decode.step() if o.finished)
     return done, moved
@@ -180,10 +180,10 @@ def prefill_until_pieces(prefill, rid, prompt, params):
     """Steps a prefill engine until the request has final pages but still prefills."""
     prefill.add_request(rid, {"prompt_token_ids": prompt}, params)
     child = child_request_id(rid, 0)
-    while prefill.final_prompt_pages().get(child, 0) == 0:
+    while prefill.handoff.final_prompt_pages().get(child, 0) == 0:
         prefill.step()
-    assert not prefill.ready_handoffs()
-    return child, prefill.final_prompt_pages()[child]
+    assert not prefill.handoff.ready()
+    return child, prefill.handoff.final_prompt_pages()[child]
 
 
 def test_a_failed_transfer_fails_its_request_alone(tiny_gqa):
@@ -194,9 +194,9 @@ def test_a_failed_transfer_fails_its_request_alone(tiny_gqa):
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     prompt = ids(9, seed=1)
     prefill.add_request("lost", {"prompt_token_ids": prompt}, params)
-    while not prefill.ready_handoffs():
+    while not prefill.handoff.ready():
         prefill.step()
-    handoff, rest = prefill.hand_off(prefill.ready_handoffs()[0])
+    handoff, rest = prefill.handoff.take(prefill.handoff.ready()[0])
     core = decode_core(decode, FailingTransport())
     core._apply(piece_cmd("lost", handoff.child_id, prompt, 0, rest))
     assert decode.kv.num_used_blocks == decode.kv.blocks_needed(9)  # reserved as the piece arrived
@@ -204,7 +204,7 @@ def test_a_failed_transfer_fails_its_request_alone(tiny_gqa):
     (rid, error), = core._msg.failures
     assert rid == "lost" and isinstance(error, EngineInternalError) and error.error_id
     assert not core._incoming and not decode.scheduler.requests and not decode.runner.pages.snapshots
-    assert decode.kv.num_used_blocks == 0 and prefill.kv.num_used_blocks == 0 and not decode.num_reserved_handoffs
+    assert decode.kv.num_used_blocks == 0 and prefill.kv.num_used_blocks == 0 and not decode.handoff.num_reserved
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -222,7 +222,7 @@ def test_pieces_are_written_into_pages_reserved_before_the_handoff(tiny_gqa, dev
     prompt = ids(30, seed=7)
     child, pages = prefill_until_pieces(prefill, "r", prompt, params)
     core = decode_core(decode, LocalTransport())
-    first = prefill.export_pages(child, 0, pages).clone()
+    first = prefill.handoff.export_pages(child, 0, pages).clone()
     apply_all(core, piece_cmd("r", child, prompt, 0, first))
     assert decode.kv.num_used_blocks == decode.kv.blocks_needed(30) == decode.kv.layout.num_planes * 8
     tables = decode.kv.get(child).block_tables
@@ -231,9 +231,9 @@ def test_pieces_are_written_into_pages_reserved_before_the_handoff(tiny_gqa, dev
     for p, table in enumerate(tables):  # plane p's pages [0, pages) hold the piece's plane p
         got = decode.runner.k_cache[:, table[:pages]]
         assert torch.equal(got, first[0][:, p * pages:(p + 1) * pages])
-    while not prefill.ready_handoffs():
+    while not prefill.handoff.ready():
         prefill.step()
-    handoff, rest = prefill.hand_off(child, pages)
+    handoff, rest = prefill.handoff.take(child, pages)
     apply_all(core, piece_cmd("r", child, prompt, pages, rest, reserve=False), AcceptCmd(handoff, 2, src_rank=0))
     assert not core._msg.failures and "r" in core._live
     assert decode.runner.pages.snapshots[child].k is None  # nothing staged: the pages are in the pool
@@ -258,23 +258,23 @@ def test_dropped_and_aborted_requests_free_their_reserved_pages(tiny_gqa):
     # dropped: it ended on its prefill worker after some pages left
     prompt = ids(30, seed=8)
     child, pages = prefill_until_pieces(prefill, "gone", prompt, params)
-    apply_all(core, piece_cmd("gone", child, prompt, 0, prefill.export_pages(child, 0, pages).clone()))
+    apply_all(core, piece_cmd("gone", child, prompt, 0, prefill.handoff.export_pages(child, 0, pages).clone()))
     assert decode.kv.num_used_blocks == decode.kv.blocks_needed(30)
     prefill.abort_request("gone")
     apply_all(core, DropCmd("gone"))
-    assert decode.kv.num_used_blocks == 0 and not core._incoming and not decode.num_reserved_handoffs
+    assert decode.kv.num_used_blocks == 0 and not core._incoming and not decode.handoff.num_reserved
     # dropped while a receive is still on its way (a dead prefill worker's, until its timeout): the
     # pages go at once, and what arrives later is written nowhere
     pending = PendingTransport()
     core.transport = pending
     prompt = ids(30, seed=10)
     child, pages = prefill_until_pieces(prefill, "dead", prompt, params)
-    kv = prefill.export_pages(child, 0, pages).clone()
+    kv = prefill.handoff.export_pages(child, 0, pages).clone()
     apply_all(core, piece_cmd("dead", child, prompt, 0, kv))
     assert decode.kv.num_used_blocks == decode.kv.blocks_needed(30)
     prefill.abort_request("dead")
     apply_all(core, DropCmd("dead"))
-    assert decode.kv.num_used_blocks == 0 and not decode.num_reserved_handoffs and "dead" in core._incoming
+    assert decode.kv.num_used_blocks == 0 and not decode.handoff.num_reserved and "dead" in core._incoming
     pending.futures[0].set_result(kv)
     apply_all(core)
     assert not core._incoming and decode.kv.num_used_blocks == 0
@@ -282,10 +282,10 @@ def test_dropped_and_aborted_requests_free_their_reserved_pages(tiny_gqa):
     # aborted while its pages were on their way: it is taken over, then ends as aborted
     prompt = ids(30, seed=9)
     child, pages = prefill_until_pieces(prefill, "abort", prompt, params)
-    apply_all(core, piece_cmd("abort", child, prompt, 0, prefill.export_pages(child, 0, pages).clone()))
-    while not prefill.ready_handoffs():
+    apply_all(core, piece_cmd("abort", child, prompt, 0, prefill.handoff.export_pages(child, 0, pages).clone()))
+    while not prefill.handoff.ready():
         prefill.step()
-    handoff, rest = prefill.hand_off(child, pages)
+    handoff, rest = prefill.handoff.take(child, pages)
     core._live.add("abort")  # (as if its handoff had come: the front end sends aborts to the worker holding it)
     apply_all(core, AbortCmd(["abort"]))
     core._live.discard("abort")
@@ -307,19 +307,19 @@ def test_a_reservation_that_does_not_fit_fails_its_request_cleanly(tiny_gqa):
     prefill = engine_for(tiny_gqa, prefill_only=True)
     decode = engine_for(tiny_gqa, num_kv_blocks=planes * 4)
     assert decode.kv.layout.num_planes == planes
-    decode.reserve_handoff("other#0", ids(8, seed=2))  # 2 of the 4 pages per plane
+    decode.handoff.reserve("other#0", ids(8, seed=2))  # 2 of the 4 pages per plane
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     prompt = ids(9, seed=3)  # 3 pages per plane
     prefill.add_request("big", {"prompt_token_ids": prompt}, params)
-    while not prefill.ready_handoffs():
+    while not prefill.handoff.ready():
         prefill.step()
-    handoff, rest = prefill.hand_off(prefill.ready_handoffs()[0])
+    handoff, rest = prefill.handoff.take(prefill.handoff.ready()[0])
     core = decode_core(decode, LocalTransport())
     apply_all(core, piece_cmd("big", handoff.child_id, prompt, 0, rest), AcceptCmd(handoff, 1, src_rank=0))
     (rid, error), = core._msg.failures
     assert rid == "big" and isinstance(error, EngineStateError) and "no room" in str(error)
     assert decode.kv.num_used_blocks == planes * 2 and not core._incoming and not decode.scheduler.requests
-    decode.release_handoff("other#0")
+    decode.handoff.release("other#0")
     assert decode.kv.num_used_blocks == 0 and prefill.kv.num_used_blocks == 0
 
 
@@ -328,20 +328,20 @@ def test_reserve_handoff_validates(tiny_gqa):
 
     decode = engine_for(tiny_gqa, num_kv_blocks=4 * 4)
     with pytest.raises(CapacityError) as e:
-        decode.reserve_handoff("huge#0", ids(17))
+        decode.handoff.reserve("huge#0", ids(17))
     assert e.value.param == "prompt"
-    decode.reserve_handoff("a#0", ids(5))
+    decode.handoff.reserve("a#0", ids(5))
     with pytest.raises(InvalidRequestError):
-        decode.reserve_handoff("a#0", ids(5))
+        decode.handoff.reserve("a#0", ids(5))
     with pytest.raises(EngineStateError):
-        decode.write_handoff_pages("nobody#0", 0, torch.zeros(1))
+        decode.handoff.write_pages("nobody#0", 0, torch.zeros(1))
     with pytest.raises(ValueError, match="expected"):  # a piece of the wrong shape writes nothing
-        decode.write_handoff_pages("a#0", 0, torch.zeros(2, 1, 4, 4, 1, 1))
+        decode.handoff.write_pages("a#0", 0, torch.zeros(2, 1, 4, 4, 1, 1))
     with pytest.raises(ValueError, match="expected"):
-        decode.write_handoff_pages("a#0", 0, torch.zeros(3))
+        decode.handoff.write_pages("a#0", 0, torch.zeros(3))
     piece = torch.zeros(2, *decode.runner.k_cache.shape[:1], 4 * 2, *decode.runner.k_cache.shape[2:])
     with pytest.raises(ValueError, match="outside the 2 reserved"):  # pages [1, 3) of a 2-page prompt
-        decode.write_handoff_pages("a#0", 1, piece)
-    decode.release_handoff("a#0")
-    decode.release_handoff("a#0")  # (twice: ignored)
+        decode.handoff.write_pages("a#0", 1, piece)
+    decode.handoff.release("a#0")
+    decode.handoff.release("a#0")  # (twice: ignored)
     assert decode.kv.num_used_blocks == 0
