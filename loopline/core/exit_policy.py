@@ -3,6 +3,11 @@
 Host side (no torch): an :class:`ExitPolicy` strategy turns a request and a
 token index into the row's :class:`ExitParams`. The device applies the rule to
 a batch of rows in ``loopline.worker.exit_rule``.
+
+Policies read a request's *effective* parameters: ``max_loops`` and
+``exit_threshold`` were resolved from the checkpoint when the request was added
+(``InputProcessor.process``, the one place request defaults are decided), so no
+policy decides a default of its own.
 """
 from __future__ import annotations
 
@@ -16,10 +21,6 @@ from loopline.sampling_params import SamplingParams
 class ExitPolicy(ABC):
     name: str
     per_token = False  # True: the rule changes with the token index, which only the device knows
-
-    def __init__(self, num_loops: int, default_threshold: float) -> None:
-        self.num_loops = num_loops
-        self.default_threshold = default_threshold
 
     def validate(self, params: SamplingParams) -> None:
         """Rejects requests this policy cannot serve."""
@@ -35,8 +36,8 @@ class ThresholdExit(ExitPolicy):
     name = "threshold"
 
     def params_for(self, params: SamplingParams, token_index: int) -> ExitParams:
-        thr = self.default_threshold if params.exit_threshold is None else params.exit_threshold
-        return ExitParams(params.min_loops, params.max_loops or self.num_loops, thr)
+        assert params.max_loops is not None and params.exit_threshold is not None, "not effective params"
+        return ExitParams(params.min_loops, params.max_loops, params.exit_threshold)
 
 
 class FixedExit(ExitPolicy):
@@ -45,8 +46,8 @@ class FixedExit(ExitPolicy):
     name = "fixed"
 
     def params_for(self, params: SamplingParams, token_index: int) -> ExitParams:
-        depth = params.max_loops or self.num_loops
-        return ExitParams(depth, depth, 1.0)
+        assert params.max_loops is not None, "not effective params"
+        return ExitParams(params.max_loops, params.max_loops, 1.0)
 
 
 class TraceExit(ExitPolicy):
@@ -70,6 +71,6 @@ class TraceExit(ExitPolicy):
         return ExitParams(depth, depth, 1.0)
 
 
-def make_exit_policy(mode: str, num_loops: int, default_threshold: float) -> ExitPolicy:
+def make_exit_policy(mode: str) -> ExitPolicy:
     policies = {cls.name: cls for cls in (ThresholdExit, FixedExit, TraceExit)}
-    return policies[mode](num_loops, default_threshold)
+    return policies[mode]()

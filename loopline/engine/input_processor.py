@@ -83,6 +83,7 @@ class InputProcessor:
                 f"{self.kv.pool.num_blocks}; lower max_tokens or raise num_kv_blocks", param="max_tokens")
         eos = self._chat_eos if chat_stop else self._eos
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        # NOTE: the one place a request's defaults are decided; everything downstream reads `effective`
         effective = params.clone(seed=seed, max_tokens=max_tokens,
                                  logprobs_mode=params.logprobs_mode or self.config.logprobs_mode,
                                  max_loops=params.max_loops or cfg.total_ut_steps,

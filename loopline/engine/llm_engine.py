@@ -142,7 +142,7 @@ class LLMEngine:
         layout = make_layout(args.kv_layout, model_cfg.total_ut_steps)
         num_blocks = num_kv_blocks(cfg, self.model, backends.attention, layout)
         self.kv = KVCacheManager(num_blocks, args.block_size, layout, args.enable_prefix_caching)
-        self.exit_policy = make_exit_policy(args.exit_mode, model_cfg.total_ut_steps, model_cfg.early_exit_threshold)
+        self.exit_policy = make_exit_policy(args.exit_mode)
         block_bytes = kv_bytes_per_block(model_cfg, args.block_size, dtype)
         preemption = Preemption(int(args.swap_space * 2**30 // block_bytes)) if args.enable_preemption else None
         self.scheduler = Scheduler(self.kv, self.exit_policy, make_queue(args.scheduling_policy), args.max_num_seqs,

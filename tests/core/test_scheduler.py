@@ -23,13 +23,13 @@ BLOCK = 4
 def create_scheduler(budget=64, seqs=4, layout="last_exited", blocks=256, allocation="full", swap_blocks=None,
                      policy="fcfs", prefix_caching=False) -> Scheduler:
     kv = KVCacheManager(blocks, BLOCK, make_layout(layout, R), prefix_caching)
-    return Scheduler(kv, make_exit_policy("threshold", R, 1.0), make_queue(policy), seqs, budget, R,
+    return Scheduler(kv, make_exit_policy("threshold"), make_queue(policy), seqs, budget, R,
                      allocation=make_allocation(allocation),
                      preemption=Preemption(swap_blocks) if swap_blocks is not None else None)
 
 
 def req(rid, n=5, max_tokens=8, seq=0, priority=0):
-    params = SamplingParams(max_tokens=max_tokens, max_loops=R, priority=priority)
+    params = SamplingParams(max_tokens=max_tokens, max_loops=R, exit_threshold=1.0, priority=priority)  # effective
     return Request(rid, list(range(3, 3 + n)), params, 0, max_tokens, frozenset(), seq)
 
 
