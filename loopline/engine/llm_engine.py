@@ -40,7 +40,7 @@ from loopline.models.loader import load_config, load_model, load_tokenizer, samp
 from loopline.models.ouro import OuroForCausalLM
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
-from loopline.worker.backends import select_backends
+from loopline.worker.backends import Backends, select_backends
 from loopline.worker.memory_profile import kv_bytes_per_block, num_kv_blocks
 from loopline.worker.model_runner import ModelRunner, RowFailure, StepHandle
 from loopline.worker.sampler import Sampler
@@ -110,9 +110,12 @@ def is_device_fault(error: BaseException) -> bool:
 class LLMEngine:
     """Lower-level streaming engine (vLLM names): ``add_request``, ``step``, ``abort_request``."""
 
-    def __init__(self, args: EngineArgs, model: OuroForCausalLM | None = None, *, prefill_only: bool = False) -> None:
+    def __init__(self, args: EngineArgs, model: OuroForCausalLM | None = None, *, prefill_only: bool = False,
+                 backends: Backends | None = None) -> None:
         """``prefill_only``: a prefill worker (``loopline.distributed.pd``): a request stops after its
-        first token and waits for ``handoff.take`` instead of decoding here."""
+        first token and waits for ``handoff.take`` instead of decoding here. ``backends``: the kernels to run
+        (e.g. an attention backend with another split rule, tools/profile_step.py); ``None`` selects them by
+        ``attention_backend`` and ``kernel_backend``."""
         args.validate()
         for name, one in (("data_parallel_size", 1), ("distributed_executor_backend", "mp")):
             if getattr(args, name) != one:  # NOTE: replicas are AsyncLLM's (loopline.distributed), never a silent no-op
@@ -136,7 +139,7 @@ class LLMEngine:
         self.config = cfg = EngineConfig(args, model_path, device, dtype, max_len, model_cfg.total_ut_steps)
         self.model_config = model_cfg
         self.model = model.to(device=device, dtype=dtype).eval() if model is not None else load_model(model_path, dtype, device)
-        backends = select_backends(args.attention_backend, args.kernel_backend, device)
+        backends = backends or select_backends(args.attention_backend, args.kernel_backend, device)
         self.model.use_ops(backends.layer_ops)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or model_path)
         layout = make_layout(args.kv_layout, model_cfg.total_ut_steps)
