@@ -150,8 +150,8 @@ class OutputProcessor:
             return None
         new = comp.detok.push(tok.token_id)
         stop = self._find_stop(comp, req.params, len(new)) if check_stop and req.params.stop else None
-        if stop is None:
-            comp.text = comp.detok.text[:len(comp.detok.text) - self._holdback(req.params)]
+        if stop is None:  # NOTE: max(0, ...): a text shorter than the holdback shows nothing (not text[:-k])
+            comp.text = comp.detok.text[:max(0, len(comp.detok.text) - self._holdback(req.params))]
         return stop
 
     @staticmethod

@@ -68,3 +68,24 @@ def test_stop_strings_cut_the_text_and_streamed_text_is_never_taken_back(tiny_gq
             seen.append(o.outputs[0].text)
     assert seen[-1] == text[:first] and o.outputs[0].finish_reason == "stop" and o.outputs[0].stop_reason == stop
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))  # every streamed text extends the previous one
+
+
+def test_text_shorter_than_the_holdback_shows_nothing(tiny_gqa):
+    """With a stop string of k characters the last k - 1 are held back, also while the whole text is
+    shorter than that: no character a stop string could still start in is ever shown."""
+    from loopline import SamplingParams
+
+    llm = tiny_gqa.llm()
+    engine, tok = llm.llm_engine, llm.llm_engine.tokenizer
+    stop = "\x00" * 6  # never generated; the tiny model's first tokens decode to fewer than 5 characters
+    engine.add_request("h", "Once upon a time", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                               stop=[stop]))
+    seen = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            c = o.outputs[0]
+            seen.append(c.text)
+            if not o.finished:
+                assert len(c.text) <= max(0, len(tok.decode(c.token_ids)) - (len(stop) - 1)), (c.text, c.token_ids)
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
+    assert seen[-1] == tok.decode(c.token_ids)
