@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 log=$out/$name.log
 python3 -c "import sys, sysconfig, torch; print(sys.version.split()[0], sysconfig.get_paths()['stdlib'], torch.__version__,
 torch.cuda.get_device_name(0))" | tee "$log"
-timeout "$limit" python3 -m loopline.train pretrain --preset demo --out "/tmp/$name" --checkpoint-dir "/tmp/$name.state" \
+timeout "$limit" python3 -m loopline.entrypoints.cli train pretrain --preset demo --out "/tmp/$name" --checkpoint-dir "/tmp/$name.state" \
   --save-every 250 --log-every 100 --eval-every 200 "$@" 2>&1 | tee -a "$log"
 if [ ! -f "/tmp/$name/MODEL_CARD.md" ]; then
   echo "PARTIAL: the run did not finish in ${limit}s; exporting the last saved state" | tee -a "$log"

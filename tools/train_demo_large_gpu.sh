@@ -58,7 +58,7 @@ if [ ! -f "$model/training_info.json" ]; then
     echo "NO STATE: $state is not on this machine (a fresh one); nothing run" | tee -a "$log"
     exit 0
   fi
-  timeout "$limit" $py -m loopline.train pretrain --preset demo-large --out "$model" --checkpoint-dir "$state" \
+  timeout "$limit" $py -m loopline.entrypoints.cli train pretrain --preset demo-large --out "$model" --checkpoint-dir "$state" \
     --save-every 500 --log-every 200 --eval-every 1000 "${resume[@]}" "$@" 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
   if [ "$rc" -eq 124 ]; then

@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$out"
 for b in $backends; do
   c=$b; [ "$b" = eager-loss ] && c=
-  timeout "${RUN_LIMIT:-280}" $py -m loopline.train pretrain --preset "$preset" --out "$out/model-$b" \
+  timeout "${RUN_LIMIT:-280}" $py -m loopline.entrypoints.cli train pretrain --preset "$preset" --out "$out/model-$b" \
     --set stage1_steps="$steps" --set stage2_steps=1 --set stage2_warmup_steps=0 --set eval_batches=1 \
     --set compile="\"$c\"" --log-every "$log" --save-every 0 > "$out/speed-$b.log" 2>&1
   echo "$b rc=$?"

@@ -17,7 +17,7 @@ pids=()
 for spec in "$@"; do
   name=${spec%%:*}; args=${spec#*:}
   # shellcheck disable=SC2086  # the overrides are words on purpose
-  timeout "$limit" python3 -m loopline.train pretrain --preset demo --out "/tmp/sweep/$name" \
+  timeout "$limit" python3 -m loopline.entrypoints.cli train pretrain --preset demo --out "/tmp/sweep/$name" \
     --checkpoint-dir "/tmp/sweep/$name.state" --save-every 0 --log-every 100 --eval-every 200 $args \
     > "$out/logs/$name.log" 2>&1 &
   pids+=($!)
