@@ -65,6 +65,13 @@ def test_version_and_help_do_not_import_torch():
     assert lines[0] == loopline.__version__ and lines[1].startswith("usage: loopline") and lines[2] == "False"
 
 
+def test_python_dash_m_loopline_is_the_command():
+    import loopline
+
+    r = subprocess.run([sys.executable, "-m", "loopline", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == loopline.__version__, r.stderr
+
+
 def test_errors_are_one_line_with_exit_2_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
     from loopline.models.loader import CheckpointError
 
