@@ -4,12 +4,18 @@ The state and its rules live in ``loopline.rl`` (``GenerationControl``,
 ``WeightUpdater``); this module applies them to the engine's parts: it
 finishes or holds requests in the scheduler, frees and restores the KV pool
 and the weights, and commits weight versions (prefix cache reset, new salt).
+
+:class:`EngineControl` is the engine's control port: it serves every verb of
+``engine/verbs.py`` (but the engine loop's own) under the verb's name -- a method,
+or a property for a state verb -- and ``LLMEngine.control_call`` dispatches to it.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from loopline.core.request import Request
 from loopline.core.scheduler import Scheduler
@@ -31,10 +37,13 @@ class EngineControl(GenerationControl):
     """Pause, sleep and weight-update control over one engine's scheduler, KV, runner and model."""
 
     def __init__(self, scheduler: Scheduler, kv: KVCacheManager, runner: ModelRunner, model: OuroForCausalLM,
-                 outputs: OutputProcessor, model_config: Any, device: Any) -> None:
+                 outputs: OutputProcessor, model_config: Any, device: Any,
+                 on_finished: Callable[[Request], Any] | None = None) -> None:
+        """``on_finished(req)`` books each request a ``"abort"`` pause ended (default: the output processor's)."""
         super().__init__()
         self.scheduler, self.kv, self.runner, self.model, self.outputs = scheduler, kv, runner, model, outputs
         self.model_config, self.device = model_config, device
+        self.on_finished = on_finished or outputs.on_finished
         self.weights = WeightUpdater(model)
         self.weight_version: Any = 0
 
@@ -70,6 +79,9 @@ class EngineControl(GenerationControl):
         return True
 
     # --- weight updates ---------------------------------------------------------------
+    def get_weight_version(self) -> Any:
+        return self.weight_version
+
     def start_weight_update(self, version: int) -> None:
         if self.scheduler.has_unfinished() and not self.frozen:
             raise EngineStateError(
@@ -78,6 +90,12 @@ class EngineControl(GenerationControl):
         if self.weights_asleep:
             raise EngineStateError("the weights are asleep (sleep(level=2)); wake_up(tags=['weights']) first")
         self.weights.start(version, self.weight_version)
+
+    def update_weights(self, weights: Any) -> int:
+        return self.weights.update(weights)
+
+    def abort_weight_update(self) -> None:
+        self.weights.abort()
 
     def finish_weight_update(self) -> int:
         version, changed = self.weights.finish()
@@ -109,9 +127,11 @@ class EngineControl(GenerationControl):
             raise
         return self.finish_weight_update()
 
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+
     # --- pause ------------------------------------------------------------------------
-    def pause(self, mode: str, on_finished: Callable[[Request], None] | None = None) -> None:
-        """``on_finished(req)`` books each request ``"abort"`` ended (default: the output processor's)."""
+    def pause_generation(self, mode: str) -> None:
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", param="mode")
         self.pause_mode = mode
@@ -119,9 +139,13 @@ class EngineControl(GenerationControl):
             finished = [self.scheduler.finish_request(rid, "abort") for rid in list(self.scheduler.requests)]
             finished += [self.drop_held(req.request_id) for req in list(self.held)]
             for req in finished:
-                (on_finished or self.outputs.on_finished)(req)
+                self.on_finished(req)
 
-    def resume(self) -> None:
+    @property
+    def is_drained(self) -> bool:
+        return self.is_paused and not self.scheduler.has_unfinished()
+
+    def resume_generation(self) -> None:
         if not self.is_paused:
             return
         self.check_may_generate()
@@ -159,3 +183,13 @@ class EngineControl(GenerationControl):
             self.kv_asleep = False
         if not self.is_sleeping:
             self.runner.restore_graphs()  # needs both weights and KV at their (new) addresses
+
+    # --- measurements -----------------------------------------------------------------
+    def device_memory_stats(self, reset_peak: bool) -> dict[str, int] | None:
+        device = self.device
+        if device.type != "cuda":
+            return None
+        stats = {"allocated": torch.cuda.memory_allocated(device), "peak": torch.cuda.max_memory_allocated(device)}
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
+        return stats

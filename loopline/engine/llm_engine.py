@@ -33,6 +33,7 @@ from loopline.engine.handoff import HandoffPort
 from loopline.engine.input_processor import InputProcessor, PromptType
 from loopline.engine.output_processor import OutputProcessor
 from loopline.engine.stat_logger import StatLogger
+from loopline.engine.verbs import VERBS, verb_mixin
 from loopline.errors import EngineDeadError, InvalidRequestError, new_error_id
 from loopline.kv.layout import make_layout
 from loopline.kv.manager import KVCacheManager
@@ -107,8 +108,14 @@ def is_device_fault(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(s in str(error) for s in _DEVICE_FAULTS)
 
 
-class LLMEngine:
-    """Lower-level streaming engine (vLLM names): ``add_request``, ``step``, ``abort_request``."""
+# The control verbs as LLMEngine methods (``engine.sleep(2)``; ``engine.is_paused`` a property), from engine/verbs.py.
+EngineVerbs = verb_mixin("EngineVerbs", state_properties=True)
+
+
+class LLMEngine(EngineVerbs):
+    """Lower-level streaming engine (vLLM names): ``add_request``, ``step``, ``abort_request``, and one
+    control port, :meth:`control_call`, behind the control verbs it inherits (``engine/verbs.py``:
+    ``pause_generation``, ``update_weights``, ``sleep``, ...)."""
 
     def __init__(self, args: EngineArgs, model: OuroForCausalLM | None = None, *, prefill_only: bool = False,
                  backends: Backends | None = None) -> None:
@@ -162,7 +169,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.inputs = InputProcessor(cfg, model_cfg, self.tokenizer, self.exit_policy, self.kv,
                                      frozenset(model_cfg.eos_token_ids), self.outputs.chat_end_ids)
-        self.control = EngineControl(self.scheduler, self.kv, self.runner, self.model, self.outputs, model_cfg, device)
+        self.control = EngineControl(self.scheduler, self.kv, self.runner, self.model, self.outputs, model_cfg, device,
+                                     on_finished=self._finish_output)
         self.stats = EngineStats()
         self._stat_logger = None if args.disable_log_stats else StatLogger(args.log_stats_interval)
         self._overlap = args.async_scheduling
@@ -215,10 +223,6 @@ class LLMEngine:
         """Takes a request out of the scheduler (its KV, slot and snapshot freed; the runner drops its
         state with the next step's ``finished_request_ids``) or out of a pause's held list."""
         return self.scheduler.finish_request(child_id, reason, stop_reason) or self.control.drop_held(child_id, reason)
-
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached prompt page (pages in use stay with their requests)."""
-        self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         # NOTE: a launched step not yet read matters only for requests still in the scheduler: the
@@ -366,7 +370,7 @@ class LLMEngine:
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine stopped ({self.dead_reason}); restart it")
 
-    # --- RL: weight updates, pause / resume, sleep (engine/control.py) -------------------
+    # --- RL: weight updates, pause / resume, sleep (engine/verbs.py, engine/control.py) --
     @property
     def weight_version(self) -> Any:
         return self.control.weight_version
@@ -375,79 +379,15 @@ class LLMEngine:
     def weights(self):
         return self.control.weights
 
-    def get_weight_version(self) -> int:
-        """The committed weight version (0 for the weights loaded at start)."""
-        return self.control.weight_version
-
-    def start_weight_update(self, version: int) -> None:
-        """Opens a full-weight update to ``version`` (>= the committed one; equal re-publishes).
-
-        The engine must be idle or paused with nothing generating (``"abort"``, a drained
-        ``"wait"``, or ``"keep"``, whose frozen requests continue on the new weights).
-        """
-        self.control.start_weight_update(version)
-
-    def update_weights(self, weights: Any) -> int:
-        """Validates, then copies in place, one batch of ``(HF name, tensor)`` pairs (call once per shard)."""
-        return self.control.weights.update(weights)
-
-    def finish_weight_update(self) -> int:
-        """Commits the update once every parameter arrived: prefix cache reset, new salt, new version."""
-        return self.control.finish_weight_update()
-
-    def abort_weight_update(self) -> None:
-        """Drops an open update: the old weights still serve unless some tensors were already copied."""
-        self.control.weights.abort()
-
-    def update_weights_from_disk(self, path: str, version: int) -> int:
-        """Publishes a safetensors checkpoint directory as ``version``: every shard is read and
-        validated before anything is copied, then streamed shard by shard."""
-        return self.control.update_weights_from_disk(path, version)
-
-    def pause_generation(self, mode: str = "abort") -> None:
-        """Pauses generation: ``"abort"`` in-flight requests, ``"wait"`` for them to drain (keep
-        stepping), or ``"keep"`` them frozen with their KV. New requests are held until resume.
-        Outputs of aborted requests come from the next ``step()``."""
-        self.control.pause(mode, on_finished=self._finish_output)
-
-    def resume_generation(self) -> None:
-        """Resumes after a pause: frozen requests continue, held ones are queued in arrival order."""
-        self.control.resume()
-
-    @property
-    def is_paused(self) -> bool:
-        return self.control.is_paused
-
-    @property
-    def is_drained(self) -> bool:
-        """Paused and no request left in flight (held ones have not started)."""
-        return self.control.is_paused and not self.scheduler.has_unfinished()
-
-    def device_memory_stats(self, reset_peak: bool = False) -> dict[str, int] | None:
-        """``{"allocated", "peak"}`` bytes of this process's CUDA allocator on the engine's device
-        (``None`` on the CPU); ``reset_peak`` starts a new peak. For measurements: an engine in its
-        own process is reached through ``AsyncLLM.device_memory_stats``."""
-        device = self.config.device
-        if device.type != "cuda":
-            return None
-        stats = {"allocated": torch.cuda.memory_allocated(device), "peak": torch.cuda.max_memory_allocated(device)}
-        if reset_peak:
-            torch.cuda.reset_peak_memory_stats(device)
-        return stats
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self.control.is_sleeping
-
-    def sleep(self, level: int = 1) -> None:
-        """Frees device memory for a colocated trainer: level 1 the KV pool, level 2 also the
-        weights (moved to CPU memory). Needs no request in flight."""
-        self.control.sleep(level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restores what ``sleep`` released (``tags``: ``"weights"`` and/or ``"kv_cache"``; default both)."""
-        self.control.wake_up(tags)
-
+    def control_call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
+        """Runs a control verb of ``engine/verbs.py`` on this engine (``engine.sleep(2)`` is
+        ``engine.control_call("sleep", 2)``); an unknown verb raises ``InvalidRequestError``."""
+        spec = VERBS.lookup(verb)
+        if spec.loop:
+            raise InvalidRequestError(f"{verb} is served by the engine loop: call it on AsyncLLM", param="verb")
+        args = spec.bind(args, kwargs)
+        served = getattr(self.control, spec.name)  # a state verb is a property there
+        return served if spec.state else served(*args)
 
 def _failure_message(error_id: str) -> str:
     return f"internal error (error id {error_id}); see the server log"

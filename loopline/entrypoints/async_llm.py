@@ -14,8 +14,10 @@ per-request :class:`OutputStream`s. A stream keeps only the newest output per
 request: a slow consumer never makes the engine wait or queues unbounded history.
 
 The RL control calls (``pause_generation``, ``resume_generation``, the weight
-updates, ``reset_prefix_cache``, ``sleep`` / ``wake_up``; see docs/rl.md) are
-queued like adds and aborts; their exceptions reach the caller unchanged.
+updates, ``reset_prefix_cache``, ``sleep`` / ``wake_up``; see docs/rl.md) are the
+verbs of ``engine/verbs.py``, inherited as async methods that all go through
+:meth:`AsyncLLM.control_call`; they are queued like adds and aborts, and their
+exceptions reach the caller unchanged.
 
 No request stops the engine: a failing ``add_request`` fails that add, a failing
 ``step()`` fails the requests to blame and frees their KV; only a device fault,
@@ -47,6 +49,7 @@ from torch import Tensor
 from loopline.config import EngineArgs
 from loopline.distributed.launch import make_client
 from loopline.engine import LLMEngine, PromptType
+from loopline.engine.verbs import VERBS, verb_mixin
 from loopline.entrypoints.chat_utils import ChatEncoder
 from loopline.runtime.client import EngineClient, InProcClient
 from loopline.runtime.protocol import EngineInfo, EngineSnapshot, StepRecord
@@ -99,7 +102,11 @@ class OutputStream:
         raise self._error
 
 
-class AsyncLLM:
+# The control verbs as async AsyncLLM methods (``await llm.sleep(2)``), from engine/verbs.py.
+AsyncVerbs = verb_mixin("AsyncVerbs", asynchronous=True, loop_verbs=True)
+
+
+class AsyncLLM(AsyncVerbs):
     """Async front end of one :class:`LLMEngine` (in an engine process, or on a thread over ``engine``).
 
     ``generate()`` is an async generator of cumulative ``RequestOutput``s; a
@@ -288,77 +295,17 @@ class AsyncLLM:
     async def abort(self, request_id: str | list[str]) -> None:
         self.abort_nowait(request_id)
 
-    async def abort_all(self) -> list[str]:
-        """Aborts every unfinished request (running, waiting, frozen or held); returns their ids.
-
-        Their streams end with ``finish_reason="abort"`` and the tokens produced so far.
-        """
-        return await self._call("abort_all")
-
-    # --- RL control (docs/rl.md): each runs in the engine loop between steps -------------
-    async def pause_generation(self, mode: str = "abort") -> None:
-        """Pauses generation (``"abort"`` | ``"wait"`` | ``"keep"``); new requests are held until resume.
-
-        Returns once the pause is in force: for ``"abort"`` every aborted request's stream has
-        its final output; for ``"wait"`` every request in flight has finished (it raises
-        ``EngineStateError`` if the pause is lifted or turned into ``"keep"`` before that).
-        """
-        await self._call("pause_generation", (mode,), until_drained=mode == "wait")
-
-    async def resume_generation(self) -> None:
-        """Frozen requests continue; held ones start in arrival order."""
-        await self._call("resume_generation")
-
-    async def is_paused(self) -> bool:
-        return await self._call("is_paused")
-
-    async def get_weight_version(self) -> int:
-        return await self._call("get_weight_version")
-
-    async def start_weight_update(self, version: int) -> None:
-        await self._call("start_weight_update", (version,))
-
-    async def update_weights(self, weights: Any) -> int:
-        """One batch of ``(HF name, tensor)`` pairs (a dict or an iterable); returns how many it held.
-
-        NOTE: the iterable is consumed here, on the caller's thread, before it is handed to
-        the engine: a generator that materializes tensors (e.g. with collectives)
-        runs where the caller expects it to.
-        """
-        if isinstance(weights, dict):
-            weights = list(weights.items())
-        elif isinstance(weights, Iterable) and not isinstance(weights, (str, bytes, Tensor)):
-            weights = list(weights)
-        return await self._call("update_weights", (weights,))
-
-    async def finish_weight_update(self) -> int:
-        return await self._call("finish_weight_update")
-
-    async def abort_weight_update(self) -> None:
-        await self._call("abort_weight_update")
-
-    async def update_weights_from_disk(self, path: str, version: int) -> int:
-        """Publishes a safetensors directory as ``version`` (start, every shard, finish) in the engine loop."""
-        return await self._call("update_weights_from_disk", (path, version))
-
-    async def reset_prefix_cache(self) -> None:
-        await self._call("reset_prefix_cache")
-
-    async def sleep(self, level: int = 1) -> None:
-        await self._call("sleep", (level,))
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._call("wake_up", (tags,))
-
-    async def is_sleeping(self) -> bool:
-        return await self._call("is_sleeping")
-
-    async def device_memory_stats(self, reset_peak: bool = False) -> dict[str, int] | None:
-        """The engine process's CUDA allocator: ``{"allocated", "peak"}`` bytes (``None`` on the CPU)."""
-        return await self._call("device_memory_stats", (reset_peak,))
-
-    async def _call(self, name: str, args: tuple = (), until_drained: bool = False) -> Any:
-        return await asyncio.wrap_future(self._client.call(name, args, until_drained))
+    # --- RL control (engine/verbs.py, docs/rl.md): each runs in the engine loop between steps ----
+    async def control_call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
+        """Runs a control verb in the engine loop, between two steps (``await llm.sleep(2)`` is
+        ``await llm.control_call("sleep", 2)``); over several engines (data-parallel replicas,
+        prefill/decode workers) on each of them, their answers combined by the verb's rule."""
+        spec = VERBS.lookup(verb)
+        args = spec.bind(args, kwargs)
+        if spec.materialize is not None:
+            i = [p.name for p in spec.params].index(spec.materialize)
+            args = (*args[:i], _materialized(args[i]), *args[i + 1:])
+        return await asyncio.wrap_future(self._client.call(spec.name, args, spec.until_drained(args)))
 
     def abort_nowait(self, request_id: str | list[str]) -> None:
         """Aborts requests without awaiting (safe in ``finally`` blocks and from any thread)."""
@@ -384,6 +331,16 @@ def _problem(client: EngineClient) -> str | None:
         return ("the weights are partially updated (a weight update failed after copying some tensors); "
                 "generation is refused until a complete update lands")
     return None
+
+
+def _materialized(items: Any) -> Any:
+    """An iterable argument as a list (a dict as its items), consumed here on the caller's thread;
+    anything else unchanged (the engine refuses it with its own error)."""
+    if isinstance(items, dict):
+        return list(items.items())
+    if isinstance(items, Iterable) and not isinstance(items, (str, bytes, Tensor)):
+        return list(items)
+    return items
 
 
 def _text_of(prompt: PromptType) -> str | None:

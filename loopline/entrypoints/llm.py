@@ -9,17 +9,24 @@ from tqdm.auto import tqdm
 
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine, PromptType
+from loopline.engine.verbs import verb_mixin
 from loopline.entrypoints.chat_utils import ChatEncoder
 from loopline.errors import EngineStateError, InvalidRequestError
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
 
 
-class LLM:
+# The control verbs as LLM methods (``llm.sleep(2)``, ``llm.is_paused()``), from engine/verbs.py.
+LLMVerbs = verb_mixin("LLMVerbs")
+
+
+class LLM(LLMVerbs):
     """Generate from a looped model offline.
 
     ``LLM()`` with no model uses the bundled demo model. Keyword
     arguments are the fields of :class:`~loopline.config.EngineArgs`.
+    The RL control verbs (``pause_generation``, ``update_weights``, ``sleep``, ...; docs/rl.md)
+    are inherited from ``engine/verbs.py`` and run on :attr:`llm_engine`.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -63,45 +70,10 @@ class LLM:
         checkpoint ``<think>\n`` follows the assistant prefix (``loopline.entrypoints.chat_utils``)."""
         return self._chat.encode(conversation, add_generation_prompt, chat_template)
 
-    # --- RL: weights and lifecycle (LLMEngine methods; see docs/rl.md) --------------------
-    def get_weight_version(self) -> int:
-        return self.llm_engine.get_weight_version()
-
-    def start_weight_update(self, version: int) -> None:
-        self.llm_engine.start_weight_update(version)
-
-    def update_weights(self, weights: Any) -> int:
-        return self.llm_engine.update_weights(weights)
-
-    def finish_weight_update(self) -> int:
-        return self.llm_engine.finish_weight_update()
-
-    def abort_weight_update(self) -> None:
-        self.llm_engine.abort_weight_update()
-
-    def update_weights_from_disk(self, path: str, version: int) -> int:
-        return self.llm_engine.update_weights_from_disk(path, version)
-
-    def reset_prefix_cache(self) -> None:
-        self.llm_engine.reset_prefix_cache()
-
-    def pause_generation(self, mode: str = "abort") -> None:
-        self.llm_engine.pause_generation(mode)
-
-    def resume_generation(self) -> None:
-        self.llm_engine.resume_generation()
-
-    def is_paused(self) -> bool:
-        return self.llm_engine.is_paused
-
-    def sleep(self, level: int = 1) -> None:
-        self.llm_engine.sleep(level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self.llm_engine.wake_up(tags)
-
-    def is_sleeping(self) -> bool:
-        return self.llm_engine.is_sleeping
+    # --- RL: weights and lifecycle (engine/verbs.py; see docs/rl.md) ----------------------
+    def control_call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
+        """Runs a control verb on the engine (``llm.sleep(2)`` is ``llm.control_call("sleep", 2)``)."""
+        return self.llm_engine.control_call(verb, *args, **kwargs)
 
     # --- internals ----------------------------------------------------------------------
     @staticmethod

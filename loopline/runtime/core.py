@@ -35,6 +35,7 @@ import torch
 from loopline.engine import LLMEngine
 from loopline.engine.input_processor import parent_request_id
 from loopline.engine.llm_engine import is_device_fault
+from loopline.engine.verbs import VERBS
 from loopline.errors import (EngineDeadError, EngineInternalError, EngineStateError, LooplineError, new_error_id,
                              RequestFailedError)
 from loopline.runtime.deltas import DeltaEncoder
@@ -135,8 +136,9 @@ class EngineCore:
             self._abort(cmd.request_ids)  # outputs with finish_reason "abort" come from the next step
         elif isinstance(cmd, CallCmd):
             try:
-                fn = getattr(self, f"call_{cmd.name}", None) or getattr(self.engine, cmd.name)
-                result = fn(*cmd.args) if callable(fn) else fn
+                verb = VERBS.lookup(cmd.name)  # only a verb of engine/verbs.py runs here
+                result = (getattr(self, f"call_{verb.name}")(*cmd.args) if verb.loop
+                          else self.engine.control_call(verb.name, *cmd.args))
             except Exception as e:  # engine errors go back to the caller unchanged
                 self._msg.replies.append(Reply(cmd.call_id, None, e))
                 return
@@ -171,7 +173,8 @@ class EngineCore:
         self._msg.replies.append(Reply(cmd.add_id))
 
     def call_abort_all(self) -> list[str]:
-        """Aborts every unfinished request; returns their ids."""
+        """The ``abort_all`` verb (served here: the loop knows which requests it still streams):
+        aborts every unfinished request; returns their ids."""
         ids = list(self._live)
         self.engine.abort_request(ids)
         return ids

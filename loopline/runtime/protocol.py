@@ -93,8 +93,9 @@ class AbortCmd:
 
 @dataclass
 class CallCmd:
-    """``engine.<name>(*args)`` (or the core's own ``call_<name>``) between steps; a non-callable
-    attribute is read. ``until_drained``: reply once no request is in flight (pause "wait")."""
+    """A control verb (``engine/verbs.py``) between steps: ``engine.control_call(name, *args)``, or
+    the core's own ``call_<name>`` for a verb the loop serves; ``args`` are positional, defaults
+    filled in (``Verb.bind``). ``until_drained``: reply once no request is in flight (pause "wait")."""
 
     call_id: int
     name: str

@@ -1,7 +1,8 @@
 """HTTP routes for RL trainers: pause / resume, abort, weight updates from disk, prefix cache, sleep.
 
-Each route calls the matching :class:`AsyncLLM` method (which runs on the
-engine loop) and answers a small JSON object. Fields come from the JSON
+Each route runs a control verb of ``engine/verbs.py`` by name, its body's fields
+bound to the verb's parameters (``AsyncLLM.control_call``, on the engine loop), and
+answers a small JSON object. Fields come from the JSON
 body or, for vLLM-style clients, the query string (``POST /pause?mode=keep``).
 Bad input gets 400, a call the engine cannot honour in its current state
 (an update while requests generate, a resume while asleep, ...) gets 409;
@@ -71,19 +72,23 @@ def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> list[str]:
     """Registers the RL control routes on ``app`` (``auth``: the API-key dependencies); returns their paths."""
     before = {getattr(r, "path", None) for r in app.routes}
 
+    async def run(verb: str, **fields: Any) -> Any:
+        """Runs ``verb`` with ``fields`` as its arguments; a state the engine refuses becomes 409."""
+        return await _control(llm.control_call(verb, **fields))
+
     async def pause(raw: Request) -> dict:
         req = await _parse(raw, PauseRequest)
-        await _control(llm.pause_generation(req.mode))
+        await run("pause_generation", mode=req.mode)
         if req.clear_cache:
-            await _control(llm.reset_prefix_cache())
+            await run("reset_prefix_cache")
         return {"success": True, "mode": req.mode}
 
     async def resume() -> dict:
-        await _control(llm.resume_generation())
+        await run("resume_generation")
         return {"success": True}
 
     async def flush() -> dict:
-        await _control(llm.reset_prefix_cache())
+        await run("reset_prefix_cache")
         return {"success": True}
 
     for path in ("/pause_generation", "/pause"):
@@ -95,7 +100,7 @@ def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> list[str]:
 
     @app.get("/is_paused", dependencies=auth)
     async def is_paused() -> dict:
-        return {"is_paused": await _control(llm.is_paused())}
+        return {"is_paused": await run("is_paused")}
 
     @app.post("/abort_request", dependencies=auth)
     async def abort_request(raw: Request) -> dict:
@@ -103,7 +108,7 @@ def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> list[str]:
         if req.abort_all == (req.rid is not None):
             raise InvalidRequestError("give either rid or abort_all: true", param="rid")
         if req.abort_all:
-            return {"success": True, "aborted": await _control(llm.abort_all())}
+            return {"success": True, "aborted": await run("abort_all")}
         rids = [req.rid] if isinstance(req.rid, str) else req.rid
         if not rids or not all(rids):
             raise InvalidRequestError("rid must be a non-empty id or list of ids", param="rid")
@@ -116,30 +121,31 @@ def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> list[str]:
         version = _version(req)
         if not req.model_path:
             raise InvalidRequestError("model_path must be a checkpoint directory", param="model_path")
-        committed = await _load_from_disk(llm.update_weights_from_disk(req.model_path, version), req.model_path)
+        update = llm.control_call("update_weights_from_disk", path=req.model_path, version=version)
+        committed = await _load_from_disk(update, req.model_path)
         return {"success": True, "message": f"weights from {req.model_path} serve as version {committed}",
                 "weight_version": committed}
 
     @app.get("/get_weight_version", dependencies=auth)
     async def get_weight_version() -> dict:
-        version = await _control(llm.get_weight_version())
+        version = await run("get_weight_version")
         return {"weight_version": version, "weights": llm.weights_state()}  # "weights": a clear state, never silent
 
     @app.post("/sleep", dependencies=auth)
     async def sleep(raw: Request) -> dict:
         req = await _parse(raw, SleepRequest)
-        await _control(llm.sleep(req.level))
+        await run("sleep", level=req.level)
         return {"success": True, "is_sleeping": True}
 
     @app.post("/wake_up", dependencies=auth)
     async def wake_up(raw: Request) -> dict:
         req = await _parse(raw, WakeUpRequest, list_fields=("tags",))
-        await _control(llm.wake_up(req.tags))
-        return {"success": True, "is_sleeping": await _control(llm.is_sleeping())}
+        await run("wake_up", tags=req.tags)
+        return {"success": True, "is_sleeping": await run("is_sleeping")}
 
     @app.get("/is_sleeping", dependencies=auth)
     async def is_sleeping() -> dict:
-        return {"is_sleeping": await _control(llm.is_sleeping())}
+        return {"is_sleeping": await run("is_sleeping")}
 
     return sorted({getattr(r, "path", None) for r in app.routes} - before - {None})
 
