@@ -21,6 +21,7 @@ from loopline.kernels import gemv
 from loopline.models.ouro import OuroForCausalLM
 from loopline.models.tiny import random_checkpoint_config
 from loopline.sampling_params import SamplingParams
+from loopline.worker.cuda_graphs import bucket_sizes
 
 
 def print_kernel_table(engine: LLMEngine, steps: int) -> None:
@@ -101,14 +102,14 @@ def profile_mixed(engine: LLMEngine, a: argparse.Namespace, params: SamplingPara
         engine.add_request(f"m{i}", [5 + (i * 104729 + j) % vocab for j in range(a.context)], params)
     times, profiled = [], None
     budget = engine.config.max_num_batched_tokens - a.rows
-    replays = engine.runner.mixed_graphs.replays if engine.runner.mixed_graphs is not None else 0
+    replays = engine.runner.graphs.replays["mixed"] if engine.runner.graphs is not None else 0
     for step in range(4 * -(-a.mixed_prompts * a.context // budget) + 4):  # every loop of every chunk, and a few more
         ms, p = timed_step(engine, kernels=step == 2 and a.kernels)
         times.append(ms)
         profiled = profiled if p is None else p
     print(f"mixed: {a.rows} decode rows + {a.mixed_prompts} x {a.context}-token prompts, step ms: "
           f"{[round(t, 1) for t in times]}; budget {engine.config.max_num_batched_tokens}, mixed-graph replays "
-          f"{(engine.runner.mixed_graphs.replays if engine.runner.mixed_graphs is not None else 0) - replays}")
+          f"{(engine.runner.graphs.replays['mixed'] if engine.runner.graphs is not None else 0) - replays}")
     if profiled is not None:
         print_step_kernels(profiled, 16)
 
@@ -240,11 +241,12 @@ def main() -> None:
     if runner.graphs is not None:
         # NOTE: replays with the last step's inputs; it rewrites state a step would write anyway (KV of
         # the same positions, slot hidden state), and the timing run ends the profile's engine use.
-        b = next(s for s in runner.graphs.sizes if s >= a.rows)
+        b = next(s for s in bucket_sizes(runner.max_num_seqs) if s >= a.rows)
+        graph = runner.graphs.graph("decode", (b, 0))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(20):
-            runner.graphs.graphs[b].replay()
+            graph.replay()
         torch.cuda.synchronize()
         print(f"graph replay alone: {(time.perf_counter() - t0) / 20 * 1e3:.3f} ms")
     if a.kernels:

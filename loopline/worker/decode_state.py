@@ -60,6 +60,17 @@ class SlotRows(NamedTuple):
     token_index: Tensor  # [B] int64, index in the completion of the token being computed
 
 
+class RowsInto(NamedTuple):
+    """Where ``decode_rows`` writes the rows' attention inputs (views of the step's persistent buffers)
+    instead of fresh tensors. ``block_tables`` may be narrower than the state's tables: a step reads no
+    key past its ``max_seq_len``, so columns past it are never read."""
+
+    positions: Tensor  # [B] int64
+    slot_mapping: Tensor  # [B] int64
+    seq_lens: Tensor  # [B] int32
+    block_tables: Tensor  # [B, width] int32, rows contiguous
+
+
 class DecodeRows(NamedTuple):
     """A step's decode rows derived from the device state."""
 
@@ -80,10 +91,12 @@ class SlotOps:
     name = "torch"
 
     def decode_rows(self, ds: "DeviceDecodeState", slots: Tensor, min_loops: Tensor, max_loops: Tensor,
-                    threshold: Tensor, no_refill: bool, per_token_exits: bool, scratch_slot: int) -> DecodeRows:
+                    threshold: Tensor, no_refill: bool, per_token_exits: bool, scratch_slot: int,
+                    into: RowsInto | None = None) -> DecodeRows:
         """Decode rows ``slots`` ``[B]`` from the state; a row with ``run`` False (a ``no_refill`` slot
         waiting for its cohort) runs on scratch and changes nothing. ``per_token_exits``: the rows'
-        min and max loops come from the recorded depths at the device's token index."""
+        min and max loops come from the recorded depths at the device's token index. ``into``: the
+        attention inputs are written there (and returned as those views)."""
         loop = ds.loop[slots]
         run = torch.ones_like(loop, dtype=torch.bool)
         if no_refill:
@@ -103,16 +116,22 @@ class SlotOps:
             input_ids=ds.token[slots], min_loops=min_loops, max_loops=max_loops, threshold=threshold,
             plane_slots=torch.where(run[:, None], plane_slots, scratch_kv))
         plane = ds.layout.plane_index(loops)
-        return DecodeRows(
-            slots, dec, positions=torch.where(run, pos, 0), slot_mapping=dec.plane_slots.gather(1, plane[:, None]).squeeze(1),
+        attn = RowsInto(
+            positions=torch.where(run, pos, 0), slot_mapping=dec.plane_slots.gather(1, plane[:, None]).squeeze(1),
             seq_lens=torch.where(run, pos + 1, 1).to(torch.int32),
-            block_tables=torch.where(run[:, None], ds.tables[slots, plane], ds.scratch_block),
-            loops=loops, run=run, token_index=tidx)
+            block_tables=torch.where(run[:, None], ds.tables[slots, plane], ds.scratch_block))
+        if into is not None:
+            for dst, src in zip(into, attn):
+                dst.copy_(src[:, :dst.shape[1]] if src.dim() == 2 else src)
+            attn = into
+        return DecodeRows(slots, dec, *attn, loops=loops, run=run, token_index=tidx)
 
-    def decode_inputs(self, d: DecodeTensors, embed_weight: Tensor, slot_hidden: Tensor) -> Tensor:
+    def decode_inputs(self, d: DecodeTensors, embed_weight: Tensor, slot_hidden: Tensor,
+                      out: Tensor | None = None) -> Tensor:
         """The loop's input of decode rows ``d`` ``[B, H]``: the prelude (the embedding of the fed token)
-        for rows starting a token, the slot's hidden state for the others."""
-        return torch.where(d.starts[:, None], embed_weight[d.input_ids], slot_hidden[d.slots])
+        for rows starting a token, the slot's hidden state for the others; written into ``out`` if given."""
+        x = torch.where(d.starts[:, None], embed_weight[d.input_ids], slot_hidden[d.slots])
+        return x if out is None else out.copy_(x)
 
     def exit_and_store(self, h: Tensor, gate: Tensor, d: DecodeTensors, slot_hidden: Tensor,
                        slot_survival: Tensor) -> Tensor:

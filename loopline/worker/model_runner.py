@@ -4,10 +4,13 @@ One step (DESIGN.md §4): prelude for rows that start a token, one traversal of
 the shared stack + final norm + gate for all rows (each attending its own
 plane), exit decisions, the ``last_exited`` exit copy, and coda + sampling for
 rows whose token exits -- all queued by ``launch`` without waiting for the
-device. Decode slots' loops, positions and tokens live on the device
-(``decode_state.py``); the host reads a step's results through the handle
-``launch`` returns, at once (synchronous engine) or after it launched the next
-step (overlapped engine). There is no other execution path.
+device. ``launch`` prepares the step's inputs (``step_inputs.py``, one builder
+for every step), runs the one forward (``forward.py``) -- a captured CUDA graph
+of it where one fits the step, else eagerly on exact-size views -- then samples
+and advances the decode state. Decode slots' loops, positions and tokens live on
+the device (``decode_state.py``); the host reads a step's results through the
+handle ``launch`` returns, at once (synchronous engine) or after it launched the
+next step (overlapped engine). There is no other execution path.
 """
 from __future__ import annotations
 
@@ -20,8 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loopline.attention import AttentionBackend, PagedAttentionMetadata
-from loopline.attention.paged import PagedAttention
+from loopline.attention import AttentionBackend
 from loopline.core.contracts import (
     NewRequestData,
     RunnerOutput,
@@ -32,15 +34,17 @@ from loopline.core.contracts import (
 from loopline.kv.layout import KVLayout
 from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import SamplingParams
-from loopline.worker.cuda_graphs import DecodeGraphs, MixedGraphs
-from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, SlotOps
+from loopline.worker.cuda_graphs import GraphCapturer, StepGraphs, bucket_sizes, mixed_buckets
+from loopline.worker.decode_state import DeviceDecodeState, SlotOps
 from loopline.worker.exit_rule import exit_decision
+from loopline.worker.forward import StepForward
 from loopline.worker.kv_pages import KVPages
+from loopline.worker.request_state import RequestState
+from loopline.worker.row_kinds import DecodeKind, DecodeOut, PrefillKind
 from loopline.worker.sampler import Sampler, SamplerOutput
 from loopline.worker.sampling_inputs import HostSample, ParamsStager, SampleBatch, build_sampling_tensors, has_penalties
 from loopline.worker.staging import stage
-from loopline.worker.request_state import RequestState
-from loopline.worker.step_inputs import build_prefill_inputs, work_list
+from loopline.worker.step_inputs import StepBuilder, StepShape
 
 _SEED_MASK = 2**63 - 1
 
@@ -61,7 +65,7 @@ class StepHandle:
         self._read: Callable[[], RunnerOutput] | None = read
 
     @classmethod
-    def ready(cls, output: RunnerOutput) -> "StepHandle":
+    def ready(cls, output: RunnerOutput) -> StepHandle:
         return cls(lambda: output)
 
     def get(self) -> RunnerOutput:
@@ -106,7 +110,6 @@ class ModelRunner:
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.num_loops = cfg.total_ut_steps
         self.vocab_size = cfg.vocab_size
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
         # One scratch block and one scratch slot beyond what the scheduler hands out:
         # padding rows of a CUDA graph write there and nowhere else.
         self.scratch_block, self.scratch_slot = num_blocks, max_num_seqs
@@ -121,31 +124,51 @@ class ModelRunner:
         max_blocks = -(-(max_model_len + 1) // block_size)
         self.decode_state = DeviceDecodeState(max_num_seqs + 1, layout, block_size, max_blocks, self.scratch_block,
                                               device, self.slot_ops)
-        self._no_refill = no_refill
-        self._per_token_exits = per_token_exits
         if per_token_exits:
             self.decode_state.allocate_trace()
         self.work_tile_tokens = backend.work_tile_tokens(cfg.num_attention_heads // cfg.num_key_value_heads)
-        self.graphs: DecodeGraphs | None = None
-        self.mixed_graphs: MixedGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self._sampling_params = ParamsStager()  # the sampled rows' parameters, on the device while unchanged
-        self._graphs_max_seq_len: int | None = None  # graphs to recapture after a sleep
-        self._graphs_max_tokens: int | None = None
+        self._graph_args: tuple | None = None  # graphs to recapture after a sleep
         self._kv_shape = shape
-        self._copies_on_exit = len(layout.exit_copy_planes(1)) > 0
         self.requests: dict[str, RequestState] = {}
+        # The step's rows by kind, decode rows first (the scheduler's order); one builder and one
+        # forward serve eager steps and graph captures alike.
+        kv = self._kv_cache  # (read at each call: the pool moves on sleep / wake)
+        self.decode = DecodeKind(model=model, backend=backend, kv=kv, state=self.decode_state, ops=self.slot_ops,
+                                 slot_hidden=self.slot_hidden, slot_survival=self.slot_survival,
+                                 requests=self.requests, scratch_slot=self.scratch_slot,
+                                 copies_on_exit=len(layout.exit_copy_planes(1)) > 0, no_refill=no_refill,
+                                 per_token_exits=per_token_exits)
+        kinds = (self.decode, PrefillKind(model=model, requests=self.requests, block_size=block_size, device=device))
+        self.builder = StepBuilder(kinds, cfg.hidden_size, dtype, device, block_size, self.scratch_block,
+                                   self.work_tile_tokens)
+        self.forward = StepForward(model, backend, kv, kinds)
         # preemption snapshots and the PD handoff's page export/import
-        self.pages = KVPages(lambda: (self.k_cache, self.v_cache), self.requests, self.slot_hidden,
+        self.pages = KVPages(kv, self.requests, self.slot_hidden,
                              self.slot_survival, self.decode_state, block_size, cfg.hidden_size, dtype, device)
 
-    def capture_graphs(self, max_seq_len: int, max_num_batched_tokens: int | None = None) -> None:
-        """Captures decode-only steps, and steps with small prefill chunks (given the token budget),
-        as CUDA graphs (CUDA and a graph-safe attention backend only)."""
-        self.graphs = DecodeGraphs(self, self.max_num_seqs, max_seq_len)
-        pool = self.graphs.capture()
-        if max_num_batched_tokens is not None and self.work_tile_tokens:
-            self.mixed_graphs = MixedGraphs(self, self.max_num_seqs, max_num_batched_tokens, max_seq_len)
-            self.mixed_graphs.capture(pool)
+    def _kv_cache(self) -> tuple[Tensor, Tensor]:
+        return self.k_cache, self.v_cache
+
+    def capture_graphs(self, max_seq_len: int, max_num_batched_tokens: int | None = None, *,
+                       max_prefill_rows: int = 16, capturer: GraphCapturer | None = None) -> None:
+        """Captures decode-only steps, and steps with up to ``max_prefill_rows`` small prefill chunks
+        (given the token budget), as CUDA graphs (CUDA and a graph-safe attention backend only).
+        ``capturer``: how graphs are captured and replayed (default: CUDA graphs)."""
+        width = self.builder.width(max_seq_len)
+        decode = [StepShape(((b, b), (0, 0)), width, 0, 1, max_seq_len) for b in bucket_sizes(self.max_num_seqs)]
+        mixed = []
+        if max_num_batched_tokens is not None:
+            # Decode rows get their own attention launch; a fixed-size work list holds the prompt tiles, so
+            # the grid does not depend on the step (a backend without work lists ignores it).
+            tile, rows = self.work_tile_tokens or 64, max_prefill_rows
+            decode_sizes, prefill_sizes = mixed_buckets(self.max_num_seqs, max_num_batched_tokens)
+            mixed = [StepShape(((d, d), (rows, p)), width, rows + p // tile, p, max_seq_len)
+                     for d in decode_sizes for p in prefill_sizes]
+        self.graphs = StepGraphs(self.forward, self.builder, {"decode": decode, "mixed": mixed})
+        self.graphs.capture(capturer)
+        self._graph_args = (max_seq_len, max_num_batched_tokens, max_prefill_rows, capturer)
 
     # --- sleep (colocated training) ---------------------------------------------------
     def release_kv_cache(self) -> None:
@@ -156,10 +179,7 @@ class ModelRunner:
         """
         self.requests.clear()
         self.pages.clear()
-        if self.graphs is not None:
-            self._graphs_max_seq_len, self.graphs = self.graphs.max_seq_len, None
-            self._graphs_max_tokens = self.mixed_graphs.prefill_sizes[-1] if self.mixed_graphs is not None else None
-            self.mixed_graphs = None
+        self.graphs = None  # (capture_graphs kept its arguments for restore_graphs)
         self.k_cache = self.v_cache = torch.empty(0, dtype=self.dtype, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -171,9 +191,9 @@ class ModelRunner:
 
     def restore_graphs(self) -> None:
         """Recaptures the CUDA graphs dropped by :meth:`release_kv_cache` (a no-op if there were none)."""
-        if self._graphs_max_seq_len is not None:
-            max_seq_len, self._graphs_max_seq_len = self._graphs_max_seq_len, None
-            self.capture_graphs(max_seq_len, self._graphs_max_tokens)
+        if self.graphs is None and self._graph_args is not None:
+            max_seq_len, max_tokens, max_prefill_rows, capturer = self._graph_args
+            self.capture_graphs(max_seq_len, max_tokens, max_prefill_rows=max_prefill_rows, capturer=capturer)
 
     # --- request bookkeeping ----------------------------------------------------------
     def _add(self, new: NewRequestData) -> None:
@@ -213,15 +233,8 @@ class ModelRunner:
         ds.set_tables(st.slot, block_tables)
         if has_penalties(st.params):
             ds.track_penalties(st.slot, st.prompt, self.vocab_size)
-        if self._per_token_exits:
+        if self.decode.per_token_exits:
             ds.set_trace(st.slot, st.params.exit_depths)
-
-    def decode_rows(self, slots: Tensor, min_loops: Tensor, max_loops: Tensor, threshold: Tensor) -> DecodeRows:
-        """Decode rows ``slots`` derived from the device state, without the host; a row with ``run``
-        False (a ``no_refill`` slot waiting for its cohort) runs on scratch and changes nothing.
-        Used eagerly and inside CUDA graphs."""
-        return self.slot_ops.decode_rows(self.decode_state, slots, min_loops, max_loops, threshold, self._no_refill,
-                                         self._per_token_exits, self.scratch_slot)
 
     # --- one step: launch now, read when asked ---------------------------------------
     @torch.inference_mode()
@@ -240,31 +253,20 @@ class ModelRunner:
         rows = sched.rows
         if not rows:
             return StepHandle.ready(RunnerOutput([], []))
-        nd = sum(1 for r in rows if not r.is_prefill)
+        # prepare: the rows into persistent buffers (a captured graph's views where one fits the step)
+        plan = self.builder.plan(rows)
+        graph = self.graphs.find(plan) if self.graphs is not None else None
+        inputs = graph.inputs if graph is not None else self.builder.inputs(self.builder.exact_shape(plan))
+        self.builder.fill(plan, inputs)
+        # run: the one forward, replayed or eager
+        out = graph.replay() if graph is not None else self.forward(inputs)
+        dec, prefill = self.builder.split(out, plan)
+        nd = plan.kinds[0].num_rows
         booked = _Booked([False] * len(rows))
-        prefill = rows[nd:]
-        p_tokens = sum(r.num_tokens for r in prefill)
-        max_seq = max((r.end for r in prefill), default=0)
-        ex = logits = dec = None
-        if nd:
-            host_rows = self._decode_host_rows(rows[:nd])
-            # Decode rows' lengths live on the device: bound them by each request's longest sequence.
-            bound = max(self.requests[r.request_id].max_len for r in rows[:nd])
-            max_seq = max(max_seq, bound)
-            if nd == len(rows) and self.graphs is not None and bound <= self.graphs.max_seq_len:
-                # the graph derives the rows from the device state itself: one copy of four arrays
-                ex, logits, dec = self.graphs.run_slots(*host_rows)
-            else:
-                dec = self.decode_rows(*stage(self.device, *host_rows))
-        if ex is None:  # not a decode-graph step
-            key = self._mixed_key(rows, nd, p_tokens, max_seq)
-            if key is not None:
-                ex, logits = self._run_mixed(key, rows, nd, booked, dec)
-            else:
-                ex, logits = self._run_eager(rows, nd, dec, max_seq, booked)
-            if dec is not None:  # (the decode graph masks its own)
-                ex = self.exits_that_ran(ex, dec.run)
-        batch = self._sample(rows, nd, ex, logits, booked, dec)
+        if prefill is not None:
+            self._book_prefill_rows(rows, nd, *prefill, plan.kinds[1].host.token_offsets, booked)
+        # sample, then advance the decode state
+        batch = self._sample(rows, nd, booked, dec)
         if batch is None:  # prefill rows only, none finished its prompt
             return StepHandle.ready(RunnerOutput(booked.exited, [None] * len(rows), booked.prompt_logprobs))
         ds = self.decode_state
@@ -272,7 +274,7 @@ class ModelRunner:
             # Without finished prompts the decode rows are every sampled row: the advance packs their
             # results for the readback as it applies them, instead of a stack of its own.
             record = None if booked.meta else torch.empty((3, nd), dtype=torch.int64, device=self.device)
-            ds.advance(dec.slots, dec.loops, dec.run, ex, batch.out.token_ids[:nd], record)
+            ds.advance(dec.slots, dec.loops, dec.run, dec.exit, batch.out.token_ids[:nd], record)
             batch.packed = record
         if booked.meta:  # prompts that finished: their first token is fed next, at position prompt_len
             done = [rows[i] for i, _ in booked.meta]
@@ -280,68 +282,6 @@ class ModelRunner:
             ds.start(slots, batch.out.token_ids[nd:], ends)
         wait = batch.to_host_async()
         return StepHandle(lambda: self._collect(rows, batch, wait(), booked))
-
-    def _decode_host_rows(self, rows: list[ScheduledRow]) -> tuple[np.ndarray, ...]:
-        """What the host tells the device about decode rows: their slots and exit rules."""
-        n = len(rows)
-        return (np.fromiter((r.slot for r in rows), np.int64, n),
-                np.fromiter((r.exit.min_loops for r in rows), np.int64, n),
-                np.fromiter((r.exit.max_loops for r in rows), np.int64, n),
-                np.fromiter((r.exit.threshold for r in rows), np.float32, n))
-
-    def _mixed_key(self, rows, nd: int, prefill_tokens: int, max_seq_len: int) -> tuple[int, int] | None:
-        """The mixed-step graph that runs this step, if any (steps with prefill rows only)."""
-        if self.mixed_graphs is None or nd == len(rows):
-            return None
-        return self.mixed_graphs.bucket(nd, prefill_tokens, len(rows) - nd, max_seq_len)
-
-    def _run_mixed(self, key, rows, nd: int, booked: "_Booked", dec: DecodeRows | None) -> tuple[Tensor | None, Tensor | None]:
-        """A step with prefill rows through a captured graph; books the prefill rows like ``_run_eager``."""
-        prefill = build_prefill_inputs(rows[nd:], self._block_arrays, self.block_size)
-        ex, logits, h, gate = self.mixed_graphs.run(key, prefill, self._prefill_inputs(rows[nd:]), dec)
-        self._book_prefill_rows(rows, nd, h, gate, prefill.token_offsets, booked)
-        return ex, logits
-
-    def _run_eager(self, rows, nd: int, dec: DecodeRows | None, max_seq: int,
-                   booked: "_Booked") -> tuple[Tensor | None, Tensor | None]:
-        """One eager traversal for all rows (decode rows first); books prefill rows; returns the
-        decode rows' ``(exit, logits)``."""
-        dev = self.device
-        x_parts, pos_parts, map_parts, seq_parts, table_parts, offsets = [], [], [], [], [], [0]
-        max_q = 0
-        if dec is not None:
-            x_parts.append(self.decode_inputs(dec.dec))
-            pos_parts.append(dec.positions)
-            map_parts.append(dec.slot_mapping)
-            seq_parts.append(dec.seq_lens)
-            table_parts.append(dec.block_tables)
-            offsets += list(range(1, nd + 1))
-            max_q = 1
-        if nd < len(rows):
-            inp = build_prefill_inputs(rows[nd:], self._block_arrays, self.block_size)
-            x_parts += self._prefill_inputs(rows[nd:])
-            positions, slot_mapping, seq_lens, tables = stage(dev, inp.positions, inp.slot_mapping, inp.seq_lens,
-                                                              inp.block_tables)
-            pos_parts.append(positions)
-            map_parts.append(slot_mapping)
-            seq_parts.append(seq_lens)
-            table_parts.append(tables)
-            offsets += [nd + o for o in inp.token_offsets[1:]]
-            max_q = max(max_q, inp.max_query_len)
-        width = max(t.shape[1] for t in table_parts)
-        tables_all = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=self.scratch_block)
-                                for t in table_parts])
-        qsl, *work = stage(dev, (offsets, np.int32), *work_list(offsets, max_q, self.work_tile_tokens, nd))
-        meta = PagedAttentionMetadata(
-            work_tiles=work[0] if work else None, num_decode_rows=nd if work else 0,
-            query_start_loc=qsl, seq_lens=torch.cat(seq_parts), block_tables=tables_all,
-            slot_mapping=torch.cat(map_parts), max_query_len=max_q, max_seq_len=max_seq)
-        attn = PagedAttention(self.backend, self.k_cache, self.v_cache, meta, self.scale)
-        h, gate = self.model.loop(torch.cat(x_parts), torch.cat(pos_parts), attn)
-        self._book_prefill_rows(rows, nd, h, gate, offsets[nd:], booked)
-        if dec is None:
-            return None, None
-        return self._decode_tail(h[:nd], gate[:nd], dec.dec)
 
     def _apply_lifecycle(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
@@ -361,37 +301,6 @@ class ModelRunner:
             for plane, blocks in enumerate(added):
                 st.block_arrays[plane] = np.concatenate([st.block_arrays[plane], np.asarray(blocks, dtype=np.int32)])
             self.decode_state.set_tables(st.slot, st.block_arrays)
-
-    def _block_arrays(self, request_id: str) -> list[np.ndarray]:
-        return self.requests[request_id].block_arrays
-
-    def _prefill_inputs(self, prefill: list) -> list[Tensor]:
-        """Each prefill row's input: embeddings at loop 1, the previous loop's hidden state after."""
-        starting = [r for r in prefill if r.loop == 1]
-        ids = iter(stage(self.device, *((r.input_token_ids, np.int64) for r in starting)))
-        return [self.model.embed(next(ids)) if r.loop == 1 else self.requests[r.request_id].hidden[r.start:r.end]
-                for r in prefill]
-
-    def exits_that_ran(self, ex: Tensor, run: Tensor) -> Tensor:
-        """Exit flags of decode rows, where only rows that ran exit: a ``no_refill`` row waiting
-        for its cohort does not. Without ``no_refill`` every row runs, and the mask would be a launch
-        of its own."""
-        return ex & run if self._no_refill else ex
-
-    def decode_inputs(self, d: DecodeTensors) -> Tensor:
-        """Prelude for rows starting a token, the slot's hidden state for the others. [B, H]"""
-        return self.slot_ops.decode_inputs(d, self.model.model.embed_tokens.weight, self.slot_hidden)
-
-    def _decode_tail(self, h: Tensor, gate: Tensor, d: DecodeTensors) -> tuple[Tensor, Tensor]:
-        """Exit rule, slot state, the exit copy and the coda for every decode row, without host syncs.
-
-        Returns ``(exit [B] bool, logits [B, V])``; the host reads both once at the end of the step.
-        """
-        ex = self.slot_ops.exit_and_store(h, gate, d, self.slot_hidden, self.slot_survival)
-        if self._copies_on_exit:  # last_exited: a token exiting at loop e fills its deeper planes
-            self.backend.copy_exited(self.k_cache, self.v_cache, d.plane_slots, d.loops, ex,
-                                     self.scratch_block * self.block_size)
-        return ex, self.model.head(h, needed=ex)  # rows not exiting: logits unused (may be zeros)
 
     def _book_prefill_rows(self, rows, nd: int, h: Tensor, gate: Tensor, offsets, booked: _Booked) -> None:
         """Books prefill rows ``rows[nd:]``; the j-th one's tokens are ``h[offsets[j]:offsets[j + 1]]``."""
@@ -444,10 +353,10 @@ class ModelRunner:
         return [(lo + j, c, rk, list(zip(ti, tv)), depth) for j, (c, rk, tv, ti, depth) in enumerate(rows)]
 
     # --- coda + sampling --------------------------------------------------------------
-    def _sample(self, rows, nd: int, ex: Tensor | None, logits: Tensor | None, booked: _Booked,
-                dec: DecodeRows | None) -> SampleBatch | None:
+    def _sample(self, rows, nd: int, booked: _Booked, dec: DecodeOut | None) -> SampleBatch | None:
         """Coda + sampling for decode rows ``[:nd]`` (logits given; their loops, token indices and slots
         from the device state ``dec``) and for prompts that finished, on the device."""
+        logits = dec.logits if dec is not None else None
         parts = [logits] if logits is not None else []
         if booked.hidden:
             parts.append(self.model.head(torch.stack(booked.hidden)))
@@ -473,7 +382,7 @@ class ModelRunner:
             tensors.output_counts, tensors.seen_mask = ds.counts[row_slots], ds.seen[row_slots]
         out: SamplerOutput = self.sampler(all_logits, tensors)
         depths = ([dec.loops] if nd else []) + [depth for _, depth in booked.meta]
-        flags = ([ex] if nd else []) + ([torch.ones(n_done, dtype=torch.bool, device=self.device)] if n_done else [])
+        flags = ([dec.exit] if nd else []) + ([torch.ones(n_done, dtype=torch.bool, device=self.device)] if n_done else [])
         return SampleBatch(row_idx, states, out, *(t[0] if len(t) == 1 else torch.cat(t) for t in (flags, depths)))
 
     def _collect(self, rows, batch: SampleBatch, host: HostSample, booked: _Booked) -> RunnerOutput:

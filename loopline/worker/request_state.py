@@ -28,6 +28,6 @@ class RequestState:
     max_len: int = 0  # prompt + max_tokens + 1: bounds the decode rows' sequence length
     slot: int = -1
 
-    def to(self, device: torch.device) -> "RequestState":
+    def to(self, device: torch.device) -> RequestState:
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
                                 if isinstance(getattr(self, f.name), Tensor)})

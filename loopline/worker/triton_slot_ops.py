@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, pdl_options
-from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, SlotOps
+from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, RowsInto, SlotOps
 
 try:
     import triton
@@ -30,13 +30,14 @@ if triton is not None:
 
     # NOTE: the row count changes from step to step (eager steps); not specializing on it keeps one
     # compiled variant instead of one per (== 1, divisible by 16) pattern, compiled mid-run.
-    @triton.jit(do_not_specialize=["n_rows"])
+    # (out_blocks, the written table width, follows the step's max_seq_len: not specialized either)
+    @triton.jit(do_not_specialize=["n_rows", "out_blocks"])
     def _decode_rows_kernel(
         slots_ptr, min_in_ptr, max_in_ptr,  # [B] int64, from the host
         loop_s, pos_s, token_s, tidx_s, tables_s, trace_s, plane_of_loop,  # state; plane of each 1-based loop
         d_slots, loops_out, starts_out, ids_out, min_out, max_out, plane_slots_out,  # DecodeTensors fields
         positions_out, slot_map_out, seq_lens_out, tables_out, run_out, tidx_out,
-        n_rows, max_blocks, trace_len, scratch_slot, scratch_block, block_size,
+        n_rows, max_blocks, out_blocks, trace_len, scratch_slot, scratch_block, block_size,
         stride_ts, stride_tp, stride_trace,
         PLANES: tl.constexpr, PLANES_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
         NO_REFILL: tl.constexpr, TRACE: tl.constexpr,
@@ -78,11 +79,11 @@ if triton is not None:
         tl.store(seq_lens_out + b, tl.where(run, pos + 1, 1).to(tl.int32))
         tl.store(run_out + b, run.to(tl.int8))
         tl.store(tidx_out + b, tidx)
-        for t in range(0, max_blocks, BLOCK_T):
+        for t in range(0, out_blocks, BLOCK_T):
             cols = t + tl.arange(0, BLOCK_T)
-            cm = cols < max_blocks
+            cm = cols < out_blocks
             blocks = tl.load(table + plane * stride_tp + cols, mask=cm, other=0)
-            tl.store(tables_out + b.to(tl.int64) * max_blocks + cols, tl.where(run, blocks, scratch_block), mask=cm)
+            tl.store(tables_out + b.to(tl.int64) * out_blocks + cols, tl.where(run, blocks, scratch_block), mask=cm)
 
     @triton.jit
     def _exit_and_store_kernel(
@@ -185,18 +186,27 @@ class TritonSlotOps(SlotOps):
         return self._plane_of_loop[key]
 
     def decode_rows(self, ds: DeviceDecodeState, slots: Tensor, min_loops: Tensor, max_loops: Tensor,
-                    threshold: Tensor, no_refill: bool, per_token_exits: bool, scratch_slot: int) -> DecodeRows:
+                    threshold: Tensor, no_refill: bool, per_token_exits: bool, scratch_slot: int,
+                    into: RowsInto | None = None) -> DecodeRows:
         n = slots.shape[0]
         _check("decode_rows", slots=(slots, _I64), min_loops=(min_loops, _I64), max_loops=(max_loops, _I64))
         planes, max_blocks = ds.layout.num_planes, ds.tables.shape[2]
         dev = slots.device
         i64 = dict(dtype=_I64, device=dev)
-        loops, ids, positions, slot_mapping, tidx = (torch.empty(n, **i64) for _ in range(5))
+        loops, ids, tidx = (torch.empty(n, **i64) for _ in range(3))
         d_slots, mins, maxs = torch.empty(n, **i64), torch.empty(n, **i64), torch.empty(n, **i64)
         starts, run = torch.empty(n, dtype=_BOOL, device=dev), torch.empty(n, dtype=_BOOL, device=dev)
-        seq_lens = torch.empty(n, dtype=_I32, device=dev)
         plane_slots = torch.empty((n, planes), **i64)
-        tables = torch.empty((n, max_blocks), dtype=_I32, device=dev)
+        if into is None:
+            positions, slot_mapping = torch.empty(n, **i64), torch.empty(n, **i64)
+            seq_lens = torch.empty(n, dtype=_I32, device=dev)
+            tables = torch.empty((n, max_blocks), dtype=_I32, device=dev)
+        else:  # straight into the step's buffers
+            positions, slot_mapping, seq_lens, tables = into
+            _check("decode_rows", positions=(positions, _I64), slot_mapping=(slot_mapping, _I64),
+                   seq_lens=(seq_lens, _I32), block_tables=(tables, _I32))
+            if tables.shape[1] > max_blocks:
+                raise ValueError(f"decode_rows: block_tables has {tables.shape[1]} columns, the state {max_blocks}")
         if n:
             trace = ds.trace if per_token_exits else ds.loop
             assert trace is not None, "set_trace() first"
@@ -205,7 +215,7 @@ class TritonSlotOps(SlotOps):
                 slots, min_loops, max_loops, ds.loop, ds.pos, ds.token, ds.token_index, ds.tables, trace,
                 plane_of_loop, d_slots, loops, _int8(starts), ids, mins, maxs, plane_slots,
                 positions, slot_mapping, seq_lens, tables, _int8(run), tidx,
-                n, max_blocks, ds.max_tokens, scratch_slot, ds.scratch_block, ds.block_size,
+                n, max_blocks, tables.shape[1], ds.max_tokens, scratch_slot, ds.scratch_block, ds.block_size,
                 ds.tables.stride(0), ds.tables.stride(1), trace.stride(0),
                 PLANES=planes, PLANES_PAD=triton.next_power_of_2(planes),
                 ROWS_PAD=triton.next_power_of_2(n) if no_refill else 1,  # only no_refill reads the batch
@@ -217,7 +227,8 @@ class TritonSlotOps(SlotOps):
                             max_loops=maxs, threshold=threshold, plane_slots=plane_slots)
         return DecodeRows(slots, dec, positions, slot_mapping, seq_lens, tables, loops, run, tidx)
 
-    def decode_inputs(self, d: DecodeTensors, embed_weight: Tensor, slot_hidden: Tensor) -> Tensor:
+    def decode_inputs(self, d: DecodeTensors, embed_weight: Tensor, slot_hidden: Tensor,
+                      out: Tensor | None = None) -> Tensor:
         # One launch instead of the embedding, the gather and the where (3 at one row, ~2 us each). It is
         # a plain launch (no PDL): the layers' first PDL kernels may read what decode_rows wrote before
         # their grid-dependency wait only because a plain launch separates them from it.
@@ -228,7 +239,10 @@ class TritonSlotOps(SlotOps):
                              f"and slot_hidden ({slot_hidden.dtype}, {cols} columns) must match")
         if embed_weight.stride(1) != 1 or slot_hidden.stride(1) != 1:
             raise ValueError("decode_inputs: embed_weight and slot_hidden must have unit column stride")
-        out = torch.empty((n, cols), dtype=slot_hidden.dtype, device=slot_hidden.device)
+        if out is None:
+            out = torch.empty((n, cols), dtype=slot_hidden.dtype, device=slot_hidden.device)
+        elif out.shape != (n, cols) or out.dtype != slot_hidden.dtype or out.stride(1) != 1:
+            raise ValueError(f"decode_inputs: out must be [{n}, {cols}] {slot_hidden.dtype} with unit column stride")
         if n == 0:
             return out
         _check("decode_inputs", input_ids=(d.input_ids, _I64), starts=(d.starts, _BOOL), slots=(d.slots, _I64))

@@ -9,52 +9,37 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from matching import approx_floats
 
 from loopline import SamplingParams
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
-from loopline.worker.cuda_graphs import DecodeGraphs, MixedGraphs
+from loopline.worker.cuda_graphs import StepGraphs
 
 
-class _EagerReplay:
-    """Stands in for a captured graph: replay() recomputes into the captured output tensors."""
+class EagerCapturer:
+    """Stands in for CUDA graph capture (the ``GraphCapturer`` seam): the captured outputs are clones of
+    one eager run, and replay() re-runs the same forward on the same input views into them."""
 
-    replays = 0
+    def capture(self, fn, setup, shape):
+        setup()
+        outputs = tuple(t.clone() if t is not None else None for t in fn())
 
-    def __init__(self, graphs: DecodeGraphs, b: int) -> None:
-        self.graphs, self.b = graphs, b
+        def replay() -> None:
+            for out, new in zip(outputs, fn()):
+                if out is not None:
+                    out.copy_(new)
 
-    def replay(self) -> None:
-        _EagerReplay.replays += 1
-        for out, new in zip(self.graphs.outputs[self.b], self.graphs._forward(self.b)):
-            if out is not None:
-                out.copy_(new)
+        return outputs, replay
 
-
-class _EagerMixedReplay(_EagerReplay):
-    replays = 0
-
-    def replay(self) -> None:
-        _EagerMixedReplay.replays += 1
-        super().replay()
+    def close(self) -> None:
+        pass
 
 
-def simulate_graphs(engine: LLMEngine, max_seq_len: int, max_tokens: int) -> DecodeGraphs:
-    graphs = DecodeGraphs(engine.runner, engine.runner.max_num_seqs, max_seq_len)
-    for b in graphs.sizes:
-        graphs.reset_inputs(b)
-        graphs.outputs[b] = tuple(t.clone() for t in graphs._forward(b))
-        graphs.graphs[b] = _EagerReplay(graphs, b)
-    engine.runner.graphs = graphs
-    mixed = MixedGraphs(engine.runner, engine.runner.max_num_seqs, max_tokens, max_seq_len,
-                        max_prefill_rows=3)
-    for key in mixed.layouts:
-        mixed.reset_inputs(key)
-        mixed.outputs[key] = tuple(t.clone() if t is not None else None for t in mixed._forward(key))
-        mixed.graphs[key] = _EagerMixedReplay(mixed, key)
-    engine.runner.mixed_graphs = mixed
-    return graphs
+def simulate_graphs(engine: LLMEngine, max_seq_len: int, max_tokens: int) -> StepGraphs:
+    engine.runner.capture_graphs(max_seq_len, max_tokens, max_prefill_rows=3, capturer=EagerCapturer())
+    return engine.runner.graphs
 
 
 def ids(n, seed=0, vocab=500):
@@ -62,11 +47,13 @@ def ids(n, seed=0, vocab=500):
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def run(tiny, graphs: bool, params: SamplingParams | None = None, **kw):
+def run(tiny, graphs: bool, params: SamplingParams | None = None, hook=None, **kw):
     engine = LLMEngine(EngineArgs(model=str(tiny.path), dtype="float32", device="cpu", skip_tokenizer_init=True,
                                   block_size=4, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=128, **kw))
     if graphs:
         simulate_graphs(engine, 64, 24)
+    if hook is not None:
+        hook(engine)
     params = params or SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True, exit_threshold=0.7,
                                       logprobs=1)
     with_prompt_logprobs = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, exit_threshold=0.7,
@@ -99,11 +86,51 @@ def run(tiny, graphs: bool, params: SamplingParams | None = None, **kw):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_graph_input_path_equals_eager(tiny_gqa, layout, async_scheduling):
     kw = dict(kv_layout=layout, async_scheduling=async_scheduling, enable_prefix_caching=layout == "last_exited")
-    _EagerReplay.replays = _EagerMixedReplay.replays = 0
     with_graphs = run(tiny_gqa, graphs=True, **kw)
-    assert _EagerReplay.replays > 20  # decode steps really went through the graph path
-    assert _EagerMixedReplay.replays > 5  # and so did steps with prefill chunks
+    assert run.engine.runner.graphs.replays["decode"] > 20  # decode steps really went through the graph path
+    assert run.engine.runner.graphs.replays["mixed"] > 5  # and so did steps with prefill chunks
     assert approx_floats(with_graphs) == run(tiny_gqa, graphs=False, **kw)
+
+
+def record_forward_outputs(steps: list):
+    """A ``run`` hook: appends each step's forward outputs, per row kind and cut to its rows, to ``steps``."""
+
+    def hook(engine):
+        builder = engine.runner.builder
+        split = builder.split
+
+        def recording(outputs, plan):
+            parts = split(outputs, plan)
+            steps.append((tuple(p.num_rows for p in plan.kinds),
+                           [None if part is None else [t.clone() for t in part] for part in parts]))
+            return parts
+
+        builder.split = recording
+
+    return hook
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_every_step_through_a_graph_equals_the_same_step_eagerly(tiny_gqa, layout):
+    """Step for step, the forward's outputs for every row kind -- decode rows' exits, logits, slots, loops and
+    token indices; prefill chunks' hidden states and gates -- are the same from a graph's padded bucket views
+    as from an eager step's exact-size views, in steps that mix decode rows and prefill chunks too."""
+    graphed, eager = [], []
+    run(tiny_gqa, graphs=True, hook=record_forward_outputs(graphed), kv_layout=layout)
+    replays = run.engine.runner.graphs.replays
+    run(tiny_gqa, graphs=False, hook=record_forward_outputs(eager), kv_layout=layout)
+    assert replays["decode"] > 20 and replays["mixed"] > 5
+    assert any(all(counts) for counts, _ in graphed)  # steps with both kinds of rows
+    assert [counts for counts, _ in graphed] == [counts for counts, _ in eager]
+    for step, ((_, got), (_, want)) in enumerate(zip(graphed, eager)):
+        for kind, (g, w) in enumerate(zip(got, want)):
+            assert (g is None) == (w is None), (step, kind)
+            for a, b in zip(g or [], w or []):
+                assert a.dtype == b.dtype and a.shape == b.shape, (step, kind)
+                if a.is_floating_point():  # (a padded GEMM may round differently in the last bits)
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}, kind {kind}")
+                else:
+                    assert torch.equal(a, b), (step, kind)
 
 
 def test_async_graphs_with_trace_depths_and_penalties(tiny_gqa):
@@ -112,9 +139,8 @@ def test_async_graphs_with_trace_depths_and_penalties(tiny_gqa):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, frequency_penalty=0.8, logprobs=1,
                             exit_depths=[3, 1, 4, 2])
     kw = dict(async_scheduling=True, exit_mode="trace")
-    _EagerReplay.replays = 0
     with_graphs = run(tiny_gqa, graphs=True, params=params, **kw)
-    assert _EagerReplay.replays > 20
+    assert run.engine.runner.graphs.replays["decode"] > 20
     assert approx_floats(with_graphs) == run(tiny_gqa, graphs=False, params=params, **kw)
     assert all(depths[:4] == [3, 1, 4, 2] for _, depths, *_ in with_graphs.values() if len(depths) >= 4)
 
@@ -123,9 +149,8 @@ def test_async_graphs_with_trace_depths_and_penalties(tiny_gqa):
 def test_graphs_under_preemption(tiny_gqa, async_scheduling):
     """Victims leave and re-enter slots while decode and mixed steps replay graphs."""
     kw = dict(async_scheduling=async_scheduling, kv_allocation="incremental", enable_preemption=True)
-    _EagerReplay.replays = 0
     tight = run(tiny_gqa, graphs=True, num_kv_blocks=4 * 14, **kw)
-    assert _EagerReplay.replays > 20 and run.engine.scheduler.num_preemptions > 0
+    assert run.engine.runner.graphs.replays["decode"] > 20 and run.engine.scheduler.num_preemptions > 0
     assert approx_floats(tight) == run(tiny_gqa, graphs=False)
 
 
@@ -150,26 +175,66 @@ def test_captures_run_with_python_gc_paused_and_restore_it():
 def test_async_no_refill_graphs_equal_eager(tiny_gqa):
     """no_refill rows waiting for their cohort run on scratch: the graph masks their exits."""
     kw = dict(async_scheduling=True, scheduling_mode="no_refill")
-    _EagerReplay.replays = 0
     with_graphs = run(tiny_gqa, graphs=True, **kw)
-    assert _EagerReplay.replays > 20
+    assert run.engine.runner.graphs.replays["decode"] > 20
     assert approx_floats(with_graphs) == run(tiny_gqa, graphs=False, **kw)
 
 
 def test_inputs_upload_only_when_the_image_changes(tiny_gqa):
     import torch
 
+    from loopline.worker.step_inputs import StepShape
+
     engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True,
                                   block_size=4, max_num_seqs=2, max_model_len=64))
-    graphs = DecodeGraphs(engine.runner, 2, 64)
-    image = torch.arange(16, dtype=torch.uint8)
-    graphs._upload(image)
-    assert torch.equal(graphs.inputs[:16], image)
-    graphs.inputs[0] = 77  # stands in for a write the cache does not know of
-    graphs._upload(image.clone())  # the same bytes: no copy
-    assert int(graphs.inputs[0]) == 77
-    graphs._upload(image + 1)  # other bytes: copied
-    assert torch.equal(graphs.inputs[:16], image + 1)
-    graphs.reset_inputs(graphs.sizes[0])  # forgets what the device holds
-    graphs._upload(image + 1)
-    assert torch.equal(graphs.inputs[:16], image + 1)
+    builder = engine.runner.builder
+    inp = builder.inputs(StepShape(((2, 2), (0, 0)), width=16, work=0, max_query_len=1, max_seq_len=64))
+    lay = inp.layout
+    # a decode-only step sends its query offsets and the rows' four arrays, nothing it derives on the device
+    assert lay.host_start == lay.fields["query_start_loc"].offset
+    device_image = inp.buffer[lay.host_start:lay.nbytes]
+    image = torch.arange(lay.nbytes - lay.host_start, dtype=torch.uint8)
+    builder.upload(inp, image, steady=True)
+    assert torch.equal(device_image, image)
+    device_image[0] = 77  # stands in for a write the cache does not know of
+    builder.upload(inp, image.clone(), steady=True)  # the same bytes: no copy
+    assert int(device_image[0]) == 77
+    builder.upload(inp, image + 1, steady=True)  # other bytes: copied
+    assert torch.equal(device_image, image + 1)
+    builder.reset(inp)  # forgets what the device holds
+    builder.upload(inp, image + 1, steady=True)
+    assert torch.equal(device_image, image + 1)
+    device_image[0] = 77
+    builder.upload(inp, image + 1, steady=False)  # a step with prefill rows always sends its image
+    assert torch.equal(device_image, image + 1)
+
+
+def test_graph_lookup_takes_the_smallest_bucket_that_holds_the_step(tiny_gqa):
+    engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True,
+                                  block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64))
+    runner = engine.runner
+    runner.capture_graphs(32, 16, max_prefill_rows=2, capturer=EagerCapturer())
+    graphs: StepGraphs = runner.graphs
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", ids(9), params)
+    engine.add_request("b", ids(20, seed=1), params)  # 20 + 5 > 16 tokens: its prompt is chunked
+    found = []
+    find = graphs.find
+
+    def spy(plan):
+        graph = find(plan)
+        found.append((tuple((p.num_rows, p.num_tokens) for p in plan.kinds), plan.max_seq_len,
+                      None if graph is None else (graph.family, graph.shape.counts)))
+        return graph
+
+    graphs.find = spy
+    while engine.has_unfinished_requests():
+        engine.step()
+    for (decode, prefill), max_seq, graph in found:
+        if max_seq > 32 or prefill[0] > 2:
+            assert graph is None
+        elif prefill[0] == 0:
+            assert graph[0] == "decode" and graph[1][0][0] == min(b for b in (1, 2, 4) if b >= decode[0])
+        else:
+            assert graph[0] == "mixed" and graph[1][1] == (2, 16) and graph[1][0][0] >= decode[0]
+    assert {g[0] for *_, g in found if g is not None} == {"decode", "mixed"}

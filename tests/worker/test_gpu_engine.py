@@ -109,15 +109,15 @@ def _staggered(tiny, **kw):
             if out.finished:
                 done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].exit_depths)
         step += 1
-    return done, engine.runner.mixed_graphs
+    return done, engine.runner.graphs
 
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_mixed_step_graphs_equal_eager(tiny_gqa, layout, async_scheduling):
     kw = dict(kv_layout=layout, async_scheduling=async_scheduling)
-    graphed, mixed = _staggered(tiny_gqa, **kw)
-    assert mixed is not None and mixed.replays > 5  # steps with prefill chunks really replayed a graph
+    graphed, graphs = _staggered(tiny_gqa, **kw)
+    assert graphs is not None and graphs.replays["mixed"] > 5  # steps with prefill chunks really replayed a graph
     eager, _ = _staggered(tiny_gqa, enforce_eager=True, **kw)
     assert graphed == eager and len(graphed) == 8
 
@@ -142,20 +142,20 @@ def test_graphs_follow_weight_updates_sleep_and_wake_up(tiny_gqa, tiny_factory, 
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [(o.outputs[0].token_ids, o.outputs[0].exit_depths) for o in outs]
 
-    replays = runner.mixed_graphs.replays
-    assert generate() == want_old and runner.mixed_graphs.replays > replays
+    replays = runner.graphs.replays["mixed"]
+    assert generate() == want_old and runner.graphs.replays["mixed"] > replays
     engine.start_weight_update(1)
     engine.update_weights(new.state_dict.items())
     engine.finish_weight_update()
     assert generate() == want_new  # same graphs, new weights in place
 
     engine.sleep(level=2)
-    assert runner.graphs is None and runner.mixed_graphs is None
+    assert runner.graphs is None
     engine.wake_up(tags=["weights"])
     engine.start_weight_update(2)
     engine.update_weights(tiny_gqa.state_dict.items())
     engine.finish_weight_update()
     engine.wake_up(tags=["kv_cache"])
-    assert runner.graphs is not None and runner.mixed_graphs is not None
-    replays = runner.mixed_graphs.replays
-    assert generate() == want_old and runner.mixed_graphs.replays > replays
+    assert runner.graphs is not None and runner.graphs.replays["mixed"] == 0  # recaptured: a fresh graph set
+    replays = runner.graphs.replays["mixed"]
+    assert generate() == want_old and runner.graphs.replays["mixed"] > replays

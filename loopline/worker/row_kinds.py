@@ -1,0 +1,272 @@
+"""Row kinds: what one kind of row puts into a step and takes out of its forward.
+
+A step's rows are grouped by kind (``step_inputs.py``). Each kind says which
+scheduled rows it takes, how the host fills their inputs (``plan`` then ``fill``,
+numpy into the step's pinned image; ``write_inputs``, device inputs prepared
+outside the forward), what the forward derives for them on the device
+(``prepare``, inside a CUDA graph where one replays) and what it returns for them
+after the layer loop (``finish``). The builder, the forward and the graph module
+only iterate over kinds, so a new kind -- a speculative draft row, a verify row of
+K+1 positions, a lookahead row -- is one more class here.
+
+* :class:`DecodeKind`: one token per row in a persistent slot. The host names
+  the slot and its exit rule; the device derives the loop, position, KV slots and
+  block table from the slot state and runs the exit rule, the slot state update,
+  the ``last_exited`` exit copy and the coda.
+* :class:`PrefillKind`: a chunk of prompt tokens at one loop. The host computes
+  positions, KV slots and tables from the block lists; the loop's input is the
+  embedding (loop 1) or the previous loop's hidden state, and the forward returns
+  the chunk's hidden states and gates for the runner to book.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from loopline.attention import AttentionBackend
+from loopline.core.contracts import ScheduledRow
+from loopline.models.ouro import OuroForCausalLM
+from loopline.worker.decode_state import DecodeRows, DeviceDecodeState, RowsInto, SlotOps
+from loopline.worker.request_state import RequestState
+from loopline.worker.staging import stage
+from loopline.worker.step_inputs import HostImage, KindRows, Segment, StepInputs
+
+
+@dataclass
+class PrefillInputs:
+    """A step's prefill rows as host arrays."""
+
+    rows: list[ScheduledRow]
+    positions: np.ndarray  # [N] int64
+    slot_mapping: np.ndarray  # [N] int64, the K/V slot each token writes at this loop
+    offsets: np.ndarray  # [B + 1] query_start_loc
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, max_blocks] int32, of the plane each row's loop reads
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def token_offsets(self) -> list[int]:
+        return self.offsets.tolist()
+
+
+def slot_of(blocks: np.ndarray, pos: np.ndarray | int, block_size: int) -> np.ndarray:
+    return blocks[np.asarray(pos) // block_size].astype(np.int64) * block_size + np.asarray(pos) % block_size
+
+
+def build_prefill_inputs(rows: list[ScheduledRow], block_arrays: Callable[[str], list[np.ndarray]],
+                         block_size: int) -> PrefillInputs:
+    """``rows``: prefill chunks; ``block_arrays(request_id) -> list[np.ndarray]`` (per plane)."""
+    lens = np.fromiter((r.end - r.start for r in rows), dtype=np.int64, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    n_tok = int(offsets[-1])
+    positions = np.empty(n_tok, dtype=np.int64)
+    slot_mapping = np.empty(n_tok, dtype=np.int64)
+    seq_lens = np.fromiter((r.end for r in rows), dtype=np.int32, count=len(rows))
+    max_blocks = int(-(-seq_lens.max() // block_size))
+    tables = np.zeros((len(rows), max_blocks), dtype=np.int32)
+    for i, r in enumerate(rows):
+        assert r.is_prefill
+        blocks = block_arrays(r.request_id)[r.plane]
+        nb = -(-r.end // block_size)
+        tables[i, :nb] = blocks[:nb]
+        lo, hi = offsets[i], offsets[i + 1]
+        pos = np.arange(r.start, r.end)
+        positions[lo:hi] = pos
+        slot_mapping[lo:hi] = slot_of(blocks, pos, block_size)
+    return PrefillInputs(rows, positions, slot_mapping, offsets, seq_lens, tables, int(lens.max()),
+                         int(seq_lens.max()))
+
+
+class RowKind(ABC):
+    """One kind of row. Class attributes describe its place in a step:
+
+    ``query_len``: queries per row (None: per row); kinds with 1 lead the step and are
+    attended in the decode launch, off the work list. ``derives``: the forward writes the
+    rows' positions, KV slots, lengths and tables on the device (such kinds come first).
+    ``steady``: its host arrays repeat while the batch does (the upload may be skipped).
+    ``num_outputs``: how many tensors ``finish`` returns."""
+
+    query_len: int | None = None
+    derives = False
+    steady = False
+    num_outputs = 0
+
+    @abstractmethod
+    def takes(self, row: ScheduledRow) -> bool:
+        """Whether ``row`` is of this kind."""
+
+    def host_fields(self, rows: int) -> dict[str, tuple[Any, tuple[int, ...], float | int]]:
+        """The kind's own host arrays for ``rows`` rows: name -> (dtype, shape, padding value)."""
+        return {}
+
+    @abstractmethod
+    def plan(self, rows: list[ScheduledRow]) -> KindRows:
+        """The rows' counts, bounds and host arrays (the step's shape and the fill rule read them)."""
+
+    def fill(self, part: KindRows, image: HostImage) -> None:
+        """Writes the rows' host arrays into the step's image (padding is there already)."""
+
+    def write_inputs(self, part: KindRows, x: Tensor) -> None:
+        """Device-side inputs outside the forward: the rows' loop inputs ``x`` ``[tokens, H]``, if the
+        forward does not derive them."""
+
+    def prepare(self, inp: StepInputs, seg: Segment, own: dict[str, Tensor]) -> Any:
+        """Inside the forward, before the layer loop: whatever the rows derive on the device."""
+        return None
+
+    @abstractmethod
+    def finish(self, h: Tensor, gate: Tensor, prepared: Any, own: dict[str, Tensor]) -> tuple[Tensor | None, ...]:
+        """Inside the forward, after the layer loop: the rows' outputs (``h``, ``gate``: their tokens')."""
+
+    def trim(self, out: tuple[Tensor | None, ...], part: KindRows) -> Any:
+        """The outputs cut to the step's rows (a graph's are bucket-sized)."""
+        return out
+
+
+class DecodeOut(NamedTuple):
+    """What sampling and the state's advance need of a step's decode rows."""
+
+    exit: Tensor  # [B] bool; only rows that ran exit
+    logits: Tensor  # [B, V] fp32 (rows not exiting: unused, may be zeros)
+    slots: Tensor  # [B] int64, as the host named them
+    loops: Tensor  # [B] int64, the loop each row ran (1-based)
+    run: Tensor  # [B] bool; False: a no_refill slot waiting for its cohort, run on scratch
+    token_index: Tensor  # [B] int64, index in the completion of the token being computed
+
+
+class DecodeKind(RowKind):
+    """Decode tokens in persistent slots. ``no_refill``: a slot whose token exited waits for its
+    cohort (its row runs on scratch); ``per_token_exits``: the exit rule comes from the recorded
+    depths at the device's token index."""
+
+    query_len = 1
+    derives = steady = True
+    num_outputs = 6
+
+    def __init__(self, *, model: OuroForCausalLM, backend: AttentionBackend, kv: Callable[[], tuple[Tensor, Tensor]],
+                 state: DeviceDecodeState, ops: SlotOps, slot_hidden: Tensor, slot_survival: Tensor,
+                 requests: dict[str, RequestState], scratch_slot: int, copies_on_exit: bool, no_refill: bool,
+                 per_token_exits: bool) -> None:
+        self.model, self.backend, self.kv, self.state, self.ops = model, backend, kv, state, ops
+        self.slot_hidden, self.slot_survival, self.requests = slot_hidden, slot_survival, requests
+        self.scratch_slot, self.copies_on_exit = scratch_slot, copies_on_exit
+        self.no_refill, self.per_token_exits = no_refill, per_token_exits
+
+    def takes(self, row: ScheduledRow) -> bool:
+        return not row.is_prefill
+
+    def host_fields(self, rows: int) -> dict:
+        return {"slots": (np.int64, (rows,), self.scratch_slot), "min_loops": (np.int64, (rows,), 1),
+                "max_loops": (np.int64, (rows,), 1), "threshold": (np.float32, (rows,), 1.0)}
+
+    def plan(self, rows: list[ScheduledRow]) -> KindRows:
+        """The host tells the device the rows' slots and exit rules; their lengths live on the device,
+        so each request's longest sequence bounds them."""
+        n = len(rows)
+        host = (np.fromiter((r.slot for r in rows), np.int64, n),
+                np.fromiter((r.exit.min_loops for r in rows), np.int64, n),
+                np.fromiter((r.exit.max_loops for r in rows), np.int64, n),
+                np.fromiter((r.exit.threshold for r in rows), np.float32, n))
+        bound = max((self.requests[r.request_id].max_len for r in rows), default=0)
+        return KindRows(rows, n, n, None, 1 if n else 0, bound, host)
+
+    def fill(self, part: KindRows, image: HostImage) -> None:
+        n = part.num_rows
+        for name, values in zip(("slots", "min_loops", "max_loops", "threshold"), part.host):
+            image.own(name)[:n] = values
+
+    def prepare(self, inp: StepInputs, seg: Segment, own: dict[str, Tensor]) -> DecodeRows | None:
+        """The rows of slots ``own["slots"]`` derived from the device state, their attention inputs
+        written into the step's views, and their loop inputs into ``inp.x``."""
+        if not seg.rows:
+            return None
+        r, t, n = seg.row0, seg.tok0, seg.rows
+        into = RowsInto(inp.positions[t:t + n], inp.slot_mapping[t:t + n], inp.seq_lens[r:r + n],
+                        inp.block_tables[r:r + n])
+        rows = self.ops.decode_rows(self.state, own["slots"], own["min_loops"], own["max_loops"], own["threshold"],
+                                    self.no_refill, self.per_token_exits, self.scratch_slot, into=into)
+        # prelude for rows starting a token, the slot's hidden state for the others
+        self.ops.decode_inputs(rows.dec, self.model.model.embed_tokens.weight, self.slot_hidden, out=inp.x[t:t + n])
+        return rows
+
+    def finish(self, h: Tensor, gate: Tensor, rows: DecodeRows | None, own: dict[str, Tensor]) -> tuple:
+        """Exit rule, slot state, the exit copy and the coda, without host syncs."""
+        if rows is None:
+            return (None,) * self.num_outputs
+        d = rows.dec
+        ex = self.ops.exit_and_store(h, gate, d, self.slot_hidden, self.slot_survival)
+        if self.copies_on_exit:  # last_exited: a token exiting at loop e fills its deeper planes
+            k_cache, v_cache = self.kv()
+            self.backend.copy_exited(k_cache, v_cache, d.plane_slots, d.loops, ex,
+                                     self.state.scratch_block * self.state.block_size)
+        logits = self.model.head(h, needed=ex)  # rows not exiting: logits unused (may be zeros)
+        # only rows that ran exit: a no_refill row waiting for its cohort does not (without no_refill every
+        # row runs, and the mask would be a launch of its own)
+        if self.no_refill:
+            ex = ex & rows.run
+        return ex, logits, rows.slots, rows.loops, rows.run, rows.token_index
+
+    def trim(self, out: tuple, part: KindRows) -> DecodeOut | None:
+        if out[0] is None or not part.num_rows:
+            return None
+        n = part.num_rows
+        return DecodeOut(*(t if t.shape[0] == n else t[:n] for t in out))
+
+
+class PrefillKind(RowKind):
+    """Prompt chunks at one loop; the forward returns their tokens' ``(h, gate)`` for booking."""
+
+    num_outputs = 2
+
+    def __init__(self, *, model: OuroForCausalLM, requests: dict[str, RequestState], block_size: int,
+                 device: torch.device) -> None:
+        self.model, self.requests, self.block_size, self.device = model, requests, block_size, device
+
+    def takes(self, row: ScheduledRow) -> bool:
+        return row.is_prefill
+
+    def _block_arrays(self, request_id: str) -> list[np.ndarray]:
+        return self.requests[request_id].block_arrays
+
+    def plan(self, rows: list[ScheduledRow]) -> KindRows:
+        if not rows:
+            return KindRows(rows, 0, 0, np.zeros(0, dtype=np.int64), 0, 0)
+        p = build_prefill_inputs(rows, self._block_arrays, self.block_size)
+        return KindRows(rows, len(rows), int(p.offsets[-1]), np.diff(p.offsets), p.max_query_len, p.max_seq_len, p)
+
+    def fill(self, part: KindRows, image: HostImage) -> None:
+        p = part.host
+        image.shared("positions")[:part.num_tokens] = p.positions
+        image.shared("slot_mapping")[:part.num_tokens] = p.slot_mapping
+        image.shared("seq_lens")[:part.num_rows] = p.seq_lens
+        image.shared("block_tables")[:part.num_rows, :p.block_tables.shape[1]] = p.block_tables
+
+    def write_inputs(self, part: KindRows, x: Tensor) -> None:
+        """Each row's input: embeddings at loop 1, the previous loop's hidden state after."""
+        rows = part.rows
+        starting = [r for r in rows if r.loop == 1]
+        ids = iter(stage(self.device, *((r.input_token_ids, np.int64) for r in starting)))
+        parts = [self.model.embed(next(ids)) if r.loop == 1 else self.requests[r.request_id].hidden[r.start:r.end]
+                 for r in rows]
+        if len(parts) == 1:
+            x.copy_(parts[0])
+        else:
+            torch.cat(parts, out=x)
+
+    def finish(self, h: Tensor, gate: Tensor, prepared: Any, own: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        return h, gate
+
+    def trim(self, out: tuple, part: KindRows) -> tuple[Tensor, Tensor] | None:
+        if not part.num_rows:
+            return None
+        h, gate = out
+        t = part.num_tokens
+        return h[:t], gate[:t]
