@@ -12,11 +12,12 @@ routes run unchanged over N replicas:
   Outputs stream from the replica's client straight into the caller's stream.
 * **aborts** go to the replica that owns the request (the front end remembers
   which one until the request finishes).
-* **control calls** (pause / resume, weight updates, prefix cache, sleep / wake,
-  abort-all) fan out to every live replica and answer once: list results are
-  concatenated, any other result must agree on every replica (the weight
-  version, say) or the call fails with ``EngineStateError``; a replica's error
-  is raised with the replica named.
+* **control calls** (the verbs of ``engine/verbs.py``: pause / resume, weight
+  updates, prefix cache, sleep / wake, abort-all) fan out to every live replica
+  and answer once (``runtime.fanout``), combined by the verb's rule: the ids
+  ``abort_all`` aborted are merged, most other answers must agree on every
+  replica (the weight version, say) or the call fails with ``EngineStateError``;
+  a replica's error is raised with the replica named.
 * **a replica that dies** fails only the requests it held (``EngineDeadError``
   naming the replica); the router skips it from then on, ``replicas()`` reports
   it to the health route and the metrics, and the others keep serving. The
@@ -36,10 +37,12 @@ from typing import Any
 
 from loopline.config import EngineArgs, resolve_device
 from loopline.engine import LLMEngine, PromptType
+from loopline.engine.verbs import VERBS
 from loopline.distributed.router import LoadAffinityRouter, ReplicaLoad, Router
-from loopline.errors import EngineDeadError, EngineStateError, InvalidRequestError, LooplineError
+from loopline.errors import EngineDeadError, InvalidRequestError, LooplineError
 from loopline.outputs import RequestOutput
-from loopline.runtime.client import EngineClient, call_soon, set_exception, set_result, settle
+from loopline.runtime.client import EngineClient, call_soon, set_exception, set_result
+from loopline.runtime.fanout import fan_out
 from loopline.runtime.protocol import EngineSnapshot, StepRecord
 from loopline.sampling_params import SamplingParams
 
@@ -227,49 +230,20 @@ class DPClient(EngineClient):
 
     # --- control calls ----------------------------------------------------------------------
     def call(self, name: str, args: tuple = (), until_drained: bool = False) -> concurrent.futures.Future:
-        """``engine.<name>(*args)`` on every live replica; one result (see the module docstring)."""
+        """The verb ``name`` on every live replica; one answer (see the module docstring)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            verb = VERBS.lookup(name)
+        except LooplineError as e:
+            future.set_exception(e)
+            return future
         error = self._refusal()
         if error is not None:
             future.set_exception(error)
             return future
         live = [(i, c) for i, c in enumerate(self._replicas) if _serves(c)]
-        parts = [(i, c.call(name, args, until_drained)) for i, c in live]
-        remaining = [len(parts)]
-        lock = threading.Lock()
-
-        def settled(_: concurrent.futures.Future) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            try:
-                result = self._combine(name, parts)
-            except BaseException as e:  # noqa: BLE001  (handed to the caller)
-                settle(future, None, e)
-            else:
-                settle(future, result, None)
-
-        for _, part in parts:
-            part.add_done_callback(settled)
-        return future
-
-    def _combine(self, name: str, parts: list[tuple[int, concurrent.futures.Future]]) -> Any:
-        errors = [(i, f.exception()) for i, f in parts if f.exception() is not None]
-        if errors:
-            i, error = errors[0]
-            if len(errors) < len(parts):
-                logger.warning("%s failed on data-parallel replica(s) %s and succeeded on the others", name,
-                               ", ".join(str(j) for j, _ in errors))
-            raise _naming_replica(error, i, self.size)
-        results = [(i, f.result()) for i, f in parts]
-        if all(isinstance(r, list) for _, r in results):
-            return [x for _, r in results for x in r]
-        first = results[0][1]
-        if any(r != first for _, r in results):
-            raise EngineStateError(f"the data-parallel replicas disagree on {name}: "
-                                   + ", ".join(f"replica {i}: {r!r}" for i, r in results))
-        return first
+        return fan_out(verb, args, until_drained, live, engines="data-parallel replicas", label=lambda i: f"replica {i}",
+                       name_error=lambda i, e: _naming_replica(e, i, self.size))
 
 
 class _AddJoin:

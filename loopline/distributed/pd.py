@@ -38,8 +38,10 @@ Failures: a failed or timed-out transfer fails its request (clean error, an erro
 log); a dead worker fails only the requests it held (and, for a decode worker, those still
 prefilling for it); the others continue, and the client is dead only when no prefill or no
 decode worker is left. Aborts reach whichever worker holds the request, also mid-transfer.
-``n > 1`` is refused (one completion per request); the RL control calls other than
-``reset_prefix_cache`` / ``abort_all`` and the read-only ones are refused too.
+``n > 1`` is refused (one completion per request). Of the control verbs (``engine/verbs.py``),
+those the table marks ``disaggregated`` (``reset_prefix_cache``, ``abort_all`` and the read-only
+state queries) go to every worker, their answers combined by the verb's rule
+(``runtime.fanout``); the others are refused.
 """
 from __future__ import annotations
 
@@ -51,11 +53,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from loopline.errors import CapacityError, EngineDeadError, EngineStateError, InvalidRequestError
+from loopline.engine.verbs import VERBS
+from loopline.errors import CapacityError, EngineDeadError, EngineStateError, InvalidRequestError, LooplineError
 from loopline.distributed.kv_transfer import check_transport_device, make_transport, resolve_transport
 from loopline.distributed.pd_worker import WorkerRole
 from loopline.distributed.worker_pool import WorkerLink, WorkerPool, WorkerSpec
 from loopline.runtime.client import EngineClient
+from loopline.runtime.fanout import Gather
 from loopline.runtime.protocol import (AbortCmd, AcceptCmd, AddCmd, CallCmd, Command, DropCmd, EngineInfo,
                                        EngineMessage, EngineSnapshot, HandoffMsg, PieceCmd, PieceMsg, PrefillCmd, Reply,
                                        ShutdownCmd)
@@ -63,14 +67,19 @@ from loopline.runtime.protocol import (AbortCmd, AcceptCmd, AddCmd, CallCmd, Com
 logger = logging.getLogger("loopline.pd")
 
 _TAG_STRIDE = 2**16
-# Calls the front end sends to every worker, and how their results combine.
-_BROADCAST = {
-    "reset_prefix_cache": lambda rs: None,
-    "abort_all": lambda rs: sorted({rid for r in rs for rid in r}),
-    "get_weight_version": lambda rs: rs[0],
-    "is_paused": any,
-    "is_sleeping": any,
-}
+
+
+def disaggregation_refusal(name: str, until_drained: bool = False) -> LooplineError | None:
+    """Why prefill/decode disaggregation refuses the control call (``None``: it is sent to every
+    worker): an unknown verb, a verb the table does not mark ``disaggregated``, or a reply that
+    would wait for the requests in flight to drain."""
+    try:
+        verb = VERBS.lookup(name)
+    except LooplineError as e:
+        return e
+    if not verb.disaggregated or until_drained:
+        return EngineStateError(f"{name} is not supported with prefill/decode disaggregation")
+    return None
 
 
 @dataclass
@@ -100,7 +109,7 @@ class PDClient(EngineClient):
         self._add_worker: dict[int, WorkerLink] = {}  # add id -> the prefill worker it went to
         self._add_requests: dict[int, list[str]] = {}
         self._aborted: set[str] = set()
-        self._bcast: dict[int, list] = {}  # call id -> [name, workers left, results, error]
+        self._bcast: dict[int, Gather] = {}  # call id -> the workers' replies to a control call
         self.num_pieces = self.num_handoffs = 0  # pieces of pages forwarded, requests handed off
         self.prefill: list[WorkerLink] = []
         self.decode: list[WorkerLink] = []
@@ -254,32 +263,29 @@ class PDClient(EngineClient):
             EngineClient._on_message(self, EngineMessage(replies=dropped, snapshot=self.snapshot))
 
     def _broadcast(self, cmd: CallCmd) -> None:
-        if cmd.name not in _BROADCAST or cmd.until_drained:
-            error = EngineStateError(f"{cmd.name} is not supported with prefill/decode disaggregation")
+        error = disaggregation_refusal(cmd.name, cmd.until_drained)
+        if error is not None:
             EngineClient._on_message(self, EngineMessage(replies=[Reply(cmd.call_id, None, error)],
                                                          snapshot=self.snapshot))
             return
         with self._pd_lock:
             live = [w for w in self.workers if w.alive]
-            self._bcast[cmd.call_id] = [cmd.name, {w.rank for w in live}, [], None]
+            names = {w.rank: w.name for w in live}
+            self._bcast[cmd.call_id] = Gather(VERBS[cmd.name], list(names), engines="prefill/decode workers",
+                                              label=names.__getitem__)
             for w in live:
                 w._send(cmd)
 
     def _gather_reply(self, worker: WorkerLink, reply: Reply) -> Reply | None:
         """A worker's reply to a broadcast call; the combined reply once every worker answered."""
-        entry = self._bcast.get(reply.id)
-        if entry is None:
+        gather = self._bcast.get(reply.id)
+        if gather is None:
             return reply
-        name, left, results, error = entry
-        left.discard(worker.rank)
-        if reply.error is not None:
-            entry[3] = error or reply.error
-        else:
-            results.append(reply.result)
-        if left:
+        outcome = gather.reply(worker.rank, reply.result, reply.error)
+        if outcome is None:
             return None
         del self._bcast[reply.id]
-        return Reply(reply.id, None, entry[3]) if entry[3] is not None else Reply(reply.id, _BROADCAST[name](results))
+        return Reply(reply.id, outcome.result, outcome.error)
 
     # --- messages from the workers ----------------------------------------------------------------
     def _on_worker_message(self, worker: WorkerLink, msg: EngineMessage) -> None:
