@@ -164,6 +164,20 @@ class TritonOps(TorchOps):
         self._packed = {}
         self._rope = None
 
+    def packed_weights(self, module: torch.nn.Module) -> tuple[Tensor, list[int]] | None:
+        """``module``'s (a layer's attention or MLP) packed weight and its parts' row counts, or ``None``."""
+        return self._packed.get(id(module))
+
+    @property
+    def num_packed(self) -> int:
+        """How many modules run their projections from a packed weight (0 before ``prepare``, after ``release``)."""
+        return len(self._packed)
+
+    @property
+    def has_rope_table(self) -> bool:
+        """Whether ``cos_sin`` answers from the table ``prepare`` computed (``release`` drops it)."""
+        return self._rope is not None
+
     def cos_sin(self, positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         # Positions are below max_position_embeddings: the engine caps max_model_len there.
         if self._rope is None or self._rope[0] != (head_dim, theta, dtype, positions.device):

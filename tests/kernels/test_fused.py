@@ -108,13 +108,13 @@ def test_cos_sin_table_equals_the_reference():
     want = rotary_cos_sin(positions, c.head_dim, c.rope_theta, torch.float32)
     model.use_ops(ops)
     got = ops.cos_sin(positions, c.head_dim, c.rope_theta, torch.float32)
-    assert ops._rope is not None  # the table is what answered
+    assert ops.has_rope_table  # the table is what answered
     for g, w in zip(got, want):
         assert torch.equal(g, w)  # the same function computed the table: identical values
     half = ops.cos_sin(positions, c.head_dim, c.rope_theta, torch.float16)  # not the table's dtype: computed
     assert half[0].dtype == torch.float16 and torch.equal(half[0], want[0].half())
     model.use_ops(TorchOps())
-    assert ops._rope is None  # released with the packed weights
+    assert not ops.has_rope_table  # released with the packed weights
 
 
 def test_packed_projections_keep_names_values_and_in_place_updates():
@@ -124,7 +124,7 @@ def test_packed_projections_keep_names_values_and_in_place_updates():
     ops = TritonOps()
     model.use_ops(ops)
     attn = model.model.layers[0].self_attn
-    packed, sizes = ops._packed[id(attn)]
+    packed, sizes = ops.packed_weights(attn)
     assert sizes == [32, 16, 16]
     assert attn.k_proj.weight.data_ptr() == packed[32:].data_ptr()  # a view, not a copy
     after = model.state_dict()
@@ -164,9 +164,9 @@ def test_engine_with_fused_ops_survives_sleep_and_weight_updates(tiny_gqa, tiny_
     assert engine.model.ops.name == "triton" and generate(engine) == reference
     attn = engine.model.model.layers[0].self_attn
     engine.sleep(level=2)
-    assert not engine.model.ops._packed  # released: nothing pins device memory
+    assert engine.model.ops.num_packed == 0  # released: nothing pins device memory
     engine.wake_up()
-    packed, _ = engine.model.ops._packed[id(attn)]  # rebuilt from the restored weights
+    packed, _ = engine.model.ops.packed_weights(attn)  # rebuilt from the restored weights
     assert attn.q_proj.weight.data_ptr() == packed.data_ptr()
     assert generate(engine) == reference
     other = tiny_factory(3)
