@@ -7,6 +7,7 @@ when a kernel is decorated. CPU cases are fp32 only (the interpreter mis-compute
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import pytest
@@ -26,16 +27,19 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
-@contextlib.contextmanager
-def fused_decode_for_every_split_count():
-    """The fused decode kernel also without splits (by default it serves split launches only; the CPU never splits)."""
-    import loopline.attention.triton_backend as tb
+def fused_decode_for_every_split_count(**backend_args):
+    """A Triton attention backend whose fused decode kernel also serves launches without splits (by default it
+    serves split launches only; the CPU never splits). ``backend_args`` go to ``TritonAttentionBackend``."""
+    from loopline.attention.triton_backend import SplitRule, TritonAttentionBackend
 
-    saved, tb._FUSED_DECODE_MIN_SPLITS = tb._FUSED_DECODE_MIN_SPLITS, 1
-    try:
-        yield
-    finally:
-        tb._FUSED_DECODE_MIN_SPLITS = saved
+    return TritonAttentionBackend(split_rule=SplitRule(fused_decode_min_splits=1), **backend_args)
+
+
+def triton_backends(attention):
+    """An engine's Triton kernels on ``DEVICE`` (``select_backends("triton", "triton")``), attending by ``attention``."""
+    from loopline.worker.backends import select_backends
+
+    return dataclasses.replace(select_backends("triton", "triton", torch.device(DEVICE)), attention=attention)
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from loopline.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from loopline.attention.triton_kernels import _softmax_step  # noqa: E402
+from loopline.attention.triton_kernels import softmax_step  # noqa: E402
 
 _LOG2E = 1.4426950408889634
 
@@ -95,7 +95,7 @@ def prefetch_kernel(q_ptr, k_cache, v_cache, out_ptr, seq_lens, block_tables, qk
                                   stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N, BLOCK_SIZE, D)
         block = _block_ids(table, start + 2 * BLOCK_N, seq_len, BLOCK_N, BLOCK_SIZE)
         visible = (start + tl.arange(0, BLOCK_N) < seq_len)[None, :]
-        m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
+        m_i, l_i, acc = softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
         k, v = k_next, v_next
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + row.to(tl.int64) * stride_on + head[:, None] * stride_oh + offs_d[None, :],
@@ -290,10 +290,10 @@ def launch(name: str, params: tuple, q, k_cache, v_cache, meta, scale: float, ou
     elif name == "warp":
         pages, warps, pre, splits = params
         # the engine's split-KV workspaces and merge, as its own split launches use them
-        part_out, part_lse = TritonAttentionBackend._partials(splits, out)
+        part_out, part_lse = TritonAttentionBackend.partials(splits, out)
         warp_kernel[(rows, kvh, splits)](*args, part_out, part_lse, rows, heads, PAGES=pages, BLOCK_SIZE=block_size,
                                          D=d, NUM_SPLITS=splits, PREFETCH=bool(pre), num_warps=warps, num_stages=1)
-        TritonAttentionBackend._merge(splits, part_out, part_lse, out)
+        TritonAttentionBackend.merge(splits, part_out, part_lse, out)
     elif name == "lanes":
         hg, pages, warps, pre = params
         lanes_kernel[(rows, kvh // hg)](*args, HG=hg, PAGES=pages, BLOCK_SIZE=block_size, D=d, PREFETCH=bool(pre),

@@ -35,7 +35,7 @@ import argparse
 import torch
 
 from loopline.attention.base import PagedAttentionMetadata
-from loopline.attention.bench_attention import _with_work, make_step, step_flops
+from loopline.attention.bench_attention import make_step, step_flops, with_work
 from loopline.attention.triton_backend import DecodeLaunch, TritonAttentionBackend
 
 
@@ -103,7 +103,7 @@ def main() -> None:
 
     prompts = [(1024, 1024)] * max(1, a.tokens // 1024)
     pq, pk, pv, pmeta = make_step(prompts)
-    pmeta = _with_work(pmeta, prompts, backend)
+    pmeta = with_work(pmeta, prompts, backend)
 
     def prefill_attention() -> None:
         backend.attend(pq, pk, pv, pmeta, scale)

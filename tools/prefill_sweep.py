@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from loopline.attention.bench_attention import HEAD_DIM, _with_work, graph_time_us, layer_steps, step_flops
+from loopline.attention.bench_attention import HEAD_DIM, graph_time_us, layer_steps, step_flops, with_work
 from loopline.attention.triton_backend import PrefillLaunch, TritonAttentionBackend
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     for launch in launches:
         be = TritonAttentionBackend(prefill_launch=launch)
         for order in ("asc", "desc"):
-            metas = [_with_work(s[3], rows, be, reverse=order == "desc") for s in steps]
+            metas = [with_work(s[3], rows, be, reverse=order == "desc") for s in steps]
             try:
                 got = be.attend(steps[0][0], steps[0][1], steps[0][2], metas[0], scale)
                 ref = got if ref is None else ref

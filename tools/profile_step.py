@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import time
 
 import torch
 
-from loopline.attention import triton_backend
+from loopline.attention.triton_backend import DecodeLaunch, PrefillLaunch, SplitRule, TritonAttentionBackend
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
 from loopline.kernels import gemv
+from loopline.kernels.fused import TritonOps
+from loopline.kernels.gemv import use_gemv
 from loopline.models.ouro import OuroForCausalLM
 from loopline.models.tiny import random_checkpoint_config
 from loopline.sampling_params import SamplingParams
+from loopline.worker.backends import Backends, select_backends
 from loopline.worker.cuda_graphs import bucket_sizes
 
 
@@ -115,35 +119,108 @@ def profile_mixed(engine: LLMEngine, a: argparse.Namespace, params: SamplingPara
 
 
 ABLATIONS = ("norms", "merge", "attention", "gemv")
+# NOTE: the ablated kernels are no-ops (an empty result of the right shape), so that the step time without them
+# shows what they cost inside the PDL chain. The outputs are garbage: timing only.
 
 
-def ablate(kinds: list[str]) -> None:
-    """Replaces the kernels of ``kinds`` by no-ops (an empty result of the right shape), so that the step time
-    without them shows what they cost inside the PDL chain. The outputs are garbage: timing only."""
-    from loopline.kernels import fused
+class AblatedAttention(TritonAttentionBackend):
+    """Triton attention without the split merge (``merge``) or without decode attention (``attention``:
+    ``rotate_store_attend`` neither stores nor attends)."""
 
-    unknown = set(kinds) - set(ABLATIONS)
+    def __init__(self, kinds: frozenset[str], **backend_args) -> None:
+        super().__init__(**backend_args)
+        self.kinds = kinds
+
+    def merge(self, num_splits, part_out, part_lse, out) -> None:  # type: ignore[override]
+        if "merge" not in self.kinds:
+            super().merge(num_splits, part_out, part_lse, out)
+
+    def rotate_store_attend(self, k_cache, v_cache, q, k, v, rope, meta, scale):
+        if "attention" in self.kinds:
+            return torch.empty_like(q)
+        return super().rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
+
+
+class AblatedOps(TritonOps):
+    """The fused layer kernels without the add + RMSNorm kernels and the norms inside the q/k/v and gate/up
+    GEMVs (``norms``), or without the layers' one-row GEMVs (``gemv``; the vocabulary projection still runs)."""
+
+    def __init__(self, kinds: frozenset[str]) -> None:
+        super().__init__()
+        self.kinds = kinds
+
+    def gemv_ablated(self, x, weight) -> bool:
+        return "gemv" in self.kinds and use_gemv(x, weight)  # the calls the GEMV kernel would serve
+
+    @staticmethod
+    def empty_out(x, weight):
+        return torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+
+    def add_rms_norm(self, x, branch, branch_weight, next_weight, eps):
+        if "norms" in self.kinds:
+            return x, branch
+        return super().add_rms_norm(x, branch, branch_weight, next_weight, eps)
+
+    def rms_norm(self, x, weight, eps):
+        return x if "norms" in self.kinds else super().rms_norm(x, weight, eps)
+
+    def norm_project_qkv(self, attn, x, branch, branch_weight, weight, eps):
+        if "norms" in self.kinds:
+            return x, self.project_qkv(attn, x)
+        return super().norm_project_qkv(attn, x, branch, branch_weight, weight, eps)
+
+    def norm_project_gate_up(self, mlp, x, branch, branch_weight, weight, eps):
+        if "norms" in self.kinds:
+            return x, self.project_gate_up(mlp, x)
+        return super().norm_project_gate_up(mlp, x, branch, branch_weight, weight, eps)
+
+    def ablated_project(self, module, x, unablated):
+        packed = self.packed_weights(module)
+        if packed is not None and self.gemv_ablated(x, packed[0]):
+            return self.empty_out(x, packed[0]).split(packed[1], dim=-1)
+        return unablated(module, x)
+
+    def project_qkv(self, attn, x):
+        return self.ablated_project(attn, x, super().project_qkv)
+
+    def project_gate_up(self, mlp, x):
+        return self.ablated_project(mlp, x, super().project_gate_up)
+
+    def linear(self, module, x):
+        if module.bias is None and self.gemv_ablated(x, module.weight):
+            return self.empty_out(x, module.weight)
+        return super().linear(module, x)
+
+    def swiglu_down(self, mlp, gate, up):
+        down = mlp.down_proj
+        if down.bias is None and self.gemv_ablated(gate, down.weight):
+            return self.empty_out(gate, down.weight)
+        return super().swiglu_down(mlp, gate, up)
+
+
+def make_backends(a: argparse.Namespace) -> Backends:
+    """The engine's CUDA backends with this run's split rule, launch parameters and ablations."""
+    kinds = frozenset(k for k in a.ablate.split(",") if k)
+    unknown = kinds - set(ABLATIONS)
     if unknown:
         raise SystemExit(f"--ablate: unknown {sorted(unknown)}, choose from {ABLATIONS}")
-    if "norms" in kinds:  # the add + RMSNorm kernels, and the norms inside the q/k/v and gate/up GEMVs
-        fused.TritonOps.add_rms_norm = lambda self, x, branch, wb, wn, eps: (x, branch)
-        fused.TritonOps.rms_norm = lambda self, x, weight, eps: x
-        fused.TritonOps.norm_project_qkv = lambda self, attn, x, b, wb, wn, eps: (x, self.project_qkv(attn, x))
-        fused.TritonOps.norm_project_gate_up = lambda self, mlp, x, b, wb, wn, eps: (x, self.project_gate_up(mlp, x))
-    if "merge" in kinds:
-        triton_backend.TritonAttentionBackend._merge = staticmethod(lambda num_splits, part_out, part_lse, out: None)
-    if "attention" in kinds:
-        triton_backend.TritonAttentionBackend.rotate_store_attend = (
-            lambda self, k_cache, v_cache, q, k, v, rope, meta, scale: torch.empty_like(q))
-    if "gemv" in kinds:  # the layers' GEMVs; the vocabulary projection (needed=...) still runs
-        real = fused.gemv
-
-        def no_gemv(x, weight, *, up=None, needed=None, config=None):
-            if needed is not None:
-                return real(x, weight, up=up, needed=needed, config=config)
-            return torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-
-        fused.gemv = no_gemv
+    rule = SplitRule()
+    if a.attn_splits:
+        max_splits, min_keys = map(int, a.attn_splits.split(","))
+        rule = dataclasses.replace(rule, max_splits=max_splits, min_keys_per_split=min_keys)
+    if a.attn_num_splits:
+        rule = dataclasses.replace(rule, exact_splits=a.attn_num_splits)
+    if a.fused_decode_min_splits is not None:
+        rule = dataclasses.replace(rule, fused_decode_min_splits=a.fused_decode_min_splits)
+    launches = dict(
+        split_rule=rule,
+        decode_launch=DecodeLaunch(*map(int, a.decode_launch.split(","))) if a.decode_launch else None,
+        prefill_launch=PrefillLaunch(*map(int, a.prefill_launch.split(","))) if a.prefill_launch else None)
+    attention = (AblatedAttention(kinds, **launches) if kinds & {"merge", "attention"}
+                 else TritonAttentionBackend(**launches))
+    base = select_backends("auto", "auto", torch.device("cuda"))  # the engine's own choice on CUDA
+    layer_ops = AblatedOps(kinds) if kinds & {"norms", "gemv"} else base.layer_ops
+    return dataclasses.replace(base, attention=attention, layer_ops=layer_ops)
 
 
 def main() -> None:
@@ -183,28 +260,7 @@ def main() -> None:
     ap.add_argument("--ablate", default="",
                     help=f"comma-separated kernels to replace by no-ops, timing only: {', '.join(ABLATIONS)}")
     a = ap.parse_args()
-    ablate([k for k in a.ablate.split(",") if k])
-    if a.fused_decode_min_splits is not None:
-        triton_backend._FUSED_DECODE_MIN_SPLITS = a.fused_decode_min_splits
-    if a.attn_num_splits:
-        rule = triton_backend.TritonAttentionBackend._pick_num_splits
-
-        def exact(self, device, programs, q_tiles, max_seq_len):
-            chosen = rule(self, device, programs, q_tiles, max_seq_len)
-            return a.attn_num_splits if chosen > 1 else chosen
-
-        triton_backend.TritonAttentionBackend._pick_num_splits = exact
-    if a.decode_launch or a.prefill_launch:
-        decode = triton_backend.DecodeLaunch(*map(int, a.decode_launch.split(","))) if a.decode_launch else None
-        prefill = triton_backend.PrefillLaunch(*map(int, a.prefill_launch.split(","))) if a.prefill_launch else None
-        init = triton_backend.TritonAttentionBackend.__init__
-
-        def with_launch(self, num_splits=None, decode_launch=None, prefill_launch=None):
-            init(self, num_splits, decode_launch or decode, prefill_launch or prefill)
-
-        triton_backend.TritonAttentionBackend.__init__ = with_launch
-    if a.attn_splits:
-        triton_backend._MAX_SPLITS, triton_backend._MIN_KEYS_PER_SPLIT = map(int, a.attn_splits.split(","))
+    backends = make_backends(a)
     for spec in (a.gemv_config or "").split(";"):
         if "=" in spec:
             shape, launch = spec.split("=")
@@ -217,7 +273,7 @@ def main() -> None:
     engine = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=max(8, a.rows + a.mixed_prompts),
                                   kv_cache_memory_gb=a.kv_gb or max(8.0, (a.rows + a.mixed_prompts) * 0.9), enforce_eager=a.eager, async_scheduling=a.async_scheduling,
                                   max_num_batched_tokens=max(2048, a.rows * a.context) if a.prefill else a.budget,
-                                  max_model_len=a.context + 512), model=model)
+                                  max_model_len=a.context + 512), model=model, backends=backends)
     params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)  # enough loop steps for every phase
     if a.prefill:
         return profile_prefill(engine, a, params)

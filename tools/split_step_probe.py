@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from overlap_probe import HIDDEN, INTER, decode_case, fork, green_stream, layer_weights, timed  # noqa: E402
 
-from loopline.attention.bench_attention import _with_work, make_step  # noqa: E402
+from loopline.attention.bench_attention import make_step, with_work  # noqa: E402
 from loopline.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 LAYERS, COPIES = 24, 4
@@ -158,7 +158,7 @@ def main() -> None:
         pools = []
         for _ in range(COPIES):
             pq, pk, pv, pmeta = make_step(prompts)
-            pools.append((pq, pk, pv, _with_work(pmeta, prompts, backend)))
+            pools.append((pq, pk, pv, with_work(pmeta, prompts, backend)))
 
         def prefill_attention(layer: int) -> None:
             pq, pk, pv, pmeta = pools[layer % COPIES]

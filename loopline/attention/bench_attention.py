@@ -138,7 +138,7 @@ def sweep_prefill(scale: float, rows: list[tuple[int, int]] | None = None) -> No
 
     rows = rows or [(1024, 1024)] * 8
     q, k_cache, v_cache, meta = make_step(rows)
-    ref = TritonAttentionBackend().attend(q, k_cache, v_cache, _with_work(meta, rows, TritonAttentionBackend()), scale)
+    ref = TritonAttentionBackend().attend(q, k_cache, v_cache, with_work(meta, rows, TritonAttentionBackend()), scale)
     tflop = step_flops(rows) / 1e12
     print(f"\n# prefill launch sweep, {len(rows)} x {rows[0][0]} tokens (ms per call, TFLOP/s); default rule first")
     launches = [None] + [PrefillLaunch(bm, bn, w, st) for bm, bn, w, st in
@@ -146,7 +146,7 @@ def sweep_prefill(scale: float, rows: list[tuple[int, int]] | None = None) -> No
     results = []
     for launch in launches:
         be = TritonAttentionBackend(prefill_launch=launch)
-        m = _with_work(meta, rows, be)
+        m = with_work(meta, rows, be)
         try:
             got = be.attend(q, k_cache, v_cache, m, scale)
             err = (got.float() - ref.float()).abs().max().item()
@@ -160,7 +160,7 @@ def sweep_prefill(scale: float, rows: list[tuple[int, int]] | None = None) -> No
         print(f"  {ms:7.3f} ms  {tflop / (ms * 1e-3):5.0f} TFLOP/s  max err {err:.1e}  {launch}")
 
 
-def _with_work(meta: PagedAttentionMetadata, rows, backend, reverse: bool = False) -> PagedAttentionMetadata:
+def with_work(meta: PagedAttentionMetadata, rows, backend, reverse: bool = False) -> PagedAttentionMetadata:
     """``meta`` with the work list the engine builds for prefill steps, at ``backend``'s tile size
     (``reverse``: its entries last to first, each prompt's longest causal tiles first)."""
     import dataclasses

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from loopline.attention.base import AttentionBackend, PagedAttentionMetadata
 from loopline.attention.triton_kernels import (
-    INTERPRET as _INTERPRET,
+    INTERPRET,
     copy_exited_kernel,
     decode_attention_kernel,
     merge_splits_kernel,
@@ -28,24 +28,44 @@ from loopline.kernels import cuda_sm_count, pdl_options
 from loopline.models.ops import Rope
 
 _LOG2E = 1.4426950408889634
-# Split-KV: aim for this many programs per SM and give each split at least
-# this many keys, so tiny contexts are not split into pure overhead. One row of
-# 16 KV heads (H200, 132 SMs) thus takes 20 splits, one 64-key tile each up to
-# 1,280 keys: a one-row step at 1,088 / 1,152 keys took 0.988 / 0.990 ms with
-# 20 splits, 1.020 / 1.031 with 16 (where one split reads a second tile after
-# its grid-dependency wait) and 1.04-1.06 with 24 (384 programs do not fit in
-# one wave beside the previous kernel's).
-_PROGRAMS_PER_SM = 2.5
-_MIN_KEYS_PER_SPLIT = 64  # bench_attention --sweep, H200: 16 splits of 64 keys beat 8 of 128 at one row
-_MAX_SPLITS = 20
 # The split counts kernels are compiled for (NUM_SPLITS is a compile-time constant, and a growing
 # max_seq_len should not compile a kernel per value): a rule's count rounds down to one of them.
-_SPLIT_COUNTS = (1, 2, 4, 8, 12, 16, 20)
-# Decode-only steps with at least this many splits take the fused decode kernel. Without splits (32 or 128
-# rows) the separate store + attention kernels measured faster on an H200: 7.82-8.13 vs 8.38 ms per step at
-# 128 rows, 3.031 vs 3.096 at 32 (profile_step --fused-decode-min-splits 1, 29ed633); with them (one row)
-# the fused kernel wins, 1.096 vs 1.187 ms.
-_FUSED_DECODE_MIN_SPLITS = 2
+SPLIT_COUNTS = (1, 2, 4, 8, 12, 16, 20)
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """How many programs split the key range of a launch (split-KV), and which decode-only steps take the fused
+    decode kernel. The defaults are the measured rule; ``profile_step`` and tests build backends with others.
+
+    The count aims for ``programs_per_sm`` programs per SM and gives each split at least
+    ``min_keys_per_split`` keys, so tiny contexts are not split into pure overhead, at most ``max_splits``,
+    rounded down to one of ``SPLIT_COUNTS``. ``exact_splits``: every launch the rule splits takes exactly this
+    many splits instead (any count, not only ``SPLIT_COUNTS``: e.g. 24 at one row, 384 programs).
+    """
+
+    # One row of 16 KV heads (H200, 132 SMs) thus takes 20 splits, one 64-key tile each up to 1,280 keys: a
+    # one-row step at 1,088 / 1,152 keys took 0.988 / 0.990 ms with 20 splits, 1.020 / 1.031 with 16 (where
+    # one split reads a second tile after its grid-dependency wait) and 1.04-1.06 with 24 (384 programs do
+    # not fit in one wave beside the previous kernel's).
+    programs_per_sm: float = 2.5
+    min_keys_per_split: int = 64  # bench_attention --sweep, H200: 16 splits of 64 keys beat 8 of 128 at one row
+    max_splits: int = 20
+    # Decode-only steps with at least this many splits take the fused decode kernel. Without splits (32 or 128
+    # rows) the separate store + attention kernels measured faster on an H200: 7.82-8.13 vs 8.38 ms per step
+    # at 128 rows, 3.031 vs 3.096 at 32 (profile_step --fused-decode-min-splits 1, 29ed633); with them (one
+    # row) the fused kernel wins, 1.096 vs 1.187 ms. 1: every decode-only step takes it.
+    fused_decode_min_splits: int = 2
+    exact_splits: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.programs_per_sm > 0:
+            raise ValueError(f"programs_per_sm must be > 0, got {self.programs_per_sm}")
+        for name in ("min_keys_per_split", "max_splits", "fused_decode_min_splits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.exact_splits is not None and not 1 <= self.exact_splits <= 64:
+            raise ValueError(f"exact_splits must be in 1..64 or None, got {self.exact_splits}")
 
 
 def triton_available() -> bool:
@@ -104,18 +124,18 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention with Triton kernels; see the module docstring for the design.
 
     ``num_splits`` forces the split-KV factor of ``attend`` (tests); ``None``
-    picks it from the grid size and the SM count. ``decode_launch`` overrides
-    the launch parameters of decode-only steps, ``prefill_launch`` those of the
-    others (``bench_attention --sweep``).
+    picks it by ``split_rule`` from the grid size and the SM count. ``decode_launch``
+    overrides the launch parameters of decode-only steps, ``prefill_launch`` those
+    of the others (``bench_attention --sweep``).
     """
 
     name = "triton"
 
     def __init__(self, num_splits: int | None = None, decode_launch: DecodeLaunch | None = None,
-                 prefill_launch: PrefillLaunch | None = None) -> None:
+                 prefill_launch: PrefillLaunch | None = None, split_rule: SplitRule | None = None) -> None:
         if triton is None:
             raise RuntimeError("TritonAttentionBackend needs the `triton` package (pip install loopline[triton])")
-        if not torch.cuda.is_available() and not _INTERPRET:
+        if not torch.cuda.is_available() and not INTERPRET:
             raise RuntimeError(
                 "TritonAttentionBackend needs CUDA, or TRITON_INTERPRET=1 set before loopline's triton "
                 "backend is imported (CPU interpreter, for tests); use the 'torch' backend on CPU"
@@ -123,6 +143,7 @@ class TritonAttentionBackend(AttentionBackend):
         if num_splits is not None and not 1 <= num_splits <= 64:
             raise ValueError(f"num_splits must be in 1..64 or None, got {num_splits}")
         self.num_splits = num_splits
+        self.split_rule = split_rule or SplitRule()
         self.decode_launch = decode_launch or DecodeLaunch()
         self.prefill_launch = prefill_launch or PrefillLaunch()
         if self.prefill_launch.block_m is not None and not _is_pow2(self.prefill_launch.block_m):
@@ -204,8 +225,8 @@ class TritonAttentionBackend(AttentionBackend):
         if (meta.max_query_len != 1 or meta.work_tiles is not None or n == 0 or n != meta.seq_lens.shape[0]
                 or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
             return super().rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
-        num_splits = self._pick_num_splits(q.device, n * kvh, 1, meta.max_seq_len)
-        if num_splits < _FUSED_DECODE_MIN_SPLITS:
+        num_splits = self.pick_num_splits(q.device, n * kvh, 1, meta.max_seq_len)
+        if num_splits < self.split_rule.fused_decode_min_splits:
             return super().rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
         self._check_shapes(heads, kvh, d, block_size)
         assert k_cache.shape == v_cache.shape and k.shape == v.shape == (n, kvh, d)
@@ -216,7 +237,7 @@ class TritonAttentionBackend(AttentionBackend):
         launch = self.decode_launch
         block_n = launch.block_n or _key_block(d, k_cache.element_size())
         out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
-        part_out, part_lse = self._partials(num_splits, out)
+        part_out, part_lse = self.partials(num_splits, out)
         decode_attention_kernel[(n, kvh, num_splits)](
             q, k, v, cos, sin, k_cache, v_cache, out, part_out, part_lse,
             meta.seq_lens, meta.block_tables, meta.slot_mapping, scale * _LOG2E, n, heads,
@@ -233,7 +254,7 @@ class TritonAttentionBackend(AttentionBackend):
             # (one-row step at 1,088 keys 0.961 / 0.962 ms against 0.970 / 0.970 with 2 stages, H200).
             num_warps=launch.num_warps or 4, num_stages=launch.num_stages or (1 if num_splits > 1 else 2),
         )  # fmt: skip
-        self._merge(num_splits, part_out, part_lse, out)
+        self.merge(num_splits, part_out, part_lse, out)
         return out
 
     @staticmethod
@@ -246,7 +267,7 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
 
     @staticmethod
-    def _partials(num_splits: int, out: Tensor) -> tuple[Tensor, Tensor]:
+    def partials(num_splits: int, out: Tensor) -> tuple[Tensor, Tensor]:
         """Split-KV workspaces ``[S, N, H, D]`` and ``[S, N, H]`` fp32 (``out`` itself, unread, without splits)."""
         if num_splits == 1:
             return out, out
@@ -255,7 +276,8 @@ class TritonAttentionBackend(AttentionBackend):
                 torch.empty((num_splits, n, heads), dtype=torch.float32, device=out.device))
 
     @staticmethod
-    def _merge(num_splits: int, part_out: Tensor, part_lse: Tensor, out: Tensor) -> None:
+    def merge(num_splits: int, part_out: Tensor, part_lse: Tensor, out: Tensor) -> None:
+        """Combines the ``partials`` of ``num_splits`` splits by their log-sum-exp into ``out`` (nothing for one)."""
         if num_splits == 1:
             return
         n, heads, d = out.shape
@@ -295,7 +317,7 @@ class TritonAttentionBackend(AttentionBackend):
         if work is not None:
             num_splits, grid = 1, (work.shape[1], kvh, 1)
         else:
-            num_splits = self._pick_num_splits(q.device, num_rows * kvh * q_tiles, q_tiles, meta.max_seq_len)
+            num_splits = self.pick_num_splits(q.device, num_rows * kvh * q_tiles, q_tiles, meta.max_seq_len)
             grid = (num_rows, kvh, q_tiles * num_splits)
         num_warps = 8 if block_m * d >= 64 * 256 else 4
         # 2 stages leave shared memory for more programs per SM (bench_attention --sweep, H200, bf16:
@@ -315,10 +337,10 @@ class TritonAttentionBackend(AttentionBackend):
                          group, decode_m // group, decode_m, self.decode_launch.block_n or block_n, 1, precision,
                          self.decode_launch.num_warps or 4,
                          self.decode_launch.num_stages or num_stages)
-        part_out, part_lse = self._partials(num_splits, out)
+        part_out, part_lse = self.partials(num_splits, out)
         self._launch(q, k_cache, v_cache, out, part_out, part_lse, meta, work, scale, grid, group, tile_t, block_m,
                      block_n, num_splits, precision, num_warps, num_stages)
-        self._merge(num_splits, part_out, part_lse, out)
+        self.merge(num_splits, part_out, part_lse, out)
         return out
 
     @staticmethod
@@ -346,8 +368,9 @@ class TritonAttentionBackend(AttentionBackend):
         """Prefill steps run one program per (row, 64-row query tile); see ``build_work_tiles``."""
         return self._work_block_m(group) // group
 
-    def _pick_num_splits(self, device: torch.device, programs: int, q_tiles: int, max_seq_len: int) -> int:
-        """Split the key range when the grid cannot fill the GPU (small decode batches).
+    def pick_num_splits(self, device: torch.device, programs: int, q_tiles: int, max_seq_len: int) -> int:
+        """The split-KV count of a launch of ``programs`` programs: ``split_rule`` splits the key range when
+        the grid cannot fill the GPU (small decode batches).
 
         Uses host ints only. Prefill steps (more than one query tile per row)
         already have parallelism and are never split.
@@ -356,7 +379,10 @@ class TritonAttentionBackend(AttentionBackend):
             return self.num_splits
         if q_tiles > 1 or device.type != "cuda":
             return 1
-        wanted = math.ceil(_PROGRAMS_PER_SM * cuda_sm_count(device) / programs)
-        by_length = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
-        splits = max(1, min(wanted, by_length, _MAX_SPLITS))
-        return max(c for c in _SPLIT_COUNTS if c <= splits)
+        rule = self.split_rule
+        wanted = math.ceil(rule.programs_per_sm * cuda_sm_count(device) / programs)
+        by_length = max(1, max_seq_len // rule.min_keys_per_split)
+        splits = max(1, min(wanted, by_length, rule.max_splits))
+        if splits > 1 and rule.exact_splits is not None:
+            return rule.exact_splits
+        return max(c for c in SPLIT_COUNTS if c <= splits)

@@ -89,9 +89,9 @@ def _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, str
 
 
 @_jit
-def _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+def softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """One online-softmax step of queries ``q`` ``[BLOCK_M, D]`` over a key tile; MASKED: only ``visible``
-    ``[BLOCK_M, BLOCK_N]`` scores count."""
+    ``[BLOCK_M, BLOCK_N]`` scores count. Public: experimental kernels (tools/decode_kernel_probe.py) build on it."""
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
@@ -113,7 +113,7 @@ def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, q
                          BLOCK_N, BLOCK_SIZE, HEAD_DIM, MASKED, "")
     pos = start + tl.arange(0, BLOCK_N)
     visible = (pos < kv_hi)[None, :] & (pos[None, :] <= q_pos[:, None])
-    return _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, MASKED)
+    return softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, MASKED)
 
 
 @_jit_step_sizes("num_work_tiles", "num_tokens", "stride_bt")
@@ -455,14 +455,14 @@ def decode_attention_kernel(
     first = kv_lo
     if PREFETCH:
         visible = (kv_lo + tl.arange(0, BLOCK_N) < kv_hi)[None, :]
-        m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
+        m_i, l_i, acc = softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
         first = kv_lo + BLOCK_N
     # (Whole tiles without masks, in a loop of their own, measured slower: 1.110 vs 1.095 ms per one-row step.)
     for start in range(first, kv_hi, BLOCK_N):
         k, v = _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                              BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, "")
         visible = (start + tl.arange(0, BLOCK_N) < kv_hi)[None, :]
-        m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
+        m_i, l_i, acc = softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
     if split == NUM_SPLITS - 1:
         k_row = k_ptr + n * stride_kn + kv_head.to(tl.int64) * stride_kh
         k_new = _rotate_full(tl.load(k_row + offs_d), tl.load(k_row + partner), c, s, first_half,

@@ -20,6 +20,8 @@ from loopline.worker.decode_state import SlotOps
 
 @dataclass(frozen=True)
 class Backends:
+    """The kernels one engine runs (``select_backends`` picks them; ``LLMEngine(..., backends=...)`` takes others)."""
+
     attention: AttentionBackend
     layer_ops: TorchOps  # norms, rotary, SwiGLU, projections (the model's ``ops``)
     slot_ops: SlotOps  # the decode state's per-step ops

@@ -13,6 +13,7 @@ from loopline.attention.torch_backend import TorchAttentionBackend
 from loopline.attention.triton_backend import (
     DecodeLaunch,
     PrefillLaunch,
+    SplitRule,
     TritonAttentionBackend,
     triton_available,
 )
@@ -173,9 +174,9 @@ def check_fused_decode(seq_lens, heads, kv_heads, head_dim, block_size, dtype, a
         ref_k.view(-1, kv_heads, head_dim)[true_slots[own]] = k_rot[own]
         ref_v.view(-1, kv_heads, head_dim)[true_slots[own]] = v[own]
     want = ref.attend(q_rot, ref_k, ref_v, meta, scale)
-    backend = TritonAttentionBackend(num_splits=num_splits, decode_launch=DecodeLaunch(block_n=block_n))
+    backend = fused_decode_for_every_split_count(num_splits=num_splits, decode_launch=DecodeLaunch(block_n=block_n))
     launches = []
-    with fused_decode_for_every_split_count(), spy_on_kernel("decode_attention_kernel", launches):
+    with spy_on_kernel("decode_attention_kernel", launches):
         got = backend.rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
     assert len(launches) == 1  # the fused kernel, not the store + attention fallback
     assert got.dtype == q.dtype and got.shape == q.shape
@@ -205,7 +206,7 @@ def test_fused_decode_padding_rows_store_nothing():
 
 def test_fused_decode_takes_decode_only_steps():
     # Steps with a prefill chunk take the separate store, then attention: the result is the reference's too.
-    # (By default decode-only steps without splits do as well: see _FUSED_DECODE_MIN_SPLITS.)
+    # (By default decode-only steps without splits do as well: see SplitRule.fused_decode_min_splits.)
     from loopline.models.ops import Rope, rotary_cos_sin
 
     rows = [(1, 13), (5, 9)]
@@ -214,9 +215,9 @@ def test_fused_decode_takes_decode_only_steps():
     rope = Rope(*rotary_cos_sin(torch.tensor([12, 4, 5, 6, 7, 8]).to(DEVICE), 16, 10000.0, torch.float32))
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
     want = TorchAttentionBackend().rotate_store_attend(*caches[0], q, k, k, rope, meta, 0.25)
-    launches = []
-    with fused_decode_for_every_split_count(), spy_on_kernel("decode_attention_kernel", launches):
-        got = TritonAttentionBackend().rotate_store_attend(*caches[1], q, k, k, rope, meta, 0.25)
+    backend, launches = fused_decode_for_every_split_count(), []
+    with spy_on_kernel("decode_attention_kernel", launches):
+        got = backend.rotate_store_attend(*caches[1], q, k, k, rope, meta, 0.25)
     assert launches == []
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(caches[1][0], caches[0][0], atol=1e-6, rtol=1e-6, equal_nan=True)
@@ -243,7 +244,7 @@ def test_attend_split_kv_matches_torch():
 def test_needs_cuda_or_interpreter(monkeypatch):
     import loopline.attention.triton_backend as tb
 
-    monkeypatch.setattr(tb, "_INTERPRET", False)
+    monkeypatch.setattr(tb, "INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         TritonAttentionBackend()
@@ -506,7 +507,7 @@ def test_split_rule_fills_one_wave_and_compiles_few_counts(monkeypatch):
     backend, cuda = TritonAttentionBackend(), torch.device("cuda")
 
     def splits(rows, kv_heads, max_seq_len, q_tiles=1):
-        return backend._pick_num_splits(cuda, rows * kv_heads * q_tiles, q_tiles, max_seq_len)
+        return backend.pick_num_splits(cuda, rows * kv_heads * q_tiles, q_tiles, max_seq_len)
 
     assert splits(1, 16, 8192) == 20  # one row of Ouro: ~2.5 programs per SM, one key tile each to 1,280 keys
     assert splits(1, 16, 1024) == 16  # at least 64 keys per split
@@ -514,5 +515,23 @@ def test_split_rule_fills_one_wave_and_compiles_few_counts(monkeypatch):
     assert splits(2, 16, 8192) == 8 and splits(8, 16, 8192) == 2 and splits(32, 16, 8192) == 1
     assert splits(1, 16, 8192, q_tiles=4) == 1  # prefill tiles are never split
     counts = {splits(r, h, n) for r in range(1, 70) for h in (1, 2, 4, 8, 16) for n in range(1, 9000, 97)}
-    assert counts <= set(tb._SPLIT_COUNTS) and {1, 4, 12, 20} <= counts
-    assert TritonAttentionBackend(num_splits=24)._pick_num_splits(cuda, 16, 1, 64) == 24  # forced: any count
+    assert counts <= set(tb.SPLIT_COUNTS) and {1, 4, 12, 20} <= counts
+    assert TritonAttentionBackend(num_splits=24).pick_num_splits(cuda, 16, 1, 64) == 24  # forced: any count
+
+
+def test_backend_splits_by_its_own_rule(monkeypatch):
+    """A backend built with another ``SplitRule`` splits by it (what profile_step --attn-splits and
+    --attn-num-splits time), and a rule out of range is refused."""
+    import loopline.attention.triton_backend as tb
+
+    monkeypatch.setattr(tb, "cuda_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    capped = TritonAttentionBackend(split_rule=SplitRule(max_splits=8, min_keys_per_split=128))
+    assert [capped.pick_num_splits(cuda, 16, 1, n) for n in (8192, 1024, 300, 100)] == [8, 8, 2, 1]
+    exact = TritonAttentionBackend(split_rule=SplitRule(exact_splits=24))
+    assert exact.pick_num_splits(cuda, 16, 1, 8192) == 24  # not one of SPLIT_COUNTS: any count
+    assert exact.pick_num_splits(cuda, 32 * 16, 1, 8192) == 1  # what the rule does not split stays whole
+    assert exact.pick_num_splits(cuda, 16 * 4, 4, 8192) == 1  # prefill tiles are never split
+    for bad in (dict(max_splits=0), dict(programs_per_sm=0.0), dict(fused_decode_min_splits=0), dict(exact_splits=65)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SplitRule(**bad)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_testing import DEVICE, fused_decode_for_every_split_count, spy_on_kernel
+from triton_testing import DEVICE, fused_decode_for_every_split_count, spy_on_kernel, triton_backends
 
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
@@ -22,10 +22,11 @@ from loopline.models.ouro import OuroConfig, OuroForCausalLM
 from loopline.sampling_params import SamplingParams
 
 
-def generate(model: OuroForCausalLM, backend: str) -> dict:
+def generate(model: OuroForCausalLM, backend: str, backends=None) -> dict:
     engine = LLMEngine(EngineArgs(device=DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=4,
                                   num_kv_blocks=200, block_size=8, max_num_batched_tokens=48, max_model_len=300,
-                                  attention_backend=backend, kernel_backend=backend, enforce_eager=True), model=model)
+                                  attention_backend=backend, kernel_backend=backend, enforce_eager=True), model=model,
+                       backends=backends)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, exit_threshold=0.7, logprobs=0)
     for i, n in enumerate([5, 70, 33, 90]):  # a 48-token budget: chunked prompts next to decoding rows
         engine.add_request(f"r{i}", [(i * 31 + j) % 250 for j in range(n)], params)
@@ -47,8 +48,8 @@ def test_triton_backend_engine_equals_torch_backend():
     want = generate(model, "torch")
     assert len(want) == 4
     launches = []  # decode-only steps through the fused decode kernel (by default small GPU batches take it)
-    with fused_decode_for_every_split_count(), spy_on_kernel("decode_attention_kernel", launches):
-        got = generate(model, "triton")
+    with spy_on_kernel("decode_attention_kernel", launches):
+        got = generate(model, "triton", triton_backends(fused_decode_for_every_split_count()))
     assert launches
     assert got.keys() == want.keys()
     for rid, (tokens, depths, logprobs) in want.items():
