@@ -34,7 +34,7 @@ from loopline import AsyncLLM, EngineArgs, SamplingParams
 from loopline.distributed.dp import DPClient
 from loopline.distributed.launch import make_client
 from loopline.distributed.router import LoadAffinityRouter, ReplicaLoad
-from loopline.runtime.client import MPClient
+from loopline.runtime.client import EngineClient, MPClient
 from loopline.models.tiny import make_tiny_checkpoint, random_checkpoint_config
 
 
@@ -93,8 +93,10 @@ def counting(client: DPClient) -> list[int]:
     return counts
 
 
-def measure(name: str, llm: AsyncLLM, a: argparse.Namespace, vocab: int, exact_ref: list | None) -> dict:
-    counts = counting(llm._client) if isinstance(llm._client, DPClient) else None
+def measure(name: str, llm: AsyncLLM, client: EngineClient, a: argparse.Namespace, vocab: int,
+            exact_ref: list | None) -> dict:
+    """One variant's record; ``client`` is the one ``llm`` runs on (its router counts the requests per replica)."""
+    counts = counting(client) if isinstance(client, DPClient) else None
     asyncio.run(closed_loop(llm, prompts(min(8, a.concurrency), a.input_len, vocab, 99), 8, a.concurrency))  # warm-up
     if counts is not None:
         counts[:] = [0] * len(counts)
@@ -161,9 +163,10 @@ def main() -> None:
     sizes = [n for n in (int(s) for s in a.sizes.split(",")) if n <= gpus]
     records = []
 
-    llm = AsyncLLM(client=MPClient(args))
+    client = MPClient(args)
+    llm = AsyncLLM(client=client)
     try:
-        rec, ref = measure("single", llm, a, vocab, None)
+        rec, ref = measure("single", llm, client, a, vocab, None)
     finally:
         llm.shutdown()
     records.append(rec)
@@ -171,7 +174,7 @@ def main() -> None:
         client = DPClient([MPClient(args)]) if n == 1 else make_client(EngineArgs(**{**base, "data_parallel_size": n}))
         llm = AsyncLLM(client=client)
         try:
-            rec, _ = measure(f"dp{n}", llm, a, vocab, ref)
+            rec, _ = measure(f"dp{n}", llm, client, a, vocab, ref)
         finally:
             llm.shutdown()
         records.append(rec)
