@@ -17,10 +17,12 @@ _EXPORTS = {
     "CompletionOutput": "loopline.outputs",
     "Logprob": "loopline.outputs",
     "RequestOutput": "loopline.outputs",
+    "RequestOutputKind": "loopline.sampling_params",
     "SamplingParams": "loopline.sampling_params",
 }
 
-__all__ = ["LLM", "AsyncLLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "EngineArgs", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+           "Logprob", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

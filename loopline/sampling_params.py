@@ -1,6 +1,7 @@
 """SamplingParams: vLLM field names plus the loop fields of looped models."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -25,6 +26,17 @@ _LOGPROBS_MODES = {"raw_logprobs": "raw_logprobs", "processed_logprobs": "proces
                    "raw": "raw_logprobs", "processed": "processed_logprobs"}
 
 
+class RequestOutputKind(enum.Enum):
+    """What a request's outputs hold (vLLM's names): ``CUMULATIVE`` (the default) -- each output is
+    the whole completion so far; ``DELTA`` -- each output holds only what was added since the
+    previous one (the text, tokens, logprobs and exit depths; the prompt fields are the
+    request's); ``FINAL_ONLY`` -- one output, the whole completion, once the request finished."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request (DESIGN.md §5).
@@ -38,6 +50,9 @@ class SamplingParams:
     ``logprobs_mode``: ``"raw_logprobs"`` or ``"processed_logprobs"`` (also
     ``"raw"`` / ``"processed"``) for this request's logprobs; ``None`` uses the
     engine's ``logprobs_mode``.
+
+    ``output_kind``: whole outputs each time (the default), only what each step added, or the
+    final output only (:class:`RequestOutputKind`).
     """
 
     n: int = 1
@@ -64,6 +79,7 @@ class SamplingParams:
     exit_threshold: float | None = None
     exit_depths: list[int] | None = None
     logprobs_mode: str | None = field(default=None, metadata={"cli": False})  # the CLI has the engine's --logprobs-mode
+    output_kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE, metadata={"cli": False})
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -126,6 +142,9 @@ class SamplingParams:
                 raise InvalidRequestError(f"logprobs_mode must be one of {list(_LOGPROBS_MODES)} or None, "
                                           f"got {self.logprobs_mode!r}", param="logprobs_mode")
             self.logprobs_mode = mode
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise InvalidRequestError(f"output_kind must be a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)}), "
+                                      f"got {self.output_kind!r}", param="output_kind")
         if self.exit_depths is not None:
             if not isinstance(self.exit_depths, (list, tuple)) or not self.exit_depths:
                 raise InvalidRequestError("exit_depths must be a non-empty list of loop counts", param="exit_depths")

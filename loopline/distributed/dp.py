@@ -40,10 +40,9 @@ from loopline.engine import LLMEngine, PromptType
 from loopline.engine.verbs import VERBS
 from loopline.distributed.router import LoadAffinityRouter, ReplicaLoad, Router
 from loopline.errors import EngineDeadError, InvalidRequestError, LooplineError
-from loopline.outputs import RequestOutput
 from loopline.runtime.client import EngineClient, call_soon, set_exception, set_result
 from loopline.runtime.fanout import fan_out
-from loopline.runtime.protocol import EngineSnapshot, StepRecord
+from loopline.runtime.protocol import EngineSnapshot, OutputDelta, StepRecord
 from loopline.sampling_params import SamplingParams
 
 logger = logging.getLogger("loopline.dp")
@@ -301,15 +300,16 @@ class _AddJoin:
 
 
 class _ReplicaStream:
-    """What a replica's client fills for one add: the caller's stream, plus the owner bookkeeping."""
+    """What a replica's client fills for one add: the caller's stream (each request's deltas pass
+    through as they came), plus the owner bookkeeping."""
 
     def __init__(self, dp: DPClient, index: int, stream: Any, request_ids: list[str]) -> None:
         self.dp, self.index, self.stream, self.request_ids = dp, index, stream, request_ids
 
-    def _put(self, out: RequestOutput) -> None:
-        if out.finished:
-            self.dp._release([out.request_id], self.index)
-        self.stream._put(out)
+    def _put(self, delta: OutputDelta) -> None:
+        if delta.finished:
+            self.dp._release([delta.request_id], self.index)
+        self.stream._put(delta)
 
     def _fail(self, error: BaseException) -> None:
         replica = self.dp._replicas[self.index]

@@ -111,14 +111,12 @@ class PrefillCore(EngineCore):
         self._targets.pop(rid, None)
         self._sent.pop(rid, None)
         self._live.discard(rid)
-        self._encoder.drop(rid)
 
     def _fail(self, rid: str, error: Exception) -> None:
         error_id = new_error_id()
         logger.error("request %s: handing it to a decode worker failed (error id %s)", rid, error_id, exc_info=error)
         self.engine.abort_request(rid)
         self._live.discard(rid)
-        self._encoder.drop(rid)
         self._targets.pop(rid, None)
         self._sent.pop(rid, None)
         self._msg.failures.append((rid, EngineInternalError(
@@ -220,7 +218,7 @@ class DecodeCore(EngineCore):
         try:
             if inc.error is not None:
                 raise inc.error
-            text = self.engine.handoff.adopt(accept.handoff)
+            self.engine.handoff.adopt(accept.handoff)
             del self._incoming[rid]
         except Exception as e:  # a failed transfer (or a refusal): this request fails alone
             self._forget(rid)
@@ -234,8 +232,7 @@ class DecodeCore(EngineCore):
                                               "it was aborted", error_id)
             self._msg.failures.append((rid, failure))
             return
-        self._live.add(rid)
-        self._encoder.seed(rid, 1, text)
+        self._live.add(rid)  # (its deltas continue the prefill worker's: the engine's adopt saw to that)
         if inc.aborted:
             self.engine.abort_request(rid)
 

@@ -6,6 +6,9 @@ where the text was complete (``prefix``), with and without the new ones, and
 appends the difference. A byte-level token can end inside a UTF-8 character;
 the decoder then yields ``"\\ufffd"``, so text is held back until the character
 completes (or the request finishes: :meth:`flush`).
+
+:class:`StreamedText` reports a completion's text as deltas: only the characters decoded since
+the previous report, less the last few a stop string could still start in.
 """
 from __future__ import annotations
 
@@ -23,7 +26,14 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix = 0  # window start
         self._read = len(self._ids)  # tokens before this are in ``text``
-        self.text = ""
+        self._pieces: list[str] = []  # the text, joined when read (appending to a str copies it)
+
+    @property
+    def text(self) -> str:
+        """The text decoded so far."""
+        if len(self._pieces) != 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0]
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
@@ -37,7 +47,7 @@ class IncrementalDetokenizer:
             return ""  # nothing new yet, or a character still incomplete
         new = after[len(before):]
         self._prefix, self._read = self._read, len(self._ids)
-        self.text += new
+        self._pieces.append(new)
         return new
 
     def flush(self) -> str:
@@ -47,5 +57,39 @@ class IncrementalDetokenizer:
         before = self._decode(self._ids[self._prefix:self._read])
         new = self._decode(self._ids[self._prefix:])[len(before):]
         self._prefix = self._read = len(self._ids)
-        self.text += new
+        self._pieces.append(new)
         return new
+
+
+class StreamedText:
+    """A completion's visible text, reported in deltas.
+
+    ``pending`` holds the text decoded but not reported yet: what is held back (the characters a
+    stop string could still start in) and what the latest token added. The text reported before
+    it is only counted (``reported``), never kept, so a report costs the size of what it adds.
+    Reported text is never taken back.
+    """
+
+    __slots__ = ("reported", "pending")
+
+    def __init__(self) -> None:
+        self.reported = 0
+        self.pending = ""
+
+    def append(self, text: str) -> None:
+        if text:
+            self.pending += text  # NOTE: short: the held-back characters and one token's text
+
+    def cut(self, end: int) -> None:
+        """The text ends ``end`` characters into ``pending`` (a stop string ended it)."""
+        self.pending = self.pending[:end]
+
+    def report(self, holdback: int) -> tuple[int, str]:
+        """``(start, text)``: the text to report now -- everything pending but its last ``holdback``
+        characters -- and the character of the whole text it starts at."""
+        start, n = self.reported, len(self.pending) - holdback
+        if n <= 0:
+            return start, ""
+        text, self.pending = self.pending[:n], self.pending[n:]
+        self.reported += n
+        return start, text

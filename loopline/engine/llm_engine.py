@@ -31,6 +31,7 @@ from loopline.core.scheduler import Preemption, Scheduler, make_allocation
 from loopline.engine.control import EngineControl
 from loopline.engine.handoff import HandoffPort
 from loopline.engine.input_processor import InputProcessor, PromptType
+from loopline.engine.deltas import OutputBuilder, OutputDelta
 from loopline.engine.output_processor import OutputProcessor
 from loopline.engine.stat_logger import StatLogger
 from loopline.engine.verbs import VERBS, verb_mixin
@@ -167,6 +168,7 @@ class LLMEngine(EngineVerbs):
         if device.type == "cuda" and not args.enforce_eager and backends.attention.name == "triton":
             self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture), cfg.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
+        self._builder = OutputBuilder()  # step()'s outputs from step_deltas()'s deltas
         self.inputs = InputProcessor(cfg, model_cfg, self.tokenizer, self.exit_policy, self.kv,
                                      frozenset(model_cfg.eos_token_ids), self.outputs.chat_end_ids)
         self.control = EngineControl(self.scheduler, self.kv, self.runner, self.model, self.outputs, model_cfg, device,
@@ -240,7 +242,20 @@ class LLMEngine(EngineVerbs):
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one loop for every scheduled row; returns outputs of requests that progressed."""
+        """Runs one loop for every scheduled row; returns the outputs of requests that progressed, as
+        each request's ``output_kind`` asks (cumulative by default). Use this or :meth:`step_deltas`."""
+        deltas = self._step()
+        # NOTE: adopted requests first: their outputs build on what their prefill worker reported
+        return self._builder.build(self.outputs.take_adopted() + deltas)
+
+    def step_deltas(self) -> list[OutputDelta]:
+        """One step, as :meth:`step`; returns what each request that progressed added (the engine
+        loop sends these to its clients, which build the outputs their consumers ask for)."""
+        deltas = self._step()
+        self.outputs.take_adopted()  # a prefill worker reported those: its client has them
+        return deltas
+
+    def _step(self) -> list[OutputDelta]:
         self._check_alive()
         t0 = time.perf_counter()
         if self.control.step_blocked():  # paused with mode "keep", or no usable weights / KV
@@ -264,7 +279,7 @@ class LLMEngine(EngineVerbs):
             self._stat_logger.maybe_log(self)
         return self._collect()
 
-    def _collect(self) -> list[RequestOutput]:
+    def _collect(self) -> list[OutputDelta]:
         return self.outputs.collect(on_error=self._fail_output)
 
     def _launch(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, StepHandle | None]:

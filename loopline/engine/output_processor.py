@@ -1,10 +1,13 @@
-"""Turns sampled tokens into ``RequestOutput``s: detokenization, stop strings, logprobs, ``n`` grouping.
+"""Turns sampled tokens into per-step output deltas: detokenization, stop strings, logprobs, ``n`` grouping.
 
-Text grows incrementally (``detokenizer.py``) and stop strings are searched
-only in the text a token added (plus the few characters before it a stop
-string could start in). While a request with stop strings runs, its visible
-text holds back the last ``max(len(stop)) - 1`` characters, which a stop
-string could still start in: streamed text is never taken back.
+Each step, :meth:`OutputProcessor.collect` reports every request that changed as one
+:class:`~loopline.engine.deltas.OutputDelta`: what each of its completions added since the
+previous report (tokens, logprobs, exit depths, weight versions, text), never the history, so
+a report costs the size of the step. Text grows incrementally (``detokenizer.py``) and stop
+strings are searched only in the text a token added (plus the few characters before it a stop
+string could start in). While a request with stop strings runs, the last
+``max(len(stop)) - 1`` characters of its text are held back (not reported), as a stop string
+could still start in them: reported text is never taken back.
 
 A failure while booking, finishing or collecting one request (a tokenizer that
 raises on its text, say) stays with that request: the engine fails it
@@ -19,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loopline.core.request import Request
-from loopline.engine.detokenizer import IncrementalDetokenizer
+from loopline.engine.deltas import CompletionDelta, OutputDelta
+from loopline.engine.detokenizer import IncrementalDetokenizer, StreamedText
 from loopline.engine.input_processor import parent_request_id
-from loopline.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from loopline.outputs import Logprob, RequestMetrics
 from loopline.sampling_params import SamplingParams
 
 
@@ -29,17 +33,21 @@ from loopline.sampling_params import SamplingParams
 class _Completion:
     index: int
     seed: int
+    # The whole completion (appending costs O(1)); reports slice what follows ``sent``.
     token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     weight_versions: list[Any] = field(default_factory=list)  # per token: the weights that produced it
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
-    text: str = ""  # visible text (see the module docstring)
+    text: StreamedText = field(default_factory=StreamedText)  # visible text (see the module docstring)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detok: IncrementalDetokenizer | None = None  # None: no tokenizer, or detokenize=False
     stopped: bool = False  # a stop string ended the text: later tokens add none
+    flushed: bool = False  # finished with its whole text: nothing is held back any more
     error_id: str | None = None  # an internal error ended it (finish_reason "abort")
+    sent: int = 0  # tokens reported
+    changed: bool = False  # since the last report
 
 
 @dataclass
@@ -52,7 +60,10 @@ class _Parent:
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_exit_depths: list[int | None] | None = None
+    prompt_filled: int = 0  # prompt positions with logprobs, and how many of them were reported
+    prompt_sent: int = -1  # (-1: the list was never reported)
     dirty: bool = False
+    head_sent: bool = False  # the prompt and params went with an earlier report
     weight_version: Any = None  # at add time, then of the newest token (never read at collection time)
 
 
@@ -66,6 +77,7 @@ class OutputProcessor:
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, tuple[str, int]] = {}
         self._completions: dict[str, _Completion] = {}
+        self._adopted: list[OutputDelta] = []  # see take_adopted
 
     def has(self, request_id: str) -> bool:
         return request_id in self._parents
@@ -110,18 +122,35 @@ class OutputProcessor:
         """Drops a request without a final output (it moved to a decode worker, which finishes it)."""
         if request_id in self._parents:
             self._drop(request_id)
+            self._adopted = [d for d in self._adopted if d.request_id != request_id]
 
     def adopt(self, req: Request, prompt: str | None, metrics: RequestMetrics, weight_version: Any) -> str:
         """Takes over a request whose first token another engine (a prefill worker) produced and
-        reported: its completion continues from that token (text, logprobs, stop strings) and is
-        not reported again. Returns the text reported so far."""
+        reported: its completion continues from that token (text, logprobs, stop strings), its
+        reports continue the prefill worker's (no head, that token and its text not again).
+        Returns the text reported so far."""
         request_id = parent_request_id(req.request_id)
         self.add(request_id, prompt, req.prompt_token_ids, req.params, [req.request_id], weight_version)
         parent = self._parents[request_id]
         parent.prompt_logprobs = parent.prompt_exit_depths = None  # the prefill worker reported them
         self.on_token(req, weight_version, check_stop=False)
-        parent.metrics, parent.dirty = metrics, False
-        return self._completions[req.request_id].text
+        comp = self._completions[req.request_id]
+        _, text = comp.text.report(self._holdback(req.params))  # what the prefill worker reported
+        reported = CompletionDelta(comp.index, text, 0, list(comp.token_ids), list(comp.exit_depths),
+                                   list(comp.weight_versions), list(comp.logprobs) if comp.logprobs is not None else None,
+                                   comp.cumulative_logprob if comp.logprobs is not None else None, None, None, comp.seed)
+        self._adopted.append(OutputDelta(request_id, [reported], False, weight_version, metrics,
+                                         (prompt, parent.prompt_token_ids, parent.params)))
+        comp.sent, comp.changed = len(comp.token_ids), False
+        parent.metrics, parent.dirty, parent.head_sent = metrics, False, True
+        return text
+
+    def take_adopted(self) -> list[OutputDelta]:
+        """What the prefill workers of the requests adopted since the last call reported (head, first
+        token, its text): ``LLMEngine.step()`` builds whole outputs on it; the engine loop drops it (its
+        client has it from the prefill worker)."""
+        adopted, self._adopted = self._adopted, []
+        return adopted
 
     # --- per token ----------------------------------------------------------------------
     def on_token(self, req: Request, weight_version: Any = None, check_stop: bool = True) -> tuple[str, str] | None:
@@ -145,24 +174,25 @@ class OutputProcessor:
         now = time.time()
         parent.metrics.first_token_time = parent.metrics.first_token_time or now
         parent.metrics.last_token_time = now
-        parent.dirty = True
+        parent.dirty = comp.changed = True
         if comp.detok is None or comp.stopped:
             return None
         new = comp.detok.push(tok.token_id)
-        stop = self._find_stop(comp, req.params, len(new)) if check_stop and req.params.stop else None
-        if stop is None:  # NOTE: max(0, ...): a text shorter than the holdback shows nothing (not text[:-k])
-            comp.text = comp.detok.text[:max(0, len(comp.detok.text) - self._holdback(req.params))]
-        return stop
+        comp.text.append(new)
+        return self._find_stop(comp, req.params, len(new)) if check_stop and req.params.stop else None
 
     @staticmethod
     def _holdback(params: SamplingParams) -> int:
         return max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
 
     def _find_stop(self, comp: _Completion, params: SamplingParams, new_len: int) -> tuple[str, str] | None:
-        """The earliest stop string that ends in the last ``new_len`` characters of the text."""
+        """The earliest stop string that ends in the last ``new_len`` characters of the text.
+
+        NOTE: the characters a stop string could start in (the new ones and the held-back ones
+        before them) were never reported, so they are all in ``comp.text.pending``."""
         if not new_len:
             return None
-        text = comp.detok.text
+        text = comp.text.pending
         start = max(0, len(text) - new_len - self._holdback(params))
         best = None
         for s in params.stop:
@@ -173,7 +203,7 @@ class OutputProcessor:
             return None
         idx, s = best
         comp.stopped = True
-        comp.text = text[:idx + len(s) if params.include_stop_str_in_output else idx]
+        comp.text.cut(idx + len(s) if params.include_stop_str_in_output else idx)
         return "stop", s
 
     def on_finished(self, req: Request) -> None:
@@ -182,9 +212,9 @@ class OutputProcessor:
             # NOTE: text first: if detokenizing fails the completion is not finished, and the
             # engine fails it instead (on_failed).
             if comp.detok is not None and not comp.stopped:  # the whole text, held-back characters too
-                comp.detok.flush()
-                comp.text = comp.detok.text
+                comp.text.append(comp.detok.flush())
             comp.finish_reason, comp.stop_reason = req.finish_reason, req.stop_reason
+            comp.flushed = comp.changed = True
         parent = self._parents[self._child_parent[req.request_id][0]]
         parent.dirty = True
 
@@ -195,6 +225,7 @@ class OutputProcessor:
         if comp is None or comp.finish_reason is not None:
             return False  # finished (or collected and dropped) before the failure
         comp.finish_reason, comp.stop_reason, comp.error_id = "abort", stop_reason, error_id
+        comp.changed = True  # (its held-back text stays held back: detokenizing may be what failed)
         self._parents[self._child_parent[child_id][0]].dirty = True
         return True
 
@@ -209,15 +240,16 @@ class OutputProcessor:
             for r, (tid, v) in enumerate(top, start=1):
                 if tid not in entry:
                     entry[tid] = Logprob(v, r, self._piece(tid))
+            parent.prompt_filled += parent.prompt_logprobs[pos + 1] is None
             parent.prompt_logprobs[pos + 1] = entry
             parent.prompt_exit_depths[pos + 1] = depth
 
     # --- collection ---------------------------------------------------------------------
-    def collect(self, on_error: Callable[[str, Exception], tuple[str, str]] | None = None) -> list[RequestOutput]:
-        """Cumulative outputs of every request that changed since the last call.
+    def collect(self, on_error: Callable[[str, Exception], tuple[str, str]] | None = None) -> list[OutputDelta]:
+        """What every request that changed since the last call added (one delta per request).
 
-        ``on_error(request_id, error) -> (stop_reason, error_id)``: building that request's output
-        failed; the callback fails its choices and the request gets a bare failed output. Without a
+        ``on_error(request_id, error) -> (stop_reason, error_id)``: building that request's delta
+        failed; the callback fails its choices and the request gets a bare failed delta. Without a
         callback the error propagates.
         """
         outs = []
@@ -235,36 +267,51 @@ class OutputProcessor:
                 self._drop(rid)
         return outs
 
-    def _output(self, parent: _Parent) -> RequestOutput:
+    def _output(self, parent: _Parent) -> OutputDelta:
         comps = [self._completions[c] for c in parent.children]
         finished = all(c.finish_reason is not None for c in comps)
         if finished:
             parent.metrics.finished_time = time.time()
-        return RequestOutput(
-            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=parent.prompt_logprobs, prompt_exit_depths=parent.prompt_exit_depths,
-            outputs=[CompletionOutput(
-                index=c.index, text=c.text, token_ids=list(c.token_ids),
-                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                exit_depths=list(c.exit_depths), seed=c.seed, weight_versions=list(c.weight_versions),
-                error_id=c.error_id)
-                for c in comps],
-            finished=finished, weight_version=parent.weight_version, metrics=parent.metrics,
-            sampling_params=parent.params)
+        holdback = self._holdback(parent.params)
+        changed = [c for c in comps if c.changed]
+        deltas = []
+        for c in changed:
+            start, text = c.text.report(0 if c.flushed or c.stopped else holdback)
+            n = c.sent
+            deltas.append(CompletionDelta(
+                c.index, text, start, c.token_ids[n:], c.exit_depths[n:], c.weight_versions[n:],
+                c.logprobs[n:] if c.logprobs is not None else None,
+                c.cumulative_logprob if c.logprobs is not None else None,
+                c.finish_reason, c.stop_reason, c.seed, c.error_id))
+        prompt_logprobs = prompt_depths = None
+        if parent.prompt_logprobs is not None and parent.prompt_filled != parent.prompt_sent:
+            prompt_logprobs, prompt_depths = list(parent.prompt_logprobs), list(parent.prompt_exit_depths)
+        # NOTE: marked reported only once the whole delta is built: a failure above reports the
+        # request as failed from its previous report on (_failed_output)
+        for c in changed:
+            c.sent, c.changed = len(c.token_ids), False
+        parent.prompt_sent = parent.prompt_filled
+        return OutputDelta(parent.request_id, deltas, finished, parent.weight_version, parent.metrics,
+                           self._head(parent), prompt_logprobs, prompt_depths)
 
-    def _failed_output(self, parent: _Parent, stop_reason: str, error_id: str) -> RequestOutput:
-        """The last output of a request whose output could not be built: every choice failed, plain
-        fields only (no text, no logprobs: building those may be what failed)."""
+    def _failed_output(self, parent: _Parent, stop_reason: str, error_id: str) -> OutputDelta:
+        """The last delta of a request whose delta could not be built: every choice failed, plain
+        fields only (its text becomes empty and no logprobs come: building those may be what failed)."""
         outputs = []
         for c in (self._completions[cid] for cid in parent.children):
             c.finish_reason, c.stop_reason, c.error_id = "abort", stop_reason, error_id
-            outputs.append(CompletionOutput(index=c.index, text="", token_ids=list(c.token_ids),
-                                            cumulative_logprob=None, logprobs=None, finish_reason="abort",
-                                            stop_reason=stop_reason, error_id=error_id))
-        return RequestOutput(request_id=parent.request_id, prompt=None, prompt_token_ids=list(parent.prompt_token_ids),
-                             prompt_logprobs=None, outputs=outputs, finished=True)
+            n = c.sent
+            outputs.append(CompletionDelta(c.index, "", 0, c.token_ids[n:], c.exit_depths[n:], c.weight_versions[n:],
+                                           None, None, "abort", stop_reason, c.seed, error_id))
+        return OutputDelta(parent.request_id, outputs, True, parent.weight_version, parent.metrics, self._head(parent))
+
+    @staticmethod
+    def _head(parent: _Parent) -> tuple | None:
+        """The prompt and effective params, with a request's first report only."""
+        if parent.head_sent:
+            return None
+        parent.head_sent = True
+        return parent.prompt, parent.prompt_token_ids, parent.params
 
     def _drop(self, rid: str) -> None:
         parent = self._parents.pop(rid)

@@ -9,9 +9,11 @@ this process's event loop to release the GIL; :class:`InProcClient`, used when
 an existing ``engine=`` is given, runs the same loop on a background thread.
 Either way commands (add / abort / control calls) are applied in arrival
 order between steps, and each step's outputs come back as one message of
-deltas that the client turns into the cumulative ``RequestOutput``s of
-per-request :class:`OutputStream`s. A stream keeps only the newest output per
-request: a slow consumer never makes the engine wait or queues unbounded history.
+deltas (what each request added) that the client hands to the requests'
+output streams (:class:`OutputStream`), which build the ``RequestOutput`` objects their readers ask
+for (``SamplingParams.output_kind``: cumulative by default, deltas, or the final
+output only). A stream merges what its reader has not taken yet into one output
+per request: a slow consumer never makes the engine wait or queues unbounded history.
 
 The RL control calls (``pause_generation``, ``resume_generation``, the weight
 updates, ``reset_prefix_cache``, ``sleep`` / ``wake_up``; see docs/rl.md) are the
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import uuid
 from dataclasses import dataclass
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -49,6 +52,7 @@ from torch import Tensor
 from loopline.config import EngineArgs
 from loopline.distributed.launch import make_client
 from loopline.engine import LLMEngine, PromptType
+from loopline.engine.deltas import OutputBuilder, OutputDelta
 from loopline.engine.verbs import VERBS, verb_mixin
 from loopline.entrypoints.chat_utils import ChatEncoder
 from loopline.runtime.client import EngineClient, InProcClient
@@ -57,7 +61,9 @@ from loopline.entrypoints.tokenizer_pool import TokenizerPool
 from loopline.errors import EngineInternalError, InvalidRequestError
 from loopline.models.loader import load_tokenizer
 from loopline.outputs import RequestOutput
-from loopline.sampling_params import SamplingParams
+from loopline.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("loopline.async")
 
 __all__ = ["AsyncLLM", "OutputStream", "EngineSnapshot", "StepRecord", "EngineInfo", "ReplicaState"]
 
@@ -75,29 +81,41 @@ class ReplicaState:
 class OutputStream:
     """Outputs of one or more requests, filled by the engine client, read on the event loop.
 
-    ``get()`` waits until at least one request progressed and returns the newest
-    cumulative output of every request that progressed since the last call.
+    The client puts each request's deltas as they arrive; ``get()`` waits until at least one
+    request has an output and returns one output per such request, as its ``output_kind`` asks:
+    the whole completion so far (``CUMULATIVE``), what was added since the previous ``get()``
+    (``DELTA``), or the final output (``FINAL_ONLY``). ``on_delta(delta)`` (optional) sees every
+    :class:`~loopline.engine.deltas.OutputDelta` as it arrives, whatever the kind (the server's
+    metrics follow non-streamed requests token by token that way).
     """
 
-    def __init__(self) -> None:
-        self._latest: dict[str, RequestOutput] = {}
+    def __init__(self, on_delta: Callable[[OutputDelta], None] | None = None) -> None:
+        self._builder = OutputBuilder()
+        self._ready: dict[str, None] = {}  # requests with an output to take, in the order they got one
         self._error: BaseException | None = None
-        self._ready = asyncio.Event()
+        self._event = asyncio.Event()
+        self._on_delta = on_delta
 
-    def _put(self, out: RequestOutput) -> None:  # on the event loop
-        self._latest[out.request_id] = out
-        self._ready.set()
+    def _put(self, delta: OutputDelta) -> None:  # on the event loop
+        if self._on_delta is not None:
+            try:
+                self._on_delta(delta)
+            except Exception:  # an observer (metrics) must never cost the request its output
+                logger.exception("output observer %r failed", self._on_delta)
+        if self._builder.add(delta):
+            self._ready[delta.request_id] = None
+            self._event.set()
 
     def _fail(self, error: BaseException) -> None:  # on the event loop
         self._error = error
-        self._ready.set()
+        self._event.set()
 
     async def get(self) -> list[RequestOutput]:
-        await self._ready.wait()
-        self._ready.clear()
-        if self._latest:
-            outs, self._latest = list(self._latest.values()), {}
-            return outs
+        await self._event.wait()
+        self._event.clear()
+        if self._ready:
+            ready, self._ready = self._ready, {}
+            return [self._builder.take(rid) for rid in ready]
         assert self._error is not None
         raise self._error
 
@@ -109,7 +127,8 @@ AsyncVerbs = verb_mixin("AsyncVerbs", asynchronous=True, loop_verbs=True)
 class AsyncLLM(AsyncVerbs):
     """Async front end of one :class:`LLMEngine` (in an engine process, or on a thread over ``engine``).
 
-    ``generate()`` is an async generator of cumulative ``RequestOutput``s; a
+    ``generate()`` is an async generator of ``RequestOutput``s (cumulative unless the request's
+    ``output_kind`` asks for deltas or the final output only); a
     consumer that stops early (``break``, ``aclose()``, cancellation) aborts its
     request, which frees its KV at once. Validation errors from the engine's
     ``add_request`` reach the caller unchanged (``InvalidRequestError``).
@@ -261,8 +280,10 @@ class AsyncLLM(AsyncVerbs):
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str, *,
                        chat_stop: bool = False) -> AsyncIterator[RequestOutput]:
-        """Yields the request's cumulative output each time it progresses, the last one ``finished``;
-        raises ``EngineInternalError`` if an internal error ended it (``RequestOutput.error_id``)."""
+        """Yields the request's output each time it progresses, the last one ``finished``: cumulative
+        (the default), or as ``sampling_params.output_kind`` asks (only what was added since the
+        previous output, or only the final output); raises ``EngineInternalError`` if an internal
+        error ended it (``RequestOutput.error_id``)."""
         stream = await self.add_request(request_id, prompt, sampling_params, chat_stop=chat_stop)
         finished = False
         try:
@@ -287,7 +308,8 @@ class AsyncLLM(AsyncVerbs):
         """
         final = None
         rid = request_id if request_id is not None else f"tok-{uuid.uuid4().hex}"
-        async for out in self.generate({"prompt_token_ids": prompt_token_ids}, sampling_params, rid):
+        params = (sampling_params or SamplingParams()).clone(output_kind=RequestOutputKind.FINAL_ONLY)
+        async for out in self.generate({"prompt_token_ids": prompt_token_ids}, params, rid):
             final = out
         assert final is not None and final.finished
         return final

@@ -13,7 +13,7 @@ from loopline.engine.verbs import verb_mixin
 from loopline.entrypoints.chat_utils import ChatEncoder
 from loopline.errors import EngineStateError, InvalidRequestError
 from loopline.outputs import RequestOutput
-from loopline.sampling_params import SamplingParams
+from loopline.sampling_params import RequestOutputKind, SamplingParams
 
 
 # The control verbs as LLM methods (``llm.sleep(2)``, ``llm.is_paused()``), from engine/verbs.py.
@@ -105,10 +105,13 @@ class LLM(LLMVerbs):
         if engine.is_paused:  # requests would be held until a resume this call can never see
             raise EngineStateError("generation is paused; call resume_generation() first")
         ids = [f"llm-{next(self._ids)}" for _ in batch]
+        # NOTE: only final outputs are returned, so the engine builds no other (vLLM's LLM does the same)
+        final_only = {k: p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                      for k, p in {id(p): p for p in params}.items() if isinstance(p, SamplingParams)}
         added = []
         try:
             for rid, prompt, p in zip(ids, batch, params):
-                engine.add_request(rid, prompt, p, chat_stop=chat)
+                engine.add_request(rid, prompt, final_only.get(id(p), p), chat_stop=chat)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)  # a bad prompt leaves nothing half-queued

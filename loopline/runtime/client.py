@@ -1,10 +1,11 @@
 """How ``AsyncLLM`` reaches its :class:`EngineCore`: on a thread, or in an engine process of its own.
 
 :class:`EngineClient` is the server-side half that both transports share: it
-sends commands, and it routes each :class:`EngineMessage` -- rebuilding the
-cumulative ``RequestOutput``s from the deltas, resolving add acks and control
-calls, publishing the snapshot and calling step listeners -- with one wake-up
-of each event loop per message. The transports:
+sends commands, and it routes each :class:`EngineMessage` -- handing each
+request's :class:`OutputDelta` to its output stream as it came (the stream
+builds what its reader asks for), resolving add acks and control calls,
+publishing the snapshot and calling step listeners -- with one wake-up of each
+event loop per message. The transports:
 
 * :class:`MPClient` (what ``loopline serve`` uses): the engine loop runs in a
   child process started with ``spawn``, so the GPU launches of every step
@@ -34,11 +35,9 @@ import torch.multiprocessing  # noqa: F401  (registers the tensor-sharing reduct
 
 from loopline.engine import LLMEngine, PromptType
 from loopline.errors import EngineDeadError
-from loopline.outputs import RequestOutput
 from loopline.runtime.core import EngineCore, Inbox, run_engine_process
-from loopline.runtime.deltas import OutputAssembler
 from loopline.runtime.protocol import (AbortCmd, AddCmd, CallCmd, Command, EngineInfo, EngineMessage, EngineSnapshot,
-                                       ShutdownCmd, StepRecord)
+                                       OutputDelta, ShutdownCmd, StepRecord)
 from loopline.sampling_params import SamplingParams
 
 logger = logging.getLogger("loopline.async")
@@ -47,7 +46,7 @@ logger = logging.getLogger("loopline.async")
 @dataclass
 class _PendingAdd:
     request_ids: list[str]
-    stream: Any  # OutputStream
+    stream: Any  # OutputStream (or what wraps one): _put(OutputDelta), _fail(error)
     ack: asyncio.Future
 
 
@@ -64,7 +63,6 @@ class EngineClient:
         self._adds: dict[int, _PendingAdd] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._streams: dict[str, tuple[Any, asyncio.AbstractEventLoop]] = {}  # request id -> (stream, its loop)
-        self._assembler = OutputAssembler()
         self._listeners: list[Callable[[StepRecord], None]] = []
 
     # --- the transport ------------------------------------------------------------------------
@@ -156,15 +154,14 @@ class EngineClient:
                 elif (future := self._calls.pop(reply.id, None)) is not None:
                     replies.append((future, reply.result, reply.error))
             for rid, error in msg.failures:
-                self._assembler.drop(rid)
                 target = self._streams.pop(rid, None)
                 if target is not None:
                     batches.setdefault(target[1], []).append((target[0], _fail, error))
-            for delta in msg.outputs:
-                out = self._assembler.apply(delta)
-                target = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            for delta in msg.outputs:  # NOTE: as they came: O(what the step added), never a copy of a history
+                rid = delta.request_id
+                target = self._streams.pop(rid, None) if delta.finished else self._streams.get(rid)
                 if target is not None:
-                    batches.setdefault(target[1], []).append((target[0], _put, out))
+                    batches.setdefault(target[1], []).append((target[0], _put, delta))
             if msg.dead is not None:
                 self.dead = msg.dead
                 pending_adds, self._adds = list(self._adds.values()), {}
@@ -286,8 +283,8 @@ class MPClient(EngineClient):
 
 
 # --- on the event loop -----------------------------------------------------------------------
-def _put(stream: Any, out: RequestOutput) -> None:
-    stream._put(out)
+def _put(stream: Any, delta: OutputDelta) -> None:
+    stream._put(delta)
 
 
 def _fail(stream: Any, error: BaseException) -> None:

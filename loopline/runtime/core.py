@@ -38,7 +38,6 @@ from loopline.engine.llm_engine import is_device_fault
 from loopline.engine.verbs import VERBS
 from loopline.errors import (EngineDeadError, EngineInternalError, EngineStateError, LooplineError, new_error_id,
                              RequestFailedError)
-from loopline.runtime.deltas import DeltaEncoder
 from loopline.runtime.protocol import (AbortCmd, AddCmd, CallCmd, Command, EngineInfo, EngineMessage, EngineSnapshot,
                                        Reply, ShutdownCmd, StepRecord)
 
@@ -91,7 +90,6 @@ class EngineCore:
         self.inbox = inbox
         self.emit = emit
         self._live: set[str] = set()  # ids of accepted requests whose final output was not sent
-        self._encoder = DeltaEncoder()
         self._msg = EngineMessage()  # being filled by this iteration
         self._drain_waiters: list[int] = []  # pause("wait") calls waiting for the requests in flight
         self._step_failures = 0  # consecutive failed steps
@@ -189,7 +187,7 @@ class EngineCore:
         """One engine step; its outputs go into this iteration's message; returns whether anything happened."""
         engine = self.engine
         rows0, tokens0, t0 = engine.stats.rows, engine.stats.scheduled_tokens, time.perf_counter()
-        outs = engine.step()
+        outs = engine.step_deltas()
         rows = engine.stats.rows - rows0
         if rows:
             if not self._msg.steps:
@@ -197,7 +195,7 @@ class EngineCore:
             self._msg.steps.append(StepRecord(rows, engine.stats.scheduled_tokens - tokens0, time.perf_counter() - t0))
         for out in outs:
             if out.request_id in self._live:  # else it failed (or its add did): nobody waits for it
-                self._msg.outputs.append(self._encoder.encode(out))
+                self._msg.outputs.append(out)
                 if out.finished:
                     self._live.discard(out.request_id)
         return bool(rows or outs)
@@ -227,7 +225,6 @@ class EngineCore:
         for rid in blamed:
             if rid in self._live:
                 self._live.discard(rid)
-                self._encoder.drop(rid)
                 self._msg.failures.append((rid, failure))
 
     def _check_drained(self) -> None:

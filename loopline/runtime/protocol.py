@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from loopline.engine import LLMEngine, PromptType
+from loopline.engine.deltas import CompletionDelta, OutputDelta  # noqa: F401  (the outputs of EngineMessage)
 from loopline.engine.handoff import Handoff
-from loopline.outputs import Logprob, RequestMetrics
 from loopline.sampling_params import SamplingParams
 
 
@@ -112,41 +112,6 @@ Command = AddCmd | AbortCmd | CallCmd | ShutdownCmd
 
 
 # --- messages (core -> client) -----------------------------------------------------------------
-@dataclass
-class CompletionDelta:
-    """What one completion added since the last message. ``text`` replaces the full text from
-    character ``text_start`` on (the characters sent so far, unless earlier text changed)."""
-
-    index: int
-    text: str
-    text_start: int
-    token_ids: list[int]
-    exit_depths: list[int]
-    weight_versions: list[Any]
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    seed: int | None
-    error_id: str | None = None
-
-
-@dataclass
-class OutputDelta:
-    """One request's progress in one step. ``head`` (prompt, prompt ids, sampling params) comes
-    with its first delta only; ``prompt_logprobs`` (and ``prompt_exit_depths``) whenever more
-    prompt positions were filled."""
-
-    request_id: str
-    outputs: list[CompletionDelta]
-    finished: bool
-    weight_version: Any
-    metrics: RequestMetrics | None
-    head: tuple[str | None, list[int], Any] | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    prompt_exit_depths: list[int | None] | None = None
-
-
 @dataclass
 class Reply:
     """The outcome of an add (``id``: its add_id) or a call (its call_id)."""

@@ -149,11 +149,11 @@ def test_shutdown_aborts_in_flight_and_refuses_new_work(make_engine_args):
 
 
 def _inject_step_failures(llm, failures, when=None, delay_s: float = 0.0):
-    """Makes ``llm.engine.step`` raise ``failures.pop(0)`` while the list is not empty, in steps where
-    ``when()`` holds (default: every step; the loop may also step an empty engine, where a failure
-    reaches no request). Until then each step waits ``delay_s`` first, so a request cannot finish
+    """Makes ``llm.engine.step_deltas`` (the engine loop's step) raise ``failures.pop(0)`` while the list
+    is not empty, in steps where ``when()`` holds (default: every step; the loop may also step an empty
+    engine, where a failure reaches no request). Until then each step waits ``delay_s`` first, so a request cannot finish
     before the condition comes true on a fast machine."""
-    real = llm.engine.step
+    real = llm.engine.step_deltas
     when = when or (lambda: True)
 
     def step():
@@ -163,7 +163,7 @@ def _inject_step_failures(llm, failures, when=None, delay_s: float = 0.0):
             time.sleep(delay_s)
         return real()
 
-    llm.engine.step = step
+    llm.engine.step_deltas = step
 
 
 def test_an_unattributable_step_error_fails_the_requests_in_flight_and_the_engine_keeps_serving(make_engine_args):

@@ -47,12 +47,12 @@ def llm(make_engine_args):
 
 
 class StepCounter:
-    """Counts ``engine.step()`` calls, to tell a waiting engine thread from a spinning one."""
+    """Counts the engine loop's ``engine.step_deltas()`` calls, to tell a waiting engine thread from a spinning one."""
 
     def __init__(self, engine) -> None:
         self.calls = 0
-        self._step = engine.step
-        engine.step = self
+        self._step = engine.step_deltas
+        engine.step_deltas = self
 
     def __call__(self):
         self.calls += 1

@@ -11,9 +11,10 @@ import pytest
 from loopline import AsyncLLM, SamplingParams
 from loopline.engine import LLMEngine
 from loopline.runtime.client import InProcClient, MPClient
-from loopline.runtime.deltas import DeltaEncoder, OutputAssembler
+from loopline.engine.deltas import CompletionDelta, OutputBuilder, OutputDelta
 from loopline.errors import EngineDeadError, InvalidRequestError
 from loopline.outputs import CompletionOutput, RequestOutput
+from loopline.sampling_params import SamplingParams as Params
 
 PROMPT = "The river town woke slowly."
 CASES = {
@@ -168,14 +169,24 @@ def test_deltas_rebuild_cumulative_outputs_even_when_text_changes():
                                 weight_versions=[0] * len(ids))
         return RequestOutput("r", "p", [1, 2], None, [comp], finished, 0)
 
-    enc, asm = DeltaEncoder(), OutputAssembler()
+    def encode(prev: RequestOutput | None, cur: RequestOutput) -> OutputDelta:
+        """What the engine reports between two cumulative outputs (an oracle of the output processor's deltas)."""
+        c, old = cur.outputs[0], prev.outputs[0] if prev else CompletionOutput(0, "", [], None, None)
+        n = len(old.token_ids)
+        start = len(old.text) if c.text.startswith(old.text) else 0
+        comp = CompletionDelta(c.index, c.text[start:], start, c.token_ids[n:], c.exit_depths[n:], c.weight_versions[n:],
+                               None, None, c.finish_reason, c.stop_reason, c.seed, c.error_id)
+        head = None if prev else (cur.prompt, cur.prompt_token_ids, Params())
+        return OutputDelta(cur.request_id, [comp], cur.finished, cur.weight_version, cur.metrics, head)
+
+    asm = OutputBuilder()
     steps = [out("ab", [1]), out("abcd", [1, 2]), out("abX", [1, 2, 3]), out("abXyz", [1, 2, 3, 4], True)]
-    for cumulative in steps:
-        delta = enc.encode(cumulative)
+    for prev, cumulative in zip([None] + steps, steps):
+        delta = encode(prev, cumulative)
         assert len(delta.outputs[0].token_ids) <= 1  # never the whole history
-        rebuilt = asm.apply(delta)
+        rebuilt = asm.build([delta])[0]
         assert fields(rebuilt) == fields(cumulative)
-    assert not enc._sent and not asm._reqs  # a finished request leaves no state on either side
+    assert not len(asm)  # a finished request leaves no state
 
 
 @pytest.mark.gpu
