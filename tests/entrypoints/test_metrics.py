@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from loopline.entrypoints.openai.metrics import ServerMetrics
-from loopline.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from loopline.engine.deltas import CompletionDelta, OutputDelta
+from loopline.outputs import RequestMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
@@ -62,10 +63,11 @@ def test_request_series_after_a_completion(server):
     assert value("loopline:num_preemptions_total") == 0
 
 
-def _output(finished: bool, n_tokens: int, timing: RequestMetrics) -> RequestOutput:
-    comp = CompletionOutput(0, "x" * n_tokens, list(range(n_tokens)), None, None,
-                            finish_reason="length" if finished else None, exit_depths=[4] * n_tokens)
-    return RequestOutput("r", "p", [1, 2, 3], None, [comp], finished, metrics=timing)
+def _delta(finished: bool, new_tokens: int, timing: RequestMetrics) -> OutputDelta:
+    """What a request of prompt [1, 2, 3] added: ``new_tokens`` tokens."""
+    comp = CompletionDelta(0, "x" * new_tokens, 0, list(range(new_tokens)), [4] * new_tokens, [0] * new_tokens, None,
+                           None, "length" if finished else None, None, 0)
+    return OutputDelta("r", [comp], finished, 0, timing)
 
 
 def test_tracker_splits_queue_prefill_decode_from_engine_timing(async_llm):
@@ -74,8 +76,8 @@ def test_tracker_splits_queue_prefill_decode_from_engine_timing(async_llm):
     tracker.accepted(3)
     timing = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
                             last_token_time=103.0)
-    tracker.observe(_output(False, 1, timing))
-    tracker.observe(_output(True, 5, timing))
+    tracker.observe(_delta(False, 1, timing))
+    tracker.observe(_delta(True, 4, timing))  # 5 tokens in all
     text = m.render().decode()
 
     def sample(name: str) -> float:
@@ -89,7 +91,7 @@ def test_tracker_splits_queue_prefill_decode_from_engine_timing(async_llm):
     assert sample("loopline:request_time_per_output_token_seconds_count") == 1
     # without the engine's first_scheduled_time nothing is guessed
     t2 = m.tracker()
-    t2.observe(_output(True, 2, RequestMetrics(arrival_time=1.0, first_token_time=2.0, last_token_time=3.0)))
+    t2.observe(_delta(True, 2, RequestMetrics(arrival_time=1.0, first_token_time=2.0, last_token_time=3.0)))
     assert sample("loopline:request_queue_time_seconds_count") == 1
 
 

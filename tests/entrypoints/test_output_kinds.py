@@ -1,9 +1,10 @@
-"""``SamplingParams.output_kind`` through AsyncLLM, and the client's cost per delta:
+"""``SamplingParams.output_kind`` through AsyncLLM and the HTTP server, and the client's cost per delta:
 the client hands each engine delta on as it came (no copy of a request's history per message)."""
 from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from loopline import AsyncLLM, SamplingParams
@@ -50,6 +51,34 @@ def test_async_generate_yields_each_output_kind(llm):
         assert [d for p in parts for d in p.exit_depths] == c.exit_depths
         assert parts[-1].finish_reason == c.finish_reason and parts[-1].cumulative_logprob == c.cumulative_logprob
     assert SamplingParams().output_kind is Kind.CUMULATIVE
+
+
+def test_the_server_asks_for_deltas_when_streaming_and_the_final_output_otherwise(llm, monkeypatch):
+    from loopline.entrypoints.openai.api_server import build_app
+
+    kinds = []
+    real = AsyncLLM.add_requests
+
+    async def add_requests(self, requests, **kw):
+        kinds.extend(p.output_kind for _, _, p in requests)
+        return await real(self, requests, **kw)
+
+    monkeypatch.setattr(AsyncLLM, "add_requests", add_requests)
+    app = build_app(llm, "m", shutdown_engine=False, enable_rl_api=True)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+            for stream in (True, False):
+                body = {"model": "m", "max_tokens": 4, "stream": stream}
+                for route, extra in (("/v1/completions", {"prompt": "Hi"}),
+                                     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+                    assert (await c.post(route, json={**body, **extra})).status_code == 200
+                r = await c.post("/generate", json={"text": "Hi", "stream": stream, "sampling_params": {"max_new_tokens": 4}})
+                assert r.status_code == 200
+
+    asyncio.run(main())
+    # /generate streams whole objects (SGLang's shape): cumulative outputs are what it formats
+    assert kinds == [Kind.DELTA, Kind.DELTA, Kind.CUMULATIVE] + [Kind.FINAL_ONLY] * 3
 
 
 class _Loopback(EngineClient):

@@ -1,10 +1,14 @@
 """One HTTP generation request: its engine requests, their shared output stream, metrics and cleanup.
 
 A request with several prompts becomes one engine request per prompt, all
-delivering into one :class:`OutputStream`. ``close()`` is synchronous and
-idempotent, so it is safe in ``finally`` blocks that run under cancellation
-(a client that disconnects): it aborts every unfinished engine request, which
-frees its KV, and records it as aborted.
+delivering into one :class:`OutputStream`. A streamed response asks the engine
+for deltas (``RequestOutputKind.DELTA``: each output holds what was added since
+the previous one, and an SSE chunk is formatted from it directly), a whole
+response for the final output only (``FINAL_ONLY``: built once). Metrics and
+usage follow every delta either way (the stream's ``on_delta``). ``close()`` is
+synchronous and idempotent, so it is safe in ``finally`` blocks that run under
+cancellation (a client that disconnects): it aborts every unfinished engine
+request, which frees its KV, and records it as aborted.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from loopline.engine import PromptType
+from loopline.engine.deltas import OutputDelta
 from loopline.entrypoints.async_llm import AsyncLLM, OutputStream
 from loopline.entrypoints.openai.logprobs import TokenNamer
 from loopline.entrypoints.openai.metrics import RequestTracker, ServerMetrics
@@ -25,7 +30,7 @@ from loopline.entrypoints.openai.protocol import APIError
 from loopline.entrypoints.openai.sse import SSEResponse
 from loopline.errors import EngineInternalError
 from loopline.outputs import CompletionOutput, RequestOutput
-from loopline.sampling_params import SamplingParams
+from loopline.sampling_params import RequestOutputKind, SamplingParams
 
 
 class Generation:
@@ -43,52 +48,72 @@ class Generation:
         else:
             self.ids = [base_id] if num_prompts == 1 else [f"{base_id}-{i}" for i in range(num_prompts)]
         self._index = {rid: i for i, rid in enumerate(self.ids)}
-        self.stream = OutputStream()
+        self.stream = OutputStream(on_delta=self._observe)
         self.trackers: dict[str, RequestTracker] = {}
-        self.latest: dict[str, RequestOutput] = {}
+        self.accepted = False  # the engine took the requests
+        self.done: set[str] = set()  # requests whose final output was read
+        self.final: dict[str, RequestOutput] = {}  # their final outputs
+        # usage, from every delta: prompt tokens of the requests with an output, generated tokens,
+        # and each finished choice's finish reason
+        self._prompt_tokens: dict[str, int] = {}
+        self._generated = 0
+        self._reasons: dict[tuple[str, int], str] = {}
         self._on_close = on_close
         self._closed = False
 
     async def start(self, prompts: list[PromptType], params: SamplingParams | list[SamplingParams],
-                    chat_stop: bool = False) -> None:
-        """Adds every prompt as one engine command (``params``: one for all, or one per prompt): all are
-        accepted or none. On a validation error or cancellation (the client left) every one of them
-        is aborted at once and the error re-raised."""
+                    chat_stop: bool = False, kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
+        """Adds every prompt as one engine command (``params``: one for all, or one per prompt; ``kind``:
+        the outputs to read, for all): all are accepted or none. On a validation error or cancellation
+        (the client left) every one of them is aborted at once and the error re-raised."""
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        trackers = {rid: self.metrics.tracker() for rid in self.ids}
+        of_kind = {id(p): p.clone(output_kind=kind) for p in per_prompt}
+        # NOTE: before the add: deltas may arrive before the add's acknowledgement reaches this task
+        self.trackers = {rid: self.metrics.tracker() for rid in self.ids}
         try:
-            await self.llm.add_requests(list(zip(self.ids, prompts, per_prompt)), chat_stop=chat_stop,
-                                        stream=self.stream)
-            self.trackers = trackers
+            await self.llm.add_requests([(rid, prompt, of_kind[id(p)]) for rid, prompt, p in
+                                         zip(self.ids, prompts, per_prompt)], chat_stop=chat_stop, stream=self.stream)
+            self.accepted = True
         except BaseException:
             self.close()
             raise
 
+    def _observe(self, delta: OutputDelta) -> None:
+        """Every delta of every request, as it arrives (streamed or not): metrics and usage."""
+        tracker = self.trackers[delta.request_id]
+        if delta.head is not None:
+            tracker.accepted(len(delta.head[1]))
+            self._prompt_tokens[delta.request_id] = len(delta.head[1])
+        tracker.observe(delta)
+        for c in delta.outputs:
+            self._generated += len(c.token_ids)
+            if c.finish_reason is not None:
+                self._reasons[delta.request_id, c.index] = c.finish_reason
+
     @property
     def finished(self) -> bool:
-        return len(self.latest) == len(self.ids) and all(o.finished for o in self.latest.values())
+        return len(self.done) == len(self.ids)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Yields (newest cumulative) outputs as requests progress, until all have finished.
+        """Yields outputs (of the kind ``start`` asked for) as requests progress, until all have finished.
 
         Raises ``EngineInternalError`` (a 500, or an in-band stream error) when an internal error
         ended one of them; ``close()`` then aborts the others of this HTTP request.
         """
         while not self.finished:
             for out in await self.stream.get():
-                tracker = self.trackers[out.request_id]
-                if out.request_id not in self.latest:
-                    tracker.accepted(len(out.prompt_token_ids))
-                tracker.observe(out)
-                self.latest[out.request_id] = out
+                if out.finished:
+                    self.done.add(out.request_id)
+                    self.final[out.request_id] = out
                 if out.error_id is not None:
                     raise EngineInternalError.request_failed(out.error_id)
                 yield out
 
     async def run_to_completion(self) -> list[RequestOutput]:
+        """The final outputs, in prompt order (whole with ``FINAL_ONLY``, the default of ``start``)."""
         async for _ in self.outputs():
             pass
-        return [self.latest[rid] for rid in self.ids]
+        return [self.final[rid] for rid in self.ids]
 
     def prompt_index(self, request_id: str) -> int:
         return self._index[request_id]
@@ -99,8 +124,7 @@ class Generation:
         self._closed = True
         # NOTE: only requests the engine accepted: a rejected caller-chosen id may belong to another
         # live request (an add cancelled mid-flight aborts itself in AsyncLLM.add_request).
-        unfinished = [rid for rid in self.ids if rid in self.trackers
-                      and not (rid in self.latest and self.latest[rid].finished)]
+        unfinished = [rid for rid in self.ids if self.accepted and rid not in self.done]
         self.llm.abort_nowait(unfinished)
         for rid in unfinished:
             self.trackers[rid].finish("abort")
@@ -109,67 +133,68 @@ class Generation:
 
     def usage(self, generated_override: int | None = None) -> tuple[int, int]:
         """(prompt tokens, generated tokens) over the outputs seen so far; each prompt counts once."""
-        prompt = sum(len(o.prompt_token_ids) for o in self.latest.values())
-        generated = sum(len(c.token_ids) for o in self.latest.values() for c in o.outputs)
-        return prompt, generated if generated_override is None else generated_override
+        prompt = sum(self._prompt_tokens.values())
+        return prompt, self._generated if generated_override is None else generated_override
 
     def summary(self) -> str:
-        if not self.latest:
-            return f"prompts={len(self.ids)} accepted={len(self.trackers)} (no output)"
+        if not self._prompt_tokens:
+            return f"prompts={len(self.ids)} accepted={len(self.ids) if self.accepted else 0} (no output)"
         prompt, generated = self.usage()
-        reasons = sorted({c.finish_reason or "abort" for o in self.latest.values() for c in o.outputs}) or ["abort"]
+        # a choice that has no finish reason (or none yet) was aborted
+        unfinished = any(rid not in self.done for rid in self._prompt_tokens)
+        reasons = sorted(set(self._reasons.values()) | ({"abort"} if unfinished else set()))
         return f"prompts={len(self.ids)} prompt_tokens={prompt} completion_tokens={generated} finish={','.join(reasons)}"
 
 
 @dataclass
-class DeltaState:
-    """What one streamed choice has sent so far (text characters and tokens)."""
+class ChoiceState:
+    """What one streamed choice has sent so far."""
 
-    chars: int = 0
-    tokens: int = 0
+    tokens: int = 0  # generated tokens sent (the index of the next chunk's first token)
+    ids: list[int] = field(default_factory=list)  # those tokens (kept only where logprob offsets need them)
     started: bool = False
     finished: bool = False
 
 
 @dataclass
-class Delta:
-    text: str
-    start_token: int  # first new token index
-    end_token: int
-    finish_reason: str | None
-    stop_reason: int | str | None
+class Chunk:
+    """A choice's next stream chunk: the ``DELTA`` completion it is made of, where its tokens start."""
+
+    comp: CompletionOutput  # text, token ids, logprobs and exit depths added since the previous chunk
+    start_token: int  # index of its first token in the whole completion
+    first: bool  # the choice's first chunk
 
 
 @dataclass
-class DeltaTracker:
-    """Turns cumulative completions into stream deltas.
+class ChunkTracker:
+    """Turns ``DELTA`` outputs into stream chunks, per choice.
 
-    The engine's text of a running completion never shrinks: its output processor
-    holds back what could still change (the characters a stop string could start
-    in, an incomplete UTF-8 character). So each delta is the text added since the
-    last one, and the concatenated deltas equal the final non-streamed text.
+    The engine never takes reported text back: it holds back what could still change (the
+    characters a stop string could start in, an incomplete UTF-8 character). So each delta's text
+    is what its chunk adds, and the concatenated chunks equal the final non-streamed text.
     """
 
-    states: dict[tuple[int, int], DeltaState] = field(default_factory=dict)
+    states: dict[tuple[int, int], ChoiceState] = field(default_factory=dict)
 
-    def state(self, prompt_idx: int, comp_idx: int) -> DeltaState:
-        return self.states.setdefault((prompt_idx, comp_idx), DeltaState())
-
-    def delta(self, prompt_idx: int, comp: CompletionOutput) -> Delta | None:
-        st = self.state(prompt_idx, comp.index)
+    def chunk(self, prompt_idx: int, comp: CompletionOutput) -> Chunk | None:
+        """The chunk of ``comp`` (a ``DELTA`` completion), or ``None``: nothing new, or finished already."""
+        st = self.states.setdefault((prompt_idx, comp.index), ChoiceState())
         if st.finished:
             return None
-        text = comp.text
-        end = len(text)
         if comp.finish_reason is not None:
             st.finished = True
-        new_text = text[st.chars:end] if end > st.chars else ""
-        start = st.tokens
-        if not new_text and start == len(comp.token_ids) and comp.finish_reason is None:
+        elif not comp.text and not comp.token_ids:
             return None
-        st.chars = max(st.chars, end)
-        st.tokens = len(comp.token_ids)
-        return Delta(new_text, start, st.tokens, comp.finish_reason, comp.stop_reason)
+        chunk = Chunk(comp, st.tokens, not st.started)
+        st.started = True
+        st.tokens += len(comp.token_ids)
+        return chunk
+
+    def token_ids(self, prompt_idx: int, comp: CompletionOutput) -> list[int]:
+        """Every token of the choice so far, ``comp``'s included (once per chunk: logprob text offsets)."""
+        st = self.states[prompt_idx, comp.index]
+        st.ids += comp.token_ids
+        return st.ids
 
 
 class ServingContext:
@@ -227,10 +252,11 @@ class ServingContext:
                           request_ids=request_ids)
 
     async def start(self, raw: Request, gen: Generation, prompts: list[PromptType],
-                    params: SamplingParams | list[SamplingParams], chat_stop: bool = False) -> None:
+                    params: SamplingParams | list[SamplingParams], chat_stop: bool = False, *,
+                    kind: RequestOutputKind) -> None:
         """``gen.start(...)``, abandoned (every prompt aborted at once) if the client disconnects meanwhile:
         tokenizing and adding thousands of prompts takes a while."""
-        await _unless_disconnected(raw, gen.start(prompts, params, chat_stop=chat_stop), gen)
+        await _unless_disconnected(raw, gen.start(prompts, params, chat_stop=chat_stop, kind=kind), gen)
 
     async def respond(self, raw: Request, gen: Generation, stream: bool, events: Callable[[], AsyncIterator[str]],
                       build: Callable[[list[RequestOutput]], Any]) -> Response:

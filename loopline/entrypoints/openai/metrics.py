@@ -1,8 +1,8 @@
 """Prometheus metrics of one server, in a per-app ``CollectorRegistry`` (several servers may share a process).
 
 Per-request figures (latencies, token counts, exit depths, final status) are
-recorded by the HTTP layer from the ``RequestOutput``s it streams, through a
-:class:`RequestTracker` per engine request; per-step figures come from the
+recorded by the HTTP layer from every output delta of its requests (streamed or
+not: ``OutputStream(on_delta=...)``), through a :class:`RequestTracker` per engine request; per-step figures come from the
 engine client's step listener; gauges and the engine's own running totals are
 read from the engine snapshot at scrape time. Engine-side series (gauges, engine
 totals, step series, ``loopline:replica_healthy``) carry a ``replica`` label: one
@@ -27,7 +27,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from loopline.entrypoints.async_llm import AsyncLLM, EngineSnapshot, ReplicaState, StepRecord
-from loopline.outputs import RequestOutput
+from loopline.engine.deltas import OutputDelta
+from loopline.outputs import RequestMetrics
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0)
@@ -140,36 +141,37 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Follows one engine request's outputs: TTFT, inter-token gaps, tokens, exit depths, final status."""
+    """Follows one engine request's deltas: TTFT, inter-token gaps, tokens, exit depths, final status."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.m = metrics
         self.start = time.monotonic()
         self.last_token_time: float | None = None
         self.first_token_latency: float | None = None
-        self.seen: list[int] = []  # tokens already counted per completion
+        self.seen: dict[int, int] = {}  # tokens counted per completion
+        self.reasons: dict[int, str] = {}  # finish reason per completion
         self.done = False
         self.status: str | None = None
         self.prompt_tokens = 0
-        self.last: RequestOutput | None = None
+        self.timing: RequestMetrics | None = None  # the engine's, as of the latest delta
 
     def accepted(self, prompt_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens
         self.m.prompt_tokens.inc(prompt_tokens)
 
-    def observe(self, out: RequestOutput) -> None:
+    def observe(self, delta: OutputDelta) -> None:
+        """One delta of the request (what its changed completions added)."""
         if self.done:
             return
         now = time.monotonic()
-        if len(self.seen) < len(out.outputs):
-            self.seen += [0] * (len(out.outputs) - len(self.seen))
         new = 0
-        for comp in out.outputs:
-            k = self.seen[comp.index]
-            for d in comp.exit_depths[k:]:
+        for comp in delta.outputs:
+            for d in comp.exit_depths:
                 self.m.exit_depth.observe(d)
-            new += len(comp.token_ids) - k
-            self.seen[comp.index] = len(comp.token_ids)
+            new += len(comp.token_ids)
+            self.seen[comp.index] = self.seen.get(comp.index, 0) + len(comp.token_ids)
+            if comp.finish_reason is not None:
+                self.reasons[comp.index] = comp.finish_reason
         if new:
             self.m.generation_tokens.inc(new)
             if self.last_token_time is None:
@@ -180,9 +182,9 @@ class RequestTracker:
                 for _ in range(new):
                     self.m.itl.observe(gap)
             self.last_token_time = now
-        self.last = out
-        if out.finished:
-            reasons = [c.finish_reason for c in out.outputs]
+        self.timing = delta.metrics
+        if delta.finished:
+            reasons = list(self.reasons.values())
             self.finish("abort" if "abort" in reasons else "length" if "length" in reasons else "stop")
 
     def finish(self, status: str) -> None:
@@ -197,13 +199,13 @@ class RequestTracker:
             return
         m, now = self.m, time.monotonic()
         m.e2e.observe(now - self.start)
-        generated = sum(self.seen)
+        generated = sum(self.seen.values())
         m.request_prompt_tokens.observe(self.prompt_tokens)
         m.request_generation_tokens.observe(generated)
         if generated > 1 and self.first_token_latency is not None and self.last_token_time is not None:
             first = self.start + self.first_token_latency
             m.tpot.observe((self.last_token_time - first) / (generated - 1))
-        timing = self.last.metrics if self.last is not None else None
+        timing = self.timing
         if timing is not None and timing.first_scheduled_time is not None:
             t = timing
             m.queue_time.observe(max(0.0, t.first_scheduled_time - t.arrival_time))

@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: messages through the chat template; whole responses or SSE deltas."""
+"""``POST /v1/chat/completions``: messages through the chat template; whole responses (from the final
+output) or SSE chunks (from ``DELTA`` outputs)."""
 from __future__ import annotations
 
 import time
@@ -7,7 +8,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from loopline.entrypoints.openai.generation import DeltaTracker, Generation, ServingContext
+from loopline.entrypoints.openai.generation import ChunkTracker, Generation, ServingContext
 from loopline.entrypoints.openai.logprobs import chat_logprobs
 from loopline.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                   ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
@@ -15,7 +16,7 @@ from loopline.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChun
 from loopline.entrypoints.openai.sse import error_event, sse_model
 from loopline.errors import InvalidRequestError
 from loopline.outputs import CompletionOutput, RequestOutput
-from loopline.sampling_params import SamplingParams
+from loopline.sampling_params import RequestOutputKind, SamplingParams
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -37,7 +38,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                   param="messages") from e
     gen = ctx.new_generation("chatcmpl", 1)
     raw.state.generation = gen
-    await ctx.start(raw, gen, [{"prompt_token_ids": prompt_ids}], params, chat_stop=True)  # closes itself on a bad request
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    await ctx.start(raw, gen, [{"prompt_token_ids": prompt_ids}], params, chat_stop=True,
+                    kind=kind)  # closes itself on a bad request
     view = _ChatView(ctx, req, gen, params)
     return await ctx.respond(raw, gen, req.stream, view.stream, lambda outs: view.response(outs[0]).model_dump())
 
@@ -48,12 +51,12 @@ class _ChatView:
         self.created = int(time.time())
         self.top_k = req.top_logprobs or 0
 
-    def _logprobs(self, comp: CompletionOutput, start: int = 0, end: int | None = None) -> ChatLogProbs | None:
+    def _logprobs(self, comp: CompletionOutput) -> ChatLogProbs | None:
+        """Logprobs of ``comp``'s tokens (all of them, or a ``DELTA``'s new ones)."""
         if not self.req.logprobs or comp.logprobs is None:
             return None
-        end = len(comp.token_ids) if end is None else end
         namer = self.ctx.token_namer.for_request(self.req.return_tokens_as_token_ids)
-        return ChatLogProbs(content=chat_logprobs(namer, comp.token_ids[start:end], comp.logprobs[start:end], self.top_k))
+        return ChatLogProbs(content=chat_logprobs(namer, comp.token_ids, comp.logprobs, self.top_k))
 
     def _usage(self) -> UsageInfo:
         prompt, generated = self.gen.usage()
@@ -72,22 +75,19 @@ class _ChatView:
                                              choices=choices, usage=usage))
 
     async def stream(self) -> AsyncIterator[str]:
-        deltas = DeltaTracker()
+        chunks = ChunkTracker()
         try:
             yield self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                                for i in range(self.params.n)])
-            async for out in self.gen.outputs():
+            async for out in self.gen.outputs():  # DELTA outputs: each completion holds what it added
                 choices = []
                 for comp in out.outputs:
-                    d = deltas.delta(0, comp)
-                    if d is None:
+                    if chunks.chunk(0, comp) is None:
                         continue
                     choices.append(ChatStreamChoice(
-                        index=comp.index, delta=DeltaMessage(content=d.text),
-                        logprobs=self._logprobs(comp, d.start_token, d.end_token),
-                        finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-                        exit_depths=comp.exit_depths[d.start_token:d.end_token],
-                        token_ids=comp.token_ids[d.start_token:d.end_token] if self.req.return_token_ids else None))
+                        index=comp.index, delta=DeltaMessage(content=comp.text), logprobs=self._logprobs(comp),
+                        finish_reason=comp.finish_reason, stop_reason=comp.stop_reason, exit_depths=comp.exit_depths,
+                        token_ids=comp.token_ids if self.req.return_token_ids else None))
                 if choices:
                     yield self._chunk(choices)
             if self.req.include_usage:

@@ -1,4 +1,4 @@
-"""``POST /v1/completions``: non-streamed responses and SSE streams of text deltas."""
+"""``POST /v1/completions``: non-streamed responses (from final outputs) and SSE streams (from ``DELTA`` outputs)."""
 from __future__ import annotations
 
 import time
@@ -7,13 +7,13 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from loopline.entrypoints.openai.generation import DeltaTracker, Generation, ServingContext
+from loopline.entrypoints.openai.generation import ChunkTracker, Generation, ServingContext
 from loopline.entrypoints.openai.logprobs import TextOffsets, completion_logprobs
 from loopline.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                                   CompletionResponse, UsageInfo)
 from loopline.entrypoints.openai.sse import error_event, sse_model
 from loopline.outputs import CompletionOutput, RequestOutput
-from loopline.sampling_params import SamplingParams
+from loopline.sampling_params import RequestOutputKind, SamplingParams
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
@@ -23,13 +23,14 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     ctx.check_num_prompts(len(prompts), "prompt")
     gen = ctx.new_generation("cmpl", len(prompts))
     raw.state.generation = gen
-    await ctx.start(raw, gen, prompts, params)  # a validation error propagates (the generation closed itself)
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    await ctx.start(raw, gen, prompts, params, kind=kind)  # a validation error propagates (the generation closed itself)
     view = _CompletionView(ctx, req, gen, params)
     return await ctx.respond(raw, gen, req.stream, view.stream, lambda outs: view.response(outs).model_dump())
 
 
 class _CompletionView:
-    """Formats one completion request's engine outputs (whole or as deltas)."""
+    """Formats one completion request's engine outputs (final ones whole, or ``DELTA`` ones as chunks)."""
 
     def __init__(self, ctx: ServingContext, req: CompletionRequest, gen: Generation, params: SamplingParams) -> None:
         self.ctx, self.req, self.gen, self.params = ctx, req, gen, params
@@ -45,22 +46,22 @@ class _CompletionView:
         tok = self.ctx.llm.tokenizer
         return tok.decode(out.prompt_token_ids) if tok is not None else ""
 
-    def _generated(self, comp: CompletionOutput, start: int = 0, end: int | None = None):
-        """(token ids, logprob entries, exit depths) of generated tokens [start, end)."""
+    def _generated(self, comp: CompletionOutput):
+        """(token ids, logprob entries, exit depths) of ``comp``'s generated tokens (all of them, or a
+        ``DELTA``'s new ones)."""
         if self.echo_only:
             return [], [], []
-        end = len(comp.token_ids) if end is None else end
-        entries = comp.logprobs[start:end] if comp.logprobs is not None else []
-        return comp.token_ids[start:end], entries, comp.exit_depths[start:end]
+        return comp.token_ids, comp.logprobs if comp.logprobs is not None else [], comp.exit_depths
 
     def _prompt_part(self, out: RequestOutput):
         ids = out.prompt_token_ids
         return ids, list(out.prompt_logprobs) if out.prompt_logprobs is not None else [None] * len(ids)
 
     def _logprobs(self, out: RequestOutput, comp: CompletionOutput, ids: list[int], entries: list,
-                  first: bool, start: int) -> CompletionLogProbs:
+                  first: bool, start: int, all_ids: list[int]) -> CompletionLogProbs:
         """Logprobs of ``ids`` (the echoed prompt when ``first`` and echo, then generated tokens from
-        ``start``), with offsets into the choice's whole text (prompt + completion under echo)."""
+        ``start``), with offsets into the choice's whole text (prompt + completion under echo);
+        ``all_ids``: the choice's generated tokens so far."""
         namer = self.ctx.token_namer.for_request(self.req.return_tokens_as_token_ids)
         base, offsets = 0, []
         if self.req.echo:
@@ -72,7 +73,7 @@ class _CompletionView:
         # one TextOffsets per choice, kept across stream chunks: each chunk costs its own tokens only
         key = (out.request_id, comp.index)
         gen = self._text_offsets.setdefault(key, namer.offsets(self.params.skip_special_tokens))
-        offsets += [base + o for o in gen.of(comp.token_ids, start, start + n_gen)]
+        offsets += [base + o for o in gen.of(all_ids, start, start + n_gen)]
         return completion_logprobs(namer, ids, entries, offsets, self.req.logprobs)
 
     def _usage(self) -> UsageInfo:
@@ -92,7 +93,7 @@ class _CompletionView:
                     prompt_ids, prompt_entries = self._prompt_part(out)
                     ids, entries, text = prompt_ids + ids, prompt_entries + entries, self._prompt_text(out) + text
                 if req.logprobs is not None:
-                    logprobs = self._logprobs(out, comp, ids, entries, first=True, start=0)
+                    logprobs = self._logprobs(out, comp, ids, entries, first=True, start=0, all_ids=comp.token_ids)
                 choices.append(CompletionChoice(
                     index=p * self.n + comp.index, text=text, logprobs=logprobs,
                     finish_reason="length" if self.echo_only else comp.finish_reason, stop_reason=comp.stop_reason,
@@ -105,32 +106,30 @@ class _CompletionView:
     # --- stream ---------------------------------------------------------------------------
     async def stream(self) -> AsyncIterator[str]:
         req, gen = self.req, self.gen
-        deltas = DeltaTracker()
+        chunks = ChunkTracker()
         try:
-            async for out in gen.outputs():
+            async for out in gen.outputs():  # DELTA outputs: each completion holds what it added
                 p = gen.prompt_index(out.request_id)
                 choices = []
                 for comp in out.outputs:
-                    state = deltas.state(p, comp.index)
-                    first = not state.started
-                    d = deltas.delta(p, comp)
-                    if d is None:
+                    c = chunks.chunk(p, comp)
+                    if c is None:
                         continue
-                    state.started = True
-                    ids, entries, depths = self._generated(comp, d.start_token, d.end_token)
-                    text = "" if self.echo_only else d.text
-                    if first and req.echo:
+                    ids, entries, depths = self._generated(comp)
+                    text = "" if self.echo_only else comp.text
+                    if c.first and req.echo:
                         prompt_ids, prompt_entries = self._prompt_part(out)
                         ids, entries, text = prompt_ids + ids, prompt_entries + entries, self._prompt_text(out) + text
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = self._logprobs(out, comp, ids, entries, first=first and req.echo, start=d.start_token)
-                    finish = d.finish_reason and ("length" if self.echo_only else d.finish_reason)
+                        logprobs = self._logprobs(out, comp, ids, entries, first=c.first and req.echo,
+                                                  start=c.start_token, all_ids=chunks.token_ids(p, comp))
+                    finish = comp.finish_reason and ("length" if self.echo_only else comp.finish_reason)
                     choices.append(CompletionChoice(
                         index=p * self.n + comp.index, text=text, logprobs=logprobs, finish_reason=finish,
-                        stop_reason=d.stop_reason, exit_depths=depths,
-                        prompt_token_ids=out.prompt_token_ids if req.return_token_ids and first else None,
-                        token_ids=self._generated(comp, d.start_token, d.end_token)[0] if req.return_token_ids else None))
+                        stop_reason=comp.stop_reason, exit_depths=depths,
+                        prompt_token_ids=out.prompt_token_ids if req.return_token_ids and c.first else None,
+                        token_ids=self._generated(comp)[0] if req.return_token_ids else None))
                 if choices:
                     yield sse_model(CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
                                                        choices=choices))

@@ -20,7 +20,8 @@ Request::
 
 One prompt with ``n = 1`` answers one object; otherwise a list, prompt-major
 (``n`` completions per prompt). With ``stream``: server-sent events, each the
-cumulative object of one completion that progressed, then ``data: [DONE]``.
+cumulative object of one completion that progressed, then ``data: [DONE]`` (built
+from ``CUMULATIVE`` outputs: each event is the whole completion anyway).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from loopline.entrypoints.openai.protocol import StrictRequest, check_request_id
 from loopline.entrypoints.openai.sse import error_event, sse_event
 from loopline.errors import InvalidRequestError
 from loopline.outputs import CompletionOutput, RequestOutput
-from loopline.sampling_params import SamplingParams
+from loopline.sampling_params import RequestOutputKind, SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 # Fields a client may send that loopline cannot honour: refused when set, never ignored.
@@ -172,7 +173,8 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
     raw.state.generation = gen
     start = time.monotonic()
     try:
-        await ctx.start(raw, gen, prompts, params)  # a validation error propagates (the generation closed itself)
+        kind = RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY
+        await ctx.start(raw, gen, prompts, params, kind=kind)  # a validation error propagates (it closed itself)
     except InvalidRequestError as e:
         if e.param == "request_id":  # name the field the client sent
             raise InvalidRequestError(str(e), param="rid") from None
