@@ -110,6 +110,11 @@ class OutputStream:
         self._error = error
         self._event.set()
 
+    @property
+    def num_requests(self) -> int:
+        """Requests the stream keeps output state for (a request's goes with its final output)."""
+        return len(self._builder)
+
     async def get(self) -> list[RequestOutput]:
         await self._event.wait()
         self._event.clear()
@@ -168,6 +173,12 @@ class AsyncLLM(AsyncVerbs):
     def engine(self) -> LLMEngine:
         """The engine object (only with the in-process client: ``AsyncLLM(engine=...)``)."""
         return self._client.engine
+
+    @property
+    def client(self) -> EngineClient:
+        """The engine client this front end drives: one engine (``InProcClient``, ``MPClient``),
+        data-parallel replicas (``DPClient``) or prefill/decode workers (``PDClient``)."""
+        return self._client
 
     @property
     def info(self) -> EngineInfo:

@@ -46,7 +46,7 @@ def one(make_engine_args):
 def dp(make_engine_args):
     """Two replicas (engine processes); ``dp.picks`` records the replica chosen for every request."""
     llm = AsyncLLM(make_engine_args(data_parallel_size=2))
-    client = llm._client
+    client = llm.client
     assert isinstance(client, DPClient) and len(llm.replicas()) == 2
     llm.picks = []
     choose = client.router.choose
@@ -116,7 +116,7 @@ def test_abort_reaches_the_replica_that_owns_the_request(dp):
         async for out in dp.generate([7, 8, 9], SamplingParams(max_tokens=200, ignore_eos=True), "ab"):
             outs.append(out)
             if len(out.outputs[0].token_ids) >= 2 and not out.finished:
-                assert dp._client.owner("ab") in (0, 1)
+                assert dp.client.owner("ab") in (0, 1)
                 await dp.abort("ab")
         with pytest.raises(InvalidRequestError) as info:  # validation errors cross unchanged
             await dp.add_request("bad", [1, 2], SamplingParams(max_tokens=-1))
@@ -126,7 +126,7 @@ def test_abort_reaches_the_replica_that_owns_the_request(dp):
     final_out = outs[-1].outputs[0]
     assert outs[-1].finished and final_out.finish_reason == "abort" and 2 <= len(final_out.token_ids) < 200
     assert error.param == "max_tokens"
-    assert dp._client.owner("ab") is None
+    assert dp.client.owner("ab") is None
     assert all(r.snapshot.kv_used_blocks == 0 for r in dp.replicas())
 
 
@@ -139,7 +139,7 @@ def test_a_multi_prompt_add_is_all_or_none_across_replicas(dp):
         await asyncio.sleep(0.2)  # the abort of m-0, if it was accepted, reaches its replica
 
     run(main())
-    assert dp._client.owner("m-0") is None and dp._client.owner("m-1") is None
+    assert dp.client.owner("m-0") is None and dp.client.owner("m-1") is None
     assert all(r.snapshot.num_unfinished == 0 and r.snapshot.kv_used_blocks == 0 for r in dp.replicas())
 
 
@@ -282,10 +282,10 @@ def test_killed_replica_fails_only_its_requests(make_engine_args, one, serve_app
         async def main():
             gens = {rid: llm.generate([11 + i, 12, 13], params, rid) for i, rid in enumerate(("a", "b"))}
             firsts = {rid: await g.__anext__() for rid, g in gens.items()}
-            owners = {rid: llm._client.owner(rid) for rid in gens}
+            owners = {rid: llm.client.owner(rid) for rid in gens}
             assert sorted(owners.values()) == [0, 1]
             victim = owners["a"]
-            llm._client.replicas()[victim].process.kill()
+            llm.client.replicas()[victim].process.kill()
             t0 = time.monotonic()
             with pytest.raises(EngineDeadError, match=rf"^data-parallel replica {victim}: "):
                 async for _ in gens["a"]:

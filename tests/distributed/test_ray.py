@@ -66,9 +66,9 @@ def test_ray_replicas_in_a_placement_group_match_one_engine_and_survive_a_killed
             gens = {rid: llm.generate([50 + i, 51], long, rid) for i, rid in enumerate(("a", "b"))}
             for g in gens.values():
                 await g.__anext__()
-            owners.extend(llm._client.owner(rid) for rid in gens)
+            owners.extend(llm.client.owner(rid) for rid in gens)
             assert sorted(owners) == [0, 1]
-            ray.kill(llm._client.replicas()[owners[0]].actor)
+            ray.kill(llm.client.replicas()[owners[0]].actor)
             with pytest.raises(EngineDeadError, match=rf"^data-parallel replica {owners[0]}: "):
                 async for _ in gens["a"]:
                     pass

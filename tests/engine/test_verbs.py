@@ -123,7 +123,7 @@ def test_the_engine_loop_runs_only_verbs_of_the_table(engine):
             await llm.control_call("nope")
         for name, args in (("add_request", ("x", [1, 2, 3])), ("step", ()), ("nope", ())):  # a raw call, past AsyncLLM
             with pytest.raises(InvalidRequestError, match=f"unknown control verb '{name}'"):
-                await asyncio.wrap_future(llm._client.call(name, args))
+                await asyncio.wrap_future(llm.client.call(name, args))
         assert not engine.outputs.has("x")  # nothing was added
         await llm.pause_generation("wait")  # nothing in flight: answers at once
         assert await llm.is_paused() and await llm.is_drained() and await llm.abort_all() == []

@@ -35,7 +35,7 @@ def pair(make_engine_args):
     """(process client, thread client) over the same checkpoint and arguments."""
     mp = AsyncLLM(make_engine_args())
     th = AsyncLLM(engine=LLMEngine(make_engine_args()))
-    assert isinstance(mp._client, MPClient) and isinstance(th._client, InProcClient)
+    assert isinstance(mp.client, MPClient) and isinstance(th.client, InProcClient)
     yield mp, th
     mp.shutdown()
     th.shutdown()
@@ -142,7 +142,7 @@ def test_killed_engine_process_fails_every_waiter_and_health(make_engine_args, s
         async def main():
             gen = llm.generate(PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), "long")
             await gen.__anext__()
-            llm._client.process.kill()
+            llm.client.process.kill()
             t0 = time.monotonic()
             with pytest.raises(EngineDeadError):
                 async for _ in gen:
@@ -214,7 +214,7 @@ def test_cuda_weight_update_through_the_engine_process(make_engine_args, tiny_fa
             return await llm.generate_tokens([5, 17, 42, 99], params)
 
         out = run(main())
-        assert isinstance(llm._client, MPClient) and out.weight_version == 1
+        assert isinstance(llm.client, MPClient) and out.weight_version == 1
         fresh.add_request("f", {"prompt_token_ids": [5, 17, 42, 99]}, params)
         ref = None
         while fresh.has_unfinished_requests():

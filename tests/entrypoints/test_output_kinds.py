@@ -91,6 +91,10 @@ class _Loopback(EngineClient):
     def _send(self, cmd) -> None:
         self.sent.append(cmd)
 
+    def play(self, msg) -> None:
+        """Delivers a message as a transport's receiving thread does."""
+        self._on_message(msg)
+
 
 def test_the_client_hands_each_delta_on_as_it_came():
     """Structural, not timed: the 4,000th message of a DELTA stream costs what the first did. The output a
@@ -103,16 +107,16 @@ def test_the_client_hands_each_delta_on_as_it_came():
         client.add([("r", {"prompt_token_ids": [1, 2]}, params)], False, stream, ack)
         add_id = client.sent[-1].add_id
         assert isinstance(client.sent[-1], AddCmd)
-        client._on_message(EngineMessage(replies=[Reply(add_id)]))
+        client.play(EngineMessage(replies=[Reply(add_id)]))
         await ack
         for i in range(4000):
             comp = CompletionDelta(0, "ab", 2 * i, [i], [3], [0], [{}], -1.0, None, None, 0)
             delta = OutputDelta("r", [comp], i == 3999, 0, None, (None, [1, 2], params) if i == 0 else None)
-            client._on_message(EngineMessage(outputs=[delta]))
+            client.play(EngineMessage(outputs=[delta]))
             (out,) = await stream.get()
             c = out.outputs[0]
             assert c.token_ids is comp.token_ids and c.logprobs is comp.logprobs and c.exit_depths is comp.exit_depths
             assert c.text == "ab" and out.prompt_token_ids == [1, 2]
-        assert out.finished and not client.has_stream("r") and not len(stream._builder)
+        assert out.finished and not client.has_stream("r") and not stream.num_requests
 
     asyncio.run(main())
