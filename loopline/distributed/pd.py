@@ -83,14 +83,55 @@ def disaggregation_refusal(name: str, until_drained: bool = False) -> LooplineEr
 
 
 @dataclass
-class _Placement:
-    """Where a request is: its prefill worker until its handoff arrives, then its decode worker."""
+class Placement:
+    """Where a request is: its prefill worker until its handoff arrives, then its decode worker
+    (:meth:`PDClient.placement` hands out copies)."""
 
     prefill: WorkerLink
     decode: WorkerLink
     blocks: int  # credit held on the decode worker
     on_decode: bool = False
     pieces: bool = False  # some of its pages went to the decode worker already
+
+
+class Broadcast:
+    """The control calls sent to every live worker, each answered once all of them replied: their
+    answers combined by the verb's rule (``runtime.fanout.Gather``, keyed by worker rank). The
+    caller (``PDClient``) serializes the calls."""
+
+    def __init__(self) -> None:
+        self._gathers: dict[int, Gather] = {}  # call id -> the workers' replies so far
+
+    def send(self, cmd: CallCmd, workers: list[WorkerLink]) -> Reply | None:
+        """Sends ``cmd`` to every live worker of ``workers``; returns the refusal (nothing sent) of a
+        verb prefill/decode disaggregation does not serve (:func:`disaggregation_refusal`)."""
+        error = disaggregation_refusal(cmd.name, cmd.until_drained)
+        if error is not None:
+            return Reply(cmd.call_id, None, error)
+        live = [w for w in workers if w.alive]
+        names = {w.rank: w.name for w in live}
+        self._gathers[cmd.call_id] = Gather(VERBS[cmd.name], list(names), engines="prefill/decode workers",
+                                            label=names.__getitem__)
+        for w in live:
+            w._send(cmd)
+        return None
+
+    def reply(self, worker: WorkerLink, reply: Reply) -> Reply | None:
+        """A worker's reply: the combined reply once every worker answered the call (``None`` before);
+        a reply to anything but a broadcast call is returned as it is."""
+        gather = self._gathers.get(reply.id)
+        if gather is None:
+            return reply
+        outcome = gather.reply(worker.rank, reply.result, reply.error)
+        if outcome is None:
+            return None
+        del self._gathers[reply.id]
+        return Reply(reply.id, outcome.result, outcome.error)
+
+    def fail(self, worker: WorkerLink, error: BaseException) -> list[Reply]:
+        """A dead worker answers every call it still owes with ``error``; returns the calls this completed."""
+        replies = [self.reply(worker, Reply(call_id, None, error)) for call_id in list(self._gathers)]
+        return [r for r in replies if r is not None]
 
 
 class PDClient(EngineClient):
@@ -104,12 +145,12 @@ class PDClient(EngineClient):
         num_p, num_d = args.prefill_workers, args.decode_workers
         self._pd_lock = threading.RLock()
         self._tags = itertools.count(1)
-        self._placed: dict[str, _Placement] = {}
+        self._placed: dict[str, Placement] = {}
         self._queue: deque[AddCmd] = deque()  # adds waiting for decode credit (back-pressure)
         self._add_worker: dict[int, WorkerLink] = {}  # add id -> the prefill worker it went to
         self._add_requests: dict[int, list[str]] = {}
         self._aborted: set[str] = set()
-        self._bcast: dict[int, Gather] = {}  # call id -> the workers' replies to a control call
+        self.broadcast = Broadcast()  # control calls in flight to every worker
         self.num_pieces = self.num_handoffs = 0  # pieces of pages forwarded, requests handed off
         self.prefill: list[WorkerLink] = []
         self.decode: list[WorkerLink] = []
@@ -140,7 +181,7 @@ class PDClient(EngineClient):
         self.info = EngineInfo(first.config, first.model_config, sum(w.info.kv_pages for w in self.workers),
                                first.kv_planes, first.sampling_defaults)
         self._credit = {w.rank: w.info.kv_pages for w in self.decode}
-        self.snapshot = self._aggregate()
+        self.snapshot = self.aggregate()
 
     @property
     def workers(self) -> list[WorkerLink]:
@@ -203,7 +244,7 @@ class PDClient(EngineClient):
                 self._add_requests[cmd.add_id] = [rid for rid, _, _ in cmd.requests]
                 for rid, (decode, blocks) in targets.items():
                     self._credit[decode.rank] -= blocks
-                    self._placed[rid] = _Placement(prefill, decode, blocks)
+                    self._placed[rid] = Placement(prefill, decode, blocks)
                 # a request's pieces use tags first, first + 1, ... (fewer than _TAG_STRIDE: one per prompt page at most)
                 tags = {rid: (decode.rank, next(self._tags) * _TAG_STRIDE % 2**31) for rid, (decode, _) in targets.items()}
                 prefill._send(PrefillCmd(cmd.add_id, cmd.requests, cmd.chat_stop, targets=tags))
@@ -263,29 +304,10 @@ class PDClient(EngineClient):
             EngineClient._on_message(self, EngineMessage(replies=dropped, snapshot=self.snapshot))
 
     def _broadcast(self, cmd: CallCmd) -> None:
-        error = disaggregation_refusal(cmd.name, cmd.until_drained)
-        if error is not None:
-            EngineClient._on_message(self, EngineMessage(replies=[Reply(cmd.call_id, None, error)],
-                                                         snapshot=self.snapshot))
-            return
         with self._pd_lock:
-            live = [w for w in self.workers if w.alive]
-            names = {w.rank: w.name for w in live}
-            self._bcast[cmd.call_id] = Gather(VERBS[cmd.name], list(names), engines="prefill/decode workers",
-                                              label=names.__getitem__)
-            for w in live:
-                w._send(cmd)
-
-    def _gather_reply(self, worker: WorkerLink, reply: Reply) -> Reply | None:
-        """A worker's reply to a broadcast call; the combined reply once every worker answered."""
-        gather = self._bcast.get(reply.id)
-        if gather is None:
-            return reply
-        outcome = gather.reply(worker.rank, reply.result, reply.error)
-        if outcome is None:
-            return None
-        del self._bcast[reply.id]
-        return Reply(reply.id, outcome.result, outcome.error)
+            refusal = self.broadcast.send(cmd, self.workers)
+        if refusal is not None:
+            EngineClient._on_message(self, EngineMessage(replies=[refusal], snapshot=self.snapshot))
 
     # --- messages from the workers ----------------------------------------------------------------
     def _on_worker_message(self, worker: WorkerLink, msg: EngineMessage) -> None:
@@ -310,7 +332,7 @@ class PDClient(EngineClient):
                     if reply.error is not None:
                         for rid in rids:
                             self._release(rid)
-                gathered = self._gather_reply(worker, reply)
+                gathered = self.broadcast.reply(worker, reply)
                 if gathered is not None:
                     replies.append(gathered)
             for delta in outputs:
@@ -332,7 +354,7 @@ class PDClient(EngineClient):
                 failures += self._worker_died(worker, msg.dead, replies)
                 if not self.is_alive():
                     dead = EngineDeadError(f"the {worker.name} stopped and no {worker.kind} worker is left: {msg.dead}")
-            snapshot = self._aggregate()
+            snapshot = self.aggregate()
         steps = [dataclasses.replace(r, replica=worker.rank) for r in msg.steps]  # (replicas()[rank] is the worker)
         EngineClient._on_message(self, EngineMessage(outputs=outputs, failures=failures, replies=replies,
                                                      steps=steps, snapshot=snapshot, dead=dead))
@@ -372,16 +394,14 @@ class PDClient(EngineClient):
                 for rid in self._add_requests.pop(add_id):
                     self._release(rid)
                 replies.append(Reply(add_id, None, failure))
-        for call_id in list(self._bcast):
-            gathered = self._gather_reply(worker, Reply(call_id, None, failure))
-            if gathered is not None:
-                replies.append(gathered)
+        replies += self.broadcast.fail(worker, failure)
         return failures
 
-    def _aggregate(self) -> EngineSnapshot:
+    def aggregate(self) -> EngineSnapshot:
         """The live workers' gauges as one (``EngineSnapshot.total``). The prefix-cache counters are the
         prefill workers' alone: a decode worker looks the same prompt up again to share its pages, which
-        saves memory but no prompt computation, and counting both would count every prompt twice."""
+        saves memory but no prompt computation, and counting both would count every prompt twice. (The
+        client's ``snapshot`` is this, as of the last worker message.)"""
         live = [w for w in self.workers if w.alive]
         total = EngineSnapshot.total([w.snapshot for w in live])
         prefill = [w.snapshot for w in live if w.kind == "prefill"]
@@ -392,3 +412,22 @@ class PDClient(EngineClient):
     def worker_snapshots(self) -> dict[str, EngineSnapshot]:
         """Each worker's own gauges (KV pages in use per side: tests, /metrics)."""
         return {w.name: w.snapshot for w in self.workers}
+
+    def placement(self, request_id: str) -> Placement | None:
+        """Where an admitted request is now, as a copy (``None`` while it waits for credit and once it
+        ended): its prefill and decode workers, whether pages went ahead and whether it was handed off."""
+        with self._pd_lock:
+            placed = self._placed.get(request_id)
+            return dataclasses.replace(placed) if placed is not None else None
+
+    @property
+    def num_queued(self) -> int:
+        """Adds waiting in the front end until a decode worker has credit for them (back-pressure)."""
+        with self._pd_lock:
+            return len(self._queue)
+
+    @property
+    def decode_credit(self) -> dict[int, int]:
+        """Each decode worker's credit (rank -> KV pages of its pool not reserved for a request placed on it)."""
+        with self._pd_lock:
+            return dict(self._credit)

@@ -65,11 +65,11 @@ def wait_idle(llm, timeout=20.0):
     """Until every live worker reports no request and no KV page in use."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        snaps = [w.snapshot for w in llm._client.workers if w.alive]
+        snaps = [w.snapshot for w in llm.client.workers if w.alive]
         if all(s.kv_used_blocks == 0 and s.num_unfinished == 0 for s in snaps):
             return snaps
         time.sleep(0.05)
-    raise AssertionError(f"workers not idle: {llm._client.worker_snapshots}")
+    raise AssertionError(f"workers not idle: {llm.client.worker_snapshots}")
 
 
 # Each layout once and each decode pool size once (2P2D below covers several prefill workers): every pairing
@@ -84,7 +84,7 @@ def pd(request, tiny_gqa):
 
 def test_pd_gives_the_single_engines_tokens_and_exit_depths(pd, tiny_gqa):
     layout, llm = pd
-    assert llm._client.transport == "gloo"
+    assert llm.client.transport == "gloo"
     # seed=None: one prefill worker draws the seeds one engine draws (requests arrive in the same order)
     fresh = SamplingParams(max_tokens=10, temperature=1.0, seed=None, ignore_eos=True, exit_threshold=0.6)
     requests = {**workload(), "fresh": (ids(8, seed=6), fresh)}
@@ -92,7 +92,7 @@ def test_pd_gives_the_single_engines_tokens_and_exit_depths(pd, tiny_gqa):
     ref = single_engine(tiny_gqa, layout, requests)
     assert approx_floats({k: result(v) for k, v in outs.items()}) == {k: result(v) for k, v in ref.items()}
     assert len({d for o in ref.values() for d in o.outputs[0].exit_depths}) > 1  # adaptive exits vary
-    client = llm._client
+    client = llm.client
     assert client.num_handoffs == 5 and client.num_pieces > client.num_handoffs  # pages left chunk by chunk
     snaps = wait_idle(llm)
     assert all(s.kv_used_blocks == 0 for s in snaps)
@@ -102,14 +102,14 @@ def test_pd_gives_the_single_engines_tokens_and_exit_depths(pd, tiny_gqa):
     out = asyncio.run(generate_all(llm, late))
     assert approx_floats(result(out["late"])) == result(single_engine(tiny_gqa, layout, late)["late"])
     wait_idle(llm)
-    assert llm._client.prefill[0].snapshot.prefix_cache_hits == (12 if layout == "last_exited" else 0)
+    assert llm.client.prefill[0].snapshot.prefix_cache_hits == (12 if layout == "last_exited" else 0)
     # decode workers share the pages of a prefix they received before (shared caches nothing)
-    decode_hits = sum(w.snapshot.prefix_cache_hits for w in llm._client.decode)
+    decode_hits = sum(w.snapshot.prefix_cache_hits for w in llm.client.decode)
     assert decode_hits > 0 if layout == "last_exited" else decode_hits == 0
     # the front end's counters (/metrics) count each prompt once: the prefill workers' lookups
-    total = llm._client._aggregate()
+    total = llm.client.aggregate()
     assert (total.prefix_cache_hits, total.prefix_cache_queries) == (
-        llm._client.prefill[0].snapshot.prefix_cache_hits, llm._client.prefill[0].snapshot.prefix_cache_queries)
+        llm.client.prefill[0].snapshot.prefix_cache_hits, llm.client.prefill[0].snapshot.prefix_cache_queries)
 
 
 def test_streamed_outputs_continue_across_the_handoff(pd):
@@ -251,9 +251,9 @@ def test_abort_mid_transfer_leaks_nothing(faults):
     wait_idle(faults)  # both sides: no page in use, no request left
 
     async def mid_prefill():  # aborted while its first pages are on their way, before its handoff
-        client = faults._client
+        client = faults.client
         task = asyncio.create_task(faults.generate_tokens(ids(200, seed=23), params, "abort-prefill"))
-        while not (client._placed.get("abort-prefill") and client._placed["abort-prefill"].pieces):
+        while not ((placed := client.placement("abort-prefill")) and placed.pieces):
             await asyncio.sleep(0.001)
         await faults.abort("abort-prefill")
         return await task
@@ -269,19 +269,18 @@ def test_decode_worker_holds_the_pages_before_the_handoff(faults):
     """A decode worker reserves a request's prompt pages (every plane) in its own pool when the first
     piece arrives: its KV gauge counts them while the prefill still runs; an abort then frees them."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    client = faults._client
+    client = faults.client
     pages = client.info.kv_planes * 200 // BASE["block_size"]
 
     async def main():
         task = asyncio.create_task(faults.generate_tokens(ids(200, seed=24), params, "reserved"))
         deadline = time.monotonic() + 20
-        while not (client._placed.get("reserved") and client._placed["reserved"].pieces):
+        while not ((placed := client.placement("reserved")) and placed.pieces):
             await asyncio.sleep(0.001)
-        placed = client._placed["reserved"]
         while placed.decode.snapshot.kv_used_blocks < pages and time.monotonic() < deadline:
             await asyncio.sleep(0.001)
         held = placed.decode.snapshot.kv_used_blocks
-        prefilling = not placed.on_decode  # (read after the gauge: the pages were held before the handoff)
+        prefilling = not client.placement("reserved").on_decode  # (read after the gauge: the pages were held before the handoff)
         await faults.abort("reserved")
         return held, prefilling, await task
 
@@ -297,13 +296,13 @@ def test_prefill_worker_killed_mid_chunk(faults):
 
     async def main():
         doomed = asyncio.create_task(faults.generate_tokens(long_prompt, params, "doomed"))
-        while "doomed" not in faults._client._placed:
+        while (placed := faults.client.placement("doomed")) is None:
             await asyncio.sleep(0.001)
-        victim = faults._client._placed["doomed"].prefill
+        victim = placed.prefill
         other = asyncio.create_task(faults.generate_tokens(ids(12, seed=41), params, "other"))
-        while "other" not in faults._client._placed:
+        while (placed := faults.client.placement("other")) is None:
             await asyncio.sleep(0.001)
-        assert faults._client._placed["other"].prefill is not victim  # least-loaded prefill worker
+        assert placed.prefill is not victim  # least-loaded prefill worker
         victim.process.kill()
         with pytest.raises(EngineDeadError):
             await doomed
@@ -327,14 +326,14 @@ def test_decode_worker_killed_mid_stream(faults):
         with pytest.raises(EngineDeadError):
             async for out in stream:
                 seen.append(len(out.outputs[0].token_ids))
-                placed = faults._client._placed.get("streaming")
+                placed = faults.client.placement("streaming")
                 if len(seen) == 1:
                     other = asyncio.create_task(faults.generate_tokens(ids(11, seed=51), params.clone(max_tokens=30),
                                                                        "survivor"))
                 if placed is not None and placed.on_decode and out.outputs[0].token_ids[1:] and \
-                        "survivor" in faults._client._placed and not killed:
+                        (survivor := faults.client.placement("survivor")) is not None and not killed:
                     victim = placed.decode
-                    assert faults._client._placed["survivor"].decode is not victim  # the other had more credit
+                    assert survivor.decode is not victim  # the other had more credit
                     victim.process.kill()
                     killed.append(victim.label)
         return seen, await other
@@ -366,10 +365,10 @@ def test_decode_credit_holds_requests_back(tiny_gqa):
         async def main():
             tasks = [asyncio.create_task(llm.generate_tokens(p, sp, rid)) for rid, (p, sp) in reqs.items()]
             await asyncio.sleep(0)
-            queued = len(llm._client._queue)
+            queued = llm.client.num_queued
             credits = []
             while not all(t.done() for t in tasks):
-                credits.append(min(llm._client._credit.values()))
+                credits.append(min(llm.client.decode_credit.values()))
                 await asyncio.sleep(0.002)
             return queued, credits, {t.result().request_id: t.result() for t in tasks}
 
@@ -398,7 +397,7 @@ def test_1p1d_over_cuda_ipc_on_one_gpu(tiny_gqa):
     kw = {**BASE, "device": "cuda", "gpu_memory_utilization": 0.3}
     llm = AsyncLLM(EngineArgs(model=str(tiny_gqa.path), prefill_workers=1, decode_workers=1, **kw))
     try:
-        assert llm._client.transport == "cuda_ipc"
+        assert llm.client.transport == "cuda_ipc"
         outs = {rid: asyncio.run(generate_all(llm, {rid: req}))[rid] for rid, req in workload().items()}
         # a pool of its own size: the two workers already hold the utilization share
         engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), **{**kw, "num_kv_blocks": 512}))
@@ -408,7 +407,7 @@ def test_1p1d_over_cuda_ipc_on_one_gpu(tiny_gqa):
             while engine.has_unfinished_requests():
                 ref.update((o.request_id, o) for o in engine.step() if o.finished)
         assert {k: result(v)[:3] for k, v in outs.items()} == {k: result(v)[:3] for k, v in ref.items()}
-        assert llm._client.num_pieces >= llm._client.num_handoffs == 4
+        assert llm.client.num_pieces >= llm.client.num_handoffs == 4
         wait_idle(llm)
     finally:
         llm.shutdown()

@@ -37,7 +37,7 @@ def pd_args(tiny, **kw) -> EngineArgs:
 def test_1p1d_over_ray_gives_the_single_engines_tokens_and_exit_depths(cluster, tiny_gqa):
     llm = AsyncLLM(pd_args(tiny_gqa, prefill_workers=1, decode_workers=1))
     try:
-        client = llm._client
+        client = llm.client
         assert client.transport == "gloo"
         assert [list(g["bundles"].values()) for g in live_groups()] == [[{"CPU": 1.0}, {"CPU": 1.0}]]
         # the group meets where Ray says the rank-0 worker's node is, not on the loopback interface
@@ -65,18 +65,18 @@ def test_killed_worker_actors_fail_only_their_requests(cluster, tiny_gqa, serve_
     llm = AsyncLLM(pd_args(tiny_gqa, prefill_workers=2, decode_workers=2, kv_transfer_timeout=20))
     srv = serve_app(build_app(llm, "t", shutdown_engine=False))
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
-    client = llm._client
+    client = llm.client
 
     async def prefill_death():
         short = params.clone(max_tokens=8)
         doomed = asyncio.create_task(llm.generate_tokens(ids(200, seed=40), short, "doomed"))  # ~40 chunks
-        while "doomed" not in client._placed:
+        while (placed := client.placement("doomed")) is None:
             await asyncio.sleep(0.001)
-        victim = client._placed["doomed"].prefill
+        victim = placed.prefill
         other = asyncio.create_task(llm.generate_tokens(ids(12, seed=41), short, "other"))
-        while "other" not in client._placed:
+        while (placed := client.placement("other")) is None:
             await asyncio.sleep(0.001)
-        assert client._placed["other"].prefill is not victim  # least-loaded prefill worker
+        assert placed.prefill is not victim  # least-loaded prefill worker
         ray.kill(victim.actor)
         with pytest.raises(EngineDeadError, match="prefill worker"):
             await doomed
@@ -87,14 +87,14 @@ def test_killed_worker_actors_fail_only_their_requests(cluster, tiny_gqa, serve_
         with pytest.raises(EngineDeadError, match="decode worker"):
             async for out in llm.generate({"prompt_token_ids": ids(10, seed=50)}, params, "streaming"):
                 seen.append(len(out.outputs[0].token_ids))
-                placed = client._placed.get("streaming")
+                placed = client.placement("streaming")
                 if other is None:
                     other = asyncio.create_task(llm.generate_tokens(ids(11, seed=51), params.clone(max_tokens=30),
                                                                     "survivor"))
                 if placed is not None and placed.on_decode and out.outputs[0].token_ids[1:] and \
-                        "survivor" in client._placed:
+                        (survivor := client.placement("survivor")) is not None:
                     victim = placed.decode
-                    assert client._placed["survivor"].decode is not victim  # the other had more credit
+                    assert survivor.decode is not victim  # the other had more credit
                     ray.kill(victim.actor)
         return seen, await other, victim
 
@@ -104,7 +104,7 @@ def test_killed_worker_actors_fail_only_their_requests(cluster, tiny_gqa, serve_
         outs = asyncio.run(generate_all(llm, workload()))
         ref = single_engine(tiny_gqa, "last_exited")
         assert approx_floats({k: result(v) for k, v in outs.items()}) == {k: result(v) for k, v in ref.items()}
-        assert {client._placed.get(k) for k in outs} == {None}  # released
+        assert {client.placement(k) for k in outs} == {None}  # released
         wait_idle(llm)
         other, dead_prefill = asyncio.run(prefill_death())
         assert len(other.outputs[0].token_ids) == 8 and not dead_prefill.alive and llm.health_problem() is None

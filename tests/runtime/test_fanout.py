@@ -103,19 +103,27 @@ class _Worker:
 
 def test_prefill_decode_combines_the_workers_replies_by_the_tables_rule():
 
-    from loopline.distributed.pd import PDClient
+    from loopline.distributed.pd import Broadcast
     from loopline.runtime.protocol import CallCmd, Reply
 
-    pd = object.__new__(PDClient)  # only the broadcast's state: no worker processes
-    pd._pd_lock, pd._bcast = threading.RLock(), {}
-    pd.prefill, pd.decode = [_Worker("prefill", 0)], [_Worker("decode", 1)]
-    pd._broadcast(CallCmd(7, "abort_all"))
-    assert all(w.sent == [CallCmd(7, "abort_all")] for w in pd.workers)
-    assert pd._gather_reply(pd.decode[0], Reply(7, ["b", "a"])) is None
-    assert pd._gather_reply(pd.prefill[0], Reply(7, ["a"])) == Reply(7, ["a", "b"])
-    pd._broadcast(CallCmd(8, "get_weight_version"))
-    pd._gather_reply(pd.prefill[0], Reply(8, 0))
-    reply = pd._gather_reply(pd.decode[0], Reply(8, 1))
+    calls = Broadcast()  # PDClient's control calls to its workers: no worker processes
+    prefill, decode, dead = _Worker("prefill", 0), _Worker("decode", 1), _Worker("decode", 2)
+    dead.alive = False
+    assert calls.send(CallCmd(7, "abort_all"), [prefill, decode, dead]) is None
+    assert prefill.sent == decode.sent == [CallCmd(7, "abort_all")] and not dead.sent
+    assert calls.reply(decode, Reply(7, ["b", "a"])) is None
+    assert calls.reply(prefill, Reply(7, ["a"])) == Reply(7, ["a", "b"])
+    calls.send(CallCmd(8, "get_weight_version"), [prefill, decode])
+    calls.reply(prefill, Reply(8, 0))
+    reply = calls.reply(decode, Reply(8, 1))
     assert str(reply.error) == ("the prefill/decode workers disagree on get_weight_version: "
                                 "prefill worker 0: 0, decode worker 1: 1")
-    assert pd._gather_reply(pd.prefill[0], Reply(9, "x")) == Reply(9, "x")  # not a broadcast: passed on
+    assert calls.reply(prefill, Reply(9, "x")) == Reply(9, "x")  # not a broadcast: passed on
+    # a refused verb is answered at once and sent nowhere
+    refusal = calls.send(CallCmd(10, "sleep", (1,)), [prefill, decode])
+    assert isinstance(refusal.error, EngineStateError) and refusal.id == 10 and len(prefill.sent) == 2
+    # a worker that dies answers what it still owes with its error: the first in rank order wins
+    calls.send(CallCmd(11, "get_weight_version"), [prefill, decode])
+    assert calls.fail(decode, EngineDeadError("decode gone")) == []
+    (done,) = calls.fail(prefill, EngineDeadError("prefill gone"))
+    assert done.id == 11 and str(done.error) == "prefill gone"
