@@ -8,7 +8,9 @@ pages, writes pieces as they arrive and adopts the request once all are in.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -147,6 +149,12 @@ class DecodeCore(EngineCore):
         super().__init__(engine, inbox, emit)
         self.transport = transport
         self._incoming: dict[str, _Incoming] = {}
+
+    @property
+    def incoming(self) -> Mapping[str, _Incoming]:
+        """The requests on their way here (id -> reserved pages, pieces, handoff, abort and drop marks),
+        until adopted or forgotten: a read-only view."""
+        return MappingProxyType(self._incoming)
 
     def _apply(self, cmd: Command) -> None:
         if isinstance(cmd, PieceCmd):

@@ -128,6 +128,23 @@ class EngineCore:
             return
         self._die(EngineDeadError("the engine was shut down"))
 
+    # --- what tests and embedders that drive the loop by hand see -------------------------------
+    def apply(self, cmd: Command) -> None:
+        """Applies one command now, as :meth:`run` does with each it takes from the inbox (replies and
+        failures go into :attr:`outbox`); for callers that drive the loop command by command."""
+        self._apply(cmd)
+
+    @property
+    def outbox(self) -> EngineMessage:
+        """The message this iteration is filling (outputs, failures, replies, handoffs); the loop emits it
+        after the step once it carries news."""
+        return self._msg
+
+    @property
+    def live_requests(self) -> frozenset[str]:
+        """Accepted requests whose final output was not sent yet (a copy)."""
+        return frozenset(self._live)
+
     # --- commands -----------------------------------------------------------------------------
     def _apply(self, cmd: Command) -> None:
         if isinstance(cmd, AbortCmd):

@@ -165,9 +165,9 @@ def decode_core(engine, transport):
 def apply_all(core, *cmds):
     """Applies commands, then what their receives' completions put in the loop's inbox."""
     for cmd in cmds:
-        core._apply(cmd)
+        core.apply(cmd)
     for cmd in core.inbox.take(lambda: True, False)[0]:  # (returns at once, also with none)
-        core._apply(cmd)
+        core.apply(cmd)
 
 
 def piece_cmd(rid, child, prompt, first, kv, reserve=True):
@@ -198,12 +198,12 @@ def test_a_failed_transfer_fails_its_request_alone(tiny_gqa):
         prefill.step()
     handoff, rest = prefill.handoff.take(prefill.handoff.ready()[0])
     core = decode_core(decode, FailingTransport())
-    core._apply(piece_cmd("lost", handoff.child_id, prompt, 0, rest))
+    core.apply(piece_cmd("lost", handoff.child_id, prompt, 0, rest))
     assert decode.kv.num_used_blocks == decode.kv.blocks_needed(9)  # reserved as the piece arrived
     apply_all(core, AcceptCmd(handoff, 1, src_rank=0))
-    (rid, error), = core._msg.failures
+    (rid, error), = core.outbox.failures
     assert rid == "lost" and isinstance(error, EngineInternalError) and error.error_id
-    assert not core._incoming and not decode.scheduler.requests and not decode.runner.pages.snapshots
+    assert not core.incoming and not decode.scheduler.requests and not decode.runner.pages.snapshots
     assert decode.kv.num_used_blocks == 0 and prefill.kv.num_used_blocks == 0 and not decode.handoff.num_reserved
 
 
@@ -235,7 +235,7 @@ def test_pieces_are_written_into_pages_reserved_before_the_handoff(tiny_gqa, dev
         prefill.step()
     handoff, rest = prefill.handoff.take(child, pages)
     apply_all(core, piece_cmd("r", child, prompt, pages, rest, reserve=False), AcceptCmd(handoff, 2, src_rank=0))
-    assert not core._msg.failures and "r" in core._live
+    assert not core.outbox.failures and "r" in core.live_requests
     assert decode.runner.pages.snapshots[child].k is None  # nothing staged: the pages are in the pool
     assert decode.kv.get(child).block_tables[0][:8] == tables[0][:8]  # adoption kept the pages
     single = drain(engine_for(tiny_gqa, **kw), {"r": (prompt, params)})["r"].outputs[0]
@@ -262,7 +262,7 @@ def test_dropped_and_aborted_requests_free_their_reserved_pages(tiny_gqa):
     assert decode.kv.num_used_blocks == decode.kv.blocks_needed(30)
     prefill.abort_request("gone")
     apply_all(core, DropCmd("gone"))
-    assert decode.kv.num_used_blocks == 0 and not core._incoming and not decode.handoff.num_reserved
+    assert decode.kv.num_used_blocks == 0 and not core.incoming and not decode.handoff.num_reserved
     # dropped while a receive is still on its way (a dead prefill worker's, until its timeout): the
     # pages go at once, and what arrives later is written nowhere
     pending = PendingTransport()
@@ -274,10 +274,10 @@ def test_dropped_and_aborted_requests_free_their_reserved_pages(tiny_gqa):
     assert decode.kv.num_used_blocks == decode.kv.blocks_needed(30)
     prefill.abort_request("dead")
     apply_all(core, DropCmd("dead"))
-    assert decode.kv.num_used_blocks == 0 and not decode.handoff.num_reserved and "dead" in core._incoming
+    assert decode.kv.num_used_blocks == 0 and not decode.handoff.num_reserved and "dead" in core.incoming
     pending.futures[0].set_result(kv)
     apply_all(core)
-    assert not core._incoming and decode.kv.num_used_blocks == 0
+    assert not core.incoming and decode.kv.num_used_blocks == 0
     core.transport = LocalTransport()
     # aborted while its pages were on their way: it is taken over, then ends as aborted
     prompt = ids(30, seed=9)
@@ -286,15 +286,13 @@ def test_dropped_and_aborted_requests_free_their_reserved_pages(tiny_gqa):
     while not prefill.handoff.ready():
         prefill.step()
     handoff, rest = prefill.handoff.take(child, pages)
-    core._live.add("abort")  # (as if its handoff had come: the front end sends aborts to the worker holding it)
-    apply_all(core, AbortCmd(["abort"]))
-    core._live.discard("abort")
-    assert core._incoming["abort"].aborted and decode.kv.num_used_blocks == decode.kv.blocks_needed(30)
+    apply_all(core, AbortCmd(["abort"]))  # (the front end sends aborts to the worker holding the request)
+    assert core.incoming["abort"].aborted and decode.kv.num_used_blocks == decode.kv.blocks_needed(30)
     apply_all(core, piece_cmd("abort", child, prompt, pages, rest, reserve=False),
               AcceptCmd(handoff, 2, src_rank=0, aborted=True))
     outs = decode.step()
     assert [o.outputs[0].finish_reason for o in outs] == ["abort"]
-    assert decode.kv.num_used_blocks == 0 and not decode.runner.pages.snapshots and not core._incoming
+    assert decode.kv.num_used_blocks == 0 and not decode.runner.pages.snapshots and not core.incoming
 
 
 def test_a_reservation_that_does_not_fit_fails_its_request_cleanly(tiny_gqa):
@@ -316,9 +314,9 @@ def test_a_reservation_that_does_not_fit_fails_its_request_cleanly(tiny_gqa):
     handoff, rest = prefill.handoff.take(prefill.handoff.ready()[0])
     core = decode_core(decode, LocalTransport())
     apply_all(core, piece_cmd("big", handoff.child_id, prompt, 0, rest), AcceptCmd(handoff, 1, src_rank=0))
-    (rid, error), = core._msg.failures
+    (rid, error), = core.outbox.failures
     assert rid == "big" and isinstance(error, EngineStateError) and "no room" in str(error)
-    assert decode.kv.num_used_blocks == planes * 2 and not core._incoming and not decode.scheduler.requests
+    assert decode.kv.num_used_blocks == planes * 2 and not core.incoming and not decode.scheduler.requests
     decode.handoff.release("other#0")
     assert decode.kv.num_used_blocks == 0 and prefill.kv.num_used_blocks == 0
 
