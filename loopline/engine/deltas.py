@@ -221,3 +221,13 @@ class OutputBuilder:
     def __len__(self) -> int:
         """Requests with state here (tests: none is left once every request finished)."""
         return len(self._reqs)
+
+    def held(self, request_id: str) -> int:
+        """How many list entries (tokens, exit depths, weight versions, logprobs, text pieces) the builder
+        keeps of a request's choices: a ``DELTA`` output hands them over, so none stays (0 for a request
+        it has no state of)."""
+        req = self._reqs.get(request_id)
+        if req is None:
+            return 0
+        return sum(len(c.token_ids) + len(c.exit_depths) + len(c.weight_versions) + len(c.logprobs or ())
+                   + len(c.pieces) for c in req.choices)

@@ -112,6 +112,12 @@ class OutputProcessor:
             self._completions[cid] = _Completion(i, params.seed + i, logprobs=[] if params.logprobs is not None else None,
                                                  detok=detok)
 
+    def detokenizer(self, child_id: str) -> IncrementalDetokenizer | None:
+        """A completion's incremental detokenizer (``None``: no such completion, no tokenizer, or
+        ``detokenize=False``)."""
+        comp = self._completions.get(child_id)
+        return comp.detok if comp is not None else None
+
     def metrics(self, request_id: str) -> RequestMetrics:
         return self._parents[request_id].metrics
 

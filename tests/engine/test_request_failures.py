@@ -11,6 +11,7 @@ import pytest
 
 from loopline import SamplingParams
 from loopline.core.scheduler import Scheduler
+from loopline.engine.input_processor import parent_request_id
 from loopline.engine.output_processor import OutputProcessor
 from loopline.worker.model_runner import ModelRunner
 
@@ -36,6 +37,26 @@ def _arm(monkeypatch, site: str) -> None:
     def boom(*_args, **_kwargs):
         raise RuntimeError("an engine bug (secret detail)")
 
+    bad: dict[str, str] = {}  # the bad request -> its first completion (recorded as it is added)
+    real_add = OutputProcessor.add
+
+    def add(self, request_id, prompt, prompt_ids, params, children, weight_version=None):
+        real_add(self, request_id, prompt, prompt_ids, params, children, weight_version)
+        if _is_bad(params):
+            bad[request_id] = children[0]
+            detok = self.detokenizer(children[0])
+            if site == "flush":
+                detok.flush = boom
+            elif site == "detokenize":
+                push, pushed = detok.push, []
+
+                def failing_push(token_id):
+                    pushed.append(token_id)
+                    return boom() if len(pushed) == 3 else push(token_id)
+
+                detok.push = failing_push
+
+    monkeypatch.setattr(OutputProcessor, "add", add)
     if site == "readback":
         real = ModelRunner._sampled_token
 
@@ -47,29 +68,9 @@ def _arm(monkeypatch, site: str) -> None:
         real_plp = OutputProcessor.add_prompt_logprobs
 
         def add_prompt_logprobs(self, child_id, entries):
-            parent = self._parents[self._child_parent[child_id][0]]
-            return boom() if _is_bad(parent.params) else real_plp(self, child_id, entries)
+            return boom() if parent_request_id(child_id) in bad else real_plp(self, child_id, entries)
 
         monkeypatch.setattr(OutputProcessor, "add_prompt_logprobs", add_prompt_logprobs)
-    elif site in ("detokenize", "flush"):
-        real_add = OutputProcessor.add
-
-        def add(self, request_id, prompt, prompt_ids, params, children, weight_version=None):
-            real_add(self, request_id, prompt, prompt_ids, params, children, weight_version)
-            if _is_bad(params):
-                detok = self._completions[children[0]].detok
-                if site == "flush":
-                    detok.flush = boom
-                else:
-                    push, pushed = detok.push, []
-
-                    def failing_push(token_id):
-                        pushed.append(token_id)
-                        return boom() if len(pushed) == 3 else push(token_id)
-
-                    detok.push = failing_push
-
-        monkeypatch.setattr(OutputProcessor, "add", add)
     elif site == "stop_check":
         real_stop = Scheduler.check_stop
 
@@ -78,14 +79,19 @@ def _arm(monkeypatch, site: str) -> None:
 
         monkeypatch.setattr(Scheduler, "check_stop", check_stop)
     elif site == "output":
-        real_output = OutputProcessor._output
+        real_on_token, real_output, booked = OutputProcessor.on_token, OutputProcessor._output, {}
+
+        def on_token(self, req, *args, **kwargs):
+            booked[req.request_id] = req.num_output_tokens  # the completion's tokens, this one included
+            return real_on_token(self, req, *args, **kwargs)
 
         def output(self, parent):
-            tokens = len(self._completions[parent.children[0]].token_ids)
-            return boom() if _is_bad(parent.params) and tokens == 3 else real_output(self, parent)
+            first = bad.get(parent.request_id)
+            return boom() if first is not None and booked.get(first) == 3 else real_output(self, parent)
 
+        monkeypatch.setattr(OutputProcessor, "on_token", on_token)
         monkeypatch.setattr(OutputProcessor, "_output", output)
-    else:
+    elif site not in ("detokenize", "flush"):
         raise AssertionError(site)
 
 
@@ -180,7 +186,7 @@ def test_a_failure_while_aborting_fails_only_that_request(tiny_gqa, how):
     def boom():
         raise RuntimeError("an engine bug")
 
-    engine.outputs._completions["r1#0"].detok.flush = boom
+    engine.outputs.detokenizer("r1#0").flush = boom
     if how == "pause_abort":
         engine.pause_generation("abort")
     else:
