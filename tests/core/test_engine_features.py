@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
 
-from loopline import SamplingParams
+from loopline import LLM, SamplingParams
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
 from loopline.entrypoints.cli import main as cli_main
@@ -75,7 +76,7 @@ def test_stop_token_ids_and_stop_strings(llm):
     assert base.outputs[0].finish_reason == "length"
 
 
-def test_eos_stops_unless_ignored(tiny_gqa):
+def test_eos_stops_unless_ignored(tiny_gqa, tmp_path):
     llm = tiny_gqa.llm()
     eos = 0
     # Make eos the greedy choice by sampling with a huge presence penalty elsewhere is brittle; use stop ids via eos config:
@@ -83,7 +84,14 @@ def test_eos_stops_unless_ignored(tiny_gqa):
     assert eos in engine.model_config.eos_token_ids
     prompt = {"prompt_token_ids": ids(5)}
     greedy = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
-    engine.inputs._eos = frozenset({greedy.outputs[0].token_ids[2]})  # pretend the checkpoint's eos is that token
+    # the same weights, from a checkpoint whose only eos is that token (config.json and generation_config.json)
+    path = tmp_path / "eos"
+    shutil.copytree(tiny_gqa.path, path)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((path / name).read_text())
+        (path / name).write_text(json.dumps({**cfg, "eos_token_id": greedy.outputs[0].token_ids[2]}))
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    assert llm.llm_engine.model_config.eos_token_ids == (greedy.outputs[0].token_ids[2],)
     out = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)[0].outputs[0]
     cut = greedy.outputs[0].token_ids.index(greedy.outputs[0].token_ids[2]) + 1
     assert out.token_ids == greedy.outputs[0].token_ids[:cut] and out.finish_reason == "stop" and out.stop_reason is None
@@ -211,20 +219,21 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny_gqa, mo
     engine.add_request("good", ids(5, seed=1), p)
     for _ in range(6):
         engine.step()
-    add = engine.runner._add
+    launch = engine.runner.launch
 
-    def broken_add(new):
-        if new.request_id.startswith("bad"):
+    def broken_launch(sched):
+        handle = launch(sched)  # the step is queued (the runner's state changed), then it fails
+        if any(new.request_id.startswith("bad") for new in sched.new_requests):
             raise OverflowError("a value the device cannot hold")
-        return add(new)
+        return handle
 
-    monkeypatch.setattr(engine.runner, "_add", broken_add)
+    monkeypatch.setattr(engine.runner, "launch", broken_launch)
     engine.add_request("bad", ids(4, seed=2), p)
     done = _finals(engine)
     assert done["bad"].finish_reason == "abort" and "internal error" in done["bad"].stop_reason
     assert done["good"].finish_reason == "abort"  # it shared the failed step
     assert engine.kv.num_used_blocks == 0 and engine.stats.failed_requests == 2
-    monkeypatch.setattr(engine.runner, "_add", add)
+    monkeypatch.setattr(engine.runner, "launch", launch)
     assert _drain(engine, {"after": (ids(5, seed=1), p)})["after"][0][0] == _drain(
         LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True)),
         {"after": (ids(5, seed=1), p)})["after"][0][0]
@@ -314,19 +323,21 @@ def test_cli_generate_json_and_stats(tiny_gqa, capsys):
 
 
 def test_stats_are_logged_when_enabled(tiny_gqa, caplog):
-    engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True,
-                                  disable_log_stats=False, log_stats_interval=1e-9))
-    engine.add_request("a", ids(5), SamplingParams(max_tokens=3, ignore_eos=True))
-    with caplog.at_level("INFO", logger="loopline"):
-        while engine.has_unfinished_requests():
-            engine.step()
-    lines = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
+    def logged(**kw) -> list[str]:
+        """The stats lines of a short run (every step is past the interval)."""
+        engine = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True,
+                                      log_stats_interval=1e-9, **kw))
+        engine.add_request("a", ids(5), SamplingParams(max_tokens=3, ignore_eos=True))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="loopline"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        return [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
+
+    lines = logged(disable_log_stats=False)
     assert lines and "rows/step" in lines[-1] and "KV usage" in lines[-1]
-    assert LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu",
-                                skip_tokenizer_init=True))._stat_logger is not None  # on by default, as in vLLM
-    quiet = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", skip_tokenizer_init=True,
-                                 disable_log_stats=True))
-    assert quiet._stat_logger is None
+    assert logged()  # on by default, as in vLLM
+    assert not logged(disable_log_stats=True)
 
 
 @pytest.mark.parametrize("name,package", [("flashinfer", "flashinfer"), ("FLASH_ATTN", "flash_attn"),

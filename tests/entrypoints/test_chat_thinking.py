@@ -65,7 +65,8 @@ def test_a_thinking_directory_name_is_enough(tiny_gqa, tmp_path):
 
     llm = LLM(str(path), dtype="float32", device="cpu")
     text = llm.tokenizer.decode(llm.encode_chat(MESSAGES))
-    assert llm._chat.thinking and text.endswith(PREFIX + "<think>\n")  # "<think>" is plain text here
+    assert ChatEncoder.for_engine(llm.llm_engine).thinking  # (how LLM builds its chat encoder)
+    assert text.endswith(PREFIX + "<think>\n")  # "<think>" is plain text here
 
 
 def test_chat_endpoint_and_tokenize_use_the_same_prompt(thinking, make_engine_args, serve_app):

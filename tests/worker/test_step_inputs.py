@@ -31,18 +31,20 @@ def ids(n, seed=0, vocab=500):
 
 
 def test_a_mixed_step_sends_the_prefill_rows_and_never_the_decode_rows_tables(tiny_gqa):
-    builder = engine_for(tiny_gqa).runner.builder
+    runner = engine_for(tiny_gqa).runner
+    builder = runner.builder
+    scratch_block = runner.scratch_block  # padding rows' pages: the one block the scheduler never hands out
     shape = StepShape(((4, 4), (3, 16)), width=8, work=3 + 16 // 64, max_query_len=16, max_seq_len=32)
     lay = builder.layout(shape)
     tables = lay.fields["block_tables"]
     # the decode rows' tables are derived on the device: the host range starts at the first prefill row's
     assert lay.host_start == tables.offset + 4 * 8 * 4
     v = lay.host_views(lay.padding)
-    assert v["block_tables"].shape == (3, 8) and (v["block_tables"] == builder._scratch[0]).all()
+    assert v["block_tables"].shape == (3, 8) and (v["block_tables"] == scratch_block).all()
     # padding: decode rows one query each, prefill padding rows none (their tokens belong to no row)
     assert v["query_start_loc"].tolist() == [0, 1, 2, 3, 4, 4, 4, 4]
-    assert (v["slot_mapping"][4:] == builder._scratch[1]).all() and (v["seq_lens"][4:] == 1).all()
-    assert v[0, "slots"].tolist() == [engine_for(tiny_gqa).runner.scratch_slot] * 4
+    assert (v["slot_mapping"][4:] == scratch_block * runner.block_size).all() and (v["seq_lens"][4:] == 1).all()
+    assert v[0, "slots"].tolist() == [runner.scratch_slot] * 4
     assert (v["work_tiles"] == -1).all()
 
 
