@@ -3,14 +3,21 @@
     python3 tools/step_phases.py --config ouro-1.4b --dtype bfloat16 --input-len 128 --output-len 512 \
         --concurrency 128 --depth-dist mean2.5 --variants refill,fixed --repeats 1 --no-progress
 
-Takes `loopline bench`'s arguments and runs it with timers around the engine's phases: scheduling,
-the launch (split into decode-graph, mixed-graph and eager traversals plus sampling), the wait for
-the device's results (``Event.synchronize`` of the readback), reading them back, and booking them.
-Per measured run it prints each phase's host milliseconds per step and, on CUDA, the device time
-per step of steps with decode rows only and of steps with prefill rows (CUDA events around each
-launch). In the overlapped loop the
-device is the bottleneck exactly when the host spends a good part of each step waiting; a run whose
-wait is near zero is host-bound, and the other phases say where the host's time goes.
+Takes `loopline bench`'s arguments and runs it with timers around the public methods of the engine's
+phases: scheduling (``Scheduler.schedule``); the launch (``ModelRunner.launch``), split into the step's
+inputs (``StepBuilder.fill``), the one forward run eagerly (``StepForward.__call__``) or replayed from a
+captured graph (``StepGraph.replay``), and coda + sampling (``ModelRunner.sample``, with the
+``Sampler`` call in it); the read of a step's results (``StepHandle.get``, with the wait for the
+device: ``Event.synchronize`` of the readback); the scheduler's update (``Scheduler.update``); booking
+tokens (``OutputProcessor.on_token``, ``add_prompt_logprobs``, ``on_finished``); collecting the step's
+output deltas (``OutputProcessor.collect``) and building outputs from them (``OutputBuilder.build``).
+Each phase is part of ``step (all)``, an indented one part of the phase above it.
+
+Per measured run it prints each phase's host milliseconds per step and, on CUDA, the device time per
+step of steps with decode rows only and of steps with prefill rows (CUDA events around each launch).
+In the overlapped loop the device is the bottleneck exactly when the host spends a good part of each
+step waiting; a run whose wait is near zero is host-bound, and the other phases say where the host's
+time goes.
 """
 from __future__ import annotations
 
@@ -26,8 +33,14 @@ import torch
 
 from loopline.bench import offline
 from loopline.core.scheduler import Scheduler
+from loopline.engine.deltas import OutputBuilder
 from loopline.engine.llm_engine import LLMEngine
-from loopline.worker.model_runner import ModelRunner
+from loopline.engine.output_processor import OutputProcessor
+from loopline.worker.cuda_graphs import StepGraph
+from loopline.worker.forward import StepForward
+from loopline.worker.model_runner import ModelRunner, StepHandle
+from loopline.worker.sampler import Sampler
+from loopline.worker.step_inputs import StepBuilder
 
 TIMES: dict[str, float] = defaultdict(float)
 COUNTS: dict[str, int] = defaultdict(int)
@@ -78,14 +91,21 @@ def launch_with_events(self, sched):
 
 ModelRunner.launch = launch_with_events
 
-for owner, name, label in [
-    (LLMEngine, "step", "step (all)"), (Scheduler, "schedule", "schedule"), (ModelRunner, "launch", "launch"),
-    (ModelRunner, "_run_eager", "  eager traversal"), (ModelRunner, "_run_mixed", "  mixed-graph traversal"),
-    (ModelRunner, "_sample", "  coda + sampling"), (ModelRunner, "_decode_host_rows", "  decode host rows"),
-    (LLMEngine, "_read", "read (all)"), (torch.cuda.Event, "synchronize", "  wait for the device"),
-    (ModelRunner, "_collect", "  runner readback"), (Scheduler, "update", "  scheduler update"),
-    (LLMEngine, "_apply_results", "  book tokens"), (LLMEngine, "_collect", "collect outputs"),
-]:
+# (class, public method, phase); an indented phase is part of the one above it
+PHASES = [
+    (LLMEngine, "step", "step (all)"), (LLMEngine, "step_deltas", "step (all)"),
+    (Scheduler, "schedule", "schedule"),
+    (ModelRunner, "launch", "launch"),
+    (StepBuilder, "fill", "  step inputs"),
+    (StepForward, "__call__", "  eager forward"), (StepGraph, "replay", "  graph replay"),
+    (ModelRunner, "sample", "  coda + sampling"), (Sampler, "__call__", "    sampler"),
+    (StepHandle, "get", "read (all)"), (torch.cuda.Event, "synchronize", "  wait for the device"),
+    (Scheduler, "update", "scheduler update"),
+    (OutputProcessor, "on_token", "book tokens"), (OutputProcessor, "add_prompt_logprobs", "book tokens"),
+    (OutputProcessor, "on_finished", "book tokens"),
+    (OutputProcessor, "collect", "collect outputs"), (OutputBuilder, "build", "build outputs"),
+]
+for owner, name, label in PHASES:
     timed(owner, name, label)
 
 _drive = offline.drive_closed_loop
@@ -105,8 +125,10 @@ def drive(engine, workload, params, concurrency, tag="run", **kw):
     if tag == "run":
         steps = COUNTS["step (all)"] or 1
         print(f"\n[{engine.config.args.scheduling_mode} {engine.config.args.exit_mode}] {steps} steps, {wall:.2f} s wall, {wall / steps * 1e3:.3f} ms/step")
-        for label, t in TIMES.items():
-            print(f"  {label:26s} {t / steps * 1e3:8.3f} ms/step  ({COUNTS[label]} calls, {t:.2f} s)")
+        for label in dict.fromkeys(label for *_, label in PHASES):  # in the table's order: parts under their phase
+            if label in TIMES:
+                t = TIMES[label]
+                print(f"  {label:26s} {t / steps * 1e3:8.3f} ms/step  ({COUNTS[label]} calls, {t:.2f} s)")
         if SPANS:  # device time per kind of step (CUDA only)
             torch.cuda.synchronize()
             for kind in sorted({k for k, *_ in SPANS}):

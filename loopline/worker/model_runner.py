@@ -266,7 +266,7 @@ class ModelRunner:
         if prefill is not None:
             self._book_prefill_rows(rows, nd, *prefill, plan.kinds[1].host.token_offsets, booked)
         # sample, then advance the decode state
-        batch = self._sample(rows, nd, booked, dec)
+        batch = self.sample(rows, nd, booked, dec)
         if batch is None:  # prefill rows only, none finished its prompt
             return StepHandle.ready(RunnerOutput(booked.exited, [None] * len(rows), booked.prompt_logprobs))
         ds = self.decode_state
@@ -353,9 +353,11 @@ class ModelRunner:
         return [(lo + j, c, rk, list(zip(ti, tv)), depth) for j, (c, rk, tv, ti, depth) in enumerate(rows)]
 
     # --- coda + sampling --------------------------------------------------------------
-    def _sample(self, rows, nd: int, booked: _Booked, dec: DecodeOut | None) -> SampleBatch | None:
+    def sample(self, rows, nd: int, booked: _Booked, dec: DecodeOut | None) -> SampleBatch | None:
         """Coda + sampling for decode rows ``[:nd]`` (logits given; their loops, token indices and slots
-        from the device state ``dec``) and for prompts that finished, on the device."""
+        from the device state ``dec``) and for prompts that finished, on the device: the last phase of
+        :meth:`launch` (after prepare and run), which calls it; public as that phase, for profilers
+        (``tools/step_phases.py``). ``None``: nothing to sample (prefill rows only, no prompt finished)."""
         logits = dec.logits if dec is not None else None
         parts = [logits] if logits is not None else []
         if booked.hidden:
