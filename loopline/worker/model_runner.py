@@ -208,7 +208,7 @@ class ModelRunner:
             survival=torch.ones(t, dtype=torch.float32, device=dev),
             sel_hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
             sel_depth=torch.zeros(t, dtype=torch.long, device=dev),
-            max_len=t + (new.params.max_tokens or 0) + 1, slot=new.slot,
+            max_len=t + new.params.max_tokens + 1, slot=new.slot,  # effective params: max_tokens resolved
         )
         self._init_decode_slot(self.requests[new.request_id], new.block_tables)
 
