@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import json
 import math
-import shlex
 import sys
 import urllib.parse
 from typing import Any
