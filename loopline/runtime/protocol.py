@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from loopline.engine import LLMEngine, PromptType
-from loopline.engine.deltas import CompletionDelta, OutputDelta  # noqa: F401  (the outputs of EngineMessage)
+from loopline.engine.deltas import OutputDelta
 from loopline.engine.handoff import Handoff
 from loopline.sampling_params import SamplingParams
 
