@@ -2,7 +2,8 @@
 
 Import it before triton or any loopline kernel module: Triton reads ``TRITON_INTERPRET``
 when a kernel is decorated. CPU cases are fp32 only (the interpreter mis-computes
-``tl.dot`` on bf16 operands); bf16 runs on the GPU.
+``tl.dot`` on bf16 operands); bf16 runs on the GPU, or on the CPU inside
+:func:`bf16_dot_in_the_interpreter`.
 """
 from __future__ import annotations
 
@@ -25,6 +26,36 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     """Equal within fp32 rounding for fp32, within bf16 rounding otherwise."""
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@contextlib.contextmanager
+def bf16_dot_in_the_interpreter():
+    """Inside, Triton's CPU interpreter multiplies bf16 ``tl.dot`` operands as numbers: it holds bf16 as the
+    raw 16 bits (numpy has no bf16) and would multiply those. The operands are widened to fp32 first, which
+    is exact, like a tensor core's bf16 products, so the products and their fp32 sums are what the GPU
+    computes up to summation order. Nothing changes on the GPU."""
+    if DEVICE == "cuda":
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    dot = InterpreterBuilder.create_dot
+
+    def widened(t):
+        if t.dtype.scalar != tl.bfloat16:
+            return t
+        return TensorHandle((t.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, *rest):
+        return dot(self, widened(a), widened(b), *rest)
+
+    InterpreterBuilder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        InterpreterBuilder.create_dot = dot
 
 
 def fused_decode_for_every_split_count(**backend_args):

@@ -1,25 +1,35 @@
 """Decode-sized projections on the GPU: which GEMM implementation reads the weights fastest.
 
-python3 tools/bench_gemm.py [--rows 1,32,64,128] [--sweep | --swiglu | --gemv]
+python3 tools/bench_gemm.py [--rows 1,32,64,128] [--sweep [--pdl] | --swiglu | --gemv]
 Ouro-1.4B's four projection shapes in bf16 at a few token-row counts M. Variants: cuBLAS through
 F.linear (torch's default), the same with torch's cuBLASLt backend preferred, x @ W^T with W^T stored
 [K, N] (a different cuBLAS layout and kernel family), and --sweep loopline's split-K Triton kernel
-(loopline.kernels.skinny_gemm) over a grid of tile shapes. Each time is a CUDA-graph replay of many calls divided by their number (no launch
+(loopline.kernels.skinny_gemm) at M = 2..128: its launch rule (``skinny``, M <= 64) and the best of a grid
+of tile shapes (``triton``; at M <= 16 also 32-row tiles). --rows 2,4,8,16 checks the rule at the batches
+whose q/k/v, gate/up and o_proj the engine gives the kernel (``loopline.kernels.fused.SKINNY_MAX_ROWS``).
+Each time is a CUDA-graph replay of many calls divided by their number (no launch
 cost), cycling over enough weight copies that none is served from L2, as in a decode step where a
 layer's weights were last read a whole model ago. GB/s counts weight bytes only.
+
+The skinny kernel is timed without programmatic dependent launch (LOOPLINE_PDL=0), like cuBLAS, which
+has none; --pdl adds the rule launched with PDL (``skinny_pdl``), where each call in the graph starts
+streaming its first weight tile while the call before it still runs. A step chains other kernels
+between the projections, so tools/profile_step.py (--skinny-max-rows) is the measure of the route.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
+import os
 import statistics
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from loopline.kernels.gemv import GemvConfig, gemv
-from loopline.kernels.skinny_gemm import SkinnyConfig, skinny_linear
+from loopline.kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_config, skinny_linear
 
 F = torch.nn.functional
 SHAPES = {"qkv": (2048, 6144), "o_proj": (2048, 2048), "gate_up": (2048, 11264), "down": (5632, 2048)}  # (K, N)
@@ -66,11 +76,28 @@ def cublaslt_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         torch.backends.cuda.preferred_blas_library(prev)
 
 
+@contextlib.contextmanager
+def pdl(on: bool) -> Iterator[None]:
+    """Kernels launched inside (captured into a graph) take programmatic dependent launch or not:
+    ``loopline.kernels.pdl_options`` reads LOOPLINE_PDL at every launch."""
+    before = os.environ.get("LOOPLINE_PDL")
+    os.environ["LOOPLINE_PDL"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LOOPLINE_PDL"]
+        else:
+            os.environ["LOOPLINE_PDL"] = before
+
+
 def tile_grid(k: int, m: int = 64) -> list[SkinnyConfig]:
-    """Tiles to sweep; above 64 rows also 64-column steps (a 128-row operand fills shared memory sooner)."""
+    """Tiles to sweep; above 64 rows also 64-column steps (a 128-row operand fills shared memory sooner); at 16
+    rows or fewer also 32-row tiles (twice the programs: q/k/v's 6,144 rows give 192 instead of 96)."""
     out = []
     steps = ((128, (3, 5)),) if m <= 64 else ((128, (2, 3)), (64, (3, 4, 6)))
-    for (bn, w), s, (bk, stages) in itertools.product(((64, 4), (128, 8)), (1, 2, 3, 4, 8), steps):
+    blocks = ((32, 4), (64, 4), (128, 8)) if m <= 16 else ((64, 4), (128, 8))
+    for (bn, w), s, (bk, stages) in itertools.product(blocks, (1, 2, 3, 4, 8), steps):
         for st in stages:
             if k % (s * bk) == 0 and k // (s * bk) >= 2:
                 out.append(SkinnyConfig(bn, bk, s, w, st))
@@ -88,7 +115,8 @@ def compare_swiglu(rows: list[int]) -> None:
     for m in rows:
         gate, up = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16).split([k, k], dim=-1)
         base = time_per_call(lambda x, w: F.linear(ops.silu_mul(gate, up), w), gate, weights)
-        fast = time_per_call(lambda x, w: skinny_linear(ops.silu_mul(gate, up), w), gate, weights)
+        with pdl(False):  # as measured before the kernel had PDL (silu_mul has none)
+            fast = time_per_call(lambda x, w: skinny_linear(ops.silu_mul(gate, up), w), gate, weights)
         act = ops.silu_mul(gate, up)
         err = (skinny_linear(act, weights[0]).float() - F.linear(act, weights[0]).float()).abs().max().item()
         print(f"  M={m:<3} cuBLAS {base:6.2f} us ({gb / base * 1e6:4.0f})  skinny {fast:6.2f} us "
@@ -137,7 +165,9 @@ def compare_gemv() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,32,64,128")
-    p.add_argument("--sweep", action="store_true", help="also time the Triton split-K kernel over a grid of tiles")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the Triton split-K kernel at M >= 2: its launch rule and a grid of tiles")
+    p.add_argument("--pdl", action="store_true", help="with --sweep: also time the rule launched with PDL")
     p.add_argument("--gemv", action="store_true", help="only compare one-row products: cuBLAS vs gemv and its prologues")
     p.add_argument("--swiglu", action="store_true", help="only compare the MLP tail (silu_mul + down_proj by cuBLAS or skinny_linear)")
     a = p.parse_args()
@@ -162,21 +192,33 @@ def main() -> None:
                    "cublaslt": time_per_call(cublaslt_linear, x, weights)}
             res["nn"] = time_per_call(lambda x, wt: x @ wt, x, transposed)
             best = []
-            if a.sweep and 16 < m <= 128:
-                for cfg in tile_grid(k, m):
-                    try:
-                        got = skinny_linear(x, weights[0], cfg).float()
-                        if (got - ref).abs().max().item() > 0.05:
-                            print(f"  WRONG {name} M={m} {cfg}")
-                            continue
-                        best.append((time_per_call(lambda x, w, c=cfg: skinny_linear(x, w, c), x, weights), cfg))
-                    except Exception as e:  # noqa: BLE001 - e.g. shared memory over the limit
-                        print(f"  skip {cfg}: {type(e).__name__}")
+            if a.sweep and 1 < m <= 128:
+                with pdl(False):
+                    if m <= MAX_ROWS:  # the launch rule, as the engine calls it
+                        if (skinny_linear(x, weights[0]).float() - ref).abs().max().item() > 0.05:
+                            print(f"  WRONG {name} M={m} rule")
+                        res["skinny"] = time_per_call(skinny_linear, x, weights)
+                    for cfg in tile_grid(k, m):
+                        try:
+                            got = skinny_linear(x, weights[0], cfg).float()
+                            if (got - ref).abs().max().item() > 0.05:
+                                print(f"  WRONG {name} M={m} {cfg}")
+                                continue
+                            best.append((time_per_call(lambda x, w, c=cfg: skinny_linear(x, w, c), x, weights),
+                                         cfg))
+                        except Exception as e:  # noqa: BLE001 - e.g. shared memory over the limit
+                            print(f"  skip {cfg}: {type(e).__name__}")
+                if a.pdl and m <= MAX_ROWS:
+                    with pdl(True):
+                        res["skinny_pdl"] = time_per_call(skinny_linear, x, weights)
                 best.sort(key=lambda r: r[0])
                 if best:
                     res["triton"] = best[0][0]
             line = "  ".join(f"{v}: {t:6.2f} us ({gb / t * 1e6:4.0f})" for v, t in res.items())
             print(f"{name:>8} M={m:<3} {line}", flush=True)
+            if "skinny" in res:
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                print(f"           skinny rule: {skinny_config(n, k, sms)}")
             for t, cfg in best[:3]:
                 print(f"           triton {t:6.2f} us ({gb / t * 1e6:4.0f})  {cfg}")
             for v, t in res.items():

@@ -1,7 +1,8 @@
 """Where does a decode step's time go? (GPU, Ouro shapes, random weights)
 
-python tools/profile_step.py --rows 1 --context 1024 [--eager] [--kernels]
+python tools/profile_step.py --rows 1 --context 1024 [--eager] [--kernels] [--skinny-max-rows N]
 Prints the mean step time, the CUDA-graph replay time alone, and a host profile.
+--skinny-max-rows 0 against 16 compares cuBLAS with the skinny kernel for 2..16-row projections.
 --prefill times whole-prompt prefill loops; --mixed-prompts P times steps that carry P prompts next
 to --rows decoding rows (a C = 128 run's prefill steps).
 """
@@ -145,8 +146,8 @@ class AblatedOps(TritonOps):
     """The fused layer kernels without the add + RMSNorm kernels and the norms inside the q/k/v and gate/up
     GEMVs (``norms``), or without the layers' one-row GEMVs (``gemv``; the vocabulary projection still runs)."""
 
-    def __init__(self, kinds: frozenset[str]) -> None:
-        super().__init__()
+    def __init__(self, kinds: frozenset[str], skinny_max_rows: int | None = None) -> None:
+        super().__init__(skinny_max_rows)
         self.kinds = kinds
 
     def gemv_ablated(self, x, weight) -> bool:
@@ -219,7 +220,12 @@ def make_backends(a: argparse.Namespace) -> Backends:
     attention = (AblatedAttention(kinds, **launches) if kinds & {"merge", "attention"}
                  else TritonAttentionBackend(**launches))
     base = select_backends("auto", "auto", torch.device("cuda"))  # the engine's own choice on CUDA
-    layer_ops = AblatedOps(kinds) if kinds & {"norms", "gemv"} else base.layer_ops
+    if kinds & {"norms", "gemv"}:
+        layer_ops = AblatedOps(kinds, a.skinny_max_rows)
+    elif a.skinny_max_rows is not None:
+        layer_ops = TritonOps(skinny_max_rows=a.skinny_max_rows)
+    else:
+        layer_ops = base.layer_ops
     return dataclasses.replace(base, attention=attention, layer_ops=layer_ops)
 
 
@@ -244,6 +250,10 @@ def main() -> None:
     ap.add_argument("--gemv-config", default=None,
                     help="block_n,block_k,num_warps,num_stages for every one-row GEMV (default: the kernel's own); "
                          "N:K=block_n,... for weights of one shape only, several separated by ';'")
+    ap.add_argument("--skinny-max-rows", type=int, default=None,
+                    help="batches of 2..N rows run q/k/v, gate/up and o_proj through the skinny split-K kernel "
+                         "(loopline.kernels.skinny_gemm, PDL) instead of cuBLAS; 0: cuBLAS above one row (down_proj "
+                         "keeps the skinny kernel up to 64 rows either way). Default: fused.SKINNY_MAX_ROWS")
     ap.add_argument("--attn-splits", default=None,
                     help="MAX,MIN_KEYS: split-KV rule of decode attention (at most MAX splits of at least "
                          "MIN_KEYS keys; default: the backend's own)")
@@ -291,7 +301,8 @@ def main() -> None:
         engine.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) / a.steps * 1e3
-    print(f"rows={a.rows} context={a.context} eager={a.eager} async={a.async_scheduling}: mean step {step_ms:.3f} ms "
+    print(f"rows={a.rows} context={a.context} eager={a.eager} async={a.async_scheduling} "
+          f"skinny_max_rows={getattr(backends.layer_ops, 'skinny_max_rows', None)}: mean step {step_ms:.3f} ms "
           f"-> {a.rows * 1e3 / (step_ms * 4):.1f} output tok/s at 4 loops")
     runner = engine.runner
     if runner.graphs is not None:

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, pdl_options
 from loopline.kernels.gemv import gemv, norm_gemv, normed_row, use_gemv, use_norm_gemv
+from loopline.kernels.skinny_gemm import MAX_ROWS as _SKINNY_ROWS_LIMIT
 from loopline.kernels.skinny_gemm import skinny_linear, use_skinny
 from loopline.models.ops import TorchOps, rotary_cos_sin
 
@@ -114,9 +115,23 @@ def _pack(linears: list[torch.nn.Linear]) -> tuple[Tensor, list[int]]:
     return packed, sizes
 
 
-def _linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``F.linear(x, weight)``; one row takes the GEMV kernel, which streams the weight faster than cuBLAS."""
-    return gemv(x, weight) if use_gemv(x, weight) else torch.nn.functional.linear(x, weight)
+# The packed q/k/v, the packed gate/up and o_proj of batches of 2 to SKINNY_MAX_ROWS rows take the split-K
+# skinny kernel (launched with PDL, like the one-row GEMVs) instead of cuBLAS, which runs without PDL; one row
+# takes the GEMV kernels, more rows cuBLAS. The down projection keeps its own range (the skinny kernel up to
+# skinny_gemm.MAX_ROWS rows). The value is to be set from whole decode steps on an H200,
+# tools/profile_step.py at 2-16 rows with --skinny-max-rows N against 0 (cuBLAS); until that measurement is
+# recorded here it is 16, every row count the comparison covers. TritonOps(skinny_max_rows=...) overrides it.
+SKINNY_MAX_ROWS = 16
+
+
+def _linear(x: Tensor, weight: Tensor, skinny_max_rows: int = 0) -> Tensor:
+    """``F.linear(x, weight)``; one row takes the GEMV kernel, which streams the weight faster than cuBLAS, and
+    2 to ``skinny_max_rows`` rows the skinny split-K kernel."""
+    if use_gemv(x, weight):
+        return gemv(x, weight)
+    if 2 <= x.shape[0] <= skinny_max_rows and use_skinny(x, weight):
+        return skinny_linear(x, weight)
+    return torch.nn.functional.linear(x, weight)
 
 
 def _norm_warps(rows: int) -> int:
@@ -137,13 +152,21 @@ class TritonOps(TorchOps):
     points the parameters at views of it, so one GEMM replaces three (two): the
     parameters keep their names, shapes, values and addresses for in-place
     weight updates.
+
+    ``skinny_max_rows``: the largest batch whose q/k/v, gate/up and o_proj take the skinny kernel
+    (default :data:`SKINNY_MAX_ROWS`; 0: cuBLAS for every batch of more than one row). Two instances
+    with different values compare the routes in one process.
     """
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, skinny_max_rows: int | None = None) -> None:
         if triton is None:
             raise RuntimeError("TritonOps needs the triton package")
+        rows = SKINNY_MAX_ROWS if skinny_max_rows is None else skinny_max_rows
+        if not 0 <= rows <= _SKINNY_ROWS_LIMIT:
+            raise ValueError(f"skinny_max_rows must be in 0..{_SKINNY_ROWS_LIMIT}, got {rows}")
+        self.skinny_max_rows = rows
         self._packed: dict[int, tuple[Tensor, list[int]]] = {}
         self._rope: tuple[tuple, Tensor] | None = None  # ((head_dim, theta, dtype, device), [P, 2, D] cos/sin)
 
@@ -190,7 +213,7 @@ class TritonOps(TorchOps):
         if packed is None or x.requires_grad:
             return None
         weight, sizes = packed
-        return _linear(x, weight).split(sizes, dim=-1)
+        return _linear(x, weight, self.skinny_max_rows).split(sizes, dim=-1)
 
     def _norm_packed(self, module: torch.nn.Module, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None,
                      weight: Tensor, eps: float) -> tuple[Tensor, tuple[Tensor, ...]] | None:
@@ -279,7 +302,7 @@ class TritonOps(TorchOps):
         return q_out, k_out
 
     def linear(self, module: torch.nn.Linear, x: Tensor) -> Tensor:  # type: ignore[override]
-        return _linear(x, module.weight) if module.bias is None else module(x)
+        return _linear(x, module.weight, self.skinny_max_rows) if module.bias is None else module(x)
 
     def logits(self, lm_head: torch.nn.Linear, h: Tensor, needed: Tensor | None = None) -> Tensor:  # type: ignore[override]
         # One decode row: the 200 MB vocabulary projection is read only when the row's token exits.
@@ -291,7 +314,8 @@ class TritonOps(TorchOps):
         down = mlp.down_proj
         if down.bias is None and use_gemv(gate, down.weight):  # one row: the activation rides the load
             return gemv(gate, down.weight, up=up)
-        # Decode-sized batches: a split-K kernel streams down_proj's wide-K weight faster than cuBLAS.
+        # Decode-sized batches (up to skinny_gemm.MAX_ROWS rows, whatever skinny_max_rows): a split-K kernel
+        # streams down_proj's wide-K weight faster than cuBLAS.
         act = self.silu_mul(gate, up)
         if down.bias is None and use_skinny(act, down.weight):
             return skinny_linear(act, down.weight)

@@ -10,6 +10,22 @@ the GPU; every token row lives in the program. Accumulation is fp32 with one
 rounding; split-K partials are summed in a fixed order by a second kernel, so
 results are the same on every run (no atomics).
 
+:class:`loopline.kernels.fused.TritonOps` takes it for the down projection at
+2-64 rows and for q/k/v, gate/up and o_proj at 2 to ``fused.SKINNY_MAX_ROWS``
+rows (one row takes ``loopline.kernels.gemv``, more rows cuBLAS).
+
+On Hopper both kernels are launched with programmatic dependent launch
+(:func:`loopline.kernels.pdl_options`), as the one-row GEMV is: a program
+loads its first weight tile, which nothing in a step writes, before it waits
+for the kernels before it, and reads the token rows after the wait; the
+split-K reduction waits first thing. The first tile's product is the K loop's
+first step, peeled out of it, so the sums and their order are those of the
+launch without PDL (the same MMA instructions in the sm_90 PTX; the launch
+without PDL compiles to the instructions it did before PDL was added). In that
+PTX the loop's pipeline issues its loads of the next tiles once the first tile
+and the rows are in shared memory; what that costs against the early first
+tile is unmeasured (``tools/bench_gemm.py --pdl``, ``tools/profile_step.py``).
+
 (Computing the SwiGLU activation while loading the rows, to drop the separate
 ``silu_mul`` kernel, measured slower: 15.95 vs 13.10 us at 32 rows, since every
 program along N recomputes it.)
@@ -21,7 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from loopline.kernels import cuda_sm_count, kernel_operands
+from loopline.kernels import cuda_sm_count, grid_dependency_wait, kernel_operands, pdl_options
 
 try:
     import triton
@@ -30,9 +46,23 @@ except ImportError:  # pragma: no cover - the kernel is unusable without triton
     triton = None
 
 MAX_ROWS = 64  # token rows one program holds; more rows are a GEMM cuBLAS does well
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 if triton is not None:
+
+    @triton.jit
+    def _tile(ptrs, offs_k, k, K, EVEN_K: tl.constexpr, WEIGHT: tl.constexpr):
+        """The tile at ``ptrs`` (columns ``offs_k + k``), zeros past K; the weight's is read once, so it is
+        evicted first (it keeps out of the rows' way in L2)."""
+        if EVEN_K:
+            if WEIGHT:
+                return tl.load(ptrs, eviction_policy="evict_first")
+            return tl.load(ptrs)
+        k_mask = offs_k[None, :] + k < K
+        if WEIGHT:
+            return tl.load(ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
+        return tl.load(ptrs, mask=k_mask, other=0.0)
 
     @triton.jit
     def _skinny_kernel(
@@ -41,6 +71,7 @@ if triton is not None:
         stride_xm, stride_wn, stride_os, stride_om,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding); ignored for 16-bit operands
+        PDL: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -54,14 +85,18 @@ if triton is not None:
         w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
         x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k in range(0, k_per_split, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")  # read once: keep it out of x's way in L2
-                x = tl.load(x_ptrs)
-            else:
-                k_mask = offs_k[None, :] + k < K
-                w = tl.load(w_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_first")
-                x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        if PDL:
+            # No earlier kernel writes the weights: the first tile streams in while they finish. The rows
+            # are read after the wait. The product is the loop's first step (same order, same bits).
+            w = _tile(w_ptrs, offs_k, 0, K, EVEN_K, True)
+            grid_dependency_wait(PDL)
+            x = _tile(x_ptrs, offs_k, 0, K, EVEN_K, False)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        for k in range(BLOCK_K if PDL else 0, k_per_split, BLOCK_K):
+            w = _tile(w_ptrs, offs_k, k, K, EVEN_K, True)
+            x = _tile(x_ptrs, offs_k, k, K, EVEN_K, False)
             # W as the left operand: its rows are the MMA's M, so the K-contiguous tile needs no
             # transpose, and the token rows (padded to 16) are the narrow right operand.
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
@@ -72,7 +107,8 @@ if triton is not None:
 
     @triton.jit
     def _split_k_reduce_kernel(ws_ptr, y_ptr, N, stride_ws, stride_wm, stride_ym,
-                               SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                               SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency_wait(PDL)  # every input is the partials the kernel before wrote
         # Partials summed in split order, one rounding at the end: the same bits on every run.
         m = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -97,7 +133,15 @@ def skinny_config(n: int, k: int, num_sms: int = 132, elem_bytes: int = 2) -> Sk
     From ``tools/bench_gemm.py --sweep`` on an H200 (Ouro-1.4B's down projection, 32 and 64 rows): 64 weight
     rows x 128 columns per step, 5 stages deep; K is split while the doubled grid still fits about one
     program per SM and each split keeps at least two K blocks. fp32 operands (tests; the engine
-    takes the kernel for 16-bit ones) get 2 stages so 64 rows still fit in shared memory.
+    serves 16-bit weights) get 2 stages so 64 rows still fit in shared memory.
+
+    The rule does not look at M. At 2-16 rows it gives Ouro-1.4B's q/k/v (N = 6,144) 96 programs and no
+    split on 132 SMs, gate/up (11,264) 176 programs, o_proj and down_proj (2,048) four K splits of 32
+    programs. Filling the SMs for q/k/v (32-row blocks, or two K splits) was considered and, unmeasured,
+    not adopted: 96 programs already keep 4 x 16 KB of weight each in flight, ~6 MB, more than the ~4 MB
+    that ~4.3 TB/s at a ~1 us memory latency asks for (an estimate, not a measurement); and either change
+    gives 192 programs, 60 SMs running two and 72 one, the split also a reduction launch more.
+    ``tools/bench_gemm.py --sweep --rows 2,4,8,16`` times those tiles against this rule.
     """
     block_n, block_k = 64, 128
     programs, split_k = triton.cdiv(n, block_n), 1
@@ -107,8 +151,10 @@ def skinny_config(n: int, k: int, num_sms: int = 132, elem_bytes: int = 2) -> Sk
 
 
 def use_skinny(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`skinny_linear` applies: a decode-sized 16-bit batch, no autograd."""
-    return triton is not None and kernel_operands(x, weight) and 1 <= x.shape[0] <= MAX_ROWS
+    """Whether :func:`skinny_linear` applies: a decode-sized batch, no autograd. fp32 too (products in
+    IEEE fp32, not TF32), as for :func:`loopline.kernels.gemv.use_gemv`: fp32 engine tests then check
+    the path as served."""
+    return triton is not None and kernel_operands(x, weight, _DTYPES) and 1 <= x.shape[0] <= MAX_ROWS
 
 
 def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None) -> Tensor:
@@ -122,6 +168,7 @@ def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None)
         raise ValueError(f"skinny_linear wants x [M, K] and weight [N, K] with unit stride along K, got "
                          f"{tuple(x.shape)} / {tuple(weight.shape)}")
     cfg = config or skinny_config(n, k, _sm_count(x.device), x.element_size())
+    pdl = pdl_options(x.device)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     # Each split covers a whole number of K blocks; a tail split may run past K and read masked zeros.
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -134,12 +181,12 @@ def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None)
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, weight, out, m, n, k, k_per_split, x.stride(0), weight.stride(0), stride_os, stride_om,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=even_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        EVEN_K=even_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         block = 1024
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](out, y, n, out.stride(0), out.stride(1), y.stride(0),
-                                                           SPLIT_K=cfg.split_k, BLOCK=block)
+                                                           SPLIT_K=cfg.split_k, BLOCK=block, **pdl)
     return y
 
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from triton_testing import DEVICE, DTYPES, close
+from triton_testing import DEVICE, DTYPES, bf16_dot_in_the_interpreter, close
 
 from loopline.kernels.gemv import GemvConfig, gemv, norm_gemv, use_gemv, use_norm_gemv
 from loopline.models.ops import TorchOps
@@ -95,16 +95,15 @@ def test_triton_ops_take_gemv_for_one_row_only(monkeypatch):
     fast.prepare(model)
     calls = []
     monkeypatch.setattr(fused, "gemv", lambda x, w, **kw: calls.append(w.shape) or gemv(x, w, **kw))
-    with torch.inference_mode():  # how the engine runs the model
+    with torch.inference_mode(), bf16_dot_in_the_interpreter():  # three rows take the skinny GEMM's bf16 tl.dot
         for rows in (1, 3):
             x = torch.randn(rows, 64, generator=g).to(DEVICE, torch.bfloat16)
             for got, want in zip(fast.project_qkv(attn, x), ref.project_qkv(attn, x)):
                 close(got, want, torch.bfloat16)
             close(fast.linear(attn.o_proj, x), ref.linear(attn.o_proj, x), torch.bfloat16)
             gate, up = fast.project_gate_up(mlp, x)
-            if rows == 1 or DEVICE == "cuda":  # more rows take the skinny GEMM's bf16 tl.dot: GPU only
-                close(fast.swiglu_down(mlp, gate, up), ref.swiglu_down(mlp, *ref.project_gate_up(mlp, x)),
-                      torch.bfloat16)
+            close(fast.swiglu_down(mlp, gate, up), ref.swiglu_down(mlp, *ref.project_gate_up(mlp, x)),
+                  torch.bfloat16)
     # one row: packed q/k/v, o_proj, packed gate/up, down with the activation; three rows: none
     assert calls == [(192, 64), (64, 64), (192, 64), (64, 96)]
 
@@ -210,7 +209,7 @@ def test_triton_ops_fuse_the_norm_into_one_row_projections(monkeypatch):
                                                                                  kw["branch"] is not None))
                         or norm_gemv(x, w, *a, **kw))
     wb, wn = ((torch.rand(64, generator=g) + 0.5).to(DEVICE, torch.bfloat16) for _ in range(2))
-    with torch.inference_mode():
+    with torch.inference_mode(), bf16_dot_in_the_interpreter():  # three rows: the skinny GEMM's bf16 tl.dot
         for rows in (1, 3):
             x, b = (torch.randn(rows, 64, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
             for branch in (None, b):

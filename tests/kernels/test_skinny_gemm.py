@@ -1,47 +1,139 @@
-"""The split-K skinny GEMM against F.linear, and the MLP tail that uses it (CPU interpreter or GPU)."""
+"""The split-K skinny GEMM against F.linear, its launch with programmatic dependent launch, and the decode-batch
+projections of TritonOps that take it (CPU interpreter or GPU)."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
-from triton_testing import DEVICE, DTYPES, close
+from triton_testing import DEVICE, bf16_dot_in_the_interpreter, close
 
+import loopline.kernels.fused as fused
 from loopline.kernels import skinny_gemm
 from loopline.kernels.fused import TritonOps
 from loopline.kernels.skinny_gemm import SkinnyConfig, skinny_config, skinny_linear
 from loopline.models.ops import TorchOps
 
+# bf16 on the CPU too: the interpreter's tl.dot is given bf16 operands as numbers (bf16_dot_in_the_interpreter).
+PRODUCT_DTYPES = [torch.float32, torch.bfloat16]
+# A split K (the default rule at K = 512: partials and the reduce run), one program per column block, and a
+# ragged third split that runs past K.
+CONFIGS = [None, SkinnyConfig(64, 128, 1, 4, 2), SkinnyConfig(32, 128, 3, 4, 2)]
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 33])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_skinny_linear_matches_linear(rows, dtype):
-    g = torch.Generator().manual_seed(2)
-    k, n = 512, 96
+
+def _operands(rows: int, dtype: torch.dtype, k: int = 512, n: int = 96, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 2 * k, generator=g).to(DEVICE, dtype)[:, :k]  # a strided view, as split halves are
     weight = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    return x, weight
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+@pytest.mark.parametrize("dtype", PRODUCT_DTYPES)
+def test_skinny_linear_matches_linear(rows, dtype):
+    x, weight = _operands(rows, dtype)
     want = torch.nn.functional.linear(x, weight)
-    assert skinny_config(n, k).split_k > 1  # the rule splits this K: partials and the reduce run
-    for cfg in (None, SkinnyConfig(64, 128, 1, 4, 2), SkinnyConfig(32, 128, 3, 4, 2)):  # 3 splits: a ragged tail
-        close(skinny_linear(x, weight, cfg), want, dtype)
-    with pytest.raises(AssertionError):  # the test can fail: a transposed-order weight is caught
-        close(skinny_linear(x, weight.flip(1).contiguous()), want, dtype)
+    assert skinny_config(*weight.shape).split_k > 1  # the rule splits this K: partials and the reduce run
+    with bf16_dot_in_the_interpreter():
+        for cfg in CONFIGS:
+            close(skinny_linear(x, weight, cfg), want, dtype)
+        with pytest.raises(AssertionError):  # the test can fail: a transposed-order weight is caught
+            close(skinny_linear(x, weight.flip(1).contiguous()), want, dtype)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE != "cuda", reason="the engine takes the kernel for 16-bit activations only")
-def test_triton_ops_mlp_tail_uses_skinny_gemm_for_decode_batches(monkeypatch):
-    import loopline.kernels.fused as fused
+@pytest.mark.parametrize("dtype", PRODUCT_DTYPES)
+def test_pdl_launch_gives_the_same_bits(monkeypatch, dtype):
+    """With PDL the first weight tile's product is peeled out of the K loop (loaded before the wait): the same
+    sums in the same order as without. On the CPU the interpreter cannot run the grid dependency instructions,
+    so the wait is a recorder: every program of both kernels passes it (the order of the wait and the loads in
+    the compiled kernel is tests/kernels/test_pdl.py's). On the GPU: PDL as launched (on Hopper) against
+    LOOPLINE_PDL=0."""
+    x, weight = _operands(7, dtype)
+    waits = []
+    with bf16_dot_in_the_interpreter():
+        monkeypatch.setenv("LOOPLINE_PDL", "0")
+        plain = [skinny_linear(x, weight, cfg) for cfg in CONFIGS]
+        monkeypatch.delenv("LOOPLINE_PDL")
+        if DEVICE != "cuda":
+            assert skinny_gemm.pdl_options(x.device) == {"PDL": False, "launch_pdl": False}  # as the CPU launches
+            monkeypatch.setattr(skinny_gemm, "pdl_options", lambda device: {"PDL": True, "launch_pdl": True})
+            monkeypatch.setattr(skinny_gemm, "grid_dependency_wait", lambda pdl: waits.append(bool(pdl)))
+        early = [skinny_linear(x, weight, cfg) for cfg in CONFIGS]
+    for cfg, a, b in zip(CONFIGS, plain, early, strict=True):
+        assert torch.equal(a, b), cfg
+    close(early[0], torch.nn.functional.linear(x, weight), dtype)
+    if DEVICE != "cuda":
+        n, k = weight.shape
+        programs = 0
+        for cfg in CONFIGS:
+            cfg = cfg or skinny_config(n, k)
+            programs += -(-n // cfg.block_n) * cfg.split_k + (7 * -(-n // 1024) if cfg.split_k > 1 else 0)
+        assert waits == [True] * programs
 
-    mlp = torch.nn.Module()
-    mlp.down_proj = torch.nn.Linear(256, 64, bias=False).to(DEVICE, torch.bfloat16)
-    weight = mlp.down_proj.weight  # requires grad, as the engine's parameters do
-    gate, up = torch.randn(2, 8, 256, device=DEVICE, dtype=torch.bfloat16)
+
+def _one_layer(hidden: int, q: int, kv: int, inter: int, dtype: torch.dtype, g: torch.Generator):
+    """``(model, attn, mlp)``: one layer's bias-free projections and what TritonOps.prepare reads besides the
+    layers (RoPE's shape, the activation dtype via lm_head)."""
+    attn, mlp = torch.nn.Module(), torch.nn.Module()
+    shapes = {"q_proj": (attn, hidden, q), "k_proj": (attn, hidden, kv), "v_proj": (attn, hidden, kv),
+              "o_proj": (attn, q, hidden), "gate_proj": (mlp, hidden, inter), "up_proj": (mlp, hidden, inter),
+              "down_proj": (mlp, inter, hidden)}
+    for name, (mod, k, n) in shapes.items():
+        lin = torch.nn.Linear(k, n, bias=False).to(DEVICE, dtype)  # requires grad, as the engine's parameters do
+        lin.weight.data = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+        setattr(mod, name, lin)
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = [torch.nn.Module()]
+    model.model.layers[0].self_attn, model.model.layers[0].mlp = attn, mlp
+    model.config = SimpleNamespace(head_dim=16, rope_theta=10000.0, max_position_embeddings=32)
+    model.lm_head = attn.o_proj
+    return model, attn, mlp
+
+
+@pytest.mark.parametrize("dtype", PRODUCT_DTYPES)
+def test_triton_ops_give_decode_batches_projections_to_the_skinny_kernel(monkeypatch, dtype):
+    """2 to SKINNY_MAX_ROWS rows: packed q/k/v (also behind the layer's add + RMSNorm), o_proj and packed gate/up
+    take the skinny kernel, as down_proj does, and equal TorchOps. Hidden 96 (K past the last 128-column tile:
+    masked), q/k/v 160 rows (a clamped column block), down_proj K = 512 (split K, the reduce). More rows, or
+    skinny_max_rows=0, take cuBLAS for all but down_proj (skinny up to 64 rows); one row takes the GEMVs
+    (test_gemv.py)."""
+    assert fused.SKINNY_MAX_ROWS == 16
+    g = torch.Generator().manual_seed(7)
+    hidden, inter = 96, 512
+    model, attn, mlp = _one_layer(hidden, 96, 32, inter, dtype, g)
+    ref, fast, off = TorchOps(), TritonOps(), TritonOps(skinny_max_rows=0)
+    assert fast.skinny_max_rows == 16 and off.skinny_max_rows == 0
     calls = []
-    monkeypatch.setattr(fused, "skinny_linear", lambda x, w: calls.append(x.shape[0]) or skinny_gemm.skinny_linear(x, w))
-    with torch.inference_mode():  # how the engine runs the model
-        got, want = TritonOps().swiglu_down(mlp, gate, up), TorchOps().swiglu_down(mlp, gate, up)
-        big = torch.randn(skinny_gemm.MAX_ROWS + 1, 256, device=DEVICE, dtype=torch.bfloat16)
-        assert not skinny_gemm.use_skinny(big, weight)
-        assert not skinny_gemm.use_skinny(gate.float(), weight.float())
-    assert calls == [8]
-    close(got, want, torch.bfloat16)
-    assert not skinny_gemm.use_skinny(gate, weight)  # autograd recording: the differentiable path
+    monkeypatch.setattr(fused, "skinny_linear", lambda x, w: calls.append((x.shape[0], tuple(w.shape)))
+                        or skinny_linear(x, w))
+    qkv, o, gate_up, down = (160, hidden), (hidden, 96), (2 * inter, hidden), (hidden, inter)
+    wn = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE, dtype)
+    with torch.inference_mode(), bf16_dot_in_the_interpreter():  # how the engine runs the model
+        for rows in (2, 3, 8, 16, 17):
+            x = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
+            for ops, limit in ((fast, 16), (off, 0)):
+                ops.prepare(model)
+                calls.clear()
+                for got, want in zip(ops.project_qkv(attn, x), ref.project_qkv(attn, x), strict=True):
+                    close(got, want, dtype)
+                got_x, got = ops.norm_project_qkv(attn, x, None, None, wn, 1e-6)
+                want_x, want = ref.norm_project_qkv(attn, x, None, None, wn, 1e-6)
+                assert got_x is x
+                for a, e in zip(got, want, strict=True):
+                    close(a, e, dtype)
+                close(ops.linear(attn.o_proj, x), ref.linear(attn.o_proj, x), dtype)
+                gate, up = ops.project_gate_up(mlp, x)
+                gate_r, up_r = ref.project_gate_up(mlp, x)
+                close(gate, gate_r, dtype)
+                close(up, up_r, dtype)
+                close(ops.swiglu_down(mlp, gate, up), ref.swiglu_down(mlp, gate_r, up_r), dtype)
+                ops.release(model)
+                taken = [(rows, w) for w in (qkv, qkv, o, gate_up)] if 2 <= rows <= limit else []
+                assert calls == taken + [(rows, down)], (rows, limit)
+        big = torch.randn(skinny_gemm.MAX_ROWS + 1, hidden, device=DEVICE, dtype=dtype)
+        assert not skinny_gemm.use_skinny(big, attn.o_proj.weight)
+        assert not skinny_gemm.use_skinny(x.double(), attn.o_proj.weight.double())
+    assert not skinny_gemm.use_skinny(x, attn.o_proj.weight)  # autograd recording: the differentiable path
+    with pytest.raises(ValueError, match="skinny_max_rows"):
+        TritonOps(skinny_max_rows=skinny_gemm.MAX_ROWS + 1)
