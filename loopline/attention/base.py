@@ -11,6 +11,12 @@ offset ``p % block_size``. Causal: the query at position ``p`` sees keys
 KV storage (owned by the model runner): ``k_cache``/``v_cache`` of shape
 ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``. A physical
 slot is ``block * block_size + offset``.
+
+FP8 caches (``torch.float8_e4m3fn``) come with per-layer, per-KV-head fp32 scales
+``k_scale``/``v_scale`` (a backend method gets one layer's ``[num_kv_heads]`` row):
+a stored value is ``clamp(x / scale, -448, 448)`` rounded to nearest even
+(:func:`quantize_fp8`), read back as ``stored * scale`` (:func:`dequantize_fp8`).
+Queries and softmax probabilities are never quantized. Other caches ignore the scales.
 """
 from __future__ import annotations
 
@@ -22,6 +28,42 @@ import torch
 from torch import Tensor
 
 from loopline.models.ops import Rope
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def is_fp8_kv(cache: Tensor) -> bool:
+    """True if ``cache`` stores FP8 (E4M3) values, which need scales."""
+    return cache.dtype == FP8_KV_DTYPE
+
+
+def check_kv_scales(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> bool:
+    """Whether the caches are FP8; for FP8 checks that both per-head scales are ``[kv_heads]`` fp32 on the
+    caches' device. ``k_cache``/``v_cache`` may be one layer's or all layers' (heads on the second-last axis)."""
+    if not is_fp8_kv(k_cache):
+        return False
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    kv_heads = k_cache.shape[-2]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            raise ValueError(f"{name} is required with a {k_cache.dtype} KV cache")
+        if scale.shape != (kv_heads,) or scale.dtype != torch.float32 or scale.device != k_cache.device:
+            raise ValueError(f"{name} must be a [{kv_heads}] float32 tensor on {k_cache.device}, got "
+                             f"{list(scale.shape)} {scale.dtype} on {scale.device}")
+    return True
+
+
+def quantize_fp8(x: Tensor, scale: Tensor) -> Tensor:
+    """``x`` ``[..., kv_heads, D]`` divided by the per-head ``scale`` in fp32, saturated and rounded (to nearest
+    even) to FP8 E4M3: what an FP8 cache stores."""
+    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_fp8(x: Tensor, scale: Tensor) -> Tensor:
+    """FP8 values ``[..., kv_heads, D]`` back to fp32: ``x * scale`` per head."""
+    return x.float() * scale[:, None]
 
 
 @dataclass
@@ -65,29 +107,38 @@ class AttentionBackend(ABC):
     name: str
 
     @abstractmethod
-    def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> None:
-        """k_cache/v_cache: one layer, ``[num_blocks, block_size, kv_heads, D]``; k/v: ``[N, kv_heads, D]``."""
+    def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata, *,
+                 k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
+        """k_cache/v_cache: one layer, ``[num_blocks, block_size, kv_heads, D]``; k/v: ``[N, kv_heads, D]``.
+
+        ``k_scale``/``v_scale``: ``[kv_heads]`` fp32, required (only) for FP8 caches, which store
+        :func:`quantize_fp8` of k and v."""
 
     def rotate_and_write_kv(self, k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, rope: Rope,
-                            meta: PagedAttentionMetadata) -> Tensor:
+                            meta: PagedAttentionMetadata, *, k_scale: Tensor | None = None,
+                            v_scale: Tensor | None = None) -> Tensor:
         """Applies ``rope`` to q and k, stores K/V like :meth:`write_kv`; returns the rotated q.
 
         Backends with kernels override it to do all of it in one pass over the step's rows."""
         q, k = rope(q, k)
-        self.write_kv(k_cache, v_cache, k, v, meta)
+        self.write_kv(k_cache, v_cache, k, v, meta, k_scale=k_scale, v_scale=v_scale)
         return q
 
     @abstractmethod
-    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMetadata, scale: float) -> Tensor:
-        """q: ``[N, heads, D]`` -> ``[N, heads, D]`` (fp32 accumulation, output in q's dtype)."""
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMetadata, scale: float, *,
+               k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+        """q: ``[N, heads, D]`` -> ``[N, heads, D]`` (fp32 accumulation, output in q's dtype).
+
+        FP8 caches are read as ``stored * scale`` (:func:`dequantize_fp8`) and need ``k_scale``/``v_scale``."""
 
     def rotate_store_attend(self, k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, rope: Rope,
-                            meta: PagedAttentionMetadata, scale: float) -> Tensor:
+                            meta: PagedAttentionMetadata, scale: float, *, k_scale: Tensor | None = None,
+                            v_scale: Tensor | None = None) -> Tensor:
         """One layer's attention of a step: :meth:`rotate_and_write_kv`, then :meth:`attend` on the rotated q.
 
         Backends with kernels may do it in fewer launches where the step's shape allows (decode rows)."""
-        q = self.rotate_and_write_kv(k_cache, v_cache, q, k, v, rope, meta)
-        return self.attend(q, k_cache, v_cache, meta, scale)
+        q = self.rotate_and_write_kv(k_cache, v_cache, q, k, v, rope, meta, k_scale=k_scale, v_scale=v_scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
 
     def work_tile_tokens(self, group: int) -> int | None:
         """Query tokens per work tile for ``group`` query heads per KV head; None: no work list."""
@@ -97,7 +148,8 @@ class AttentionBackend(ABC):
         """For every layer copy K/V at physical slots ``src[i]`` to ``dst[i]`` (``[M]`` int64).
 
         Caches here are the full ``[num_layers, num_blocks, block_size, kv_heads, D]``
-        tensors. Graph-safe: one gather and one scatter per cache over ``(layer, slot)`` rows.
+        tensors. Raw values move (FP8 scales are per layer and head, the same for every slot), so
+        no scales. Graph-safe: one gather and one scatter per cache over ``(layer, slot)`` rows.
         (Indexing the slot axis of the 5-D cache directly makes torch split the copy into
         kernels by 32-bit offset ranges of the whole pool: 49 launches per step with a
         110 GiB pool on the H200.)
@@ -108,6 +160,8 @@ class AttentionBackend(ABC):
         first = torch.arange(num_layers, device=src.device)[:, None] * slots  # row of each layer's slot 0
         src_rows, dst_rows = (first + src[None, :]).reshape(-1), (first + dst[None, :]).reshape(-1)
         for cache in (k_cache, v_cache):
+            if is_fp8_kv(cache):  # bytes: indexing kernels are not built for float8 on every device
+                cache = cache.view(torch.uint8)
             rows = cache.view(num_layers * slots, -1)
             rows[dst_rows] = rows[src_rows]
 

@@ -4,7 +4,8 @@ The same contract as :class:`~loopline.attention.torch_backend.TorchAttentionBac
 (the reference it is tested against); the kernels, and what each does, are in
 :mod:`loopline.attention.triton_kernels`. This module picks and launches them:
 the split-KV rule, the tile sizes, the work list of prefill steps, and which
-decode-only steps take the fused decode kernel.
+decode-only steps take the fused decode kernel. FP8 caches take the same launches
+(tile sizes by q's dtype, which the 1-byte tiles widen to) plus their per-head scales.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from loopline.attention.base import AttentionBackend, PagedAttentionMetadata
+from loopline.attention.base import AttentionBackend, PagedAttentionMetadata, check_kv_scales, is_fp8_kv
 from loopline.attention.triton_kernels import (
     INTERPRET,
     copy_exited_kernel,
@@ -91,9 +92,30 @@ def _decode_block_m(group: int) -> int:
     return max(16, _next_pow2(group))
 
 
-def _dot_precision(cache_dtype: torch.dtype) -> str:
-    """The dots' input precision: ieee for fp32 caches (no TF32 rounding), else tf32 (ignored for 16 bits)."""
-    return "ieee" if cache_dtype == torch.float32 else "tf32"
+def _dot_precision(dot_dtype: torch.dtype) -> str:
+    """The dots' input precision: ieee for fp32 operands (no TF32 rounding), else tf32 (ignored for 16 bits)."""
+    return "ieee" if dot_dtype == torch.float32 else "tf32"
+
+
+def _dot_dtype(q: Tensor, k_cache: Tensor) -> torch.dtype:
+    """The dtype the kernels' dots run in: the cache's, or q's for FP8 caches (their tiles widen to it)."""
+    return q.dtype if is_fp8_kv(k_cache) else k_cache.dtype
+
+
+def _tile_elem_bytes(q: Tensor, k_cache: Tensor) -> int:
+    """Bytes per K/V element that size the key tiles. FP8 tiles count as q's dtype, which they are widened to
+    in registers before the dots: a bf16 model over an FP8 cache launches exactly as over a bf16 cache (the
+    measured parameters; FP8 only halves the bytes each tile loads)."""
+    return q.element_size() if is_fp8_kv(k_cache) else k_cache.element_size()
+
+
+def _scale_args(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None
+                ) -> tuple[Tensor, Tensor]:
+    """The kernels' ``k_scale_ptr``/``v_scale_ptr``: the checked scales of FP8 caches, else the cache
+    (a placeholder pointer, never read)."""
+    if check_kv_scales(k_cache, v_cache, k_scale, v_scale):
+        return k_scale.contiguous(), v_scale.contiguous()
+    return k_cache, v_cache
 
 
 def _heads_per_program(num_kv_heads: int, head_dim: int) -> int:
@@ -151,40 +173,46 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ write_kv
 
-    def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata) -> None:
+    def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata, *,
+                 k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
+        scales = _scale_args(k_cache, v_cache, k_scale, v_scale)
         n, kvh, d = k.shape
         if n == 0:
             return
         assert k_cache.dim() == 4 and k_cache.shape[2:] == (kvh, d) and v.shape == k.shape
         assert k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
-        self._store_kv(k_cache, v_cache, k, v, meta)
+        self._store_kv(k_cache, v_cache, k, v, meta, scales)
 
     # ------------------------------------------------------------------ rotate_and_write_kv
 
     def rotate_and_write_kv(self, k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, rope: Rope,
-                            meta: PagedAttentionMetadata) -> Tensor:
+                            meta: PagedAttentionMetadata, *, k_scale: Tensor | None = None,
+                            v_scale: Tensor | None = None) -> Tensor:
         """Rotary on q and k and the K/V store in one launch (the rotated k goes straight to the cache)."""
         n, heads, d = q.shape
         kvh = k.shape[1]
         if n == 0 or q.requires_grad or k.requires_grad:
-            return super().rotate_and_write_kv(k_cache, v_cache, q, k, v, rope, meta)
+            return super().rotate_and_write_kv(k_cache, v_cache, q, k, v, rope, meta, k_scale=k_scale,
+                                               v_scale=v_scale)
+        scales = _scale_args(k_cache, v_cache, k_scale, v_scale)
         assert k_cache.dim() == 4 and k_cache.shape[2:] == (kvh, d) and v.shape == k.shape
         assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and rope.cos.stride(-1) == rope.sin.stride(-1) == 1
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         q_out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
-        self._store_kv(k_cache, v_cache, k, v, meta, rotated=(q, q_out, rope))
+        self._store_kv(k_cache, v_cache, k, v, meta, scales, rotated=(q, q_out, rope))
         return q_out
 
     @staticmethod
     def _store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata,
-                  rotated: tuple[Tensor, Tensor, Rope] | None = None) -> None:
-        """One launch of the store kernel; with ``rotated = (q, q_out, rope)`` rotary on q and k on the way."""
+                  scales: tuple[Tensor, Tensor], rotated: tuple[Tensor, Tensor, Rope] | None = None) -> None:
+        """One launch of the store kernel; with ``rotated = (q, q_out, rope)`` rotary on q and k on the way.
+        ``scales``: the kernel's scale pointers (``_scale_args``)."""
         n, kvh, d = k.shape
         q, q_out, cos, sin = (rotated[0], rotated[1], rotated[2].cos, rotated[2].sin) if rotated else (k, k, k, k)
         heads = q.shape[1]  # kvh without rotation (q is k then, and unread like q_out, cos and sin)
         block_h = min(_next_pow2(max(heads, kvh)), 16)
         rope_write_kv_kernel[(n, 3 if rotated else 2, triton.cdiv(max(heads, kvh), block_h))](
-            q, k, v, q_out, k_cache, v_cache, cos, sin, meta.slot_mapping, heads, kvh,
+            q, k, v, q_out, k_cache, v_cache, cos, sin, meta.slot_mapping, *scales, heads, kvh,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -198,10 +226,12 @@ class TritonAttentionBackend(AttentionBackend):
                     scratch_slot: int) -> None:
         """The exit copy as one predicated kernel: rows that do not exit early cost a program that returns.
 
-        ``scratch_slot`` is unused: nothing is copied for rows without an exit."""
+        ``scratch_slot`` is unused: nothing is copied for rows without an exit. FP8 caches move as bytes."""
         rows, num_planes = plane_slots.shape
         if rows == 0 or num_planes < 2:
             return
+        if is_fp8_kv(k_cache):  # the kernel only moves values: bytes need no float8 loads and stores
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         num_layers, _, block_size, kvh, d = k_cache.shape
         assert v_cache.shape == k_cache.shape and loops.shape == exits.shape == (rows,)
         assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and plane_slots.stride(1) == 1
@@ -217,17 +247,21 @@ class TritonAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------------ rotate_store_attend
 
     def rotate_store_attend(self, k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, rope: Rope,
-                            meta: PagedAttentionMetadata, scale: float) -> Tensor:
+                            meta: PagedAttentionMetadata, scale: float, *, k_scale: Tensor | None = None,
+                            v_scale: Tensor | None = None) -> Tensor:
         """Decode-only steps of small batches (split keys): rotary, the K/V store and attention as one
         kernel (``decode_attention_kernel``); other steps store, then attend."""
         n, heads, d = q.shape
         _, block_size, kvh, _ = k_cache.shape
         if (meta.max_query_len != 1 or meta.work_tiles is not None or n == 0 or n != meta.seq_lens.shape[0]
                 or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-            return super().rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
+            return super().rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale, k_scale=k_scale,
+                                               v_scale=v_scale)
         num_splits = self.pick_num_splits(q.device, n * kvh, 1, meta.max_seq_len)
         if num_splits < self.split_rule.fused_decode_min_splits:
-            return super().rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
+            return super().rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale, k_scale=k_scale,
+                                               v_scale=v_scale)
+        scales = _scale_args(k_cache, v_cache, k_scale, v_scale)
         self._check_shapes(heads, kvh, d, block_size)
         assert k_cache.shape == v_cache.shape and k.shape == v.shape == (n, kvh, d)
         assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and rope.cos.stride() == rope.sin.stride()
@@ -235,18 +269,18 @@ class TritonAttentionBackend(AttentionBackend):
         group = heads // kvh
         block_m = _decode_block_m(group)
         launch = self.decode_launch
-        block_n = launch.block_n or _key_block(d, k_cache.element_size())
+        block_n = launch.block_n or _key_block(d, _tile_elem_bytes(q, k_cache))
         out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
         part_out, part_lse = self.partials(num_splits, out)
         decode_attention_kernel[(n, kvh, num_splits)](
-            q, k, v, cos, sin, k_cache, v_cache, out, part_out, part_lse,
+            q, k, v, cos, sin, k_cache, v_cache, *scales, out, part_out, part_lse,
             meta.seq_lens, meta.block_tables, meta.slot_mapping, scale * _LOG2E, n, heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             out.stride(0), out.stride(1), meta.block_tables.stride(0),
             G=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=d, NUM_SPLITS=num_splits,
-            DOT_PRECISION=_dot_precision(k_cache.dtype), **pdl_options(q.device),
+            DOT_PRECISION=_dot_precision(_dot_dtype(q, k_cache)), **pdl_options(q.device),
             # With splits (small batches) the step is latency-bound and the grid fits in one wave at two
             # programs per SM; larger grids keep the pipelined loop's lower register count.
             PREFETCH=num_splits > 1,
@@ -289,7 +323,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ attend
 
-    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMetadata, scale: float) -> Tensor:
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: PagedAttentionMetadata, scale: float, *,
+               k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
+        scales = _scale_args(k_cache, v_cache, k_scale, v_scale)
         n, heads, d = q.shape
         num_rows = meta.seq_lens.shape[0]
         _, block_size, kvh, _ = k_cache.shape
@@ -313,7 +349,7 @@ class TritonAttentionBackend(AttentionBackend):
             block_m = max(16, min(widest, _next_pow2(meta.max_query_len * group)), _next_pow2(group))
         tile_t = block_m // group
         q_tiles = triton.cdiv(max(meta.max_query_len, 1), tile_t)
-        block_n = _key_block(d, k_cache.element_size())
+        block_n = _key_block(d, _tile_elem_bytes(q, k_cache))
         if work is not None:
             num_splits, grid = 1, (work.shape[1], kvh, 1)
         else:
@@ -327,27 +363,27 @@ class TritonAttentionBackend(AttentionBackend):
         block_n = tune.block_n or block_n
         num_warps = tune.num_warps or num_warps
         num_stages = tune.num_stages or num_stages
-        precision = _dot_precision(k_cache.dtype)
+        precision = _dot_precision(_dot_dtype(q, k_cache))
 
         if work is not None and meta.num_decode_rows:
             # Decode rows of a mixed step: one query each, so 16-row tiles, not the work list's 64
             # (whose padding rows would multiply their softmax and MMA work by 64 / G).
             decode_m = _decode_block_m(group)
-            self._launch(q, k_cache, v_cache, out, out, out, meta, None, scale, (meta.num_decode_rows, kvh, 1),
-                         group, decode_m // group, decode_m, self.decode_launch.block_n or block_n, 1, precision,
-                         self.decode_launch.num_warps or 4,
+            self._launch(q, k_cache, v_cache, scales, out, out, out, meta, None, scale,
+                         (meta.num_decode_rows, kvh, 1), group, decode_m // group, decode_m,
+                         self.decode_launch.block_n or block_n, 1, precision, self.decode_launch.num_warps or 4,
                          self.decode_launch.num_stages or num_stages)
         part_out, part_lse = self.partials(num_splits, out)
-        self._launch(q, k_cache, v_cache, out, part_out, part_lse, meta, work, scale, grid, group, tile_t, block_m,
-                     block_n, num_splits, precision, num_warps, num_stages)
+        self._launch(q, k_cache, v_cache, scales, out, part_out, part_lse, meta, work, scale, grid, group, tile_t,
+                     block_m, block_n, num_splits, precision, num_warps, num_stages)
         self.merge(num_splits, part_out, part_lse, out)
         return out
 
     @staticmethod
-    def _launch(q, k_cache, v_cache, out, part_out, part_lse, meta, work, scale, grid, group, tile_t, block_m, block_n,
-                num_splits, precision, num_warps, num_stages) -> None:
+    def _launch(q, k_cache, v_cache, scales, out, part_out, part_lse, meta, work, scale, grid, group, tile_t, block_m,
+                block_n, num_splits, precision, num_warps, num_stages) -> None:
         paged_attention_kernel[grid](
-            q, k_cache, v_cache, out, part_out, part_lse,
+            q, k_cache, v_cache, *scales, out, part_out, part_lse,
             meta.query_start_loc, meta.seq_lens, meta.block_tables,
             work if work is not None else meta.seq_lens, work.shape[1] if work is not None else 0,
             scale * _LOG2E, q.shape[0], q.shape[1],

@@ -23,6 +23,17 @@
   before the last loop copy their K/V into the deeper planes, in every layer; the
   other rows' programs return at once.
 
+FP8 (E4M3, ``tl.float8e4nv``) caches, told apart by the cache pointer's element type (no
+extra constexpr): the stores divide by the KV head's fp32 scale, saturate to +-448 and round
+to nearest even (``_to_fp8``, what ``loopline.attention.base.quantize_fp8`` computes). The
+attention kernels load 1-byte K/V tiles and widen them to q's dtype (exact for bf16 and fp32),
+so the dots run in the model's dtype; q and the probabilities are never quantized. Each
+program serves one KV head, so its ``k_scale`` folds into the score scale and its ``v_scale``
+multiplies the normalized output once. The fused decode kernel attends the row's own key and
+value as stored (quantized, then widened), so it matches reading them back from the cache.
+The exit copy moves bytes (the backend passes ``uint8`` views). Other caches take the code
+paths and dtypes they always did.
+
 Without CUDA the kernels run only under ``TRITON_INTERPRET=1`` (slow, for tests). The module imports
 without triton (the kernels are then plain functions nobody calls).
 """
@@ -58,6 +69,46 @@ def _jit_step_sizes(*names: str):
 # Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when this
 # module is imported; what counts is the value at that moment.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
+# The interpreter's float -> fp8 conversion (Triton 3.8) does not round to nearest even: it rounds ties up and
+# drops a carry out of the mantissa (124.9 -> 64, not 128). Under it _to_fp8 rounds on the bits instead.
+_SOFT_FP8 = tl.constexpr(INTERPRET) if tl is not None else INTERPRET
+
+
+@_jit
+def _fp8_bits_rtne(y):
+    """The FP8 E4M3 bits (``uint8``) of fp32 ``y`` (``|y| <= 448``), rounded to nearest even with integer ops."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # Normal results (|y| >= 2**-6): drop 20 of the 23 mantissa bits, ties to even; a carry runs into the
+    # exponent. Then rebias the exponent from 127 to 7.
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    # Subnormal results are multiples of 2**-9: adding 2**14 (whose ulp is 2**-9) rounds to one, to nearest even.
+    sub = (tl.abs(y) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    return (tl.where(mag >= 0x3C800000, normal, sub) | sign).to(tl.uint8)
+
+
+@_jit
+def _to_fp8(x, scale):
+    """``x`` (fp32) / ``scale`` (IEEE division), saturated to +-448 (the largest finite E4M3, as
+    ``quantize_fp8`` clamps) and rounded to nearest even into FP8 E4M3."""
+    y = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0)
+    if _SOFT_FP8:
+        out = _fp8_bits_rtne(y).to(tl.float8e4nv, bitcast=True)
+    else:
+        out = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    return out
+
+
+@_jit
+def _kv_value(x, dtype: tl.constexpr, scale_ptrs, mask):
+    """``x`` as a cache of ``dtype`` stores it: cast, or for FP8 quantized by the scales at ``scale_ptrs``
+    (broadcast against ``x``; read under ``mask``)."""
+    if dtype == tl.float8e4nv:
+        out = _to_fp8(x.to(tl.float32), tl.load(scale_ptrs, mask=mask, other=1.0))
+    else:
+        out = x.to(dtype)
+    return out
 
 
 @_jit
@@ -91,7 +142,11 @@ def _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, str
 @_jit
 def softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """One online-softmax step of queries ``q`` ``[BLOCK_M, D]`` over a key tile; MASKED: only ``visible``
-    ``[BLOCK_M, BLOCK_N]`` scores count. Public: experimental kernels (tools/decode_kernel_probe.py) build on it."""
+    ``[BLOCK_M, BLOCK_N]`` scores count. Public: experimental kernels (tools/decode_kernel_probe.py) build on it.
+
+    K/V tiles of another dtype than q's (FP8 caches) are widened to it; the caller folds their scales in."""
+    k = k.to(q.dtype)  # no-op unless FP8
+    v = v.to(q.dtype)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
@@ -121,6 +176,8 @@ def paged_attention_kernel(
     q_ptr,  # [N, H, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
     v_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
+    k_scale_ptr,  # [KVH] fp32, FP8 caches only (unread otherwise)
+    v_scale_ptr,
     out_ptr,  # [N, H, D] (NUM_SPLITS == 1)
     part_out_ptr,  # [NUM_SPLITS, N, H, D] fp32, contiguous (NUM_SPLITS > 1)
     part_lse_ptr,  # [NUM_SPLITS, N, H] fp32, contiguous (NUM_SPLITS > 1)
@@ -150,7 +207,7 @@ def paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # page size of the cache
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 caches (no TF32 rounding), else "tf32" (ignored for 16-bit)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 dots (no TF32 rounding), else "tf32" (ignored for 16-bit)
     WORK_LIST: tl.constexpr,  # grid (T, kv_head, 1) over the work list instead of (row, kv_head, q_tile * splits)
     PDL: tl.constexpr,
 ):
@@ -187,7 +244,11 @@ def paged_attention_kernel(
     q_row = (q_start + tok).to(tl.int64)
     q_off = q_row * stride_qn + head.to(tl.int64) * stride_qh  # [BLOCK_M]
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)  # [BLOCK_M, D]
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    FP8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e4nv
+    if FP8:  # q keeps its dtype (the tiles widen to it); the head's key scale joins the score scale
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     # Causal: no query of this tile sees past its last query's position.
     kv_len = tl.minimum(seq_len, ctx_len + tile_start + TILE_T)
@@ -221,6 +282,8 @@ def paged_attention_kernel(
     # Only padding M rows (and, with splits, rows whose split saw no visible key) have l_i == 0.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_M, D]
+    if FP8:
+        o = o * tl.load(v_scale_ptr + kv_head)
     if NUM_SPLITS == 1:
         o_off = q_row * stride_on + head.to(tl.int64) * stride_oh
         tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
@@ -277,11 +340,12 @@ def _rotated(x, partner, c, s, dtype: tl.constexpr):
 
 
 @_jit
-def _store_half_heads(src, dst, mask, HALF: tl.constexpr):
-    """Copies ``[BLOCK_H, 2 * HALF]`` head vectors (as two halves), cast to the destination's dtype."""
+def _store_half_heads(src, dst, mask, scale_ptrs, HALF: tl.constexpr):
+    """Copies ``[BLOCK_H, 2 * HALF]`` head vectors (as two halves), cast to the destination's dtype (FP8:
+    quantized by the heads' scales at ``scale_ptrs``, ``[BLOCK_H, 1]``)."""
     dtype = dst.dtype.element_ty
-    tl.store(dst, tl.load(src, mask=mask).to(dtype), mask=mask)
-    tl.store(dst + HALF, tl.load(src + HALF, mask=mask).to(dtype), mask=mask)
+    tl.store(dst, _kv_value(tl.load(src, mask=mask), dtype, scale_ptrs, mask), mask=mask)
+    tl.store(dst + HALF, _kv_value(tl.load(src + HALF, mask=mask), dtype, scale_ptrs, mask), mask=mask)
 
 
 @_jit
@@ -295,6 +359,8 @@ def rope_write_kv_kernel(
     cos_ptr,  # [N, D] (both halves equal)
     sin_ptr,
     slot_mapping_ptr,  # [N] int64; < 0 = padding: q is still rotated, nothing is stored
+    k_scale_ptr,  # [KVH] fp32, FP8 caches only (unread otherwise): stored = x / scale
+    v_scale_ptr,
     num_heads,
     num_kv_heads,
     stride_qn,
@@ -345,16 +411,18 @@ def rope_write_kv_kernel(
                 if ROTATE:
                     c = tl.load(cos_ptr + n * stride_cs + d).to(tl.float32)
                     s = tl.load(sin_ptr + n * stride_cs + d).to(tl.float32)
+                    # rounded to k's dtype first: an FP8 cache quantizes the key the model computes
                     o1, o2 = _rotate_half(tl.load(src, mask=mask, other=0.0),
                                           tl.load(src + HALF, mask=mask, other=0.0), c, s, k_ptr.dtype.element_ty)
-                    tl.store(dst, o1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-                    tl.store(dst + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                    cache_dtype = k_cache_ptr.dtype.element_ty
+                    tl.store(dst, _kv_value(o1, cache_dtype, k_scale_ptr + h64, mask), mask=mask)
+                    tl.store(dst + HALF, _kv_value(o2, cache_dtype, k_scale_ptr + h64, mask), mask=mask)
                 else:
-                    _store_half_heads(src, dst, mask, HALF)
+                    _store_half_heads(src, dst, mask, k_scale_ptr + h64, HALF)
             else:
                 src = v_ptr + n * stride_vn + h64 * stride_vh + d
                 dst = v_cache_ptr + block * stride_vcb + in_block * stride_vcs + h64 * stride_vch + d
-                _store_half_heads(src, dst, mask, HALF)
+                _store_half_heads(src, dst, mask, v_scale_ptr + h64, HALF)
 
 
 @_jit
@@ -374,6 +442,8 @@ def decode_attention_kernel(
     sin_ptr,
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
     v_cache_ptr,
+    k_scale_ptr,  # [KVH] fp32, FP8 caches only (unread otherwise)
+    v_scale_ptr,
     out_ptr,  # [N, H, D] (NUM_SPLITS == 1)
     part_out_ptr,  # [NUM_SPLITS, N, H, D] fp32, contiguous (NUM_SPLITS > 1)
     part_lse_ptr,  # [NUM_SPLITS, N, H] fp32, contiguous (NUM_SPLITS > 1)
@@ -436,6 +506,13 @@ def decode_attention_kernel(
     grid_dependency_wait(PDL)
 
     cache_dtype = k_cache_ptr.dtype.element_ty
+    FP8: tl.constexpr = cache_dtype == tl.float8e4nv
+    # FP8: the dots run in q's dtype (the tiles widen to it), the head's scales fold into the score and the output
+    dot_dtype = q_ptr.dtype.element_ty if FP8 else cache_dtype
+    if FP8:
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+        qk_scale = qk_scale * k_scale
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     m_valid = offs_m < G
@@ -447,7 +524,7 @@ def decode_attention_kernel(
     q_rows = q_ptr + n * stride_qn + head[:, None] * stride_qh
     q = _rotate_full(tl.load(q_rows + offs_d[None, :], mask=m_valid[:, None], other=0.0),
                      tl.load(q_rows + partner[None, :], mask=m_valid[:, None], other=0.0),
-                     c[None, :], s[None, :], first_half[None, :], q_ptr.dtype.element_ty).to(cache_dtype)
+                     c[None, :], s[None, :], first_half[None, :], q_ptr.dtype.element_ty).to(dot_dtype)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: see paged_attention_kernel
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -466,8 +543,14 @@ def decode_attention_kernel(
     if split == NUM_SPLITS - 1:
         k_row = k_ptr + n * stride_kn + kv_head.to(tl.int64) * stride_kh
         k_new = _rotate_full(tl.load(k_row + offs_d), tl.load(k_row + partner), c, s, first_half,
-                             k_ptr.dtype.element_ty).to(cache_dtype)
-        v_new = tl.load(v_ptr + n * stride_vn + kv_head.to(tl.int64) * stride_vh + offs_d).to(cache_dtype)
+                             k_ptr.dtype.element_ty)
+        v_new = tl.load(v_ptr + n * stride_vn + kv_head.to(tl.int64) * stride_vh + offs_d)
+        if FP8:  # attended as stored: quantized, then widened below (the scales are folded in)
+            k_new = _to_fp8(k_new.to(tl.float32), k_scale)
+            v_new = _to_fp8(v_new.to(tl.float32), v_scale)
+        else:
+            k_new = k_new.to(cache_dtype)
+            v_new = v_new.to(cache_dtype)
         slot = tl.load(slot_mapping_ptr + n)
         if slot >= 0:
             block = slot // BLOCK_SIZE
@@ -479,11 +562,13 @@ def decode_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(score - m_new)
         l_i = l_i * alpha + p
-        acc = acc * alpha[:, None] + p.to(cache_dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + p.to(dot_dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if FP8:
+        o = o * v_scale
     if NUM_SPLITS == 1:
         o_off = n * stride_on + head * stride_oh
         tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
@@ -496,7 +581,7 @@ def decode_attention_kernel(
 
 @_jit
 def copy_exited_kernel(
-    k_cache_ptr,  # [L, num_blocks, BLOCK_SIZE, KVH, D]
+    k_cache_ptr,  # [L, num_blocks, BLOCK_SIZE, KVH, D], any dtype (FP8 caches come as uint8 views)
     v_cache_ptr,
     plane_slots_ptr,  # [B, P] int64 physical slot of each row's position in every plane
     loops_ptr,  # [B] the loop each row just ran (1-based)
