@@ -16,6 +16,7 @@ import torch
 
 from loopline.attention import not_provided_reason
 from loopline.errors import InvalidRequestError
+from loopline.kv.quant import resolve_kv_cache_dtype
 
 KVLayoutName = Literal["last_exited", "shared"]
 SchedulingMode = Literal["refill", "no_refill"]
@@ -24,6 +25,7 @@ ExitMode = Literal["threshold", "fixed", "trace"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDType = Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3"]  # loopline.kv.quant.KV_CACHE_DTYPES
 KVAllocationName = Literal["full", "incremental"]
 DistributedBackendName = Literal["mp", "ray"]
 KVTransportName = Literal["auto", "gloo", "nccl", "cuda_ipc", "nixl"]
@@ -50,6 +52,9 @@ class EngineArgs:
     seed: int = _opt(0, "engine seed: seeds drawn for requests with seed=None come from it")
     kv_layout: KVLayoutName = _opt("last_exited", "depth-aware KV layout (DESIGN.md §3)")
     block_size: int = _opt(16, "tokens per KV page")
+    kv_cache_dtype: KVCacheDType = _opt("auto", "stored KV dtype: 'auto' (the model's), 'bfloat16', 'float16', or "
+                                                "'fp8' / 'fp8_e4m3' (FP8 E4M3 with per-layer, per-KV-head scales from "
+                                                "the checkpoint or a calibration pass at start: twice the tokens per GiB)")
     num_kv_blocks: int | None = _opt(None, "KV pages in the pool (all planes together); default: sized from memory")
     kv_cache_memory_gb: float | None = _opt(None, "KV pool size in GiB (default on CPU: 1 GiB; on CUDA: from gpu_memory_utilization)")
     gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory the engine may use (weights + activations + KV)")
@@ -139,6 +144,7 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", param="gpu_memory_utilization")
         self._validate_disaggregation()
+        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # raises, naming the allowed values
         if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
                 os.path.join(self.generation_config, "generation_config.json")):
             raise InvalidRequestError(f"generation_config must be 'auto', 'vllm' or a folder holding a "
@@ -201,8 +207,10 @@ class EngineConfig:
     max_model_len: int
     num_loops: int  # total_ut_steps of the checkpoint
     max_num_batched_tokens: int = 0  # resolved: the args' value, or the device's default budget
+    kv_dtype: torch.dtype | None = None  # resolved: the KV pool's stored dtype (kv_cache_dtype)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_dtype", resolve_kv_cache_dtype(self.args.kv_cache_dtype, self.dtype))
         budget = self.args.max_num_batched_tokens
         if budget is None:
             default = DEFAULT_TOKEN_BUDGET["cuda" if self.device.type == "cuda" else "cpu"]

@@ -152,8 +152,12 @@ def reference_forward(
     layout: str = "last_exited",
     *,
     prompt_len: int = 0,
+    kv_scales: tuple[Tensor, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """All loops of one sequence. See the module docstring for the exact math.
+
+    ``kv_scales = (k_scale, v_scale)`` (``[layers, kv_heads]``): every K/V is stored as FP8 E4M3 would
+    store it -- ``clamp(x / scale, -448, 448)`` rounded to E4M3, times the scale -- before any query reads it.
 
     input_ids: ``[T]``. Returns ``hidden`` ``[R, T, H]`` (post-norm ``h_r``, the
     dtype of the weights), ``gate_logits`` ``[R, T]`` fp32 and ``logits``
@@ -229,6 +233,8 @@ def reference_forward(
                 v = (a_in @ w["self_attn.v_proj"].t()).view(-1, kv_heads, hd)
                 q = rotate(q, cos[rows][:, None, :], sin[rows][:, None, :])
                 k = rotate(k, cos[rows][:, None, :], sin[rows][:, None, :])
+                if kv_scales is not None:
+                    k, v = fp8_round_trip(k, kv_scales[0][li]), fp8_round_trip(v, kv_scales[1][li])
                 keys[li, d - 1, rows] = k
                 values[li, d - 1, rows] = v
                 kk = keys[li][src, pos].repeat_interleave(groups, dim=2)  # [n, ctx, heads, D]
@@ -246,6 +252,12 @@ def reference_forward(
             gate_logits[d - 1, rows] = h.float() @ gate_w[0] + gate_b[0]
     logits = torch.matmul(hidden, sd["lm_head.weight"].t()).float()
     return {"hidden": hidden, "gate_logits": gate_logits, "logits": logits}
+
+
+def fp8_round_trip(x: Tensor, scale: Tensor) -> Tensor:
+    """``x`` ``[n, kv_heads, D]`` through an FP8 E4M3 store with per-head ``scale`` ``[kv_heads]`` and back."""
+    s = scale.float()[None, :, None]
+    return ((x.float() / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
 
 
 # --- exit rule and generation oracle -------------------------------------------------------
@@ -277,6 +289,7 @@ def reference_generate(
     layout: str = "last_exited",
     trace_depths: Sequence[int] | None = None,
     eos_ids: Sequence[int] = (),
+    kv_scales: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[list[int], list[int], list[float]]:
     """Serial greedy oracle: returns ``(tokens, exit_depths, logprobs)``, one entry per token.
 
@@ -308,7 +321,8 @@ def reference_generate(
         # prompt: R; generated positions P..n-2: their exit depths (depths[1:]);
         # the position being run (n-1) reads only its own loop-d K/V, so its entry is unused.
         kv_depths = ([total] * len(prompt) + depths[1:] + [total])[:n]
-        out = reference_forward(state_dict, cfg, torch.tensor(seq), total, kv_depths, layout, prompt_len=len(prompt))
+        out = reference_forward(state_dict, cfg, torch.tensor(seq), total, kv_depths, layout, prompt_len=len(prompt),
+                                kv_scales=kv_scales)
         k = len(tokens)
         if trace_depths is not None:
             if k >= len(trace_depths):

@@ -136,10 +136,10 @@ class AblatedAttention(TritonAttentionBackend):
         if "merge" not in self.kinds:
             super().merge(num_splits, part_out, part_lse, out)
 
-    def rotate_store_attend(self, k_cache, v_cache, q, k, v, rope, meta, scale):
+    def rotate_store_attend(self, k_cache, v_cache, q, k, v, rope, meta, scale, **scales):
         if "attention" in self.kinds:
             return torch.empty_like(q)
-        return super().rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
+        return super().rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale, **scales)
 
 
 class AblatedOps(TritonOps):
@@ -240,6 +240,7 @@ def main() -> None:
                     help="overlap steps (the engine's default); --no-async-scheduling reads each step at once")
     ap.add_argument("--prefill", action="store_true",
                     help="profile prefill steps instead: --rows prompts of --context tokens in one step")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype (e.g. fp8)")
     ap.add_argument("--kernels", action="store_true", help="also print device time per kernel name (torch.profiler)")
     ap.add_argument("--mixed-prompts", type=int, default=0,
                     help="once --rows rows decode, add this many --context-token prompts and time the mixed steps")
@@ -282,6 +283,7 @@ def main() -> None:
         model = OuroForCausalLM(cfg).to(torch.bfloat16)
     engine = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=max(8, a.rows + a.mixed_prompts),
                                   kv_cache_memory_gb=a.kv_gb or max(8.0, (a.rows + a.mixed_prompts) * 0.9), enforce_eager=a.eager, async_scheduling=a.async_scheduling,
+                                  kv_cache_dtype=a.kv_cache_dtype,
                                   max_num_batched_tokens=max(2048, a.rows * a.context) if a.prefill else a.budget,
                                   max_model_len=a.context + 512), model=model, backends=backends)
     params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)  # enough loop steps for every phase

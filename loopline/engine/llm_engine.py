@@ -38,6 +38,7 @@ from loopline.engine.verbs import VERBS, verb_mixin
 from loopline.errors import EngineDeadError, InvalidRequestError, new_error_id
 from loopline.kv.layout import make_layout
 from loopline.kv.manager import KVCacheManager
+from loopline.kv.quant import kv_scales_for
 from loopline.models.loader import load_config, load_model, load_tokenizer, sampling_defaults
 from loopline.models.ouro import OuroForCausalLM
 from loopline.outputs import RequestOutput
@@ -154,17 +155,21 @@ class LLMEngine(EngineVerbs):
         num_blocks = num_kv_blocks(cfg, self.model, backends.attention, layout)
         self.kv = KVCacheManager(num_blocks, args.block_size, layout, args.enable_prefix_caching)
         self.exit_policy = make_exit_policy(args.exit_mode)
-        block_bytes = kv_bytes_per_block(model_cfg, args.block_size, dtype)
+        block_bytes = kv_bytes_per_block(model_cfg, args.block_size, cfg.kv_dtype)
         preemption = Preemption(int(args.swap_space * 2**30 // block_bytes)) if args.enable_preemption else None
         self.scheduler = Scheduler(self.kv, self.exit_policy, make_queue(args.scheduling_policy), args.max_num_seqs,
                                    cfg.max_num_batched_tokens, model_cfg.total_ut_steps,
                                    allocation=make_allocation(args.kv_allocation), preemption=preemption,
                                    watermark_blocks=int(args.kv_watermark * num_blocks),
                                    after_prefill=RequestStatus.HANDOFF if prefill_only else RequestStatus.DECODE)
+        kv_scales = kv_scales_for(self.model, cfg.kv_dtype, self.tokenizer, max_len)
+        if kv_scales is not None:
+            logger.info("KV cache: %s with per-layer, per-KV-head scales from %s", args.kv_cache_dtype, kv_scales.source)
         self.runner = ModelRunner(self.model, layout, backends.attention, num_blocks, args.block_size, args.max_num_seqs,
                                   max_len, Sampler(args.logprobs_mode), device, dtype, slot_ops=backends.slot_ops,
                                   no_refill=args.scheduling_mode == "no_refill",
-                                  per_token_exits=self.exit_policy.per_token)
+                                  per_token_exits=self.exit_policy.per_token, kv_dtype=cfg.kv_dtype,
+                                  kv_scales=kv_scales)
         if device.type == "cuda" and not args.enforce_eager and backends.attention.name == "triton":
             self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture), cfg.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)

@@ -311,6 +311,7 @@ def load_model(model_dir: PathLike, dtype: torch.dtype | str | None = None, devi
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     weights = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
     where = Path(model_dir)
+    kv_scales = _pop_kv_scales(weights, config, where)
 
     if config.extra.get("tie_word_embeddings") and "lm_head.weight" not in weights:
         raise CheckpointError(
@@ -342,7 +343,39 @@ def load_model(model_dir: PathLike, dtype: torch.dtype | str | None = None, devi
             f"{where}: tensor(s) with non-finite values (NaN/Inf) as {_dtype_name(target)}: {_summary(non_finite)}"
         )
     model.load_state_dict(state, strict=True, assign=True)
+    model.checkpoint_kv_scales = kv_scales  # an FP8 KV cache's scales (loopline.kv.quant), when it carried them
     return model.eval()
+
+
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
+
+
+def _pop_kv_scales(weights: dict[str, Tensor], config: OuroConfig, where: Path) -> tuple[Tensor, Tensor] | None:
+    """Takes ``model.layers.{i}.self_attn.k_scale`` / ``v_scale`` (FP8 KV scales: a scalar or one per KV
+    head, every layer, positive and finite) out of ``weights``: ``([layers, kv_heads], [layers, kv_heads])``
+    fp32, or None when the checkpoint has none."""
+    found = {m.groups(): weights.pop(name) for name in list(weights) if (m := _KV_SCALE.fullmatch(name))}
+    if not found:
+        return None
+    layers, heads = config.num_hidden_layers, config.num_key_value_heads
+    out = torch.ones(2, layers, heads)
+    for (layer, kind), t in found.items():
+        name = f"model.layers.{layer}.self_attn.{kind}_scale"
+        i = int(layer)
+        if i >= layers:
+            raise CheckpointError(f"{where}: {name}: the model has {layers} layers")
+        if t.numel() not in (1, heads):
+            raise CheckpointError(f"{where}: {name} has {t.numel()} values; allowed: 1 or one per KV head ({heads})")
+        t = t.float().reshape(-1)
+        if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+            raise CheckpointError(f"{where}: {name} must be positive and finite, got {t.tolist()}")
+        out[0 if kind == "k" else 1, i] = t.expand(heads)
+    absent = [f"model.layers.{i}.self_attn.{kind}_scale" for i in range(layers) for kind in "kv"
+              if (str(i), kind) not in found]
+    if absent:
+        raise CheckpointError(f"{where}: the checkpoint carries KV scales for some layers but not for "
+                              f"{_summary(absent)}; allowed: k_scale and v_scale for every layer, or none")
+    return out[0].contiguous(), out[1].contiguous()
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

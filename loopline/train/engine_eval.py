@@ -54,15 +54,16 @@ def _point(threshold: float, depths: list[int], nll: list[float]) -> dict:
 
 def engine_curve(model_dir: str | Path, stream: Sequence[int], *, seq_len: int = 512, max_windows: int | None = None,
                  thresholds: Sequence[float] = DEFAULT_THRESHOLDS, kv_layout: str = "last_exited",
-                 device: str = "cpu", dtype: str = "float32") -> list[dict]:
-    """Per threshold: mean depth, held-out loss and depth histogram of ``stream`` through the engine."""
+                 device: str = "cpu", dtype: str = "float32", kv_cache_dtype: str = "auto") -> list[dict]:
+    """Per threshold: mean depth, held-out loss and depth histogram of ``stream`` through the engine
+    (``kv_cache_dtype``: the engine option of that name, e.g. ``fp8`` to measure what FP8 KV costs)."""
     from loopline.config import EngineArgs
     from loopline.engine import LLMEngine
     from loopline.sampling_params import SamplingParams
 
     windows = _windows(stream, seq_len, max_windows).tolist()
     engine = LLMEngine(EngineArgs(model=str(model_dir), dtype=dtype, device=device, kv_layout=kv_layout,
-                                  disable_log_stats=True, max_model_len=seq_len + 2))
+                                  disable_log_stats=True, max_model_len=seq_len + 2, kv_cache_dtype=kv_cache_dtype))
     points = []
     for q in thresholds:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, exit_threshold=q, detokenize=False)

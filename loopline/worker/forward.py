@@ -19,6 +19,7 @@ from torch import Tensor
 
 from loopline.attention import AttentionBackend
 from loopline.attention.paged import PagedAttention
+from loopline.kv.quant import KVScales
 from loopline.models.ouro import OuroForCausalLM
 from loopline.worker.row_kinds import RowKind
 from loopline.worker.step_inputs import StepInputs
@@ -29,14 +30,17 @@ class StepForward:
     ``(k_cache, v_cache)`` (sleep re-allocates the pool; graphs are recaptured then)."""
 
     def __init__(self, model: OuroForCausalLM, backend: AttentionBackend, kv: Callable[[], tuple[Tensor, Tensor]],
-                 kinds: Sequence[RowKind]) -> None:
+                 kinds: Sequence[RowKind], kv_scales: KVScales | None = None) -> None:
         self.model, self.backend, self.kv, self.kinds = model, backend, kv, tuple(kinds)
+        self.kv_scales = kv_scales  # an FP8 pool's (loopline.kv.quant); fixed for the engine's life
         self.scale = 1.0 / math.sqrt(model.config.head_dim)
 
     def __call__(self, inp: StepInputs) -> tuple[Tensor | None, ...]:
         prepared = [kind.prepare(inp, seg, own) for kind, seg, own in zip(self.kinds, inp.segments, inp.fields)]
         k_cache, v_cache = self.kv()
-        attn = PagedAttention(self.backend, k_cache, v_cache, inp.metadata(), self.scale)
+        scales = self.kv_scales
+        attn = PagedAttention(self.backend, k_cache, v_cache, inp.metadata(), self.scale,
+                              k_scale=scales.k if scales else None, v_scale=scales.v if scales else None)
         h, gate = self.model.loop(inp.x, inp.positions, attn)
         out: list[Tensor | None] = []
         for kind, seg, own, p in zip(self.kinds, inp.segments, inp.fields, prepared):

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 
 from loopline.core.contracts import ResumedRequestData
+from loopline.errors import EngineStateError
+from loopline.kv.quant import KVScales, raw, stored_dtype
 from loopline.worker.decode_state import DeviceDecodeState
 from loopline.worker.page_writes import PageWriter
 from loopline.worker.request_state import RequestState
@@ -39,12 +41,23 @@ class KVPages:
 
     def __init__(self, kv: Callable[[], tuple[Tensor, Tensor]], requests: dict[str, RequestState],
                  slot_hidden: Tensor, slot_survival: Tensor, decode_state: DeviceDecodeState, block_size: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, *,
+                 kv_dtype: torch.dtype | None = None, kv_scales: KVScales | None = None) -> None:
+        """``dtype``: the slot state's (the model's); ``kv_dtype``: the pool's (default ``dtype``). Pages of an
+        FP8 pool move as raw bytes (``uint8``, :func:`loopline.kv.quant.raw`): the scales are per layer and
+        head, the same for every page."""
         self._kv, self._requests = kv, requests
         self._slot_hidden, self._slot_survival, self._decode_state = slot_hidden, slot_survival, decode_state
         self.block_size, self.hidden_size, self.dtype, self.device = block_size, hidden_size, dtype, device
+        self.page_dtype = stored_dtype(kv_dtype or dtype)  # what exported and received pages hold
+        self.kv_scales = kv_scales.to(torch.device("cpu")) if kv_scales is not None else None
         self.snapshots: dict[str, Snapshot] = {}
         self.writer = PageWriter(device)  # handed-off pages, written as they arrive
+
+    def _pool(self) -> tuple[Tensor, Tensor]:
+        """The pool's K and V as the dtype pages move in (bytes for FP8)."""
+        k_cache, v_cache = self._kv()
+        return raw(k_cache), raw(v_cache)
 
     @property
     def snapshot_bytes(self) -> int:
@@ -77,7 +90,7 @@ class KVPages:
             host.copy_(t, non_blocking=pin)
             return host
 
-        k_cache, v_cache = self._kv()
+        k_cache, v_cache = self._pool()
         slot = st.slot
         self.snapshots[request_id] = Snapshot(
             k=to_host(k_cache[:, idx]), v=to_host(v_cache[:, idx]),
@@ -111,7 +124,7 @@ class KVPages:
         if cached:
             keep = torch.cat([torch.arange(p * bpp + cached, (p + 1) * bpp) for p in range(len(tables))])
             k, v = k[:, keep.to(k.device)], v[:, keep.to(v.device)]
-        k_cache, v_cache = self._kv()
+        k_cache, v_cache = self._pool()
         k_cache[:, idx] = k.to(self.device, non_blocking=True)
         v_cache[:, idx] = v.to(self.device, non_blocking=True)
 
@@ -121,10 +134,10 @@ class KVPages:
         ``[2 (k, v), layers, planes * (last - first), block_size, kv_heads, D]`` on this device, queued
         after the steps already launched (so it holds what they wrote)."""
         st = self._requests[request_id]
-        k_cache, v_cache = self._kv()
+        k_cache, v_cache = self._pool()
         # (staged through pinned memory: a pageable copy would wait for the steps in flight)
         idx = stage(self.device, (np.concatenate([a[first:last] for a in st.block_arrays]), np.int64))[0]
-        kv = torch.empty((2, k_cache.shape[0], idx.numel(), *k_cache.shape[2:]), dtype=self.dtype,
+        kv = torch.empty((2, k_cache.shape[0], idx.numel(), *k_cache.shape[2:]), dtype=self.page_dtype,
                          device=self.device)
         torch.index_select(k_cache, 1, idx, out=kv[0])
         torch.index_select(v_cache, 1, idx, out=kv[1])
@@ -149,7 +162,7 @@ class KVPages:
             params=st.params, seed=st.seed, prompt_token_ids=st.prompt.tolist(), prompt_exit=st.prompt_exit,
             max_len=st.max_len, blocks_per_plane=blocks, slot_hidden=self._slot_hidden[slot].to(cpu),
             slot_survival=self._slot_survival[slot].to(cpu),
-            decode_state=self._decode_state.save(slot, lambda t: t.to(cpu)))
+            decode_state=self._decode_state.save(slot, lambda t: t.to(cpu)), kv_scales=self.kv_scales)
         return state, kv
 
     def write_pages(self, request_id: str, block_tables: list[list[int]], first: int, kv: Tensor,
@@ -160,12 +173,13 @@ class KVPages:
         (the prefix cache gave them: shared, never written). On CUDA the copy runs on a stream of its
         own, after the steps already launched (they may still write pages freed to this request) and
         before the step that resumes the request (``restore`` waits for it)."""
-        k_cache, v_cache = self._kv()
+        k_cache, v_cache = self._pool()
         planes = len(block_tables)
         n = kv.shape[2] // planes if kv.dim() == 6 else 0
         expected = (2, k_cache.shape[0], planes * n, *k_cache.shape[2:])
-        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
-            raise ValueError(f"KV pages of shape {tuple(kv.shape)} {kv.dtype}, expected {expected} {self.dtype}")
+        if tuple(kv.shape) != expected or kv.dtype != self.page_dtype:
+            raise ValueError(f"KV pages of shape {tuple(kv.shape)} {kv.dtype}, expected {expected} {self.page_dtype} "
+                             "(prefill and decode workers must run the same kv_cache_dtype)")
         if first < 0 or first + n > len(block_tables[0]):
             raise ValueError(f"pages [{first}, {first + n}) outside the {len(block_tables[0])} reserved per plane")
         pages = np.arange(max(first, skip), first + n)
@@ -184,6 +198,12 @@ class KVPages:
         """Holds a request exported by another runner (``export_request``) as a preemption snapshot
         whose pages are in the pool already (``write_pages``): the scheduler resumes it like a
         preempted request (``ResumedRequestData``) and no page is copied then."""
+        mine, theirs = self.kv_scales, state.kv_scales
+        if (mine is None) != (theirs is None) or (mine is not None and not mine.same_as(theirs)):
+            raise EngineStateError(f"request {request_id!r}: its KV pages were written with other FP8 scales "
+                             f"({theirs.source if theirs else 'none'}) than this worker's "
+                             f"({mine.source if mine else 'none'}); prefill and decode workers must load the same "
+                             "checkpoint with the same kv_cache_dtype")
         h, cpu = self.hidden_size, torch.device("cpu")
         st = RequestState(params=state.params, seed=state.seed,
                           prompt=torch.tensor(state.prompt_token_ids, dtype=torch.long), block_arrays=[],

@@ -15,19 +15,25 @@ from loopline.attention import AttentionBackend, PagedAttentionMetadata
 from loopline.attention.paged import PagedAttention
 from loopline.errors import CapacityError
 from loopline.kv.layout import KVLayout
+from loopline.kv.quant import is_fp8
 from loopline.models.ouro import OuroForCausalLM
 
 
 @torch.inference_mode()
 def peak_step_bytes(model: OuroForCausalLM, backend: AttentionBackend, num_tokens: int, num_sampled: int,
-                    block_size: int, dtype: torch.dtype, device: torch.device) -> int:
+                    block_size: int, dtype: torch.dtype, device: torch.device,
+                    kv_dtype: torch.dtype | None = None) -> int:
     """Peak extra device memory of one loop over ``num_tokens`` positions plus the coda of
-    ``num_sampled`` rows (0 where the device reports no memory statistics, i.e. the CPU)."""
+    ``num_sampled`` rows (0 where the device reports no memory statistics, i.e. the CPU).
+    ``kv_dtype``: the pool's stored dtype (default ``dtype``)."""
     cfg = model.config
     blocks = -(-num_tokens // block_size)
     shape = (cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    k_cache = torch.zeros(shape, dtype=dtype, device=device)
-    v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    kv_dtype = kv_dtype or dtype
+    k_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+    v_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+    # (unit scales: the values of this pass are never read)
+    scales = torch.ones(cfg.num_hidden_layers, cfg.num_key_value_heads, device=device) if is_fp8(kv_dtype) else None
     i32 = dict(dtype=torch.int32, device=device)
     meta = PagedAttentionMetadata(
         query_start_loc=torch.tensor([0, num_tokens], **i32), seq_lens=torch.tensor([num_tokens], **i32),
@@ -41,7 +47,8 @@ def peak_step_bytes(model: OuroForCausalLM, backend: AttentionBackend, num_token
     # a step's positions are each below the context length even when its tokens are more (several prompts)
     positions = torch.arange(num_tokens, device=device) % cfg.max_position_embeddings
     x = model.embed(torch.zeros(num_tokens, dtype=torch.long, device=device))
-    h, _ = model.loop(x, positions, PagedAttention(backend, k_cache, v_cache, meta, 1.0 / math.sqrt(cfg.head_dim)))
+    h, _ = model.loop(x, positions, PagedAttention(backend, k_cache, v_cache, meta, 1.0 / math.sqrt(cfg.head_dim),
+                                                     k_scale=scales, v_scale=scales))
     logits = model.head(h[:num_sampled])
     peak = 0
     if cuda:
@@ -72,14 +79,14 @@ def num_kv_blocks(config, model: OuroForCausalLM, backend: AttentionBackend, lay
     """
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_block(model.config, config.block_size, config.dtype)
+    per_block = kv_bytes_per_block(model.config, config.block_size, config.kv_dtype)
     device = config.device
     if config.kv_cache_memory_gb is not None:
         budget = config.kv_cache_memory_gb * 2**30
     elif device.type == "cuda":
         # Profiling pass: the largest step's activations must fit beside the pool.
         peak = peak_step_bytes(model, backend, config.max_num_batched_tokens, config.max_num_seqs,
-                               config.block_size, config.dtype, device)
+                               config.block_size, config.dtype, device, config.kv_dtype)
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1.0 - config.gpu_memory_utilization) * total - peak
     else:

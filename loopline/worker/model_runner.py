@@ -32,6 +32,7 @@ from loopline.core.contracts import (
     SchedulerOutput,
 )
 from loopline.kv.layout import KVLayout
+from loopline.kv.quant import KVScales, is_fp8
 from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import SamplingParams
 from loopline.worker.cuda_graphs import GraphCapturer, StepGraphs, bucket_sizes, mixed_buckets
@@ -104,8 +105,14 @@ class ModelRunner:
     def __init__(self, model: OuroForCausalLM, layout: KVLayout, backend: AttentionBackend, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_model_len: int, sampler: Sampler, device: torch.device,
                  dtype: torch.dtype, *, slot_ops: SlotOps | None = None, no_refill: bool = False,
-                 per_token_exits: bool = False) -> None:
+                 per_token_exits: bool = False, kv_dtype: torch.dtype | None = None,
+                 kv_scales: KVScales | None = None) -> None:
+        """``kv_dtype``: the pool's stored dtype (default ``dtype``); an FP8 pool needs ``kv_scales``."""
         cfg = model.config
+        self.kv_dtype = kv_dtype or dtype
+        if is_fp8(self.kv_dtype) and kv_scales is None:
+            raise ValueError("an FP8 KV pool needs kv_scales (loopline.kv.quant.kv_scales_for)")
+        self.kv_scales = kv_scales.to(device) if kv_scales is not None and is_fp8(self.kv_dtype) else None
         self.model, self.layout, self.backend, self.sampler = model, layout, backend, sampler
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.num_loops = cfg.total_ut_steps
@@ -114,8 +121,8 @@ class ModelRunner:
         # padding rows of a CUDA graph write there and nowhere else.
         self.scratch_block, self.scratch_slot = num_blocks, max_num_seqs
         shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k_cache = kv_zeros(shape, dtype, device)
-        self.v_cache = kv_zeros(shape, dtype, device)
+        self.k_cache = kv_zeros(shape, self.kv_dtype, device)
+        self.v_cache = kv_zeros(shape, self.kv_dtype, device)
         # Per-slot decode state stays on the device between steps.
         self.slot_hidden = torch.zeros(max_num_seqs + 1, cfg.hidden_size, dtype=dtype, device=device)
         self.slot_survival = torch.ones(max_num_seqs + 1, dtype=torch.float32, device=device)
@@ -143,10 +150,11 @@ class ModelRunner:
         kinds = (self.decode, PrefillKind(model=model, requests=self.requests, block_size=block_size, device=device))
         self.builder = StepBuilder(kinds, cfg.hidden_size, dtype, device, block_size, self.scratch_block,
                                    self.work_tile_tokens)
-        self.forward = StepForward(model, backend, kv, kinds)
+        self.forward = StepForward(model, backend, kv, kinds, self.kv_scales)
         # preemption snapshots and the PD handoff's page export/import
         self.pages = KVPages(kv, self.requests, self.slot_hidden,
-                             self.slot_survival, self.decode_state, block_size, cfg.hidden_size, dtype, device)
+                             self.slot_survival, self.decode_state, block_size, cfg.hidden_size, dtype, device,
+                             kv_dtype=self.kv_dtype, kv_scales=self.kv_scales)
 
     def _kv_cache(self) -> tuple[Tensor, Tensor]:
         return self.k_cache, self.v_cache
@@ -180,14 +188,14 @@ class ModelRunner:
         self.requests.clear()
         self.pages.clear()
         self.graphs = None  # (capture_graphs kept its arguments for restore_graphs)
-        self.k_cache = self.v_cache = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.k_cache = self.v_cache = torch.empty(0, dtype=self.kv_dtype, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def allocate_kv_cache(self) -> None:
         """Re-allocates the KV pool released by :meth:`release_kv_cache` (zeroed, new addresses)."""
-        self.k_cache = kv_zeros(self._kv_shape, self.dtype, self.device)
-        self.v_cache = kv_zeros(self._kv_shape, self.dtype, self.device)
+        self.k_cache = kv_zeros(self._kv_shape, self.kv_dtype, self.device)
+        self.v_cache = kv_zeros(self._kv_shape, self.kv_dtype, self.device)
 
     def restore_graphs(self) -> None:
         """Recaptures the CUDA graphs dropped by :meth:`release_kv_cache` (a no-op if there were none)."""

@@ -38,3 +38,4 @@ class HandoffState:
     slot_hidden: Tensor  # [H]
     slot_survival: Tensor  # []
     decode_state: dict[str, Tensor]  # the slot's decode state (loop 0, the first token, position, counts)
+    kv_scales: Any = None  # an FP8 pool's KVScales (loopline.kv.quant): the pages mean nothing without them
