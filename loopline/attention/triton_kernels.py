@@ -101,6 +101,19 @@ def _to_fp8(x, scale):
 
 
 @_jit
+def _fp8_dot_operand(x):
+    """q of a 16-bit model over an FP8 cache as the dots take it: fp16, to which E4M3 tiles widen in one
+    conversion (to bf16 they take three: e4m3 -> f16 -> f32 -> bf16, which made FP8 steps slower than bf16
+    ones on an H200); fp16 also keeps 3 more mantissa bits of q and of the probabilities. Saturated at fp16's
+    largest value (a normed model's q is far below it). fp32 (tests) stays fp32."""
+    if x.dtype == tl.float32:
+        out = x
+    else:
+        out = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return out
+
+
+@_jit
 def _kv_value(x, dtype: tl.constexpr, scale_ptrs, mask):
     """``x`` as a cache of ``dtype`` stores it: cast, or for FP8 quantized by the scales at ``scale_ptrs``
     (broadcast against ``x``; read under ``mask``)."""
@@ -211,8 +224,12 @@ def paged_attention_kernel(
     WORK_LIST: tl.constexpr,  # grid (T, kv_head, 1) over the work list instead of (row, kv_head, q_tile * splits)
     PDL: tl.constexpr,
 ):
-    grid_dependency_wait(PDL)
     kv_head = tl.program_id(1)
+    FP8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e4nv
+    if FP8:  # the scales are fixed for the engine's life: read before the wait, under the kernels before
+        k_scale = tl.load(k_scale_ptr + kv_head, eviction_policy="evict_last")
+        v_scale = tl.load(v_scale_ptr + kv_head, eviction_policy="evict_last")
+    grid_dependency_wait(PDL)
     if WORK_LIST:
         row = tl.load(work_tiles_ptr + tl.program_id(0))
         q_tile = tl.load(work_tiles_ptr + num_work_tiles + tl.program_id(0))
@@ -244,9 +261,9 @@ def paged_attention_kernel(
     q_row = (q_start + tok).to(tl.int64)
     q_off = q_row * stride_qn + head.to(tl.int64) * stride_qh  # [BLOCK_M]
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)  # [BLOCK_M, D]
-    FP8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e4nv
-    if FP8:  # q keeps its dtype (the tiles widen to it); the head's key scale joins the score scale
-        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    if FP8:  # q as the dots take it (the tiles widen to it); the head's key scale joins the score scale
+        q = _fp8_dot_operand(q)
+        qk_scale = qk_scale * k_scale
     else:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
@@ -283,7 +300,7 @@ def paged_attention_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_M, D]
     if FP8:
-        o = o * tl.load(v_scale_ptr + kv_head)
+        o = o * v_scale
     if NUM_SPLITS == 1:
         o_off = q_row * stride_on + head.to(tl.int64) * stride_oh
         tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
@@ -503,15 +520,17 @@ def decode_attention_kernel(
     if PREFETCH:  # read once per step: streamed past L2
         k, v = _load_kv_tile(kv_lo, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
                              BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, "evict_first")
-    grid_dependency_wait(PDL)
-
     cache_dtype = k_cache_ptr.dtype.element_ty
     FP8: tl.constexpr = cache_dtype == tl.float8e4nv
-    # FP8: the dots run in q's dtype (the tiles widen to it), the head's scales fold into the score and the output
-    dot_dtype = q_ptr.dtype.element_ty if FP8 else cache_dtype
+    if FP8:  # fixed for the engine's life: read before the wait
+        k_scale = tl.load(k_scale_ptr + kv_head, eviction_policy="evict_last")
+        v_scale = tl.load(v_scale_ptr + kv_head, eviction_policy="evict_last")
+    grid_dependency_wait(PDL)
+
+    # FP8: the dots run in _fp8_dot_operand's dtype (the tiles widen to it), the head's scales fold into the
+    # score and the output
+    dot_dtype = (tl.float32 if q_ptr.dtype.element_ty == tl.float32 else tl.float16) if FP8 else cache_dtype
     if FP8:
-        k_scale = tl.load(k_scale_ptr + kv_head)
-        v_scale = tl.load(v_scale_ptr + kv_head)
         qk_scale = qk_scale * k_scale
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -524,7 +543,11 @@ def decode_attention_kernel(
     q_rows = q_ptr + n * stride_qn + head[:, None] * stride_qh
     q = _rotate_full(tl.load(q_rows + offs_d[None, :], mask=m_valid[:, None], other=0.0),
                      tl.load(q_rows + partner[None, :], mask=m_valid[:, None], other=0.0),
-                     c[None, :], s[None, :], first_half[None, :], q_ptr.dtype.element_ty).to(dot_dtype)
+                     c[None, :], s[None, :], first_half[None, :], q_ptr.dtype.element_ty)
+    if FP8:
+        q = _fp8_dot_operand(q)
+    else:
+        q = q.to(cache_dtype)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: see paged_attention_kernel
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

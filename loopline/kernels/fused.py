@@ -116,12 +116,12 @@ def _pack(linears: list[torch.nn.Linear]) -> tuple[Tensor, list[int]]:
 
 
 # The packed q/k/v, the packed gate/up and o_proj of batches of 2 to SKINNY_MAX_ROWS rows take the split-K
-# skinny kernel (launched with PDL, like the one-row GEMVs) instead of cuBLAS, which runs without PDL; one row
-# takes the GEMV kernels, more rows cuBLAS. The down projection keeps its own range (the skinny kernel up to
-# skinny_gemm.MAX_ROWS rows). The value is to be set from whole decode steps on an H200,
-# tools/profile_step.py at 2-16 rows with --skinny-max-rows N against 0 (cuBLAS); until that measurement is
-# recorded here it is 16, every row count the comparison covers. TritonOps(skinny_max_rows=...) overrides it.
-SKINNY_MAX_ROWS = 16
+# skinny kernel (launched with PDL, like the one-row GEMVs) instead of cuBLAS; one row takes the GEMV kernels.
+# The down projection keeps its own range (the skinny kernel up to skinny_gemm.MAX_ROWS rows). 0: measured
+# slower on an H200 in whole decode steps (tools/profile_step.py --skinny-max-rows 16 vs 0, one machine, one
+# call, 1,024-token contexts): 2 rows 1.490 vs 1.469 ms, 8 rows 1.976 vs 1.901, 16 rows 2.740 vs 2.607.
+# TritonOps(skinny_max_rows=...) overrides it (for that comparison).
+SKINNY_MAX_ROWS = 0
 
 
 def _linear(x: Tensor, weight: Tensor, skinny_max_rows: int = 0) -> Tensor:

@@ -165,16 +165,28 @@ def test_graphs_follow_weight_updates_sleep_and_wake_up(tiny_gqa, tiny_factory, 
 # --- FP8 KV cache on the GPU: the Triton kernels (CUDA graphs, fused decode, splits) vs the torch backend ---
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 @pytest.mark.parametrize("threshold", [1.0, 0.7])
-def test_fp8_kv_triton_equals_torch_backend_fp32(tiny_gqa, layout, threshold):
+def test_fp8_kv_triton_paths_agree_and_match_the_torch_backend(tiny_gqa, layout, threshold):
+    """Eager, CUDA graphs and one row at a time (split-KV, the fused decode kernel) give the same tokens.
+    Against the torch backend only the first token's distribution is compared: an fp32 rotary that rounds
+    one ulp apart can put a key one FP8 step apart, which may flip a later near-tie (seen on an H200)."""
     prompts = [ids(n, seed=n) for n in (3, 17, 40, 9, 77)]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, exit_threshold=threshold)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, exit_threshold=threshold, logprobs=3)
     kw = dict(kv_layout=layout, block_size=8, max_num_batched_tokens=32, max_num_seqs=8, kv_cache_dtype="fp8")
-    torch_out = run(tiny_gqa, prompts, params, attention_backend="torch", **kw)
-    assert run(tiny_gqa, prompts, params, attention_backend="triton", enforce_eager=True, **kw) == torch_out
-    assert run(tiny_gqa, prompts, params, attention_backend="triton", **kw) == torch_out  # CUDA graphs
-    # one row at a time: split-KV launches and the fused decode kernel
-    for p, want in zip(prompts, torch_out):
-        assert run(tiny_gqa, [p], params, attention_backend="triton", **kw) == [want]
+
+    def gen(prompts, **more):
+        llm = tiny_gqa.llm(device="cuda", skip_tokenizer_init=True, num_kv_blocks=512, **kw, **more)
+        return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+    def tokens(outs):
+        return [(o.token_ids, o.exit_depths) for o in outs]
+
+    eager = gen(prompts, attention_backend="triton", enforce_eager=True)
+    assert tokens(gen(prompts, attention_backend="triton")) == tokens(eager)  # CUDA graphs
+    for p, want in zip(prompts, eager):
+        assert tokens(gen([p], attention_backend="triton")) == tokens([want])
+    for a, b in zip(eager, gen(prompts, attention_backend="torch")):
+        first = a.token_ids[0]
+        assert first in b.logprobs[0] and abs(a.logprobs[0][first].logprob - b.logprobs[0][first].logprob) < 1e-2
 
 
 def test_fp8_kv_matches_the_reference_on_gpu(tiny_gqa):
