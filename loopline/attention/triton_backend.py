@@ -98,8 +98,21 @@ def _dot_precision(dot_dtype: torch.dtype) -> str:
 
 
 def _dot_dtype(q: Tensor, k_cache: Tensor) -> torch.dtype:
-    """The dtype the kernels' dots run in: the cache's, or q's for FP8 caches (their tiles widen to it)."""
-    return q.dtype if is_fp8_kv(k_cache) else k_cache.dtype
+    """The dtype the kernels' dots run in: the cache's; for FP8 caches fp16 (fp32 with an fp32 q), which their
+    tiles widen to (``triton_kernels._fp8_dot_operand``)."""
+    if is_fp8_kv(k_cache):
+        return torch.float32 if q.dtype == torch.float32 else torch.float16
+    return k_cache.dtype
+
+
+def _decode_key_block(head_dim: int, q: Tensor, k_cache: Tensor) -> int:
+    """Keys per inner step of a decode launch without splits (one query per row): for FP8 caches the 1-byte
+    tiles of ~16 KB, 128 keys at head_dim 128 (H200, Ouro-1.4B shapes, profile_step --kv-cache-dtype fp8: 32
+    rows 2.641 ms per step against 3.099 with 64 keys and 2.901 for bf16; 128 rows 6.580 / 8.366 / 7.695);
+    others as every launch (:func:`_key_block`)."""
+    if is_fp8_kv(k_cache):
+        return max(16, min(128, 16384 // head_dim))
+    return _key_block(head_dim, _tile_elem_bytes(q, k_cache))
 
 
 def _tile_elem_bytes(q: Tensor, k_cache: Tensor) -> int:
@@ -294,11 +307,12 @@ class TritonAttentionBackend(AttentionBackend):
     def _decode_stages(num_splits: int) -> int:
         """Pipeline stages of the fused decode kernel. Many splits (few rows) read one or two key tiles each at
         usual contexts, nothing for a pipeline to overlap: one stage (one row, 20 splits, 1,088 keys: 0.961 /
-        0.962 ms against 0.970 / 0.970 with two). Few splits walk many tiles: two (8 rows, 2 splits of ~9
-        tiles: 1.835 ms against 1.973 with one and 1.896 with three; 16 rows: 2.412 / 2.744 / 2.498; H200,
-        1,024-token contexts, profile_step --decode-launch 64,4,S). By the split count, not the context: a
+        0.962 ms against 0.970 / 0.970 with two). Fewer splits walk more tiles: two (2 rows, 8 splits: 1.466 ms
+        against 1.474 with one; 4 rows 1.639 / 1.659; 8 rows, 2 splits of ~9 tiles: 1.835 against 1.973 with
+        one and 1.896 with three; 16 rows: 2.412 / 2.744 / 2.498; H200, 1,024-token contexts, profile_step
+        --decode-launch 64,4,S). By the split count, not the context: a
         CUDA graph compiles its launch at the captured length, longer than most rows it replays for."""
-        return 1 if num_splits >= 8 else 2
+        return 1 if num_splits >= 16 else 2
 
     @staticmethod
     def _check_shapes(heads: int, kvh: int, d: int, block_size: int) -> None:
@@ -368,7 +382,10 @@ class TritonAttentionBackend(AttentionBackend):
         # 2 stages leave shared memory for more programs per SM (bench_attention --sweep, H200, bf16:
         # 8 x 1024-token prefill 0.192 vs 0.280 ms at 3 stages; decode 72.4 vs 74.3 us at 32 rows).
         num_stages = 2
-        tune = self.decode_launch if meta.max_query_len == 1 and work is None else self.prefill_launch
+        decode_only = meta.max_query_len == 1 and work is None
+        tune = self.decode_launch if decode_only else self.prefill_launch
+        if decode_only and num_splits == 1:
+            block_n = _decode_key_block(d, q, k_cache)
         block_n = tune.block_n or block_n
         num_warps = tune.num_warps or num_warps
         num_stages = tune.num_stages or num_stages
@@ -380,7 +397,8 @@ class TritonAttentionBackend(AttentionBackend):
             decode_m = _decode_block_m(group)
             self._launch(q, k_cache, v_cache, scales, out, out, out, meta, None, scale,
                          (meta.num_decode_rows, kvh, 1), group, decode_m // group, decode_m,
-                         self.decode_launch.block_n or block_n, 1, precision, self.decode_launch.num_warps or 4,
+                         self.decode_launch.block_n or _decode_key_block(d, q, k_cache), 1, precision,
+                         self.decode_launch.num_warps or 4,
                          self.decode_launch.num_stages or num_stages)
         part_out, part_lse = self.partials(num_splits, out)
         self._launch(q, k_cache, v_cache, scales, out, part_out, part_lse, meta, work, scale, grid, group, tile_t,
