@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from loopline.errors import InvalidRequestError
+from loopline.structured.params import StructuredOutputsParams
 
 # Seeds are int64 (the sampler keys its counter-based randomness on them); choice i of n uses
 # seed + i, so the largest seed leaves room for n - 1 more.
@@ -80,6 +81,8 @@ class SamplingParams:
     exit_depths: list[int] | None = None
     logprobs_mode: str | None = field(default=None, metadata={"cli": False})  # the CLI has the engine's --logprobs-mode
     output_kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE, metadata={"cli": False})
+    # what the output must match (JSON schema, regex, choice, grammar); a dict is read as its fields
+    structured_outputs: StructuredOutputsParams | None = field(default=None, metadata={"cli": False})
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -92,6 +95,8 @@ class SamplingParams:
                                       param="stop_token_ids")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     # --- validation ---------------------------------------------------------------------

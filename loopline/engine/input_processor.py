@@ -64,6 +64,9 @@ class InputProcessor:
         prompt_text, ids = self._tokenize(prompt)
         cfg = self.model_config
         params.validate_for_model(cfg.total_ut_steps, cfg.vocab_size)
+        if params.structured_outputs is not None:  # never silently unconstrained
+            raise InvalidRequestError("structured_outputs are not supported by this engine yet",
+                                      param="structured_outputs")
         self.exit_policy.validate(params)
         limit = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
