@@ -44,7 +44,7 @@ from loopline.models.ouro import OuroForCausalLM
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
 from loopline.worker.backends import Backends, select_backends
-from loopline.worker.memory_profile import kv_bytes_per_block, num_kv_blocks
+from loopline.worker.memory_profile import check_fits, footprint, kv_bytes_per_block, num_kv_blocks
 from loopline.worker.model_runner import ModelRunner, RowFailure, StepHandle
 from loopline.worker.sampler import Sampler
 
@@ -147,6 +147,11 @@ class LLMEngine(EngineVerbs):
                 param="max_model_len")
         self.config = cfg = EngineConfig(args, model_path, device, dtype, max_len, model_cfg.total_ut_steps)
         self.model_config = model_cfg
+        # a config that asks for the impossible is refused before anything is allocated
+        check_fits(footprint(model_cfg, dtype=dtype, kv_dtype=cfg.kv_dtype, device=device, max_model_len=max_len,
+                             max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                             num_planes=make_layout(args.kv_layout, model_cfg.total_ut_steps).num_planes,
+                             weights=model is None), device)
         self.model = model.to(device=device, dtype=dtype).eval() if model is not None else load_model(model_path, dtype, device)
         backends = backends or select_backends(args.attention_backend, args.kernel_backend, device)
         self.model.use_ops(backends.layer_ops)

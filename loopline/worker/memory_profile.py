@@ -8,6 +8,7 @@ needed on top of the weights is what the pool must leave free.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -96,3 +97,65 @@ def num_kv_blocks(config, model: OuroForCausalLM, backend: AttentionBackend, lay
     if blocks <= 0:
         raise CapacityError(f"no memory left for the KV cache (one block needs {per_block} bytes)", param="kv_cache_memory_gb")
     return blocks
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """What the engine may use at most: the GPU's memory, or the host's physical memory (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX: no bound known
+        return 2**62
+
+
+# Field values of large served models today: a field far above its value is the likely cause of a footprint that
+# cannot fit (which field an error names, not a limit).
+_TYPICAL = {"num_hidden_layers": 64, "total_ut_steps": 8, "max_model_len": 131072, "max_position_embeddings": 131072,
+            "hidden_size": 8192, "intermediate_size": 32768, "vocab_size": 262144, "num_key_value_heads": 64}
+
+
+def footprint(model_cfg, *, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device, max_model_len: int,
+              max_num_seqs: int, block_size: int, num_planes: int, weights: bool = True
+              ) -> dict[str, tuple[dict[str, int], int]]:
+    """Bytes the engine allocates from the configuration alone, before any of it is allocated, by what they are
+    for: ``{what: ({sizing field: value}, bytes)}``. Weights (when they still have to be loaded), the RoPE
+    table of every position (fused GPU kernels), the decode slots' block tables over ``max_model_len``, and one
+    request of ``max_model_len`` tokens in the KV pool at every plane (a pool that cannot hold one request of
+    the allowed length is refused, as vLLM refuses it)."""
+    c = model_cfg
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size \
+        + 4 * c.hidden_size
+    params = 2 * c.vocab_size * c.hidden_size + c.num_hidden_layers * per_layer + 2 * c.hidden_size + 1
+    blocks = -(-(max_model_len + 1) // block_size)
+    shape = {"num_hidden_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
+             "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size}
+    kv_fields = {"max_model_len": max_model_len, "total_ut_steps": num_planes, "num_hidden_layers": c.num_hidden_layers,
+                 "num_key_value_heads": c.num_key_value_heads}
+    return {
+        "weights": (shape, params * dtype.itemsize if weights else 0),
+        "RoPE table": ({"max_position_embeddings": c.max_position_embeddings},
+                       c.max_position_embeddings * c.head_dim * 2 * dtype.itemsize if device.type == "cuda" else 0),
+        "decode block tables": ({"max_model_len": max_model_len, "total_ut_steps": num_planes},
+                                (max_num_seqs + 1) * num_planes * blocks * 4),
+        "KV of one request at max_model_len": (kv_fields, num_planes * blocks * kv_bytes_per_block(c, block_size, kv_dtype)),
+    }
+
+
+def check_fits(parts: dict[str, tuple[dict[str, int], int]], device: torch.device) -> None:
+    """Refuses, before any allocation, a configuration whose :func:`footprint` exceeds the device's memory,
+    naming the largest part and the field most likely to blame (the one furthest above today's large models)."""
+    have = device_memory_bytes(device)
+    need = sum(b for _, b in parts.values())
+    if need <= have:
+        return
+    what, (sizing, size) = max(parts.items(), key=lambda kv: kv[1][1])
+    field = max(sizing, key=lambda f: sizing[f] / _TYPICAL.get(f, 1))
+    hint = " (max_model_len defaults to the model's max_position_embeddings: pass a smaller max_model_len)" \
+        if field == "max_model_len" else ""
+    raise CapacityError(
+        f"this configuration needs at least {need / 2**30:,.1f} GiB before serving anything, more than the "
+        f"{have / 2**30:,.1f} GiB of {device.type} memory here; the largest part is the {what} "
+        f"({size / 2**30:,.1f} GiB; {', '.join(f'{k}={v:,}' for k, v in sizing.items())}): {field} is too "
+        f"large{hint}", param=field)
