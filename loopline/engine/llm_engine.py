@@ -39,7 +39,7 @@ from loopline.errors import EngineDeadError, InvalidRequestError, new_error_id
 from loopline.kv.layout import make_layout
 from loopline.kv.manager import KVCacheManager
 from loopline.kv.quant import kv_scales_for
-from loopline.models.loader import load_config, load_model, load_tokenizer, sampling_defaults
+from loopline.models.loader import check_sampling_defaults, load_config, load_model, load_tokenizer, sampling_defaults
 from loopline.models.ouro import OuroForCausalLM
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -147,6 +147,8 @@ class LLMEngine(EngineVerbs):
                 param="max_model_len")
         self.config = cfg = EngineConfig(args, model_path, device, dtype, max_len, model_cfg.total_ut_steps)
         self.model_config = model_cfg
+        self.sampling_defaults = check_sampling_defaults(self.sampling_defaults, model_cfg.vocab_size, max_len,
+                                                         f"{args.generation_config} generation_config.json")
         # a config that asks for the impossible is refused before anything is allocated
         check_fits(footprint(model_cfg, dtype=dtype, kv_dtype=cfg.kv_dtype, device=device, max_model_len=max_len,
                              max_num_seqs=args.max_num_seqs, block_size=args.block_size,

@@ -13,6 +13,7 @@ allowed (DESIGN.md §7). Nothing here touches the network.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -82,6 +83,8 @@ def _config_from_dict(raw: dict, path: Path, generation_eos: list[int]) -> OuroC
     if raw.get("use_sliding_window"):
         raise fail("use_sliding_window", raw["use_sliding_window"], "false (sliding-window attention is not supported)")
     layer_types = raw.get("layer_types")
+    if layer_types is not None and not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)):
+        raise fail("layer_types", layer_types, 'null or a list of "full_attention"')
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
         bad = sorted({t for t in layer_types if t != "full_attention"})
         raise fail("layer_types", bad, '"full_attention" only')
@@ -143,7 +146,7 @@ def _config_from_dict(raw: dict, path: Path, generation_eos: list[int]) -> OuroC
     # transformers >= 5 writes "dtype" instead of "torch_dtype".
     dtype_key = "torch_dtype" if "torch_dtype" in raw else "dtype"
     torch_dtype = raw.get(dtype_key) or "float32"
-    if torch_dtype not in DTYPES:
+    if not isinstance(torch_dtype, str) or torch_dtype not in DTYPES:
         raise fail(dtype_key, torch_dtype, ", ".join(DTYPES))
 
     vocab = ints["vocab_size"]
@@ -224,6 +227,26 @@ def load_sampling_defaults(model_dir: PathLike) -> dict[str, Any]:
     return defaults
 
 
+def check_sampling_defaults(defaults: dict[str, Any], vocab_size: int, max_model_len: int,
+                            source: str = GENERATION_CONFIG_FILE) -> dict[str, Any]:
+    """Request defaults checked against the model they serve, at start: a ``top_k`` above the vocabulary
+    is refused (every request that omits top_k would fail); a ``max_new_tokens`` that leaves no room for a
+    prompt within ``max_model_len`` is dropped with a warning (requests then generate up to the context,
+    as without the file)."""
+    top_k = defaults.get("top_k")
+    if top_k is not None and top_k > vocab_size:
+        raise CheckpointError(f"{source}: top_k={top_k} is above the model's vocabulary ({vocab_size} tokens); "
+                              f"allowed: -1 or 0 (off) or 1..{vocab_size}")
+    out = dict(defaults)
+    max_tokens = out.get("max_tokens")
+    if max_tokens is not None and max_tokens >= max_model_len:
+        logging.getLogger("loopline").warning(
+            "%s: max_new_tokens=%d leaves no room for a prompt within max_model_len=%d: ignored (requests without "
+            "max_tokens generate up to max_model_len)", source, max_tokens, max_model_len)
+        del out["max_tokens"]
+    return out
+
+
 def sampling_defaults(source: str, model_dir: PathLike | None) -> dict[str, Any]:
     """Request defaults by ``EngineArgs.generation_config``: ``"auto"``: the model's
     generation_config.json; ``"vllm"``: none; else that folder's generation_config.json."""
@@ -267,6 +290,8 @@ def iter_checkpoint(model_dir: PathLike) -> Iterator[dict[str, Tensor]]:
         raise CheckpointError(f"{index}: weight_map is missing or empty; expected {{tensor name: shard file}}")
     by_shard: dict[str, set[str]] = {}
     for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(f"{index}: weight_map[{name!r}] is {shard!r}; expected a shard file name (a string)")
         by_shard.setdefault(shard, set()).add(name)
     missing = [s for s in by_shard if not (index.parent / s).is_file()]
     if missing:
@@ -448,14 +473,29 @@ def _existing_dir(model_dir: PathLike) -> Path:
                           "download the weights first, e.g. with `hf download <repo> --local-dir <dir>`)")
 
 
+# The most a checkpoint's JSON file (config, index, generation config) may hold: the largest real ones are a few
+# hundred KB (a 1,000-shard index); a file claiming more is refused before a byte of it is read (a sparse
+# 1.5 GB config.json otherwise cost 3 GB of memory on the engine thread).
+MAX_JSON_BYTES = 16 * 2**20
+
+
 def _read_json(path: Path, *, required: bool) -> dict | None:
     if not path.is_file():
         if required:
             raise CheckpointError(f"{path}: file not found")
         return None
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{path}: {size:,} bytes; a checkpoint's JSON files may hold at most {MAX_JSON_BYTES:,}")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        with path.open("rb") as f:
+            text = f.read(MAX_JSON_BYTES + 1).decode("utf-8")  # (the file may grow after the stat)
+        if len(text) > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: more than {MAX_JSON_BYTES:,} bytes")
+        raw = json.loads(text)
+    except RecursionError as e:  # e.g. arrays nested 100,000 deep
+        raise CheckpointError(f"{path}: invalid JSON (nested too deeply)") from e
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and ints of more than 4,300 digits
         raise CheckpointError(f"{path}: invalid JSON ({e})") from e
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(raw).__name__}")

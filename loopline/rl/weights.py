@@ -37,7 +37,14 @@ import torch
 from torch import Tensor, nn
 
 from loopline.errors import EngineStateError, WeightUpdateError
-from loopline.models.loader import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, CheckpointError
+from loopline.models.loader import (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    MAX_JSON_BYTES,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    CheckpointError,
+)
 
 # Buffers some exporters persist although the model recomputes them (as the loader ignores them).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -230,19 +237,21 @@ def check_checkpoint_files(model_dir: str | os.PathLike) -> None:
     if not root.is_dir():
         return  # the loader says what is wrong with it
     real_root = root.resolve()
-    names = [CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE]
+    names = [CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, GENERATION_CONFIG_FILE]
     index = root / WEIGHTS_INDEX_FILE
     if index.is_file() and _inside(real_root, index):
         try:
+            if index.stat().st_size > MAX_JSON_BYTES:
+                raise ValueError("too large")  # the loader refuses it, naming the limit
             weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             weight_map = None  # the loader reports a malformed index
         if isinstance(weight_map, dict):
             names += sorted({str(shard) for shard in weight_map.values()})
     for name in names:
         if not _plain_relative(name) or ((root / name).exists() or (root / name).is_symlink()) \
                 and not _inside(real_root, root / name):
-            raise CheckpointError(f"{model_dir}: {WEIGHTS_INDEX_FILE if name not in (CONFIG_FILE, WEIGHTS_FILE) else name} "
+            raise CheckpointError(f"{model_dir}: {name if name in (CONFIG_FILE, WEIGHTS_FILE, GENERATION_CONFIG_FILE) else WEIGHTS_INDEX_FILE} "
                                   "names a file outside the checkpoint directory")
 
 

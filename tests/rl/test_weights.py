@@ -279,7 +279,8 @@ def _index_pointing_at(ckpt, target: str) -> None:
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-@pytest.mark.parametrize("escape", ["dotdot", "absolute", "symlink_out", "index_symlink_out", "single_symlink_out"])
+@pytest.mark.parametrize("escape", ["dotdot", "absolute", "symlink_out", "index_symlink_out", "single_symlink_out",
+                                    "generation_config_symlink_out"])
 def test_disk_update_refuses_files_outside_the_checkpoint(tiny_gqa, engine_for, run, ids, tmp_path, escape):
     from loopline.models.loader import CheckpointError
 
@@ -293,6 +294,10 @@ def test_disk_update_refuses_files_outside_the_checkpoint(tiny_gqa, engine_for, 
     elif escape == "symlink_out":
         (ckpt / shard).unlink()
         (ckpt / shard).symlink_to(outside / shard)
+    elif escape == "generation_config_symlink_out":
+        (outside / "generation_config.json").write_text('{"temperature": 0.5}')
+        (ckpt / "generation_config.json").unlink(missing_ok=True)
+        (ckpt / "generation_config.json").symlink_to(outside / "generation_config.json")
     elif escape == "index_symlink_out":
         (ckpt / "model.safetensors.index.json").unlink()
         (ckpt / "model.safetensors.index.json").symlink_to(outside / "model.safetensors.index.json")
