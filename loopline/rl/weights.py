@@ -176,6 +176,9 @@ class WeightUpdater:
                 raise WeightUpdateError(f"parameter {name!r} was sent twice in one update", param=name)
             if not isinstance(tensor, Tensor):
                 raise WeightUpdateError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}", param=name)
+            if tensor.is_meta or tensor.layout != torch.strided:  # no values to copy, or not a dense array of them
+                raise WeightUpdateError(f"{name}: a {'meta' if tensor.is_meta else str(tensor.layout)} tensor; "
+                                        "expected a dense tensor with values (torch.strided)", param=name)
             if tuple(tensor.shape) != self._shapes[name]:
                 raise WeightUpdateError(f"{name}: shape {tuple(tensor.shape)} does not match the model's "
                                         f"{self._shapes[name]}", param=name)

@@ -33,7 +33,10 @@ def test_sampling_dict_keys_and_length_budget():
 
 
 @pytest.mark.parametrize("params,field", [({"logprobs": "yes"}, "logprobs"), ({"temperature": -1}, "temperature"),
-                                          ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens")])
+                                          ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+                                          ({"temperature": "hot"}, "temperature"), ({"top_p": None}, "top_p"),
+                                          ({"repetition_penalty": [1]}, "repetition_penalty"),
+                                          ({"ignore_eos": "false"}, "ignore_eos"), ({"temperature": True}, "temperature")])
 def test_sampling_dict_bad_values_name_the_key(params, field):
     with pytest.raises(InvalidRequestError) as e:
         sampling_from_dict(params, 4, LIMITS)

@@ -86,6 +86,9 @@ def test_update_from_disk_sharded_and_same_version_noop(tiny_gqa, new_weights, e
     (lambda sd: {**sd, "model.norm.weight": sd["model.norm.weight"].double() * 1e300}, "non-finite"),
     (lambda sd: [("model.norm.weight", sd["model.norm.weight"])] * 2, "sent twice"),
     (lambda sd: [("model.norm.weight", [1.0] * 64)], "torch.Tensor"),
+    (lambda sd: {**sd, "model.norm.weight": torch.empty(sd["model.norm.weight"].shape, device="meta")},
+     "model.norm.weight: a meta tensor"),
+    (lambda sd: {**sd, "lm_head.weight": sd["lm_head.weight"].to_sparse()}, "lm_head.weight: a torch.sparse_coo"),
 ])
 def test_rejected_update_leaves_the_old_weights_serving(tiny_gqa, new_weights, engine_for, run, ids, bad, pattern):
     engine = engine_for(tiny_gqa)
