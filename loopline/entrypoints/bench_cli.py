@@ -14,6 +14,7 @@ import sys
 import urllib.parse
 from typing import Any
 
+from loopline.entrypoints.cli_args import SAMPLING_HELP, HelpFormatter, common_parser, positive_float
 from loopline.errors import InvalidRequestError
 
 HELP = "offline throughput/latency benchmark (and `bench serve` for an HTTP server)"
@@ -21,7 +22,6 @@ HELP = "offline throughput/latency benchmark (and `bench serve` for an HTTP serv
 
 def add_parser(sub: Any) -> None:
     from loopline.config import EngineArgs
-    from loopline.entrypoints.cli_args import SAMPLING_HELP, HelpFormatter, common_parser
 
     p = sub.add_parser("bench", help=HELP, formatter_class=HelpFormatter, parents=[common_parser(config=False)],
                        description="Closed-loop offline benchmark of the engine on random prompts; see docs/benchmarks/README.md.")
@@ -70,7 +70,6 @@ def add_parser(sub: Any) -> None:
 
 
 def _add_serve(sub: Any) -> None:
-    from loopline.entrypoints.cli_args import HelpFormatter, common_parser
 
     s = sub.add_parser("serve", help="drive a running OpenAI-compatible server over HTTP", formatter_class=HelpFormatter,
                        parents=[common_parser(config=False)],
@@ -106,7 +105,7 @@ def _add_serve(sub: Any) -> None:
                       help="when the initial phase has drained, send the same request set again right away, with the "
                            "same arrival gaps (the immediate-replay phase); both phases are reported; the replay "
                            "shows what prefix caching does for repeated prompts")
-    load.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    load.add_argument("--timeout", type=positive_float, default=600.0, help="per-request timeout in seconds")
     cap = s.add_argument_group("peak capacity")
     cap.add_argument("--capacity-rates", metavar="RATES", default=None,
                      help="comma list of rates to step through upwards (e.g. 1,2,4,8,16) until one breaks the TTFT "

@@ -21,7 +21,13 @@ from typing import Any
 
 import loopline
 from loopline.entrypoints import bench_cli, serve_cli, train_cli  # stdlib only at import: torch loads when a command runs
-from loopline.entrypoints.cli_args import HelpFormatter, add_sampling_args, common_parser, sampling_from_ns
+from loopline.entrypoints.cli_args import (
+    HelpFormatter,
+    add_sampling_args,
+    common_parser,
+    read_text_file,
+    sampling_from_ns,
+)
 from loopline.errors import LooplineError
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -51,8 +57,7 @@ def _run_generate(ns: argparse.Namespace) -> int:
 
     prompts = list(ns.prompts)
     if ns.prompt_file:
-        with open(ns.prompt_file, encoding="utf-8") as fh:
-            prompts += [line.rstrip("\n") for line in fh if line.strip()]
+        prompts += [line for line in read_text_file(ns.prompt_file, "--prompt-file").splitlines() if line.strip()]
     if not prompts:
         prompts = [DEFAULT_PROMPT]
     sampling_from_ns(ns)  # bad flag values fail before a model loads

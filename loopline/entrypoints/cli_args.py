@@ -93,3 +93,36 @@ def common_parser(config: bool = True) -> argparse.ArgumentParser:
                                                             "flags on the command line win)")
     g.add_argument("--debug", action="store_true", help="print the traceback of an error (env LOOPLINE_DEBUG=1)")
     return p
+
+
+def _number_type(kind: type, lo: float | None, hi: float | None, what: str):
+    """An argparse ``type`` that parses ``kind`` and checks ``lo <= value <= hi``; argparse names the flag."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    parse.__name__ = what  # argparse's own messages print a type's name
+    return parse
+
+
+positive_int = _number_type(int, 1, None, "an integer >= 1")
+port_number = _number_type(int, 0, 65535, "a port in [0, 65535]")
+positive_float = _number_type(float, 1e-9, None, "a number > 0")
+
+
+def read_text_file(path: str, flag: str) -> str:
+    """A text file a flag names, as UTF-8; any failure says which flag and file, not an internal error."""
+    from loopline.errors import InvalidRequestError
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"{flag} {path}: not UTF-8 text (byte {e.start}: {e.reason})", param=flag) from None
+    except OSError as e:
+        raise InvalidRequestError(f"{flag} {path}: {e.strerror or e}", param=flag) from None

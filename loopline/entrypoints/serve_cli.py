@@ -5,6 +5,7 @@ import argparse
 import json
 from typing import Any
 
+from loopline.entrypoints.cli_args import HelpFormatter, common_parser, port_number
 from loopline.errors import LooplineError
 
 HELP = "serve an OpenAI-compatible HTTP API (default model: the bundled demo model)"
@@ -30,13 +31,12 @@ def _str_list(value: str) -> list[str]:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     from loopline.config import EngineArgs
-    from loopline.entrypoints.cli_args import HelpFormatter, common_parser
 
     p = sub.add_parser("serve", help=HELP, formatter_class=HelpFormatter, parents=[common_parser()])
     p.add_argument("model_tag", nargs="?", default=None, help="checkpoint directory (same as --model)")
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients use in 'model' (default: the model path); the first is reported")
     server.add_argument("--api-key", default=None,

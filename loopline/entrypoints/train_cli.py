@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loopline.entrypoints.cli_args import HelpFormatter
+from loopline.entrypoints.cli_args import HelpFormatter, positive_int
 from loopline.errors import InvalidRequestError
 from loopline.train.presets import PRESETS, SHIPPED_PRESET, build_config  # stdlib only at import
 
@@ -42,7 +42,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--save-every", type=int, default=500, help="save the training state every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --checkpoint-dir (its config wins)")
     p.add_argument("--device", default="auto", help="'auto' (cuda when available), 'cpu', 'cuda' or 'cuda:N'")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-every", type=int, default=50, help="print a JSON line of metrics every N steps")
     p.add_argument("--eval-every", type=int, default=0,
                    help="print the held-out loss of every loop every N steps (0: only at the end); for watching "
@@ -58,7 +58,7 @@ def add_parser(sub: Any) -> None:
                                       "(and the dense model for comparison)", formatter_class=HelpFormatter)
     c.add_argument("--model", default=None, help="checkpoint directory (default: the bundled demo model)")
     c.add_argument("--out", help="write the JSON here (default: print it)")
-    c.add_argument("--seq-len", type=int, default=512, help="tokens per held-out window (the training eval's 512)")
+    c.add_argument("--seq-len", type=positive_int, default=512, help="tokens per held-out window (the training eval's 512)")
     c.add_argument("--max-windows", type=int, default=160,
                    help="use the first N windows of the held-out stream (the bundled model's card: 160, 82k "
                         "tokens; its whole split is 1.6M tokens, hours on a CPU); 0: the whole split")
@@ -87,7 +87,7 @@ def _add_grpo_parser(tsub: Any, formatter: Any) -> None:
                    "the iterations (it never changes the run)")
     g.add_argument("--save-every", type=int, default=5, help="save the state every N iterations (and at the end)")
     g.add_argument("--device", default="cpu", help="'cpu', 'cuda' or 'cuda:N' (trainer and engine share it)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     g.set_defaults(func=run_grpo)
 
 

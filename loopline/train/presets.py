@@ -56,8 +56,20 @@ def build_config(preset: str, config_file: str | None, sets: list[str]):
 
     raw = json.loads(json.dumps(PRESETS[preset]))  # a deep copy
     if config_file:
-        with open(config_file, encoding="utf-8") as fh:
-            _merge(raw, json.load(fh))
+        try:
+            with open(config_file, encoding="utf-8") as fh:
+                extra = json.load(fh)
+        except UnicodeDecodeError as e:
+            raise InvalidRequestError(f"--config-file {config_file}: not UTF-8 text (byte {e.start}: {e.reason})",
+                                      param="--config-file") from None
+        except OSError as e:
+            raise InvalidRequestError(f"--config-file {config_file}: {e.strerror or e}", param="--config-file") from None
+        except (ValueError, RecursionError) as e:
+            raise InvalidRequestError(f"--config-file {config_file}: invalid JSON ({e})", param="--config-file") from None
+        if not isinstance(extra, dict):
+            raise InvalidRequestError(f"--config-file {config_file}: expected a JSON object of TrainConfig fields, "
+                                      f"got {type(extra).__name__}", param="--config-file")
+        _merge(raw, extra)
     for item in sets:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -70,6 +82,8 @@ def build_config(preset: str, config_file: str | None, sets: list[str]):
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise InvalidRequestError(f"--set {item!r}: {part} is not a group of fields")
         node[leaf] = parsed
     return TrainConfig.from_dict(raw)
 

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import random
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -59,6 +60,53 @@ class ModelShape:
     total_ut_steps: int = 4
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
+
+    def check(self) -> None:
+        """Every size >= 1, heads in whole groups, an even head_dim, and at most MAX_TRAIN_PARAMETERS
+        parameters; InvalidRequestError names the field."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "rope_theta" and value < 1:
+                raise InvalidRequestError(f"TrainConfig.model.{f.name}={value}; allowed: >= 1")
+        if self.rope_theta <= 0:
+            raise InvalidRequestError(f"TrainConfig.model.rope_theta={self.rope_theta}; allowed: > 0")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise InvalidRequestError(f"TrainConfig.model.num_attention_heads={self.num_attention_heads}; allowed: a "
+                                      f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise InvalidRequestError(f"TrainConfig.model.head_dim={self.head_dim}; allowed: even (rotate-half RoPE)")
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        per_layer = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        params = 2 * self.vocab_size * self.hidden_size + self.num_hidden_layers * per_layer
+        if params > MAX_TRAIN_PARAMETERS:
+            sizes = {f: getattr(self, f) for f in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                  "vocab_size", "num_attention_heads", "head_dim")}
+            raise InvalidRequestError(
+                f"TrainConfig.model: {params:,} parameters ({', '.join(f'{k}={v:,}' for k, v in sizes.items())}) "
+                f"need {params * 16 / 2**30:,.0f} GiB for weights, gradients and Adam state; allowed: at most "
+                f"{MAX_TRAIN_PARAMETERS:,} parameters")
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_field_types(cls, values: dict, prefix: str) -> None:
+    """Each of ``values`` has its dataclass field's type (int, float, bool or str), else InvalidRequestError
+    naming ``prefix + field``. An int is a float; a bool is neither (JSON's true is not 1 here)."""
+    hints = typing.get_type_hints(cls)
+    checks = {int: lambda v: isinstance(v, int) and not isinstance(v, bool), float: _is_real,
+              bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str)}
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    for name, value in values.items():
+        kind = hints.get(name)
+        if kind in checks and not checks[kind](value):
+            raise InvalidRequestError(f"TrainConfig.{prefix}{name}={value!r:.60}; allowed: {names[kind]}")
+
+
+# The most parameters a training run may ask for: its fp32 weights, gradients and Adam state take 16 bytes each,
+# so 2**33 (8.6 B) parameters need 128 GiB before activations. A shape beyond it is a typo, not a run.
+MAX_TRAIN_PARAMETERS = 2**33
 
 
 @dataclass(frozen=True)
@@ -120,7 +168,7 @@ class TrainConfig:
             ("eval_batches", self.eval_batches >= 1, ">= 1"),
             ("compile", self.compile in ("", "inductor", "aot_eager", "eager"), "'', inductor, aot_eager, eager"),
             ("model.total_ut_steps", self.model.total_ut_steps >= 2, ">= 2 (stage 2 compares consecutive loops)"),
-            ("seq_len", self.seq_len <= self.model.max_position_embeddings, f"<= model.max_position_embeddings"),
+            ("seq_len", self.seq_len <= self.model.max_position_embeddings, "<= model.max_position_embeddings"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -145,15 +193,29 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "TrainConfig":
+        """From JSON-like data (a preset, ``--config-file``, ``--set``): unknown fields and values of the wrong
+        type are refused naming the field (``model.num_hidden_layers='abc'``), as are impossible shapes."""
+        if not isinstance(raw, dict):
+            raise InvalidRequestError(f"TrainConfig must be an object of fields, got {type(raw).__name__}")
         raw = dict(raw)
-        model = ModelShape(**raw.pop("model", {}))
-        corpus = CorpusSpec(**raw.pop("corpus", {}))
+        model_raw, corpus_raw = raw.pop("model", {}), raw.pop("corpus", {})
+        for name, value in (("model", model_raw), ("corpus", corpus_raw)):
+            if not isinstance(value, dict):
+                raise InvalidRequestError(f"TrainConfig.{name} must be an object of fields, got {value!r:.60}")
+        _check_field_types(ModelShape, model_raw, "model.")
+        model = ModelShape(**model_raw)
+        model.check()
+        corpus = CorpusSpec(**corpus_raw)
         if "betas" in raw:
-            raw["betas"] = tuple(raw["betas"])
+            betas = raw["betas"]
+            if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(_is_real(b) for b in betas)):
+                raise InvalidRequestError(f"TrainConfig.betas={betas!r}; allowed: two numbers")
+            raw["betas"] = tuple(float(b) for b in betas)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InvalidRequestError(f"TrainConfig: unknown field(s) {unknown}; allowed: {sorted(known)}")
+        _check_field_types(cls, raw, "")
         return cls(model=model, corpus=corpus, **raw)
 
 
