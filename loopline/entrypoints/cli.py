@@ -187,6 +187,9 @@ def expand_config(argv: list[str]) -> list[str]:
     return argv
 
 
+_MAX_CONFIG_BYTES = 1 << 20
+
+
 def _config_flags(path: str) -> list[str]:
     try:
         import yaml
@@ -194,7 +197,15 @@ def _config_flags(path: str) -> list[str]:
         raise LooplineError("--config FILE.yaml needs PyYAML: pip install pyyaml") from None
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            text = fh.read(_MAX_CONFIG_BYTES + 1)
+        if len(text) > _MAX_CONFIG_BYTES:
+            raise LooplineError(f"--config {path}: more than {_MAX_CONFIG_BYTES:,} characters; a flags file is small")
+        # A flags file needs no anchors or aliases; refusing them bounds the work (no "billion laughs").
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader)):
+            raise LooplineError(f"--config {path}: YAML aliases (*name) are not allowed in a flags file")
+        data = yaml.safe_load(text)
+    except UnicodeDecodeError as e:
+        raise LooplineError(f"--config {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     except OSError as e:
         raise LooplineError(f"--config {path}: cannot read it ({e.strerror or e})") from None
     except yaml.YAMLError as e:
@@ -215,6 +226,8 @@ def _config_flags(path: str) -> list[str]:
         elif value is None:
             continue
         elif isinstance(value, list):
+            if any(isinstance(v, (list, dict)) for v in value):
+                raise LooplineError(f"--config {path}: {key}: expected a list of values, got a nested list or mapping")
             flags += [flag, *map(str, value)]
         elif isinstance(value, dict):
             raise LooplineError(f"--config {path}: {key}: expected a value or a list, got a mapping")

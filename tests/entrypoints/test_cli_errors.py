@@ -61,3 +61,17 @@ def test_train_config_file_errors_are_named(content, needle, tmp_path, capsys):
     assert main(["train", "pretrain", "--out", str(tmp_path / "out"), "--config-file", str(f)]) != 0
     err = capsys.readouterr().err
     assert needle in err and "internal error" not in err
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"a: &a [x, x, x]\nb: &b [*a, *a, *a]\nc: &c [*b, *b, *b]\nmax-tokens: *c\n", "aliases"),
+    (b"max-tokens: [[1, 2]]\n", "nested list"),
+    (b"x" * (2 << 20), "more than"),
+    (b"max-tokens: \xff\n", "not UTF-8"),
+])
+def test_yaml_config_files_are_bounded(content, needle, tmp_path, capsys):
+    f = tmp_path / "flags.yaml"
+    f.write_bytes(content)
+    assert main(["generate", "--config", str(f)]) != 0
+    err = capsys.readouterr().err
+    assert needle in err and "internal error" not in err
