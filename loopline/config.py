@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -145,6 +146,10 @@ class EngineArgs:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", param="gpu_memory_utilization")
         self._validate_disaggregation()
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # raises, naming the allowed values
+        if self.enable_prefix_caching and self.kv_layout == "shared":
+            logging.getLogger("loopline").warning(
+                "enable_prefix_caching has no effect with kv_layout='shared' (a prompt's depth-major prefill needs its "
+                "prefix's KV at every loop, which the one shared plane does not keep); use kv_layout='last_exited'")
         if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
                 os.path.join(self.generation_config, "generation_config.json")):
             raise InvalidRequestError(f"generation_config must be 'auto', 'vllm' or a folder holding a "

@@ -237,12 +237,20 @@ def run_rates(spec: ServeSpec, rates: list[float], workload_for: Callable[[int],
 
 
 def server_info(base_url: str, transport: Any = None, timeout_s: float = 30.0) -> tuple[str | None, int | None]:
-    """(first served model id, its ``max_model_len``) from ``/v1/models``; Nones when not reported."""
+    """(first served model id, its ``max_model_len``) from ``/v1/models``; Nones when not reported.
+    Raises ``httpx.TransportError`` when nothing answers at ``base_url``."""
     import httpx
 
     async def fetch() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport) as client:
-            return await _models(client)
+            try:
+                resp = await client.get("/v1/models")
+            except httpx.TransportError:
+                raise  # nothing answers: the caller says so
+            try:
+                return resp.json().get("data") or []
+            except Exception:  # noqa: BLE001 -- a server without /v1/models still serves; the model is optional
+                return []
 
     data = asyncio.run(fetch())
     if not data:

@@ -75,7 +75,7 @@ def _add_serve(sub: Any) -> None:
                        parents=[common_parser(config=False)],
                        description="Fixed-rate (Poisson) or closed-loop load on a running server; see "
                                    "docs/benchmarks/README.md#loopline-bench-serve.")
-    s.add_argument("--base-url", required=True, help="server root, e.g. http://localhost:8000")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (vLLM's default)")
     s.add_argument("--model", dest="served_model", default=None, help="model name for requests (default: first of /v1/models)")
     w = s.add_argument_group("workload")
     w.add_argument("--dataset", dest="serve_dataset", choices=["random", "sharegpt-synthetic"], default="random",
@@ -354,9 +354,12 @@ def run_serve_bench(ns: argparse.Namespace, transport: Any = None, progress: Any
     else:
         rates = [] if capacity_rates else [math.inf]
     dataset = _dataset(ns)
-    model, server_len = ns.served_model, None
-    if ns.served_model is None or ns.serve_max_model_len is None:  # ask the server only for what was not given
-        model, server_len = server_info(ns.base_url, transport)
+    try:  # up front: a benchmark against no server would only print a table of failures
+        reported, server_len = server_info(ns.base_url, transport, timeout_s=min(30.0, ns.timeout))
+    except Exception as e:  # noqa: BLE001 -- httpx's connect/timeout/protocol errors, OSError: all mean no answer
+        raise InvalidRequestError(f"no server answers at {ns.base_url} ({type(e).__name__}: {' '.join(str(e).split())}); "
+                                  "start one with `loopline serve` or pass --base-url", param="base_url") from None
+    model = ns.served_model or reported
     max_model_len = ns.serve_max_model_len or server_len
     spec = ServeSpec(ns.base_url, rates[0] if rates else math.inf, ns.serve_concurrency, model,
                      ns.serve_seed, ns.timeout)

@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         argv = expand_config(argv)
         command = next((a for a in argv if a in COMMANDS), None)
-        ns = build_parser(only=command, lazy=True).parse_args(argv)
+        parser = build_parser(only=command, lazy=True)
+        ns = parser.parse_args(unswallow(argv, _int_list_flags(parser)))
         return ns.func(ns)
     except KeyboardInterrupt:
         return 130
@@ -254,6 +255,59 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _int_list_flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Flags of every (sub)command in ``parser`` that take one or more integers (``--stop-token-ids 5 6``)."""
+    flags: set[str] = set()
+    stack = [parser]
+    while stack:
+        p = stack.pop()
+        for action in p._actions:  # NOTE: argparse has no public walk over actions and subparsers
+            if isinstance(action, argparse._SubParsersAction):
+                stack += list(action.choices.values())
+            elif action.nargs == "+" and action.type is int:
+                flags.update(action.option_strings)
+    return flags
+
+
+def unswallow(argv: list[str], int_list_flags: set[str]) -> list[str]:
+    """Moves words that follow a list-of-integers flag's integers to just after the subcommand (where the
+    positionals go), so that ``generate --stop-token-ids 5 6 "a prompt"`` reads the prompt as a prompt
+    (argparse's ``nargs='+'`` would take it as a third id and fail)."""
+    out: list[str] = []
+    moved: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            out += argv[i:]
+            break
+        if word not in int_list_flags:
+            out.append(word)
+            i += 1
+            continue
+        j = i + 1
+        while j < len(argv) and _is_int(argv[j]):
+            j += 1
+        k = j
+        while k < len(argv) and not argv[k].startswith("-"):
+            k += 1  # the words after the ids, up to the next flag: positionals
+        moved += argv[j:k]
+        out += argv[i:j]
+        i = k
+    if not moved:
+        return out
+    command = next((n for n, w in enumerate(out) if not w.startswith("-")), -1)
+    return out[:command + 1] + moved + out[command + 1:]
+
+
+def _is_int(word: str) -> bool:
+    try:
+        int(word)
+        return True
+    except ValueError:
+        return False
 
 
 def _one_line(e: BaseException) -> str:

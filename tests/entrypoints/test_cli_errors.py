@@ -75,3 +75,35 @@ def test_yaml_config_files_are_bounded(content, needle, tmp_path, capsys):
     assert main(["generate", "--config", str(f)]) != 0
     err = capsys.readouterr().err
     assert needle in err and "internal error" not in err
+
+
+def test_list_flags_leave_the_prompt_alone(tiny_gqa, capsys):
+    from loopline.entrypoints.cli import unswallow
+
+    flags = {"--stop-token-ids", "--exit-depths"}
+    assert unswallow(["generate", "--stop-token-ids", "5", "6", "hi there", "--max-tokens", "3"], flags) == \
+        ["generate", "hi there", "--stop-token-ids", "5", "6", "--max-tokens", "3"]
+    assert unswallow(["generate", "a", "--exit-depths", "2", "--", "-b"], flags) == \
+        ["generate", "a", "--exit-depths", "2", "--", "-b"]
+    rc = main(["generate", "--model", str(tiny_gqa.path), "--device", "cpu", "--dtype", "float32", "--json",
+               "--stop-token-ids", "1", "2", "The cat", "--max-tokens", "2", "--exit-depths", "2", "3", "The dog",
+               "--exit-mode", "trace"])
+    assert rc == 0
+    prompts = [json.loads(line)["prompt"] for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert prompts == ["The cat", "The dog"]
+
+
+def test_bench_serve_fails_up_front_without_a_server(capsys):
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no server answers at http://127.0.0.1:9" in err and "internal error" not in err
+
+
+def test_prefix_caching_with_the_shared_layout_warns(caplog):
+    import logging
+
+    from loopline.config import EngineArgs
+
+    with caplog.at_level(logging.WARNING, logger="loopline"):
+        EngineArgs(kv_layout="shared", enable_prefix_caching=True).validate()
+    assert "enable_prefix_caching has no effect with kv_layout='shared'" in caplog.text
