@@ -18,7 +18,14 @@ _MAX_INT32 = 2**31 - 1
 # The sampler stages float fields as float32: a larger value would become inf on the device.
 _MAX_FLOAT32 = 3.4028234663852886e38
 MAX_N = 1024
-MAX_LOGPROBS = 20
+# logprobs / prompt_logprobs: -1 (the whole vocabulary) or a count; the engine's max_logprobs caps it
+# (engine/input_processor.py), this only bounds the type.
+# logprob_token_ids: at most this many ids (vLLM's MAX_LOGPROB_TOKEN_IDS).
+MAX_LOGPROB_TOKEN_IDS = 128
+# bad_words: at most this many words of at most this many characters; a word's tokenization may be at
+# most BAD_WORD_MAX_TOKENS tokens (the device keeps each slot's last BAD_WORD_MAX_TOKENS - 1 tokens).
+MAX_BAD_WORDS, MAX_BAD_WORD_LEN, BAD_WORD_MAX_TOKENS = 128, 256, 16
+LOGIT_BIAS_RANGE = 100.0  # OpenAI: each bias in [-100, 100]
 # Stop strings are matched against the text after every token on the engine thread: bound
 # their number and length so one request cannot slow every other one down.
 MAX_STOP_STRINGS, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
@@ -54,6 +61,15 @@ class SamplingParams:
 
     ``output_kind``: whole outputs each time (the default), only what each step added, or the
     final output only (:class:`RequestOutputKind`).
+
+    vLLM's logits fields, applied on the device by the sampler: ``min_tokens`` (EOS and
+    ``stop_token_ids`` suppressed, stop strings ignored, until the completion has that many tokens),
+    ``logit_bias`` (token id -> bias in [-100, 100], added to the raw logits), ``allowed_token_ids``
+    (only these may be sampled), ``bad_words`` (never generated: see ``InputProcessor``).
+    ``logprobs`` / ``prompt_logprobs`` of -1 ask for the whole vocabulary; ``logprob_token_ids``
+    reports the logprobs of these ids (with the sampled token's) instead of the top k.
+    ``truncate_prompt_tokens``: keep the prompt's last k tokens (-1: up to ``max_model_len``).
+    ``best_of``: only unset or equal to ``n``.
     """
 
     n: int = 1
@@ -83,6 +99,17 @@ class SamplingParams:
     output_kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE, metadata={"cli": False})
     # what the output must match (JSON schema, regex, choice, grammar); a dict is read as its fields
     structured_outputs: StructuredOutputsParams | None = field(default=None, metadata={"cli": False})
+    min_tokens: int = field(default=0, metadata={"cli": False})
+    logit_bias: dict[int, float] | None = field(default=None, metadata={"cli": False})
+    allowed_token_ids: list[int] | None = field(default=None, metadata={"cli": False})
+    bad_words: list[str] | None = field(default=None, metadata={"cli": False})
+    truncate_prompt_tokens: int | None = field(default=None, metadata={"cli": False})
+    logprob_token_ids: list[int] | None = field(default=None, metadata={"cli": False})
+    best_of: int | None = field(default=None, metadata={"cli": False})
+    # Resolved by the engine (InputProcessor), never set by a caller: the token ids min_tokens
+    # suppresses (EOS unless ignore_eos, and stop_token_ids), and each bad word's token ids.
+    _min_tokens_stop_ids: tuple[int, ...] | None = field(default=None, repr=False, metadata={"cli": False})
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False, metadata={"cli": False})
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +124,14 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        for name in ("allowed_token_ids", "bad_words", "logprob_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise InvalidRequestError(f"{name} must be a list, got {value!r:.60}", param=name)
+            if value is not None:
+                setattr(self, name, list(value))
+        if self.logit_bias is not None:
+            self.logit_bias = _token_bias(self.logit_bias)
         self._validate()
 
     # --- validation ---------------------------------------------------------------------
@@ -125,10 +160,44 @@ class SamplingParams:
                                       f"got {len(self.stop_token_ids)}", param="stop_token_ids")
         for t in self.stop_token_ids:
             _int_in("stop_token_ids", t, 0, _MAX_INT32)
-        if self.logprobs is not None:
-            _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        if self.prompt_logprobs is not None:
-            _int_in("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):  # -1: the whole vocabulary (vLLM)
+            _int_in(name, getattr(self, name), -1, _MAX_INT32, optional=True)
+        _int_in("min_tokens", self.min_tokens, 0, self.max_tokens if self.max_tokens is not None else _MAX_INT32)
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
+            raise InvalidRequestError(f"best_of must be unset or equal to n ({self.n}): this engine returns every "
+                                      f"completion it samples, got {self.best_of!r}", param="best_of")
+        if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens) or not (
+                self.truncate_prompt_tokens == -1 or 1 <= self.truncate_prompt_tokens <= _MAX_INT32)):
+            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 (up to max_model_len) or an integer >= 1, "
+                                      f"got {self.truncate_prompt_tokens!r}", param="truncate_prompt_tokens")
+        for bias in (self.logit_bias or {}).values():
+            _float_in("logit_bias", bias, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidRequestError("allowed_token_ids must not be empty (unset: every token)",
+                                          param="allowed_token_ids")
+            for t in self.allowed_token_ids:
+                _int_in("allowed_token_ids", t, 0, _MAX_INT32)
+        if self.bad_words is not None:
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                raise InvalidRequestError(f"bad_words must hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}",
+                                          param="bad_words")
+            for w in self.bad_words:
+                if not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_LEN:
+                    raise InvalidRequestError(f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_LEN} "
+                                              f"characters, got {w!r:.60}", param="bad_words")
+        if self.logprob_token_ids is not None:
+            if not 1 <= len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS:
+                raise InvalidRequestError(f"logprob_token_ids must hold 1 to {MAX_LOGPROB_TOKEN_IDS} token ids, "
+                                          f"got {len(self.logprob_token_ids)}", param="logprob_token_ids")
+            for t in self.logprob_token_ids:
+                _int_in("logprob_token_ids", t, 0, _MAX_INT32)
+            if len(set(self.logprob_token_ids)) != len(self.logprob_token_ids):
+                raise InvalidRequestError("logprob_token_ids must not repeat an id", param="logprob_token_ids")
+            if self.logprobs is not None and self.logprobs != len(self.logprob_token_ids):
+                raise InvalidRequestError(f"logprob_token_ids replaces the top logprobs: logprobs must be unset or "
+                                          f"len(logprob_token_ids) ({len(self.logprob_token_ids)}), got {self.logprobs}",
+                                          param="logprob_token_ids")
         _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _float_in("repetition_penalty", self.repetition_penalty, 0.0, _MAX_FLOAT32, lo_open=True)
@@ -170,9 +239,15 @@ class SamplingParams:
         if self.top_k > vocab_size:
             raise InvalidRequestError(f"top_k must be -1 or 0 (off) or in [1, {vocab_size}] (the vocab size), "
                                       f"got {self.top_k}", param="top_k")
-        for t in self.stop_token_ids:
-            if t >= vocab_size:
-                raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size}), got {t}", param="stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids", "logit_bias"):
+            for t in getattr(self, name) or ():
+                if t >= vocab_size:
+                    raise InvalidRequestError(f"{name} token ids must be in [0, {vocab_size}), got {t}", param=name)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise InvalidRequestError(f"{name} must be -1 (the whole vocabulary) or in [0, {vocab_size}] "
+                                          f"(the vocab size), got {value}", param=name)
 
     # --- derived ------------------------------------------------------------------------
     @property
@@ -183,14 +258,42 @@ class SamplingParams:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra" and not f.name.startswith("_")}
+
+    # --- what the sampler needs (host-side flags of the batch) ---------------------------
+    @property
+    def uses_min_tokens(self) -> bool:
+        return self.min_tokens > 0 and bool(self._min_tokens_stop_ids)
+
+
+def _token_bias(value: Any) -> dict[int, float]:
+    """``logit_bias`` with int keys: JSON's string keys ("123") are read as token ids."""
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"logit_bias must be a mapping of token id to bias, got {value!r:.60}", param="logit_bias")
+    out = {}
+    for key, bias in value.items():
+        tid = key
+        if isinstance(key, str):
+            try:
+                tid = int(key.strip())
+            except ValueError:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r:.40}", param="logit_bias") from None
+        if not _is_int(tid) or not 0 <= tid <= _MAX_INT32:
+            raise InvalidRequestError(f"logit_bias keys must be token ids in [0, vocab size), got {key!r:.40}",
+                                      param="logit_bias")
+        if tid in out:
+            raise InvalidRequestError(f"logit_bias names token {tid} twice", param="logit_bias")
+        out[tid] = bias
+    return out
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # NOTE: True is an int in Python
 
 
-def _int_in(name: str, value: Any, lo: int | None, hi: int | None) -> None:
+def _int_in(name: str, value: Any, lo: int | None, hi: int | None, optional: bool = False) -> None:
+    if optional and value is None:
+        return
     if not _is_int(value):
         raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):

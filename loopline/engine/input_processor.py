@@ -18,7 +18,7 @@ from loopline.core.exit_policy import ExitPolicy
 from loopline.core.request import Request
 from loopline.errors import CapacityError, InvalidRequestError
 from loopline.kv.manager import KVCacheManager
-from loopline.sampling_params import SamplingParams
+from loopline.sampling_params import BAD_WORD_MAX_TOKENS, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -53,6 +53,12 @@ class InputProcessor:
         self._eos, self._chat_eos = eos_token_ids, eos_token_ids | set(chat_end_ids)
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
+        limit = config.max_logprobs
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < -1:
+            raise InvalidRequestError(f"max_logprobs must be -1 (no cap: the whole vocabulary) or an integer >= 0, "
+                                      f"got {limit!r}", param="max_logprobs")
+        # the largest logprobs / prompt_logprobs a request may ask for (-1: the vocabulary)
+        self.max_logprobs = model_config.vocab_size if limit == -1 else limit
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
                 chat_stop: bool = False) -> ProcessedRequest:
@@ -62,17 +68,27 @@ class InputProcessor:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         prompt_text, ids = self._tokenize(prompt)
+        ids = self._truncate(ids, params.truncate_prompt_tokens)
         cfg = self.model_config
         params.validate_for_model(cfg.total_ut_steps, cfg.vocab_size)
         if params.structured_outputs is not None:  # never silently unconstrained
             raise InvalidRequestError("structured_outputs are not supported by this engine yet",
                                       param="structured_outputs")
         self.exit_policy.validate(params)
-        limit = self.config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > limit:
-                raise InvalidRequestError(f"{name} must be <= max_logprobs ({limit}), got {value}", param=name)
+        # -1 asks for the whole vocabulary (vLLM); resolved to its size, then capped by max_logprobs
+        num = {name: getattr(params, name) for name in ("logprobs", "prompt_logprobs")}
+        for name, value in num.items():
+            value = cfg.vocab_size if value == -1 else value
+            if value is not None and value > self.max_logprobs:
+                if getattr(params, name) == -1:
+                    raise InvalidRequestError(f"{name}=-1 (the whole vocabulary, {cfg.vocab_size} tokens) needs the "
+                                              f"engine's max_logprobs to be -1 or >= {cfg.vocab_size}, it is "
+                                              f"{self.config.max_logprobs}", param=name)
+                raise InvalidRequestError(f"{name} must be -1 or in [0, {self.max_logprobs}] (max_logprobs), "
+                                          f"got {value}", param=name)
+            num[name] = value
+        if params.logprob_token_ids is not None:  # it replaces the top k: one entry per id
+            num["logprobs"] = len(params.logprob_token_ids)
         max_len = self.config.max_model_len
         if len(ids) >= max_len:
             raise CapacityError(f"prompt has {len(ids)} tokens; max_model_len is {max_len} (prompt + output)", param="prompt")
@@ -85,15 +101,60 @@ class InputProcessor:
                 f"request needs {self.kv.blocks_needed(len(ids) + max_tokens)} KV blocks but the pool has "
                 f"{self.kv.pool.num_blocks}; lower max_tokens or raise num_kv_blocks", param="max_tokens")
         eos = self._chat_eos if chat_stop else self._eos
+        bad_words = self._bad_words(params.bad_words) if params.bad_words else None
+        stop_ids = None
+        if params.min_tokens > 0:  # what min_tokens suppresses: EOS (unless ignored) and stop_token_ids
+            stop_ids = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))))
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         # NOTE: the one place a request's defaults are decided; everything downstream reads `effective`
-        effective = params.clone(seed=seed, max_tokens=max_tokens,
+        effective = params.clone(seed=seed, max_tokens=max_tokens, **num,
+                                 _min_tokens_stop_ids=stop_ids, _bad_words_token_ids=bad_words,
                                  logprobs_mode=params.logprobs_mode or self.config.logprobs_mode,
                                  max_loops=params.max_loops or cfg.total_ut_steps,
                                  exit_threshold=cfg.early_exit_threshold if params.exit_threshold is None else params.exit_threshold)
         children = [Request(child_request_id(request_id, i), ids, effective, seed + i, max_tokens, eos,
                             next(self._arrivals)) for i in range(params.n)]
         return ProcessedRequest(request_id, prompt_text, ids, effective, children)
+
+    def _truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: up to max_model_len, vLLM)."""
+        if keep is None:
+            return ids
+        max_len = self.config.max_model_len
+        if keep == -1:
+            keep = max_len
+        elif keep > max_len:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or in [1, {max_len}] (max_model_len), "
+                                      f"got {keep}", param="truncate_prompt_tokens")
+        return ids[-keep:]
+
+    def _bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids (vLLM's rule): the word as it starts a text, and, where it tokenizes
+        to as many tokens with another first one, as it follows a space. The sampler bans a sequence's
+        last token whenever its other tokens were just generated (a one-token word: always)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words need the tokenizer (the engine runs with skip_tokenizer_init=True)",
+                                      param="bad_words")
+        vocab = self.model_config.vocab_size
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not plain:
+                raise InvalidRequestError(f"bad_words entry {word!r:.40} tokenizes to no tokens", param="bad_words")
+            seqs = [plain]
+            if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
+                seqs.append(spaced)
+            for seq in seqs:
+                if len(seq) > BAD_WORD_MAX_TOKENS:
+                    raise InvalidRequestError(f"bad_words entries must tokenize to at most {BAD_WORD_MAX_TOKENS} tokens, "
+                                              f"{word!r:.40} has {len(seq)}", param="bad_words")
+                if any(not 0 <= t < vocab for t in seq):
+                    raise InvalidRequestError(f"bad_words entry {word!r:.40} tokenizes to ids outside the model's "
+                                              f"vocabulary ({vocab})", param="bad_words")
+                if seq not in out:
+                    out.append(seq)
+        return tuple(out)
 
     def next_arrival_seq(self) -> int:
         """An arrival number for a request that arrives another way (a prefill worker's handoff)."""

@@ -78,6 +78,7 @@ class OutputProcessor:
         self._child_parent: dict[str, tuple[str, int]] = {}
         self._completions: dict[str, _Completion] = {}
         self._adopted: list[OutputDelta] = []  # see take_adopted
+        self._pieces: dict[int, str] = {}  # token id -> its text alone (logprobs entries)
 
     def has(self, request_id: str) -> bool:
         return request_id in self._parents
@@ -173,9 +174,10 @@ class OutputProcessor:
             comp.cumulative_logprob += tok.logprob
         if comp.logprobs is not None:
             entry = {tok.token_id: Logprob(tok.logprob, tok.rank, self._piece(tok.token_id))}
+            custom = req.params.logprob_token_ids is not None  # those ids, not the top k: rank not computed
             for rank, (tid, lp) in enumerate(tok.top or [], start=1):
                 if tid not in entry:
-                    entry[tid] = Logprob(lp, rank, self._piece(tid))
+                    entry[tid] = Logprob(lp, None if custom else rank, self._piece(tid))
             comp.logprobs.append(entry)
         now = time.time()
         parent.metrics.first_token_time = parent.metrics.first_token_time or now
@@ -185,6 +187,8 @@ class OutputProcessor:
             return None
         new = comp.detok.push(tok.token_id)
         comp.text.append(new)
+        # min_tokens: a stop string ends the request only once it has more tokens than that (vLLM)
+        check_stop = check_stop and len(comp.token_ids) > req.params.min_tokens
         return self._find_stop(comp, req.params, len(new)) if check_stop and req.params.stop else None
 
     @staticmethod
@@ -329,4 +333,8 @@ class OutputProcessor:
     def _piece(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode([token_id])
+        # cached: logprobs=-1 asks for every token's piece at every position
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self.tokenizer.decode([token_id])
+        return piece

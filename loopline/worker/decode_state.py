@@ -176,6 +176,9 @@ class DeviceDecodeState:
         self.trace: Tensor | None = None  # [slots, max_tokens] exit depth of each token (exit_mode="trace")
         self.counts: Tensor | None = None  # [slots, vocab] f32 generated-token counts (penalties)
         self.seen: Tensor | None = None  # [slots, vocab] bool: in the prompt or generated
+        # [slots, W] int64: each slot's last W generated tokens, oldest first (multi-token bad_words);
+        # entries older than the slot's token_index are stale
+        self.recent: Tensor | None = None
 
     def set_trace(self, slot: int, depths: list[int]) -> None:
         """Recorded exit depths of ``slot``'s tokens; the last one repeats past the end (``TraceExit``)."""
@@ -197,7 +200,7 @@ class DeviceDecodeState:
 
     def _per_slot(self) -> dict[str, Tensor]:
         rows = {"loop": self.loop, "pos": self.pos, "token": self.token, "token_index": self.token_index}
-        for name in ("trace", "counts", "seen"):
+        for name in ("trace", "counts", "seen", "recent"):
             if getattr(self, name) is not None:
                 rows[name] = getattr(self, name)
         return rows
@@ -215,6 +218,8 @@ class DeviceDecodeState:
             self.seen = torch.zeros(self.loop.shape[0], vocab, dtype=torch.bool, device=self.device)
         if "trace" in saved:
             self.allocate_trace()
+        if "recent" in saved:
+            self.track_recent(saved["recent"].shape[-1])
         per_slot = self._per_slot()
         for name, t in saved.items():
             per_slot[name][slot] = t.to(self.device, non_blocking=True)
@@ -228,6 +233,17 @@ class DeviceDecodeState:
         self.counts[slot] = 0
         self.seen[slot] = False
         self.seen[slot].index_fill_(0, prompt, True)  # (not seen[slot, prompt] = True: see start)
+
+    def track_recent(self, width: int) -> None:
+        """Starts keeping every slot's last ``width`` generated tokens (bad words; before its first token)."""
+        if self.recent is None:
+            self.recent = torch.zeros(self.loop.shape[0], width, dtype=torch.long, device=self.device)
+
+    def _push(self, slots: Tensor, tokens: Tensor, taken: Tensor) -> None:
+        if self.recent is not None:
+            rows = self.recent[slots]
+            pushed = torch.cat([rows[:, 1:], tokens.long()[:, None]], dim=1)
+            self.recent[slots] = torch.where(taken[:, None], pushed, rows)
 
     def _count(self, slots: Tensor, tokens: Tensor, taken: Tensor) -> None:
         if self.counts is not None:  # slots are distinct, so accumulate adds each (slot, token) once
@@ -249,11 +265,14 @@ class DeviceDecodeState:
         self.pos.index_copy_(0, slots, positions.long())
         self.token_index.index_fill_(0, slots, 1)
         self._count(slots, tokens, torch.ones_like(slots, dtype=torch.bool))
+        self._push(slots, tokens, torch.ones_like(slots, dtype=torch.bool))
 
     def advance(self, slots: Tensor, loops: Tensor, run: Tensor, exited: Tensor, sampled: Tensor,
                 record: Tensor | None = None) -> None:
         """After a step: exited slots take their sampled token and move to the next position
         (``record``: see :meth:`SlotOps.advance`)."""
         self.ops.advance(self, slots, loops, run, exited, sampled, record)
-        if self.counts is not None:  # (the mask is a launch of its own: only when penalties count tokens)
-            self._count(slots, sampled, exited & run)
+        if self.counts is not None or self.recent is not None:  # (the mask is a launch of its own)
+            taken = exited & run
+            self._count(slots, sampled, taken)
+            self._push(slots, sampled, taken)

@@ -34,7 +34,7 @@ from loopline.core.contracts import (
 from loopline.kv.layout import KVLayout
 from loopline.kv.quant import KVScales, is_fp8
 from loopline.models.ouro import OuroForCausalLM
-from loopline.sampling_params import SamplingParams
+from loopline.sampling_params import BAD_WORD_MAX_TOKENS, SamplingParams
 from loopline.worker.cuda_graphs import GraphCapturer, StepGraphs, bucket_sizes, mixed_buckets
 from loopline.worker.decode_state import DeviceDecodeState, SlotOps
 from loopline.worker.exit_rule import exit_decision
@@ -43,7 +43,15 @@ from loopline.worker.kv_pages import KVPages
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import DecodeKind, DecodeOut, PrefillKind
 from loopline.worker.sampler import Sampler, SamplerOutput
-from loopline.worker.sampling_inputs import HostSample, ParamsStager, SampleBatch, build_sampling_tensors, has_penalties
+from loopline.worker.sampling_inputs import (
+    FieldsStager,
+    HostSample,
+    ParamsStager,
+    SampleBatch,
+    bad_words_history,
+    build_sampling_tensors,
+    has_penalties,
+)
 from loopline.worker.staging import stage
 from loopline.worker.step_inputs import StepBuilder, StepShape
 
@@ -136,6 +144,7 @@ class ModelRunner:
         self.work_tile_tokens = backend.work_tile_tokens(cfg.num_attention_heads // cfg.num_key_value_heads)
         self.graphs: StepGraphs | None = None
         self._sampling_params = ParamsStager()  # the sampled rows' parameters, on the device while unchanged
+        self._sampling_fields = FieldsStager()  # their logits fields (logit_bias, min_tokens, ...), likewise
         self._graph_args: tuple | None = None  # graphs to recapture after a sleep
         self._kv_shape = shape
         self.requests: dict[str, RequestState] = {}
@@ -241,6 +250,8 @@ class ModelRunner:
         ds.set_tables(st.slot, block_tables)
         if has_penalties(st.params):
             ds.track_penalties(st.slot, st.prompt, self.vocab_size)
+        if bad_words_history(st.params):  # multi-token bad words compare the slot's last tokens
+            ds.track_recent(BAD_WORD_MAX_TOKENS - 1)
         if self.decode.per_token_exits:
             ds.set_trace(st.slot, st.params.exit_depths)
 
@@ -384,12 +395,16 @@ class ModelRunner:
         else:
             index = dec.token_index
         tensors = build_sampling_tensors(states, index, self.sampler.logprobs_mode, self.device,
-                                         params=self._sampling_params)
+                                         params=self._sampling_params, fields=self._sampling_fields)
         ds = self.decode_state
-        if tensors.any_penalties:  # the device counts every slot's tokens
+        history = tensors.any_bad_words and ds.recent is not None
+        if tensors.any_penalties or history:  # the device counts every slot's tokens (and keeps its last ones)
             done = stage(self.device, ([rows[i].slot for i, _ in booked.meta], np.int64))[0]
             row_slots = torch.cat([dec.slots, done]) if nd else done
-            tensors.output_counts, tensors.seen_mask = ds.counts[row_slots], ds.seen[row_slots]
+            if tensors.any_penalties:
+                tensors.output_counts, tensors.seen_mask = ds.counts[row_slots], ds.seen[row_slots]
+            if history:
+                tensors.recent = ds.recent[row_slots][:, -tensors.bad_prefix.shape[1]:]
         out: SamplerOutput = self.sampler(all_logits, tensors)
         depths = ([dec.loops] if nd else []) + [depth for _, depth in booked.meta]
         flags = ([dec.exit] if nd else []) + ([torch.ones(n_done, dtype=torch.bool, device=self.device)] if n_done else [])

@@ -3,7 +3,13 @@
 One call samples the B rows whose token exits this step. Per row, in vLLM's
 order (v0 order for min-p):
 
-    penalties -> temperature -> top-k -> top-p -> min-p -> sample
+    allowed_token_ids -> bad_words -> min_tokens -> logit_bias -> penalties
+    -> temperature -> top-k -> top-p -> min-p -> sample
+
+The per-request logits fields (``allowed_token_ids``, ``bad_words``,
+``min_tokens``, ``logit_bias``) come as sparse (row, token) lists and act on
+the device; ``min_tokens`` and multi-token bad words read the rows' token index
+and recent tokens on the device, never host counts (which may lag a step).
 
 Filters mask with ``-inf``. Greedy rows (``temperature < SAMPLING_EPS``) take
 the argmax of the penalized logits (lowest index on ties); the other rows use
@@ -64,6 +70,28 @@ class SamplingTensors:
     # the sampler's default: one mode for every row, or a per-row choice for a mixed batch.
     logprobs_mode: str | None = None  # overrides the sampler's logprobs_mode for every row
     processed_rows: Tensor | None = None  # [B] bool, mixed batches: True => processed, False => raw
+    # Per-request logits fields, as sparse (row, token) entries; each flag False => its tensors unused.
+    any_allowed: bool = False  # allowed_token_ids: only these tokens of a restricted row
+    allowed_rows: Tensor | None = None  # [A] int64 row of each allowed entry
+    allowed_ids: Tensor | None = None  # [A] int64 token
+    restricted: Tensor | None = None  # [B] bool, the row has allowed_token_ids
+    any_logit_bias: bool = False
+    bias_rows: Tensor | None = None  # [L] int64
+    bias_ids: Tensor | None = None  # [L] int64 (unique per row)
+    bias_values: Tensor | None = None  # [L] f32
+    any_min_tokens: bool = False  # min_tokens: these ids are -inf while token_index < min_tokens
+    min_tokens: Tensor | None = None  # [B] int64, 0 => off
+    min_rows: Tensor | None = None  # [M] int64
+    min_ids: Tensor | None = None  # [M] int64
+    any_bad_words: bool = False  # each bad word's last token is -inf when its prefix was just generated
+    bad_rows: Tensor | None = None  # [E] int64
+    bad_last: Tensor | None = None  # [E] int64, the token banned
+    bad_prefix: Tensor | None = None  # [E, W] int64, the tokens before it, right-aligned (W = recent's width)
+    bad_prefix_len: Tensor | None = None  # [E] int64, 0 => banned always
+    recent: Tensor | None = None  # [B, W] int64, the row's last W generated tokens (oldest first); None: no prefix
+    # logprob_token_ids: these ids' logprobs replace a row's top-k columns
+    custom_ids: Tensor | None = None  # [B, K] int64 (K = max_num_logprobs)
+    custom_mask: Tensor | None = None  # [B, K] bool, True => the column holds a custom id
 
 
 @dataclass
@@ -167,6 +195,40 @@ def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
     return x
 
 
+def apply_logits_fields(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """allowed_token_ids, bad_words, min_tokens, then logit_bias (vLLM's order). [B, V] -> [B, V], a new tensor.
+
+    Rows without a field are bit-identical; masked tokens are ``-inf`` (added: ``x + -inf``), so the
+    result never depends on the order entries are applied nor on the row's batch-mates."""
+    x = logits
+    B, V = x.shape
+    neg_inf = float("-inf")
+    if t.any_allowed:
+        keep = torch.zeros(B, V, dtype=torch.bool, device=x.device)
+        keep[t.allowed_rows, t.allowed_ids] = True
+        x = x.masked_fill(~(keep | ~t.restricted[:, None]), neg_inf)
+    if t.any_bad_words:
+        ban = torch.ones_like(t.bad_rows, dtype=torch.bool)
+        if t.recent is not None:
+            W = t.recent.shape[1]
+            hist = t.recent[t.bad_rows]  # [E, W]
+            in_prefix = torch.arange(W, device=x.device)[None, :] >= (W - t.bad_prefix_len)[:, None]
+            same = ((hist == t.bad_prefix) | ~in_prefix).all(dim=1)
+            # the prefix must be generated tokens: the row has at least that many
+            ban = same & (t.bad_prefix_len <= t.token_index[t.bad_rows])
+        else:
+            ban = t.bad_prefix_len == 0
+        add = torch.where(ban, neg_inf, 0.0).to(x.dtype)
+        x = x.index_put((t.bad_rows, t.bad_last), add, accumulate=True)
+    if t.any_min_tokens:
+        early = t.token_index[t.min_rows] < t.min_tokens[t.min_rows]
+        add = torch.where(early, neg_inf, 0.0).to(x.dtype)
+        x = x.index_put((t.min_rows, t.min_ids), add, accumulate=True)
+    if t.any_logit_bias:
+        x = x.index_put((t.bias_rows, t.bias_ids), t.bias_values.to(x.dtype), accumulate=True)
+    return x
+
+
 def _apply_top_k_top_p(z: Tensor, top_k: Tensor, top_p: Tensor, use_k: bool, use_p: bool) -> Tensor:
     """Mask with -inf outside the top-k, then outside the nucleus of what is left. [B, V].
 
@@ -246,7 +308,9 @@ class Sampler:
         mixed = t.processed_rows is not None
         processed = want_logprobs and (mixed or (t.logprobs_mode or self.logprobs_mode) == "processed_logprobs")
 
-        x = apply_penalties(logits, t) if t.any_penalties else logits
+        fields = t.any_allowed or t.any_bad_words or t.any_min_tokens or t.any_logit_bias
+        x = apply_logits_fields(logits, t) if fields else logits
+        x = apply_penalties(x, t) if t.any_penalties else x
         z = process_logits(x, t) if (processed or not t.all_greedy) else None
 
         greedy_ids = _argmax(x)  # [B]
@@ -269,4 +333,9 @@ class Sampler:
         top_ids = top_lp = None
         if num_logprobs > 0:
             top_lp, top_ids = lp.topk(min(num_logprobs, lp.shape[-1]), dim=-1)
+            if t.custom_ids is not None:  # logprob_token_ids: those ids' logprobs in their rows' columns
+                k = top_ids.shape[1]
+                custom, mask = t.custom_ids[:, :k], t.custom_mask[:, :k]
+                top_ids = torch.where(mask, custom, top_ids)
+                top_lp = torch.where(mask, lp.gather(1, custom), top_lp)
         return SamplerOutput(token_ids, token_lp.squeeze(1), ranks, top_ids, top_lp)

@@ -122,14 +122,103 @@ class ParamsStager:
         return self._staged
 
 
+def uses_logits_fields(p) -> bool:
+    """Whether sampling params ``p`` use a per-request logits field (the sampler's sparse entries)."""
+    return bool(p.allowed_token_ids or p.logit_bias or p.uses_min_tokens or p._bad_words_token_ids
+                or p.logprob_token_ids)
+
+
+def bad_words_history(p) -> int:
+    """How many of a row's last generated tokens its bad words compare (the longest prefix)."""
+    return max((len(w) - 1 for w in p._bad_words_token_ids or ()), default=0)
+
+
+class FieldsStager:
+    """The rows' per-request logits fields (allowed_token_ids, logit_bias, min_tokens, bad_words,
+    logprob_token_ids) as sparse device entries, staged again only when the rows' requests change.
+
+    Keyed by the identity of the rows' (effective, never mutated) params, which the stager holds so that
+    no id is reused while its entries are cached. A batch that uses none of the fields builds nothing."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._params: list = []
+        self._fields: dict[str, Any] = {}
+
+    def __call__(self, device: torch.device, ps: list, num_logprobs: int | None, width: int) -> dict[str, Any]:
+        """SamplingTensors' field entries for rows ``ps`` (``width``: the bad words' history width)."""
+        key = (device, num_logprobs, width, tuple(id(p) for p in ps))
+        if key != self._key:
+            self._fields = _stage_fields(device, ps, num_logprobs, width)
+            self._key, self._params = key, list(ps)
+        return self._fields
+
+
+def _stage_fields(device: torch.device, ps: list, num_logprobs: int | None, width: int) -> dict[str, Any]:
+    i64, f32 = np.int64, np.float32
+    out: dict[str, Any] = {}
+    arrays: list = []
+    names: list[str] = []
+
+    def add(name, values, dtype):
+        names.append(name)
+        arrays.append((values, dtype))
+
+    allowed = [(b, t) for b, p in enumerate(ps) for t in (p.allowed_token_ids or ())]
+    if allowed:
+        out["any_allowed"] = True
+        add("allowed_rows", [b for b, _ in allowed], i64)
+        add("allowed_ids", [t for _, t in allowed], i64)
+        add("restricted", [bool(p.allowed_token_ids) for p in ps], np.bool_)
+    bias = [(b, t, v) for b, p in enumerate(ps) for t, v in (p.logit_bias or {}).items()]
+    if bias:
+        out["any_logit_bias"] = True
+        add("bias_rows", [b for b, _, _ in bias], i64)
+        add("bias_ids", [t for _, t, _ in bias], i64)
+        add("bias_values", [v for _, _, v in bias], f32)
+    mins = [(b, t) for b, p in enumerate(ps) if p.uses_min_tokens for t in p._min_tokens_stop_ids]
+    if mins:
+        out["any_min_tokens"] = True
+        add("min_tokens", [p.min_tokens if p.uses_min_tokens else 0 for p in ps], i64)
+        add("min_rows", [b for b, _ in mins], i64)
+        add("min_ids", [t for _, t in mins], i64)
+    bad = [(b, w) for b, p in enumerate(ps) for w in (p._bad_words_token_ids or ())]
+    if bad:
+        out["any_bad_words"] = True
+        W = max(width, 1)
+        prefix = np.full((len(bad), W), -1, dtype=i64)
+        for e, (_, w) in enumerate(bad):
+            if len(w) > 1:
+                prefix[e, W - (len(w) - 1):] = w[:-1]
+        add("bad_rows", [b for b, _ in bad], i64)
+        add("bad_last", [w[-1] for _, w in bad], i64)
+        add("bad_prefix", prefix, i64)
+        add("bad_prefix_len", [len(w) - 1 for _, w in bad], i64)
+    if num_logprobs and any(p.logprob_token_ids for p in ps):
+        ids = np.zeros((len(ps), num_logprobs), dtype=i64)
+        mask = np.zeros((len(ps), num_logprobs), dtype=np.bool_)
+        for b, p in enumerate(ps):
+            custom = p.logprob_token_ids or ()
+            ids[b, :len(custom)] = custom
+            mask[b, :len(custom)] = True
+        add("custom_ids", ids, i64)
+        add("custom_mask", mask, np.bool_)
+    out.update(zip(names, stage(device, *arrays)))
+    return out
+
+
 def build_sampling_tensors(states: list, token_index: list[int] | Tensor, default_mode: str,
-                           device: torch.device, params: ParamsStager | None = None) -> SamplingTensors:
+                           device: torch.device, params: ParamsStager | None = None,
+                           fields: FieldsStager | None = None) -> SamplingTensors:
     """Per-row sampling parameters of the rows sampled this step (``states``: request states).
 
     ``token_index``: each row's index in its completion, host ints or already on the device.
     Penalties need each row's generated-token counts and seen mask: the caller supplies
     ``output_counts`` / ``seen_mask`` from the device decode state.
-    ``params`` reuses the parameters' device copy across calls (see :class:`ParamsStager`).
+    ``params`` reuses the parameters' device copy across calls (see :class:`ParamsStager`), ``fields``
+    the per-request logits fields' entries (:class:`FieldsStager`). Multi-token bad words need each row's
+    recent generated tokens: the caller supplies ``recent`` from the device decode state (width
+    :func:`bad_words_history` of the rows).
     """
     dev = device
     ps = [s.params for s in states]
@@ -145,7 +234,12 @@ def build_sampling_tensors(states: list, token_index: list[int] | Tensor, defaul
     if len(modes) > 1:
         processed_rows = stage(dev, ([(p.logprobs_mode or default_mode) == "processed_logprobs" for p in ps],
                                      np.bool_))[0]
+    extra = {}
+    if any(uses_logits_fields(p) for p in ps):
+        width = max(bad_words_history(p) for p in ps)
+        extra = (fields or FieldsStager())(dev, ps, max(want) if want else None, width)
     return SamplingTensors(
+        **extra,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence,
         frequency_penalty=frequency, repetition_penalty=repetition, seeds=seeds, token_index=index,
         output_counts=None, seen_mask=None,

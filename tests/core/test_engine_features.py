@@ -272,6 +272,7 @@ def test_bad_input_is_rejected_and_others_keep_running(tiny_gqa):
         (("x4", ids(70), good), "prompt"),
         (("x5", ids(10), SamplingParams(max_tokens=60)), "max_tokens"),
         (("x6", ids(5), SamplingParams(max_loops=9)), "max_loops"),
+        (("x7", ids(5), SamplingParams(logprobs=50)), "logprobs"),  # above the engine's max_logprobs (20)
         (("good", ids(5), good), "request_id"),
     ]
     for args, param in bad_cases:
@@ -282,7 +283,7 @@ def test_bad_input_is_rejected_and_others_keep_running(tiny_gqa):
         small = LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", block_size=4,
                                      num_kv_blocks=8, skip_tokenizer_init=True))
         small.add_request("big", ids(20), good)
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-3), dict(n=0), dict(logprobs=50), dict(exit_threshold=1.5),
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-3), dict(n=0), dict(logprobs=-2), dict(exit_threshold=1.5),
                 dict(min_loops=3, max_loops=2), dict(presence_penalty=5), dict(seed="x")):
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(**bad)
