@@ -71,9 +71,9 @@ class InputProcessor:
         ids = self._truncate(ids, params.truncate_prompt_tokens)
         cfg = self.model_config
         params.validate_for_model(cfg.total_ut_steps, cfg.vocab_size)
-        if params.structured_outputs is not None:  # never silently unconstrained
-            raise InvalidRequestError("structured_outputs are not supported by this engine yet",
-                                      param="structured_outputs")
+        if params.structured_outputs is not None:  # compiled now (cached): a bad constraint changes nothing
+            from loopline.structured.backend import compile_constraint  # (imports xgrammar on first use)
+            compile_constraint(self.tokenizer, cfg.vocab_size, params.structured_outputs)
         self.exit_policy.validate(params)
         # -1 asks for the whole vocabulary (vLLM); resolved to its size, then capped by max_logprobs
         num = {name: getattr(params, name) for name in ("logprobs", "prompt_logprobs")}

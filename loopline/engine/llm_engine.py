@@ -43,6 +43,7 @@ from loopline.models.loader import check_sampling_defaults, load_config, load_mo
 from loopline.models.ouro import OuroForCausalLM
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
+from loopline.structured.manager import StructuredOutputs
 from loopline.worker.backends import Backends, select_backends
 from loopline.worker.memory_profile import check_fits, footprint, kv_bytes_per_block, num_kv_blocks
 from loopline.worker.model_runner import ModelRunner, RowFailure, StepHandle
@@ -180,6 +181,9 @@ class LLMEngine(EngineVerbs):
         if device.type == "cuda" and not args.enforce_eager and backends.attention.name == "triton":
             self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture), cfg.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
+        # constrained requests' grammar matchers (xgrammar is imported on the first one)
+        self.structured = StructuredOutputs(self.tokenizer, model_cfg.vocab_size, unsupported=(
+            "on a prefill worker (prefill/decode disaggregation)" if prefill_only else None))
         self._builder = OutputBuilder()  # step()'s outputs from step_deltas()'s deltas
         self.inputs = InputProcessor(cfg, model_cfg, self.tokenizer, self.exit_policy, self.kv,
                                      frozenset(model_cfg.eos_token_ids), self.outputs.chat_end_ids)
@@ -207,6 +211,7 @@ class LLMEngine(EngineVerbs):
         if self.outputs.has(request_id):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         req = self.inputs.process(request_id, prompt, params, chat_stop)
+        self.structured.add(req.params.structured_outputs, req.children)  # one grammar matcher per child
         self.outputs.add(request_id, req.prompt, req.prompt_token_ids, req.params,
                          [c.request_id for c in req.children], self.control.weight_version)
         for child in req.children:
@@ -236,6 +241,7 @@ class LLMEngine(EngineVerbs):
     def _release(self, child_id: str, reason: str, stop_reason: int | str | None = None) -> Request | None:
         """Takes a request out of the scheduler (its KV, slot and snapshot freed; the runner drops its
         state with the next step's ``finished_request_ids``) or out of a pause's held list."""
+        self.structured.drop(child_id)
         return self.scheduler.finish_request(child_id, reason, stop_reason) or self.control.drop_held(child_id, reason)
 
     def has_unfinished_requests(self) -> bool:
@@ -279,10 +285,16 @@ class LLMEngine(EngineVerbs):
             sched = self.scheduler.schedule()
         for new in sched.new_requests:
             self.outputs.on_scheduled(new.request_id)
-        sched, handle = self._launch(sched)
+        if self.structured:
+            self.structured.prune()
+        # A step with rows of constrained requests is read at once: their next masks need its tokens.
+        constrained = self.structured.in_step(sched)
+        sched, handle = self._launch(sched, constrained)
         previous = self._pending
         self._pending = (sched, handle) if handle is not None and sched.rows else None
-        if not self._overlap and self._pending is not None:
+        if (not self._overlap or constrained) and self._pending is not None:
+            if previous is not None:
+                self._read(*previous)
             previous, self._pending = self._pending, None
         if previous is not None:
             self._read(*previous)
@@ -294,18 +306,20 @@ class LLMEngine(EngineVerbs):
     def _collect(self) -> list[OutputDelta]:
         return self.outputs.collect(on_error=self._fail_output)
 
-    def _launch(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, StepHandle | None]:
+    def _launch(self, sched: SchedulerOutput, constrained: bool = False) -> tuple[SchedulerOutput, StepHandle | None]:
         """Launches a step; returns what ran and its handle. Requests the runner refuses before it
         changed anything fail alone and the rest of the step is launched again; any other failure
-        fails the whole step's requests (their state may be half-applied)."""
+        fails the whole step's requests (their state may be half-applied). ``constrained``: the step
+        has rows of constrained requests, whose logits the grammar masks before sampling."""
+        mask = self.structured.token_mask if constrained else None
         try:
             try:
-                return sched, self.runner.launch(sched)
+                return sched, self.runner.launch(sched, mask)
             except RowFailure as e:
                 for rid in e.request_ids:
                     self._fail(rid, e)
                 sched = sched.without(set(e.request_ids))
-                return sched, self.runner.launch(sched)
+                return sched, self.runner.launch(sched, mask)
         except Exception as e:  # the engine goes on
             self._fail_step(sched, e)
             return sched, None
@@ -342,7 +356,8 @@ class LLMEngine(EngineVerbs):
 
     def _book_token(self, req: Request) -> None:
         self.stats.count_token(req.output[-1].exit_depth)
-        stop = self.scheduler.check_stop(req)
+        grammar_done = self.structured.accept(req) if self.structured else False
+        stop = self.scheduler.check_stop(req) or (("stop", None) if grammar_done else None)
         text_stop = self.outputs.on_token(req, self.control.weight_version, check_stop=stop is None)
         stop = stop or text_stop
         if stop is not None and self._finish(req.request_id, *stop):

@@ -56,6 +56,8 @@ from loopline.worker.staging import stage
 from loopline.worker.step_inputs import StepBuilder, StepShape
 
 _SEED_MASK = 2**63 - 1
+# (logits of the sampled rows, their request ids) -> None: masks constrained rows in place
+TokenMask = Callable[[Tensor, list[str]], None]
 
 
 class RowFailure(Exception):
@@ -257,8 +259,12 @@ class ModelRunner:
 
     # --- one step: launch now, read when asked ---------------------------------------
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> StepHandle:
+    def launch(self, sched: SchedulerOutput, token_mask: TokenMask | None = None) -> StepHandle:
         """Queues one step on the device and returns the handle that reads its results.
+
+        ``token_mask``: called as ``token_mask(logits, request_ids)`` on the sampled rows' logits (one
+        request id a row) before the sampler; it masks, in place, the rows it constrains (structured
+        outputs). ``None``: no row is constrained, nothing is paid.
 
         Decode rows' loops, positions and tokens come from the device state
         (``DeviceDecodeState``), so the host never waits inside or between steps:
@@ -285,7 +291,7 @@ class ModelRunner:
         if prefill is not None:
             self._book_prefill_rows(rows, nd, *prefill, plan.kinds[1].host.token_offsets, booked)
         # sample, then advance the decode state
-        batch = self.sample(rows, nd, booked, dec)
+        batch = self.sample(rows, nd, booked, dec, token_mask)
         if batch is None:  # prefill rows only, none finished its prompt
             return StepHandle.ready(RunnerOutput(booked.exited, [None] * len(rows), booked.prompt_logprobs))
         ds = self.decode_state
@@ -372,7 +378,8 @@ class ModelRunner:
         return [(lo + j, c, rk, list(zip(ti, tv)), depth) for j, (c, rk, tv, ti, depth) in enumerate(rows)]
 
     # --- coda + sampling --------------------------------------------------------------
-    def sample(self, rows, nd: int, booked: _Booked, dec: DecodeOut | None) -> SampleBatch | None:
+    def sample(self, rows, nd: int, booked: _Booked, dec: DecodeOut | None,
+               token_mask: TokenMask | None = None) -> SampleBatch | None:
         """Coda + sampling for decode rows ``[:nd]`` (logits given; their loops, token indices and slots
         from the device state ``dec``) and for prompts that finished, on the device: the last phase of
         :meth:`launch` (after prepare and run), which calls it; public as that phase, for profilers
@@ -405,6 +412,8 @@ class ModelRunner:
                 tensors.output_counts, tensors.seen_mask = ds.counts[row_slots], ds.seen[row_slots]
             if history:
                 tensors.recent = ds.recent[row_slots][:, -tensors.bad_prefix.shape[1]:]
+        if token_mask is not None:  # structured outputs: disallowed tokens of constrained rows to -inf
+            token_mask(all_logits, [rows[i].request_id for i in row_idx])
         out: SamplerOutput = self.sampler(all_logits, tensors)
         depths = ([dec.loops] if nd else []) + [depth for _, depth in booked.meta]
         flags = ([dec.exit] if nd else []) + ([torch.ones(n_done, dtype=torch.bool, device=self.device)] if n_done else [])
