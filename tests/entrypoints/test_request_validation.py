@@ -30,8 +30,9 @@ BAD_PARAMS = [
     ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": [BIG]}, "stop_token_ids"),
     ({"stop_token_ids": 3}, "stop_token_ids"),
-    ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"),
-    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    # (-1 is the whole vocabulary; the engine's max_logprobs caps the count: InputProcessor)
+    ({"logprobs": -2}, "logprobs"), ({"logprobs": BIG}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs"), ({"prompt_logprobs": 2.0}, "prompt_logprobs"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"repetition_penalty": 1e39}, "repetition_penalty"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"priority": BIG}, "priority"), ({"priority": False}, "priority"),
