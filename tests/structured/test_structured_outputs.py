@@ -244,3 +244,31 @@ def test_async_llm_streams_a_constrained_request():
     finally:
         llm.shutdown()
     assert_matches([out], check)
+
+
+def test_the_request_ends_when_its_grammar_terminates(engines):
+    """``ignore_eos``: EOS does not stop the request, the grammar's end (EOS accepted) does; stop strings
+    still apply inside a constraint."""
+    engine = engines[False]
+    params, check = constrained("choice", temperature=0.0, ignore_eos=True, max_tokens=20)
+    out = drain(engine, {"e": ("import os\n", params)})["e"].outputs[0]
+    check(out.text)
+    assert out.finish_reason == "stop" and len(out.token_ids) < 20
+    assert out.token_ids[-1] in engine.model_config.eos_token_ids
+    digits = SamplingParams(structured_outputs=StructuredOutputsParams(regex=r"\d+"), stop=["3"], max_tokens=30,
+                            temperature=1.0, seed=0)
+    out = drain(engine, {"d": ("x = ", digits)})["d"].outputs[0]
+    assert out.finish_reason == "stop" and re.fullmatch(r"\d*", out.text), out.text
+
+
+def test_a_prefill_worker_refuses_constrained_requests():
+    from loopline.structured import StructuredOutputs, compile_constraint
+
+    engine = LLMEngine(EngineArgs(device="cpu", max_model_len=256), prefill_only=True)
+    with pytest.raises(InvalidRequestError, match="prefill worker") as err:
+        engine.add_request("p", "x = ", SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"])))
+    assert err.value.param == "structured_outputs" and not engine.has_unfinished_requests()
+    assert isinstance(engine.structured, StructuredOutputs) and not engine.structured.matchers
+    # the API a caller that builds constraints validates with (cached: the same compiled grammar)
+    spec = StructuredOutputsParams(json=SCHEMA)
+    assert compile_constraint(engine.tokenizer, 4096, spec) is compile_constraint(engine.tokenizer, 4096, spec)
