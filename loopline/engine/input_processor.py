@@ -105,6 +105,11 @@ class InputProcessor:
         stop_ids = None
         if params.min_tokens > 0:  # what min_tokens suppresses: EOS (unless ignored) and stop_token_ids
             stop_ids = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))))
+        if params.allowed_token_ids is not None:  # a row with no token left would sample from nothing
+            never = {w[0] for w in bad_words or () if len(w) == 1}
+            if set(params.allowed_token_ids) <= never | (set(stop_ids or ()) if params.min_tokens else set()):
+                raise InvalidRequestError("allowed_token_ids leaves no token to sample: every one is a bad word "
+                                          "or suppressed by min_tokens", param="allowed_token_ids")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         # NOTE: the one place a request's defaults are decided; everything downstream reads `effective`
         effective = params.clone(seed=seed, max_tokens=max_tokens, **num,

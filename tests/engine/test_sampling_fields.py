@@ -282,3 +282,53 @@ def test_no_token_history_without_multi_token_bad_words(tiny_gqa):
     single = all(len(w) == 1 for w in e.inputs.process("x", {"prompt_token_ids": PROMPT},
                                                         greedy(bad_words=["the"])).params._bad_words_token_ids)
     assert (e.runner.decode_state.recent is None) == single
+
+
+def test_allowed_tokens_that_leave_nothing_are_refused(eng):
+    for kw in (dict(allowed_token_ids=[EOS], min_tokens=2), dict(allowed_token_ids=[77], stop_token_ids=[77], min_tokens=1)):
+        with pytest.raises(InvalidRequestError) as e:
+            eng.add_request("none", {"prompt_token_ids": PROMPT}, greedy(**kw))
+        assert e.value.param == "allowed_token_ids"
+    assert not eng.has_unfinished_requests()
+
+
+def test_sampler_rows_do_not_depend_on_batch_mates(eng):
+    """The sampler alone, on fixed logits: each row's token and logprobs, batched, equal the row sampled alone
+    (the fields read the device token index and recent tokens, given here)."""
+    from loopline.worker.sampler import Sampler
+
+    def effective(**kw):
+        return _State(eng.inputs.process("s", {"prompt_token_ids": PROMPT}, SamplingParams(**kw)).params)
+
+    states = [effective(temperature=1.0, seed=1, logit_bias={3: 50.0}, logprobs=2),
+              effective(temperature=1.0, seed=2, allowed_token_ids=[5, 6, 7], logprobs=2),
+              effective(temperature=0.0, min_tokens=3, logit_bias={EOS: 100.0}, logprob_token_ids=[1, 2]),
+              effective(temperature=0.0, bad_words=["is is"], logit_bias={294: 100.0}),
+              effective(temperature=1.0, seed=5)]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(states), 512, generator=g)
+    index = torch.tensor([4, 0, 2, 3, 1])
+    recent = torch.full((len(states), 15), 294)  # every row's recent tokens: the bad pair's first token
+    sampler = Sampler()
+
+    def sample(rows):
+        t = build_sampling_tensors([states[i] for i in rows], index[rows], "raw_logprobs", torch.device("cpu"))
+        if t.any_bad_words:
+            t.recent = recent[rows][:, -t.bad_prefix.shape[1]:]
+        return sampler(logits[rows], t)
+
+    batched = sample(list(range(len(states))))
+    for i in range(len(states)):
+        alone = sample([i])
+        assert alone.token_ids.item() == batched.token_ids[i].item()
+        if alone.logprobs is not None:
+            assert torch.equal(alone.logprobs, batched.logprobs[i:i + 1])
+        if alone.top_ids is not None:
+            k = alone.top_ids.shape[1]
+            assert torch.equal(alone.top_ids, batched.top_ids[i:i + 1, :k])
+            assert torch.equal(alone.top_logprobs, batched.top_logprobs[i:i + 1, :k])
+    ids = batched.token_ids.tolist()
+    assert ids[0] == 3 and ids[1] in (5, 6, 7)
+    assert ids[2] != EOS  # token index 2 < min_tokens 3
+    assert ids[3] != 294  # 294 follows 294: banned however biased
+    assert batched.top_ids[2, :2].tolist() == [1, 2]
