@@ -68,9 +68,11 @@ def test_default_max_tokens_is_16_and_null_means_default(server, client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, seed=2, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 16
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": None, "n": None, "stream": None, "temperature": None,
-            "ignore_eos": True, "some_unknown_field": 1}
+            "ignore_eos": True}
     r = httpx.post(server.base_url + "/v1/completions", json=body, headers=AUTH)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    r = httpx.post(server.base_url + "/v1/completions", json={**body, "some_unknown_field": 1}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "some_unknown_field"  # refused, never ignored
 
 
 def test_streamed_text_equals_non_streamed_for_the_same_seed(client):

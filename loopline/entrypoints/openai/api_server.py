@@ -37,7 +37,7 @@ from loopline.entrypoints.openai.generation import ClientDisconnected, ServingCo
 from loopline.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from loopline.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, ModelCard, ModelList, TokenizeRequest)
-from loopline.entrypoints.openai.serving_chat import create_chat_completion
+from loopline.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from loopline.entrypoints.openai.serving_completion import create_completion
 from loopline.entrypoints.openai.serving_generate import GenerateRequest, create_generate
 from loopline.entrypoints.openai.security import SecurityConfig, SecurityGuard, is_loopback
@@ -58,7 +58,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
               allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
               allow_credentials: bool = False,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-              return_tokens_as_token_ids: bool = False) -> FastAPI:
+              return_tokens_as_token_ids: bool = False, trust_request_chat_template: bool = False) -> FastAPI:
     """The FastAPI app serving ``async_llm``.
 
     ``served_model_name``: the name(s) clients must use in ``model`` (default:
@@ -75,7 +75,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
     answer for ``security.allowed_origins`` (vLLM's flags). ``max_prompts_per_request``:
     the most prompts one completions or ``/generate`` request may carry.
     ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:<id>`` instead of by
-    their text (vLLM's flag).
+    their text (vLLM's flag). ``trust_request_chat_template``: accept a request's own ``chat_template``
+    (vLLM's ``--trust-request-chat-template``; off: a 400, since templates run code-like loops).
     """
     for name, value in (("max_concurrent_requests", max_concurrent_requests),
                         ("max_prompts_per_request", max_prompts_per_request)):
@@ -86,6 +87,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
     metrics = ServerMetrics(async_llm, names[0])
     ctx = ServingContext(async_llm, names, metrics, max_concurrent_requests, max_prompts_per_request,
                          return_tokens_as_token_ids)
+    ctx.trust_request_chat_template = trust_request_chat_template
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -148,6 +150,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
         cards = [ModelCard(id=n, root=root, max_model_len=async_llm.max_model_len) for n in names]
         return ModelList(data=cards).model_dump()
 
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> dict:
+        if model_id not in names:
+            raise APIError(404, f"The model `{model_id:.200}` does not exist (this server serves {names[0]!r}).",
+                           param="model", code="model_not_found")
+        return ModelCard(id=model_id, root=async_llm.config.model_path or names[0],
+                         max_model_len=async_llm.max_model_len).model_dump()
+
     @app.post("/v1/completions", dependencies=auth)
     async def completions(raw: Request) -> Response:
         return await create_completion(ctx, await parse_body(raw, CompletionRequest), raw)
@@ -172,10 +182,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            conv = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = await pool.encode_chat(conv, add_generation_prompt=req.add_generation_prompt)
+            conv = [m.as_dict() for m in req.messages]
+            _, ids = await render_chat(ctx, req, conv, bool(req.add_special_tokens))
         else:
-            ids = await pool.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            for name in ("continue_final_message", "chat_template", "chat_template_kwargs", "add_generation_prompt"):
+                if name in req.model_fields_set and getattr(req, name) not in (None, name == "add_generation_prompt"):
+                    raise InvalidRequestError(f"{name} is a chat template input: it needs messages", param=name)
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await pool.encode(req.prompt, add_special_tokens=add_special)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": async_llm.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = await pool.convert_ids_to_tokens(ids)
@@ -318,7 +332,8 @@ def run_server(ns: argparse.Namespace) -> int:
     app = build_app(async_llm, name, api_key, ns.max_concurrent_requests, enable_rl_api=ns.enable_rl_api,
                     security=security, allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
                     allow_credentials=ns.allow_credentials, max_prompts_per_request=ns.max_prompts_per_request,
-                    return_tokens_as_token_ids=ns.return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+                    trust_request_chat_template=getattr(ns, "trust_request_chat_template", False))
     # NOTE: uvicorn cuts connections still open after its own timeout; ours aborts the requests first
     # (so every stream ends with a final chunk and [DONE]) and uvicorn's is only the last resort.
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, access_log=False,

@@ -111,6 +111,9 @@ def parse_model(data: Any, model: type[T]) -> T:
     bad = find_surrogate(data)
     if bad is not None:
         raise APIError(400, f"{bad}: strings must not contain lone UTF-16 surrogates", param=bad, code="invalid_value")
+    check = getattr(model, "check_fields", None)
+    if check is not None:  # a route's field table: refused and unknown fields are a 400 naming them
+        data = check(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:

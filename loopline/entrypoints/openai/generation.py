@@ -60,6 +60,7 @@ class Generation:
         self._reasons: dict[tuple[str, int], str] = {}
         self._on_close = on_close
         self._closed = False
+        self.user: str | None = None  # the request's ``user`` field, for the log line
 
     async def start(self, prompts: list[PromptType], params: SamplingParams | list[SamplingParams],
                     chat_stop: bool = False, kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
@@ -137,13 +138,15 @@ class Generation:
         return prompt, self._generated if generated_override is None else generated_override
 
     def summary(self) -> str:
+        user = f" user={self.user!r:.80}" if self.user is not None else ""  # repr: no forged log lines
         if not self._prompt_tokens:
-            return f"prompts={len(self.ids)} accepted={len(self.ids) if self.accepted else 0} (no output)"
+            return f"prompts={len(self.ids)} accepted={len(self.ids) if self.accepted else 0} (no output){user}"
         prompt, generated = self.usage()
         # a choice that has no finish reason (or none yet) was aborted
         unfinished = any(rid not in self.done for rid in self._prompt_tokens)
         reasons = sorted(set(self._reasons.values()) | ({"abort"} if unfinished else set()))
-        return f"prompts={len(self.ids)} prompt_tokens={prompt} completion_tokens={generated} finish={','.join(reasons)}"
+        return (f"prompts={len(self.ids)} prompt_tokens={prompt} completion_tokens={generated} "
+                f"finish={','.join(reasons)}{user}")
 
 
 @dataclass
@@ -210,12 +213,23 @@ class ServingContext:
         self.max_concurrent_requests = max_concurrent_requests
         self.max_prompts_per_request = max_prompts_per_request
         self.in_flight = 0
+        self._adds_special: bool | None = None
+        self.trust_request_chat_template = False  # a request's own chat_template is refused unless set
         self.ready = False
         self.shutting_down = False
 
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    def tokenizer_adds_special_tokens(self) -> bool:
+        """Whether the tokenizer adds special tokens (a BOS) to text when asked to (vLLM's default for
+        completions); the engine tokenizes text without them."""
+        if self._adds_special is None:
+            tok = self.llm.tokenizer
+            self._adds_special = tok is not None and (list(tok.encode("a", add_special_tokens=True))
+                                                      != list(tok.encode("a", add_special_tokens=False)))
+        return self._adds_special
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -229,10 +243,12 @@ class ServingContext:
                                 f"{self.max_prompts_per_request} per request (--max-prompts-per-request)",
                            param=param, code="invalid_value")
 
-    def new_generation(self, prefix: str, num_prompts: int, request_ids: list[str] | None = None) -> Generation:
+    def new_generation(self, prefix: str, num_prompts: int, request_ids: list[str] | None = None,
+                       base_id: str | None = None) -> Generation:
         """Takes an in-flight slot (429 when none is left); the slot is released by ``Generation.close``.
 
-        ``request_ids``: the engine request ids to use (one per prompt; default ``<prefix>-<uuid>[-i]``).
+        ``request_ids``: the engine request ids to use (one per prompt; default ``<prefix>-<uuid>[-i]``);
+        ``base_id``: the client's ``request_id`` (the response id is then ``<prefix>-<base_id>``).
         """
         if self.shutting_down or not self.llm.is_running:
             raise APIError(503, "the server is shutting down" if self.shutting_down else "the engine is not running",
@@ -248,8 +264,8 @@ class ServingContext:
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
 
-        return Generation(self.llm, self.metrics, f"{prefix}-{uuid.uuid4().hex}", num_prompts, on_close=release,
-                          request_ids=request_ids)
+        return Generation(self.llm, self.metrics, f"{prefix}-{base_id or uuid.uuid4().hex}", num_prompts,
+                          on_close=release, request_ids=request_ids)
 
     async def start(self, raw: Request, gen: Generation, prompts: list[PromptType],
                     params: SamplingParams | list[SamplingParams], chat_stop: bool = False, *,

@@ -206,3 +206,20 @@ def chat_logprobs(namer: TokenNamer, token_ids: list[int], entries: list[dict[in
 
 def _top(namer: TokenNamer, token_id: int, lp: Logprob) -> TopLogprob:
     return TopLogprob(token=namer.name(token_id, lp), logprob=finite(lp.logprob), bytes=namer.token_bytes(token_id))
+
+
+def vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None] | None,
+                         namer: TokenNamer | None = None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token ``null`` (the first token) or
+    ``{"<token id>": {"logprob", "rank", "decoded_token"}}``; ``-inf`` as -9999.0."""
+    if entries is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for step in entries:
+        if step is None:
+            out.append(None)
+            continue
+        out.append({str(tid): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                               "decoded_token": namer.name(tid, lp) if namer is not None else lp.decoded_token}
+                    for tid, lp in step.items()})
+    return out

@@ -1,19 +1,22 @@
 """OpenAI-compatible request and response models (pydantic) and their mapping to ``SamplingParams``.
 
-Requests accept the OpenAI fields plus loopline's extra fields (vLLM names
-where vLLM has one); unknown fields are accepted and ignored, as vLLM does.
-Type errors come from pydantic; range errors come from ``SamplingParams``,
-which names the offending field. Both become HTTP 400 with an OpenAI error body.
+Requests accept the OpenAI fields, vLLM's and loopline's extra fields: ``fields.py``
+decides each one (honoured, or refused with a 400 naming it); an unknown field is
+refused too, never silently ignored. Type errors come from pydantic; range errors
+come from ``SamplingParams``, which names the offending field. All become HTTP 400
+with an OpenAI error body.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from loopline.entrypoints.openai.fields import SAMPLING_FIELDS, check_fields
 from loopline.errors import InvalidRequestError
 from loopline.sampling_params import SamplingParams
+from loopline.structured.params import StructuredOutputsParams
 
 
 class OpenAIBaseModel(BaseModel):
@@ -56,11 +59,24 @@ class ErrorResponse(BaseModel):
 
 
 # --- requests -------------------------------------------------------------------------
-class StreamOptions(StrictRequest):
+class ClosedRequest(StrictRequest):
+    """A request body whose every field is decided (``fields.FIELDS``): nothing unknown is accepted."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    ROUTE: ClassVar[str | None] = None  # the route whose field table checks the body first
+
+    @classmethod
+    def check_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """``data`` with its neutral refused fields dropped; a 400 for a refused or unknown field."""
+        return check_fields(cls.ROUTE, data) if cls.ROUTE else data
+
+
+class StreamOptions(ClosedRequest):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-class ExtraSamplingFields(StrictRequest):
+class ExtraSamplingFields(ClosedRequest):
     """loopline's extra request fields (not in OpenAI's API), shared by both endpoints."""
 
     top_k: int | None = None  # unset: the model's default (generation_config.json), else 0
@@ -77,6 +93,16 @@ class ExtraSamplingFields(StrictRequest):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     logprobs_mode: str | None = None
+    prompt_logprobs: int | None = None
+    request_id: str | None = None
+
+
+ALL_LOGPROBS = 1 << 30  # show every logprob the engine sent (logprobs -1, logprob_token_ids)
+# SamplingParams fields the engine may not have yet (fields.ENGINE_FIELDS); passed only when set.
+_ENGINE_KWARGS = ("min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                  "logprob_token_ids")
+# The legacy guided_* fields and the StructuredOutputsParams field each one sets.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class _CommonRequest(ExtraSamplingFields):
@@ -90,14 +116,92 @@ class _CommonRequest(ExtraSamplingFields):
     frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored
+    user: str | None = None  # informational: the request log line names it
+    # SamplingParams fields that may be missing from the engine (fields.py refuses them then)
+    min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    logprob_token_ids: list[int] | None = None
+    # structured outputs (and their legacy aliases)
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def _check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream=true", param="stream_options")
+        if self.request_id is not None:
+            check_request_id(self.request_id, "request_id")
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from exactly one of ``structured_outputs``, a non-text
+        ``response_format`` or the ``guided_*`` fields (several: a 400 naming the second)."""
+        sources: list[tuple[str, dict[str, Any]]] = []
+        if self.structured_outputs is not None:
+            sources.append(("structured_outputs", dict(self.structured_outputs)))
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                sources.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                    raise InvalidRequestError("response_format json_schema needs json_schema.schema (an object)",
+                                              param="response_format.json_schema")
+                sources.append(("response_format", {"json": js["schema"]}))
+            elif kind != "text":
+                raise InvalidRequestError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+                                          f"got {kind!r:.60}", param="response_format.type")
+        for name, key in _GUIDED.items():
+            value = getattr(self, name)
+            if value is not None:
+                sources.append((name, {key: value}))
+        if self.guided_decoding_backend is not None and self.guided_decoding_backend not in ("xgrammar", "auto"):
+            raise InvalidRequestError(f"guided_decoding_backend must be 'xgrammar' or 'auto' (loopline's one grammar "
+                                      f"backend), got {self.guided_decoding_backend!r:.60}",
+                                      param="guided_decoding_backend")
+        if len(sources) > 1:
+            raise InvalidRequestError(f"{sources[0][0]} and {sources[1][0]} both constrain the output; send one",
+                                      param=sources[1][0])
+        if self.guided_whitespace_pattern is not None:
+            spec = sources[0][1] if sources else {}
+            if "json" not in spec and not spec.get("json_object"):
+                raise InvalidRequestError("guided_whitespace_pattern needs a JSON constraint",
+                                          param="guided_whitespace_pattern")
+            spec["whitespace_pattern"] = self.guided_whitespace_pattern
+        if not sources:
+            return None
+        name, spec = sources[0]
+        try:
+            return StructuredOutputsParams.from_dict(spec)
+        except InvalidRequestError as e:
+            if name == "structured_outputs":
+                raise
+            raise InvalidRequestError(f"{name}: {e}", param=name) from None
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        """The set fields among ``_ENGINE_KWARGS`` (``fields.py`` refused those the engine lacks)."""
+        out: dict[str, Any] = {}
+        for name in _ENGINE_KWARGS:
+            value = getattr(self, name)
+            if value is None or name not in SAMPLING_FIELDS:
+                continue
+            if name == "logit_bias":
+                try:
+                    value = {int(k): v for k, v in value.items()}
+                except ValueError:
+                    raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)",
+                                              param="logit_bias") from None
+            out[name] = value
+        return out
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                   defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -109,6 +213,7 @@ class _CommonRequest(ExtraSamplingFields):
         def pick(name: str, value: Any) -> Any:  # else the model's default, else SamplingParams' own
             return value if value is not None else d.get(name, SamplingParams.__dataclass_fields__[name].default)
 
+        structured = self.structured()
         return SamplingParams(
             n=self.n, max_tokens=max_tokens if max_tokens is not None else d.get("max_tokens"),
             temperature=pick("temperature", self.temperature), top_p=pick("top_p", self.top_p),
@@ -120,22 +225,28 @@ class _CommonRequest(ExtraSamplingFields):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, priority=self.priority,
             min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=self.exit_threshold,
-            logprobs_mode=self.logprobs_mode)
+            logprobs_mode=self.logprobs_mode, **({"structured_outputs": structured} if structured else {}),
+            **self._engine_kwargs())
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_CommonRequest):
     """``POST /v1/completions``. ``prompt``: a string, a list of strings, token ids, or a list of token-id lists."""
 
+    ROUTE: ClassVar[str | None] = "completions"
     prompt: Any = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    add_special_tokens: bool = True
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list of strings and token-id lists."""
@@ -162,24 +273,34 @@ class CompletionRequest(_CommonRequest):
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported (it must be unset or equal to n)", param="best_of")
-        if self.suffix:
-            raise InvalidRequestError("suffix is not supported", param="suffix")
         if self.max_tokens is not None and _is_int(self.max_tokens) and self.max_tokens == 0 and not self.echo:
             raise InvalidRequestError("max_tokens must be >= 1 (0 is allowed only with echo)", param="max_tokens")
         # echo with max_tokens=0 (eval harnesses scoring a prompt): generate one token and drop it.
         max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._sampling(max_tokens, self.logprobs, prompt_logprobs, defaults)
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            raise InvalidRequestError("logprob_token_ids needs logprobs", param="logprob_token_ids")
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs
+        # as vLLM: logprob_token_ids replace the top logprobs
+        logprobs = None if self.logprob_token_ids is not None else self.logprobs
+        return self._sampling(max_tokens, logprobs, prompt_logprobs, defaults)
+
+    @property
+    def logprobs_shown(self) -> int:
+        """How many ranked alternatives each ``top_logprobs`` entry shows (every one the engine sent for
+        ``logprobs: -1`` or ``logprob_token_ids``)."""
+        return ALL_LOGPROBS if self.logprob_token_ids is not None or self.logprobs == -1 else (self.logprobs or 0)
 
 
-class TextPart(StrictRequest):
+class TextPart(ClosedRequest):
     """One part of a message's ``content`` list: only text parts are supported."""
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(StrictRequest):
+class ChatMessage(ClosedRequest):
     """One chat message: a known role and its content (a string or text parts)."""
 
     role: str
@@ -205,34 +326,76 @@ class ChatMessage(StrictRequest):
             return self.content
         return "".join(part.text for part in self.content or [])
 
+    def as_dict(self) -> dict[str, str]:
+        """The template's view: role, content and (when sent) name."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
-class ChatCompletionRequest(_CommonRequest):
+
+class ChatTemplateInputs(ClosedRequest):
+    """The fields that are chat template inputs (chat completions and ``/tokenize``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The extra template variables: ``chat_template_kwargs`` plus the chat fields that are template inputs."""
+        out = dict(self.chat_template_kwargs or {})
+        for name in ("documents", "reasoning_effort"):
+            value = getattr(self, name, None)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+class ChatCompletionRequest(_CommonRequest, ChatTemplateInputs):
     """``POST /v1/chat/completions``: ``messages`` go through the checkpoint's chat template."""
 
+    ROUTE: ClassVar[str | None] = "chat"
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    echo: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: str | None = None
+    return_prompt_text: bool = False
 
     def conversation(self) -> list[dict[str, str]]:
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.as_dict() for m in self.messages]
+
+    def response_role(self) -> str:
+        """vLLM's: ``assistant`` after a generation prompt, else the last message's role (it is continued)."""
+        return "assistant" if self.add_generation_prompt or not self.messages else self.messages[-1].role
+
+    def echoed(self) -> str:
+        """With ``echo``: the last message's content when it has the response's role (else nothing)."""
+        if self.echo and self.messages and self.messages[-1].role == self.response_role():
+            return self.messages[-1].text()
+        return ""
+
+    @property
+    def logprobs_shown(self) -> int:
+        """How many ranked alternatives each token's ``top_logprobs`` shows."""
+        return ALL_LOGPROBS if self.logprob_token_ids is not None or self.top_logprobs == -1 else (self.top_logprobs or 0)
 
     def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
-        if self.tools:
-            raise InvalidRequestError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("only response_format {'type': 'text'} is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise InvalidRequestError("logprob_token_ids needs logprobs=true", param="logprob_token_ids")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         try:
-            return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults=defaults)
+            logprobs = (self.top_logprobs or 0) if self.logprobs and self.logprob_token_ids is None else None
+            return self._sampling(max_tokens, logprobs, self.prompt_logprobs, defaults=defaults)
         except InvalidRequestError as e:  # name the field the client sent
             if e.param == "max_tokens" and self.max_completion_tokens is not None:
                 raise InvalidRequestError(str(e).replace("max_tokens", "max_completion_tokens"),
@@ -242,27 +405,36 @@ class ChatCompletionRequest(_CommonRequest):
             raise
 
 
-class TokenizeRequest(StrictRequest):
+class TokenizeRequest(ChatTemplateInputs):
     """``POST /tokenize``: ``prompt`` (a string) or ``messages`` (through the chat template)."""
 
+    ROUTE: ClassVar[str | None] = "tokenize"
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = False
-    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # None: true for prompt, false for messages (vLLM's defaults)
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(StrictRequest):
+class DetokenizeRequest(ClosedRequest):
     model: str | None = None
     tokens: list[int]
 
 
 # --- responses ------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # NOTE: the engine does not report prefix-cache hits per request yet: always 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+# vLLM's prompt_logprobs: per prompt token (the first is null) {token id: {logprob, rank, decoded_token}}
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
 
 
 class CompletionLogProbs(BaseModel):
@@ -281,6 +453,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     exit_depths: list[int] = Field(default_factory=list)  # loopline: loop at which each token exited
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs (streams: in the first chunk)
     prompt_token_ids: list[int] | None = None  # with return_token_ids
     token_ids: list[int] | None = None  # with return_token_ids
 
@@ -330,7 +503,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -355,6 +530,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: in the first chunk
+    prompt_text: str | None = None  # with return_prompt_text: in the first chunk
 
 
 class ModelCard(BaseModel):

@@ -8,7 +8,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from loopline.entrypoints.openai.generation import ChunkTracker, Generation, ServingContext
-from loopline.entrypoints.openai.logprobs import TextOffsets, completion_logprobs
+from loopline.engine import PromptType
+from loopline.entrypoints.openai.logprobs import TextOffsets, completion_logprobs, vllm_prompt_logprobs
 from loopline.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                                   CompletionResponse, UsageInfo)
 from loopline.entrypoints.openai.sse import error_event, sse_model
@@ -19,9 +20,15 @@ from loopline.sampling_params import RequestOutputKind, SamplingParams
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
     params = req.to_sampling_params(ctx.llm.sampling_defaults)
-    prompts = req.prompts()
+    prompts: list[PromptType] = list(req.prompts())
     ctx.check_num_prompts(len(prompts), "prompt")
-    gen = ctx.new_generation("cmpl", len(prompts))
+    if req.add_special_tokens and ctx.tokenizer_adds_special_tokens() and any(isinstance(p, str) for p in prompts):
+        # the engine tokenizes text without special tokens: this tokenizer adds some, so tokenize here
+        texts = [p for p in prompts if isinstance(p, str)]
+        ids = iter(await ctx.llm.tokenizers.encode_many(texts, add_special_tokens=True))
+        prompts = [{"prompt": p, "prompt_token_ids": next(ids)} if isinstance(p, str) else p for p in prompts]
+    gen = ctx.new_generation("cmpl", len(prompts), base_id=req.request_id)
+    gen.user = req.user
     raw.state.generation = gen
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     await ctx.start(raw, gen, prompts, params, kind=kind)  # a validation error propagates (the generation closed itself)
@@ -74,11 +81,18 @@ class _CompletionView:
         key = (out.request_id, comp.index)
         gen = self._text_offsets.setdefault(key, namer.offsets(self.params.skip_special_tokens))
         offsets += [base + o for o in gen.of(all_ids, start, start + n_gen)]
-        return completion_logprobs(namer, ids, entries, offsets, self.req.logprobs)
+        return completion_logprobs(namer, ids, entries, offsets, self.req.logprobs_shown)
 
     def _usage(self) -> UsageInfo:
         prompt, generated = self.gen.usage(0 if self.echo_only else None)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
+
+    def _prompt_logprobs(self, out: RequestOutput):
+        """vLLM's ``prompt_logprobs`` when the request asked for them (``null`` otherwise)."""
+        if self.req.prompt_logprobs is None:
+            return None
+        namer = self.ctx.token_namer.for_request(self.req.return_tokens_as_token_ids)
+        return vllm_prompt_logprobs(out.prompt_logprobs, namer)
 
     # --- whole response -------------------------------------------------------------------
     def response(self, outs: list[RequestOutput]) -> CompletionResponse:
@@ -97,7 +111,7 @@ class _CompletionView:
                 choices.append(CompletionChoice(
                     index=p * self.n + comp.index, text=text, logprobs=logprobs,
                     finish_reason="length" if self.echo_only else comp.finish_reason, stop_reason=comp.stop_reason,
-                    exit_depths=depths,
+                    exit_depths=depths, prompt_logprobs=self._prompt_logprobs(out),
                     prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None,
                     token_ids=self._generated(comp)[0] if req.return_token_ids else None))
         return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name, choices=choices,
@@ -110,8 +124,7 @@ class _CompletionView:
         try:
             async for out in gen.outputs():  # DELTA outputs: each completion holds what it added
                 p = gen.prompt_index(out.request_id)
-                choices = []
-                for comp in out.outputs:
+                for comp in out.outputs:  # one choice per chunk (as vLLM)
                     c = chunks.chunk(p, comp)
                     if c is None:
                         continue
@@ -125,14 +138,15 @@ class _CompletionView:
                         logprobs = self._logprobs(out, comp, ids, entries, first=c.first and req.echo,
                                                   start=c.start_token, all_ids=chunks.token_ids(p, comp))
                     finish = comp.finish_reason and ("length" if self.echo_only else comp.finish_reason)
-                    choices.append(CompletionChoice(
+                    choice = CompletionChoice(
                         index=p * self.n + comp.index, text=text, logprobs=logprobs, finish_reason=finish,
                         stop_reason=comp.stop_reason, exit_depths=depths,
+                        prompt_logprobs=self._prompt_logprobs(out) if c.first else None,
                         prompt_token_ids=out.prompt_token_ids if req.return_token_ids and c.first else None,
-                        token_ids=self._generated(comp)[0] if req.return_token_ids else None))
-                if choices:
+                        token_ids=self._generated(comp)[0] if req.return_token_ids else None)
                     yield sse_model(CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
-                                                       choices=choices))
+                                                       choices=[choice],
+                                                       usage=self._usage() if req.continuous_usage else None))
             if req.include_usage:
                 yield sse_model(CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
                                                    choices=[], usage=self._usage()))
