@@ -205,7 +205,8 @@ def apply_logits_fields(logits: Tensor, t: SamplingTensors) -> Tensor:
     neg_inf = float("-inf")
     if t.any_allowed:
         keep = torch.zeros(B, V, dtype=torch.bool, device=x.device)
-        keep[t.allowed_rows, t.allowed_ids] = True
+        # (a device tensor of values: a Python scalar through a tensor index is a pageable copy, which waits)
+        keep.index_put_((t.allowed_rows, t.allowed_ids), torch.ones_like(t.allowed_rows, dtype=torch.bool))
         x = x.masked_fill(~(keep | ~t.restricted[:, None]), neg_inf)
     if t.any_bad_words:
         ban = torch.ones_like(t.bad_rows, dtype=torch.bool)
