@@ -30,6 +30,8 @@ from loopline.structured.params import StructuredOutputsParams
 # Compiled grammars kept per backend (xgrammar's compiler caches too, by bytes; this one also skips the
 # schema's serialization and the compiler's lookup for the common case of one constraint used many times).
 _CACHE_ENTRIES = 256
+# How xgrammar's JSON grammars write "any whitespace" (replaced by a whitespace_pattern's rule).
+_JSON_WS = "[ \\n\\r\\t]*"
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:line: ": the reason is what follows.
 _ERROR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s*\S+:\d+:\s*")
 
@@ -70,16 +72,17 @@ class GrammarBackend:
             raise InvalidRequestError(f"structured_outputs must be StructuredOutputsParams, got {type(spec).__name__}",
                                       param="structured_outputs")
         kind = spec.kind
-        if spec.whitespace_pattern is not None:  # never silently ignored
-            raise InvalidRequestError("structured_outputs.whitespace_pattern is not supported by the grammar engine "
-                                      "(xgrammar); use disable_any_whitespace", param="structured_outputs.whitespace_pattern")
+        ws = spec.whitespace_pattern
+        if ws is not None and (kind not in ("json", "json_object") or spec.disable_any_whitespace):
+            raise InvalidRequestError("structured_outputs.whitespace_pattern applies to a JSON constraint (json or "
+                                      "json_object) without disable_any_whitespace", param="structured_outputs.whitespace_pattern")
         any_ws = not spec.disable_any_whitespace
         if kind == "json":
-            key: tuple = (kind, json.dumps(spec.json, sort_keys=True), any_ws)
+            key: tuple = (kind, json.dumps(spec.json, sort_keys=True), any_ws, ws)
         elif kind == "choice":
             key = (kind, tuple(spec.choice))
         elif kind == "json_object":
-            key = (kind, any_ws)
+            key = (kind, any_ws, ws)
         else:
             key = (kind, getattr(spec, kind))
         with self._lock:
@@ -102,15 +105,15 @@ class GrammarBackend:
 
     def _compile(self, kind: str, spec: StructuredOutputsParams, any_ws: bool) -> Any:
         c = self.compiler
-        if kind == "json":
-            if isinstance(spec.json, bool):  # JSON Schema's true (anything) / false (nothing)
-                if not spec.json:
-                    raise InvalidRequestError("structured_outputs.json is the schema false: no output matches it",
-                                              param="structured_outputs.json")
-                return c.compile_builtin_json_grammar()
-            return c.compile_json_schema(json.dumps(spec.json), any_whitespace=any_ws)
-        if kind == "json_object":  # an object, of any content (the builtin JSON grammar allows any value)
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
+        if kind in ("json", "json_object"):
+            if spec.json is False:  # JSON Schema's false: nothing matches
+                raise InvalidRequestError("structured_outputs.json is the schema false: no output matches it",
+                                          param="structured_outputs.json")
+            # json_object: an object of any content (the builtin JSON grammar allows any value); true: any value
+            schema = '{"type": "object"}' if kind == "json_object" else None if spec.json is True else json.dumps(spec.json)
+            if spec.whitespace_pattern is not None:
+                return c.compile_grammar(self._json_with_whitespace(schema, spec.whitespace_pattern))
+            return c.compile_builtin_json_grammar() if schema is None else c.compile_json_schema(schema, any_whitespace=any_ws)
         if kind == "regex":
             return c.compile_regex(spec.regex)
         if kind == "grammar":
@@ -118,6 +121,28 @@ class GrammarBackend:
         if kind == "choice":
             return c.compile_grammar(choice_grammar(spec.choice))
         raise InvalidRequestError(f"structured_outputs: unknown kind {kind!r}", param="structured_outputs")
+
+    def _json_with_whitespace(self, schema: str | None, pattern: str) -> str:
+        """The EBNF of a JSON constraint whose whitespace (between tokens) matches the regex ``pattern``:
+        xgrammar's grammar with any whitespace, each of its whitespace runs replaced by the pattern's rule."""
+        grammar = self.xgr.Grammar
+        loose = str(grammar.builtin_json_grammar() if schema is None else grammar.from_json_schema(schema, any_whitespace=True))
+        try:
+            ws = str(grammar.from_regex(pattern))
+        except Exception as e:
+            raise InvalidRequestError(f"structured_outputs.whitespace_pattern does not compile: {_reason(e)}",
+                                      param="structured_outputs.whitespace_pattern") from e
+        if _JSON_WS not in loose:  # no whitespace in this grammar -- or xgrammar prints it another way
+            tight = str(grammar.builtin_json_grammar() if schema is None else
+                        grammar.from_json_schema(schema, any_whitespace=False))
+            if tight != loose:  # never silently ignored
+                raise InvalidRequestError("structured_outputs.whitespace_pattern is not supported with this xgrammar "
+                                          "version", param="structured_outputs.whitespace_pattern")
+            return loose
+        names = re.findall(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", ws, re.M)
+        for name in sorted(names, key=len, reverse=True):  # its rules renamed apart from the JSON grammar's
+            ws = re.sub(rf"(?<![A-Za-z0-9_\"]){name}(?![A-Za-z0-9_\"])", f"loopline_ws_{name}", ws)
+        return loose.replace(_JSON_WS, "loopline_ws_root") + "\n" + ws
 
     def matcher(self, compiled: Any, stop_token_ids: list[int] | None = None) -> Any:
         """A fresh ``GrammarMatcher``: EOS (``stop_token_ids``) is allowed only where the grammar is complete."""

@@ -194,6 +194,7 @@ def test_abort_mid_request_drops_its_matcher(engines, overlap):
     (StructuredOutputsParams(grammar="root ::= ("), "structured_outputs.grammar"),
     (StructuredOutputsParams(json=False), "structured_outputs.json"),
     (StructuredOutputsParams(choice=["a"], whitespace_pattern=r"\s*"), "structured_outputs.whitespace_pattern"),
+    (StructuredOutputsParams(json=SCHEMA, whitespace_pattern="[ "), "structured_outputs.whitespace_pattern"),
 ])
 def test_a_constraint_that_does_not_compile_is_refused_and_changes_nothing(engines, spec, field):
     engine = engines[True]
@@ -272,3 +273,13 @@ def test_a_prefill_worker_refuses_constrained_requests():
     # the API a caller that builds constraints validates with (cached: the same compiled grammar)
     spec = StructuredOutputsParams(json=SCHEMA)
     assert compile_constraint(engine.tokenizer, 4096, spec) is compile_constraint(engine.tokenizer, 4096, spec)
+
+
+def test_whitespace_pattern_sets_the_whitespace_between_json_tokens(engines):
+    spec = StructuredOutputsParams(json=SCHEMA, whitespace_pattern=r"[ ]?")
+    params = SamplingParams(structured_outputs=spec, max_tokens=40, temperature=1.0, seed=7, n=2)
+    out = drain(engines[False], {"w": ("import os\n", params)})["w"]
+    for c in out.outputs:
+        assert c.finish_reason == "stop", c.text
+        _check_schema(c.text)
+        assert "  " not in c.text and "\n" not in c.text, c.text
