@@ -276,12 +276,13 @@ def test_unused_fields_cost_nothing(eng):
     assert not build_sampling_tensors([_State(idle)], [0], "raw_logprobs", torch.device("cpu")).any_min_tokens
 
 
-def test_no_token_history_without_multi_token_bad_words(tiny_gqa):
+def test_token_history_only_for_multi_token_bad_words(tiny_gqa):
     e = engine(tiny_gqa)
-    run(e, {"a": (PROMPT, greedy(max_tokens=3, logit_bias={3: 1.0}, bad_words=["the"]))})
-    single = all(len(w) == 1 for w in e.inputs.process("x", {"prompt_token_ids": PROMPT},
-                                                        greedy(bad_words=["the"])).params._bad_words_token_ids)
-    assert (e.runner.decode_state.recent is None) == single
+    run(e, {"a": (PROMPT, greedy(max_tokens=3, logit_bias={3: 1.0}, min_tokens=2, allowed_token_ids=[3, 4]))})
+    assert e.runner.decode_state.recent is None and e.runner.decode_state.counts is None
+    assert len(e.tokenizer.encode("is is", add_special_tokens=False)) == 2
+    run(e, {"b": (PROMPT, greedy(max_tokens=3, bad_words=["is is"]))})
+    assert e.runner.decode_state.recent is not None
 
 
 def test_allowed_tokens_that_leave_nothing_are_refused(eng):
