@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loopline.entrypoints.openai.fields import FIELDS, markdown_table
+from loopline.entrypoints.openai.fields import FIELDS, build_fields, check_fields, markdown_table
 from loopline.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from loopline.errors import InvalidRequestError
 from loopline.structured.params import StructuredOutputsParams
@@ -138,6 +138,25 @@ def test_request_models_declare_exactly_the_honoured_fields():
     for route, model in (("completions", CompletionRequest), ("chat", ChatCompletionRequest)):
         honoured = {n for n, r in FIELDS[route].items() if r.honoured}
         assert set(model.model_fields) - pending == honoured - pending, route
+
+
+def test_engine_fields_are_refused_on_an_engine_without_them():
+    """The mapping is right in both states: without SamplingParams.min_tokens (etc.) the field is a 400
+    "not supported" (its neutral value still passes), with it the field is honoured."""
+    engine = ("min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+              "logprob_token_ids")
+    old = build_fields(frozenset())
+    new = build_fields(frozenset(engine))
+    for name in engine:
+        for route in ("completions", "chat"):
+            assert not old[route][name].honoured and "not supported" in old[route][name].note
+            assert new[route][name].honoured
+    with pytest.raises(APIError) as info:
+        check_fields("completions", {"prompt": "x", "min_tokens": 2}, old)
+    assert info.value.status == 400 and info.value.param == "min_tokens" and "not supported" in info.value.message
+    assert check_fields("completions", {"prompt": "x", "min_tokens": 0, "bad_words": []}, old) == {"prompt": "x"}
+    assert check_fields("completions", {"prompt": "x", "min_tokens": 2}, new) == {"prompt": "x", "min_tokens": 2}
+    assert markdown_table("chat", old) == markdown_table("chat", new)  # the doc does not depend on the engine
 
 
 def test_docs_list_exactly_the_table_fields():
@@ -391,3 +410,16 @@ def test_get_model_by_id(server):
 def test_docs_table_helper_is_markdown():
     table = markdown_table("chat")
     assert table.startswith("| field | decision |") and re.search(r"\| `tools` \| \*\*refused\*\*", table)
+
+
+@pytest.mark.skipif(not FIELDS["chat"]["logprob_token_ids"].honoured, reason="the engine has no logprob_token_ids")
+def test_logprob_token_ids_are_shown(server):
+    body = {**BASE["completions"], "logprobs": 1, "logprob_token_ids": [3, 4], "return_tokens_as_token_ids": True}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    for top in r.json()["choices"][0]["logprobs"]["top_logprobs"]:
+        assert {"token_id:3", "token_id:4"} <= set(top)
+    body = {**BASE["chat"], "logprobs": True, "logprob_token_ids": [3, 4], "return_tokens_as_token_ids": True}
+    content = _post(server, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+    for tok in content:
+        assert {"token_id:3", "token_id:4"} <= {t["token"] for t in tok["top_logprobs"]}

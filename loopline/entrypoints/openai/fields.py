@@ -51,11 +51,15 @@ def _no(name: str, note: str, *neutral: Any) -> FieldRule:
 
 
 def _engine(name: str, note: str, *neutral: Any) -> FieldRule:
-    """Honoured when ``SamplingParams`` has ``name``; refused (not supported yet) otherwise."""
-    if name in SAMPLING_FIELDS:
-        return FieldRule(name, True, note, engine=name)
-    return FieldRule(name, False, f"not supported by this engine (SamplingParams has no {name}); {note}",
-                     tuple(neutral), engine=name)
+    """A field that maps onto ``SamplingParams.<name>``: honoured when the engine has it (``build_fields``)."""
+    return FieldRule(name, True, note, tuple(neutral), engine=name)
+
+
+def _resolve(rule: FieldRule, sampling_fields: frozenset[str]) -> FieldRule:
+    if rule.engine is None or rule.engine in sampling_fields:
+        return rule
+    return dataclasses.replace(rule, honoured=False,
+                               note=f"not supported by this engine (SamplingParams has no {rule.engine}); {rule.note}")
 
 
 # --- shared by both generation routes --------------------------------------------------------
@@ -181,11 +185,14 @@ def _table(rules: list[FieldRule]) -> dict[str, FieldRule]:
     return out
 
 
-FIELDS: dict[str, dict[str, FieldRule]] = {
-    "completions": _table([*COMPLETION_FIELDS, *_SAMPLING]),
-    "chat": _table([*CHAT_FIELDS, *_SAMPLING]),
-    "tokenize": _table(TOKENIZE_FIELDS),
-}
+def build_fields(sampling_fields: frozenset[str] = SAMPLING_FIELDS) -> dict[str, dict[str, FieldRule]]:
+    """The tables for an engine whose ``SamplingParams`` has ``sampling_fields``."""
+    rules = {"completions": [*COMPLETION_FIELDS, *_SAMPLING], "chat": [*CHAT_FIELDS, *_SAMPLING],
+             "tokenize": TOKENIZE_FIELDS}
+    return {route: _table([_resolve(r, sampling_fields) for r in rs]) for route, rs in rules.items()}
+
+
+FIELDS: dict[str, dict[str, FieldRule]] = build_fields()
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "tokenize": "/tokenize"}
 
 
@@ -193,12 +200,13 @@ def _is_neutral(value: Any, neutral: tuple) -> bool:
     return value is None or any(type(value) is type(n) and value == n for n in neutral)
 
 
-def check_fields(route: str, data: dict[str, Any]) -> dict[str, Any]:
+def check_fields(route: str, data: dict[str, Any],
+                 fields: dict[str, dict[str, FieldRule]] | None = None) -> dict[str, Any]:
     """``data`` without its neutral refused fields; raises a 400 ``APIError`` naming the first field
     that is refused (with a value that would change something) or unknown."""
     from loopline.entrypoints.openai.protocol import APIError  # protocol imports this module
 
-    table = FIELDS[route]
+    table = (fields or FIELDS)[route]
     out = {}
     for key, value in data.items():
         rule = table.get(key)
@@ -213,10 +221,10 @@ def check_fields(route: str, data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def markdown_table(route: str) -> str:
+def markdown_table(route: str, fields: dict[str, dict[str, FieldRule]] | None = None) -> str:
     """The doc's table of ``route``'s fields (``docs/serving.md`` holds these, kept equal by a test)."""
     lines = ["| field | decision |", "|---|---|"]
-    for name, rule in sorted(FIELDS[route].items()):
+    for name, rule in sorted((fields or FIELDS)[route].items()):
         if rule.engine:  # the same text whether or not this engine has the field yet
             what = f"{rule.note.split('; ', 1)[-1]} (a 400 on an engine without SamplingParams.{rule.engine})"
             decision = "honoured"
