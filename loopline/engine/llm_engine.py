@@ -210,6 +210,7 @@ class LLMEngine(EngineVerbs):
             self.control.check_may_generate()
         if self.outputs.has(request_id):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
+        self.structured.check_supported(params)
         req = self.inputs.process(request_id, prompt, params, chat_stop)
         self.structured.add(req.params.structured_outputs, req.children)  # one grammar matcher per child
         self.outputs.add(request_id, req.prompt, req.prompt_token_ids, req.params,

@@ -45,14 +45,22 @@ class StructuredOutputs:
     def __bool__(self) -> bool:
         return bool(self.matchers)
 
+    def check_supported(self, params: Any) -> None:
+        """Refuses a constrained request this engine cannot serve (before anything else is done with it)."""
+        if getattr(params, "structured_outputs", None) is not None:
+            self._check_supported()
+
+    def _check_supported(self) -> None:
+        if self.unsupported is not None:
+            raise InvalidRequestError(f"structured_outputs are not supported {self.unsupported}",
+                                      param="structured_outputs")
+
     def add(self, spec: StructuredOutputsParams | None, children: list[Any]) -> None:
         """Constrains these sequences (one request's children). The compile hits the cache the input
         processor filled; raises ``InvalidRequestError`` (nothing added) if it cannot be served."""
         if spec is None:
             return
-        if self.unsupported is not None:
-            raise InvalidRequestError(f"structured_outputs are not supported {self.unsupported}",
-                                      param="structured_outputs")
+        self._check_supported()
         backend = backend_for(self.tokenizer, self.vocab_size)
         compiled = backend.compile(spec)
         made = [_Sequence(backend.matcher(compiled, sorted(c.eos_token_ids)), c) for c in children]
