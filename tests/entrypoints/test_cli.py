@@ -97,7 +97,7 @@ def test_errors_are_one_line_with_exit_2_and_debug_shows_the_traceback(tmp_path,
     (["generate", "--bogus"], "unrecognized arguments: --bogus"),
     (["generate", "--kv-layout", "nope"], "argument --kv-layout: invalid choice: 'nope'"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
-    (["bench", "serve"], "the following arguments are required: --base-url"),
+    (["bench", "serve", "--timeout", "-1"], "argument --timeout: expected a number > 0"),
 ])
 def test_usage_errors_are_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as info:
