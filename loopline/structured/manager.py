@@ -89,7 +89,9 @@ class StructuredOutputs:
         token = req.output[-1].token_id
         seq.mask = None  # the next token's mask changes with this one
         if not seq.matcher.accept_token(token):
-            raise GrammarRejected(f"token {token} does not match the grammar of {req.request_id}")
+            raise GrammarRejected(f"token {token} of {req.request_id} does not match its grammar: no token was left "
+                                  "(the grammar and the request's other token filters -- allowed_token_ids, bad_words, "
+                                  "min_tokens, logit_bias -- exclude each other)")
         return seq.matcher.is_terminated()
 
     def token_mask(self, logits: Tensor, request_ids: list[str]) -> None:

@@ -283,3 +283,13 @@ def test_whitespace_pattern_sets_the_whitespace_between_json_tokens(engines):
         assert c.finish_reason == "stop", c.text
         _check_schema(c.text)
         assert "  " not in c.text and "\n" not in c.text, c.text
+
+
+def test_filters_that_leave_no_allowed_token_fail_that_request_alone(engines):
+    engine = engines[True]
+    digits = StructuredOutputsParams(regex=r"\d+")
+    letters = [engine.tokenizer.convert_tokens_to_ids(t) for t in ("a", "b")]
+    impossible = SamplingParams(structured_outputs=digits, allowed_token_ids=letters, max_tokens=8)
+    out = drain(engine, {"x": ("x = ", impossible), "free": ("def f(x):\n", FREE)})
+    assert out["x"].outputs[0].finish_reason == "abort" and out["x"].error_id
+    assert out["free"].outputs[0].finish_reason in ("stop", "length")
