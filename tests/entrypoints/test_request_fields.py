@@ -423,3 +423,13 @@ def test_logprob_token_ids_are_shown(server):
     content = _post(server, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
     for tok in content:
         assert {"token_id:3", "token_id:4"} <= {t["token"] for t in tok["top_logprobs"]}
+
+
+def test_streamed_chat_echo_equals_the_whole_response(server):
+    msgs = MESSAGES + [{"role": "assistant", "content": "Once upon"}]
+    body = {**BASE["chat"], "messages": msgs, "add_generation_prompt": False, "continue_final_message": True,
+            "echo": True, "max_tokens": 3, "ignore_eos": True, "seed": 1, "temperature": 0.0}
+    whole = _post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    chunks = _events(_post(server, "/v1/chat/completions", {**body, "stream": True}))
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == whole
