@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loopline.entrypoints.openai.fields import FIELDS, build_fields, check_fields, markdown_table
+from loopline.entrypoints.openai.fields import FIELDS, FieldRefused, build_fields, check_fields, markdown_table
 from loopline.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from loopline.errors import InvalidRequestError
 from loopline.structured.params import StructuredOutputsParams
@@ -151,9 +151,10 @@ def test_engine_fields_are_refused_on_an_engine_without_them():
         for route in ("completions", "chat"):
             assert not old[route][name].honoured and "not supported" in old[route][name].note
             assert new[route][name].honoured
-    with pytest.raises(APIError) as info:
+    with pytest.raises(FieldRefused) as info:
         check_fields("completions", {"prompt": "x", "min_tokens": 2}, old)
-    assert info.value.status == 400 and info.value.param == "min_tokens" and "not supported" in info.value.message
+    assert info.value.code == "unsupported_field" and info.value.param == "min_tokens"
+    assert "not supported" in info.value.message
     assert check_fields("completions", {"prompt": "x", "min_tokens": 0, "bad_words": []}, old) == {"prompt": "x"}
     assert check_fields("completions", {"prompt": "x", "min_tokens": 2}, new) == {"prompt": "x", "min_tokens": 2}
     assert markdown_table("chat", old) == markdown_table("chat", new)  # the doc does not depend on the engine

@@ -200,24 +200,31 @@ def _is_neutral(value: Any, neutral: tuple) -> bool:
     return value is None or any(type(value) is type(n) and value == n for n in neutral)
 
 
+class FieldRefused(ValueError):
+    """A request field that is refused (``code`` ``unsupported_field``) or unknown (``unknown_field``);
+    ``param`` names it. The request models answer it with a 400 (``protocol.ClosedRequest.check_fields``)."""
+
+    def __init__(self, message: str, param: str, code: str) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
 def check_fields(route: str, data: dict[str, Any],
                  fields: dict[str, dict[str, FieldRule]] | None = None) -> dict[str, Any]:
-    """``data`` without its neutral refused fields; raises a 400 ``APIError`` naming the first field
+    """``data`` without its neutral refused fields; raises :class:`FieldRefused` naming the first field
     that is refused (with a value that would change something) or unknown."""
-    from loopline.entrypoints.openai.protocol import APIError  # protocol imports this module
-
     table = (fields or FIELDS)[route]
     out = {}
     for key, value in data.items():
         rule = table.get(key)
         if rule is None:
-            raise APIError(400, f"unknown field {key!r:.80}: {ROUTES[route]} takes the OpenAI and vLLM fields listed "
-                                "in docs/serving.md (an unknown field is refused, never ignored)",
-                           param=str(key)[:80], code="unknown_field")
+            raise FieldRefused(f"unknown field {key!r:.80}: {ROUTES[route]} takes the OpenAI and vLLM fields listed "
+                               "in docs/serving.md (an unknown field is refused, never ignored)",
+                               param=str(key)[:80], code="unknown_field")
         if rule.honoured:
             out[key] = value
         elif not _is_neutral(value, rule.neutral):
-            raise APIError(400, f"{key} is not supported: {rule.note}", param=key, code="unsupported_field")
+            raise FieldRefused(f"{key} is not supported: {rule.note}", param=key, code="unsupported_field")
     return out
 
 

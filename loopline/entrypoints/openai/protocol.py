@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from loopline.entrypoints.openai.fields import SAMPLING_FIELDS, check_fields
+from loopline.entrypoints.openai.fields import SAMPLING_FIELDS, FieldRefused, check_fields
 from loopline.errors import InvalidRequestError
 from loopline.sampling_params import SamplingParams
 from loopline.structured.params import StructuredOutputsParams
@@ -68,7 +68,10 @@ class ClosedRequest(StrictRequest):
     @classmethod
     def check_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
         """``data`` with its neutral refused fields dropped; a 400 for a refused or unknown field."""
-        return check_fields(cls.ROUTE, data) if cls.ROUTE else data
+        try:
+            return check_fields(cls.ROUTE, data) if cls.ROUTE else data
+        except FieldRefused as e:
+            raise APIError(400, e.message, param=e.param, code=e.code) from None
 
 
 class StreamOptions(ClosedRequest):
