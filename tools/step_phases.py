@@ -68,11 +68,11 @@ PREFILL_PROFILE = cProfile.Profile() if os.environ.get("STEP_PHASES_CPROFILE") e
 _launch = ModelRunner.launch
 
 
-def launch_with_events(self, sched):
+def launch_with_events(self, sched, *args, **kwargs):
     """CUDA events around each launch: in a device-bound overlapped run the span between them is the
     step's device time (its kernels run between the previous step's end and its own last kernel)."""
     if self.device.type != "cuda" or not sched.rows:
-        return _launch(self, sched)
+        return _launch(self, sched, *args, **kwargs)
     kind = "with prefill rows" if any(r.is_prefill for r in sched.rows) else "decode rows only"
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     prof = PREFILL_PROFILE if kind == "with prefill rows" else None
@@ -80,7 +80,7 @@ def launch_with_events(self, sched):
     start.record()
     if prof is not None:
         prof.enable()
-    handle = _launch(self, sched)
+    handle = _launch(self, sched, *args, **kwargs)
     if prof is not None:
         prof.disable()
     end.record()

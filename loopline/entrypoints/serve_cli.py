@@ -37,6 +37,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=port_number, default=8000, help="port to listen on")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept a request's own chat_template (vLLM's flag; templates are programs: off by default)")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients use in 'model' (default: the model path); the first is reported")
     server.add_argument("--api-key", default=None,
