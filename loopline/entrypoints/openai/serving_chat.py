@@ -94,8 +94,7 @@ class _ChatView:
         return ChatLogProbs(content=chat_logprobs(namer, comp.token_ids, comp.logprobs, self.top_k))
 
     def _usage(self) -> UsageInfo:
-        prompt, generated = self.gen.usage()
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
+        return self.gen.usage_info()
 
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
         req, ids = self.req, self.req.return_token_ids
