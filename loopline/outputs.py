@@ -83,6 +83,9 @@ class RequestOutput:
     # With prompt_logprobs: the loop whose hidden state predicted each prompt token (aligned with
     # prompt_logprobs, None for the first token), chosen by the same exit rule as generated tokens.
     prompt_exit_depths: list[int | None] | None = None
+    # Leading prompt tokens whose KV the prefix cache already held when the request was first
+    # scheduled (vLLM's field; 0 without ``enable_prefix_caching``).
+    num_cached_tokens: int = 0
 
     @property
     def error_id(self) -> str | None:

@@ -59,6 +59,7 @@ class OutputDelta:
     head: tuple[str | None, list[int], SamplingParams] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_exit_depths: list[int | None] | None = None
+    num_cached_tokens: int = 0  # prefix-cache hits of the prompt (known once its first token came)
 
 
 class _Choice:
@@ -152,7 +153,7 @@ def _extend(mine: list, new: list) -> list:
 
 class _Request:
     __slots__ = ("kind", "prompt", "prompt_token_ids", "params", "prompt_logprobs", "prompt_exit_depths",
-                 "choices", "changed", "finished", "weight_version", "metrics")
+                 "choices", "changed", "finished", "weight_version", "metrics", "num_cached_tokens")
 
     def __init__(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.prompt, self.prompt_token_ids, self.params = prompt, prompt_token_ids, params
@@ -165,6 +166,7 @@ class _Request:
         self.finished = False
         self.weight_version: Any = None
         self.metrics: RequestMetrics | None = None
+        self.num_cached_tokens = 0
 
 
 class OutputBuilder:
@@ -193,6 +195,7 @@ class OutputBuilder:
             req.choices[d.index].add(d, delta_kind)
             req.changed.add(d.index)
         req.finished, req.weight_version, req.metrics = delta.finished, delta.weight_version, delta.metrics
+        req.num_cached_tokens = max(req.num_cached_tokens, delta.num_cached_tokens)
         return delta.finished or req.kind is not RequestOutputKind.FINAL_ONLY
 
     def take(self, request_id: str) -> RequestOutput:
@@ -208,7 +211,8 @@ class OutputBuilder:
         if req.finished:
             del self._reqs[request_id]
         return RequestOutput(request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outputs,
-                             req.finished, req.weight_version, req.metrics, req.params, req.prompt_exit_depths)
+                             req.finished, req.weight_version, req.metrics, req.params, req.prompt_exit_depths,
+                             req.num_cached_tokens)
 
     def build(self, deltas: Iterable[OutputDelta]) -> list[RequestOutput]:
         """The outputs of one step's deltas (``LLMEngine.step()``): one per request that has one."""

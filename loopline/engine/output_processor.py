@@ -65,6 +65,7 @@ class _Parent:
     dirty: bool = False
     head_sent: bool = False  # the prompt and params went with an earlier report
     weight_version: Any = None  # at add time, then of the newest token (never read at collection time)
+    num_cached_tokens: int = -1  # prefix-cache hits at the first admission (-1: no token came yet)
 
 
 class OutputProcessor:
@@ -170,6 +171,8 @@ class OutputProcessor:
         comp.exit_depths.append(tok.exit_depth)
         comp.weight_versions.append(weight_version)
         parent.weight_version = weight_version
+        if parent.num_cached_tokens < 0:  # the first token: its prompt's admission is settled
+            parent.num_cached_tokens = req.num_cached_tokens
         if tok.logprob is not None:
             comp.cumulative_logprob += tok.logprob
         if comp.logprobs is not None:
@@ -302,7 +305,7 @@ class OutputProcessor:
             c.sent, c.changed = len(c.token_ids), False
         parent.prompt_sent = parent.prompt_filled
         return OutputDelta(parent.request_id, deltas, finished, parent.weight_version, parent.metrics,
-                           self._head(parent), prompt_logprobs, prompt_depths)
+                           self._head(parent), prompt_logprobs, prompt_depths, max(parent.num_cached_tokens, 0))
 
     def _failed_output(self, parent: _Parent, stop_reason: str, error_id: str) -> OutputDelta:
         """The last delta of a request whose delta could not be built: every choice failed, plain
@@ -313,7 +316,8 @@ class OutputProcessor:
             n = c.sent
             outputs.append(CompletionDelta(c.index, "", 0, c.token_ids[n:], c.exit_depths[n:], c.weight_versions[n:],
                                            None, None, "abort", stop_reason, c.seed, error_id))
-        return OutputDelta(parent.request_id, outputs, True, parent.weight_version, parent.metrics, self._head(parent))
+        return OutputDelta(parent.request_id, outputs, True, parent.weight_version, parent.metrics, self._head(parent),
+                           num_cached_tokens=max(parent.num_cached_tokens, 0))
 
     @staticmethod
     def _head(parent: _Parent) -> tuple | None:

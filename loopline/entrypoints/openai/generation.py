@@ -26,7 +26,7 @@ from loopline.engine.deltas import OutputDelta
 from loopline.entrypoints.async_llm import AsyncLLM, OutputStream
 from loopline.entrypoints.openai.logprobs import TokenNamer
 from loopline.entrypoints.openai.metrics import RequestTracker, ServerMetrics
-from loopline.entrypoints.openai.protocol import APIError
+from loopline.entrypoints.openai.protocol import APIError, PromptTokensDetails, UsageInfo
 from loopline.entrypoints.openai.sse import SSEResponse
 from loopline.errors import EngineInternalError
 from loopline.outputs import CompletionOutput, RequestOutput
@@ -57,6 +57,7 @@ class Generation:
         # and each finished choice's finish reason
         self._prompt_tokens: dict[str, int] = {}
         self._generated = 0
+        self._cached: dict[str, int] = {}  # prefix-cache hits of each request's prompt
         self._reasons: dict[tuple[str, int], str] = {}
         self._on_close = on_close
         self._closed = False
@@ -86,6 +87,8 @@ class Generation:
             tracker.accepted(len(delta.head[1]))
             self._prompt_tokens[delta.request_id] = len(delta.head[1])
         tracker.observe(delta)
+        if delta.num_cached_tokens:
+            self._cached[delta.request_id] = max(self._cached.get(delta.request_id, 0), delta.num_cached_tokens)
         for c in delta.outputs:
             self._generated += len(c.token_ids)
             if c.finish_reason is not None:
@@ -136,6 +139,13 @@ class Generation:
         """(prompt tokens, generated tokens) over the outputs seen so far; each prompt counts once."""
         prompt = sum(self._prompt_tokens.values())
         return prompt, self._generated if generated_override is None else generated_override
+
+    def usage_info(self, generated_override: int | None = None) -> UsageInfo:
+        """The response's ``usage`` (see :meth:`usage`); ``prompt_tokens_details.cached_tokens``: the
+        prompt tokens the prefix cache served, over the requests seen so far."""
+        prompt, generated = self.usage(generated_override)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self._cached.values())))
 
     def summary(self) -> str:
         user = f" user={self.user!r:.80}" if self.user is not None else ""  # repr: no forged log lines

@@ -84,8 +84,7 @@ class _CompletionView:
         return completion_logprobs(namer, ids, entries, offsets, self.req.logprobs_shown)
 
     def _usage(self) -> UsageInfo:
-        prompt, generated = self.gen.usage(0 if self.echo_only else None)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
+        return self.gen.usage_info(0 if self.echo_only else None)
 
     def _prompt_logprobs(self, out: RequestOutput):
         """vLLM's ``prompt_logprobs`` when the request asked for them (``null`` otherwise)."""
