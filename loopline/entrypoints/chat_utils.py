@@ -12,10 +12,20 @@ A checkpoint counts as a Thinking variant when its directory name, its
 ``config.json`` ``_name_or_path`` or one of its ``architectures`` contains
 "thinking" (any case). NOTE: the tokenizer is no evidence: base Ouro shares
 the vocabulary, ``<think>`` included (it sometimes samples it itself).
+
+Tools (``render(..., tools=...)``): a template that reads ``tools`` gets them (and the
+messages as sent: ``tool`` messages, assistant ``tool_calls``), as ``apply_chat_template``
+passes them. A template that does not (the bundled demo model's) gets the hermes-style
+fallback instead (:func:`tools_fallback`): a system-prompt preamble listing the tools in
+``<tools></tools>`` and asking for ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+(merged into the first system message, or a new one first); assistant ``tool_calls`` become
+``<tool_call>`` blocks in their content and ``tool`` messages become ``user`` messages holding
+``<tool_response>...</tool_response>`` (Qwen2.5's rendering of the same).
 """
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +59,13 @@ class ChatEncoder:
 
     def render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
                chat_template: str | None = None, *, continue_final_message: bool = False,
-               template_kwargs: dict[str, Any] | None = None) -> str:
+               template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text: the template's rendering, with ``<think>\\n`` appended on Thinking checkpoints.
 
         ``continue_final_message``: the last message stays open (the model continues it);
         ``template_kwargs``: more template variables (``documents``, ``chat_template_kwargs``), each
-        one the template uses (:meth:`check_template_kwargs`)."""
+        one the template uses (:meth:`check_template_kwargs`); ``tools``: OpenAI function tools (the
+        template's own rendering when it reads ``tools``, else the hermes fallback: module docstring)."""
         tok = self.tokenizer
         if tok is None:
             raise InvalidRequestError("chat needs a tokenizer (the engine runs with skip_tokenizer_init=True)",
@@ -70,6 +81,11 @@ class ChatEncoder:
         extra: dict[str, Any] = dict(template_kwargs or {})
         if continue_final_message:
             extra["continue_final_message"] = True
+        if "tools" in self.template_variables(chat_template):
+            if tools:
+                extra["tools"] = tools
+        elif tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in conversation):
+            conversation = tools_fallback(conversation, tools or [])
         text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                                        chat_template=chat_template, **extra)
         if self.thinking and add_generation_prompt and not text.rstrip().endswith(THINK_TOKEN):
@@ -78,10 +94,11 @@ class ChatEncoder:
 
     def encode(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
                chat_template: str | None = None, *, continue_final_message: bool = False,
-               template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False) -> list[int]:
+               template_kwargs: dict[str, Any] | None = None, add_special_tokens: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of :meth:`render`'s text (``add_special_tokens``: the tokenizer's on top of the template's)."""
         text = self.render(conversation, add_generation_prompt, chat_template,
-                           continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+                           continue_final_message=continue_final_message, template_kwargs=template_kwargs, tools=tools)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def template_variables(self, chat_template: str | None = None) -> frozenset[str]:
@@ -121,3 +138,47 @@ def _template_variables(source: str) -> frozenset[str]:
         return frozenset(meta.find_undeclared_variables(jinja2.Environment().parse(source)))
     except jinja2.TemplateSyntaxError as e:
         raise InvalidRequestError(f"the chat template does not parse: {e}", param="chat_template") from None
+
+
+def hermes_preamble(tools: list[dict[str, Any]]) -> str:
+    """The system-prompt text that offers ``tools`` in hermes style (templates that do not render ``tools``)."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (f"You may call functions. Their signatures:\n<tools>\n{listed}\n</tools>\nFor each call, reply with "
+            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def _arguments(arguments: Any) -> Any:
+    """A call's arguments as a JSON value (OpenAI sends them as a JSON string)."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def tools_fallback(conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``conversation`` for a template without tools support: the hermes preamble in the system
+    message, assistant ``tool_calls`` as ``<tool_call>`` blocks, ``tool`` messages as ``user``
+    messages holding ``<tool_response>`` blocks (plain role/content messages only)."""
+    out: list[dict[str, Any]] = []
+    for m in conversation:
+        role, content = m.get("role"), m.get("content") or ""
+        if role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+            continue
+        if role == "assistant" and m.get("tool_calls"):
+            blocks = []
+            for call in m["tool_calls"]:
+                fn = call.get("function") or {}
+                blocks.append("<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": _arguments(
+                    fn.get("arguments", {}))}, ensure_ascii=False) + "\n</tool_call>")
+            content = "\n".join(([content] if content else []) + blocks)
+        out.append({k: v for k, v in {**m, "content": content}.items() if k not in ("tool_calls", "tool_call_id")})
+    if tools:
+        preamble = hermes_preamble(tools)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{preamble}" if out[0]["content"] else preamble}
+        else:
+            out.insert(0, {"role": "system", "content": preamble})
+    return out

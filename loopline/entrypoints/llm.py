@@ -54,13 +54,17 @@ class LLM(LLMVerbs):
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Applies the checkpoint's chat template; generation also stops at the end-of-turn token.
 
-        On a -Thinking checkpoint the prompt ends with ``<think>\n`` (see ``encode_chat``).
+        On a -Thinking checkpoint the prompt ends with ``<think>\n`` (see ``encode_chat``). ``tools``:
+        OpenAI function tools, passed to the template (or rendered by the hermes fallback of
+        ``loopline.entrypoints.chat_utils`` when the template does not read ``tools``).
         """
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.encode_chat(c, add_generation_prompt, chat_template)} for c in convs]
+        prompts = [{"prompt_token_ids": self.encode_chat(c, add_generation_prompt, chat_template) if tools is None
+                    else self._chat.encode(c, add_generation_prompt, chat_template, tools=tools)} for c in convs]
         params = self._params_for(prompts, sampling_params)
         return self._run(prompts, params, use_tqdm, chat=True)
 

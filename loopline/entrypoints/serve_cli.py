@@ -13,6 +13,8 @@ HELP = "serve an OpenAI-compatible HTTP API (default model: the bundled demo mod
 # NOTE: literals, not imports: building the parser must not import the server (FastAPI, uvicorn).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024
+# the names in loopline.entrypoints.openai.tool_parsers.TOOL_PARSERS (a test keeps them equal)
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 def _str_list(value: str) -> list[str]:
@@ -39,6 +41,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     server.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept a request's own chat_template (vLLM's flag; templates are programs: off by default)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="tool_choice 'auto' (and tools without tool_choice): tool calls are parsed out of the "
+                             "model's text with --tool-call-parser (vLLM's flag)")
+    server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="how tool calls are written in the model's text (hermes: <tool_call>{json}</tool_call>); "
+                             "needed by --enable-auto-tool-choice")
     server.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients use in 'model' (default: the model path); the first is reported")
     server.add_argument("--api-key", default=None,
@@ -88,4 +96,6 @@ def _run_serve(ns: argparse.Namespace) -> int:
         if ns.model is not None and ns.model != ns.model_tag:
             raise LooplineError("give the model either positionally or with --model, not both")
         ns.model = ns.model_tag
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise LooplineError("--enable-auto-tool-choice needs --tool-call-parser (e.g. --tool-call-parser hermes)")
     return run_server(ns)

@@ -96,6 +96,7 @@ SAMPLE_BY_ROUTE = {
     ("completions", "best_of"): {"n": 2, "best_of": 2},
     ("tokenize", "continue_final_message"): SAMPLE["continue_final_message"],
     ("tokenize", "add_generation_prompt"): {"messages": MESSAGES, "add_generation_prompt": False},
+    ("chat", "tool_choice"): {"tools": SAMPLE["tools"], "tool_choice": "none"},
 }
 # Honoured fields that a condition may still refuse (with a 400 naming them): template inputs the tiny
 # model's chat template does not read, a request template on a server that does not trust them, and
@@ -215,7 +216,7 @@ def test_neutral_values_of_refused_fields_are_accepted(server):
 
 @pytest.mark.parametrize("body,param", [
     ({"tool_choice": "none"}, "tool_choice"), ({"tool_choice": "auto"}, "tool_choice"),
-    ({"tools": SAMPLE["tools"], "tool_choice": "auto"}, "tools"), ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+    ({"tools": SAMPLE["tools"], "tool_choice": "auto"}, "tool_choice"),  # the server has no --enable-auto-tool-choice
 ])
 def test_tool_fields_are_refused(server, body, param):
     r = _post(server, "/v1/chat/completions", {**BASE["chat"], **body})
@@ -410,7 +411,7 @@ def test_get_model_by_id(server):
 
 def test_docs_table_helper_is_markdown():
     table = markdown_table("chat")
-    assert table.startswith("| field | decision |") and re.search(r"\| `tools` \| \*\*refused\*\*", table)
+    assert table.startswith("| field | decision |") and re.search(r"\| `include_reasoning` \| \*\*refused\*\*", table)
 
 
 @pytest.mark.skipif(not FIELDS["chat"]["logprob_token_ids"].honoured, reason="the engine has no logprob_token_ids")

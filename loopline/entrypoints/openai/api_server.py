@@ -58,7 +58,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
               allowed_methods: list[str] | None = None, allowed_headers: list[str] | None = None,
               allow_credentials: bool = False,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-              return_tokens_as_token_ids: bool = False, trust_request_chat_template: bool = False) -> FastAPI:
+              return_tokens_as_token_ids: bool = False, trust_request_chat_template: bool = False,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``async_llm``.
 
     ``served_model_name``: the name(s) clients must use in ``model`` (default:
@@ -77,6 +78,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
     ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:<id>`` instead of by
     their text (vLLM's flag). ``trust_request_chat_template``: accept a request's own ``chat_template``
     (vLLM's ``--trust-request-chat-template``; off: a 400, since templates run code-like loops).
+    ``enable_auto_tool_choice`` / ``tool_call_parser``: ``tool_choice: "auto"`` (and tools without a
+    tool_choice) parse tool calls out of the text with that parser (vLLM's flags; ``tool_parsers.TOOL_PARSERS``).
     """
     for name, value in (("max_concurrent_requests", max_concurrent_requests),
                         ("max_prompts_per_request", max_prompts_per_request)):
@@ -88,6 +91,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
     ctx = ServingContext(async_llm, names, metrics, max_concurrent_requests, max_prompts_per_request,
                          return_tokens_as_token_ids)
     ctx.trust_request_chat_template = trust_request_chat_template
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise InvalidRequestError("enable_auto_tool_choice needs tool_call_parser", param="tool_call_parser")
+    if tool_call_parser is not None:
+        from loopline.entrypoints.openai.tool_parsers import TOOL_PARSERS
+        if tool_call_parser not in TOOL_PARSERS:
+            raise InvalidRequestError(f"unknown tool_call_parser {tool_call_parser!r} (known: {sorted(TOOL_PARSERS)})",
+                                      param="tool_call_parser")
+    ctx.enable_auto_tool_choice, ctx.tool_call_parser = enable_auto_tool_choice, tool_call_parser
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -333,7 +344,9 @@ def run_server(ns: argparse.Namespace) -> int:
                     security=security, allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
                     allow_credentials=ns.allow_credentials, max_prompts_per_request=ns.max_prompts_per_request,
                     return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
-                    trust_request_chat_template=getattr(ns, "trust_request_chat_template", False))
+                    trust_request_chat_template=getattr(ns, "trust_request_chat_template", False),
+                    enable_auto_tool_choice=getattr(ns, "enable_auto_tool_choice", False),
+                    tool_call_parser=getattr(ns, "tool_call_parser", None))
     # NOTE: uvicorn cuts connections still open after its own timeout; ours aborts the requests first
     # (so every stream ends with a final chunk and [DONE]) and uvicorn's is only the last resort.
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, access_log=False,

@@ -151,9 +151,10 @@ CHAT_FIELDS = [
     _ok("reasoning_effort", "chat template input (400 when the template does not use reasoning_effort)"),
     _ok("chat_template", "only with --trust-request-chat-template (templates run loops: 400 otherwise)"),
     _ok("return_prompt_text", "prompt_text (the rendered template) in the response or the first chunk"),
-    _no("tools", "tool calling is not supported yet", []),
-    _no("tool_choice", "tool calling is not supported yet (tool_choice needs tools)"),
-    _no("parallel_tool_calls", "tool calling is not supported yet"),
+    _ok("tools", "OpenAI function tools (at most 128), passed to the chat template (or the hermes fallback preamble)"),
+    _ok("tool_choice", "none, auto (needs --enable-auto-tool-choice and --tool-call-parser), required or a named "
+                       "function (both enforced with a JSON-schema constraint); needs tools"),
+    _ok("parallel_tool_calls", "false: at most one tool call"),
     _no("include_reasoning", "no reasoning parser: reasoning stays in content", True),
     _no("mm_processor_kwargs", "no multimodal inputs (text-only models)", {}),
     _no("media_io_kwargs", "no multimodal inputs (text-only models)", {}),
@@ -172,7 +173,7 @@ TOKENIZE_FIELDS = [
     _ok("chat_template_kwargs", "chat template inputs (each key must be a variable the template uses)"),
     _ok("chat_template", "only with --trust-request-chat-template"),
     _ok("return_token_strs", "token_strs: each token's string"),
-    _no("tools", "tool calling is not supported yet", []),
+    _no("tools", "/tokenize does not render tools yet (/v1/chat/completions does)", []),
     _no("mm_processor_kwargs", "no multimodal inputs (text-only models)", {}),
 ]
 

@@ -8,6 +8,8 @@ with an OpenAI error body.
 """
 from __future__ import annotations
 
+import json
+import re
 import time
 from typing import Any, ClassVar, Literal
 
@@ -42,8 +44,11 @@ class StrictRequest(OpenAIBaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-# Chat roles the chat templates render; tools are not supported, so no "tool" role.
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+# Chat roles the chat templates render ("tool": a tool's result, with the tool_call_id it answers).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TOOLS = 128  # tools one request may offer
+MAX_TOOL_BYTES = 64 * 1024  # one tool's JSON (name, description, parameters schema)
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 # --- errors ---------------------------------------------------------------------------
@@ -303,10 +308,26 @@ class TextPart(ClosedRequest):
     text: str
 
 
+class ToolCallFunction(ClosedRequest):
+    name: str
+    arguments: str  # a JSON string (OpenAI's shape)
+
+
+class ToolCallIn(ClosedRequest):
+    """An assistant message's earlier tool call (passed to the chat template)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(ClosedRequest):
-    """One chat message: a known role and its content (a string or text parts)."""
+    """One chat message: a known role and its content (a string or text parts); assistant messages
+    may carry ``tool_calls`` (then content may be null), ``tool`` messages the ``tool_call_id`` they answer."""
 
     role: str
+    tool_call_id: str | None = Field(default=None, validate_default=True)
+    tool_calls: list[ToolCallIn] | None = None
     content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
 
@@ -317,10 +338,27 @@ class ChatMessage(ClosedRequest):
             raise ValueError(f"role must be one of {list(CHAT_ROLES)}, got {role!r}")
         return role
 
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, value: Any, info: Any) -> Any:
+        role = info.data.get("role")
+        if value is not None and role != "tool":
+            raise ValueError("tool_call_id belongs on messages with role 'tool'")
+        if value is None and role == "tool":
+            raise ValueError("messages with role 'tool' need tool_call_id")
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, value: Any, info: Any) -> Any:
+        if value is not None and info.data.get("role") != "assistant":
+            raise ValueError("tool_calls belong on messages with role 'assistant'")
+        return value
+
     @field_validator("content")
     @classmethod
-    def _has_content(cls, content: Any) -> Any:
-        if content is None:
+    def _has_content(cls, content: Any, info: Any) -> Any:
+        if content is None and not info.data.get("tool_calls"):
             raise ValueError("content is required (a string or a list of text parts)")
         return content
 
@@ -329,12 +367,37 @@ class ChatMessage(ClosedRequest):
             return self.content
         return "".join(part.text for part in self.content or [])
 
-    def as_dict(self) -> dict[str, str]:
-        """The template's view: role, content and (when sent) name."""
-        out = {"role": self.role, "content": self.text()}
+    def as_dict(self) -> dict[str, Any]:
+        """The template's view: role, content and (when sent) name, tool_call_id, tool_calls."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         return out
+
+
+class FunctionDefinition(ClosedRequest):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not _TOOL_NAME.fullmatch(name):
+            raise ValueError(f"function names are 1 to 64 letters, digits, '_', '.' or '-', got {name!r:.80}")
+        return name
+
+
+class ChatTool(ClosedRequest):
+    """An OpenAI function tool: ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatTemplateInputs(ClosedRequest):
@@ -369,6 +432,84 @@ class ChatCompletionRequest(_CommonRequest, ChatTemplateInputs):
     documents: list[dict[str, Any]] | None = None
     reasoning_effort: str | None = None
     return_prompt_text: bool = False
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _bounded_tools(cls, tools: Any) -> Any:
+        if tools is None:
+            return tools
+        if len(tools) > MAX_TOOLS:
+            raise ValueError(f"at most {MAX_TOOLS} tools, got {len(tools)}")
+        names = set()
+        for t in tools:
+            if len(json.dumps(t.model_dump(exclude_none=True))) > MAX_TOOL_BYTES:
+                raise ValueError(f"tool {t.function.name!r} is over {MAX_TOOL_BYTES} bytes of JSON")
+            if t.function.name in names:
+                raise ValueError(f"two tools are named {t.function.name!r}")
+            names.add(t.function.name)
+        return tools
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template (and the fallback preamble) sees them; None when there are none."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_mode(self, auto_enabled: bool) -> tuple[str, str | None]:
+        """``(mode, function name)``: mode ``none`` (no tools, or answer in text), ``auto`` (the server's
+        parser extracts calls), ``required`` or ``named`` (a constraint makes the output calls).
+        Unset with tools: ``auto`` on a server started with --enable-auto-tool-choice, else ``none``."""
+        choice = self.tool_choice
+        if choice is not None and not self.tools:
+            raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+        if not self.tools:
+            return "none", None
+        if choice is None:
+            return ("auto" if auto_enabled else "none"), None
+        if choice in ("none", "auto", "required"):
+            if choice == "auto" and not auto_enabled:
+                raise InvalidRequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                          "to be set (server flags)", param="tool_choice")
+            return choice, None
+        if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) <= {"type", "function"} \
+                and isinstance(choice.get("function"), dict) and set(choice["function"]) == {"name"}:
+            name = choice["function"]["name"]
+            if not any(t.function.name == name for t in self.tools):
+                raise InvalidRequestError(f"tool_choice names function {name!r:.80}, which is not among tools",
+                                          param="tool_choice.function.name")
+            return "named", name
+        raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required' or "
+                                  '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+
+    def tool_constraint(self) -> StructuredOutputsParams | None:
+        """The output constraint of ``required`` (a JSON array of ``{name, arguments}``, one item at most
+        when ``parallel_tool_calls`` is false) or a named function (its parameters schema); compact JSON."""
+        mode, name = self.tool_mode(auto_enabled=True)
+        tools = {t.function.name: (t.function.parameters or {"type": "object"}) for t in self.tools or []}
+        if mode == "named":
+            schema: dict[str, Any] = tools[name]
+        elif mode == "required":
+            items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "arguments": params},
+                      "required": ["name", "arguments"], "additionalProperties": False} for n, params in tools.items()]
+            schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+            if self.parallel_tool_calls is False:
+                schema["maxItems"] = 1
+        else:
+            return None
+        try:
+            # compact JSON: a model free to emit whitespace may spend every token on it
+            return StructuredOutputsParams.from_dict({"json": schema, "disable_any_whitespace": True})
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"tools: {e}", param="tools") from None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        own = super().structured()
+        tool = self.tool_constraint()
+        if tool is not None and own is not None:
+            raise InvalidRequestError("tool_choice 'required' or a named function constrains the output, and so does "
+                                      "a structured-outputs field: send one", param="tool_choice")
+        return tool or own
 
     def conversation(self) -> list[dict[str, str]]:
         if not self.messages:
@@ -487,6 +628,7 @@ class ChatLogProbs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # {id, type: function, function: {name, arguments}}
 
 
 class ChatChoice(BaseModel):
@@ -514,6 +656,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # {index, id, type, function: {name, arguments}}
 
 
 class ChatStreamChoice(BaseModel):
