@@ -303,3 +303,31 @@ def test_offline_chat_takes_tools(tiny_gqa):
         json.loads(out.outputs[0].text)
     finally:
         llm.shutdown() if hasattr(llm, "shutdown") else None
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_stream_deltas_equal_the_whole_extraction(parallel):
+    """The streamed (auto, hermes) deltas of a text reassemble to what the whole response shows."""
+    from loopline.entrypoints.openai.serving_chat import _Tools, _finish
+
+    text = ('ok <tool_call>{"name": "get_time", "arguments": {"utc": false}}</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}</tool_call>')
+    whole = _Tools("auto", None, "hermes", parallel).extract(text)
+    tools = _Tools("auto", None, "hermes", parallel)
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+    out = [tools.stream(0, p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    assert "".join(c for c, _, _ in out).strip() == whole[0] == "ok"
+    deltas = [d for _, ds, _ in out for d in ds]
+    assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == \
+        [(c.name, c.arguments) for c in whole[1]]
+    assert len(deltas) == (2 if parallel else 1) and out[-1][2] and _finish("stop", out[-1][2]) == "tool_calls"
+
+
+def test_tools_without_tool_choice_mean_auto_on_an_auto_server(apps):
+    from loopline.entrypoints.openai.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS)
+    assert req.tool_mode(True) == ("auto", None) and req.tool_mode(False) == ("none", None)
+    chunks = stream_chunks(apps["auto"], {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 6})
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] in ("stop", "length")
