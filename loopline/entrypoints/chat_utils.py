@@ -84,6 +84,7 @@ class ChatEncoder:
         if "tools" in self.template_variables(chat_template):
             if tools:
                 extra["tools"] = tools
+            conversation = [_with_argument_objects(m) for m in conversation]
         elif tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in conversation):
             conversation = tools_fallback(conversation, tools or [])
         text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -155,6 +156,16 @@ def _arguments(arguments: Any) -> Any:
         except ValueError:
             return arguments
     return arguments
+
+
+def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with its tool calls' ``arguments`` as JSON objects (as vLLM hands them to templates,
+    which write them with ``tojson``)."""
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**c, "function": {**c["function"], "arguments": _arguments(c["function"].get("arguments", {}))}}
+             if isinstance(c.get("function"), dict) else c for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
 
 
 def tools_fallback(conversation: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -126,7 +126,8 @@ def test_template_without_tools_gets_the_hermes_fallback(llm):
 def test_template_with_tools_gets_them():
     template = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
                 "{% for m in messages %}{{ m.role }}:{{ m.content }}{% if m.tool_calls %}"
-                "{{ m.tool_calls[0].function.name }}{% endif %};{% endfor %}")
+                "{{ m.tool_calls[0].function.name }}{{ m.tool_calls[0].function.arguments.utc }}{% endif %};"
+                "{% endfor %}")
 
     class Tok:
         chat_template = template
@@ -136,8 +137,8 @@ def test_template_with_tools_gets_them():
             return jinja2.Environment().from_string(chat_template or template).render(messages=conv, **kw)
 
     conv = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}]
-    assert ChatEncoder(Tok(), None).render(conv, tools=TOOLS) == "[get_weather][get_time]user:q;assistant:get_time;"
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": '{"utc": 1}'}}]}]
+    assert ChatEncoder(Tok(), None).render(conv, tools=TOOLS) == "[get_weather][get_time]user:q;assistant:get_time1;"
 
 
 # --- over HTTP ----------------------------------------------------------------------------------------------
