@@ -63,6 +63,9 @@ class EngineStats:
     scheduled_tokens: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    # vLLM's iteration tokens: a generated token once, when it is sampled; a prompt's tokens once,
+    # when its prefill finishes (its first token is sampled)
+    iteration_tokens: int = 0
     loops_of_generated: int = 0  # sum of exit depths
     finished_requests: int = 0
     failed_requests: int = 0  # failed by an error while being served (the engine went on)
@@ -88,8 +91,9 @@ class EngineStats:
             self.prefill_steps += 1
             self.prefill_step_time_s += elapsed
 
-    def count_token(self, exit_depth: int) -> None:
+    def count_token(self, exit_depth: int, prompt_tokens: int = 0) -> None:
         self.generated_tokens += 1
+        self.iteration_tokens += 1 + prompt_tokens
         self.loops_of_generated += exit_depth
         self.exit_depth_counts[exit_depth] = self.exit_depth_counts.get(exit_depth, 0) + 1
 
@@ -356,7 +360,7 @@ class LLMEngine(EngineVerbs):
                 self._fail(req.request_id, e)
 
     def _book_token(self, req: Request) -> None:
-        self.stats.count_token(req.output[-1].exit_depth)
+        self.stats.count_token(req.output[-1].exit_depth, len(req.prompt_token_ids) if len(req.output) == 1 else 0)
         grammar_done = self.structured.accept(req) if self.structured else False
         stop = self.scheduler.check_stop(req) or (("stop", None) if grammar_done else None)
         text_stop = self.outputs.on_token(req, self.control.weight_version, check_stop=stop is None)

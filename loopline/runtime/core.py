@@ -204,12 +204,14 @@ class EngineCore:
         """One engine step; its outputs go into this iteration's message; returns whether anything happened."""
         engine = self.engine
         rows0, tokens0, t0 = engine.stats.rows, engine.stats.scheduled_tokens, time.perf_counter()
+        iter0 = engine.stats.iteration_tokens
         outs = engine.step_deltas()
         rows = engine.stats.rows - rows0
         if rows:
             if not self._msg.steps:
                 self._first_unsent = t0
-            self._msg.steps.append(StepRecord(rows, engine.stats.scheduled_tokens - tokens0, time.perf_counter() - t0))
+            self._msg.steps.append(StepRecord(rows, engine.stats.scheduled_tokens - tokens0, time.perf_counter() - t0,
+                                              iteration_tokens=engine.stats.iteration_tokens - iter0))
         for out in outs:
             if out.request_id in self._live:  # else it failed (or its add did): nobody waits for it
                 self._msg.outputs.append(out)

@@ -58,6 +58,8 @@ class StepRecord:
     scheduled_tokens: int
     duration_s: float
     replica: int = 0  # the data-parallel replica that ran it (set by the front end)
+    # vLLM's iteration tokens: tokens sampled in the step plus the prompt tokens whose prefill it finished
+    iteration_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,14 @@ worker ("prefill-0", "decode-0", ...); the per-request series are measured by th
 front end and have none.
 
 Names are vLLM's with the ``loopline:`` prefix where vLLM has the series
-(``vllm:time_to_first_token_seconds`` is ``loopline:time_to_first_token_seconds``),
-so a vLLM dashboard works after replacing the prefix; docs/serving.md lists
-them side by side, and docs/grafana-loopline.json charts them.
+(``vllm:time_to_first_token_seconds`` is ``loopline:time_to_first_token_seconds``);
+docs/serving.md lists them side by side, and docs/grafana-loopline.json charts them.
+The series vLLM's dashboards read are also served under vLLM's own names (``vllm:``
+prefix, vLLM's ``engine`` label instead of ``replica`` on engine-side series), always:
+a vLLM dashboard or autoscaler works unchanged. Where the two differ in meaning the
+``vllm:`` series follows vLLM (``vllm:iteration_tokens_total``: a generated token
+once, when sampled; a prompt's tokens once, when its prefill finishes; the
+``loopline:`` one counts a token per loop row).
 """
 from __future__ import annotations
 
@@ -43,6 +48,25 @@ STATUSES = ("stop", "length", "abort", "error", "rejected")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
+_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+class _Both:
+    """One measurement recorded in several series (a ``loopline:`` one and its ``vllm:`` twin)."""
+
+    __slots__ = ("series",)
+
+    def __init__(self, *series) -> None:
+        self.series = series
+
+    def inc(self, amount: float = 1) -> None:
+        for m in self.series:
+            m.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for m in self.series:
+            m.observe(value)
+
 
 class ServerMetrics:
     """Every metric the server exports (names prefixed ``loopline:``)."""
@@ -55,19 +79,25 @@ class ServerMetrics:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, ["model_name", *extra], registry=reg)
 
-        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+        def one_histogram(name: str, doc: str, buckets: tuple) -> Histogram:
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=reg).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> _Both:
+            """``name`` (``loopline:...``) and its ``vllm:`` twin."""
+            return _Both(one_histogram(name, doc, buckets), one_histogram(_vllm(name), doc, buckets))
 
         requests = counter("loopline:requests", "Requests by final status: stop / length / abort (finished engine "
                            "requests), error (rejected as invalid, 4xx), rejected (over the concurrency limit, 429)",
                            ("status",))
         self.requests = {s: requests.labels(status=s, **labels) for s in STATUSES}
-        self.prompt_tokens = counter("loopline:prompt_tokens", "Prompt tokens of accepted requests").labels(**labels)
-        self.generation_tokens = counter("loopline:generation_tokens", "Generated tokens").labels(**labels)
+        self.prompt_tokens = _Both(*(counter(n, "Prompt tokens of accepted requests").labels(**labels)
+                                     for n in ("loopline:prompt_tokens", "vllm:prompt_tokens")))
+        self.generation_tokens = _Both(*(counter(n, "Generated tokens").labels(**labels)
+                                         for n in ("loopline:generation_tokens", "vllm:generation_tokens")))
         self.ttft = histogram("loopline:time_to_first_token_seconds", "Time from arrival to the first token", _LATENCY_BUCKETS)
         self.itl = histogram("loopline:inter_token_latency_seconds", "Time between consecutive output tokens", _LATENCY_BUCKETS)
         self.e2e = histogram("loopline:e2e_request_latency_seconds", "Time from arrival to the last token", _LATENCY_BUCKETS)
-        self.exit_depth = histogram("loopline:exit_depth", "Loop at which each generated token exited",
+        self.exit_depth = one_histogram("loopline:exit_depth", "Loop at which each generated token exited",
                                     tuple(range(1, num_loops + 1)))
         # Engine-side series carry a ``replica`` label (vLLM's ``engine``): "0" without data parallelism.
         replicas = [r.name for r in async_llm.replicas()]
@@ -83,8 +113,13 @@ class ServerMetrics:
         self.iteration_tokens = per_replica(Histogram(
             "loopline:iteration_tokens_total", "Tokens scheduled in one engine step (decode rows + prefill chunk tokens)",
             ["model_name", "replica"], buckets=_ITERATION_BUCKETS, registry=reg))
-        success = counter("loopline:request_success", "Finished engine requests by finished_reason", ("finished_reason",))
-        self.request_success = {r: success.labels(finished_reason=r, **labels) for r in FINISHED_REASONS}
+        success = [counter(n, "Finished engine requests by finished_reason", ("finished_reason",))
+                   for n in ("loopline:request_success", "vllm:request_success")]
+        self.request_success = {r: _Both(*(f.labels(finished_reason=r, **labels) for f in success))
+                                for r in FINISHED_REASONS}
+        self.params_n = one_histogram("vllm:request_params_n", "The n request parameter", _PARAMS_N_BUCKETS)
+        self.params_max_tokens = one_histogram("vllm:request_params_max_tokens", "The max_tokens request parameter "
+                                               "(the effective one)", _TOKEN_BUCKETS)
         self.request_prompt_tokens = histogram("loopline:request_prompt_tokens", "Prompt tokens per finished request",
                                                _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("loopline:request_generation_tokens",
@@ -102,18 +137,39 @@ class ServerMetrics:
         self.inference_time = histogram("loopline:request_inference_time_seconds",
                                         "Time from first scheduled to the last token", _LATENCY_BUCKETS)
 
-        def gauge(name: str, doc: str, read: Callable[[ReplicaState], float]) -> None:
-            family = Gauge(name, doc, ["model_name", "replica"], registry=reg)
-            for i, r in enumerate(replicas):
-                family.labels(replica=r, **labels).set_function(lambda i=i: read(async_llm.replicas()[i]))
+        def gauge(name: str, doc: str, read: Callable[[ReplicaState], float], vllm: bool = False) -> None:
+            for name, label in ((name, "replica"), (_vllm(name), "engine"))[:2 if vllm else 1]:
+                family = Gauge(name, doc, ["model_name", label], registry=reg)
+                for i, r in enumerate(replicas):
+                    family.labels(model_name, r).set_function(lambda i=i: read(async_llm.replicas()[i]))
 
         gauge("loopline:num_requests_running", "Sequences running (decode slots or prefill)",
-              lambda r: r.snapshot.num_running)
-        gauge("loopline:num_requests_waiting", "Sequences waiting for admission", lambda r: r.snapshot.num_waiting)
+              lambda r: r.snapshot.num_running, vllm=True)
+        gauge("loopline:num_requests_waiting", "Sequences waiting for admission", lambda r: r.snapshot.num_waiting,
+              vllm=True)
+        # vLLM splits the waiting requests by reason; every loopline waiting request waits for capacity
+        # (a slot or KV pages): "deferred" is always 0
+        by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Requests waiting, by why: capacity (a slot or KV "
+                          "pages) or deferred (never in loopline)", ["model_name", "engine", "reason"], registry=reg)
+        for i, r in enumerate(replicas):
+            by_reason.labels(model_name, r, "capacity").set_function(
+                lambda i=i: async_llm.replicas()[i].snapshot.num_waiting)
+            by_reason.labels(model_name, r, "deferred").set(0)
         gauge("loopline:kv_cache_used_blocks", "KV blocks in use (all planes)", lambda r: r.snapshot.kv_used_blocks)
         gauge("loopline:kv_cache_total_blocks", "KV blocks in the pool", lambda r: r.snapshot.kv_total_blocks)
         gauge("loopline:kv_cache_usage_perc", "Fraction of KV blocks in use", lambda r: r.snapshot.kv_used_blocks
-              / r.snapshot.kv_total_blocks if r.snapshot.kv_total_blocks else 0.0)
+              / r.snapshot.kv_total_blocks if r.snapshot.kv_total_blocks else 0.0, vllm=True)
+        cfg, info = async_llm.config, async_llm.info
+        cache_info = Gauge("vllm:cache_config_info", "The KV cache configuration (value 1; the labels say it)",
+                           ["model_name", "engine", "block_size", "cache_dtype", "num_gpu_blocks", "enable_prefix_caching"],
+                           registry=reg)
+        for r in replicas:
+            cache_info.labels(model_name, r, str(cfg.block_size), str(cfg.args.kv_cache_dtype), str(info.kv_pages),
+                              str(bool(cfg.args.enable_prefix_caching))).set(1)
+        self.vllm_iteration_tokens = [Histogram(
+            "vllm:iteration_tokens_total", "Tokens per engine step: each generated token once, when sampled; each "
+            "prompt's tokens once, when its prefill finishes", ["model_name", "engine"], buckets=_ITERATION_BUCKETS,
+            registry=reg).labels(model_name, r) for r in replicas]
         gauge("loopline:replica_healthy", "1 while the engine replica serves, 0 once it stopped (the health route "
               "says why)", lambda r: float(r.problem is None))
         # Running totals the engine keeps: exported as counters read at scrape time.
@@ -122,6 +178,11 @@ class ServerMetrics:
             "loopline:prefix_cache_hits": ("Prompt tokens served from the prefix cache", lambda s: s.prefix_cache_hits),
             "loopline:num_preemptions": ("Requests preempted (snapshotted to CPU memory)", lambda s: s.num_preemptions),
         }))
+        reg.register(_EngineTotals(model_name, async_llm.replicas, {
+            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", lambda s: s.prefix_cache_queries),
+            "vllm:prefix_cache_hits": ("Prompt tokens served from the prefix cache", lambda s: s.prefix_cache_hits),
+            "vllm:num_preemptions": ("Requests preempted (snapshotted to CPU memory)", lambda s: s.num_preemptions),
+        }, label="engine"))
         self.in_flight = Gauge("loopline:http_requests_in_flight", "Generation HTTP requests being served",
                                ["model_name"], registry=reg).labels(**labels)
         async_llm.add_step_listener(self._on_step)
@@ -132,6 +193,8 @@ class ServerMetrics:
         self.rows[r].inc(rec.rows)
         self.rows_per_step[r].observe(rec.rows)
         self.iteration_tokens[r].observe(rec.scheduled_tokens)
+        if rec.iteration_tokens:
+            self.vllm_iteration_tokens[r].observe(rec.iteration_tokens)
 
     def tracker(self) -> "RequestTracker":
         return RequestTracker(self)
@@ -163,6 +226,11 @@ class RequestTracker:
         """One delta of the request (what its changed completions added)."""
         if self.done:
             return
+        if delta.head is not None:
+            params = delta.head[2]
+            self.m.params_n.observe(params.n)
+            if params.max_tokens is not None:
+                self.m.params_max_tokens.observe(params.max_tokens)
         now = time.monotonic()
         new = 0
         for comp in delta.outputs:
@@ -220,15 +288,21 @@ class _EngineTotals(Collector):
     """Counters whose values each engine replica keeps (read at scrape time): ``name -> (help, read)``."""
 
     def __init__(self, model_name: str, replicas: Callable[[], list[ReplicaState]],
-                 totals: dict[str, tuple[str, Callable[[EngineSnapshot], float]]]) -> None:
+                 totals: dict[str, tuple[str, Callable[[EngineSnapshot], float]]], label: str = "replica") -> None:
         self.model_name = model_name
+        self.label = label
         self.replicas = replicas
         self.totals = totals
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         replicas = self.replicas()
         for name, (doc, read) in self.totals.items():
-            family = CounterMetricFamily(name, doc, labels=["model_name", "replica"])
+            family = CounterMetricFamily(name, doc, labels=["model_name", self.label])
             for r in replicas:
                 family.add_metric([self.model_name, r.name], read(r.snapshot))
             yield family
+
+
+def _vllm(name: str) -> str:
+    """vLLM's name of a ``loopline:`` series."""
+    return "vllm:" + name.removeprefix("loopline:")
