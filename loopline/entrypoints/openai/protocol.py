@@ -567,7 +567,7 @@ class DetokenizeRequest(ClosedRequest):
 
 # --- responses ------------------------------------------------------------------------
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # NOTE: the engine does not report prefix-cache hits per request yet: always 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (Generation.usage_info)
 
 
 class UsageInfo(BaseModel):
