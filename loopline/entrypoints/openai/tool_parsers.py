@@ -7,10 +7,16 @@ streamed pieces reassemble to the same content and calls.
 
 ``hermes``: calls are ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes / Qwen
 style). A block whose JSON does not parse (or lacks a string ``name``) stays in the content, as text.
+Streaming: a block that starts ``{"name": "X", "arguments": {`` is announced (id, name) as soon as
+that much has arrived, and its arguments follow as string pieces (the text as the model wrote it, up
+to the block's closing brace, held back from the last ``}`` seen); any other block is sent whole when
+``</tool_call>`` arrives. NOTE: an announced block cannot be taken back: if it turns out malformed or
+is cut off, the stream keeps its partial call (as vLLM), while the whole response leaves it in content.
 """
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,15 +93,48 @@ class ToolParser:
         return self._calls
 
 
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
 class HermesToolParser(ToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._open: dict[str, int] | None = None  # the announced call being streamed: index, args start, sent
+
+    @staticmethod
+    def _raw_arguments(body: str, head: re.Match) -> str:
+        """The arguments as written: from the head's end to the block's last ``}`` (the outer object's)."""
+        return body[head.end():body.rfind("}")]
+
     def _parse_block(self, body: str) -> ToolCall | None:
         try:
-            return call_from_json(json.loads(body.strip()))
+            call = call_from_json(json.loads(body.strip()))
         except ValueError:
             return None
+        head = _HEAD.match(body)
+        if call is not None and head is not None and head.group(1) == call.name:
+            call.arguments = self._raw_arguments(body, head)  # as streamed
+        return call
+
+    def _stream_open(self, body: str, piece: StreamPiece, final: bool) -> None:
+        """Announces the open block's call once its head arrived, then sends the arguments that are safe."""
+        if self._open is None:
+            head = _HEAD.match(body)
+            if head is None:
+                return
+            call = ToolCall(head.group(1), "")
+            piece.tool_calls.append(self._call_delta(call))
+            self._open = {"index": self._calls - 1, "start": head.end(), "sent": 0}
+        o = self._open
+        avail = body[o["start"]:]
+        last = avail.rfind("}")
+        safe = last if (final or last >= 0) else len(avail)
+        if safe > o["sent"]:
+            piece.tool_calls.append({"index": o["index"], "function": {"arguments": avail[o["sent"]:safe]}})
+            o["sent"] = safe
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content: list[str] = []
@@ -139,23 +178,32 @@ class HermesToolParser(ToolParser):
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
             j = self._buf.find(self.END, i + len(self.START))
-            if j < 0:  # inside a call: send the text before it, wait for the end
+            if j < 0:  # inside a call: send the text before it, stream what is safe, wait for the end
                 out.append(self._buf[:i])
                 self._buf = self._buf[i:]
+                self._stream_open(self._buf[len(self.START):], piece, final=False)
                 break
-            call = self._parse_block(self._buf[i + len(self.START):j])
-            if call is None:
-                out.append(self._buf[:j + len(self.END)])
-            else:
+            if self._open is not None:  # announced: its last arguments
                 out.append(self._buf[:i])
-                piece.tool_calls.append(self._call_delta(call))
+                self._stream_open(self._buf[i + len(self.START):j], piece, final=True)
+                self._open = None
+            else:
+                call = self._parse_block(self._buf[i + len(self.START):j])
+                if call is None:
+                    out.append(self._buf[:j + len(self.END)])
+                else:
+                    out.append(self._buf[:i])
+                    piece.tool_calls.append(self._call_delta(call))
             self._buf = self._buf[j + len(self.END):]
         piece.content = "".join(out)
         return piece
 
     def finish(self) -> StreamPiece:
-        """The held-back rest (an unterminated call stays text)."""
+        """The held-back rest (an unterminated call stays text, unless it was announced: then it stays partial)."""
         rest, self._buf = self._buf, ""
+        if self._open is not None:
+            self._open = None
+            return StreamPiece()
         return StreamPiece(content=rest)
 
 
