@@ -166,10 +166,11 @@ class ServerMetrics:
         for r in replicas:
             cache_info.labels(model_name, r, str(cfg.block_size), str(cfg.args.kv_cache_dtype), str(info.kv_pages),
                               str(bool(cfg.args.enable_prefix_caching))).set(1)
-        self.vllm_iteration_tokens = [Histogram(
+        vllm_iteration = Histogram(  # one family, a child per replica
             "vllm:iteration_tokens_total", "Tokens per engine step: each generated token once, when sampled; each "
             "prompt's tokens once, when its prefill finishes", ["model_name", "engine"], buckets=_ITERATION_BUCKETS,
-            registry=reg).labels(model_name, r) for r in replicas]
+            registry=reg)
+        self.vllm_iteration_tokens = [vllm_iteration.labels(model_name, r) for r in replicas]
         gauge("loopline:replica_healthy", "1 while the engine replica serves, 0 once it stopped (the health route "
               "says why)", lambda r: float(r.problem is None))
         # Running totals the engine keeps: exported as counters read at scrape time.
