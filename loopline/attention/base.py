@@ -38,6 +38,13 @@ def is_fp8_kv(cache: Tensor) -> bool:
     return cache.dtype == FP8_KV_DTYPE
 
 
+def kv_bytes(cache: Tensor) -> Tensor:
+    """An FP8 cache (or page copy) as a ``uint8`` view, others unchanged: copies, gathers and transports
+    move FP8 pages as bytes, which every torch op and transport supports (float8 indexing kernels are not
+    built on every device); the scales are per layer and head, the same for every page."""
+    return cache.view(torch.uint8) if is_fp8_kv(cache) else cache
+
+
 def check_kv_scales(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> bool:
     """Whether the caches are FP8; for FP8 checks that both per-head scales are ``[kv_heads]`` fp32 on the
     caches' device. ``k_cache``/``v_cache`` may be one layer's or all layers' (heads on the second-last axis)."""
@@ -160,9 +167,7 @@ class AttentionBackend(ABC):
         first = torch.arange(num_layers, device=src.device)[:, None] * slots  # row of each layer's slot 0
         src_rows, dst_rows = (first + src[None, :]).reshape(-1), (first + dst[None, :]).reshape(-1)
         for cache in (k_cache, v_cache):
-            if is_fp8_kv(cache):  # bytes: indexing kernels are not built for float8 on every device
-                cache = cache.view(torch.uint8)
-            rows = cache.view(num_layers * slots, -1)
+            rows = kv_bytes(cache).view(num_layers * slots, -1)
             rows[dst_rows] = rows[src_rows]
 
     def copy_exited(self, k_cache: Tensor, v_cache: Tensor, plane_slots: Tensor, loops: Tensor, exits: Tensor,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from loopline.attention.base import AttentionBackend, PagedAttentionMetadata, check_kv_scales, is_fp8_kv
+from loopline.attention.base import AttentionBackend, PagedAttentionMetadata, check_kv_scales, is_fp8_kv, kv_bytes
 from loopline.attention.triton_kernels import (
     INTERPRET,
     copy_exited_kernel,
@@ -243,8 +243,7 @@ class TritonAttentionBackend(AttentionBackend):
         rows, num_planes = plane_slots.shape
         if rows == 0 or num_planes < 2:
             return
-        if is_fp8_kv(k_cache):  # the kernel only moves values: bytes need no float8 loads and stores
-            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        k_cache, v_cache = kv_bytes(k_cache), kv_bytes(v_cache)  # the kernel only moves values: FP8 as bytes
         num_layers, _, block_size, kvh, d = k_cache.shape
         assert v_cache.shape == k_cache.shape and loops.shape == exits.shape == (rows,)
         assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and plane_slots.stride(1) == 1

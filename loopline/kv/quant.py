@@ -39,7 +39,6 @@ from loopline.attention.base import FP8_KV_DTYPE, FP8_MAX
 from loopline.errors import InvalidRequestError
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
-FP8_DTYPE = FP8_KV_DTYPE  # what the attention backends store and read
 HEADROOM = 2.0  # the calibrated maximum maps to at most FP8_MAX / HEADROOM
 CALIBRATION_TOKENS = 512
 
@@ -81,7 +80,7 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if name == "float16":
         return torch.float16
     if name in ("fp8", "fp8_e4m3"):
-        return FP8_DTYPE
+        return FP8_KV_DTYPE
     if isinstance(name, str) and name.startswith("fp8"):
         raise InvalidRequestError(f"kv_cache_dtype {name!r} is not supported: loopline stores FP8 KV as E4M3 "
                                   f"('fp8' or 'fp8_e4m3'); allowed: {list(KV_CACHE_DTYPES)}", param="kv_cache_dtype")
@@ -90,17 +89,11 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype == FP8_DTYPE
-
-
-def raw(t: Tensor) -> Tensor:
-    """``t`` as bytes where it holds FP8 (copies, gathers and transports move FP8 pages as ``uint8``, which
-    every torch op and transport supports), else ``t`` itself."""
-    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+    return dtype == FP8_KV_DTYPE
 
 
 def stored_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    """The dtype pages have while they are copied, snapshotted or sent: :func:`raw`'s."""
+    """The dtype pages have while they are copied, snapshotted or sent (``attention.base.kv_bytes``)."""
     return torch.uint8 if is_fp8(kv_dtype) else kv_dtype
 
 
@@ -188,6 +181,5 @@ def kv_scales_for(model, kv_dtype: torch.dtype, tokenizer=None, max_len: int | N
     return calibrate_kv_scales(model, ids, max_len)
 
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "KV_CACHE_DTYPES", "KVScales", "calibrate_kv_scales", "calibration_token_ids",
-           "checkpoint_scales", "is_fp8", "kv_scales_for", "power_of_two_scales", "raw", "resolve_kv_cache_dtype",
-           "stored_dtype"]
+__all__ = ["KV_CACHE_DTYPES", "KVScales", "calibrate_kv_scales", "calibration_token_ids", "checkpoint_scales",
+           "is_fp8", "kv_scales_for", "power_of_two_scales", "resolve_kv_cache_dtype", "stored_dtype"]

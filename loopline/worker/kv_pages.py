@@ -22,9 +22,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from loopline.attention.base import kv_bytes
 from loopline.core.contracts import ResumedRequestData
 from loopline.errors import EngineStateError
-from loopline.kv.quant import KVScales, raw, stored_dtype
+from loopline.kv.quant import KVScales, stored_dtype
 from loopline.worker.decode_state import DeviceDecodeState
 from loopline.worker.page_writes import PageWriter
 from loopline.worker.request_state import RequestState
@@ -57,7 +58,7 @@ class KVPages:
     def _pool(self) -> tuple[Tensor, Tensor]:
         """The pool's K and V as the dtype pages move in (bytes for FP8)."""
         k_cache, v_cache = self._kv()
-        return raw(k_cache), raw(v_cache)
+        return kv_bytes(k_cache), kv_bytes(v_cache)
 
     @property
     def snapshot_bytes(self) -> int:

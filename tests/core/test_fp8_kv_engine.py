@@ -16,11 +16,11 @@ from reference import reference_generate
 from safetensors.torch import load_file, save_file
 
 from loopline import SamplingParams
+from loopline.attention.base import FP8_KV_DTYPE
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
 from loopline.errors import EngineStateError, InvalidRequestError
 from loopline.kv.quant import (
-    FP8_DTYPE,
     KVScales,
     calibrate_kv_scales,
     calibration_token_ids,
@@ -75,7 +75,7 @@ SAMPLED = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True
 def test_kv_cache_dtype_names_and_errors():
     assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert resolve_kv_cache_dtype("bfloat16", torch.float32) == torch.bfloat16
-    assert resolve_kv_cache_dtype("fp8", torch.bfloat16) == resolve_kv_cache_dtype("fp8_e4m3", torch.float32) == FP8_DTYPE
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16) == resolve_kv_cache_dtype("fp8_e4m3", torch.float32) == FP8_KV_DTYPE
     with pytest.raises(InvalidRequestError, match="E4M3") as e5m2:
         EngineArgs(kv_cache_dtype="fp8_e5m2").validate()
     assert e5m2.value.param == "kv_cache_dtype"
@@ -95,7 +95,7 @@ def test_an_fp8_pool_holds_twice_the_pages(tiny_gqa):
         engine_for(tiny_gqa, kv_cache_memory_gb=0.01)
     nb, nf = (num_kv_blocks(e.config, e.model, e.runner.backend, e.kv.layout) for e in (bf16, fp8))
     assert nf in (2 * nb, 2 * nb + 1) and fp8.kv.pool.num_blocks == nf  # (the budget's rounding)
-    assert fp8.runner.k_cache.dtype == FP8_DTYPE and fp8.runner.k_cache.element_size() == 1
+    assert fp8.runner.k_cache.dtype == FP8_KV_DTYPE and fp8.runner.k_cache.element_size() == 1
     assert bf16.runner.k_cache.dtype == torch.bfloat16 and bf16.runner.kv_scales is None
 
 
