@@ -69,7 +69,7 @@ def load_config(model_dir: PathLike) -> OuroConfig:
     """
     model_dir = _existing_dir(model_dir)
     path = model_dir / CONFIG_FILE
-    raw = _read_json(path, required=True)
+    raw = read_checkpoint_json(path, required=True)
     return _config_from_dict(raw, path, _generation_eos(model_dir, raw.get("vocab_size")))
 
 
@@ -190,7 +190,7 @@ def _config_from_dict(raw: dict, path: Path, generation_eos: list[int]) -> OuroC
 
 def _generation_eos(model_dir: Path, vocab: Any) -> list[int]:
     path = model_dir / GENERATION_CONFIG_FILE
-    raw = _read_json(path, required=False)
+    raw = read_checkpoint_json(path, required=False)
     if raw is None or raw.get("eos_token_id") is None:
         return []
     eos = raw["eos_token_id"]
@@ -214,7 +214,7 @@ def load_sampling_defaults(model_dir: PathLike) -> dict[str, Any]:
     from loopline.sampling_params import SamplingParams
 
     path = _existing_dir(model_dir) / GENERATION_CONFIG_FILE
-    raw = _read_json(path, required=False) or {}
+    raw = read_checkpoint_json(path, required=False) or {}
     defaults = {}
     for key, field in SAMPLING_DEFAULT_KEYS.items():
         if raw.get(key) is None:
@@ -284,7 +284,7 @@ def iter_checkpoint(model_dir: PathLike) -> Iterator[dict[str, Tensor]]:
         others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
         hint = f" (found {', '.join(others)}; only safetensors is supported)" if others else ""
         raise CheckpointError(f"{model_dir}: no weights: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} exists{hint}")
-    raw = _read_json(index, required=True)
+    raw = read_checkpoint_json(index, required=True)
     weight_map = raw.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: weight_map is missing or empty; expected {{tensor name: shard file}}")
@@ -479,7 +479,9 @@ def _existing_dir(model_dir: PathLike) -> Path:
 MAX_JSON_BYTES = 16 * 2**20
 
 
-def _read_json(path: Path, *, required: bool) -> dict | None:
+def read_checkpoint_json(path: Path, *, required: bool) -> dict | None:
+    """A checkpoint's JSON file as an object (None when absent and not ``required``), read within
+    :data:`MAX_JSON_BYTES`; anything else is a :class:`CheckpointError` naming the file."""
     if not path.is_file():
         if required:
             raise CheckpointError(f"{path}: file not found")

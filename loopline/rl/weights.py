@@ -26,7 +26,6 @@ partially-updated state.
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -40,10 +39,10 @@ from loopline.errors import EngineStateError, WeightUpdateError
 from loopline.models.loader import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
-    MAX_JSON_BYTES,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     CheckpointError,
+    read_checkpoint_json,
 )
 
 # Buffers some exporters persist although the model recomputes them (as the loader ignores them).
@@ -244,10 +243,8 @@ def check_checkpoint_files(model_dir: str | os.PathLike) -> None:
     index = root / WEIGHTS_INDEX_FILE
     if index.is_file() and _inside(real_root, index):
         try:
-            if index.stat().st_size > MAX_JSON_BYTES:
-                raise ValueError("too large")  # the loader refuses it, naming the limit
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-        except (OSError, ValueError, AttributeError, RecursionError):
+            weight_map = read_checkpoint_json(index, required=True).get("weight_map")
+        except (CheckpointError, OSError):
             weight_map = None  # the loader reports a malformed index
         if isinstance(weight_map, dict):
             names += sorted({str(shard) for shard in weight_map.values()})
