@@ -75,22 +75,12 @@ def sampling_from_dict(params: Mapping[str, Any], prompt_len: int, limits: Rollo
         raise InvalidRequestError(f"logprobs must be a boolean, got {logprobs!r}", param="logprobs")
     loops = {k: v for k, v in {**(loop_defaults or {}), **{k: params[k] for k in LOOP_KEYS if k in params}}.items()
              if v is not None}
-    ignore_eos = params.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):  # bool("false") is True: no guessing
-        raise InvalidRequestError(f"ignore_eos must be a boolean, got {ignore_eos!r}", param="ignore_eos")
+    # (values go to SamplingParams as sent: it checks their types and ranges, naming the key)
     return SamplingParams(
-        n=1, max_tokens=max_tokens, temperature=_number(params, "temperature", 1.0),
-        top_p=_number(params, "top_p", 1.0), top_k=params.get("top_k", -1),
-        repetition_penalty=_number(params, "repetition_penalty", 1.0), seed=params.get("seed"),
-        ignore_eos=ignore_eos, logprobs=0 if logprobs else None, detokenize=False, **loops)
-
-
-def _number(params: Mapping[str, Any], key: str, default: float) -> float:
-    """``params[key]`` as a float (``default`` when absent); anything but a real number raises naming the key."""
-    value = params.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequestError(f"{key} must be a number, got {value!r}", param=key)
-    return float(value)
+        n=1, max_tokens=max_tokens, temperature=params.get("temperature", 1.0), top_p=params.get("top_p", 1.0),
+        top_k=params.get("top_k", -1), repetition_penalty=params.get("repetition_penalty", 1.0),
+        seed=params.get("seed"), ignore_eos=params.get("ignore_eos", False), logprobs=0 if logprobs else None,
+        detokenize=False, **loops)
 
 
 # engine_kwargs keys that are not EngineArgs fields
