@@ -65,6 +65,15 @@ class OuroConfig:
         return self.num_key_value_heads * self.head_dim
 
 
+def parameter_count(shape) -> int:
+    """Parameters of :class:`OuroForCausalLM` with ``shape``'s sizes (an :class:`OuroConfig` or any object with
+    its size fields): embeddings and ``lm_head``, per layer q/k/v/o, gate/up/down and four norms, the final
+    norm and the exit gate."""
+    q, kv, h = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim, shape.hidden_size
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * shape.intermediate_size + 4 * h
+    return 2 * shape.vocab_size * h + shape.num_hidden_layers * per_layer + 2 * h + 1
+
+
 class Attention(Protocol):
     """Attention for one layer of one loop over flattened rows.
 

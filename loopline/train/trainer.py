@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from loopline.errors import InvalidRequestError
-from loopline.models.ouro import OuroConfig, OuroForCausalLM
+from loopline.models.ouro import OuroConfig, OuroForCausalLM, parameter_count
 from loopline.train.corpus import CorpusSpec, corpus_info, split
 from loopline.train.objective import (continue_targets, exit_log_probs, loop_outputs, per_loop_token_loss,
                                       stage_one_loss, stage_two_loss)
@@ -75,9 +75,7 @@ class ModelShape:
                                       f"multiple of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise InvalidRequestError(f"TrainConfig.model.head_dim={self.head_dim}; allowed: even (rotate-half RoPE)")
-        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        per_layer = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
-        params = 2 * self.vocab_size * self.hidden_size + self.num_hidden_layers * per_layer
+        params = parameter_count(self)
         if params > MAX_TRAIN_PARAMETERS:
             sizes = {f: getattr(self, f) for f in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                   "vocab_size", "num_attention_heads", "head_dim")}

@@ -17,7 +17,7 @@ from loopline.attention.paged import PagedAttention
 from loopline.errors import CapacityError
 from loopline.kv.layout import KVLayout
 from loopline.kv.quant import is_fp8
-from loopline.models.ouro import OuroForCausalLM
+from loopline.models.ouro import OuroForCausalLM, parameter_count
 
 
 @torch.inference_mode()
@@ -124,10 +124,7 @@ def footprint(model_cfg, *, dtype: torch.dtype, kv_dtype: torch.dtype, device: t
     request of ``max_model_len`` tokens in the KV pool at every plane (a pool that cannot hold one request of
     the allowed length is refused, as vLLM refuses it)."""
     c = model_cfg
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size \
-        + 4 * c.hidden_size
-    params = 2 * c.vocab_size * c.hidden_size + c.num_hidden_layers * per_layer + 2 * c.hidden_size + 1
+    params = parameter_count(c)
     blocks = -(-(max_model_len + 1) // block_size)
     shape = {"num_hidden_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
              "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size}

@@ -51,3 +51,10 @@ def test_a_long_context_model_with_a_short_max_model_len_starts(tmp_path):
 
     llm = LLM(model=str(_edited_demo(tmp_path, max_position_embeddings=10**12)), device="cpu", max_model_len=256)
     assert llm.llm_engine.config.max_model_len == 256
+
+
+def test_parameter_count_is_the_models(tiny_gqa):
+    from loopline.models.ouro import parameter_count
+
+    model = load_model(tiny_gqa.path, torch.float32, "cpu")
+    assert parameter_count(model.config) == sum(p.numel() for p in model.parameters())
