@@ -154,16 +154,15 @@ class LLMEngine(EngineVerbs):
         self.model_config = model_cfg
         self.sampling_defaults = check_sampling_defaults(self.sampling_defaults, model_cfg.vocab_size, max_len,
                                                          f"{args.generation_config} generation_config.json")
+        layout = make_layout(args.kv_layout, model_cfg.total_ut_steps)
         # a config that asks for the impossible is refused before anything is allocated
         check_fits(footprint(model_cfg, dtype=dtype, kv_dtype=cfg.kv_dtype, device=device, max_model_len=max_len,
                              max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                             num_planes=make_layout(args.kv_layout, model_cfg.total_ut_steps).num_planes,
-                             weights=model is None), device)
+                             num_planes=layout.num_planes, weights=model is None), device)
         self.model = model.to(device=device, dtype=dtype).eval() if model is not None else load_model(model_path, dtype, device)
         backends = backends or select_backends(args.attention_backend, args.kernel_backend, device)
         self.model.use_ops(backends.layer_ops)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or model_path)
-        layout = make_layout(args.kv_layout, model_cfg.total_ut_steps)
         num_blocks = num_kv_blocks(cfg, self.model, backends.attention, layout)
         self.kv = KVCacheManager(num_blocks, args.block_size, layout, args.enable_prefix_caching)
         self.exit_policy = make_exit_policy(args.exit_mode)
