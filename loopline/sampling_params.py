@@ -107,9 +107,11 @@ class SamplingParams:
     logprob_token_ids: list[int] | None = field(default=None, metadata={"cli": False})
     best_of: int | None = field(default=None, metadata={"cli": False})
     # Resolved by the engine (InputProcessor), never set by a caller: the token ids min_tokens
-    # suppresses (EOS unless ignore_eos, and stop_token_ids), and each bad word's token ids.
+    # suppresses (EOS unless ignore_eos, and stop_token_ids), each bad word's token ids, and the
+    # prompt's cache_salt (vLLM puts it on the prompt; it travels with the request from here on).
     _min_tokens_stop_ids: tuple[int, ...] | None = field(default=None, repr=False, metadata={"cli": False})
     _bad_words_token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False, metadata={"cli": False})
+    _cache_salt: str | None = field(default=None, repr=False, metadata={"cli": False})
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

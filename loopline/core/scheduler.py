@@ -193,7 +193,7 @@ class Scheduler:
         requests."""
         for req in self._restored_prompts:
             if self.requests.get(req.request_id) is req and req.status == RequestStatus.DECODE:
-                self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.cache_salt)
+                self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.prefix_salt(req.params._cache_salt))
         self._restored_prompts.clear()
 
     def _decode_row(self, req: Request) -> ScheduledRow:
@@ -238,12 +238,12 @@ class Scheduler:
                 return False
             # NOTE: only once it resumes in this step: the runner orders its pages' writes before the
             # step, so pages it gives up here are free to be written by any request from then on
-            self.kv.share_cached_prefix(req.request_id, req.prompt_token_ids, self.cache_salt)
+            self.kv.share_cached_prefix(req.request_id, req.prompt_token_ids, self.prefix_salt(req.params._cache_salt))
             return True
         resumed = req.status == RequestStatus.PREEMPTED
         match = not (resumed or req.params.prompt_logprobs is not None)
         alloc = self.kv.allocate(req.request_id, self.allocation.initial_tokens(req),
-                                 req.prompt_token_ids if match else None, self.cache_salt, keep_free=keep)
+                                 req.prompt_token_ids if match else None, self.prefix_salt(req.params._cache_salt), keep_free=keep)
         return alloc is not None
 
     def _start(self, req: Request) -> None:
@@ -373,6 +373,11 @@ class Scheduler:
                 touched.append(req)
         return touched
 
+    def prefix_salt(self, cache_salt: str | None) -> object:
+        """The prefix-cache salt of a request's prompt pages: the weight version, and the request's own
+        ``cache_salt`` when it has one (pages are shared only between requests of equal salts)."""
+        return self.cache_salt if cache_salt is None else (self.cache_salt, cache_salt)
+
     def owner(self, row: ScheduledRow) -> Request | None:
         """The unfinished request a row was scheduled for. A step read after its request finished
         (the overlapped engine) finds none, also when a new request took the same id meanwhile."""
@@ -384,7 +389,7 @@ class Scheduler:
         # NOTE: a prompt whose prefill began under older weights (frozen across an
         # update by pause "keep") is never cached under the new salt.
         if req.cache_salt == self.cache_salt:
-            self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.cache_salt)
+            self.kv.cache_prompt(req.request_id, req.prompt_token_ids, self.prefix_salt(req.params._cache_salt))
 
     def blocked_victim(self) -> Request | None:
         """When a step could schedule nothing although requests run (KV and swap exhausted),

@@ -76,7 +76,7 @@ class PrefillCore(EngineCore):
                 sent, _ = self._sent.get(rid, (0, 0))
                 req = self.engine.scheduler.requests[child]
                 if pages > sent and req.status == RequestStatus.PREFILL:
-                    self._send_piece(rid, PageReservation(child, req.prompt_token_ids),
+                    self._send_piece(rid, PageReservation(child, req.prompt_token_ids, req.params._cache_salt),
                                      self.engine.handoff.export_pages(child, sent, pages), sent, pages)
             except Exception as e:  # this request fails; the others go on
                 self._fail(rid, e)
@@ -105,7 +105,8 @@ class PrefillCore(EngineCore):
             sent, _ = self._sent.get(rid, (0, 0))
             handoff, rest = self.engine.handoff.take(child, sent)
             if rest.shape[2]:
-                self._send_piece(rid, PageReservation(child, handoff.prompt_token_ids), rest, sent,
+                reservation = PageReservation(child, handoff.prompt_token_ids, handoff.params._cache_salt)
+                self._send_piece(rid, reservation, rest, sent,
                                  sent + rest.shape[2] // self.engine.kv.layout.num_planes)
             self._msg.handoffs.append(HandoffMsg(handoff, self._sent.get(rid, (0, 0))[1]))
         except Exception as e:
@@ -183,7 +184,8 @@ class DecodeCore(EngineCore):
         inc = self._incoming.setdefault(piece.request_id, _Incoming())
         if piece.reservation is not None and inc.child_id is None and inc.error is None:
             try:
-                self.engine.handoff.reserve(piece.reservation.child_id, piece.reservation.prompt_token_ids)
+                self.engine.handoff.reserve(piece.reservation.child_id, piece.reservation.prompt_token_ids,
+                                            piece.reservation.cache_salt)
                 inc.child_id = piece.reservation.child_id
             except Exception as e:  # the request fails at its handoff; its pieces are still received
                 inc.error = e  # (so that the sender's transfers complete), and dropped

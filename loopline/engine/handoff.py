@@ -111,11 +111,11 @@ class HandoffPort:
         return handoff, kv
 
     # --- decode side --------------------------------------------------------------------
-    def reserve(self, child_id: str, prompt_token_ids: list[int]) -> None:
+    def reserve(self, child_id: str, prompt_token_ids: list[int], cache_salt: str | None = None) -> None:
         """Reserves, in this engine's KV pool, the prompt pages (every plane the layout keeps) of a
         request a prefill worker is about to hand off, so that its pages are written straight into
         them as they arrive (:meth:`write_pages`) and :meth:`adopt` copies nothing. Prompt pages this
-        engine's prefix cache holds are shared, not written. Raises (changing nothing)
+        engine's prefix cache holds under the request's ``cache_salt`` are shared, not written. Raises (changing nothing)
         ``CapacityError`` if the pool can never hold them, ``EngineStateError`` if it cannot now
         (admission credits should prevent that); :meth:`release` undoes it."""
         self._check_alive()
@@ -126,7 +126,8 @@ class HandoffPort:
         if not self.kv.fits_ever(len(prompt_token_ids)):
             raise CapacityError(f"the prompt needs {need} KV blocks but this decode worker's pool has "
                                 f"{self.kv.pool.num_blocks}", param="prompt")
-        if self.kv.allocate(child_id, len(prompt_token_ids), prompt_token_ids, self.scheduler.cache_salt) is None:
+        if self.kv.allocate(child_id, len(prompt_token_ids), prompt_token_ids,
+                            self.scheduler.prefix_salt(cache_salt)) is None:
             raise EngineStateError(f"the prompt needs up to {need} KV blocks but this decode worker has "
                                    f"{self.kv.num_free_blocks} free of {self.kv.pool.num_blocks}: no room to "
                                    "receive the request's pages")

@@ -68,6 +68,7 @@ class InputProcessor:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         prompt_text, ids = self._tokenize(prompt)
+        salt = _cache_salt(prompt)
         ids = self._truncate(ids, params.truncate_prompt_tokens)
         cfg = self.model_config
         params.validate_for_model(cfg.total_ut_steps, cfg.vocab_size)
@@ -113,7 +114,7 @@ class InputProcessor:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         # NOTE: the one place a request's defaults are decided; everything downstream reads `effective`
         effective = params.clone(seed=seed, max_tokens=max_tokens, **num,
-                                 _min_tokens_stop_ids=stop_ids, _bad_words_token_ids=bad_words,
+                                 _min_tokens_stop_ids=stop_ids, _bad_words_token_ids=bad_words, _cache_salt=salt,
                                  logprobs_mode=params.logprobs_mode or self.config.logprobs_mode,
                                  max_loops=params.max_loops or cfg.total_ut_steps,
                                  exit_threshold=cfg.early_exit_threshold if params.exit_threshold is None else params.exit_threshold)
@@ -191,3 +192,12 @@ class InputProcessor:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidRequestError(f"prompt_token_ids entries must be integers in [0, {vocab}), got {t!r}", param="prompt_token_ids")
         return list(ids)
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's ``cache_salt`` (vLLM's field): requests share prefix-cache pages only with requests
+    of the same salt, so tenants that do not know each other's salt cannot probe each other's prompts."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequestError(f"cache_salt must be a non-empty string, got {salt!r:.60}", param="cache_salt")
+    return salt

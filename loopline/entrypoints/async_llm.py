@@ -274,7 +274,8 @@ class AsyncLLM(AsyncVerbs):
 
     async def _pretokenize(self, requests: list[tuple[str, PromptType, SamplingParams]]
                            ) -> list[tuple[str, PromptType, SamplingParams]]:
-        """Text prompts become ``{"prompt": text, "prompt_token_ids": ids}`` (what the engine would compute)."""
+        """Text prompts become ``{"prompt": text, "prompt_token_ids": ids}`` (what the engine would compute;
+        a prompt dict's other keys stay)."""
         texts = [i for i, (_, p, _) in enumerate(requests) if _text_of(p)]
         if not texts or self.tokenizers is None or self._client.stopping or self._client.dead is not None:
             return requests  # the engine reports what is wrong with them (or that it stopped)
@@ -286,7 +287,8 @@ class AsyncLLM(AsyncVerbs):
         for i, prompt_ids in zip(texts, ids):
             rid, prompt, params = requests[i]
             if prompt_ids:  # an empty encoding: the engine's own error message
-                requests[i] = (rid, {"prompt": _text_of(prompt), "prompt_token_ids": prompt_ids}, params)
+                extra = prompt if isinstance(prompt, dict) else {}  # e.g. its cache_salt
+                requests[i] = (rid, {**extra, "prompt": _text_of(prompt), "prompt_token_ids": prompt_ids}, params)
         return requests
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str, *,

@@ -151,6 +151,7 @@ class PageReservation:
 
     child_id: str  # the scheduler's id, under which the pages are held
     prompt_token_ids: list[int]
+    cache_salt: str | None = None  # the request's own prefix-cache salt
 
 
 @dataclass

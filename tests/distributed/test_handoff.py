@@ -343,3 +343,17 @@ def test_reserve_handoff_validates(tiny_gqa):
     decode.handoff.release("a#0")
     decode.handoff.release("a#0")  # (twice: ignored)
     assert decode.kv.num_used_blocks == 0
+
+
+def test_reserve_shares_cached_prompt_pages_only_under_the_same_cache_salt(tiny_gqa):
+    """A decode worker looks a handed-off prompt up in its prefix cache under the request's cache_salt."""
+    decode = engine_for(tiny_gqa, enable_prefix_caching=True, max_model_len=64)
+    prompt = ids(13, seed=7)  # three full pages of 4
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    decode.add_request("seed", {"prompt_token_ids": prompt, "cache_salt": "a"}, params)
+    while decode.has_unfinished_requests():
+        decode.step()
+    for child, salt, cached in (("b#0", "b", 0), ("none#0", None, 0), ("a#0", "a", 12)):
+        decode.handoff.reserve(child, prompt, salt)
+        assert decode.kv.get(child).num_cached_tokens == cached, salt
+        decode.handoff.release(child)

@@ -67,3 +67,57 @@ def test_http_usage_reports_cached_tokens(cached_server):
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     assert 0 < again["prompt_tokens_details"]["cached_tokens"] <= first["prompt_tokens"]
     assert again["prompt_tokens_details"]["cached_tokens"] % BLOCK == 0  # whole pages
+
+
+# --- cache_salt: pages are shared only between requests of equal salts --------------------------------------
+def test_offline_cache_salt_separates_prefix_cache(tiny_gqa):
+    llm = _llm(tiny_gqa, True)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    def cached(tail: list[int], salt: str | None) -> int:
+        prompt = {"prompt_token_ids": PREFIX + tail, **({"cache_salt": salt} if salt else {})}
+        return llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached([20], "tenant-a") == 0
+    assert cached([21], "tenant-b") == 0  # another salt finds nothing
+    assert cached([22], None) == 0  # nor does an unsalted request
+    assert cached([23], "tenant-a") == len(PREFIX)  # its own salt finds its pages
+    assert cached([24], "tenant-b") == len(PREFIX)
+    assert cached([25], None) == len(PREFIX)
+    # text prompts carry it too
+    text = "the same words every time, long enough for two pages"
+    assert llm.generate([{"prompt": text, "cache_salt": "x"}], params, use_tqdm=False)[0].num_cached_tokens == 0
+    assert llm.generate([{"prompt": text, "cache_salt": "y"}], params, use_tqdm=False)[0].num_cached_tokens == 0
+    assert llm.generate([{"prompt": text, "cache_salt": "x"}], params, use_tqdm=False)[0].num_cached_tokens > 0
+
+
+@pytest.mark.parametrize("salt", ["", 5, ["a"]])
+def test_offline_bad_cache_salt_is_refused(tiny_gqa, salt):
+    from loopline.errors import InvalidRequestError
+
+    llm = _llm(tiny_gqa, True)
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate([{"prompt_token_ids": PREFIX, "cache_salt": salt}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert info.value.param == "cache_salt"
+
+
+def test_http_cache_salt(cached_server):
+    url = cached_server.base_url
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+
+    def cached(route: str, extra: dict) -> int:
+        r = httpx.post(url + route, json={**body, **extra}, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    salted_prefix = [50, 51, 52, 53, 54, 55, 56, 57]
+    assert cached("/v1/completions", {"prompt": salted_prefix + [1], "cache_salt": "a"}) == 0
+    assert cached("/v1/completions", {"prompt": salted_prefix + [2], "cache_salt": "b"}) == 0
+    assert cached("/v1/completions", {"prompt": salted_prefix + [3]}) == 0
+    assert cached("/v1/completions", {"prompt": salted_prefix + [4], "cache_salt": "a"}) == len(salted_prefix)
+    msgs = [{"role": "user", "content": "a salted conversation about the prefix cache " * 2}]
+    assert cached("/v1/chat/completions", {"messages": msgs, "cache_salt": "c"}) == 0
+    assert cached("/v1/chat/completions", {"messages": msgs, "cache_salt": "d"}) == 0
+    assert cached("/v1/chat/completions", {"messages": msgs, "cache_salt": "c"}) > 0
+    r = httpx.post(url + "/v1/completions", json={**body, "prompt": [1, 2], "cache_salt": ""}, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

@@ -268,8 +268,8 @@ def test_structured_outputs_conflicts_and_bad_values(fields, param):
 
 def test_refusals_name_the_field_before_validation():
     with pytest.raises(APIError) as info:
-        CompletionRequest.check_fields({"prompt": "x", "cache_salt": "s"})
-    assert info.value.status == 400 and info.value.param == "cache_salt" and "prefix-cache" in info.value.message
+        CompletionRequest.check_fields({"prompt": "x", "session_id": "s"})
+    assert info.value.status == 400 and info.value.param == "session_id" and "per-session" in info.value.message
 
 
 # --- chat template inputs --------------------------------------------------------------------------------------

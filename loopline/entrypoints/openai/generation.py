@@ -301,6 +301,16 @@ class ServingContext:
         return await _unless_disconnected(raw, gen.run_to_completion(), gen)
 
 
+def salted(prompt: PromptType, cache_salt: str | None) -> PromptType:
+    """``prompt`` as a prompt dict carrying the request's ``cache_salt`` (unchanged when there is none
+    and it already is a dict)."""
+    if isinstance(prompt, str):
+        prompt = {"prompt": prompt}
+    elif not isinstance(prompt, dict):
+        prompt = {"prompt_token_ids": list(prompt)}
+    return prompt if cache_salt is None else {**prompt, "cache_salt": cache_salt}
+
+
 async def _unless_disconnected(raw: Request, work: Any, gen: Generation) -> Any:
     """Awaits ``work``; if the client disconnects first, cancels it, aborts the generation and
     raises :class:`ClientDisconnected`."""

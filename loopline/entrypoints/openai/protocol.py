@@ -103,6 +103,7 @@ class ExtraSamplingFields(ClosedRequest):
     logprobs_mode: str | None = None
     prompt_logprobs: int | None = None
     request_id: str | None = None
+    cache_salt: str | None = None  # prefix-cache pages are shared only between requests of equal salts
 
 
 ALL_LOGPROBS = 1 << 30  # show every logprob the engine sent (logprobs -1, logprob_token_ids)

@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from loopline.entrypoints.openai.generation import ChunkTracker, Generation, ServingContext
+from loopline.entrypoints.openai.generation import ChunkTracker, Generation, ServingContext, salted
 from loopline.entrypoints.chat_utils import ChatEncoder
 from loopline.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from loopline.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -72,7 +72,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     raw.state.generation = gen
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     try:
-        await ctx.start(raw, gen, [{"prompt_token_ids": prompt_ids}], params, chat_stop=True,
+        await ctx.start(raw, gen, [salted(prompt_ids, req.cache_salt)], params, chat_stop=True,
                         kind=kind)  # closes itself on a bad request
     except InvalidRequestError as e:  # the engine's bounds name SamplingParams' field: name the one sent
         if e.param == "logprobs" and req.top_logprobs is not None:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from loopline.entrypoints.openai.generation import ChunkTracker, Generation, ServingContext
+from loopline.entrypoints.openai.generation import ChunkTracker, Generation, ServingContext, salted
 from loopline.engine import PromptType
 from loopline.entrypoints.openai.logprobs import TextOffsets, completion_logprobs, vllm_prompt_logprobs
 from loopline.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
@@ -27,6 +27,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         texts = [p for p in prompts if isinstance(p, str)]
         ids = iter(await ctx.llm.tokenizers.encode_many(texts, add_special_tokens=True))
         prompts = [{"prompt": p, "prompt_token_ids": next(ids)} if isinstance(p, str) else p for p in prompts]
+    if req.cache_salt is not None:
+        prompts = [salted(p, req.cache_salt) for p in prompts]
     gen = ctx.new_generation("cmpl", len(prompts), base_id=req.request_id)
     gen.user = req.user
     raw.state.generation = gen
