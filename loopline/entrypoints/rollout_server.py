@@ -63,7 +63,8 @@ def sampling_from_dict(params: Mapping[str, Any], prompt_len: int, limits: Rollo
 
     Read: ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (-1 = off), ``repetition_penalty``,
     ``logprobs`` (a bool: the sampled token's logprob), ``max_tokens`` or ``max_new_tokens``,
-    ``ignore_eos``, ``seed`` (None: the engine draws one) and the loop fields ``min_loops``,
+    ``ignore_eos``, ``seed`` (None: the engine draws one), ``structured_outputs`` (vLLM's object: the
+    response must match a JSON schema, regex, choice or grammar) and the loop fields ``min_loops``,
     ``max_loops``, ``exit_threshold`` (default: ``loop_defaults``, else the checkpoint's). Other
     keys are ignored. Out-of-range values raise ``InvalidRequestError`` naming the key.
     """
@@ -80,7 +81,7 @@ def sampling_from_dict(params: Mapping[str, Any], prompt_len: int, limits: Rollo
         n=1, max_tokens=max_tokens, temperature=params.get("temperature", 1.0), top_p=params.get("top_p", 1.0),
         top_k=params.get("top_k", -1), repetition_penalty=params.get("repetition_penalty", 1.0),
         seed=params.get("seed"), ignore_eos=params.get("ignore_eos", False), logprobs=0 if logprobs else None,
-        detokenize=False, **loops)
+        structured_outputs=params.get("structured_outputs"), detokenize=False, **loops)
 
 
 # engine_kwargs keys that are not EngineArgs fields

@@ -131,7 +131,7 @@ def test_generate_text_prompt(srv):
     ({"input_ids": "abc"}, "input_ids"),
     ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "max_tokens": 5}}, "sampling_params.max_new_tokens"),
     ({"input_ids": PROMPT, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
-    ({"input_ids": PROMPT, "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+    ({"input_ids": PROMPT, "sampling_params": {"structural_tag": {"type": "x"}}}, "sampling_params.structural_tag"),
     ({"input_ids": PROMPT, "sampling_params": {"logprobs_mode": "final"}}, "sampling_params.logprobs_mode"),
     ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1000}}, "max_tokens"),
     ({"input_ids": [PROMPT, PROMPT], "rid": "one"}, "rid"),

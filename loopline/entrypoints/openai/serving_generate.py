@@ -8,8 +8,11 @@ Request::
 
 ``sampling_params`` takes vLLM's names and SGLang's where they differ
 (``max_new_tokens`` = ``max_tokens``, ``sampling_seed`` = ``seed``,
-``no_stop_trim`` = ``include_stop_str_in_output``), plus ``logprobs``,
-``logprobs_mode`` and the loop fields. Every completion comes back as::
+``no_stop_trim`` = ``include_stop_str_in_output``, ``min_new_tokens`` = ``min_tokens``),
+plus ``logprobs``, ``logprobs_mode``, ``logit_bias`` and the loop fields. Structured
+outputs take SGLang's fields (``json_schema`` as JSON text or an object, ``regex``,
+``ebnf``) or vLLM's ``structured_outputs`` object, one constraint per request;
+SGLang's ``structural_tag`` is refused. Every completion comes back as::
 
     {"text", "output_ids", "output_token_logprobs" (flat, 1:1 with output_ids, or null),
      "exit_depths", "finish_reason", "stop_reason", "weight_version", "weight_versions",
@@ -44,7 +47,10 @@ from loopline.sampling_params import RequestOutputKind, SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 # Fields a client may send that loopline cannot honour: refused when set, never ignored.
-_UNSUPPORTED = ("regex", "json_schema", "ebnf", "structural_tag", "logit_bias", "min_new_tokens", "min_tokens")
+_UNSUPPORTED = ("structural_tag",)
+
+
+_SGLANG_NAME = {"json": "json_schema", "regex": "regex", "grammar": "ebnf"}
 
 
 class GenerateSamplingParams(StrictRequest):
@@ -74,18 +80,35 @@ class GenerateSamplingParams(StrictRequest):
     max_loops: int | None = None
     exit_threshold: float | None = None
     priority: int = 0
+    min_new_tokens: int | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    # structured outputs: SGLang's fields, or vLLM's object
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def to_sampling_params(self, default_logprobs: int | None, where: str = "sampling_params") -> SamplingParams:
         """The engine's ``SamplingParams``; ``where`` prefixes ``param`` in errors (``sampling_params[1]``)."""
         try:
             return self._to_sampling_params(default_logprobs)
         except InvalidRequestError as e:
-            param, message = (e.param or "").removeprefix("sampling_params."), str(e).removeprefix("sampling_params.")
-            sent = {"max_tokens": "max_new_tokens" if self.max_new_tokens is not None else "max_tokens",
-                    "seed": "sampling_seed" if self.seed is None and self.sampling_seed is not None else "seed"}
-            if param in sent and sent[param] != param:  # name the field the client sent
-                message, param = message.replace(param, sent[param], 1), sent[param]
-            raise InvalidRequestError(f"{where}.{message}", param=f"{where}.{param}" if param else where) from None
+            raise self.renamed(e, where) from None
+
+    def renamed(self, e: InvalidRequestError, where: str = "sampling_params") -> InvalidRequestError:
+        """``e`` (about an engine field) naming the field this object sent instead, under ``where``."""
+        param, message = (e.param or "").removeprefix("sampling_params."), str(e).removeprefix("sampling_params.")
+        sent = {"max_tokens": "max_new_tokens" if self.max_new_tokens is not None else "max_tokens",
+                "seed": "sampling_seed" if self.seed is None and self.sampling_seed is not None else "seed",
+                "min_tokens": "min_new_tokens" if self.min_tokens is None and self.min_new_tokens is not None
+                else "min_tokens"}
+        for kind, name in _SGLANG_NAME.items():
+            if getattr(self, name) is not None and self.structured_outputs is None:
+                sent[f"structured_outputs.{kind}"] = sent["structured_outputs"] = name
+        if param in sent and sent[param] != param:  # name the field the client sent
+            message, param = message.replace(param, sent[param], 1), sent[param]
+        return InvalidRequestError(f"{where}.{message}", param=f"{where}.{param}" if param else where)
 
     def _to_sampling_params(self, default_logprobs: int | None) -> SamplingParams:
         extra = self.model_extra or {}
@@ -94,6 +117,7 @@ class GenerateSamplingParams(StrictRequest):
                 raise InvalidRequestError(f"sampling_params.{name} is not supported", param=f"sampling_params.{name}")
         max_tokens = _same("max_new_tokens", self.max_new_tokens, "max_tokens", self.max_tokens)
         seed = _same("seed", self.seed, "sampling_seed", self.sampling_seed)
+        min_tokens = _same("min_tokens", self.min_tokens, "min_new_tokens", self.min_new_tokens)
         return SamplingParams(
             n=self.n, max_tokens=DEFAULT_MAX_NEW_TOKENS if max_tokens is None else max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=seed,
@@ -104,7 +128,19 @@ class GenerateSamplingParams(StrictRequest):
             repetition_penalty=self.repetition_penalty,
             logprobs=self.logprobs if self.logprobs is not None else default_logprobs,
             logprobs_mode=self.logprobs_mode, priority=self.priority,
-            min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=self.exit_threshold)
+            min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=self.exit_threshold,
+            min_tokens=min_tokens or 0, logit_bias=self.logit_bias, structured_outputs=self._structured())
+
+    def _structured(self) -> dict[str, Any] | None:
+        """The constraint as vLLM's ``structured_outputs`` object (``SamplingParams`` validates it);
+        SGLang's fields map onto its kinds, and two constraints at once are refused naming both."""
+        sglang = {name: value for name, value in (("json", self.json_schema), ("regex", self.regex),
+                                                   ("grammar", self.ebnf)) if value is not None}
+        names = [_SGLANG_NAME[k] for k in sglang] + (["structured_outputs"] if self.structured_outputs else [])
+        if len(names) > 1:
+            raise InvalidRequestError(f"{names[-1]}: {' and '.join(names)} are set; send one constraint",
+                                      param=names[-1])
+        return sglang or self.structured_outputs
 
 
 class GenerateRequest(StrictRequest):
@@ -178,6 +214,8 @@ async def create_generate(ctx: ServingContext, req: GenerateRequest, raw: Reques
     except InvalidRequestError as e:
         if e.param == "request_id":  # name the field the client sent
             raise InvalidRequestError(str(e), param="rid") from None
+        if (e.param or "").startswith("structured_outputs") and not isinstance(req.sampling_params, list):
+            raise req.sampling_params.renamed(e) from None  # a constraint that does not compile
         raise
 
     def build(outs: list[RequestOutput]) -> Any:
