@@ -65,6 +65,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0  # times the request (any of its n completions) was preempted
 
 
 @dataclass

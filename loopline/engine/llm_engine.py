@@ -289,6 +289,8 @@ class LLMEngine(EngineVerbs):
             sched = self.scheduler.schedule()
         for new in sched.new_requests:
             self.outputs.on_scheduled(new.request_id)
+        for rid in sched.preempted_request_ids:
+            self.outputs.on_preempted(rid)
         if self.structured:
             self.structured.prune()
         # A step with rows of constrained requests is read at once: their next masks need its tokens.

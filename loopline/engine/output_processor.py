@@ -90,6 +90,12 @@ class OutputProcessor:
         if parent is not None and parent.metrics.first_scheduled_time is None:
             parent.metrics.first_scheduled_time = time.time()
 
+    def on_preempted(self, child_id: str) -> None:
+        """A request's completion was preempted (its KV snapshotted to host memory)."""
+        parent = self._parents.get(self._child_parent.get(child_id, (None,))[0])
+        if parent is not None:
+            parent.metrics.num_preemptions += 1
+
     def has_unreported(self) -> bool:
         """Whether some request changed since the last :meth:`collect`."""
         return any(p.dirty for p in self._parents.values())

@@ -182,6 +182,8 @@ def test_preemption_under_tiny_pool_equals_unpressured_run(tiny_gqa, layout, mod
                      enable_preemption=True, num_kv_blocks=planes * 12, async_scheduling=async_scheduling)
     tight = drain(eng, reqs)
     assert eng.scheduler.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in tight.values()) == eng.scheduler.num_preemptions
+    assert all(o.metrics.num_preemptions == 0 for o in roomy.values())
     assert {k: result(v) for k, v in tight.items()} == {k: result(v) for k, v in roomy.items()}
     assert eng.kv.num_used_blocks == 0 and not eng.runner.pages.snapshots
 
@@ -194,6 +196,7 @@ def test_higher_priority_arrival_preempts_and_victim_resumes_exactly(tiny_gqa, a
                      async_scheduling=async_scheduling)
     out = drain(eng, {**low, **high}, arrivals={"low": 0, "high": 12})
     assert eng.scheduler.num_preemptions == 1
+    assert (out["low"].metrics.num_preemptions, out["high"].metrics.num_preemptions) == (1, 0)
     assert out["high"].metrics.finished_time < out["low"].metrics.finished_time
     alone = drain(engine_for(tiny_gqa), low)
     assert result(out["low"]) == result(alone["low"])
@@ -239,4 +242,6 @@ def test_async_preemption_keeps_device_state(tiny_gqa):
                      num_kv_blocks=4 * 12, async_scheduling=True)
     tight = drain(eng, reqs)
     assert eng.scheduler.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in tight.values()) == eng.scheduler.num_preemptions
+    assert all(o.metrics.num_preemptions == 0 for o in roomy.values())
     assert {k: result(v) for k, v in tight.items()} == {k: result(v) for k, v in roomy.items()}

@@ -77,6 +77,8 @@ def test_vllm_series_values(scraped):
     assert _value(text, "vllm:num_requests_running") == 0
     assert _value(text, "vllm:num_requests_waiting_by_reason", reason="capacity") == 0
     assert _value(text, "vllm:num_preemptions_total") == 0
+    assert _value(text, "vllm:request_num_preemptions_count") == len(PROMPTS)
+    assert _value(text, "vllm:request_num_preemptions_sum") == 0
     assert _value(text, "vllm:prefix_cache_queries_total") >= 0
 
 

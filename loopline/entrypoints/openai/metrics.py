@@ -49,6 +49,7 @@ STATUSES = ("stop", "length", "abort", "error", "rejected")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+_PREEMPTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20)
 
 
 class _Both:
@@ -124,6 +125,8 @@ class ServerMetrics:
                                                _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("loopline:request_generation_tokens",
                                                    "Generated tokens per finished request (all n completions)", _TOKEN_BUCKETS)
+        self.request_num_preemptions = histogram("loopline:request_num_preemptions",
+                                                 "Preemptions per finished request", _PREEMPTION_BUCKETS)
         self.tpot = histogram("loopline:request_time_per_output_token_seconds",
                               "Per request: (last token - first token) / (generated tokens - 1)", _LATENCY_BUCKETS)
         # From the engine's RequestMetrics (first_scheduled_time, first/last token time): only
@@ -275,6 +278,7 @@ class RequestTracker:
             first = self.start + self.first_token_latency
             m.tpot.observe((self.last_token_time - first) / (generated - 1))
         timing = self.timing
+        m.request_num_preemptions.observe(timing.num_preemptions if timing is not None else 0)
         if timing is not None and timing.first_scheduled_time is not None:
             t = timing
             m.queue_time.observe(max(0.0, t.first_scheduled_time - t.arrival_time))
