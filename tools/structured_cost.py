@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         record["runs"][str(c)] = {"summary": summary, "rounds": runs}
         print(json.dumps({"concurrency": c, **summary}), flush=True)
         del engine
+        gc.collect()  # its KV pool and graphs go before the next engine sizes its pool from free memory
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(record, f, indent=1)
