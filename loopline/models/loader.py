@@ -25,6 +25,8 @@ import torch
 from torch import Tensor
 
 from loopline.errors import LooplineError
+from loopline.models.huginn import HuginnConfig, HuginnForCausalLM, tie_checkpoint_weights
+from loopline.models.huginn import config_from_dict as huginn_config_from_dict
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
 
 CONFIG_FILE = "config.json"
@@ -333,7 +335,6 @@ def load_model(model_dir: PathLike, dtype: torch.dtype | str | None = None, devi
     weights = load_weights(model_dir)
     with torch.device("meta"):
         model = OuroForCausalLM(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     weights = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
     where = Path(model_dir)
     kv_scales = _pop_kv_scales(weights, config, where)
@@ -343,6 +344,16 @@ def load_model(model_dir: PathLike, dtype: torch.dtype | str | None = None, devi
             f"{where / CONFIG_FILE}: tie_word_embeddings=true but the weights have no lm_head.weight; "
             "allowed: tied configs only with lm_head.weight present in the weights"
         )
+    assign_checkpoint(model, weights, where, device, target)
+    model.checkpoint_kv_scales = kv_scales  # an FP8 KV cache's scales (loopline.kv.quant), when it carried them
+    return model.eval()
+
+
+def assign_checkpoint(model: torch.nn.Module, weights: dict[str, Tensor], where: Path, device: str | torch.device,
+                      target: torch.dtype) -> None:
+    """Checks ``weights`` against ``model``'s state dict (names, shapes, floating point, finite once cast) and
+    assigns them into it (built on the meta device), cast to ``target`` on ``device``; consumes ``weights``."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     missing = sorted(expected.keys() - weights.keys())
     if missing:
         raise CheckpointError(f"{where}: tensor(s) missing from the weights: {_summary(missing)}")
@@ -368,8 +379,58 @@ def load_model(model_dir: PathLike, dtype: torch.dtype | str | None = None, devi
             f"{where}: tensor(s) with non-finite values (NaN/Inf) as {_dtype_name(target)}: {_summary(non_finite)}"
         )
     model.load_state_dict(state, strict=True, assign=True)
-    model.checkpoint_kv_scales = kv_scales  # an FP8 KV cache's scales (loopline.kv.quant), when it carried them
+
+
+def load_looped_config(model_dir: PathLike) -> Any:
+    """The validated config of a checkpoint of any looped family (``loopline.models.family``), by its
+    ``model_type``: an :class:`OuroConfig` or a :class:`~loopline.models.huginn.HuginnConfig`."""
+    model_dir = _existing_dir(model_dir)
+    path = model_dir / CONFIG_FILE
+    raw = read_checkpoint_json(path, required=True)
+    parse = _CONFIG_PARSERS.get(raw.get("model_type"))
+    if parse is None:
+        raise CheckpointError(f"{path}: model_type={raw.get('model_type')!r} is not supported; allowed: "
+                              f"{', '.join(map(repr, _CONFIG_PARSERS))}")
+    return parse(raw, path, _generation_eos(model_dir, raw.get("vocab_size")))
+
+
+def load_looped_model(model_dir: PathLike, dtype: torch.dtype | str | None = None,
+                      device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The model of a checkpoint of any looped family, validated, in eval mode (Ouro: :func:`load_model`)."""
+    return _MODEL_LOADERS[load_looped_config(model_dir).model_type](model_dir, dtype, device)
+
+
+def load_huginn_model(model_dir: PathLike, dtype: torch.dtype | str | None = None,
+                      device: str | torch.device = "cpu") -> torch.nn.Module:
+    """:class:`~loopline.models.huginn.HuginnForCausalLM` from a local ``huginn_raven`` directory (no remote
+    code): upstream weight names; ``freqs_cis`` (a persisted RoPE table) is recomputed, not read; with
+    ``tie_embeddings`` a missing ``lm_head.weight`` is ``transformer.wte.weight``."""
+    config = load_looped_config(model_dir)
+    if not isinstance(config, HuginnConfig):
+        raise CheckpointError(f"{Path(model_dir) / CONFIG_FILE}: model_type is not \"huginn_raven\"")
+    target = _resolve_dtype(dtype if dtype is not None else config.torch_dtype)
+    weights = {k: v for k, v in load_weights(model_dir).items() if k != "freqs_cis"}
+    where = Path(model_dir)
+    try:
+        weights = tie_checkpoint_weights(config, weights)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    with torch.device("meta"):
+        model = HuginnForCausalLM(config)
+    assign_checkpoint(model, weights, where, device, target)
     return model.eval()
+
+
+def _huginn_config(raw: dict, path: Path, generation_eos: list[int]) -> HuginnConfig:
+    try:
+        return huginn_config_from_dict(raw, str(path), generation_eos)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+# Each looped family's config parser and model loader, by config.json's model_type.
+_CONFIG_PARSERS = {"ouro": _config_from_dict, "huginn_raven": _huginn_config}
+_MODEL_LOADERS = {"ouro": load_model, "huginn_raven": load_huginn_model}
 
 
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +33,7 @@ from loopline.models.ops import TORCH_OPS, Rope, TorchOps, upcast
 class OuroConfig:
     """Architecture of an Ouro checkpoint (the fields of its ``config.json``)."""
 
+    model_type: ClassVar[str] = "ouro"
     vocab_size: int = 49152
     hidden_size: int = 2048
     intermediate_size: int = 5632
@@ -268,6 +269,23 @@ class OuroForCausalLM(nn.Module):
         ``needed`` (``[M]`` bool on the device): rows whose logits are used; the others may come back
         as zeros (the inference ops then skip reading ``lm_head`` for a step where nothing exits)."""
         return self.ops.logits(self.lm_head, hidden, needed)
+
+    # --- the family seam (loopline.models.family): the stages above under the seam's names ----------------
+    def prelude(self, input_ids: Tensor, positions: Tensor, attn: Attention) -> Tensor:
+        """The seam's prelude: the embedding (Ouro's prelude has no attention)."""
+        return self.embed(input_ids)
+
+    def initial_state(self, injected: Tensor, positions: Tensor, seeds: Tensor) -> Tensor:
+        """Loop 1 reads the embedding itself (nothing random; ``seeds`` unused)."""
+        return injected
+
+    def core(self, state: Tensor, injected: Tensor, positions: Tensor, attn: Attention) -> tuple[Tensor, Tensor]:
+        """:meth:`loop` (Ouro injects nothing); the signal is the exit gate's logit."""
+        return self.loop(state, positions, attn)
+
+    def coda(self, state: Tensor, positions: Tensor, attn: Attention) -> Tensor:
+        """:meth:`head` (Ouro's coda has no attention)."""
+        return self.head(state)
 
     # --- dense, differentiable forward -----------------------------------------------
     def forward_dense(
