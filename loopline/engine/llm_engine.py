@@ -293,12 +293,14 @@ class LLMEngine(EngineVerbs):
             self.outputs.on_preempted(rid)
         if self.structured:
             self.structured.prune()
-        # A step with rows of constrained requests is read at once: their next masks need its tokens.
+        # Constrained rows' logits are masked; a step that may sample a constrained request's token, when
+        # the next step may sample its next one, is read at once: that token's mask needs this step's token.
         constrained = self.structured.in_step(sched)
+        read_now = constrained and self.structured.read_at_once(sched, self.exit_policy.per_token)
         sched, handle = self._launch(sched, constrained)
         previous = self._pending
         self._pending = (sched, handle) if handle is not None and sched.rows else None
-        if (not self._overlap or constrained) and self._pending is not None:
+        if (not self._overlap or read_now) and self._pending is not None:
             if previous is not None:
                 self._read(*previous)
             previous, self._pending = self._pending, None

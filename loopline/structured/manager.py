@@ -4,9 +4,14 @@ The engine (``LLMEngine``) calls, in this order:
 
 * :meth:`StructuredOutputs.add` from ``add_request``, after the input processor compiled (and so
   validated) the constraint: one ``GrammarMatcher`` per child sequence (``n`` of them);
-* :meth:`~StructuredOutputs.in_step` on each scheduled step: a step with rows of constrained requests is
-  read as soon as it is launched (no overlap with the next step), so that the mask of a request's next
-  token always reflects all its previous tokens; steps without such rows keep the overlap;
+* :meth:`~StructuredOutputs.in_step` on each scheduled step (whether it has constrained rows, whose logits
+  are masked), and :meth:`~StructuredOutputs.read_at_once`: a step in which a constrained sequence may
+  sample a token *and* may sample its next one in the step after is read as soon as it is launched (no
+  overlap with the next step), so that the mask of a request's next token always reflects all its
+  previous tokens. A sequence whose next token cannot exit at its first loop (``min_loops >= 2``, or a
+  threshold of 1 or more: exits only at ``max_loops``, Ouro's fixed depth) keeps the overlap: the step
+  launched before its token is read cannot sample for it (its sample there is discarded), and by the
+  step after, the token is read. Steps without constrained rows keep the overlap;
 * :meth:`~StructuredOutputs.token_mask`, which the model runner calls with the request ids of the rows it
   samples, on their logits, before the sampler: the host fills the constrained rows' bitmasks from their
   matchers, stages them once and masks the logits on the device (unconstrained rows are not touched);
@@ -76,9 +81,17 @@ class StructuredOutputs:
             del self.matchers[child_id]
 
     def in_step(self, sched: Any) -> bool:
-        """Whether a step has rows of constrained sequences."""
+        """Whether a step has rows of constrained sequences (their logits are masked)."""
         m = self.matchers
         return bool(m) and any(row.request_id in m for row in sched.rows)
+
+    def read_at_once(self, sched: Any, per_token_exits: bool = False) -> bool:
+        """Whether a step must be read before the next one launches: it has a row of a constrained sequence
+        that may sample in it and again in the next step (see the module docstring). ``per_token_exits``:
+        the exit rule changes from token to token (a decode row's rule says nothing of the next token's)."""
+        m = self.matchers
+        return bool(m) and any(row.request_id in m and (per_token_exits or _back_to_back(row.exit))
+                               for row in sched.rows)
 
     def accept(self, req: Any) -> bool:
         """Advances the sequence's matcher with its last booked token; returns whether the grammar
@@ -111,6 +124,15 @@ class StructuredOutputs:
             else:
                 bitmask[k] = seq.mask
         apply_token_bitmask(logits, rows, bitmask)
+
+
+def _back_to_back(rule: Any) -> bool:
+    """Whether a row under exit rule ``rule`` (a decode row's ``ExitParams``; ``None``: a prefill row, whose
+    first token's rule is unknown here) may sample a token in two consecutive steps."""
+    if rule is None:
+        return True
+    first_exit = rule.max_loops if rule.threshold >= 1.0 else rule.min_loops
+    return first_exit <= 1
 
 
 class _Sequence:

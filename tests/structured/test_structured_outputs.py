@@ -146,6 +146,26 @@ def test_only_steps_with_constrained_rows_give_up_the_overlap(engines):
     assert not any(pending for pending, live in kept if live)  # read at once while a constrained request runs
 
 
+@pytest.mark.parametrize("exit_fields", [{"exit_threshold": 1.0}, {"min_loops": 2}], ids=["fixed-depth", "min_loops-2"])
+def test_requests_that_cannot_exit_at_their_first_loop_keep_the_overlap(engines, exit_fields):
+    """A token that cannot exit at its first loop is never sampled in the step launched before the previous
+    token is read: those steps overlap, and the outputs equal the synchronous engine's."""
+    engine = engines[True]
+    kept = []
+    watch = lambda eng, _: kept.append((eng._pending is not None, bool(eng.structured.matchers)))  # noqa: E731
+    outs = {}
+    for overlap in (True, False):
+        reqs = {}
+        for kind in ("regex", "grammar", "json"):
+            params, check = constrained(kind, temperature=1.0, seed=7, n=2)
+            reqs[kind] = ("import os\n", params.clone(**exit_fields))
+        outs[overlap] = drain(engines[overlap], reqs, on_step=watch if overlap else None)
+        for kind, out in outs[overlap].items():
+            assert_matches([out], KINDS[kind][1])
+    assert sum(pending for pending, live in kept if live) > len(kept) // 2  # mostly overlapped
+    assert {k: result(v) for k, v in outs[True].items()} == {k: result(v) for k, v in outs[False].items()}
+
+
 def test_adaptive_exits_and_llm_entrypoint():
     """``LLM()`` on the bundled model (its default exit threshold: tokens exit at several depths)."""
     llm = LLM(device="cpu", max_model_len=256)
