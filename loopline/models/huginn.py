@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loopline.models.ops import TORCH_OPS, Rope
+from loopline.models.ops import Rope
 from loopline.models.ouro import Attention, RMSNorm
 
 
