@@ -40,7 +40,7 @@ from loopline.entrypoints.openai.protocol import (APIError, ChatCompletionReques
 from loopline.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from loopline.entrypoints.openai.serving_completion import create_completion
 from loopline.entrypoints.openai.serving_generate import GenerateRequest, create_generate
-from loopline.entrypoints.openai.security import SecurityConfig, SecurityGuard, is_loopback
+from loopline.entrypoints.openai.security import HTTP_PROTOCOL, SecurityConfig, SecurityGuard, is_loopback
 from loopline.entrypoints.openai.serving_rl import add_rl_routes
 from loopline.entrypoints.openai.startup import startup_line
 from loopline.entrypoints.tokenizer_pool import TokenizerPool
@@ -350,7 +350,7 @@ def run_server(ns: argparse.Namespace) -> int:
     # NOTE: uvicorn cuts connections still open after its own timeout; ours aborts the requests first
     # (so every stream ends with a final chunk and [DONE]) and uvicorn's is only the last resort.
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, access_log=False,
-                            timeout_graceful_shutdown=ns.shutdown_timeout + _ABORT_GRACE_S)
+                            http=HTTP_PROTOCOL, timeout_graceful_shutdown=ns.shutdown_timeout + _ABORT_GRACE_S)
     server = _Server(config, app.state.ctx, ns.shutdown_timeout)
     logger.info("listening on http://%s:%d (model %r%s)", ns.host, ns.port, name[0],
                 ", RL API enabled" if ns.enable_rl_api else "")

@@ -4,6 +4,10 @@ and the last-resort 500 that keeps the connection usable.
 It runs before any route (a pure ASGI middleware), so a refused request
 never reaches the engine, and every refusal is an OpenAI-style error body:
 
+* a request whose body length is ambiguous (``Content-Length`` and ``Transfer-Encoding`` together,
+  conflicting lengths, a coding other than exactly ``chunked``, ``Transfer-Encoding`` on HTTP/1.0)
+  -> 400 ``ambiguous_framing`` with ``Connection: close``: a front proxy may have framed it otherwise,
+  and the bytes after it (a smuggled request) are dropped with the connection, never run.
 * ``Host`` not in ``allowed_hosts`` -> 400 ``invalid_host``: a DNS-rebinding
   page (``http://evil.example:8000`` resolved to 127.0.0.1) sends its own name.
 * a cross-origin browser request -> 403 ``cross_origin_forbidden``, unless
@@ -51,6 +55,10 @@ from loopline.errors import InvalidRequestError
 logger = logging.getLogger("loopline.api")
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+# NOTE: the HTTP/1.1 parser, chosen, not "auto" (httptools when installed): h11 refuses conflicting
+# Content-Length values, codings other than "chunked", malformed chunk lines and header names with
+# spaces before the guard runs; the framing tests pin that behaviour (docs/security.md).
+HTTP_PROTOCOL = "h11"
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _SAFE_FETCH_SITES = ("same-origin", "none")  # Sec-Fetch-Site of requests no other site caused
 
@@ -186,6 +194,12 @@ class SecurityGuard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        framing = framing_refusal(scope, headers)
+        if framing is not None:  # NOTE: no drain: where this body ends is the very thing in doubt
+            if self.on_refusal is not None:
+                self.on_refusal(framing.status)
+            await _send_error(send, framing, keep_alive=False)
+            return
         limit = self.config.max_request_body_bytes
         body = _RequestBody(receive, headers, limit)
         refusal = self._refusal(scope, headers)
@@ -225,6 +239,28 @@ class SecurityGuard:
             return
         if state["too_large"] and not state["started"]:
             await _send_error(send, _too_large(limit), keep_alive=await body.drain())
+
+
+def framing_refusal(scope: Scope, headers: Headers) -> APIError | None:
+    """A 400 for a request whose body length two HTTP parsers could read differently (RFC 9112
+    section 6.1 and 6.3), else None. Answered with ``Connection: close``: the bytes after such a
+    request may be a second request smuggled past a front proxy, and must never run."""
+    te = headers.getlist("transfer-encoding")
+    lengths = {v.strip() for cl in headers.getlist("content-length") for v in cl.split(",")}
+    if te and lengths:
+        return _ambiguous("a request may not carry both Content-Length and Transfer-Encoding", "Transfer-Encoding")
+    if te and (len(te) > 1 or te[0].strip().lower() != "chunked"):
+        return _ambiguous(f"Transfer-Encoding must be exactly 'chunked', got {', '.join(te)!r}", "Transfer-Encoding")
+    if te and scope.get("http_version") == "1.0":
+        return _ambiguous("an HTTP/1.0 request may not carry Transfer-Encoding", "Transfer-Encoding")
+    if len(lengths) > 1 or any(not v.isdigit() for v in lengths):
+        return _ambiguous("Content-Length must be one decimal number", "Content-Length")
+    return None
+
+
+def _ambiguous(message: str, param: str) -> APIError:
+    return APIError(400, f"{message} (RFC 9112 section 6): the request's framing is ambiguous, "
+                         "so the connection is closed", param=param, code="ambiguous_framing")
 
 
 def _too_large(limit: int) -> APIError:
