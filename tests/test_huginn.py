@@ -21,7 +21,7 @@ from loopline.models import huginn
 from loopline.models.family import ConvergenceExit, GateExit, family_of
 from loopline.models.huginn import HuginnConfig, HuginnForCausalLM, config_from_dict, config_to_dict
 from loopline.models.huginn_tiny import make_tiny_huginn_checkpoint, tiny_huginn_config
-from loopline.models.loader import CheckpointError, load_config, load_looped_config, load_looped_model
+from loopline.models.loader import CheckpointError, load_config, load_looped_config, load_looped_model, load_tokenizer
 from loopline.models.ouro import DenseCausalAttention
 from loopline.models.plain import plain_generate
 
@@ -95,8 +95,8 @@ def test_bad_config_names_the_field(change, field):
 def test_loader_dispatches_on_model_type(tiny, tmp_path):
     assert load_looped_config(tiny[0]).model_type == "huginn_raven"
     assert family_of(load_looped_config(tiny[0])).model_type == "huginn_raven"
-    with pytest.raises(CheckpointError, match='model_type.*"ouro"'):
-        load_config(tiny[0])  # the engine's Ouro-only loader says what it takes
+    with pytest.raises(CheckpointError, match='model_type.*"ouro".*huginn_raven runs on the plain path'):
+        load_config(tiny[0])  # the engine's Ouro-only loader says what it takes and where Huginn runs
     bad = shutil.copytree(tiny[0], tmp_path / "bad")
     (bad / "config.json").write_text(json.dumps({**tiny[1], "model_type": "llama"}))
     with pytest.raises(CheckpointError, match="model_type='llama'.*allowed: 'ouro', 'huginn_raven'"):
@@ -121,6 +121,24 @@ def test_weights_load_under_upstream_names(tiny, model, tmp_path):
     save_file({k: v for k, v in sd.items() if k != "transformer.adapter.weight"}, str(bad / "model.safetensors"))
     with pytest.raises(CheckpointError, match="missing.*transformer.adapter.weight"):
         load_looped_model(bad)
+
+
+def test_sharded_checkpoint_and_tokenizer_load(tiny, model, tmp_path):
+    """Shards listed in model.safetensors.index.json load like one file; the tokenizer is a local file."""
+    path, _, sd = tiny
+    sharded = shutil.copytree(path, tmp_path / "sharded")
+    (sharded / "model.safetensors").unlink()
+    names = sorted(sd)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: sd[n] for n in part}, str(sharded / file))
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: f for f, part in halves.items() for n in part}}))
+    again = load_looped_model(sharded)
+    for name, t in model.state_dict().items():
+        assert torch.equal(again.state_dict()[name], t), name
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.decode(tokenizer.encode("The river town")) == "The river town"
 
 
 # --- forward vs the oracle ---------------------------------------------------------------------------------
