@@ -21,6 +21,9 @@ fallback instead (:func:`tools_fallback`): a system-prompt preamble listing the 
 (merged into the first system message, or a new one first); assistant ``tool_calls`` become
 ``<tool_call>`` blocks in their content and ``tool`` messages become ``user`` messages holding
 ``<tool_response>...</tool_response>`` (Qwen2.5's rendering of the same).
+
+Every render runs under the budgets of :mod:`loopline.entrypoints.template_budget` (time, output
+size, no unbounded single operation), the checkpoint's template and a request's alike.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loopline.entrypoints.template_budget import bounded_render, check_template_source
 from loopline.errors import InvalidRequestError
 
 THINK_TOKEN = "<think>"
@@ -78,6 +82,7 @@ class ChatEncoder:
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
                                       param="continue_final_message")
+        self.check_budgets(chat_template)
         extra: dict[str, Any] = dict(template_kwargs or {})
         if continue_final_message:
             extra["continue_final_message"] = True
@@ -87,8 +92,9 @@ class ChatEncoder:
             conversation = [_with_argument_objects(m) for m in conversation]
         elif tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in conversation):
             conversation = tools_fallback(conversation, tools or [])
-        text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                       chat_template=chat_template, **extra)
+        text = bounded_render(lambda: tok.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            **extra))
         if self.thinking and add_generation_prompt and not text.rstrip().endswith(THINK_TOKEN):
             text += THINK_PREFIX
         return text
@@ -107,7 +113,16 @@ class ChatEncoder:
         source = chat_template if chat_template is not None else getattr(self.tokenizer, "chat_template", None)
         if not isinstance(source, str):
             return frozenset()
+        check_template_source(source)  # NOTE: first: compiling (below) already folds constants ("x" * 10**10)
         return _template_variables(source)
+
+    def check_budgets(self, chat_template: str | None = None) -> None:
+        """Refuses a template (``chat_template`` or every one of the checkpoint's) with an operation
+        of unbounded size (:func:`~loopline.entrypoints.template_budget.check_template_source`)."""
+        source = chat_template if chat_template is not None else getattr(self.tokenizer, "chat_template", None)
+        for one in (source.values() if isinstance(source, dict) else [source]):  # named templates: every one
+            if isinstance(one, str):
+                check_template_source(one)
 
     def check_template_kwargs(self, kwargs: dict[str, Any], param: str, chat_template: str | None = None) -> None:
         """Refuses (naming ``param.<key>``) a template input the template does not use or one that

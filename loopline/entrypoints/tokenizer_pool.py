@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from loopline.entrypoints.chat_utils import ChatEncoder
@@ -25,28 +25,42 @@ DEFAULT_WORKERS = 2
 
 
 class TokenizerPool:
-    """Worker threads that each own a copy of ``tokenizer`` (and a chat encoder over it)."""
+    """Worker threads that each own a copy of ``tokenizer`` (and a chat encoder over it).
+
+    NOTE: daemon threads, not a ``ThreadPoolExecutor``: Python joins executor threads at exit, so a
+    job stuck in C code would hold the process after shutdown; chat templates render under budgets
+    (:mod:`loopline.entrypoints.template_budget`) that end them, and shutdown never waits on one.
+    """
 
     def __init__(self, tokenizer: Any, model_path: str | None, config_extra: dict[str, Any] | None,
                  workers: int = DEFAULT_WORKERS) -> None:
-        # One (tokenizer, chat encoder) per worker thread; a thread takes one on its first job.
-        self._spare = [(tok, ChatEncoder(tok, model_path, config_extra))
-                       for tok in (copy.deepcopy(tokenizer) for _ in range(workers))]
-        self._lock = threading.Lock()
-        self._local = threading.local()
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loopline-tokenizer")
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = []
+        for i in range(workers):
+            tok = copy.deepcopy(tokenizer)
+            pair = (tok, ChatEncoder(tok, model_path, config_extra))
+            thread = threading.Thread(target=self._work, args=(pair,), name=f"loopline-tokenizer-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
-    def _own(self) -> tuple[Any, ChatEncoder]:
-        """This worker's tokenizer copy and chat encoder."""
-        if not hasattr(self._local, "pair"):
-            with self._lock:
-                self._local.pair = self._spare.pop()  # the executor never runs more threads than copies
-        return self._local.pair
+    def _work(self, pair: tuple[Any, ChatEncoder]) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future, loop = job
+            try:
+                outcome: tuple[Any, Exception | None] = (fn(*pair), None)
+            except Exception as e:  # handed to the caller, who re-raises it
+                outcome = (None, e)
+            try:
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+            except RuntimeError:  # the caller's event loop has closed: nobody waits for this answer
+                pass
 
     async def run(self, fn: Callable[[Any, ChatEncoder], T]) -> T:
         """``fn(tokenizer, chat_encoder)`` on a worker thread; its exception reaches the caller."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(*self._own()))
+        future: asyncio.Future = loop.create_future()
+        self._jobs.put((fn, future, loop))
+        return await future
 
     async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return await self.run(lambda tok, _: list(tok.encode(text, add_special_tokens=add_special_tokens)))
@@ -66,4 +80,15 @@ class TokenizerPool:
         return await self.run(lambda tok, _: tok.convert_ids_to_tokens(ids))
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stops the workers once their current jobs end; waits for none of them."""
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
+def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
+    if future.cancelled():  # the request went away while its job ran
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
