@@ -2,7 +2,8 @@
 
 One place parses every JSON body the server accepts, so each failure class
 has one answer: invalid UTF-8, malformed JSON (message with line and column,
-never a byte offset in ``param``), ``NaN`` / ``Infinity`` (not JSON), nesting
+never a byte offset in ``param``), ``NaN`` / ``Infinity`` (not JSON; ``param`` names the field that
+held it), nesting
 too deep, a non-object body, strings with lone surrogates (they cannot be
 encoded back to UTF-8: the tokenizer and the JSON response would fail later)
 and pydantic validation errors (``param`` is the field path, e.g.
@@ -30,8 +31,27 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|tuple|set|bytes|lit
                        r"lax-or-strict|function-.*|.*\[.*|[A-Z].*)$")
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+class _NonFinite:
+    """Where ``NaN`` / ``Infinity`` / ``-Infinity`` stood: found afterwards, so the 400 names its field."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _find_non_finite(value: Any) -> tuple[str, str] | None:
+    """(field path, literal) of the first ``NaN`` / ``Infinity`` in decoded ``value`` (iterative: the
+    body may be nested as deep as ``json.loads`` allows)."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, _NonFinite):
+            return path or "body", v.name
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        children = [(f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k), c) for k, c in items]
+        stack.extend(reversed(children))  # the first field is looked at first
+    return None
 
 
 def decode_json(body: bytes) -> Any:
@@ -41,14 +61,18 @@ def decode_json(body: bytes) -> Any:
     except UnicodeDecodeError:
         raise APIError(400, "the request body is not valid UTF-8", code="invalid_json") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_NonFinite)
     except json.JSONDecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
                        code="invalid_json") from None
-    except ValueError as e:  # NaN / Infinity
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+    found = _find_non_finite(value) if "N" in text or "I" in text else None  # both literals hold one
+    if found is not None:
+        param, literal = found
+        raise APIError(400, f"{param}: {literal} is not valid JSON (numbers must be finite)", param=param,
+                       code="invalid_json")
+    return value
 
 
 def find_surrogate(value: Any, path: str = "") -> str | None:
