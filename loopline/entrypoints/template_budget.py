@@ -139,9 +139,11 @@ def _checked(source: str) -> None:
         if name in _PADDING and any(isinstance(a, nodes.Const) and isinstance(a.value, int) and a.value > limit
                                     for a in args):
             raise TemplateBudgetError(f"pads to more than {limit} characters with {name!r} (line {node.lineno})")
-    for node in tree.find_all((nodes.Mod, nodes.Call)):  # "%0999999999d" % 1, "{:>999999999}".format(1)
+    for node in tree.find_all((nodes.Mod, nodes.Call, nodes.Filter)):  # "%0999999999d" % 1, "{:>999999999}".format(1)
         fmt = node.left if isinstance(node, nodes.Mod) else \
-            node.node.node if isinstance(node.node, nodes.Getattr) and node.node.attr == "format" else None
+            node.node if isinstance(node, nodes.Filter) and node.name == "format" else \
+            node.node.node if isinstance(node, nodes.Call) and isinstance(node.node, nodes.Getattr) and \
+            node.node.attr == "format" else None
         if isinstance(fmt, nodes.Const) and isinstance(fmt.value, str) and \
                 any(int(w) > limit for w in _WIDTH.findall(fmt.value)):
             raise TemplateBudgetError(f"formats to a width above {limit} characters (line {node.lineno})")

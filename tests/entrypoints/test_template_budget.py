@@ -16,7 +16,7 @@ import pytest
 from loopline.entrypoints import template_budget
 from loopline.entrypoints.chat_utils import ChatEncoder
 from loopline.entrypoints.template_budget import (RENDER_OUTPUT_BUDGET_CHARS, RENDER_TIME_BUDGET_S, TemplateBudgetError,
-                                                  bounded_render)
+                                                  bounded_render, check_template_source)
 from loopline.errors import InvalidRequestError
 
 MODEL = "tiny-budget"
@@ -32,6 +32,7 @@ ONE_HUGE_STEP = {
     "chain-of-small-factors": "{{ 'x' * 256 * 256 * 256 }}",
     "percent-width": "{{ '%09999999999d' % 1 }}",
     "format-width": "{{ '{:>9999999999}'.format(1) }}",
+    "format-filter-width": "{{ '%09999999999d'|format(1) }}",
     "center-method": "{{ 'x'.center(9999999999) }}",
     "indent-filter": "{{ 'a\nb'|indent(9999999999) }}",
 }
@@ -78,9 +79,23 @@ def test_a_value_doubled_in_a_loop_is_stopped_before_it_fills_memory(tok):
 
 
 @pytest.mark.parametrize("case", list(ONE_HUGE_STEP))
-def test_an_operation_of_unbounded_size_is_refused_before_rendering(tok, case):
-    took = _refused(ChatEncoder(tok, None), ONE_HUGE_STEP[case], "")
-    assert took < 0.5
+def test_an_operation_of_unbounded_size_is_refused_before_rendering(case):
+    # NOTE: checked without rendering: were the check to fail, rendering would allocate tens of GB
+    with pytest.raises(TemplateBudgetError) as e:
+        check_template_source(ONE_HUGE_STEP[case])
+    assert e.value.param == "chat_template"
+
+
+def test_the_check_runs_before_any_render_or_variable_lookup(tok):
+    """Wired in front of rendering and of the template-variable scan (which compiles, folding constants);
+    the case is harmless if it did run."""
+    enc = ChatEncoder(tok, None)
+    _refused(enc, "{{ 'x' * 300 }}", "integer literal of at most 256")
+    with pytest.raises(TemplateBudgetError):
+        enc.template_variables("{{ 'x' * 300 }}")
+    named = copy.deepcopy(tok)
+    named.chat_template = {"default": "{{ messages }}", "tool_use": "{{ 'x' * 300 }}"}  # named templates
+    _refused(ChatEncoder(named, None), None, "integer literal")
 
 
 def test_normal_templates_render_as_before(tok):
