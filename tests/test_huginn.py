@@ -69,6 +69,14 @@ def test_huginn_0125_config_parses_to_the_defaults():
     assert config.extra["effective_expected_depth"] == 132
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_count_is_the_model(tied):
+    config = tiny_huginn_config(tie_embeddings=tied, bias=not tied, qk_bias=tied)
+    params = sum(p.numel() for p in HuginnForCausalLM(config).parameters())
+    head = config.padded_vocab_size * config.hidden_size if tied else 0  # one tensor when tied
+    assert huginn.parameter_count(config) == params - head
+
+
 def test_config_round_trips():
     config = tiny_huginn_config(num_key_value_heads=2, qk_bias=False, bias=True, tie_embeddings=False)
     assert config_from_dict(config_to_dict(config), "x") == config
