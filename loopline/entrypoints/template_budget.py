@@ -13,8 +13,9 @@ tokenizer thread, and every other chat, ``/tokenize`` and text completion queued
 * **One operation** (:func:`check_template_source`): a single C-level operation (``"x" * 10**10``,
   ``"%0999999999d" % 1``) cannot be interrupted, so such templates are refused before they run:
   no ``**``; every ``*`` multiplies by an integer literal of at most ``MAX_REPEAT`` (a chain of
-  them by at most the output budget); no literal padding width or format width above the output
-  budget. A width computed while rendering is not bounded: such a template needs reading.
+  them by at most the output budget); no literal padding width above the output budget, no literal
+  format width of a million or more; a template that does not parse is refused too (it would run
+  unchecked). A width computed while rendering is not bounded: such a template needs reading.
 
 Errors name ``chat_template`` and the budget, and are 400s over HTTP.
 """
@@ -37,7 +38,8 @@ RENDER_OUTPUT_BUDGET_CHARS = 4 * 1024 * 1024
 MAX_REPEAT = 256  # the largest literal a template may multiply by (one step of "x" * n)
 
 _PADDING = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "indent", "wordwrap", "truncate"})
-_WIDTH = re.compile(r"(\d{7,})")  # a width or precision of seven digits or more in a format string
+# a width or precision of a million or more: "%09999999d", "%.9999999s", "{:>9999999}"
+_WIDTH = re.compile(r"%[-#0 +]*(?:\d{7,}|\d*\.\d{7,})|\{[^{}]*:[^{}]*?\d{7,}[^{}]*\}")
 _VALUES_CHECK_INTERVAL_S = 0.001
 _TEMPLATE_FILE = "<template>"  # the file name Jinja gives code compiled from a string
 _ROOT = "root"  # Jinja's top-level render function: every chunk of output is yielded from it
@@ -127,8 +129,8 @@ def _checked(source: str) -> None:
 
     try:
         tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
-    except jinja2.TemplateSyntaxError:
-        return  # the renderer reports it, in its own words
+    except jinja2.TemplateSyntaxError as e:  # unchecked is unbounded: never rendered
+        raise InvalidRequestError(f"the chat template does not parse: {e}", param="chat_template") from None
     limit = RENDER_OUTPUT_BUDGET_CHARS
     for node in tree.find_all(nodes.Pow):
         raise TemplateBudgetError(f"uses '**' (line {node.lineno}): its result's size has no bound")
@@ -144,9 +146,8 @@ def _checked(source: str) -> None:
             node.node if isinstance(node, nodes.Filter) and node.name == "format" else \
             node.node.node if isinstance(node, nodes.Call) and isinstance(node.node, nodes.Getattr) and \
             node.node.attr == "format" else None
-        if isinstance(fmt, nodes.Const) and isinstance(fmt.value, str) and \
-                any(int(w) > limit for w in _WIDTH.findall(fmt.value)):
-            raise TemplateBudgetError(f"formats to a width above {limit} characters (line {node.lineno})")
+        if isinstance(fmt, nodes.Const) and isinstance(fmt.value, str) and _WIDTH.search(fmt.value):
+            raise TemplateBudgetError(f"formats to a width of a million characters or more (line {node.lineno})")
     for node in tree.find_all(nodes.Mul):
         if _repeat(node) > limit:
             raise TemplateBudgetError(f"multiplies by more than {limit} in one expression (line {node.lineno})")

@@ -103,8 +103,9 @@ def test_normal_templates_render_as_before(tok):
     messages = [{"role": "system", "content": "Be brief."}, *MESSAGES, {"role": "assistant", "content": "Hello."},
                 {"role": "user", "content": "And?"}]
     assert enc.render(messages) == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    small = "{{ '-' * 3 }}{% for m in messages %}{{ m.role * 2 }}{{ '%03d' % loop.index }}{% endfor %}"
-    assert enc.render(MESSAGES, chat_template=small) == "---useruser001"
+    small = ("{{ '-' * 3 }}{% for m in messages %}{{ m.role * 2 }}{{ '%03d' % loop.index }}{% endfor %}"
+             "{{ ' id 12345678: %s' % 'x' }}{{ '{}: 12345678'.format('y') }}")
+    assert enc.render(MESSAGES, chat_template=small) == "---useruser001 id 12345678: xy: 12345678"
     assert sys.gettrace() is None
 
 
