@@ -25,6 +25,7 @@ criterion branches on the family.
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from collections.abc import Callable
@@ -120,7 +121,7 @@ class ConvergenceExit(ExitCriterion):
     exits_in_prefill = False
 
     def initial_carry(self, rows: int, vocab: int, device: torch.device) -> Tensor:
-        return torch.full((rows, vocab), -torch.log(torch.tensor(float(vocab))).item(), device=device)
+        return torch.full((rows, vocab), -math.log(vocab), device=device)
 
     def decide(self, loop: int, carry: Tensor, signal: Tensor, min_loops: int, max_loops: int,
                threshold: float) -> tuple[Tensor, Tensor]:
@@ -141,7 +142,7 @@ class Family:
     model_class: Callable[[Any], nn.Module]
     kv_stages: Callable[[Any], tuple[KVStage, ...]]
     exit_criterion: ExitCriterion
-    vocab_size: Callable[[Any], int]  # the width of the logits
+    logits_size: Callable[[Any], int]  # the width of the coda's logits
     #: Loops a prompt runs, from the request's max_loops (Ouro: always the checkpoint's depth).
     prefill_loops: Callable[[Any, int], int]
     #: The most loops a request may ask for (None: no bound but memory).
@@ -155,7 +156,7 @@ OURO = Family(
     model_class=OuroForCausalLM,
     kv_stages=lambda c: (KVStage("loop", c.num_hidden_layers, per_loop=True),),
     exit_criterion=GateExit(),
-    vocab_size=lambda c: c.vocab_size,
+    logits_size=lambda c: c.vocab_size,
     prefill_loops=lambda c, max_loops: c.total_ut_steps,
     loop_limit=lambda c: c.total_ut_steps,
     default_threshold=lambda c: c.early_exit_threshold,
@@ -168,7 +169,7 @@ HUGINN = Family(
                          KVStage("core", c.n_layers_in_recurrent_block, per_loop=True),
                          KVStage("coda", c.n_layers_in_coda, per_loop=False)),
     exit_criterion=ConvergenceExit(),
-    vocab_size=lambda c: c.padded_vocab_size,
+    logits_size=lambda c: c.padded_vocab_size,
     # Upstream's adaptive generation runs the prompt for the request's number of steps.
     prefill_loops=lambda c, max_loops: max_loops,
     loop_limit=lambda c: None,

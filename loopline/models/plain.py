@@ -136,7 +136,7 @@ def plain_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens: int,
     seq = _Sequence(model, family, len(prompt_ids) + max_tokens, max(prefill, max_loops), seed)
     device = seq.device
     crit = family.exit_criterion
-    vocab = family.vocab_size(config)
+    vocab = family.logits_size(config)
     out = PlainOutput()
 
     # Prefill: every prompt position runs `prefill` loops; the last one may pick an earlier exit.
