@@ -174,6 +174,21 @@ def test_fixed_iterations_match_oracle(tiny, model, steps):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("shape", [
+    dict(hidden_size=440, num_attention_heads=55, num_key_value_heads=55),  # Huginn-0125's 55 heads (of 8 here)
+    dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, qk_bias=False, bias=True, tie_embeddings=False),
+])
+def test_other_shapes_match_oracle(tmp_path, shape):
+    path = make_tiny_huginn_checkpoint(tmp_path, seed=2, intermediate_size=48, n_layers_in_prelude=1,
+                                       n_layers_in_recurrent_block=2, n_layers_in_coda=1, **shape)
+    cfg, sd = json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
+    model = load_looped_model(path)
+    ids = [7, 300, 2, 41, 9]
+    init = init_states(model, len(ids), seed=5)
+    torch.testing.assert_close(fixed_logits(model, ids, 3, init), reference_logits(sd, cfg, ids, 3, init),
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_oracle_sees_each_part(tiny, model):
     """The comparison can fail: changing any one part of the math moves the logits well past the tolerance."""
     _, cfg, sd = tiny
