@@ -308,6 +308,15 @@ def test_bad_request_bounds_are_refused(model):
         plain_generate(model, [1, 2], 2, exit_threshold=0.0)
     with pytest.raises(ValueError, match="prompt_ids"):
         plain_generate(model, [], 2)
+    with pytest.raises(ValueError, match="max_tokens=0; allowed: an integer >= 1"):
+        plain_generate(model, [1, 2], 0)
+
+
+def test_generation_stops_after_eos(model):
+    full = plain_generate(model, [5, 9, 100, 3], 6, max_loops=4)
+    stop = full.tokens[2]
+    out = plain_generate(model, [5, 9, 100, 3], 6, max_loops=4, eos_ids=[stop])
+    assert out.tokens == full.tokens[: full.tokens.index(stop) + 1]
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(max_loops=3, exit_threshold=0.5)])

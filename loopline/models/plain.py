@@ -132,6 +132,8 @@ def plain_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens: int,
         raise ValueError(f"exit_threshold={threshold}; allowed: (0, 1]")
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r}; allowed: an integer >= 1")
     prefill = family.prefill_loops(config, max_loops)
     seq = _Sequence(model, family, len(prompt_ids) + max_tokens, max(prefill, max_loops), seed)
     device = seq.device
