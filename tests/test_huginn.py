@@ -341,3 +341,20 @@ def test_bf16_close_to_fp32(tiny):
     b = fixed_logits(bf16, ids, 3, init.bfloat16())
     assert b.dtype == torch.float32
     assert (a - b).abs().max() / a.abs().max() < 0.1
+
+
+def test_interleaved_rope_is_rotate_half_on_permuted_channels():
+    """The route docs/model-families.md names for the fused attention: Huginn's interleaved RoPE equals the
+    engine's rotate-half RoPE after permuting q/k channels (2i -> i, 2i+1 -> D/2 + i), at the same angles."""
+    from loopline.models.ops import TORCH_OPS, rotary_cos_sin
+
+    d, pos = 16, torch.tensor([0, 1, 7, 300])
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(4, 3, d, generator=g), torch.randn(4, 1, d, generator=g)
+    rq, rk = huginn.interleaved_rope(pos, d, 10000.0)(q, k)
+    perm = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+    cos, sin = rotary_cos_sin(pos, d, 10000.0, torch.float32)
+    hq, hk = TORCH_OPS.rotary(q[..., perm], k[..., perm], cos, sin)
+    torch.testing.assert_close(hq, rq[..., perm])
+    torch.testing.assert_close(hk, rk[..., perm])
+    torch.testing.assert_close(hq @ hk.transpose(-1, -2), rq @ rk.transpose(-1, -2))
