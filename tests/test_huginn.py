@@ -310,6 +310,8 @@ def test_bad_request_bounds_are_refused(model):
         plain_generate(model, [], 2)
     with pytest.raises(ValueError, match="max_tokens=0; allowed: an integer >= 1"):
         plain_generate(model, [1, 2], 0)
+    with pytest.raises(ValueError, match="max_loops=0; allowed: an integer >= 1"):
+        plain_generate(model, [1, 2], 2, max_loops=0)
 
 
 def test_generation_stops_after_eos(model):

@@ -19,7 +19,7 @@ others have one plane, written each time the stage runs on a token. Both familie
 tokens that stop early: a query at loop ``d`` reads an earlier token's loop ``min(d, e)`` K/V, ``e`` that
 token's exit loop (upstream Huginn calls this reusing the latest available recurrence step).
 
-:class:`Family` ties a ``model_type`` to its model class, KV stages and :class:`ExitCriterion`;
+:class:`Family` ties a ``model_type`` to its KV stages and :class:`ExitCriterion`;
 :func:`family_of` finds it (``loopline.models.loader`` reads each family's files). Nothing outside a family's model module and its exit
 criterion branches on the family.
 """
@@ -35,8 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loopline.models import huginn
-from loopline.models.ouro import Attention, OuroForCausalLM
+from loopline.models.ouro import Attention
 
 #: The threshold that turns early exits off in every family (SamplingParams.exit_threshold's 1.0).
 FIXED_DEPTH = 1.0
@@ -139,7 +138,6 @@ class Family:
     """One looped architecture behind the seam."""
 
     model_type: str
-    model_class: Callable[[Any], nn.Module]
     kv_stages: Callable[[Any], tuple[KVStage, ...]]
     exit_criterion: ExitCriterion
     logits_size: Callable[[Any], int]  # the width of the coda's logits
@@ -153,7 +151,6 @@ class Family:
 
 OURO = Family(
     model_type="ouro",
-    model_class=OuroForCausalLM,
     kv_stages=lambda c: (KVStage("loop", c.num_hidden_layers, per_loop=True),),
     exit_criterion=GateExit(),
     logits_size=lambda c: c.vocab_size,
@@ -164,7 +161,6 @@ OURO = Family(
 
 HUGINN = Family(
     model_type="huginn_raven",
-    model_class=huginn.HuginnForCausalLM,
     kv_stages=lambda c: (KVStage("prelude", c.n_layers_in_prelude, per_loop=False),
                          KVStage("core", c.n_layers_in_recurrent_block, per_loop=True),
                          KVStage("coda", c.n_layers_in_coda, per_loop=False)),

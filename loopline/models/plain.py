@@ -123,8 +123,8 @@ def plain_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens: int,
     config = model.config
     limit = family.loop_limit(config)
     max_loops = config.num_loops if max_loops is None else max_loops
-    if not 1 <= max_loops <= (limit or max_loops):
-        raise ValueError(f"max_loops={max_loops}; allowed: 1..{limit}")
+    if isinstance(max_loops, bool) or not isinstance(max_loops, int) or not 1 <= max_loops <= (limit or max_loops):
+        raise ValueError(f"max_loops={max_loops!r}; allowed: " + (f"1..{limit}" if limit else "an integer >= 1"))
     if not 1 <= min_loops <= max_loops:
         raise ValueError(f"min_loops={min_loops}; allowed: 1..max_loops ({max_loops})")
     threshold = family.default_threshold(config) if exit_threshold is None else exit_threshold
