@@ -322,7 +322,7 @@ def test_every_error_is_an_openai_body_and_keep_alive_survives(closed):
         (_req("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', port=p), 400, None),  # invalid UTF-8
         (_req("POST", "/v1/completions", b'{"prompt": "\\ud800"}', port=p), 400, "prompt"),  # a lone surrogate
         (_req("POST", "/v1/completions", b'{"prompt": "hi", "stop": ["\\udfff"]}', port=p), 400, "stop[0]"),
-        (_req("POST", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', port=p), 400, None),
+        (_req("POST", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', port=p), 400, "temperature"),
         (_req("POST", "/v1/completions", b"[1, 2]", port=p), 400, None),
         (_req("POST", "/v1/completions", b"[" * 100000, port=p), 400, None),  # too deep for the parser
         (_req("POST", "/v1/completions", good, "text/plain", port=p), 415, "Content-Type"),
