@@ -11,13 +11,16 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
 
-import torch
-
-from loopline.attention import not_provided_reason
 from loopline.errors import InvalidRequestError
-from loopline.kv.quant import resolve_kv_cache_dtype
+
+if TYPE_CHECKING:
+    import torch
+
+# NOTE: torch (and the modules that import it) is imported inside the functions that use it: the CLI
+# builds its parsers from EngineArgs, and `loopline serve --help` must answer without loading torch
+# (tests/entrypoints/test_cli_fast.py).
 
 KVLayoutName = Literal["last_exited", "shared"]
 SchedulingMode = Literal["refill", "no_refill"]
@@ -31,7 +34,7 @@ KVAllocationName = Literal["full", "incremental"]
 DistributedBackendName = Literal["mp", "ray"]
 KVTransportName = Literal["auto", "gloo", "nccl", "cuda_ipc", "nixl"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")  # the torch dtypes of the same names
 # NOTE: on an H200 at concurrency 128, 8,192 tokens was ~5% faster than 2,048 (docs/benchmarks); on the CPU
 # a step's cost grows with its tokens and there is no launch overhead to amortize.
 DEFAULT_TOKEN_BUDGET = {"cuda": 8192, "cpu": 2048}
@@ -117,6 +120,9 @@ class EngineArgs:
 
     # --- validation --------------------------------------------------------------------
     def validate(self) -> None:
+        from loopline.attention import not_provided_reason
+        from loopline.kv.quant import resolve_kv_cache_dtype
+
         def positive(name: str, value: int | float | None) -> None:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise InvalidRequestError(f"{name} must be > 0, got {value!r}", param=name)
@@ -145,7 +151,7 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", param="gpu_memory_utilization")
         self._validate_disaggregation()
-        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # raises, naming the allowed values
+        resolve_kv_cache_dtype(self.kv_cache_dtype, None)  # raises, naming the allowed values
         if self.enable_prefix_caching and self.kv_layout == "shared":
             logging.getLogger("loopline").warning(
                 "enable_prefix_caching has no effect with kv_layout='shared' (a prompt's depth-major prefill needs its "
@@ -176,6 +182,8 @@ class EngineArgs:
         if self.device.startswith("cuda:"):
             raise InvalidRequestError(f"device must be 'auto', 'cuda' or 'cpu' with data_parallel_size {dp} (replica i "
                                       f"runs on cuda:i), got {self.device!r}", param="device")
+        import torch
+
         if self.distributed_executor_backend == "mp" and self.device != "cpu" and torch.cuda.is_available():
             visible = torch.cuda.device_count()
             if dp > visible:
@@ -215,6 +223,8 @@ class EngineConfig:
     kv_dtype: torch.dtype | None = None  # resolved: the KV pool's stored dtype (kv_cache_dtype)
 
     def __post_init__(self) -> None:
+        from loopline.kv.quant import resolve_kv_cache_dtype
+
         object.__setattr__(self, "kv_dtype", resolve_kv_cache_dtype(self.args.kv_cache_dtype, self.dtype))
         budget = self.args.max_num_batched_tokens
         if budget is None:
@@ -229,6 +239,8 @@ class EngineConfig:
 def resolve_device(device: str) -> torch.device:
     """The engine's device; a CUDA device always carries its index (threads that launch work on it,
     like the server's engine thread, must select it by index)."""
+    import torch
+
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -239,9 +251,11 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if dtype != "auto":
-        return _DTYPES[dtype]
-    resolved = _DTYPES.get(checkpoint_dtype, torch.float32)
+        return getattr(torch, dtype)
+    resolved = getattr(torch, checkpoint_dtype) if checkpoint_dtype in _DTYPES else torch.float32
     if device.type == "cpu" and resolved == torch.float16:
         return torch.float32  # fp16 matmuls on CPU are slow and poorly supported
     return resolved

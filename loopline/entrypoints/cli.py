@@ -4,10 +4,11 @@ Engine flags come from :class:`EngineArgs` and sampling flags from
 :class:`SamplingParams` (``--max-tokens``, ``--exit-threshold``, ...), so the
 CLI and the Python API share one definition.
 
-``loopline --help`` and ``--version`` import neither torch nor the engine:
-only the subcommand being run gets its full parser (which needs
-:class:`EngineArgs`, and so torch). Every error is one line on stderr and exit
-status 2; ``--debug`` (or ``LOOPLINE_DEBUG=1``) shows the traceback.
+Parsing imports neither torch nor the engine (:mod:`loopline.config` is
+torch-free at import), so ``--help``, a usage error or a missing model
+directory answers in a fraction of a second; only a command that runs loads
+them. Every error is one line on stderr and exit status 2; ``--debug`` (or
+``LOOPLINE_DEBUG=1``) shows the traceback.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from loopline.entrypoints import bench_cli, serve_cli, train_cli  # stdlib only 
 from loopline.entrypoints.cli_args import (
     HelpFormatter,
     add_sampling_args,
+    check_model_dir,
     common_parser,
     read_text_file,
     sampling_from_ns,
@@ -53,7 +55,6 @@ def _add_generate(sub: Any) -> None:
 
 def _run_generate(ns: argparse.Namespace) -> int:
     from loopline.config import EngineArgs
-    from loopline.entrypoints.llm import LLM
 
     prompts = list(ns.prompts)
     if ns.prompt_file:
@@ -62,8 +63,12 @@ def _run_generate(ns: argparse.Namespace) -> int:
         prompts = [DEFAULT_PROMPT]
     sampling_from_ns(ns)  # bad flag values fail before a model loads
     args = EngineArgs.from_cli_args(ns)
+    check_model_dir(args.model, "--model")
+    check_model_dir(args.tokenizer, "--tokenizer")
     if args.model is None:
         print(DEMO_NOTICE, file=sys.stderr)
+    from loopline.entrypoints.llm import LLM  # torch and the engine load here, after the flags are checked
+
     llm = LLM(**dataclasses.asdict(args))
     params = sampling_from_ns(ns, llm.llm_engine.sampling_defaults)
     t0 = time.perf_counter()

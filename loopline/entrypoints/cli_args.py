@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any
 
 SAMPLING_RENAMES = {"seed": "sampling_seed"}  # --seed is the engine's
+# The SamplingParams fields a model's generation_config.json may default: the values of
+# loopline.models.loader.SAMPLING_DEFAULT_KEYS (a literal: the loader imports torch; a test keeps them equal).
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
 # Help of each sampling flag (the SamplingParams fields; docs/configuration.md says the same).
 SAMPLING_HELP = {
@@ -52,7 +56,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_sampling_args(parser: Any) -> None:
     from loopline.config import add_dataclass_args
-    from loopline.models.loader import SAMPLING_DEFAULT_KEYS
     from loopline.sampling_params import SamplingParams
 
     group = parser.add_argument_group("sampling")
@@ -60,7 +63,7 @@ def add_sampling_args(parser: Any) -> None:
     names = {SAMPLING_RENAMES.get(k, k): k for k in SAMPLING_HELP}
     for action in group._group_actions:
         action.help = SAMPLING_HELP[names[action.dest]]
-        if names[action.dest] in SAMPLING_DEFAULT_KEYS.values():  # unset: the model's default (sampling_from_ns)
+        if names[action.dest] in MODEL_DEFAULT_FIELDS:  # unset: the model's default (sampling_from_ns)
             fallback = "" if action.default is None else f", else {action.default}"
             action.help += f" (default: the model's generation_config.json{fallback})"
             action.default = None
@@ -69,7 +72,6 @@ def add_sampling_args(parser: Any) -> None:
 def sampling_from_ns(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
     """The request's SamplingParams from the flags; ``defaults`` (the model's generation_config
     defaults) fill the fields whose flags were not given."""
-    from loopline.models.loader import SAMPLING_DEFAULT_KEYS
     from loopline.sampling_params import SamplingParams
 
     kwargs = {}
@@ -77,7 +79,7 @@ def sampling_from_ns(ns: argparse.Namespace, defaults: dict[str, Any] | None = N
         dest = SAMPLING_RENAMES.get(f.name, f.name)
         if f.name != "extra" and hasattr(ns, dest):
             value = getattr(ns, dest)
-            if value is None and f.name in SAMPLING_DEFAULT_KEYS.values():
+            if value is None and f.name in MODEL_DEFAULT_FIELDS:
                 value = (defaults or {}).get(f.name, f.default)
             kwargs[f.name] = value
     return SamplingParams(**kwargs)
@@ -126,3 +128,19 @@ def read_text_file(path: str, flag: str) -> str:
         raise InvalidRequestError(f"{flag} {path}: not UTF-8 text (byte {e.start}: {e.reason})", param=flag) from None
     except OSError as e:
         raise InvalidRequestError(f"{flag} {path}: {e.strerror or e}", param=flag) from None
+
+
+def check_model_dir(path: str | None, flag: str = "--model") -> None:
+    """Refuses a model path that is not a directory before anything heavy loads (the loader says the
+    same, but only after torch and the engine have been imported: seconds for a typo)."""
+    from loopline.errors import InvalidRequestError
+
+    if path is None or os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise InvalidRequestError(f"{flag} {path}: not a directory (a checkpoint is a directory)", param=flag)
+    hub = "/" in path and not os.path.isabs(path) and path.count("/") == 1 and not path.startswith(".")
+    fetch = (f"`hf download {path} --local-dir ./{path.split('/')[1]}`" if hub
+             else "`hf download <repo> --local-dir <dir>`")
+    raise InvalidRequestError(f"{flag} {path}: no such directory (loopline loads local checkpoint directories "
+                              f"only and never downloads: fetch the weights first, e.g. with {fetch})", param=flag)

@@ -5,7 +5,7 @@ import argparse
 import json
 from typing import Any
 
-from loopline.entrypoints.cli_args import HelpFormatter, common_parser, port_number
+from loopline.entrypoints.cli_args import HelpFormatter, check_model_dir, common_parser, port_number
 from loopline.errors import LooplineError
 
 HELP = "serve an OpenAI-compatible HTTP API (default model: the bundled demo model)"
@@ -90,12 +90,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _run_serve(ns: argparse.Namespace) -> int:
-    from loopline.entrypoints.openai.api_server import run_server
-
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
             raise LooplineError("give the model either positionally or with --model, not both")
         ns.model = ns.model_tag
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise LooplineError("--enable-auto-tool-choice needs --tool-call-parser (e.g. --tool-call-parser hermes)")
+    check_model_dir(ns.model, "--model")
+    check_model_dir(ns.tokenizer, "--tokenizer")
+    from loopline.entrypoints.openai.api_server import run_server  # the server and torch load after the flags are checked
+
     return run_server(ns)

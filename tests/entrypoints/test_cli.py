@@ -73,18 +73,18 @@ def test_python_dash_m_loopline_is_the_command():
 
 
 def test_errors_are_one_line_with_exit_2_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
-    from loopline.models.loader import CheckpointError
+    from loopline.errors import InvalidRequestError
 
     # one real process: the exit status and streams as a shell sees them
     r = _run("generate", "x", "--model", "ByteDance/Ouro-1.4B")
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: model 'ByteDance/Ouro-1.4B' is not a local directory")
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: --model ByteDance/Ouro-1.4B: no such directory")
     assert "hf download ByteDance/Ouro-1.4B" in r.stderr
     # the rest in process (each process start costs seconds): --debug and LOOPLINE_DEBUG let the error through
-    with pytest.raises(CheckpointError):
+    with pytest.raises(InvalidRequestError, match="--model"):
         main(["generate", "x", "--model", str(tmp_path / "missing"), "--debug"])
     monkeypatch.setenv("LOOPLINE_DEBUG", "1")
-    with pytest.raises(CheckpointError):
+    with pytest.raises(InvalidRequestError, match="--model"):
         main(["generate", "x", "--model", str(tmp_path / "missing")])
     monkeypatch.delenv("LOOPLINE_DEBUG")
     capsys.readouterr()
