@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
 
 from loopline.errors import InvalidRequestError
+from loopline.vllm_flags import canonical_dtype, check_engine_options, json_object
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +29,7 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 ExitMode = Literal["threshold", "fixed", "trace"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
-DType = Literal["auto", "float32", "bfloat16", "float16"]
+DType = Literal["auto", "float32", "bfloat16", "float16", "half", "float"]  # half, float: vLLM's aliases
 KVCacheDType = Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3"]  # loopline.kv.quant.KV_CACHE_DTYPES
 KVAllocationName = Literal["full", "incremental"]
 DistributedBackendName = Literal["mp", "ray"]
@@ -106,6 +107,23 @@ class EngineArgs:
                                                  "is refused with the ray backend; nixl "
                                                  "needs the nixl package)")
     kv_transfer_timeout: float = _opt(60.0, "seconds a KV transfer may take before its request fails")
+    # --- vLLM launch options (loopline/vllm_flags.py says what each means here and checks it) ---
+    trust_remote_code: bool = _opt(False, "accepted for vLLM launch lines; loopline never runs code shipped with a "
+                                          "checkpoint, so it changes nothing")
+    tensor_parallel_size: int = _opt(1, "1 only: loopline has no tensor parallelism (several GPUs: --data-parallel-size)")
+    pipeline_parallel_size: int = _opt(1, "1 only: loopline has no pipeline parallelism")
+    enable_chunked_prefill: bool | None = _opt(None, "accepted (true): loopline always chunks prefill within "
+                                                     "max_num_batched_tokens; false is refused")
+    quantization: str | None = _opt(None, "none only: loopline serves unquantized checkpoints")
+    revision: str | None = _opt(None, "accepted, no effect: loopline loads local directories only and never downloads")
+    download_dir: str | None = _opt(None, "accepted, no effect: loopline loads local directories only and never downloads")
+    load_format: str = _opt("auto", "'auto' / 'safetensors': the checkpoint's weights; 'dummy': random weights "
+                                    "of the checkpoint's config.json (benchmarks, smoke tests)")
+    override_generation_config: dict[str, Any] | None = _opt(
+        None, "JSON object of generation_config.json keys (temperature, top_p, top_k, min_p, repetition_penalty, "
+              "max_new_tokens) merged over the request defaults, e.g. '{\"temperature\": 0.5}'", type=json_object)
+    enable_sleep_mode: bool = _opt(False, "loopline serve: mount POST /sleep, POST /wake_up and GET /is_sleeping "
+                                          "(also without --enable-rl-api); LLM's sleep()/wake_up() work either way")
 
     # --- CLI ---------------------------------------------------------------------------
     @classmethod
@@ -151,6 +169,7 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", param="gpu_memory_utilization")
         self._validate_disaggregation()
+        check_engine_options(self)  # the vLLM launch options (loopline/vllm_flags.py)
         resolve_kv_cache_dtype(self.kv_cache_dtype, None)  # raises, naming the allowed values
         if self.enable_prefix_caching and self.kv_layout == "shared":
             logging.getLogger("loopline").warning(
@@ -254,7 +273,7 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> to
     import torch
 
     if dtype != "auto":
-        return getattr(torch, dtype)
+        return getattr(torch, canonical_dtype(dtype))
     resolved = getattr(torch, checkpoint_dtype) if checkpoint_dtype in _DTYPES else torch.float32
     if device.type == "cpu" and resolved == torch.float16:
         return torch.float32  # fp16 matmuls on CPU are slow and poorly supported
@@ -278,7 +297,9 @@ def add_dataclass_args(parser: Any, cls: type, skip: tuple[str, ...] = (), renam
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f.metadata.get("help", "")
         base, optional = _unwrap_optional(hint)
-        if base is bool:
+        if "type" in f.metadata:  # the field's own parser (a JSON object flag)
+            parser.add_argument(flag, dest=dest, type=f.metadata["type"], default=default, help=help_text)
+        elif base is bool:
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif get_origin(base) is Literal:
             parser.add_argument(flag, dest=dest, choices=list(get_args(base)), default=default, help=help_text)

@@ -17,6 +17,7 @@ from loopline.config import EngineConfig
 from loopline.core.exit_policy import ExitPolicy
 from loopline.core.request import Request
 from loopline.errors import CapacityError, InvalidRequestError
+from loopline.inputs import check_text_only
 from loopline.kv.manager import KVCacheManager
 from loopline.sampling_params import BAD_WORD_MAX_TOKENS, SamplingParams
 
@@ -168,6 +169,7 @@ class InputProcessor:
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            check_text_only(prompt)
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:

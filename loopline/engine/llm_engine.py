@@ -39,7 +39,8 @@ from loopline.errors import EngineDeadError, InvalidRequestError, new_error_id
 from loopline.kv.layout import make_layout
 from loopline.kv.manager import KVCacheManager
 from loopline.kv.quant import kv_scales_for
-from loopline.models.loader import check_sampling_defaults, load_config, load_model, load_tokenizer, sampling_defaults
+from loopline.models.loader import (assign_checkpoint, check_sampling_defaults, load_config, load_model, load_tokenizer,
+                                    override_sampling_defaults, sampling_defaults)
 from loopline.models.ouro import OuroForCausalLM
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -119,6 +120,22 @@ def is_device_fault(error: BaseException) -> bool:
 EngineVerbs = verb_mixin("EngineVerbs", state_properties=True)
 
 
+def _load_weights(args: EngineArgs, model_path: str, dtype: torch.dtype, device: torch.device) -> OuroForCausalLM:
+    """The checkpoint's model; with ``load_format='dummy'`` its config.json's model with seeded random weights
+    (vLLM's dummy format: benchmarks and smoke tests without reading the weights)."""
+    if args.load_format != "dummy":
+        return load_model(model_path, dtype, device)
+    from pathlib import Path
+
+    from loopline.models.tiny import random_state_dict
+
+    config = load_config(model_path)
+    with torch.device("meta"):
+        model = OuroForCausalLM(config)
+    assign_checkpoint(model, random_state_dict(config, seed=args.seed), Path(model_path), device, dtype)
+    return model.eval()
+
+
 class LLMEngine(EngineVerbs):
     """Lower-level streaming engine (vLLM names): ``add_request``, ``step``, ``abort_request``, and one
     control port, :meth:`control_call`, behind the control verbs it inherits (``engine/verbs.py``:
@@ -142,7 +159,8 @@ class LLMEngine(EngineVerbs):
             model_path = str(default_checkpoint())
         model_cfg = load_config(model_path) if model is None else model.config
         # the request defaults of LLM.generate(..., None) and of unset HTTP fields (vLLM's generation_config)
-        self.sampling_defaults: dict[str, Any] = sampling_defaults(args.generation_config, model_path)
+        self.sampling_defaults: dict[str, Any] = override_sampling_defaults(
+            sampling_defaults(args.generation_config, model_path), args.override_generation_config)
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, model_cfg.torch_dtype, device)
         max_len = args.max_model_len or model_cfg.max_position_embeddings
@@ -159,7 +177,7 @@ class LLMEngine(EngineVerbs):
         check_fits(footprint(model_cfg, dtype=dtype, kv_dtype=cfg.kv_dtype, device=device, max_model_len=max_len,
                              max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                              num_planes=layout.num_planes, weights=model is None), device)
-        self.model = model.to(device=device, dtype=dtype).eval() if model is not None else load_model(model_path, dtype, device)
+        self.model = model.to(device=device, dtype=dtype).eval() if model is not None else _load_weights(args, model_path, dtype, device)
         backends = backends or select_backends(args.attention_backend, args.kernel_backend, device)
         self.model.use_ops(backends.layer_ops)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or model_path)

@@ -14,6 +14,7 @@ from loopline.entrypoints.chat_utils import ChatEncoder
 from loopline.errors import EngineStateError, InvalidRequestError
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import RequestOutputKind, SamplingParams
+from loopline.vllm_flags import log_engine_option_notes
 
 
 # The control verbs as LLM methods (``llm.sleep(2)``, ``llm.is_paused()``), from engine/verbs.py.
@@ -33,7 +34,9 @@ class LLM(LLMVerbs):
         unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
         if unknown:
             raise InvalidRequestError(f"unknown engine argument(s): {sorted(unknown)}", param=sorted(unknown)[0])
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine(args)
+        log_engine_option_notes(args)  # vLLM options that change nothing here (trust_remote_code, ...)
         self._chat = ChatEncoder.for_engine(self.llm_engine)
         self._ids = itertools.count()
 

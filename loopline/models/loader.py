@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loopline.errors import LooplineError
+from loopline.errors import InvalidRequestError, LooplineError
 from loopline.models.huginn import HuginnConfig, HuginnForCausalLM, tie_checkpoint_weights
 from loopline.models.huginn import config_from_dict as huginn_config_from_dict
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
@@ -249,6 +249,26 @@ def check_sampling_defaults(defaults: dict[str, Any], vocab_size: int, max_model
             "%s: max_new_tokens=%d leaves no room for a prompt within max_model_len=%d: ignored (requests without "
             "max_tokens generate up to max_model_len)", source, max_tokens, max_model_len)
         del out["max_tokens"]
+    return out
+
+
+def override_sampling_defaults(defaults: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """``defaults`` with vLLM's ``override_generation_config`` merged over them: generation_config.json keys
+    (``max_new_tokens``, not ``max_tokens``), each value checked as a generation_config.json value is."""
+    from loopline.sampling_params import SamplingParams
+
+    out = dict(defaults)
+    for key, value in (overrides or {}).items():
+        field = SAMPLING_DEFAULT_KEYS.get(key)
+        if field is None:
+            raise InvalidRequestError(f"override_generation_config: unknown key {key!r} (allowed: "
+                                      f"{sorted(SAMPLING_DEFAULT_KEYS)})", param="override_generation_config")
+        try:
+            SamplingParams(**{field: value})
+        except (LooplineError, ValueError, TypeError) as e:
+            raise InvalidRequestError(f"override_generation_config: {key}={value!r} is not a valid request default: "
+                                      f"{e}", param="override_generation_config") from None
+        out[field] = value
     return out
 
 
