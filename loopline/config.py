@@ -55,13 +55,14 @@ class EngineArgs:
     dtype: DType = _opt("auto", "weight and activation dtype ('auto': the checkpoint's, float32 on CPU for bf16 checkpoints is not forced)")
     device: str = _opt("auto", "'auto' (cuda when available), 'cpu', 'cuda' or 'cuda:N'")
     seed: int = _opt(0, "engine seed: seeds drawn for requests with seed=None come from it")
-    kv_layout: KVLayoutName = _opt("last_exited", "depth-aware KV layout (DESIGN.md §3)")
+    kv_layout: KVLayoutName = _opt("last_exited", "depth-aware KV layout (docs/design.md, KV layouts)")
     block_size: int = _opt(16, "tokens per KV page")
     kv_cache_dtype: KVCacheDType = _opt("auto", "stored KV dtype: 'auto' (the model's), 'bfloat16', 'float16', or "
                                                 "'fp8' / 'fp8_e4m3' (FP8 E4M3 with per-layer, per-KV-head scales from "
                                                 "the checkpoint or a calibration pass at start: twice the tokens per GiB)")
     num_kv_blocks: int | None = _opt(None, "KV pages in the pool (all planes together); default: sized from memory")
-    kv_cache_memory_gb: float | None = _opt(None, "KV pool size in GiB (default on CPU: 1 GiB; on CUDA: from gpu_memory_utilization)")
+    kv_cache_memory_gb: float | None = _opt(None, "KV pool size in GiB (default on CPU: what max_num_seqs requests of max_model_len tokens need, "
+                                                     "at most 1 GiB; on CUDA: from gpu_memory_utilization)")
     gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory the engine may use (weights + activations + KV)")
     max_num_seqs: int = _opt(256, "max requests running at once (decode slots; vLLM's default)")
     max_num_batched_tokens: int | None = _opt(None, "token budget of one step (decode rows + prefill chunk tokens); default: "

@@ -16,7 +16,7 @@ MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 # Help of each sampling flag (the SamplingParams fields; docs/configuration.md says the same).
 SAMPLING_HELP = {
     "n": "completions per prompt (completion i uses seed + i)",
-    "max_tokens": "tokens to generate at most (unset: up to max_model_len)",
+    "max_tokens": "tokens to generate at most",
     "temperature": "sampling temperature; 0 is greedy",
     "top_p": "nucleus sampling: keep the most likely tokens whose probabilities sum to top_p",
     "top_k": "keep the k most likely tokens (0 or -1: off)",
