@@ -123,6 +123,8 @@ class EngineArgs:
     override_generation_config: dict[str, Any] | None = _opt(
         None, "JSON object of generation_config.json keys (temperature, top_p, top_k, min_p, repetition_penalty, "
               "max_new_tokens) merged over the request defaults, e.g. '{\"temperature\": 0.5}'", type=json_object)
+    chat_template: str | None = _opt(None, "chat template file, or the template itself inline, replacing the "
+                                           "checkpoint's (chat requests, LLM.chat, generate --chat)")
     enable_sleep_mode: bool = _opt(False, "loopline serve: mount POST /sleep, POST /wake_up and GET /is_sleeping "
                                           "(also without --enable-rl-api); LLM's sleep()/wake_up() work either way")
 

@@ -115,18 +115,21 @@ OPTIONS: tuple[VllmOption, ...] = (
                                                        "top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
                                                        "merged over the request defaults, checked like them",
                refuse=_override_generation_config),
+    VllmOption("chat_template", "engine", "a chat template file, or the template itself inline (vLLM's rule: a "
+                                          "value that is no file but holds {, } or a newline is a template), "
+                                          "replacing the checkpoint's for chat requests and LLM.chat",
+               refuse=lambda value: chat_template_problem(value)),
     VllmOption("enable_sleep_mode", "engine", "loopline serve mounts POST /sleep, POST /wake_up and GET "
                                               "/is_sleeping (also without --enable-rl-api); LLM's sleep() / "
                                               "wake_up() work either way"),
     # --- server (loopline serve flags) ---
-    VllmOption("chat_template", "server", "a chat template file, or the template itself inline, replacing the "
-                                          "checkpoint's for every chat request"),
     VllmOption("response_role", "server", "the role chat responses carry after a generation prompt "
                                           "(default assistant)"),
     VllmOption("root_path", "server", "the path prefix of a proxy in front of the server (ASGI root_path)"),
     VllmOption("ssl_keyfile", "server", "serve HTTPS with this private key (with --ssl-certfile)"),
     VllmOption("ssl_certfile", "server", "serve HTTPS with this certificate (with --ssl-keyfile)"),
-    VllmOption("ssl_ca_certs", "server", "CA certificates to verify clients with (with --ssl-keyfile/--ssl-certfile)"),
+    VllmOption("ssl_ca_certs", "server", "with --ssl-keyfile/--ssl-certfile: clients must present a certificate "
+                                         "these CAs signed"),
     VllmOption("uds", "server", "listen on this unix domain socket instead of --host/--port"),
     VllmOption("disable_uvicorn_access_log", "server", "accepted: uvicorn's access log is always off (loopline "
                                                        "logs one line per request itself)"),
@@ -163,6 +166,38 @@ def engine_option_notes(args: Any) -> list[str]:
 def log_engine_option_notes(args: Any, logger: logging.Logger | None = None) -> None:
     for note in engine_option_notes(args):
         (logger or logging.getLogger("loopline")).info(note)
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s template: the file ``value`` names, else ``value`` itself when it looks like a
+    template (holds ``{``, ``}`` or a newline, as vLLM decides), else an error naming the option."""
+    try:
+        with open(value, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, ValueError) as e:
+        if any(c in value for c in "{}\n"):
+            return value
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise InvalidRequestError(f"chat_template {value!r}: cannot read it ({reason}); give a template file or the "
+                                  "template itself", param="chat_template") from None
+
+
+def chat_template_problem(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        return f"chat_template must be a template file or the template text, got {value!r:.80}"
+    try:
+        read_chat_template(value)
+    except InvalidRequestError as e:
+        return str(e)
+    return None
+
+
+def server_option_help(name: str) -> str:
+    """A server row's meaning, as its flag's help."""
+    (option,) = [o for o in OPTIONS if o.name == name and o.scope == "server"]
+    return option.meaning
 
 
 def json_object(text: str) -> dict[str, Any]:

@@ -180,7 +180,8 @@ class LLMEngine(EngineVerbs):
         self.model = model.to(device=device, dtype=dtype).eval() if model is not None else _load_weights(args, model_path, dtype, device)
         backends = backends or select_backends(args.attention_backend, args.kernel_backend, device)
         self.model.use_ops(backends.layer_ops)
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or model_path)
+        self.tokenizer = (None if args.skip_tokenizer_init
+                          else load_tokenizer(args.tokenizer or model_path, args.chat_template))
         num_blocks = num_kv_blocks(cfg, self.model, backends.attention, layout)
         self.kv = KVCacheManager(num_blocks, args.block_size, layout, args.enable_prefix_caching)
         self.exit_policy = make_exit_policy(args.exit_mode)

@@ -157,7 +157,8 @@ class AsyncLLM(AsyncVerbs):
             self.tokenizer = copy.deepcopy(tokenizer)
         else:
             tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(self.config.tokenizer
-                                                                                    or self.config.model_path)
+                                                                                    or self.config.model_path,
+                                                                                    self.config.chat_template)
             self.tokenizer = tokenizer
         self._chat = ChatEncoder(self.tokenizer, self.config.model_path, self.model_config.extra)
         # Tokenization of large inputs runs here, off the event loop and out of the engine loop.

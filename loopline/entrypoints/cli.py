@@ -35,8 +35,11 @@ from loopline.errors import LooplineError
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser with a one-line error (no usage dump), exit status 2 as argparse's."""
 
+    command: str | None = None  # the subcommand being parsed: an unknown flag's hint names its --help
+
     def error(self, message: str) -> Any:
-        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+        where = f"{self.prog} {self.command}" if self.command else self.prog
+        self.exit(2, f"error: {self.prog}: {message} (see {where} --help)\n")
 
 
 def _add_generate(sub: Any) -> None:
@@ -161,6 +164,7 @@ def build_parser(only: str | None = None, lazy: bool = False) -> argparse.Argume
     parser = ArgumentParser(prog="loopline", description="Inference and serving for looped language models (Ouro).",
                                      epilog="Options of a command: loopline COMMAND --help. Any command takes "
                                             "--config FILE.yaml (its flags as keys; command-line flags win) and --debug.")
+    parser.command = only
     parser.add_argument("--version", action="version", version=loopline.__version__)
     sub = parser.add_subparsers(dest="command", metavar="{generate,serve,bench,train}")
     sub.required = True

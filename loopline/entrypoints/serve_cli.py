@@ -7,6 +7,7 @@ from typing import Any
 
 from loopline.entrypoints.cli_args import HelpFormatter, check_model_dir, common_parser, port_number
 from loopline.errors import LooplineError
+from loopline.vllm_flags import check_engine_options, server_option_help
 
 HELP = "serve an OpenAI-compatible HTTP API (default model: the bundled demo model)"
 
@@ -84,12 +85,31 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                              "(tokens that are not valid UTF-8 on their own stay identifiable)")
     server.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's own log level")
+    _add_vllm_server_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_serve)
     return p
 
 
+def _add_vllm_server_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's server flags (their help comes from loopline/vllm_flags.py, the table the docs show)."""
+    g = p.add_argument_group("vLLM server flags")
+    h = server_option_help
+    g.add_argument("--response-role", default="assistant", help=h("response_role"))
+    g.add_argument("--root-path", default=None, help=h("root_path"))
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE", help=h("ssl_keyfile"))
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE", help=h("ssl_certfile"))
+    g.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help=h("ssl_ca_certs"))
+    g.add_argument("--uds", default=None, metavar="PATH", help=h("uds"))
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help=h("disable_uvicorn_access_log"))
+    g.add_argument("--disable-log-requests", action="store_true", help=h("disable_log_requests"))
+    g.add_argument("--enable-log-requests", action="store_true", help=h("enable_log_requests"))
+    g.add_argument("--max-log-len", type=int, default=None, metavar="N", help=h("max_log_len"))
+
+
 def _run_serve(ns: argparse.Namespace) -> int:
+    from loopline.config import EngineArgs
+
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
             raise LooplineError("give the model either positionally or with --model, not both")
@@ -98,6 +118,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
         raise LooplineError("--enable-auto-tool-choice needs --tool-call-parser (e.g. --tool-call-parser hermes)")
     check_model_dir(ns.model, "--model")
     check_model_dir(ns.tokenizer, "--tokenizer")
+    check_engine_options(EngineArgs.from_cli_args(ns))  # vLLM options loopline cannot honour, before torch loads
     from loopline.entrypoints.openai.api_server import run_server  # the server and torch load after the flags are checked
 
     return run_server(ns)

@@ -504,16 +504,25 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # --- tokenizer ----------------------------------------------------------------------
 
 
-def load_tokenizer(path: PathLike):
-    """A transformers fast tokenizer from local files only (a directory or a ``tokenizer.json``).
+def load_tokenizer(path: PathLike, chat_template: str | None = None):
+    """A transformers fast tokenizer from local files only (a directory or a ``tokenizer.json``);
+    ``chat_template`` (``EngineArgs.chat_template``: a file or the template) replaces the checkpoint's.
 
     The directory's ``tokenizer_config.json`` (special tokens, chat template)
     is used when present. Built as the generic fast tokenizer straight from
     ``tokenizer.json``, so no model class lookup or remote code is involved.
     """
+    tokenizer = _load_tokenizer(Path(path))
+    if chat_template is not None:
+        from loopline.vllm_flags import read_chat_template
+
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
+
+
+def _load_tokenizer(path: Path):
     from transformers import PreTrainedTokenizerFast
 
-    path = Path(path)
     if path.is_file():
         if path.name != TOKENIZER_FILE:
             raise CheckpointError(f"{path}: not a {TOKENIZER_FILE} file; pass a directory or a {TOKENIZER_FILE}")

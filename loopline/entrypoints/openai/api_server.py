@@ -41,10 +41,11 @@ from loopline.entrypoints.openai.serving_chat import create_chat_completion, ren
 from loopline.entrypoints.openai.serving_completion import create_completion
 from loopline.entrypoints.openai.serving_generate import GenerateRequest, create_generate
 from loopline.entrypoints.openai.security import HTTP_PROTOCOL, SecurityConfig, SecurityGuard, is_loopback
-from loopline.entrypoints.openai.serving_rl import add_rl_routes
+from loopline.entrypoints.openai.serving_rl import add_rl_routes, add_sleep_routes
 from loopline.entrypoints.openai.startup import startup_line
 from loopline.entrypoints.tokenizer_pool import TokenizerPool
 from loopline.errors import InvalidRequestError, LooplineError
+from loopline.vllm_flags import log_engine_option_notes
 
 logger = logging.getLogger("loopline.api")
 
@@ -59,7 +60,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
               allow_credentials: bool = False,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               return_tokens_as_token_ids: bool = False, trust_request_chat_template: bool = False,
-              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              response_role: str = "assistant", enable_sleep_mode: bool = False, log_requests: bool = True,
+              max_log_len: int | None = None) -> FastAPI:
     """The FastAPI app serving ``async_llm``.
 
     ``served_model_name``: the name(s) clients must use in ``model`` (default:
@@ -80,6 +83,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
     (vLLM's ``--trust-request-chat-template``; off: a 400, since templates run code-like loops).
     ``enable_auto_tool_choice`` / ``tool_call_parser``: ``tool_choice: "auto"`` (and tools without a
     tool_choice) parse tool calls out of the text with that parser (vLLM's flags; ``tool_parsers.TOOL_PARSERS``).
+    ``response_role``: a chat response's role after a generation prompt (vLLM's ``--response-role``).
+    ``enable_sleep_mode``: mount ``/sleep``, ``/wake_up`` and ``/is_sleeping`` without the other RL routes.
+    ``log_requests`` / ``max_log_len``: one log line per request, its details cut to ``max_log_len`` characters.
     """
     for name, value in (("max_concurrent_requests", max_concurrent_requests),
                         ("max_prompts_per_request", max_prompts_per_request)):
@@ -99,6 +105,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
             raise InvalidRequestError(f"unknown tool_call_parser {tool_call_parser!r} (known: {sorted(TOOL_PARSERS)})",
                                       param="tool_call_parser")
     ctx.enable_auto_tool_choice, ctx.tool_call_parser = enable_auto_tool_choice, tool_call_parser
+    if not isinstance(response_role, str) or not response_role.strip():
+        raise InvalidRequestError(f"response_role must be a non-empty role name, got {response_role!r}",
+                                  param="response_role")
+    ctx.response_role = response_role
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -184,6 +194,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
             return await create_generate(ctx, await parse_body(raw, GenerateRequest), raw)
 
         control_paths |= {"/generate", *add_rl_routes(app, async_llm, auth)}
+    elif enable_sleep_mode:
+        control_paths |= set(add_sleep_routes(app, async_llm, auth))
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(raw: Request) -> dict:
@@ -225,7 +237,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str] | None = N
         app.add_middleware(CORSMiddleware, allow_origins=list(security.allowed_origins),
                            allow_methods=allowed_methods or ["*"], allow_headers=allowed_headers or ["*"],
                            allow_credentials=allow_credentials)
-    app.add_middleware(_RequestLog)
+    if log_requests:
+        app.add_middleware(_RequestLog, max_len=max_log_len)
     return app
 
 
@@ -282,12 +295,14 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
 # --- logging --------------------------------------------------------------------------------
 class _RequestLog:
-    """Logs one line per HTTP request when its response has been sent (streams included)."""
+    """Logs one line per HTTP request when its response has been sent (streams included); ``max_len``
+    (``--max-log-len``) cuts the line's details (request id, token counts, user) to that many characters."""
 
     QUIET = ("/health", "/metrics")
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, max_len: int | None = None) -> None:
         self.app = app
+        self.max_len = max_len
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -313,6 +328,8 @@ class _RequestLog:
                 path = repr(path)
             gen = scope["state"].get("generation")
             extra = f" {gen.id} {gen.summary()}" if gen is not None else ""
+            if self.max_len is not None and len(extra) > self.max_len + 1:
+                extra = extra[:self.max_len + 1] + "..."
             client = scope.get("client") or ("-", 0)
             logger.log(logging.DEBUG if path in self.QUIET else logging.INFO, "%s:%s %s %s %s %.3fs%s", client[0], client[1],
                        scope.get("method", ""), path, status[0] or "-", time.monotonic() - t0, extra)
@@ -325,15 +342,20 @@ def run_server(ns: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("loopline").setLevel(logging.INFO)
     api_key = ns.api_key or os.environ.get("LOOPLINE_API_KEY")
-    check_exposure(ns.host, ns.enable_rl_api, api_key)  # before the (slow) engine load
+    check_exposure(ns.host, ns.enable_rl_api, api_key, sleep_routes=ns.enable_sleep_mode)  # before the engine load
+    check_listen_flags(ns)
     for flag in ("max_request_body_bytes", "max_prompts_per_request", "max_concurrent_requests"):
         if getattr(ns, flag) < 1:
             raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
     if ns.shutdown_timeout < 0:
         raise SystemExit(f"error: --shutdown-timeout must be >= 0, got {ns.shutdown_timeout}")
-    security = SecurityConfig.for_bind(ns.host, ns.allowed_hosts, allowed_origins=tuple(ns.allowed_origins),
+    # NOTE: on a unix socket any Host is answered (unless --allowed-hosts): no browser reaches a socket file, so
+    # DNS rebinding, which the loopback allow-list stops, cannot happen; file permissions decide who connects.
+    security = SecurityConfig.for_bind(ns.host if ns.uds is None else "unix-socket", ns.allowed_hosts, allowed_origins=tuple(ns.allowed_origins),
                                        max_request_body_bytes=ns.max_request_body_bytes)
     args = EngineArgs.from_cli_args(ns)
+    args.validate()  # a bad vLLM option is named before the engine loads
+    log_engine_option_notes(args, logger)
     async_llm = AsyncLLM(args)
     logger.info(startup_line(async_llm.info, rl_api=ns.enable_rl_api))
     if args.data_parallel_size > 1:
@@ -346,14 +368,18 @@ def run_server(ns: argparse.Namespace) -> int:
                     return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
                     trust_request_chat_template=getattr(ns, "trust_request_chat_template", False),
                     enable_auto_tool_choice=getattr(ns, "enable_auto_tool_choice", False),
-                    tool_call_parser=getattr(ns, "tool_call_parser", None))
+                    tool_call_parser=getattr(ns, "tool_call_parser", None), response_role=ns.response_role,
+                    enable_sleep_mode=args.enable_sleep_mode, log_requests=not ns.disable_log_requests,
+                    max_log_len=ns.max_log_len)
     # NOTE: uvicorn cuts connections still open after its own timeout; ours aborts the requests first
     # (so every stream ends with a final chunk and [DONE]) and uvicorn's is only the last resort.
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, access_log=False,
-                            http=HTTP_PROTOCOL, timeout_graceful_shutdown=ns.shutdown_timeout + _ABORT_GRACE_S)
+    # uvicorn's access log stays off (--disable-uvicorn-access-log is accepted): _RequestLog logs each request.
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, uds=ns.uds, root_path=ns.root_path,
+                            log_level=ns.uvicorn_log_level, access_log=False, http=HTTP_PROTOCOL,
+                            timeout_graceful_shutdown=ns.shutdown_timeout + _ABORT_GRACE_S, **_tls(ns))
     server = _Server(config, app.state.ctx, ns.shutdown_timeout)
-    logger.info("listening on http://%s:%d (model %r%s)", ns.host, ns.port, name[0],
-                ", RL API enabled" if ns.enable_rl_api else "")
+    logger.info("listening on %s (model %r%s)", listen_url(ns), name[0],
+                ", RL API enabled" if ns.enable_rl_api else ", sleep routes enabled" if args.enable_sleep_mode else "")
     # NOTE: uvicorn re-raises the signal that stopped it once it has shut down; these
     # no-op handlers absorb it, so a graceful SIGINT/SIGTERM exits with status 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -367,11 +393,54 @@ def run_server(ns: argparse.Namespace) -> int:
     return 0
 
 
-def check_exposure(host: str, enable_rl_api: bool, api_key: str | None) -> None:
-    """Refuses to expose the RL control routes beyond this machine without an API key."""
+def check_exposure(host: str, enable_rl_api: bool, api_key: str | None, sleep_routes: bool = False) -> None:
+    """Refuses to expose the RL control routes (or the sleep routes) beyond this machine without an API key."""
     if enable_rl_api and not api_key and not is_loopback(host):
         raise SystemExit(f"error: --enable-rl-api with --host {host} (not a loopback address) needs --api-key "
                          "(or LOOPLINE_API_KEY): anyone who can reach the port could pause the engine and load weights")
+    if sleep_routes and not api_key and not is_loopback(host):
+        raise SystemExit(f"error: --enable-sleep-mode with --host {host} (not a loopback address) needs --api-key "
+                         "(or LOOPLINE_API_KEY): anyone who can reach the port could put the engine to sleep")
+
+
+def check_listen_flags(ns: argparse.Namespace) -> None:
+    """The TLS, unix socket and request-log flags, checked before the engine loads (each error names its flag)."""
+    if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
+        raise SystemExit("error: --ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+    if ns.ssl_ca_certs is not None and ns.ssl_keyfile is None:
+        raise SystemExit("error: --ssl-ca-certs needs --ssl-keyfile and --ssl-certfile (it verifies HTTPS clients)")
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(ns, flag)
+        if path is not None and not os.path.isfile(path):
+            raise SystemExit(f"error: --{flag.replace('_', '-')} {path}: no such file")
+    if ns.uds is not None and not os.path.isdir(os.path.dirname(os.path.abspath(ns.uds))):
+        raise SystemExit(f"error: --uds {ns.uds}: its directory does not exist")
+    if ns.disable_log_requests and ns.enable_log_requests:
+        raise SystemExit("error: --disable-log-requests and --enable-log-requests contradict each other: give one")
+    if ns.max_log_len is not None and ns.max_log_len < 0:
+        raise SystemExit(f"error: --max-log-len must be >= 0, got {ns.max_log_len}")
+    if not ns.response_role.strip():
+        raise SystemExit("error: --response-role must be a non-empty role name")
+
+
+def _tls(ns: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's TLS settings; with --ssl-ca-certs clients must present a certificate those CAs signed."""
+    if ns.ssl_keyfile is None:
+        return {}
+    import ssl
+
+    tls: dict[str, Any] = {"ssl_keyfile": ns.ssl_keyfile, "ssl_certfile": ns.ssl_certfile}
+    if ns.ssl_ca_certs is not None:
+        tls |= {"ssl_ca_certs": ns.ssl_ca_certs, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return tls
+
+
+def listen_url(ns: argparse.Namespace) -> str:
+    """Where the server answers: ``unix:PATH`` with --uds, else ``http(s)://host:port`` (with --root-path)."""
+    if ns.uds is not None:
+        return f"unix:{ns.uds}"
+    scheme = "https" if ns.ssl_keyfile is not None else "http"
+    return f"{scheme}://{ns.host}:{ns.port}{ns.root_path or ''}"
 
 
 def _default_name() -> str:
@@ -422,3 +491,19 @@ class _Server(uvicorn.Server):
             await self.ctx.llm.abort_all()
         except Exception:  # the engine already stopped: nothing left to abort
             logger.debug("abort at shutdown failed", exc_info=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loopline.entrypoints.openai.api_server FLAGS`` (vLLM's module entry point): the same as
+    ``loopline serve FLAGS``, with the same flags, checks and messages."""
+    import importlib
+    import sys
+
+    # NOTE: by name, not an import statement: the CLI imports this module (serve_cli -> run_server); the
+    # script entry sits above both, so this module must not depend on the CLI (tests/test_layering.py).
+    cli = importlib.import_module("loopline.entrypoints.cli")
+    return cli.main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

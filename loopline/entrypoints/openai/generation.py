@@ -225,6 +225,7 @@ class ServingContext:
         self.in_flight = 0
         self._adds_special: bool | None = None
         self.trust_request_chat_template = False  # a request's own chat_template is refused unless set
+        self.response_role = "assistant"  # a chat response's role after a generation prompt (--response-role)
         self.ready = False
         self.shutting_down = False
 

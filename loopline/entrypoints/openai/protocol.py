@@ -517,13 +517,14 @@ class ChatCompletionRequest(_CommonRequest, ChatTemplateInputs):
             raise InvalidRequestError("messages must not be empty", param="messages")
         return [m.as_dict() for m in self.messages]
 
-    def response_role(self) -> str:
-        """vLLM's: ``assistant`` after a generation prompt, else the last message's role (it is continued)."""
-        return "assistant" if self.add_generation_prompt or not self.messages else self.messages[-1].role
+    def response_role(self, generation_role: str = "assistant") -> str:
+        """vLLM's: ``generation_role`` (the server's ``--response-role``) after a generation prompt, else the
+        last message's role (it is continued)."""
+        return generation_role if self.add_generation_prompt or not self.messages else self.messages[-1].role
 
-    def echoed(self) -> str:
+    def echoed(self, generation_role: str = "assistant") -> str:
         """With ``echo``: the last message's content when it has the response's role (else nothing)."""
-        if self.echo and self.messages and self.messages[-1].role == self.response_role():
+        if self.echo and self.messages and self.messages[-1].role == self.response_role(generation_role):
             return self.messages[-1].text()
         return ""
 

@@ -90,8 +90,8 @@ class _ChatView:
         self.prompt_text, self.prompt_ids = prompt_text, prompt_ids
         self.created = int(time.time())
         self.top_k = req.logprobs_shown
-        self.role = req.response_role()
-        self.echo = req.echoed()
+        self.role = req.response_role(ctx.response_role)
+        self.echo = req.echoed(ctx.response_role)
         self.tools = _Tools("none", None, None, True)
 
     def _logprobs(self, comp: CompletionOutput) -> ChatLogProbs | None:

@@ -131,6 +131,16 @@ def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> list[str]:
         version = await run("get_weight_version")
         return {"weight_version": version, "weights": llm.weights_state()}  # "weights": a clear state, never silent
 
+    add_sleep_routes(app, llm, auth)
+    return sorted({getattr(r, "path", None) for r in app.routes} - before - {None})
+
+
+def add_sleep_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> list[str]:
+    """vLLM's sleep routes (``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping``): part of the RL routes,
+    and mounted alone by ``loopline serve --enable-sleep-mode``; returns their paths."""
+    async def run(verb: str, **fields: Any) -> Any:
+        return await _control(llm.control_call(verb, **fields))
+
     @app.post("/sleep", dependencies=auth)
     async def sleep(raw: Request) -> dict:
         req = await _parse(raw, SleepRequest)
@@ -147,7 +157,7 @@ def add_rl_routes(app: FastAPI, llm: AsyncLLM, auth: list) -> list[str]:
     async def is_sleeping() -> dict:
         return {"is_sleeping": await run("is_sleeping")}
 
-    return sorted({getattr(r, "path", None) for r in app.routes} - before - {None})
+    return ["/is_sleeping", "/sleep", "/wake_up"]
 
 
 def _version(req: UpdateFromDiskRequest) -> int:
