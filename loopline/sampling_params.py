@@ -209,6 +209,9 @@ class SamplingParams:
         _int_in("priority", self.priority, -(2**31), _MAX_INT32)
         _int_in("min_loops", self.min_loops, 1, _MAX_INT32)
         if self.max_loops is not None:
+            if _is_int(self.max_loops) and self.max_loops < self.min_loops:
+                raise InvalidRequestError(f"max_loops ({self.max_loops}) must be >= min_loops ({self.min_loops})",
+                                          param="max_loops")
             _int_in("max_loops", self.max_loops, self.min_loops, _MAX_INT32)
         if self.exit_threshold is not None:
             _float_in("exit_threshold", self.exit_threshold, 0.0, 1.0, lo_open=True)

@@ -14,7 +14,8 @@ import sys
 import urllib.parse
 from typing import Any
 
-from loopline.entrypoints.cli_args import SAMPLING_HELP, HelpFormatter, common_parser, positive_float
+from loopline.entrypoints.cli_args import (SAMPLING_HELP, HelpFormatter, add_cpu_threads_arg, apply_cpu_threads,
+                                           common_parser, positive_float)
 from loopline.errors import InvalidRequestError
 
 HELP = "offline throughput/latency benchmark (and `bench serve` for an HTTP server)"
@@ -62,6 +63,7 @@ def add_parser(sub: Any) -> None:
                    help="GPU idle from torch.profiler kernel intervals (exact, with profiler overhead) instead of CUDA "
                         "events; each run's record also gets its device time per kernel name ('kernels', top 30)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_cpu_threads_arg(p)
     EngineArgs.add_cli_args(p)
     # None = "sized by the bench" (engine_args_for) or "resolved from --depth-dist" (exit_mode).
     p.set_defaults(max_num_seqs=None, max_num_batched_tokens=None, exit_mode=None)
@@ -228,6 +230,7 @@ def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) 
     variants = _variants(ns)
     repeats = ns.repeats or (3 if len(variants) > 1 else 1)
     args = dataclasses.replace(EngineArgs.from_cli_args(ns), exit_mode=exit_mode)
+    apply_cpu_threads(ns.cpu_threads)
     model, device, dtype, source = build_model(args, ns.config, ns.seed)
     cfg = model.config
     depth = parse_depth_dist(ns.depth_dist, cfg.total_ut_steps) if ns.depth_dist else None

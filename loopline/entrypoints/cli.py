@@ -8,7 +8,7 @@ Parsing imports neither torch nor the engine (:mod:`loopline.config` is
 torch-free at import), so ``--help``, a usage error or a missing model
 directory answers in a fraction of a second; only a command that runs loads
 them. Every error is one line on stderr and exit status 2; ``--debug`` (or
-``LOOPLINE_DEBUG=1``) shows the traceback.
+``LOOPLINE_DEBUG=1``) prints the traceback before that line.
 """
 from __future__ import annotations
 
@@ -18,13 +18,16 @@ import json
 import os
 import sys
 import time
+import traceback
 from typing import Any
 
 import loopline
 from loopline.entrypoints import bench_cli, serve_cli, train_cli  # stdlib only at import: torch loads when a command runs
 from loopline.entrypoints.cli_args import (
     HelpFormatter,
+    add_cpu_threads_arg,
     add_sampling_args,
+    apply_cpu_threads,
     check_model_dir,
     common_parser,
     read_text_file,
@@ -51,6 +54,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     p.add_argument("--stats", action="store_true", help="print steps, rows per step, mean exit depth and tokens/s")
+    add_cpu_threads_arg(p)
     EngineArgs.add_cli_args(p)
     add_sampling_args(p)
     p.set_defaults(func=_run_generate)
@@ -70,7 +74,8 @@ def _run_generate(ns: argparse.Namespace) -> int:
     check_model_dir(args.tokenizer, "--tokenizer")
     if args.model is None:
         print(DEMO_NOTICE, file=sys.stderr)
-    from loopline.entrypoints.llm import LLM  # torch and the engine load here, after the flags are checked
+    apply_cpu_threads(ns.cpu_threads)  # torch and the engine load from here, after the flags are checked
+    from loopline.entrypoints.llm import LLM
 
     llm = LLM(**dataclasses.asdict(args))
     params = sampling_from_ns(ns, llm.llm_engine.sampling_defaults)
@@ -261,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # noqa: BLE001 -- the one place that turns any error into a clean CLI line
         if _debug(argv):
-            raise
+            traceback.print_exc()  # then the same line and status as without --debug
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
 
@@ -281,8 +286,8 @@ def _int_list_flags(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def unswallow(argv: list[str], int_list_flags: set[str]) -> list[str]:
-    """Moves words that follow a list-of-integers flag's integers to just after the subcommand (where the
-    positionals go), so that ``generate --stop-token-ids 5 6 "a prompt"`` reads the prompt as a prompt
+    """Moves words that follow a list-of-integers flag's integers to the subcommand's positionals (after
+    those given before the first flag), so that ``generate --stop-token-ids 5 6 "a prompt"`` reads the prompt as a prompt
     (argparse's ``nargs='+'`` would take it as a third id and fail)."""
     out: list[str] = []
     moved: list[str] = []
@@ -307,8 +312,10 @@ def unswallow(argv: list[str], int_list_flags: set[str]) -> list[str]:
         i = k
     if not moved:
         return out
-    command = next((n for n, w in enumerate(out) if not w.startswith("-")), -1)
-    return out[:command + 1] + moved + out[command + 1:]
+    at = next((n for n, w in enumerate(out) if not w.startswith("-")), -1) + 1
+    while at < len(out) and not out[at].startswith("-"):
+        at += 1  # positionals given before the first flag stay first: prompts keep their order
+    return out[:at] + moved + out[at:]
 
 
 def _is_int(word: str) -> bool:

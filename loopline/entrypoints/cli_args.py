@@ -144,3 +144,40 @@ def check_model_dir(path: str | None, flag: str = "--model") -> None:
              else "`hf download <repo> --local-dir <dir>`")
     raise InvalidRequestError(f"{flag} {path}: no such directory (loopline loads local checkpoint directories "
                               f"only and never downloads: fetch the weights first, e.g. with {fetch})", param=flag)
+
+
+# --- CPU threads -----------------------------------------------------------------------------------------
+CPU_THREADS_HELP = ("torch CPU threads (intra-op) of this process and its engine processes; default: "
+                    "OMP_NUM_THREADS when it is set, else one less than the CPUs this process may use (at least 1): "
+                    "a thread team as large as the machine stalls whenever another process takes a core "
+                    "(docs/configuration.md, 'CPU threads')")
+
+
+def add_cpu_threads_arg(parser: Any) -> None:
+    """``--cpu-threads N`` (generate, serve and the offline bench)."""
+    parser.add_argument("--cpu-threads", type=positive_int, default=None, metavar="N", help=CPU_THREADS_HELP)
+
+
+def default_cpu_threads(physical_cores: int, usable_cpus: int | None = None) -> int:
+    """The thread count without a flag or OMP_NUM_THREADS: one less than the CPUs this process may run on,
+    at most ``physical_cores`` (torch's own default), at least 1.
+
+    NOTE: torch's default (every physical core) collapsed on a busy 2-core machine (docs/benchmarks/
+    cpu-2026-12-04-threads.md): each op waits for its slowest thread, and a thread without a core stalls
+    them all; the spare core also runs the process's Python side (scheduler, tokenizer, HTTP)."""
+    if usable_cpus is None:
+        usable_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(physical_cores, usable_cpus - 1))
+
+
+def apply_cpu_threads(requested: int | None) -> int:
+    """Sets torch's thread count by precedence: ``--cpu-threads``, else ``OMP_NUM_THREADS`` (torch has
+    read it already), else :func:`default_cpu_threads`. Returns the count in use. Engine processes
+    started later inherit it (``MPClient`` passes ``torch.get_num_threads()``)."""
+    import torch  # only a command that runs an engine gets here
+
+    if requested is None and os.environ.get("OMP_NUM_THREADS", "").strip():
+        return torch.get_num_threads()
+    threads = requested or default_cpu_threads(torch.get_num_threads())
+    torch.set_num_threads(threads)
+    return threads

@@ -5,7 +5,8 @@ import argparse
 import json
 from typing import Any
 
-from loopline.entrypoints.cli_args import HelpFormatter, check_model_dir, common_parser, port_number
+from loopline.entrypoints.cli_args import (HelpFormatter, add_cpu_threads_arg, apply_cpu_threads, check_model_dir,
+                                           common_parser, port_number)
 from loopline.errors import LooplineError
 from loopline.vllm_flags import check_engine_options, server_option_help
 
@@ -85,6 +86,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                              "(tokens that are not valid UTF-8 on their own stay identifiable)")
     server.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's own log level")
+    add_cpu_threads_arg(server)
     _add_vllm_server_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_serve)
@@ -119,6 +121,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
     check_model_dir(ns.model, "--model")
     check_model_dir(ns.tokenizer, "--tokenizer")
     check_engine_options(EngineArgs.from_cli_args(ns))  # vLLM options loopline cannot honour, before torch loads
-    from loopline.entrypoints.openai.api_server import run_server  # the server and torch load after the flags are checked
+    apply_cpu_threads(ns.cpu_threads)  # torch and the server load from here, after the flags are checked
+    from loopline.entrypoints.openai.api_server import run_server
 
     return run_server(ns)

@@ -30,6 +30,7 @@ def test_help_needs_no_torch(command):
     rc, out, err = _probe(command, "--help")
     assert rc == 0 and err.endswith("rc=0 torch=False"), err
     assert out.startswith(f"usage: loopline {command}")
+    assert ("--cpu-threads N" in out) == (command != "train")  # train has its own --threads
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -39,6 +40,7 @@ def test_help_needs_no_torch(command):
     (["serve", "--model", "/nonexistent/ouro"], "error: --model /nonexistent/ouro: no such directory"),
     (["serve", "ByteDance/Ouro-1.4B"], "hf download ByteDance/Ouro-1.4B --local-dir ./Ouro-1.4B"),
     (["generate", "--tokenizer", __file__], f"error: --tokenizer {__file__}: not a directory"),
+    (["serve", "--cpu-threads", "0"], "argument --cpu-threads: expected an integer >= 1, got 0"),
 ])
 def test_usage_errors_and_missing_model_need_no_torch(argv, message):
     rc, out, err = _probe(*argv)
