@@ -74,11 +74,12 @@ def _run_generate(ns: argparse.Namespace) -> int:
     check_model_dir(args.tokenizer, "--tokenizer")
     if args.model is None:
         print(DEMO_NOTICE, file=sys.stderr)
-    apply_cpu_threads(ns.cpu_threads)  # torch and the engine load from here, after the flags are checked
+    threads = apply_cpu_threads(ns.cpu_threads)  # torch and the engine load from here, after the flags are checked
     from loopline.entrypoints.llm import LLM
 
     llm = LLM(**dataclasses.asdict(args))
     params = sampling_from_ns(ns, llm.llm_engine.sampling_defaults)
+    print(loop_settings_line(ns, args, llm.llm_engine.model_config), file=sys.stderr)
     t0 = time.perf_counter()
     if ns.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
@@ -99,8 +100,7 @@ def _run_generate(ns: argparse.Namespace) -> int:
                     record["prompt_logprobs"] = prompt_lps
                 print(json.dumps(record))
             else:
-                print(f"prompt: {prompt!r}\noutput[{comp.index}]: {comp.text!r}\n"
-                      f"exit depths: {comp.exit_depths} (mean {comp.mean_exit_depth:.2f})  finish: {comp.finish_reason}")
+                print(completion_text(prompt, comp, numbered=len(out.outputs) > 1))
                 if prompt_lps is not None and comp.index == 0:
                     print("prompt logprobs (id, token, logprob, rank | top: id, token, logprob):\n" + format_logprob_rows(prompt_lps))
                 if lps is not None:
@@ -110,9 +110,51 @@ def _run_generate(ns: argparse.Namespace) -> int:
         st = llm.llm_engine.stats
         stats = {"steps": st.steps, "rows_per_step": round(st.rows_per_step, 2),
                  "mean_exit_depth": round(st.mean_exit_depth, 3), "generated_tokens": st.generated_tokens,
-                 "elapsed_s": round(elapsed, 3), "output_tokens_per_s": round(st.generated_tokens / elapsed, 1)}
-        print(json.dumps({"stats": stats}) if ns.json else "stats: " + ", ".join(f"{k}={v}" for k, v in stats.items()))
+                 "elapsed_s": round(elapsed, 3), "output_tokens_per_s": round(st.generated_tokens / elapsed, 1),
+                 "cpu_threads": threads}
+        if ns.json:
+            print(json.dumps({"stats": stats}))
+        else:
+            print("stats: " + ", ".join(f"{k}={v}" for k, v in stats.items()))
+            print("\n".join(f"  {k:<20} {STATS_LEGEND[k]}" for k in stats))
     return 0
+
+
+def completion_text(prompt: str, comp: Any, numbered: bool = False) -> str:
+    """A completion as a reader wants it: the prompt, the text as generated (not a repr), then one line
+    with its length, finish reason and per-token exit depths."""
+    depths = " ".join(map(str, comp.exit_depths))
+    return (f"prompt: {prompt}\n" + (f"completion {comp.index}:" if numbered else "completion:") + f"\n{comp.text}\n"
+            f"[{len(comp.token_ids)} tokens, finish: {comp.finish_reason}; exit depth per token: {depths} "
+            f"(mean {comp.mean_exit_depth:.2f})]")
+
+
+def loop_settings_line(ns: argparse.Namespace, args: Any, model_config: Any) -> str:
+    """The loop budget and exit rule every prompt runs with, and where each value came from."""
+    where = "the bundled demo model's config.json" if args.model is None else f"{args.model}/config.json"
+    budget = (f"{ns.max_loops} (--max-loops)" if ns.max_loops is not None
+              else f"{model_config.total_ut_steps} (total_ut_steps in {where})")
+    line = f"loops per token: at most {budget}, at least {ns.min_loops}"
+    if args.exit_mode == "fixed":
+        return line + "; --exit-mode fixed: every token runs the most loops"
+    if args.exit_mode == "trace":
+        return line + "; --exit-mode trace: exit depths replayed from --exit-depths"
+    threshold = (f"{ns.exit_threshold} (--exit-threshold)" if ns.exit_threshold is not None
+                 else f"{model_config.early_exit_threshold} (early_exit_threshold in {where})")
+    return (line + f"; a token exits after the first loop where its cumulative exit probability reaches "
+                   f"{threshold}; 1.0 means fixed depth")
+
+
+# One line each for `loopline generate --stats` (docs/user-guide.md says the same).
+STATS_LEGEND = {
+    "steps": "engine steps: each runs one loop of the shared layer stack for every row in the batch",
+    "rows_per_step": "mean rows per step (a row: one request's token or prompt chunk at one of its loops)",
+    "mean_exit_depth": "mean loops a generated token ran before it exited",
+    "generated_tokens": "tokens generated, every completion together",
+    "elapsed_s": "seconds the generation took (prefill and decode; loading the model not included)",
+    "output_tokens_per_s": "generated_tokens / elapsed_s",
+    "cpu_threads": "torch CPU threads (--cpu-threads; docs/configuration.md)",
+}
 
 
 def logprob_rows(token_ids: list[int], entries: list | None, k: int | None) -> list[dict | None] | None:

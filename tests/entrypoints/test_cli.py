@@ -43,6 +43,30 @@ def test_generate_without_logprobs_prints_none(tiny_gqa, capsys):
     assert "logprobs" not in json.loads(out)
 
 
+def test_generate_prints_the_text_the_loop_settings_and_a_stats_legend(tiny_gqa, capsys):
+    from loopline.entrypoints.cli import STATS_LEGEND
+
+    rec = json.loads(_generate(tiny_gqa, capsys, "--json", "--temperature", "0"))
+    out = _generate(tiny_gqa, capsys, "--temperature", "0", "--stats")
+    depths = " ".join(map(str, rec["exit_depths"]))
+    # the text as generated, not its repr, between the prompt and a line about the completion
+    assert out.startswith(f"prompt: The cat sat\ncompletion:\n{rec['text']}\n[3 tokens, finish: length; "
+                          f"exit depth per token: {depths} (mean ")
+    stats_line, *legend = out.split("stats: ", 1)[1].strip().split("\n")
+    keys = [item.split("=")[0] for item in stats_line.split(", ")]
+    assert keys == list(STATS_LEGEND) and [line.split()[0] for line in legend] == keys
+    # where the loop budget and threshold came from: the checkpoint, then the flags
+    cfg = json.loads((tiny_gqa.path / "config.json").read_text())
+    assert main(["generate", "x", "--model", str(tiny_gqa.path), "--device", "cpu", "--max-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"at most {cfg['total_ut_steps']} (total_ut_steps in {tiny_gqa.path}/config.json), at least 1" in err
+    assert f"reaches {float(cfg.get('early_exit_threshold', 1.0))} (early_exit_threshold in {tiny_gqa.path}/config.json)" in err
+    assert main(["generate", "x", "--model", str(tiny_gqa.path), "--device", "cpu", "--max-tokens", "1",
+                 "--max-loops", "2", "--exit-threshold", "0.4"]) == 0
+    err = capsys.readouterr().err
+    assert "at most 2 (--max-loops)" in err and "reaches 0.4 (--exit-threshold)" in err
+
+
 # --- conventions: --version, lazy imports, one-line errors, --config -------------------------------
 def _run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "loopline.entrypoints.cli", *argv], capture_output=True, text=True,
@@ -162,3 +186,12 @@ def test_sampling_flags_have_help_and_no_default_none():
     assert "--temperature TEMPERATURE" in help_text and "(default: the model's generation_config.json, else 1.0)" in flat
     assert "come from it (default: 0)" in flat and "vLLM's default) (default: 256)" in flat  # 0 is a default too
     assert "the model's max_position_embeddings) (default" not in flat  # a help that names its default keeps it
+
+
+def test_user_guide_shows_the_stats_legend_as_printed():
+    from pathlib import Path
+
+    from loopline.entrypoints.cli import STATS_LEGEND
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "user-guide.md").read_text()
+    assert [k for k, v in STATS_LEGEND.items() if f"\n  {k:<20} {v}\n" not in guide] == []

@@ -124,5 +124,5 @@ def test_prompt_exit_depths_through_the_engine_equal_the_dense_exit_rule():
 def test_generate_without_a_model_runs_the_demo_model_and_says_so(capsys):
     assert main(["generate", "--max-tokens", "8", "--temperature", "0", "--device", "cpu", "--stats"]) == 0
     out, err = capsys.readouterr()
-    assert DEMO_NOTICE in err and f"prompt: {DEFAULT_PROMPT!r}" in out
+    assert DEMO_NOTICE in err and f"prompt: {DEFAULT_PROMPT}\ncompletion:\n" in out
     assert "mean_exit_depth=" in out
