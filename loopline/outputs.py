@@ -1,4 +1,4 @@
-"""Request outputs, shaped like vLLM's (DESIGN.md §5)."""
+"""Request outputs, shaped like vLLM's (docs/design.md, 'Outputs')."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

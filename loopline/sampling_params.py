@@ -47,7 +47,7 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass
 class SamplingParams:
-    """How to sample one request (DESIGN.md §5).
+    """How to sample one request (docs/design.md, 'Outputs').
 
     Loop fields: ``min_loops`` / ``max_loops`` bound a generated token's depth;
     ``exit_threshold`` is the exit rule's threshold on the cumulative exit

@@ -1,6 +1,6 @@
 """An independent, dense reference of Ouro and a serial generation oracle.
 
-Written straight from DESIGN.md §1 and §3 in plain PyTorch. It shares no code
+Written straight from docs/design.md's equations (exit rule, KV layouts) in plain PyTorch. It shares no code
 with ``loopline`` (it never imports it): weights come as a plain
 ``dict[str, Tensor]`` with the Hugging Face names and the architecture as a
 plain ``dict`` with the ``config.json`` keys ``vocab_size``, ``hidden_size``,

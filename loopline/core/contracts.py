@@ -1,4 +1,4 @@
-"""The typed contract of one engine step (DESIGN.md §2).
+"""The typed contract of one engine step (docs/design.md, 'Architecture').
 
 ``Scheduler.schedule() -> SchedulerOutput -> ModelRunner.launch() -> handle.get()
 -> RunnerOutput -> Scheduler.update(...)``. Host-side plain data only.

@@ -1,4 +1,4 @@
-"""When does a token stop looping? (DESIGN.md §1 exit rule)
+"""When does a token stop looping? (docs/design.md, 'The model: loops and exits')
 
 Host side (no torch): an :class:`ExitPolicy` strategy turns a request and a
 token index into the row's :class:`ExitParams`. The device applies the rule to

@@ -1,4 +1,4 @@
-"""Continuous depth batching scheduler (DESIGN.md §4). Host-side only: no torch.
+"""Continuous depth batching scheduler (docs/design.md, 'Scheduling'). Host-side only: no torch.
 
 Every step runs one loop for each scheduled row. Decode rows go first (one
 token each, in persistent slots); prefill chunks fill the rest of the token

@@ -6,7 +6,7 @@ scheduler.update()``, then the output processor turns new tokens into
 step n+1 before it reads step n; without, it reads each step at once. Both are
 the same calls in another order: there is one execution path.
 
-Failures (DESIGN.md §7): whatever is done per request in a step -- reading its
+Failures (docs/security.md): whatever is done per request in a step -- reading its
 row, booking its token, detokenizing, stop checks, finishing, building its
 output -- fails that request alone (its KV, slot and snapshot freed, its output
 ended with ``finish_reason="abort"`` and an ``error_id``); the others go on

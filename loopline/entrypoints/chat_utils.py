@@ -2,7 +2,7 @@
 
 Ouro-1.4B-Thinking and Ouro-2.6B-Thinking never open a reasoning block on
 their own: their prompts must end with ``<|im_start|>assistant\\n<think>\\n``,
-and their chat template does not add it (DESIGN.md §5). :class:`ChatEncoder`
+and their chat template does not add it (docs/design.md, 'Outputs'). :class:`ChatEncoder`
 is the one place that renders chat prompts, for ``LLM.chat`` and for the HTTP
 chat endpoint (and ``/tokenize`` with ``messages``): on a Thinking checkpoint
 it appends ``<think>\\n`` after the assistant prefix when the rendered prompt

@@ -1,4 +1,4 @@
-"""Depth-aware KV layouts (DESIGN.md §3) as small strategy objects.
+"""Depth-aware KV layouts (docs/design.md, 'KV layouts') as small strategy objects.
 
 A layout says how many KV *planes* a request owns, which plane loop ``r``
 reads and writes, whether an early exit must copy KV into deeper planes, and

@@ -92,7 +92,7 @@ class ExitCriterion(ABC):
 
 class GateExit(ExitCriterion):
     """Ouro's learned exit gate: exit once ``F_r = 1 - prod_{i<=r}(1 - sigmoid(gate_i)) >= threshold``
-    (DESIGN.md §1; the engine's device rule is ``loopline.worker.exit_rule``). Carry: the survival
+    (docs/design.md, exit rule; the engine's device rule is ``loopline.worker.exit_rule``). Carry: the survival
     ``prod(1 - lambda)`` ``[B]`` fp32."""
 
     name = "gate"

@@ -8,7 +8,7 @@ checkpoints load the same way.
 
 Every problem a user can cause raises :class:`CheckpointError` with a
 message that names the file, the field or tensor, the value and what is
-allowed (DESIGN.md §7). Nothing here touches the network.
+allowed (docs/security.md). Nothing here touches the network.
 """
 from __future__ import annotations
 
@@ -555,7 +555,7 @@ def _existing_dir(model_dir: PathLike) -> Path:
         return path
     if path.exists():
         raise CheckpointError(f"model directory {path} is not a directory")
-    # NOTE: loopline never downloads (DESIGN.md §7: paths stay local), so say how to get the files here.
+    # NOTE: loopline never downloads (docs/security.md: paths stay local), so say how to get the files here.
     if _HUB_ID.match(str(model_dir)):
         local = "./" + str(model_dir).split("/")[1]
         raise CheckpointError(

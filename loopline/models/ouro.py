@@ -1,7 +1,7 @@
 """The Ouro looped language model: pure math, no requests, pages or policies.
 
 Ouro runs one shared stack of decoder layers ``total_ut_steps`` times per token
-(DESIGN.md §1). The model exposes the three stages an engine schedules
+(docs/design.md, 'The model: loops and exits'). The model exposes the three stages an engine schedules
 separately, all on *flattened* token rows (``[N, hidden]``):
 
 * :meth:`OuroForCausalLM.embed` -- the prelude (token ids -> hidden),

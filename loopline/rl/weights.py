@@ -1,4 +1,4 @@
-"""Full-weight updates for RL trainers (DESIGN.md §6): validate everything, then copy in place.
+"""Full-weight updates for RL trainers (docs/rl.md): validate everything, then copy in place.
 
 One update is ``start(version) -> update(weights)* -> finish()``:
 

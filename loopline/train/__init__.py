@@ -1,4 +1,4 @@
-"""Training of looped models on the dense differentiable forward (DESIGN.md §8; docs/training.md).
+"""Training of looped models on the dense differentiable forward (docs/demo-model.md, docs/training.md).
 
 * :mod:`loopline.train.corpus` -- the offline, PSF-licensed corpus (the interpreter's ``Lib/``) and its held-out split.
 * :mod:`loopline.train.tokenizer` -- byte-level BPE with Ouro's special tokens, in the checkpoint's tokenizer files.

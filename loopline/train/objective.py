@@ -6,7 +6,7 @@ Shapes: R = loops, B = batch, T = sequence. Per token position the exit gate giv
     p_r = lambda_r * prod_{i<r} (1 - lambda_i)   (r < R),   p_R = prod_{i<R} (1 - lambda_i)
 
 (the last loop takes the remaining mass; ``lambda_R`` is unused), the same
-distribution whose CDF the engine's exit rule thresholds (DESIGN.md §1).
+distribution whose CDF the engine's exit rule thresholds (docs/design.md, 'The model: loops and exits').
 
 * **Stage 1** (everything trains): ``sum_r p_r * L_r - beta * H(p)``, the
   expected next-token loss over the exit distribution minus an entropy bonus

@@ -251,7 +251,7 @@ DEFAULT_THRESHOLDS = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 
 def exit_depths(gate_logits: Tensor, threshold: float, min_loops: int = 1) -> Tensor:
-    """The engine's exit rule (DESIGN.md §1) on dense gate logits ``[R, ...]``: 1-based depths ``[...]``.
+    """The engine's exit rule (docs/design.md, exit rule) on dense gate logits ``[R, ...]``: 1-based depths ``[...]``.
 
     First loop r >= ``min_loops`` with ``F_r = 1 - prod_{i<=r}(1 - lambda_i) >= threshold``; the last loop
     otherwise, and always at threshold 1 (fixed depth).

@@ -1,4 +1,4 @@
-"""The exit rule (DESIGN.md §1) on the device, vectorized over a batch of rows."""
+"""The exit rule (docs/design.md, 'The model: loops and exits') on the device, vectorized over a batch of rows."""
 from __future__ import annotations
 
 import torch

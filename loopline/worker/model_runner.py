@@ -1,6 +1,6 @@
 """Model runner: owns every device tensor and runs one forward per step.
 
-One step (DESIGN.md §4): prelude for rows that start a token, one traversal of
+One step (docs/design.md, 'Scheduling'): prelude for rows that start a token, one traversal of
 the shared stack + final norm + gate for all rows (each attending its own
 plane), exit decisions, the ``last_exited`` exit copy, and coda + sampling for
 rows whose token exits -- all queued by ``launch`` without waiting for the

@@ -1,4 +1,4 @@
-"""An engine bug hit while serving one request fails that request alone (DESIGN.md §7).
+"""An engine bug hit while serving one request fails that request alone (docs/security.md).
 
 Faults are injected for one request (the one with ``max_tokens=9``) at each place the engine works
 per request: the runner's readback of its row, its prompt logprobs, detokenization, the stop check,
