@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_LINE = ["--trust-remote-code", "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
              "--disable-log-requests", "--enable-chunked-prefill", "--quantization", "None", "--enable-sleep-mode",
              "--override-generation-config", '{"temperature": 0.0, "max_new_tokens": 3}', "--revision", "main",
-             "--download-dir", "/tmp", "--root-path", "/api", "--max-log-len", "20", "--response-role", "bot",
+             "--download-dir", "/tmp", "--max-log-len", "20", "--response-role", "bot",
              "--disable-uvicorn-access-log", "--load-format", "dummy", "--dtype", "half", "--kv-cache-dtype", "auto",
              "--chat-template", "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"]
 
@@ -60,7 +60,7 @@ def test_a_vllm_launch_line_parses_and_passes_the_checks():
     check_engine_options(args)
     assert (args.tensor_parallel_size, args.trust_remote_code, args.load_format) == (1, True, "dummy")
     assert args.override_generation_config == {"temperature": 0.0, "max_new_tokens": 3}
-    assert (ns.root_path, ns.max_log_len, ns.response_role, ns.disable_log_requests) == ("/api", 20, "bot", True)
+    assert (ns.root_path, ns.max_log_len, ns.response_role, ns.disable_log_requests) == (None, 20, "bot", True)
     import torch
 
     for alias, dtype in (("half", torch.float16), ("float", torch.float32), ("bfloat16", torch.bfloat16),
@@ -266,10 +266,24 @@ def test_https_server_with_root_path_and_a_short_request_log(tiny_gqa, tmp_path,
 
 @pytest.mark.parametrize("flags, words", [
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+    (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "--ssl-keyfile k.pem: no such file"),
+    (["--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile"),
+    (["--uds", "/no/such/dir/s.sock"], "--uds /no/such/dir/s.sock: its directory does not exist"),
     (["--disable-log-requests", "--enable-log-requests"], "contradict each other"),
-    (["--enable-sleep-mode", "--host", "0.0.0.0"], "--enable-sleep-mode with --host 0.0.0.0"),
+    (["--max-log-len", "-1"], "--max-log-len must be >= 0, got -1"),
+    (["--response-role", " "], "--response-role must be a non-empty role name"),
 ])
-def test_server_flag_conflicts_are_named_before_the_engine_loads(tiny_gqa, flags, words):
-    proc = _serve(tiny_gqa, *flags)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and words in out, out
+def test_server_flag_conflicts_are_named(flags, words):
+    from loopline.entrypoints.openai.api_server import check_listen_flags
+
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        check_listen_flags(_serve_parser().parse_args(flags))
+
+
+def test_sleep_routes_on_a_public_bind_need_an_api_key():
+    from loopline.entrypoints.openai.api_server import check_exposure
+
+    with pytest.raises(SystemExit, match="--enable-sleep-mode with --host 0.0.0.0 .* needs --api-key"):
+        check_exposure("0.0.0.0", False, None, sleep_routes=True)
+    check_exposure("0.0.0.0", False, "key", sleep_routes=True)
+    check_exposure("127.0.0.1", False, None, sleep_routes=True)

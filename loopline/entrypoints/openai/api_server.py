@@ -374,7 +374,7 @@ def run_server(ns: argparse.Namespace) -> int:
     # NOTE: uvicorn cuts connections still open after its own timeout; ours aborts the requests first
     # (so every stream ends with a final chunk and [DONE]) and uvicorn's is only the last resort.
     # uvicorn's access log stays off (--disable-uvicorn-access-log is accepted): _RequestLog logs each request.
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, uds=ns.uds, root_path=ns.root_path,
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, uds=ns.uds, root_path=ns.root_path or "",
                             log_level=ns.uvicorn_log_level, access_log=False, http=HTTP_PROTOCOL,
                             timeout_graceful_shutdown=ns.shutdown_timeout + _ABORT_GRACE_S, **_tls(ns))
     server = _Server(config, app.state.ctx, ns.shutdown_timeout)
