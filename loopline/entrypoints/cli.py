@@ -53,7 +53,9 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--prompt-file", help="file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
-    p.add_argument("--stats", action="store_true", help="print steps, rows per step, mean exit depth and tokens/s")
+    p.add_argument("--stats", action="store_true",
+                   help="print steps, rows per step, mean exit depth, tokens/s and CPU threads (in text mode with a "
+                        "line on what each means)")
     add_cpu_threads_arg(p)
     EngineArgs.add_cli_args(p)
     add_sampling_args(p)
