@@ -244,22 +244,39 @@ def _which(name: str) -> bool:
     return any(os.access(os.path.join(d, name), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
 
 
-def test_https_server_with_root_path_and_a_short_request_log(tiny_gqa, tmp_path, free_port):
+def test_https_server_with_root_path_and_a_short_request_log(async_llm, tmp_path, free_port, caplog):
+    """run_server's uvicorn settings (uvicorn_config) and the request log of build_app, served in a thread."""
+    import threading
+
+    import uvicorn
+
+    from loopline.entrypoints.openai.api_server import build_app, listen_url, uvicorn_config
+
     key, cert = _self_signed(tmp_path)
-    port = free_port()
-    proc = _serve(tiny_gqa, "--port", str(port), "--ssl-keyfile", key, "--ssl-certfile", cert, "--root-path", "/api",
-                  "--max-log-len", "8", "--enable-log-requests")
+    ns = _serve_parser().parse_args(["--port", str(free_port()), "--ssl-keyfile", key, "--ssl-certfile", cert,
+                                     "--root-path", "/api", "--max-log-len", "8", "--enable-log-requests"])
+    app = build_app(async_llm, "t", shutdown_engine=False, log_requests=not ns.disable_log_requests,
+                    max_log_len=ns.max_log_len)
+    server = uvicorn.Server(uvicorn_config(app, ns))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
     try:
-        with httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=ssl.create_default_context(cafile=cert)) as client:
-            _wait(proc, client, "/health")
+        assert listen_url(ns) == f"https://127.0.0.1:{ns.port}/api"
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        tls = ssl.create_default_context(cafile=cert)
+        with caplog.at_level(logging.INFO, logger="loopline.api"), \
+                httpx.Client(base_url=f"https://127.0.0.1:{ns.port}", verify=tls) as client:
             body = {"model": "t", "prompt": "Hello", "max_tokens": 2}
             assert client.post("/v1/completions", json=body, timeout=60).status_code == 200
         with pytest.raises(httpx.HTTPError):  # plain HTTP is not answered
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+            httpx.get(f"http://127.0.0.1:{ns.port}/health", timeout=5)
     finally:
-        out = _stop(proc)
-    assert f"listening on https://127.0.0.1:{port}/api" in out
-    (line,) = [ln for ln in out.splitlines() if "POST /api/v1/completions 200" in ln]
+        server.should_exit = True
+        thread.join(timeout=30)
+    (line,) = [r.getMessage() for r in caplog.records if "POST /api/v1/completions 200" in r.getMessage()]
     details = line.split(" 200 ", 1)[1].split("s ", 1)[1]  # after the status and the time: the cut details
     assert details.endswith("...") and len(details) == len("...") + 8
 

@@ -371,13 +371,7 @@ def run_server(ns: argparse.Namespace) -> int:
                     tool_call_parser=getattr(ns, "tool_call_parser", None), response_role=ns.response_role,
                     enable_sleep_mode=args.enable_sleep_mode, log_requests=not ns.disable_log_requests,
                     max_log_len=ns.max_log_len)
-    # NOTE: uvicorn cuts connections still open after its own timeout; ours aborts the requests first
-    # (so every stream ends with a final chunk and [DONE]) and uvicorn's is only the last resort.
-    # uvicorn's access log stays off (--disable-uvicorn-access-log is accepted): _RequestLog logs each request.
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, uds=ns.uds, root_path=ns.root_path or "",
-                            log_level=ns.uvicorn_log_level, access_log=False, http=HTTP_PROTOCOL,
-                            timeout_graceful_shutdown=ns.shutdown_timeout + _ABORT_GRACE_S, **_tls(ns))
-    server = _Server(config, app.state.ctx, ns.shutdown_timeout)
+    server = _Server(uvicorn_config(app, ns), app.state.ctx, ns.shutdown_timeout)
     logger.info("listening on %s (model %r%s)", listen_url(ns), name[0],
                 ", RL API enabled" if ns.enable_rl_api else ", sleep routes enabled" if args.enable_sleep_mode else "")
     # NOTE: uvicorn re-raises the signal that stopped it once it has shut down; these
@@ -421,6 +415,16 @@ def check_listen_flags(ns: argparse.Namespace) -> None:
         raise SystemExit(f"error: --max-log-len must be >= 0, got {ns.max_log_len}")
     if not ns.response_role.strip():
         raise SystemExit("error: --response-role must be a non-empty role name")
+
+
+def uvicorn_config(app: FastAPI, ns: argparse.Namespace) -> uvicorn.Config:
+    """uvicorn's settings from ``loopline serve``'s flags: where to listen (host/port or --uds), TLS, root path."""
+    # NOTE: uvicorn cuts connections still open after its own timeout; ours aborts the requests first
+    # (so every stream ends with a final chunk and [DONE]) and uvicorn's is only the last resort.
+    # uvicorn's access log stays off (--disable-uvicorn-access-log is accepted): _RequestLog logs each request.
+    return uvicorn.Config(app, host=ns.host, port=ns.port, uds=ns.uds, root_path=ns.root_path or "",
+                          log_level=ns.uvicorn_log_level, access_log=False, http=HTTP_PROTOCOL,
+                          timeout_graceful_shutdown=ns.shutdown_timeout + _ABORT_GRACE_S, **_tls(ns))
 
 
 def _tls(ns: argparse.Namespace) -> dict[str, Any]:
