@@ -27,7 +27,7 @@ HELP = "train the demo looped model (Ouro objective) on the offline corpus, or f
 def add_parser(sub: Any) -> None:
     """Adds ``train`` (with its ``pretrain`` subcommand) to the ``loopline`` parser."""
     train = sub.add_parser("train", help=HELP, formatter_class=HelpFormatter)
-    tsub = train.add_subparsers(dest="train_command", metavar="{pretrain,curve,grpo}")
+    tsub = train.add_subparsers(dest="train_command", metavar="{pretrain,curve,grpo,lookahead}")
     tsub.required = True
     p = tsub.add_parser("pretrain", help="stage 1 (expected loss + entropy) then stage 2 (gate only), then export",
                         formatter_class=HelpFormatter)
@@ -68,6 +68,46 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "shared"])
     c.set_defaults(func=run_curve)
     _add_grpo_parser(tsub, HelpFormatter)
+    _add_lookahead_parser(tsub, HelpFormatter)
+
+
+def _add_lookahead_parser(tsub: Any, formatter: Any) -> None:
+    la = tsub.add_parser("lookahead", help="train a small head that predicts after loop n whether a token may exit at "
+                         "loop n + 2, on the frozen model (docs/lookahead.md)", formatter_class=formatter)
+    la.add_argument("--model", default=None, help="checkpoint directory (default: the bundled demo model)")
+    la.add_argument("--out", default=None, help="where lookahead.safetensors and lookahead.json go (default: --model; "
+                    "required with the bundled model, whose directory is part of the install)")
+    la.add_argument("--traces-dir", required=True, help="where the trace shards go (train/, calib/, heldout/)")
+    la.add_argument("--report", default=None, help="also write the held-out evaluation JSON here")
+    la.add_argument("--seq-len", type=positive_int, default=256, help="tokens per window")
+    la.add_argument("--train-windows", type=positive_int, default=96, help="training-split windows to fit on")
+    la.add_argument("--calib-windows", type=positive_int, default=32,
+                    help="further training-split windows that pick the threshold")
+    la.add_argument("--heldout-windows", type=positive_int, default=64, help="held-out windows, only evaluated")
+    la.add_argument("--epochs", type=positive_int, default=30)
+    la.add_argument("--seed", type=int, default=0)
+    la.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    la.set_defaults(func=run_lookahead)
+
+
+def run_lookahead(ns: argparse.Namespace) -> int:
+    import torch
+
+    from loopline.models.tiny import default_checkpoint
+    from loopline.train.lookahead import run
+
+    if ns.out is None and ns.model is None:
+        raise InvalidRequestError("--out is required with the bundled model (its directory is part of the install)")
+    if ns.model is not None and not Path(ns.model, "config.json").is_file():
+        raise FileNotFoundError(f"--model {ns.model}: no config.json there (a checkpoint directory)")
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    model = Path(ns.model) if ns.model else default_checkpoint()
+    result = run(model, Path(ns.out or model), Path(ns.traces_dir), seq_len=ns.seq_len, train_windows=ns.train_windows,
+                 calib_windows=ns.calib_windows, heldout_windows=ns.heldout_windows, epochs=ns.epochs, seed=ns.seed)
+    if ns.report:
+        Path(ns.report).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return 0
 
 
 def _add_grpo_parser(tsub: Any, formatter: Any) -> None:

@@ -1,0 +1,131 @@
+"""Lookahead exits (#44): traces equal the dense model, the policy replays the stock gate with an oracle,
+the head learns something and round-trips, and ``loopline train lookahead`` runs end to end."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from loopline.entrypoints.cli import main
+from loopline.models.tiny import default_checkpoint
+from loopline.train import lookahead as la
+
+SPEC = la.TraceSpec(proj_dim=8, seq_len=48)
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    """Traces of the bundled model: 6 held-out windows (3 shards), 32 training windows and 8 calibration windows."""
+    model = default_checkpoint()
+    root = tmp_path_factory.mktemp("traces")
+    held = la.split_stream(model, "heldout", 6 * SPEC.seq_len + 1)
+    train = la.split_stream(model, "train", 40 * SPEC.seq_len + 1)
+    meta = la.collect_traces(model, held, root / "held", spec=SPEC, max_windows=6, batch=2, split="heldout")
+    la.collect_traces(model, train, root / "train", spec=SPEC, max_windows=32, batch=16, split="train")
+    la.collect_traces(model, train[32 * SPEC.seq_len:], root / "calib", spec=SPEC, max_windows=8, split="calib")
+    return {"meta": meta, "held_stream": held, "root": root, **{k: la.load_traces(root / k)[1] for k in ("held", "train", "calib")}}
+
+
+def test_traces_equal_the_dense_forward(traces):
+    from loopline.models.loader import load_model
+    from loopline.train.objective import per_loop_token_loss
+
+    meta, tr = traces["meta"], traces["held"]
+    assert meta["format"] == la.TRACE_FORMAT and len(meta["shards"]) == 3 and meta["loops"] == 4
+    assert tr["positions"].shape == (6 * SPEC.seq_len,) and tr["hidden_proj"].shape == (6 * SPEC.seq_len, 4, 8)
+    model = load_model(default_checkpoint(), dtype=torch.float32, device="cpu").eval()
+    stream = torch.tensor(traces["held_stream"][: 6 * SPEC.seq_len + 1])
+    ids, targets = stream[:-1].view(6, SPEC.seq_len), stream[1:].view(6, SPEC.seq_len)
+    with torch.no_grad():
+        out = model.forward_dense(ids, compute_logits=True)
+        loss = per_loop_token_loss(model, out.hidden_states, targets)  # [R, B, T]
+    assert torch.allclose(tr["gate_logits"], out.gate_logits.flatten(1).T, atol=1e-4)
+    assert torch.allclose(tr["loop_loss"], loss.flatten(1).T, atol=1e-4)
+    assert torch.equal(tr["targets"].long(), targets.flatten())
+    assert torch.equal(tr["positions"].long(), torch.arange(SPEC.seq_len).repeat(6))
+    same = (tr["greedy"].long() == out.logits.argmax(-1).flatten(1).T).float().mean()
+    assert same > 0.999  # argmax ties under float noise only
+    proj = la.projection(model.config.hidden_size, SPEC)
+    assert torch.allclose(tr["hidden_proj"][:, 2], out.hidden_states[2].reshape(-1, 256) @ proj, atol=1e-4)
+
+
+def test_features_at_loop_zero_and_later(traces):
+    tr = traces["held"]
+    f0, f2 = la.features(tr, 0, 4, SPEC.max_position), la.features(tr, 2, 4, SPEC.max_position)
+    assert f0.shape == f2.shape == (tr["positions"].shape[0], 2 + 2 * 8 + 1 + 4)
+    assert f0[:, :2].abs().max() == 0 and f0[:, 2 + 8:2 + 16].abs().max() == 0  # no gate and no change yet
+    cdf = 1 - (1 - torch.sigmoid(tr["gate_logits"][:, 0])) * (1 - torch.sigmoid(tr["gate_logits"][:, 1]))
+    assert torch.allclose(f2[:, 1], cdf, atol=1e-6)
+    assert torch.allclose(f2[:, 2 + 8:2 + 16], tr["hidden_proj"][:, 1] - tr["hidden_proj"][:, 0])
+    assert torch.equal(f2[:, -4:].argmax(1), torch.full((f2.shape[0],), 2))
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.5, 0.6, 0.8, 1.0])
+def test_an_oracle_replaying_the_stock_gate_gives_its_depths(traces, threshold):
+    """Decided two loops ahead by an oracle that knows the stock gate's choice, the policy's depths and points
+    equal the stock gate's with min_loops=2 (the least depth a decision two loops ahead can fix)."""
+    tr = traces["held"]
+    stock = la.stock_depths(tr, threshold, min_loops=2)
+    oracle = torch.stack([(stock == n + la.DISTANCE).float() for n in la.decision_loops(4)], 1)
+    mine = la.lookahead_depths(oracle, 0.5, 4)
+    assert torch.equal(mine, stock)
+    assert la.policy_point(tr, mine) == la.policy_point(tr, stock)
+
+
+def test_policy_depths_and_points_by_hand():
+    probs = torch.tensor([[0.9, 0.1], [0.2, 0.95], [0.1, 0.2], [0.7, 0.7]])
+    assert la.lookahead_depths(probs, 0.8, 4).tolist() == [2, 3, 4, 4]
+    assert la.lookahead_depths(probs, 0.6, 4).tolist() == [2, 3, 4, 2]
+    tr = {"loop_loss": torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 2), "greedy": torch.tensor([[5, 6, 7, 7], [1, 1, 1, 1]])}
+    p = la.policy_point(tr, torch.tensor([2, 3]))
+    assert p["mean_depth"] == 2.5 and math.isclose(p["loss"], 2.5)
+    assert p["early_exits"] == 2 and p["wrong_exits"] == 1 and p["wrong_exit_rate"] == 0.5
+
+
+def test_head_beats_the_base_rate_on_unseen_windows_and_round_trips(traces, tmp_path):
+    head, config = la.train_head(traces["train"], traces["calib"], 4, SPEC, hidden=16, epochs=30, batch=256)
+    m = config.metrics
+    y = la.agree(traces["train"])[:, la.DISTANCE:la.DISTANCE + 2].float()
+    p, q = y.mean().item(), m["calib_positive_rate"]
+    base = -(q * math.log(p) + (1 - q) * math.log(1 - p))  # the training base rate as a constant prediction
+    assert m["calib_bce"] < base - 0.01, (m["calib_bce"], base)
+    assert config.threshold in [q["threshold"] for q in m["calib_curve"]]
+    assert la.load_head(tmp_path) is None
+    la.save_head(head, config, tmp_path)
+    loaded, cfg = la.load_head(tmp_path)
+    assert cfg == config
+    x = la.features(traces["held"], 1, 4, SPEC.max_position)
+    assert torch.equal(loaded(x), head(x))
+    (tmp_path / la.HEAD_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match=la.HEAD_FILE):
+        la.load_head(tmp_path)
+
+
+def test_bad_trace_dirs_and_splits_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="meta.json"):
+        la.load_traces(tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(la.InvalidRequestError, match="format 'other'"):
+        la.load_traces(tmp_path)
+    with pytest.raises(la.InvalidRequestError, match="split 'test'; allowed"):
+        la.split_stream(default_checkpoint(), "test", 10)
+
+
+def test_cli_trains_saves_and_reports(tmp_path, capsys):
+    assert main(["train", "lookahead", "--traces-dir", str(tmp_path / "t")]) == 2
+    assert "--out is required" in capsys.readouterr().err
+    assert main(["train", "lookahead", "--model", str(tmp_path / "none"), "--traces-dir", str(tmp_path / "t")]) == 2
+    assert "--model" in capsys.readouterr().err
+    out, report = tmp_path / "head", tmp_path / "report.json"
+    args = ["train", "lookahead", "--out", str(out), "--traces-dir", str(tmp_path / "t"), "--report", str(report),
+            "--seq-len", "32", "--train-windows", "4", "--calib-windows", "2", "--heldout-windows", "2",
+            "--epochs", "2", "--threads", "1"]
+    assert main(args) == 0
+    result = json.loads(report.read_text())
+    assert result["heldout_positions"] == 64 and result["threshold"] == json.loads((out / la.HEAD_CONFIG).read_text())["threshold"]
+    held = result["heldout"]
+    assert held["stock"][-1]["threshold"] == 1.0 and held["stock"][-1]["mean_depth"] == 4.0
+    assert all(2 <= p["mean_depth"] <= 4 for p in held["lookahead"])
+    assert la.load_head(out) is not None
