@@ -22,7 +22,7 @@ from loopline.core.scheduler import Scheduler
 from loopline.engine.output_processor import OutputProcessor
 from loopline.errors import EngineStateError, InvalidRequestError, WeightUpdateError
 from loopline.kv.manager import KVCacheManager
-from loopline.models.loader import CONFIG_FILE, iter_checkpoint, load_config
+from loopline.models.loader import CONFIG_FILE, iter_checkpoint_tensors, load_config
 from loopline.models.ouro import OuroForCausalLM
 from loopline.rl.lifecycle import PAUSE_MODES, WAKE_TAGS, GenerationControl
 from loopline.rl.weights import WeightUpdater, check_checkpoint_files
@@ -116,12 +116,13 @@ class EngineControl(GenerationControl):
                 if differ:
                     raise WeightUpdateError(f"{path}: the checkpoint's architecture differs: {', '.join(differ)}",
                                             param="path")
+            # NOTE: tensor by tensor, twice: the dry run holds one tensor at a time, never a shard or the model
             seen: set[str] = set()
-            for shard in iter_checkpoint(path):  # dry run: names, shapes, dtypes, finite values, duplicates
-                seen.update(n for n, _, _ in self.weights.validate(shard, already_seen=seen))
+            for entry in iter_checkpoint_tensors(path):  # dry run: names, shapes, dtypes, finite values, duplicates
+                seen.update(n for n, _, _ in self.weights.validate([entry], already_seen=seen))
             self.weights.check_complete(seen, path)  # a missing tensor is refused before the first copy
-            for shard in iter_checkpoint(path):
-                self.weights.update(shard)
+            for entry in iter_checkpoint_tensors(path):
+                self.weights.update([entry])
         except BaseException:
             self.weights.abort()  # no-op if the failed call already closed the update
             raise

@@ -333,6 +333,65 @@ def iter_checkpoint(model_dir: PathLike) -> Iterator[dict[str, Tensor]]:
         yield tensors
 
 
+def iter_checkpoint_tensors(model_dir: PathLike) -> Iterator[tuple[str, Tensor]]:
+    """The checkpoint's tensors one at a time as ``(name, tensor)`` (CPU), with :func:`iter_checkpoint`'s
+    checks; each shard's names are checked against the index before its first tensor is read.
+
+    Only one tensor is in memory at a time (safetensors maps the file and copies out just that tensor):
+    a weight update from disk holds one tensor, not one shard or the whole checkpoint."""
+    for path, names in _checkpoint_shards(_existing_dir(model_dir)):
+        yield from _stream_safetensors(path, names)
+
+
+def _checkpoint_shards(model_dir: Path) -> list[tuple[Path, set[str] | None]]:
+    """``(shard file, the names the index places in it)`` for each shard (None: no index to compare with);
+    a missing or malformed index, or a missing shard file, is a ``CheckpointError`` before any read."""
+    single, index = model_dir / WEIGHTS_FILE, model_dir / WEIGHTS_INDEX_FILE
+    if single.is_file():
+        return [(single, None)]
+    if not index.is_file():
+        others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+        hint = f" (found {', '.join(others)}; only safetensors is supported)" if others else ""
+        raise CheckpointError(f"{model_dir}: no weights: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} exists{hint}")
+    raw = read_checkpoint_json(index, required=True)
+    weight_map = raw.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: weight_map is missing or empty; expected {{tensor name: shard file}}")
+    by_shard: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(f"{index}: weight_map[{name!r}] is {shard!r}; expected a shard file name (a string)")
+        by_shard.setdefault(shard, set()).add(name)
+    missing = [s for s in by_shard if not (index.parent / s).is_file()]
+    if missing:
+        raise CheckpointError(f"{index}: missing shard file(s) listed in weight_map: {_summary(sorted(missing))}")
+    return [(index.parent / shard, names) for shard, names in by_shard.items()]
+
+
+def _stream_safetensors(path: Path, expected: set[str] | None) -> Iterator[tuple[str, Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            keys = list(f.keys())
+            if expected is not None:
+                _check_shard_names(path, expected, set(keys))
+            for name in keys:
+                yield name, f.get_tensor(name)
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({e})") from e
+
+
+def _check_shard_names(path: Path, expected: set[str], found: set[str]) -> None:
+    absent = sorted(expected - found)
+    if absent:
+        raise CheckpointError(f"{path}: tensor(s) that {WEIGHTS_INDEX_FILE} places in this shard are absent: "
+                              f"{_summary(absent)}")
+    stray = sorted(found - expected)
+    if stray:
+        raise CheckpointError(f"{path}: tensor(s) not listed for this shard in {WEIGHTS_INDEX_FILE}: {_summary(stray)}")
+
+
 def _read_safetensors(path: Path) -> dict[str, Tensor]:
     from safetensors import SafetensorError, safe_open
 
