@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
-from loopline.entrypoints.template_budget import bounded_render, check_template_source
+from loopline.entrypoints.template_budget import TemplateBudgetError, bounded_render, check_template_source
 from loopline.errors import InvalidRequestError
+
+logger = logging.getLogger("loopline.api")
 
 THINK_TOKEN = "<think>"
 THINK_PREFIX = THINK_TOKEN + "\n"
@@ -113,16 +116,18 @@ class ChatEncoder:
         source = chat_template if chat_template is not None else getattr(self.tokenizer, "chat_template", None)
         if not isinstance(source, str):
             return frozenset()
-        check_template_source(source)  # NOTE: first: compiling (below) already folds constants ("x" * 10**10)
+        _check_source(source, chat_template is not None)  # NOTE: first: compiling (below) folds constants
         return _template_variables(source)
 
     def check_budgets(self, chat_template: str | None = None) -> None:
-        """Refuses a template (``chat_template`` or every one of the checkpoint's) with an operation
-        of unbounded size (:func:`~loopline.entrypoints.template_budget.check_template_source`)."""
+        """Refuses a request's template (``chat_template``) with an operation of unbounded size
+        (:func:`~loopline.entrypoints.template_budget.check_template_source`); the checkpoint's (every one
+        of them), which the operator chose, is only logged once if it has one (it still renders under the
+        time and output budgets)."""
         source = chat_template if chat_template is not None else getattr(self.tokenizer, "chat_template", None)
         for one in (source.values() if isinstance(source, dict) else [source]):  # named templates: every one
             if isinstance(one, str):
-                check_template_source(one)
+                _check_source(one, chat_template is not None)
 
     def check_template_kwargs(self, kwargs: dict[str, Any], param: str, chat_template: str | None = None) -> None:
         """Refuses (naming ``param.<key>``) a template input the template does not use or one that
@@ -208,3 +213,22 @@ def tools_fallback(conversation: list[dict[str, Any]], tools: list[dict[str, Any
         else:
             out.insert(0, {"role": "system", "content": preamble})
     return out
+
+
+def _check_source(source: str, from_request: bool) -> None:
+    """:func:`check_template_source` for a request's template; for the operator's (the checkpoint's or
+    ``--chat-template``) a warning, once: a model's own template may multiply by a computed count (an
+    indent), and refusing it would refuse every chat."""
+    if from_request:
+        check_template_source(source)
+        return
+    try:
+        check_template_source(source)
+    except TemplateBudgetError as e:
+        _warn_once(str(e))
+
+
+@functools.lru_cache(maxsize=16)
+def _warn_once(message: str) -> None:
+    logger.warning("%s; it is the server's own template, so it runs (under the render time and output budgets)",
+                   message)

@@ -93,9 +93,23 @@ def test_the_check_runs_before_any_render_or_variable_lookup(tok):
     _refused(enc, "{{ 'x' * 300 }}", "integer literal of at most 256")
     with pytest.raises(TemplateBudgetError):
         enc.template_variables("{{ 'x' * 300 }}")
+
+
+
+def test_the_servers_own_template_is_warned_about_not_refused(tok, caplog):
+    """The checkpoint's template (every named one) is the operator's: an operation the check cannot bound
+    is logged once and the template renders, under the time and output budgets; a request's is refused."""
     named = copy.deepcopy(tok)
-    named.chat_template = {"default": "{{ messages }}", "tool_use": "{{ 'x' * 300 }}"}  # named templates
-    _refused(ChatEncoder(named, None), None, "integer literal")
+    named.chat_template = {"default": "{{ messages | length }}", "tool_use": "{{ 'x' * 300 }}"}
+    enc = ChatEncoder(named, None)
+    with caplog.at_level("WARNING", logger="loopline.api"):
+        assert enc.render(MESSAGES) == str(len(MESSAGES))
+    assert "integer literal" in caplog.text and "server's own template" in caplog.text
+    own = copy.deepcopy(tok)
+    own.chat_template = "{% for m in messages %}{{ ' ' * (loop.index * 2) }}{{ m.content }}{% endfor %}"
+    assert ChatEncoder(own, None).render(MESSAGES) == "".join(" " * (2 * i + 2) + m["content"]
+                                                              for i, m in enumerate(MESSAGES))
+    _refused(ChatEncoder(tok, None), own.chat_template, "integer literal")  # the same, sent by a request
 
 
 def test_normal_templates_render_as_before(tok):
