@@ -129,3 +129,23 @@ def test_cli_trains_saves_and_reports(tmp_path, capsys):
     assert held["stock"][-1]["threshold"] == 1.0 and held["stock"][-1]["mean_depth"] == 4.0
     assert all(2 <= p["mean_depth"] <= 4 for p in held["lookahead"])
     assert la.load_head(out) is not None
+
+
+def test_pareto_tool_tables_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import lookahead_pareto
+
+    def point(q, depth, loss):
+        return {"threshold": q, "mean_depth": depth, "loss": loss, "tokens": 10, "early_exits": 4, "wrong_exits": 1,
+                "wrong_exit_rate": 0.25}
+
+    held = {"stock": [point(0.5, 2.5, 2.2), point(1.0, 4.0, 2.1)], "stock_min2": [point(0.5, 2.6, 2.19)],
+            "lookahead": [point(0.9, 3.0, 2.15)], "lookahead_chosen": point(0.9, 3.0, 2.15)}
+    text = lookahead_pareto.table(held["stock"])
+    assert text.splitlines()[2] == "| 0.5 | 2.500 | 2.2000 | 4 | 1 (0.250) |"
+    png = lookahead_pareto.draw({"heldout": held, "heldout_positions": 10}, tmp_path / "p.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
