@@ -19,10 +19,12 @@ _EXPORTS = {
     "RequestOutput": "loopline.outputs",
     "RequestOutputKind": "loopline.sampling_params",
     "SamplingParams": "loopline.sampling_params",
+    "TextPrompt": "loopline.inputs",
+    "TokensPrompt": "loopline.inputs",
 }
 
 __all__ = ["LLM", "AsyncLLM", "EngineArgs", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "Logprob", "__version__"]
+           "Logprob", "TextPrompt", "TokensPrompt", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

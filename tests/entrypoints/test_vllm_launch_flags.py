@@ -127,7 +127,7 @@ def test_llm_takes_vllm_keywords_and_prompt_types(tiny_gqa, tmp_path, caplog):
     import torch
 
     from loopline import LLM
-    from loopline.inputs import TextPrompt, TokensPrompt
+    from loopline import TextPrompt, TokensPrompt  # vLLM's top-level names (also loopline.inputs)
     from loopline.models.loader import load_weights
 
     # load_format="dummy" never reads the weights: a checkpoint without them loads
