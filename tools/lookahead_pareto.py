@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 SERIES = (("stock", "stock gate (min_loops 1)", "o-"), ("stock_min2", "stock gate, min_loops 2", "s--"),
+          ("stock_delayed", "stock gate delayed 2 loops (no training)", "x:"),
           ("lookahead", "lookahead head (decided 2 loops ahead)", "^-"))
 
 

@@ -324,12 +324,16 @@ LOOKAHEAD_THRESHOLDS = (0.5, 0.7, 0.8, 0.85, 0.9, 0.92, 0.94, 0.95, 0.96, 0.97, 
 def evaluate(head: LookaheadHead, config: HeadConfig, tr: dict[str, Tensor],
              stock_thresholds: Sequence[float] = STOCK_THRESHOLDS,
              lookahead_thresholds: Sequence[float] = LOOKAHEAD_THRESHOLDS) -> dict:
-    """Held-out points: the stock gate (min_loops 1, and 2 = the lookahead's least depth) and the lookahead head."""
+    """Held-out points: the stock gate (min_loops 1, and 2 = the lookahead's least depth), the stock gate
+    delayed by two loops (its decision after loop n taken as the exit at n + 2) and the lookahead head."""
     loops = config.loops
     probs = predictions(head, tr, loops, config.spec["max_position"])
     return {
         "stock": [{"threshold": q, **policy_point(tr, stock_depths(tr, q))} for q in stock_thresholds],
         "stock_min2": [{"threshold": q, **policy_point(tr, stock_depths(tr, q, min_loops=2))} for q in stock_thresholds],
+        # the no-training lookahead: the stock gate firing after loop n fixes the exit at n + 2
+        "stock_delayed": [{"threshold": q, **policy_point(tr, (stock_depths(tr, q) + DISTANCE).clamp_max(loops))}
+                          for q in stock_thresholds],
         "lookahead": [{"threshold": q, **policy_point(tr, lookahead_depths(probs, q, loops))} for q in lookahead_thresholds],
         "lookahead_chosen": {"threshold": config.threshold,
                              **policy_point(tr, lookahead_depths(probs, config.threshold, loops))},

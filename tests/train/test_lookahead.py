@@ -128,6 +128,7 @@ def test_cli_trains_saves_and_reports(tmp_path, capsys):
     held = result["heldout"]
     assert held["stock"][-1]["threshold"] == 1.0 and held["stock"][-1]["mean_depth"] == 4.0
     assert all(2 <= p["mean_depth"] <= 4 for p in held["lookahead"])
+    assert all(3 <= p["mean_depth"] <= 4 for p in held["stock_delayed"])  # the gate never fires before loop 1
     assert la.load_head(out) is not None
 
 
@@ -144,6 +145,7 @@ def test_pareto_tool_tables_and_plot(tmp_path):
                 "wrong_exit_rate": 0.25}
 
     held = {"stock": [point(0.5, 2.5, 2.2), point(1.0, 4.0, 2.1)], "stock_min2": [point(0.5, 2.6, 2.19)],
+            "stock_delayed": [point(0.5, 3.6, 2.15)],
             "lookahead": [point(0.9, 3.0, 2.15)], "lookahead_chosen": point(0.9, 3.0, 2.15)}
     text = lookahead_pareto.table(held["stock"])
     assert text.splitlines()[2] == "| 0.5 | 2.500 | 2.2000 | 4 | 1 (0.250) |"
