@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
 
 from loopline.errors import InvalidRequestError
-from loopline.vllm_flags import canonical_dtype, check_engine_options, json_object
+from loopline.vllm_flags import canonical_dtype, check_engine_options, json_object, option_help
 
 if TYPE_CHECKING:
     import torch
@@ -108,25 +108,19 @@ class EngineArgs:
                                                  "is refused with the ray backend; nixl "
                                                  "needs the nixl package)")
     kv_transfer_timeout: float = _opt(60.0, "seconds a KV transfer may take before its request fails")
-    # --- vLLM launch options (loopline/vllm_flags.py says what each means here and checks it) ---
-    trust_remote_code: bool = _opt(False, "accepted for vLLM launch lines; loopline never runs code shipped with a "
-                                          "checkpoint, so it changes nothing")
-    tensor_parallel_size: int = _opt(1, "1 only: loopline has no tensor parallelism (several GPUs: --data-parallel-size)")
-    pipeline_parallel_size: int = _opt(1, "1 only: loopline has no pipeline parallelism")
-    enable_chunked_prefill: bool | None = _opt(None, "accepted (true): loopline always chunks prefill within "
-                                                     "max_num_batched_tokens; false is refused")
-    quantization: str | None = _opt(None, "none only: loopline serves unquantized checkpoints")
-    revision: str | None = _opt(None, "accepted, no effect: loopline loads local directories only and never downloads")
-    download_dir: str | None = _opt(None, "accepted, no effect: loopline loads local directories only and never downloads")
-    load_format: str = _opt("auto", "'auto' / 'safetensors': the checkpoint's weights; 'dummy': random weights "
-                                    "of the checkpoint's config.json (benchmarks, smoke tests)")
-    override_generation_config: dict[str, Any] | None = _opt(
-        None, "JSON object of generation_config.json keys (temperature, top_p, top_k, min_p, repetition_penalty, "
-              "max_new_tokens) merged over the request defaults, e.g. '{\"temperature\": 0.5}'", type=json_object)
-    chat_template: str | None = _opt(None, "chat template file, or the template itself inline, replacing the "
-                                           "checkpoint's (chat requests, LLM.chat, generate --chat)")
-    enable_sleep_mode: bool = _opt(False, "loopline serve: mount POST /sleep, POST /wake_up and GET /is_sleeping "
-                                          "(also without --enable-rl-api); LLM's sleep()/wake_up() work either way")
+    # --- vLLM launch options: loopline/vllm_flags.py says what each means here (the help) and checks it ---
+    trust_remote_code: bool = _opt(False, option_help("trust_remote_code"))
+    tensor_parallel_size: int = _opt(1, option_help("tensor_parallel_size"))
+    pipeline_parallel_size: int = _opt(1, option_help("pipeline_parallel_size"))
+    enable_chunked_prefill: bool | None = _opt(None, option_help("enable_chunked_prefill"))
+    quantization: str | None = _opt(None, option_help("quantization"))
+    revision: str | None = _opt(None, option_help("revision"))
+    download_dir: str | None = _opt(None, option_help("download_dir"))
+    load_format: str = _opt("auto", option_help("load_format"))
+    override_generation_config: dict[str, Any] | None = _opt(None, option_help("override_generation_config"),
+                                                             type=json_object)
+    chat_template: str | None = _opt(None, option_help("chat_template"))
+    enable_sleep_mode: bool = _opt(False, option_help("enable_sleep_mode"))
 
     # --- CLI ---------------------------------------------------------------------------
     @classmethod

@@ -194,9 +194,9 @@ def chat_template_problem(value: Any) -> str | None:
     return None
 
 
-def server_option_help(name: str) -> str:
-    """A server row's meaning, as its flag's help."""
-    (option,) = [o for o in OPTIONS if o.name == name and o.scope == "server"]
+def option_help(name: str) -> str:
+    """A row's meaning: the help of its flag (and of its EngineArgs field)."""
+    (option,) = [o for o in OPTIONS if o.name == name]
     return option.meaning
 
 

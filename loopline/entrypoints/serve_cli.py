@@ -8,7 +8,7 @@ from typing import Any
 from loopline.entrypoints.cli_args import (HelpFormatter, add_cpu_threads_arg, apply_cpu_threads, check_model_dir,
                                            common_parser, port_number)
 from loopline.errors import LooplineError
-from loopline.vllm_flags import check_engine_options, server_option_help
+from loopline.vllm_flags import check_engine_options, option_help
 
 HELP = "serve an OpenAI-compatible HTTP API (default model: the bundled demo model)"
 
@@ -96,7 +96,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def _add_vllm_server_args(p: argparse.ArgumentParser) -> None:
     """vLLM's server flags (their help comes from loopline/vllm_flags.py, the table the docs show)."""
     g = p.add_argument_group("vLLM server flags")
-    h = server_option_help
+    h = option_help
     g.add_argument("--response-role", default="assistant", help=h("response_role"))
     g.add_argument("--root-path", default=None, help=h("root_path"))
     g.add_argument("--ssl-keyfile", default=None, metavar="FILE", help=h("ssl_keyfile"))
