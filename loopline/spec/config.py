@@ -1,0 +1,68 @@
+"""``SpeculativeConfig``: vLLM's ``speculative_config`` dict with loop speculation's fields, validated."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from loopline.errors import InvalidRequestError
+
+#: The most draft tokens per round; deeper rounds only pay off with acceptance above ~0.95 (docs/speculation.md).
+MAX_SPECULATIVE_TOKENS = 16
+SCHEMES = ("draft_verify", "pipeline")
+METHODS = ("loop",)
+
+
+def _int_in(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidRequestError(f"speculative_config.{name}={value!r}; allowed: an integer in {low}..{high}",
+                                  param=f"speculative_config.{name}")
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Loop-aware self-speculation: drafts from loops ``1..draft_loops`` (and the head), the target is the
+    token's own exit rule over the model's full loop budget.
+
+    ``num_speculative_tokens`` (vLLM's name) is K, the drafts per verify round of ``draft_verify``; the
+    ``pipeline`` scheme drafts one token ahead per in-flight token and ignores it (it must still be valid).
+    """
+
+    method: str = "loop"
+    num_speculative_tokens: int = 2
+    draft_loops: int = 1
+    scheme: str = "draft_verify"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidRequestError(f"speculative_config.method={self.method!r}; allowed: {', '.join(map(repr, METHODS))}",
+                                      param="speculative_config.method")
+        _int_in("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        # The upper bound of draft_loops depends on the model: check_model() checks it.
+        _int_in("draft_loops", self.draft_loops, 1, 1 << 20)
+        if self.scheme not in SCHEMES:
+            raise InvalidRequestError(f"speculative_config.scheme={self.scheme!r}; allowed: {', '.join(map(repr, SCHEMES))}",
+                                      param="speculative_config.scheme")
+
+    @classmethod
+    def from_dict(cls, spec: Mapping[str, Any]) -> "SpeculativeConfig":
+        """Parses vLLM's ``speculative_config`` dict; unknown keys are refused (naming them)."""
+        if not isinstance(spec, Mapping):
+            raise InvalidRequestError(f"speculative_config must be a JSON object, got {type(spec).__name__}",
+                                      param="speculative_config")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise InvalidRequestError(f"speculative_config has unknown field(s) {', '.join(map(repr, unknown))}; "
+                                      f"allowed: {', '.join(sorted(known))}", param=f"speculative_config.{unknown[0]}")
+        if "method" not in spec:
+            raise InvalidRequestError("speculative_config.method is required; allowed: 'loop'", param="speculative_config.method")
+        return cls(**dict(spec))
+
+    def check_model(self, total_loops: int) -> "SpeculativeConfig":
+        """Checks ``draft_loops`` against a model of ``total_loops`` loops (a draft must be shallower)."""
+        if total_loops < 2:
+            raise InvalidRequestError(f"speculative_config needs a model of at least 2 loops; this one has {total_loops}",
+                                      param="speculative_config.draft_loops")
+        _int_in("draft_loops", self.draft_loops, 1, total_loops - 1)
+        return self
