@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one shared :class:`AsyncLLM`.
 
 ``build_app(async_llm, ...)`` makes the app (tests run it under a real uvicorn
-in a thread); ``run_server(args)`` is ``loopline serve``. Every error is an
+in a thread); ``run_server(args)`` is ``loopline serve`` (also ``python -m
+loopline.entrypoints.openai.api_server FLAGS``, vLLM's entry point). Every error is an
 OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``; a bad
 request gets a 4xx and never affects other requests. The RL control routes
 are mounted only with ``enable_rl_api``; ``security.SecurityGuard`` checks
