@@ -21,7 +21,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from loopline.errors import InvalidRequestError
 
 __all__ = ["DISTANCE", "TraceSpec", "collect_traces", "load_traces", "features", "LookaheadHead", "train_head",
-           "lookahead_depths", "stock_depths", "policy_point", "save_head", "load_head", "HEAD_FILE", "HEAD_CONFIG"]
+           "lookahead_depths", "stock_depths", "policy_point", "save_head", "load_head", "HEAD_FILE", "HEAD_CONFIG", "lookahead_generate", "head_decider"]
 
 DISTANCE = 2  # loops between the decision and the exit it fixes
 HEAD_FILE = "lookahead.safetensors"
@@ -374,3 +374,90 @@ def run(model_dir: str | Path, out_dir: str | Path, traces_dir: str | Path, *, s
               "heldout": evaluate(head, config, held)}
     log(json.dumps(result))
     return result
+
+
+Decide = Callable[[int, int, dict], bool]  # (token index, loop n, the row's trace so far) -> exit at n + 2?
+
+
+@torch.no_grad()
+def lookahead_generate(model, prompt_ids: Sequence[int], max_tokens: int, decide: Decide, *,
+                       spec: TraceSpec = TraceSpec()):
+    """Greedy generation on the plain path (:mod:`loopline.models.plain`) with the lookahead policy: after loop
+    ``n`` (0: the embedding) ``decide`` may fix the token's exit at loop ``n + 2``; otherwise it runs every loop.
+
+    ``decide`` reads a one-row trace of the token (``positions``, ``embed_proj``, ``hidden_proj`` and
+    ``gate_logits`` of loops ``1..n``), the input :func:`features` takes. Ouro checkpoints only (the plain
+    path's exit KV semantics: an exited token's deeper planes hold its exit loop's K/V). Returns a
+    :class:`~loopline.models.plain.PlainOutput`.
+    """
+    from loopline.models.family import family_of
+    from loopline.models.plain import PlainOutput, _Sequence  # the plain path's KV planes, reused as they are
+
+    family, loops = family_of(model), model.config.total_ut_steps
+    if max_tokens < 1 or not prompt_ids:
+        raise InvalidRequestError(f"max_tokens={max_tokens}, {len(prompt_ids)} prompt tokens; allowed: >= 1 each")
+    seq = _Sequence(model, family, len(prompt_ids) + max_tokens, loops, seed=0)
+    proj = projection(model.config.hidden_size, spec).to(seq.device)
+    out = PlainOutput()
+    ids = torch.tensor(list(prompt_ids), device=seq.device)
+    e, state, pos = seq.prelude(ids, 0)
+    states, gates = [], []
+    for loop in range(1, loops + 1):  # the prompt runs every loop; its last position's exit is decided as it goes
+        state, g = seq.core(state, e, pos, loop)
+        states.append(state)
+        gates.append(g)
+    exit_loop = _choose(lambda n: decide(0, n, _row(pos[-1:], e[-1:], [s[-1:] for s in states[:n]],
+                                                    [g[-1:] for g in gates[:n]], proj)), loops)
+    logits = seq.coda(torch.cat([state[:-1], states[exit_loop - 1][-1:]]), pos)[-1]
+    position = len(prompt_ids)
+    while True:
+        token = int(torch.argmax(logits))
+        out.tokens.append(token)
+        out.exit_loops.append(exit_loop)
+        out.logprobs.append(float(torch.log_softmax(logits.float(), -1)[token]))
+        if len(out.tokens) >= max_tokens:
+            return out
+        exit_loop, logits = _decode_lookahead(seq, token, position, len(out.tokens), decide, proj, loops)
+        position += 1
+
+
+def _choose(decide_at: Callable[[int], bool], loops: int) -> int:
+    """The exit loop when every loop's state is known (the prompt's last position)."""
+    return next((n + DISTANCE for n in decision_loops(loops) if decide_at(n)), loops)
+
+
+def _row(pos: Tensor, e: Tensor, states: list[Tensor], gates: list[Tensor], proj: Tensor) -> dict:
+    """A one-row trace of loops ``1..len(states)`` (the dict :func:`features` reads)."""
+    hidden = torch.stack([s.float() @ proj for s in states], 1) if states else torch.zeros(1, 0, proj.shape[1])
+    gate = torch.stack([g.float() for g in gates], 1) if gates else torch.zeros(1, 0)
+    return {"positions": pos.cpu(), "embed_proj": (e.float() @ proj).cpu(), "hidden_proj": hidden.cpu(),
+            "gate_logits": gate.cpu()}
+
+
+def _decode_lookahead(seq, token: int, position: int, index: int, decide: Decide, proj: Tensor,
+                      loops: int) -> tuple[int, Tensor]:
+    ids = torch.tensor([token], device=seq.device)
+    e, state, pos = seq.prelude(ids, position)
+    states, gates = [], []
+    target = DISTANCE if decide(index, 0, _row(pos, e, [], [], proj)) else None
+    for loop in range(1, loops + 1):
+        state, g = seq.core(state, e, pos, loop)
+        states.append(state)
+        gates.append(g)
+        if loop == target:
+            break
+        if target is None and loop in decision_loops(loops) and decide(index, loop, _row(pos, e, states, gates, proj)):
+            target = loop + DISTANCE
+    seq.settle(loop, position)
+    return loop, seq.coda(state, pos)[0]
+
+
+def head_decider(head: LookaheadHead, config: HeadConfig, threshold: float | None = None) -> Decide:
+    """``decide`` for :func:`lookahead_generate` from a trained head (its calibrated threshold by default)."""
+    q = config.threshold if threshold is None else threshold
+    max_position = config.spec["max_position"]
+
+    def decide(index: int, n: int, row: dict) -> bool:
+        return bool(torch.sigmoid(head(features(row, n, config.loops, max_position)))[0] >= q)
+
+    return decide

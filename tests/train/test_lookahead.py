@@ -151,3 +151,37 @@ def test_pareto_tool_tables_and_plot(tmp_path):
     assert text.splitlines()[2] == "| 0.5 | 2.500 | 2.2000 | 4 | 1 (0.250) |"
     png = lookahead_pareto.draw({"heldout": held, "heldout_positions": 10}, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.6, 0.7])
+def test_plain_path_with_an_oracle_equals_the_stock_gate_token_for_token(traces, threshold):
+    """Decisions two loops ahead replaying the stock gate's exits (min_loops 2) give its tokens, depths and
+    log-probabilities on the plain path, KV of exited tokens included."""
+    from loopline.models.loader import load_model
+    from loopline.models.plain import plain_generate
+
+    model = load_model(default_checkpoint(), dtype=torch.float32, device="cpu").eval()
+    prompt = traces["held_stream"][:12]
+    stock = plain_generate(model, prompt, 16, min_loops=2, exit_threshold=threshold)
+    assert len(set(stock.exit_loops)) > 1  # the test needs tokens that exit at different loops
+    calls = []
+
+    def oracle(index, n, row):
+        calls.append((index, n, row["hidden_proj"].shape[1]))
+        return stock.exit_loops[index] == n + la.DISTANCE
+
+    mine = la.lookahead_generate(model, prompt, 16, oracle)
+    assert mine.tokens == stock.tokens and mine.exit_loops == stock.exit_loops
+    assert mine.logprobs == pytest.approx(stock.logprobs, abs=1e-5)
+    assert all(n == loops_seen for _, n, loops_seen in calls)  # a decision after loop n sees loops 1..n only
+
+
+def test_plain_path_with_a_trained_head(traces):
+    from loopline.models.loader import load_model
+
+    head, config = la.train_head(traces["train"], traces["calib"], 4, SPEC, hidden=16, epochs=5, batch=256)
+    model = load_model(default_checkpoint(), dtype=torch.float32, device="cpu").eval()
+    out = la.lookahead_generate(model, [5, 6, 7, 8], 8, la.head_decider(head, config, threshold=0.0), spec=SPEC)
+    assert out.exit_loops == [2] * 8  # threshold 0: every token exits at the first loop it can fix
+    out = la.lookahead_generate(model, [5, 6, 7, 8], 8, la.head_decider(head, config, threshold=1.1), spec=SPEC)
+    assert out.exit_loops == [4] * 8
