@@ -178,6 +178,8 @@ def speculative_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens
     spec.check_model(config.total_ut_steps)
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature!r}; allowed: a finite number >= 0")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r}; allowed: an integer >= 1")
     max_loops = config.total_ut_steps if max_loops is None else max_loops
     threshold = family_of(model).default_threshold(config) if exit_threshold is None else exit_threshold
     # The plain path validates the request fields as plain decoding does and gives the first token's exit
