@@ -33,11 +33,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loopline.models.loader import load_model  # noqa: E402
-from loopline.models.plain import plain_generate  # noqa: E402
-from loopline.models.tiny import default_checkpoint  # noqa: E402
-from loopline.spec import cost  # noqa: E402
-from loopline.train.engine_eval import heldout_stream  # noqa: E402
+from loopline.models.loader import load_model
+from loopline.models.plain import plain_generate
+from loopline.models.tiny import default_checkpoint
+from loopline.spec import cost
+from loopline.train.engine_eval import heldout_stream
 
 KS = range(1, 9)
 #: H200 decode step per loop on Ouro-1.4B shapes (ms) by rows in the step, as measured for issue #41;
@@ -195,7 +195,7 @@ def main() -> None:
     print(f"\n({time.time() - t0:.0f} s)")
 
     if args.record:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=ROOT, capture_output=True, text=True).stdout.strip()
         record = {
             "what": "greedy draft acceptance of loop self-speculation, demo model, fixed depth (issue #41)",
             "command": "python tools/spec_acceptance.py " + " ".join(sys.argv[1:]),

@@ -1,8 +1,9 @@
 """``SpeculativeConfig``: vLLM's ``speculative_config`` dict with loop speculation's fields, validated."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 from loopline.errors import InvalidRequestError
 
@@ -45,7 +46,7 @@ class SpeculativeConfig:
                                       param="speculative_config.scheme")
 
     @classmethod
-    def from_dict(cls, spec: Mapping[str, Any]) -> "SpeculativeConfig":
+    def from_dict(cls, spec: Mapping[str, Any]) -> SpeculativeConfig:
         """Parses vLLM's ``speculative_config`` dict; unknown keys are refused (naming them)."""
         if not isinstance(spec, Mapping):
             raise InvalidRequestError(f"speculative_config must be a JSON object, got {type(spec).__name__}",
@@ -59,7 +60,7 @@ class SpeculativeConfig:
             raise InvalidRequestError("speculative_config.method is required; allowed: 'loop'", param="speculative_config.method")
         return cls(**dict(spec))
 
-    def check_model(self, total_loops: int) -> "SpeculativeConfig":
+    def check_model(self, total_loops: int) -> SpeculativeConfig:
         """Checks ``draft_loops`` against a model of ``total_loops`` loops (a draft must be shallower)."""
         if total_loops < 2:
             raise InvalidRequestError(f"speculative_config needs a model of at least 2 loops; this one has {total_loops}",

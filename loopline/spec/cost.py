@@ -12,8 +12,8 @@ step so a measured step cost per row count can be applied too (:meth:`Replay.tim
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 
 @dataclass

@@ -26,18 +26,18 @@ explicit rollback. Only Ouro-style families (every KV stage per loop, a gate exi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from loopline.models.family import FIXED_DEPTH, family_of
+from loopline.models.family import family_of
 from loopline.models.ops import Rope, upcast
 from loopline.models.plain import PlainOutput, PlaneKV, plain_generate
 from loopline.spec.config import SpeculativeConfig
 
-__all__ = ["SpecOutput", "speculative_generate", "rejection_step"]
+__all__ = ["SpecOutput", "rejection_step", "speculative_generate"]
 
 
 @dataclass
@@ -142,10 +142,6 @@ class _Loops:
     def logits(self, rows: _Rows) -> Tensor:
         """fp32 logits ``[n, vocab]`` of each row's current state (its exit loop's once exited)."""
         return self.model.coda(rows.state, self._pos(rows.start, rows.state.shape[0]), None).float()
-
-
-#: Picks a token from fp32 logits ``[vocab]`` (greedy argmax, or a seeded sample).
-Chooser = Callable[[Tensor], int]
 
 
 def rejection_step(p: Tensor, q: Tensor, draft: int, generator: torch.Generator) -> tuple[bool, int]:

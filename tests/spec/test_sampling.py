@@ -9,7 +9,10 @@ from collections import Counter
 
 import pytest
 import torch
-from reference import exit_depth, reference_forward  # tests/ is on pythonpath (pyproject.toml)
+from reference import (  # tests/ is on pythonpath (pyproject.toml)
+    exit_depth,
+    reference_forward,
+)
 
 import loopline.spec.reference as spec_reference
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
