@@ -43,7 +43,7 @@ import asyncio
 import copy
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -230,7 +230,8 @@ class AsyncLLM(AsyncVerbs):
     def replicas(self) -> list[ReplicaState]:
         """Every engine replica (one without data parallelism; each prefill and decode worker with them):
         its gauges and why it cannot serve, if so."""
-        return [ReplicaState(i, c.snapshot, _problem(c), c.label or str(i)) for i, c in enumerate(self._client.replicas())]
+        return [ReplicaState(i, _gauges_of(c), _problem(c), c.label or str(i))
+                for i, c in enumerate(self._client.replicas())]
 
     def add_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
         """``fn(StepRecord)`` is called after every step that ran rows, on the thread that receives the
@@ -367,6 +368,15 @@ def _problem(client: EngineClient) -> str | None:
         return ("the weights are partially updated (a weight update failed after copying some tensors); "
                 "generation is refused until a complete update lands")
     return None
+
+
+def _gauges_of(client: EngineClient) -> EngineSnapshot:
+    """The engine's snapshot; once it stopped, with what it holds (requests, KV pages) at 0: its last
+    snapshot would otherwise stay on /metrics forever. The running totals stay (counters never go down)."""
+    snap = client.snapshot
+    if client.dead is None and client.is_alive():
+        return snap
+    return replace(snap, num_running=0, num_waiting=0, kv_used_blocks=0, num_unfinished=0, num_generating=0)
 
 
 def _materialized(items: Any) -> Any:

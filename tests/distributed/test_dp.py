@@ -309,6 +309,10 @@ def test_killed_replica_fails_only_its_requests(make_engine_args, one, serve_app
         text = httpx.get(srv.base_url + "/metrics").text
         assert re.search(rf'^loopline:replica_healthy{{model_name="t",replica="{victim}"}} 0\.0$', text, re.M)
         assert re.search(rf'^loopline:replica_healthy{{model_name="t",replica="{1 - victim}"}} 1\.0$', text, re.M)
+        # its last snapshot still holds its request's pages; the gauges say it holds nothing now (#43)
+        assert llm.client.replicas()[victim].snapshot.kv_used_blocks > 0
+        assert re.search(rf'^loopline:kv_cache_used_blocks{{model_name="t",replica="{victim}"}} 0\.0$', text, re.M)
+        assert re.search(rf'^vllm:num_requests_running{{engine="{victim}",model_name="t"}} 0\.0$', text, re.M)
         r = httpx.post(srv.base_url + "/v1/completions", json={"model": "t", "prompt": "hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200
         assert llm.replicas()[1 - victim].snapshot.kv_used_blocks == 0
