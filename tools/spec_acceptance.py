@@ -88,6 +88,34 @@ def heldout_overlap(model, stream: list[int], windows: int, seq_len: int) -> tup
     return {d: {k: v / count for k, v in s.items()} | {"positions": count} for d, s in sums.items()}, seqs
 
 
+def adaptive_rounds(model, stream: list[int], prompts: int, prompt_len: int, new_tokens: int,
+                    threshold: float) -> None:
+    """Prints draft-then-verify rounds of the reference (``speculative_generate``) at an adaptive exit
+    threshold: exact, but few tokens (it runs the model per round in Python)."""
+    from loopline.spec import SpeculativeConfig
+    from loopline.spec.reference import speculative_generate
+
+    stride = len(stream) // prompts
+    print(f"\n## draft then verify at exit threshold {threshold} (reference runs, exact; {prompts} x {new_tokens} "
+          "greedy tokens)\n")
+    print("| d | K | drafts accepted | tokens per round | mean exit depth | tokens exited by loop d |")
+    print("|---|---|---|---|---|---|")
+    for d in (1, 2):
+        for k in (2, 4):
+            spec = SpeculativeConfig(num_speculative_tokens=k, draft_loops=d)
+            drafts = accepted = rounds = tokens = early = 0
+            depth = 0
+            for i in range(prompts):
+                prompt = stream[i * stride:i * stride + prompt_len]
+                out = speculative_generate(model, prompt, new_tokens, spec, exit_threshold=threshold)
+                drafts, accepted, rounds = drafts + sum(out.drafts), accepted + sum(out.accepted), rounds + len(out.drafts)
+                tokens += len(out.tokens) - 1
+                depth += sum(out.exit_loops[1:])
+                early += sum(e <= d for e in out.exit_loops[1:])
+            print(f"| {d} | {k} | {accepted / drafts:.3f} | {(accepted + rounds) / rounds:.2f} | {depth / tokens:.2f} | "
+                  f"{early / tokens:.3f} |")
+
+
 def per_position(seqs: list[list[bool]], k: int) -> list[float]:
     """Acceptance of draft i (1..k) of a draft-then-verify round given drafts 1..i-1 were accepted."""
     reached, accepted = [0] * k, [0] * k
@@ -169,6 +197,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--record", type=Path)
+    ap.add_argument("--adaptive", type=float, metavar="THRESHOLD",
+                    help="instead: draft-then-verify reference runs at this exit threshold (4 prompts x 48 tokens)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -177,6 +207,9 @@ def main() -> None:
     model = load_model(model_dir, dtype=torch.float32).eval()
     loops = model.config.total_ut_steps
     stream = heldout_stream(model_dir)
+    if args.adaptive is not None:
+        adaptive_rounds(model, stream, 4, args.prompt_len, 48, args.adaptive)
+        return
     gen = generated_matches(model, stream, args.prompts, args.prompt_len, args.new_tokens)
     held, held_seqs = heldout_overlap(model, stream, args.windows, args.seq_len)
     plain_ms = cost.plain(1, loops).time(H200_STEP_MS)
