@@ -1,5 +1,5 @@
-"""The documentation's figures: tools/draw_figures.py draws each one headless, every image the docs embed is
-checked in, small, and made by the script."""
+"""The documentation's figures: tools/draw_figures.py draws each one headless; every image the docs embed is
+checked in and small, and each of the script's figures is embedded somewhere."""
 from __future__ import annotations
 
 import re
@@ -27,9 +27,9 @@ def _embedded() -> set[Path]:
     return found
 
 
-def test_every_embedded_image_is_checked_in_small_and_drawn_by_the_script():
+def test_every_embedded_image_is_checked_in_and_small_and_the_scripts_figures_are_embedded():
     images = _embedded()
-    assert {p.name for p in images} == DRAWN
+    assert DRAWN <= {p.name for p in images}, DRAWN - {p.name for p in images}
     for path in images:
         assert path.is_file(), path
         assert path.stat().st_size < 200 * 1024, f"{path.name}: {path.stat().st_size} bytes (keep PNGs < 200 KB)"
