@@ -43,7 +43,7 @@ def draw_architecture(out: Path) -> Path:
     from loopline.models.loader import load_config
     from loopline.models.tiny import DEMO_CHECKPOINT, random_checkpoint_config
 
-    demo, ouro = load_config(DEMO_CHECKPOINT), random_checkpoint_config("ouro-1.4b")
+    demo, ouro, ouro_big = load_config(DEMO_CHECKPOINT), *map(random_checkpoint_config, ("ouro-1.4b", "ouro-2.6b"))
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 6.4))
     ax.set_xlim(0, 10)
@@ -93,7 +93,7 @@ def draw_architecture(out: Path) -> Path:
              f"early_exit_threshold {demo.early_exit_threshold}\n"
              f"Ouro-1.4B: L = {ouro.num_hidden_layers}, hidden {ouro.hidden_size}, R = {ouro.total_ut_steps}, "
              f"vocab {ouro.vocab_size:,}, early_exit_threshold {ouro.early_exit_threshold} (fixed depth); "
-             f"Ouro-2.6B: L = {2 * ouro.num_hidden_layers}")
+             f"Ouro-2.6B: L = {ouro_big.num_hidden_layers}")
     ax.text(5.0, -0.35, label, ha="center", fontsize=8, color="0.25")
     fig.tight_layout()
     return _save(fig, out / "architecture.png")
