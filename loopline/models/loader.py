@@ -300,36 +300,17 @@ def iter_checkpoint(model_dir: PathLike) -> Iterator[dict[str, Tensor]]:
 
     Missing shard files are reported before any shard is read.
     """
-    model_dir = _existing_dir(model_dir)
-    single, index = model_dir / WEIGHTS_FILE, model_dir / WEIGHTS_INDEX_FILE
-    if single.is_file():
-        yield _read_safetensors(single)
-        return
-    if not index.is_file():
-        others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
-        hint = f" (found {', '.join(others)}; only safetensors is supported)" if others else ""
-        raise CheckpointError(f"{model_dir}: no weights: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} exists{hint}")
-    raw = read_checkpoint_json(index, required=True)
-    weight_map = raw.get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index}: weight_map is missing or empty; expected {{tensor name: shard file}}")
-    by_shard: dict[str, set[str]] = {}
-    for name, shard in weight_map.items():
-        if not isinstance(shard, str) or not shard:
-            raise CheckpointError(f"{index}: weight_map[{name!r}] is {shard!r}; expected a shard file name (a string)")
-        by_shard.setdefault(shard, set()).add(name)
-    missing = [s for s in by_shard if not (index.parent / s).is_file()]
-    if missing:
-        raise CheckpointError(f"{index}: missing shard file(s) listed in weight_map: {_summary(sorted(missing))}")
-    for shard, names in by_shard.items():
-        path = index.parent / shard
+    for path, names in _checkpoint_shards(_existing_dir(model_dir)):
         tensors = _read_safetensors(path)
-        absent = sorted(names - tensors.keys())
-        if absent:
-            raise CheckpointError(f"{path}: tensor(s) that {index.name} places in this shard are absent: {_summary(absent)}")
-        stray = sorted(tensors.keys() - names)
-        if stray:
-            raise CheckpointError(f"{path}: tensor(s) not listed for this shard in {index.name}: {_summary(stray)}")
+        if names is not None:
+            absent = sorted(names - tensors.keys())
+            if absent:
+                raise CheckpointError(f"{path}: tensor(s) that {WEIGHTS_INDEX_FILE} places in this shard are absent: "
+                                      f"{_summary(absent)}")
+            stray = sorted(tensors.keys() - names)
+            if stray:
+                raise CheckpointError(f"{path}: tensor(s) not listed for this shard in {WEIGHTS_INDEX_FILE}: "
+                                      f"{_summary(stray)}")
         yield tensors
 
 
