@@ -13,19 +13,9 @@ import time
 import httpx
 import pytest
 
+from tests.entrypoints.test_serve_cli import _wait_healthy
+
 SPIN = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-
-
-def _wait_healthy(proc: subprocess.Popen, base: str) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, "server did not come up"
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
 
 
 def _smuggle(port: int) -> bytes:

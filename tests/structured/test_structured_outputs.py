@@ -118,7 +118,12 @@ def assert_matches(outs, check, spec=None, engine=None):
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("overlap", [True, False], ids=["async", "sync"])
 def test_every_output_matches_batched_with_free_requests(engines, kind, overlap):
-    engine = engines[overlap]
+    check_kind_batched_with_a_free_request(engines[overlap], kind)
+
+
+def check_kind_batched_with_a_free_request(engine, kind):
+    """Greedy and sampled requests of ``kind`` (n=2) beside an unconstrained one: every output matches,
+    greedy children agree, and the unconstrained neighbour is exactly as alone."""
     greedy, check = constrained(kind, temperature=0.0, n=2)
     sampled, _ = constrained(kind, temperature=1.0, seed=3, n=2)
     reqs = {f"g{i}": (p, greedy) for i, p in enumerate(PROMPTS[:2])}
@@ -127,7 +132,6 @@ def test_every_output_matches_batched_with_free_requests(engines, kind, overlap)
     out = drain(engine, reqs)
     unbounded = (KINDS[kind][0], engine) if kind == "json_object" else ()
     assert_matches([o for rid, o in out.items() if rid != "free"], check, *unbounded)
-    # greedy children agree; the unconstrained neighbour is exactly as alone
     assert all(len({tuple(c.token_ids) for c in out[f"g{i}"].outputs}) == 1 for i in range(2))
     alone = drain(engine, {"free": ("def f(x):\n", FREE)})
     assert result(out["free"]) == result(alone["free"])
@@ -150,7 +154,6 @@ def test_only_steps_with_constrained_rows_give_up_the_overlap(engines):
 def test_requests_that_cannot_exit_at_their_first_loop_keep_the_overlap(engines, exit_fields):
     """A token that cannot exit at its first loop is never sampled in the step launched before the previous
     token is read: those steps overlap, and the outputs equal the synchronous engine's."""
-    engine = engines[True]
     kept = []
     watch = lambda eng, _: kept.append((eng._pending is not None, bool(eng.structured.matchers)))  # noqa: E731
     outs = {}
