@@ -134,8 +134,7 @@ class GenerateSamplingParams(StrictRequest):
     def _structured(self) -> dict[str, Any] | None:
         """The constraint as vLLM's ``structured_outputs`` object (``SamplingParams`` validates it);
         SGLang's fields map onto its kinds, and two constraints at once are refused naming both."""
-        sglang = {name: value for name, value in (("json", self.json_schema), ("regex", self.regex),
-                                                   ("grammar", self.ebnf)) if value is not None}
+        sglang = {kind: getattr(self, name) for kind, name in _SGLANG_NAME.items() if getattr(self, name) is not None}
         names = [_SGLANG_NAME[k] for k in sglang] + (["structured_outputs"] if self.structured_outputs else [])
         if len(names) > 1:
             raise InvalidRequestError(f"{names[-1]}: {' and '.join(names)} are set; send one constraint",
