@@ -33,6 +33,13 @@ the last split, never won. The row kernel for ``o_proj`` (no norm; 1.011 vs
 1.001 ms) and for ``down_proj`` (whole 5,632-column rows, 1.012-1.024 vs
 0.992 ms), two blocks ahead (1.064-1.143 ms), L2 prefetch instructions for the
 later waves' rows (1.18-1.34 vs 1.06 ms).)
+
+(Nor a few-row form, 1 to 8 token rows per launch with each row's products kept apart, to bring the
+fused norms and activation to 2-8-row steps (H200, 2026-12-04, one call): kernel by kernel it lost to
+cuBLAS from 2 rows on q/k/v and gate/up (10.8 / 19.1 vs 9.3 / 13.2 us; 4 rows 16.6 / 28.7 us), the
+elementwise fp32 products growing with the rows, and whole steps (``tools/profile_step.py``) tied at 2
+rows (1.456 vs 1.461 ms) and lost from 3 (3 / 4 / 8 rows: 2.490 / 2.411 / 4.003 vs 1.602 / 1.642 /
+1.843 ms). Its one-row case, a 3-D tile of one row, was slower than this kernel too.)
 """
 from __future__ import annotations
 
