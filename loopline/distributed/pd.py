@@ -323,6 +323,10 @@ class PDClient(EngineClient):
                     placed.decode._send(PieceCmd(item, worker.rank))
                     self.num_pieces += 1
             outputs = [d for d in msg.outputs if self._holds(worker, d.request_id)]
+            if msg.dead is not None and not worker.stopping:
+                # NOTE: a worker stopped from outside (SIGTERM) aborts what it holds on its way out; nobody asked
+                # for those aborts: the requests fail below as a killed worker's do, never as a 200 "abort"
+                outputs = [d for d in outputs if not self._aborted_by_shutdown(d)]
             failures = [(rid, e) for rid, e in msg.failures if self._holds(worker, rid)]
             replies = []
             for reply in msg.replies:
@@ -368,6 +372,11 @@ class PDClient(EngineClient):
                     accept.aborted = rid in self._aborted
                     decode._send(accept)
         self._pump()
+
+    def _aborted_by_shutdown(self, delta: Any) -> bool:
+        """Whether a dying worker's output ends its request with an abort the client did not ask for."""
+        return delta.finished and delta.request_id not in self._aborted and \
+            any(c.finish_reason == "abort" for c in delta.outputs)
 
     def _holds(self, worker: WorkerLink, rid: str) -> bool:
         placed = self._placed.get(rid)

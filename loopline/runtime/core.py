@@ -118,9 +118,9 @@ class EngineCore:
                     idle = True
                     self._on_step_error(e)
                 self._check_drained()
-                self._flush()
                 if stopping:
-                    break
+                    break  # NOTE: the aborts of a shutdown go in the last message, with ``dead`` (see _die)
+                self._flush()
         except BaseException:  # a device fault or an engine bug: fail every waiter instead of hanging them
             error_id = new_error_id()
             logger.exception("engine loop stopped (error id %s)", error_id)
@@ -286,7 +286,9 @@ class EngineCore:
                               else "committed")
 
     def _die(self, error: BaseException) -> None:
-        """The last message: outputs and replies gathered so far, then ``dead`` (the client fails the rest)."""
+        """The last message: outputs and replies gathered so far, then ``dead`` (the client fails the rest).
+        A shutdown's aborts come in this message, so a front end that did not ask for the shutdown (a
+        worker stopped by SIGTERM) sees them beside ``dead`` and can fail those requests instead."""
         msg, self._msg = self._msg, EngineMessage()
         msg.replies += [Reply(call_id, None, error) for call_id in self._drain_waiters]
         self._drain_waiters = []

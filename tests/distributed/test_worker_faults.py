@@ -59,36 +59,56 @@ def test_a_worker_exits_promptly_while_a_receive_from_a_dead_peer_is_pending():
                 p.kill()
 
 
-def test_a_killed_prefill_worker_fails_its_request_and_shutdown_promptly(tiny_gqa):
-    """1 prefill + 1 decode worker; the prefill worker is killed mid-prompt: the request fails with an
-    error naming the worker well within the transfer timeout, and shutting down takes seconds."""
-    import asyncio
+def _stop_a_busy_prefill_worker(llm, srv, sig: int, prompt: list[int]) -> tuple[object, float]:
+    """Sends a long prompt over HTTP, stops the prefill worker that holds it with ``sig`` mid-prompt;
+    returns the HTTP response and how long the answer took after the signal."""
+    import concurrent.futures
     import os
+
+    import httpx
+
+    body = {"model": "t", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, srv.base_url + "/v1/completions", json=body, timeout=60)
+        deadline = time.monotonic() + 30
+        while not (busy := [w for w in llm.client.prefill if w.alive and w.snapshot.num_unfinished]):
+            assert time.monotonic() < deadline and not answer.done(), "the prompt never reached a prefill worker"
+            time.sleep(0.002)
+        victim, = busy
+        os.kill(victim.process.pid, sig)
+        t0 = time.monotonic()
+        r = answer.result(30)
+        return victim, r, time.monotonic() - t0
+
+
+def test_a_prefill_worker_stopped_mid_request_fails_it_with_5xx_by_sigterm_as_by_sigkill(tiny_gqa, serve_app):
+    """3 prefill + 1 decode workers behind the HTTP server. A prefill worker stopped mid-prompt, by SIGTERM
+    (it shuts down cleanly, aborting what it holds) or by SIGKILL, fails its request the same way: 503 naming
+    the worker, well within the transfer timeout (never a 200 with finish_reason "abort"); the next request
+    is served by another prefill worker, and shutting down takes seconds."""
     import signal
 
-    import pytest
+    import httpx
 
-    from loopline import SamplingParams
     from loopline.config import EngineArgs
     from loopline.entrypoints.async_llm import AsyncLLM
-    from loopline.errors import EngineDeadError
+    from loopline.entrypoints.openai.api_server import build_app
 
-    llm = AsyncLLM(EngineArgs(model=str(tiny_gqa.path), prefill_workers=1, decode_workers=1, kv_transfer_timeout=60,
+    llm = AsyncLLM(EngineArgs(model=str(tiny_gqa.path), prefill_workers=3, decode_workers=1, kv_transfer_timeout=60,
                               dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=8,
                               max_model_len=256, block_size=4, skip_tokenizer_init=True))
     try:
-        async def main() -> float:
-            params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-            doomed = asyncio.create_task(llm.generate_tokens(list(range(3, 203)), params, "doomed"))
-            while (placed := llm.client.placement("doomed")) is None:
-                await asyncio.sleep(0.001)
-            os.kill(placed.prefill.process.pid, signal.SIGKILL)
-            t0 = time.monotonic()
-            with pytest.raises(EngineDeadError, match="prefill worker 0"):
-                await asyncio.wait_for(doomed, 30)
-            return time.monotonic() - t0
-
-        assert asyncio.run(main()) < 5
+        srv = serve_app(build_app(llm, "t", shutdown_engine=False))
+        body = {"model": "t", "prompt": list(range(3, 15)), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            victim, r, took = _stop_a_busy_prefill_worker(llm, srv, sig, list(range(3, 203)))
+            assert r.status_code == 503, (sig, r.status_code, r.text)
+            assert f"the {victim.name} serving this request stopped" in r.json()["error"]["message"], (sig, r.text)
+            print(f"{signal.Signals(sig).name}: answered {took:.2f} s after the signal")
+            assert took < 5, f"{signal.Signals(sig).name}: the answer took {took:.1f}s"
+            assert not victim.alive and llm.health_problem() is None
+            after = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)
+            assert after.status_code == 200 and after.json()["choices"][0]["finish_reason"] == "length", after.text
     finally:
         t0 = time.monotonic()
         llm.shutdown()
