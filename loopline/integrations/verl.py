@@ -63,20 +63,28 @@ def _load_replica() -> type[RolloutReplica]:
 
 
 def register() -> None:
-    """Registers ``"loopline"`` with verl (both registries) and Ouro's config with transformers.
+    """Registers ``"loopline"`` with verl (both registries) and Ouro with transformers.
 
     Idempotent. verl reads the checkpoint's ``config.json`` with ``AutoConfig`` (``model_type
-    "ouro"``); registering loopline's config class lets it do so without remote code.
+    "ouro"``) and its FSDP actor and reference load the model with ``AutoModelForCausalLM``;
+    registering loopline's classes lets both do so without remote code.
     """
     RolloutReplicaRegistry.register(ROLLOUT_NAME, _load_replica)
     _ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = ADAPTER_PATH
-    from transformers import AutoConfig
+    register_hf_ouro()
+
+
+def register_hf_ouro() -> None:
+    """``AutoConfig`` and ``AutoModelForCausalLM`` for ``model_type "ouro"`` (when transformers has none)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if "ouro" not in CONFIG_MAPPING:
-        from loopline.models.hf_compat import OuroHFConfig
+    from loopline.models.hf_compat import OuroHFConfig, OuroHFForCausalLM
 
+    if "ouro" not in CONFIG_MAPPING:
         AutoConfig.register("ouro", OuroHFConfig)
+    if CONFIG_MAPPING["ouro"] is OuroHFConfig and OuroHFConfig not in AutoModelForCausalLM._model_mapping:
+        AutoModelForCausalLM.register(OuroHFConfig, OuroHFForCausalLM)
 
 
 def rollout_world_size(config: Any) -> int:

@@ -17,7 +17,8 @@ keeps one entry per (loop, layer): a ``transformers.DynamicCache`` with
 ``num_hidden_layers * total_ut_steps`` layers, entry ``loop * L + layer`` (the
 layout of the upstream remote code). Left padding works through the usual 2-D
 ``attention_mask``: positions come from its cumulative sum and padded keys are
-masked.
+masked. Packed sequences (``position_ids`` restarting at 0 at each sequence start
+and no ``attention_mask``, as RL trainers pass them) attend within their sequence.
 
 NOTE: transformers 5.x renamed the cache argument and output field from
 ``past_key_values`` to ``cache`` (5.24 uses ``cache``); ``forward`` accepts both
@@ -26,11 +27,12 @@ and fills whichever field the installed ``CausalLMOutputWithPast`` has.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -157,12 +159,52 @@ def _positions_and_mask(attention_mask: Tensor | None, past: int, batch: int, se
     return positions, allowed[:, None]
 
 
+def _same_sequence(position_ids: Tensor) -> Tensor:
+    """``[B, 1, T, T]`` bool: True where query and key belong to the same packed sequence.
+
+    Packed rows (trainers' "remove padding" layout: ``[1, total tokens]``, no attention mask) restart
+    their positions at 0 at each sequence start, as flash-attention's varlen path reads them.
+    """
+    seq = (position_ids == 0).long().cumsum(-1)  # [B, T]
+    return (seq[:, :, None] == seq[:, None, :])[:, None]
+
+
+class OuroLayerStack(nn.ModuleList):
+    """The shared decoder layers (``model.layers.{i}``), called once per forward to run every loop.
+
+    It holds the loopline model's own layers (no copies). Its call runs a computation on the
+    loopline model, so every layer parameter is read inside one call of this module: a wrapper
+    that gathers parameters around a module's call (an FSDP unit) takes the stack as one unit.
+    Per-layer units would not work: the layer math reads a layer's last norm inside the next
+    layer's call (fused add + norm), and every layer runs once per loop.
+    """
+
+    def __init__(self, core: OuroForCausalLM) -> None:
+        super().__init__(core.model.layers)
+        object.__setattr__(self, "_core", core)
+
+    def forward(self, compute: Callable[[OuroForCausalLM], Any]) -> Any:
+        """``compute(loopline model)``, inside this module's call."""
+        return compute(self._core)
+
+
+class OuroHFModel(nn.Module):
+    """The trunk's modules under the Hugging Face names (``model.embed_tokens``, ``model.layers``, ...)."""
+
+    def __init__(self, core: OuroForCausalLM) -> None:
+        super().__init__()
+        self.embed_tokens = core.model.embed_tokens
+        self.layers = OuroLayerStack(core)
+        self.norm, self.early_exit_gate = core.model.norm, core.model.early_exit_gate
+
+
 class OuroHFForCausalLM(PreTrainedModel, GenerationMixin):
     """Ouro for ``transformers``: full depth, last loop's logits, a (loop, layer) KV cache."""
 
     config_class = OuroHFConfig
     base_model_prefix = "model"
-    _no_split_modules = ["OuroDecoderLayer"]
+    # NOTE: the layer stack is one wrapping unit (OuroLayerStack's docstring says why)
+    _no_split_modules = ["OuroLayerStack"]
     _supports_sdpa = True
 
     def __init__(self, config: OuroHFConfig) -> None:
@@ -173,7 +215,7 @@ class OuroHFForCausalLM(PreTrainedModel, GenerationMixin):
     def _attach(self, core: OuroForCausalLM) -> None:
         # NOTE: register the core's modules under the HF names; keep the core itself
         # out of the module tree so no parameter appears twice or under "core.".
-        self.model = core.model
+        self.model = OuroHFModel(core)
         self.lm_head = core.lm_head
         object.__setattr__(self, "_core", core)
 
@@ -208,22 +250,28 @@ class OuroHFForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache()
-        core, cfg = self._core, self.config
-        hidden = core.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        b, t = hidden.shape[:2]
+        cfg = self.config
+        b, t = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
+        device = (input_ids if inputs_embeds is None else inputs_embeds).device
         past = 0
         if cache is not None:
             _ensure_cache_entries(cache, cfg.num_hidden_layers * cfg.total_ut_steps)
             past = cache.get_seq_length(0)
-        positions, allowed = _positions_and_mask(attention_mask, past, b, t, hidden.device)
+        positions, allowed = _positions_and_mask(attention_mask, past, b, t, device)
         if position_ids is not None:
             positions = position_ids
-        h, flat_pos = hidden.reshape(b * t, -1), positions.reshape(-1)
-        for loop in range(cfg.total_ut_steps):
-            attn = _CachedLoopAttention(cache, loop * cfg.num_hidden_layers, b, t, allowed)
-            h, _ = core.loop(h, flat_pos, attn)
-        h = h.view(b, t, -1)
-        logits = core.head(h[:, -logits_to_keep:] if logits_to_keep else h)
+            if attention_mask is None and past == 0:
+                allowed = allowed & _same_sequence(position_ids)
+
+        def trunk(core: OuroForCausalLM) -> Tensor:
+            h = core.embed(input_ids) if inputs_embeds is None else inputs_embeds
+            h, flat_pos = h.reshape(b * t, -1), positions.reshape(-1)
+            for loop in range(cfg.total_ut_steps):
+                h, _ = core.loop(h, flat_pos, _CachedLoopAttention(cache, loop * cfg.num_hidden_layers, b, t, allowed))
+            return h.view(b, t, -1)
+
+        h = self.model.layers(trunk)
+        logits = self._core.head(h[:, -logits_to_keep:] if logits_to_keep else h)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
