@@ -11,7 +11,7 @@ or a property for a state verb -- and ``LLMEngine.control_call`` dispatches to i
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,13 @@ class EngineControl(GenerationControl):
         self.on_finished = on_finished or outputs.on_finished
         self.weights = WeightUpdater(model)
         self.weight_version: Any = 0
+        self.disk_load: DiskLoad | None = None  # the update from disk under way (one at a time)
 
     # --- readiness --------------------------------------------------------------------
     def not_ready_reason(self) -> str | None:
         """Why the engine cannot generate now (None: it can)."""
+        if self.swap_pending:
+            return None  # new requests are held until the update from disk is swapped in
         if self.weights.in_progress:
             return f"a weight update to version {self.weights.pending_version} is in progress"
         if self.weights.broken:
@@ -69,7 +72,7 @@ class EngineControl(GenerationControl):
         or KV with nothing in flight. Requests in flight that cannot run (a ``"wait"`` pause after an
         update left the weights partial) raise ``EngineStateError``: the caller fails them; waiting
         would deadlock, since a new update needs them finished or frozen."""
-        if self.frozen:
+        if self.frozen or (self.disk_load is not None and self.disk_load.opened):
             return True
         reason = self.not_ready_reason()
         if reason is None:
@@ -83,13 +86,30 @@ class EngineControl(GenerationControl):
         return self.weight_version
 
     def start_weight_update(self, version: int) -> None:
-        if self.scheduler.has_unfinished() and not self.frozen:
-            raise EngineStateError(
-                f"weight updates need an idle or paused engine, but {len(self.scheduler.requests)} request(s) are "
-                "generating; pause_generation('abort' | 'keep'), or 'wait' until is_drained, first")
+        self._check_no_disk_load()
+        self._open_update(version)
+
+    def _open_update(self, version: int) -> None:
+        self._check_not_generating()
         if self.weights_asleep:
             raise EngineStateError("the weights are asleep (sleep(level=2)); wake_up(tags=['weights']) first")
         self.weights.start(version, self.weight_version)
+
+    def _check_not_generating(self) -> None:
+        if self.generating:
+            raise EngineStateError(
+                f"weight updates need an idle or paused engine, but {len(self.scheduler.requests)} request(s) are "
+                "generating; pause_generation('abort' | 'keep'), or 'wait' until is_drained, first")
+
+    @property
+    def generating(self) -> bool:
+        """Some request runs (not frozen by a ``"keep"`` pause): a weight update must wait or be refused."""
+        return self.scheduler.has_unfinished() and not self.frozen
+
+    def _check_no_disk_load(self) -> None:
+        if self.disk_load is not None:
+            raise EngineStateError(f"a weight update from disk ({self.disk_load.path} as version "
+                                   f"{self.disk_load.version}) is under way; one update at a time: wait for its reply")
 
     def update_weights(self, weights: Any) -> int:
         return self.weights.update(weights)
@@ -106,27 +126,49 @@ class EngineControl(GenerationControl):
         return version
 
     def update_weights_from_disk(self, path: str, version: int) -> int:
-        self.start_weight_update(version)
+        """The verb in one call (``LLMEngine``, ``LLM``): the engine must be idle or paused, as for
+        ``start_weight_update``. The engine loop runs the same stages of :class:`DiskLoad` on a reader
+        thread instead (``runtime.core``), so that generation goes on while the checkpoint is read."""
+        self._check_not_generating()  # nobody would step the requests in flight while this call waits
+        load = self.stage_update_weights_from_disk(path, version)
         try:
-            check_checkpoint_files(path)  # every file it names stays inside the directory
-            if (Path(path) / CONFIG_FILE).is_file():
-                cfg, mine = load_config(path), self.model_config
-                differ = [f"{k}={getattr(cfg, k)!r} (serving {getattr(mine, k)!r})" for k in _ARCHITECTURE
-                          if getattr(cfg, k) != getattr(mine, k)]
-                if differ:
-                    raise WeightUpdateError(f"{path}: the checkpoint's architecture differs: {', '.join(differ)}",
-                                            param="path")
-            # NOTE: tensor by tensor, twice: the dry run holds one tensor at a time, never a shard or the model
-            seen: set[str] = set()
-            for entry in iter_checkpoint_tensors(path):  # dry run: names, shapes, dtypes, finite values, duplicates
-                seen.update(n for n, _, _ in self.weights.validate([entry], already_seen=seen))
-            self.weights.check_complete(seen, path)  # a missing tensor is refused before the first copy
-            for entry in iter_checkpoint_tensors(path):
-                self.weights.update([entry])
+            load.validate()
+            load.open()
+            for items in load.pieces():
+                load.apply(items)
+            return load.commit()
         except BaseException:
-            self.weights.abort()  # no-op if the failed call already closed the update
+            load.cancel()
             raise
-        return self.finish_weight_update()
+
+    def stage_update_weights_from_disk(self, path: str, version: int) -> DiskLoad:
+        """Begins an update from disk (engine thread): refuses at once what no checkpoint could fix (a
+        version that does not increase, an update under way, weights asleep); the checkpoint is read by
+        the returned :class:`DiskLoad`."""
+        self._check_no_disk_load()
+        self.weights.check_start(version, self.weight_version)
+        if self.weights_asleep:
+            raise EngineStateError("the weights are asleep (sleep(level=2)); wake_up(tags=['weights']) first")
+        self.disk_load = DiskLoad(self, path, version)
+        return self.disk_load
+
+    @property
+    def swap_pending(self) -> bool:
+        """A validated update from disk waits for the requests in flight (or is being copied): requests
+        added meanwhile are held, so those in flight finish on one weight version and the swap comes."""
+        return self.disk_load is not None and self.disk_load.validated
+
+    def hold(self, request: Request) -> bool:
+        if self.swap_pending:
+            self.held.append(request)
+            return True
+        return super().hold(request)
+
+    def _release_held(self) -> None:
+        """Hands the held requests to the scheduler unless a pause (or a pending swap) still holds them."""
+        if not self.is_paused and not self.swap_pending:
+            for req in self.take_held():
+                self.scheduler.add_request(req)
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
@@ -151,8 +193,7 @@ class EngineControl(GenerationControl):
             return
         self.check_may_generate()
         self.pause_mode = None
-        for req in self.take_held():
-            self.scheduler.add_request(req)
+        self._release_held()
 
     # --- sleep ------------------------------------------------------------------------
     def sleep(self, level: int) -> None:
@@ -163,6 +204,7 @@ class EngineControl(GenerationControl):
                                    "unfinished; abort them (pause_generation('abort')) or let them finish")
         if self.weights.in_progress:
             raise EngineStateError("a weight update is in progress; finish or abort it before sleeping")
+        self._check_no_disk_load()
         if not self.kv_asleep:
             self.kv.reset_prefix_cache()  # cached pages die with the pool
             self.runner.release_kv_cache()
@@ -194,3 +236,84 @@ class EngineControl(GenerationControl):
         if reset_peak:
             torch.cuda.reset_peak_memory_stats(device)
         return stats
+
+
+class DiskLoad:
+    """One ``update_weights_from_disk`` in stages, so that only the copy needs the engine thread.
+
+    Any thread (they read files and validate, touching no engine state): :meth:`validate` reads every
+    tensor once, one at a time (names, shapes, dtypes, finite values, the checkpoint's architecture,
+    every file inside the directory), and refuses an incomplete set; :meth:`pieces` reads them again,
+    one validated tensor at a time, for the copy. Engine thread: :meth:`open` once no request
+    generates (``ready``), :meth:`apply` each piece, :meth:`commit`; :meth:`cancel` on any failure
+    (nothing copied: the old weights serve; else the weights are partially updated, as for any update
+    that fails mid-copy). From :meth:`validate`'s end to :meth:`commit` new requests are held.
+    """
+
+    def __init__(self, control: EngineControl, path: str, version: int) -> None:
+        self.control, self.path, self.version = control, path, version
+        self.validated = False  # set by the reader: the swap is pending
+        self.opened = False  # the weight update is open (the copy is under way)
+        self.cancelled = False  # the reader stops at its next tensor
+
+    # --- any thread ---------------------------------------------------------------------
+    def validate(self) -> None:
+        path, weights = self.path, self.control.weights
+        check_checkpoint_files(path)  # every file it names stays inside the directory
+        if (Path(path) / CONFIG_FILE).is_file():
+            cfg, mine = load_config(path), self.control.model_config
+            differ = [f"{k}={getattr(cfg, k)!r} (serving {getattr(mine, k)!r})" for k in _ARCHITECTURE
+                      if getattr(cfg, k) != getattr(mine, k)]
+            if differ:
+                raise WeightUpdateError(f"{path}: the checkpoint's architecture differs: {', '.join(differ)}",
+                                        param="path")
+        # NOTE: tensor by tensor, twice: the dry run holds one tensor at a time, never a shard or the model
+        seen: set[str] = set()
+        for entry in self._tensors():  # names, shapes, dtypes, finite values, duplicates
+            seen.update(n for n, _, _ in weights.validate([entry], already_seen=seen))
+        weights.check_complete(seen, path)  # a missing tensor is refused before the first copy
+        self.validated = True
+
+    def pieces(self) -> Iterator[list[tuple[str, Any, Any]]]:
+        """The validated ``(name, parameter, source)`` entries of each tensor, read again one at a time."""
+        seen: set[str] = set()
+        for entry in self._tensors():
+            items = self.control.weights.validate([entry], already_seen=seen)
+            seen.update(n for n, _, _ in items)
+            yield items
+
+    def _tensors(self) -> Iterator[tuple[str, Any]]:
+        for entry in iter_checkpoint_tensors(self.path):
+            if self.cancelled:
+                raise EngineStateError(f"the weight update from {self.path} was cancelled")
+            yield entry
+
+    # --- engine thread ------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Validated, and no request generates (idle, drained, or frozen by a ``"keep"`` pause)."""
+        return self.validated and not self.control.generating
+
+    def open(self) -> None:
+        self.control._open_update(self.version)
+        self.opened = True
+
+    def apply(self, items: list[tuple[str, Any, Any]]) -> None:
+        self.control.weights.apply(items)
+
+    def commit(self) -> int:
+        try:
+            return self.control.finish_weight_update()
+        finally:
+            self._end()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.opened:
+            self.control.weights.abort()  # broken only if something was copied
+        self._end()
+
+    def _end(self) -> None:
+        if self.control.disk_load is self:
+            self.control.disk_load = None
+            self.control._release_held()

@@ -65,7 +65,10 @@ class Verb:
     engine loop itself (``EngineCore.call_<name>``), so only ``AsyncLLM`` has it. ``materialize``: a
     parameter given as an iterable, which ``AsyncLLM`` turns into a list on the caller's thread
     before the call crosses to the engine loop (so a generator that gathers tensors, e.g. with
-    collectives, runs where the caller expects, and several engines can each read it).
+    collectives, runs where the caller expects, and several engines can each read it). ``staged``:
+    the engine loop serves it in stages (``EngineControl.stage_<name>(*args)`` returns a
+    ``DiskLoad``): the reading runs on a thread of its own while the engine keeps stepping, the
+    copy between two steps; the reply comes once it is done (``LLMEngine`` runs the stages in one call).
     """
 
     name: str
@@ -79,6 +82,7 @@ class Verb:
     waits_when: tuple[str, Any] | None = None
     loop: bool = False
     materialize: str | None = None
+    staged: bool = False
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.params]
@@ -158,8 +162,13 @@ VERBS = VerbTable(
          "Drops an open update: the old weights still serve unless some tensors were already copied.",
          Combine.NONE),
     Verb("update_weights_from_disk", (Param("path", str), Param("version", int)), int,
-         "Publishes a safetensors checkpoint directory as ``version`` (returned): every shard is read\n"
-         "and validated before anything is copied, then streamed shard by shard.", Combine.SAME),
+         "Publishes a safetensors checkpoint directory as ``version`` (returned): every tensor is read\n"
+         "and validated before anything is copied, then read again and copied one tensor at a time.\n\n"
+         "``LLMEngine`` and ``LLM`` need an idle or paused engine, as ``start_weight_update``. ``AsyncLLM``\n"
+         "reads the checkpoint on a thread of its own while generation goes on; once it is validated, new\n"
+         "requests are held, those in flight finish on the old weights, and the copy runs between two\n"
+         "steps. One update from disk at a time: another weight update meanwhile is refused.",
+         Combine.SAME, staged=True),
     Verb("reset_prefix_cache", (), None,
          "Forgets every cached prompt page (pages in use stay with their requests).",
          Combine.NONE, disaggregated=True),

@@ -88,7 +88,8 @@ class WeightUpdater:
         return self.session.version if self.session is not None else None
 
     # --- protocol ---------------------------------------------------------------------
-    def start(self, version: Any, committed: int) -> None:
+    def check_start(self, version: Any, committed: int) -> None:
+        """Raises what :meth:`start` would raise for ``version`` now, opening nothing."""
         if self.session is not None:
             raise EngineStateError(f"a weight update to version {self.session.version} is in progress; "
                                    "finish_weight_update() or abort_weight_update() first")
@@ -97,6 +98,9 @@ class WeightUpdater:
         if version < committed:
             raise WeightUpdateError(f"versions must increase: version {committed} is committed, got {version}",
                                     param="version")
+
+    def start(self, version: Any, committed: int) -> None:
+        self.check_start(version, committed)
         # A broken engine may re-publish the committed version: that is a repair, not a no-op.
         self.session = _Session(version, verify=version == committed and not self.broken)
 
@@ -105,6 +109,19 @@ class WeightUpdater:
         s = self._require_session()
         try:
             items = self.validate(weights, already_seen=s.seen)
+        except Exception:
+            self._fail()
+            raise
+        return self.apply(items)
+
+    def apply(self, items: list[tuple[str, Tensor, Tensor]]) -> int:
+        """Applies entries that :meth:`validate` returned (e.g. validated on another thread) to the open
+        update, all or none as :meth:`update`; returns how many there were."""
+        s = self._require_session()
+        try:
+            again = [n for n, _, _ in items if n in s.seen]
+            if again:
+                raise WeightUpdateError(f"parameter {again[0]!r} was sent twice in one update", param=again[0])
             if s.verify:
                 differ = [n for n, target, src in items if not torch.equal(target.detach(), src.to(target.device))]
                 if differ:

@@ -27,7 +27,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -52,15 +52,63 @@ _MAX_STEP_RECORD_DELAY_S = 0.05
 
 
 # --- the loop --------------------------------------------------------------------------------
+@dataclass
+class LoadEvent:
+    """From a staged call's reader thread to the engine loop, through the inbox (never crosses a
+    process): ``"validated"``, ``"piece"`` (validated entries to copy), ``"done"`` or ``"failed"``."""
+
+    call_id: int
+    kind: str
+    payload: Any = None
+
+
+class _Reader:
+    """The reader thread of one staged call (``Verb.staged``, e.g. ``update_weights_from_disk``): it
+    validates the whole checkpoint while the engine steps, waits until the engine opens the update,
+    then hands over one validated piece at a time (the next is read once the engine applied the last)."""
+
+    def __init__(self, call_id: int, load: Any, inbox: Inbox) -> None:
+        self.call_id, self.load, self.inbox = call_id, load, inbox
+        self.waiting = False  # (engine thread) its "validated" event arrived: open the update once none generates
+        self._go = threading.Event()  # the engine opened the update: read the pieces
+        self._applied = threading.Semaphore(0)  # the engine applied the piece in flight
+        threading.Thread(target=self._run, name="loopline-weights-reader", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.load.validate()
+            self.inbox.put(LoadEvent(self.call_id, "validated"))
+            self._go.wait()
+            for items in self.load.pieces():  # (raises once cancelled)
+                self.inbox.put(LoadEvent(self.call_id, "piece", items))
+                del items
+                self._applied.acquire()  # NOTE: the next tensor is read once the engine copied this one
+            self.inbox.put(LoadEvent(self.call_id, "done"))
+        except BaseException as e:  # reported to the caller by the engine loop
+            self.inbox.put(LoadEvent(self.call_id, "failed", e))
+
+    def go(self) -> None:
+        self._go.set()
+
+    def applied(self) -> None:
+        self._applied.release()
+
+    def stop(self) -> None:
+        """Cancels the load (engine thread) and unblocks the thread, which then ends."""
+        self.load.cancel()
+        self._go.set()
+        self._applied.release()
+
+
 class Inbox:
     """Commands for the engine loop, in arrival order (filled from any thread)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._commands: list[Command] = []
+        self._commands: list[Command | LoadEvent] = []
         self._stopping = False
 
-    def put(self, cmd: Command) -> None:
+    def put(self, cmd: Command | LoadEvent) -> None:
         with self._cond:
             if isinstance(cmd, ShutdownCmd):
                 self._stopping = True
@@ -68,7 +116,7 @@ class Inbox:
                 self._commands.append(cmd)
             self._cond.notify()
 
-    def take(self, runnable: Callable[[], bool], idle: bool) -> tuple[list[Command], bool]:
+    def take(self, runnable: Callable[[], bool], idle: bool) -> tuple[list[Command | LoadEvent], bool]:
         """Waits until there is a command, a shutdown, or (``runnable()``) work; returns the commands
         and whether to stop. ``idle``: the last step made no progress, so wait a little anyway."""
         with self._cond:
@@ -95,6 +143,7 @@ class EngineCore:
         self._step_failures = 0  # consecutive failed steps
         self._last_snapshot: EngineSnapshot | None = None
         self._first_unsent = 0.0  # when the oldest step record not yet emitted was made
+        self._readers: dict[int, _Reader] = {}  # staged calls in flight, by call id
 
     def run(self) -> None:
         engine = self.engine
@@ -117,6 +166,7 @@ class EngineCore:
                 except Exception as e:  # a request must not stop the engine: fail the ones to blame
                     idle = True
                     self._on_step_error(e)
+                self._open_ready_loads()
                 self._check_drained()
                 if stopping:
                     break  # NOTE: the aborts of a shutdown go in the last message, with ``dead`` (see _die)
@@ -146,12 +196,18 @@ class EngineCore:
         return frozenset(self._live)
 
     # --- commands -----------------------------------------------------------------------------
-    def _apply(self, cmd: Command) -> None:
+    def _apply(self, cmd: Command | LoadEvent) -> None:
         if isinstance(cmd, AbortCmd):
             self._abort(cmd.request_ids)  # outputs with finish_reason "abort" come from the next step
+        elif isinstance(cmd, LoadEvent):
+            self._on_load_event(cmd)
         elif isinstance(cmd, CallCmd):
             try:
                 verb = VERBS.lookup(cmd.name)  # only a verb of engine/verbs.py runs here
+                if verb.staged:  # the reply comes once its reader and the copy are done
+                    load = getattr(self.engine.control, f"stage_{verb.name}")(*cmd.args)
+                    self._readers[cmd.call_id] = _Reader(cmd.call_id, load, self.inbox)
+                    return
                 result = (getattr(self, f"call_{verb.name}")(*cmd.args) if verb.loop
                           else self.engine.control_call(verb.name, *cmd.args))
             except Exception as e:  # engine errors go back to the caller unchanged
@@ -198,6 +254,44 @@ class EngineCore:
         """Aborts requests in the engine; a failure here is an engine fault (it propagates)."""
         if request_ids:
             self.engine.abort_request(request_ids)
+
+    # --- staged calls (weight updates from disk) ------------------------------------------------
+    def _on_load_event(self, event: LoadEvent) -> None:
+        reader = self._readers.get(event.call_id)
+        if reader is None:
+            return  # stopped meanwhile
+        if event.kind == "failed":  # the checkpoint was refused: the caller gets the reader's error
+            self._end_load(reader, event.payload)
+            return
+        try:
+            if event.kind == "validated":
+                reader.waiting = True  # new requests are held from now on
+            elif event.kind == "piece":
+                reader.load.apply(event.payload)
+                reader.applied()
+            elif event.kind == "done":
+                del self._readers[event.call_id]
+                self._msg.replies.append(Reply(event.call_id, reader.load.commit()))
+        except Exception as e:
+            self._end_load(reader, e)
+
+    def _open_ready_loads(self) -> None:
+        """Opens each validated load once no request generates: the copy runs between steps from now on."""
+        for reader in list(self._readers.values()):
+            if reader.waiting and reader.load.ready:
+                reader.waiting = False
+                try:
+                    reader.load.open()
+                except Exception as e:
+                    self._end_load(reader, e)
+                    continue
+                reader.go()
+
+    def _end_load(self, reader: _Reader, error: BaseException) -> None:
+        """A staged call failed: cancels it (the old weights serve unless some tensors were copied)."""
+        self._readers.pop(reader.call_id, None)
+        self._msg.replies.append(Reply(reader.call_id, None, error))
+        reader.stop()
 
     # --- steps --------------------------------------------------------------------------------
     def _step(self) -> bool:
@@ -289,6 +383,11 @@ class EngineCore:
         """The last message: outputs and replies gathered so far, then ``dead`` (the client fails the rest).
         A shutdown's aborts come in this message, so a front end that did not ask for the shutdown (a
         worker stopped by SIGTERM) sees them beside ``dead`` and can fail those requests instead."""
+        for reader in list(self._readers.values()):
+            try:
+                self._end_load(reader, error)
+            except Exception:  # the engine is broken: the caller still gets the error
+                logger.exception("cancelling the weight update from disk failed")
         msg, self._msg = self._msg, EngineMessage()
         msg.replies += [Reply(call_id, None, error) for call_id in self._drain_waiters]
         self._drain_waiters = []

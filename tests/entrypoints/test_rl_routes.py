@@ -247,12 +247,12 @@ def test_update_weights_from_disk_rejects_bad_input_and_keeps_serving(srv, llm, 
     sp = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
     before = generate(srv, input_ids=PROMPT, sampling_params=sp).json()["output_ids"]
     new = tiny_factory(3)
-    # not paused and generating: refused with 409, nothing changes
+    # not paused and generating: the checkpoint is read beside the request (a bad one is a 400 while it goes on)
     busy = pool.submit(generate, srv, input_ids=PROMPT, rid="busy",
                        sampling_params={"max_new_tokens": 240, "ignore_eos": True})
     wait_for(lambda: running(llm))
-    err = error(post(srv, "/update_weights_from_disk", {"model_path": str(new.path), "version": 1}), 409)
-    assert err["code"] == "conflict" and "idle or paused" in err["message"]
+    err = error(post(srv, "/update_weights_from_disk", {"model_path": str(tiny_mha.path), "version": 1}), 400)
+    assert err["param"] == "model_path" and not busy.done()
     post(srv, "/abort_request", {"rid": "busy"})
     assert busy.result(60).json()["finish_reason"] == "abort"
     bad = [({"model_path": str(new.path)}, "version"),
