@@ -75,16 +75,21 @@ def register() -> None:
 
 
 def register_hf_ouro() -> None:
-    """``AutoConfig`` and ``AutoModelForCausalLM`` for ``model_type "ouro"`` (when transformers has none)."""
+    """``AutoConfig`` and ``AutoModelForCausalLM`` for ``model_type "ouro"`` (when transformers has none).
+
+    The model class is :class:`~loopline.train.hf_actor.OuroActorForCausalLM`: the Hugging Face Ouro
+    whose forward also takes the rollout's exit depths (:mod:`loopline.integrations.verl_trainer`).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from loopline.models.hf_compat import OuroHFConfig, OuroHFForCausalLM
+    from loopline.models.hf_compat import OuroHFConfig
+    from loopline.train.hf_actor import OuroActorForCausalLM
 
     if "ouro" not in CONFIG_MAPPING:
         AutoConfig.register("ouro", OuroHFConfig)
     if CONFIG_MAPPING["ouro"] is OuroHFConfig and OuroHFConfig not in AutoModelForCausalLM._model_mapping:
-        AutoModelForCausalLM.register(OuroHFConfig, OuroHFForCausalLM)
+        AutoModelForCausalLM.register(OuroHFConfig, OuroActorForCausalLM)
 
 
 def rollout_world_size(config: Any) -> int:

@@ -62,17 +62,32 @@ def replay_logprobs_batch(model: OuroForCausalLM, prompts: Sequence[Sequence[int
     ``temperature`` is one value or one per completion.
     """
     batch = _Batch.build(model, prompts, outputs, exit_depths, layout, temperature)
-    hidden = _last_exited_hidden(model, batch) if layout == "last_exited" else _shared_hidden(model, batch)
-    logits = model.head(hidden) / batch.temperatures[:, None]  # [M, V] fp32
+    logits = model.head(_hidden(model, batch)) / batch.temperatures[:, None]  # [M, V] fp32
     logp = torch.log_softmax(logits, dim=-1).gather(1, batch.targets[:, None]).squeeze(1)
     return list(logp.split(batch.num_outputs))
+
+
+def replay_hidden_batch(model: OuroForCausalLM, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                        exit_depths: Sequence[Sequence[int]], *, layout: str = "last_exited") -> list[Tensor]:
+    """The hidden states each generated token was sampled from (with autograd); one ``[N_b, hidden]`` each.
+
+    ``model.head`` of row ``k`` gives the logits of ``outputs[b][k]`` (what a trainer that computes
+    its own log-softmax, entropy or temperature needs).
+    """
+    batch = _Batch.build(model, prompts, outputs, exit_depths, layout, 1.0)
+    return list(_hidden(model, batch).split(batch.num_outputs))
+
+
+def _hidden(model: OuroForCausalLM, batch: "_Batch") -> Tensor:
+    return _last_exited_hidden(model, batch) if batch.layout == "last_exited" else _shared_hidden(model, batch)
 
 
 class _Batch:
     """Right-padded sequences ``prompt + output[:-1]`` and what each token's logprob needs."""
 
     def __init__(self, ids: Tensor, kv_depth: Tensor, prompt_lens: list[int], lengths: list[int],
-                 depths: list[list[int]], targets: Tensor, temperatures: Tensor) -> None:
+                 depths: list[list[int]], targets: Tensor, temperatures: Tensor, layout: str) -> None:
+        self.layout = layout
         self.ids = ids  # [B, T] int64 (pad 0)
         self.kv_depth = kv_depth  # [B, T] int64: loop whose K/V later positions read (pad: R)
         self.prompt_lens = prompt_lens
@@ -127,7 +142,7 @@ class _Batch:
             kv[b, :len(e)] = torch.tensor(e)
         return _Batch(ids.to(dev), kv.to(dev), prompt_lens, [len(s) for s in seqs], depths,
                       torch.tensor(targets, dtype=torch.long, device=dev),
-                      torch.tensor(token_temps, dtype=torch.float32, device=dev))
+                      torch.tensor(token_temps, dtype=torch.float32, device=dev), layout)
 
 
 def _ids(ids, vocab: int, name: str) -> list[int]:

@@ -72,10 +72,10 @@ _FSDP_SCRIPT = textwrap.dedent("""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig, AutoModelForCausalLM
     from verl.utils.fsdp_utils import apply_fsdp2
-    from loopline.models.hf_compat import OuroHFForCausalLM
+    from loopline.train.hf_actor import OuroActorForCausalLM
     path = sys.argv[1]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, config=AutoConfig.from_pretrained(path))
-    assert type(model) is OuroHFForCausalLM, type(model)
+    assert type(model) is OuroActorForCausalLM, type(model)
     plain = copy.deepcopy(model)
     # verl's FSDP2 wrapping (engine strategy fsdp2), as FSDPEngine._build_fsdp_module calls it
     apply_fsdp2(model, {"mesh": init_device_mesh("cpu", (1,)), "reshard_after_forward": True}, {})
@@ -110,6 +110,6 @@ def test_fsdp2_wrapping_keeps_one_parameter_per_shared_weight(tiny_factory, tmp_
     units, rest = line.split(" PARAMS ")
     params, worst = rest.split(" WORST ")
     # units: embed_tokens and lm_head (verl wraps them by name), the layer stack, the root
-    assert "FSDPOuroLayerStack" in units and "FSDPOuroHFForCausalLM" in units, units
+    assert "FSDPOuroLayerStack" in units and "FSDPOuroActorForCausalLM" in units, units
     assert int(params) == len(tiny.state_dict)
     assert float(worst) < 1e-5
