@@ -566,14 +566,33 @@ def _load_tokenizer(path: Path):
     if path.is_file():
         if path.name != TOKENIZER_FILE:
             raise CheckpointError(f"{path}: not a {TOKENIZER_FILE} file; pass a directory or a {TOKENIZER_FILE}")
+        _check_tokenizer_sizes([path])
         return PreTrainedTokenizerFast(tokenizer_file=str(path))
     model_dir = _existing_dir(path)
     if not (model_dir / TOKENIZER_FILE).is_file():
         raise CheckpointError(f"{model_dir}: no tokenizer: {TOKENIZER_FILE} is missing (fast tokenizers only)")
+    _check_tokenizer_sizes([model_dir / name for name in (TOKENIZER_FILE, *_TOKENIZER_SIDE_FILES)])
     try:
         return PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # transformers/tokenizers raise KeyError, Exception, ... on malformed files
         raise CheckpointError(f"{model_dir / TOKENIZER_FILE}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+
+
+# The largest real tokenizer.json files (vocabularies of 256k tokens) hold ~35 MB; the files beside it (special
+# tokens, added tokens, the chat template) are the JSON files' size at most. Checked before transformers parses
+# any of them, as the checkpoint's JSON files are (a sparse file of gigabytes costs nothing to make).
+MAX_TOKENIZER_BYTES = 64 * 2**20
+_TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                         "chat_template.json")
+
+
+def _check_tokenizer_sizes(files: list[Path]) -> None:
+    """Refuses (``CheckpointError`` naming the file and the limit) a tokenizer file larger than its limit."""
+    for f in files:
+        limit = MAX_TOKENIZER_BYTES if f.name == TOKENIZER_FILE else MAX_JSON_BYTES
+        size = f.stat().st_size if f.is_file() else 0
+        if size > limit:
+            raise CheckpointError(f"{f}: {size:,} bytes; a tokenizer's {f.name} may hold at most {limit:,}")
 
 
 def chat_end_token_ids(tokenizer) -> list[int]:

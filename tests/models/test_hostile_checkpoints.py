@@ -10,7 +10,8 @@ import time
 import pytest
 
 from loopline import LLM
-from loopline.models.loader import MAX_JSON_BYTES, CheckpointError, load_config, load_model
+from loopline.models.loader import (MAX_JSON_BYTES, MAX_TOKENIZER_BYTES, CheckpointError, load_config, load_model,
+                                    load_tokenizer)
 from loopline.models.tiny import default_checkpoint, make_tiny_checkpoint
 
 
@@ -76,3 +77,21 @@ def test_generation_config_max_new_tokens_beyond_the_context_is_dropped(demo, ca
     assert "max_tokens" not in llm.llm_engine.sampling_defaults
     out = llm.generate(["def f(x):"], use_tqdm=False)[0]  # the model's defaults (no SamplingParams)
     assert 0 < len(out.outputs[0].token_ids) <= 128 - len(out.prompt_token_ids)  # not a CapacityError
+
+
+@pytest.mark.parametrize("name,limit", [("tokenizer.json", MAX_TOKENIZER_BYTES),
+                                        ("tokenizer_config.json", MAX_JSON_BYTES),
+                                        ("special_tokens_map.json", MAX_JSON_BYTES),
+                                        ("chat_template.jinja", MAX_JSON_BYTES)])
+def test_an_oversized_tokenizer_file_is_refused_before_it_is_parsed(demo, name, limit):
+    import os
+
+    with open(demo / name, "ab") as f:  # sparse: gigabytes on paper, nothing on disk
+        os.truncate(f.fileno(), limit + 1)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match=rf"{name}: {limit + 1:,} bytes; a tokenizer's {name} may hold at most"):
+        load_tokenizer(demo)
+    assert time.monotonic() - t0 < 1
+    if name == "tokenizer.json":  # also given as the file itself
+        with pytest.raises(CheckpointError, match="may hold at most"):
+            load_tokenizer(demo / name)
