@@ -144,3 +144,44 @@ def test_a_failed_load_changes_nothing_and_the_requests_in_flight_go_on(llm, tin
     assert llm.engine.control.disk_load is None
     monkeypatch.undo()  # a good checkpoint now loads
     assert asyncio.run(llm.update_weights_from_disk(str(tiny_factory(3).path), 1)) == 1
+
+
+def test_a_keep_pause_lets_the_swap_in_at_once_and_the_frozen_request_continues_on_the_new_weights(llm, tiny_factory):
+    new = tiny_factory(3)
+
+    async def main():
+        stream = llm.generate({"prompt_token_ids": PROMPT}, LONG.clone(max_tokens=40), "frozen")
+        first = await stream.__anext__()
+        await llm.pause_generation("keep")
+        version = await asyncio.wait_for(llm.update_weights_from_disk(str(new.path), 1), 30)  # frozen: not generating
+        await llm.resume_generation()
+        async for out in stream:
+            pass
+        return first, version, out
+
+    first, version, out = asyncio.run(main())
+    versions = out.outputs[0].weight_versions
+    assert version == 1 and len(versions) == 40 and versions[0] == 0 and versions[-1] == 1
+    assert versions == sorted(versions) and len(first.outputs[0].token_ids) >= 1
+
+
+def test_shutdown_during_a_load_answers_the_update_and_stops_its_reader(tiny_gqa, tiny_factory, monkeypatch):
+    reader = GatedReader(monkeypatch)
+    llm = AsyncLLM(engine=LLMEngine(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu",
+                                               max_model_len=256, skip_tokenizer_init=True)))
+
+    async def main():
+        update = asyncio.ensure_future(llm.update_weights_from_disk(str(tiny_factory(3).path), 1))
+        await wait_until(lambda: reader.threads)
+        t0 = time.monotonic()
+        llm.shutdown()
+        with pytest.raises(EngineStateError, match="shut down"):
+            await asyncio.wait_for(update, 10)
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 5
+    reader.release()  # the reader finds the load cancelled at its next tensor and ends
+    deadline = time.monotonic() + 10
+    while any(t.name == "loopline-weights-reader" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the reader thread outlived its cancelled load"
+        time.sleep(0.01)
