@@ -51,6 +51,16 @@ def test_config_fields_of_the_wrong_type_are_named(demo, field, value):
         load_config(demo)
 
 
+@pytest.mark.parametrize("field,value", [("torch_dtype", ["float32"]), ("layer_types", 5)])
+def test_the_cli_names_the_file_and_field_of_a_config_of_the_wrong_type(demo, field, value, capsys):
+    from loopline.entrypoints.cli import main
+
+    _edit(demo / "config.json", **{field: value})
+    assert main(["generate", "--model", str(demo), "--max-tokens", "1", "hi"]) != 0
+    err = capsys.readouterr().err
+    assert f"config.json: {field}=" in err and "internal error" not in err, err
+
+
 @pytest.mark.parametrize("shard", [["a.safetensors"], 3, None, ""])
 def test_index_shard_names_of_the_wrong_type_are_named(tmp_path, shard):
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=1, shards=2)
