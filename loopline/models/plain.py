@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -139,7 +139,6 @@ def plain_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens: int,
     device = seq.device
     crit = family.exit_criterion
     vocab = family.logits_size(config)
-    out = PlainOutput()
 
     # Prefill: every prompt position runs `prefill` loops; the last one may pick an earlier exit.
     ids = torch.tensor(list(prompt_ids), device=device)
@@ -154,7 +153,16 @@ def plain_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens: int,
     if exit_loop is None:
         exit_loop, exit_state = prefill, state[-1:]
     logits = seq.coda(torch.cat([state[:-1], exit_state]), pos)[-1]
-    position = len(prompt_ids)
+    return greedy_emit(logits, exit_loop, len(prompt_ids), max_tokens, eos_ids,
+                       lambda token, position: _decode(seq, token, position, min_loops, max_loops, threshold, vocab))
+
+
+def greedy_emit(logits: Tensor, exit_loop: int, position: int, max_tokens: int, eos_ids: Collection[int],
+                decode: Callable[[int, int], tuple[int, Tensor]]) -> PlainOutput:
+    """Greedy tokens from the first token's fp32 ``logits`` and exit loop on: each token is emitted with its
+    exit loop and logprob, then ``decode(token, position)`` runs it at ``position`` (the prompt's length
+    first) and gives the next ``(exit loop, logits)``, until an EOS id or ``max_tokens`` tokens."""
+    out = PlainOutput()
     while True:
         token = int(torch.argmax(logits))
         out.tokens.append(token)
@@ -162,7 +170,7 @@ def plain_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens: int,
         out.logprobs.append(float(torch.log_softmax(logits.float(), -1)[token]))
         if token in eos_ids or len(out.tokens) >= max_tokens:
             return out
-        exit_loop, logits = _decode(seq, token, position, min_loops, max_loops, threshold, vocab)
+        exit_loop, logits = decode(token, position)
         position += 1
 
 

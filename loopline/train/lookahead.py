@@ -391,14 +391,13 @@ def lookahead_generate(model, prompt_ids: Sequence[int], max_tokens: int, decide
     :class:`~loopline.models.plain.PlainOutput`.
     """
     from loopline.models.family import family_of
-    from loopline.models.plain import PlainOutput, _Sequence  # the plain path's KV planes, reused as they are
+    from loopline.models.plain import _Sequence, greedy_emit  # the plain path's KV planes, reused as they are
 
     family, loops = family_of(model), model.config.total_ut_steps
     if max_tokens < 1 or not prompt_ids:
         raise InvalidRequestError(f"max_tokens={max_tokens}, {len(prompt_ids)} prompt tokens; allowed: >= 1 each")
     seq = _Sequence(model, family, len(prompt_ids) + max_tokens, loops, seed=0)
     proj = projection(model.config.hidden_size, spec).to(seq.device)
-    out = PlainOutput()
     ids = torch.tensor(list(prompt_ids), device=seq.device)
     e, state, pos = seq.prelude(ids, 0)
     states, gates = [], []
@@ -409,16 +408,9 @@ def lookahead_generate(model, prompt_ids: Sequence[int], max_tokens: int, decide
     exit_loop = _choose(lambda n: decide(0, n, _row(pos[-1:], e[-1:], [s[-1:] for s in states[:n]],
                                                     [g[-1:] for g in gates[:n]], proj)), loops)
     logits = seq.coda(torch.cat([state[:-1], states[exit_loop - 1][-1:]]), pos)[-1]
-    position = len(prompt_ids)
-    while True:
-        token = int(torch.argmax(logits))
-        out.tokens.append(token)
-        out.exit_loops.append(exit_loop)
-        out.logprobs.append(float(torch.log_softmax(logits.float(), -1)[token]))
-        if len(out.tokens) >= max_tokens:
-            return out
-        exit_loop, logits = _decode_lookahead(seq, token, position, len(out.tokens), decide, proj, loops)
-        position += 1
+    first = len(prompt_ids)  # the token at position p is the (p - first + 1)-th generated one
+    return greedy_emit(logits, exit_loop, first, max_tokens, (), lambda token, position: _decode_lookahead(
+        seq, token, position, position - first + 1, decide, proj, loops))
 
 
 def _choose(decide_at: Callable[[int], bool], loops: int) -> int:
