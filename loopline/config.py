@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
 
 from loopline.errors import InvalidRequestError
+from loopline.spec.config import SpeculativeConfig
 from loopline.vllm_flags import canonical_dtype, check_engine_options, json_object, option_help
 
 if TYPE_CHECKING:
@@ -108,6 +109,12 @@ class EngineArgs:
                                                  "is refused with the ray backend; nixl "
                                                  "needs the nixl package)")
     kv_transfer_timeout: float = _opt(60.0, "seconds a KV transfer may take before its request fails")
+    # --- loop self-speculation (docs/speculation.md) ---
+    speculative_config: dict[str, Any] | None = _opt(
+        None, "loop self-speculation (vLLM's option), a JSON object: {\"method\": \"loop\", "
+              "\"num_speculative_tokens\": K (1..16), \"draft_loops\": d (1..loops-1)}; drafts from loops 1..d, "
+              "verified at the deeper loops; greedy and sampled requests without penalties or logits fields",
+        type=json_object)
     # --- vLLM launch options: loopline/vllm_flags.py says what each means here (the help) and checks it ---
     trust_remote_code: bool = _opt(False, option_help("trust_remote_code"))
     tensor_parallel_size: int = _opt(1, option_help("tensor_parallel_size"))
@@ -166,6 +173,7 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", param="gpu_memory_utilization")
         self._validate_disaggregation()
+        self.speculative()  # raises, naming the field and its range
         check_engine_options(self)  # the vLLM launch options (loopline/vllm_flags.py)
         resolve_kv_cache_dtype(self.kv_cache_dtype, None)  # raises, naming the allowed values
         if self.enable_prefix_caching and self.kv_layout == "shared":
@@ -188,6 +196,17 @@ class EngineArgs:
                 "kv_transport 'cuda_ipc' needs every worker on one GPU, but with distributed_executor_backend 'ray' "
                 "each worker has a GPU of its own (possibly on another host): use 'nccl' or 'auto'",
                 param="kv_transport")
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed and checked (``None``: speculation off); the model's loop count
+        bounds ``draft_loops`` when the engine starts."""
+        if self.speculative_config is None:
+            return None
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec.scheme != "draft_verify":
+            raise InvalidRequestError(f"speculative_config.scheme={spec.scheme!r} is not built in the engine yet; "
+                                      "allowed: 'draft_verify'", param="speculative_config.scheme")
+        return spec
 
     def _validate_scale_out(self) -> None:
         dp = self.data_parallel_size

@@ -32,6 +32,22 @@ class NewRequestData:
     slot: int = -1  # decode slot (per-slot state lives on the device)
 
 
+@dataclass(frozen=True)
+class SpecStep:
+    """Where a speculating request's row sits in its draft-then-verify round (docs/speculation.md).
+
+    A draft step runs round position ``index`` (0..K) at ``loop`` (1..d) as one query; a verify step
+    (``index == -1``) runs all ``queries = K + 1`` positions at ``loop`` (d+1..max_loops). ``draft_end``:
+    the step ends a position's draft loops, whose head proposes the next position's token; ``last``: the
+    round's final verify step, which accepts and commits. The device knows the round's start position."""
+
+    index: int
+    loop: int
+    queries: int
+    draft_end: bool = False
+    last: bool = False
+
+
 @dataclass
 class ScheduledRow:
     """One unit of work at one loop: a prefill chunk or a decode token.
@@ -50,9 +66,12 @@ class ScheduledRow:
     is_last_chunk: bool = False  # prefill: holds the last prompt position
     exit: ExitParams | None = None  # decode rows
     seq: int = -1  # the request's arrival number: a row's results never reach a later request of the same id
+    spec: SpecStep | None = None  # a speculating request's row (decode rows of the others: None)
 
     @property
     def num_tokens(self) -> int:
+        if self.spec is not None:
+            return self.spec.queries
         return self.end - self.start if self.is_prefill else 1
 
 
@@ -119,3 +138,5 @@ class RunnerOutput:
     # request_id -> why its row's result could not be read (its ``sampled`` is None): that request
     # fails alone, the step's other rows are booked as usual
     failed: dict[str, Exception] = field(default_factory=dict)
+    # step row -> the tokens a speculative round committed after ``sampled[row]`` (its first), in order
+    more: dict[int, list[SampledToken]] = field(default_factory=dict)

@@ -53,6 +53,11 @@ class Request:
     handed_off: bool = False  # came from a prefill worker, its prompt pages reserved; its first admission adds the rest
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # loop self-speculation (loopline.core.speculation): set when the scheduler takes the request
+    speculative: bool = False
+    lookahead: int = 0  # positions past prompt + max_tokens a speculative round may write
+    spec_step: int = 0  # steps of the current round already scheduled
+    unbooked: list[SampledToken] = field(default_factory=list)  # a round's committed tokens not yet booked
 
     @property
     def prompt_len(self) -> int:
@@ -65,8 +70,9 @@ class Request:
     @property
     def num_tokens_reserved(self) -> int:
         """Positions that may hold KV: every prompt and output token, since the device may feed the
-        last sampled token back before the host learns the request finished."""
-        return self.prompt_len + self.max_tokens
+        last sampled token back before the host learns the request finished (a speculative round:
+        ``lookahead`` more)."""
+        return self.prompt_len + self.max_tokens + self.lookahead
 
     @property
     def priority(self) -> int:
@@ -93,7 +99,7 @@ class Request:
         """Positions whose KV the request has written or writes this step (for incremental allocation)."""
         if self.status == RequestStatus.DECODE or self.resume_status == RequestStatus.DECODE:
             # the device may already feed the token after the last one the host saw
-            return min(self.next_position + 2, self.num_tokens_reserved)
+            return min(self.next_position + 2 + self.lookahead, self.num_tokens_reserved)
         return self.prompt_len
 
     @property

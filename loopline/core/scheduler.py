@@ -25,6 +25,7 @@ from loopline.core.contracts import (
 from loopline.core.exit_policy import ExitPolicy
 from loopline.core.queue import RequestQueue
 from loopline.core.request import PrefillChunk, Request, RequestStatus
+from loopline.core.speculation import NoSpeculation
 from loopline.kv.manager import KVCacheManager
 
 
@@ -86,7 +87,8 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, exit_policy: ExitPolicy, queue: RequestQueue,
                  max_num_seqs: int, max_num_batched_tokens: int, num_loops: int,
                  allocation: Allocation | None = None, preemption: Preemption | None = None,
-                 watermark_blocks: int = 0, after_prefill: RequestStatus = RequestStatus.DECODE) -> None:
+                 watermark_blocks: int = 0, after_prefill: RequestStatus = RequestStatus.DECODE,
+                 speculation: NoSpeculation | None = None) -> None:
         self.kv = kv
         self.exit_policy = exit_policy
         self.waiting = queue
@@ -99,6 +101,8 @@ class Scheduler:
         self.allocation = allocation or Allocation()
         self.preemption = preemption
         self.watermark_blocks = watermark_blocks
+        # loop self-speculation: which requests run draft-then-verify rounds instead of decode rows
+        self.speculation = speculation or NoSpeculation()
         # DECODE: the request decodes here; HANDOFF (a prefill worker, loopline.distributed.pd): it is
         # never scheduled again and leaves with its first token for a decode worker.
         self.after_prefill = after_prefill
@@ -114,6 +118,8 @@ class Scheduler:
 
     # --- lifecycle --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        request.speculative = self.speculation.why_not(request.params) is None
+        request.lookahead = self.speculation.lookahead(request.params)
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -170,18 +176,29 @@ class Scheduler:
         self._cache_restored_prompts()
         self._admit()
         # NOTE: the device decides each decode row's loop (and no_refill cohorts); a row only names
-        # its slot, so every decoding request gets one every step.
+        # its slot, so every decoding request gets one every step. Speculating requests' rows follow
+        # the plain decode rows (the runner's row kinds come in that order).
+        spec: list[ScheduledRow] = []
         for req in [r for r in self.running if r.status == RequestStatus.DECODE]:
             if req.status != RequestStatus.DECODE:
                 continue  # preempted while another request grew
             if self.allocation.needs_growth() and not self._grow(req):
                 continue  # out of KV: it waits (or was preempted)
-            rows.append(self._decode_row(req))
-            budget -= 1
+            if req.speculative:
+                row = self.speculation.row(req, self.exit_policy.params_for(req.params, req.num_output_tokens))
+                spec.append(row)
+            else:
+                row = self._decode_row(req)
+                rows.append(row)
+            budget -= row.num_tokens
+        rows += spec
         for req in self.running:
             if req.status == RequestStatus.PREFILL and budget > 0:
                 budget = self._schedule_prefill(req, rows, budget)
         rows = [r for r in rows if self.requests[r.request_id].status in _SCHEDULED]
+        for r in rows:
+            if r.spec is not None:  # only rows sure to run move their round on
+                self.speculation.booked(self.requests[r.request_id], r)
         out, self._out = self._out, SchedulerOutput([])
         out.rows = rows
         return out
@@ -293,7 +310,9 @@ class Scheduler:
     def _victims(self) -> list[Request]:
         """Running requests that may be preempted: not ones started or resumed in this same step
         (they have not run; preempting them would only thrash)."""
-        return [r for r in self.running if r.request_id not in self._moved_now and r.status != RequestStatus.HANDOFF]
+        # NOTE: a speculating request is preempted only between rounds (its round state is not snapshotted)
+        return [r for r in self.running if r.request_id not in self._moved_now and r.status != RequestStatus.HANDOFF
+                and r.spec_step == 0]
 
     def _preempt_for(self, waiting: Request) -> bool:
         """Preempts a running request of strictly lower priority than ``waiting``."""
@@ -364,14 +383,24 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Applies a step's results; returns requests that received a token."""
         touched: list[Request] = []
-        for row, sample in zip(sched.rows, result.sampled):
+        for i, (row, sample) in enumerate(zip(sched.rows, result.sampled)):
             req = self.owner(row)
             if req is None:  # finished or aborted meanwhile
                 continue
             if sample is not None:
                 req.output.append(sample)
+                req.unbooked = list(result.more.get(i, ()))
                 touched.append(req)
         return touched
+
+    @staticmethod
+    def take_unbooked(req: Request) -> bool:
+        """Appends the next token of a speculative round's accepted run to ``req.output``; False when none
+        is left. The engine books a run token by token, so a stop ends it exactly where it stops."""
+        if not req.unbooked:
+            return False
+        req.output.append(req.unbooked.pop(0))
+        return True
 
     def prefix_salt(self, cache_salt: str | None) -> object:
         """The prefix-cache salt of a request's prompt pages: the weight version, and the request's own

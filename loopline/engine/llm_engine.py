@@ -28,6 +28,7 @@ from loopline.core.exit_policy import make_exit_policy
 from loopline.core.queue import make_queue
 from loopline.core.request import Request, RequestStatus
 from loopline.core.scheduler import Preemption, Scheduler, make_allocation
+from loopline.core.speculation import LoopSpeculation, NoSpeculation
 from loopline.engine.control import EngineControl
 from loopline.engine.handoff import HandoffPort
 from loopline.engine.input_processor import InputProcessor, PromptType
@@ -74,6 +75,12 @@ class EngineStats:
     prefill_steps: int = 0  # steps with at least one prefill chunk, and their host time
     prefill_step_time_s: float = 0.0
     exit_depth_counts: dict[int, int] = field(default_factory=dict)
+    # loop self-speculation, vLLM's spec_decode counters: verify rounds, drafts proposed and accepted,
+    # and accepted drafts by their position in the round
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
     @property
     def rows_per_step(self) -> float:
@@ -91,6 +98,16 @@ class EngineStats:
         if any(r.is_prefill for r in sched.rows):
             self.prefill_steps += 1
             self.prefill_step_time_s += elapsed
+
+    def count_round(self, drafts: int, accepted: int) -> None:
+        """One speculative round that proposed ``drafts`` tokens and had its first ``accepted`` accepted."""
+        if len(self.spec_accepted_per_pos) < drafts:
+            self.spec_accepted_per_pos += [0] * (drafts - len(self.spec_accepted_per_pos))
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += drafts
+        self.spec_num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.spec_accepted_per_pos[pos] += 1
 
     def count_token(self, exit_depth: int, prompt_tokens: int = 0) -> None:
         self.generated_tokens += 1
@@ -185,13 +202,18 @@ class LLMEngine(EngineVerbs):
         num_blocks = num_kv_blocks(cfg, self.model, backends.attention, layout)
         self.kv = KVCacheManager(num_blocks, args.block_size, layout, args.enable_prefix_caching)
         self.exit_policy = make_exit_policy(args.exit_mode)
+        spec = args.speculative()
+        if spec is not None:
+            spec.check_model(model_cfg.total_ut_steps)
+        speculation = NoSpeculation() if spec is None else LoopSpeculation(spec, self.exit_policy.per_token)
         block_bytes = kv_bytes_per_block(model_cfg, args.block_size, cfg.kv_dtype)
         preemption = Preemption(int(args.swap_space * 2**30 // block_bytes)) if args.enable_preemption else None
         self.scheduler = Scheduler(self.kv, self.exit_policy, make_queue(args.scheduling_policy), args.max_num_seqs,
                                    cfg.max_num_batched_tokens, model_cfg.total_ut_steps,
                                    allocation=make_allocation(args.kv_allocation), preemption=preemption,
                                    watermark_blocks=int(args.kv_watermark * num_blocks),
-                                   after_prefill=RequestStatus.HANDOFF if prefill_only else RequestStatus.DECODE)
+                                   after_prefill=RequestStatus.HANDOFF if prefill_only else RequestStatus.DECODE,
+                                   speculation=speculation)
         kv_scales = kv_scales_for(self.model, cfg.kv_dtype, self.tokenizer, max_len)
         if kv_scales is not None:
             logger.info("KV cache: %s with per-layer, per-KV-head scales from %s", args.kv_cache_dtype, kv_scales.source)
@@ -199,7 +221,7 @@ class LLMEngine(EngineVerbs):
                                   max_len, Sampler(args.logprobs_mode), device, dtype, slot_ops=backends.slot_ops,
                                   no_refill=args.scheduling_mode == "no_refill",
                                   per_token_exits=self.exit_policy.per_token, kv_dtype=cfg.kv_dtype,
-                                  kv_scales=kv_scales)
+                                  kv_scales=kv_scales, speculative=spec)
         if device.type == "cuda" and not args.enforce_eager and backends.attention.name == "triton":
             self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture), cfg.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -358,7 +380,15 @@ class LLMEngine(EngineVerbs):
         except Exception as e:  # not one request's: the step's requests fail
             self._fail_step(sched, e)
             return
+        self._count_rounds(sched, result)
         self._apply_results(sched, result, touched)
+
+    def _count_rounds(self, sched: SchedulerOutput, result: RunnerOutput) -> None:
+        """Speculative rounds that ended in this step: drafts proposed and accepted (the committed run
+        is the accepted drafts plus the correction or bonus)."""
+        for i, row in enumerate(sched.rows):
+            if row.spec is not None and row.spec.last and result.sampled[i] is not None:
+                self.stats.count_round(row.spec.queries - 1, len(result.more.get(i, ())))
 
     def _apply_results(self, sched: SchedulerOutput, result: RunnerOutput, touched: list[Request]) -> None:
         """Books a step's results request by request: a failure fails only the request it happened in."""
@@ -378,6 +408,9 @@ class LLMEngine(EngineVerbs):
                 continue  # failed above
             try:
                 self._book_token(req)
+                # a speculative round's accepted run, token by token: nothing is booked past a stop
+                while req.status != RequestStatus.FINISHED and self.scheduler.take_unbooked(req):
+                    self._book_token(req)
             except Exception as e:  # e.g. a tokenizer or a stop check failing on this request
                 self._fail(req.request_id, e)
 

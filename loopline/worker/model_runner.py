@@ -35,6 +35,7 @@ from loopline.kv.layout import KVLayout
 from loopline.kv.quant import KVScales, is_fp8
 from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import BAD_WORD_MAX_TOKENS, SamplingParams
+from loopline.spec.config import SpeculativeConfig
 from loopline.worker.cuda_graphs import GraphCapturer, StepGraphs, bucket_sizes, mixed_buckets
 from loopline.worker.decode_state import DeviceDecodeState, SlotOps
 from loopline.worker.exit_rule import exit_decision
@@ -43,6 +44,7 @@ from loopline.worker.kv_pages import KVPages
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import DecodeKind, DecodeOut, PrefillKind
 from loopline.worker.sampler import Sampler, SamplerOutput
+from loopline.worker.spec_rows import SpecKind, SpecRounds, SpecRoundState, VerifyPart
 from loopline.worker.sampling_inputs import (
     FieldsStager,
     HostSample,
@@ -116,8 +118,9 @@ class ModelRunner:
                  block_size: int, max_num_seqs: int, max_model_len: int, sampler: Sampler, device: torch.device,
                  dtype: torch.dtype, *, slot_ops: SlotOps | None = None, no_refill: bool = False,
                  per_token_exits: bool = False, kv_dtype: torch.dtype | None = None,
-                 kv_scales: KVScales | None = None) -> None:
-        """``kv_dtype``: the pool's stored dtype (default ``dtype``); an FP8 pool needs ``kv_scales``."""
+                 kv_scales: KVScales | None = None, speculative: SpeculativeConfig | None = None) -> None:
+        """``kv_dtype``: the pool's stored dtype (default ``dtype``); an FP8 pool needs ``kv_scales``.
+        ``speculative``: loop self-speculation's config (its rows run eagerly; docs/speculation.md)."""
         cfg = model.config
         self.kv_dtype = kv_dtype or dtype
         if is_fp8(self.kv_dtype) and kv_scales is None:
@@ -138,7 +141,9 @@ class ModelRunner:
         self.slot_survival = torch.ones(max_num_seqs + 1, dtype=torch.float32, device=device)
         self.slot_ops = slot_ops or SlotOps()  # the decode state's step ops (worker/backends.py picks them)
         self.max_num_seqs = max_num_seqs
-        max_blocks = -(-(max_model_len + 1) // block_size)
+        # a speculative round may write 2K positions past a request's reservation (loopline.core.speculation)
+        self.lookahead = 2 * speculative.num_speculative_tokens if speculative is not None else 0
+        max_blocks = -(-(max_model_len + 1 + self.lookahead) // block_size)
         self.decode_state = DeviceDecodeState(max_num_seqs + 1, layout, block_size, max_blocks, self.scratch_block,
                                               device, self.slot_ops)
         if per_token_exits:
@@ -158,7 +163,16 @@ class ModelRunner:
                                  requests=self.requests, scratch_slot=self.scratch_slot,
                                  copies_on_exit=len(layout.exit_copy_planes(1)) > 0, no_refill=no_refill,
                                  per_token_exits=per_token_exits)
-        kinds = (self.decode, PrefillKind(model=model, requests=self.requests, block_size=block_size, device=device))
+        spec_kinds: tuple = ()
+        self.spec: SpecRounds | None = None  # speculating requests' drafts and acceptance, when configured
+        if speculative is not None:
+            rounds = SpecRoundState(max_num_seqs + 1, speculative.num_speculative_tokens, cfg.hidden_size, dtype, device)
+            spec_kinds = (SpecKind(model=model, backend=backend, kv=kv, state=self.decode_state, rounds=rounds,
+                                   requests=self.requests, scratch_slot=self.scratch_slot,
+                                   copies_on_exit=len(layout.exit_copy_planes(1)) > 0),)
+            self.spec = SpecRounds(model, self.decode_state, rounds, self.requests, sampler, device)
+        kinds = (self.decode, *spec_kinds,
+                 PrefillKind(model=model, requests=self.requests, block_size=block_size, device=device))
         self.builder = StepBuilder(kinds, cfg.hidden_size, dtype, device, block_size, self.scratch_block,
                                    self.work_tile_tokens)
         self.forward = StepForward(model, backend, kv, kinds, self.kv_scales)
@@ -176,14 +190,15 @@ class ModelRunner:
         (given the token budget), as CUDA graphs (CUDA and a graph-safe attention backend only).
         ``capturer``: how graphs are captured and replayed (default: CUDA graphs)."""
         width = self.builder.width(max_seq_len)
-        decode = [StepShape(((b, b), (0, 0)), width, 0, 1, max_seq_len) for b in bucket_sizes(self.max_num_seqs)]
+        idle = ((0, 0),) * (len(self.builder.kinds) - 2)  # speculative rows run eagerly: no graph holds them
+        decode = [StepShape(((b, b), *idle, (0, 0)), width, 0, 1, max_seq_len) for b in bucket_sizes(self.max_num_seqs)]
         mixed = []
         if max_num_batched_tokens is not None:
             # Decode rows get their own attention launch; a fixed-size work list holds the prompt tiles, so
             # the grid does not depend on the step (a backend without work lists ignores it).
             tile, rows = self.work_tile_tokens or 64, max_prefill_rows
             decode_sizes, prefill_sizes = mixed_buckets(self.max_num_seqs, max_num_batched_tokens)
-            mixed = [StepShape(((d, d), (rows, p)), width, rows + p // tile, p, max_seq_len)
+            mixed = [StepShape(((d, d), *idle, (rows, p)), width, rows + p // tile, p, max_seq_len)
                      for d in decode_sizes for p in prefill_sizes]
         self.graphs = StepGraphs(self.forward, self.builder, {"decode": decode, "mixed": mixed})
         self.graphs.capture(capturer)
@@ -227,7 +242,7 @@ class ModelRunner:
             survival=torch.ones(t, dtype=torch.float32, device=dev),
             sel_hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
             sel_depth=torch.zeros(t, dtype=torch.long, device=dev),
-            max_len=t + new.params.max_tokens + 1, slot=new.slot,  # effective params: max_tokens resolved
+            max_len=t + new.params.max_tokens + 1 + self.lookahead, slot=new.slot,  # effective params: max_tokens resolved
         )
         self._init_decode_slot(self.requests[new.request_id], new.block_tables)
 
@@ -285,26 +300,32 @@ class ModelRunner:
         self.builder.fill(plan, inputs)
         # run: the one forward, replayed or eager
         out = graph.replay() if graph is not None else self.forward(inputs)
-        dec, prefill = self.builder.split(out, plan)
+        parts = self.builder.split(out, plan)
+        dec, prefill = parts[0], parts[-1]
         nd = plan.kinds[0].num_rows
+        ns = nd + sum(p.num_rows for p in plan.kinds[1:-1])  # speculative rows come between
         booked = _Booked([False] * len(rows))
         if prefill is not None:
-            self._book_prefill_rows(rows, nd, *prefill, plan.kinds[1].host.token_offsets, booked)
+            self._book_prefill_rows(rows, ns, *prefill, plan.kinds[-1].host.token_offsets, booked)
+        verify = None
+        if ns > nd:  # speculative rows: drafts, and the target rows of rounds that end here
+            self.spec.draft(rows[nd:ns])
+            verify = self.spec.verify_part(rows[nd:ns], nd)
         # sample, then advance the decode state
-        batch = self.sample(rows, nd, booked, dec, token_mask)
+        batch = self.sample(rows, nd, booked, dec, token_mask, verify)
         if batch is None:  # prefill rows only, none finished its prompt
             return StepHandle.ready(RunnerOutput(booked.exited, [None] * len(rows), booked.prompt_logprobs))
         ds = self.decode_state
         if nd:
             # Without finished prompts the decode rows are every sampled row: the advance packs their
             # results for the readback as it applies them, instead of a stack of its own.
-            record = None if booked.meta else torch.empty((3, nd), dtype=torch.int64, device=self.device)
+            record = None if booked.meta or verify else torch.empty((3, nd), dtype=torch.int64, device=self.device)
             ds.advance(dec.slots, dec.loops, dec.run, dec.exit, batch.out.token_ids[:nd], record)
             batch.packed = record
         if booked.meta:  # prompts that finished: their first token is fed next, at position prompt_len
             done = [rows[i] for i, _ in booked.meta]
             slots, ends = stage(self.device, ([r.slot for r in done], np.int64), ([r.end for r in done], np.int64))
-            ds.start(slots, batch.out.token_ids[nd:], ends)
+            ds.start(slots, batch.out.token_ids[nd:nd + len(done)], ends)
         wait = batch.to_host_async()
         return StepHandle(lambda: self._collect(rows, batch, wait(), booked))
 
@@ -327,9 +348,9 @@ class ModelRunner:
                 st.block_arrays[plane] = np.concatenate([st.block_arrays[plane], np.asarray(blocks, dtype=np.int32)])
             self.decode_state.set_tables(st.slot, st.block_arrays)
 
-    def _book_prefill_rows(self, rows, nd: int, h: Tensor, gate: Tensor, offsets, booked: _Booked) -> None:
-        """Books prefill rows ``rows[nd:]``; the j-th one's tokens are ``h[offsets[j]:offsets[j + 1]]``."""
-        for j, i in enumerate(range(nd, len(rows))):
+    def _book_prefill_rows(self, rows, first: int, h: Tensor, gate: Tensor, offsets, booked: _Booked) -> None:
+        """Books prefill rows ``rows[first:]``; the j-th one's tokens are ``h[offsets[j]:offsets[j + 1]]``."""
+        for j, i in enumerate(range(first, len(rows))):
             lo, hi = offsets[j], offsets[j + 1]
             self._finish_prefill_row(i, rows[i], h[lo:hi], gate[lo:hi], booked)
 
@@ -379,26 +400,30 @@ class ModelRunner:
 
     # --- coda + sampling --------------------------------------------------------------
     def sample(self, rows, nd: int, booked: _Booked, dec: DecodeOut | None,
-               token_mask: TokenMask | None = None) -> SampleBatch | None:
+               token_mask: TokenMask | None = None, verify: VerifyPart | None = None) -> SampleBatch | None:
         """Coda + sampling for decode rows ``[:nd]`` (logits given; their loops, token indices and slots
-        from the device state ``dec``) and for prompts that finished, on the device: the last phase of
-        :meth:`launch` (after prepare and run), which calls it; public as that phase, for profilers
-        (``tools/step_phases.py``). ``None``: nothing to sample (prefill rows only, no prompt finished)."""
+        from the device state ``dec``), for prompts that finished, and for the target rows of speculative
+        rounds that end in this step (``verify``), on the device: the last phase of :meth:`launch` (after
+        prepare and run), which calls it; public as that phase, for profilers (``tools/step_phases.py``).
+        ``None``: nothing to sample (prefill rows only, no prompt finished, no round ended)."""
         logits = dec.logits if dec is not None else None
         parts = [logits] if logits is not None else []
         if booked.hidden:
             parts.append(self.model.head(torch.stack(booked.hidden)))
+        if verify is not None:
+            parts.append(verify.logits)
         if not parts:
             return None
         all_logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        row_idx = list(range(nd)) + [i for i, _ in booked.meta]
+        row_idx = list(range(nd)) + [i for i, _ in booked.meta] + (verify.row_idx if verify else [])
         states = [self.requests[rows[i].request_id] for i in row_idx]
         n_done = len(booked.meta)
         # A finished prompt samples token 0. (No tensor or cat of a single part on the decode path: at one
         # decode row each op is a sizeable part of the step.)
-        if n_done:
-            first = torch.zeros(n_done, dtype=torch.long, device=self.device)
-            index = torch.cat([dec.token_index, first]) if nd else first
+        if n_done or verify is not None:
+            index = torch.cat(([dec.token_index] if nd else [])
+                              + ([torch.zeros(n_done, dtype=torch.long, device=self.device)] if n_done else [])
+                              + ([verify.token_index] if verify is not None else []))
         else:
             index = dec.token_index
         tensors = build_sampling_tensors(states, index, self.sampler.logprobs_mode, self.device,
@@ -406,7 +431,7 @@ class ModelRunner:
         ds = self.decode_state
         history = tensors.any_bad_words and ds.recent is not None
         if tensors.any_penalties or history:  # the device counts every slot's tokens (and keeps its last ones)
-            done = stage(self.device, ([rows[i].slot for i, _ in booked.meta], np.int64))[0]
+            done = stage(self.device, ([rows[i].slot for i in row_idx[nd:]], np.int64))[0]
             row_slots = torch.cat([dec.slots, done]) if nd else done
             if tensors.any_penalties:
                 tensors.output_counts, tensors.seen_mask = ds.counts[row_slots], ds.seen[row_slots]
@@ -417,21 +442,30 @@ class ModelRunner:
         out: SamplerOutput = self.sampler(all_logits, tensors)
         depths = ([dec.loops] if nd else []) + [depth for _, depth in booked.meta]
         flags = ([dec.exit] if nd else []) + ([torch.ones(n_done, dtype=torch.bool, device=self.device)] if n_done else [])
+        if verify is not None:  # a round's target rows: the committed ones are read back, in order
+            flags.append(self.spec.accept(verify, out.token_ids[nd + n_done:]))
+            depths.append(verify.depth)
         return SampleBatch(row_idx, states, out, *(t[0] if len(t) == 1 else torch.cat(t) for t in (flags, depths)))
 
     def _collect(self, rows, batch: SampleBatch, host: HostSample, booked: _Booked) -> RunnerOutput:
         exited = booked.exited
         sampled: list[SampledToken | None] = [None] * len(rows)
+        more: dict[int, list[SampledToken]] = {}  # a speculative round's tokens after its first
         failed: dict[str, Exception] = {}
         for j, row_i in enumerate(batch.row_idx):
             if not host.exit[j]:
                 continue
             exited[row_i] = True
             try:
-                sampled[row_i] = self._sampled_token(host, j, batch.states[j].params)
+                token = self._sampled_token(host, j, batch.states[j].params)
             except Exception as e:  # one row's readback: only its request fails (the engine fails it)
                 failed[rows[row_i].request_id] = e
-        return RunnerOutput(exited, sampled, booked.prompt_logprobs, failed)
+                continue
+            if sampled[row_i] is None:
+                sampled[row_i] = token
+            else:
+                more.setdefault(row_i, []).append(token)
+        return RunnerOutput(exited, sampled, booked.prompt_logprobs, failed, more)
 
     @staticmethod
     def _sampled_token(host: HostSample, j: int, params: SamplingParams) -> SampledToken:

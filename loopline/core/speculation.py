@@ -1,0 +1,81 @@
+"""Loop self-speculation on the scheduler's side (docs/speculation.md): which requests speculate, the
+draft-then-verify round each one runs step by step, and the KV lookahead it reserves. Host-side only.
+
+A round of ``K`` drafts at draft depth ``d`` for a request of ``max_loops`` R has a fixed shape:
+``(K+1)*d`` draft steps (position ``i`` of the round at loops ``1..d``, one query each), then ``R-d``
+verify steps (all ``K+1`` positions at loops ``d+1..R``). Exits never change the shape (a position
+whose own exit fires during the draft idles on scratch), so the host knows every step's phase without
+reading the device, and the overlapped engine schedules rounds as it schedules plain decode rows.
+The device knows the round's start position and commits 1..K+1 tokens at the last verify step.
+
+:class:`NoSpeculation` is the strategy when speculation is off; :class:`LoopSpeculation` when on.
+"""
+from __future__ import annotations
+
+from loopline.core.contracts import ExitParams, ScheduledRow, SpecStep
+from loopline.core.request import Request
+from loopline.sampling_params import SamplingParams
+from loopline.spec.config import SpeculativeConfig
+
+
+class NoSpeculation:
+    """Speculation off: no request speculates and nothing is reserved for it."""
+
+    config: SpeculativeConfig | None = None
+
+    def why_not(self, params: SamplingParams) -> str | None:
+        """Why a request with ``params`` runs plain decode rows (``None``: it speculates)."""
+        return "speculation is off"
+
+    def lookahead(self, params: SamplingParams) -> int:
+        """Positions past ``prompt + max_tokens`` the request may write (reserved with its KV)."""
+        return 0
+
+    def row(self, req: Request, exit: ExitParams) -> ScheduledRow:
+        raise AssertionError("NoSpeculation schedules no speculative rows")
+
+
+class LoopSpeculation(NoSpeculation):
+    """Draft-then-verify rounds (scheme 1) for every request that may speculate (:meth:`why_not`)."""
+
+    def __init__(self, config: SpeculativeConfig, per_token_exits: bool = False) -> None:
+        self.config = config
+        self.k, self.d = config.num_speculative_tokens, config.draft_loops
+        self.per_token_exits = per_token_exits
+
+    def why_not(self, params: SamplingParams) -> str | None:
+        # NOTE: the sampler's per-request fields and penalties would have to see the drafts before each
+        # position as generated tokens; those requests run plain decode rows instead (docs/speculation.md).
+        if self.per_token_exits:
+            return "exit_mode 'trace' sets each token's depth"
+        if params.max_loops is not None and params.max_loops <= self.d:
+            return f"max_loops {params.max_loops} <= draft_loops {self.d}"
+        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+            return "penalties"
+        if params.allowed_token_ids or params.logit_bias or params.uses_min_tokens or params._bad_words_token_ids:
+            return "allowed_token_ids, logit_bias, min_tokens or bad_words"
+        if params.structured_outputs is not None:
+            return "structured outputs"
+        return None
+
+    def lookahead(self, params: SamplingParams) -> int:
+        # NOTE: the host reads a round's result up to one round late, so the round it launches may start
+        # K+1 positions past what it knows and write K positions beyond: 2K past the last token it feeds.
+        return 0 if self.why_not(params) else 2 * self.k
+
+    def row(self, req: Request, exit: ExitParams) -> ScheduledRow:
+        """The request's next row of its current round (booked by :meth:`booked` once it is sure to run)."""
+        k, d, step = self.k, self.d, req.spec_step
+        if step < (k + 1) * d:
+            index, loop = divmod(step, d)
+            phase = SpecStep(index, loop + 1, 1, draft_end=loop + 1 == d and index < k)
+        else:
+            loop = d + 1 + step - (k + 1) * d
+            phase = SpecStep(-1, loop, k + 1, last=loop == exit.max_loops)
+        return ScheduledRow(request_id=req.request_id, is_prefill=False, start=-1, end=0, loop=phase.loop, plane=-1,
+                            input_token_ids=None, slot=req.slot, exit=exit, seq=req.arrival_seq, spec=phase)
+
+    @staticmethod
+    def booked(req: Request, row: ScheduledRow) -> None:
+        """The row runs: the request's round moves on (back to its start after the last verify step)."""
+        req.spec_step = 0 if row.spec.last else req.spec_step + 1

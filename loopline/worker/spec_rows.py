@@ -1,0 +1,244 @@
+"""Loop self-speculation on the device (docs/speculation.md, scheme 1: draft then verify).
+
+A speculating request runs rounds of a fixed shape that the scheduler spells out step by step
+(``loopline.core.speculation``): round positions ``0..K`` at loops ``1..d`` one query at a time (the
+draft), then all ``K+1`` positions together at loops ``d+1..R`` (the verify). The round's start
+position and input token are the slot's decode state (``DeviceDecodeState.pos`` / ``token``), so
+the host never tells the device where a round starts and the overlapped engine needs no sync.
+
+* :class:`SpecRoundState`: per slot and round position, the fed token (position 0: the round's
+  input; ``i > 0``: the draft of position ``i - 1``), hidden state, gate survival, exit loop (0: still
+  looping) and, for sampled requests, the draft distribution ``q``.
+* :class:`SpecKind`: the row kind of both phases. ``prepare`` derives every query's position, KV slot
+  and input from the round state; ``finish`` applies each position's own exit rule, stores its state
+  and makes the ``last_exited`` exit copy. A position that already exited (in the draft, or an earlier
+  verify loop) runs on scratch and keeps its state and K/V: rows behind it read its exit loop's K/V,
+  as plain decoding does.
+* :class:`SpecRounds`: after the forward, the draft-end rows propose the next position's token from
+  their head, and the round's last verify step judges the drafts against the target tokens (greedy:
+  the longest agreeing prefix; sampled: rejection sampling, :mod:`loopline.worker.spec_accept`),
+  commits the accepted run plus the correction or bonus, and moves the slot's decode state past it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from loopline.attention import AttentionBackend
+from loopline.core.contracts import ScheduledRow
+from loopline.models.ouro import OuroForCausalLM
+from loopline.worker.decode_state import DeviceDecodeState
+from loopline.worker.exit_rule import exit_decision
+from loopline.worker.request_state import RequestState
+from loopline.worker.row_kinds import RowKind
+from loopline.worker.sampler import Sampler
+from loopline.worker.sampling_inputs import FieldsStager, ParamsStager, build_sampling_tensors
+from loopline.worker.staging import stage
+from loopline.worker.step_inputs import HostImage, KindRows, Segment, StepInputs
+
+_FIELDS = ("slots", "index", "loop", "min_loops", "max_loops", "threshold")
+
+
+class SpecRoundState:
+    """The round state of every slot (module docstring); ``k`` drafts per round."""
+
+    def __init__(self, num_slots: int, k: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.k, self.device = k, device
+        i64 = dict(dtype=torch.long, device=device)
+        self.tokens = torch.zeros(num_slots, k + 1, **i64)
+        self.hidden = torch.zeros(num_slots, k + 1, hidden_size, dtype=dtype, device=device)
+        self.survival = torch.ones(num_slots, k + 1, dtype=torch.float32, device=device)
+        self.exit_loop = torch.zeros(num_slots, k + 1, **i64)
+        self.q: Tensor | None = None  # [num_slots, k, vocab] f32 draft distributions (sampled requests)
+
+    def draft_probs(self, vocab: int) -> Tensor:
+        """The draft distributions, allocated when the first sampled request drafts."""
+        if self.q is None:
+            self.q = torch.zeros(self.tokens.shape[0], self.k, vocab, dtype=torch.float32, device=self.device)
+        return self.q
+
+
+class SpecPrepared(NamedTuple):
+    """A step's speculative queries as ``prepare`` derived them (``[T]`` each, ``plane_slots`` ``[T, P]``)."""
+
+    slots: Tensor
+    offset: Tensor  # round position of each query
+    loop: Tensor
+    frozen: Tensor  # the position exited earlier: its state and K/V stay
+    plane_slots: Tensor
+    min_loops: Tensor
+    max_loops: Tensor
+    threshold: Tensor
+
+
+class SpecKind(RowKind):
+    """Rows of speculating requests: a draft row is one query, a verify row ``K+1`` (module docstring)."""
+
+    derives = True
+
+    def __init__(self, *, model: OuroForCausalLM, backend: AttentionBackend, kv: Callable[[], tuple[Tensor, Tensor]],
+                 state: DeviceDecodeState, rounds: SpecRoundState, requests: dict[str, RequestState],
+                 scratch_slot: int, copies_on_exit: bool) -> None:
+        self.model, self.backend, self.kv, self.state, self.rounds = model, backend, kv, state, rounds
+        self.requests, self.scratch_slot, self.copies_on_exit = requests, scratch_slot, copies_on_exit
+
+    def takes(self, row: ScheduledRow) -> bool:
+        return row.spec is not None
+
+    def host_fields(self, rows: int) -> dict:
+        i64 = np.int64
+        return {"slots": (i64, (rows,), self.scratch_slot), "index": (i64, (rows,), 0), "loop": (i64, (rows,), 1),
+                "min_loops": (i64, (rows,), 1), "max_loops": (i64, (rows,), 1), "threshold": (np.float32, (rows,), 1.0)}
+
+    def plan(self, rows: list[ScheduledRow]) -> KindRows:
+        n = len(rows)
+        if not n:
+            return KindRows(rows, 0, 0, np.zeros(0, dtype=np.int64), 0, 0)
+        host = (np.fromiter((r.slot for r in rows), np.int64, n), np.fromiter((r.spec.index for r in rows), np.int64, n),
+                np.fromiter((r.spec.loop for r in rows), np.int64, n),
+                np.fromiter((r.exit.min_loops for r in rows), np.int64, n),
+                np.fromiter((r.exit.max_loops for r in rows), np.int64, n),
+                np.fromiter((r.exit.threshold for r in rows), np.float32, n))
+        queries = np.fromiter((r.spec.queries for r in rows), np.int64, n)
+        bound = max(self.requests[r.request_id].max_len for r in rows)
+        return KindRows(rows, n, int(queries.sum()), queries, int(queries.max()), bound, host)
+
+    def fill(self, part: KindRows, image: HostImage) -> None:
+        n = part.num_rows
+        for name, values in zip(_FIELDS, part.host):
+            image.own(name)[:n] = values
+
+    def prepare(self, inp: StepInputs, seg: Segment, own: dict[str, Tensor]) -> SpecPrepared | None:
+        if not seg.rows:
+            return None
+        r, t, n, T = seg.row0, seg.tok0, seg.rows, seg.tokens
+        ds, st = self.state, self.rounds
+        slots, index, loop = own["slots"], own["index"], own["loop"]
+        # a round's first step resets its positions: position 0 is fed the slot's last committed token
+        start = (index == 0) & (loop == 1)
+        st.exit_loop[slots] = torch.where(start[:, None], 0, st.exit_loop[slots])
+        st.tokens[slots, 0] = torch.where(start, ds.token[slots], st.tokens[slots, 0])
+        # each query's row (the host wrote the rows' query offsets) and round position
+        qsl = inp.query_start_loc[r:r + n + 1].long() - t
+        tok = torch.arange(T, device=slots.device)
+        row = torch.searchsorted(qsl[1:], tok, right=True)
+        offset = tok - qsl[row] + index.clamp(min=0)[row]
+        q_slots, q_loop = slots[row], loop[row]
+        pos = ds.pos[q_slots] + offset
+        frozen = st.exit_loop[q_slots, offset] > 0
+        bs = ds.block_size
+        blk = (pos // bs).view(-1, 1, 1).expand(-1, ds.layout.num_planes, 1)
+        plane_slots = ds.tables[q_slots].gather(2, blk).squeeze(2).long() * bs + (pos % bs)[:, None]
+        plane = ds.layout.plane_index(q_loop)
+        scratch_kv = ds.scratch_block * bs
+        inp.positions[t:t + T] = pos
+        inp.slot_mapping[t:t + T] = torch.where(frozen, scratch_kv, plane_slots.gather(1, plane[:, None]).squeeze(1))
+        last = torch.where(index >= 0, index, st.k)  # a row's last round position
+        inp.seq_lens[r:r + n] = (ds.pos[slots] + last + 1).to(torch.int32)
+        width = inp.block_tables.shape[1]
+        inp.block_tables[r:r + n] = ds.tables[slots, ds.layout.plane_index(loop)][:, :width]
+        ids = st.tokens[q_slots, offset]
+        embed = self.model.model.embed_tokens.weight
+        inp.x[t:t + T] = torch.where((q_loop == 1)[:, None], embed[ids], st.hidden[q_slots, offset])
+        return SpecPrepared(q_slots, offset, q_loop, frozen, plane_slots, own["min_loops"][row], own["max_loops"][row],
+                            own["threshold"][row])
+
+    def finish(self, h: Tensor, gate: Tensor, p: SpecPrepared | None, own: dict[str, Tensor]) -> tuple:
+        """Each live position's own exit rule after this loop, its state, and the exit copy."""
+        if p is None:
+            return ()
+        st = self.rounds
+        key = (p.slots, p.offset)
+        live = ~p.frozen
+        survival = torch.where(p.loop == 1, torch.ones_like(gate, dtype=torch.float32), st.survival[key])
+        ex, survival = exit_decision(p.loop, survival, gate, p.min_loops, p.max_loops, p.threshold)
+        st.hidden[key] = torch.where(live[:, None], h, st.hidden[key])
+        st.survival[key] = torch.where(live, survival, st.survival[key])
+        exited = live & ex
+        st.exit_loop[key] = torch.where(exited, p.loop, st.exit_loop[key])
+        if self.copies_on_exit:  # last_exited: a position exiting at loop e fills its deeper planes
+            k_cache, v_cache = self.kv()
+            self.backend.copy_exited(k_cache, v_cache, p.plane_slots, p.loop, exited,
+                                     self.state.scratch_block * self.state.block_size)
+        return ()
+
+
+@dataclass
+class VerifyPart:
+    """The round-ending rows of a step, for the sampler: ``K+1`` target rows each."""
+
+    row_idx: list[int]  # step row of each target row (each round-ending row K+1 times)
+    states: list[Any]
+    slots: Tensor  # [M] the slots of the round-ending rows
+    logits: Tensor  # [M * (K+1), V] fp32 target logits (each position at its own exit)
+    token_index: Tensor  # [M * (K+1)] index in the completion of each position's token
+    depth: Tensor  # [M * (K+1)] exit depth of each position
+
+
+class SpecRounds:
+    """What speculating rows do after the forward: drafts at a draft's last loop, and the round's
+    acceptance at its last verify step (module docstring)."""
+
+    def __init__(self, model: OuroForCausalLM, state: DeviceDecodeState, rounds: SpecRoundState,
+                 requests: dict[str, RequestState], sampler: Sampler, device: torch.device) -> None:
+        self.model, self.state, self.rounds, self.requests, self.device = model, state, rounds, requests, device
+        self.sampler = sampler
+        self._params, self._fields = ParamsStager(), FieldsStager()  # the drafts' own (the target rows' differ)
+
+    def draft(self, rows: list[ScheduledRow]) -> None:
+        """Draft-end rows: the head of each position's state (its exit loop's, if it exited) proposes the
+        next round position's token, sampled as the target samples that token: same parameters, and the
+        counter-based noise of the same (seed, token index). So a draft equals the target's token whenever
+        both distributions put their noisy maximum on it (the Gumbel-max coupling), and the committed
+        tokens are exactly those plain decoding samples (greedy: the argmax)."""
+        ends = [r for r in rows if r.spec is not None and r.spec.draft_end]
+        if not ends:
+            return
+        slots, index = self._indices(ends)
+        st = self.rounds
+        logits = self.model.head(st.hidden[slots, index]).float()
+        states = [self.requests[r.request_id] for r in ends]
+        tensors = build_sampling_tensors(states, self.state.token_index[slots] + index, self.sampler.logprobs_mode,
+                                         self.device, params=self._params, fields=self._fields)
+        tensors.max_num_logprobs = None  # a draft's logprobs are never reported
+        st.tokens[slots, index + 1] = self.sampler(logits, tensors).token_ids
+
+    def verify_part(self, rows: list[ScheduledRow], row0: int) -> VerifyPart | None:
+        """The target rows of the round-ending rows among ``rows`` (step rows from ``row0``)."""
+        last = [(row0 + i, r) for i, r in enumerate(rows) if r.spec.last]
+        if not last:
+            return None
+        k1 = self.rounds.k + 1
+        slots, _ = self._indices([r for _, r in last])
+        st = self.rounds
+        logits = self.model.head(st.hidden[slots].flatten(0, 1)).float()
+        j = torch.arange(k1, device=self.device)
+        index = (self.state.token_index[slots][:, None] + j).flatten()
+        states = [self.requests[r.request_id] for _, r in last for _ in range(k1)]
+        return VerifyPart([i for i, _ in last for _ in range(k1)], states, slots, logits, index,
+                          st.exit_loop[slots].flatten())
+
+    def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
+        """Acceptance of the round-ending rows' drafts; ``target`` ``[M * (K+1)]``: the target tokens
+        the sampler drew (greedy: the argmax). Drafts are accepted while they equal the target's tokens;
+        the target's token at the first difference is the correction, after the last draft the bonus.
+        Moves each slot past its committed run; returns the committed mask ``[M * (K+1)]``."""
+        st, ds = self.rounds, self.state
+        k = st.k
+        y = target.view(-1, k + 1)
+        match = y[:, :k] == st.tokens[part.slots, 1:]
+        accepted = match.long().cumprod(dim=1).sum(dim=1)  # [M] drafts accepted
+        j = torch.arange(k + 1, device=self.device)
+        committed = j[None, :] <= accepted[:, None]
+        ds.token[part.slots] = y.gather(1, accepted[:, None]).squeeze(1)
+        ds.pos[part.slots] = ds.pos[part.slots] + accepted + 1
+        ds.token_index[part.slots] = ds.token_index[part.slots] + accepted + 1
+        return committed.flatten()
+
+    def _indices(self, rows: list[ScheduledRow]) -> tuple[Tensor, Tensor]:
+        return tuple(stage(self.device, ([r.slot for r in rows], np.int64), ([r.spec.index for r in rows], np.int64)))

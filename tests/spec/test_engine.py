@@ -1,0 +1,209 @@
+"""Loop self-speculation in the engine (#41, draft then verify): every committed token, exit depth and
+logprob is what the non-speculative engine gives (greedy and seeded sampling alike, fixed depth and
+adaptive exits, kv_layout last_exited), for several K and d, single and batched requests mixed with
+requests that do not speculate, with max_tokens / stop tokens / stop strings / EOS inside an accepted
+run, under both engine orders (overlapped and synchronous), and with preemption between rounds; the
+greedy fixed-depth tokens also equal the independent oracle's (tests/reference.py)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from reference import reference_generate  # tests/ is on pythonpath (pyproject.toml)
+
+from loopline import SamplingParams
+from loopline.config import EngineArgs
+from loopline.engine import LLMEngine
+from loopline.errors import InvalidRequestError
+
+DEMO_PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Foo:\n    def __init__(self",
+                "for i in range(10):\n    print(", "# Copyright"]
+
+
+def spec(k: int, d: int) -> dict:
+    return {"method": "loop", "num_speculative_tokens": k, "draft_loops": d}
+
+
+def engine(model: str | None = None, speculative: dict | None = None, **kw) -> LLMEngine:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("device", "cpu")
+    kw.setdefault("skip_tokenizer_init", model is not None)
+    return LLMEngine(EngineArgs(model=model, speculative_config=speculative, **kw))
+
+
+def drain(eng: LLMEngine, requests: dict, arrivals: dict | None = None) -> dict:
+    """Adds ``requests`` (id -> (prompt ids, params)) at their arrival steps; runs them to completion."""
+    arrivals, pending, done, step = arrivals or {}, dict(requests), {}, 0
+    while pending or eng.has_unfinished_requests():
+        for rid in [r for r in pending if arrivals.get(r, 0) <= step]:
+            prompt, params = pending.pop(rid)
+            eng.add_request(rid, {"prompt_token_ids": prompt}, params)
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+        step += 1
+        assert step < 20_000, "no progress"
+    assert eng.kv.num_used_blocks == 0, "finished requests must free their KV"
+    return done
+
+
+def assert_same(spec_out: dict, plain_out: dict, atol: float = 1e-4) -> None:
+    assert spec_out.keys() == plain_out.keys()
+    for rid, a in spec_out.items():
+        b = plain_out[rid]
+        assert a.token_ids == b.token_ids, rid
+        assert a.exit_depths == b.exit_depths, rid
+        assert a.finish_reason == b.finish_reason and a.stop_reason == b.stop_reason, rid
+        if b.logprobs is not None:
+            for x, y in zip(a.logprobs, b.logprobs):
+                assert x.keys() == y.keys(), rid
+                for t in y:
+                    assert x[t].logprob == pytest.approx(y[t].logprob, abs=atol), rid
+
+
+@pytest.fixture(scope="module")
+def demo_prompts():
+    from loopline.models.loader import load_tokenizer
+    from loopline.models.tiny import default_checkpoint
+
+    tok = load_tokenizer(default_checkpoint())
+    return [tok.encode(p) for p in DEMO_PROMPTS]
+
+
+def ids(n: int, seed: int, vocab: int = 500) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+# --- M1: greedy at fixed depth ------------------------------------------------------------------
+@pytest.mark.parametrize("k, d", [(3, 1), (2, 2), (1, 3), (5, 1)])
+def test_greedy_fixed_depth_equals_plain_engine_on_the_demo_model(demo_prompts, k, d):
+    reqs = {f"r{i}": (p, GREEDY) for i, p in enumerate(demo_prompts)}
+    plain = drain(engine(), reqs, arrivals={"r2": 5, "r3": 9})
+    eng = engine(speculative=spec(k, d))
+    out = drain(eng, reqs, arrivals={"r2": 5, "r3": 9})
+    assert_same(out, plain)
+    stats = eng.stats
+    assert stats.spec_num_drafts > 0 and stats.spec_num_draft_tokens == k * stats.spec_num_drafts
+    assert 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens  # the demo model's drafts are often right
+    assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+
+
+def test_one_request_alone_commits_several_tokens_per_round(demo_prompts):
+    reqs = {"r0": (demo_prompts[0], GREEDY)}
+    plain_eng = engine()
+    plain = drain(plain_eng, reqs)
+    eng = engine(speculative=spec(3, 1))
+    assert_same(drain(eng, reqs), plain)
+    assert eng.stats.steps < plain_eng.stats.steps  # 3 accepted drafts save loop steps
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_equals_the_independent_oracle_on_a_tiny_model(tiny_gqa, async_scheduling):
+    prompts = [ids(5, 1), ids(11, 2), ids(3, 3)]
+    reqs = {f"r{i}": (p, GREEDY.clone(max_tokens=10, logprobs=0)) for i, p in enumerate(prompts)}
+    out = drain(engine(str(tiny_gqa.path), spec(2, 1), block_size=4, async_scheduling=async_scheduling), reqs)
+    for i, p in enumerate(prompts):
+        tokens, depths, logprobs = reference_generate(tiny_gqa.state_dict, tiny_gqa.cfg, p, 10)
+        got = out[f"r{i}"]
+        assert got.token_ids == tokens and got.exit_depths == depths
+        assert [next(iter(e.values())).logprob for e in got.logprobs] == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_speculating_requests_batch_with_plain_ones(demo_prompts):
+    """A request with a penalty (or a too shallow max_loops) decodes plainly beside speculating ones."""
+    reqs = {"spec0": (demo_prompts[0], GREEDY), "pen": (demo_prompts[1], GREEDY.clone(repetition_penalty=1.3)),
+            "spec1": (demo_prompts[2], GREEDY.clone(max_tokens=17)),
+            "shallow": (demo_prompts[3], GREEDY.clone(max_loops=1))}
+    eng = engine(speculative=spec(2, 1))
+    out = drain(eng, reqs, arrivals={"spec1": 3})
+    assert_same(out, drain(engine(), reqs, arrivals={"spec1": 3}))
+
+
+# --- stops inside an accepted run ---------------------------------------------------------------
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 6, 7])
+def test_max_tokens_inside_an_accepted_run(demo_prompts, max_tokens):
+    reqs = {"r": (demo_prompts[0], GREEDY.clone(max_tokens=max_tokens))}
+    eng = engine(speculative=spec(4, 1))
+    out = drain(eng, reqs)
+    assert len(out["r"].token_ids) == max_tokens and out["r"].finish_reason == "length"
+    assert_same(out, drain(engine(), reqs))
+
+
+def test_stop_token_eos_and_stop_string_inside_an_accepted_run(demo_prompts):
+    plain = drain(engine(), {"r": (demo_prompts[0], GREEDY)})["r"]
+    # a token the greedy continuation produces mid-way, never as a round's first token only
+    stop_at = plain.token_ids[6]
+    reqs = {"stop_id": (demo_prompts[0], GREEDY.clone(stop_token_ids=[stop_at])),
+            "eos": (demo_prompts[0], GREEDY.clone(ignore_eos=False)),
+            "text": (demo_prompts[0], GREEDY.clone(stop=["new Python"]))}
+    out = drain(engine(speculative=spec(4, 1)), reqs)
+    ref = drain(engine(), reqs)
+    assert_same(out, ref)
+    assert out["stop_id"].token_ids[-1] == stop_at and out["stop_id"].stop_reason == stop_at
+    assert out["text"].finish_reason == "stop" and "Python" not in out["text"].text
+    assert len(out["text"].token_ids) < len(plain.token_ids)
+
+
+# --- engine features around rounds ---------------------------------------------------------------
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_preemption_between_rounds_is_exact(tiny_gqa, async_scheduling):
+    reqs = {f"r{i}": (ids(6 + 2 * i, seed=20 + i), GREEDY.clone(max_tokens=14, exit_threshold=0.7, logprobs=None))
+            for i in range(4)}
+    roomy = drain(engine(str(tiny_gqa.path), block_size=4), reqs)
+    eng = engine(str(tiny_gqa.path), spec(2, 1), block_size=4, kv_allocation="incremental",
+                 enable_preemption=True, num_kv_blocks=4 * 14, async_scheduling=async_scheduling)
+    tight = drain(eng, reqs)
+    assert eng.scheduler.num_preemptions > 0
+    assert_same(tight, roomy)
+    assert not eng.runner.pages.snapshots
+
+
+def test_abort_mid_round_frees_everything(demo_prompts):
+    eng = engine(speculative=spec(3, 1))
+    eng.add_request("a", {"prompt_token_ids": demo_prompts[0]}, GREEDY)
+    eng.add_request("b", {"prompt_token_ids": demo_prompts[1]}, GREEDY)
+    for _ in range(9):
+        eng.step()
+    eng.abort_request("a")
+    out = drain(eng, {})
+    assert eng.kv.num_used_blocks == 0 and not eng.scheduler.requests
+    alone = drain(engine(), {"b": (demo_prompts[1], GREEDY)})
+    assert out["b"].token_ids == alone["b"].token_ids
+
+
+# --- configuration ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, field", [
+    ({"method": "loop", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"method": "loop", "num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "loop", "draft_loops": 0}, "speculative_config.draft_loops"),
+    ({"method": "loop", "scheme": "pipeline"}, "speculative_config.scheme"),
+    ({"method": "loop", "draftloops": 1}, "speculative_config.draftloops"),
+    ({"num_speculative_tokens": 2}, "speculative_config.method"),
+    ("loop", "speculative_config"),
+])
+def test_bad_speculative_config_names_the_field(bad, field):
+    with pytest.raises(InvalidRequestError) as e:
+        EngineArgs(speculative_config=bad).validate()
+    assert e.value.param == field
+
+
+def test_draft_loops_must_be_below_the_model_loops():
+    with pytest.raises(InvalidRequestError, match="draft_loops") as e:
+        engine(speculative=spec(2, 4))  # the demo model has 4 loops
+    assert e.value.param == "speculative_config.draft_loops" and "1..3" in str(e.value)
+
+
+def test_cli_flag_is_vllm_spelled():
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["--speculative-config", '{"method": "loop", "num_speculative_tokens": 3, "draft_loops": 2}'])
+    args = EngineArgs.from_cli_args(ns)
+    assert args.speculative().num_speculative_tokens == 3 and args.speculative().draft_loops == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "[1, 2]"])
