@@ -123,6 +123,50 @@ def test_speculating_requests_batch_with_plain_ones(demo_prompts):
     assert_same(out, drain(engine(), reqs, arrivals={"spec1": 3}))
 
 
+# --- M2: adaptive exits ------------------------------------------------------------------------
+@pytest.mark.parametrize("k, d, exit_kw", [
+    (3, 1, dict(exit_threshold=0.5)),
+    (2, 2, dict(exit_threshold=0.5)),
+    (2, 3, dict(exit_threshold=0.7)),
+    (2, 1, dict(exit_threshold=0.5, min_loops=2)),  # min_loops > d: nothing exits in the draft phase
+    (2, 2, dict(exit_threshold=0.3, max_loops=3)),  # a shallower target than the model's loops
+])
+def test_adaptive_exit_depths_equal_plain_decoding(demo_prompts, k, d, exit_kw):
+    """The target is each token's own exit rule: a position exiting at e <= d in the draft is final, the
+    others continue to their own exit in the verify; depths, tokens and logprobs are plain decoding's."""
+    params = GREEDY.clone(**exit_kw)
+    reqs = {f"r{i}": (p, params) for i, p in enumerate(demo_prompts)}
+    plain = drain(engine(), reqs, arrivals={"r1": 4})
+    out = drain(engine(speculative=spec(k, d)), reqs, arrivals={"r1": 4})
+    assert_same(out, plain)
+    depths = {e for o in plain.values() for e in o.exit_depths}
+    assert len(depths) > 1, "the thresholds must make tokens exit at different depths"
+
+
+def test_adaptive_exits_equal_the_independent_oracle(tiny_gqa):
+    prompts = [ids(7, 4), ids(4, 5)]
+    reqs = {f"r{i}": (p, GREEDY.clone(max_tokens=12, exit_threshold=0.6, logprobs=0)) for i, p in enumerate(prompts)}
+    out = drain(engine(str(tiny_gqa.path), spec(3, 2), block_size=4), reqs)
+    for i, p in enumerate(prompts):
+        tokens, depths, logprobs = reference_generate(tiny_gqa.state_dict, tiny_gqa.cfg, p, 12, exit_threshold=0.6)
+        assert out[f"r{i}"].token_ids == tokens and out[f"r{i}"].exit_depths == depths
+        assert [next(iter(e.values())).logprob for e in out[f"r{i}"].logprobs] == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_shared_layout_speculates_its_own_way(demo_prompts):
+    """kv_layout='shared' holds one K/V per position: a draft reads the round's earlier positions at their
+    draft depth and a verify loop at that same loop, where plain decoding reads their final K/V. So only
+    a round's first committed token is plain shared decoding's; the rest may differ (docs/speculation.md)."""
+    reqs = {f"r{i}": (p, GREEDY.clone(max_tokens=16)) for i, p in enumerate(demo_prompts)}
+    plain = drain(engine(kv_layout="shared"), reqs)
+    eng = engine(speculative=spec(3, 1), kv_layout="shared")
+    out = drain(eng, reqs)
+    for rid, o in out.items():
+        assert len(o.token_ids) == 16 and all(1 <= e <= 4 for e in o.exit_depths)
+        assert o.token_ids[:2] == plain[rid].token_ids[:2]  # from the prompt, and the first round's position 0
+    assert eng.stats.spec_num_drafts > 0
+
+
 # --- stops inside an accepted run ---------------------------------------------------------------
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 6, 7])
 def test_max_tokens_inside_an_accepted_run(demo_prompts, max_tokens):
