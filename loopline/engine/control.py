@@ -51,9 +51,7 @@ class EngineControl(GenerationControl):
     # --- readiness --------------------------------------------------------------------
     def not_ready_reason(self) -> str | None:
         """Why the engine cannot generate now (None: it can)."""
-        if self.swap_pending:
-            return None  # new requests are held until the update from disk is swapped in
-        if self.weights.in_progress:
+        if self.weights.in_progress and not self.swap_pending:  # (an update from disk holds new requests instead)
             return f"a weight update to version {self.weights.pending_version} is in progress"
         if self.weights.broken:
             return ("the weights are partially updated (an update failed after copying some tensors); publish a "
