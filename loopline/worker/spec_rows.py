@@ -7,17 +7,26 @@ position and input token are the slot's decode state (``DeviceDecodeState.pos`` 
 the host never tells the device where a round starts and the overlapped engine needs no sync.
 
 * :class:`SpecRoundState`: per slot and round position, the fed token (position 0: the round's
-  input; ``i > 0``: the draft of position ``i - 1``), hidden state, gate survival, exit loop (0: still
-  looping) and, for sampled requests, the draft distribution ``q``.
+  input; ``i > 0``: the draft of position ``i - 1``), hidden state, gate survival and exit loop (0:
+  still looping).
 * :class:`SpecKind`: the row kind of both phases. ``prepare`` derives every query's position, KV slot
   and input from the round state; ``finish`` applies each position's own exit rule, stores its state
   and makes the ``last_exited`` exit copy. A position that already exited (in the draft, or an earlier
   verify loop) runs on scratch and keeps its state and K/V: rows behind it read its exit loop's K/V,
   as plain decoding does.
-* :class:`SpecRounds`: after the forward, the draft-end rows propose the next position's token from
-  their head, and the round's last verify step judges the drafts against the target tokens (greedy:
-  the longest agreeing prefix; sampled: rejection sampling, :mod:`loopline.worker.spec_accept`),
-  commits the accepted run plus the correction or bonus, and moves the slot's decode state past it.
+* :class:`SpecRounds`: after the forward, the draft-end rows sample the next position's token from
+  their head, and the round's last verify step samples the target's tokens (one sampler call with the
+  step's decode rows), accepts the drafts while they equal them, commits that run plus the target's
+  token at the first difference (the correction) or after the last draft (the bonus), and moves the
+  slot's decode state past it.
+
+Sampling: a draft is drawn with the parameters and the counter-based noise of the token index it
+proposes, which the target's token at that index uses too (the sampler's Gumbel-max trick keyed by
+seed and token index). The committed tokens are therefore exactly plain seeded sampling's (greedy:
+the argmax), so the output distribution is the target's; a draft is accepted when both distributions
+put their noisy maximum on the same token (the Gumbel-max coupling, which accepts with probability
+at least ``(1 - tv) / (1 + tv)`` for the total variation ``tv`` between draft and target, against
+``1 - tv`` for rejection sampling: docs/speculation.md).
 """
 from __future__ import annotations
 
@@ -54,13 +63,6 @@ class SpecRoundState:
         self.hidden = torch.zeros(num_slots, k + 1, hidden_size, dtype=dtype, device=device)
         self.survival = torch.ones(num_slots, k + 1, dtype=torch.float32, device=device)
         self.exit_loop = torch.zeros(num_slots, k + 1, **i64)
-        self.q: Tensor | None = None  # [num_slots, k, vocab] f32 draft distributions (sampled requests)
-
-    def draft_probs(self, vocab: int) -> Tensor:
-        """The draft distributions, allocated when the first sampled request drafts."""
-        if self.q is None:
-            self.q = torch.zeros(self.tokens.shape[0], self.k, vocab, dtype=torch.float32, device=self.device)
-        return self.q
 
 
 class SpecPrepared(NamedTuple):

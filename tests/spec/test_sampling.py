@@ -76,7 +76,12 @@ TEMPERATURE = 1.0
 
 @pytest.fixture(scope="module")
 def small_vocab():
-    """Four tokens, one layer; a scaled head makes each loop's distribution distinct and far from uniform."""
+    return small_vocab_model()
+
+
+def small_vocab_model():
+    """Four tokens, one layer; a scaled head makes each loop's distribution distinct and far from uniform.
+    Returns ``(model, state dict, oracle cfg)``."""
     config = OuroConfig(vocab_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                         num_key_value_heads=2, head_dim=16, rope_theta=10000.0, total_ut_steps=4,
                         torch_dtype="float32", max_position_embeddings=64, early_exit_threshold=1.0)
