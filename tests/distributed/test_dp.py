@@ -181,6 +181,30 @@ def test_control_calls_fan_out_to_every_replica(dp, one, tiny_factory, tiny_gqa)
     assert dp.health_problem() is None
 
 
+def test_an_update_from_disk_reaches_every_replica_beside_the_requests_in_flight(dp, tiny_factory, tiny_gqa):
+    """Each replica reads the checkpoint while its request generates and swaps once it finished: the requests
+    in flight keep the old version throughout, the next one has the new version on whichever replica."""
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        v = await dp.get_weight_version()
+        busy = [asyncio.ensure_future(dp.generate_tokens([5, 17, 42, 99 + i], params)) for i in range(2)]
+        deadline = time.monotonic() + 30
+        while sum(r.snapshot.num_running for r in dp.replicas()) < 2:  # both are generating when the call comes
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.002)
+        version = await dp.update_weights_from_disk(str(tiny_factory(3).path), v + 1)
+        outs = await asyncio.gather(*busy)
+        after = [await dp.generate_tokens([7, 8, 9 + i], params.clone(max_tokens=2)) for i in range(2)]
+        await dp.update_weights_from_disk(str(tiny_gqa.path), v + 2)  # the module's other tests keep the original weights
+        return v, version, outs, after
+
+    v, version, outs, after = run(main())
+    assert version == v + 1 and all(set(o.outputs[0].weight_versions) == {v} for o in outs)
+    assert all(len(o.outputs[0].token_ids) == 60 for o in outs) and [o.weight_version for o in after] == [v + 1] * 2
+    assert all(r.snapshot.weights_state == "committed" for r in dp.replicas()) and dp.health_problem() is None
+
+
 class _Fake(EngineClient):
     """A replica that answers control calls with a fixed result or error."""
 
