@@ -58,7 +58,7 @@ from loopline.errors import CapacityError, EngineDeadError, EngineStateError, In
 from loopline.distributed.kv_transfer import check_transport_device, make_transport, resolve_transport
 from loopline.distributed.pd_worker import WorkerRole
 from loopline.distributed.worker_pool import WorkerLink, WorkerPool, WorkerSpec
-from loopline.runtime.client import EngineClient
+from loopline.runtime.client import EngineClient, ended_by_abort
 from loopline.runtime.fanout import Gather
 from loopline.runtime.protocol import (AbortCmd, AcceptCmd, AddCmd, CallCmd, Command, DropCmd, EngineInfo,
                                        EngineMessage, EngineSnapshot, HandoffMsg, PieceCmd, PieceMsg, PrefillCmd, Reply,
@@ -375,8 +375,7 @@ class PDClient(EngineClient):
 
     def _aborted_by_shutdown(self, delta: Any) -> bool:
         """Whether a dying worker's output ends its request with an abort the client did not ask for."""
-        return delta.finished and delta.request_id not in self._aborted and \
-            any(c.finish_reason == "abort" for c in delta.outputs)
+        return delta.request_id not in self._aborted and ended_by_abort(delta)
 
     def _holds(self, worker: WorkerLink, rid: str) -> bool:
         placed = self._placed.get(rid)

@@ -63,6 +63,7 @@ class EngineClient:
         self._adds: dict[int, _PendingAdd] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._streams: dict[str, tuple[Any, asyncio.AbstractEventLoop]] = {}  # request id -> (stream, its loop)
+        self._abort_asked: set[str] = set()  # streamed requests this client asked to abort
         self._listeners: list[Callable[[StepRecord], None]] = []
 
     # --- the transport ------------------------------------------------------------------------
@@ -110,6 +111,8 @@ class EngineClient:
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:
+            with self._lock:
+                self._abort_asked.update(rid for rid in request_ids if rid in self._streams)
             self._send(AbortCmd(request_ids))
 
     def add_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
@@ -153,13 +156,21 @@ class EngineClient:
                     acks.append((add.ack, reply.error))
                 elif (future := self._calls.pop(reply.id, None)) is not None:
                     replies.append((future, reply.result, reply.error))
+            outputs = msg.outputs
+            if msg.dead is not None and not self.stopping:
+                # NOTE: an engine stopped from outside (SIGTERM to its process) aborts its requests on its way
+                # out; nobody asked for those aborts: their streams fail with ``dead`` below (never an "abort")
+                outputs = [d for d in outputs if d.request_id in self._abort_asked or not ended_by_abort(d)]
             for rid, error in msg.failures:
                 target = self._streams.pop(rid, None)
+                self._abort_asked.discard(rid)
                 if target is not None:
                     batches.setdefault(target[1], []).append((target[0], _fail, error))
-            for delta in msg.outputs:  # NOTE: as they came: O(what the step added), never a copy of a history
+            for delta in outputs:  # NOTE: as they came: O(what the step added), never a copy of a history
                 rid = delta.request_id
                 target = self._streams.pop(rid, None) if delta.finished else self._streams.get(rid)
+                if delta.finished:
+                    self._abort_asked.discard(rid)
                 if target is not None:
                     batches.setdefault(target[1], []).append((target[0], _put, delta))
             if msg.dead is not None:
@@ -171,6 +182,7 @@ class EngineClient:
                 for stream, loop in self._streams.values():
                     batches.setdefault(loop, []).append((stream, _fail, msg.dead))
                 self._streams.clear()
+                self._abort_asked.clear()
         for record in msg.steps:
             for fn in self._listeners:
                 try:
@@ -280,6 +292,11 @@ class MPClient(EngineClient):
             self.process.join(5)
         self._reader.join(5)
         self._conn.close()
+
+
+def ended_by_abort(delta: OutputDelta) -> bool:
+    """Whether ``delta`` ends its request with ``finish_reason="abort"``."""
+    return delta.finished and any(c.finish_reason == "abort" for c in delta.outputs)
 
 
 # --- on the event loop -----------------------------------------------------------------------
