@@ -274,6 +274,7 @@ class DiskLoad:
 
     def pieces(self) -> Iterator[list[tuple[str, Any, Any]]]:
         """The validated ``(name, parameter, source)`` entries of each tensor, read again one at a time."""
+        check_checkpoint_files(self.path)  # again: the directory may have changed while the swap waited
         seen: set[str] = set()
         for entry in self._tensors():
             items = self.control.weights.validate([entry], already_seen=seen)

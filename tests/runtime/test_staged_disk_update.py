@@ -221,3 +221,29 @@ def test_the_staged_reads_hold_at_most_two_tensors(llm, tiny_factory, monkeypatc
     monkeypatch.setattr(safetensors, "safe_open", Spy)
     assert asyncio.run(llm.update_weights_from_disk(str(tiny_factory(3).path), 1)) == 1
     assert len(alive) == 2 * len(llm.engine.control.weights.names) and most[0] <= 2, most[0]
+
+
+def test_a_file_swapped_for_a_symlink_out_while_the_swap_waits_is_refused_before_any_copy(llm, tmp_path):
+    from loopline.models.loader import CheckpointError
+    from loopline.models.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=3)
+    before = {n: p.detach().clone() for n, p in llm.engine.model.named_parameters()}
+
+    async def main():
+        stream = llm.generate({"prompt_token_ids": PROMPT}, LONG, "in-flight")
+        update = asyncio.ensure_future(llm.update_weights_from_disk(str(ckpt), 1))
+        await wait_until(lambda: llm.engine.control.swap_pending)  # validated; waits for the request in flight
+        outside = tmp_path / "outside.safetensors"
+        (ckpt / "model.safetensors").rename(outside)
+        (ckpt / "model.safetensors").symlink_to(outside)
+        async for out in stream:
+            pass
+        with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+            await update
+        return out
+
+    out = asyncio.run(main())
+    assert set(out.outputs[0].weight_versions) == {0} and len(out.outputs[0].token_ids) == 200
+    assert llm.weights_state() == "committed" and not llm.engine.control.weights.broken
+    assert all(torch.equal(p, before[n]) for n, p in llm.engine.model.named_parameters())
