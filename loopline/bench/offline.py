@@ -200,6 +200,8 @@ def _stats_delta(after: EngineStats, before: EngineStats) -> EngineStats:
         elif isinstance(a, dict) and all(isinstance(v, (int, float)) for v in a.values()):
             diff = {k: v - b.get(k, 0) for k, v in sorted(a.items())}
             setattr(delta, f.name, {k: v for k, v in diff.items() if v})
+        elif isinstance(a, list) and all(isinstance(v, (int, float)) for v in a):  # per position
+            setattr(delta, f.name, [v - (b[i] if i < len(b) else 0) for i, v in enumerate(a)])
     return delta
 
 
@@ -257,7 +259,8 @@ def run_engine(model: OuroForCausalLM, base_args: EngineArgs, spec: BenchSpec, v
         "variant": variant.name,
         "engine": {k: getattr(args, k) for k in ("scheduling_mode", "exit_mode", "kv_layout", "max_num_seqs",
                                                   "max_num_batched_tokens", "attention_backend", "enforce_eager",
-                                                  "async_scheduling", "block_size", "dtype")},
+                                                  "async_scheduling", "block_size", "dtype",
+                                                  "speculative_config")},
         **latency_metrics(timings, duration, workload.input_tokens),
         "mean_loops_per_token": stats.mean_exit_depth,
         "exit_depth_counts": {str(d): n for d, n in stats.exit_depth_counts.items()},
@@ -270,6 +273,9 @@ def run_engine(model: OuroForCausalLM, base_args: EngineArgs, spec: BenchSpec, v
         "decode_step_time_ms": ((stats.step_time_s - stats.prefill_step_time_s) / (stats.steps - stats.prefill_steps)
                                 * 1e3 if stats.steps > stats.prefill_steps else None),
         "head_steps": head_steps,
+        # loop self-speculation (None when off): vLLM's counters and the mean acceptance length
+        "spec_decode": ({**stats.spec_decode_metrics(), "mean_acceptance_length": stats.spec_mean_acceptance_length}
+                        if args.speculative_config else None),
         **device_fields(timer, duration),
         **bandwidth_fields(bytes_model.bytes_read(stats.steps, head_steps, kv), duration, device),
     }

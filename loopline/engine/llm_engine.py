@@ -87,6 +87,21 @@ class EngineStats:
         return self.rows / self.steps if self.steps else 0.0
 
     @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens committed per speculative round (accepted drafts + the correction or bonus), vLLM's
+        "mean acceptance length"; ``None`` before the first round."""
+        if not self.spec_num_drafts:
+            return None
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts
+
+    def spec_decode_metrics(self) -> dict[str, Any]:
+        """The speculation counters under vLLM's Prometheus names (``..._per_pos``: position -> count)."""
+        return {"vllm:spec_decode_num_drafts": self.spec_num_drafts,
+                "vllm:spec_decode_num_draft_tokens": self.spec_num_draft_tokens,
+                "vllm:spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
+                "vllm:spec_decode_num_accepted_tokens_per_pos": dict(enumerate(self.spec_accepted_per_pos))}
+
+    @property
     def mean_exit_depth(self) -> float:
         return self.loops_of_generated / self.generated_tokens if self.generated_tokens else 0.0
 
@@ -387,7 +402,8 @@ class LLMEngine(EngineVerbs):
         """Speculative rounds that ended in this step: drafts proposed and accepted (the committed run
         is the accepted drafts plus the correction or bonus)."""
         for i, row in enumerate(sched.rows):
-            if row.spec is not None and row.spec.last and result.sampled[i] is not None:
+            if row.spec is not None and row.spec.last and result.sampled[i] is not None \
+                    and self.scheduler.owner(row) is not None:
                 self.stats.count_round(row.spec.queries - 1, len(result.more.get(i, ())))
 
     def _apply_results(self, sched: SchedulerOutput, result: RunnerOutput, touched: list[Request]) -> None:

@@ -22,7 +22,8 @@ class StatLogger:
             return None
         st = engine.stats
         cur = {"gen": st.generated_tokens, "prompt": st.prompt_tokens, "steps": st.steps, "rows": st.rows,
-               "loops": st.loops_of_generated}
+               "loops": st.loops_of_generated, "rounds": st.spec_num_drafts, "drafted": st.spec_num_draft_tokens,
+               "accepted": st.spec_num_accepted_tokens}
         d = {k: v - self._last.get(k, 0) for k, v in cur.items()}
         self._last, self._last_time = cur, now
         line = (f"generation {d['gen'] / elapsed:.1f} tok/s, prompt {d['prompt'] / elapsed:.1f} tok/s, "
@@ -32,5 +33,8 @@ class StatLogger:
         cache = engine.kv.prefix_cache
         if cache is not None:
             line += f", prefix cache hit rate {100 * cache.stats.hit_rate:.1f}%"
+        if d["rounds"]:  # loop self-speculation, as vLLM's SpecDecoding line
+            line += (f", speculation: mean acceptance length {1 + d['accepted'] / d['rounds']:.2f}, "
+                     f"accepted {d['accepted']} of {d['drafted']} draft tokens")
         logger.info(line)
         return line

@@ -75,7 +75,8 @@ def ids(n: int, seed: int, vocab: int = 500) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+# exit_threshold 1.0: fixed depth (the demo model's own threshold is 0.5)
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2, exit_threshold=1.0)
 
 
 # --- M1: greedy at fixed depth ------------------------------------------------------------------
@@ -251,3 +252,33 @@ def test_cli_flag_is_vllm_spelled():
     assert args.speculative().num_speculative_tokens == 3 and args.speculative().draft_loops == 2
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", "[1, 2]"])
+
+
+# --- metrics --------------------------------------------------------------------------------------
+def test_bench_reports_acceptance_with_vllm_names():
+    """``loopline bench --speculative-config``: the run's record carries vLLM's spec_decode counters of the
+    measured part and the mean acceptance length."""
+    from loopline.entrypoints.bench_cli import run_offline
+    from loopline.entrypoints.cli import build_parser
+
+    ns = build_parser().parse_args(["bench", "--config", "tiny", "--device", "cpu", "--dtype", "float32",
+                                    "--no-progress", "--input-len", "6", "--output-len", "10", "--concurrency", "2",
+                                    "--speculative-config", '{"method": "loop", "num_speculative_tokens": 2}'])
+    (point,) = run_offline(ns)["results"]
+    run = point["variants"][0]["median"]
+    spec_decode = run["spec_decode"]
+    assert run["engine"]["speculative_config"] == {"method": "loop", "num_speculative_tokens": 2}
+    rounds = spec_decode["vllm:spec_decode_num_drafts"]
+    assert rounds > 0 and spec_decode["vllm:spec_decode_num_draft_tokens"] == 2 * rounds
+    accepted = spec_decode["vllm:spec_decode_num_accepted_tokens"]
+    assert sum(spec_decode["vllm:spec_decode_num_accepted_tokens_per_pos"].values()) == accepted
+    assert spec_decode["mean_acceptance_length"] == pytest.approx(1 + accepted / rounds)
+
+
+def test_stat_logger_line_reports_acceptance(demo_prompts):
+    from loopline.engine.stat_logger import StatLogger
+
+    eng = engine(speculative=spec(3, 1))
+    drain(eng, {"r": (demo_prompts[0], GREEDY)})
+    line = StatLogger(0.0).maybe_log(eng)
+    assert "mean acceptance length" in line and f"of {eng.stats.spec_num_draft_tokens} draft tokens" in line

@@ -20,7 +20,8 @@ from loopline import SamplingParams
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
 
-SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True, logprobs=2)
+# fixed depth unless a case sets exit_threshold (the demo model's own is 0.5)
+SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True, logprobs=2, exit_threshold=1.0)
 
 
 @pytest.fixture(scope="module")
