@@ -1,0 +1,135 @@
+"""Loop self-speculation's speed against its acceptance, on real shapes with random weights (GPU).
+
+python3 tools/spec_speed.py --config ouro-1.4b --branch-scale 1.0,0.0 --spec 2,1 --spec 1,1 --concurrency 1
+
+Random weights give acceptance ~0: the loops' argmax tokens disagree (``loopline bench --speculative-config``
+on random Ouro-1.4B weights accepts no draft). ``--branch-scale s`` multiplies every layer's residual
+branches (``o_proj`` and ``down_proj``) by ``s``, the same shapes, kernels and bytes: at 0 the hidden state
+never changes across loops, so every draft is accepted (the best case); at 1 almost none is (the worst).
+In between, acceptance drops fast (a random model's logit margins are tiny: 0.001 accepted 10% of the
+drafts on a small config), so the two ends bound what speculation can gain and lose on these shapes.
+For each scale the tool runs plain decoding and each ``--spec K,d`` one after the other in one process
+(the same weights), greedy, fixed depth, a closed loop of ``2 x C`` requests of ``--input-len`` prompt
+tokens and ``--output-len`` generated ones, and prints output tok/s, the speedup over plain decoding,
+mean steps per token and the acceptance rate. ``--json FILE`` writes the table. ``--config tiny`` is a
+small config for a CPU check.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from loopline.config import EngineArgs
+from loopline.engine import LLMEngine
+from loopline.models.ouro import OuroConfig, OuroForCausalLM
+from loopline.models.tiny import random_checkpoint_config
+from loopline.sampling_params import SamplingParams
+
+
+def build_model(config: str, scale: float, dtype: torch.dtype, device: str) -> OuroForCausalLM:
+    """A random-weight model of ``config`` (``tiny``: a small CPU config) with its residual branches scaled."""
+    cfg = (OuroConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+           if config == "tiny" else random_checkpoint_config(config))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = OuroForCausalLM(cfg).to(dtype)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
+    return model
+
+
+def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple[int, int] | None) -> dict:
+    """One closed-loop run; returns tok/s, steps per token and the acceptance counters."""
+    speculative = None if spec is None else {"method": "loop", "num_speculative_tokens": spec[0],
+                                             "draft_loops": spec[1]}
+    c = args.concurrency
+    engine = LLMEngine(EngineArgs(device=args.device, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=c,
+                                  max_model_len=args.input_len + args.output_len + 64,
+                                  kv_cache_memory_gb=args.kv_gb, speculative_config=speculative,
+                                  enforce_eager=args.eager), model=model)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
+    vocab = model.config.vocab_size
+
+    def prompt(i: int) -> list[int]:  # distinct prompts: no prefix sharing
+        return [3 + (i * 7919 + j * 31) % (vocab - 3) for j in range(args.input_len)]
+
+    engine.add_request("warm", prompt(10_000), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    steps0, stats0 = engine.stats.steps, dict(engine.stats.spec_decode_metrics())
+    total, started, done, tokens = 2 * c, 0, 0, 0
+    for _ in range(c):
+        engine.add_request(f"r{started}", prompt(started), params)
+        started += 1
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while done < total:
+        for out in engine.step():
+            if out.finished:
+                done += 1
+                tokens += len(out.outputs[0].token_ids)
+                if started < total:
+                    engine.add_request(f"r{started}", prompt(started), params)
+                    started += 1
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    spec_now = engine.stats.spec_decode_metrics()
+    drafts = {k: spec_now[k] - stats0[k] for k in ("vllm:spec_decode_num_draft_tokens",
+                                                   "vllm:spec_decode_num_accepted_tokens")}
+    return {"spec": None if spec is None else {"K": spec[0], "d": spec[1]}, "output_tokens": tokens,
+            "seconds": round(elapsed, 4), "output_tok_s": round(tokens / elapsed, 2),
+            "steps_per_token": round((engine.stats.steps - steps0) / tokens, 3),
+            "draft_tokens": drafts["vllm:spec_decode_num_draft_tokens"],
+            "accepted_tokens": drafts["vllm:spec_decode_num_accepted_tokens"],
+            "acceptance_rate": (round(drafts["vllm:spec_decode_num_accepted_tokens"]
+                                      / drafts["vllm:spec_decode_num_draft_tokens"], 3)
+                                if drafts["vllm:spec_decode_num_draft_tokens"] else None)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="ouro-1.4b", help="ouro-1.4b, ouro-2.6b or tiny (a small CPU config)")
+    ap.add_argument("--branch-scale", default="1.0", help="comma-separated residual-branch scales")
+    ap.add_argument("--spec", action="append", default=[], help="K,d (repeatable); plain decoding always runs")
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-gb", type=float, default=8.0)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    specs = [tuple(int(v) for v in s.split(",")) for s in args.spec]
+    if any(len(s) != 2 for s in specs):
+        raise SystemExit("--spec takes K,d (e.g. --spec 2,1)")
+    rows = []
+    for scale in (float(s) for s in args.branch_scale.split(",")):
+        model = build_model(args.config, scale, getattr(torch, args.dtype), args.device)
+        base = None
+        for spec in [None, *specs]:
+            r = run(model, args, spec) | {"branch_scale": scale}
+            base = base or r["output_tok_s"]
+            r["speedup"] = round(r["output_tok_s"] / base, 3)
+            rows.append(r)
+            name = "plain" if spec is None else f"K={spec[0]} d={spec[1]}"
+            print(f"scale {scale:<5} {name:<10} {r['output_tok_s']:9.1f} tok/s  {r['speedup']:5.2f}x  "
+                  f"{r['steps_per_token']:5.2f} steps/token  acceptance {r['acceptance_rate']}", flush=True)
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
