@@ -9,11 +9,14 @@ the replay, exactly as it fills an eager step's, so replaying a graph and runnin
 the forward eagerly read the same inputs the same way.
 
 Shapes come in families (decode-only steps at bucketed row counts; steps with
-small prefill chunks at bucketed decode rows x prefill tokens); a step takes the
-first family with a captured shape that holds it, and in it the smallest such
-shape. Padding rows use a scratch slot and a scratch KV block that no request
-owns, so they never touch real state. Sampling runs eagerly on the graph's
-outputs (its work depends on which features the batch uses).
+small prefill chunks at bucketed decode rows x prefill tokens; under loop
+self-speculation, steps of speculating rows, draft and verify alike, beside
+decode rows: :func:`spec_buckets`); a step takes the first family with a
+captured shape that holds it, and in it the smallest such shape. Padding rows
+use a scratch slot and a scratch KV block that no request owns, so they never
+touch real state. Sampling runs eagerly on the graph's outputs (its work
+depends on which features the batch uses), and so do a speculative step's
+drafts and its round's acceptance (``spec_rows.SpecRounds``).
 
 Capture goes through a :class:`GraphCapturer`; :class:`CudaGraphCapturer` is the
 real one, and a test can pass one whose "replay" re-runs the same forward on the
@@ -55,6 +58,34 @@ def mixed_buckets(max_decode: int, max_tokens: int) -> tuple[list[int], list[int
     decode = sorted({0, max_decode} | {b for b in (8, 16, 32, 64, 128, 256, 512, 1024) if b < max_decode})
     prefill = [p for p in (128, 256, 512, 1024, 2048) if p <= max_tokens] or [max_tokens]
     return decode, prefill
+
+
+def spec_buckets(max_decode: int, max_spec: int) -> list[tuple[int, int]]:
+    """(decode rows, speculating rows) buckets of the graphs of steps with speculative rows.
+
+    Speculating rows take powers of two up to ``max_spec`` (speculation pays at small batches, where
+    a step is launch-bound and a doubled bucket costs little GPU time); decode rows next to them 0 and
+    powers of four (one token a row beside K+1 per speculating row: coarse buckets cost few tokens). A
+    pair is kept only when some step fits it and no smaller pair: rows in ``(previous bucket, bucket]``
+    of each kind, together at most ``max_decode`` (one row per request). 256 sequences: 54 pairs."""
+    spec = _powers(max_spec)
+    decode = [0] + _powers(max_decode, 4)
+    pairs = []
+    for i, d in enumerate(decode):
+        for j, s in enumerate(spec):
+            least_d = decode[i - 1] + 1 if i else 0
+            least_s = spec[j - 1] + 1 if j else 1
+            if least_d + least_s <= max_decode:
+                pairs.append((d, s))
+    return pairs
+
+
+def _powers(n: int, base: int = 2) -> list[int]:
+    out, b = [], 1
+    while b < n:
+        out.append(b)
+        b *= base
+    return out + [n]
 
 
 class GraphCapturer(Protocol):
@@ -134,24 +165,33 @@ class StepGraph:
 
 
 class _Family:
-    """Shapes that differ only in per-kind token capacity: a step's bucket is one lookup per kind."""
+    """Shapes that differ only in per-kind token capacity: a step's bucket is one lookup per kind.
+
+    Within a family a kind's row capacity grows with its token capacity (decode ``(b, b)``, speculative
+    ``(s, s * (K + 1))``, prefill ``(rows, p)``), so a kind's bucket is its smallest token capacity that
+    holds both its tokens and its rows (a step of 3 one-query draft rows needs the 3-row bucket, not the
+    one whose K+1 tokens would hold them)."""
 
     def __init__(self, name: str, shapes: Sequence[StepShape]) -> None:
         self.name = name
         self.shapes = list(shapes)
         kinds = len(self.shapes[0].counts)
         self.caps = [sorted({s.counts[k][1] for s in self.shapes}) for k in range(kinds)]
+        self.rows_at = [{cap: max(s.counts[k][0] for s in self.shapes if s.counts[k][1] == cap) for cap in caps}
+                        for k, caps in enumerate(self.caps)]
         self.graphs: dict[tuple[int, ...], StepGraph] = {}
 
     def find(self, plan: StepPlan) -> StepGraph | None:
         key = []
-        for caps, part in zip(self.caps, plan.kinds):
+        for caps, rows_at, part in zip(self.caps, self.rows_at, plan.kinds):
             i = bisect.bisect_left(caps, part.num_tokens)
+            while i < len(caps) and rows_at[caps[i]] < part.num_rows:
+                i += 1
             if i == len(caps):
                 return None
             key.append(caps[i])
         graph = self.graphs.get(tuple(key))
-        if graph is None or plan.max_seq_len > graph.shape.max_seq_len:
+        if graph is None or plan.max_seq_len > graph.shape.max_seq_len or plan.max_query_len > graph.shape.max_query_len:
             return None
         if any(part.num_rows > rows for part, (rows, _) in zip(plan.kinds, graph.shape.counts)):
             return None

@@ -36,7 +36,7 @@ from loopline.kv.quant import KVScales, is_fp8
 from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import BAD_WORD_MAX_TOKENS, SamplingParams
 from loopline.spec.config import SpeculativeConfig
-from loopline.worker.cuda_graphs import GraphCapturer, StepGraphs, bucket_sizes, mixed_buckets
+from loopline.worker.cuda_graphs import GraphCapturer, StepGraphs, bucket_sizes, mixed_buckets, spec_buckets
 from loopline.worker.decode_state import DeviceDecodeState, SlotOps
 from loopline.worker.exit_rule import exit_decision
 from loopline.worker.forward import StepForward
@@ -120,7 +120,7 @@ class ModelRunner:
                  per_token_exits: bool = False, kv_dtype: torch.dtype | None = None,
                  kv_scales: KVScales | None = None, speculative: SpeculativeConfig | None = None) -> None:
         """``kv_dtype``: the pool's stored dtype (default ``dtype``); an FP8 pool needs ``kv_scales``.
-        ``speculative``: loop self-speculation's config (its rows run eagerly; docs/speculation.md)."""
+        ``speculative``: loop self-speculation's config (docs/speculation.md)."""
         cfg = model.config
         self.kv_dtype = kv_dtype or dtype
         if is_fp8(self.kv_dtype) and kv_scales is None:
@@ -187,10 +187,13 @@ class ModelRunner:
     def capture_graphs(self, max_seq_len: int, max_num_batched_tokens: int | None = None, *,
                        max_prefill_rows: int = 16, capturer: GraphCapturer | None = None) -> None:
         """Captures decode-only steps, and steps with up to ``max_prefill_rows`` small prefill chunks
-        (given the token budget), as CUDA graphs (CUDA and a graph-safe attention backend only).
+        (given the token budget), as CUDA graphs (CUDA and a graph-safe attention backend only); under
+        loop self-speculation also steps of speculating rows beside decode rows (:meth:`_spec_shapes`).
         ``capturer``: how graphs are captured and replayed (default: CUDA graphs)."""
+        self._graph_args = (max_seq_len, max_num_batched_tokens, max_prefill_rows, capturer)
+        max_seq_len += self.lookahead  # (requests' bounds count a round's lookahead; 0 without speculation)
         width = self.builder.width(max_seq_len)
-        idle = ((0, 0),) * (len(self.builder.kinds) - 2)  # speculative rows run eagerly: no graph holds them
+        idle = ((0, 0),) * (len(self.builder.kinds) - 2)  # the speculative kind's part: its own family holds it
         decode = [StepShape(((b, b), *idle, (0, 0)), width, 0, 1, max_seq_len) for b in bucket_sizes(self.max_num_seqs)]
         mixed = []
         if max_num_batched_tokens is not None:
@@ -200,9 +203,22 @@ class ModelRunner:
             decode_sizes, prefill_sizes = mixed_buckets(self.max_num_seqs, max_num_batched_tokens)
             mixed = [StepShape(((d, d), *idle, (rows, p)), width, rows + p // tile, p, max_seq_len)
                      for d in decode_sizes for p in prefill_sizes]
-        self.graphs = StepGraphs(self.forward, self.builder, {"decode": decode, "mixed": mixed})
+        families = {"decode": decode, "mixed": mixed}
+        if self.spec is not None:
+            families["spec"] = self._spec_shapes(width, max_seq_len)
+        self.graphs = StepGraphs(self.forward, self.builder, families)
         self.graphs.capture(capturer)
-        self._graph_args = (max_seq_len, max_num_batched_tokens, max_prefill_rows, capturer)
+
+    def _spec_shapes(self, width: int, max_seq_len: int) -> list[StepShape]:
+        """Steps with speculating rows at the :func:`spec_buckets` pairs (no prefill chunk: those run
+        eagerly). A speculative bucket of ``s`` rows holds ``s * (K + 1)`` query tokens, so one graph
+        serves draft rows (1 query), verify rows (K+1) and any mix of them (requests in different phases
+        of their rounds); a draft-only step runs K+1 times its tokens, which costs little where a step is
+        launch-bound, and keeps the graph count at one per pair."""
+        k1 = self.spec.rounds.k + 1
+        tiles = -(-k1 // (self.work_tile_tokens or 64))
+        return [StepShape(((d, d), (s, s * k1), (0, 0)), width, s * tiles, k1, max_seq_len)
+                for d, s in spec_buckets(self.max_num_seqs, self.max_num_seqs)]
 
     # --- sleep (colocated training) ---------------------------------------------------
     def release_kv_cache(self) -> None:

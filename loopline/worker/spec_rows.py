@@ -125,14 +125,17 @@ class SpecKind(RowKind):
         start = (index == 0) & (loop == 1)
         st.exit_loop[slots] = torch.where(start[:, None], 0, st.exit_loop[slots])
         st.tokens[slots, 0] = torch.where(start, ds.token[slots], st.tokens[slots, 0])
-        # each query's row (the host wrote the rows' query offsets) and round position
+        # each query's row (the host wrote the rows' query offsets) and round position; a graph's padding
+        # tokens (past the last row's queries) belong to no row: they run on the scratch slot, frozen
         qsl = inp.query_start_loc[r:r + n + 1].long() - t
         tok = torch.arange(T, device=slots.device)
         row = torch.searchsorted(qsl[1:], tok, right=True)
-        offset = tok - qsl[row] + index.clamp(min=0)[row]
-        q_slots, q_loop = slots[row], loop[row]
+        pad = row == n
+        row = row.clamp(max=n - 1)
+        offset = torch.where(pad, 0, tok - qsl[row] + index.clamp(min=0)[row])
+        q_slots, q_loop = torch.where(pad, self.scratch_slot, slots[row]), loop[row]
         pos = ds.pos[q_slots] + offset
-        frozen = st.exit_loop[q_slots, offset] > 0
+        frozen = (st.exit_loop[q_slots, offset] > 0) | pad
         bs = ds.block_size
         blk = (pos // bs).view(-1, 1, 1).expand(-1, ds.layout.num_planes, 1)
         plane_slots = ds.tables[q_slots].gather(2, blk).squeeze(2).long() * bs + (pos % bs)[:, None]

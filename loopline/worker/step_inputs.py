@@ -150,7 +150,8 @@ class _Layout:
         for kind, seg in zip(kinds, segs):
             q = kind.query_len or 0
             qsl[seg.row0:seg.row0 + seg.rows] = seg.tok0 + q * np.arange(seg.rows)
-            qsl[R] = seg.tok0 + q * seg.rows  # the last kind's padding tokens belong to no row
+            if seg.rows:  # the padding tokens of the last kind with rows in the shape belong to no row
+                qsl[R] = seg.tok0 + q * seg.rows
         specs: list[tuple[Any, Any, tuple[int, ...], Any]] = [
             ("block_tables", np.int32, (R, shape.width), scratch_block), ("positions", np.int64, (T,), 0),
             ("slot_mapping", np.int64, (T,), scratch_kv), ("seq_lens", np.int32, (R,), 1),
@@ -347,14 +348,16 @@ class StepBuilder:
 
     def _fill_offsets(self, plan: StepPlan, inp: StepInputs, image: np.ndarray) -> None:
         """Query offsets of rows with a variable query count, and the work list."""
-        last = len(self.kinds) - 1
-        for i, (part, seg) in enumerate(zip(plan.kinds, inp.segments)):
+        segs = inp.segments
+        for i, (part, seg) in enumerate(zip(plan.kinds, segs)):
             if part.query_lens is not None and part.num_rows:
                 qsl = inp.layout.host_view(image, "query_start_loc")
                 n = part.num_rows
                 qsl[seg.row0 + 1:seg.row0 + n + 1] = seg.tok0 + np.cumsum(part.query_lens)
-                # padding rows: no queries; the last kind's padding tokens belong to no row
-                qsl[seg.row0 + n + 1:seg.row0 + seg.rows + (i == last)] = seg.tok0 + part.num_tokens
+                # padding rows: no queries; the padding tokens of the last kind with rows in the shape (a
+                # speculative graph's, whose prefill part is empty) belong to no row
+                last = all(later.rows == 0 for later in segs[i + 1:])
+                qsl[seg.row0 + n + 1:seg.row0 + seg.rows + last] = seg.tok0 + part.num_tokens
         if inp.shape.work:
             first, q = self._work_query_lens(plan, inp.shape.counts)
             inp.layout.host_view(image, "work_tiles")[:] = build_work_tiles(q, self.tile_tokens or 64, inp.shape.work, first_row=first)
