@@ -1,0 +1,75 @@
+"""Speculative steps replayed from graph buckets on the Triton kernels (attention through its work list,
+layer and decode-state kernels) equal plain decoding on the torch backend: the GPU graphs' input path
+(padding rows and tokens of a bucket, draft and verify rows in one work list) on the CPU, in Triton's
+interpreter (``slow``); on a GPU in seconds."""
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_testing import DEVICE  # before any loopline kernel module
+
+from loopline.config import EngineArgs
+from loopline.engine import LLMEngine
+from loopline.models.ouro import OuroConfig, OuroForCausalLM
+from loopline.sampling_params import SamplingParams
+
+
+
+class EagerCapturer:
+    """Graph capture's seam on the CPU (as tests/spec/test_graphs.py): replay re-runs the forward on the
+    graph's bucket-sized views."""
+
+    def capture(self, fn, setup, shape):
+        setup()
+        outputs = tuple(t.clone() if t is not None else None for t in fn())
+
+        def replay() -> None:
+            for out, new in zip(outputs, fn()):
+                if out is not None:
+                    out.copy_(new)
+
+        return outputs, replay
+
+    def close(self) -> None:
+        pass
+
+
+def generate(model: OuroForCausalLM, backend: str, speculative: dict | None, backends=None) -> tuple[dict, int]:
+    engine = LLMEngine(EngineArgs(device=DEVICE, dtype="float32", skip_tokenizer_init=True, max_num_seqs=4,
+                                  num_kv_blocks=120, block_size=8, max_num_batched_tokens=40, max_model_len=100,
+                                  attention_backend=backend, kernel_backend=backend, speculative_config=speculative,
+                                  enforce_eager=True),
+                       model=model, backends=backends)
+    if speculative is not None:
+        engine.runner.capture_graphs(100, 40, max_prefill_rows=3, capturer=EagerCapturer())
+    params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, exit_threshold=0.7, logprobs=0)
+    prompts = {"s0": 5, "s1": 11, "s2": 3, "plain": 6}  # three speculating rows pad to a 4-bucket
+    for i, (rid, n) in enumerate(prompts.items()):
+        p = params.clone(repetition_penalty=1.1) if rid == "plain" else params
+        engine.add_request(rid, [(i * 31 + j) % 250 for j in range(n)], p)
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                out[o.request_id] = (c.token_ids, c.exit_depths, torch.tensor(c.token_logprobs))
+    replays = engine.runner.graphs.replays["spec"] if engine.runner.graphs is not None else 0
+    return out, replays
+
+
+@pytest.mark.slow
+def test_speculative_graph_buckets_on_triton_kernels_equal_plain_torch_decoding():
+    torch.manual_seed(0)
+    cfg = OuroConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = OuroForCausalLM(cfg).to(DEVICE)
+    want, _ = generate(model, "torch", None)
+    from loopline.worker.backends import select_backends
+
+    got, replays = generate(model, "triton", {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1},
+                            select_backends("triton", "triton", torch.device(DEVICE)))
+    assert replays > 10
+    assert got.keys() == want.keys()
+    for rid, (tokens, depths, logprobs) in want.items():
+        assert got[rid][:2] == (tokens, depths), rid
+        torch.testing.assert_close(got[rid][2], logprobs, atol=1e-4, rtol=1e-4)
