@@ -190,9 +190,9 @@ def test_a_speculative_bucket_holds_rows_not_only_tokens(tiny_gqa):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_real_cuda_graphs_equal_eager(tiny_gqa, params):
-    kw = dict(model=str(tiny_gqa.path), dtype="float32", device="cuda", skip_tokenizer_init=True, block_size=8,
-              max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, attention_backend="triton",
-              num_kv_blocks=512, speculative_config=spec(3, 1))
+    kw = {"model": str(tiny_gqa.path), "dtype": "float32", "device": "cuda", "skip_tokenizer_init": True,
+          "block_size": 8, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 128,
+          "attention_backend": "triton", "num_kv_blocks": 512, "speculative_config": spec(3, 1)}
     reqs, arrivals = requests(params)
     eng = LLMEngine(EngineArgs(**kw))
     assert eng.runner.graphs is not None

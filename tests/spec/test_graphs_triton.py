@@ -14,7 +14,6 @@ from loopline.models.ouro import OuroConfig, OuroForCausalLM
 from loopline.sampling_params import SamplingParams
 
 
-
 class EagerCapturer:
     """Graph capture's seam on the CPU (as tests/spec/test_graphs.py): replay re-runs the forward on the
     graph's bucket-sized views."""
