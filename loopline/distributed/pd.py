@@ -210,8 +210,11 @@ class PDClient(EngineClient):
         return any(w.alive and w.is_alive() for w in self.prefill) and any(w.alive and w.is_alive() for w in self.decode)
 
     def shutdown(self, timeout: float | None) -> None:
-        for w in self.workers:
+        for w in self.workers:  # NOTE: every worker is told first, so their exits (seconds each on a busy host) overlap
             w.stopping = True
+            if w.alive:
+                w._send(ShutdownCmd())
+        for w in self.workers:
             w.shutdown(timeout)
         self.pool.release()
 

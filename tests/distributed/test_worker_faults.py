@@ -113,4 +113,7 @@ def test_a_prefill_worker_stopped_mid_request_fails_it_with_5xx_by_sigterm_as_by
         t0 = time.monotonic()
         llm.shutdown()
         took = time.monotonic() - t0
-    assert took < 5, f"shutdown took {took:.1f}s"
+    print(f"shutdown: {took:.2f} s")
+    # three worker processes exit at once: up to 8.5 s on a 2-core host at load 12; one held by a dead peer
+    # would wait for the 60 s transfer timeout
+    assert took < 20, f"shutdown took {took:.1f}s"
