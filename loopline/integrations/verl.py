@@ -72,6 +72,10 @@ def register() -> None:
     RolloutReplicaRegistry.register(ROLLOUT_NAME, _load_replica)
     _ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = ADAPTER_PATH
     register_hf_ouro()
+    if os.environ.get("VERL_PLATFORM", "").strip().lower() == "loopline_cpu":  # verl's trainer on the CPU (tests)
+        from loopline.integrations import verl_cpu
+
+        verl_cpu.register()
 
 
 def register_hf_ouro() -> None:

@@ -21,6 +21,8 @@ import logging
 from typing import Any
 
 import ray
+import transfer_queue as tq
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
 from loopline.integrations.verl import ROLLOUT_NAME
@@ -47,8 +49,15 @@ def depth_inputs(output: Any, kv_layout: str) -> dict[str, Any]:
 class _Worker(AgentLoopWorkerTQ.__ray_actor_class__):  # the class under verl's @ray.remote
     """verl's TransferQueue agent-loop worker; each sample's model inputs also carry its exit depths."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # NOTE: AgentLoopWorkerTQ.__init__'s zero-argument super() fails in a subclass (Ray ships the
+        # class by value: its module name is bound to the actor handle), so its two lines run here.
+        AgentLoopWorker.__init__(self, *args, **kwargs)
+        tq.init()
+        self.background_tasks = set()
+
     def _compute_multi_modal_inputs(self, output: Any, input_ids: Any) -> dict[str, Any]:
-        inputs = super()._compute_multi_modal_inputs(output, input_ids)
+        inputs = AgentLoopWorker._compute_multi_modal_inputs(self, output, input_ids)
         extra = dict((self.rollout_config.engine_kwargs or {}).get(ROLLOUT_NAME) or {})
         return {**inputs, **depth_inputs(output, extra.get("kv_layout", "last_exited"))}
 
