@@ -173,7 +173,11 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}", param="gpu_memory_utilization")
         self._validate_disaggregation()
-        self.speculative()  # raises, naming the field and its range
+        if self.speculative() is not None and self.kv_layout == "shared":  # (speculative() raises on bad values)
+            logging.getLogger("loopline").warning(
+                "speculative_config with kv_layout='shared': outputs are not plain shared decoding's (a draft reads "
+                "the round's earlier positions at their draft depth; docs/speculation.md); use kv_layout='last_exited' "
+                "for outputs equal to plain decoding")
         check_engine_options(self)  # the vLLM launch options (loopline/vllm_flags.py)
         resolve_kv_cache_dtype(self.kv_cache_dtype, None)  # raises, naming the allowed values
         if self.enable_prefix_caching and self.kv_layout == "shared":

@@ -196,8 +196,8 @@ class Scheduler:
             if req.status == RequestStatus.PREFILL and budget > 0:
                 budget = self._schedule_prefill(req, rows, budget)
         rows = [r for r in rows if self.requests[r.request_id].status in _SCHEDULED]
-        for r in rows:
-            if r.spec is not None:  # only rows sure to run move their round on
+        for r in spec:  # only rows sure to run move their round on
+            if self.requests[r.request_id].status in _SCHEDULED:
                 self.speculation.booked(self.requests[r.request_id], r)
         out, self._out = self._out, SchedulerOutput([])
         out.rows = rows

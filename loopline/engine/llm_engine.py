@@ -401,6 +401,8 @@ class LLMEngine(EngineVerbs):
     def _count_rounds(self, sched: SchedulerOutput, result: RunnerOutput) -> None:
         """Speculative rounds that ended in this step: drafts proposed and accepted (the committed run
         is the accepted drafts plus the correction or bonus)."""
+        if self.scheduler.speculation.config is None:
+            return
         for i, row in enumerate(sched.rows):
             if row.spec is not None and row.spec.last and result.sampled[i] is not None \
                     and self.scheduler.owner(row) is not None:

@@ -1,7 +1,8 @@
 """Loop-aware self-speculative decoding (issue #41): the first loops of a looped model draft, the deeper
-loops verify. Library objects only for now: the config (:mod:`.config`), the cost model of both schemes
-(:mod:`.cost`) and a plain-PyTorch reference of draft-then-verify (:mod:`.reference`); the engine does
-not speculate yet (docs/speculation.md says what its integration needs)."""
+loops verify. Here: the config (:mod:`.config`), the cost model of both schemes (:mod:`.cost`) and a
+plain-PyTorch reference of draft-then-verify (:mod:`.reference`). The engine runs draft-then-verify
+rounds with ``speculative_config``: the scheduler's side in ``loopline.core.speculation``, the device's in
+``loopline.worker.spec_rows`` (docs/speculation.md)."""
 from loopline.spec.config import SpeculativeConfig
 
 __all__ = ["SpeculativeConfig"]

@@ -161,7 +161,7 @@ class DecodeKind(RowKind):
         self.no_refill, self.per_token_exits = no_refill, per_token_exits
 
     def takes(self, row: ScheduledRow) -> bool:
-        return not row.is_prefill
+        return not row.is_prefill and row.spec is None
 
     def host_fields(self, rows: int) -> dict:
         return {"slots": (np.int64, (rows,), self.scratch_slot), "min_loops": (np.int64, (rows,), 1),

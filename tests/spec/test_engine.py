@@ -193,6 +193,20 @@ def test_stop_token_eos_and_stop_string_inside_an_accepted_run(demo_prompts):
     assert len(out["text"].token_ids) < len(plain.token_ids)
 
 
+def test_eos_inside_an_accepted_run(tiny_gqa, tiny_factory):
+    """A checkpoint whose EOS is a token the greedy continuation produces mid-way: speculative rounds stop
+    there as plain decoding does (the committed run's tokens after it are dropped)."""
+    prompt = ids(6, 7)
+    free = drain(engine(str(tiny_gqa.path), block_size=4), {"r": (prompt, GREEDY.clone(max_tokens=16))})["r"]
+    index = next(i for i, t in enumerate(free.token_ids) if i >= 3 and t not in free.token_ids[:i])
+    eos = tiny_factory(0, eos_token_id=free.token_ids[index])
+    reqs = {"r": (prompt, GREEDY.clone(max_tokens=16, ignore_eos=False))}
+    eng = engine(str(eos.path), spec(4, 1), block_size=4)
+    out = drain(eng, reqs)
+    assert out["r"].token_ids == free.token_ids[:index + 1] and out["r"].finish_reason == "stop"
+    assert_same(out, drain(engine(str(eos.path), block_size=4), reqs))
+
+
 # --- engine features around rounds ---------------------------------------------------------------
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_preemption_between_rounds_is_exact(tiny_gqa, async_scheduling):
