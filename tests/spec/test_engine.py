@@ -296,3 +296,28 @@ def test_stat_logger_line_reports_acceptance(demo_prompts):
     drain(eng, {"r": (demo_prompts[0], GREEDY)})
     line = StatLogger(0.0).maybe_log(eng)
     assert "mean acceptance length" in line and f"of {eng.stats.spec_num_draft_tokens} draft tokens" in line
+
+
+# --- through AsyncLLM ------------------------------------------------------------------------------
+def test_async_llm_streams_accepted_runs(demo_prompts):
+    """AsyncLLM (the serving path) with speculation: DELTA outputs deliver a round's committed run together,
+    and the whole completion equals plain decoding's."""
+    import asyncio
+
+    from loopline import AsyncLLM
+    from loopline.sampling_params import RequestOutputKind
+
+    params = GREEDY.clone(max_tokens=20, logprobs=None, output_kind=RequestOutputKind.DELTA)
+
+    async def stream(llm) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) async for o in llm.generate({"prompt_token_ids": demo_prompts[0]},
+                                                                         params, "r")]
+
+    llm = AsyncLLM(EngineArgs(device="cpu", dtype="float32", max_num_seqs=2, speculative_config=spec(3, 1)))
+    try:
+        deltas = asyncio.run(stream(llm))
+    finally:
+        llm.shutdown()
+    plain = drain(engine(), {"r": (demo_prompts[0], GREEDY.clone(max_tokens=20))})["r"]
+    assert [t for d in deltas for t in d] == plain.token_ids
+    assert max(len(d) for d in deltas) > 1  # an accepted run arrives in one delta
