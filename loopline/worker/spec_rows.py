@@ -46,7 +46,11 @@ from loopline.worker.exit_rule import exit_decision
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import RowKind
 from loopline.worker.sampler import Sampler
-from loopline.worker.sampling_inputs import FieldsStager, ParamsStager, build_sampling_tensors
+from loopline.worker.sampling_inputs import (
+    FieldsStager,
+    ParamsStager,
+    build_sampling_tensors,
+)
 from loopline.worker.staging import stage
 from loopline.worker.step_inputs import HostImage, KindRows, Segment, StepInputs
 
@@ -58,7 +62,7 @@ class SpecRoundState:
 
     def __init__(self, num_slots: int, k: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.k, self.device = k, device
-        i64 = dict(dtype=torch.long, device=device)
+        i64 = {"dtype": torch.long, "device": device}
         self.tokens = torch.zeros(num_slots, k + 1, **i64)
         self.hidden = torch.zeros(num_slots, k + 1, hidden_size, dtype=dtype, device=device)
         self.survival = torch.ones(num_slots, k + 1, dtype=torch.float32, device=device)

@@ -54,8 +54,8 @@ def test_a_round_is_drafts_then_verify_steps():
 
 def test_who_speculates_and_what_it_reserves():
     s = scheduler()
-    for rid, kw in [("spec", {}), ("greedy_pen", dict(repetition_penalty=1.2)), ("shallow", dict(max_loops=D)),
-                    ("bias", dict(logit_bias={5: 1.0})), ("sampled", dict(temperature=0.7, top_p=0.9))]:
+    for rid, kw in [("spec", {}), ("greedy_pen", {"repetition_penalty": 1.2}), ("shallow", {"max_loops": D}),
+                    ("bias", {"logit_bias": {5: 1.0}}), ("sampled", {"temperature": 0.7, "top_p": 0.9})]:
         s.add_request(request(rid, **kw))
     speculative = {rid: r.speculative for rid, r in s.requests.items()}
     assert speculative == {"spec": True, "greedy_pen": False, "shallow": False, "bias": False, "sampled": True}

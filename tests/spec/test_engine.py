@@ -126,11 +126,11 @@ def test_speculating_requests_batch_with_plain_ones(demo_prompts):
 
 # --- M2: adaptive exits ------------------------------------------------------------------------
 @pytest.mark.parametrize("k, d, exit_kw", [
-    (3, 1, dict(exit_threshold=0.5)),
-    (2, 2, dict(exit_threshold=0.5)),
-    (2, 3, dict(exit_threshold=0.7)),
-    (2, 1, dict(exit_threshold=0.5, min_loops=2)),  # min_loops > d: nothing exits in the draft phase
-    (2, 2, dict(exit_threshold=0.3, max_loops=3)),  # a shallower target than the model's loops
+    (3, 1, {"exit_threshold": 0.5}),
+    (2, 2, {"exit_threshold": 0.5}),
+    (2, 3, {"exit_threshold": 0.7}),
+    (2, 1, {"exit_threshold": 0.5, "min_loops": 2}),  # min_loops > d: nothing exits in the draft phase
+    (2, 2, {"exit_threshold": 0.3, "max_loops": 3}),  # a shallower target than the model's loops
 ])
 def test_adaptive_exit_depths_equal_plain_decoding(demo_prompts, k, d, exit_kw):
     """The target is each token's own exit rule: a position exiting at e <= d in the draft is final, the

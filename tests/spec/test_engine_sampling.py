@@ -12,13 +12,26 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from spec.test_engine import DEMO_PROMPTS, assert_same, drain, engine, spec  # tests/ is on pythonpath
-from spec.test_sampling import ALPHA, PROMPT, TEMPERATURE, chi_square_pvalue, small_vocab_model, target_distribution
+from spec.test_engine import (  # tests/ is on pythonpath
+    DEMO_PROMPTS,
+    assert_same,
+    drain,
+    engine,
+    spec,
+)
+from spec.test_sampling import (
+    ALPHA,
+    PROMPT,
+    TEMPERATURE,
+    chi_square_pvalue,
+    small_vocab_model,
+    target_distribution,
+)
 
-import loopline.worker.spec_rows as spec_rows
 from loopline import SamplingParams
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
+from loopline.worker import spec_rows
 
 # fixed depth unless a case sets exit_threshold (the demo model's own is 0.5)
 SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True, logprobs=2, exit_threshold=1.0)
@@ -34,10 +47,10 @@ def demo_prompts():
 
 
 @pytest.mark.parametrize("k, d, fields", [
-    (3, 1, dict()),
-    (2, 2, dict(top_k=20, top_p=0.9)),
-    (4, 1, dict(min_p=0.05, temperature=1.0)),
-    (2, 1, dict(exit_threshold=0.5, temperature=0.5)),
+    (3, 1, {}),
+    (2, 2, {"top_k": 20, "top_p": 0.9}),
+    (4, 1, {"min_p": 0.05, "temperature": 1.0}),
+    (2, 1, {"exit_threshold": 0.5, "temperature": 0.5}),
 ])
 def test_seeded_sampling_equals_the_plain_engine(demo_prompts, k, d, fields):
     reqs = {f"r{i}": (p, SAMPLED.clone(seed=11 + i, **fields)) for i, p in enumerate(demo_prompts)}
@@ -50,7 +63,7 @@ def test_seeded_sampling_equals_the_plain_engine(demo_prompts, k, d, fields):
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_processed_logprobs_and_both_engine_orders(demo_prompts, async_scheduling):
     reqs = {"a": (demo_prompts[0], SAMPLED.clone(top_k=8)), "g": (demo_prompts[1], SAMPLED.clone(temperature=0.0))}
-    kw = dict(logprobs_mode="processed_logprobs", async_scheduling=async_scheduling)
+    kw = {"logprobs_mode": "processed_logprobs", "async_scheduling": async_scheduling}
     assert_same(drain(engine(speculative=spec(2, 1), **kw), reqs), drain(engine(**kw), reqs))
 
 
