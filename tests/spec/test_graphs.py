@@ -129,10 +129,18 @@ def test_speculative_steps_replay_graphs_and_equal_eager_and_plain(tiny_gqa, par
     assert_same(graphed, plain)
     spec_steps = [s for s in seen if s[0] and not s[1]]
     assert len(spec_steps) > 20
-    assert all(where == ("spec", _bucket(rows)) for rows, _, _, where in spec_steps), spec_steps
+    # steps whose speculating rows all draft (one query a row) take the draft-sized family, the others
+    # (verify rows, or a mix) the verify-sized one
+    assert all(where in (("spec", _bucket(rows)), ("spec_draft", _bucket(rows))) for rows, _, _, where in spec_steps)
+    assert {where[0] for *_, where in spec_steps} == {"spec", "spec_draft"}
     assert any(rows == 3 and where[1] == 4 for rows, _, _, where in spec_steps)  # 3 speculating rows padded to 4
     assert any(decode for _, _, decode, _ in spec_steps)  # beside plain requests' decode rows
-    assert eng.runner.graphs.replays["spec"] == len(spec_steps)
+    assert spec_replays(eng) == len(spec_steps)
+
+
+def spec_replays(eng: LLMEngine) -> int:
+    """Replays of speculative steps' graphs (the draft-sized and the verify-sized family)."""
+    return eng.runner.graphs.replays["spec"] + eng.runner.graphs.replays["spec_draft"]
 
 
 def _bucket(rows: int) -> int:
@@ -146,7 +154,7 @@ def test_async_scheduling_and_last_step_exits(tiny_gqa):
     reqs, arrivals = requests(params)
     eng = make(tiny_gqa, spec(3, 2), graphs=True, async_scheduling=True)
     graphed = drain(eng, reqs, arrivals)
-    assert eng.runner.graphs.replays["spec"] > 20
+    assert spec_replays(eng) > 20
     assert_same(graphed, drain(make(tiny_gqa, None, graphs=False, async_scheduling=True), reqs, arrivals))
 
 
@@ -156,8 +164,14 @@ def test_speculation_off_captures_the_same_graphs(tiny_gqa):
     assert [s.counts for s in off.families[0].shapes] == [((b, b), (0, 0)) for b in (1, 2, 4, 6)]
     assert {s.max_seq_len for f in off.families for s in f.shapes} == {96}
     on = make(tiny_gqa, spec(3, 1), graphs=True).runner.graphs
-    assert [f.name for f in on.families] == ["decode", "mixed", "spec"]
+    assert [f.name for f in on.families] == ["decode", "mixed", "spec_draft", "spec"]
     assert [s.counts[:1] + s.counts[2:] for s in on.families[0].shapes] == [s.counts for s in off.families[0].shapes]
+    draft, verify = on.families[2].shapes, on.families[3].shapes
+    # the draft family: one query token a speculating row, decode attention (no work list); the verify
+    # family: K + 1 = 4 tokens a row; both at the same bucket pairs
+    assert [s.counts for s in draft] == [((d, d), (r, r), (0, 0)) for (d, _), (r, _), _ in (v.counts for v in verify)]
+    assert {(s.max_query_len, s.work) for s in draft} == {(1, 0)}
+    assert all(s.counts[1][1] == 4 * s.counts[1][0] and s.max_query_len == 4 for s in verify)
 
 
 def test_spec_buckets_hold_every_step_once():
@@ -172,7 +186,8 @@ def test_spec_buckets_hold_every_step_once():
 
 
 def test_a_speculative_bucket_holds_rows_not_only_tokens(tiny_gqa):
-    """3 one-query draft rows fit the 1-row bucket's K+1 tokens, but need the 4-row bucket."""
+    """3 one-query draft rows fit the verify family's 1-row bucket's K+1 tokens, but need its 4-row bucket
+    (and take the draft family's 4-row bucket first)."""
     graphs = make(tiny_gqa, spec(3, 1), graphs=True).runner.graphs
 
     def plan(spec_rows: int, tokens: int, max_query_len: int) -> StepPlan:
@@ -180,7 +195,10 @@ def test_a_speculative_bucket_holds_rows_not_only_tokens(tiny_gqa):
         part = KindRows([], spec_rows, tokens, np.ones(spec_rows, dtype=np.int64), max_query_len, 50)
         return StepPlan((empty, part, empty), max_query_len, 50)
 
-    assert graphs.find(plan(3, 3, 1)).shape.counts[1] == (4, 16)
+    draft = graphs.find(plan(3, 3, 1))
+    assert (draft.family, draft.shape.counts[1]) == ("spec_draft", (4, 4))
+    verify = next(f for f in graphs.families if f.name == "spec")
+    assert verify.find(plan(3, 3, 1)).shape.counts[1] == (4, 16)
     assert graphs.find(plan(1, 4, 4)).shape.counts[1] == (1, 4)
     assert graphs.find(plan(2, 5, 4)).shape.counts[1] == (2, 8)
     assert graphs.find(plan(1, 5, 5)) is None  # a longer query than the graph's: eager
@@ -197,7 +215,7 @@ def test_real_cuda_graphs_equal_eager(tiny_gqa, params):
     eng = LLMEngine(EngineArgs(**kw))
     assert eng.runner.graphs is not None
     graphed = drain(eng, reqs, arrivals)
-    assert eng.runner.graphs.replays["spec"] > 20
+    assert spec_replays(eng) > 20
     assert_same(graphed, drain(LLMEngine(EngineArgs(**kw, enforce_eager=True)), reqs, arrivals))
     plain = {k: v for k, v in kw.items() if k != "speculative_config"}
     assert_same(graphed, drain(LLMEngine(EngineArgs(**plain, enforce_eager=True)), reqs, arrivals))

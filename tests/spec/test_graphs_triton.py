@@ -52,7 +52,8 @@ def generate(model: OuroForCausalLM, backend: str, speculative: dict | None, bac
             if o.finished:
                 c = o.outputs[0]
                 out[o.request_id] = (c.token_ids, c.exit_depths, torch.tensor(c.token_logprobs))
-    replays = engine.runner.graphs.replays["spec"] if engine.runner.graphs is not None else 0
+    graphs = engine.runner.graphs
+    replays = graphs.replays["spec"] + graphs.replays["spec_draft"] if graphs is not None else 0
     return out, replays
 
 
