@@ -223,12 +223,22 @@ def test_the_staged_reads_hold_at_most_two_tensors(llm, tiny_factory, monkeypatc
     assert len(alive) == 2 * len(llm.engine.control.weights.names) and most[0] <= 2, most[0]
 
 
-def test_a_file_swapped_for_a_symlink_out_while_the_swap_waits_is_refused_before_any_copy(llm, tmp_path):
+def test_a_file_swapped_for_a_symlink_out_while_the_swap_waits_is_refused_before_any_copy(llm, tmp_path,
+                                                                                          monkeypatch):
     from loopline.models.loader import CheckpointError
     from loopline.models.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=3)
     before = {n: p.detach().clone() for n, p in llm.engine.model.named_parameters()}
+    # The copy pass waits until the file is swapped: on a busy machine the request in flight could
+    # otherwise finish, and the copy start, before the swap below.
+    swapped, copy_pass = threading.Event(), control_module.DiskLoad.pieces
+
+    def after_the_swap(self):
+        assert swapped.wait(30)
+        yield from copy_pass(self)
+
+    monkeypatch.setattr(control_module.DiskLoad, "pieces", after_the_swap)
 
     async def main():
         stream = llm.generate({"prompt_token_ids": PROMPT}, LONG, "in-flight")
@@ -237,6 +247,7 @@ def test_a_file_swapped_for_a_symlink_out_while_the_swap_waits_is_refused_before
         outside = tmp_path / "outside.safetensors"
         (ckpt / "model.safetensors").rename(outside)
         (ckpt / "model.safetensors").symlink_to(outside)
+        swapped.set()
         async for out in stream:
             pass
         with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
