@@ -14,31 +14,13 @@ import random
 import numpy as np
 import pytest
 import torch
+from graph_testing import EagerCapturer
 
 from loopline import SamplingParams
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
 from loopline.worker.cuda_graphs import spec_buckets
 from loopline.worker.step_inputs import KindRows, StepPlan
-
-
-class EagerCapturer:
-    """The ``GraphCapturer`` seam on the CPU: outputs are clones of one eager run; replay re-runs the
-    forward on the same (bucket-sized) input views into them."""
-
-    def capture(self, fn, setup, shape):
-        setup()
-        outputs = tuple(t.clone() if t is not None else None for t in fn())
-
-        def replay() -> None:
-            for out, new in zip(outputs, fn()):
-                if out is not None:
-                    out.copy_(new)
-
-        return outputs, replay
-
-    def close(self) -> None:
-        pass
 
 
 def ids(n: int, seed: int, vocab: int = 500) -> list[int]:

@@ -6,31 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_testing import EagerCapturer
 from triton_testing import DEVICE  # before any loopline kernel module
 
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
 from loopline.sampling_params import SamplingParams
-
-
-class EagerCapturer:
-    """Graph capture's seam on the CPU (as tests/spec/test_graphs.py): replay re-runs the forward on the
-    graph's bucket-sized views."""
-
-    def capture(self, fn, setup, shape):
-        setup()
-        outputs = tuple(t.clone() if t is not None else None for t in fn())
-
-        def replay() -> None:
-            for out, new in zip(outputs, fn()):
-                if out is not None:
-                    out.copy_(new)
-
-        return outputs, replay
-
-    def close(self) -> None:
-        pass
 
 
 def generate(model: OuroForCausalLM, backend: str, speculative: dict | None, backends=None) -> tuple[dict, int]:

@@ -10,31 +10,13 @@ import random
 
 import pytest
 import torch
+from graph_testing import EagerCapturer
 from matching import approx_floats
 
 from loopline import SamplingParams
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
 from loopline.worker.cuda_graphs import StepGraphs
-
-
-class EagerCapturer:
-    """Stands in for CUDA graph capture (the ``GraphCapturer`` seam): the captured outputs are clones of
-    one eager run, and replay() re-runs the same forward on the same input views into them."""
-
-    def capture(self, fn, setup, shape):
-        setup()
-        outputs = tuple(t.clone() if t is not None else None for t in fn())
-
-        def replay() -> None:
-            for out, new in zip(outputs, fn()):
-                if out is not None:
-                    out.copy_(new)
-
-        return outputs, replay
-
-    def close(self) -> None:
-        pass
 
 
 def simulate_graphs(engine: LLMEngine, max_seq_len: int, max_tokens: int) -> StepGraphs:
