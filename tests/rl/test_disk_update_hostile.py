@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from reads_testing import count_live_reads
 
 from loopline.models.loader import CheckpointError
 from loopline.models.tiny import make_tiny_checkpoint
@@ -65,38 +66,10 @@ def test_a_malformed_update_checkpoint_is_named_and_changes_nothing(tiny_gqa, en
 def test_disk_update_holds_one_tensor_at_a_time(tiny_gqa, engine_for, tmp_path, monkeypatch):
     """Each tensor read from the checkpoint is dropped before the next is read (a shard-at-a-time
     read held a whole shard: every earlier tensor of it was still alive)."""
-    import weakref
-
-    import safetensors
-
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", seed=3, shards=1)
     engine = engine_for(tiny_gqa)
-    real_open = safetensors.safe_open
-    alive: list[weakref.ref] = []
-    most_alive = [0]
-
-    class Spy:
-        def __init__(self, *a, **kw):
-            self._f = real_open(*a, **kw)
-
-        def __enter__(self):
-            self._inner = self._f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._f.__exit__(*exc)
-
-        def keys(self):
-            return self._inner.keys()
-
-        def get_tensor(self, name):
-            most_alive[0] = max(most_alive[0], sum(r() is not None for r in alive))
-            t = self._inner.get_tensor(name)
-            alive.append(weakref.ref(t))
-            return t
-
-    monkeypatch.setattr(safetensors, "safe_open", Spy)
+    seen = count_live_reads(monkeypatch)
     assert engine.update_weights_from_disk(str(ckpt), 1) == 1
     n = len(engine.weights.names)
-    assert len(alive) == 2 * n  # a dry run, then the copy: each tensor read twice, one by one
-    assert most_alive[0] <= 1, f"{most_alive[0]} earlier tensors still held when the next was read"
+    assert seen.reads == 2 * n  # a dry run, then the copy: each tensor read twice, one by one
+    assert seen.most <= 1, f"{seen.most} earlier tensors still held when the next was read"

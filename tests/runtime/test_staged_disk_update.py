@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from reads_testing import count_live_reads
 from safetensors.torch import load_file, save_file
 
 from loopline import AsyncLLM, EngineArgs, SamplingParams
@@ -190,37 +191,9 @@ def test_shutdown_during_a_load_answers_the_update_and_stops_its_reader(tiny_gqa
 def test_the_staged_reads_hold_at_most_two_tensors(llm, tiny_factory, monkeypatch):
     """Both reads stream: when a tensor is read, at most two read earlier are still alive (the one the engine
     is copying and the one just handed over), never a shard or the checkpoint."""
-    import weakref
-
-    import safetensors
-
-    real_open = safetensors.safe_open
-    alive: list[weakref.ref] = []
-    most = [0]
-
-    class Spy:
-        def __init__(self, *a, **kw):
-            self._f = real_open(*a, **kw)
-
-        def __enter__(self):
-            self._inner = self._f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._f.__exit__(*exc)
-
-        def keys(self):
-            return self._inner.keys()
-
-        def get_tensor(self, name):
-            most[0] = max(most[0], sum(r() is not None for r in alive))
-            t = self._inner.get_tensor(name)
-            alive.append(weakref.ref(t))
-            return t
-
-    monkeypatch.setattr(safetensors, "safe_open", Spy)
+    seen = count_live_reads(monkeypatch)
     assert asyncio.run(llm.update_weights_from_disk(str(tiny_factory(3).path), 1)) == 1
-    assert len(alive) == 2 * len(llm.engine.control.weights.names) and most[0] <= 2, most[0]
+    assert seen.reads == 2 * len(llm.engine.control.weights.names) and seen.most <= 2, seen.most
 
 
 def test_a_file_swapped_for_a_symlink_out_while_the_swap_waits_is_refused_before_any_copy(llm, tmp_path,
