@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_testing import run_arrivals as drain
 
 from loopline import SamplingParams
 from loopline.config import EngineArgs
@@ -26,25 +27,6 @@ def engine_for(tiny, **kw):
     kw.setdefault("skip_tokenizer_init", True)
     kw.setdefault("block_size", 4)
     return LLMEngine(EngineArgs(model=str(tiny.path), **kw))
-
-
-def drain(engine, requests, arrivals=None, watch=None):
-    """Adds ``requests`` (id -> (prompt, params)) at their arrival steps, runs to completion."""
-    arrivals = arrivals or {}
-    done, step = {}, 0
-    pending = dict(requests)
-    while pending or engine.has_unfinished_requests():
-        for rid in [r for r in pending if arrivals.get(r, 0) <= step]:
-            prompt, params = pending.pop(rid)
-            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        if watch:
-            watch(engine)
-        step += 1
-        assert step < 20_000, "no progress"
-    return done
 
 
 def result(out):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_testing import run_arrivals
 from reference import reference_generate  # tests/ is on pythonpath (pyproject.toml)
 
 from loopline import SamplingParams
@@ -33,16 +34,7 @@ def engine(model: str | None = None, speculative: dict | None = None, **kw) -> L
 
 def drain(eng: LLMEngine, requests: dict, arrivals: dict | None = None) -> dict:
     """Adds ``requests`` (id -> (prompt ids, params)) at their arrival steps; runs them to completion."""
-    arrivals, pending, done, step = arrivals or {}, dict(requests), {}, 0
-    while pending or eng.has_unfinished_requests():
-        for rid in [r for r in pending if arrivals.get(r, 0) <= step]:
-            prompt, params = pending.pop(rid)
-            eng.add_request(rid, {"prompt_token_ids": prompt}, params)
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-        step += 1
-        assert step < 20_000, "no progress"
+    done = {rid: out.outputs[0] for rid, out in run_arrivals(eng, requests, arrivals).items()}
     assert eng.kv.num_used_blocks == 0, "finished requests must free their KV"
     return done
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_testing import assert_same_tokens_depths_logprobs, run_arrivals, small_gqa_model, tokens_depths_logprobs
 from triton_testing import DEVICE  # before any loopline kernel module
 
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
-from loopline.models.ouro import OuroConfig, OuroForCausalLM
+from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import SamplingParams
 
 
@@ -20,31 +21,20 @@ def generate(model: OuroForCausalLM, backend: str, speculative: dict | None, bac
                                   attention_backend=backend, kernel_backend=backend, speculative_config=speculative),
                        model=model, backends=backends)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, exit_threshold=0.7, logprobs=0)
-    for i, n in enumerate([5, 50, 21]):  # chunked prompts next to speculating rows
-        engine.add_request(f"r{i}", [(i * 31 + j) % 250 for j in range(n)], params)
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                c = o.outputs[0]
-                out[o.request_id] = (c.token_ids, c.exit_depths, torch.tensor(c.token_logprobs))
+    # chunked prompts next to speculating rows
+    requests = {f"r{i}": ([(i * 31 + j) % 250 for j in range(n)], params) for i, n in enumerate([5, 50, 21])}
+    out = tokens_depths_logprobs(run_arrivals(engine, requests))
     assert speculative is None or engine.stats.spec_num_drafts > 0
     return out
 
 
 @pytest.mark.slow
 def test_speculation_on_triton_kernels_equals_plain_torch_decoding():
-    torch.manual_seed(0)
-    cfg = OuroConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    model = OuroForCausalLM(cfg).to(DEVICE)
+    model = small_gqa_model(DEVICE)
     want = generate(model, "torch", None)
     from loopline.worker.backends import select_backends
 
     got = generate(model, "triton", {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1},
                    select_backends("triton", "triton", torch.device(DEVICE)))
-    assert got.keys() == want.keys()
-    for rid, (tokens, depths, logprobs) in want.items():
-        assert got[rid][:2] == (tokens, depths), rid
-        torch.testing.assert_close(got[rid][2], logprobs, atol=1e-4, rtol=1e-4)
-    assert min(d for _, ds, _ in want.values() for d in ds) < cfg.total_ut_steps  # exit copies ran
+    assert_same_tokens_depths_logprobs(got, want)
+    assert min(d for _, ds, _ in want.values() for d in ds) < model.config.total_ut_steps  # exit copies ran

@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from engine_testing import run_arrivals
 from graph_testing import EagerCapturer
 
 from loopline import SamplingParams
@@ -59,18 +60,11 @@ def watch(eng: LLMEngine) -> list:
 
 
 def drain(eng: LLMEngine, requests: dict, arrivals: dict) -> dict:
-    pending, done, step = dict(requests), {}, 0
-    while pending or eng.has_unfinished_requests():
-        for rid in [r for r in pending if arrivals.get(r, 0) <= step]:
-            prompt, params = pending.pop(rid)
-            eng.add_request(rid, {"prompt_token_ids": prompt}, params)
-        for out in eng.step():
-            if out.finished:
-                c = out.outputs[0]
-                lps = [sorted((t, lp.logprob) for t, lp in e.items()) for e in c.logprobs]
-                done[out.request_id] = (c.token_ids, c.exit_depths, lps, c.finish_reason)
-        step += 1
-        assert step < 5_000, "no progress"
+    done = {}
+    for rid, out in run_arrivals(eng, requests, arrivals, max_steps=5_000).items():
+        c = out.outputs[0]
+        lps = [sorted((t, lp.logprob) for t, lp in e.items()) for e in c.logprobs]
+        done[rid] = (c.token_ids, c.exit_depths, lps, c.finish_reason)
     return done
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_testing import assert_same_tokens_depths_logprobs, run_arrivals, small_gqa_model, tokens_depths_logprobs
 from graph_testing import EagerCapturer
 from triton_testing import DEVICE  # before any loopline kernel module
 
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
-from loopline.models.ouro import OuroConfig, OuroForCausalLM
+from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import SamplingParams
 
 
@@ -25,15 +26,10 @@ def generate(model: OuroForCausalLM, backend: str, speculative: dict | None, bac
         engine.runner.capture_graphs(100, 40, max_prefill_rows=3, capturer=EagerCapturer())
     params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, exit_threshold=0.7, logprobs=0)
     prompts = {"s0": 5, "s1": 11, "s2": 3, "plain": 6}  # three speculating rows pad to a 4-bucket
-    for i, (rid, n) in enumerate(prompts.items()):
-        p = params.clone(repetition_penalty=1.1) if rid == "plain" else params
-        engine.add_request(rid, [(i * 31 + j) % 250 for j in range(n)], p)
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                c = o.outputs[0]
-                out[o.request_id] = (c.token_ids, c.exit_depths, torch.tensor(c.token_logprobs))
+    requests = {rid: ([(i * 31 + j) % 250 for j in range(n)],
+                      params.clone(repetition_penalty=1.1) if rid == "plain" else params)
+                for i, (rid, n) in enumerate(prompts.items())}
+    out = tokens_depths_logprobs(run_arrivals(engine, requests))
     graphs = engine.runner.graphs
     replays = graphs.replays["spec"] + graphs.replays["spec_draft"] if graphs is not None else 0
     return out, replays
@@ -41,17 +37,11 @@ def generate(model: OuroForCausalLM, backend: str, speculative: dict | None, bac
 
 @pytest.mark.slow
 def test_speculative_graph_buckets_on_triton_kernels_equal_plain_torch_decoding():
-    torch.manual_seed(0)
-    cfg = OuroConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    model = OuroForCausalLM(cfg).to(DEVICE)
+    model = small_gqa_model(DEVICE)
     want, _ = generate(model, "torch", None)
     from loopline.worker.backends import select_backends
 
     got, replays = generate(model, "triton", {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1},
                             select_backends("triton", "triton", torch.device(DEVICE)))
     assert replays > 10
-    assert got.keys() == want.keys()
-    for rid, (tokens, depths, logprobs) in want.items():
-        assert got[rid][:2] == (tokens, depths), rid
-        torch.testing.assert_close(got[rid][2], logprobs, atol=1e-4, rtol=1e-4)
+    assert_same_tokens_depths_logprobs(got, want)

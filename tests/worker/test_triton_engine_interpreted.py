@@ -13,12 +13,12 @@ in the default run (tests/kernels, tests/attention). Run it with ``pytest -m slo
 from __future__ import annotations
 
 import pytest
-import torch
+from engine_testing import assert_same_tokens_depths_logprobs, run_arrivals, small_gqa_model, tokens_depths_logprobs
 from triton_testing import DEVICE, fused_decode_for_every_split_count, spy_on_kernel, triton_backends
 
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
-from loopline.models.ouro import OuroConfig, OuroForCausalLM
+from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import SamplingParams
 
 
@@ -28,33 +28,20 @@ def generate(model: OuroForCausalLM, backend: str, backends=None) -> dict:
                                   attention_backend=backend, kernel_backend=backend, enforce_eager=True), model=model,
                        backends=backends)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, exit_threshold=0.7, logprobs=0)
-    for i, n in enumerate([5, 70, 33, 90]):  # a 48-token budget: chunked prompts next to decoding rows
-        engine.add_request(f"r{i}", [(i * 31 + j) % 250 for j in range(n)], params)
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                c = o.outputs[0]
-                out[o.request_id] = (c.token_ids, c.exit_depths, torch.tensor(c.token_logprobs))
-    return out
+    # a 48-token budget: chunked prompts next to decoding rows
+    requests = {f"r{i}": ([(i * 31 + j) % 250 for j in range(n)], params) for i, n in enumerate([5, 70, 33, 90])}
+    return tokens_depths_logprobs(run_arrivals(engine, requests))
 
 
 @pytest.mark.slow
 def test_triton_backend_engine_equals_torch_backend():
-    torch.manual_seed(0)
-    cfg = OuroConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    model = OuroForCausalLM(cfg).to(DEVICE)
+    model = small_gqa_model(DEVICE)
     want = generate(model, "torch")
     assert len(want) == 4
     launches = []  # decode-only steps through the fused decode kernel (by default small GPU batches take it)
     with spy_on_kernel("decode_attention_kernel", launches):
         got = generate(model, "triton", triton_backends(fused_decode_for_every_split_count()))
     assert launches
-    assert got.keys() == want.keys()
-    for rid, (tokens, depths, logprobs) in want.items():
-        assert got[rid][:2] == (tokens, depths), rid
-        # logprobs see any K/V a token reads, e.g. deeper planes an exit copy should have filled
-        torch.testing.assert_close(got[rid][2], logprobs, atol=1e-4, rtol=1e-4)
+    assert_same_tokens_depths_logprobs(got, want)
     depths = [d for _, ds, _ in want.values() for d in ds]
-    assert min(depths) < cfg.total_ut_steps  # some tokens exit early, so the exit copy ran
+    assert min(depths) < model.config.total_ut_steps  # some tokens exit early, so the exit copy ran
