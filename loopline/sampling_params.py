@@ -95,6 +95,8 @@ class SamplingParams:
     max_loops: int | None = None
     exit_threshold: float | None = None
     exit_depths: list[int] | None = None
+    # False: this request never runs loop self-speculation's rounds (docs/speculation.md)
+    speculate: bool = field(default=True, metadata={"cli": False})
     logprobs_mode: str | None = field(default=None, metadata={"cli": False})  # the CLI has the engine's --logprobs-mode
     output_kind: RequestOutputKind = field(default=RequestOutputKind.CUMULATIVE, metadata={"cli": False})
     # what the output must match (JSON schema, regex, choice, grammar); a dict is read as its fields
@@ -203,7 +205,7 @@ class SamplingParams:
         _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _float_in("repetition_penalty", self.repetition_penalty, 0.0, _MAX_FLOAT32, lo_open=True)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize", "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean, got {getattr(self, name)!r}", param=name)
         _int_in("priority", self.priority, -(2**31), _MAX_INT32)

@@ -44,11 +44,14 @@ def build_model(config: str, scale: float, dtype: torch.dtype, device: str) -> O
     return model
 
 
-def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple[int, int] | None) -> dict:
-    """One closed-loop run; returns tok/s, steps per token and the acceptance counters."""
+def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c: int) -> dict:
+    """One closed-loop run of ``c`` concurrent requests; returns tok/s, steps per token and the
+    acceptance counters. ``spec``: ``(K, d)`` with speculation's defaults (it adapts), ``(K, d,
+    "pinned")`` speculating every round (no adaptive stop, no batch bound)."""
     speculative = None if spec is None else {"method": "loop", "num_speculative_tokens": spec[0],
                                              "draft_loops": spec[1]}
-    c = args.concurrency
+    if spec is not None and len(spec) > 2:
+        speculative |= {"adaptive": False, "disable_by_batch_size": None}
     engine = LLMEngine(EngineArgs(device=args.device, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=c,
                                   max_model_len=args.input_len + args.output_len + 64,
                                   kv_cache_memory_gb=args.kv_gb, speculative_config=speculative,
@@ -84,7 +87,8 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple[int, int] 
     spec_now = engine.stats.spec_decode_metrics()
     drafts = {k: spec_now[k] - stats0[k] for k in ("vllm:spec_decode_num_draft_tokens",
                                                    "vllm:spec_decode_num_accepted_tokens")}
-    return {"spec": None if spec is None else {"K": spec[0], "d": spec[1]}, "output_tokens": tokens,
+    return {"spec": None if spec is None else {"K": spec[0], "d": spec[1], "pinned": len(spec) > 2},
+            "concurrency": c, "output_tokens": tokens,
             "seconds": round(elapsed, 4), "output_tok_s": round(tokens / elapsed, 2),
             "steps_per_token": round((engine.stats.steps - steps0) / tokens, 3),
             "draft_tokens": drafts["vllm:spec_decode_num_draft_tokens"],
@@ -94,12 +98,21 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple[int, int] 
                                 if drafts["vllm:spec_decode_num_draft_tokens"] else None)}
 
 
+def parse_spec(text: str) -> tuple:
+    parts = text.split(",")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "pinned"):
+        raise SystemExit(f"--spec {text!r}: takes K,d or K,d,pinned (e.g. --spec 2,1)")
+    return (int(parts[0]), int(parts[1]), *parts[2:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="ouro-1.4b", help="ouro-1.4b, ouro-2.6b or tiny (a small CPU config)")
     ap.add_argument("--branch-scale", default="1.0", help="comma-separated residual-branch scales")
-    ap.add_argument("--spec", action="append", default=[], help="K,d (repeatable); plain decoding always runs")
-    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--spec", action="append", default=[],
+                    help="K,d (speculation's defaults: it adapts) or K,d,pinned (every round speculates); "
+                         "repeatable; plain decoding always runs")
+    ap.add_argument("--concurrency", default="1", help="comma-separated concurrencies")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -108,21 +121,20 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    specs = [tuple(int(v) for v in s.split(",")) for s in args.spec]
-    if any(len(s) != 2 for s in specs):
-        raise SystemExit("--spec takes K,d (e.g. --spec 2,1)")
+    specs = [parse_spec(s) for s in args.spec]
     rows = []
     for scale in (float(s) for s in args.branch_scale.split(",")):
         model = build_model(args.config, scale, getattr(torch, args.dtype), args.device)
-        base = None
-        for spec in [None, *specs]:
-            r = run(model, args, spec) | {"branch_scale": scale}
-            base = base or r["output_tok_s"]
-            r["speedup"] = round(r["output_tok_s"] / base, 3)
-            rows.append(r)
-            name = "plain" if spec is None else f"K={spec[0]} d={spec[1]}"
-            print(f"scale {scale:<5} {name:<10} {r['output_tok_s']:9.1f} tok/s  {r['speedup']:5.2f}x  "
-                  f"{r['steps_per_token']:5.2f} steps/token  acceptance {r['acceptance_rate']}", flush=True)
+        for c in (int(v) for v in args.concurrency.split(",")):
+            base = None
+            for spec in [None, *specs]:
+                r = run(model, args, spec, c) | {"branch_scale": scale}
+                base = base or r["output_tok_s"]
+                r["speedup"] = round(r["output_tok_s"] / base, 3)
+                rows.append(r)
+                name = "plain" if spec is None else f"K={spec[0]} d={spec[1]}" + (" pinned" if len(spec) > 2 else "")
+                print(f"scale {scale:<5} C={c:<4} {name:<17} {r['output_tok_s']:9.1f} tok/s  {r['speedup']:5.2f}x  "
+                      f"{r['steps_per_token']:5.2f} steps/token  acceptance {r['acceptance_rate']}", flush=True)
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()

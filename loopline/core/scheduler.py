@@ -13,6 +13,7 @@ victim to CPU memory when KV runs out or a higher-priority request waits).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from loopline.core.contracts import (
@@ -27,6 +28,8 @@ from loopline.core.queue import RequestQueue
 from loopline.core.request import PrefillChunk, Request, RequestStatus
 from loopline.core.speculation import NoSpeculation
 from loopline.kv.manager import KVCacheManager
+
+logger = logging.getLogger(__name__)
 
 
 # Statuses whose rows a step runs (HANDOFF: the prompt's last loop, booked as the row was scheduled).
@@ -184,8 +187,14 @@ class Scheduler:
                 continue  # preempted while another request grew
             if self.allocation.needs_growth() and not self._grow(req):
                 continue  # out of KV: it waits (or was preempted)
+            exit = self.exit_policy.params_for(req.params, req.num_output_tokens) if req.speculative else None
+            if exit is not None and req.spec_step == 0:
+                why = self.speculation.why_stop(req, exit.max_loops, len(self.running))
+                if why is not None:
+                    logger.debug("request %s stops speculating: %s", req.request_id, why)
+                    req.speculative = False
             if req.speculative:
-                row = self.speculation.row(req, self.exit_policy.params_for(req.params, req.num_output_tokens))
+                row = self.speculation.row(req, exit)
                 spec.append(row)
             else:
                 row = self._decode_row(req)
@@ -389,7 +398,9 @@ class Scheduler:
                 continue
             if sample is not None:
                 req.output.append(sample)
-                req.unbooked = list(result.more.get(i, ()))
+                if row.spec is not None:  # a round's committed run: the sample, then the rest
+                    req.unbooked = list(result.more.get(i, ()))
+                    self.speculation.observe(req, [sample, *req.unbooked])
                 touched.append(req)
         return touched
 

@@ -12,10 +12,26 @@ The device knows the round's start position and commits 1..K+1 tokens at the las
 """
 from __future__ import annotations
 
-from loopline.core.contracts import ExitParams, ScheduledRow, SpecStep
+from loopline.core.contracts import ExitParams, SampledToken, ScheduledRow, SpecStep
 from loopline.core.request import Request
 from loopline.sampling_params import SamplingParams
 from loopline.spec.config import SpeculativeConfig
+
+
+#: What a round costs, in steps of plain decoding of the same batch (docs/speculation.md, "When it pays"),
+#: from the H200 at concurrency 1 and 4 (Ouro-1.4B shapes, CUDA graphs): a draft step costs what a plain
+#: step costs; a verify step of K+1 queries a row costs 1 + (VERIFY_EXTRA + VERIFY_PER_QUERY * (K+1)) / sqrt(C)
+#: at C running requests (C=1: 2.2-2.4 measured for K = 1..3; C=4, K=2: 1.39 measured, 1.65 modelled).
+VERIFY_EXTRA, VERIFY_PER_QUERY = 1.0, 0.1
+#: Rounds a request runs before its measured acceptance may turn its speculation off, and the weight of
+#: each new round in the running means.
+WARMUP_ROUNDS, ROUND_WEIGHT = 4, 0.25
+
+
+def round_cost(k: int, d: int, max_loops: int, running: int) -> float:
+    """A round's cost in plain decoding steps (``running`` requests share each step)."""
+    verify = 1.0 + (VERIFY_EXTRA + VERIFY_PER_QUERY * (k + 1)) / max(running, 1) ** 0.5
+    return (k + 1) * d + (max_loops - d) * verify
 
 
 class NoSpeculation:
@@ -26,6 +42,20 @@ class NoSpeculation:
     def why_not(self, params: SamplingParams) -> str | None:
         """Why a request with ``params`` runs plain decode rows (``None``: it speculates)."""
         return "speculation is off"
+
+    def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
+        """Why a speculating request, between two rounds, returns to plain decoding (``None``: it goes on)."""
+        return None
+
+    @staticmethod
+    def observe(req: Request, committed: list[SampledToken]) -> None:
+        """One round's committed tokens (read by the host): the request's running means move."""
+        n = len(committed)
+        depth = sum(t.exit_depth for t in committed) / n
+        w = 1.0 if req.spec_rounds == 0 else ROUND_WEIGHT
+        req.spec_tokens += w * (n - req.spec_tokens)
+        req.spec_depth += w * (depth - req.spec_depth)
+        req.spec_rounds += 1
 
     def lookahead(self, params: SamplingParams) -> int:
         """Positions past ``prompt + max_tokens`` the request may write (reserved with its KV)."""
@@ -46,6 +76,8 @@ class LoopSpeculation(NoSpeculation):
     def why_not(self, params: SamplingParams) -> str | None:
         # NOTE: the sampler's per-request fields and penalties would have to see the drafts before each
         # position as generated tokens; those requests run plain decode rows instead (docs/speculation.md).
+        if not params.speculate:
+            return "speculate=False"
         if self.per_token_exits:
             return "exit_mode 'trace' sets each token's depth"
         if params.max_loops is not None and params.max_loops <= self.d:
@@ -56,6 +88,19 @@ class LoopSpeculation(NoSpeculation):
             return "allowed_token_ids, logit_bias, min_tokens or bad_words"
         if params.structured_outputs is not None:
             return "structured outputs"
+        return None
+
+    def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
+        # NOTE: one way only: a plain decode row's token may be mid-loop when the host looks (the device
+        # decides loops), while between two rounds the slot's decode state is exactly a plain one's.
+        limit = self.config.disable_by_batch_size
+        if limit is not None and running >= limit:
+            return f"{running} requests running (disable_by_batch_size={limit})"
+        if self.config.adaptive and req.spec_rounds >= WARMUP_ROUNDS:
+            cost = round_cost(self.k, self.d, max_loops, running)
+            if req.spec_tokens * req.spec_depth < cost:  # plain steps the round saved < what it cost
+                return (f"{req.spec_tokens:.2f} tokens per round at depth {req.spec_depth:.2f} do not pay for a "
+                        f"round ({cost:.2f} plain steps)")
         return None
 
     def lookahead(self, params: SamplingParams) -> int:

@@ -371,13 +371,14 @@ class EngineCore:
 
     def take_snapshot(self) -> EngineSnapshot:
         engine = self.engine
-        cache, sched, weights = engine.kv.prefix_cache, engine.scheduler, engine.weights
+        cache, sched, weights, stats = engine.kv.prefix_cache, engine.scheduler, engine.weights, engine.stats
         return EngineSnapshot(sched.num_running, sched.num_waiting, engine.kv.num_used_blocks, engine.kv.pool.num_blocks,
                               cache.stats.queries if cache else 0, cache.stats.hits if cache else 0,
                               sched.num_preemptions, engine.get_num_unfinished_requests(),
                               sum(1 for r in sched.requests.values() if r.output), engine.is_paused,
                               "partially_updated" if weights.broken else "updating" if weights.in_progress
-                              else "committed")
+                              else "committed", stats.spec_num_drafts, stats.spec_num_draft_tokens,
+                              stats.spec_num_accepted_tokens, tuple(stats.spec_accepted_per_pos))
 
     def _die(self, error: BaseException) -> None:
         """The last message: outputs and replies gathered so far, then ``dead`` (the client fails the rest).

@@ -35,6 +35,12 @@ class EngineSnapshot:
     num_generating: int = 0  # requests (choices) in the scheduler that produced a token
     is_paused: bool = False
     weights_state: str = "committed"  # "committed" | "updating" | "partially_updated"
+    # loop self-speculation, vLLM's spec_decode counters (EngineStats): rounds, drafts proposed and
+    # accepted, and accepted drafts by their position in the round
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @classmethod
     def total(cls, snaps: list["EngineSnapshot"]) -> "EngineSnapshot":
@@ -43,8 +49,12 @@ class EngineSnapshot:
         if not snaps:
             return cls()
         counts = {f.name: sum(getattr(s, f.name) for s in snaps) for f in fields(cls) if f.type in ("int", int)}
+        width = max(len(s.spec_accepted_per_pos) for s in snaps)
+        per_pos = tuple(sum(s.spec_accepted_per_pos[i] for s in snaps if i < len(s.spec_accepted_per_pos))
+                        for i in range(width))
         return cls(**counts, is_paused=all(s.is_paused for s in snaps),
-                   weights_state=max((s.weights_state for s in snaps), key=_WEIGHTS_STATES.index))
+                   weights_state=max((s.weights_state for s in snaps), key=_WEIGHTS_STATES.index),
+                   spec_accepted_per_pos=per_pos)
 
 
 _WEIGHTS_STATES = ("committed", "updating", "partially_updated")  # from the best to the worst

@@ -10,6 +10,8 @@ from loopline.errors import InvalidRequestError
 #: The most draft tokens per round; deeper rounds only pay off with acceptance above ~0.95 (docs/speculation.md).
 MAX_SPECULATIVE_TOKENS = 16
 SCHEMES = ("draft_verify", "pipeline")
+#: Requests running at which speculation stops paying (docs/speculation.md, "When it pays").
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 METHODS = ("loop",)
 
 
@@ -27,20 +29,39 @@ class SpeculativeConfig:
 
     ``num_speculative_tokens`` (vLLM's name) is K, the drafts per verify round of ``draft_verify``; the
     ``pipeline`` scheme drafts one token ahead per in-flight token and ignores it (it must still be valid).
+
+    Speculation adapts so that it does not cost throughput (docs/speculation.md, "When it pays"):
+    ``disable_by_batch_size`` (vLLM's name): while at least this many requests run, new requests do not
+    speculate and speculating ones return to plain decoding at their next round boundary (``None``: no
+    bound). ``adaptive``: a request whose measured tokens per round fall below what a round costs in plain
+    decoding steps returns to plain decoding.
     """
 
     method: str = "loop"
     num_speculative_tokens: int = 2
     draft_loops: int = 1
     scheme: str = "draft_verify"
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    adaptive: bool = True
+    #: the trained draft adapter (docs/speculation.md): ``"auto"`` (the one beside the served weights, when
+    #: it holds ``draft_loops`` and was trained on them), ``"none"``, or a directory holding one
+    draft_adapter: str = "auto"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.draft_adapter, str) or not self.draft_adapter:
+            raise InvalidRequestError(f"speculative_config.draft_adapter={self.draft_adapter!r}; allowed: 'auto', "
+                                      "'none' or a directory holding draft_adapter.json", param="speculative_config.draft_adapter")
         if self.method not in METHODS:
             raise InvalidRequestError(f"speculative_config.method={self.method!r}; allowed: {', '.join(map(repr, METHODS))}",
                                       param="speculative_config.method")
         _int_in("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         # The upper bound of draft_loops depends on the model: check_model() checks it.
         _int_in("draft_loops", self.draft_loops, 1, 1 << 20)
+        if self.disable_by_batch_size is not None:
+            _int_in("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
+        if not isinstance(self.adaptive, bool):
+            raise InvalidRequestError(f"speculative_config.adaptive={self.adaptive!r}; allowed: true or false",
+                                      param="speculative_config.adaptive")
         if self.scheme not in SCHEMES:
             raise InvalidRequestError(f"speculative_config.scheme={self.scheme!r}; allowed: {', '.join(map(repr, SCHEMES))}",
                                       param="speculative_config.scheme")

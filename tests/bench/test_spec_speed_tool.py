@@ -17,13 +17,13 @@ def test_spec_speed_bounds_acceptance_with_the_branch_scale(tmp_path):
     record = tmp_path / "spec.json"
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "spec_speed.py"), "--config", "tiny", "--device", "cpu",
-         "--dtype", "float32", "--branch-scale", "0.0,1.0", "--spec", "2,1", "--input-len", "8",
+         "--dtype", "float32", "--branch-scale", "0.0,1.0", "--spec", "2,1,pinned", "--input-len", "8",
          "--output-len", "9", "--kv-gb", "0.05", "--json", str(record)],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     runs = json.loads(record.read_text())["runs"]
     assert [(r["branch_scale"], r["spec"]) for r in runs] == [
-        (0.0, None), (0.0, {"K": 2, "d": 1}), (1.0, None), (1.0, {"K": 2, "d": 1})]
+        (0.0, None), (0.0, {"K": 2, "d": 1, "pinned": True}), (1.0, None), (1.0, {"K": 2, "d": 1, "pinned": True})]
     plain, best, _, worst = runs
     assert plain["speedup"] == 1.0 and plain["acceptance_rate"] is None
     assert all(r["output_tokens"] == 2 * 9 for r in runs)  # two requests (2 x C) of 9 tokens each

@@ -90,3 +90,40 @@ def test_cache_config_info_labels(scraped):
     assert labels["block_size"] == "4" and labels["enable_prefix_caching"] == "True"
     assert labels["cache_dtype"] == "auto" and labels["engine"] == "0" and labels["model_name"] == MODEL
     assert labels["num_gpu_blocks"] == str(llm.info.kv_pages) and int(labels["num_gpu_blocks"]) > 0
+
+
+def test_spec_decode_series_only_with_speculation(scraped, tiny_gqa):
+    """vLLM's spec_decode counters: absent without speculation; with it, the engine's own counts, the
+    accepted drafts split by position."""
+    from loopline import AsyncLLM, EngineArgs
+    from loopline.entrypoints.openai.api_server import build_app
+    from tests.entrypoints.conftest import RunningServer
+
+    assert "vllm:spec_decode" not in scraped[0]
+    spec = {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False}
+    llm = AsyncLLM(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", block_size=4,
+                              max_model_len=128, max_num_seqs=4, speculative_config=spec))
+    srv = RunningServer(build_app(llm, MODEL, api_key="k", shutdown_engine=False))
+    try:
+        for prompt in PROMPTS:
+            r = httpx.post(srv.base_url + "/v1/completions", headers=AUTH, timeout=60,
+                           json={"model": MODEL, "prompt": prompt, "max_tokens": 12, "ignore_eos": True,
+                                 "temperature": 0})
+            assert r.status_code == 200, r.text
+        off = httpx.post(srv.base_url + "/v1/completions", headers=AUTH, timeout=60,
+                         json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "speculate": False})
+        assert off.status_code == 200, off.text
+        bad = httpx.post(srv.base_url + "/v1/completions", headers=AUTH, timeout=60,
+                         json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "speculate": "sometimes"})
+        assert bad.status_code == 400 and "speculate" in bad.text
+        text = httpx.get(srv.base_url + "/metrics").text
+    finally:
+        srv.stop()
+        llm.shutdown()
+    drafts = _value(text, "vllm:spec_decode_num_drafts_total")
+    proposed = _value(text, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = _value(text, "vllm:spec_decode_num_accepted_tokens_total")
+    # three requests of 12 tokens: each round commits at most 3, so at least 4 rounds each
+    assert drafts >= 3 * 4 and proposed == 2 * drafts and 0 <= accepted <= proposed
+    per_pos = [_value(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) for j in range(2)]
+    assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1]

@@ -22,7 +22,9 @@ DEMO_PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Foo:\
 
 
 def spec(k: int, d: int) -> dict:
-    return {"method": "loop", "num_speculative_tokens": k, "draft_loops": d}
+    """Speculation pinned on (no adaptive stop, no batch bound): these tests check its mechanics."""
+    return {"method": "loop", "num_speculative_tokens": k, "draft_loops": d, "adaptive": False,
+            "disable_by_batch_size": None}
 
 
 def engine(model: str | None = None, speculative: dict | None = None, **kw) -> LLMEngine:

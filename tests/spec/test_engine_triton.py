@@ -34,7 +34,7 @@ def test_speculation_on_triton_kernels_equals_plain_torch_decoding():
     want = generate(model, "torch", None)
     from loopline.worker.backends import select_backends
 
-    got = generate(model, "triton", {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1},
+    got = generate(model, "triton", {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False},
                    select_backends("triton", "triton", torch.device(DEVICE)))
     assert_same_tokens_depths_logprobs(got, want)
     assert min(d for _, ds, _ in want.values() for d in ds) < model.config.total_ut_steps  # exit copies ran

@@ -107,6 +107,7 @@ _SAMPLING = [
     _ok("max_loops", "loopline: SamplingParams.max_loops"),
     _ok("exit_threshold", "loopline: SamplingParams.exit_threshold"),
     _ok("logprobs_mode", "loopline: SamplingParams.logprobs_mode"),
+    _ok("speculate", "loopline: SamplingParams.speculate (false: no loop self-speculation for this request)"),
     _ok("cache_salt", "the prompt's prefix-cache salt: cached pages are shared only between requests of equal salts"),
     # refused
     _no("use_beam_search", "beam search is not supported", False),

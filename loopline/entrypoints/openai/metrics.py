@@ -187,6 +187,15 @@ class ServerMetrics:
             "vllm:prefix_cache_hits": ("Prompt tokens served from the prefix cache", lambda s: s.prefix_cache_hits),
             "vllm:num_preemptions": ("Requests preempted (snapshotted to CPU memory)", lambda s: s.num_preemptions),
         }, label="engine"))
+        if cfg.args.speculative_config is not None:  # as vLLM: the series exist when speculation is configured
+            reg.register(_EngineTotals(model_name, async_llm.replicas, {
+                "vllm:spec_decode_num_drafts": ("Speculative rounds (loop self-speculation)",
+                                                lambda s: s.spec_num_drafts),
+                "vllm:spec_decode_num_draft_tokens": ("Draft tokens proposed", lambda s: s.spec_num_draft_tokens),
+                "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted",
+                                                         lambda s: s.spec_num_accepted_tokens),
+            }, label="engine"))
+            reg.register(_AcceptedPerPosition(model_name, async_llm.replicas))
         self.in_flight = Gauge("loopline:http_requests_in_flight", "Generation HTTP requests being served",
                                ["model_name"], registry=reg).labels(**labels)
         async_llm.add_step_listener(self._on_step)
@@ -306,6 +315,23 @@ class _EngineTotals(Collector):
             for r in replicas:
                 family.add_metric([self.model_name, r.name], read(r.snapshot))
             yield family
+
+
+class _AcceptedPerPosition(Collector):
+    """``vllm:spec_decode_num_accepted_tokens_per_pos``: accepted drafts by their position in the round (the
+    rounds that accepted exactly ``j`` drafts are position ``j-1``'s count minus position ``j``'s)."""
+
+    def __init__(self, model_name: str, replicas: Callable[[], list[ReplicaState]]) -> None:
+        self.model_name, self.replicas = model_name, replicas
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the round",
+                                     labels=["model_name", "engine", "position"])
+        for r in self.replicas():
+            for pos, count in enumerate(r.snapshot.spec_accepted_per_pos):
+                family.add_metric([self.model_name, r.name, str(pos)], count)
+        yield family
 
 
 def _vllm(name: str) -> str:

@@ -97,6 +97,7 @@ class ExtraSamplingFields(ClosedRequest):
     min_loops: int = 1
     max_loops: int | None = None
     exit_threshold: float | None = None
+    speculate: bool = True  # loopline: False keeps this request out of loop self-speculation
     priority: int = 0
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
@@ -234,7 +235,7 @@ class _CommonRequest(ExtraSamplingFields):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, priority=self.priority,
             min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=self.exit_threshold,
-            logprobs_mode=self.logprobs_mode, **({"structured_outputs": structured} if structured else {}),
+            speculate=self.speculate, logprobs_mode=self.logprobs_mode, **({"structured_outputs": structured} if structured else {}),
             **self._engine_kwargs())
 
     @property

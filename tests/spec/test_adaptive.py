@@ -1,0 +1,138 @@
+"""Speculation adapts so that it does not cost throughput (#41, docs/speculation.md "When it pays"): a
+request whose drafts do not pay for their rounds returns to plain decoding after its warm-up rounds, one
+that pays keeps speculating, ``disable_by_batch_size`` stops speculation while many requests run, and
+``speculate=False`` keeps a request out. Every switch happens between rounds and is exact: outputs,
+exit depths and logprobs equal plain decoding's token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_testing import assert_same_tokens_depths_logprobs, run_arrivals, tokens_depths_logprobs
+
+from loopline import SamplingParams
+from loopline.config import EngineArgs
+from loopline.core.request import Request
+from loopline.core.speculation import WARMUP_ROUNDS, LoopSpeculation, round_cost
+from loopline.engine import LLMEngine
+from loopline.errors import InvalidRequestError
+from loopline.models.ouro import OuroConfig, OuroForCausalLM
+from loopline.spec import SpeculativeConfig
+
+CFG = OuroConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, total_ut_steps=4)
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0, exit_threshold=1.0)
+
+
+def model(branch_scale: float) -> OuroForCausalLM:
+    """Random weights; ``branch_scale`` 0 zeroes the layers' residual branches, so the hidden state never
+    changes across loops and every draft is accepted (1: the random model, which accepts almost none)."""
+    torch.manual_seed(0)
+    m = OuroForCausalLM(CFG).float()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.o_proj.weight.mul_(branch_scale)
+            layer.mlp.down_proj.weight.mul_(branch_scale)
+    return m
+
+
+def engine(m: OuroForCausalLM, speculative: dict | None = None) -> LLMEngine:
+    return LLMEngine(EngineArgs(device="cpu", dtype="float32", skip_tokenizer_init=True, block_size=4,
+                                speculative_config=speculative), model=m)
+
+
+def spec(**fields) -> dict:
+    return {"method": "loop", "num_speculative_tokens": 3, "draft_loops": 1, **fields}
+
+
+def prompts(n: int) -> dict:
+    return {f"r{i}": ([3 + (i * 37 + j * 11) % 250 for j in range(5 + 3 * i)], GREEDY) for i in range(n)}
+
+
+def run(m: OuroForCausalLM, reqs: dict, speculative: dict | None, arrivals: dict | None = None):
+    eng = engine(m, speculative)
+    return tokens_depths_logprobs(run_arrivals(eng, reqs, arrivals)), eng.stats
+
+
+def test_drafts_that_do_not_pay_return_the_request_to_plain_decoding():
+    m, reqs = model(1.0), prompts(1)
+    plain, _ = run(m, reqs, None)
+    got, stats = run(m, reqs, spec())
+    assert_same_tokens_depths_logprobs(got, plain)
+    # the host reads a round's result a step late: at most one round past the warm-up starts
+    assert WARMUP_ROUNDS <= stats.spec_num_drafts <= WARMUP_ROUNDS + 1
+    assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens / 2
+    pinned, pinned_stats = run(m, reqs, spec(adaptive=False))
+    assert_same_tokens_depths_logprobs(pinned, plain)
+    assert pinned_stats.spec_num_drafts > 2 * WARMUP_ROUNDS  # without adaptivity it speculates to the end
+
+
+def test_drafts_that_pay_keep_speculating():
+    m, reqs = model(0.0), prompts(1)
+    plain, plain_stats = run(m, reqs, None)
+    got, stats = run(m, reqs, spec())
+    assert_same_tokens_depths_logprobs(got, plain)
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens  # every draft accepted
+    assert stats.spec_num_drafts * (3 + 1) >= GREEDY.max_tokens - 3  # rounds to the end
+    assert stats.steps < 0.6 * plain_stats.steps
+
+
+def test_many_running_requests_stop_speculation_between_rounds():
+    """Two requests speculate; a third arrives (disable_by_batch_size 3): all three decode plainly from
+    their next round boundary on, exactly; the one arriving last never speculates."""
+    m, reqs = model(0.0), prompts(3)
+    arrivals = {"r2": 9}
+    plain, _ = run(m, reqs, None, arrivals)
+    got, stats = run(m, reqs, spec(disable_by_batch_size=3), arrivals)
+    assert_same_tokens_depths_logprobs(got, plain)
+    assert 0 < stats.spec_num_drafts <= 2 * 3  # a few rounds each before r2 arrived
+    both, both_stats = run(m, reqs, spec(disable_by_batch_size=4), arrivals)
+    assert_same_tokens_depths_logprobs(both, plain)
+    assert both_stats.spec_num_drafts > 2 * stats.spec_num_drafts
+
+
+def test_speculate_false_keeps_a_request_out():
+    m = model(0.0)
+    reqs = {"off": (prompts(1)["r0"][0], GREEDY.clone(speculate=False)), "on": prompts(2)["r1"]}
+    plain, _ = run(m, reqs, None)
+    got, stats = run(m, {"off": reqs["off"]}, spec())
+    assert_same_tokens_depths_logprobs(got, {"off": plain["off"]})
+    assert stats.spec_num_drafts == 0
+    got, stats = run(m, reqs, spec())
+    assert_same_tokens_depths_logprobs(got, plain)
+    assert stats.spec_num_drafts > 0
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_speculate_must_be_a_boolean(value):
+    with pytest.raises(InvalidRequestError, match="speculate") as e:
+        SamplingParams(speculate=value)
+    assert e.value.param == "speculate"
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
+    ({"disable_by_batch_size": "8"}, "speculative_config.disable_by_batch_size"),
+    ({"adaptive": "no"}, "speculative_config.adaptive"),
+])
+def test_bad_adaptivity_fields_name_the_field(bad, field):
+    with pytest.raises(InvalidRequestError) as e:
+        SpeculativeConfig.from_dict({"method": "loop", **bad})
+    assert e.value.param == field
+
+
+def test_the_cost_model_at_its_measured_points():
+    # concurrency 1, K=3, d=1, R=4: 4 one-query draft steps and 3 verify steps at ~2.4 plain steps each
+    assert round_cost(3, 1, 4, 1) == pytest.approx(4 + 3 * 2.4)
+    # more running requests share a verify step's extra cost
+    assert round_cost(2, 1, 4, 4) < round_cost(2, 1, 4, 1)
+    # a request's running means decide, once warm: 4 tokens a round at depth 4 pay, 1.2 do not
+    s = LoopSpeculation(SpeculativeConfig(num_speculative_tokens=3, draft_loops=1))
+    req = Request("a", [1, 2], SamplingParams(), 0, 8, frozenset(), 0)
+    req.spec_rounds, req.spec_depth = WARMUP_ROUNDS, 4.0
+    req.spec_tokens = 4.0
+    assert s.why_stop(req, 4, 1) is None
+    req.spec_tokens = 1.2
+    assert "do not pay" in s.why_stop(req, 4, 1)
+    req.spec_rounds = WARMUP_ROUNDS - 1
+    assert s.why_stop(req, 4, 1) is None  # still warming up
+    assert "disable_by_batch_size=8" in s.why_stop(req, 4, 8)
