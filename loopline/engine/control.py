@@ -26,6 +26,7 @@ from loopline.models.loader import CONFIG_FILE, iter_checkpoint_tensors, load_co
 from loopline.models.ouro import OuroForCausalLM
 from loopline.rl.lifecycle import PAUSE_MODES, WAKE_TAGS, GenerationControl
 from loopline.rl.weights import WeightUpdater, check_checkpoint_files
+from loopline.spec.adapter import find_adapter
 from loopline.worker.model_runner import ModelRunner
 
 # config.json fields a published checkpoint must share with the served model
@@ -121,7 +122,18 @@ class EngineControl(GenerationControl):
             self.weight_version = version
             self.scheduler.cache_salt = version
             self.kv.reset_prefix_cache()
+            if self.runner.spec is not None:  # the drafts' adapter belonged to the old weights
+                self.runner.spec.head.drop()
         return version
+
+    def find_update_adapter(self, path: str):
+        """The draft adapter an update from ``path`` brings (trained on exactly its weight files), if the engine
+        speculates and ``speculative_config.draft_adapter`` is not ``"none"``; else ``None``."""
+        head = None if self.runner.spec is None else self.runner.spec.head
+        if head is None or head.setting == "none":
+            return None
+        found = find_adapter(path, self.model_config.hidden_size, self.model_config.total_ut_steps, head.depth)
+        return None if found is None else (*found, str(path))
 
     def update_weights_from_disk(self, path: str, version: int) -> int:
         """The verb in one call (``LLMEngine``, ``LLM``): the engine must be idle or paused, as for
@@ -253,6 +265,7 @@ class DiskLoad:
         self.validated = False  # set by the reader: the swap is pending
         self.opened = False  # the weight update is open (the copy is under way)
         self.cancelled = False  # the reader stops at its next tensor
+        self.adapter = None  # the draft adapter the checkpoint brings (found by validate)
 
     # --- any thread ---------------------------------------------------------------------
     def validate(self) -> None:
@@ -270,6 +283,7 @@ class DiskLoad:
         for entry in self._tensors():  # names, shapes, dtypes, finite values, duplicates
             seen.update(n for n, _, _ in weights.validate([entry], already_seen=seen))
         weights.check_complete(seen, path)  # a missing tensor is refused before the first copy
+        self.adapter = self.control.find_update_adapter(path)  # (a malformed one refuses the update here)
         self.validated = True
 
     def pieces(self) -> Iterator[list[tuple[str, Any, Any]]]:
@@ -302,7 +316,10 @@ class DiskLoad:
 
     def commit(self) -> int:
         try:
-            return self.control.finish_weight_update()
+            version = self.control.finish_weight_update()
+            if self.adapter is not None:  # the update brings its own draft adapter
+                self.control.runner.spec.head.install(*self.adapter)
+            return version
         finally:
             self._end()
 

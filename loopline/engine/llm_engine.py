@@ -45,8 +45,10 @@ from loopline.models.loader import (assign_checkpoint, check_sampling_defaults, 
 from loopline.models.ouro import OuroForCausalLM
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
+from loopline.spec.adapter import resolve_adapter
 from loopline.structured.manager import StructuredOutputs
 from loopline.worker.backends import Backends, select_backends
+from loopline.worker.draft_head import AdapterInfo
 from loopline.worker.memory_profile import check_fits, footprint, kv_bytes_per_block, num_kv_blocks
 from loopline.worker.model_runner import ModelRunner, RowFailure, StepHandle
 from loopline.worker.sampler import Sampler
@@ -237,6 +239,12 @@ class LLMEngine(EngineVerbs):
                                   no_refill=args.scheduling_mode == "no_refill",
                                   per_token_exits=self.exit_policy.per_token, kv_dtype=cfg.kv_dtype,
                                   kv_scales=kv_scales, speculative=spec)
+        if self.runner.spec is not None:  # drafts' trained adapter, beside the served weights (docs/speculation.md)
+            weights_dir = model_path if model is None and args.load_format != "dummy" else None
+            found = resolve_adapter(spec.draft_adapter, weights_dir, model_cfg.hidden_size, model_cfg.total_ut_steps,
+                                    spec.draft_loops)
+            if found is not None:
+                self.runner.spec.head.install(*found)
         if device.type == "cuda" and not args.enforce_eager and backends.attention.name == "triton":
             self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture), cfg.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -498,6 +506,11 @@ class LLMEngine(EngineVerbs):
     @property
     def weights(self):
         return self.control.weights
+
+    @property
+    def draft_adapter(self) -> AdapterInfo | None:
+        """The trained draft adapter speculation drafts through (``None``: the plain coda, or no speculation)."""
+        return None if self.runner.spec is None else self.runner.spec.head.info
 
     def control_call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         """Runs a control verb of ``engine/verbs.py`` on this engine (``engine.sleep(2)`` is

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from loopline.models.family import family_of
 from loopline.models.ops import Rope, upcast
 from loopline.models.plain import PlainOutput, PlaneKV, plain_generate
+from loopline.spec.adapter import DraftAdapter
 from loopline.spec.config import SpeculativeConfig
 
 __all__ = ["SpecOutput", "rejection_step", "speculative_generate"]
@@ -160,13 +161,16 @@ def rejection_step(p: Tensor, q: Tensor, draft: int, generator: torch.Generator)
 @torch.no_grad()
 def speculative_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens: int, spec: SpeculativeConfig, *,
                          temperature: float = 0.0, seed: int = 0, min_loops: int = 1, max_loops: int | None = None,
-                         exit_threshold: float | None = None, eos_ids: Sequence[int] = ()) -> SpecOutput:
+                         exit_threshold: float | None = None, eos_ids: Sequence[int] = (),
+                         draft_adapter: DraftAdapter | None = None) -> SpecOutput:
     """Generates up to ``max_tokens`` tokens after ``prompt_ids`` with draft-then-verify speculation.
 
     ``temperature == 0``: greedy, token for token and exit depth for exit depth what
     :func:`~loopline.models.plain.plain_generate` gives. ``temperature > 0``: every token is distributed as
     plain sampling at that temperature from the target (the token's own exit depth); ``seed`` makes a run
     reproducible. ``logprobs`` are the target's raw log-probabilities of the committed tokens.
+    ``draft_adapter``: drafts of positions still looping at the draft depth come from the head of the
+    adapted state (:mod:`loopline.spec.adapter`); targets never see it.
     """
     if spec.scheme != "draft_verify":
         raise ValueError(f"speculative_config.scheme={spec.scheme!r}: the reference implements 'draft_verify'")
@@ -191,7 +195,7 @@ def speculative_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens
     out.tokens.append(token), out.exit_loops.append(first.exit_loops[0]), out.logprobs.append(_logprob(logits, token))
     position = len(prompt_ids)
     while token not in eos and len(out.tokens) < max_tokens:
-        committed = _round(loops, token, position, k, d, temperature, generator, out)
+        committed = _round(loops, token, position, k, d, temperature, generator, out, draft_adapter)
         for tok, depth, logprob in committed:
             out.tokens.append(tok), out.exit_loops.append(depth), out.logprobs.append(logprob)
             token = tok
@@ -214,7 +218,7 @@ def _prefill(loops: _Loops, prompt_ids: Sequence[int], exit_loop: int) -> Tensor
 
 
 def _round(loops: _Loops, token: int, position: int, k: int, d: int, temperature: float,
-           generator: torch.Generator, out: SpecOutput) -> list[tuple[int, int, float]]:
+           generator: torch.Generator, out: SpecOutput, adapter: DraftAdapter | None = None) -> list[tuple[int, int, float]]:
     """One draft/verify round from committed ``token`` at ``position``: ``(token, exit depth, logprob)`` of
     every token it commits (accepted drafts, then the correction or bonus)."""
     device = loops.kv_device
@@ -226,7 +230,7 @@ def _round(loops: _Loops, token: int, position: int, k: int, d: int, temperature
         states.append(rows.state), carries.append(rows.carry), exits.append(rows.exit_loop)
         if i == k:
             break
-        q_logits = loops.logits(rows)[0]
+        q_logits = loops.logits(rows)[0] if adapter is None or int(rows.exit_loop[0]) else _adapted(loops, rows, adapter, d)
         tok = _sample(q_logits, temperature, generator)
         drafts.append(tok)
         draft_probs.append(_probs(q_logits, temperature))
@@ -246,6 +250,12 @@ def _round(loops: _Loops, token: int, position: int, k: int, d: int, temperature
     out.drafts.append(len(drafts))
     out.accepted.append(len(committed) - 1)  # the last one is the correction or the bonus
     return committed
+
+
+def _adapted(loops: _Loops, rows: _Rows, adapter: DraftAdapter, d: int) -> Tensor:
+    """fp32 draft logits ``[vocab]`` of a one-row position still looping after loop ``d``."""
+    state = adapter.to(rows.state.device)(rows.state.float(), d).to(rows.state.dtype)
+    return loops.model.coda(state, loops._pos(rows.start, 1), None).float()[0]
 
 
 def _judge(target: Tensor, q: Tensor, draft: int, temperature: float, generator: torch.Generator) -> tuple[bool, int]:

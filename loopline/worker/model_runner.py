@@ -38,6 +38,7 @@ from loopline.sampling_params import BAD_WORD_MAX_TOKENS, SamplingParams
 from loopline.spec.config import SpeculativeConfig
 from loopline.worker.cuda_graphs import GraphCapturer, StepGraphs, bucket_sizes, mixed_buckets, spec_buckets
 from loopline.worker.decode_state import DeviceDecodeState, SlotOps
+from loopline.worker.draft_head import DraftHead
 from loopline.worker.exit_rule import exit_decision
 from loopline.worker.forward import StepForward
 from loopline.worker.kv_pages import KVPages
@@ -170,7 +171,8 @@ class ModelRunner:
             spec_kinds = (SpecKind(model=model, backend=backend, kv=kv, state=self.decode_state, rounds=rounds,
                                    requests=self.requests, scratch_slot=self.scratch_slot,
                                    copies_on_exit=len(layout.exit_copy_planes(1)) > 0),)
-            self.spec = SpecRounds(model, self.decode_state, rounds, self.requests, sampler, device)
+            self.spec = SpecRounds(model, self.decode_state, rounds, self.requests, sampler, device,
+                                   DraftHead(model, speculative.draft_loops, speculative.draft_adapter))
         kinds = (self.decode, *spec_kinds,
                  PrefillKind(model=model, requests=self.requests, block_size=block_size, device=device))
         self.builder = StepBuilder(kinds, cfg.hidden_size, dtype, device, block_size, self.scratch_block,

@@ -15,7 +15,8 @@ the host never tells the device where a round starts and the overlapped engine n
   verify loop) runs on scratch and keeps its state and K/V: rows behind it read its exit loop's K/V,
   as plain decoding does.
 * :class:`SpecRounds`: after the forward, the draft-end rows sample the next position's token from
-  their head, and the round's last verify step samples the target's tokens (one sampler call with the
+  their head (:class:`~loopline.worker.draft_head.DraftHead`: through a trained draft adapter when one
+  is installed), and the round's last verify step samples the target's tokens (one sampler call with the
   step's decode rows), accepts the drafts while they equal them, commits that run plus the target's
   token at the first difference (the correction) or after the last draft (the bonus), and moves the
   slot's decode state past it.
@@ -42,6 +43,7 @@ from loopline.attention import AttentionBackend
 from loopline.core.contracts import ScheduledRow
 from loopline.models.ouro import OuroForCausalLM
 from loopline.worker.decode_state import DeviceDecodeState
+from loopline.worker.draft_head import DraftHead
 from loopline.worker.exit_rule import exit_decision
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import RowKind
@@ -194,8 +196,9 @@ class SpecRounds:
     acceptance at its last verify step (module docstring)."""
 
     def __init__(self, model: OuroForCausalLM, state: DeviceDecodeState, rounds: SpecRoundState,
-                 requests: dict[str, RequestState], sampler: Sampler, device: torch.device) -> None:
+                 requests: dict[str, RequestState], sampler: Sampler, device: torch.device, head: DraftHead) -> None:
         self.model, self.state, self.rounds, self.requests, self.device = model, state, rounds, requests, device
+        self.head = head  # the drafts' coda (a trained adapter's, when installed); targets use the model's head
         self.sampler = sampler
         self._params, self._fields = ParamsStager(), FieldsStager()  # the drafts' own (the target rows' differ)
 
@@ -210,7 +213,7 @@ class SpecRounds:
             return
         slots, index = self._indices(ends)
         st = self.rounds
-        logits = self.model.head(st.hidden[slots, index]).float()
+        logits = self.head(st.hidden[slots, index], st.exit_loop[slots, index] == 0)
         states = [self.requests[r.request_id] for r in ends]
         tensors = build_sampling_tensors(states, self.state.token_index[slots] + index, self.sampler.logprobs_mode,
                                          self.device, params=self._params, fields=self._fields)
