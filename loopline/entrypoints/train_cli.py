@@ -1,4 +1,4 @@
-"""``loopline train pretrain``, ``curve`` and ``grpo``: one command per run.
+"""``loopline train pretrain``, ``curve``, ``grpo``, ``lookahead`` and ``draft``: one command per run.
 
 Imports only the standard library at module level (``loopline --help`` loads it); torch and the
 trainer are imported when the command runs.
@@ -27,7 +27,7 @@ HELP = "train the demo looped model (Ouro objective) on the offline corpus, or f
 def add_parser(sub: Any) -> None:
     """Adds ``train`` (with its ``pretrain`` subcommand) to the ``loopline`` parser."""
     train = sub.add_parser("train", help=HELP, formatter_class=HelpFormatter)
-    tsub = train.add_subparsers(dest="train_command", metavar="{pretrain,curve,grpo,lookahead}")
+    tsub = train.add_subparsers(dest="train_command", metavar="{pretrain,curve,grpo,lookahead,draft}")
     tsub.required = True
     p = tsub.add_parser("pretrain", help="stage 1 (expected loss + entropy) then stage 2 (gate only), then export",
                         formatter_class=HelpFormatter)
@@ -69,6 +69,55 @@ def add_parser(sub: Any) -> None:
     c.set_defaults(func=run_curve)
     _add_grpo_parser(tsub, HelpFormatter)
     _add_lookahead_parser(tsub, HelpFormatter)
+    _add_draft_parser(tsub, HelpFormatter)
+
+
+def _add_draft_parser(tsub: Any, formatter: Any) -> None:
+    dr = tsub.add_parser("draft", help="distil a draft adapter for loop self-speculation from the full-depth "
+                         "distribution, on the frozen model (docs/training.md)", formatter_class=formatter)
+    dr.add_argument("--model", default=None, help="checkpoint directory (default: the bundled demo model)")
+    dr.add_argument("--out", default=None, help="where draft_adapter.safetensors and draft_adapter.json go (default: "
+                    "--model, where the engine finds it; required with the bundled model, whose directory is part "
+                    "of the install)")
+    dr.add_argument("--report", default=None, help="also write the held-out evaluation JSON here")
+    dr.add_argument("--depths", default=None, help="comma-separated draft depths (default: 1..loops-1)")
+    dr.add_argument("--rank", type=positive_int, default=16, help="rank of each depth's low-rank residual")
+    dr.add_argument("--seq-len", type=positive_int, default=256, help="tokens per window")
+    dr.add_argument("--train-windows", type=positive_int, default=96, help="training-split windows to fit on")
+    dr.add_argument("--calib-windows", type=positive_int, default=32,
+                    help="further training-split windows that pick each depth's stopping epoch")
+    dr.add_argument("--heldout-windows", type=positive_int, default=32, help="held-out windows, only evaluated")
+    dr.add_argument("--epochs", type=positive_int, default=4)
+    dr.add_argument("--lr", type=float, default=1e-3)
+    dr.add_argument("--seed", type=int, default=0)
+    dr.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    dr.set_defaults(func=run_draft)
+
+
+def run_draft(ns: argparse.Namespace) -> int:
+    import torch
+
+    from loopline.models.tiny import default_checkpoint
+    from loopline.train.draft import run
+
+    if ns.out is None and ns.model is None:
+        raise InvalidRequestError("--out is required with the bundled model (its directory is part of the install)")
+    if ns.model is not None and not Path(ns.model, "config.json").is_file():
+        raise FileNotFoundError(f"--model {ns.model}: no config.json there (a checkpoint directory)")
+    try:
+        depths = None if ns.depths is None else [int(x) for x in ns.depths.split(",")]
+    except ValueError:
+        raise InvalidRequestError(f"--depths {ns.depths!r}; allowed: comma-separated integers") from None
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    model = Path(ns.model) if ns.model else default_checkpoint()
+    result = run(model, Path(ns.out or model), depths=depths, rank=ns.rank, seq_len=ns.seq_len,
+                 train_windows=ns.train_windows, calib_windows=ns.calib_windows, heldout_windows=ns.heldout_windows,
+                 epochs=ns.epochs, lr=ns.lr,
+                 seed=ns.seed)
+    if ns.report:
+        Path(ns.report).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return 0
 
 
 def _add_lookahead_parser(tsub: Any, formatter: Any) -> None:
