@@ -1,6 +1,7 @@
 """Acceptance of loop self-speculation on the bundled demo model, and what it predicts (issue #41).
 
     python tools/spec_acceptance.py [--prompts 16] [--new-tokens 128] [--windows 16] [--record PATH]
+                                    [--draft-adapter DIR]
 
 Two measurements, both fp32 on the CPU, both from the dense model (``forward_dense``, every loop):
 
@@ -45,9 +46,22 @@ KS = range(1, 9)
 H200_STEP_MS = {1: 0.93, 2: 1.53, 3: (1.53 + 1.74) / 2, 4: 1.74}
 
 
+def draft_logits(model, out, adapter=None):
+    """``[R, T, V]`` fp32 logits of each loop of a one-sequence dense forward; with a trained draft adapter
+    (``loopline.spec.adapter``), loop ``d``'s logits are the head of its adapted state for each depth
+    ``d`` it holds, as the engine's drafts are (the last loop, the target, is never adapted)."""
+    if adapter is None:
+        return out.logits[:, 0]
+    hidden = out.hidden_states[:, 0]  # [R, T, H]
+    rows = [adapter(hidden[r], r + 1) if r + 1 in adapter.depths else hidden[r] for r in range(hidden.shape[0])]
+    return model.head(torch.stack(rows)).float()
+
+
 @torch.no_grad()
-def generated_matches(model, stream: list[int], prompts: int, prompt_len: int, new_tokens: int) -> dict[int, list[list[bool]]]:
-    """Per draft depth: one match list per generated sequence (index 0, the prefill's token, is unused)."""
+def generated_matches(model, stream: list[int], prompts: int, prompt_len: int, new_tokens: int,
+                      adapter=None) -> dict[int, list[list[bool]]]:
+    """Per draft depth: one match list per generated sequence (index 0, the prefill's token, is unused).
+    ``adapter``: drafts from the trained draft adapter's logits (:func:`draft_logits`)."""
     loops = model.config.total_ut_steps
     stride = len(stream) // prompts
     out: dict[int, list[list[bool]]] = {d: [] for d in range(1, loops)}
@@ -55,7 +69,7 @@ def generated_matches(model, stream: list[int], prompts: int, prompt_len: int, n
         prompt = stream[i * stride:i * stride + prompt_len]
         gen = plain_generate(model, prompt, new_tokens, exit_threshold=1.0).tokens
         ids = torch.tensor([prompt + gen])
-        logits = model.forward_dense(ids).logits[:, 0]  # [R, T, V]
+        logits = draft_logits(model, model.forward_dense(ids), adapter)  # [R, T, V]
         greedy = logits.argmax(-1)  # [R, T]
         # Token j of gen is predicted at position prompt_len - 1 + j.
         cols = torch.arange(prompt_len - 1, prompt_len - 1 + len(gen))
@@ -66,7 +80,8 @@ def generated_matches(model, stream: list[int], prompts: int, prompt_len: int, n
 
 
 @torch.no_grad()
-def heldout_overlap(model, stream: list[int], windows: int, seq_len: int) -> tuple[dict, dict[int, list[list[bool]]]]:
+def heldout_overlap(model, stream: list[int], windows: int, seq_len: int,
+                    adapter=None) -> tuple[dict, dict[int, list[list[bool]]]]:
     """Per draft depth on held-out windows: greedy match rate and overlap at T=1 and T=0.5, and the match
     lists (as if each window's text were the target's greedy output)."""
     loops = model.config.total_ut_steps
@@ -76,7 +91,7 @@ def heldout_overlap(model, stream: list[int], windows: int, seq_len: int) -> tup
     count = 0
     for i in range(windows):
         ids = torch.tensor([stream[i * stride:i * stride + seq_len]])
-        logits = model.forward_dense(ids).logits[:, 0]  # [R, T, V]
+        logits = draft_logits(model, model.forward_dense(ids), adapter)  # [R, T, V]
         count += logits.shape[1]
         for d in sums:
             match = logits[d - 1].argmax(-1) == logits[-1].argmax(-1)
@@ -197,6 +212,9 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--record", type=Path)
+    ap.add_argument("--draft-adapter", type=Path, metavar="DIR",
+                    help="also measure drafts through the trained draft adapter in DIR (loopline train draft), "
+                         "each table without and with it")
     ap.add_argument("--adaptive", type=float, metavar="THRESHOLD",
                     help="instead: draft-then-verify reference runs at this exit threshold (4 prompts x 48 tokens)")
     args = ap.parse_args()
@@ -210,21 +228,29 @@ def main() -> None:
     if args.adaptive is not None:
         adaptive_rounds(model, stream, 4, args.prompt_len, 48, args.adaptive)
         return
-    gen = generated_matches(model, stream, args.prompts, args.prompt_len, args.new_tokens)
-    held, held_seqs = heldout_overlap(model, stream, args.windows, args.seq_len)
-    plain_ms = cost.plain(1, loops).time(H200_STEP_MS)
+    variants = {"plain coda": None}
+    if args.draft_adapter is not None:
+        from loopline.spec.adapter import load_adapter
 
+        variants["draft adapter"] = load_adapter(args.draft_adapter, model.config.hidden_size, loops)[0]
+    plain_ms = cost.plain(1, loops).time(H200_STEP_MS)
     print(f"# demo model, {loops} loops; generated: {args.prompts} x {args.new_tokens} greedy tokens; "
           f"held-out: {args.windows} x {args.seq_len} tokens\n")
-    print("| d | match, generated | match, held-out | overlap T=1, held-out | overlap T=0.5, held-out |")
-    print("|---|---|---|---|---|")
-    for d in gen:
-        rate = sum(sum(m[1:]) for m in gen[d]) / sum(len(m) - 1 for m in gen[d])
-        h = held[d]
-        print(f"| {d} | {rate:.3f} | {h['match']:.3f} | {h['overlap_t1']:.3f} | {h['overlap_t05']:.3f} |")
-
-    tables = {"generated": replay_tables("generated, exact", gen, loops, plain_ms),
-              "heldout": replay_tables("held-out text, teacher-forced: an estimate", held_seqs, loops, plain_ms)}
+    results = {}
+    for name, adapter in variants.items():
+        gen = generated_matches(model, stream, args.prompts, args.prompt_len, args.new_tokens, adapter)
+        held, held_seqs = heldout_overlap(model, stream, args.windows, args.seq_len, adapter)
+        print(f"\n# drafts: {name}\n")
+        print("| d | match, generated | match, held-out | overlap T=1, held-out | overlap T=0.5, held-out |")
+        print("|---|---|---|---|---|")
+        for d in gen:
+            rate = sum(sum(m[1:]) for m in gen[d]) / sum(len(m) - 1 for m in gen[d])
+            h = held[d]
+            print(f"| {d} | {rate:.3f} | {h['match']:.3f} | {h['overlap_t1']:.3f} | {h['overlap_t05']:.3f} |")
+        results[name] = (held, {"generated": replay_tables("generated, exact", gen, loops, plain_ms),
+                                "heldout": replay_tables("held-out text, teacher-forced: an estimate", held_seqs,
+                                                         loops, plain_ms)})
+    held, tables = results["plain coda"]
     print(f"\n({time.time() - t0:.0f} s)")
 
     if args.record:
@@ -238,6 +264,11 @@ def main() -> None:
             "heldout": {"source": "held-out text teacher-forced (an estimate: not the model's own output)",
                         "overlap": {str(d): v for d, v in held.items()}} | tables["heldout"],
         }
+        if args.draft_adapter is not None:
+            a_held, a_tables = results["draft adapter"]
+            record["draft_adapter"] = {"dir": str(args.draft_adapter), "generated": a_tables["generated"],
+                                       "heldout": {"overlap": {str(d): v for d, v in a_held.items()}}
+                                       | a_tables["heldout"]}
         args.record.write_text(json.dumps(record, indent=1) + "\n")
 
 

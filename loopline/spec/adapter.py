@@ -27,8 +27,18 @@ from torch import Tensor, nn
 
 from loopline.models.loader import CheckpointError
 
-__all__ = ["ADAPTER_FILE", "ADAPTER_CONFIG", "ADAPTER_FORMAT", "AdapterConfig", "DraftAdapter", "base_weights_sha256",
-           "save_adapter", "load_adapter", "find_adapter", "resolve_adapter"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_FILE",
+    "ADAPTER_FORMAT",
+    "AdapterConfig",
+    "DraftAdapter",
+    "base_weights_sha256",
+    "find_adapter",
+    "load_adapter",
+    "resolve_adapter",
+    "save_adapter",
+]
 
 ADAPTER_FILE = "draft_adapter.safetensors"
 ADAPTER_CONFIG = "draft_adapter.json"

@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from loopline.errors import InvalidRequestError
-from loopline.spec.adapter import AdapterConfig, DraftAdapter, base_weights_sha256, save_adapter
+from loopline.spec.adapter import (
+    AdapterConfig,
+    DraftAdapter,
+    base_weights_sha256,
+    save_adapter,
+)
 
-__all__ = ["collect_states", "train_adapter", "evaluate", "run"]
+__all__ = ["collect_states", "evaluate", "run", "train_adapter"]
 
 
 @torch.no_grad()

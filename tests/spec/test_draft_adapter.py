@@ -84,7 +84,7 @@ def test_outputs_equal_plain_decoding_with_the_adapter_and_it_changes_drafts(pro
     assert without.draft_adapter is None
     assert_same(drain(without, reqs), plain)
     # the blind adapter's drafts are token 0: almost none is accepted, where the plain coda's mostly are
-    assert rate(with_adapter) < 0.2 < 0.5 < rate(without)
+    assert rate(with_adapter) < 0.2 and rate(without) > 0.5
 
 
 def test_adaptive_exits_stay_exact_with_the_adapter(prompts, blind_dir):

@@ -12,7 +12,12 @@ import torch
 from loopline.entrypoints.cli import main
 from loopline.models.loader import load_model
 from loopline.models.tiny import default_checkpoint
-from loopline.spec.adapter import ADAPTER_CONFIG, ADAPTER_FILE, base_weights_sha256, load_adapter
+from loopline.spec.adapter import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
+    base_weights_sha256,
+    load_adapter,
+)
 from loopline.train.draft import collect_states, evaluate, train_adapter
 from loopline.train.lookahead import split_stream
 
