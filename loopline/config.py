@@ -114,7 +114,7 @@ class EngineArgs:
         None, "loop self-speculation (vLLM's option), a JSON object: {\"method\": \"loop\", "
               "\"num_speculative_tokens\": K (1..16), \"draft_loops\": d (1..loops-1)}; drafts from loops 1..d, "
               "verified at the deeper loops; greedy and sampled requests without penalties or logits fields; "
-              "\"adaptive\" (default true) and \"disable_by_batch_size\" (default 8) turn it off where it "
+              "\"adaptive\" (default true) and \"disable_by_batch_size\" (default 32) turn it off where it "
               "does not pay",
         type=json_object)
     # --- vLLM launch options: loopline/vllm_flags.py says what each means here (the help) and checks it ---

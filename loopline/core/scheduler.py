@@ -121,8 +121,8 @@ class Scheduler:
 
     # --- lifecycle --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        request.speculative = self.speculation.why_not(request.params) is None
-        request.lookahead = self.speculation.lookahead(request.params)
+        request.speculative = self.speculation.why_not(request.params) is None and self.speculation.starts()
+        request.lookahead = self.speculation.lookahead(request.params) if request.speculative else 0
         self.requests[request.request_id] = request
         self.waiting.push(request)
 

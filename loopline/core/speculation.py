@@ -18,19 +18,23 @@ from loopline.sampling_params import SamplingParams
 from loopline.spec.config import SpeculativeConfig
 
 
-#: What a round costs, in steps of plain decoding of the same batch (docs/speculation.md, "When it pays"),
-#: from the H200 at concurrency 1 and 4 (Ouro-1.4B shapes, CUDA graphs): a draft step costs what a plain
-#: step costs; a verify step of K+1 queries a row costs 1 + (VERIFY_EXTRA + VERIFY_PER_QUERY * (K+1)) / sqrt(C)
-#: at C running requests (C=1: 2.2-2.4 measured for K = 1..3; C=4, K=2: 1.39 measured, 1.65 modelled).
+#: What a round costs, in steps of plain decoding of the same batch (docs/speculation.md, "When it pays"):
+#: a draft step costs what a plain step costs; a verify step of K+1 queries a row costs
+#: 1 + (VERIFY_EXTRA + VERIFY_PER_QUERY * (K+1)) / C**0.25 at C running requests. The H200 (Ouro-1.4B shapes,
+#: CUDA graphs) measured 2.2-2.4 at C=1 for K = 1..3, 1.4 at C=4 (K=2) and 1.7 at C=8 (K=3): the model is
+#: at or above every measured point, so speculation stops rather than cost throughput.
 VERIFY_EXTRA, VERIFY_PER_QUERY = 1.0, 0.1
-#: Rounds a request runs before its measured acceptance may turn its speculation off, and the weight of
-#: each new round in the running means.
+#: Rounds a request runs before its own acceptance may turn its speculation off, and the weight of each new
+#: round in its running means.
 WARMUP_ROUNDS, ROUND_WEIGHT = 4, 0.25
+#: The weight of each round in the engine's running payoff, and how often a new request speculates (probes)
+#: while the engine's rounds do not pay.
+ENGINE_WEIGHT, PROBE_EVERY = 0.1, 16
 
 
 def round_cost(k: int, d: int, max_loops: int, running: int) -> float:
     """A round's cost in plain decoding steps (``running`` requests share each step)."""
-    verify = 1.0 + (VERIFY_EXTRA + VERIFY_PER_QUERY * (k + 1)) / max(running, 1) ** 0.5
+    verify = 1.0 + (VERIFY_EXTRA + VERIFY_PER_QUERY * (k + 1)) / max(running, 1) ** 0.25
     return (k + 1) * d + (max_loops - d) * verify
 
 
@@ -43,19 +47,16 @@ class NoSpeculation:
         """Why a request with ``params`` runs plain decode rows (``None``: it speculates)."""
         return "speculation is off"
 
+    def starts(self) -> bool:
+        """Whether a new request that may speculate does (the engine's experience so far)."""
+        return False
+
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
         """Why a speculating request, between two rounds, returns to plain decoding (``None``: it goes on)."""
         return None
 
-    @staticmethod
-    def observe(req: Request, committed: list[SampledToken]) -> None:
-        """One round's committed tokens (read by the host): the request's running means move."""
-        n = len(committed)
-        depth = sum(t.exit_depth for t in committed) / n
-        w = 1.0 if req.spec_rounds == 0 else ROUND_WEIGHT
-        req.spec_tokens += w * (n - req.spec_tokens)
-        req.spec_depth += w * (depth - req.spec_depth)
-        req.spec_rounds += 1
+    def observe(self, req: Request, committed: list[SampledToken]) -> None:
+        """One round's committed tokens (read by the host)."""
 
     def lookahead(self, params: SamplingParams) -> int:
         """Positions past ``prompt + max_tokens`` the request may write (reserved with its KV)."""
@@ -72,6 +73,9 @@ class LoopSpeculation(NoSpeculation):
         self.config = config
         self.k, self.d = config.num_speculative_tokens, config.draft_loops
         self.per_token_exits = per_token_exits
+        self.running = 1  # requests running at the last round boundary
+        self.payoff: float | None = None  # running mean over rounds: plain steps a round saved / its cost
+        self._starts = 0
 
     def why_not(self, params: SamplingParams) -> str | None:
         # NOTE: the sampler's per-request fields and penalties would have to see the drafts before each
@@ -90,7 +94,29 @@ class LoopSpeculation(NoSpeculation):
             return "structured outputs"
         return None
 
+    def starts(self) -> bool:
+        # NOTE: while the engine's rounds do not pay, a request in PROBE_EVERY still speculates, so the
+        # estimate follows what the requests of the moment accept
+        if not self.config.adaptive or self.payoff is None or self.payoff >= 1.0:
+            return True
+        self._starts += 1
+        return self._starts % PROBE_EVERY == 0
+
+    def observe(self, req: Request, committed: list[SampledToken]) -> None:
+        """The request's running means of tokens per round and their depth move, and so does the
+        engine's payoff."""
+        n = len(committed)
+        depth = sum(t.exit_depth for t in committed) / n
+        w = 1.0 if req.spec_rounds == 0 else ROUND_WEIGHT
+        req.spec_tokens += w * (n - req.spec_tokens)
+        req.spec_depth += w * (depth - req.spec_depth)
+        req.spec_rounds += 1
+        assert req.params.max_loops is not None, "not effective params"
+        payoff = n * depth / round_cost(self.k, self.d, req.params.max_loops, self.running)
+        self.payoff = payoff if self.payoff is None else self.payoff + ENGINE_WEIGHT * (payoff - self.payoff)
+
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
+        self.running = running
         # NOTE: one way only: a plain decode row's token may be mid-loop when the host looks (the device
         # decides loops), while between two rounds the slot's decode state is exactly a plain one's.
         limit = self.config.disable_by_batch_size

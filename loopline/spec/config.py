@@ -11,7 +11,7 @@ from loopline.errors import InvalidRequestError
 MAX_SPECULATIVE_TOKENS = 16
 SCHEMES = ("draft_verify", "pipeline")
 #: Requests running at which speculation stops paying (docs/speculation.md, "When it pays").
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 METHODS = ("loop",)
 
 

@@ -66,6 +66,25 @@ def test_drafts_that_do_not_pay_return_the_request_to_plain_decoding():
     assert pinned_stats.spec_num_drafts > 2 * WARMUP_ROUNDS  # without adaptivity it speculates to the end
 
 
+def test_the_engine_remembers_that_rounds_do_not_pay(monkeypatch):
+    """Once rounds do not pay, new requests start plain, but one in PROBE_EVERY probes (speculates until its
+    own acceptance stops it), so the engine notices when acceptance comes back."""
+    import loopline.core.speculation as speculation
+
+    m, reqs = model(1.0), prompts(4)
+    plain, _ = run(m, reqs, None)
+    eng = engine(m, spec())
+    first = tokens_depths_logprobs(run_arrivals(eng, {"r0": reqs["r0"]}))
+    rounds = eng.stats.spec_num_drafts
+    assert rounds >= WARMUP_ROUNDS and eng.scheduler.speculation.payoff < 1.0
+    rest = tokens_depths_logprobs(run_arrivals(eng, {"r1": reqs["r1"], "r2": reqs["r2"]}))
+    assert eng.stats.spec_num_drafts == rounds  # neither speculated
+    monkeypatch.setattr(speculation, "PROBE_EVERY", 3)
+    probe = tokens_depths_logprobs(run_arrivals(eng, {"r3": reqs["r3"]}))  # the third start since: a probe
+    assert eng.stats.spec_num_drafts >= rounds + WARMUP_ROUNDS
+    assert_same_tokens_depths_logprobs(first | rest | probe, plain)
+
+
 def test_drafts_that_pay_keep_speculating():
     m, reqs = model(0.0), prompts(1)
     plain, plain_stats = run(m, reqs, None)
@@ -135,4 +154,4 @@ def test_the_cost_model_at_its_measured_points():
     assert "do not pay" in s.why_stop(req, 4, 1)
     req.spec_rounds = WARMUP_ROUNDS - 1
     assert s.why_stop(req, 4, 1) is None  # still warming up
-    assert "disable_by_batch_size=8" in s.why_stop(req, 4, 8)
+    assert "disable_by_batch_size=32" in s.why_stop(req, 4, 32)
