@@ -161,3 +161,69 @@ def test_a_weight_update_drops_the_adapter_unless_it_brings_one(prompts, tmp_pat
     none = engine(blind_dir, {**spec(3, 1), "draft_adapter": "none"})
     none.update_weights_from_disk(blind_dir, 1)
     assert none.draft_adapter is None  # "none" holds across updates
+
+
+
+def _tool(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / f"{name}.py"
+    spec_ = importlib.util.spec_from_file_location(f"tool_{name}", path)
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    return module
+
+
+def test_spec_acceptance_tool_measures_drafts_through_the_adapter(blind_dir):
+    """tools/spec_acceptance.py --draft-adapter's measurement: an identity adapter gives what the plain coda
+    gives, the blind one (drafts always token 0) almost no match; the target (last loop) never changes."""
+    from loopline.train.engine_eval import heldout_stream
+
+    tool = _tool("spec_acceptance")
+    model = load_model(blind_dir, dtype=torch.float32).eval()
+    stream = heldout_stream(default_checkpoint())[:400]
+    identity = DraftAdapter(256, 2, [1, 3])
+    blind, _ = load_adapter(blind_dir, 256, 4)
+    plain, _ = tool.heldout_overlap(model, stream, 2, 48)
+    same, _ = tool.heldout_overlap(model, stream, 2, 48, identity)
+    for d in plain:
+        assert same[d] == pytest.approx(plain[d], abs=1e-5)
+    zeroed, seqs = tool.heldout_overlap(model, stream, 2, 48, blind)
+    assert zeroed[1]["match"] < 0.2 < plain[1]["match"] and zeroed[2]["match"] < 0.2
+    gen = tool.generated_matches(model, stream, 1, 16, 6, blind)  # asserts the target is plain decoding's
+    assert sum(gen[1][0][1:]) <= 1
+
+
+@pytest.mark.slow  # two tool processes on the CPU: ~40-70 s on a loaded 2-core host
+def test_acceptance_tools_measure_with_and_without_the_adapter(tmp_path, blind_dir):
+    """tools/spec_acceptance.py --draft-adapter: an identity adapter measures what the plain coda does, the
+    blind one (drafts always token 0) almost nothing; tools/draft_adapter_acceptance.py runs the engine both ways."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    ident = tmp_path / "identity"
+    save_adapter(DraftAdapter(256, 2, [1, 3]), AdapterConfig(hidden_size=256, rank=2, depths=[1, 3], total_ut_steps=4,
+                                                             base_weights_sha256="x"), ident)
+    records = {}
+    for name, adapter in (("identity", ident), ("blind", blind_dir)):
+        record = tmp_path / f"{name}.json"
+        out = subprocess.run([sys.executable, str(root / "tools" / "spec_acceptance.py"), "--prompts", "1", "--new-tokens",
+                              "6", "--windows", "1", "--seq-len", "24", "--draft-adapter", str(adapter), "--record",
+                              str(record)], capture_output=True, text=True, timeout=300, cwd=root, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "# drafts: plain coda" in out.stdout and "# drafts: draft adapter" in out.stdout
+        records[name] = json.loads(record.read_text())
+    ident_rec, blind_rec = records["identity"], records["blind"]
+    assert ident_rec["draft_adapter"]["heldout"]["overlap"] == ident_rec["heldout"]["overlap"]
+    assert blind_rec["draft_adapter"]["heldout"]["overlap"]["1"]["match"] < blind_rec["heldout"]["overlap"]["1"]["match"]
+    out = subprocess.run([sys.executable, str(root / "tools" / "draft_adapter_acceptance.py"), "--model", blind_dir,
+                          "--draft-loops", "1", "--temperatures", "0", "--tokens", "6"],
+                         capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 0 | 1 |")]
+    assert len(rows) == 2 and all(r.endswith("| True |") for r in rows), out.stdout
