@@ -76,6 +76,9 @@ class EngineArgs:
     enable_preemption: bool = _opt(False, "snapshot a victim's KV and state to CPU memory when KV runs out or a higher-priority request waits")
     swap_space: float = _opt(4.0, "CPU memory (GiB) for preemption snapshots; when full, requests wait instead")
     kv_watermark: float = _opt(0.0, "fraction of KV blocks kept free when admitting new requests (headroom for running ones)")
+    max_num_loops: int | None = _opt(None, "most loops a request may run (its max_loops bound; sizes the KV planes): "
+                                           "default the checkpoint's depth (Ouro: total_ut_steps, which is its only "
+                                           "allowed value; Huginn: mean_recurrence, any integer >= 1)")
     exit_mode: ExitMode = _opt("threshold", "'threshold': the exit rule; 'fixed': always max_loops; 'trace': replay SamplingParams.exit_depths")
     logprobs_mode: LogprobsMode = _opt("raw_logprobs", "logprobs of the raw model logits or of the processed sampling distribution")
     max_logprobs: int = _opt(20, "largest logprobs / prompt_logprobs a request may ask for")
@@ -151,7 +154,7 @@ class EngineArgs:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise InvalidRequestError(f"{name} must be > 0, got {value!r}", param=name)
 
-        for name in ("block_size", "max_num_seqs", "max_seq_len_to_capture", "log_stats_interval", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "kv_cache_memory_gb"):
+        for name in ("block_size", "max_num_seqs", "max_seq_len_to_capture", "log_stats_interval", "max_num_batched_tokens", "num_kv_blocks", "max_model_len", "kv_cache_memory_gb", "max_num_loops"):
             positive(name, getattr(self, name))
         reason = not_provided_reason(self.attention_backend)
         if reason is not None:
@@ -259,7 +262,7 @@ class EngineConfig:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
-    num_loops: int  # total_ut_steps of the checkpoint
+    num_loops: int  # loops a request may run: max_num_loops resolved (Ouro: total_ut_steps)
     max_num_batched_tokens: int = 0  # resolved: the args' value, or the device's default budget
     kv_dtype: torch.dtype | None = None  # resolved: the KV pool's stored dtype (kv_cache_dtype)
 

@@ -95,6 +95,9 @@ class SamplingParams:
     max_loops: int | None = None
     exit_threshold: float | None = None
     exit_depths: list[int] | None = None
+    # the seed of a family's random latent initial state (Huginn; docs/model-families.md): 0 by default,
+    # so a prompt's KV is a function of its tokens; part of the prefix-cache key
+    latent_seed: int = field(default=0, metadata={"cli": False})
     # False: this request never runs loop self-speculation's rounds (docs/speculation.md)
     speculate: bool = field(default=True, metadata={"cli": False})
     logprobs_mode: str | None = field(default=None, metadata={"cli": False})  # the CLI has the engine's --logprobs-mode
@@ -210,6 +213,7 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be a boolean, got {getattr(self, name)!r}", param=name)
         _int_in("priority", self.priority, -(2**31), _MAX_INT32)
         _int_in("min_loops", self.min_loops, 1, _MAX_INT32)
+        _int_in("latent_seed", self.latent_seed, 0, 2**32 - 1)
         if self.max_loops is not None:
             if _is_int(self.max_loops) and self.max_loops < self.min_loops:
                 raise InvalidRequestError(f"max_loops ({self.max_loops}) must be >= min_loops ({self.min_loops})",
@@ -233,13 +237,14 @@ class SamplingParams:
                 _int_in("exit_depths", d, 1, _MAX_INT32)
             self.exit_depths = list(self.exit_depths)
 
-    def validate_for_model(self, total_ut_steps: int, vocab_size: int) -> None:
-        """Checks that need the checkpoint: loop bounds and token ids."""
+    def validate_for_model(self, total_ut_steps: int, vocab_size: int, bound: str = "the model's total_ut_steps") -> None:
+        """Checks that need the checkpoint: loop bounds (``total_ut_steps``: the most loops allowed, named by
+        ``bound``) and token ids."""
         R = total_ut_steps
         if self.min_loops > R:
-            raise InvalidRequestError(f"min_loops must be in [1, {R}] (the model's total_ut_steps), got {self.min_loops}", param="min_loops")
+            raise InvalidRequestError(f"min_loops must be in [1, {R}] ({bound}), got {self.min_loops}", param="min_loops")
         if self.max_loops is not None and self.max_loops > R:
-            raise InvalidRequestError(f"max_loops must be in [min_loops, {R}] (the model's total_ut_steps), got {self.max_loops}", param="max_loops")
+            raise InvalidRequestError(f"max_loops must be in [min_loops, {R}] ({bound}), got {self.max_loops}", param="max_loops")
         for d in self.exit_depths or []:
             if d > R:
                 raise InvalidRequestError(f"exit_depths entries must be in [1, {R}], got {d}", param="exit_depths")

@@ -103,8 +103,8 @@ def test_bad_config_names_the_field(change, field):
 def test_loader_dispatches_on_model_type(tiny, tmp_path):
     assert load_looped_config(tiny[0]).model_type == "huginn_raven"
     assert family_of(load_looped_config(tiny[0])).model_type == "huginn_raven"
-    with pytest.raises(CheckpointError, match='model_type.*"ouro".*huginn_raven runs on the plain path'):
-        load_config(tiny[0])  # the engine's Ouro-only loader says what it takes and where Huginn runs
+    with pytest.raises(CheckpointError, match='model_type.*"ouro".*huginn_raven directory loads through load_looped_config'):
+        load_config(tiny[0])  # the Ouro-only loader says what it takes and which loader reads Huginn
     bad = shutil.copytree(tiny[0], tmp_path / "bad")
     (bad / "config.json").write_text(json.dumps({**tiny[1], "model_type": "llama"}))
     with pytest.raises(CheckpointError, match="model_type='llama'.*allowed: 'ouro', 'huginn_raven'"):

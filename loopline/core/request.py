@@ -39,6 +39,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     # prefill progress
+    prefill_loops: int = 0  # loops the prompt runs (the model family's rule; 0: the scheduler's num_loops)
     chunks: list[PrefillChunk] = field(default_factory=list)
     num_cached_tokens: int = 0
     cache_salt: object = None  # the scheduler's prefix-cache salt (weight version) when prefill began

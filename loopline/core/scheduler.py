@@ -291,7 +291,7 @@ class Scheduler:
         req.cache_salt = self.cache_salt
         req.num_cached_tokens = alloc.num_cached_tokens
         if alloc.num_cached_tokens:
-            req.chunks.append(PrefillChunk(0, alloc.num_cached_tokens, loops_done=self.num_loops))
+            req.chunks.append(PrefillChunk(0, alloc.num_cached_tokens, loops_done=self._prefill_loops(req)))
         self._out.new_requests.append(NewRequestData(
             req.request_id, req.prompt_token_ids, alloc.block_tables, req.seed, req.params,
             self.exit_policy.params_for(req.params, 0), alloc.num_cached_tokens, req.slot))
@@ -356,9 +356,10 @@ class Scheduler:
         layout = self.kv.layout
         done = [c.loops_done for c in req.chunks]
         planned = list(done)
+        depth = self._prefill_loops(req)
         for i, chunk in enumerate(req.chunks):
             n = chunk.end - chunk.start
-            if n <= budget and layout.chunk_may_run(done, planned, i, req.fully_chunked):
+            if n <= budget and done[i] < depth and layout.chunk_may_run(done, planned, i, req.fully_chunked):
                 rows.append(self._prefill_row(req, chunk))
                 planned[i] += 1
                 budget -= n
@@ -377,8 +378,13 @@ class Scheduler:
         """Books a prefill chunk's loop when it is scheduled: prefill progress does not depend on
         results, so the next step can be scheduled before this one is read."""
         chunk.loops_done += 1
-        if req.fully_chunked and all(c.loops_done == self.num_loops for c in req.chunks):
+        depth = self._prefill_loops(req)
+        if req.fully_chunked and all(c.loops_done == depth for c in req.chunks):
             self.prefill_done(req)
+
+    def _prefill_loops(self, req: Request) -> int:
+        """Loops ``req``'s prompt runs: its family's rule (Huginn: its max_loops), else every loop."""
+        return req.prefill_loops or self.num_loops
 
     def _prefill_row(self, req: Request, chunk: PrefillChunk) -> ScheduledRow:
         loop = chunk.loops_done + 1

@@ -19,6 +19,7 @@ from loopline.core.request import Request
 from loopline.errors import CapacityError, InvalidRequestError
 from loopline.inputs import check_text_only
 from loopline.kv.manager import KVCacheManager
+from loopline.models.family import FIXED_DEPTH, family_of
 from loopline.sampling_params import BAD_WORD_MAX_TOKENS, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -72,7 +73,18 @@ class InputProcessor:
         salt = _cache_salt(prompt)
         ids = self._truncate(ids, params.truncate_prompt_tokens)
         cfg = self.model_config
-        params.validate_for_model(cfg.total_ut_steps, cfg.vocab_size)
+        family = family_of(cfg)
+        params.validate_for_model(self.config.num_loops, cfg.vocab_size, "the engine's max_num_loops")
+        threshold = family.default_threshold(cfg) if params.exit_threshold is None else params.exit_threshold
+        if family.exit_criterion.reads_logits and threshold < FIXED_DEPTH:
+            raise InvalidRequestError(
+                f"exit_threshold={threshold}: the engine does not run the {family.exit_criterion.name!r} exit of "
+                f"{cfg.model_type} models yet (docs/model-families.md); allowed: 1.0 (fixed depth: max_loops loops), "
+                f"or the plain path (loopline.models.plain.plain_generate)", param="exit_threshold")
+        max_loops = params.max_loops or min(cfg.num_loops, self.config.num_loops)
+        key = family.prompt_kv_key(cfg, family.prefill_loops(cfg, max_loops), params.latent_seed)
+        if key is not None:  # what the prompt's KV depends on besides its tokens
+            salt = key if salt is None else f"{salt};{key}"
         if params.structured_outputs is not None:  # compiled now (cached): a bad constraint changes nothing
             from loopline.structured.backend import compile_constraint  # (imports xgrammar on first use)
             compile_constraint(self.tokenizer, cfg.vocab_size, params.structured_outputs)
@@ -117,10 +129,10 @@ class InputProcessor:
         effective = params.clone(seed=seed, max_tokens=max_tokens, **num,
                                  _min_tokens_stop_ids=stop_ids, _bad_words_token_ids=bad_words, _cache_salt=salt,
                                  logprobs_mode=params.logprobs_mode or self.config.logprobs_mode,
-                                 max_loops=params.max_loops or cfg.total_ut_steps,
-                                 exit_threshold=cfg.early_exit_threshold if params.exit_threshold is None else params.exit_threshold)
+                                 max_loops=max_loops, exit_threshold=threshold)
+        prefill = family.prefill_loops(cfg, max_loops)
         children = [Request(child_request_id(request_id, i), ids, effective, seed + i, max_tokens, eos,
-                            next(self._arrivals)) for i in range(params.n)]
+                            next(self._arrivals), prefill_loops=prefill) for i in range(params.n)]
         return ProcessedRequest(request_id, prompt_text, ids, effective, children)
 
     def _truncate(self, ids: list[int], keep: int | None) -> list[int]:

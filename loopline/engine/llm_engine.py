@@ -15,6 +15,7 @@ step's requests the same way. Only a device fault stops the engine.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,8 +41,9 @@ from loopline.errors import EngineDeadError, InvalidRequestError, new_error_id
 from loopline.kv.layout import make_layout
 from loopline.kv.manager import KVCacheManager
 from loopline.kv.quant import kv_scales_for
-from loopline.models.loader import (assign_checkpoint, check_sampling_defaults, load_config, load_model, load_tokenizer,
-                                    override_sampling_defaults, sampling_defaults)
+from loopline.models.family import family_of
+from loopline.models.loader import (check_sampling_defaults, dummy_looped_model, load_looped_config, load_looped_model,
+                                    load_tokenizer, override_sampling_defaults, sampling_defaults)
 from loopline.models.ouro import OuroForCausalLM
 from loopline.outputs import RequestOutput
 from loopline.sampling_params import SamplingParams
@@ -158,16 +160,36 @@ def _load_weights(args: EngineArgs, model_path: str, dtype: torch.dtype, device:
     """The checkpoint's model; with ``load_format='dummy'`` its config.json's model with seeded random weights
     (vLLM's dummy format: benchmarks and smoke tests without reading the weights)."""
     if args.load_format != "dummy":
-        return load_model(model_path, dtype, device)
-    from pathlib import Path
+        return load_looped_model(model_path, dtype, device)
+    return dummy_looped_model(model_path, args.seed, dtype, device)
 
-    from loopline.models.tiny import random_state_dict
 
-    config = load_config(model_path)
-    with torch.device("meta"):
-        model = OuroForCausalLM(config)
-    assign_checkpoint(model, random_state_dict(config, seed=args.seed), Path(model_path), device, dtype)
-    return model.eval()
+def _check_family_features(args: EngineArgs, family: Any) -> EngineArgs:
+    """``args`` with the model family's limits applied (``Family.engine_limits``): an option set to a value the
+    engine does not serve for the family is refused, naming it and what is allowed; ``"auto"`` resolves to
+    the family's first other allowed value, where it allows another."""
+    changes = {}
+    for option, allowed, why in family.engine_limits:
+        value = getattr(args, option)
+        if value not in allowed:
+            raise InvalidRequestError(f"{option}={value!r} is not served for {family.model_type} models ({why}); "
+                                      f"allowed: {', '.join(map(repr, allowed))}", param=option)
+        if value == "auto" and len(allowed) > 1:
+            changes[option] = next(a for a in allowed if a != "auto")
+    return dataclasses.replace(args, **changes) if changes else args
+
+
+def _num_loops(args: EngineArgs, model_cfg: Any) -> int:
+    """``max_num_loops`` resolved: the most loops a request may run (the checkpoint's depth by default; a
+    family with a fixed depth allows only that)."""
+    family = family_of(model_cfg)
+    limit, value = family.loop_limit(model_cfg), args.max_num_loops
+    if value is None:
+        return model_cfg.num_loops
+    if limit is not None and value != limit:
+        raise InvalidRequestError(f"max_num_loops={value} for a {model_cfg.model_type} model; allowed: {limit} (its "
+                                  f"depth is fixed: every prompt runs all of its loops)", param="max_num_loops")
+    return value
 
 
 class LLMEngine(EngineVerbs):
@@ -191,7 +213,9 @@ class LLMEngine(EngineVerbs):
         if model_path is None and (model is None or not args.skip_tokenizer_init):
             from loopline.models.tiny import default_checkpoint  # the bundled model (or its tokenizer)
             model_path = str(default_checkpoint())
-        model_cfg = load_config(model_path) if model is None else model.config
+        model_cfg = load_looped_config(model_path) if model is None else model.config
+        family = family_of(model_cfg)
+        args = _check_family_features(args, family)
         # the request defaults of LLM.generate(..., None) and of unset HTTP fields (vLLM's generation_config)
         self.sampling_defaults: dict[str, Any] = override_sampling_defaults(
             sampling_defaults(args.generation_config, model_path), args.override_generation_config)
@@ -202,11 +226,15 @@ class LLMEngine(EngineVerbs):
             raise InvalidRequestError(
                 f"max_model_len must be <= the model's max_position_embeddings ({model_cfg.max_position_embeddings}), got {max_len}",
                 param="max_model_len")
-        self.config = cfg = EngineConfig(args, model_path, device, dtype, max_len, model_cfg.total_ut_steps)
+        num_loops = _num_loops(args, model_cfg)
+        self.config = cfg = EngineConfig(args, model_path, device, dtype, max_len, num_loops)
         self.model_config = model_cfg
         self.sampling_defaults = check_sampling_defaults(self.sampling_defaults, model_cfg.vocab_size, max_len,
                                                          f"{args.generation_config} generation_config.json")
-        layout = make_layout(args.kv_layout, model_cfg.total_ut_steps)
+        try:
+            layout = make_layout(args.kv_layout, num_loops, len(family.once_planes(model_cfg, num_loops)))
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="kv_layout") from None
         # a config that asks for the impossible is refused before anything is allocated
         check_fits(footprint(model_cfg, dtype=dtype, kv_dtype=cfg.kv_dtype, device=device, max_model_len=max_len,
                              max_num_seqs=args.max_num_seqs, block_size=args.block_size,
@@ -226,7 +254,7 @@ class LLMEngine(EngineVerbs):
         block_bytes = kv_bytes_per_block(model_cfg, args.block_size, cfg.kv_dtype)
         preemption = Preemption(int(args.swap_space * 2**30 // block_bytes)) if args.enable_preemption else None
         self.scheduler = Scheduler(self.kv, self.exit_policy, make_queue(args.scheduling_policy), args.max_num_seqs,
-                                   cfg.max_num_batched_tokens, model_cfg.total_ut_steps,
+                                   cfg.max_num_batched_tokens, num_loops,
                                    allocation=make_allocation(args.kv_allocation), preemption=preemption,
                                    watermark_blocks=int(args.kv_watermark * num_blocks),
                                    after_prefill=RequestStatus.HANDOFF if prefill_only else RequestStatus.DECODE,

@@ -10,10 +10,14 @@ from abc import ABC, abstractmethod
 
 
 class KVLayout(ABC):
+    """``extra_planes``: planes a request owns beyond the loops' (a family's stages written once per token,
+    ``Family.once_planes``), placed after them; no loop reads or writes them, and exits copy none."""
+
     name: str
 
-    def __init__(self, num_loops: int) -> None:
+    def __init__(self, num_loops: int, extra_planes: int = 0) -> None:
         self.num_loops = num_loops
+        self.extra_planes = extra_planes
 
     @property
     @abstractmethod
@@ -55,7 +59,7 @@ class LastExitedLayout(KVLayout):
 
     @property
     def num_planes(self) -> int:
-        return self.num_loops
+        return self.num_loops + self.extra_planes
 
     def plane(self, loop: int) -> int:
         return loop - 1
@@ -107,8 +111,13 @@ class SharedLayout(KVLayout):
         return all(p >= loop for p in planned[:index])
 
 
-def make_layout(name: str, num_loops: int) -> KVLayout:
+def make_layout(name: str, num_loops: int, extra_planes: int = 0) -> KVLayout:
+    """The layout ``name`` for ``num_loops`` loops; ``extra_planes`` (stages written once per token) need the
+    ``last_exited`` layout (the ``shared`` plane keeps one KV per token and layer, for the loops only)."""
     layouts = {cls.name: cls for cls in (LastExitedLayout, SharedLayout)}
     if name not in layouts:
         raise ValueError(f"kv_layout must be one of {sorted(layouts)}, got {name!r}")
-    return layouts[name](num_loops)
+    if extra_planes and name != LastExitedLayout.name:
+        raise ValueError(f"kv_layout={name!r} does not hold a model with stages written once per token (Huginn's "
+                         f"prelude and coda); allowed: 'last_exited'")
+    return layouts[name](num_loops, extra_planes)

@@ -147,6 +147,24 @@ class Family:
     loop_limit: Callable[[Any], int | None]
     #: The exit threshold of a request that sets none.
     default_threshold: Callable[[Any], float]
+    #: Parameters of a config's model (lm_head counted once when tied).
+    parameter_count: Callable[[Any], int] = lambda c: 0
+    #: Engine options the engine does not serve for this family yet: ``(option, allowed values, why)``; an
+    #: ``"auto"`` backend among the allowed values resolves to the first other allowed one.
+    engine_limits: tuple[tuple[str, tuple, str], ...] = ()
+    #: What besides its tokens a prompt's KV depends on, ``(config, max_loops, latent_seed) -> str | None``:
+    #: it joins the prefix-cache key (None: nothing; Ouro).
+    prompt_kv_key: Callable[[Any, int, int], str | None] = lambda c, max_loops, seed: None
+
+    def kv_layers(self, config: Any) -> int:
+        """Layers of a paged KV plane: the largest stage's (every plane has that many)."""
+        return max(stage.num_layers for stage in self.kv_stages(config))
+
+    def once_planes(self, config: Any, num_loops: int) -> dict[str, int]:
+        """The plane of each stage written once per token, after the ``num_loops`` per-loop planes (Huginn:
+        ``{"prelude": R, "coda": R + 1}``; Ouro: none)."""
+        once = [stage.name for stage in self.kv_stages(config) if not stage.per_loop]
+        return {name: num_loops + i for i, name in enumerate(once)}
 
 
 OURO = Family(
@@ -157,6 +175,7 @@ OURO = Family(
     prefill_loops=lambda c, max_loops: c.total_ut_steps,
     loop_limit=lambda c: c.total_ut_steps,
     default_threshold=lambda c: c.early_exit_threshold,
+    parameter_count=lambda c: _ouro_parameters(c),
 )
 
 HUGINN = Family(
@@ -170,9 +189,33 @@ HUGINN = Family(
     prefill_loops=lambda c, max_loops: max_loops,
     loop_limit=lambda c: None,
     default_threshold=lambda c: FIXED_DEPTH,  # upstream's generate() without an exit criterion
+    parameter_count=lambda c: _huginn_parameters(c),
+    engine_limits=(
+        ("attention_backend", ("auto", "torch"),
+         "the Triton attention rotates q/k by rotate-half RoPE; Huginn's is interleaved"),
+        ("kernel_backend", ("auto", "torch"), "Huginn's layers run in plain torch"),
+        ("kv_cache_dtype", ("auto",), "FP8 KV scales are calibrated for Ouro's layers only"),
+        ("speculative_config", (None,), "loop self-speculation drafts with Ouro's stages"),
+        ("enable_preemption", (False,), "a preemption snapshot does not hold Huginn's per-slot prelude output yet"),
+        ("prefill_workers", (0,), "the prefill/decode handoff does not carry Huginn's per-slot state yet"),
+    ),
+    # the latent seeds the prompt's states; the coda plane holds the prompt's last loop (its depth)
+    prompt_kv_key=lambda c, max_loops, seed: f"latent_seed={seed};prefill_loops={max_loops}",
 )
 
 FAMILIES = {f.model_type: f for f in (OURO, HUGINN)}
+
+
+def _ouro_parameters(config: Any) -> int:
+    from loopline.models.ouro import parameter_count
+
+    return parameter_count(config)
+
+
+def _huginn_parameters(config: Any) -> int:
+    from loopline.models.huginn import parameter_count
+
+    return parameter_count(config)
 
 
 def family_of(config_or_model_type: Any) -> Family:

@@ -72,6 +72,11 @@ class HuginnConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def max_position_embeddings(self) -> int:
+        """The longest context the engine serves by default (``block_size``, the trained context)."""
+        return self.block_size
+
 
 # --- config.json --------------------------------------------------------------------------------------
 
@@ -338,9 +343,22 @@ class HuginnForCausalLM(nn.Module):
     def coda(self, state: Tensor, positions: Tensor, attn: Attention) -> Tensor:
         """fp32 logits ``[N, padded_vocab]`` of latent states: ``lm_head(ln_f(coda(ln_f(s))))``. ``attn``
         is the coda's attention; running the coda writes the rows' coda K/V."""
+        return self.head(self.coda_hidden(state, positions, attn))
+
+    def coda_hidden(self, state: Tensor, positions: Tensor, attn: Attention) -> Tensor:
+        """The coda without ``lm_head``: ``ln_f(coda(ln_f(s)))`` ``[N, hidden]`` (the engine keeps this per
+        row and runs :meth:`head` only on rows it samples)."""
         ln_f = self.transformer.ln_f
-        x = self._blocks(self.transformer.coda, ln_f(state), self._rope(positions), attn)
-        return self.lm_head(ln_f(x)).float()
+        return ln_f(self._blocks(self.transformer.coda, ln_f(state), self._rope(positions), attn))
+
+    def head(self, hidden: Tensor, needed: Tensor | None = None) -> Tensor:
+        """fp32 logits of :meth:`coda_hidden` rows (``needed`` is accepted for the engine's call and unused:
+        every row's logits are computed)."""
+        return self.lm_head(hidden).float()
+
+    def use_ops(self, ops: Any) -> HuginnForCausalLM:
+        """Huginn runs its layers in plain torch; the engine's fused layer ops (Ouro's) are not used."""
+        return self
 
 
 # --- the latent initial state ---------------------------------------------------------------------------

@@ -81,8 +81,8 @@ def _config_from_dict(raw: dict, path: Path, generation_eos: list[int]) -> OuroC
 
     model_type = raw.get("model_type")
     if model_type != "ouro":
-        # NOTE: Huginn loads through load_looped_model; the engine does not serve it yet (docs/model-families.md).
-        hint = " (huginn_raven runs on the plain path, loopline.models.plain; the engine serves Ouro)" \
+        # NOTE: the engine and the plain path read any family through load_looped_config / load_looped_model.
+        hint = " (a huginn_raven directory loads through load_looped_config / load_looped_model)" \
             if model_type == "huginn_raven" else ""
         raise fail("model_type", model_type, '"ouro"' + hint)
     if raw.get("use_sliding_window"):
@@ -481,6 +481,26 @@ def load_huginn_model(model_dir: PathLike, dtype: torch.dtype | str | None = Non
     with torch.device("meta"):
         model = HuginnForCausalLM(config)
     assign_checkpoint(model, weights, where, device, target)
+    return model.eval()
+
+
+def dummy_looped_model(model_dir: PathLike, seed: int, dtype: torch.dtype | str | None = None,
+                       device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The model of ``model_dir``'s config.json (any looped family) with seeded random weights, none read
+    (vLLM's ``load_format="dummy"``: benchmarks and smoke tests)."""
+    from loopline.models.huginn_tiny import random_huginn_state_dict
+    from loopline.models.tiny import random_state_dict
+
+    config = load_looped_config(model_dir)
+    target = _resolve_dtype(dtype if dtype is not None else config.torch_dtype)
+    build, weights = {"ouro": (OuroForCausalLM, random_state_dict),
+                      "huginn_raven": (HuginnForCausalLM, random_huginn_state_dict)}[config.model_type]
+    with torch.device("meta"):
+        model = build(config)
+    state = weights(config, seed=seed)
+    if isinstance(config, HuginnConfig):
+        state = tie_checkpoint_weights(config, state)
+    assign_checkpoint(model, state, Path(model_dir), device, target)
     return model.eval()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -30,8 +31,10 @@ class StepForward:
     ``(k_cache, v_cache)`` (sleep re-allocates the pool; graphs are recaptured then)."""
 
     def __init__(self, model: OuroForCausalLM, backend: AttentionBackend, kv: Callable[[], tuple[Tensor, Tensor]],
-                 kinds: Sequence[RowKind], kv_scales: KVScales | None = None) -> None:
+                 kinds: Sequence[RowKind], kv_scales: KVScales | None = None, stack: Any = None) -> None:
+        """``stack``: the family's loop over the step's rows (``loop_stack.py``; default ``model.loop``)."""
         self.model, self.backend, self.kv, self.kinds = model, backend, kv, tuple(kinds)
+        self.stack = stack if stack is not None else (lambda inp, attn: model.loop(inp.x, inp.positions, attn))
         self.kv_scales = kv_scales  # an FP8 pool's (loopline.kv.quant); fixed for the engine's life
         self.scale = 1.0 / math.sqrt(model.config.head_dim)
 
@@ -41,7 +44,7 @@ class StepForward:
         scales = self.kv_scales
         attn = PagedAttention(self.backend, k_cache, v_cache, inp.metadata(), self.scale,
                               k_scale=scales.k if scales else None, v_scale=scales.v if scales else None)
-        h, gate = self.model.loop(inp.x, inp.positions, attn)
+        h, gate = self.stack(inp, attn)
         out: list[Tensor | None] = []
         for kind, seg, own, p in zip(self.kinds, inp.segments, inp.fields, prepared):
             lo, hi = seg.tok0, seg.tok0 + seg.tokens

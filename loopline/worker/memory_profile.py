@@ -17,7 +17,8 @@ from loopline.attention.paged import PagedAttention
 from loopline.errors import CapacityError
 from loopline.kv.layout import KVLayout
 from loopline.kv.quant import is_fp8
-from loopline.models.ouro import OuroForCausalLM, parameter_count
+from loopline.models.family import family_of
+from loopline.models.ouro import OuroForCausalLM
 
 
 @torch.inference_mode()
@@ -28,13 +29,14 @@ def peak_step_bytes(model: OuroForCausalLM, backend: AttentionBackend, num_token
     ``num_sampled`` rows (0 where the device reports no memory statistics, i.e. the CPU).
     ``kv_dtype``: the pool's stored dtype (default ``dtype``)."""
     cfg = model.config
+    layers = family_of(cfg).kv_layers(cfg)
     blocks = -(-num_tokens // block_size)
-    shape = (cfg.num_hidden_layers, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (layers, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     kv_dtype = kv_dtype or dtype
     k_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     v_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     # (unit scales: the values of this pass are never read)
-    scales = torch.ones(cfg.num_hidden_layers, cfg.num_key_value_heads, device=device) if is_fp8(kv_dtype) else None
+    scales = torch.ones(layers, cfg.num_key_value_heads, device=device) if is_fp8(kv_dtype) else None
     i32 = dict(dtype=torch.int32, device=device)
     meta = PagedAttentionMetadata(
         query_start_loc=torch.tensor([0, num_tokens], **i32), seq_lens=torch.tensor([num_tokens], **i32),
@@ -47,9 +49,10 @@ def peak_step_bytes(model: OuroForCausalLM, backend: AttentionBackend, num_token
         base = torch.cuda.memory_allocated(device)
     # a step's positions are each below the context length even when its tokens are more (several prompts)
     positions = torch.arange(num_tokens, device=device) % cfg.max_position_embeddings
-    x = model.embed(torch.zeros(num_tokens, dtype=torch.long, device=device))
-    h, _ = model.loop(x, positions, PagedAttention(backend, k_cache, v_cache, meta, 1.0 / math.sqrt(cfg.head_dim),
-                                                     k_scale=scales, v_scale=scales))
+    attn = PagedAttention(backend, k_cache, v_cache, meta, 1.0 / math.sqrt(cfg.head_dim), k_scale=scales, v_scale=scales)
+    # one loop through the family seam (Ouro: the embedding, then model.loop)
+    x = model.prelude(torch.zeros(num_tokens, dtype=torch.long, device=device), positions, attn)
+    h, _ = model.core(model.initial_state(x, positions, torch.zeros_like(positions)), x, positions, attn)
     logits = model.head(h[:num_sampled])
     peak = 0
     if cuda:
@@ -66,7 +69,7 @@ _CPU_KV_GB = 1.0  # the most the CPU pool takes unless told (kv_cache_memory_gb 
 
 def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:
     """K and V bytes of one page at one plane, all layers."""
-    return (2 * model_cfg.num_hidden_layers * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim
+    return (2 * family_of(model_cfg).kv_layers(model_cfg) * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim
             * dtype.itemsize)
 
 
@@ -124,11 +127,12 @@ def footprint(model_cfg, *, dtype: torch.dtype, kv_dtype: torch.dtype, device: t
     request of ``max_model_len`` tokens in the KV pool at every plane (a pool that cannot hold one request of
     the allowed length is refused, as vLLM refuses it)."""
     c = model_cfg
-    params = parameter_count(c)
+    family = family_of(c)
+    params = family.parameter_count(c)
     blocks = -(-(max_model_len + 1) // block_size)
-    shape = {"num_hidden_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
+    shape = {"num_hidden_layers": family.kv_layers(c), "hidden_size": c.hidden_size,
              "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size}
-    kv_fields = {"max_model_len": max_model_len, "total_ut_steps": num_planes, "num_hidden_layers": c.num_hidden_layers,
+    kv_fields = {"max_model_len": max_model_len, "total_ut_steps": num_planes, "num_hidden_layers": family.kv_layers(c),
                  "num_key_value_heads": c.num_key_value_heads}
     return {
         "weights": (shape, params * dtype.itemsize if weights else 0),

@@ -33,6 +33,7 @@ from loopline.core.contracts import (
 )
 from loopline.kv.layout import KVLayout
 from loopline.kv.quant import KVScales, is_fp8
+from loopline.models.family import family_of
 from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import BAD_WORD_MAX_TOKENS, SamplingParams
 from loopline.spec.config import SpeculativeConfig
@@ -42,6 +43,7 @@ from loopline.worker.draft_head import DraftHead
 from loopline.worker.exit_rule import exit_decision
 from loopline.worker.forward import StepForward
 from loopline.worker.kv_pages import KVPages
+from loopline.worker.loop_stack import loop_stack
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import DecodeKind, DecodeOut, PrefillKind
 from loopline.worker.sampler import Sampler, SamplerOutput
@@ -129,12 +131,13 @@ class ModelRunner:
         self.kv_scales = kv_scales.to(device) if kv_scales is not None and is_fp8(self.kv_dtype) else None
         self.model, self.layout, self.backend, self.sampler = model, layout, backend, sampler
         self.device, self.dtype, self.block_size = device, dtype, block_size
-        self.num_loops = cfg.total_ut_steps
-        self.vocab_size = cfg.vocab_size
+        family = family_of(model)
+        self.family = family
+        self.vocab_size = family.logits_size(cfg)
         # One scratch block and one scratch slot beyond what the scheduler hands out:
         # padding rows of a CUDA graph write there and nowhere else.
         self.scratch_block, self.scratch_slot = num_blocks, max_num_seqs
-        shape = (cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (family.kv_layers(cfg), num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = kv_zeros(shape, self.kv_dtype, device)
         self.v_cache = kv_zeros(shape, self.kv_dtype, device)
         # Per-slot decode state stays on the device between steps.
@@ -159,11 +162,14 @@ class ModelRunner:
         # The step's rows by kind, decode rows first (the scheduler's order); one builder and one
         # forward serve eager steps and graph captures alike.
         kv = self._kv_cache  # (read at each call: the pool moves on sleep / wake)
+        # the family's loop over a step's rows (loopline.worker.loop_stack)
+        self.stack = loop_stack(model, ops=self.slot_ops, state=self.decode_state, slot_hidden=self.slot_hidden,
+                                requests=self.requests, planes=family.once_planes(cfg, layout.num_loops), dtype=dtype)
         self.decode = DecodeKind(model=model, backend=backend, kv=kv, state=self.decode_state, ops=self.slot_ops,
                                  slot_hidden=self.slot_hidden, slot_survival=self.slot_survival,
                                  requests=self.requests, scratch_slot=self.scratch_slot,
                                  copies_on_exit=len(layout.exit_copy_planes(1)) > 0, no_refill=no_refill,
-                                 per_token_exits=per_token_exits)
+                                 per_token_exits=per_token_exits, stack=self.stack)
         spec_kinds: tuple = ()
         self.spec: SpecRounds | None = None  # speculating requests' drafts and acceptance, when configured
         if speculative is not None:
@@ -174,10 +180,10 @@ class ModelRunner:
             self.spec = SpecRounds(model, self.decode_state, rounds, self.requests, sampler, device,
                                    DraftHead(model, speculative.draft_loops, speculative.draft_adapter))
         kinds = (self.decode, *spec_kinds,
-                 PrefillKind(model=model, requests=self.requests, block_size=block_size, device=device))
+                 PrefillKind(model=model, requests=self.requests, block_size=block_size, device=device, stack=self.stack))
         self.builder = StepBuilder(kinds, cfg.hidden_size, dtype, device, block_size, self.scratch_block,
                                    self.work_tile_tokens)
-        self.forward = StepForward(model, backend, kv, kinds, self.kv_scales)
+        self.forward = StepForward(model, backend, kv, kinds, self.kv_scales, self.stack)
         # preemption snapshots and the PD handoff's page export/import
         self.pages = KVPages(kv, self.requests, self.slot_hidden,
                              self.slot_survival, self.decode_state, block_size, cfg.hidden_size, dtype, device,
@@ -265,6 +271,8 @@ class ModelRunner:
             sel_hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
             sel_depth=torch.zeros(t, dtype=torch.long, device=dev),
             max_len=t + new.params.max_tokens + 1 + self.lookahead, slot=new.slot,  # effective params: max_tokens resolved
+            prefill_loops=self.family.prefill_loops(self.model.config, new.params.max_loops),
+            injected=torch.empty(t, h, dtype=self.dtype, device=dev) if self.stack.keeps_injected else None,
         )
         self._init_decode_slot(self.requests[new.request_id], new.block_tables)
 
@@ -287,6 +295,7 @@ class ModelRunner:
         """A request's per-slot device state before its first token."""
         ds = self.decode_state
         ds.set_tables(st.slot, block_tables)
+        self.stack.set_slot(st.slot, st.params.latent_seed)
         if has_penalties(st.params):
             ds.track_penalties(st.slot, st.prompt, self.vocab_size)
         if bad_words_history(st.params):  # multi-token bad words compare the slot's last tokens
@@ -328,7 +337,9 @@ class ModelRunner:
         ns = nd + sum(p.num_rows for p in plan.kinds[1:-1])  # speculative rows come between
         booked = _Booked([False] * len(rows))
         if prefill is not None:
-            self._book_prefill_rows(rows, ns, *prefill, plan.kinds[-1].host.token_offsets, booked)
+            h, gate, *kept = prefill  # (h, gate[, head input, prelude output]: the family's loop keeps them)
+            head_in, injected = kept or (h, None)
+            self._book_prefill_rows(rows, ns, h, gate, head_in, injected, plan.kinds[-1].host.token_offsets, booked)
         verify = None
         if ns > nd:  # speculative rows: drafts, and the target rows of rounds that end here
             self.spec.draft(rows[nd:ns])
@@ -370,13 +381,18 @@ class ModelRunner:
                 st.block_arrays[plane] = np.concatenate([st.block_arrays[plane], np.asarray(blocks, dtype=np.int32)])
             self.decode_state.set_tables(st.slot, st.block_arrays)
 
-    def _book_prefill_rows(self, rows, first: int, h: Tensor, gate: Tensor, offsets, booked: _Booked) -> None:
-        """Books prefill rows ``rows[first:]``; the j-th one's tokens are ``h[offsets[j]:offsets[j + 1]]``."""
+    def _book_prefill_rows(self, rows, first: int, h: Tensor, gate: Tensor, head_in: Tensor, injected: Tensor | None,
+                           offsets, booked: _Booked) -> None:
+        """Books prefill rows ``rows[first:]``; the j-th one's tokens are ``h[offsets[j]:offsets[j + 1]]``
+        (``head_in``: what the head reads of them; ``injected``: the family's kept prelude output, or None)."""
         for j, i in enumerate(range(first, len(rows))):
             lo, hi = offsets[j], offsets[j + 1]
-            self._finish_prefill_row(i, rows[i], h[lo:hi], gate[lo:hi], booked)
+            if injected is not None and rows[i].loop == 1:
+                self.requests[rows[i].request_id].injected[rows[i].start:rows[i].end] = injected[lo:hi]
+            self._finish_prefill_row(i, rows[i], h[lo:hi], gate[lo:hi], booked, head_in[lo:hi])
 
-    def _finish_prefill_row(self, i: int, row: ScheduledRow, h: Tensor, gate: Tensor, booked: _Booked) -> None:
+    def _finish_prefill_row(self, i: int, row: ScheduledRow, h: Tensor, gate: Tensor, booked: _Booked,
+                            head_in: Tensor) -> None:
         st = self.requests[row.request_id]
         lo, hi = row.start, row.end
         ep = st.prompt_exit
@@ -389,12 +405,12 @@ class ModelRunner:
             st.survival[lo:hi] = survival
             newly = ex & (st.sel_depth[lo:hi] == 0)
             # torch.where, not boolean indexing: a mask index would sync with the host
-            st.sel_hidden[lo:hi] = torch.where(newly[:, None], h, st.sel_hidden[lo:hi])
+            st.sel_hidden[lo:hi] = torch.where(newly[:, None], head_in, st.sel_hidden[lo:hi])
             st.sel_depth[lo:hi] = torch.where(newly, row.loop, st.sel_depth[lo:hi])
         elif row.loop == ep.max_loops:  # no early exit: every position exits exactly at max_loops
-            st.sel_hidden[lo:hi] = h
+            st.sel_hidden[lo:hi] = head_in
             st.sel_depth[lo:hi] = row.loop
-        if row.loop < self.num_loops:
+        if row.loop < st.prefill_loops:
             st.hidden[lo:hi] = h
             return
         # The chunk finished its last loop: prompt logprobs, and the first token if last chunk.

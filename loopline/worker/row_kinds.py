@@ -34,7 +34,6 @@ from loopline.core.contracts import ScheduledRow
 from loopline.models.ouro import OuroForCausalLM
 from loopline.worker.decode_state import DecodeRows, DeviceDecodeState, RowsInto, SlotOps
 from loopline.worker.request_state import RequestState
-from loopline.worker.staging import stage
 from loopline.worker.step_inputs import HostImage, KindRows, Segment, StepInputs
 
 
@@ -114,9 +113,9 @@ class RowKind(ABC):
     def fill(self, part: KindRows, image: HostImage) -> None:
         """Writes the rows' host arrays into the step's image (padding is there already)."""
 
-    def write_inputs(self, part: KindRows, x: Tensor) -> None:
-        """Device-side inputs outside the forward: the rows' loop inputs ``x`` ``[tokens, H]``, if the
-        forward does not derive them."""
+    def write_inputs(self, part: KindRows, x: Tensor, inp: StepInputs, seg: Segment) -> None:
+        """Device-side inputs outside the forward: the rows' loop inputs ``x`` ``[tokens, H]`` (the kind's
+        part of ``inp``, at ``seg``), if the forward does not derive them."""
 
     def prepare(self, inp: StepInputs, seg: Segment, own: dict[str, Tensor]) -> Any:
         """Inside the forward, before the layer loop: whatever the rows derive on the device."""
@@ -154,11 +153,17 @@ class DecodeKind(RowKind):
     def __init__(self, *, model: OuroForCausalLM, backend: AttentionBackend, kv: Callable[[], tuple[Tensor, Tensor]],
                  state: DeviceDecodeState, ops: SlotOps, slot_hidden: Tensor, slot_survival: Tensor,
                  requests: dict[str, RequestState], scratch_slot: int, copies_on_exit: bool, no_refill: bool,
-                 per_token_exits: bool) -> None:
+                 per_token_exits: bool, stack: Any) -> None:
+        """``stack``: the family's loop (``loop_stack.py``): the rows' inputs, what the head reads."""
         self.model, self.backend, self.kv, self.state, self.ops = model, backend, kv, state, ops
         self.slot_hidden, self.slot_survival, self.requests = slot_hidden, slot_survival, requests
         self.scratch_slot, self.copies_on_exit = scratch_slot, copies_on_exit
         self.no_refill, self.per_token_exits = no_refill, per_token_exits
+        self.stack = stack
+        # the exit copy fills the loops' planes only (a family's once-per-token planes come after them)
+        layout = state.layout
+        self.loop_planes = layout.num_loops if layout.num_planes > layout.num_loops else None
+        self._tokens = (0, 0)  # the rows' token range in the step (prepare sets it for finish)
 
     def takes(self, row: ScheduledRow) -> bool:
         return not row.is_prefill and row.spec is None
@@ -194,7 +199,8 @@ class DecodeKind(RowKind):
         rows = self.ops.decode_rows(self.state, own["slots"], own["min_loops"], own["max_loops"], own["threshold"],
                                     self.no_refill, self.per_token_exits, self.scratch_slot, into=into)
         # prelude for rows starting a token, the slot's hidden state for the others
-        self.ops.decode_inputs(rows.dec, self.model.model.embed_tokens.weight, self.slot_hidden, out=inp.x[t:t + n])
+        self.stack.decode_inputs(rows, inp, seg)
+        self._tokens = (t, t + n)
         return rows
 
     def finish(self, h: Tensor, gate: Tensor, rows: DecodeRows | None, own: dict[str, Tensor]) -> tuple:
@@ -202,12 +208,16 @@ class DecodeKind(RowKind):
         if rows is None:
             return (None,) * self.num_outputs
         d = rows.dec
+        lo, hi = self._tokens
         ex = self.ops.exit_and_store(h, gate, d, self.slot_hidden, self.slot_survival)
+        self.stack.store_decode(d.slots, lo, hi)
         if self.copies_on_exit:  # last_exited: a token exiting at loop e fills its deeper planes
             k_cache, v_cache = self.kv()
-            self.backend.copy_exited(k_cache, v_cache, d.plane_slots, d.loops, ex,
+            planes = d.plane_slots if self.loop_planes is None else d.plane_slots[:, :self.loop_planes]
+            self.backend.copy_exited(k_cache, v_cache, planes, d.loops, ex,
                                      self.state.scratch_block * self.state.block_size)
-        logits = self.model.head(h, needed=ex)  # rows not exiting: logits unused (may be zeros)
+        # rows not exiting: logits unused (may be zeros)
+        logits = self.model.head(self.stack.head_input(h, lo, hi), needed=ex)
         # only rows that ran exit: a no_refill row waiting for its cohort does not (without no_refill every
         # row runs, and the mask would be a launch of its own)
         if self.no_refill:
@@ -222,13 +232,15 @@ class DecodeKind(RowKind):
 
 
 class PrefillKind(RowKind):
-    """Prompt chunks at one loop; the forward returns their tokens' ``(h, gate)`` for booking."""
-
-    num_outputs = 2
+    """Prompt chunks at one loop; the forward returns their tokens' ``(h, gate)``, and for a family that keeps
+    its prelude output (Huginn) also what the head reads and that output (Ouro's head reads ``h``)."""
 
     def __init__(self, *, model: OuroForCausalLM, requests: dict[str, RequestState], block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, stack: Any) -> None:
         self.model, self.requests, self.block_size, self.device = model, requests, block_size, device
+        self.stack = stack
+        self.num_outputs = 4 if stack.keeps_injected else 2
+        self._tokens = (0, 0)
 
     def takes(self, row: ScheduledRow) -> bool:
         return row.is_prefill
@@ -249,24 +261,22 @@ class PrefillKind(RowKind):
         image.shared("seq_lens")[:part.num_rows] = p.seq_lens
         image.shared("block_tables")[:part.num_rows, :p.block_tables.shape[1]] = p.block_tables
 
-    def write_inputs(self, part: KindRows, x: Tensor) -> None:
-        """Each row's input: embeddings at loop 1, the previous loop's hidden state after."""
-        rows = part.rows
-        starting = [r for r in rows if r.loop == 1]
-        ids = iter(stage(self.device, *((r.input_token_ids, np.int64) for r in starting)))
-        parts = [self.model.embed(next(ids)) if r.loop == 1 else self.requests[r.request_id].hidden[r.start:r.end]
-                 for r in rows]
-        if len(parts) == 1:
-            x.copy_(parts[0])
-        else:
-            torch.cat(parts, out=x)
+    def write_inputs(self, part: KindRows, x: Tensor, inp: StepInputs, seg: Segment) -> None:
+        """Each row's input (the family's loop says which: ``loop_stack.py``)."""
+        self.stack.prefill_inputs(part.rows, x, inp, seg)
 
-    def finish(self, h: Tensor, gate: Tensor, prepared: Any, own: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        return h, gate
+    def prepare(self, inp: StepInputs, seg: Segment, own: dict[str, Tensor]) -> Any:
+        self._tokens = (seg.tok0, seg.tok0 + seg.tokens)
+        return None
 
-    def trim(self, out: tuple, part: KindRows) -> tuple[Tensor, Tensor] | None:
+    def finish(self, h: Tensor, gate: Tensor, prepared: Any, own: dict[str, Tensor]) -> tuple:
+        if self.num_outputs == 2:
+            return h, gate
+        lo, hi = self._tokens
+        return h, gate, self.stack.head_input(h, lo, hi), self.stack.injected(lo, hi)
+
+    def trim(self, out: tuple, part: KindRows) -> tuple | None:
         if not part.num_rows:
             return None
-        h, gate = out
         t = part.num_tokens
-        return h[:t], gate[:t]
+        return tuple(o[:t] for o in out)

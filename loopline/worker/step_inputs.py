@@ -332,7 +332,7 @@ class StepBuilder:
         self.upload(inp, pinned, steady)
         for kind, part, seg in zip(self.kinds, plan.kinds, inp.segments):
             if part.num_rows:
-                kind.write_inputs(part, inp.x[seg.tok0:seg.tok0 + part.num_tokens])
+                kind.write_inputs(part, inp.x[seg.tok0:seg.tok0 + part.num_tokens], inp, seg)
 
     def _work_query_lens(self, plan: StepPlan, counts) -> tuple[int, np.ndarray]:
         """Query lengths of every row from the first multi-query kind on (padding rows: 0), and that row."""

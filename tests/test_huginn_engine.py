@@ -1,0 +1,140 @@
+"""Huginn (``huginn_raven``) served by the engine's paged path (issue #46), held to the plain path
+(models/plain.py) and to the independent oracle (tests/huginn_reference.py).
+
+Fixed iterations (exit_threshold 1.0): batched requests of different prompt lengths and depths, chunked
+prefill, a request joining while others decode (refill), the seeded latent state; the KV pool sized from
+the family's KV stages; bad engine options and request fields refused by name.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_testing import run_arrivals  # tests/ is on pythonpath (pyproject.toml)
+from huginn_reference import reference_generate
+from safetensors.torch import load_file
+
+from loopline.config import EngineArgs
+from loopline.engine.llm_engine import LLMEngine
+from loopline.errors import InvalidRequestError
+from loopline.models.huginn_tiny import make_tiny_huginn_checkpoint
+from loopline.models.loader import load_looped_model
+from loopline.models.plain import plain_generate
+from loopline.sampling_params import SamplingParams
+
+PROMPTS = {"a": [5, 9, 100, 3], "b": list(range(7, 26)), "c": [300, 2, 41, 41, 8, 90, 17], "d": [11] * 12}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = make_tiny_huginn_checkpoint(tmp_path_factory.mktemp("huginn_engine"), seed=0)
+    return path, load_looped_model(path)
+
+
+def engine(path, **kw) -> LLMEngine:
+    kw = {"skip_tokenizer_init": True, "device": "cpu", "max_num_seqs": 4, "block_size": 4, **kw}
+    return LLMEngine(EngineArgs(model=str(path), **kw))
+
+
+def greedy(max_tokens: int = 5, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True, **kw)
+
+
+def assert_equal_plain(model, outputs: dict, requests: dict) -> None:
+    """Each output's tokens and exit depths equal plain_generate's, logprobs within fp32 tolerance."""
+    for rid, (prompt, params) in requests.items():
+        c = outputs[rid].outputs[0]
+        ref = plain_generate(model, prompt, params.max_tokens, max_loops=params.max_loops,
+                             seed=params.latent_seed)
+        assert c.token_ids == ref.tokens, rid
+        assert c.exit_depths == ref.exit_loops, rid
+        assert torch.tensor(c.token_logprobs) == pytest.approx(torch.tensor(ref.logprobs), abs=1e-4), rid
+
+
+def test_fixed_depth_batch_equals_plain_path_and_oracle(tiny):
+    path, model = tiny
+    requests = {rid: (p, greedy()) for rid, p in PROMPTS.items()}
+    outputs = run_arrivals(engine(path), requests)
+    assert_equal_plain(model, outputs, requests)
+    # and the oracle written from upstream's semantics (no loopline code), for one of them
+    cfg, sd = json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
+    prompt = PROMPTS["c"]
+    n = len(prompt) + 5
+    init = model.initial_state(torch.zeros(n, model.config.hidden_size), torch.arange(n), torch.zeros(n, dtype=torch.long))
+    tokens, depths, logprobs = reference_generate(sd, cfg, prompt, 5, max_steps=model.config.mean_recurrence,
+                                                  init_states=init)
+    c = outputs["c"].outputs[0]
+    assert (c.token_ids, c.exit_depths) == (tokens, depths)
+    assert torch.tensor(c.token_logprobs) == pytest.approx(torch.tensor(logprobs), abs=1e-4)
+
+
+def test_chunked_prefill_refill_depths_and_seeds(tiny):
+    """Prompts in chunks of 6 tokens, requests of different max_loops (prompts run that many loops) and
+    latent seeds, two of them joining while the others decode."""
+    path, model = tiny
+    requests = {"a": (PROMPTS["a"], greedy(6, max_loops=3)), "b": (PROMPTS["b"], greedy(4, latent_seed=7)),
+                "c": (PROMPTS["c"], greedy(5, max_loops=8, latent_seed=123456)), "d": (PROMPTS["d"], greedy(3))}
+    eng = engine(path, max_num_batched_tokens=6, max_num_seqs=3, max_num_loops=8)
+    outputs = run_arrivals(eng, requests, arrivals={"c": 4, "d": 9})
+    assert_equal_plain(model, outputs, requests)
+
+
+def test_latent_seed_changes_the_output_and_joins_the_prefix_cache_key(tiny):
+    path, model = tiny
+    prompt = list(range(30, 50))
+    requests = {"s0": (prompt, greedy(4)), "s1": (prompt, greedy(4, latent_seed=1))}
+    eng = engine(path, enable_prefix_caching=True)
+    outputs = run_arrivals(eng, requests, arrivals={"s1": 40})
+    assert outputs["s0"].outputs[0].token_logprobs != outputs["s1"].outputs[0].token_logprobs
+    assert_equal_plain(model, outputs, requests)
+
+
+def test_kv_pool_from_the_kv_stages(tiny):
+    path, model = tiny
+    eng = engine(path, max_num_loops=9)
+    runner, c = eng.runner, model.config
+    # planes: one per core iteration (the bound), the prelude's and the coda's; layers: the largest stage's
+    assert eng.kv.layout.num_planes == 9 + 2
+    assert runner.k_cache.shape[0] == max(c.n_layers_in_prelude, c.n_layers_in_recurrent_block, c.n_layers_in_coda)
+    assert eng.config.num_loops == 9
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"max_num_loops": 0}, "max_num_loops"),
+    ({"max_num_loops": True}, "max_num_loops"),
+    ({"kv_layout": "shared"}, "kv_layout"),
+    ({"attention_backend": "triton"}, "attention_backend"),
+    ({"enable_preemption": True}, "enable_preemption"),
+    ({"speculative_config": {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1}}, "speculative_config"),
+])
+def test_bad_engine_options_are_named(tiny, kw, field):
+    with pytest.raises(InvalidRequestError, match=field) as err:
+        engine(tiny[0], **kw)
+    assert err.value.param == field
+
+
+def test_ouro_keeps_its_fixed_depth(tmp_path):
+    from loopline.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "ouro")
+    with pytest.raises(InvalidRequestError, match=r"max_num_loops=3 .* allowed: 4"):
+        engine(path, max_num_loops=3)
+
+
+@pytest.mark.parametrize("kw, field, match", [
+    ({"max_loops": 7}, "max_loops", r"\[min_loops, 6\] \(the engine's max_num_loops\)"),
+    ({"min_loops": 7}, "min_loops", r"\[1, 6\]"),
+    ({"exit_threshold": 0.5}, "exit_threshold", r"allowed: 1.0"),
+    ({"latent_seed": -1}, "latent_seed", r"latent_seed"),
+    ({"latent_seed": 2**32}, "latent_seed", r"latent_seed"),
+])
+def test_bad_request_fields_are_named_and_others_still_run(tiny, kw, field, match):
+    path, model = tiny
+    eng = engine(path)
+    eng.add_request("ok", {"prompt_token_ids": PROMPTS["a"]}, greedy(2))
+    with pytest.raises(InvalidRequestError, match=match) as err:
+        eng.add_request("bad", {"prompt_token_ids": PROMPTS["a"]}, SamplingParams(max_tokens=2, **kw))
+    assert err.value.param == field
+    outputs = run_arrivals(eng, {})
+    assert outputs["ok"].outputs[0].token_ids == plain_generate(model, PROMPTS["a"], 2).tokens
