@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 KVLayoutName = Literal["last_exited", "shared"]
 SchedulingMode = Literal["refill", "no_refill"]
 SchedulingPolicy = Literal["fcfs", "priority"]
-ExitMode = Literal["threshold", "fixed", "trace"]
+ExitMode = Literal["threshold", "fixed", "trace", "lookahead"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 DType = Literal["auto", "float32", "bfloat16", "float16", "half", "float"]  # half, float: vLLM's aliases
@@ -79,7 +79,10 @@ class EngineArgs:
     max_num_loops: int | None = _opt(None, "most loops a request may run (its max_loops bound; sizes the KV planes): "
                                            "default the checkpoint's depth (Ouro: total_ut_steps, which is its only "
                                            "allowed value; Huginn: mean_recurrence, any integer >= 1)")
-    exit_mode: ExitMode = _opt("threshold", "'threshold': the exit rule; 'fixed': always max_loops; 'trace': replay SamplingParams.exit_depths")
+    exit_mode: ExitMode = _opt("threshold", "requests' default exit policy (SamplingParams.exit_mode picks one per request): "
+                                            "'threshold': the exit rule; 'fixed': always max_loops; 'trace': replay "
+                                            "SamplingParams.exit_depths; 'lookahead': the head beside the weights fixes "
+                                            "each exit two loops ahead (docs/lookahead.md)")
     logprobs_mode: LogprobsMode = _opt("raw_logprobs", "logprobs of the raw model logits or of the processed sampling distribution")
     max_logprobs: int = _opt(20, "largest logprobs / prompt_logprobs a request may ask for")
     attention_backend: AttentionBackendName = _opt("auto", "paged attention backend ('auto': triton on CUDA, torch on CPU)")

@@ -33,6 +33,9 @@ MAX_STOP_STRINGS, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
 _LOGPROBS_MODES = {"raw_logprobs": "raw_logprobs", "processed_logprobs": "processed_logprobs",
                    "raw": "raw_logprobs", "processed": "processed_logprobs"}
 
+# Exit policies a request may pick (loopline.core.exit_policy); "trace" is the engine's only.
+REQUEST_EXIT_MODES = ("threshold", "fixed", "lookahead")
+
 
 class RequestOutputKind(enum.Enum):
     """What a request's outputs hold (vLLM's names): ``CUMULATIVE`` (the default) -- each output is
@@ -54,6 +57,11 @@ class SamplingParams:
     probability (``None``: the checkpoint's ``early_exit_threshold``; 1.0 means
     fixed depth). ``exit_depths`` replays given per-token depths instead of the
     rule (the engine's ``exit_mode="trace"``).
+
+    ``exit_mode``: this request's exit policy, ``"threshold"`` (the gate), ``"fixed"`` (every token
+    runs ``max_loops``) or ``"lookahead"`` (a head beside the weights fixes each token's exit two loops
+    ahead: docs/lookahead.md); ``None``: the engine's ``exit_mode``. ``lookahead_threshold``: the
+    lookahead head's probability threshold in [0, 1] (``None``: the head's calibrated one).
 
     ``logprobs_mode``: ``"raw_logprobs"`` or ``"processed_logprobs"`` (also
     ``"raw"`` / ``"processed"``) for this request's logprobs; ``None`` uses the
@@ -95,6 +103,8 @@ class SamplingParams:
     max_loops: int | None = None
     exit_threshold: float | None = None
     exit_depths: list[int] | None = None
+    exit_mode: str | None = field(default=None, metadata={"cli": False})  # the CLI has the engine's --exit-mode
+    lookahead_threshold: float | None = field(default=None, metadata={"cli": False})
     # the seed of a family's random latent initial state (Huginn; docs/model-families.md): 0 by default,
     # so a prompt's KV is a function of its tokens; part of the prefix-cache key
     latent_seed: int = field(default=0, metadata={"cli": False})
@@ -221,6 +231,11 @@ class SamplingParams:
             _int_in("max_loops", self.max_loops, self.min_loops, _MAX_INT32)
         if self.exit_threshold is not None:
             _float_in("exit_threshold", self.exit_threshold, 0.0, 1.0, lo_open=True)
+        if self.exit_mode is not None and self.exit_mode not in REQUEST_EXIT_MODES:
+            raise InvalidRequestError(f"exit_mode must be one of {list(REQUEST_EXIT_MODES)} or None (the engine's), "
+                                      f"got {self.exit_mode!r}", param="exit_mode")
+        if self.lookahead_threshold is not None:
+            _float_in("lookahead_threshold", self.lookahead_threshold, 0.0, 1.0)
         if self.logprobs_mode is not None:
             mode = _LOGPROBS_MODES.get(self.logprobs_mode) if isinstance(self.logprobs_mode, str) else None
             if mode is None:

@@ -11,11 +11,17 @@ from dataclasses import dataclass, field
 @dataclass
 class ExitParams:
     """A row's exit rule: exit after loop r when r == max_loops, or when
-    threshold < 1 and r >= min_loops and F_r >= threshold."""
+    threshold < 1 and r >= min_loops and F_r >= threshold.
+
+    ``lookahead`` (the ``exit_mode="lookahead"`` policy; its rows have threshold 1.0): the head's
+    probability threshold. After loop n (0: the embedding) with ``min_loops <= n + 2 < max_loops`` and
+    no exit fixed yet, a prediction at or above it fixes the token's exit at loop ``n + 2``
+    (docs/lookahead.md). None: the row does not use the head."""
 
     min_loops: int
     max_loops: int
     threshold: float
+    lookahead: float | None = None
 
 
 @dataclass

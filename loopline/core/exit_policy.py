@@ -71,6 +71,60 @@ class TraceExit(ExitPolicy):
         return ExitParams(depth, depth, 1.0)
 
 
-def make_exit_policy(mode: str) -> ExitPolicy:
-    policies = {cls.name: cls for cls in (ThresholdExit, FixedExit, TraceExit)}
-    return policies[mode]()
+class LookaheadExit(ExitPolicy):
+    """A head beside the weights fixes each token's exit two loops ahead (docs/lookahead.md): after loop
+    ``n`` the device evaluates it and a prediction at or above ``lookahead_threshold`` fixes the exit at
+    ``n + 2``; the gate's threshold is not used (tokens without a fixed exit run ``max_loops``)."""
+
+    name = "lookahead"
+
+    def params_for(self, params: SamplingParams, token_index: int) -> ExitParams:
+        assert params.max_loops is not None and params.lookahead_threshold is not None, "not effective params"
+        return ExitParams(params.min_loops, params.max_loops, 1.0, lookahead=params.lookahead_threshold)
+
+
+class RequestExit(ExitPolicy):
+    """The engine's policy: each request's ``SamplingParams.exit_mode``, else the engine's ``exit_mode``.
+
+    ``head_threshold``: the calibrated threshold of the lookahead head the engine loaded (None: it has
+    none, and ``exit_mode="lookahead"`` is refused). Under the engine's ``"trace"`` mode every row's
+    depth comes from its recorded depths, so a request may not pick another mode."""
+
+    def __init__(self, default: str, head_threshold: float | None = None) -> None:
+        self._policies: dict[str, ExitPolicy] = {cls.name: cls() for cls in (ThresholdExit, FixedExit, TraceExit,
+                                                                              LookaheadExit)}
+        self.default = self._policies[default]
+        self.name, self.per_token = default, self.default.per_token
+        self.head_threshold = head_threshold
+        if default == "lookahead" and head_threshold is None:
+            raise InvalidRequestError("exit_mode='lookahead' needs a lookahead head beside the model's weights "
+                                      "(lookahead.json and lookahead.safetensors: loopline train lookahead)",
+                                      param="exit_mode")
+
+    def policy_for(self, params: SamplingParams) -> ExitPolicy:
+        return self._policies[params.exit_mode] if params.exit_mode is not None else self.default
+
+    def validate(self, params: SamplingParams) -> None:
+        mode = params.exit_mode
+        if mode is not None and self.per_token and mode != self.name:
+            raise InvalidRequestError(f"exit_mode={mode!r} per request is not available while the engine's "
+                                      f"exit_mode is {self.name!r}", param="exit_mode")
+        if self.policy_for(params).name == "lookahead" and self.head_threshold is None:
+            raise InvalidRequestError("exit_mode='lookahead' needs a lookahead head beside the model's weights "
+                                      "(lookahead.json and lookahead.safetensors); this model has none",
+                                      param="exit_mode")
+        self.policy_for(params).validate(params)
+
+    def lookahead_threshold(self, params: SamplingParams) -> float | None:
+        """The request's effective head threshold (its own, else the head's calibrated one)."""
+        if self.policy_for(params).name != "lookahead":
+            return params.lookahead_threshold
+        return params.lookahead_threshold if params.lookahead_threshold is not None else self.head_threshold
+
+    def params_for(self, params: SamplingParams, token_index: int) -> ExitParams:
+        return self.policy_for(params).params_for(params, token_index)
+
+
+def make_exit_policy(mode: str, head_threshold: float | None = None) -> RequestExit:
+    """The engine's exit policy (:class:`RequestExit`) with ``mode`` as its default."""
+    return RequestExit(mode, head_threshold)

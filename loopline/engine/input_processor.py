@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopline.config import EngineConfig
-from loopline.core.exit_policy import ExitPolicy
+from loopline.core.exit_policy import RequestExit
 from loopline.core.request import Request
 from loopline.errors import CapacityError, InvalidRequestError
 from loopline.inputs import check_text_only
@@ -48,7 +48,7 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, model_config: Any, tokenizer: Any, exit_policy: ExitPolicy,
+    def __init__(self, config: EngineConfig, model_config: Any, tokenizer: Any, exit_policy: RequestExit,
                  kv: KVCacheManager, eos_token_ids: frozenset[int], chat_end_ids: list[int]) -> None:
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.exit_policy, self.kv = exit_policy, kv
@@ -127,6 +127,7 @@ class InputProcessor:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         # NOTE: the one place a request's defaults are decided; everything downstream reads `effective`
         effective = params.clone(seed=seed, max_tokens=max_tokens, **num,
+                                 lookahead_threshold=self.exit_policy.lookahead_threshold(params),
                                  _min_tokens_stop_ids=stop_ids, _bad_words_token_ids=bad_words, _cache_salt=salt,
                                  logprobs_mode=params.logprobs_mode or self.config.logprobs_mode,
                                  max_loops=max_loops, exit_threshold=threshold)

@@ -192,6 +192,16 @@ def _num_loops(args: EngineArgs, model_cfg: Any) -> int:
     return value
 
 
+def _lookahead_head(args: EngineArgs, model_path: str, given_model: bool, model_cfg: Any):
+    """The lookahead exit head beside the served weights (``lookahead.json``: docs/lookahead.md), validated
+    against the model, or None (none there, an in-memory model, or dummy weights)."""
+    if given_model or args.load_format == "dummy":
+        return None
+    from loopline.models.lookahead_head import load_head
+
+    return load_head(model_path, hidden_size=model_cfg.hidden_size, loops=getattr(model_cfg, "total_ut_steps", None))
+
+
 class LLMEngine(EngineVerbs):
     """Lower-level streaming engine (vLLM names): ``add_request``, ``step``, ``abort_request``, and one
     control port, :meth:`control_call`, behind the control verbs it inherits (``engine/verbs.py``:
@@ -246,7 +256,8 @@ class LLMEngine(EngineVerbs):
                           else load_tokenizer(args.tokenizer or model_path, args.chat_template))
         num_blocks = num_kv_blocks(cfg, self.model, backends.attention, layout)
         self.kv = KVCacheManager(num_blocks, args.block_size, layout, args.enable_prefix_caching)
-        self.exit_policy = make_exit_policy(args.exit_mode)
+        head = _lookahead_head(args, model_path, model is not None, model_cfg)
+        self.exit_policy = make_exit_policy(args.exit_mode, head[1].threshold if head is not None else None)
         spec = args.speculative()
         if spec is not None:
             spec.check_model(model_cfg.total_ut_steps)
@@ -266,7 +277,7 @@ class LLMEngine(EngineVerbs):
                                   max_len, Sampler(args.logprobs_mode), device, dtype, slot_ops=backends.slot_ops,
                                   no_refill=args.scheduling_mode == "no_refill",
                                   per_token_exits=self.exit_policy.per_token, kv_dtype=cfg.kv_dtype,
-                                  kv_scales=kv_scales, speculative=spec)
+                                  kv_scales=kv_scales, speculative=spec, lookahead=head)
         if self.runner.spec is not None:  # drafts' trained adapter, beside the served weights (docs/speculation.md)
             weights_dir = model_path if model is None and args.load_format != "dummy" else None
             found = resolve_adapter(spec.draft_adapter, weights_dir, model_cfg.hidden_size, model_cfg.total_ut_steps,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -27,30 +27,22 @@ import torch
 from torch import Tensor, nn
 
 from loopline.errors import InvalidRequestError
+from loopline.models.lookahead_head import (
+    DISTANCE,
+    HEAD_CONFIG,
+    HEAD_FILE,
+    HeadConfig,
+    LookaheadHead,
+    TraceSpec,
+    load_head,
+    projection,
+    save_head,
+)
 
 __all__ = ["DISTANCE", "TraceSpec", "collect_traces", "load_traces", "features", "LookaheadHead", "train_head",
            "lookahead_depths", "stock_depths", "policy_point", "save_head", "load_head", "HEAD_FILE", "HEAD_CONFIG", "lookahead_generate", "head_decider"]
 
-DISTANCE = 2  # loops between the decision and the exit it fixes
-HEAD_FILE = "lookahead.safetensors"
-HEAD_CONFIG = "lookahead.json"
 TRACE_FORMAT = "loopline-lookahead-traces/1"
-
-
-@dataclass(frozen=True)
-class TraceSpec:
-    """What a trace directory holds: ``proj_dim`` random-projection channels of each loop's hidden state."""
-
-    proj_dim: int = 32
-    proj_seed: int = 0
-    seq_len: int = 256
-    max_position: int = 2048  # position feature: log1p(pos) / log1p(max_position)
-
-
-def projection(hidden_size: int, spec: TraceSpec) -> Tensor:
-    """The fixed ``[hidden, proj_dim]`` Gaussian projection (seeded, scaled to keep unit-norm rows' scale)."""
-    g = torch.Generator().manual_seed(spec.proj_seed)
-    return torch.randn(hidden_size, spec.proj_dim, generator=g) / math.sqrt(hidden_size)
 
 
 def _windows(stream: Sequence[int], seq_len: int, max_windows: int | None) -> Tensor:
@@ -154,19 +146,6 @@ def agree(tr: dict[str, Tensor]) -> Tensor:
     return tr["greedy"] == tr["greedy"][:, -1:]
 
 
-class LookaheadHead(nn.Module):
-    """``features -> logit`` of "loop n + 2's greedy token equals the full-depth token"."""
-
-    def __init__(self, num_features: int, hidden: int = 64) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(num_features, hidden), nn.GELU(), nn.Linear(hidden, 1))
-        self.register_buffer("mean", torch.zeros(num_features))
-        self.register_buffer("std", torch.ones(num_features))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net((x - self.mean) / self.std).squeeze(-1)
-
-
 def decision_loops(loops: int) -> range:
     """Loops whose prediction can fix an exit earlier than the last loop: 0 .. loops - DISTANCE - 1."""
     return range(0, loops - DISTANCE)
@@ -201,20 +180,6 @@ def policy_point(tr: dict[str, Tensor], depths: Tensor) -> dict:
     return {"mean_depth": depths.float().mean().item(), "loss": loss.mean().item(), "tokens": int(depths.numel()),
             "early_exits": int(early.sum()), "wrong_exits": int((wrong & early).sum()),
             "wrong_exit_rate": (wrong & early).float().sum().item() / max(int(early.sum()), 1)}
-
-
-@dataclass
-class HeadConfig:
-    """``lookahead.json``: how the head was made and how to read its inputs."""
-
-    threshold: float
-    distance: int = DISTANCE
-    loops: int = 4
-    hidden: int = 64
-    spec: dict = field(default_factory=lambda: asdict(TraceSpec()))
-    label: str = "greedy token at loop n+2 == greedy token at the last loop"
-    file: str = HEAD_FILE
-    metrics: dict = field(default_factory=dict)
 
 
 def _examples(tr: dict[str, Tensor], loops: int, max_position: int) -> tuple[Tensor, Tensor]:
@@ -261,34 +226,6 @@ def train_head(train: dict[str, Tensor], calib: dict[str, Tensor], loops: int, s
                "calib_positive_rate": yc.mean().item(), "calib_full_depth_loss": full, "calib_curve": points,
                "parameters": sum(p.numel() for p in head.net.parameters())}
     return head, HeadConfig(threshold=chosen, loops=loops, hidden=hidden, spec=asdict(spec), metrics=metrics)
-
-
-def save_head(head: LookaheadHead, config: HeadConfig, out_dir: str | Path) -> Path:
-    """Writes ``lookahead.safetensors`` and ``lookahead.json`` into ``out_dir`` (beside a model's weights)."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out / config.file))
-    (out / HEAD_CONFIG).write_text(json.dumps(asdict(config), indent=1) + "\n", encoding="utf-8")
-    return out
-
-
-def load_head(model_dir: str | Path) -> tuple[LookaheadHead, HeadConfig] | None:
-    """The head saved beside ``model_dir``'s weights, or None when it has none."""
-    from safetensors.torch import load_file
-
-    d = Path(model_dir)
-    if not (d / HEAD_CONFIG).is_file():
-        return None
-    config = HeadConfig(**json.loads((d / HEAD_CONFIG).read_text(encoding="utf-8")))
-    weights = d / config.file
-    if not weights.is_file():
-        raise FileNotFoundError(f"{d / HEAD_CONFIG} names {config.file}, which does not exist in {d}")
-    state = load_file(str(weights))
-    head = LookaheadHead(state["mean"].shape[0], config.hidden)
-    head.load_state_dict(state)
-    return head.eval(), config
 
 
 def split_stream(model_dir: str | Path, which: str, min_tokens: int, corpus=None) -> list[int]:
@@ -367,6 +304,7 @@ def run(model_dir: str | Path, out_dir: str | Path, traces_dir: str | Path, *, s
     _, held = load_traces(traces / "heldout")
     t1 = time.perf_counter()
     head, config = train_head(train, calib, meta["loops"], spec, hidden=hidden, epochs=epochs, seed=seed)
+    config.hidden_size = meta["hidden_size"]
     config.metrics["train_s"] = round(time.perf_counter() - t1, 1)
     save_head(head, config, out_dir)
     result = {"out": str(out_dir), "threshold": config.threshold, "parameters": config.metrics["parameters"],

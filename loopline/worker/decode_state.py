@@ -179,7 +179,8 @@ class DeviceDecodeState:
         # [slots, W] int64: each slot's last W generated tokens, oldest first (multi-token bad_words);
         # entries older than the slot's token_index are stale
         self.recent: Tensor | None = None
-
+        # [slots] int64: the loop at which the slot's token exits, fixed two loops ahead (exit_mode="lookahead"; 0: not yet)
+        self.exit_target: Tensor | None = None
     def set_trace(self, slot: int, depths: list[int]) -> None:
         """Recorded exit depths of ``slot``'s tokens; the last one repeats past the end (``TraceExit``)."""
         self.allocate_trace()
@@ -194,13 +195,18 @@ class DeviceDecodeState:
             # int8: depths are loop counts, and a row spans max_model_len tokens
             self.trace = torch.ones(self.loop.shape[0], self.max_tokens, dtype=torch.int8, device=self.device)
 
+    def allocate_exit_target(self) -> None:
+        """The per-slot fixed exits of the lookahead rule (before CUDA graphs capture reads of it)."""
+        if self.exit_target is None:
+            self.exit_target = torch.zeros_like(self.loop)
+
     def trace_depths(self, slots: Tensor, token_index: Tensor) -> Tensor:
         assert self.trace is not None, "set_trace() first"
         return self.trace[slots, token_index.clamp(max=self.max_tokens - 1)].long()
 
     def _per_slot(self) -> dict[str, Tensor]:
         rows = {"loop": self.loop, "pos": self.pos, "token": self.token, "token_index": self.token_index}
-        for name in ("trace", "counts", "seen", "recent"):
+        for name in ("trace", "counts", "seen", "recent", "exit_target"):
             if getattr(self, name) is not None:
                 rows[name] = getattr(self, name)
         return rows
@@ -218,6 +224,8 @@ class DeviceDecodeState:
             self.seen = torch.zeros(self.loop.shape[0], vocab, dtype=torch.bool, device=self.device)
         if "trace" in saved:
             self.allocate_trace()
+        if "exit_target" in saved:
+            self.allocate_exit_target()
         if "recent" in saved:
             self.track_recent(saved["recent"].shape[-1])
         per_slot = self._per_slot()

@@ -34,6 +34,7 @@ from loopline.core.contracts import (
 from loopline.kv.layout import KVLayout
 from loopline.kv.quant import KVScales, is_fp8
 from loopline.models.family import family_of
+from loopline.models.lookahead_head import HeadConfig, LookaheadHead
 from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import BAD_WORD_MAX_TOKENS, SamplingParams
 from loopline.spec.config import SpeculativeConfig
@@ -43,6 +44,7 @@ from loopline.worker.draft_head import DraftHead
 from loopline.worker.exit_rule import exit_decision
 from loopline.worker.forward import StepForward
 from loopline.worker.kv_pages import KVPages
+from loopline.worker.lookahead_rule import LookaheadRule
 from loopline.worker.loop_stack import loop_stack
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import DecodeKind, DecodeOut, PrefillKind
@@ -121,9 +123,11 @@ class ModelRunner:
                  block_size: int, max_num_seqs: int, max_model_len: int, sampler: Sampler, device: torch.device,
                  dtype: torch.dtype, *, slot_ops: SlotOps | None = None, no_refill: bool = False,
                  per_token_exits: bool = False, kv_dtype: torch.dtype | None = None,
-                 kv_scales: KVScales | None = None, speculative: SpeculativeConfig | None = None) -> None:
+                 kv_scales: KVScales | None = None, speculative: SpeculativeConfig | None = None,
+                 lookahead: tuple[LookaheadHead, HeadConfig] | None = None) -> None:
         """``kv_dtype``: the pool's stored dtype (default ``dtype``); an FP8 pool needs ``kv_scales``.
-        ``speculative``: loop self-speculation's config (docs/speculation.md)."""
+        ``speculative``: loop self-speculation's config (docs/speculation.md). ``lookahead``: the head
+        beside the weights (``load_head``), which ``exit_mode="lookahead"`` rows use (docs/lookahead.md)."""
         cfg = model.config
         self.kv_dtype = kv_dtype or dtype
         if is_fp8(self.kv_dtype) and kv_scales is None:
@@ -170,6 +174,10 @@ class ModelRunner:
                                  requests=self.requests, scratch_slot=self.scratch_slot,
                                  copies_on_exit=len(layout.exit_copy_planes(1)) > 0, no_refill=no_refill,
                                  per_token_exits=per_token_exits, stack=self.stack)
+        # the lookahead exit rule, evaluated on the device after every loop (worker/lookahead_rule.py)
+        self.lookahead_rule = None if lookahead is None else LookaheadRule(*lookahead, cfg.hidden_size, model.embed,
+                                                                            self.decode_state, device)
+        self.decode.lookahead = self.lookahead_rule
         spec_kinds: tuple = ()
         self.spec: SpecRounds | None = None  # speculating requests' drafts and acceptance, when configured
         if speculative is not None:
@@ -270,6 +278,7 @@ class ModelRunner:
             survival=torch.ones(t, dtype=torch.float32, device=dev),
             sel_hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
             sel_depth=torch.zeros(t, dtype=torch.long, device=dev),
+            exit_target=torch.zeros(t, dtype=torch.long, device=dev) if new.prompt_exit.lookahead is not None else None,
             max_len=t + new.params.max_tokens + 1 + self.lookahead, slot=new.slot,  # effective params: max_tokens resolved
             prefill_loops=self.family.prefill_loops(self.model.config, new.params.max_loops),
             injected=torch.empty(t, h, dtype=self.dtype, device=dev) if self.stack.keeps_injected else None,
@@ -399,10 +408,13 @@ class ModelRunner:
         # NOTE: a chunk's rule is one (loop, min, max, threshold) for all its positions, so it
         # goes in as scalars; each op here is a launch per prefill row, which bounds steps
         # that carry many rows.
-        if ep.threshold < 1.0:  # the gate decides, position by position
-            survival = st.survival[lo:hi] if row.loop > 1 else 1.0
-            ex, survival = exit_decision(row.loop, survival, gate, ep.min_loops, ep.max_loops, ep.threshold)
-            st.survival[lo:hi] = survival
+        if ep.threshold < 1.0 or ep.lookahead is not None:  # the gate (or the head) decides, position by position
+            if ep.lookahead is not None:
+                ex = self.lookahead_rule.prefill(st, row.loop, lo, hi, h, gate)
+            else:
+                survival = st.survival[lo:hi] if row.loop > 1 else 1.0
+                ex, survival = exit_decision(row.loop, survival, gate, ep.min_loops, ep.max_loops, ep.threshold)
+                st.survival[lo:hi] = survival
             newly = ex & (st.sel_depth[lo:hi] == 0)
             # torch.where, not boolean indexing: a mask index would sync with the host
             st.sel_hidden[lo:hi] = torch.where(newly[:, None], head_in, st.sel_hidden[lo:hi])

@@ -27,6 +27,7 @@ class RequestState:
     sel_depth: Tensor  # [T] int64, 0 = not yet exited
     max_len: int = 0  # prompt + max_tokens + 1: bounds the decode rows' sequence length
     slot: int = -1
+    exit_target: Tensor | None = None  # [T] int64: each prompt position's exit fixed by the lookahead rule (0: none)
     prefill_loops: int = 0  # loops the prompt runs (Family.prefill_loops of the request's max_loops)
     injected: Tensor | None = None  # [T, H] the prompt's prelude output (families that inject it: Huginn)
 

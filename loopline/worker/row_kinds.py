@@ -33,6 +33,7 @@ from loopline.attention import AttentionBackend
 from loopline.core.contracts import ScheduledRow
 from loopline.models.ouro import OuroForCausalLM
 from loopline.worker.decode_state import DecodeRows, DeviceDecodeState, RowsInto, SlotOps
+from loopline.worker.lookahead_rule import NEVER, LookaheadRule
 from loopline.worker.request_state import RequestState
 from loopline.worker.step_inputs import HostImage, KindRows, Segment, StepInputs
 
@@ -149,6 +150,9 @@ class DecodeKind(RowKind):
     query_len = 1
     derives = steady = True
     num_outputs = 6
+    # exit_mode="lookahead": the head's rule (worker/lookahead_rule.py), installed by the runner when the
+    # model has a head; rows of other policies carry its NEVER threshold
+    lookahead: LookaheadRule | None = None
 
     def __init__(self, *, model: OuroForCausalLM, backend: AttentionBackend, kv: Callable[[], tuple[Tensor, Tensor]],
                  state: DeviceDecodeState, ops: SlotOps, slot_hidden: Tensor, slot_survival: Tensor,
@@ -170,7 +174,8 @@ class DecodeKind(RowKind):
 
     def host_fields(self, rows: int) -> dict:
         return {"slots": (np.int64, (rows,), self.scratch_slot), "min_loops": (np.int64, (rows,), 1),
-                "max_loops": (np.int64, (rows,), 1), "threshold": (np.float32, (rows,), 1.0)}
+                "max_loops": (np.int64, (rows,), 1), "threshold": (np.float32, (rows,), 1.0),
+                "lookahead": (np.float32, (rows,), NEVER)}
 
     def plan(self, rows: list[ScheduledRow]) -> KindRows:
         """The host tells the device the rows' slots and exit rules; their lengths live on the device,
@@ -179,13 +184,14 @@ class DecodeKind(RowKind):
         host = (np.fromiter((r.slot for r in rows), np.int64, n),
                 np.fromiter((r.exit.min_loops for r in rows), np.int64, n),
                 np.fromiter((r.exit.max_loops for r in rows), np.int64, n),
-                np.fromiter((r.exit.threshold for r in rows), np.float32, n))
+                np.fromiter((r.exit.threshold for r in rows), np.float32, n),
+                np.fromiter((NEVER if r.exit.lookahead is None else r.exit.lookahead for r in rows), np.float32, n))
         bound = max((self.requests[r.request_id].max_len for r in rows), default=0)
         return KindRows(rows, n, n, None, 1 if n else 0, bound, host)
 
     def fill(self, part: KindRows, image: HostImage) -> None:
         n = part.num_rows
-        for name, values in zip(("slots", "min_loops", "max_loops", "threshold"), part.host):
+        for name, values in zip(("slots", "min_loops", "max_loops", "threshold", "lookahead"), part.host):
             image.own(name)[:n] = values
 
     def prepare(self, inp: StepInputs, seg: Segment, own: dict[str, Tensor]) -> DecodeRows | None:
@@ -201,6 +207,8 @@ class DecodeKind(RowKind):
         # prelude for rows starting a token, the slot's hidden state for the others
         self.stack.decode_inputs(rows, inp, seg)
         self._tokens = (t, t + n)
+        if self.lookahead is not None:  # the projection of the rows' inputs: the head reads its change
+            self.lookahead.before(inp.x[t:t + n])
         return rows
 
     def finish(self, h: Tensor, gate: Tensor, rows: DecodeRows | None, own: dict[str, Tensor]) -> tuple:
@@ -210,6 +218,8 @@ class DecodeKind(RowKind):
         d = rows.dec
         lo, hi = self._tokens
         ex = self.ops.exit_and_store(h, gate, d, self.slot_hidden, self.slot_survival)
+        if self.lookahead is not None:  # exit_mode="lookahead" rows: exits fixed two loops ahead
+            ex = self.lookahead.decode(h, gate, rows, own["lookahead"], self.slot_survival, ex)
         self.stack.store_decode(d.slots, lo, hi)
         if self.copies_on_exit:  # last_exited: a token exiting at loop e fills its deeper planes
             k_cache, v_cache = self.kv()

@@ -97,6 +97,8 @@ class ExtraSamplingFields(ClosedRequest):
     min_loops: int = 1
     max_loops: int | None = None
     exit_threshold: float | None = None
+    exit_mode: str | None = None  # loopline: threshold | fixed | lookahead (None: the engine's --exit-mode)
+    lookahead_threshold: float | None = None  # loopline: the lookahead head's threshold (None: its calibrated one)
     speculate: bool = True  # loopline: False keeps this request out of loop self-speculation
     priority: int = 0
     return_token_ids: bool = False
@@ -235,7 +237,7 @@ class _CommonRequest(ExtraSamplingFields):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, priority=self.priority,
             min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=self.exit_threshold,
-            speculate=self.speculate, logprobs_mode=self.logprobs_mode, **({"structured_outputs": structured} if structured else {}),
+            exit_mode=self.exit_mode, lookahead_threshold=self.lookahead_threshold, speculate=self.speculate, logprobs_mode=self.logprobs_mode, **({"structured_outputs": structured} if structured else {}),
             **self._engine_kwargs())
 
     @property

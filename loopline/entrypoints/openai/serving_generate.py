@@ -79,6 +79,8 @@ class GenerateSamplingParams(StrictRequest):
     min_loops: int = 1
     max_loops: int | None = None
     exit_threshold: float | None = None
+    exit_mode: str | None = None
+    lookahead_threshold: float | None = None
     priority: int = 0
     min_new_tokens: int | None = None
     min_tokens: int | None = None
@@ -129,7 +131,7 @@ class GenerateSamplingParams(StrictRequest):
             logprobs=self.logprobs if self.logprobs is not None else default_logprobs,
             logprobs_mode=self.logprobs_mode, priority=self.priority,
             min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=self.exit_threshold,
-            min_tokens=min_tokens or 0, logit_bias=self.logit_bias, structured_outputs=self._structured())
+            exit_mode=self.exit_mode, lookahead_threshold=self.lookahead_threshold, min_tokens=min_tokens or 0, logit_bias=self.logit_bias, structured_outputs=self._structured())
 
     def _structured(self) -> dict[str, Any] | None:
         """The constraint as vLLM's ``structured_outputs`` object (``SamplingParams`` validates it);

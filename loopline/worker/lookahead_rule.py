@@ -1,0 +1,143 @@
+"""The lookahead exit rule on the device (``exit_mode="lookahead"``, docs/lookahead.md).
+
+After loop ``n`` of a token (``n = 0``: its embedding, decided in the step that runs loop 1) the head
+reads the features :func:`loopline.train.lookahead.features` defines -- the gate logit, ``F_n``, the
+loop's hidden state through the head's fixed projection, its change from the loop's input, the position
+feature and the one-hot loop -- and a probability at or above the row's threshold fixes the token's exit
+at loop ``n + 2``. A decision counts only where ``min_loops <= n + 2 < max_loops`` (at ``max_loops`` the
+token exits anyway, so a later decision changes nothing), only the first one counts, and the head is
+never asked about loops it was not trained for (``n > loops - 3``). A token whose exit was never fixed
+runs ``max_loops`` loops. Its rows carry threshold 1.0, so the stock rule exits them only at
+``max_loops``; the fixed exit is one comparison with the slot's target.
+
+Every op is a tensor op over all the step's decode rows (rows of other policies carry a threshold no
+probability reaches), so the rule adds no host sync and captures into the step's CUDA graphs. The
+projection of a loop's input (``before``) is the previous loop's projection the change needs: decode
+rows' inputs are their slot's hidden state or, at loop 1, the embedding, so nothing more is kept per
+slot than the fixed target (``DeviceDecodeState.exit_target``, saved with a preempted slot).
+
+The predictor is any callable ``(features [M, F], PredictorContext) -> probabilities [M]``:
+:class:`HeadPredictor` for a trained head; tests install oracles that key on the context.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from loopline.models.lookahead_head import DISTANCE, HeadConfig, LookaheadHead, projection
+from loopline.worker.decode_state import DecodeRows, DeviceDecodeState
+from loopline.worker.exit_rule import exit_decision
+from loopline.worker.request_state import RequestState
+
+NEVER = 2.0  # the head threshold of rows of other policies: no probability reaches it
+
+
+class PredictorContext(NamedTuple):
+    """Which token each feature row is about (what an oracle keys on; a trained head ignores it)."""
+
+    loop: Tensor  # [M] int64, the loop n the features describe (0: the embedding)
+    slots: Tensor  # [M] int64, the row's decode slot
+    token_index: Tensor  # [M] int64, the token's index in the completion (prompt positions: <= 0, the last 0)
+
+
+class HeadPredictor:
+    """A trained :class:`LookaheadHead` as a predictor (fp32, on the device)."""
+
+    def __init__(self, head: LookaheadHead, device: torch.device) -> None:
+        self.head = head.to(device=device, dtype=torch.float32).eval()
+
+    def __call__(self, features: Tensor, ctx: PredictorContext) -> Tensor:
+        return torch.sigmoid(self.head(features))
+
+
+class LookaheadRule:
+    """The head, its projection and the per-slot fixed exits, for the decode kind and the runner's prefill
+    booking. ``embed``: the model's prelude (a prompt chunk's loop-1 input)."""
+
+    def __init__(self, head: LookaheadHead, config: HeadConfig, hidden_size: int, embed: Callable[[Tensor], Tensor],
+                 state: DeviceDecodeState, device: torch.device) -> None:
+        spec = config.trace_spec
+        self.predictor: Callable[[Tensor, PredictorContext], Tensor] = HeadPredictor(head, device)
+        self.proj = projection(hidden_size, spec).to(device)  # [H, K] fp32
+        self.loops, self.embed, self.state = config.loops, embed, state
+        self.log_max_position = math.log1p(spec.max_position)
+        self.onehot = torch.eye(config.loops, device=device)  # row n: loop n's one-hot
+        state.allocate_exit_target()
+        self._prev: Tensor | None = None  # the decode rows' input projection, from before() to decode()
+
+    def project(self, h: Tensor) -> Tensor:
+        """``[B, H] -> [B, K]`` fp32: the head's view of a hidden state."""
+        return h.float() @ self.proj
+
+    def _fix(self, target: Tensor, n: Tensor, prob: Tensor, threshold: Tensor, min_loops: Tensor | int,
+             max_loops: Tensor | int) -> Tensor:
+        """``target`` with the exit at ``n + 2`` fixed where the prediction clears the threshold and the rule
+        lets a decision at loop ``n`` count."""
+        depth = n + DISTANCE
+        ok = (target == 0) & (prob >= threshold) & (depth >= min_loops) & (depth < max_loops) & (
+            n <= self.loops - DISTANCE - 1)
+        return torch.where(ok, depth, target)
+
+    def decide(self, loop: Tensor, gate: Tensor, cdf: Tensor, h_proj: Tensor, prev: Tensor, positions: Tensor,
+               min_loops: Tensor | int, max_loops: Tensor | int, threshold: Tensor, target: Tensor, slots: Tensor,
+               token_index: Tensor) -> Tensor:
+        """The rows' targets after loop ``loop`` ``[B]`` (and after loop 0 for rows at loop 1), ``B`` rows:
+        one predictor call of ``2B`` feature rows (loop 0's, then loop ``loop``'s: static shapes)."""
+        b = gate.shape[0]
+        pos = (torch.log1p(positions.float()) / self.log_max_position)[:, None]
+        zero = torch.zeros_like(pos)
+        f0 = torch.cat([zero, zero, prev, torch.zeros_like(prev), pos, self.onehot[0].expand(b, -1)], 1)
+        fn = torch.cat([gate.float()[:, None], cdf[:, None], h_proj, h_proj - prev, pos,
+                        self.onehot[loop.clamp(max=self.loops - 1)]], 1)
+        zeros = torch.zeros_like(loop)
+        ctx = PredictorContext(torch.cat([zeros, loop]), torch.cat([slots, slots]), torch.cat([token_index, token_index]))
+        prob = self.predictor(torch.cat([f0, fn]), ctx)
+        first = torch.where(loop == 1, prob[:b], -1.0)  # (loop 0's decision is taken in the step of loop 1)
+        target = self._fix(target, zeros, first, threshold, min_loops, max_loops)
+        return self._fix(target, loop, prob[b:], threshold, min_loops, max_loops)
+
+    # --- decode rows (inside the step's forward) ----------------------------------------
+    def before(self, x: Tensor) -> None:
+        """The decode rows' loop input ``x`` ``[B, H]`` (before the layers run): its projection."""
+        self._prev = self.project(x)
+
+    def decode(self, h: Tensor, gate: Tensor, rows: DecodeRows, threshold: Tensor, slot_survival: Tensor,
+               exit: Tensor) -> Tensor:
+        """After the stock rule (``exit``: ``max_loops`` only, for these rows): exits at the fixed loop, and
+        the new decisions stored per slot. Returns the rows' exit flags."""
+        d, target_of = rows.dec, self.state.exit_target
+        assert self._prev is not None and target_of is not None, "before() first"
+        target = torch.where(d.loops == 1, 0, target_of[d.slots])
+        exit = exit | (d.loops == target)
+        cdf = 1.0 - slot_survival[d.slots]  # (exit_and_store stored this loop's survival)
+        target = self.decide(d.loops, gate, cdf, self.project(h), self._prev, rows.positions, d.min_loops,
+                             d.max_loops, threshold, target, d.slots, rows.token_index)
+        target_of[d.slots] = torch.where(exit, 0, target)
+        self._prev = None
+        return exit
+
+    # --- prompt chunks (the runner's booking, after the forward) ------------------------
+    def prefill(self, st: RequestState, loop: int, lo: int, hi: int, h: Tensor, gate: Tensor) -> Tensor:
+        """Prompt positions ``[lo, hi)`` after ``loop`` (their ``h``, ``gate``): their exit flags under the
+        rule, with survival and targets kept in ``st``. Call before ``st.hidden`` takes this loop's state."""
+        ep = st.prompt_exit
+        assert st.exit_target is not None and ep.lookahead is not None
+        survival = st.survival[lo:hi] if loop > 1 else 1.0
+        exit, survival = exit_decision(loop, survival, gate, ep.min_loops, ep.max_loops, 1.0)
+        st.survival[lo:hi] = survival
+        target = st.exit_target[lo:hi] if loop > 1 else torch.zeros_like(st.exit_target[lo:hi])
+        exit = exit | (target == loop)
+        prev = self.project(self.embed(st.prompt[lo:hi]) if loop == 1 else st.hidden[lo:hi])
+        positions = torch.arange(lo, hi, device=h.device)
+        n = hi - lo
+        loops = torch.full((n,), loop, dtype=torch.long, device=h.device)
+        threshold = torch.full((n,), ep.lookahead, dtype=torch.float32, device=h.device)
+        st.exit_target[lo:hi] = self.decide(loops, gate, 1.0 - survival, self.project(h), prev, positions,
+                                            ep.min_loops, ep.max_loops, threshold, target,
+                                            torch.full((n,), st.slot, dtype=torch.long, device=h.device),
+                                            positions - (st.prompt.numel() - 1))
+        return exit

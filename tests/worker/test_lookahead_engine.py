@@ -1,0 +1,231 @@
+"""The lookahead exit policy in the engine (#44, exit_mode="lookahead"): with an oracle predictor that replays
+the stock gate's exits two loops ahead, the engine's greedy tokens, depths and logprobs equal the stock-gate
+engine's (min_loops 2) in both KV layouts, with batching, refill and chunked prefill; with a head, they equal
+the plain path's ``lookahead_generate`` token for token; rows of three policies share steps; the head's files
+are validated at load, and a request for the policy on a model without a head is refused naming exit_mode."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from engine_testing import assert_same_tokens_depths_logprobs, run_arrivals, tokens_depths_logprobs
+
+from loopline import SamplingParams
+from loopline.config import EngineArgs
+from loopline.engine import LLMEngine
+from loopline.errors import InvalidRequestError
+from loopline.models.lookahead_head import (
+    HEAD_CONFIG,
+    HEAD_FILE,
+    HeadConfig,
+    LookaheadHead,
+    TraceSpec,
+    load_head,
+    num_features,
+    save_head,
+)
+from loopline.models.tiny import default_checkpoint
+from loopline.train import lookahead as la
+
+SPEC = TraceSpec(proj_dim=8)
+Q = 0.585  # the random head: loop 0 clears it for a few tokens, loop 1 for most (tests/worker: probed)
+
+
+def random_head(loops: int, hidden_size: int, seed: int = 0, threshold: float = 0.5) -> tuple[LookaheadHead, HeadConfig]:
+    """An untrained head with seeded weights whose probabilities spread around 0.5."""
+    torch.manual_seed(seed)
+    head = LookaheadHead(num_features(SPEC.proj_dim, loops), hidden=16)
+    with torch.no_grad():
+        head.net[0].weight.mul_(4.0)
+    config = HeadConfig(threshold=threshold, loops=loops, hidden=16, spec=SPEC.__dict__.copy(), hidden_size=hidden_size)
+    return head.eval(), config
+
+
+@pytest.fixture(scope="module")
+def demo_with_head(tmp_path_factory):
+    """The bundled model's files (links) beside a random head."""
+    src = default_checkpoint()
+    d = tmp_path_factory.mktemp("demo_head")
+    for f in src.iterdir():
+        (d / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    save_head(*random_head(cfg["total_ut_steps"], cfg["hidden_size"]), d)
+    return d
+
+
+def engine(model, **kw) -> LLMEngine:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("device", "cpu")
+    return LLMEngine(EngineArgs(model=str(model), skip_tokenizer_init=True, **kw))
+
+
+class Oracle:
+    """Replays given depths: after loop n, 1.0 where the token's recorded depth is n + 2 (keyed by the slot's
+    request and the token index; prompt positions before the last one never fire)."""
+
+    def __init__(self, eng: LLMEngine, depths: dict[str, list[int]]) -> None:
+        self.eng, self.depths = eng, depths
+
+    def __call__(self, features, ctx):
+        runner = self.eng.runner
+        table = torch.zeros(runner.max_num_seqs + 1, 512, dtype=torch.long)
+        for rid, st in runner.requests.items():
+            d = self.depths[rid.rsplit("#", 1)[0]]
+            table[st.slot, :len(d)] = torch.tensor(d)
+        want = table[ctx.slots, ctx.token_index.clamp(0, 511)]
+        return ((want == ctx.loop + la.DISTANCE) & (ctx.token_index >= 0)).float()
+
+
+def prompts(n: int, length: int = 12) -> list[list[int]]:
+    stream = la.split_stream(default_checkpoint(), "heldout", 2000)
+    return [stream[100 * i:100 * i + length + i] for i in range(n)]
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_an_oracle_replaying_the_stock_gate_equals_the_stock_engine(demo_with_head, layout):
+    """5 requests through 3 slots (refill, arrivals), prompts split into 8-token chunks, greedy, 12 tokens."""
+    kw = dict(kv_layout=layout, max_num_seqs=3, max_num_batched_tokens=8)
+    reqs = {str(i): p for i, p in enumerate(prompts(5))}
+    arrivals = {"3": 5, "4": 9}
+    params = dict(temperature=0.0, max_tokens=12, min_loops=2, logprobs=0, ignore_eos=True)
+    stock_eng = engine(demo_with_head, **kw)
+    stock = run_arrivals(stock_eng, {r: (p, SamplingParams(exit_threshold=0.6, **params)) for r, p in reqs.items()},
+                         arrivals)
+    want = tokens_depths_logprobs(stock)
+    assert len({d for _, depths, _ in want.values() for d in depths}) == 3  # exits at 2, 3 and 4
+    eng = engine(demo_with_head, **kw)
+    eng.runner.lookahead_rule.predictor = Oracle(eng, {r: depths for r, (_, depths, _) in want.items()})
+    got = run_arrivals(eng, {r: (p, SamplingParams(exit_mode="lookahead", lookahead_threshold=0.5, **params))
+                             for r, p in reqs.items()}, arrivals)
+    assert_same_tokens_depths_logprobs(tokens_depths_logprobs(got), want)
+    assert eng.kv.num_used_blocks == 0
+
+
+def test_a_head_in_the_engine_equals_the_plain_path(demo_with_head):
+    """Several requests batched; each one's tokens, depths and logprobs are the plain path's with the head."""
+    from loopline.models.loader import load_model
+
+    head, config = load_head(demo_with_head)
+    model = load_model(default_checkpoint(), dtype=torch.float32, device="cpu").eval()
+    reqs = {str(i): p for i, p in enumerate(prompts(3, 8))}
+    eng = engine(demo_with_head, max_num_seqs=2, exit_mode="lookahead")
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=0, ignore_eos=True, lookahead_threshold=Q)
+    got = tokens_depths_logprobs(run_arrivals(eng, {r: (p, params) for r, p in reqs.items()}))
+    depths = set()
+    for rid, prompt in reqs.items():
+        plain = la.lookahead_generate(model, prompt, 10, la.head_decider(head, config, threshold=Q),
+                                      spec=config.trace_spec)
+        tokens, exits, logprobs = got[rid]
+        assert tokens == plain.tokens and exits == plain.exit_loops, rid
+        assert logprobs.tolist() == pytest.approx(plain.logprobs, abs=1e-4)
+        depths |= set(exits)
+    assert depths == {2, 3, 4}  # the head fixed exits at both decision loops, and some tokens ran every loop
+
+
+def test_lookahead_threshold_and_fixed_rows_share_steps(demo_with_head):
+    """One step holds rows of three policies; each request gives what it gives alone."""
+    prompt = prompts(1)[0]
+    base = dict(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    kinds = {"la": SamplingParams(exit_mode="lookahead", lookahead_threshold=Q, **base),
+             "gate": SamplingParams(exit_threshold=0.6, **base),
+             "fixed": SamplingParams(exit_mode="fixed", **base)}
+    alone = {}
+    for rid, p in kinds.items():
+        alone.update(tokens_depths_logprobs(run_arrivals(engine(demo_with_head), {rid: (prompt, p)})))
+    eng = engine(demo_with_head)
+    together = tokens_depths_logprobs(run_arrivals(eng, {rid: (prompt, p) for rid, p in kinds.items()}))
+    assert_same_tokens_depths_logprobs(together, alone)
+    assert set(alone["fixed"][1]) == {4} and min(alone["la"][1]) >= 2
+
+
+def test_thresholds_zero_and_one_and_min_max_loops(demo_with_head):
+    prompt = prompts(1)[0]
+    eng = engine(demo_with_head)
+
+    def depths(**kw):
+        p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, exit_mode="lookahead", **kw)
+        return run_arrivals(eng, {"r": (prompt, p)})["r"].outputs[0].exit_depths
+
+    assert depths(lookahead_threshold=0.0) == [2] * 6  # every token exits at the first loop it can fix
+    assert depths(lookahead_threshold=1.0) == [4] * 6  # no probability reaches 1: every loop
+    assert depths(lookahead_threshold=0.0, min_loops=3) == [3] * 6  # decisions about loops < min_loops skipped
+    assert depths(lookahead_threshold=0.0, max_loops=2) == [2] * 6
+    assert depths(lookahead_threshold=0.0, max_loops=3) == [2] * 6
+
+
+def test_requests_refused_and_engine_default(demo_with_head, tiny_gqa):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(exit_mode="sometimes")
+    assert e.value.param == "exit_mode"
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(InvalidRequestError) as e:
+            SamplingParams(lookahead_threshold=bad)
+        assert e.value.param == "lookahead_threshold"
+    plain = engine(tiny_gqa.path)  # no head beside its weights
+    with pytest.raises(InvalidRequestError) as e:
+        plain.add_request("x", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(exit_mode="lookahead"))
+    assert e.value.param == "exit_mode" and "lookahead" in str(e.value)
+    with pytest.raises(InvalidRequestError) as e:
+        engine(tiny_gqa.path, exit_mode="lookahead")
+    assert e.value.param == "exit_mode"
+    # the engine default: the head's calibrated threshold (0.5 here) unless the request gives one
+    eng = engine(demo_with_head, exit_mode="lookahead")
+    prompt = prompts(1)[0]
+    p = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+    default = run_arrivals(eng, {"a": (prompt, SamplingParams(**p))})["a"].outputs[0].exit_depths
+    given = run_arrivals(eng, {"b": (prompt, SamplingParams(lookahead_threshold=0.5, **p))})["b"].outputs[0].exit_depths
+    assert default == given
+    gate = run_arrivals(eng, {"c": (prompt, SamplingParams(exit_mode="fixed", **p))})["c"].outputs[0].exit_depths
+    assert gate == [4] * 6
+    trace = engine(demo_with_head, exit_mode="trace")
+    with pytest.raises(InvalidRequestError) as e:
+        trace.add_request("t", {"prompt_token_ids": [1, 2]}, SamplingParams(exit_mode="lookahead", exit_depths=[2]))
+    assert e.value.param == "exit_mode"
+
+
+def _write(d, head_cfg: dict | None = None, tensors: dict | None = None):
+    from safetensors.torch import save_file
+
+    head, config = random_head(4, 64)
+    save_head(head, config, d)
+    if head_cfg is not None:
+        raw = json.loads((d / HEAD_CONFIG).read_text())
+        raw.update(head_cfg)
+        (d / HEAD_CONFIG).write_text(json.dumps(raw))
+    if tensors is not None:
+        state = {k: v.contiguous() for k, v in head.state_dict().items()}
+        state.update(tensors)
+        save_file({k: v for k, v in state.items() if v is not None}, str(d / HEAD_FILE))
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"threshold": 1.5}, "threshold"), ({"threshold": "high"}, "threshold"), ({"distance": 3}, "distance"),
+    ({"loops": 5}, "loops"), ({"hidden": 0}, "hidden"), ({"hidden_size": 32}, "hidden_size"),
+    ({"spec": {"proj_dim": 0}}, "spec.proj_dim"), ({"spec": {"colour": 1}}, "spec"), ({"file": "../x"}, "file"),
+    ({"bogus": 1}, "bogus")])
+def test_bad_head_configs_are_named(tmp_path, change, field):
+    _write(tmp_path, head_cfg=change)
+    with pytest.raises(InvalidRequestError) as e:
+        load_head(tmp_path, hidden_size=64, loops=4)
+    assert e.value.param == field and HEAD_CONFIG in str(e.value)
+
+
+@pytest.mark.parametrize("tensors, field", [
+    ({"net.0.weight": torch.zeros(16, 3)}, "net.0.weight"), ({"mean": None, "extra": torch.zeros(1)}, "extra"),
+    ({"std": torch.zeros(num_features(8, 4))}, "std"), ({"net.2.bias": torch.tensor([math.inf])}, "net.2.bias")])
+def test_bad_head_weights_are_named(tmp_path, tensors, field):
+    _write(tmp_path, tensors=tensors)
+    with pytest.raises(InvalidRequestError) as e:
+        load_head(tmp_path, hidden_size=64, loops=4)
+    assert e.value.param == field and HEAD_FILE in str(e.value)
+
+
+def test_a_bad_head_stops_the_engine_at_load(tmp_path, tiny_gqa):
+    for f in tiny_gqa.path.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    _write(tmp_path, head_cfg={"hidden_size": 7})
+    with pytest.raises(InvalidRequestError) as e:
+        engine(tmp_path)
+    assert e.value.param == "hidden_size" and "lookahead.json" in str(e.value)
