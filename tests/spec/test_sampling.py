@@ -140,6 +140,8 @@ def test_two_token_distribution_is_the_target(small_vocab, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k, d, threshold", [(2, 1, 1.0), (2, 2, 1.0), (3, 1, 0.5)])
+# threshold 0.7: tokens exit inside the round and ~0.8 drafts a run are rejected (at 0.5 every position exits at
+# loop 1, where draft and target are the same distribution: nothing is ever rejected, the correction never runs)
+@pytest.mark.parametrize("k, d, threshold", [(2, 1, 1.0), (2, 2, 1.0), (3, 1, 0.7)])
 def test_three_token_distribution_is_the_target(small_vocab, monkeypatch, k, d, threshold):
     _check(small_vocab, monkeypatch, 3000, 3, SpeculativeConfig(num_speculative_tokens=k, draft_loops=d), threshold)
