@@ -1,9 +1,9 @@
 """Huginn (``huginn_raven``) served by the engine's paged path (issue #46), held to the plain path
 (models/plain.py) and to the independent oracle (tests/huginn_reference.py).
 
-Fixed iterations (exit_threshold 1.0): batched requests of different prompt lengths and depths, chunked
-prefill, a request joining while others decode (refill), the seeded latent state; the KV pool sized from
-the family's KV stages; bad engine options and request fields refused by name.
+Fixed iterations (exit_threshold 1.0) and the convergence exit: batched requests of different prompt lengths
+and depths, chunked prefill, requests joining while others decode (refill), the seeded latent state, prefix
+caching; the KV pool sized from the family's KV stages; bad engine options and request fields refused by name.
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def assert_equal_plain(model, outputs: dict, requests: dict) -> None:
     """Each output's tokens and exit depths equal plain_generate's, logprobs within fp32 tolerance."""
     for rid, (prompt, params) in requests.items():
         c = outputs[rid].outputs[0]
-        ref = plain_generate(model, prompt, params.max_tokens, max_loops=params.max_loops,
-                             seed=params.latent_seed)
+        ref = plain_generate(model, prompt, params.max_tokens, max_loops=params.max_loops, min_loops=params.min_loops,
+                             exit_threshold=params.exit_threshold, seed=params.latent_seed)
         assert c.token_ids == ref.tokens, rid
         assert c.exit_depths == ref.exit_loops, rid
         assert torch.tensor(c.token_logprobs) == pytest.approx(torch.tensor(ref.logprobs), abs=1e-4), rid
@@ -125,7 +125,6 @@ def test_ouro_keeps_its_fixed_depth(tmp_path):
 @pytest.mark.parametrize("kw, field, match", [
     ({"max_loops": 7}, "max_loops", r"\[min_loops, 6\] \(the engine's max_num_loops\)"),
     ({"min_loops": 7}, "min_loops", r"\[1, 6\]"),
-    ({"exit_threshold": 0.5}, "exit_threshold", r"allowed: 1.0"),
     ({"latent_seed": -1}, "latent_seed", r"latent_seed"),
     ({"latent_seed": 2**32}, "latent_seed", r"latent_seed"),
 ])
@@ -138,3 +137,33 @@ def test_bad_request_fields_are_named_and_others_still_run(tiny, kw, field, matc
     assert err.value.param == field
     outputs = run_arrivals(eng, {})
     assert outputs["ok"].outputs[0].token_ids == plain_generate(model, PROMPTS["a"], 2).tokens
+
+
+def test_convergence_exit_under_refill_equals_plain_path(tiny):
+    """The convergence (KL) exit with per-request thresholds and min/max iterations, decode rows at
+    different depths in one step, requests refilling slots: exit depths, tokens and logprobs equal the
+    plain path's (early-exited tokens' K/V: the latest iteration they ran, in deeper planes)."""
+    path, model = tiny
+    requests = {"a": (PROMPTS["a"], greedy(8, max_loops=10, min_loops=2, exit_threshold=0.05)),
+                "b": (PROMPTS["b"], greedy(6, max_loops=8, exit_threshold=0.2)),
+                "c": (PROMPTS["c"], greedy(7, max_loops=10, min_loops=3, exit_threshold=0.02, latent_seed=5)),
+                "d": (PROMPTS["d"], greedy(5, max_loops=6))}
+    eng = engine(path, max_num_loops=10, max_num_seqs=3, max_num_batched_tokens=8)
+    outputs = run_arrivals(eng, requests, arrivals={"c": 3, "d": 11})
+    assert_equal_plain(model, outputs, requests)
+    depths = [d for o in outputs.values() for d in o.outputs[0].exit_depths[1:]]
+    assert len(set(depths)) >= 3 and min(depths) < 6  # the rule fired at varied iterations
+
+
+def test_convergence_exit_equals_the_oracle(tiny):
+    path, model = tiny
+    cfg, sd = json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
+    prompt, n = [5, 9, 100, 3, 44, 7], 6 + 8
+    init = model.initial_state(torch.zeros(n, model.config.hidden_size), torch.arange(n), torch.zeros(n, dtype=torch.long))
+    tokens, depths, logprobs = reference_generate(sd, cfg, prompt, 8, max_steps=10, min_steps=2, threshold=0.05,
+                                                  init_states=init)
+    params = greedy(8, max_loops=10, min_loops=2, exit_threshold=0.05)
+    c = run_arrivals(engine(path, max_num_loops=10), {"r": (prompt, params)})["r"].outputs[0]
+    assert (c.token_ids, c.exit_depths) == (tokens, depths)
+    assert min(depths[1:]) < 10
+    assert torch.tensor(c.token_logprobs) == pytest.approx(torch.tensor(logprobs), abs=1e-4)

@@ -19,7 +19,7 @@ from loopline.core.request import Request
 from loopline.errors import CapacityError, InvalidRequestError
 from loopline.inputs import check_text_only
 from loopline.kv.manager import KVCacheManager
-from loopline.models.family import FIXED_DEPTH, family_of
+from loopline.models.family import family_of
 from loopline.sampling_params import BAD_WORD_MAX_TOKENS, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -76,11 +76,6 @@ class InputProcessor:
         family = family_of(cfg)
         params.validate_for_model(self.config.num_loops, cfg.vocab_size, "the engine's max_num_loops")
         threshold = family.default_threshold(cfg) if params.exit_threshold is None else params.exit_threshold
-        if family.exit_criterion.reads_logits and threshold < FIXED_DEPTH:
-            raise InvalidRequestError(
-                f"exit_threshold={threshold}: the engine does not run the {family.exit_criterion.name!r} exit of "
-                f"{cfg.model_type} models yet (docs/model-families.md); allowed: 1.0 (fixed depth: max_loops loops), "
-                f"or the plain path (loopline.models.plain.plain_generate)", param="exit_threshold")
         max_loops = params.max_loops or min(cfg.num_loops, self.config.num_loops)
         key = family.prompt_kv_key(cfg, family.prefill_loops(cfg, max_loops), params.latent_seed)
         if key is not None:  # what the prompt's KV depends on besides its tokens

@@ -32,7 +32,7 @@ from torch import Tensor
 from loopline.attention.base import PagedAttentionMetadata
 from loopline.attention.paged import PagedAttention
 from loopline.models.family import family_of
-from loopline.worker.decode_state import DecodeRows, DeviceDecodeState, SlotOps
+from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, SlotOps
 from loopline.worker.staging import stage
 from loopline.worker.step_inputs import Segment, StepInputs
 
@@ -43,8 +43,9 @@ class OuroStack:
     keeps_injected = False  # (per prompt position: RequestState.injected)
 
     def __init__(self, model: Any, *, ops: SlotOps, state: DeviceDecodeState, slot_hidden: Tensor,
-                 requests: dict, **_: Any) -> None:
+                 slot_survival: Tensor, requests: dict, **_: Any) -> None:
         self.model, self.ops, self.slot_hidden, self.requests = model, ops, slot_hidden, requests
+        self.slot_survival = slot_survival
 
     def decode_inputs(self, rows: DecodeRows, inp: StepInputs, seg: Segment) -> None:
         """Decode rows' loop inputs: the fed token's embedding for rows starting a token, the slot's hidden
@@ -78,8 +79,13 @@ class OuroStack:
     def injected(self, lo: int, hi: int) -> Tensor | None:
         return None
 
-    def store_decode(self, slots: Tensor, lo: int, hi: int) -> None:
-        """Per-slot state beyond the hidden state and survival: none."""
+    def decode_exit(self, h: Tensor, gate: Tensor, d: DecodeTensors, lo: int, hi: int) -> Tensor:
+        """Decode rows' exit after this loop (the gate's rule), their slots' state kept for the next one."""
+        return self.ops.exit_and_store(h, gate, d, self.slot_hidden, self.slot_survival)
+
+    def decode_logits(self, h: Tensor, ex: Tensor, lo: int, hi: int) -> Tensor:
+        """fp32 logits of the decode rows (rows not exiting: unused, may be zeros)."""
+        return self.model.head(h, needed=ex)
 
     def reserve(self, tokens: int, rows: int, width: int) -> None:
         """Buffers for steps up to this size (before graphs capture views of them): none."""
@@ -95,6 +101,8 @@ class HuginnStack:
     def __init__(self, model: Any, *, state: DeviceDecodeState, slot_hidden: Tensor, requests: dict,
                  planes: dict[str, int], dtype: torch.dtype, **_: Any) -> None:
         self.model, self.state, self.slot_hidden, self.requests = model, state, slot_hidden, requests
+        family = family_of(model)
+        self.criterion, vocab = family.exit_criterion, family.logits_size(model.config)
         self.device, self.dtype = state.device, dtype
         num_slots, scratch_block, block_size = state.loop.shape[0], state.scratch_block, state.block_size
         self.pre_plane, self.coda_plane = planes["prelude"], planes["coda"]
@@ -103,6 +111,10 @@ class HuginnStack:
         h = model.config.hidden_size
         self.slot_injected = torch.zeros(num_slots, h, dtype=dtype, device=self.device)  # the in-flight token's prelude
         self.slot_seed = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # each slot's latent seed
+        # the convergence exit's carry: log p of the slot's previous iteration ([slots, padded vocab] fp32)
+        self.slot_logp = torch.zeros(num_slots, vocab, dtype=torch.float32, device=self.device)
+        self._uniform = self.criterion.initial_carry(1, vocab, self.device)  # p_0
+        self._logits: Tensor | None = None  # the last decode rows' logits (decode_exit computed them)
         self._tokens = self._rows = 0
         self.reserve(1, 1, 1)
         self.scale = model.config.head_dim ** -0.5
@@ -223,9 +235,20 @@ class HuginnStack:
     def injected(self, lo: int, hi: int) -> Tensor | None:
         return self._out[1][lo:hi]
 
-    def store_decode(self, slots: Tensor, lo: int, hi: int) -> None:
-        """Keeps the decode rows' prelude output in their slots (written each loop, the same value)."""
-        self.slot_injected[slots] = self._out[1][lo:hi]
+    def decode_exit(self, h: Tensor, gate: Tensor, d: DecodeTensors, lo: int, hi: int) -> Tensor:
+        """Decode rows' exit after this loop by the family's criterion on the coda's logits (the
+        convergence test: ``KL(p_{r-1} || p_r) < threshold`` from ``min_loops`` on, always at ``max_loops``;
+        ``p_0`` uniform), and their slots' latent state, ``log p`` and prelude output kept."""
+        self._logits = logits = self.model.head(self._out[0][lo:hi])
+        prev = torch.where((d.loops == 1)[:, None], self._uniform, self.slot_logp[d.slots])
+        ex, logp = self.criterion.decide(d.loops, prev, logits, d.min_loops, d.max_loops, d.threshold)
+        self.slot_logp[d.slots] = logp
+        self.slot_hidden[d.slots] = h
+        self.slot_injected[d.slots] = self._out[1][lo:hi]
+        return ex
+
+    def decode_logits(self, h: Tensor, ex: Tensor, lo: int, hi: int) -> Tensor:
+        return self._logits
 
     def set_slot(self, slot: int, seed: int) -> None:
         """A request's latent seed in its decode slot (when it arrives)."""

@@ -14,6 +14,7 @@ next step (overlapped engine). There is no other execution path.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from loopline.attention import AttentionBackend
 from loopline.core.contracts import (
+    ExitParams,
     NewRequestData,
     RunnerOutput,
     SampledToken,
@@ -168,7 +170,8 @@ class ModelRunner:
         kv = self._kv_cache  # (read at each call: the pool moves on sleep / wake)
         # the family's loop over a step's rows (loopline.worker.loop_stack)
         self.stack = loop_stack(model, ops=self.slot_ops, state=self.decode_state, slot_hidden=self.slot_hidden,
-                                requests=self.requests, planes=family.once_planes(cfg, layout.num_loops), dtype=dtype)
+                                slot_survival=self.slot_survival, requests=self.requests,
+                                planes=family.once_planes(cfg, layout.num_loops), dtype=dtype)
         self.decode = DecodeKind(model=model, backend=backend, kv=kv, state=self.decode_state, ops=self.slot_ops,
                                  slot_hidden=self.slot_hidden, slot_survival=self.slot_survival,
                                  requests=self.requests, scratch_slot=self.scratch_slot,
@@ -273,7 +276,7 @@ class ModelRunner:
             params=new.params, seed=new.seed & _SEED_MASK,
             prompt=stage(dev, (new.prompt_token_ids, np.int64))[0],
             block_arrays=[np.asarray(bt, dtype=np.int32) for bt in new.block_tables],
-            prompt_exit=new.prompt_exit,
+            prompt_exit=self._prompt_exit(new),
             hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
             survival=torch.ones(t, dtype=torch.float32, device=dev),
             sel_hidden=torch.empty(t, h, dtype=self.dtype, device=dev),
@@ -284,6 +287,14 @@ class ModelRunner:
             injected=torch.empty(t, h, dtype=self.dtype, device=dev) if self.stack.keeps_injected else None,
         )
         self._init_decode_slot(self.requests[new.request_id], new.block_tables)
+
+    def _prompt_exit(self, new: NewRequestData) -> ExitParams:
+        """The exit rule of the request's prompt positions: a family whose prompts never exit early (Huginn)
+        runs them all to its prefill depth."""
+        if self.family.exit_criterion.exits_in_prefill:
+            return new.prompt_exit
+        depth = self.family.prefill_loops(self.model.config, new.params.max_loops)
+        return dataclasses.replace(new.prompt_exit, min_loops=depth, max_loops=depth, threshold=1.0)
 
     @staticmethod
     def _fits_device(new: NewRequestData) -> bool:

@@ -217,17 +217,16 @@ class DecodeKind(RowKind):
             return (None,) * self.num_outputs
         d = rows.dec
         lo, hi = self._tokens
-        ex = self.ops.exit_and_store(h, gate, d, self.slot_hidden, self.slot_survival)
+        ex = self.stack.decode_exit(h, gate, d, lo, hi)  # the family's exit rule; the slots' state kept
         if self.lookahead is not None:  # exit_mode="lookahead" rows: exits fixed two loops ahead
             ex = self.lookahead.decode(h, gate, rows, own["lookahead"], self.slot_survival, ex)
-        self.stack.store_decode(d.slots, lo, hi)
         if self.copies_on_exit:  # last_exited: a token exiting at loop e fills its deeper planes
             k_cache, v_cache = self.kv()
             planes = d.plane_slots if self.loop_planes is None else d.plane_slots[:, :self.loop_planes]
             self.backend.copy_exited(k_cache, v_cache, planes, d.loops, ex,
                                      self.state.scratch_block * self.state.block_size)
         # rows not exiting: logits unused (may be zeros)
-        logits = self.model.head(self.stack.head_input(h, lo, hi), needed=ex)
+        logits = self.stack.decode_logits(h, ex, lo, hi)
         # only rows that ran exit: a no_refill row waiting for its cohort does not (without no_refill every
         # row runs, and the mask would be a launch of its own)
         if self.no_refill:
