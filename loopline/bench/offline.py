@@ -45,6 +45,7 @@ class BenchSpec:
     seed: int = 0
     exit_threshold: float | None = None  # exit_mode=threshold only
     min_loops: int | None = None  # exit_mode=threshold only
+    lookahead_threshold: float | None = None  # rows of exit_mode=lookahead only (None: the head's calibrated one)
     warmup_prompts: int | None = None  # default: concurrency
     warmup_output_len: int = 16
     gpu_timing: str = "events"  # or "profiler" (DeviceTimer)
@@ -69,6 +70,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("refill", {"scheduling_mode": "refill"}, description="CDB: an exited slot starts its next token at once"),
     Variant("no_refill", {"scheduling_mode": "no_refill"}, description="cohort baseline: exited rows idle until the cohort exits"),
     Variant("fixed", {"scheduling_mode": "refill", "exit_mode": "fixed"}, description="full depth: every token runs all loops"),
+    Variant("lookahead", {"exit_mode": "lookahead"},
+            description="the lookahead head beside the weights fixes each exit two loops ahead (docs/lookahead.md)"),
     Variant("shared", {"kv_layout": "shared"}, description="one shared KV plane"),
     Variant("last_exited", {"kv_layout": "last_exited"}, description="one KV plane per loop"),
     Variant("no_prefix_cache", {"enable_prefix_caching": False}, description="prefix caching off"),
@@ -131,6 +134,8 @@ def sampling_params_for(exit_mode: str, spec: BenchSpec, workload: Workload, ind
             raise InvalidRequestError("exit_mode='trace' needs --depth-dist", param="depth_dist")
         kw["exit_depths"] = workload.exit_depths[index]
     elif exit_mode == "threshold":
+        if spec.lookahead_threshold is not None:  # (read by the lookahead variant's rows only)
+            kw["lookahead_threshold"] = spec.lookahead_threshold
         if spec.exit_threshold is not None:
             kw["exit_threshold"] = spec.exit_threshold
         if spec.min_loops is not None:

@@ -192,14 +192,15 @@ def _num_loops(args: EngineArgs, model_cfg: Any) -> int:
     return value
 
 
-def _lookahead_head(args: EngineArgs, model_path: str, given_model: bool, model_cfg: Any):
-    """The lookahead exit head beside the served weights (``lookahead.json``: docs/lookahead.md), validated
-    against the model, or None (none there, an in-memory model, or dummy weights)."""
-    if given_model or args.load_format == "dummy":
+def _lookahead_head(args: EngineArgs, model_cfg: Any):
+    """The lookahead exit head in the ``--model`` directory (``lookahead.json``: docs/lookahead.md), validated
+    against the model, or None (none there, no directory named, or dummy weights). A model given in memory
+    with ``args.model`` (the bench's) reads the head beside the weights it was loaded from."""
+    if args.model is None or args.load_format == "dummy":
         return None
     from loopline.models.lookahead_head import load_head
 
-    return load_head(model_path, hidden_size=model_cfg.hidden_size, loops=getattr(model_cfg, "total_ut_steps", None))
+    return load_head(args.model, hidden_size=model_cfg.hidden_size, loops=getattr(model_cfg, "total_ut_steps", None))
 
 
 class LLMEngine(EngineVerbs):
@@ -256,7 +257,7 @@ class LLMEngine(EngineVerbs):
                           else load_tokenizer(args.tokenizer or model_path, args.chat_template))
         num_blocks = num_kv_blocks(cfg, self.model, backends.attention, layout)
         self.kv = KVCacheManager(num_blocks, args.block_size, layout, args.enable_prefix_caching)
-        head = _lookahead_head(args, model_path, model is not None, model_cfg)
+        head = _lookahead_head(args, model_cfg)
         self.exit_policy = make_exit_policy(args.exit_mode, head[1].threshold if head is not None else None)
         spec = args.speculative()
         if spec is not None:

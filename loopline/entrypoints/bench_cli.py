@@ -45,13 +45,16 @@ def add_parser(sub: Any) -> None:
                    help=SAMPLING_HELP["exit_threshold"] + "; with exit_mode=threshold")
     w.add_argument("--min-loops", type=int, default=None,
                    help=SAMPLING_HELP["min_loops"] + " (default: 1); with exit_mode=threshold")
+    w.add_argument("--lookahead-threshold", type=float, default=None,
+                   help="the lookahead head's threshold in [0, 1] for the lookahead variant's requests "
+                        "(default: the head's calibrated one; docs/lookahead.md)")
     w.add_argument("--warmup-prompts", type=int, default=None, help="warm-up requests before each run (default: concurrency)")
     w.add_argument("--warmup-output-len", type=int, default=16, help="output tokens of each warm-up request")
     r = p.add_argument_group("comparison and output")
     r.add_argument("--compare", action="store_true",
                    help="run variants interleaved and report ratios vs the first (default: refill,no_refill,fixed)")
     r.add_argument("--variants", default=None,
-                   help="comma list for --compare from: refill, no_refill, fixed, shared, last_exited, "
+                   help="comma list for --compare from: refill, no_refill, fixed, lookahead, shared, last_exited, "
                         "no_prefix_cache, prefix_cache, sync, async, eager, hf")
     r.add_argument("--hf-baseline", action="store_true",
                    help="also run transformers generate() on the same weights (static batches of concurrency)")
@@ -242,6 +245,7 @@ def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) 
         "depth_dist_probs": None if depth is None else dict(zip(map(str, depth.depths), depth.probs)),
         "requested_mean_loops": None if depth is None else depth.mean,
         "exit_mode": exit_mode, "exit_threshold": ns.exit_threshold, "min_loops": ns.min_loops,
+        "lookahead_threshold": ns.lookahead_threshold,
         "variants": [v.name for v in variants], "repeats": repeats, "seed": ns.seed,
         "warmup_prompts": ns.warmup_prompts, "warmup_output_len": ns.warmup_output_len,
         "gpu_timing": "profiler" if ns.profile_kernels else "events",
@@ -254,7 +258,8 @@ def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) 
     for c in concurrencies:
         n = ns.num_prompts or 2 * c
         spec = BenchSpec(ns.input_len, ns.output_len, c, n, seed=ns.seed, exit_threshold=ns.exit_threshold,
-                         min_loops=ns.min_loops, warmup_prompts=ns.warmup_prompts,
+                         min_loops=ns.min_loops, lookahead_threshold=ns.lookahead_threshold,
+                         warmup_prompts=ns.warmup_prompts,
                          warmup_output_len=ns.warmup_output_len, gpu_timing=params["gpu_timing"])
         workload = make_workload(n, ns.input_len, ns.output_len, cfg.vocab_size, ns.seed, depth, ns.shared_prefix_len)
         point = run_point(model, args, spec, variants, workload, device, dtype, repeats=repeats,

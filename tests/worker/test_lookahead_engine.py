@@ -229,3 +229,18 @@ def test_a_bad_head_stops_the_engine_at_load(tmp_path, tiny_gqa):
     with pytest.raises(InvalidRequestError) as e:
         engine(tmp_path)
     assert e.value.param == "hidden_size" and "lookahead.json" in str(e.value)
+
+
+def test_bench_runs_the_lookahead_variant(demo_with_head):
+    """``loopline bench --variants refill,lookahead`` on a model with a head: the variant's requests take
+    ``--lookahead-threshold`` (0: every token exits at loop 2)."""
+    from loopline.entrypoints.bench_cli import run_offline
+    from loopline.entrypoints.cli import build_parser
+
+    ns = build_parser().parse_args(["bench", "--model", str(demo_with_head), "--device", "cpu", "--dtype", "float32",
+                                    "--no-progress", "--input-len", "6", "--output-len", "6", "--concurrency", "1",
+                                    "--num-prompts", "1", "--compare", "--variants", "fixed,lookahead", "--repeats", "1",
+                                    "--lookahead-threshold", "0.0"])
+    (point,) = run_offline(ns)["results"]
+    depth = {v["name"]: v["median"]["mean_loops_per_token"] for v in point["variants"]}
+    assert depth == {"fixed": 4.0, "lookahead": 2.0}
