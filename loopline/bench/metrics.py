@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loopline.models.family import family_of
 from loopline.models.ouro import OuroConfig
 
 
@@ -114,13 +115,10 @@ class ByteModel:
 
     @classmethod
     def for_config(cls, cfg: OuroConfig, dtype: torch.dtype) -> "ByteModel":
+        """The model family's reads of one loop (``Family.loop_reads``) in ``dtype``."""
         elem = torch.empty((), dtype=dtype).element_size()
-        h, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-        attn = h * cfg.q_size * 2 + h * cfg.kv_size * 2  # q, o and k, v projections
-        layer = attn + 3 * h * f + 4 * h
-        body = L * layer + h + h + 1  # + final norm + gate weight and bias
-        return cls(body=body * elem, head=cfg.vocab_size * h * elem,
-                   kv_per_token_loop=2 * L * cfg.num_key_value_heads * cfg.head_dim * elem)
+        body, head, kv = family_of(cfg).loop_reads(cfg)
+        return cls(body=body * elem, head=head * elem, kv_per_token_loop=kv * elem)
 
     def kv_read(self, prompt_len: int, exit_depths: list[int], prefill_loops: int) -> int:
         """KV bytes one request's attention reads.

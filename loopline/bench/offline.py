@@ -29,7 +29,7 @@ from loopline.models.ouro import OuroConfig, OuroForCausalLM
 from loopline.sampling_params import SamplingParams
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-CONFIG_NAMES = ("tiny", "ouro-1.4b", "ouro-2.6b")
+CONFIG_NAMES = ("tiny", "ouro-1.4b", "ouro-2.6b", "huginn-tiny", "huginn-3.5b")
 
 ProgressFn = Callable[[int], None]  # called with the number of requests that just finished
 
@@ -92,24 +92,40 @@ def build_model(args: EngineArgs, config_name: str | None, seed: int) -> tuple[O
 
     Returns ``(model, device, dtype, source)``; the model is already on the device in the dtype.
     """
-    from loopline.models.loader import load_config, load_model
-    from loopline.models.tiny import random_checkpoint_config, random_state_dict, tiny_config
+    from loopline.models.loader import load_looped_config, load_looped_model
 
     device = resolve_device(args.device)
     if args.model:
-        cfg = load_config(args.model)
+        cfg = load_looped_config(args.model)
         dtype = resolve_dtype(args.dtype, cfg.torch_dtype, device)
-        return load_model(args.model, dtype, device).eval(), device, dtype, args.model
+        return load_looped_model(args.model, dtype, device).eval(), device, dtype, args.model
     name = config_name or "tiny"
     if name not in CONFIG_NAMES:
         raise InvalidRequestError(f"config must be one of {list(CONFIG_NAMES)}, got {name!r}", param="config")
-    cfg: OuroConfig = tiny_config() if name == "tiny" else random_checkpoint_config(name)
+    cfg, build, random_weights = random_config(name)
     dtype = resolve_dtype(args.dtype, cfg.torch_dtype, device)
-    weights = random_state_dict(cfg, seed=seed, dtype=dtype)
+    weights = {k: v.to(dtype) for k, v in random_weights(cfg, seed).items()}
     with torch.device("meta"):
-        model = OuroForCausalLM(cfg)
+        model = build(cfg)
+    if "lm_head.weight" not in weights:  # a tied Huginn head is the embedding
+        weights["lm_head.weight"] = weights["transformer.wte.weight"]
     model.load_state_dict(weights, assign=True)
     return model.to(device).eval(), device, dtype, f"random weights, {name} shapes, seed {seed}"
+
+
+def random_config(name: str) -> tuple[Any, Callable, Callable]:
+    """``(config, model class, seeded random weights(config, seed))`` of a named ``--config``: Ouro's
+    (``tiny``, ``ouro-1.4b``, ``ouro-2.6b``) or Huginn's (``huginn-tiny``; ``huginn-3.5b``: Huginn-0125's
+    shapes, 32 iterations by default)."""
+    from loopline.models.huginn import HuginnConfig, HuginnForCausalLM
+    from loopline.models.huginn_tiny import random_huginn_state_dict, tiny_huginn_config
+    from loopline.models.tiny import random_checkpoint_config, random_state_dict, tiny_config
+
+    if name.startswith("huginn"):
+        return (tiny_huginn_config() if name == "huginn-tiny" else HuginnConfig()), HuginnForCausalLM, \
+            lambda c, seed: random_huginn_state_dict(c, seed)
+    cfg = tiny_config() if name == "tiny" else random_checkpoint_config(name)
+    return cfg, OuroForCausalLM, lambda c, seed: random_state_dict(c, seed=seed)
 
 
 # --- one engine run -----------------------------------------------------------------------
@@ -258,7 +274,7 @@ def run_engine(model: OuroForCausalLM, base_args: EngineArgs, spec: BenchSpec, v
             torch.cuda.empty_cache()
 
     bytes_model = ByteModel.for_config(model.config, dtype)
-    kv = sum(bytes_model.kv_read(len(p), t.exit_depths or [], model.config.total_ut_steps)
+    kv = sum(bytes_model.kv_read(len(p), t.exit_depths or [], model.config.num_loops)
              for p, t in zip(workload.prompts, timings))
     record: dict[str, Any] = {
         "variant": variant.name,

@@ -27,7 +27,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help=HELP, formatter_class=HelpFormatter, parents=[common_parser(config=False)],
                        description="Closed-loop offline benchmark of the engine on random prompts; see docs/benchmarks/README.md.")
     w = p.add_argument_group("workload")
-    w.add_argument("--config", choices=["tiny", "ouro-1.4b", "ouro-2.6b"], default=None,
+    w.add_argument("--config", choices=["tiny", "ouro-1.4b", "ouro-2.6b", "huginn-tiny", "huginn-3.5b"], default=None,
                    help="random weights of these shapes, built in memory (default without --model: tiny); "
                         "--config FILE.yaml reads flags from a YAML file instead, as for the other commands")
     w.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (random ids)")
@@ -236,9 +236,9 @@ def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) 
     apply_cpu_threads(ns.cpu_threads)
     model, device, dtype, source = build_model(args, ns.config, ns.seed)
     cfg = model.config
-    depth = parse_depth_dist(ns.depth_dist, cfg.total_ut_steps) if ns.depth_dist else None
+    depth = parse_depth_dist(ns.depth_dist, cfg.num_loops) if ns.depth_dist else None
     params = {
-        "model_source": source, "config": ns.config, "total_ut_steps": cfg.total_ut_steps,
+        "model_source": source, "config": ns.config, "total_ut_steps": cfg.num_loops,
         "dtype": str(dtype).removeprefix("torch."), "input_len": ns.input_len, "output_len": ns.output_len,
         "concurrency": concurrencies, "num_prompts": ns.num_prompts, "depth_dist": ns.depth_dist,
         "shared_prefix_len": ns.shared_prefix_len,

@@ -149,6 +149,9 @@ class Family:
     default_threshold: Callable[[Any], float]
     #: Parameters of a config's model (lm_head counted once when tied).
     parameter_count: Callable[[Any], int] = lambda c: 0
+    #: What one engine loop reads, in values: ``(body weights, head weights, K/V values per position)``
+    #: (the bench's memory-traffic model, ``loopline.bench.metrics.ByteModel``).
+    loop_reads: Callable[[Any], tuple[int, int, int]] = lambda c: (0, 0, 0)
     #: Engine options the engine does not serve for this family yet: ``(option, allowed values, why)``; an
     #: ``"auto"`` backend among the allowed values resolves to the first other allowed one.
     engine_limits: tuple[tuple[str, tuple, str], ...] = ()
@@ -176,6 +179,7 @@ OURO = Family(
     loop_limit=lambda c: c.total_ut_steps,
     default_threshold=lambda c: c.early_exit_threshold,
     parameter_count=lambda c: _ouro_parameters(c),
+    loop_reads=lambda c: _ouro_loop_reads(c),
 )
 
 HUGINN = Family(
@@ -190,6 +194,7 @@ HUGINN = Family(
     loop_limit=lambda c: None,
     default_threshold=lambda c: FIXED_DEPTH,  # upstream's generate() without an exit criterion
     parameter_count=lambda c: _huginn_parameters(c),
+    loop_reads=lambda c: _huginn_loop_reads(c),
     engine_limits=(
         ("attention_backend", ("auto", "torch"),
          "the Triton attention rotates q/k by rotate-half RoPE; Huginn's is interleaved"),
@@ -210,6 +215,22 @@ def _ouro_parameters(config: Any) -> int:
     from loopline.models.ouro import parameter_count
 
     return parameter_count(config)
+
+
+def _ouro_loop_reads(c: Any) -> tuple[int, int, int]:
+    """Every decoder layer, the final norm and the exit gate; ``lm_head``; K/V of every layer."""
+    h = c.hidden_size
+    layer = h * c.q_size * 2 + h * c.kv_size * 2 + 3 * h * c.intermediate_size + 4 * h
+    return c.num_hidden_layers * layer + h + h + 1, c.vocab_size * h, 2 * c.num_hidden_layers * c.kv_size
+
+
+def _huginn_loop_reads(c: Any) -> tuple[int, int, int]:
+    """The engine runs the prelude, the adapter, the core block and the coda every loop (static shapes):
+    their weights and the K/V of their layers' planes; ``lm_head`` (the convergence exit reads logits)."""
+    h = c.hidden_size
+    layer = h * (h + 2 * c.kv_size) + h * h + 3 * h * c.intermediate_size + 4 * h
+    layers = c.n_layers_in_prelude + c.n_layers_in_recurrent_block + c.n_layers_in_coda
+    return layers * layer + 2 * h * h + h, c.padded_vocab_size * h, 2 * layers * c.kv_size
 
 
 def _huginn_parameters(config: Any) -> int:
