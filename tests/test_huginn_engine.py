@@ -105,7 +105,6 @@ def test_kv_pool_from_the_kv_stages(tiny):
     ({"max_num_loops": True}, "max_num_loops"),
     ({"kv_layout": "shared"}, "kv_layout"),
     ({"attention_backend": "triton"}, "attention_backend"),
-    ({"enable_preemption": True}, "enable_preemption"),
     ({"speculative_config": {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1}}, "speculative_config"),
 ])
 def test_bad_engine_options_are_named(tiny, kw, field):
@@ -167,3 +166,30 @@ def test_convergence_exit_equals_the_oracle(tiny):
     assert (c.token_ids, c.exit_depths) == (tokens, depths)
     assert min(depths[1:]) < 10
     assert torch.tensor(c.token_logprobs) == pytest.approx(torch.tensor(logprobs), abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+def test_preemption_under_a_tiny_pool_equals_a_roomy_run(tiny, mode):
+    """Requests preempted (KV and slot state to CPU memory, the latent state, prelude output and log p with
+    them) and resumed: outputs equal a run without pressure, and the plain path, token for token."""
+    path, model = tiny
+    requests = {f"r{i}": (list(range(10 + i, 16 + 3 * i)), greedy(7, max_loops=6, min_loops=2, exit_threshold=0.1,
+                                                                   latent_seed=i)) for i in range(4)}
+    eng = engine(path, scheduling_mode=mode, kv_allocation="incremental", enable_preemption=True,
+                 num_kv_blocks=8 * 8, max_num_loops=6)
+    tight = run_arrivals(eng, requests)
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.kv.num_used_blocks == 0 and not eng.runner.pages.snapshots
+    assert_equal_plain(model, tight, requests)
+
+
+def test_prefix_cache_hits_equal_a_cold_run(tiny):
+    """Later requests reuse the cached pages of a shared prefix (every plane: core, prelude, coda) and equal
+    a cold engine's run token for token."""
+    path, model = tiny
+    shared = list(range(100, 124))
+    requests = {f"p{i}": (shared + [i + 1, 2 * i + 3], greedy(4, exit_threshold=0.1)) for i in range(3)}
+    warm = engine(path, enable_prefix_caching=True)
+    outputs = run_arrivals(warm, requests, arrivals={"p1": 30, "p2": 60})
+    assert warm.kv.prefix_cache.stats.hits > 0
+    assert_equal_plain(model, outputs, requests)

@@ -201,7 +201,6 @@ HUGINN = Family(
         ("kernel_backend", ("auto", "torch"), "Huginn's layers run in plain torch"),
         ("kv_cache_dtype", ("auto",), "FP8 KV scales are calibrated for Ouro's layers only"),
         ("speculative_config", (None,), "loop self-speculation drafts with Ouro's stages"),
-        ("enable_preemption", (False,), "a preemption snapshot does not hold Huginn's per-slot prelude output yet"),
         ("prefill_workers", (0,), "the prefill/decode handoff does not carry Huginn's per-slot state yet"),
     ),
     # the latent seeds the prompt's states; the coda plane holds the prompt's last loop (its depth)

@@ -179,6 +179,7 @@ class DeviceDecodeState:
         # [slots, W] int64: each slot's last W generated tokens, oldest first (multi-token bad_words);
         # entries older than the slot's token_index are stale
         self.recent: Tensor | None = None
+        self.family_rows: dict[str, Tensor] = {}  # add_family_rows
         # [slots] int64: the loop at which the slot's token exits, fixed two loops ahead (exit_mode="lookahead"; 0: not yet)
         self.exit_target: Tensor | None = None
     def set_trace(self, slot: int, depths: list[int]) -> None:
@@ -209,7 +210,13 @@ class DeviceDecodeState:
         for name in ("trace", "counts", "seen", "recent", "exit_target"):
             if getattr(self, name) is not None:
                 rows[name] = getattr(self, name)
+        rows.update(self.family_rows)
         return rows
+
+    def add_family_rows(self, rows: dict[str, Tensor]) -> None:
+        """A model family's own per-slot state (``loop_stack.py``: Huginn's prelude output, latent seed and
+        ``log p``), ``[slots, ...]`` each, saved and loaded with the slot (preemption)."""
+        self.family_rows.update(rows)
 
     def save(self, slot: int, to_host: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
         """The slot's state (preemption), through ``to_host`` (a non-blocking copy to pinned memory)."""

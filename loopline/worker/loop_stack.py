@@ -115,6 +115,9 @@ class HuginnStack:
         self.slot_logp = torch.zeros(num_slots, vocab, dtype=torch.float32, device=self.device)
         self._uniform = self.criterion.initial_carry(1, vocab, self.device)  # p_0
         self._logits: Tensor | None = None  # the last decode rows' logits (decode_exit computed them)
+        # saved and restored with the slot's decode state (preemption)
+        state.add_family_rows({"huginn_injected": self.slot_injected, "huginn_seed": self.slot_seed,
+                               "huginn_logp": self.slot_logp})
         self._tokens = self._rows = 0
         self.reserve(1, 1, 1)
         self.scale = model.config.head_dim ** -0.5
