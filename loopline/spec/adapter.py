@@ -155,6 +155,12 @@ def _read_config(path: Path, hidden_size: int, total_loops: int) -> AdapterConfi
     return config
 
 
+def _check_inside(root: Path, path: Path) -> None:
+    """A client names the directory: the adapter's files (symlinks followed) must stay inside it."""
+    if path.exists() and not path.resolve().is_relative_to(root.resolve()):
+        raise CheckpointError(f"{root}: {path.name} leads outside the directory")
+
+
 def load_adapter(adapter_dir: str | Path, hidden_size: int, total_loops: int, *,
                  base_sha256: str | None = None) -> tuple[DraftAdapter, AdapterConfig]:
     """The adapter saved in ``adapter_dir``, validated against the model's ``hidden_size`` and loop count
@@ -167,11 +173,13 @@ def load_adapter(adapter_dir: str | Path, hidden_size: int, total_loops: int, *,
     cfg_path = d / ADAPTER_CONFIG
     if not cfg_path.is_file():
         raise CheckpointError(f"{cfg_path} does not exist (a directory written by `loopline train draft`)")
+    _check_inside(d, cfg_path)
     config = _read_config(cfg_path, hidden_size, total_loops)
     if base_sha256 is not None and config.base_weights_sha256 != base_sha256:
         raise _fail(cfg_path, "base_weights_sha256", config.base_weights_sha256,
                     f"{base_sha256!r} (the served weights': the adapter was trained on other weights)")
     weights = d / config.file
+    _check_inside(d, weights)
     try:
         state = load_file(str(weights))
     except (OSError, SafetensorError) as e:

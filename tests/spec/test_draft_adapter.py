@@ -135,6 +135,11 @@ def test_bad_adapters_are_refused_naming_file_and_field(tmp_path):
     (tmp_path / "m" / ADAPTER_FILE).write_bytes(b"not safetensors")
     with pytest.raises(CheckpointError, match=ADAPTER_FILE):
         engine(d, spec(2, 2))
+    (tmp_path / "m" / ADAPTER_FILE).unlink()
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    (tmp_path / "m" / ADAPTER_FILE).symlink_to(tmp_path / "outside.safetensors")
+    with pytest.raises(CheckpointError, match=f"{ADAPTER_FILE} leads outside the directory"):
+        engine(d, spec(2, 2))
     with pytest.raises(CheckpointError, match="no checkpoint directory"):
         engine(d, {**spec(2, 1), "draft_adapter": d}, load_format="dummy")
 
