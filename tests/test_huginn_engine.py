@@ -104,7 +104,7 @@ def test_kv_pool_from_the_kv_stages(tiny):
     ({"max_num_loops": 0}, "max_num_loops"),
     ({"max_num_loops": True}, "max_num_loops"),
     ({"kv_layout": "shared"}, "kv_layout"),
-    ({"attention_backend": "triton"}, "attention_backend"),
+    ({"kernel_backend": "triton"}, "kernel_backend"),
     ({"speculative_config": {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1}}, "speculative_config"),
 ])
 def test_bad_engine_options_are_named(tiny, kw, field):
@@ -193,3 +193,18 @@ def test_prefix_cache_hits_equal_a_cold_run(tiny):
     outputs = run_arrivals(warm, requests, arrivals={"p1": 30, "p2": 60})
     assert warm.kv.prefix_cache.stats.hits > 0
     assert_equal_plain(model, outputs, requests)
+
+
+def test_graph_buckets_equal_the_plain_path(tiny):
+    """The CUDA-graph input path on the CPU (replay simulated by the eager capturer): decode and mixed
+    steps in bucket-sized buffers with scratch padding rows and tokens, Huginn's own step buffers reserved
+    before capture; outputs equal the plain path's."""
+    from graph_testing import EagerCapturer
+
+    path, model = tiny
+    requests = {rid: (p, greedy(6, max_loops=6, min_loops=2, exit_threshold=0.1)) for rid, p in PROMPTS.items()}
+    eng = engine(path, max_num_seqs=3, max_num_batched_tokens=12, max_model_len=64)
+    eng.runner.capture_graphs(48, 12, max_prefill_rows=2, capturer=EagerCapturer())
+    outputs = run_arrivals(eng, requests, arrivals={"c": 5, "d": 9})
+    assert_equal_plain(model, outputs, requests)
+    assert eng.runner.graphs.replays["decode"] > 10 and eng.runner.graphs.replays["mixed"] > 2

@@ -196,8 +196,6 @@ HUGINN = Family(
     parameter_count=lambda c: _huginn_parameters(c),
     loop_reads=lambda c: _huginn_loop_reads(c),
     engine_limits=(
-        ("attention_backend", ("auto", "torch"),
-         "the Triton attention rotates q/k by rotate-half RoPE; Huginn's is interleaved"),
         ("kernel_backend", ("auto", "torch"), "Huginn's layers run in plain torch"),
         ("kv_cache_dtype", ("auto",), "FP8 KV scales are calibrated for Ouro's layers only"),
         ("speculative_config", (None,), "loop self-speculation drafts with Ouro's stages"),

@@ -32,7 +32,13 @@ from torch import Tensor
 from loopline.attention.base import PagedAttentionMetadata
 from loopline.attention.paged import PagedAttention
 from loopline.models.family import family_of
-from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, SlotOps
+from loopline.models.ops import Rope
+from loopline.worker.decode_state import (
+    DecodeRows,
+    DecodeTensors,
+    DeviceDecodeState,
+    SlotOps,
+)
 from loopline.worker.staging import stage
 from loopline.worker.step_inputs import Segment, StepInputs
 
@@ -122,7 +128,9 @@ class HuginnStack:
         self.reserve(1, 1, 1)
         self.scale = model.config.head_dim ** -0.5
         self._out: tuple[Tensor, Tensor] | None = None  # the last forward's (head input, prelude output)
-        self._staged_tables: tuple[int, Tensor] | None = None  # prompt chunks' (first row, [2, rows, width])
+        # the identity rotation the attention backends get (q and k arrive rotated: _PreRotated)
+        d = model.config.head_dim
+        self._identity = (torch.ones(1, d, dtype=dtype, device=self.device), torch.zeros(1, d, dtype=dtype, device=self.device))
 
     def reserve(self, tokens: int, rows: int, width: int) -> None:
         # NOTE: new buffers, never a resize (graphs captured on the old ones keep reading them)
@@ -200,10 +208,17 @@ class HuginnStack:
         self.starts[t:t + n_tok] = s_starts
         self.seeds[t:t + n_tok] = s_seeds
         self.slot_mapping[:, t:t + n_tok] = s_slots
-        self._staged_tables = (seg.row0, s_tables)
+        step_tables = self._tables(*inp.block_tables.shape)
+        r = seg.row0
+        step_tables[:, r:r + len(rows)] = s_tables
+        # a graph bucket's padding past the chunks (no row owns it): scratch, never a stale step's slots
+        self.slot_mapping[:, t + n_tok:inp.x.shape[0]] = self.scratch_kv
+        self.starts[t + n_tok:inp.x.shape[0]] = False
+        step_tables[:, r + len(rows):] = self.scratch_block
 
     # --- the loop ----------------------------------------------------------------------------------
     def _attn(self, attn: PagedAttention, stage_index: int, tables: Tensor) -> PagedAttention:
+        """The step's attention on the prelude's (0) or the coda's (1) plane."""
         meta = attn.meta
         T = meta.slot_mapping.shape[0]
         stage_meta = PagedAttentionMetadata(meta.query_start_loc, meta.seq_lens, tables[stage_index],
@@ -217,17 +232,14 @@ class HuginnStack:
         rows, width = inp.block_tables.shape
         self.reserve(T, rows, width)
         tables = self._tables(rows, width)
-        if self._staged_tables is not None:  # prompt chunks' tables (prefill_inputs staged them)
-            r, staged = self._staged_tables
-            tables[:, r:r + staged.shape[1]] = staged
-            self._staged_tables = None
         pos, starts = inp.positions, self.starts[:T, None]
-        e = model.prelude(self.ids[:T], pos, self._attn(attn, 0, tables))
+        one, zero = (t.expand(T, -1) for t in self._identity)
+        e = model.prelude(self.ids[:T], pos, _PreRotated(self._attn(attn, 0, tables), one, zero))
         e = torch.where(starts, e, self.injected_in[:T])
         s0 = model.initial_state(e, pos, self.seeds[:T])
         s = torch.where(starts, s0, inp.x)
-        s, _ = model.core(s, e, pos, attn)
-        y = model.coda_hidden(s, pos, self._attn(attn, 1, tables))
+        s, _ = model.core(s, e, pos, _PreRotated(attn, one, zero))
+        y = model.coda_hidden(s, pos, _PreRotated(self._attn(attn, 1, tables), one, zero))
         self._out = (y, e)
         # no exit signal: the fixed-depth rule reads none (the convergence exit reads logits)
         return s, torch.zeros(T, dtype=torch.float32, device=s.device)
@@ -256,6 +268,19 @@ class HuginnStack:
     def set_slot(self, slot: int, seed: int) -> None:
         """A request's latent seed in its decode slot (when it arrives)."""
         self.slot_seed[slot] = seed
+
+
+class _PreRotated:
+    """Attention that rotates q and k by the model's own RoPE (Huginn's interleaved pairs), then hands them
+    to ``inner`` with the identity rotation (rotate-half cos 1, sin 0: exact), so every backend, whose fused
+    stores rotate with rotate-half RoPE, stores and attends Huginn's keys unchanged."""
+
+    def __init__(self, inner: PagedAttention, one: Tensor, zero: Tensor) -> None:
+        self.inner, self.identity = inner, Rope(one, zero)
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: Rope) -> Tensor:
+        q, k = rope(q, k)
+        return self.inner(layer, q, k, v, self.identity)
 
 
 def loop_stack(model: Any, **kwargs: Any) -> OuroStack | HuginnStack:

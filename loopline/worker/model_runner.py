@@ -226,6 +226,9 @@ class ModelRunner:
         if self.spec is not None:
             families["spec_draft"], families["spec"] = self._spec_shapes(width, max_seq_len)
         self.graphs = StepGraphs(self.forward, self.builder, families)
+        shapes = [shape for family in families.values() for shape in family]
+        # the family's own step buffers at their largest before any graph captures views of them
+        self.stack.reserve(max(s.tokens for s in shapes), max(s.rows for s in shapes), width)
         self.graphs.capture(capturer)
 
     def _spec_shapes(self, width: int, max_seq_len: int) -> tuple[list[StepShape], list[StepShape]]:
