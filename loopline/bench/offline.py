@@ -45,7 +45,7 @@ class BenchSpec:
     seed: int = 0
     exit_threshold: float | None = None  # exit_mode=threshold only
     min_loops: int | None = None  # exit_mode=threshold only
-    lookahead_threshold: float | None = None  # rows of exit_mode=lookahead only (None: the head's calibrated one)
+    lookahead_threshold: float | None = None  # exit_mode=lookahead only (None: the head's calibrated one)
     warmup_prompts: int | None = None  # default: concurrency
     warmup_output_len: int = 16
     gpu_timing: str = "events"  # or "profiler" (DeviceTimer)
@@ -149,9 +149,12 @@ def sampling_params_for(exit_mode: str, spec: BenchSpec, workload: Workload, ind
         if workload.exit_depths is None:
             raise InvalidRequestError("exit_mode='trace' needs --depth-dist", param="depth_dist")
         kw["exit_depths"] = workload.exit_depths[index]
-    elif exit_mode == "threshold":
-        if spec.lookahead_threshold is not None:  # (read by the lookahead variant's rows only)
+    elif exit_mode == "lookahead":
+        if spec.lookahead_threshold is not None:
             kw["lookahead_threshold"] = spec.lookahead_threshold
+        if spec.min_loops is not None:
+            kw["min_loops"] = spec.min_loops
+    elif exit_mode == "threshold":
         if spec.exit_threshold is not None:
             kw["exit_threshold"] = spec.exit_threshold
         if spec.min_loops is not None:

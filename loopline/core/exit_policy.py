@@ -116,9 +116,10 @@ class RequestExit(ExitPolicy):
         self.policy_for(params).validate(params)
 
     def lookahead_threshold(self, params: SamplingParams) -> float | None:
-        """The request's effective head threshold (its own, else the head's calibrated one)."""
+        """The request's effective head threshold (its own, else the head's calibrated one); None when its
+        policy is not the lookahead one (so the effective field says whether the request uses the head)."""
         if self.policy_for(params).name != "lookahead":
-            return params.lookahead_threshold
+            return None
         return params.lookahead_threshold if params.lookahead_threshold is not None else self.head_threshold
 
     def params_for(self, params: SamplingParams, token_index: int) -> ExitParams:

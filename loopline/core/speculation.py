@@ -84,6 +84,8 @@ class LoopSpeculation(NoSpeculation):
             return "speculate=False"
         if self.per_token_exits:
             return "exit_mode 'trace' sets each token's depth"
+        if params.lookahead_threshold is not None:  # (effective params: set for exit_mode="lookahead" only)
+            return "exit_mode 'lookahead': the head fixes exits, and the rounds' rows do not run it"
         if params.max_loops is not None and params.max_loops <= self.d:
             return f"max_loops {params.max_loops} <= draft_loops {self.d}"
         if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:

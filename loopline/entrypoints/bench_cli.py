@@ -44,10 +44,10 @@ def add_parser(sub: Any) -> None:
     w.add_argument("--exit-threshold", type=float, default=None,
                    help=SAMPLING_HELP["exit_threshold"] + "; with exit_mode=threshold")
     w.add_argument("--min-loops", type=int, default=None,
-                   help=SAMPLING_HELP["min_loops"] + " (default: 1); with exit_mode=threshold")
+                   help=SAMPLING_HELP["min_loops"] + " (default: 1); with exit_mode threshold or lookahead")
     w.add_argument("--lookahead-threshold", type=float, default=None,
-                   help="the lookahead head's threshold in [0, 1] for the lookahead variant's requests "
-                        "(default: the head's calibrated one; docs/lookahead.md)")
+                   help="the lookahead head's threshold in [0, 1] with exit_mode=lookahead (--exit-mode lookahead, "
+                        "or the lookahead variant; default: the head's calibrated one; docs/lookahead.md)")
     w.add_argument("--warmup-prompts", type=int, default=None, help="warm-up requests before each run (default: concurrency)")
     w.add_argument("--warmup-output-len", type=int, default=16, help="output tokens of each warm-up request")
     r = p.add_argument_group("comparison and output")

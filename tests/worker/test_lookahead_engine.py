@@ -233,14 +233,30 @@ def test_a_bad_head_stops_the_engine_at_load(tmp_path, tiny_gqa):
 
 def test_bench_runs_the_lookahead_variant(demo_with_head):
     """``loopline bench --variants refill,lookahead`` on a model with a head: the variant's requests take
-    ``--lookahead-threshold`` (0: every token exits at loop 2)."""
+    ``--lookahead-threshold`` (1: no token exits early; the head's own 0.5 would exit every one at loop 2)."""
     from loopline.entrypoints.bench_cli import run_offline
     from loopline.entrypoints.cli import build_parser
 
     ns = build_parser().parse_args(["bench", "--model", str(demo_with_head), "--device", "cpu", "--dtype", "float32",
                                     "--no-progress", "--input-len", "6", "--output-len", "6", "--concurrency", "1",
                                     "--num-prompts", "1", "--compare", "--variants", "fixed,lookahead", "--repeats", "1",
-                                    "--lookahead-threshold", "0.0"])
+                                    "--lookahead-threshold", "1.0", "--min-loops", "2"])
     (point,) = run_offline(ns)["results"]
     depth = {v["name"]: v["median"]["mean_loops_per_token"] for v in point["variants"]}
-    assert depth == {"fixed": 4.0, "lookahead": 2.0}
+    assert depth == {"fixed": 4.0, "lookahead": 4.0}
+
+
+def test_lookahead_requests_do_not_speculate(demo_with_head):
+    """Under loop self-speculation a lookahead request decodes plainly (the rounds' rows do not run the head):
+    its outputs are the lookahead engine's, a threshold request beside it still speculates."""
+    spec = {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False,
+            "disable_by_batch_size": None}
+    prompt = prompts(1)[0]
+    base = dict(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    reqs = {"la": (prompt, SamplingParams(exit_mode="lookahead", lookahead_threshold=Q, **base)),
+            "gate": (prompt, SamplingParams(exit_threshold=0.6, **base))}
+    want = tokens_depths_logprobs(run_arrivals(engine(demo_with_head), reqs))
+    eng = engine(demo_with_head, speculative_config=spec)
+    assert_same_tokens_depths_logprobs(tokens_depths_logprobs(run_arrivals(eng, reqs)), want)
+    assert eng.scheduler.speculation.why_not(eng.inputs.process("x", {"prompt_token_ids": prompt},
+                                                                 reqs["la"][1]).params).startswith("exit_mode")
