@@ -208,3 +208,20 @@ def test_graph_buckets_equal_the_plain_path(tiny):
     outputs = run_arrivals(eng, requests, arrivals={"c": 5, "d": 9})
     assert_equal_plain(model, outputs, requests)
     assert eng.runner.graphs.replays["decode"] > 10 and eng.runner.graphs.replays["mixed"] > 2
+
+
+def test_cli_settings_line_and_serve_startup_line_name_huginn_fields(tiny):
+    from types import SimpleNamespace
+
+    from loopline.entrypoints.cli import loop_settings_line
+    from loopline.entrypoints.openai.startup import kv_pool_summary
+
+    path, model = tiny
+    ns = SimpleNamespace(max_loops=None, min_loops=1, exit_threshold=None)
+    line = loop_settings_line(ns, SimpleNamespace(model=str(path), exit_mode="threshold"), model.config)
+    assert "at most 6 (mean_recurrence in" in line and "KL from the previous one is below 1.0 (huginn_raven's default)" in line
+    eng = engine(path, max_num_loops=4)
+    info = SimpleNamespace(config=eng.config, model_config=eng.model_config, kv_pages=eng.kv.pool.num_blocks,
+                           kv_planes=eng.kv.layout.num_planes)
+    kv = kv_pool_summary(info)
+    assert kv["planes"] == 6 and kv["gib"] == pytest.approx(eng.kv.pool.num_blocks * eng.runner.k_cache[0, 0].numel() * 4 * 2 * 4 / 2**30)

@@ -133,18 +133,22 @@ def completion_text(prompt: str, comp: Any, numbered: bool = False) -> str:
 
 def loop_settings_line(ns: argparse.Namespace, args: Any, model_config: Any) -> str:
     """The loop budget and exit rule every prompt runs with, and where each value came from."""
+    from loopline.models.family import family_of  # (torch loads when a command runs)
+
+    family = family_of(model_config)
     where = "the bundled demo model's config.json" if args.model is None else f"{args.model}/config.json"
     budget = (f"{ns.max_loops} (--max-loops)" if ns.max_loops is not None
-              else f"{model_config.total_ut_steps} (total_ut_steps in {where})")
+              else f"{model_config.num_loops} ({family.depth_field} in {where})")
     line = f"loops per token: at most {budget}, at least {ns.min_loops}"
     if args.exit_mode == "fixed":
         return line + "; --exit-mode fixed: every token runs the most loops"
     if args.exit_mode == "trace":
         return line + "; --exit-mode trace: exit depths replayed from --exit-depths"
+    default = family.default_threshold(model_config)
     threshold = (f"{ns.exit_threshold} (--exit-threshold)" if ns.exit_threshold is not None
-                 else f"{model_config.early_exit_threshold} (early_exit_threshold in {where})")
-    return (line + f"; a token exits after the first loop where its cumulative exit probability reaches "
-                   f"{threshold}; 1.0 means fixed depth")
+                 else f"{default} ({family.threshold_field} in {where})" if family.threshold_field
+                 else f"{default} ({model_config.model_type}'s default)")
+    return line + "; " + family.exit_criterion.rule.format(threshold) + "; 1.0 means fixed depth"
 
 
 # One line each for `loopline generate --stats` (docs/user-guide.md says the same).

@@ -74,6 +74,8 @@ class ExitCriterion(ABC):
     criterion exits at ``max_loops`` and never early with ``threshold >= 1`` (:data:`FIXED_DEPTH`)."""
 
     name: str
+    #: The rule in words, for a threshold (``loopline generate``'s settings line).
+    rule: str
     #: True: ``decide`` reads each loop's fp32 logits (the caller runs the coda every loop), else the
     #: loop's own signal.
     reads_logits: bool
@@ -96,6 +98,7 @@ class GateExit(ExitCriterion):
     ``prod(1 - lambda)`` ``[B]`` fp32."""
 
     name = "gate"
+    rule = "a token exits after the first loop where its cumulative exit probability reaches {}"
     reads_logits = False
     exits_in_prefill = True
 
@@ -116,6 +119,7 @@ class ConvergenceExit(ExitCriterion):
     ``[B, vocab]`` fp32."""
 
     name = "kl"
+    rule = "a token exits after the first iteration whose output distribution's KL from the previous one is below {}"
     reads_logits = True
     exits_in_prefill = False
 
@@ -147,6 +151,9 @@ class Family:
     loop_limit: Callable[[Any], int | None]
     #: The exit threshold of a request that sets none.
     default_threshold: Callable[[Any], float]
+    #: The config.json fields of the default depth and of the default threshold (None: the family's own).
+    depth_field: str = "total_ut_steps"
+    threshold_field: str | None = "early_exit_threshold"
     #: Parameters of a config's model (lm_head counted once when tied).
     parameter_count: Callable[[Any], int] = lambda c: 0
     #: What one engine loop reads, in values: ``(body weights, head weights, K/V values per position)``
@@ -191,6 +198,8 @@ HUGINN = Family(
     logits_size=lambda c: c.padded_vocab_size,
     # Upstream's adaptive generation runs the prompt for the request's number of steps.
     prefill_loops=lambda c, max_loops: max_loops,
+    depth_field="mean_recurrence",
+    threshold_field=None,
     loop_limit=lambda c: None,
     default_threshold=lambda c: FIXED_DEPTH,  # upstream's generate() without an exit criterion
     parameter_count=lambda c: _huginn_parameters(c),

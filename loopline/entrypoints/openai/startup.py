@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
+from loopline.worker.memory_profile import kv_bytes_per_block
 
 
 def kv_pool_summary(info: Any) -> dict[str, Any]:
@@ -12,8 +12,7 @@ def kv_pool_summary(info: Any) -> dict[str, Any]:
     ``max_model_len`` tokens fit at once (each needs ``planes * ceil(max_model_len / block_size)`` pages)."""
     cfg, mc = info.config, info.model_config
     pages, planes = info.kv_pages, info.kv_planes
-    elem = torch.empty((), dtype=cfg.dtype).element_size()
-    page_bytes = 2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads * mc.head_dim * elem
+    page_bytes = kv_bytes_per_block(mc, cfg.block_size, cfg.dtype)
     per_request = planes * math.ceil(cfg.max_model_len / cfg.block_size)
     return {"pages": pages, "block_size": cfg.block_size, "planes": planes, "gib": pages * page_bytes / 2**30,
             "max_model_len": cfg.max_model_len, "max_concurrency": pages / per_request}
