@@ -28,7 +28,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from loopline.models.lookahead_head import DISTANCE, HeadConfig, LookaheadHead, projection
+from loopline.models.lookahead_head import (
+    DISTANCE,
+    HeadConfig,
+    LookaheadHead,
+    projection,
+)
 from loopline.worker.decode_state import DecodeRows, DeviceDecodeState
 from loopline.worker.exit_rule import exit_decision
 from loopline.worker.request_state import RequestState

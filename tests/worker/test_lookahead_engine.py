@@ -10,7 +10,11 @@ import math
 
 import pytest
 import torch
-from engine_testing import assert_same_tokens_depths_logprobs, run_arrivals, tokens_depths_logprobs
+from engine_testing import (
+    assert_same_tokens_depths_logprobs,
+    run_arrivals,
+    tokens_depths_logprobs,
+)
 
 from loopline import SamplingParams
 from loopline.config import EngineArgs
@@ -86,10 +90,10 @@ def prompts(n: int, length: int = 12) -> list[list[int]]:
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 def test_an_oracle_replaying_the_stock_gate_equals_the_stock_engine(demo_with_head, layout):
     """5 requests through 3 slots (refill, arrivals), prompts split into 8-token chunks, greedy, 12 tokens."""
-    kw = dict(kv_layout=layout, max_num_seqs=3, max_num_batched_tokens=8)
+    kw = {"kv_layout": layout, "max_num_seqs": 3, "max_num_batched_tokens": 8}
     reqs = {str(i): p for i, p in enumerate(prompts(5))}
     arrivals = {"3": 5, "4": 9}
-    params = dict(temperature=0.0, max_tokens=12, min_loops=2, logprobs=0, ignore_eos=True)
+    params = {"temperature": 0.0, "max_tokens": 12, "min_loops": 2, "logprobs": 0, "ignore_eos": True}
     stock_eng = engine(demo_with_head, **kw)
     stock = run_arrivals(stock_eng, {r: (p, SamplingParams(exit_threshold=0.6, **params)) for r, p in reqs.items()},
                          arrivals)
@@ -127,7 +131,7 @@ def test_a_head_in_the_engine_equals_the_plain_path(demo_with_head):
 def test_lookahead_threshold_and_fixed_rows_share_steps(demo_with_head):
     """One step holds rows of three policies; each request gives what it gives alone."""
     prompt = prompts(1)[0]
-    base = dict(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    base = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 0}
     kinds = {"la": SamplingParams(exit_mode="lookahead", lookahead_threshold=Q, **base),
              "gate": SamplingParams(exit_threshold=0.6, **base),
              "fixed": SamplingParams(exit_mode="fixed", **base)}
@@ -173,7 +177,7 @@ def test_requests_refused_and_engine_default(demo_with_head, tiny_gqa):
     # the engine default: the head's calibrated threshold (0.5 here) unless the request gives one
     eng = engine(demo_with_head, exit_mode="lookahead")
     prompt = prompts(1)[0]
-    p = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+    p = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
     default = run_arrivals(eng, {"a": (prompt, SamplingParams(**p))})["a"].outputs[0].exit_depths
     given = run_arrivals(eng, {"b": (prompt, SamplingParams(lookahead_threshold=0.5, **p))})["b"].outputs[0].exit_depths
     assert default == given
@@ -252,7 +256,7 @@ def test_lookahead_requests_do_not_speculate(demo_with_head):
     spec = {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False,
             "disable_by_batch_size": None}
     prompt = prompts(1)[0]
-    base = dict(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    base = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 0}
     reqs = {"la": (prompt, SamplingParams(exit_mode="lookahead", lookahead_threshold=Q, **base)),
             "gate": (prompt, SamplingParams(exit_threshold=0.6, **base))}
     want = tokens_depths_logprobs(run_arrivals(engine(demo_with_head), reqs))

@@ -1,0 +1,86 @@
+"""What the lookahead head costs an engine step (docs/lookahead.md, 'In the engine').
+
+An engine on a model directory with a lookahead head evaluates the head for every decode row of every
+step, whatever the rows' exit policies. This tool runs the same greedy stock-gate requests on two
+engines -- ``MODEL`` (the bundled demo model by default) without a head and ``--with-head DIR`` (the same
+weights beside a head) -- one step each in turn, so the load of a shared machine hits both alike, and
+reports the median step time of each at the same rows (the outputs are checked equal: the head changes
+no stock-gate row). A third engine, when ``--lookahead-threshold`` is given, runs the same requests with
+``exit_mode="lookahead"`` (its depths differ, so only its own median is reported).
+
+    python tools/lookahead_rule_cost.py --with-head DIR [--concurrency 1,8] [--tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from loopline import SamplingParams
+from loopline.config import EngineArgs
+from loopline.engine import LLMEngine
+from loopline.models.tiny import default_checkpoint
+
+
+def _engine(model: str) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=model, dtype="float32", device="cpu", skip_tokenizer_init=True,
+                                disable_log_stats=True))
+
+
+def _add(eng: LLMEngine, concurrency: int, tokens: int, params: SamplingParams) -> None:
+    rng = np.random.default_rng(0)
+    for i in range(concurrency):
+        eng.add_request(str(i), {"prompt_token_ids": rng.integers(5, 4000, 32).tolist()}, params)
+
+
+def measure(engines: dict[str, tuple[LLMEngine, SamplingParams]], concurrency: int, tokens: int) -> dict:
+    """Steps every engine in turn until all finish; per engine the median step time (ms) and its outputs."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    outputs: dict[str, dict] = {name: {} for name in engines}
+    for eng, params in engines.values():
+        _add(eng, concurrency, tokens, params)
+    while any(eng.has_unfinished_requests() for eng, _ in engines.values()):
+        for name, (eng, _) in engines.items():
+            if eng.has_unfinished_requests():
+                t0 = time.perf_counter()
+                for out in eng.step():
+                    if out.finished:
+                        outputs[name][out.request_id] = (out.outputs[0].token_ids, out.outputs[0].exit_depths)
+                times[name].append(time.perf_counter() - t0)
+    return {name: {"median_step_ms": 1e3 * statistics.median(t), "steps": len(t),
+                   "mean_loops": float(np.mean([d for _, ds in outputs[name].values() for d in ds])),
+                   "outputs": outputs[name]} for name, t in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(default_checkpoint()), help="the weights without a head")
+    p.add_argument("--with-head", required=True, help="the same weights beside lookahead.json / lookahead.safetensors")
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--exit-threshold", type=float, default=0.5)
+    p.add_argument("--lookahead-threshold", type=float, default=None)
+    ns = p.parse_args()
+    torch.set_num_threads(1)
+    gate = SamplingParams(temperature=0.0, max_tokens=ns.tokens, ignore_eos=True, exit_threshold=ns.exit_threshold)
+    for c in (int(x) for x in ns.concurrency.split(",")):
+        engines = {"stock, no head": (_engine(ns.model), gate), "stock, head loaded": (_engine(ns.with_head), gate)}
+        if ns.lookahead_threshold is not None:
+            la = SamplingParams(temperature=0.0, max_tokens=ns.tokens, ignore_eos=True, exit_mode="lookahead",
+                                lookahead_threshold=ns.lookahead_threshold)
+            engines["lookahead"] = (_engine(ns.with_head), la)
+        r = measure(engines, c, ns.tokens)
+        assert r["stock, no head"]["outputs"] == r["stock, head loaded"]["outputs"], "the head changed a stock row"
+        base = r["stock, no head"]["median_step_ms"]
+        print(json.dumps({"concurrency": c, **{name: {k: round(v, 3) if isinstance(v, float) else v
+                                                      for k, v in x.items() if k != "outputs"}
+                                               | {"vs_no_head": round(x["median_step_ms"] / base, 3)}
+                                               for name, x in r.items()}}))
+
+
+if __name__ == "__main__":
+    main()
