@@ -264,3 +264,20 @@ def test_lookahead_requests_do_not_speculate(demo_with_head):
     assert_same_tokens_depths_logprobs(tokens_depths_logprobs(run_arrivals(eng, reqs)), want)
     assert eng.scheduler.speculation.why_not(eng.inputs.process("x", {"prompt_token_ids": prompt},
                                                                  reqs["la"][1]).params).startswith("exit_mode")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_preempted_lookahead_request_resumes_exactly(demo_with_head, async_scheduling):
+    """A higher-priority arrival preempts a lookahead request in its only slot (and runs its own lookahead
+    tokens there); the victim resumes with its slot's fixed exit and gives what it gives alone."""
+    prompt = prompts(2)
+    base = {"temperature": 0.0, "ignore_eos": True, "logprobs": 0, "exit_mode": "lookahead", "lookahead_threshold": Q}
+    low = {"low": (prompt[0], SamplingParams(max_tokens=20, priority=10, **base))}
+    high = {"high": (prompt[1], SamplingParams(max_tokens=6, priority=0, **base))}
+    eng = engine(demo_with_head, scheduling_policy="priority", enable_preemption=True, max_num_seqs=1,
+                 async_scheduling=async_scheduling)
+    out = tokens_depths_logprobs(run_arrivals(eng, {**low, **high}, {"low": 0, "high": 12}))  # (12: mid-token, its exit fixed)
+    assert eng.scheduler.num_preemptions == 1
+    alone = tokens_depths_logprobs(run_arrivals(engine(demo_with_head), low))
+    assert_same_tokens_depths_logprobs({"low": out["low"]}, alone)
+    assert len(set(alone["low"][1])) > 1
