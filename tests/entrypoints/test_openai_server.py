@@ -278,6 +278,9 @@ BAD_COMPLETIONS = [
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "max_loops": 9}, 400, "max_loops"),
     ({"model": MODEL, "prompt": "x", "exit_threshold": 2.0}, 400, "exit_threshold"),
+    ({"model": MODEL, "prompt": "x", "exit_mode": "lookahead"}, 400, "exit_mode"),  # no head beside the weights
+    ({"model": MODEL, "prompt": "x", "exit_mode": "sometimes"}, 400, "exit_mode"),
+    ({"model": MODEL, "prompt": "x", "lookahead_threshold": 1.5}, 400, "lookahead_threshold"),
     ({"model": MODEL, "prompt": "word " * 400}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
