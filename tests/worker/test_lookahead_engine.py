@@ -281,3 +281,21 @@ def test_a_preempted_lookahead_request_resumes_exactly(demo_with_head, async_sch
     alone = tokens_depths_logprobs(run_arrivals(engine(demo_with_head), low))
     assert_same_tokens_depths_logprobs({"low": out["low"]}, alone)
     assert len(set(alone["low"][1])) > 1
+
+
+def test_graph_replayed_steps_equal_eager_ones(demo_with_head):
+    """The rule inside the captured step (CPU capturer: decode and mixed families, padded buckets): lookahead,
+    threshold and fixed requests with arrivals give the eager engine's tokens, depths and logprobs."""
+    from graph_testing import EagerCapturer
+
+    kw = dict(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=128)
+    base = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True, "logprobs": 0}
+    policies = [{"exit_mode": "lookahead", "lookahead_threshold": Q}, {"exit_threshold": 0.6}, {"exit_mode": "fixed"}]
+    reqs = {str(i): (p, SamplingParams(**base, **policies[i % 3])) for i, p in enumerate(prompts(5))}
+    arrivals = {"3": 8, "4": 15}
+    want = tokens_depths_logprobs(run_arrivals(engine(demo_with_head, **kw), reqs, arrivals))
+    eng = engine(demo_with_head, **kw)
+    eng.runner.capture_graphs(64, 24, max_prefill_rows=3, capturer=EagerCapturer())
+    got = tokens_depths_logprobs(run_arrivals(eng, reqs, arrivals))
+    assert_same_tokens_depths_logprobs(got, want)
+    assert eng.runner.graphs.replays["decode"] > 10 and eng.runner.graphs.replays["mixed"] > 0
