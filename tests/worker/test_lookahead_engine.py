@@ -288,7 +288,7 @@ def test_graph_replayed_steps_equal_eager_ones(demo_with_head):
     threshold and fixed requests with arrivals give the eager engine's tokens, depths and logprobs."""
     from graph_testing import EagerCapturer
 
-    kw = dict(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=128)
+    kw = {"max_num_seqs": 6, "max_num_batched_tokens": 24, "max_model_len": 128}
     base = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True, "logprobs": 0}
     policies = [{"exit_mode": "lookahead", "lookahead_threshold": Q}, {"exit_threshold": 0.6}, {"exit_mode": "fixed"}]
     reqs = {str(i): (p, SamplingParams(**base, **policies[i % 3])) for i, p in enumerate(prompts(5))}
