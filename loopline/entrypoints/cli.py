@@ -144,6 +144,9 @@ def loop_settings_line(ns: argparse.Namespace, args: Any, model_config: Any) -> 
         return line + "; --exit-mode fixed: every token runs the most loops"
     if args.exit_mode == "trace":
         return line + "; --exit-mode trace: exit depths replayed from --exit-depths"
+    if args.exit_mode == "lookahead":
+        return line + ("; --exit-mode lookahead: the head beside the weights (lookahead.json) fixes each exit two "
+                       "loops ahead, at its calibrated threshold")
     default = family.default_threshold(model_config)
     threshold = (f"{ns.exit_threshold} (--exit-threshold)" if ns.exit_threshold is not None
                  else f"{default} ({family.threshold_field} in {where})" if family.threshold_field
