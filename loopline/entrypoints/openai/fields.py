@@ -108,6 +108,7 @@ _SAMPLING = [
     _ok("exit_threshold", "loopline: SamplingParams.exit_threshold"),
     _ok("exit_mode", "loopline: SamplingParams.exit_mode (threshold, fixed, lookahead; unset: the engine's)"),
     _ok("lookahead_threshold", "loopline: SamplingParams.lookahead_threshold (exit_mode lookahead)"),
+    _ok("latent_seed", "loopline: SamplingParams.latent_seed (Huginn's latent initial state; default 0)"),
     _ok("logprobs_mode", "loopline: SamplingParams.logprobs_mode"),
     _ok("speculate", "loopline: SamplingParams.speculate (false: no loop self-speculation for this request)"),
     _ok("cache_salt", "the prompt's prefix-cache salt: cached pages are shared only between requests of equal salts"),

@@ -99,6 +99,7 @@ class ExtraSamplingFields(ClosedRequest):
     exit_threshold: float | None = None
     exit_mode: str | None = None  # loopline: threshold | fixed | lookahead (None: the engine's --exit-mode)
     lookahead_threshold: float | None = None  # loopline: the lookahead head's threshold (None: its calibrated one)
+    latent_seed: int = 0  # loopline: Huginn's latent initial state's seed (docs/model-families.md)
     speculate: bool = True  # loopline: False keeps this request out of loop self-speculation
     priority: int = 0
     return_token_ids: bool = False
@@ -237,7 +238,8 @@ class _CommonRequest(ExtraSamplingFields):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, priority=self.priority,
             min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=self.exit_threshold,
-            exit_mode=self.exit_mode, lookahead_threshold=self.lookahead_threshold, speculate=self.speculate, logprobs_mode=self.logprobs_mode, **({"structured_outputs": structured} if structured else {}),
+            exit_mode=self.exit_mode, lookahead_threshold=self.lookahead_threshold, latent_seed=self.latent_seed,
+            speculate=self.speculate, logprobs_mode=self.logprobs_mode, **({"structured_outputs": structured} if structured else {}),
             **self._engine_kwargs())
 
     @property
