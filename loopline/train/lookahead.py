@@ -43,6 +43,7 @@ __all__ = ["DISTANCE", "TraceSpec", "collect_traces", "load_traces", "features",
            "lookahead_depths", "stock_depths", "policy_point", "save_head", "load_head", "HEAD_FILE", "HEAD_CONFIG", "lookahead_generate", "head_decider"]
 
 TRACE_FORMAT = "loopline-lookahead-traces/1"
+DEFAULT_SPEC = TraceSpec()
 
 
 def _windows(stream: Sequence[int], seq_len: int, max_windows: int | None) -> Tensor:
@@ -76,7 +77,7 @@ def _trace_batch(model, ids: Tensor, targets: Tensor, proj: Tensor) -> dict[str,
             "greedy": torch.stack(greedy, 1), "targets": targets.reshape(-1).to(torch.int32)}
 
 
-def collect_traces(model_dir: str | Path, stream: Sequence[int], out_dir: str | Path, *, spec: TraceSpec = TraceSpec(),
+def collect_traces(model_dir: str | Path, stream: Sequence[int], out_dir: str | Path, *, spec: TraceSpec = DEFAULT_SPEC,
                    max_windows: int | None = None, batch: int = 8, split: str = "") -> dict:
     """Writes ``shard-NNNNN.safetensors`` (one per ``batch`` windows) and ``meta.json`` to ``out_dir``.
 
@@ -319,7 +320,7 @@ Decide = Callable[[int, int, dict], bool]  # (token index, loop n, the row's tra
 
 @torch.no_grad()
 def lookahead_generate(model, prompt_ids: Sequence[int], max_tokens: int, decide: Decide, *,
-                       spec: TraceSpec = TraceSpec()):
+                       spec: TraceSpec = DEFAULT_SPEC):
     """Greedy generation on the plain path (:mod:`loopline.models.plain`) with the lookahead policy: after loop
     ``n`` (0: the embedding) ``decide`` may fix the token's exit at loop ``n + 2``; otherwise it runs every loop.
 
@@ -329,7 +330,10 @@ def lookahead_generate(model, prompt_ids: Sequence[int], max_tokens: int, decide
     :class:`~loopline.models.plain.PlainOutput`.
     """
     from loopline.models.family import family_of
-    from loopline.models.plain import _Sequence, greedy_emit  # the plain path's KV planes, reused as they are
+    from loopline.models.plain import (  # the plain path's KV planes, reused as they are
+        _Sequence,
+        greedy_emit,
+    )
 
     family, loops = family_of(model), model.config.total_ut_steps
     if max_tokens < 1 or not prompt_ids:
