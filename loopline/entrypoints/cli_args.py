@@ -77,7 +77,8 @@ def sampling_from_ns(ns: argparse.Namespace, defaults: dict[str, Any] | None = N
     kwargs = {}
     for f in dataclasses.fields(SamplingParams):
         dest = SAMPLING_RENAMES.get(f.name, f.name)
-        if f.name != "extra" and hasattr(ns, dest):
+        # (fields marked cli=False have no flag of their own: a namesake, e.g. the engine's --exit-mode, is not theirs)
+        if f.name != "extra" and f.metadata.get("cli", True) and hasattr(ns, dest):
             value = getattr(ns, dest)
             if value is None and f.name in MODEL_DEFAULT_FIELDS:
                 value = (defaults or {}).get(f.name, f.default)
