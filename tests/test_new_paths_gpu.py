@@ -1,0 +1,79 @@
+"""This session's new engine paths on a real GPU (marked gpu: skipped without CUDA): Huginn through the
+Triton attention, eagerly and in CUDA graphs, against the plain path; the lookahead exit policy in CUDA
+graphs against the same engine eagerly. ``LOOPLINE_TEST_DEVICE=cpu`` runs the same checks on the CPU
+(the torch backend, no graphs) to check the tests themselves."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from engine_testing import run_arrivals
+
+from loopline.config import EngineArgs
+from loopline.engine import LLMEngine
+from loopline.sampling_params import SamplingParams
+
+DEVICE = os.environ.get("LOOPLINE_TEST_DEVICE", "cuda")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")]
+PROMPTS = {"a": [5, 9, 100, 3], "b": list(range(7, 26)), "c": [300, 2, 41, 41, 8, 90, 17], "d": [11] * 12}
+
+
+def engine(path, eager: bool, **kw) -> LLMEngine:
+    # a fixed small pool: several engines live in one process
+    return LLMEngine(EngineArgs(model=str(path), skip_tokenizer_init=True, device=DEVICE, dtype="float32",
+                                max_num_seqs=4, block_size=16, kv_cache_memory_gb=0.25, enforce_eager=eager, **kw))
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+@pytest.mark.parametrize("exit_kw", [{"exit_threshold": 1.0}, {"exit_threshold": 0.5, "max_loops": 6}],
+                         ids=["fixed", "convergence"])
+def test_huginn_on_the_gpu_equals_the_plain_path(tmp_path, eager, exit_kw):
+    from loopline.models.huginn_tiny import make_tiny_huginn_checkpoint
+    from loopline.models.loader import load_looped_model
+    from loopline.models.plain import plain_generate
+
+    path = make_tiny_huginn_checkpoint(tmp_path / "h", seed=0)
+    model = load_looped_model(path)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True, **exit_kw)
+    eng = engine(path, eager)
+    if DEVICE == "cuda":
+        assert (eng.runner.graphs is None) == eager
+    outs = run_arrivals(eng, {rid: (p, params) for rid, p in PROMPTS.items()}, {"d": 3})
+    for rid, prompt in PROMPTS.items():
+        ref = plain_generate(model, prompt, params.max_tokens, max_loops=params.max_loops, min_loops=params.min_loops,
+                             exit_threshold=params.exit_threshold, seed=params.latent_seed)
+        got = outs[rid].outputs[0]
+        assert (got.token_ids, got.exit_depths) == (ref.tokens, ref.exit_loops), rid
+        assert got.token_logprobs == pytest.approx(ref.logprobs, abs=1e-3), rid
+
+
+def test_lookahead_in_graphs_equals_eager(tmp_path):
+    from worker.test_lookahead_engine import random_head
+
+    from loopline.models.lookahead_head import save_head
+    from loopline.models.tiny import default_checkpoint
+
+    src, d = default_checkpoint(), tmp_path / "demo_head"
+    d.mkdir()
+    for f in src.iterdir():
+        (d / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    save_head(*random_head(cfg["total_ut_steps"], cfg["hidden_size"]), d)
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True, exit_mode="lookahead")
+    reqs = {f"r{i}": ([3 + (i * 37 + j * 11) % 250 for j in range(5 + 3 * i)], params) for i in range(6)}
+    outs = {eager: run_arrivals(engine(d, eager), reqs) for eager in (True, False)}
+    for rid in reqs:
+        a, b = outs[True][rid].outputs[0], outs[False][rid].outputs[0]
+        assert (a.token_ids, a.exit_depths) == (b.token_ids, b.exit_depths), rid
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-3), rid
