@@ -267,16 +267,24 @@ def test_https_server_with_root_path_and_a_short_request_log(async_llm, tmp_path
             assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.02)
         tls = ssl.create_default_context(cafile=cert)
-        with caplog.at_level(logging.INFO, logger="loopline.api"), \
-                httpx.Client(base_url=f"https://127.0.0.1:{ns.port}", verify=tls) as client:
+        # NOTE: the access line is written once the response is sent, which can be after the client has
+        # it: the level holds for the whole test, and the line is waited for
+        caplog.set_level(logging.INFO, logger="loopline.api")
+        with httpx.Client(base_url=f"https://127.0.0.1:{ns.port}", verify=tls) as client:
             body = {"model": "t", "prompt": "Hello", "max_tokens": 2}
             assert client.post("/v1/completions", json=body, timeout=60).status_code == 200
         with pytest.raises(httpx.HTTPError):  # plain HTTP is not answered
             httpx.get(f"http://127.0.0.1:{ns.port}/health", timeout=5)
+
+        def logged() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "POST /api/v1/completions 200" in r.getMessage()]
+        deadline = time.monotonic() + 10
+        while not logged() and time.monotonic() < deadline:
+            time.sleep(0.02)
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-    (line,) = [r.getMessage() for r in caplog.records if "POST /api/v1/completions 200" in r.getMessage()]
+    (line,) = logged()
     details = line.split(" 200 ", 1)[1].split("s ", 1)[1]  # after the status and the time: the cut details
     assert details.endswith("...") and len(details) == len("...") + 8
 
