@@ -97,9 +97,7 @@ class RequestExit(ExitPolicy):
         self.name, self.per_token = default, self.default.per_token
         self.head_threshold = head_threshold
         if default == "lookahead" and head_threshold is None:
-            raise InvalidRequestError("exit_mode='lookahead' needs a lookahead head beside the model's weights "
-                                      "(lookahead.json and lookahead.safetensors: loopline train lookahead)",
-                                      param="exit_mode")
+            raise _no_head()
 
     def policy_for(self, params: SamplingParams) -> ExitPolicy:
         return self._policies[params.exit_mode] if params.exit_mode is not None else self.default
@@ -110,9 +108,7 @@ class RequestExit(ExitPolicy):
             raise InvalidRequestError(f"exit_mode={mode!r} per request is not available while the engine's "
                                       f"exit_mode is {self.name!r}", param="exit_mode")
         if self.policy_for(params).name == "lookahead" and self.head_threshold is None:
-            raise InvalidRequestError("exit_mode='lookahead' needs a lookahead head beside the model's weights "
-                                      "(lookahead.json and lookahead.safetensors); this model has none",
-                                      param="exit_mode")
+            raise _no_head()
         self.policy_for(params).validate(params)
 
     def lookahead_threshold(self, params: SamplingParams) -> float | None:
@@ -124,6 +120,12 @@ class RequestExit(ExitPolicy):
 
     def params_for(self, params: SamplingParams, token_index: int) -> ExitParams:
         return self.policy_for(params).params_for(params, token_index)
+
+
+def _no_head() -> InvalidRequestError:
+    return InvalidRequestError("exit_mode='lookahead' needs a lookahead head beside the model's weights "
+                               "(lookahead.json and lookahead.safetensors: loopline train lookahead); this model "
+                               "has none", param="exit_mode")
 
 
 def make_exit_policy(mode: str, head_threshold: float | None = None) -> RequestExit:

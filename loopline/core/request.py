@@ -58,7 +58,7 @@ class Request:
     speculative: bool = False
     lookahead: int = 0  # positions past prompt + max_tokens a speculative round may write
     spec_step: int = 0  # steps of the current round already scheduled
-    spec_rounds: int = 0  # rounds whose result the host read, and their running means (SpecStats.observe)
+    spec_rounds: int = 0  # rounds whose result the host read, and their running means (LoopSpeculation.observe)
     spec_tokens: float = 0.0  # tokens committed per round
     spec_depth: float = 0.0  # exit depth of those tokens: plain decoding's steps per token
     unbooked: list[SampledToken] = field(default_factory=list)  # a round's committed tokens not yet booked

@@ -406,7 +406,7 @@ class Scheduler:
                 req.output.append(sample)
                 if row.spec is not None:  # a round's committed run: the sample, then the rest
                     req.unbooked = list(result.more.get(i, ()))
-                    self.speculation.observe(req, [sample, *req.unbooked])
+                    self.speculation.observe(req, [sample, *req.unbooked], len(self.running))
                 touched.append(req)
         return touched
 

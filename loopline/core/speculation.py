@@ -55,8 +55,8 @@ class NoSpeculation:
         """Why a speculating request, between two rounds, returns to plain decoding (``None``: it goes on)."""
         return None
 
-    def observe(self, req: Request, committed: list[SampledToken]) -> None:
-        """One round's committed tokens (read by the host)."""
+    def observe(self, req: Request, committed: list[SampledToken], running: int) -> None:
+        """One round's committed tokens (read by the host; ``running`` requests share the steps)."""
 
     def lookahead(self, params: SamplingParams) -> int:
         """Positions past ``prompt + max_tokens`` the request may write (reserved with its KV)."""
@@ -73,7 +73,6 @@ class LoopSpeculation(NoSpeculation):
         self.config = config
         self.k, self.d = config.num_speculative_tokens, config.draft_loops
         self.per_token_exits = per_token_exits
-        self.running = 1  # requests running at the last round boundary
         self.payoff: float | None = None  # running mean over rounds: plain steps a round saved / its cost
         self._starts = 0
 
@@ -104,7 +103,7 @@ class LoopSpeculation(NoSpeculation):
         self._starts += 1
         return self._starts % PROBE_EVERY == 0
 
-    def observe(self, req: Request, committed: list[SampledToken]) -> None:
+    def observe(self, req: Request, committed: list[SampledToken], running: int) -> None:
         """The request's running means of tokens per round and their depth move, and so does the
         engine's payoff."""
         n = len(committed)
@@ -114,11 +113,10 @@ class LoopSpeculation(NoSpeculation):
         req.spec_depth += w * (depth - req.spec_depth)
         req.spec_rounds += 1
         assert req.params.max_loops is not None, "not effective params"
-        payoff = n * depth / round_cost(self.k, self.d, req.params.max_loops, self.running)
+        payoff = n * depth / round_cost(self.k, self.d, req.params.max_loops, running)
         self.payoff = payoff if self.payoff is None else self.payoff + ENGINE_WEIGHT * (payoff - self.payoff)
 
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
-        self.running = running
         # NOTE: one way only: a plain decode row's token may be mid-loop when the host looks (the device
         # decides loops), while between two rounds the slot's decode state is exactly a plain one's.
         limit = self.config.disable_by_batch_size
