@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -208,7 +208,6 @@ HUGINN = Family(
         ("kernel_backend", ("auto", "torch"), "Huginn's layers run in plain torch"),
         ("kv_cache_dtype", ("auto",), "FP8 KV scales are calibrated for Ouro's layers only"),
         ("speculative_config", (None,), "loop self-speculation drafts with Ouro's stages"),
-        ("prefill_workers", (0,), "the prefill/decode handoff does not carry Huginn's per-slot state yet"),
     ),
     # the latent seeds the prompt's states; the coda plane holds the prompt's last loop (its depth)
     prompt_kv_key=lambda c, max_loops, seed: f"latent_seed={seed};prefill_loops={max_loops}",

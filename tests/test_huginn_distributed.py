@@ -1,0 +1,133 @@
+"""Huginn (``huginn_raven``) under prefill/decode disaggregation and data-parallel replicas (issue #46): a
+request prefilled by one engine and decoded by another, or served by one of two replicas, gets exactly
+what one engine gives it -- tokens, exit iterations (fixed and the convergence exit) and logprobs, greedy
+and seeded sampling, with latent seeds -- and the handoff moves every plane (core, prelude, coda) and the
+slot's own rows (latent state, prelude output, latent seed, log p)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from matching import approx_floats  # tests/ is on pythonpath (pyproject.toml)
+
+from loopline import AsyncLLM
+from loopline.config import EngineArgs
+from loopline.engine import LLMEngine
+from loopline.models.huginn_tiny import make_tiny_huginn_checkpoint
+from loopline.sampling_params import SamplingParams
+
+BASE = {"skip_tokenizer_init": True, "device": "cpu", "dtype": "float32", "max_num_seqs": 3, "block_size": 4,
+        "max_num_batched_tokens": 8, "max_num_loops": 8, "enable_prefix_caching": True}
+
+
+@pytest.fixture(scope="module")
+def huginn(tmp_path_factory):
+    return make_tiny_huginn_checkpoint(tmp_path_factory.mktemp("huginn_distributed"), seed=0)
+
+
+def workload() -> dict:
+    """Greedy and seeded requests at fixed iterations and with the convergence exit, several latent seeds,
+    a shared prefix, and one that ends with its first token (on the prefill side)."""
+    shared = list(range(100, 113))
+    greedy = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, logprobs=2, max_loops=8, min_loops=2,
+                            exit_threshold=0.05)
+    sampled = SamplingParams(max_tokens=7, temperature=1.0, seed=5, ignore_eos=True, logprobs=0, max_loops=6,
+                             exit_threshold=0.1, latent_seed=3)
+    return {"g": (shared + [5, 9, 41], greedy),
+            "s": (shared + list(range(7, 26)), sampled),
+            "fixed": ([300, 2, 41, 41, 8, 90, 17], greedy.clone(exit_threshold=1.0, max_loops=5, latent_seed=9)),
+            "p": ([11] * 10, sampled.clone(seed=8, repetition_penalty=1.2, latent_seed=0, max_loops=8)),
+            "one": ([7, 8, 9], greedy.clone(max_tokens=1))}
+
+
+def result(out) -> list:
+    return [(c.token_ids, c.exit_depths, c.finish_reason, c.token_logprobs) for c in out.outputs]
+
+
+def single(path, requests) -> dict:
+    engine = LLMEngine(EngineArgs(model=str(path), **BASE))
+    done = {}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    return done
+
+
+def handed_off(path, requests) -> tuple[dict, int, LLMEngine, LLMEngine]:
+    """A prefill-only engine and a decode engine stepped in turn; each ready request's prompt pages (every
+    plane) are reserved and written on the decode side, then it is adopted there, as a PD worker pair does."""
+    prefill = LLMEngine(EngineArgs(model=str(path), **BASE), prefill_only=True)
+    decode = LLMEngine(EngineArgs(model=str(path), **BASE))
+    done, moved = {}, 0
+    for rid, (prompt, params) in requests.items():
+        prefill.add_request(rid, {"prompt_token_ids": prompt}, params)
+    while prefill.has_unfinished_requests() or decode.has_unfinished_requests():
+        done.update((o.request_id, o) for o in prefill.step() if o.finished)
+        for child in prefill.handoff.ready():
+            req = prefill.scheduler.requests[child]
+            decode.handoff.reserve(child, req.prompt_token_ids, req.params._cache_salt)
+            handoff, kv = prefill.handoff.take(child)
+            decode.handoff.write_pages(child, 0, kv)
+            decode.handoff.adopt(handoff)
+            moved += 1
+        done.update((o.request_id, o) for o in decode.step() if o.finished)
+    return done, moved, prefill, decode
+
+
+def test_handoff_gives_the_single_engines_outputs(huginn):
+    requests = workload()
+    ref = single(huginn, requests)
+    got, moved, prefill, decode = handed_off(huginn, requests)
+    assert moved == 4  # "one" ends with its first token on the prefill engine
+    assert approx_floats({k: result(v) for k, v in got.items()}) == {k: result(v) for k, v in ref.items()}
+    depths = {d for o in ref.values() for d in o.outputs[0].exit_depths[1:]}
+    assert len(depths) >= 3  # the convergence exit fired at varied iterations
+    assert prefill.kv.num_used_blocks == 0 and decode.kv.num_used_blocks == 0
+    assert not decode.runner.pages.snapshots and not prefill.runner.requests
+
+
+async def _generate_all(llm, requests) -> dict:
+    outs = await asyncio.gather(*(llm.generate_tokens(p, sp, rid) for rid, (p, sp) in requests.items()))
+    return {o.request_id: o for o in outs}
+
+
+def _idle(llm, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if llm.snapshot.kv_used_blocks == 0 and llm.snapshot.num_unfinished == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not idle: {llm.snapshot}")
+
+
+def test_pd_workers_give_the_single_engines_outputs(huginn):
+    """One prefill and one decode worker process (gloo): every request equals one engine's, its pages
+    streamed to the decode worker and its latent seed carried in the handoff."""
+    requests = workload()
+    llm = AsyncLLM(EngineArgs(model=str(huginn), prefill_workers=1, decode_workers=1, **BASE))
+    try:
+        got = asyncio.run(_generate_all(llm, requests))
+        assert llm.client.num_handoffs == 4
+        _idle(llm)
+    finally:
+        llm.shutdown()
+    ref = single(huginn, requests)
+    assert approx_floats({k: result(v) for k, v in got.items()}) == {k: result(v) for k, v in ref.items()}
+
+
+def test_dp_replicas_give_the_single_engines_outputs(huginn):
+    """Two replicas (engine processes): requests spread over both, each equal to one engine's run of it."""
+    requests = workload()
+    llm = AsyncLLM(EngineArgs(model=str(huginn), data_parallel_size=2, **BASE))
+    picks, choose = [], llm.client.router.choose
+    llm.client.router.choose = lambda ids, loads: picks.append(choose(ids, loads)) or picks[-1]
+    try:
+        got = asyncio.run(_generate_all(llm, requests))
+        _idle(llm)
+    finally:
+        llm.shutdown()
+    assert set(picks) == {0, 1}
+    ref = single(huginn, requests)
+    assert approx_floats({k: result(v) for k, v in got.items()}) == {k: result(v) for k, v in ref.items()}
