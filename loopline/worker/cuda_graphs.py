@@ -11,8 +11,10 @@ the forward eagerly read the same inputs the same way.
 Shapes come in families (decode-only steps at bucketed row counts; steps with
 small prefill chunks at bucketed decode rows x prefill tokens; under loop
 self-speculation, steps of speculating rows, draft and verify alike, beside
-decode rows: :func:`spec_buckets`); a step takes the first family with a
-captured shape that holds it, and in it the smallest such shape. Padding rows
+decode rows: :func:`spec_buckets`; with a lookahead head, the decode and mixed
+shapes again with the head's rule, ``StepShape.features``); a step takes the
+first family with a captured shape that holds it and its features, and in it
+the smallest such shape. Padding rows
 use a scratch slot and a scratch KV block that no request owns, so they never
 touch real state. Sampling runs eagerly on the graph's outputs (its work
 depends on which features the batch uses), and so do a speculative step's
@@ -192,6 +194,8 @@ class _Family:
             key.append(caps[i])
         graph = self.graphs.get(tuple(key))
         if graph is None or plan.max_seq_len > graph.shape.max_seq_len or plan.max_query_len > graph.shape.max_query_len:
+            return None
+        if not plan.features <= graph.shape.features:  # (a graph without the step's optional work)
             return None
         if any(part.num_rows > rows for part, (rows, _) in zip(plan.kinds, graph.shape.counts)):
             return None

@@ -49,7 +49,7 @@ from loopline.worker.kv_pages import KVPages
 from loopline.worker.lookahead_rule import LookaheadRule
 from loopline.worker.loop_stack import loop_stack
 from loopline.worker.request_state import RequestState
-from loopline.worker.row_kinds import DecodeKind, DecodeOut, PrefillKind
+from loopline.worker.row_kinds import LOOKAHEAD, DecodeKind, DecodeOut, PrefillKind
 from loopline.worker.sampler import Sampler, SamplerOutput
 from loopline.worker.spec_rows import SpecKind, SpecRounds, SpecRoundState, VerifyPart
 from loopline.worker.sampling_inputs import (
@@ -207,8 +207,9 @@ class ModelRunner:
                        max_prefill_rows: int = 16, capturer: GraphCapturer | None = None) -> None:
         """Captures decode-only steps, and steps with up to ``max_prefill_rows`` small prefill chunks
         (given the token budget), as CUDA graphs (CUDA and a graph-safe attention backend only); under
-        loop self-speculation also steps of speculating rows beside decode rows (:meth:`_spec_shapes`).
-        ``capturer``: how graphs are captured and replayed (default: CUDA graphs)."""
+        loop self-speculation also steps of speculating rows beside decode rows (:meth:`_spec_shapes`); with a
+        lookahead head the decode and mixed steps twice, with and without its rule (only steps with a
+        lookahead row run it). ``capturer``: how graphs are captured and replayed (default: CUDA graphs)."""
         self._graph_args = (max_seq_len, max_num_batched_tokens, max_prefill_rows, capturer)
         max_seq_len += self.lookahead  # (requests' bounds count a round's lookahead; 0 without speculation)
         width = self.builder.width(max_seq_len)
@@ -225,6 +226,9 @@ class ModelRunner:
         families = {"decode": decode, "mixed": mixed}
         if self.spec is not None:
             families["spec_draft"], families["spec"] = self._spec_shapes(width, max_seq_len)
+        if self.lookahead_rule is not None:  # the same steps with the head's rule: steps with a lookahead row
+            families |= {f"{name}_lookahead": [dataclasses.replace(s, features=LOOKAHEAD) for s in families[name]]
+                         for name in ("decode", "mixed")}
         self.graphs = StepGraphs(self.forward, self.builder, families)
         shapes = [shape for family in families.values() for shape in family]
         # the family's own step buffers at their largest before any graph captures views of them

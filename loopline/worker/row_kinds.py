@@ -37,6 +37,8 @@ from loopline.worker.lookahead_rule import NEVER, LookaheadRule
 from loopline.worker.request_state import RequestState
 from loopline.worker.step_inputs import HostImage, KindRows, Segment, StepInputs
 
+LOOKAHEAD = frozenset({"lookahead"})  # the step feature of the lookahead head's rule (StepShape.features)
+
 
 @dataclass
 class PrefillInputs:
@@ -151,7 +153,8 @@ class DecodeKind(RowKind):
     derives = steady = True
     num_outputs = 6
     # exit_mode="lookahead": the head's rule (worker/lookahead_rule.py), installed by the runner when the
-    # model has a head; rows of other policies carry its NEVER threshold
+    # model has a head; it runs in steps with a lookahead row (rows of other policies there carry its NEVER
+    # threshold), and steps without one run the forward without it
     lookahead: LookaheadRule | None = None
 
     def __init__(self, *, model: OuroForCausalLM, backend: AttentionBackend, kv: Callable[[], tuple[Tensor, Tensor]],
@@ -168,6 +171,7 @@ class DecodeKind(RowKind):
         layout = state.layout
         self.loop_planes = layout.num_loops if layout.num_planes > layout.num_loops else None
         self._tokens = (0, 0)  # the rows' token range in the step (prepare sets it for finish)
+        self._rule: LookaheadRule | None = None  # the head's rule when the step runs it (prepare sets it for finish)
 
     def takes(self, row: ScheduledRow) -> bool:
         return not row.is_prefill and row.spec is None
@@ -187,7 +191,9 @@ class DecodeKind(RowKind):
                 np.fromiter((r.exit.threshold for r in rows), np.float32, n),
                 np.fromiter((NEVER if r.exit.lookahead is None else r.exit.lookahead for r in rows), np.float32, n))
         bound = max((self.requests[r.request_id].max_len for r in rows), default=0)
-        return KindRows(rows, n, n, None, 1 if n else 0, bound, host)
+        # the head runs only in steps with a lookahead row (a graph variant of its own: StepShape.features)
+        head = self.lookahead is not None and bool((host[4] < NEVER).any())
+        return KindRows(rows, n, n, None, 1 if n else 0, bound, host, LOOKAHEAD if head else frozenset())
 
     def fill(self, part: KindRows, image: HostImage) -> None:
         n = part.num_rows
@@ -207,8 +213,9 @@ class DecodeKind(RowKind):
         # prelude for rows starting a token, the slot's hidden state for the others
         self.stack.decode_inputs(rows, inp, seg)
         self._tokens = (t, t + n)
-        if self.lookahead is not None:  # the projection of the rows' inputs: the head reads its change
-            self.lookahead.before(inp.x[t:t + n])
+        self._rule = self.lookahead if LOOKAHEAD <= inp.shape.features else None
+        if self._rule is not None:  # the projection of the rows' inputs: the head reads its change
+            self._rule.before(inp.x[t:t + n])
         return rows
 
     def finish(self, h: Tensor, gate: Tensor, rows: DecodeRows | None, own: dict[str, Tensor]) -> tuple:
@@ -218,8 +225,8 @@ class DecodeKind(RowKind):
         d = rows.dec
         lo, hi = self._tokens
         ex = self.stack.decode_exit(h, gate, d, lo, hi)  # the family's exit rule; the slots' state kept
-        if self.lookahead is not None:  # exit_mode="lookahead" rows: exits fixed two loops ahead
-            ex = self.lookahead.decode(h, gate, rows, own["lookahead"], self.slot_survival, ex)
+        if self._rule is not None:  # exit_mode="lookahead" rows: exits fixed two loops ahead
+            ex = self._rule.decode(h, gate, rows, own["lookahead"], self.slot_survival, ex)
         if self.copies_on_exit:  # last_exited: a token exiting at loop e fills its deeper planes
             k_cache, v_cache = self.kv()
             planes = d.plane_slots if self.loop_planes is None else d.plane_slots[:, :self.loop_planes]

@@ -60,6 +60,9 @@ class StepShape:
     work: int  # capacity of the attention work list; 0: none (every query in one launch)
     max_query_len: int
     max_seq_len: int
+    # optional work the step's forward runs for its rows (a kind's ``KindRows.features``, e.g. "lookahead"):
+    # part of a graph's identity; a step runs in a graph whose features hold its own
+    features: frozenset[str] = frozenset()
 
     @property
     def rows(self) -> int:
@@ -88,6 +91,7 @@ class KindRows:
     max_query_len: int
     max_seq_len: int
     host: Any = None  # the kind's host arrays, for its fill rule
+    features: frozenset[str] = frozenset()  # optional work the rows need in the forward (StepShape.features)
 
 
 @dataclass
@@ -97,6 +101,7 @@ class StepPlan:
     kinds: tuple[KindRows, ...]
     max_query_len: int
     max_seq_len: int
+    features: frozenset[str] = frozenset()  # the union of the kinds' (StepShape.features)
 
 
 @dataclass
@@ -247,7 +252,8 @@ class StepBuilder:
             end = start
         bounds.append((0, end))
         parts = tuple(kind.plan(rows[lo:hi]) for kind, (lo, hi) in zip(self.kinds, reversed(bounds)))
-        return StepPlan(parts, max(p.max_query_len for p in parts), max(p.max_seq_len for p in parts))
+        return StepPlan(parts, max(p.max_query_len for p in parts), max(p.max_seq_len for p in parts),
+                        frozenset().union(*(p.features for p in parts)))
 
     def exact_shape(self, plan: StepPlan) -> StepShape:
         """The shape of an eager step: exactly its rows, a work list only where a row has several queries."""
@@ -256,7 +262,7 @@ class StepBuilder:
             q = self._work_query_lens(plan, tuple((p.num_rows, p.num_tokens) for p in plan.kinds))[1]
             work = int((-(-q // self.tile_tokens)).sum())
         return StepShape(tuple((p.num_rows, p.num_tokens) for p in plan.kinds), self.width(plan.max_seq_len), work,
-                         plan.max_query_len, plan.max_seq_len)
+                         plan.max_query_len, plan.max_seq_len, plan.features)
 
     def width(self, max_seq_len: int) -> int:
         return max(1, -(-max_seq_len // self.block_size))

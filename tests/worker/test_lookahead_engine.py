@@ -299,3 +299,42 @@ def test_graph_replayed_steps_equal_eager_ones(demo_with_head):
     got = tokens_depths_logprobs(run_arrivals(eng, reqs, arrivals))
     assert_same_tokens_depths_logprobs(got, want)
     assert eng.runner.graphs.replays["decode"] > 10 and eng.runner.graphs.replays["mixed"] > 0
+
+
+class CountingPredictor:
+    """Wraps a predictor and counts its calls (one per step that runs the head's rule)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, features, ctx):
+        self.calls += 1
+        return self.inner(features, ctx)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_steps_without_lookahead_rows_do_not_run_the_head(demo_with_head, graphs):
+    """Free when off: stock-gate requests on a model with a head never call it (eager steps, and graph replays of
+    the decode and mixed families without the rule) and give the headless model's outputs; a lookahead request
+    afterwards does call it (its steps take the rule's graph variants)."""
+    from graph_testing import EagerCapturer
+
+    kw = {"max_num_seqs": 4, "max_num_batched_tokens": 24, "max_model_len": 128}
+    base = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 0}
+    gate = {str(i): (p, SamplingParams(exit_threshold=0.6, **base)) for i, p in enumerate(prompts(3))}
+    eng = engine(demo_with_head, **kw)
+    if graphs:
+        eng.runner.capture_graphs(64, 24, max_prefill_rows=3, capturer=EagerCapturer())
+    rule = eng.runner.lookahead_rule
+    rule.predictor = counting = CountingPredictor(rule.predictor)
+    got = tokens_depths_logprobs(run_arrivals(eng, gate, {"2": 4}))
+    assert counting.calls == 0
+    assert_same_tokens_depths_logprobs(got, tokens_depths_logprobs(run_arrivals(engine(default_checkpoint(), **kw),
+                                                                                gate, {"2": 4})))
+    la = {"la": (prompts(1)[0], SamplingParams(exit_mode="lookahead", lookahead_threshold=Q, **base))}
+    run_arrivals(eng, {**la, "g": gate["0"]}, {"g": 6})  # (g's prompt beside la's decode row: a mixed step)
+    assert counting.calls > 0
+    if graphs:
+        replays = eng.runner.graphs.replays
+        assert replays["decode"] > 0 and replays["mixed"] > 0
+        assert replays["decode_lookahead"] > 0 and replays["mixed_lookahead"] > 0
