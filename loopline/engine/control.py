@@ -22,16 +22,17 @@ from loopline.core.scheduler import Scheduler
 from loopline.engine.output_processor import OutputProcessor
 from loopline.errors import EngineStateError, InvalidRequestError, WeightUpdateError
 from loopline.kv.manager import KVCacheManager
-from loopline.models.loader import CONFIG_FILE, iter_checkpoint_tensors, load_config
+from loopline.models.family import family_of
+from loopline.models.loader import (
+    CONFIG_FILE,
+    iter_checkpoint_tensors,
+    load_looped_config,
+)
 from loopline.models.ouro import OuroForCausalLM
 from loopline.rl.lifecycle import PAUSE_MODES, WAKE_TAGS, GenerationControl
 from loopline.rl.weights import WeightUpdater, check_checkpoint_files
 from loopline.spec.adapter import find_adapter
 from loopline.worker.model_runner import ModelRunner
-
-# config.json fields a published checkpoint must share with the served model
-_ARCHITECTURE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "total_ut_steps")
 
 
 class EngineControl(GenerationControl):
@@ -272,8 +273,10 @@ class DiskLoad:
         path, weights = self.path, self.control.weights
         check_checkpoint_files(path)  # every file it names stays inside the directory
         if (Path(path) / CONFIG_FILE).is_file():
-            cfg, mine = load_config(path), self.control.model_config
-            differ = [f"{k}={getattr(cfg, k)!r} (serving {getattr(mine, k)!r})" for k in _ARCHITECTURE
+            cfg, mine = load_looped_config(path), self.control.model_config
+            # config.json fields a published checkpoint must share with the served model (its family's)
+            fields = ("model_type",) + (family_of(mine).architecture_fields if cfg.model_type == mine.model_type else ())
+            differ = [f"{k}={getattr(cfg, k)!r} (serving {getattr(mine, k)!r})" for k in fields
                       if getattr(cfg, k) != getattr(mine, k)]
             if differ:
                 raise WeightUpdateError(f"{path}: the checkpoint's architecture differs: {', '.join(differ)}",

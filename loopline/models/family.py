@@ -165,6 +165,13 @@ class Family:
     #: What besides its tokens a prompt's KV depends on, ``(config, max_loops, latent_seed) -> str | None``:
     #: it joins the prefix-cache key (None: nothing; Ouro).
     prompt_kv_key: Callable[[Any, int, int], str | None] = lambda c, max_loops, seed: None
+    #: config.json fields a checkpoint published as a weight update must share with the served model.
+    architecture_fields: tuple[str, ...] = ()
+    #: Weight names a checkpoint may carry that the model recomputes (a weight update skips them).
+    ignored_weights: tuple[str, ...] = ()
+    #: ``config -> {parameter: source parameter}``: parameters a checkpoint may leave out because they equal
+    #: another (tied embeddings); a weight update that does not send one copies its source into it.
+    tied_weights: Callable[[Any], dict[str, str]] = lambda c: {}
 
     def kv_layers(self, config: Any) -> int:
         """Layers of a paged KV plane: the largest stage's (every plane has that many)."""
@@ -187,6 +194,8 @@ OURO = Family(
     default_threshold=lambda c: c.early_exit_threshold,
     parameter_count=lambda c: _ouro_parameters(c),
     loop_reads=lambda c: _ouro_loop_reads(c),
+    architecture_fields=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "total_ut_steps"),
 )
 
 HUGINN = Family(
@@ -211,6 +220,12 @@ HUGINN = Family(
     ),
     # the latent seeds the prompt's states; the coda plane holds the prompt's last loop (its depth)
     prompt_kv_key=lambda c, max_loops, seed: f"latent_seed={seed};prefill_loops={max_loops}",
+    architecture_fields=("vocab_size", "padded_vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                         "num_key_value_heads", "n_layers_in_prelude", "n_layers_in_recurrent_block",
+                         "n_layers_in_coda", "mean_recurrence", "rope_base", "norm_eps", "qk_bias", "bias",
+                         "tie_embeddings", "init_std", "embed_scale"),
+    ignored_weights=("freqs_cis",),  # a persisted RoPE table (the loader recomputes it too)
+    tied_weights=lambda c: {"lm_head.weight": "transformer.wte.weight"} if c.tie_embeddings else {},
 )
 
 FAMILIES = {f.model_type: f for f in (OURO, HUGINN)}

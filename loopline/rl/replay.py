@@ -30,6 +30,14 @@ generated ones. Which K/V a query reads (docs/rl.md, tests/reference.py):
 ``raw_logprobs`` and for greedy requests). Top-k / top-p / min-p truncation
 and penalties are not replayed: with them the engine's processed logprobs
 are renormalised over the surviving tokens and differ from this value.
+
+Huginn (``huginn_raven``, docs/model-families.md) replays through its own stages, in ``last_exited``
+only (the one layout the engine serves it in): the prelude once per position, the latent initial state
+drawn from the completion's ``latent_seed``, core iterations ``1..`` with the same per-key history
+(prompt positions run the request's ``max_loops``, generated ones their exit iteration), then the coda
+once, over each position's state at its own depth -- a token reads every earlier token's coda K/V of the
+iteration it exited at, as the engine's coda plane holds. ``h_e(p)`` is the coda's output (before
+``lm_head``).
 """
 from __future__ import annotations
 
@@ -40,6 +48,7 @@ import torch
 from torch import Tensor
 
 from loopline.errors import InvalidRequestError
+from loopline.models.family import family_of
 from loopline.models.ops import Rope
 from loopline.models.ouro import DenseCausalAttention, OuroForCausalLM
 
@@ -47,47 +56,58 @@ LAYOUTS = ("last_exited", "shared")
 _GREEDY_EPS = 1e-5  # the sampler's SAMPLING_EPS: below it a request is greedy (temperature 1 for logprobs)
 
 
+PerCompletion = int | Sequence[int] | None
+
+
 def replay_logprobs(model: OuroForCausalLM, prompt_ids: Sequence[int], output_ids: Sequence[int],
-                    exit_depths: Sequence[int], *, layout: str = "last_exited", temperature: float = 1.0) -> Tensor:
+                    exit_depths: Sequence[int], *, layout: str = "last_exited", temperature: float = 1.0,
+                    max_loops: int | None = None, latent_seed: int = 0) -> Tensor:
     """Per-token logprobs ``[len(output_ids)]`` (fp32, with autograd) of one completion."""
     return replay_logprobs_batch(model, [prompt_ids], [output_ids], [exit_depths], layout=layout,
-                                 temperature=temperature)[0]
+                                 temperature=temperature, max_loops=max_loops, latent_seed=latent_seed)[0]
 
 
 def replay_logprobs_batch(model: OuroForCausalLM, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                           exit_depths: Sequence[Sequence[int]], *, layout: str = "last_exited",
-                          temperature: float | Sequence[float] = 1.0) -> list[Tensor]:
+                          temperature: float | Sequence[float] = 1.0, max_loops: PerCompletion = None,
+                          latent_seed: PerCompletion = 0) -> list[Tensor]:
     """Per-token logprobs of several completions (right-padded into one batch); one ``[N_b]`` tensor each.
 
-    ``temperature`` is one value or one per completion.
+    ``temperature`` is one value or one per completion. ``max_loops`` and ``latent_seed`` (one value or one
+    per completion: the rollout's effective ``SamplingParams``) matter for Huginn, whose prompts run
+    ``max_loops`` iterations (default: the checkpoint's ``mean_recurrence``) from a latent state seeded by
+    ``latent_seed``; for Ouro ``max_loops`` only bounds the exit depths and ``latent_seed`` is unused.
     """
-    batch = _Batch.build(model, prompts, outputs, exit_depths, layout, temperature)
+    batch = _Batch.build(model, prompts, outputs, exit_depths, layout, temperature, max_loops, latent_seed)
     logits = model.head(_hidden(model, batch)) / batch.temperatures[:, None]  # [M, V] fp32
     logp = torch.log_softmax(logits, dim=-1).gather(1, batch.targets[:, None]).squeeze(1)
     return list(logp.split(batch.num_outputs))
 
 
 def replay_hidden_batch(model: OuroForCausalLM, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-                        exit_depths: Sequence[Sequence[int]], *, layout: str = "last_exited") -> list[Tensor]:
+                        exit_depths: Sequence[Sequence[int]], *, layout: str = "last_exited",
+                        max_loops: PerCompletion = None, latent_seed: PerCompletion = 0) -> list[Tensor]:
     """The hidden states each generated token was sampled from (with autograd); one ``[N_b, hidden]`` each.
 
     ``model.head`` of row ``k`` gives the logits of ``outputs[b][k]`` (what a trainer that computes
     its own log-softmax, entropy or temperature needs).
     """
-    batch = _Batch.build(model, prompts, outputs, exit_depths, layout, 1.0)
+    batch = _Batch.build(model, prompts, outputs, exit_depths, layout, 1.0, max_loops, latent_seed)
     return list(_hidden(model, batch).split(batch.num_outputs))
 
 
-def _hidden(model: OuroForCausalLM, batch: "_Batch") -> Tensor:
-    return _last_exited_hidden(model, batch) if batch.layout == "last_exited" else _shared_hidden(model, batch)
+def _hidden(model: OuroForCausalLM, batch: _Batch) -> Tensor:
+    return _REPLAYS[batch.model_type][batch.layout](model, batch)
 
 
 class _Batch:
     """Right-padded sequences ``prompt + output[:-1]`` and what each token's logprob needs."""
 
     def __init__(self, ids: Tensor, kv_depth: Tensor, prompt_lens: list[int], lengths: list[int],
-                 depths: list[list[int]], targets: Tensor, temperatures: Tensor, layout: str) -> None:
-        self.layout = layout
+                 depths: list[list[int]], targets: Tensor, temperatures: Tensor, layout: str,
+                 model_type: str = "ouro", latent_seeds: Tensor | None = None) -> None:
+        self.layout, self.model_type = layout, model_type
+        self.latent_seeds = latent_seeds  # [B] int64: each completion's latent seed (Huginn)
         self.ids = ids  # [B, T] int64 (pad 0)
         self.kv_depth = kv_depth  # [B, T] int64: loop whose K/V later positions read (pad: R)
         self.prompt_lens = prompt_lens
@@ -106,24 +126,37 @@ class _Batch:
         return [(b, p - 1 + k, e) for b, (p, ds) in enumerate(zip(self.prompt_lens, self.depths)) for k, e in enumerate(ds)]
 
     @staticmethod
-    def build(model: OuroForCausalLM, prompts, outputs, exit_depths, layout: str, temperature) -> "_Batch":
+    def build(model: OuroForCausalLM, prompts, outputs, exit_depths, layout: str, temperature,
+              max_loops: PerCompletion = None, latent_seed: PerCompletion = 0) -> _Batch:
         cfg = model.config
-        r = cfg.total_ut_steps
-        if layout not in LAYOUTS:
-            raise InvalidRequestError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}", param="layout")
+        family = family_of(model)
+        layouts = tuple(_REPLAYS[family.model_type])
+        if layout not in layouts:
+            why = ""
+            if layout in LAYOUTS:
+                why = f" for {family.model_type} models (the engine serves them in {', '.join(layouts)} only)"
+            raise InvalidRequestError(f"layout must be one of {list(layouts)}{why}, got {layout!r}", param="layout")
         if not (len(prompts) == len(outputs) == len(exit_depths)) or not prompts:
             raise InvalidRequestError(f"prompts, outputs and exit_depths must be non-empty and equally long, got "
                                       f"{len(prompts)}, {len(outputs)}, {len(exit_depths)}", param="prompts")
-        temps = [temperature] * len(prompts) if isinstance(temperature, (int, float)) else list(temperature)
-        if len(temps) != len(prompts):
-            raise InvalidRequestError(f"got {len(temps)} temperatures for {len(prompts)} completions", param="temperature")
+        temps = _per_completion(temperature, len(prompts), "temperature")
+        bounds = [_max_loops(cfg, family, m, i) for i, m in enumerate(_per_completion(max_loops, len(prompts), "max_loops"))]
+        seeds = _per_completion(latent_seed, len(prompts), "latent_seed")
+        if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**32 for s in seeds):
+            raise InvalidRequestError(f"latent_seed must hold integers in [0, 2**32), got {latent_seed!r:.80}",
+                                      param="latent_seed")
         seqs, kv_depths, prompt_lens, depths, targets, token_temps = [], [], [], [], [], []
         for i, (prompt, out, ds) in enumerate(zip(prompts, outputs, exit_depths)):
             prompt, out, ds = _ids(prompt, cfg.vocab_size, f"prompts[{i}]"), _ids(out, cfg.vocab_size, f"outputs[{i}]"), list(ds)
+            r, bound = family.prefill_loops(cfg, bounds[i]), bounds[i]
             if len(ds) != len(out):
                 raise InvalidRequestError(f"exit_depths[{i}] has {len(ds)} entries for {len(out)} tokens", param="exit_depths")
-            if any(isinstance(e, bool) or not isinstance(e, int) or not 1 <= e <= r for e in ds):
-                raise InvalidRequestError(f"exit_depths[{i}] must hold integers in [1, {r}], got {ds}", param="exit_depths")
+            if any(isinstance(e, bool) or not isinstance(e, int) or not 1 <= e <= bound for e in ds):
+                raise InvalidRequestError(f"exit_depths[{i}] must hold integers in [1, {bound}], got {ds}", param="exit_depths")
+            if not family.exit_criterion.exits_in_prefill and ds[0] != r:
+                raise InvalidRequestError(f"exit_depths[{i}][0] must be {r}: a {family.model_type} prompt runs max_loops "
+                                          f"({r}) iterations and its first token comes from the last one, got {ds[0]} "
+                                          "(pass the rollout's max_loops)", param="exit_depths")
             t = float(temps[i])
             if not math.isfinite(t) or t < 0:
                 raise InvalidRequestError(f"temperature must be a finite number >= 0, got {temps[i]!r}", param="temperature")
@@ -136,13 +169,33 @@ class _Batch:
         dev = next(model.parameters()).device
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        kv = torch.full((len(seqs), width), r, dtype=torch.long)
+        kv = torch.full((len(seqs), width), family.prefill_loops(cfg, max(bounds)), dtype=torch.long)
         for b, (s, e) in enumerate(zip(seqs, kv_depths)):
             ids[b, :len(s)] = torch.tensor(s)
             kv[b, :len(e)] = torch.tensor(e)
         return _Batch(ids.to(dev), kv.to(dev), prompt_lens, [len(s) for s in seqs], depths,
                       torch.tensor(targets, dtype=torch.long, device=dev),
-                      torch.tensor(token_temps, dtype=torch.float32, device=dev), layout)
+                      torch.tensor(token_temps, dtype=torch.float32, device=dev), layout, family.model_type,
+                      torch.tensor(seeds, dtype=torch.long, device=dev))
+
+
+def _per_completion(value, n: int, name: str) -> list:
+    """One value per completion from one value (or None) or a sequence of ``n``."""
+    values = [value] * n if value is None or isinstance(value, (int, float)) else list(value)
+    if len(values) != n:
+        raise InvalidRequestError(f"got {len(values)} values of {name} for {n} completions", param=name)
+    return values
+
+
+def _max_loops(cfg, family, value, i: int) -> int:
+    """A completion's max_loops: its exit depths' bound (Huginn: also its prompt's depth)."""
+    if value is None:
+        return cfg.num_loops
+    limit = family.loop_limit(cfg)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= (limit or value):
+        allowed = f"an integer in [1, {limit}]" if limit else "an integer >= 1"
+        raise InvalidRequestError(f"max_loops[{i}] must be {allowed}, got {value!r}", param="max_loops")
+    return value
 
 
 def _ids(ids, vocab: int, name: str) -> list[int]:
@@ -290,3 +343,32 @@ def _shared_hidden(model: OuroForCausalLM, batch: _Batch) -> Tensor:
             if active[b]:
                 hidden[b, pos - batch.prompt_lens[b] + 1] = h_exit[b]
     return torch.stack([hidden[b, k] for b, n in enumerate(batch.num_outputs) for k in range(n)])
+
+
+# --- Huginn: its stages, last_exited ---------------------------------------------------------------
+
+
+def _huginn_hidden(model, batch: _Batch) -> Tensor:
+    """Coda outputs ``[M, H]`` each generated token was sampled from (module docstring): the prelude (dense
+    causal), the seeded latent state, core iterations with the per-key history, then the coda over each
+    position's state at its own depth."""
+    b, t = batch.ids.shape
+    dev = batch.ids.device
+    ids = batch.ids.reshape(-1)
+    pos = torch.arange(t, device=dev).repeat(b)
+    depth = batch.kv_depth.reshape(-1)  # [B*T]: prompt positions max_loops, generated ones their exit
+    e = model.prelude(ids, pos, DenseCausalAttention(b, t))
+    state = model.initial_state(e, pos, batch.latent_seeds.repeat_interleave(t))
+    history = _LastExitedHistory(b, t, batch.kv_depth)
+    final = state
+    for loop in range(1, int(depth.max()) + 1):
+        state, _ = model.core(state, e, pos, history.attention(loop))
+        final = torch.where((depth == loop)[:, None], state, final)
+    out = model.coda_hidden(final, pos, DenseCausalAttention(b, t)).view(b, t, -1)
+    where = torch.tensor(batch.token_positions(), dtype=torch.long, device=dev)  # [M, 3]
+    return out[where[:, 0], where[:, 1]]
+
+
+#: Per family, per KV layout: the hidden states a batch's generated tokens were sampled from.
+_REPLAYS = {"ouro": {"last_exited": _last_exited_hidden, "shared": _shared_hidden},
+            "huginn_raven": {"last_exited": _huginn_hidden}}

@@ -9,7 +9,10 @@ One update is ``start(version) -> update(weights)* -> finish()``:
   rejected call changes nothing. Pass shards to bound the memory a call holds.
 * Tensors are copied with ``Tensor.copy_`` into the existing parameters, so
   parameter addresses (and CUDA graphs captured on them) stay valid.
-* ``finish`` fails unless every parameter was received exactly once.
+* ``finish`` fails unless every parameter was received exactly once. A parameter the model family
+  ties to another (``Family.tied_weights``: Huginn's ``lm_head.weight`` with tied embeddings, which
+  checkpoints leave out) may be left out: ``finish`` copies its source into it. Names the family
+  recomputes (``Family.ignored_weights``: Huginn's ``freqs_cis``) are skipped.
 * A failure after something was copied (a later rejected call, a copy error,
   an incomplete ``finish``) leaves the weights *partially new*: ``broken``
   stays True, and the engine refuses to generate, until a complete update
@@ -36,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from loopline.errors import EngineStateError, WeightUpdateError
+from loopline.models.family import family_of
 from loopline.models.loader import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
@@ -72,6 +76,9 @@ class WeightUpdater:
         self._targets: dict[str, Tensor] = dict(model.state_dict(keep_vars=True))
         self._shapes = {n: tuple(t.shape) for n, t in self._targets.items()}
         self._dtypes = {n: t.dtype for n, t in self._targets.items()}
+        family = family_of(model)
+        self._ignored = frozenset(family.ignored_weights)
+        self._tied = family.tied_weights(model.config)  # parameter -> the parameter it equals when not sent
         self.session: _Session | None = None
         self.broken = False  # a failed update left some parameters new and others old
 
@@ -139,11 +146,14 @@ class WeightUpdater:
     def finish(self) -> tuple[int, bool]:
         """Checks completeness; returns ``(version, changed)``. ``changed`` is False for a verified re-publish."""
         s = self._require_session()
-        missing = sorted(self._targets.keys() - s.seen)
+        missing = self._missing(s.seen)
         if missing:
             self._fail()
             raise WeightUpdateError(f"the update to version {s.version} is incomplete: {len(missing)} parameter(s) were "
                                     f"never sent: {_summary(missing)}", param=missing[0])
+        tied = [(n, self._targets[n], self._targets[src]) for n, src in self._tied.items() if n not in s.seen]
+        if tied:
+            self.apply(tied)  # (compared, not copied, when re-publishing the committed version)
         device = next(iter(self._targets.values())).device
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # every copy has landed before the version is committed
@@ -160,10 +170,14 @@ class WeightUpdater:
         """Refuses (``WeightUpdateError``, nothing changed) a set of validated names that misses a
         parameter. Call it with every name a whole update will send, before its first copy:
         :meth:`finish` would find the gap only after the other tensors were copied."""
-        missing = sorted(self._targets.keys() - set(names))
+        missing = self._missing(set(names))
         if missing:
             raise WeightUpdateError(f"{source} is incomplete: {len(missing)} parameter(s) are missing: "
                                     f"{_summary(missing)}", param=missing[0])
+
+    def _missing(self, seen: set[str]) -> list[str]:
+        """Parameters an update that sent ``seen`` lacks (a tied one is not, once its source is sent)."""
+        return sorted(n for n in self._targets.keys() - seen if self._tied.get(n) not in seen)
 
     # --- validation -------------------------------------------------------------------
     def validate(self, weights: Iterable[tuple[str, Tensor]], already_seen: set[str] | frozenset[str] = frozenset()
@@ -182,7 +196,7 @@ class WeightUpdater:
             name, tensor = entry
             if not isinstance(name, str):
                 raise WeightUpdateError(f"parameter names must be strings, got {name!r}", param="weights")
-            if name.endswith(IGNORED_SUFFIXES):
+            if name.endswith(IGNORED_SUFFIXES) or name in self._ignored:
                 continue
             target = self._targets.get(name)
             if target is None:
