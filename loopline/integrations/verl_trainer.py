@@ -8,7 +8,10 @@ rollout's exit depth of each generated token, at the position before it) and ``k
 rollout engine's, from ``engine_kwargs.loopline.kv_layout``). Ouro's actor model
 (:class:`loopline.train.hf_actor.OuroActorForCausalLM`, what ``AutoModelForCausalLM`` loads once
 :mod:`loopline.integrations.verl` is imported) then recomputes ``old_log_probs``, the reference's
-logprobs and the policy loss's logprobs at those depths. No verl file is changed.
+logprobs and the policy loss's logprobs at those depths. The workers also seed every sample
+(:func:`sample_seed`: the rollout's ``seed``, the global step, the dataset index, the prompt and which of
+the ``n`` samples), so a run resumed from a checkpoint samples the rollouts the continued run sampled.
+No verl file is changed.
 
 Needs verl's trainer requirements besides ``loopline[verl]`` (``TransferQueue``, ``pyzmq``, ``msgspec``:
 the ``verl-train`` extra). Limits: one turn per sample (a sample whose response holds tokens the
@@ -25,12 +28,13 @@ import transfer_queue as tq
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
+from loopline.integrations.rollout_seed import prompt_key, rollout_seed
 from loopline.integrations.verl import ROLLOUT_NAME
 from loopline.train.hf_actor import rollout_depth_inputs
 
 logger = logging.getLogger("loopline.verl")
 
-__all__ = ["LooplineAgentLoopManager", "depth_inputs"]
+__all__ = ["LooplineAgentLoopManager", "depth_inputs", "sample_seed"]
 
 
 def depth_inputs(output: Any, kv_layout: str) -> dict[str, Any]:
@@ -46,8 +50,17 @@ def depth_inputs(output: Any, kv_layout: str) -> dict[str, Any]:
     return rollout_depth_inputs(len(output.prompt_ids), list(depths)[:n], kv_layout)
 
 
+def sample_seed(base_seed: int, trajectory: dict[str, Any], session_id: Any, raw_prompt: Any) -> int:
+    """The seed of one agent-loop sample (:func:`loopline.integrations.rollout_seed.rollout_seed`): from the
+    rollout's base seed, the trainer's global step, the dataset index, the prompt and the session (which
+    of the ``n`` samples)."""
+    return rollout_seed(base_seed, int(trajectory["step"]), int(trajectory["sample_index"]), int(session_id),
+                        prompt_key(raw_prompt), "val" if trajectory["validate"] else "train")
+
+
 class _Worker(AgentLoopWorkerTQ.__ray_actor_class__):  # the class under verl's @ray.remote
-    """verl's TransferQueue agent-loop worker; each sample's model inputs also carry its exit depths."""
+    """verl's TransferQueue agent-loop worker: each sample is seeded (:func:`sample_seed`), so a resumed
+    run samples what the continued run sampled, and its model inputs also carry its exit depths."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # NOTE: AgentLoopWorkerTQ.__init__'s zero-argument super() fails in a subclass (Ray ships the
@@ -55,6 +68,12 @@ class _Worker(AgentLoopWorkerTQ.__ray_actor_class__):  # the class under verl's 
         AgentLoopWorker.__init__(self, *args, **kwargs)
         tq.init()
         self.background_tasks = set()
+
+    async def _run_agent_loop(self, sampling_params: dict[str, Any], trajectory: dict[str, Any], **kwargs: Any) -> Any:
+        if sampling_params.get("seed") is None:  # a seed an agent loop sets itself wins
+            seed = sample_seed(self.rollout_config.seed, trajectory, kwargs.get("session_id", 0), kwargs.get("raw_prompt"))
+            sampling_params = {**sampling_params, "seed": seed}
+        return await AgentLoopWorker._run_agent_loop(self, sampling_params, trajectory, **kwargs)
 
     def _compute_multi_modal_inputs(self, output: Any, input_ids: Any) -> dict[str, Any]:
         inputs = AgentLoopWorker._compute_multi_modal_inputs(self, output, input_ids)

@@ -1,0 +1,86 @@
+"""Plots of verl GRPO runs (docs/rl.md, section 10) from tools/verl_grpo_summary.py's JSON.
+
+Two PNGs, one line per run (``fixed``, ``adaptive``, ``stock``, ... as labelled in the JSON):
+
+* ``PREFIX_reward.png``: the mean reward per iteration (``critic/score/mean``);
+* ``PREFIX_mismatch.png``: verl's rollout-vs-actor probability mismatch per iteration
+  (``training/rollout_probs_diff_mean``, solid; ``..._max``, dashed), log scale.
+
+    python tools/verl_grpo_plot.py OUT/verl_grpo_gpu.json --out docs/images --prefix verl_grpo_h200
+
+Needs matplotlib (the ``plot`` extra).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+REWARD = "critic/score/mean"
+MISMATCH_MEAN, MISMATCH_MAX = "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max"
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(iterations, values) of one metric over a run's rows, rows without it left out."""
+    pts = [(int(r["step"]), float(r[key])) for r in rows if r.get(key) is not None and r.get("step") is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def draw(summary: dict[str, list[dict[str, Any]]], out_dir: Path, prefix: str = "verl_grpo") -> list[Path]:
+    """Writes the reward and mismatch PNGs of every run in ``summary`` to ``out_dir``; returns their paths."""
+    if not summary:
+        raise ValueError("the summary holds no runs")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for label, rows in summary.items():
+        x, y = _series(rows, REWARD)
+        ax.plot(x, y, marker="o", markersize=3, label=label)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("mean reward (critic/score/mean)")
+    ax.set_title("GRPO reward per iteration")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / f"{prefix}_reward.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for i, (label, rows) in enumerate(summary.items()):
+        color = f"C{i}"
+        x, y = _series(rows, MISMATCH_MEAN)
+        ax.plot(x, y, marker="o", markersize=3, color=color, label=f"{label} mean")
+        x, y = _series(rows, MISMATCH_MAX)
+        ax.plot(x, y, linestyle="--", color=color, alpha=0.6, label=f"{label} max")
+    ax.set_yscale("log")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("|p_rollout - p_actor| per token")
+    ax.set_title("Rollout vs actor probability mismatch")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / f"{prefix}_mismatch.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("summary", help="JSON written by tools/verl_grpo_summary.py (label -> per-iteration rows)")
+    ap.add_argument("--out", required=True, help="directory for the PNGs")
+    ap.add_argument("--prefix", default="verl_grpo", help="file name prefix (default verl_grpo)")
+    args = ap.parse_args()
+    for path in draw(json.loads(Path(args.summary).read_text()), Path(args.out), args.prefix):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
