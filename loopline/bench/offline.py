@@ -150,6 +150,8 @@ def sampling_params_for(exit_mode: str, spec: BenchSpec, workload: Workload, ind
             raise InvalidRequestError("exit_mode='trace' needs --depth-dist", param="depth_dist")
         kw["exit_depths"] = workload.exit_depths[index]
     elif exit_mode == "lookahead":
+        if workload.exit_depths is not None:  # what a ReplayPredictor replays (a trained head ignores them)
+            kw["exit_depths"] = workload.exit_depths[index]
         if spec.lookahead_threshold is not None:
             kw["lookahead_threshold"] = spec.lookahead_threshold
         if spec.min_loops is not None:
@@ -247,11 +249,15 @@ def device_fields(timer: DeviceTimer, duration_s: float) -> dict[str, Any]:
 
 
 def run_engine(model: OuroForCausalLM, base_args: EngineArgs, spec: BenchSpec, variant: Variant, workload: Workload,
-               device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None) -> dict[str, Any]:
-    """Builds a fresh engine for ``variant``, warms it up, measures ``workload``; returns one run's record."""
+               device: torch.device, dtype: torch.dtype, progress: ProgressFn | None = None,
+               setup: Callable[[LLMEngine], None] | None = None) -> dict[str, Any]:
+    """Builds a fresh engine for ``variant``, warms it up, measures ``workload``; returns one run's record.
+    ``setup``: called with the engine before the warm-up (e.g. a replayed lookahead predictor installed)."""
     args = engine_args_for(base_args, variant, spec, dtype)
     engine = LLMEngine(args, model=model)
     try:
+        if setup is not None:
+            setup(engine)
         def params(w: Workload) -> list[SamplingParams]:
             return [sampling_params_for(args.exit_mode, spec, w, i) for i in range(w.num_prompts)]
 

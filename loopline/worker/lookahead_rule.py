@@ -17,13 +17,15 @@ rows' inputs are their slot's hidden state or, at loop 1, the embedding, so noth
 slot than the fixed target (``DeviceDecodeState.exit_target``, saved with a preempted slot).
 
 The predictor is any callable ``(features [M, F], PredictorContext) -> probabilities [M]``:
-:class:`HeadPredictor` for a trained head; tests install oracles that key on the context.
+:class:`HeadPredictor` for a trained head; :class:`ReplayPredictor` replays given depths (benchmarks on
+random weights, tools/lookahead_h200.py); tests install oracles that key on the context. A predictor
+with a ``start_slot(slot, params)`` method hears of each request as it takes a decode slot.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -59,6 +61,30 @@ class HeadPredictor:
         return torch.sigmoid(self.head(features))
 
 
+class ReplayPredictor:
+    """Replays each request's ``SamplingParams.exit_depths`` as the head's decisions: probability 1 after loop
+    ``n`` where the token's recorded depth is ``n + 2``, else 0 (past the end of a trace its last depth
+    repeats, as under ``exit_mode="trace"``). What a benchmark on random weights installs, labelled as a
+    replayed exit pattern: the rule, its targets and the engine's use of them run as with a head. Keyed by
+    slot, filled when a request takes one (a request resumed into another slot after preemption is not
+    followed)."""
+
+    def __init__(self, num_slots: int, max_tokens: int, device: torch.device) -> None:
+        self.depths = torch.zeros(num_slots, max_tokens, dtype=torch.long, device=device)
+        self.last = torch.zeros(num_slots, dtype=torch.long, device=device)  # each slot's last trace index
+
+    def start_slot(self, slot: int, params: Any) -> None:
+        depths = list(params.exit_depths or [0])[:self.depths.shape[1]]
+        self.depths[slot].zero_()
+        self.depths[slot, :len(depths)] = torch.tensor(depths, dtype=torch.long).to(self.depths.device)
+        self.last[slot] = len(depths) - 1
+
+    def __call__(self, features: Tensor, ctx: PredictorContext) -> Tensor:
+        index = torch.minimum(ctx.token_index.clamp(min=0), self.last[ctx.slots])
+        want = self.depths[ctx.slots, index]
+        return ((want == ctx.loop + DISTANCE) & (ctx.token_index >= 0)).float()
+
+
 class LookaheadRule:
     """The head, its projection and the per-slot fixed exits, for the decode kind and the runner's prefill
     booking. ``embed``: the model's prelude (a prompt chunk's loop-1 input)."""
@@ -73,6 +99,12 @@ class LookaheadRule:
         self.onehot = torch.eye(config.loops, device=device)  # row n: loop n's one-hot
         state.allocate_exit_target()
         self._prev: Tensor | None = None  # the decode rows' input projection, from before() to decode()
+
+    def start_slot(self, slot: int, params: Any) -> None:
+        """A request takes decode ``slot``: a predictor that keys on slots (``ReplayPredictor``) learns it."""
+        start = getattr(self.predictor, "start_slot", None)
+        if start is not None:
+            start(slot, params)
 
     def project(self, h: Tensor) -> Tensor:
         """``[B, H] -> [B, K]`` fp32: the head's view of a hidden state."""

@@ -329,6 +329,8 @@ class ModelRunner:
             ds.track_recent(BAD_WORD_MAX_TOKENS - 1)
         if self.decode.per_token_exits:
             ds.set_trace(st.slot, st.params.exit_depths)
+        if self.lookahead_rule is not None:  # (a predictor that replays depths keys on the slot)
+            self.lookahead_rule.start_slot(st.slot, st.params)
 
     # --- one step: launch now, read when asked ---------------------------------------
     @torch.inference_mode()
