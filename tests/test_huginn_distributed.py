@@ -13,7 +13,9 @@ from matching import approx_floats  # tests/ is on pythonpath (pyproject.toml)
 
 from loopline import AsyncLLM
 from loopline.config import EngineArgs
+from loopline.core.request import RequestStatus
 from loopline.engine import LLMEngine
+from loopline.engine.input_processor import child_request_id, parent_request_id
 from loopline.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopline.sampling_params import SamplingParams
 
@@ -55,32 +57,53 @@ def single(path, requests) -> dict:
     return done
 
 
-def handed_off(path, requests) -> tuple[dict, int, LLMEngine, LLMEngine]:
-    """A prefill-only engine and a decode engine stepped in turn; each ready request's prompt pages (every
-    plane) are reserved and written on the decode side, then it is adopted there, as a PD worker pair does."""
+def handed_off(path, requests) -> tuple[dict, set, LLMEngine, LLMEngine]:
+    """A prefill-only engine and a decode engine stepped in turn, as a PD worker pair: prompt pages (every
+    plane) that became final are streamed into pages the decode engine reserved when the first arrived,
+    and each ready request moves with the rest of its pages. Returns the outputs, the requests whose pages
+    left before their prompt finished, and both engines."""
     prefill = LLMEngine(EngineArgs(model=str(path), **BASE), prefill_only=True)
     decode = LLMEngine(EngineArgs(model=str(path), **BASE))
-    done, moved = {}, 0
+    done, sent, early = {}, {}, set()
+
+    def put(child, first, kv):
+        if first == 0:
+            req = prefill.scheduler.requests[child]
+            decode.handoff.reserve(child, req.prompt_token_ids, req.params._cache_salt)
+        decode.handoff.write_pages(child, first, kv)
+
     for rid, (prompt, params) in requests.items():
         prefill.add_request(rid, {"prompt_token_ids": prompt}, params)
     while prefill.has_unfinished_requests() or decode.has_unfinished_requests():
-        done.update((o.request_id, o) for o in prefill.step() if o.finished)
+        for out in prefill.step():
+            if out.finished:  # ended with its first token: what it sent is dropped
+                done[out.request_id] = out
+                child = child_request_id(out.request_id, 0)
+                sent.pop(child, None)
+                decode.handoff.release(child)
+        for child, pages in prefill.handoff.final_prompt_pages().items():
+            if pages > sent.get(child, 0) and child not in prefill.handoff.ready():
+                put(child, sent.get(child, 0), prefill.handoff.export_pages(child, sent.get(child, 0), pages).clone())
+                sent[child] = pages
+                if prefill.scheduler.requests[child].status == RequestStatus.PREFILL:  # chunks still to run
+                    early.add(parent_request_id(child))
         for child in prefill.handoff.ready():
-            req = prefill.scheduler.requests[child]
-            decode.handoff.reserve(child, req.prompt_token_ids, req.params._cache_salt)
-            handoff, kv = prefill.handoff.take(child)
-            decode.handoff.write_pages(child, 0, kv)
+            first = sent.pop(child, 0)
+            handoff, rest = prefill.handoff.take(child, first)
+            if first == 0:
+                decode.handoff.reserve(child, handoff.prompt_token_ids, handoff.params._cache_salt)
+            decode.handoff.write_pages(child, first, rest)
             decode.handoff.adopt(handoff)
-            moved += 1
         done.update((o.request_id, o) for o in decode.step() if o.finished)
-    return done, moved, prefill, decode
+    return done, early, prefill, decode
 
 
 def test_handoff_gives_the_single_engines_outputs(huginn):
     requests = workload()
     ref = single(huginn, requests)
-    got, moved, prefill, decode = handed_off(huginn, requests)
-    assert moved == 4  # "one" ends with its first token on the prefill engine
+    got, early, prefill, decode = handed_off(huginn, requests)
+    # pages left while later chunks still ran, also for prompts that run fewer iterations than max_num_loops
+    assert early == {"g", "s", "fixed", "p"}
     assert approx_floats({k: result(v) for k, v in got.items()}) == {k: result(v) for k, v in ref.items()}
     depths = {d for o in ref.values() for d in o.outputs[0].exit_depths[1:]}
     assert len(depths) >= 3  # the convergence exit fired at varied iterations

@@ -84,8 +84,9 @@ class HandoffPort:
                 out[req.request_id] = -(-req.prompt_len // bs)
             elif req.status == RequestStatus.PREFILL:
                 done = 0
+                depth = req.prefill_loops or self.num_loops  # (a family may run a prompt fewer loops: Huginn)
                 for chunk in req.chunks:  # in position order; a chunk finishes its last loop after the one before
-                    if chunk.loops_done < self.num_loops:
+                    if chunk.loops_done < depth:
                         break
                     done = chunk.end
                 out[req.request_id] = done // bs
