@@ -39,11 +39,21 @@ def no_tf32():
 @pytest.mark.parametrize("exit_kw", [{"exit_threshold": 1.0}, {"exit_threshold": 0.5, "max_loops": 6}],
                          ids=["fixed", "convergence"])
 def test_huginn_on_the_gpu_equals_the_plain_path(tmp_path, eager, exit_kw):
+    check_huginn(tmp_path, eager, exit_kw)
+
+
+def test_huginn_head_size_not_a_power_of_two_on_the_gpu(tmp_path):
+    # Huginn-0125's heads are 96 wide: the Triton kernels run 128-wide tiles, masked (here 48 in 64)
+    check_huginn(tmp_path, False, {"exit_threshold": 0.5, "max_loops": 6}, hidden_size=96, num_attention_heads=2,
+                 num_key_value_heads=2)
+
+
+def check_huginn(tmp_path, eager, exit_kw, **config):
     from loopline.models.huginn_tiny import make_tiny_huginn_checkpoint
     from loopline.models.loader import load_looped_model
     from loopline.models.plain import plain_generate
 
-    path = make_tiny_huginn_checkpoint(tmp_path / "h", seed=0)
+    path = make_tiny_huginn_checkpoint(tmp_path / "h", seed=0, **config)
     model = load_looped_model(path)
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True, **exit_kw)
     eng = engine(path, eager)

@@ -229,7 +229,8 @@ class TritonAttentionBackend(AttentionBackend):
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            BLOCK_SIZE=k_cache.shape[1], HALF=d // 2, BLOCK_H=block_h, ROTATE=rotated is not None,
+            BLOCK_SIZE=k_cache.shape[1], HALF=d // 2, HALF_PAD=_next_pow2(d // 2), BLOCK_H=block_h,
+            ROTATE=rotated is not None,
             **pdl_options(k.device),
         )  # fmt: skip
 
@@ -248,12 +249,12 @@ class TritonAttentionBackend(AttentionBackend):
         assert v_cache.shape == k_cache.shape and loops.shape == exits.shape == (rows,)
         assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and plane_slots.stride(1) == 1
         assert loops.is_contiguous() and exits.is_contiguous()  # the kernel indexes them by row
-        block_h = _heads_per_program(kvh, d)
+        block_h = _heads_per_program(kvh, _next_pow2(d))
         copy_exited_kernel[(rows, num_layers, triton.cdiv(kvh, block_h))](
             k_cache, v_cache, plane_slots, loops, exits.view(torch.int8), num_planes, kvh, plane_slots.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-            BLOCK_SIZE=block_size, HEAD_DIM=d, BLOCK_H=block_h, **pdl_options(k_cache.device),
+            BLOCK_SIZE=block_size, HEAD_DIM=d, D_PAD=_next_pow2(d), BLOCK_H=block_h, **pdl_options(k_cache.device),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ rotate_store_attend
@@ -281,7 +282,7 @@ class TritonAttentionBackend(AttentionBackend):
         group = heads // kvh
         block_m = _decode_block_m(group)
         launch = self.decode_launch
-        block_n = launch.block_n or _key_block(d, _tile_elem_bytes(q, k_cache))
+        block_n = launch.block_n or _key_block(_next_pow2(d), _tile_elem_bytes(q, k_cache))
         out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
         part_out, part_lse = self.partials(num_splits, out)
         decode_attention_kernel[(n, kvh, num_splits)](
@@ -291,7 +292,8 @@ class TritonAttentionBackend(AttentionBackend):
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             out.stride(0), out.stride(1), meta.block_tables.stride(0),
-            G=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=d, NUM_SPLITS=num_splits,
+            G=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=d, D_PAD=_next_pow2(d),
+            NUM_SPLITS=num_splits,
             DOT_PRECISION=_dot_precision(_dot_dtype(q, k_cache)), **pdl_options(q.device),
             # With splits (small batches) the step is latency-bound and the grid fits in one wave at two
             # programs per SM; larger grids keep the pipelined loop's lower register count.
@@ -317,8 +319,8 @@ class TritonAttentionBackend(AttentionBackend):
     def _check_shapes(heads: int, kvh: int, d: int, block_size: int) -> None:
         if heads % kvh:
             raise ValueError(f"num_heads ({heads}) must be a multiple of num_kv_heads ({kvh})")
-        if not (_is_pow2(d) and 16 <= d <= 256):
-            raise ValueError(f"head_dim must be a power of two in 16..256, got {d}")
+        if not (d % 2 == 0 and 16 <= d <= 256):  # tiles are d rounded up to a power of two, masked
+            raise ValueError(f"head_dim must be an even number in 16..256, got {d}")
         if not _is_pow2(block_size):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
 
@@ -339,8 +341,8 @@ class TritonAttentionBackend(AttentionBackend):
         n, heads, d = out.shape
         merge_splits_kernel[(n, heads)](
             part_out, part_lse, out, n, heads, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=d, **pdl_options(out.device),
-            num_warps=4 if d >= 128 else 2,
+            NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=d, D_PAD=_next_pow2(d),
+            **pdl_options(out.device), num_warps=4 if d >= 128 else 2,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ attend
@@ -371,20 +373,21 @@ class TritonAttentionBackend(AttentionBackend):
             block_m = max(16, min(widest, _next_pow2(meta.max_query_len * group)), _next_pow2(group))
         tile_t = block_m // group
         q_tiles = triton.cdiv(max(meta.max_query_len, 1), tile_t)
-        block_n = _key_block(d, _tile_elem_bytes(q, k_cache))
+        d_pad = _next_pow2(d)  # the tiles' width
+        block_n = _key_block(d_pad, _tile_elem_bytes(q, k_cache))
         if work is not None:
             num_splits, grid = 1, (work.shape[1], kvh, 1)
         else:
             num_splits = self.pick_num_splits(q.device, num_rows * kvh * q_tiles, q_tiles, meta.max_seq_len)
             grid = (num_rows, kvh, q_tiles * num_splits)
-        num_warps = 8 if block_m * d >= 64 * 256 else 4
+        num_warps = 8 if block_m * d_pad >= 64 * 256 else 4
         # 2 stages leave shared memory for more programs per SM (bench_attention --sweep, H200, bf16:
         # 8 x 1024-token prefill 0.192 vs 0.280 ms at 3 stages; decode 72.4 vs 74.3 us at 32 rows).
         num_stages = 2
         decode_only = meta.max_query_len == 1 and work is None
         tune = self.decode_launch if decode_only else self.prefill_launch
         if decode_only and num_splits == 1:
-            block_n = _decode_key_block(d, q, k_cache)
+            block_n = _decode_key_block(d_pad, q, k_cache)
         block_n = tune.block_n or block_n
         num_warps = tune.num_warps or num_warps
         num_stages = tune.num_stages or num_stages
@@ -396,7 +399,7 @@ class TritonAttentionBackend(AttentionBackend):
             decode_m = _decode_block_m(group)
             self._launch(q, k_cache, v_cache, scales, out, out, out, meta, None, scale,
                          (meta.num_decode_rows, kvh, 1), group, decode_m // group, decode_m,
-                         self.decode_launch.block_n or _decode_key_block(d, q, k_cache), 1, precision,
+                         self.decode_launch.block_n or _decode_key_block(d_pad, q, k_cache), 1, precision,
                          self.decode_launch.num_warps or 4,
                          self.decode_launch.num_stages or num_stages)
         part_out, part_lse = self.partials(num_splits, out)
@@ -419,7 +422,8 @@ class TritonAttentionBackend(AttentionBackend):
             out.stride(0), out.stride(1),
             meta.block_tables.stride(0),
             G=group, TILE_T=tile_t, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1],
-            HEAD_DIM=q.shape[2], NUM_SPLITS=num_splits, DOT_PRECISION=precision, WORK_LIST=work is not None,
+            HEAD_DIM=q.shape[2], D_PAD=_next_pow2(q.shape[2]), NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+            WORK_LIST=work is not None,
             **pdl_options(q.device), num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
 

@@ -34,6 +34,10 @@ value as stored (quantized, then widened), so it matches reading them back from 
 The exit copy moves bytes (the backend passes ``uint8`` views). Other caches take the code
 paths and dtypes they always did.
 
+Head sizes that are not a power of two (Huginn-0125's 96) run tiles of the next power of two
+(``D_PAD``), masked past ``HEAD_DIM`` on every load and store (``_head_cols``, ``_load_cols``); at power-of-two
+sizes those branches compile away and the kernels are what they were.
+
 Without CUDA the kernels run only under ``TRITON_INTERPRET=1`` (slow, for tests). The module imports
 without triton (the kernels are then plain functions nobody calls).
 """
@@ -125,14 +129,45 @@ def _kv_value(x, dtype: tl.constexpr, scale_ptrs, mask):
 
 
 @_jit
+def _head_cols(mask, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """``mask`` (``[X, 1]`` or ``[X, D_PAD]``) limited to a head's ``HEAD_DIM`` real columns of the
+    ``D_PAD``-wide tiles (a head size that is not a power of two, e.g. Huginn's 96); unchanged otherwise."""
+    if HEAD_DIM == D_PAD:
+        out = mask
+    else:
+        out = mask & (offs_d < HEAD_DIM)[None, :]
+    return out
+
+
+@_jit
+def _load_cols(ptrs, offs, N: tl.constexpr, N_PAD: tl.constexpr):
+    """``tl.load(ptrs)`` of a vector (or row) indexed by ``offs`` in ``0 .. N_PAD``, zeros from ``N`` on."""
+    if N == N_PAD:
+        out = tl.load(ptrs)
+    else:
+        out = tl.load(ptrs, mask=offs < N, other=0.0)
+    return out
+
+
+@_jit
+def _store_cols(ptrs, x, offs, N: tl.constexpr, N_PAD: tl.constexpr):
+    """``tl.store(ptrs, x)`` of a vector indexed by ``offs`` in ``0 .. N_PAD``, nothing from ``N`` on."""
+    if N == N_PAD:
+        tl.store(ptrs, x)
+    else:
+        tl.store(ptrs, x, mask=offs < N)
+
+
+@_jit
 def _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-                  EVICT: tl.constexpr):
-    """Keys ``[D, BLOCK_N]`` and values ``[BLOCK_N, D]`` of positions ``start .. start + BLOCK_N`` through the
-    row's block table; MASKED: positions from ``kv_hi`` on read as zeros. EVICT: the loads' L2 eviction
-    policy (the fused decode kernel marks what it reads before its wait, which tests/kernels/test_pdl.py checks)."""
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  MASKED: tl.constexpr, EVICT: tl.constexpr):
+    """Keys ``[D_PAD, BLOCK_N]`` and values ``[BLOCK_N, D_PAD]`` of positions ``start .. start + BLOCK_N``
+    through the row's block table; MASKED: positions from ``kv_hi`` on read as zeros; columns past
+    ``HEAD_DIM`` (``D_PAD``: the next power of two) read as zeros. EVICT: the loads' L2 eviction policy (the
+    fused decode kernel marks what it reads before its wait, which tests/kernels/test_pdl.py checks)."""
     pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, D_PAD)
     if MASKED:
         n_valid = pos < kv_hi
         block = tl.load(table + pos // BLOCK_SIZE, mask=n_valid, other=0, eviction_policy=EVICT)
@@ -143,7 +178,15 @@ def _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, str
     in_block = (pos % BLOCK_SIZE).to(tl.int64)
     k_ptrs = k_head + (block * stride_kb + in_block * stride_ks)[None, :] + offs_d[:, None]  # [D, BLOCK_N]
     v_ptrs = v_head + (block * stride_vb + in_block * stride_vs)[:, None] + offs_d[None, :]  # [BLOCK_N, D]
-    if MASKED:
+    if HEAD_DIM != D_PAD:
+        d_ok = offs_d < HEAD_DIM
+        if MASKED:
+            k = tl.load(k_ptrs, mask=n_valid[None, :] & d_ok[:, None], other=0.0, eviction_policy=EVICT)
+            v = tl.load(v_ptrs, mask=n_valid[:, None] & d_ok[None, :], other=0.0, eviction_policy=EVICT)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0, eviction_policy=EVICT)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0, eviction_policy=EVICT)
+    elif MASKED:
         k = tl.load(k_ptrs, mask=n_valid[None, :], other=0.0, eviction_policy=EVICT)
         v = tl.load(v_ptrs, mask=n_valid[:, None], other=0.0, eviction_policy=EVICT)
     else:
@@ -174,11 +217,11 @@ def softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.co
 @_jit
 def _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, qk_scale,
                  stride_kb, stride_ks, stride_vb, stride_vs,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """One online-softmax step over keys ``start .. start + BLOCK_N``; MASKED: apply causality and ``kv_hi``."""
     k, v = _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-                         BLOCK_N, BLOCK_SIZE, HEAD_DIM, MASKED, "")
+                         BLOCK_N, BLOCK_SIZE, HEAD_DIM, D_PAD, MASKED, "")
     pos = start + tl.arange(0, BLOCK_N)
     visible = (pos < kv_hi)[None, :] & (pos[None, :] <= q_pos[:, None])
     return softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, MASKED)
@@ -219,6 +262,7 @@ def paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per inner step
     BLOCK_SIZE: tl.constexpr,  # page size of the cache
     HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two: the tiles' width
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 dots (no TF32 rounding), else "tf32" (ignored for 16-bit)
     WORK_LIST: tl.constexpr,  # grid (T, kv_head, 1) over the work list instead of (row, kv_head, q_tile * splits)
@@ -256,11 +300,12 @@ def paged_attention_kernel(
     head = kv_head * G + offs_m % G  # [BLOCK_M] query head
     m_valid = (offs_m < TILE_T * G) & (tok < q_len)
     q_pos = ctx_len + tok  # [BLOCK_M] absolute position of each query
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, D_PAD)
+    md_valid = _head_cols(m_valid[:, None], offs_d, HEAD_DIM, D_PAD)  # [BLOCK_M, 1 or D_PAD]
 
     q_row = (q_start + tok).to(tl.int64)
     q_off = q_row * stride_qn + head.to(tl.int64) * stride_qh  # [BLOCK_M]
-    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)  # [BLOCK_M, D]
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=md_valid, other=0.0)  # [BLOCK_M, D_PAD]
     if FP8:  # q as the dots take it (the tiles widen to it); the head's key scale joins the score scale
         q = _fp8_dot_operand(q)
         qk_scale = qk_scale * k_scale
@@ -279,7 +324,7 @@ def paged_attention_kernel(
     # gets exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
 
     table = block_tables_ptr + row.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
@@ -290,11 +335,11 @@ def paged_attention_kernel(
     for start in range(kv_lo, full_hi, BLOCK_N):
         m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, qk_scale,
                                      stride_kb, stride_ks, stride_vb, stride_vs,
-                                     BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION, False)
+                                     BLOCK_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_PRECISION, False)
     for start in range(full_hi, kv_hi, BLOCK_N):
         m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, start, kv_hi, q_pos, table, k_head, v_head, qk_scale,
                                      stride_kb, stride_ks, stride_vb, stride_vs,
-                                     BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION, True)
+                                     BLOCK_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_PRECISION, True)
 
     # Only padding M rows (and, with splits, rows whose split saw no visible key) have l_i == 0.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -303,13 +348,13 @@ def paged_attention_kernel(
         o = o * v_scale
     if NUM_SPLITS == 1:
         o_off = q_row * stride_on + head.to(tl.int64) * stride_oh
-        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
+        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=md_valid)
     else:
         # Normalized partial output + its log2-sum-exp; an empty split has lse = -inf (weight 0).
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         p_idx = (split * num_tokens + q_row) * num_heads + head  # [BLOCK_M] into [S, N, H]
         tl.store(part_lse_ptr + p_idx, lse, mask=m_valid)
-        tl.store(part_out_ptr + p_idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=m_valid[:, None])
+        tl.store(part_out_ptr + p_idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=md_valid)
 
 
 @_jit_step_sizes("num_tokens")
@@ -324,22 +369,28 @@ def merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
     HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     grid_dependency_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, D_PAD)
     s_valid = offs_s < NUM_SPLITS
     idx = (offs_s * num_tokens + n) * num_heads + h  # [SPLITS_PAD]
     lse = tl.load(part_lse_ptr + idx, mask=s_valid, other=float("-inf"))
     # Split 0 holds key 0, which every query sees (the fused decode kernel: the last split holds the
     # row's own key), so the max is finite.
     w = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]
-    o = tl.load(part_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None], other=0.0)
-    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)  # [D]
-    tl.store(out_ptr + n * stride_on + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    o = tl.load(part_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=_head_cols(s_valid[:, None], offs_d, HEAD_DIM, D_PAD), other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)  # [D_PAD]
+    dst = out_ptr + n * stride_on + h * stride_oh + offs_d
+    if HEAD_DIM == D_PAD:
+        tl.store(dst, o.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @_jit
@@ -395,6 +446,7 @@ def rope_write_kv_kernel(
     stride_vch,
     BLOCK_SIZE: tl.constexpr,
     HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,  # HALF rounded up to a power of two
     BLOCK_H: tl.constexpr,
     ROTATE: tl.constexpr,  # False: the plain K/V store (grid axis 1 covers k and v only)
     PDL: tl.constexpr,
@@ -405,12 +457,13 @@ def rope_write_kv_kernel(
     part = tl.program_id(1) + (0 if ROTATE else 1)
     heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     h64 = heads.to(tl.int64)[:, None]
-    d = tl.arange(0, HALF)[None, :]
+    offs_d = tl.arange(0, HALF_PAD)
+    d = offs_d[None, :]
     if part == 0:
-        mask = (heads < num_heads)[:, None]
+        mask = _head_cols((heads < num_heads)[:, None], offs_d, HALF, HALF_PAD)
         src = q_ptr + n * stride_qn + h64 * stride_qh + d
-        c = tl.load(cos_ptr + n * stride_cs + d).to(tl.float32)
-        s = tl.load(sin_ptr + n * stride_cs + d).to(tl.float32)
+        c = _load_cols(cos_ptr + n * stride_cs + d, d, HALF, HALF_PAD).to(tl.float32)
+        s = _load_cols(sin_ptr + n * stride_cs + d, d, HALF, HALF_PAD).to(tl.float32)
         o1, o2 = _rotate_half(tl.load(src, mask=mask, other=0.0), tl.load(src + HALF, mask=mask, other=0.0), c, s,
                               q_out_ptr.dtype.element_ty)
         dst = q_out_ptr + (n * num_heads + h64) * (2 * HALF) + d
@@ -419,15 +472,15 @@ def rope_write_kv_kernel(
     else:
         slot = tl.load(slot_mapping_ptr + n).to(tl.int64)
         if slot >= 0:
-            mask = (heads < num_kv_heads)[:, None]
+            mask = _head_cols((heads < num_kv_heads)[:, None], offs_d, HALF, HALF_PAD)
             block = slot // BLOCK_SIZE
             in_block = slot % BLOCK_SIZE
             if part == 1:
                 src = k_ptr + n * stride_kn + h64 * stride_kh + d
                 dst = k_cache_ptr + block * stride_kcb + in_block * stride_kcs + h64 * stride_kch + d
                 if ROTATE:
-                    c = tl.load(cos_ptr + n * stride_cs + d).to(tl.float32)
-                    s = tl.load(sin_ptr + n * stride_cs + d).to(tl.float32)
+                    c = _load_cols(cos_ptr + n * stride_cs + d, d, HALF, HALF_PAD).to(tl.float32)
+                    s = _load_cols(sin_ptr + n * stride_cs + d, d, HALF, HALF_PAD).to(tl.float32)
                     # rounded to k's dtype first: an FP8 cache quantizes the key the model computes
                     o1, o2 = _rotate_half(tl.load(src, mask=mask, other=0.0),
                                           tl.load(src + HALF, mask=mask, other=0.0), c, s, k_ptr.dtype.element_ty)
@@ -491,6 +544,7 @@ def decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two: the tiles' width
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,  # load the first key tile before the wait: 1.6x the registers, for small grids
@@ -519,7 +573,7 @@ def decode_attention_kernel(
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vch
     if PREFETCH:  # read once per step: streamed past L2
         k, v = _load_kv_tile(kv_lo, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, "evict_first")
+                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, D_PAD, True, "evict_first")
     cache_dtype = k_cache_ptr.dtype.element_ty
     FP8: tl.constexpr = cache_dtype == tl.float8e4nv
     if FP8:  # fixed for the engine's life: read before the wait
@@ -533,16 +587,17 @@ def decode_attention_kernel(
     if FP8:
         qk_scale = qk_scale * k_scale
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, D_PAD)
     m_valid = offs_m < G
+    md_valid = _head_cols(m_valid[:, None], offs_d, HEAD_DIM, D_PAD)
     head = (kv_head * G + offs_m).to(tl.int64)  # [BLOCK_M] query heads of this KV head (rows >= G: padding)
     first_half = offs_d < HEAD_DIM // 2
     partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM
-    c = tl.load(cos_ptr + n * stride_cs + offs_d).to(tl.float32)
-    s = tl.load(sin_ptr + n * stride_cs + offs_d).to(tl.float32)
+    c = _load_cols(cos_ptr + n * stride_cs + offs_d, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+    s = _load_cols(sin_ptr + n * stride_cs + offs_d, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
     q_rows = q_ptr + n * stride_qn + head[:, None] * stride_qh
-    q = _rotate_full(tl.load(q_rows + offs_d[None, :], mask=m_valid[:, None], other=0.0),
-                     tl.load(q_rows + partner[None, :], mask=m_valid[:, None], other=0.0),
+    q = _rotate_full(tl.load(q_rows + offs_d[None, :], mask=md_valid, other=0.0),
+                     tl.load(q_rows + partner[None, :], mask=md_valid, other=0.0),
                      c[None, :], s[None, :], first_half[None, :], q_ptr.dtype.element_ty)
     if FP8:
         q = _fp8_dot_operand(q)
@@ -551,7 +606,7 @@ def decode_attention_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: see paged_attention_kernel
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     first = kv_lo
     if PREFETCH:
         visible = (kv_lo + tl.arange(0, BLOCK_N) < kv_hi)[None, :]
@@ -560,14 +615,15 @@ def decode_attention_kernel(
     # (Whole tiles without masks, in a loop of their own, measured slower: 1.110 vs 1.095 ms per one-row step.)
     for start in range(first, kv_hi, BLOCK_N):
         k, v = _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, "")
+                             BLOCK_N, BLOCK_SIZE, HEAD_DIM, D_PAD, True, "")
         visible = (start + tl.arange(0, BLOCK_N) < kv_hi)[None, :]
         m_i, l_i, acc = softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION, True)
     if split == NUM_SPLITS - 1:
         k_row = k_ptr + n * stride_kn + kv_head.to(tl.int64) * stride_kh
-        k_new = _rotate_full(tl.load(k_row + offs_d), tl.load(k_row + partner), c, s, first_half,
+        k_new = _rotate_full(_load_cols(k_row + offs_d, offs_d, HEAD_DIM, D_PAD),
+                             _load_cols(k_row + partner, offs_d, HEAD_DIM, D_PAD), c, s, first_half,
                              k_ptr.dtype.element_ty)
-        v_new = tl.load(v_ptr + n * stride_vn + kv_head.to(tl.int64) * stride_vh + offs_d)
+        v_new = _load_cols(v_ptr + n * stride_vn + kv_head.to(tl.int64) * stride_vh + offs_d, offs_d, HEAD_DIM, D_PAD)
         if FP8:  # attended as stored: quantized, then widened below (the scales are folded in)
             k_new = _to_fp8(k_new.to(tl.float32), k_scale)
             v_new = _to_fp8(v_new.to(tl.float32), v_scale)
@@ -578,8 +634,8 @@ def decode_attention_kernel(
         if slot >= 0:
             block = slot // BLOCK_SIZE
             in_block = slot % BLOCK_SIZE
-            tl.store(k_head + block * stride_kb + in_block * stride_ks + offs_d, k_new)
-            tl.store(v_head + block * stride_vb + in_block * stride_vs + offs_d, v_new)
+            _store_cols(k_head + block * stride_kb + in_block * stride_ks + offs_d, k_new, offs_d, HEAD_DIM, D_PAD)
+            _store_cols(v_head + block * stride_vb + in_block * stride_vs + offs_d, v_new, offs_d, HEAD_DIM, D_PAD)
         score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_M]
         m_new = tl.maximum(m_i, score)
         alpha = tl.exp2(m_i - m_new)
@@ -594,12 +650,12 @@ def decode_attention_kernel(
         o = o * v_scale
     if NUM_SPLITS == 1:
         o_off = n * stride_on + head * stride_oh
-        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
+        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=md_valid)
     else:  # as paged_attention_kernel's partials; an empty split has lse = -inf
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         p_idx = (split * num_tokens + n) * num_heads + head
         tl.store(part_lse_ptr + p_idx, lse, mask=m_valid)
-        tl.store(part_out_ptr + p_idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=m_valid[:, None])
+        tl.store(part_out_ptr + p_idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=md_valid)
 
 
 @_jit
@@ -622,6 +678,7 @@ def copy_exited_kernel(
     stride_vh,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -636,8 +693,8 @@ def copy_exited_kernel(
         return
     layer = tl.program_id(1).to(tl.int64)
     offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask = (offs_h < num_kv_heads)[:, None]
+    offs_d = tl.arange(0, D_PAD)
+    mask = _head_cols((offs_h < num_kv_heads)[:, None], offs_d, HEAD_DIM, D_PAD)
     heads = offs_h.to(tl.int64)[:, None]
     k_layer = k_cache_ptr + layer * stride_kl + heads * stride_kh + offs_d[None, :]  # [BLOCK_H, D] pointers
     v_layer = v_cache_ptr + layer * stride_vl + heads * stride_vh + offs_d[None, :]

@@ -67,24 +67,24 @@ if triton is not None:
     def _rotary_kernel(
         q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,  # q/k [N, H, D] with unit last stride; out contiguous
         q_heads, k_heads, stride_qn, stride_qh, stride_kn, stride_kh, stride_cs,
-        HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
         # Axis 2 picks q (0) or k (1): one launch rotates both, read in place from the packed projection.
         n = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        d = tl.arange(0, HALF)
+        d = tl.arange(0, HALF_PAD)  # a head size that is not a power of two: masked past HALF
         if tl.program_id(2) == 0:
             x_ptr, out_ptr, n_heads, stride_n, stride_h = q_ptr, qo_ptr, q_heads, stride_qn, stride_qh
         else:
             x_ptr, out_ptr, n_heads, stride_n, stride_h = k_ptr, ko_ptr, k_heads, stride_kn, stride_kh
-        mask = (heads < n_heads)[:, None]
+        mask = (heads < n_heads)[:, None] & (d < HALF)[None, :]
         dtype = out_ptr.dtype.element_ty
         src = (n * stride_n + heads.to(tl.int64) * stride_h)[:, None]
         base = (n * n_heads + heads.to(tl.int64))[:, None] * (2 * HALF)
         x1 = tl.load(x_ptr + src + d[None, :], mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + src + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(cos_ptr + n * stride_cs + d).to(tl.float32)[None, :]  # cos/sin halves are equal
-        s = tl.load(sin_ptr + n * stride_cs + d).to(tl.float32)[None, :]
+        c = tl.load(cos_ptr + n * stride_cs + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]  # halves equal
+        s = tl.load(sin_ptr + n * stride_cs + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
         # reference: x*cos + rotate_half(x)*sin, each product rounded to dtype, then the sum
         o1 = ((x1 * c).to(dtype).to(tl.float32) + (-x2 * s).to(dtype).to(tl.float32)).to(dtype)
         o2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
@@ -298,7 +298,7 @@ class TritonOps(TorchOps):
         block_h = min(triton.next_power_of_2(max(hq, hk)), 16)
         _rotary_kernel[(n, triton.cdiv(max(hq, hk), block_h), 2)](
             q, k, q_out, k_out, cos, sin, hq, hk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            HALF=d // 2, BLOCK_H=block_h)
+            HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), BLOCK_H=block_h)
         return q_out, k_out
 
     def linear(self, module: torch.nn.Linear, x: Tensor) -> Tensor:  # type: ignore[override]

@@ -359,6 +359,63 @@ def test_copy_exited_fills_deeper_planes_of_exiting_rows_only(backend):
     torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
 
 
+# ---------------------------------------------------------------- head sizes that are not a power of two
+# (Huginn-0125's are 96): the kernels' tiles are the next power of two wide, masked past the head.
+
+ODD_HEAD_DIM = 24  # tiles of 32 columns; rotary halves of 12 in tiles of 16
+
+
+@pytest.mark.parametrize("num_splits,work_pad", [(None, None), (3, None), (None, 2)], ids=["grid", "split", "work-list"])
+def test_attend_with_a_head_size_that_is_not_a_power_of_two(num_splits, work_pad):
+    check_attend(MIXED_ROWS, 4, 2, head_dim=ODD_HEAD_DIM, block_size=4, dtype=torch.float32, atol=1e-5,
+                 num_splits=num_splits, work_pad=work_pad)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fused_decode_with_a_head_size_that_is_not_a_power_of_two(num_splits):
+    check_fused_decode([1, 13, 33], 4, 2, head_dim=ODD_HEAD_DIM, block_size=8, dtype=torch.float32, atol=1e-5,
+                       num_splits=num_splits, block_n=16)
+
+
+def test_rotate_write_and_exit_copy_with_a_head_size_that_is_not_a_power_of_two():
+    from loopline.models.ops import Rope, rotary_cos_sin
+
+    gen = torch.Generator().manual_seed(6)
+    n, hq, hk, d, block_size = 5, 4, 2, ODD_HEAD_DIM, 4
+    qkv = torch.randn(n, (hq + 2 * hk) * d, generator=gen).to(DEVICE)
+    q, k, v = (t.view(n, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+    rope = Rope(*rotary_cos_sin(torch.tensor([7, 0, 3, 12, 5], device=DEVICE), d, 10000.0, torch.float32))
+    meta = PagedAttentionMetadata(query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
+                                  seq_lens=torch.tensor([n], dtype=torch.int32, device=DEVICE),
+                                  block_tables=torch.zeros(1, 4, dtype=torch.int32, device=DEVICE),
+                                  slot_mapping=torch.tensor([9, 2, 0, 14, 5], dtype=torch.int64, device=DEVICE),
+                                  max_query_len=n, max_seq_len=n)
+    results = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        # NaN-filled caches: a store past the head's columns would land in the next head's (no NaN survives)
+        k_cache = torch.full((4, block_size, hk, d), float("nan"), device=DEVICE)
+        v_cache = torch.full_like(k_cache, float("nan"))
+        q_out = backend.rotate_and_write_kv(k_cache, v_cache, q, k, v, rope, meta)
+        results.append((q_out, k_cache, v_cache))
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, equal_nan=True)
+    # the exit copy moves whole heads of 24 values and nothing past them
+    shape = (3, 12, 4, 2, d)
+    k_cache, v_cache = torch.randn(shape, generator=gen).to(DEVICE), torch.randn(shape, generator=gen).to(DEVICE)
+    slots = torch.randperm(11 * 4, generator=gen)[:16].view(4, 4).to(DEVICE)
+    loops, exits = torch.tensor([1, 3, 4, 2], device=DEVICE), torch.tensor([True, True, True, False], device=DEVICE)
+    want_k, want_v = expected_exit_copy(k_cache, v_cache, slots, loops, exits)
+    TritonAttentionBackend().copy_exited(k_cache, v_cache, slots, loops, exits, 11 * 4)
+    torch.testing.assert_close(k_cache, want_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
+
+
+def test_head_size_must_be_even_and_in_range():
+    for d in (15, 8, 264):
+        with pytest.raises(ValueError, match="head_dim must be an even number in 16..256"):
+            TritonAttentionBackend._check_shapes(4, 2, d, 8)
+
+
 # ---------------------------------------------------------------- GPU
 
 

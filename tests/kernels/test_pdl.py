@@ -29,7 +29,7 @@ _ATTN_POINTERS = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start
 _G = {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True}
 _SKINNY = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN_K": True, "PRECISION": "tf32"}
 _DECODE_POINTERS = {**_ATTN_POINTERS, "slot_mapping_ptr": "*i64"}
-_DECODE = {"G": 2, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "NUM_SPLITS": 2,
+_DECODE = {"G": 2, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "D_PAD": 64, "NUM_SPLITS": 2,
            "DOT_PRECISION": "tf32"}
 # name: (module, kernel, pointer types (default *bf16), constexprs, PDL)
 CASES = {
@@ -51,15 +51,15 @@ CASES = {
     "norm_exit_gate": ("loopline.kernels.fused", "_norm_exit_gate_kernel", {"gate_ptr": "*fp32"},
                        {"BLOCK": 256, "HAS_BRANCH": True, "HAS_BIAS": True}, True),
     "rope_write_kv": ("loopline.attention.triton_kernels", "rope_write_kv_kernel", {"slot_mapping_ptr": "*i64"},
-                      {"BLOCK_SIZE": 16, "HALF": 32, "BLOCK_H": 4, "ROTATE": True}, True),
+                      {"BLOCK_SIZE": 16, "HALF": 32, "HALF_PAD": 32, "BLOCK_H": 4, "ROTATE": True}, True),
     "write_kv": ("loopline.attention.triton_kernels", "rope_write_kv_kernel", {"slot_mapping_ptr": "*i64"},
-                 {"BLOCK_SIZE": 16, "HALF": 32, "BLOCK_H": 4, "ROTATE": False}, True),
+                 {"BLOCK_SIZE": 16, "HALF": 32, "HALF_PAD": 32, "BLOCK_H": 4, "ROTATE": False}, True),
     "merge_splits": ("loopline.attention.triton_kernels", "merge_splits_kernel",
                      {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
-                     {"NUM_SPLITS": 4, "SPLITS_PAD": 4, "HEAD_DIM": 64}, True),
+                     {"NUM_SPLITS": 4, "SPLITS_PAD": 4, "HEAD_DIM": 64, "D_PAD": 64}, True),
     "paged_attention": ("loopline.attention.triton_kernels", "paged_attention_kernel", _ATTN_POINTERS,
                         {"G": 2, "TILE_T": 8, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_SIZE": 16, "HEAD_DIM": 64,
-                         "NUM_SPLITS": 2, "DOT_PRECISION": "tf32", "WORK_LIST": True}, True),
+                         "D_PAD": 64, "NUM_SPLITS": 2, "DOT_PRECISION": "tf32", "WORK_LIST": True}, True),
     "decode_attention": ("loopline.attention.triton_kernels", "decode_attention_kernel", _DECODE_POINTERS,
                          {**_DECODE, "PREFETCH": False}, True),
     "decode_attention_prefetch": ("loopline.attention.triton_kernels", "decode_attention_kernel", _DECODE_POINTERS,
@@ -71,7 +71,7 @@ CASES = {
                         "ex_out": "*i8"}, {"BLOCK": 256}, True),
     "copy_exited": ("loopline.attention.triton_kernels", "copy_exited_kernel",
                     {"plane_slots_ptr": "*i64", "loops_ptr": "*i64", "exits_ptr": "*i8"},
-                    {"BLOCK_SIZE": 16, "HEAD_DIM": 64, "BLOCK_H": 4}, True),
+                    {"BLOCK_SIZE": 16, "HEAD_DIM": 64, "D_PAD": 64, "BLOCK_H": 4}, True),
     "chunk_argmax": ("loopline.kernels.sampling", "_chunk_argmax_kernel",
                      {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32"}, {"CHUNK": 2048},
                      True),
