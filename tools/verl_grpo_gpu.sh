@@ -1,53 +1,162 @@
 #!/usr/bin/env bash
 # GRPO on the bundled demo model with verl 0.9.1's trainer (main_ppo, FSDP2 actor + reference) and loopline
-# rollouts on one GPU, 20 iterations per run (docs/rl.md, section 10). Three runs:
-#   fixed     exit_threshold 1.0 (every token at full depth)
-#   adaptive  exit_threshold 0.5, exit depths carried to the actor/reference (LooplineAgentLoopManager)
-#   stock     exit_threshold 0.5 with verl's stock agent-loop manager: the actor recomputes at full depth
-#             (the mismatch the depth-aware path removes)
-# Writes $OUT/verl_grpo_gpu.json: per run, per iteration, the mean reward (critic/score/mean), verl's
-# rollout-vs-actor logprob mismatch (training/rollout_probs_diff_mean/max/std, pearson) and timings
-# (timing_s/*, weight sync included); plus each run's verl log (JSON lines) and console log.
+# rollouts on one GPU (docs/rl.md, section 10), in two calls of at most ~540 s each:
+#   PHASE=1  fixed     exit_threshold 1.0 (every token at full depth), ITERS iterations
+#            adaptive  exit_threshold 0.5, exit depths carried to the actor/reference (LooplineAgentLoopManager);
+#                      saves at iteration SAVE_AT (default ITERS/2) and at the last one
+#   PHASE=2  stock     exit_threshold 0.5 with verl's stock agent-loop manager: the actor recomputes at full depth
+#            resumed   adaptive resumed from its save at SAVE_AT for iteration SAVE_AT+1, compared with adaptive's
+#                      (tools/verl_grpo_resume_check.py); if that save is gone (a fresh machine), a 3-iteration
+#                      run saving at 2 is the continued run instead
+#            serve     adaptive's last checkpoint exported (python -m loopline.integrations.verl_checkpoint) and
+#                      served by `loopline serve`, one completion (tools/verl_serve_check.py)
+# Checkpoints, data and verl's logs live in WORK (default /tmp/verl_grpo: it survives between the two calls on a
+# warm machine); each phase writes its results to OUT: verl_grpo_gpu.json (per run, per iteration: reward,
+# rollout-vs-actor mismatch, timings; tools/verl_grpo_summary.py), RUN.log / RUN.jsonl, timing.txt (one line
+# per run), resume_check.json, serve.json, and the plots when matplotlib is there (tools/verl_grpo_plot.py).
+# Each run has a wall-clock limit (LIMIT1 / LIMIT2 / LIMIT_RESUME seconds); a run cut short keeps the iterations
+# it logged.
 #
-# Needs (offline wheels in $WHEELS, or network): pip install -e ".[verl-train]" -- verl==0.9.1 and its
-# requirements (hydra-core, omegaconf, tensordict<=0.10, datasets, pandas, pyarrow, peft, accelerate,
-# codetiming, dill, pylatexenc, torchdata, wandb, tensorboard, pybind11, transformers>=5.5.3,<5.11),
-# ray>=2.41, cachetools, TransferQueue>=0.1.10, pyzmq, msgspec. No flash-attn, vLLM or SGLang.
-#   OUT=/tmp/out ITERS=20 bash tools/verl_grpo_gpu.sh
-set -euo pipefail
+# No pip install here: the packages of docs/rl.md ("Wheels for the GPU run") are on PYTHONPATH, e.g.
+#   pip install --no-index --no-deps --target /tmp/site WHEELS/*.whl; export PYTHONPATH=$PWD:/tmp/site
+#   OUT=/tmp/out PHASE=1 bash tools/verl_grpo_gpu.sh; OUT=/tmp/out2 PHASE=2 bash tools/verl_grpo_gpu.sh
+# On the CPU (a check that the script runs end to end; fp32, tiny batches, no reference model):
+#   OUT=/tmp/out DEVICE=cpu ITERS=2 WORK=/tmp/verl_grpo_cpu PHASE=1 bash tools/verl_grpo_gpu.sh   (then PHASE=2)
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a directory for the results}
+PHASE=${PHASE:?set PHASE to 1 or 2}
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
 ITERS=${ITERS:-20}
-mkdir -p "$OUT"
-if [ -n "${WHEELS:-}" ]; then
-  pip install -q --no-index --find-links "$WHEELS" -e ".[verl-train]"
-fi
-python tools/verl_grpo_data.py --out "$OUT/data"
+SAVE_AT=${SAVE_AT:-$((ITERS / 2))}
+WORK=${WORK:-/tmp/verl_grpo}
+LIMIT1=${LIMIT1:-255}
+LIMIT2=${LIMIT2:-240}
+LIMIT_RESUME=${LIMIT_RESUME:-150}
+MODEL=$PWD/loopline/models/demo_ouro
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1
 
-run() {  # run LABEL THRESHOLD [extra overrides...]
-  local label=$1 threshold=$2
-  shift 2
-  local start=$SECONDS
-  VERL_FILE_LOGGER_PATH="$OUT/$label.jsonl" python -m verl.trainer.main_ppo \
-    --config-path="$PWD/tools" --config-name=verl_grpo_demo \
-    actor_rollout_ref.model.path="$PWD/loopline/models/demo_ouro" \
-    reward.custom_reward_function.path="$PWD/tools/verl_grpo_reward.py" \
-    data.train_files="$OUT/data/train.parquet" data.val_files="$OUT/data/val.parquet" \
-    data.train_batch_size=16 data.max_response_length=32 \
-    actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.dtype=bfloat16 \
-    actor_rollout_ref.actor.ppo_mini_batch_size=16 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 \
-    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 \
-    actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16 \
-    actor_rollout_ref.rollout.engine_kwargs.loopline.exit_threshold="$threshold" \
-    actor_rollout_ref.rollout.engine_kwargs.loopline.num_kv_blocks=4096 \
-    trainer.device=cuda trainer.total_training_steps="$ITERS" "trainer.logger=[console,file]" \
-    trainer.experiment_name="demo_gpu_$label" trainer.default_local_dir="$OUT/ckpt_$label" \
-    "$@" > "$OUT/$label.log" 2>&1
-  echo "$label: $((SECONDS - start)) s" | tee -a "$OUT/wall.txt"
-  python tools/verl_grpo_summary.py "$OUT/$label.jsonl" --label "$label" --out "$OUT/verl_grpo_gpu.json"
+if [ "$DEVICE" = cuda ]; then
+  SERVE_DTYPE=bfloat16
+  DEVICE_ARGS=(trainer.device=cuda
+    data.train_batch_size=16 data.max_response_length=32 actor_rollout_ref.rollout.n=8
+    actor_rollout_ref.rollout.dtype=bfloat16 actor_rollout_ref.rollout.enforce_eager=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=16 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32
+    actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16
+    actor_rollout_ref.rollout.engine_kwargs.loopline.num_kv_blocks=4096)
+elif [ "$DEVICE" = cpu ]; then
+  # verl has no CPU platform: loopline's (loopline/integrations/verl_cpu.py) and a logical GPU for placement
+  export VERL_PLATFORM=loopline_cpu OMP_NUM_THREADS=1
+  SERVE_DTYPE=float32
+  DEVICE_ARGS=(trainer.device=cpu +ray_kwargs.ray_init.num_gpus=1 ray_kwargs.ray_init.num_cpus=16)
+else
+  echo "DEVICE must be cuda or cpu, got $DEVICE" >&2; exit 2
+fi
+
+ray_stop() {  # after a run cut short: its Ray processes would hold the GPU (never on a shared CPU machine)
+  if [ "$DEVICE" = cuda ]; then "$PY" -m ray.scripts.scripts stop --force > /dev/null 2>&1 || true; fi
 }
 
-run fixed 1.0
-run adaptive 0.5
-run stock 0.5 actor_rollout_ref.rollout.agent.agent_loop_manager_class=null
-python -c "import json, sys; d = json.load(open(sys.argv[1])); [print(k, [round(r.get('critic/score/mean', float('nan')), 3) for r in v], [round(r.get('training/rollout_probs_diff_mean', float('nan')), 5) for r in v]) for k, v in d.items()]" "$OUT/verl_grpo_gpu.json"
+run() {  # run LABEL THRESHOLD LIMIT_S ITERATIONS [overrides...]: one main_ppo run, its summary and a timing line
+  local label=$1 threshold=$2 limit=$3 iters=$4 rc=0 start=$SECONDS
+  shift 4
+  rm -f "$WORK/$label.jsonl"
+  VERL_FILE_LOGGER_PATH="$WORK/$label.jsonl" timeout -k 20 "$limit" "$PY" -m verl.trainer.main_ppo \
+    --config-path="$PWD/tools" --config-name=verl_grpo_demo \
+    actor_rollout_ref.model.path="$MODEL" reward.custom_reward_function.path="$PWD/tools/verl_grpo_reward.py" \
+    data.train_files="$WORK/data/train.parquet" data.val_files="$WORK/data/val.parquet" \
+    actor_rollout_ref.rollout.engine_kwargs.loopline.exit_threshold="$threshold" \
+    trainer.total_training_steps="$iters" "trainer.logger=[console,file]" \
+    trainer.experiment_name="demo_${DEVICE}_$label" trainer.default_local_dir="$WORK/ckpt_$label" \
+    "${DEVICE_ARGS[@]}" "$@" > "$OUT/$label.log" 2>&1 || rc=$?
+  [ "$rc" = 124 ] || [ "$rc" = 137 ] && ray_stop
+  local logged=0
+  [ -f "$WORK/$label.jsonl" ] && logged=$(grep -c . "$WORK/$label.jsonl")
+  echo "$label: rc=$rc, $logged/$iters iterations logged in $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/timing.txt"
+  if [ "$logged" -gt 0 ]; then
+    cp "$WORK/$label.jsonl" "$OUT/"
+    "$PY" tools/verl_grpo_summary.py "$WORK/$label.jsonl" --label "$label" --out "$WORK/verl_grpo_gpu.json"
+  else
+    grep -E "Error|error" "$OUT/$label.log" | tail -5 | cut -c1-300
+  fi
+  return "$rc"
+}
+
+report() {  # the merged summary, the plots (when matplotlib is there), one line per run
+  [ -f "$WORK/verl_grpo_gpu.json" ] || return 0
+  cp "$WORK/verl_grpo_gpu.json" "$OUT/"
+  if "$PY" -c "import matplotlib" 2> /dev/null; then
+    "$PY" tools/verl_grpo_plot.py "$OUT/verl_grpo_gpu.json" --out "$OUT" --prefix "verl_grpo_$DEVICE"
+  fi
+  "$PY" - "$OUT/verl_grpo_gpu.json" <<'EOF'
+import json, statistics, sys
+for label, rows in json.load(open(sys.argv[1])).items():
+    steps = [r["timing_s/step"] for r in rows if "timing_s/step" in r]
+    print(label, "reward", [round(r.get("critic/score/mean", float("nan")), 3) for r in rows],
+          "mismatch", [f'{r.get("training/rollout_probs_diff_mean", float("nan")):.1e}' for r in rows],
+          f"median step {statistics.median(steps):.2f} s" if steps else "")
+EOF
+}
+
+preflight() {  # every module the runs import (docs/rl.md, "Wheels for the GPU run"): all missing ones at once
+  "$PY" - 2> "$OUT/preflight.err" <<'EOF' | tee "$OUT/preflight.txt"
+import importlib, sys
+mods = ("verl ray hydra omegaconf antlr4 tensordict pyvers orjson cloudpickle datasets dill multiprocess xxhash "
+        "codetiming torchdata transfer_queue zmq msgspec cachetools fastapi starlette uvicorn pydantic "
+        "prometheus_client aiohttp aiohttp_cors colorful colorama opencensus google.api_core opentelemetry.sdk "
+        "jsonschema msgpack requests grpc tabulate psutil pandas pyarrow peft accelerate transformers safetensors "
+        "tokenizers loopline").split()
+missing = []
+for m in mods:
+    try:
+        importlib.import_module(m)
+    except Exception as e:  # report every missing module, then stop
+        missing.append(f"{m} ({type(e).__name__}: {e})")
+from packaging.version import Version
+import transformers
+if not Version("5.5.3") <= Version(transformers.__version__) < Version("5.11"):
+    missing.append(f"transformers {transformers.__version__} (verl 0.9.1 needs >=5.5.3,<5.11)")
+print("preflight:", "ok" if not missing else "MISSING " + "; ".join(missing))
+sys.exit(3 if missing else 0)
+EOF
+}
+
+preflight || exit 3
+[ -f "$WORK/data/train.parquet" ] || "$PY" tools/verl_grpo_data.py --out "$WORK/data"
+if [ "$PHASE" = 1 ]; then
+  rm -f "$WORK/verl_grpo_gpu.json"
+  rm -rf "$WORK/ckpt_fixed" "$WORK/ckpt_adaptive"
+  run fixed 1.0 "$LIMIT1" "$ITERS"
+  run adaptive 0.5 "$LIMIT1" "$ITERS" trainer.save_freq="$SAVE_AT"
+  report
+elif [ "$PHASE" = 2 ]; then
+  run stock 0.5 "$LIMIT2" "$ITERS" actor_rollout_ref.rollout.agent.agent_loop_manager_class=null
+  continued=adaptive k=$SAVE_AT
+  if [ ! -d "$WORK/ckpt_adaptive/global_step_$k" ]; then
+    echo "no adaptive checkpoint at iteration $k in $WORK: a 3-iteration run saving at 2 is the continued run"
+    continued=continued k=2
+    rm -rf "$WORK/ckpt_continued"
+    run continued 0.5 "$LIMIT_RESUME" 3 trainer.save_freq=2
+  fi
+  rm -rf "$WORK/ckpt_resumed"
+  run resumed 0.5 "$LIMIT_RESUME" "$((k + 1))" trainer.resume_mode=resume_path \
+    trainer.resume_from_path="$WORK/ckpt_$continued/global_step_$k"
+  "$PY" tools/verl_grpo_resume_check.py "$WORK/$continued.jsonl" "$WORK/resumed.jsonl" --step "$((k + 1))" \
+    --out "$OUT/resume_check.json" | tee "$OUT/resume_check.txt"
+  last=$(cat "$WORK/ckpt_adaptive/latest_checkpointed_iteration.txt" 2> /dev/null || echo "")
+  if [ -n "$last" ]; then
+    start=$SECONDS
+    rm -rf "$WORK/export"
+    "$PY" -m loopline.integrations.verl_checkpoint "$WORK/ckpt_adaptive/global_step_$last" "$WORK/export" --base "$MODEL" \
+      && timeout 120 "$PY" tools/verl_serve_check.py "$WORK/export" --out "$OUT/serve.json" --device "$DEVICE" --dtype "$SERVE_DTYPE" --ready-timeout 90
+    echo "serve (adaptive, iteration $last): rc=$?, $((SECONDS - start)) s" | tee -a "$OUT/timing.txt"
+  else
+    echo "no adaptive checkpoint in $WORK/ckpt_adaptive: nothing to serve" | tee -a "$OUT/timing.txt"
+  fi
+  report
+else
+  echo "PHASE must be 1 or 2, got $PHASE" >&2; exit 2
+fi

@@ -38,6 +38,8 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 
 def step_metrics(path: Path, step: int) -> dict[str, Any]:
     """The ``data`` of iteration ``step`` in a verl file log (the last record with that step)."""
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such file (did the run start?)")
     found = None
     for line in path.read_text().splitlines():
         if line.strip():
