@@ -89,7 +89,8 @@ report() {  # the merged summary, the plots (when matplotlib is there), one line
   [ -f "$WORK/verl_grpo_gpu.json" ] || return 0
   cp "$WORK/verl_grpo_gpu.json" "$OUT/"
   if "$PY" -c "import matplotlib" 2> /dev/null; then
-    "$PY" tools/verl_grpo_plot.py "$OUT/verl_grpo_gpu.json" --out "$OUT" --prefix "verl_grpo_$DEVICE"
+    "$PY" tools/verl_grpo_plot.py "$OUT/verl_grpo_gpu.json" --out "$OUT" --prefix "verl_grpo_$DEVICE" \
+      --runs fixed,adaptive,stock
   fi
   "$PY" - "$OUT/verl_grpo_gpu.json" <<'EOF'
 import json, statistics, sys

@@ -6,7 +6,8 @@ Two PNGs, one line per run (``fixed``, ``adaptive``, ``stock``, ... as labelled 
 * ``PREFIX_mismatch.png``: verl's rollout-vs-actor probability mismatch per iteration
   (``training/rollout_probs_diff_mean``, solid; ``..._max``, dashed), log scale.
 
-    python tools/verl_grpo_plot.py OUT/verl_grpo_gpu.json --out docs/images --prefix verl_grpo_h200
+    python tools/verl_grpo_plot.py OUT/verl_grpo_gpu.json --out docs/images --prefix verl_grpo_h200 \
+        --runs fixed,adaptive,stock
 
 Needs matplotlib (the ``plot`` extra).
 """
@@ -27,14 +28,19 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def draw(summary: dict[str, list[dict[str, Any]]], out_dir: Path, prefix: str = "verl_grpo") -> list[Path]:
-    """Writes the reward and mismatch PNGs of every run in ``summary`` to ``out_dir``; returns their paths."""
+def draw(summary: dict[str, list[dict[str, Any]]], out_dir: Path, prefix: str = "verl_grpo",
+         runs: list[str] | None = None) -> list[Path]:
+    """Writes the reward and mismatch PNGs of the runs in ``summary`` (those named in ``runs``, when given,
+    in that order; names it lacks are skipped) to ``out_dir``; returns their paths."""
+    if runs is not None:
+        summary = {label: summary[label] for label in runs if label in summary}
     if not summary:
-        raise ValueError("the summary holds no runs")
+        raise ValueError(f"the summary holds no runs to plot (asked for {runs})" if runs else "the summary holds no runs")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -42,6 +48,7 @@ def draw(summary: dict[str, list[dict[str, Any]]], out_dir: Path, prefix: str = 
     for label, rows in summary.items():
         x, y = _series(rows, REWARD)
         ax.plot(x, y, marker="o", markersize=3, label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("iteration")
     ax.set_ylabel("mean reward (critic/score/mean)")
     ax.set_title("GRPO reward per iteration")
@@ -60,6 +67,7 @@ def draw(summary: dict[str, list[dict[str, Any]]], out_dir: Path, prefix: str = 
         x, y = _series(rows, MISMATCH_MAX)
         ax.plot(x, y, linestyle="--", color=color, alpha=0.6, label=f"{label} max")
     ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("iteration")
     ax.set_ylabel("|p_rollout - p_actor| per token")
     ax.set_title("Rollout vs actor probability mismatch")
@@ -77,8 +85,10 @@ def main() -> None:
     ap.add_argument("summary", help="JSON written by tools/verl_grpo_summary.py (label -> per-iteration rows)")
     ap.add_argument("--out", required=True, help="directory for the PNGs")
     ap.add_argument("--prefix", default="verl_grpo", help="file name prefix (default verl_grpo)")
+    ap.add_argument("--runs", default=None, help="comma-separated run labels to plot, in order (default: all)")
     args = ap.parse_args()
-    for path in draw(json.loads(Path(args.summary).read_text()), Path(args.out), args.prefix):
+    runs = args.runs.split(",") if args.runs else None
+    for path in draw(json.loads(Path(args.summary).read_text()), Path(args.out), args.prefix, runs):
         print(path)
 
 

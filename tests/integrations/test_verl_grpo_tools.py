@@ -66,5 +66,9 @@ def test_summary_and_plots(tmp_path):
     assert [p.name for p in paths] == ["run_reward.png", "run_mismatch.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    only = _tool("verl_grpo_plot").draw(summary, tmp_path / "two", "run", runs=["stock", "fixed", "resumed"])
+    assert len(only) == 2  # "resumed" is not in the summary: skipped
     with pytest.raises(ValueError, match="no runs"):
         _tool("verl_grpo_plot").draw({}, tmp_path / "img")
+    with pytest.raises(ValueError, match=r"no runs to plot \(asked for \['x'\]\)"):
+        _tool("verl_grpo_plot").draw(summary, tmp_path / "img", runs=["x"])
