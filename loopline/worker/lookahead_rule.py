@@ -143,9 +143,10 @@ class LookaheadRule:
         self._prev = self.project(x)
 
     def decode(self, h: Tensor, gate: Tensor, rows: DecodeRows, threshold: Tensor, slot_survival: Tensor,
-               exit: Tensor) -> Tensor:
+               exit: Tensor) -> tuple[Tensor, Tensor]:
         """After the stock rule (``exit``: ``max_loops`` only, for these rows): exits at the fixed loop, and
-        the new decisions stored per slot. Returns the rows' exit flags."""
+        the new decisions stored per slot. Returns the rows' exit flags and fixed exits (0: none yet; what
+        the host reads back to plan the coda: worker/lookahead_plan.py)."""
         d, target_of = rows.dec, self.state.exit_target
         assert self._prev is not None and target_of is not None, "before() first"
         target = torch.where(d.loops == 1, 0, target_of[d.slots])
@@ -155,7 +156,7 @@ class LookaheadRule:
                              d.max_loops, threshold, target, d.slots, rows.token_index)
         target_of[d.slots] = torch.where(exit, 0, target)
         self._prev = None
-        return exit
+        return exit, target
 
     # --- prompt chunks (the runner's booking, after the forward) ------------------------
     def prefill(self, st: RequestState, loop: int, lo: int, hi: int, h: Tensor, gate: Tensor) -> Tensor:

@@ -46,6 +46,7 @@ from loopline.worker.draft_head import DraftHead
 from loopline.worker.exit_rule import exit_decision
 from loopline.worker.forward import StepForward
 from loopline.worker.kv_pages import KVPages
+from loopline.worker.lookahead_plan import Compacted, LookaheadPlan
 from loopline.worker.lookahead_rule import LookaheadRule
 from loopline.worker.loop_stack import loop_stack
 from loopline.worker.request_state import RequestState
@@ -181,6 +182,9 @@ class ModelRunner:
         self.lookahead_rule = None if lookahead is None else LookaheadRule(*lookahead, cfg.hidden_size, model.embed,
                                                                             self.decode_state, device)
         self.decode.lookahead = self.lookahead_rule
+        # what the host knows a step ahead of the rule's exits: the coda runs only for rows that may exit
+        self.lookahead_plan = None if lookahead is None else LookaheadPlan(max_num_seqs + 1, lookahead[1].loops, device,
+                                                                           counts_runs=not no_refill)
         spec_kinds: tuple = ()
         self.spec: SpecRounds | None = None  # speculating requests' drafts and acceptance, when configured
         if speculative is not None:
@@ -331,6 +335,7 @@ class ModelRunner:
             ds.set_trace(st.slot, st.params.exit_depths)
         if self.lookahead_rule is not None:  # (a predictor that replays depths keys on the slot)
             self.lookahead_rule.start_slot(st.slot, st.params)
+            self.lookahead_plan.forget(st.slot)
 
     # --- one step: launch now, read when asked ---------------------------------------
     @torch.inference_mode()
@@ -355,6 +360,8 @@ class ModelRunner:
             return StepHandle.ready(RunnerOutput([], []))
         # prepare: the rows into persistent buffers (a captured graph's views where one fits the step)
         plan = self.builder.plan(rows)
+        if self.lookahead_plan is not None:  # (the depths the rule fixed: which decode rows may exit)
+            self.lookahead_plan.launch(plan.kinds[0])
         graph = self.graphs.find(plan) if self.graphs is not None else None
         inputs = graph.inputs if graph is not None else self.builder.inputs(self.builder.exact_shape(plan))
         self.builder.fill(plan, inputs)
@@ -373,21 +380,28 @@ class ModelRunner:
         if ns > nd:  # speculative rows: drafts, and the target rows of rounds that end here
             self.spec.draft(rows[nd:ns])
             verify = self.spec.verify_part(rows[nd:ns], nd)
-        # sample, then advance the decode state
-        batch = self.sample(rows, nd, booked, dec, token_mask, verify)
-        if batch is None:  # prefill rows only, none finished its prompt
-            return StepHandle.ready(RunnerOutput(booked.exited, [None] * len(rows), booked.prompt_logprobs))
+        # sample, then advance the decode state; a step that ran the lookahead rule computed no logits: the coda
+        # and sampling run here for its decode rows that may exit (worker/lookahead_plan.py)
+        coda = Compacted(dec, None, None) if dec is None or dec.logits is not None else \
+            self.lookahead_plan.compact(dec, self.model.head)
+        ne = coda.dec.exit.shape[0] if coda.dec is not None else 0  # decode rows sampled
+        batch = self.sample(rows, ne, booked, coda.dec, token_mask, verify, coda.rows)
         ds = self.decode_state
         if nd:
             # Without finished prompts the decode rows are every sampled row: the advance packs their
             # results for the readback as it applies them, instead of a stack of its own.
-            record = None if booked.meta or verify else torch.empty((3, nd), dtype=torch.int64, device=self.device)
-            ds.advance(dec.slots, dec.loops, dec.run, dec.exit, batch.out.token_ids[:nd], record)
-            batch.packed = record
+            whole = batch is not None and not (booked.meta or verify or coda.rows is not None)
+            record = torch.empty((3, nd), dtype=torch.int64, device=self.device) if whole else None
+            sampled = batch.out.token_ids[:ne] if batch is not None else None
+            ds.advance(dec.slots, dec.loops, dec.run, dec.exit, LookaheadPlan.tokens(coda, sampled, nd, self.device), record)
+            if whole:
+                batch.packed = record
+        if batch is None:  # nothing sampled: prefill rows only, none finished its prompt (or no decode row exits)
+            return StepHandle.ready(RunnerOutput(booked.exited, [None] * len(rows), booked.prompt_logprobs))
         if booked.meta:  # prompts that finished: their first token is fed next, at position prompt_len
             done = [rows[i] for i, _ in booked.meta]
             slots, ends = stage(self.device, ([r.slot for r in done], np.int64), ([r.end for r in done], np.int64))
-            ds.start(slots, batch.out.token_ids[nd:nd + len(done)], ends)
+            ds.start(slots, batch.out.token_ids[ne:ne + len(done)], ends)
         wait = batch.to_host_async()
         return StepHandle(lambda: self._collect(rows, batch, wait(), booked))
 
@@ -404,6 +418,8 @@ class ModelRunner:
             self._add(new)
         for resumed in sched.resumed_requests:
             self.pages.restore(resumed)
+            if self.lookahead_plan is not None:  # (a slot with a new owner)
+                self.lookahead_plan.forget(resumed.slot)
         for rid, added in sched.block_updates.items():
             st = self.requests[rid]
             for plane, blocks in enumerate(added):
@@ -470,9 +486,10 @@ class ModelRunner:
 
     # --- coda + sampling --------------------------------------------------------------
     def sample(self, rows, nd: int, booked: _Booked, dec: DecodeOut | None,
-               token_mask: TokenMask | None = None, verify: VerifyPart | None = None) -> SampleBatch | None:
-        """Coda + sampling for decode rows ``[:nd]`` (logits given; their loops, token indices and slots
-        from the device state ``dec``), for prompts that finished, and for the target rows of speculative
+               token_mask: TokenMask | None = None, verify: VerifyPart | None = None,
+               dec_rows: list[int] | None = None) -> SampleBatch | None:
+        """Coda + sampling for ``nd`` decode rows (logits given; their loops, token indices and slots
+        from the device state ``dec``; ``dec_rows``: their step rows, default ``[:nd]``), for prompts that finished, and for the target rows of speculative
         rounds that end in this step (``verify``), on the device: the last phase of :meth:`launch` (after
         prepare and run), which calls it; public as that phase, for profilers (``tools/step_phases.py``).
         ``None``: nothing to sample (prefill rows only, no prompt finished, no round ended)."""
@@ -485,7 +502,8 @@ class ModelRunner:
         if not parts:
             return None
         all_logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        row_idx = list(range(nd)) + [i for i, _ in booked.meta] + (verify.row_idx if verify else [])
+        row_idx = (list(range(nd)) if dec_rows is None else dec_rows) + [i for i, _ in booked.meta] + (
+            verify.row_idx if verify else [])
         states = [self.requests[rows[i].request_id] for i in row_idx]
         n_done = len(booked.meta)
         # A finished prompt samples token 0. (No tensor or cat of a single part on the decode path: at one

@@ -142,6 +142,11 @@ class DecodeOut(NamedTuple):
     loops: Tensor  # [B] int64, the loop each row ran (1-based)
     run: Tensor  # [B] bool; False: a no_refill slot waiting for its cohort, run on scratch
     token_index: Tensor  # [B] int64, index in the completion of the token being computed
+    # steps that run the lookahead rule: no logits (None) but what the coda reads, [B, H], and each row's fixed
+    # exit after this step's decisions, [B] int64 (0: none); the runner's coda runs for the rows that may
+    # exit only (worker/lookahead_plan.py)
+    hidden: Tensor | None = None
+    target: Tensor | None = None
 
 
 class DecodeKind(RowKind):
@@ -151,7 +156,7 @@ class DecodeKind(RowKind):
 
     query_len = 1
     derives = steady = True
-    num_outputs = 6
+    num_outputs = 8
     # exit_mode="lookahead": the head's rule (worker/lookahead_rule.py), installed by the runner when the
     # model has a head; it runs in steps with a lookahead row (rows of other policies there carry its NEVER
     # threshold), and steps without one run the forward without it
@@ -225,26 +230,29 @@ class DecodeKind(RowKind):
         d = rows.dec
         lo, hi = self._tokens
         ex = self.stack.decode_exit(h, gate, d, lo, hi)  # the family's exit rule; the slots' state kept
+        target = None
         if self._rule is not None:  # exit_mode="lookahead" rows: exits fixed two loops ahead
-            ex = self._rule.decode(h, gate, rows, own["lookahead"], self.slot_survival, ex)
+            ex, target = self._rule.decode(h, gate, rows, own["lookahead"], self.slot_survival, ex)
         if self.copies_on_exit:  # last_exited: a token exiting at loop e fills its deeper planes
             k_cache, v_cache = self.kv()
             planes = d.plane_slots if self.loop_planes is None else d.plane_slots[:, :self.loop_planes]
             self.backend.copy_exited(k_cache, v_cache, planes, d.loops, ex,
                                      self.state.scratch_block * self.state.block_size)
-        # rows not exiting: logits unused (may be zeros)
-        logits = self.stack.decode_logits(h, ex, lo, hi)
+        # rows not exiting: logits unused (may be zeros); with the rule, the runner's coda runs for the rows
+        # that may exit (known on the host: worker/lookahead_plan.py)
+        logits = self.stack.decode_logits(h, ex, lo, hi) if target is None else None
+        hidden = self.stack.head_input(h, lo, hi) if target is not None else None
         # only rows that ran exit: a no_refill row waiting for its cohort does not (without no_refill every
         # row runs, and the mask would be a launch of its own)
         if self.no_refill:
             ex = ex & rows.run
-        return ex, logits, rows.slots, rows.loops, rows.run, rows.token_index
+        return ex, logits, rows.slots, rows.loops, rows.run, rows.token_index, hidden, target
 
     def trim(self, out: tuple, part: KindRows) -> DecodeOut | None:
         if out[0] is None or not part.num_rows:
             return None
         n = part.num_rows
-        return DecodeOut(*(t if t.shape[0] == n else t[:n] for t in out))
+        return DecodeOut(*(t if t is None or t.shape[0] == n else t[:n] for t in out))
 
 
 class PrefillKind(RowKind):

@@ -338,3 +338,31 @@ def test_steps_without_lookahead_rows_do_not_run_the_head(demo_with_head, graphs
         replays = eng.runner.graphs.replays
         assert replays["decode"] > 0 and replays["mixed"] > 0
         assert replays["decode_lookahead"] > 0 and replays["mixed_lookahead"] > 0
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("delay", [0, 1])
+def test_the_coda_runs_only_for_rows_that_may_exit(demo_with_head, layout, delay):
+    """Known depths, used: with an oracle replaying the stock gate, a step's coda and sampling run only for the
+    decode rows whose exit is not known to be later (worker/lookahead_plan.py), and outputs still equal the stock
+    engine's. ``delay`` 1: readbacks taken a step late, as the overlapped engine takes them on a GPU (there the
+    loop-2 exits, decided in the step of loop 1, stay candidates)."""
+    kw = {"kv_layout": layout, "max_num_seqs": 4, "max_num_batched_tokens": 16}
+    reqs = {str(i): p for i, p in enumerate(prompts(6))}
+    arrivals = {"4": 6, "5": 11}
+    params = {"temperature": 0.0, "max_tokens": 14, "min_loops": 2, "logprobs": 1, "ignore_eos": True}
+    want = tokens_depths_logprobs(run_arrivals(engine(demo_with_head, **kw), {
+        r: (p, SamplingParams(exit_threshold=0.6, **params)) for r, p in reqs.items()}, arrivals))
+    eng = engine(demo_with_head, **kw)
+    eng.runner.lookahead_rule.predictor = Oracle(eng, {r: depths for r, (_, depths, _) in want.items()})
+    plan = eng.runner.lookahead_plan
+    plan.delay = delay
+    got = run_arrivals(eng, {r: (p, SamplingParams(exit_mode="lookahead", lookahead_threshold=0.5, **params))
+                             for r, p in reqs.items()}, arrivals)
+    assert_same_tokens_depths_logprobs(tokens_depths_logprobs(got), want)
+    exits = sum(len(d) for _, d, _ in want.values()) - len(want)  # decode tokens (the first comes from the prompt)
+    assert plan.coda_rows < plan.decode_rows
+    if delay == 0:  # every exit known: the coda runs for the exiting rows and each request's first decode row
+        assert plan.coda_rows == exits + len(reqs)  # (nothing read back of its slot yet)
+    else:
+        assert exits < plan.coda_rows
