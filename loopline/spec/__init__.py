@@ -1,7 +1,7 @@
 """Loop-aware self-speculative decoding (issue #41): the first loops of a looped model draft, the deeper
 loops verify. Here: the config (:mod:`.config`), the cost model of both schemes (:mod:`.cost`) and a
-plain-PyTorch reference of draft-then-verify (:mod:`.reference`). The engine runs draft-then-verify
-rounds with ``speculative_config``: the scheduler's side in ``loopline.core.speculation``, the device's in
+plain-PyTorch reference of both schemes, draft-then-verify and the depth pipeline (:mod:`.reference`). The engine runs draft-then-verify
+rounds with ``speculative_config`` (the pipeline is not built in the engine): the scheduler's side in ``loopline.core.speculation``, the device's in
 ``loopline.worker.spec_rows`` (docs/speculation.md)."""
 from loopline.spec.config import SpeculativeConfig
 

@@ -71,7 +71,8 @@ def pipeline(matches: Sequence[bool], d: int, loops: int) -> Replay:
     """Depth-pipelined speculation: token ``i+1`` enters at loop 1 right after token ``i``'s loop ``d``
     (its draft); when token ``i``'s last loop disagrees with that draft, the rows behind ``i`` are dropped
     and the corrected token ``i+1`` enters in the next step. Every step runs one loop of every row in
-    flight (the dropped ones until the step that exposes the mismatch)."""
+    flight (the dropped ones until the step that exposes the mismatch). No row starts for a token past
+    the sequence's end (the engine knows ``max_tokens``), as :mod:`loopline.spec.reference` steps it."""
     if not 1 <= d < loops:
         raise ValueError(f"d={d}; allowed: 1..{loops - 1}")
     intervals: list[tuple[int, int]] = []  # [start, end) steps of every row that ran
@@ -83,8 +84,9 @@ def pipeline(matches: Sequence[bool], d: int, loops: int) -> Replay:
             start += d
             continue
         intervals.append((start, end))
-        # The wrong draft and the drafts it spawned run until token i's last loop exposes it.
-        intervals.extend((s, end) for s in range(start + d, end, d))
+        # The wrong draft and the drafts it spawned (rows i+1, i+2, ...; the last row is n-2) run until
+        # token i's last loop exposes it.
+        intervals.extend((s, end) for j, s in enumerate(range(start + d, end, d), i + 1) if j < len(matches) - 1)
         start = end
     rows = Counter()
     last = max(e for _, e in intervals) if intervals else 0

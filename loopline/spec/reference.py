@@ -22,12 +22,34 @@ A round starts from the last committed token ``x_t`` (not yet run) at position `
 Tokens past the first rejected draft leave stale K/V behind; the next round rewrites those positions
 before any query reads them (attention reads positions ``<= `` the query's), so the dense KV needs no
 explicit rollback. Only Ouro-style families (every KV stage per loop, a gate exit) are supported.
+
+**Depth-pipelined speculation** (scheme 2, ``spec.scheme == "pipeline"``) is written as the engine would
+step it: a *step* runs one loop of every row in flight, a row being one token position at its own loop.
+
+* A row that reaches loop ``d`` without exiting drafts its successor's token from its loop-``d`` head;
+  the successor (the next position) enters at loop 1 in the next step, while the row runs its deep
+  loops. A row that exits at ``e <= d`` drafts nothing: its own token, from loop ``e``, enters next.
+* At its own exit (the exit rule, loop by loop, as plain decoding applies it) a row judges the draft
+  it spawned: greedy, equality with the target's argmax; sampling, :func:`rejection_step` (accept with
+  ``min(1, p/q)``, else the correction from ``max(p - q, 0)``). On rejection every row behind it (its
+  successor, which started from the wrong token, and the rows that one drafted in turn) is dropped, its
+  K/V rolled back (zeroed in every plane, as if never written), and the correction enters next step.
+* A row's result commits once every row before it committed; a row that exits while an older one is
+  still looping waits (its own verdict is conditional on its input, which the older row judges).
+* Rows are never started for tokens past ``max_tokens``, nor behind a draft that is an EOS token (a
+  rejected EOS draft makes its correction enter as usual).
+
+Every row runs behind its predecessor by at least ``d`` loops, so the K/V it reads at loop ``r`` (plane
+``r``: the predecessors' loop-``r`` K/V, or their exit loop's once they exited, ``last_exited``) was
+written in an earlier step: the order of the rows inside a step does not matter, and each row computes
+exactly what plain decoding computes for its position.
 """
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +60,7 @@ from loopline.models.plain import PlainOutput, PlaneKV, plain_generate
 from loopline.spec.adapter import DraftAdapter
 from loopline.spec.config import SpeculativeConfig
 
-__all__ = ["SpecOutput", "rejection_step", "speculative_generate"]
+__all__ = ["PipelineOutput", "SpecOutput", "rejection_step", "speculative_generate"]
 
 
 @dataclass
@@ -51,6 +73,26 @@ class SpecOutput(PlainOutput):
     def __post_init__(self) -> None:
         self.drafts = [] if self.drafts is None else self.drafts
         self.accepted = [] if self.accepted is None else self.accepted
+
+
+@dataclass
+class PipelineOutput(PlainOutput):
+    """:class:`PlainOutput` of the depth pipeline plus its step counts: ``steps`` (each one loop of every
+    row in flight), ``rows[n]`` (steps that ran ``n`` rows, as :class:`loopline.spec.cost.Replay` counts
+    them), ``dropped`` (rows dropped behind a rejected draft); per committed token ``drafted`` (its token
+    was drafted and judged) and ``matches`` (the draft was accepted, or there was none: a token from a
+    row that exited at or before the draft depth, or the first one, from the prompt)."""
+
+    steps: int = 0
+    rows: Counter = field(default_factory=Counter)
+    dropped: int = 0
+    drafted: list[bool] = field(default_factory=list)
+    matches: list[bool] = field(default_factory=list)
+
+    @property
+    def passes(self) -> int:
+        """Loop passes: one per row per step."""
+        return sum(n * c for n, c in self.rows.items())
 
 
 class _FrozenAttention:
@@ -162,8 +204,10 @@ def rejection_step(p: Tensor, q: Tensor, draft: int, generator: torch.Generator)
 def speculative_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens: int, spec: SpeculativeConfig, *,
                          temperature: float = 0.0, seed: int = 0, min_loops: int = 1, max_loops: int | None = None,
                          exit_threshold: float | None = None, eos_ids: Sequence[int] = (),
-                         draft_adapter: DraftAdapter | None = None) -> SpecOutput:
-    """Generates up to ``max_tokens`` tokens after ``prompt_ids`` with draft-then-verify speculation.
+                         draft_adapter: DraftAdapter | None = None) -> SpecOutput | PipelineOutput:
+    """Generates up to ``max_tokens`` tokens after ``prompt_ids`` with loop self-speculation:
+    draft-then-verify rounds, or the depth pipeline when ``spec.scheme == "pipeline"`` (module docstring;
+    then a :class:`PipelineOutput`, and ``num_speculative_tokens`` is unused).
 
     ``temperature == 0``: greedy, token for token and exit depth for exit depth what
     :func:`~loopline.models.plain.plain_generate` gives. ``temperature > 0``: every token is distributed as
@@ -172,8 +216,6 @@ def speculative_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens
     ``draft_adapter``: drafts of positions still looping at the draft depth come from the head of the
     adapted state (:mod:`loopline.spec.adapter`); targets never see it.
     """
-    if spec.scheme != "draft_verify":
-        raise ValueError(f"speculative_config.scheme={spec.scheme!r}: the reference implements 'draft_verify'")
     config = model.config
     spec.check_model(config.total_ut_steps)
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
@@ -188,11 +230,13 @@ def speculative_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens
     k, d = spec.num_speculative_tokens, spec.draft_loops
     loops = _Loops(model, len(prompt_ids) + max_tokens + k + 1, min_loops, max_loops, threshold)
     generator = torch.Generator(device=loops.kv_device).manual_seed(seed)
-    out = SpecOutput()
+    out = SpecOutput() if spec.scheme == "draft_verify" else PipelineOutput()
     logits = _prefill(loops, prompt_ids, first.exit_loops[0])
     token = _sample(logits, temperature, generator)
     eos = set(eos_ids)
     out.tokens.append(token), out.exit_loops.append(first.exit_loops[0]), out.logprobs.append(_logprob(logits, token))
+    if spec.scheme == "pipeline":
+        return _Pipeline(loops, d, temperature, generator, eos, max_tokens, draft_adapter).run(out, len(prompt_ids))
     position = len(prompt_ids)
     while token not in eos and len(out.tokens) < max_tokens:
         committed = _round(loops, token, position, k, d, temperature, generator, out, draft_adapter)
@@ -279,3 +323,95 @@ def _sample(logits: Tensor, temperature: float, generator: torch.Generator) -> i
 
 def _logprob(logits: Tensor, token: int) -> float:
     return float(torch.log_softmax(logits.float(), -1)[token])
+
+
+@dataclass(eq=False)  # rows are compared by identity
+class _Lane:
+    """One row of the pipeline: position ``start`` of ``rows`` runs token ``index`` and yields token ``index + 1``."""
+
+    index: int
+    rows: _Rows
+    loop: int = 0  # loops run so far
+    draft: int | None = None  # the successor's token, drafted at loop d (None: no draft)
+    q: Tensor | None = None  # the draft's distribution
+    result: tuple[int, int, float] | None = None  # (token, exit depth, logprob) once the row exited
+    accepted: bool = True
+
+
+class _Pipeline:
+    """The depth pipeline over one sequence (module docstring): rows in flight, stepped one loop at a time."""
+
+    def __init__(self, loops: _Loops, d: int, temperature: float, generator: torch.Generator, eos: set[int],
+                 max_tokens: int, adapter: DraftAdapter | None) -> None:
+        self.loops, self.d, self.temperature, self.generator = loops, d, temperature, generator
+        self.eos, self.max_tokens, self.adapter = eos, max_tokens, adapter
+        self.lanes: list[_Lane] = []
+
+    def run(self, out: PipelineOutput, position: int) -> PipelineOutput:
+        """Steps from the first generated token (in ``out``, at ``position``) until ``max_tokens`` or EOS."""
+        out.drafted.append(False), out.matches.append(True)
+        token = out.tokens[0]
+        if token in self.eos or self.max_tokens == 1:
+            return out
+        self._enter(0, token, position)
+        while True:
+            running = [lane for lane in self.lanes if lane.result is None]
+            assert running, "a row in flight until the last token commits"
+            out.steps += 1
+            out.rows[len(running)] += 1
+            for lane in running:
+                lane.loop += 1
+                self.loops.run(lane.rows, lane.loop, lane.loop)
+            for lane in running:  # oldest first: a rejection drops the younger rows before they act
+                if lane in self.lanes:
+                    self._after_loop(lane, out)
+            while self.lanes and self.lanes[0].result is not None:
+                lane = self.lanes.pop(0)
+                token, depth, logprob = lane.result
+                out.tokens.append(token), out.exit_loops.append(depth), out.logprobs.append(logprob)
+                out.drafted.append(lane.draft is not None), out.matches.append(lane.accepted)
+                if token in self.eos or len(out.tokens) >= self.max_tokens:
+                    return out
+
+    def _needed(self, index: int, token: int) -> bool:
+        """Whether a row for token ``index`` (fed ``token``) can yield a token the output keeps."""
+        return index + 1 < self.max_tokens and token not in self.eos
+
+    def _enter(self, index: int, token: int, position: int) -> None:
+        device = self.loops.kv_device
+        self.lanes.append(_Lane(index, self.loops.start(torch.tensor([token], device=device), position)))
+
+    def _after_loop(self, lane: _Lane, out: PipelineOutput) -> None:
+        """The row's exit (judging its draft) or, at loop d, its draft."""
+        rows = lane.rows
+        successor = self.lanes.index(lane) + 1 < len(self.lanes)
+        if int(rows.exit_loop[0]):
+            p = self.loops.logits(rows)[0]
+            if lane.draft is not None:
+                lane.accepted, token = _judge(p, lane.q, lane.draft, self.temperature, self.generator)
+            else:
+                token = _sample(p, self.temperature, self.generator)
+            lane.result = (token, int(rows.exit_loop[0]), _logprob(p, token))
+            if not lane.accepted:
+                self._drop_behind(lane, out)
+            if (not lane.accepted or not successor) and self._needed(lane.index + 1, token):
+                self._enter(lane.index + 1, token, rows.start + 1)
+        elif lane.loop == self.d and lane.index + 2 < self.max_tokens:
+            q = (self.loops.logits(rows)[0] if self.adapter is None
+                 else _adapted(self.loops, rows, self.adapter, self.d))
+            lane.draft = _sample(q, self.temperature, self.generator)
+            lane.q = _probs(q, self.temperature)
+            if self._needed(lane.index + 1, lane.draft):
+                self._enter(lane.index + 1, lane.draft, rows.start + 1)
+
+    def _drop_behind(self, lane: _Lane, out: PipelineOutput) -> None:
+        """Drops every row after ``lane`` and rolls its K/V back: its position is zeroed in every plane, as
+        it was before the row ran (the exit copies it made included)."""
+        cut = self.lanes.index(lane) + 1
+        dropped, self.lanes = self.lanes[cut:], self.lanes[:cut]
+        out.dropped += len(dropped)
+        kv = self.loops.kv
+        for gone in dropped:
+            for table in (kv.k, kv.v):
+                for tensor in table.values():
+                    tensor[gone.rows.start].zero_()

@@ -34,10 +34,12 @@ def test_pipeline_accepting_everything_costs_d_steps_per_token():
 
 
 def test_pipeline_rejecting_everything_costs_the_full_depth_plus_wasted_rows():
-    r = cost.pipeline([True, False, False], d=1, loops=4)
-    # each token: 4 steps; behind it the wrong draft and its own drafts enter at steps 1, 2, 3 and are dropped
-    assert r.tokens == 2 and r.steps == 8
-    assert r.rows == {1: 2, 2: 2, 3: 2, 4: 2}
+    r = cost.pipeline([True] + [False] * 5, d=1, loops=4)
+    # each token: 4 steps; behind row i the wrong draft and its own drafts (rows i+1, i+2, i+3) enter at its
+    # steps 2, 3, 4 and are dropped; no row past the last one (row 4) starts
+    assert r.tokens == 5 and r.steps == 20
+    # rows 0, 1: 1, 2, 3, 4 rows a step; row 2: 1, 2, 3, 3; row 3: 1, 2, 2, 2; row 4 alone
+    assert r.rows == {1: 8, 2: 6, 3: 4, 4: 2}
 
 
 def test_step_costs_weight_the_rows():

@@ -100,5 +100,5 @@ def test_bad_requests_name_the_field(tiny):
         speculative_generate(tiny, PROMPT, 4, SpeculativeConfig(), temperature=-1)
     with pytest.raises(ValueError, match="max_tokens=0"):
         speculative_generate(tiny, PROMPT, 0, SpeculativeConfig())
-    with pytest.raises(ValueError, match="scheme='pipeline'"):
-        speculative_generate(tiny, PROMPT, 4, SpeculativeConfig(scheme="pipeline"))
+    with pytest.raises(ValueError, match="draft_loops=4; allowed: an integer in 1..3"):
+        speculative_generate(tiny, PROMPT, 4, SpeculativeConfig(scheme="pipeline", draft_loops=4))
