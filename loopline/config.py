@@ -29,7 +29,8 @@ SchedulingMode = Literal["refill", "no_refill"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 ExitMode = Literal["threshold", "fixed", "trace", "lookahead"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
-AttentionBackendName = Literal["auto", "torch", "triton"]
+AttentionBackendName = Literal["auto", "torch", "triton", "flashinfer"]
+KernelBackendName = Literal["auto", "torch", "triton"]
 DType = Literal["auto", "float32", "bfloat16", "float16", "half", "float"]  # half, float: vLLM's aliases
 KVCacheDType = Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3"]  # loopline.kv.quant.KV_CACHE_DTYPES
 KVAllocationName = Literal["full", "incremental"]
@@ -85,8 +86,10 @@ class EngineArgs:
                                             "each exit two loops ahead (docs/lookahead.md)")
     logprobs_mode: LogprobsMode = _opt("raw_logprobs", "logprobs of the raw model logits or of the processed sampling distribution")
     max_logprobs: int = _opt(20, "largest logprobs / prompt_logprobs a request may ask for")
-    attention_backend: AttentionBackendName = _opt("auto", "paged attention backend ('auto': triton on CUDA, torch on CPU)")
-    kernel_backend: AttentionBackendName = _opt("auto", "layer math (norms, rotary, SwiGLU, packed q/k/v and gate/up GEMMs, split-K down_proj for <= 64 rows, a GEMV for one row): 'auto' (fused triton kernels on CUDA), 'torch' (reference), 'triton'")
+    attention_backend: AttentionBackendName = _opt("auto", "paged attention backend ('auto': triton on CUDA, torch on CPU; "
+                                                           "'flashinfer': FlashInfer's FA2 kernels on CUDA, the "
+                                                           "loopline[flashinfer] extra, bf16/fp16 KV; runs eagerly)")
+    kernel_backend: KernelBackendName = _opt("auto", "layer math (norms, rotary, SwiGLU, packed q/k/v and gate/up GEMMs, split-K down_proj for <= 64 rows, a GEMV for one row): 'auto' (fused triton kernels on CUDA), 'torch' (reference), 'triton'")
     enforce_eager: bool = _opt(False, "disable CUDA graphs")
     max_seq_len_to_capture: int = _opt(8192, "longest context served by CUDA graphs; longer decode steps run eagerly")
     async_scheduling: bool = _opt(True, "overlap: launch step n+1 before reading step n's results (exact: exits are "
@@ -164,7 +167,7 @@ class EngineArgs:
             raise InvalidRequestError(reason, param="attention_backend")
         for name, lit in (("kv_layout", KVLayoutName), ("scheduling_mode", SchedulingMode), ("scheduling_policy", SchedulingPolicy),
                           ("exit_mode", ExitMode), ("kv_allocation", KVAllocationName),
-                          ("distributed_executor_backend", DistributedBackendName), ("logprobs_mode", LogprobsMode), ("attention_backend", AttentionBackendName), ("kernel_backend", AttentionBackendName), ("dtype", DType)):
+                          ("distributed_executor_backend", DistributedBackendName), ("logprobs_mode", LogprobsMode), ("attention_backend", AttentionBackendName), ("kernel_backend", KernelBackendName), ("dtype", DType)):
             allowed = get_args(lit)
             if getattr(self, name) not in allowed:
                 raise InvalidRequestError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}", param=name)

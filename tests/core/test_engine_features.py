@@ -341,8 +341,7 @@ def test_stats_are_logged_when_enabled(tiny_gqa, caplog):
     assert not logged(disable_log_stats=True)
 
 
-@pytest.mark.parametrize("name,package", [("flashinfer", "flashinfer"), ("FLASH_ATTN", "flash_attn"),
-                                          ("flash-attn", "flash_attn")])
+@pytest.mark.parametrize("name,package", [("FLASH_ATTN", "flash_attn"), ("flash-attn", "flash_attn")])
 def test_flash_backends_are_refused_with_the_reason(name, package, monkeypatch):
     # vLLM users ask for these by habit: an explicit error that says why, never a silent fallback.
     import importlib.util
