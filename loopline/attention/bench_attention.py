@@ -1,6 +1,7 @@
-"""Micro benchmark: torch vs triton paged attention on Ouro shapes.
+"""Micro benchmark: torch vs triton paged attention on Ouro shapes; triton vs flashinfer.
 
     python -m loopline.attention.bench_attention [--sweep]
+    python -m loopline.attention.bench_attention --compare flashinfer [--rows 1,32,128] [--ctx 1024]
 
 Decode batches (1, 32, 128 rows at context 1024) and one 512-token prefill
 chunk, 16 heads x 128 head_dim (Ouro-1.4B, MHA), bf16, block_size 16, pages
@@ -9,6 +10,7 @@ achieved GB/s (K/V + q + out bytes per call) against the H200's ~4.8 TB/s,
 every case the TFLOP/s of the causally visible QK^T + PV work. ``--sweep``
 also times the decode kernel's launch parameters (keys per step, warps,
 stages, split-KV) inside CUDA graphs, where launch cost does not count.
+``--compare flashinfer`` times the two GPU backends side by side (:func:`compare`).
 """
 from __future__ import annotations
 
@@ -173,6 +175,54 @@ def with_work(meta: PagedAttentionMetadata, rows, backend, reverse: bool = False
     return dataclasses.replace(meta, work_tiles=work)
 
 
+def model_step(rows: list[tuple[int, int]], layers: int) -> list:
+    """``layers`` K/V pools (as a model's layers) read through one step's metadata and queries, as the engine
+    does: a backend's per-step work (FlashInfer's page table) is paid once per ``layers`` calls."""
+    q, k_cache, v_cache, meta = make_step(rows)
+    pools = [(k_cache, v_cache)] + [(torch.randn_like(k_cache), torch.randn_like(v_cache)) for _ in range(layers - 1)]
+    return [(q, k, v, meta) for k, v in pools]
+
+
+def compare(other: str, rows_list: list[int], ctx: int, scale: float) -> None:
+    """Triton vs ``other`` (``flashinfer``) on Ouro-1.4B attention shapes.
+
+    Decode steps of each row count in ``rows_list`` at context ``ctx``: one CUDA graph replays a step of
+    >= 24 layers (Ouro-1.4B's count; more while their K/V stay under 256 MB), so neither launch cost nor L2
+    flatters a backend, and FlashInfer's per-step page table is paid once per step as in the engine. Prompt
+    steps (FlashInfer plans them on the host, one sync each) are timed eagerly per call, plan included."""
+    from loopline.attention import get_attention_backend
+
+    device = torch.device("cuda")
+    triton_be, other_be = get_attention_backend("triton", device), get_attention_backend(other, device)
+    print(f"\n# triton vs {other}  (decode: us per layer call in a CUDA graph; prompt steps: eager ms per call)")
+    header = f"{'case':34s} {'triton':>9s} {other:>10s} {other + '/triton':>17s} {'triton GB/s':>11s} {other + ' GB/s':>15s} {'max diff':>9s}"
+    print(header)
+    print("-" * len(header))
+    for n in rows_list:
+        rows = [(1, ctx)] * n
+        layers = max(24, -(-256 * 2**20 // step_bytes(rows)))
+        step = model_step(rows, layers)
+        diff = max((triton_be.attend(*s, scale).float() - other_be.attend(*s, scale).float()).abs().max().item()
+                   for s in step[:2])
+        t = [graph_time_us([lambda s=s, be=be: be.attend(*s, scale) for s in step]) for be in (triton_be, other_be)]
+        gb = [step_bytes(rows) / (x * 1e-6) / 1e9 for x in t]
+        print(f"{f'decode C={n} ctx={ctx} ({layers} layers)':34s} {t[0]:8.1f}u {t[1]:9.1f}u {t[1] / t[0]:16.2f}x "
+              f"{gb[0]:11.0f} {gb[1]:15.0f} {diff:9.1e}")
+        del step
+    for label, rows in (("prefill 512 tok ctx=1024", [(512, 1024)]),
+                        ("mixed 127 decode + 512 prefill", [(1, 1024)] * 127 + [(512, 1024)]),
+                        ("prefill 8 x 1024 tok", [(1024, 1024)] * 8)):
+        q, k_cache, v_cache, meta = make_step(rows)
+        diff = (triton_be.attend(q, k_cache, v_cache, meta, scale).float()
+                - other_be.attend(q, k_cache, v_cache, meta, scale).float()).abs().max().item()
+        t = [time_ms(lambda be=be, s=(q, k_cache, v_cache, meta): be.attend(*s, scale)) for be in (triton_be, other_be)]
+        print(f"{label:34s} {t[0]:8.3f}m {t[1]:9.3f}m {t[1] / t[0]:16.2f}x {'-':>11s} {'-':>15s} {diff:9.1e}")
+
+
+def _flag(name: str, default: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -193,6 +243,12 @@ def main() -> None:
     torch.manual_seed(0)
     ref, fast = TorchAttentionBackend(), TritonAttentionBackend()
     scale = HEAD_DIM**-0.5
+    if "--compare" in sys.argv:
+        print(f"# loopline attention bench  commit={commit()}  gpu={torch.cuda.get_device_name()}  "
+              f"torch={torch.__version__}  heads={HEADS} kv_heads={KV_HEADS} head_dim={HEAD_DIM} block={BLOCK_SIZE}")
+        compare(_flag("--compare", "flashinfer"), [int(x) for x in _flag("--rows", "1,32,128").split(",")],
+                int(_flag("--ctx", "1024")), scale)
+        return
     cases = [
         ("decode B=1 ctx=1024", [(1, 1024)]),
         ("decode B=32 ctx=1024", [(1, 1024)] * 32),
