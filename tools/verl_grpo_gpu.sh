@@ -108,6 +108,7 @@ import importlib, sys
 mods = ("verl ray hydra omegaconf antlr4 tensordict pyvers orjson cloudpickle datasets dill multiprocess xxhash "
         "codetiming torchdata transfer_queue zmq msgspec cachetools fastapi starlette uvicorn pydantic "
         "prometheus_client aiohttp aiohttp_cors colorful colorama opencensus google.api_core opentelemetry.sdk "
+        "opentelemetry.exporter.prometheus opentelemetry.exporter.otlp.proto.http "
         "jsonschema msgpack requests grpc tabulate psutil pandas pyarrow peft accelerate transformers safetensors "
         "tokenizers loopline").split()
 missing = []
