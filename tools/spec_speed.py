@@ -24,19 +24,29 @@ import torch
 
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
+from loopline.errors import InvalidRequestError
+from loopline.models.loader import load_model
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
-from loopline.models.tiny import random_checkpoint_config
+from loopline.models.tiny import default_checkpoint, random_checkpoint_config
 from loopline.sampling_params import SamplingParams
 
 
 def build_model(config: str, scale: float, dtype: torch.dtype, device: str) -> OuroForCausalLM:
-    """A random-weight model of ``config`` (``tiny``: a small CPU config) with its residual branches scaled."""
+    """A random-weight model of ``config`` (``tiny``: a small CPU config; ``demo``: the bundled demo model's
+    trained weights) with its residual branches scaled."""
+    if config == "demo":
+        model = load_model(default_checkpoint(), dtype=dtype, device=device)
+        return _scaled(model, scale)
     cfg = (OuroConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
            if config == "tiny" else random_checkpoint_config(config))
     torch.manual_seed(0)
     with torch.device(device):
         model = OuroForCausalLM(cfg).to(dtype)
+    return _scaled(model, scale)
+
+
+def _scaled(model: OuroForCausalLM, scale: float) -> OuroForCausalLM:
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(scale)
@@ -44,12 +54,12 @@ def build_model(config: str, scale: float, dtype: torch.dtype, device: str) -> O
     return model
 
 
-def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c: int) -> dict:
+def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c: int, scheme: str = "draft_verify") -> dict:
     """One closed-loop run of ``c`` concurrent requests; returns tok/s, steps per token and the
     acceptance counters. ``spec``: ``(K, d)`` with speculation's defaults (it adapts), ``(K, d,
     "pinned")`` speculating every round (no adaptive stop, no batch bound)."""
     speculative = None if spec is None else {"method": "loop", "num_speculative_tokens": spec[0],
-                                             "draft_loops": spec[1]}
+                                             "draft_loops": spec[1], "scheme": scheme}
     if spec is not None and len(spec) > 2:
         speculative |= {"adaptive": False, "disable_by_batch_size": None}
     engine = LLMEngine(EngineArgs(device=args.device, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=c,
@@ -87,7 +97,8 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
     spec_now = engine.stats.spec_decode_metrics()
     drafts = {k: spec_now[k] - stats0[k] for k in ("vllm:spec_decode_num_draft_tokens",
                                                    "vllm:spec_decode_num_accepted_tokens")}
-    return {"spec": None if spec is None else {"K": spec[0], "d": spec[1], "pinned": len(spec) > 2},
+    return {"spec": None if spec is None else {"K": spec[0], "d": spec[1], "pinned": len(spec) > 2,
+                                               "scheme": scheme},
             "concurrency": c, "output_tokens": tokens,
             "seconds": round(elapsed, 4), "output_tok_s": round(tokens / elapsed, 2),
             "steps_per_token": round((engine.stats.steps - steps0) / tokens, 3),
@@ -107,11 +118,16 @@ def parse_spec(text: str) -> tuple:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="ouro-1.4b", help="ouro-1.4b, ouro-2.6b or tiny (a small CPU config)")
+    ap.add_argument("--config", default="ouro-1.4b",
+                    help="ouro-1.4b, ouro-2.6b, tiny (a small CPU config) or demo (the bundled model's weights)")
     ap.add_argument("--branch-scale", default="1.0", help="comma-separated residual-branch scales")
     ap.add_argument("--spec", action="append", default=[],
                     help="K,d (speculation's defaults: it adapts) or K,d,pinned (every round speculates); "
                          "repeatable; plain decoding always runs")
+    ap.add_argument("--scheme", default="draft_verify",
+                    help="comma-separated speculative_config.scheme values (draft_verify, pipeline), each run with "
+                         "every --spec (pipeline: K is unused; the engine refuses it until it is built there: "
+                         "docs/speculation.md)")
     ap.add_argument("--concurrency", default="1", help="comma-separated concurrencies")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
@@ -122,17 +138,23 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     specs = [parse_spec(s) for s in args.spec]
+    schemes = args.scheme.split(",")
     rows = []
     for scale in (float(s) for s in args.branch_scale.split(",")):
         model = build_model(args.config, scale, getattr(torch, args.dtype), args.device)
         for c in (int(v) for v in args.concurrency.split(",")):
             base = None
-            for spec in [None, *specs]:
-                r = run(model, args, spec, c) | {"branch_scale": scale}
+            for scheme, spec in [(None, None), *((x, spec) for x in schemes for spec in specs)]:
+                try:
+                    r = run(model, args, spec, c, scheme) | {"branch_scale": scale}
+                except InvalidRequestError as e:  # a scheme the engine does not run: say so, measure the rest
+                    print(f"scale {scale:<5} C={c:<4} {scheme} K={spec[0]} d={spec[1]}: refused: {e}", flush=True)
+                    continue
                 base = base or r["output_tok_s"]
                 r["speedup"] = round(r["output_tok_s"] / base, 3)
                 rows.append(r)
-                name = "plain" if spec is None else f"K={spec[0]} d={spec[1]}" + (" pinned" if len(spec) > 2 else "")
+                name = "plain" if spec is None else (f"{'pipe ' if scheme == 'pipeline' else ''}K={spec[0]} "
+                                                     f"d={spec[1]}" + (" pinned" if len(spec) > 2 else ""))
                 print(f"scale {scale:<5} C={c:<4} {name:<17} {r['output_tok_s']:9.1f} tok/s  {r['speedup']:5.2f}x  "
                       f"{r['steps_per_token']:5.2f} steps/token  acceptance {r['acceptance_rate']}", flush=True)
         del model

@@ -90,8 +90,9 @@ class PipelineOutput(PlainOutput):
     matches: list[bool] = field(default_factory=list)
 
     @property
-    def passes(self) -> int:
-        """Loop passes: one per row per step."""
+    def row_loops(self) -> int:
+        """Rows summed over steps: one token position at one loop each (a step, a "loop pass" in
+        :mod:`loopline.spec.cost`, reads the weights once for all its rows)."""
         return sum(n * c for n, c in self.rows.items())
 
 
