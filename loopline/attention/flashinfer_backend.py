@@ -88,7 +88,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._decode_plans: dict[tuple, _DecodePlan] = {}
         self._retired: list[_DecodePlan] = []  # outgrown plans a captured graph may still read
         self._eager = None  # the wrapper of steps with prompt chunks (planned every step)
-        self._step: tuple[PagedAttentionMetadata | None, Any] = (None, None)  # the step's metadata and wrapper
+        # the step's metadata, its wrapper, and whether it was prepared inside a CUDA graph capture
+        self._step: tuple[PagedAttentionMetadata | None, Any, bool] = (None, None, False)
 
     # ------------------------------------------------------------------ the Triton kernels
 
@@ -115,8 +116,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if n == 0 or meta.seq_lens.shape[0] == 0:
             return out
-        if self._step[0] is not meta:  # once per step: every layer of a step shares its metadata
-            self._step = (meta, self._prepare(q, k_cache, meta, scale))
+        # once per step (every layer of a step shares its metadata), and again when a capture begins: a graph
+        # must hold the page table's kernels even if the same metadata ran eagerly before
+        capturing = _capturing()
+        if self._step[0] is not meta or self._step[2] != capturing:
+            self._step = (meta, self._prepare(q, k_cache, meta, scale), capturing)
         q = q if q.is_contiguous() else q.contiguous()
         # NOTE: no PDL: the Triton kernels launched after this one load step inputs before their grid-dependency
         # wait, which is safe only behind a plain launch (docs/design.md, "A decode row's attention as one kernel")
