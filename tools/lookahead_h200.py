@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -62,11 +63,17 @@ def head_dir(hidden_size: int, loops: int, out: Path) -> Path:
 
 
 def install_replay(engine: Any) -> None:
-    """The replayed exit pattern in place of the head (lookahead engines only)."""
+    """The replayed exit pattern in place of the head's decisions (the head still runs, its output ignored, so a
+    step costs what it costs with a head); CUDA graphs, captured with the head, are captured again with it."""
     runner = engine.runner
-    if runner.lookahead_rule is not None:
-        runner.lookahead_rule.predictor = ReplayPredictor(runner.max_num_seqs + 1, runner.decode_state.max_tokens,
-                                                          runner.device)
+    rule = runner.lookahead_rule
+    rule.predictor = ReplayPredictor(runner.max_num_seqs + 1, runner.decode_state.max_tokens, runner.device,
+                                     cost_of=rule.predictor)
+    if runner.graphs is not None:
+        runner.graphs = None
+        gc.collect()
+        torch.cuda.empty_cache()  # (the first graphs' pool, before the second capture)
+        runner.restore_graphs()
 
 
 def _commit() -> str:

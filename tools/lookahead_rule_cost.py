@@ -114,7 +114,7 @@ def replay(ns: argparse.Namespace) -> None:
             eng = _engine(ns.with_head)
             runner = eng.runner
             runner.lookahead_rule.predictor = ReplayPredictor(runner.max_num_seqs + 1, runner.decode_state.max_tokens,
-                                                              runner.device)
+                                                              runner.device, cost_of=runner.lookahead_rule.predictor)
             runner.lookahead_plan.counts_runs = knows
             engines[name] = (eng, lambda i: SamplingParams(exit_mode="lookahead", exit_depths=traces[i], **base))
         r = measure(engines, c, ns.tokens)

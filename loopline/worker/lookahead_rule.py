@@ -67,9 +67,12 @@ class ReplayPredictor:
     repeats, as under ``exit_mode="trace"``). What a benchmark on random weights installs, labelled as a
     replayed exit pattern: the rule, its targets and the engine's use of them run as with a head. Keyed by
     slot, filled when a request takes one (a request resumed into another slot after preemption is not
-    followed)."""
+    followed). ``cost_of``: a predictor run alongside and ignored (its output times 0), so a step costs what
+    it costs with that head."""
 
-    def __init__(self, num_slots: int, max_tokens: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, max_tokens: int, device: torch.device,
+                 cost_of: Callable[[Tensor, PredictorContext], Tensor] | None = None) -> None:
+        self.cost_of = cost_of
         self.depths = torch.zeros(num_slots, max_tokens, dtype=torch.long, device=device)
         self.last = torch.zeros(num_slots, dtype=torch.long, device=device)  # each slot's last trace index
 
@@ -82,7 +85,8 @@ class ReplayPredictor:
     def __call__(self, features: Tensor, ctx: PredictorContext) -> Tensor:
         index = torch.minimum(ctx.token_index.clamp(min=0), self.last[ctx.slots])
         want = self.depths[ctx.slots, index]
-        return ((want == ctx.loop + DISTANCE) & (ctx.token_index >= 0)).float()
+        prob = ((want == ctx.loop + DISTANCE) & (ctx.token_index >= 0)).float()
+        return prob if self.cost_of is None else prob + 0.0 * self.cost_of(features, ctx)
 
 
 class LookaheadRule:

@@ -366,3 +366,26 @@ def test_the_coda_runs_only_for_rows_that_may_exit(demo_with_head, layout, delay
         assert plan.coda_rows == exits + len(reqs)  # (nothing read back of its slot yet)
     else:
         assert exits < plan.coda_rows
+
+
+def test_a_replayed_pattern_in_graph_steps(demo_with_head):
+    """tools/lookahead_h200.py's replay: its ReplayPredictor (the head still run, its output ignored), installed
+    after capture and the graphs captured again, gives each request exactly its recorded depths (>= 2)."""
+    import importlib.util
+    from pathlib import Path
+
+    from graph_testing import EagerCapturer
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "lookahead_h200.py"
+    spec = importlib.util.spec_from_file_location("lookahead_h200", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    eng = engine(demo_with_head, max_num_seqs=3, max_num_batched_tokens=24, max_model_len=128)
+    eng.runner.capture_graphs(64, 24, max_prefill_rows=3, capturer=EagerCapturer())
+    tool.install_replay(eng)
+    traces = {str(i): [2 + (i + k) % 3 for k in range(9)] for i in range(3)}
+    out = run_arrivals(eng, {rid: (p, SamplingParams(exit_mode="lookahead", exit_depths=traces[rid], temperature=0.0,
+                                                     max_tokens=9, ignore_eos=True))
+                             for rid, p in zip(traces, prompts(3))}, {"2": 5})
+    assert {rid: o.outputs[0].exit_depths for rid, o in out.items()} == traces
+    assert eng.runner.graphs.replays["decode_lookahead"] > 0
