@@ -56,8 +56,10 @@ def measure(engines: dict[str, tuple[LLMEngine, Any]], concurrency: int, tokens:
     outputs: dict[str, dict] = {name: {} for name in engines}
     for eng, params in engines.values():
         _add(eng, concurrency, tokens, params)
+    order = list(engines.items())
     while any(eng.has_unfinished_requests() for eng, _ in engines.values()):
-        for name, (eng, _) in engines.items():
+        order.reverse()  # (each engine steps first every other round: no order bias)
+        for name, (eng, _) in order:
             if eng.has_unfinished_requests():
                 t0 = time.perf_counter()
                 for out in eng.step():
