@@ -168,7 +168,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         # for the lengths, which the kernels read from the page table written each step.
         host = torch.arange(rows + 1, dtype=torch.int32)
         wrapper.plan(host, host, torch.zeros(rows, dtype=torch.int32), torch.ones(rows, dtype=torch.int32),
-                     **self._plan_args(q, k_cache, scale))
+                     uniform_q_len=1, **self._plan_args(q, k_cache, scale))  # (query tiles sized for one query)
         plan = self._decode_plans[key] = _DecodePlan(wrapper, rows, width, **bufs)
         return plan
 

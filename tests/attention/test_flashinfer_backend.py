@@ -164,8 +164,9 @@ class FakeWrapper:
         self.bufs = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf)
 
     def plan(self, qo_indptr, indptr, indices, last, *, num_qo_heads, num_kv_heads, head_dim_qk, page_size,
-             causal, sm_scale, q_data_type, kv_data_type, disable_split_kv):
+             causal, sm_scale, q_data_type, kv_data_type, disable_split_kv, uniform_q_len=None):
         assert causal and qo_indptr.device.type == "cpu"
+        assert uniform_q_len in (None, 1) and (uniform_q_len is None) != self.graph
         FakeWrapper.plans.append((self.graph, len(qo_indptr) - 1, disable_split_kv))
         if self.graph:
             assert len(qo_indptr) == len(self.bufs[0])
