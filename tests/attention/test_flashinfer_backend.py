@@ -247,3 +247,37 @@ def test_a_wider_decode_step_gets_a_new_plan_and_keeps_the_old(fake_flashinfer):
         q, k, v, meta = paged_step([1, 1], lens, seed=len(lens))
         close(backend.attend(q, k, v, meta, 0.5), TorchAttentionBackend().attend(q, k, v, meta, 0.5))
     assert len(FakeWrapper.plans) == 2 and len(backend._retired) == 1  # a captured graph may still read it
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_engine_steps_through_the_backend(fake_flashinfer, layout):
+    """A bf16 engine on the CPU with the backend over the stand-in equals the same engine on the torch reference:
+    decode rows whose tables the device derives (every loop's plane), prompt chunks, mixed steps, early exits and
+    their copies, arrivals. Both store K/V with the torch backend's ops (the Triton store kernels, which the GPU
+    tests cover, take minutes in the CPU interpreter), so only the attention's read path differs."""
+    from engine_testing import run_arrivals, small_gqa_model, tokens_depths_logprobs
+
+    from loopline import SamplingParams
+    from loopline.engine import LLMEngine
+    from loopline.models.ops import TORCH_OPS
+    from loopline.worker.backends import Backends
+    from loopline.worker.decode_state import SlotOps
+
+    model = small_gqa_model("cpu").bfloat16()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, exit_threshold=0.6, logprobs=0)
+    requests = {f"r{i}": ([(i * 31 + j) % 250 for j in range(n)], params) for i, n in enumerate([5, 23, 11])}
+    out = {}
+    flashinfer = FlashInferAttentionBackend("cpu")
+    flashinfer._store = TorchAttentionBackend()
+    for name, attn in (("flashinfer", flashinfer), ("reference", TorchAttentionBackend())):
+        engine = LLMEngine(EngineArgs(device="cpu", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=3,
+                                      num_kv_blocks=80, block_size=4, max_num_batched_tokens=16, max_model_len=64,
+                                      kv_layout=layout),
+                           model=model, backends=Backends(attn, TORCH_OPS, SlotOps()))
+        out[name] = tokens_depths_logprobs(run_arrivals(engine, requests, arrivals={"r2": 3}))
+    for rid, (tokens, depths, logprobs) in out["reference"].items():
+        assert out["flashinfer"][rid][:2] == (tokens, depths), rid
+        torch.testing.assert_close(out["flashinfer"][rid][2], logprobs, atol=1e-3, rtol=1e-3)
+    assert any(d < model.config.total_ut_steps for _, ds, _ in out["reference"].values() for d in ds)  # exits ran
+    plans = FakeWrapper.plans
+    assert any(graph for graph, _, _ in plans) and any(not graph for graph, _, _ in plans)  # both kinds of step
