@@ -8,7 +8,6 @@ import torch
 from loopline.attention.base import AttentionBackend, PagedAttentionMetadata
 from loopline.errors import InvalidRequestError
 
-
 # FlashAttention names vLLM users pass (any case, '-' or '_'); FlashInfer is a backend here ('flashinfer').
 _NOT_PROVIDED = {"flash_attn": "flash_attn", "flashattention": "flash_attn"}
 
@@ -70,7 +69,10 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         from loopline.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
     if name == "triton":
-        from loopline.attention.triton_backend import TritonAttentionBackend, triton_available
+        from loopline.attention.triton_backend import (
+            TritonAttentionBackend,
+            triton_available,
+        )
 
         if not triton_available():
             raise InvalidRequestError("attention_backend='triton' needs the triton package (pip install 'loopline[triton]')",

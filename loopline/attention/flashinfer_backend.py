@@ -48,6 +48,13 @@ def flashinfer_page_table(block_tables: Tensor, seq_lens: Tensor, block_size: in
     indices.scatter_(0, dst.reshape(-1), block_tables.reshape(-1).to(indices.dtype))
 
 
+def decode_bucket(rows: int) -> int:
+    """Rows a decode-only step of ``rows`` rows is planned for: the next power of two. Each planned wrapper holds
+    16 MiB of FlashInfer workspace (device + pinned), so plans are kept per bucket, not per row count; padding
+    rows attend one key of a real page and their outputs are dropped."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
 def page_table_capacity(rows: int, width: int) -> int:
     """Entries of an ``indices`` buffer for ``rows`` rows of up to ``width`` pages (and the dump slot)."""
     return rows * width + 1
@@ -69,15 +76,15 @@ class _DecodePlan:
 class FlashInferAttentionBackend(AttentionBackend):
     """``attend`` on FlashInfer; stores, rotary and the exit copy on the Triton kernels.
 
-    Decode-only steps (every row one query) run a wrapper planned once per row count; the
-    plan depends on nothing else, so steps and CUDA graphs of that count share it. Steps with
+    Decode-only steps (every row one query) run a wrapper planned once per row bucket
+    (:func:`decode_bucket`); the plan depends on nothing else, so steps and CUDA graphs share it. Steps with
     prompt chunks plan each step from the device arrays (one host sync; refused inside a
     CUDA graph capture)."""
 
     name = "flashinfer"
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
-        import flashinfer  # noqa: F401  (lazy: the extra is optional; the caller checked it is installed)
+        import flashinfer  # lazy: the extra is optional; the caller checked it is installed
 
         from loopline.attention.triton_backend import TritonAttentionBackend
 
@@ -88,8 +95,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._decode_plans: dict[tuple, _DecodePlan] = {}
         self._retired: list[_DecodePlan] = []  # outgrown plans a captured graph may still read
         self._eager = None  # the wrapper of steps with prompt chunks (planned every step)
-        # the step's metadata, its wrapper, and whether it was prepared inside a CUDA graph capture
-        self._step: tuple[PagedAttentionMetadata | None, Any, bool] = (None, None, False)
+        # the step's metadata, its wrapper and the rows it was planned for, and whether it was prepared inside a
+        # CUDA graph capture
+        self._step: tuple[PagedAttentionMetadata | None, tuple[Any, int], bool] = (None, (None, 0), False)
 
     # ------------------------------------------------------------------ the Triton kernels
 
@@ -121,27 +129,36 @@ class FlashInferAttentionBackend(AttentionBackend):
         capturing = _capturing()
         if self._step[0] is not meta or self._step[2] != capturing:
             self._step = (meta, self._prepare(q, k_cache, meta, scale), capturing)
+        wrapper, planned = self._step[1]
+        if planned > n:  # a decode bucket's padding rows (zero queries, outputs dropped)
+            q = torch.cat([q, q.new_zeros(planned - n, heads, d)])
+            out = torch.empty_like(q)
         q = q if q.is_contiguous() else q.contiguous()
         # NOTE: no PDL: the Triton kernels launched after this one load step inputs before their grid-dependency
         # wait, which is safe only behind a plain launch (docs/design.md, "A decode row's attention as one kernel")
-        self._step[1].run(q, (k_cache, v_cache), out=out, enable_pdl=False)
-        return out
+        wrapper.run(q, (k_cache, v_cache), out=out, enable_pdl=False)
+        return out[:n]
 
-    def _prepare(self, q: Tensor, k_cache: Tensor, meta: PagedAttentionMetadata, scale: float) -> Any:
-        """The step's wrapper, its page table written (and, for steps with prompt chunks, planned)."""
+    def _prepare(self, q: Tensor, k_cache: Tensor, meta: PagedAttentionMetadata, scale: float) -> tuple[Any, int]:
+        """The step's wrapper and the rows it runs, its page table written (and, for steps with prompt chunks,
+        planned)."""
         rows, width = meta.block_tables.shape
-        if meta.max_query_len == 1 and q.shape[0] == rows:
-            plan = self._decode_plan(q, k_cache, rows, width, scale)
-            plan.qo_indptr.copy_(meta.query_start_loc)
-            flashinfer_page_table(meta.block_tables, meta.seq_lens, k_cache.shape[1], plan.indptr, plan.indices,
-                                  plan.last_page_len)
-            return plan.wrapper
-        return self._plan_eager(q, k_cache, meta, scale)
+        if not (meta.max_query_len == 1 and q.shape[0] == rows):
+            return self._plan_eager(q, k_cache, meta, scale), rows
+        bucket = decode_bucket(rows)
+        plan = self._decode_plan(q, k_cache, bucket, width, scale)
+        tables, lens = meta.block_tables, meta.seq_lens
+        if bucket > rows:  # padding rows: one key of row 0's first page (a real page), length 1
+            tables = torch.cat([tables, tables[:1].expand(bucket - rows, -1)])
+            lens = torch.cat([lens, lens.new_ones(bucket - rows)])
+        flashinfer_page_table(tables, lens, k_cache.shape[1], plan.indptr, plan.indices, plan.last_page_len)
+        return plan.wrapper, bucket
 
     def _plan_args(self, q: Tensor, k_cache: Tensor, scale: float) -> dict:
         _, block_size, kvh, d = k_cache.shape
-        return dict(num_qo_heads=q.shape[1], num_kv_heads=kvh, head_dim_qk=d, page_size=block_size, causal=True,
-                    sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype, disable_split_kv=True)
+        return {"num_qo_heads": q.shape[1], "num_kv_heads": kvh, "head_dim_qk": d, "page_size": block_size,
+                "causal": True, "sm_scale": scale, "q_data_type": q.dtype, "kv_data_type": k_cache.dtype,
+                "disable_split_kv": True}
 
     def _decode_plan(self, q: Tensor, k_cache: Tensor, rows: int, width: int, scale: float) -> _DecodePlan:
         """The planned wrapper of ``rows`` one-query rows (made and planned on first use, outside any capture)."""
@@ -156,10 +173,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._retired.append(plan)  # a captured graph may read its buffers
         width = 1 << max(0, width - 1).bit_length()  # room to grow before the next plan
         dev = self.device
-        bufs = dict(qo_indptr=torch.arange(rows + 1, dtype=torch.int32, device=dev),
-                    indptr=torch.arange(rows + 1, dtype=torch.int32, device=dev),
-                    indices=torch.zeros(page_table_capacity(rows, width), dtype=torch.int32, device=dev),
-                    last_page_len=torch.ones(rows, dtype=torch.int32, device=dev))
+        bufs = {"qo_indptr": torch.arange(rows + 1, dtype=torch.int32, device=dev),
+                "indptr": torch.arange(rows + 1, dtype=torch.int32, device=dev),
+                "indices": torch.zeros(page_table_capacity(rows, width), dtype=torch.int32, device=dev),
+                "last_page_len": torch.ones(rows, dtype=torch.int32, device=dev)}
         wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._float_workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=bufs["qo_indptr"],
             paged_kv_indptr_buf=bufs["indptr"], paged_kv_indices_buf=bufs["indices"],

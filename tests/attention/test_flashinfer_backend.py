@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import types
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -154,7 +155,7 @@ class FakeWrapper:
     """FlashInfer's paged prefill wrapper as the backend uses it: plan() copies host arrays into caller buffers
     (graph mode) or keeps the given tensors; run() attends from whatever the buffers hold at run time."""
 
-    plans: list = []
+    plans: ClassVar[list] = []  # every plan() of the test: (graph mode, rows, split-KV disabled)
 
     def __init__(self, float_workspace, kv_layout, use_cuda_graph=False, qo_indptr_buf=None,
                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
@@ -225,13 +226,16 @@ def test_backend_plumbing_against_the_reference(fake_flashinfer):
     backend = FlashInferAttentionBackend("cpu")
     ref = TorchAttentionBackend()
     scale = 0.25
-    # decode-only steps: one plan per row count, reused by later steps of other lengths and tables
-    for seed, lens in enumerate(([5, 9, 1], [6, 10, 2], [13, 3, 8])):
-        q, k, v, meta = paged_step([1, 1, 1], lens, seed=seed)
+    # decode-only steps: one plan per row bucket (3 and 4 rows: 4, the 3-row steps padded), reused by later steps
+    # of other lengths and tables
+    for seed, lens in enumerate(([5, 9, 1], [6, 10, 2], [13, 3, 8], [2, 16, 7, 1])):
+        q, k, v, meta = paged_step([1] * len(lens), lens, seed=seed)
         for _ in range(2):  # two layers of one step: the page table is written once
-            close(backend.attend(q, k, v, meta, scale), ref.attend(q, k, v, meta, scale))
-    assert FakeWrapper.plans == [(True, 3, True)]
-    q, k, v, meta = paged_step([1, 1], [4, 7], seed=5)  # another row count: its own plan
+            got = backend.attend(q, k, v, meta, scale)
+            assert got.shape == q.shape
+            close(got, ref.attend(q, k, v, meta, scale))
+    assert FakeWrapper.plans == [(True, 4, True)]
+    q, k, v, meta = paged_step([1, 1], [4, 7], seed=5)  # another bucket: its own plan
     close(backend.attend(q, k, v, meta, scale), ref.attend(q, k, v, meta, scale))
     assert FakeWrapper.plans[-1] == (True, 2, True)
     # steps with prompt chunks: planned every step from the device arrays (split-KV left to FlashInfer)
@@ -243,7 +247,7 @@ def test_backend_plumbing_against_the_reference(fake_flashinfer):
 
 def test_a_wider_decode_step_gets_a_new_plan_and_keeps_the_old(fake_flashinfer):
     backend = FlashInferAttentionBackend("cpu")
-    for lens in ([3, 4], [30, 2]):  # 1 page, then 8 pages a row
+    for lens in ([3, 4], [30, 2]):  # 1 page, then 8 pages a row (one bucket of 2 rows)
         q, k, v, meta = paged_step([1, 1], lens, seed=len(lens))
         close(backend.attend(q, k, v, meta, 0.5), TorchAttentionBackend().attend(q, k, v, meta, 0.5))
     assert len(FakeWrapper.plans) == 2 and len(backend._retired) == 1  # a captured graph may still read it
