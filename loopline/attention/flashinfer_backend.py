@@ -6,7 +6,7 @@ exit copy are the Triton backend's kernels; ``attend`` runs FlashInfer's
 (CSR ``indptr`` / ``indices`` / ``last_page_len``) is built on the device from the
 step's block tables and lengths (:func:`flashinfer_page_table`), so decode rows whose
 tables exist only on the device need no host copy. Plans never depend on key lengths
-(``disable_split_kv``): decode-only steps plan once per row count (graph-safe, no
+(``disable_split_kv``): decode-only steps plan once per row bucket (graph-safe, no
 sync); steps with prompt chunks plan from the device arrays (one host sync, eager).
 """
 from __future__ import annotations
