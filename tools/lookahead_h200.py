@@ -41,7 +41,13 @@ import torch
 from loopline.bench.offline import BenchSpec, Variant, build_model, run_engine
 from loopline.bench.workload import make_workload, parse_depth_dist
 from loopline.config import EngineArgs
-from loopline.models.lookahead_head import HeadConfig, LookaheadHead, TraceSpec, num_features, save_head
+from loopline.models.lookahead_head import (
+    HeadConfig,
+    LookaheadHead,
+    TraceSpec,
+    num_features,
+    save_head,
+)
 from loopline.worker.lookahead_rule import ReplayPredictor
 
 VARIANTS = (
@@ -96,10 +102,10 @@ def _row(run: dict, base: dict) -> str:
 def markdown(meta: dict, results: list[dict]) -> str:
     lines = [f"# Lookahead exits, replayed exit pattern: {meta['config']} shapes, random weights", "",
              f"Command: `{meta['command']}`", "",
-             f"Commit `{meta['commit']}`, {meta['device_name']}, {meta['dtype']}, depth distribution "
-             f"`{meta['depth_dist']}` (mean {meta['depth_mean']:.3f}), {meta['input_len']} in / {meta['output_len']} "
-             f"out, greedy, ignore_eos. `lookahead_replayed`: the lookahead policy's machinery with the exit pattern "
-             f"replayed (not predicted). `vs stock`: output tokens/s over `stock_replayed` (same depths).", ""]
+             (f"Commit `{meta['commit']}`, {meta['device_name']}, {meta['dtype']}, depth distribution "
+              f"`{meta['depth_dist']}` (mean {meta['depth_mean']:.3f}), {meta['input_len']} in / {meta['output_len']} "
+              f"out, greedy, ignore_eos. `lookahead_replayed`: the lookahead policy's machinery with the exit pattern "
+              f"replayed (not predicted). `vs stock`: output tokens/s over `stock_replayed` (same depths)."), ""]
     for point in results:
         runs = {r["variant"]: r for r in point["runs"]}
         lines += [f"## Concurrency {point['concurrency']} ({point['num_prompts']} requests)", "",

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from loopline import SamplingParams
+from loopline.bench.workload import parse_depth_dist
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
-from loopline.bench.workload import parse_depth_dist
 from loopline.models.tiny import default_checkpoint
 from loopline.worker.lookahead_rule import ReplayPredictor
 
@@ -111,14 +111,15 @@ def replay(ns: argparse.Namespace) -> None:
         rng = random.Random(0)
         traces = [dist.sample(rng, ns.tokens) for _ in range(c)]
         engines = {"stock path (trace)": (_engine(ns.with_head, exit_mode="trace"),
-                                          lambda i: SamplingParams(exit_depths=traces[i], **base))}
+                                          lambda i, traces=traces: SamplingParams(exit_depths=traces[i], **base))}
         for name, knows in (("lookahead, plan", True), ("lookahead, every row in the coda", False)):
             eng = _engine(ns.with_head)
             runner = eng.runner
             runner.lookahead_rule.predictor = ReplayPredictor(runner.max_num_seqs + 1, runner.decode_state.max_tokens,
                                                               runner.device, cost_of=runner.lookahead_rule.predictor)
             runner.lookahead_plan.counts_runs = knows
-            engines[name] = (eng, lambda i: SamplingParams(exit_mode="lookahead", exit_depths=traces[i], **base))
+            engines[name] = (eng, lambda i, traces=traces: SamplingParams(exit_mode="lookahead", exit_depths=traces[i],
+                                                                          **base))
         r = measure(engines, c, ns.tokens)
         outs = [x["outputs"] for x in r.values()]
         assert all(o == outs[0] for o in outs), "replayed depths gave different outputs"

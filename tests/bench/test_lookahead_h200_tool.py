@@ -14,7 +14,7 @@ def test_the_tool_writes_json_and_a_table(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "lookahead_h200.py"), "--config", "tiny", "--device", "cpu",
                           "--dtype", "float32", "--concurrency", "2", "--input-len", "8", "--output-len", "6",
                           "--min-prompts", "2", "--out", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr
     record = json.loads((tmp_path / "lookahead_h200.json").read_text())
     assert [p["concurrency"] for p in record["results"]] == [2]
