@@ -340,8 +340,7 @@ def test_steps_without_lookahead_rows_do_not_run_the_head(demo_with_head, graphs
         assert replays["decode_lookahead"] > 0 and replays["mixed_lookahead"] > 0
 
 
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
-@pytest.mark.parametrize("delay", [0, 1])
+@pytest.mark.parametrize("layout, delay", [("last_exited", 0), ("shared", 1)])
 def test_the_coda_runs_only_for_rows_that_may_exit(demo_with_head, layout, delay):
     """Known depths, used: with an oracle replaying the stock gate, a step's coda and sampling run only for the
     decode rows whose exit is not known to be later (worker/lookahead_plan.py), and outputs still equal the stock
