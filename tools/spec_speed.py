@@ -1,6 +1,11 @@
 """Loop self-speculation's speed against its acceptance, on real shapes with random weights (GPU).
 
 python3 tools/spec_speed.py --config ouro-1.4b --branch-scale 1.0,0.0 --spec 2,1 --spec 1,1 --concurrency 1
+python3 tools/spec_speed.py --config demo --spec 3,1,pinned --scheme draft_verify,pipeline --concurrency 1
+
+``--scheme`` runs every ``--spec`` once per scheme (a scheme the engine refuses is printed as refused and
+skipped: the pipeline, until the engine runs it); ``--config demo`` loads the bundled model's weights
+(their acceptance is real; the prompts are synthetic token ids).
 
 Random weights give acceptance ~0: the loops' argmax tokens disagree (``loopline bench --speculative-config``
 on random Ouro-1.4B weights accepts no draft). ``--branch-scale s`` multiplies every layer's residual
