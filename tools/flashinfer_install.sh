@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's side of tools/flashinfer_payload.sh: stash the carried parts, join and verify them, install
 # the wheels into SITE with pip --no-index --no-deps, and set up what FlashInfer's JIT needs.
-#   bash tools/flashinfer_install.sh stash     # copies .whl/flashinfer/{payload.tar.part*,MANIFEST,*.sha256} to STASH
+#   bash tools/flashinfer_install.sh stash     # copies .fi/{payload.tar.part*,MANIFEST,*.sha256} to STASH
 #   bash tools/flashinfer_install.sh install   # all parts in STASH: join, sha256-check the tar and every wheel,
 #                                              # install flashinfer + the modules the environment lacks, + tvm-ffi
 #   source <(bash tools/flashinfer_install.sh env)   # exports for the run (PYTHONPATH, CUDA_HOME, PATH, FLASHINFER_*)
@@ -19,7 +19,7 @@ STASH=${STASH:-/tmp/fi_parts}
 SITE=${SITE:-/tmp/site}
 SHIM=${CUDA_SHIM:-/tmp/cuda_home}
 PY=${PYTHON:-python3}
-CARRIED=${CARRIED:-.whl/flashinfer}
+CARRIED=${CARRIED:-.fi}
 
 stash() {
   mkdir -p "$STASH"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packs FlashInfer 0.7.4 for the offline GPU machine (attention_backend="flashinfer", docs/design.md "Attention
 # backends"). Run here, with the package index reachable:
-#   bash tools/flashinfer_payload.sh            # -> .whl/flashinfer/ (git-ignored): parts + SHA256SUMS + MANIFEST
+#   bash tools/flashinfer_payload.sh            # -> .fi/ (git-ignored): parts + SHA256SUMS + MANIFEST
 # It downloads cp312 manylinux x86_64 wheels (no dependency resolution, no torch): flashinfer-python==0.7.4 and the
 # runtime modules `import flashinfer` + its paged prefill wrapper import that a torch 2.11 (CUDA 13) environment
 # may lack (pynvml, einops, requests and its deps, tqdm, packaging, click, tabulate, cuda.bindings). Not packed:
@@ -12,7 +12,7 @@
 # stashes parts on the GPU machine, joins and verifies them, and installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-.whl/flashinfer}
+OUT=${OUT:-.fi}
 PART_MB=${PART_MB:-26}
 PY=${PYTHON:-python3}
 WHEELS=$(mktemp -d)
