@@ -33,6 +33,11 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= ``x`` (1 for ``x <= 1``): kernel tile widths, plan buckets."""
+    return 1 << max(0, x - 1).bit_length()
+
+
 def is_fp8_kv(cache: Tensor) -> bool:
     """True if ``cache`` stores FP8 (E4M3) values, which need scales."""
     return cache.dtype == FP8_KV_DTYPE

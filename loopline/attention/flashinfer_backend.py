@@ -17,7 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loopline.attention.base import AttentionBackend, PagedAttentionMetadata, is_fp8_kv
+from loopline.attention.base import (
+    AttentionBackend,
+    PagedAttentionMetadata,
+    is_fp8_kv,
+    next_pow2,
+)
 from loopline.models.ops import Rope
 
 FLASHINFER_VERSION = "0.7.4"  # the version the extra pins and the GPU run uses
@@ -52,7 +57,7 @@ def decode_bucket(rows: int) -> int:
     """Rows a decode-only step of ``rows`` rows is planned for: the next power of two. Each planned wrapper holds
     16 MiB of FlashInfer workspace (device + pinned), so plans are kept per bucket, not per row count; padding
     rows attend one key of a real page and their outputs are dropped."""
-    return 1 << max(0, rows - 1).bit_length()
+    return next_pow2(rows)
 
 
 def page_table_capacity(rows: int, width: int) -> int:
@@ -171,7 +176,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                                "capture (the warm-up run plans it)")
         if plan is not None:
             self._retired.append(plan)  # a captured graph may read its buffers
-        width = 1 << max(0, width - 1).bit_length()  # room to grow before the next plan
+        width = next_pow2(width)  # room to grow before the next plan
         dev = self.device
         bufs = {"qo_indptr": torch.arange(rows + 1, dtype=torch.int32, device=dev),
                 "indptr": torch.arange(rows + 1, dtype=torch.int32, device=dev),

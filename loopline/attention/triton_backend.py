@@ -15,7 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from loopline.attention.base import AttentionBackend, PagedAttentionMetadata, check_kv_scales, is_fp8_kv, kv_bytes
+from loopline.attention.base import (
+    AttentionBackend,
+    PagedAttentionMetadata,
+    check_kv_scales,
+    is_fp8_kv,
+    kv_bytes,
+)
+from loopline.attention.base import next_pow2 as _next_pow2
 from loopline.attention.triton_kernels import (
     INTERPRET,
     copy_exited_kernel,
@@ -76,10 +83,6 @@ def triton_available() -> bool:
 
 def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
 
 
 def _key_block(head_dim: int, elem_bytes: int) -> int:

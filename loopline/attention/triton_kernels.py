@@ -386,11 +386,8 @@ def merge_splits_kernel(
     o = tl.load(part_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=_head_cols(s_valid[:, None], offs_d, HEAD_DIM, D_PAD), other=0.0)
     o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)  # [D_PAD]
-    dst = out_ptr + n * stride_on + h * stride_oh + offs_d
-    if HEAD_DIM == D_PAD:
-        tl.store(dst, o.to(out_ptr.dtype.element_ty))
-    else:
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    _store_cols(out_ptr + n * stride_on + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), offs_d, HEAD_DIM,
+                D_PAD)
 
 
 @_jit
