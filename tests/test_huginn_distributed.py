@@ -9,7 +9,8 @@ import asyncio
 import time
 
 import pytest
-from matching import approx_floats  # tests/ is on pythonpath (pyproject.toml)
+from engine_testing import run_arrivals  # tests/ is on pythonpath (pyproject.toml)
+from matching import approx_floats
 
 from loopline import AsyncLLM
 from loopline.config import EngineArgs
@@ -48,13 +49,7 @@ def result(out) -> list:
 
 
 def single(path, requests) -> dict:
-    engine = LLMEngine(EngineArgs(model=str(path), **BASE))
-    done = {}
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    while engine.has_unfinished_requests():
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
-    return done
+    return run_arrivals(LLMEngine(EngineArgs(model=str(path), **BASE)), requests)
 
 
 def handed_off(path, requests) -> tuple[dict, set, LLMEngine, LLMEngine]:

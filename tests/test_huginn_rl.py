@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_testing import run_arrivals  # tests/ is on pythonpath (pyproject.toml)
 from safetensors.torch import load_file
 
 from loopline.config import EngineArgs
@@ -33,13 +34,7 @@ def engine(path, **kw) -> LLMEngine:
     return LLMEngine(EngineArgs(model=str(path), **kw))
 
 
-def drain(eng: LLMEngine, requests: dict) -> dict:
-    for rid, (prompt, params) in requests.items():
-        eng.add_request(rid, {"prompt_token_ids": prompt}, params)
-    done = {}
-    while eng.has_unfinished_requests():
-        done.update((o.request_id, o) for o in eng.step() if o.finished)
-    return done
+drain = run_arrivals  # every request at once, run to completion
 
 
 def rollouts(temperature: float = 1.0) -> dict:
