@@ -9,7 +9,6 @@ import importlib.util
 import pytest
 import torch
 
-from loopline.attention.base import PagedAttentionMetadata
 from loopline.models.ops import Rope
 
 pytestmark = [pytest.mark.gpu,
@@ -27,36 +26,14 @@ def backends():
     return get_attention_backend("triton", dev), get_attention_backend("flashinfer", dev)
 
 
-def plane_step(rows, planes, heads, kv_heads, head_dim, block_size=16, seed=0, dtype=torch.bfloat16):
+def plane_step(rows, planes, heads, kv_heads, head_dim, block_size=16, seed=0, dtype=torch.bfloat16, device="cuda"):
     """A step whose rows are ``(q_len, seq_len)`` for every request, repeated for each of ``planes`` planes: every
     (request, plane) row reads its own pages (as a depth-aware table does). Unused slots hold NaN."""
-    gen = torch.Generator().manual_seed(seed)
+    from attention.test_triton_backend import make_case  # tests/ is on pythonpath (pyproject.toml)
+
     all_rows = [r for r in rows for _ in range(planes)]
-    pages = [-(-s // block_size) for _, s in all_rows]
-    num_blocks = sum(pages) + 4
-    perm = torch.randperm(num_blocks, generator=gen)
-    width = max(pages)
-    tables = torch.zeros(len(all_rows), width, dtype=torch.int32)
-    k = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
-    v = torch.full_like(k, float("nan"))
-    used, slot_mapping = 0, []
-    for b, (q_len, seq_len) in enumerate(all_rows):
-        blocks = perm[used:used + pages[b]]
-        used += pages[b]
-        tables[b, :pages[b]] = blocks
-        pos = torch.arange(seq_len)
-        slots = blocks[pos // block_size] * block_size + pos % block_size
-        k.view(-1, kv_heads, head_dim)[slots] = torch.randn(seq_len, kv_heads, head_dim, generator=gen)
-        v.view(-1, kv_heads, head_dim)[slots] = torch.randn(seq_len, kv_heads, head_dim, generator=gen)
-        slot_mapping.append(slots[seq_len - q_len:])
-    q_lens = [q for q, _ in all_rows]
-    dev = "cuda"
-    meta = PagedAttentionMetadata(torch.tensor([0] + q_lens).cumsum(0).to(torch.int32).to(dev),
-                                  torch.tensor([s for _, s in all_rows], dtype=torch.int32, device=dev),
-                                  tables.to(dev), torch.cat(slot_mapping).to(dev), max(q_lens),
-                                  max(s for _, s in all_rows))
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen)
-    return q.to(dev, dtype), k.to(dev, dtype), v.to(dev, dtype), meta
+    num_blocks = sum(-(-s // block_size) for _, s in all_rows) + 4
+    return make_case(all_rows, heads, kv_heads, head_dim, block_size, dtype, device, seed, num_blocks=num_blocks)
 
 
 def close(a, b):
