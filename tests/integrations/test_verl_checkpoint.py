@@ -21,18 +21,12 @@ def mesh(tmp_path_factory):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    # NOTE: an in-process KV-transport test of the same xdist worker may have left its one-rank default group
-    # behind; a one-rank group is all a world-1 mesh needs, so it is used (and left to its owner)
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0,
-                                world_size=1)
-    assert dist.get_world_size() == 1, "another test's default process group of several ranks is still alive"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0,
+                            world_size=1)
     try:
         yield init_device_mesh("cpu", (1,))
     finally:
-        if own:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def write_verl_actor(src, actor, mesh, world: int = 2):
