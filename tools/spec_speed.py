@@ -16,13 +16,18 @@ drafts on a small config), so the two ends bound what speculation can gain and l
 For each scale the tool runs plain decoding and each ``--spec K,d`` one after the other in one process
 (the same weights), greedy, fixed depth, a closed loop of ``2 x C`` requests of ``--input-len`` prompt
 tokens and ``--output-len`` generated ones, and prints output tok/s, the speedup over plain decoding,
-mean steps per token and the acceptance rate. ``--json FILE`` writes the table. ``--config tiny`` is a
-small config for a CPU check.
+mean steps per token, the acceptance rate and the most requests that ran at once (``max_running``: below
+``C`` the KV pool, not the concurrency, bounded the batch; the KV pool is the engine's default unless
+``--kv-gb`` sizes it). ``--repeat N`` runs the whole set N times, alternating plain and speculative runs, and
+prints each run's speedup over the plain run before it and their median (one run each is within the noise of
+a few percent). ``--json FILE`` writes the table. ``--config tiny`` is a small config for a CPU check.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import statistics
 import time
 
 import torch
@@ -81,7 +86,7 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
     while engine.has_unfinished_requests():
         engine.step()
     steps0, stats0 = engine.stats.steps, dict(engine.stats.spec_decode_metrics())
-    total, started, done, tokens = 2 * c, 0, 0, 0
+    total, started, done, tokens, max_running = 2 * c, 0, 0, 0, 0
     for _ in range(c):
         engine.add_request(f"r{started}", prompt(started), params)
         started += 1
@@ -89,6 +94,7 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     while done < total:
+        max_running = max(max_running, engine.scheduler.num_running)
         for out in engine.step():
             if out.finished:
                 done += 1
@@ -99,14 +105,18 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
     if args.device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    spec_now = engine.stats.spec_decode_metrics()
+    spec_now, steps = engine.stats.spec_decode_metrics(), engine.stats.steps
+    del engine  # its KV pool: the next run's engine sizes its own from the free memory
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     drafts = {k: spec_now[k] - stats0[k] for k in ("vllm:spec_decode_num_draft_tokens",
                                                    "vllm:spec_decode_num_accepted_tokens")}
     return {"spec": None if spec is None else {"K": spec[0], "d": spec[1], "pinned": len(spec) > 2,
                                                "scheme": scheme},
-            "concurrency": c, "output_tokens": tokens,
+            "concurrency": c, "max_running": max_running, "output_tokens": tokens,
             "seconds": round(elapsed, 4), "output_tok_s": round(tokens / elapsed, 2),
-            "steps_per_token": round((engine.stats.steps - steps0) / tokens, 3),
+            "steps_per_token": round((steps - steps0) / tokens, 3),
             "draft_tokens": drafts["vllm:spec_decode_num_draft_tokens"],
             "accepted_tokens": drafts["vllm:spec_decode_num_accepted_tokens"],
             "acceptance_rate": (round(drafts["vllm:spec_decode_num_accepted_tokens"]
@@ -119,6 +129,44 @@ def parse_spec(text: str) -> tuple:
     if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "pinned"):
         raise SystemExit(f"--spec {text!r}: takes K,d or K,d,pinned (e.g. --spec 2,1)")
     return (int(parts[0]), int(parts[1]), *parts[2:])
+
+
+def run_set(model: OuroForCausalLM, args: argparse.Namespace, scale: float, c: int, specs: list, schemes: list,
+            rep: int) -> list[dict]:
+    """Plain decoding, then every (scheme, spec) once; each row's speedup is over this set's plain run."""
+    rows, base = [], None
+    for scheme, spec in [(None, None), *((x, spec) for x in schemes for spec in specs)]:
+        try:
+            r = run(model, args, spec, c, scheme) | {"branch_scale": scale, "repeat": rep}
+        except InvalidRequestError as e:  # a scheme the engine does not run: say so, measure the rest
+            print(f"scale {scale:<5} C={c:<4} {scheme} K={spec[0]} d={spec[1]}: refused: {e}", flush=True)
+            continue
+        base = base or r["output_tok_s"]
+        r["speedup"] = round(r["output_tok_s"] / base, 3)
+        rows.append(r)
+        print(f"scale {scale:<5} C={c:<4} {_name(r):<22} {r['output_tok_s']:9.1f} tok/s  {r['speedup']:5.2f}x  "
+              f"{r['steps_per_token']:5.2f} steps/token  acceptance {r['acceptance_rate']}  "
+              f"max running {r['max_running']}" + ("  (KV-bound: below C)" if r["max_running"] < c else ""), flush=True)
+    return rows
+
+
+def _name(r: dict) -> str:
+    spec = r["spec"]
+    if spec is None:
+        return "plain"
+    return (f"{'pipe ' if spec['scheme'] == 'pipeline' else ''}K={spec['K']} d={spec['d']}"
+            + (" pinned" if spec["pinned"] else ""))
+
+
+def print_medians(rows: list[dict]) -> None:
+    """The median speedup of each configuration over its repeats."""
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        by.setdefault(_name(r), []).append(r["speedup"])
+    for name, ups in by.items():
+        if name != "plain":
+            print(f"  median over {len(ups)} repeats: {name} {statistics.median(ups):.3f}x "
+                  f"(each: {', '.join(f'{u:.3f}' for u in ups)})", flush=True)
 
 
 def main() -> None:
@@ -138,7 +186,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kv-gb", type=float, default=8.0)
+    ap.add_argument("--kv-gb", type=float, default=None,
+                    help="KV pool in GiB (default: the engine's; on CUDA what gpu_memory_utilization leaves)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of the whole set, plain and speculative alternating")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -148,20 +198,10 @@ def main() -> None:
     for scale in (float(s) for s in args.branch_scale.split(",")):
         model = build_model(args.config, scale, getattr(torch, args.dtype), args.device)
         for c in (int(v) for v in args.concurrency.split(",")):
-            base = None
-            for scheme, spec in [(None, None), *((x, spec) for x in schemes for spec in specs)]:
-                try:
-                    r = run(model, args, spec, c, scheme) | {"branch_scale": scale}
-                except InvalidRequestError as e:  # a scheme the engine does not run: say so, measure the rest
-                    print(f"scale {scale:<5} C={c:<4} {scheme} K={spec[0]} d={spec[1]}: refused: {e}", flush=True)
-                    continue
-                base = base or r["output_tok_s"]
-                r["speedup"] = round(r["output_tok_s"] / base, 3)
-                rows.append(r)
-                name = "plain" if spec is None else (f"{'pipe ' if scheme == 'pipeline' else ''}K={spec[0]} "
-                                                     f"d={spec[1]}" + (" pinned" if len(spec) > 2 else ""))
-                print(f"scale {scale:<5} C={c:<4} {name:<17} {r['output_tok_s']:9.1f} tok/s  {r['speedup']:5.2f}x  "
-                      f"{r['steps_per_token']:5.2f} steps/token  acceptance {r['acceptance_rate']}", flush=True)
+            for rep in range(args.repeat):
+                rows += run_set(model, args, scale, c, specs, schemes, rep)
+            if args.repeat > 1:
+                print_medians([r for r in rows if r["branch_scale"] == scale and r["concurrency"] == c])
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()

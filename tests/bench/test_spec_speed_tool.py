@@ -18,12 +18,13 @@ def test_spec_speed_bounds_acceptance_with_the_branch_scale(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "spec_speed.py"), "--config", "tiny", "--device", "cpu",
          "--dtype", "float32", "--branch-scale", "0.0,1.0", "--spec", "2,1,pinned", "--input-len", "8",
-         "--output-len", "9", "--kv-gb", "0.05", "--json", str(record)],
+         "--output-len", "9", "--json", str(record)],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     runs = json.loads(record.read_text())["runs"]
-    assert [(r["branch_scale"], r["spec"]) for r in runs] == [
-        (0.0, None), (0.0, {"K": 2, "d": 1, "pinned": True}), (1.0, None), (1.0, {"K": 2, "d": 1, "pinned": True})]
+    spec = {"K": 2, "d": 1, "pinned": True, "scheme": "draft_verify"}
+    assert [(r["branch_scale"], r["spec"]) for r in runs] == [(0.0, None), (0.0, spec), (1.0, None), (1.0, spec)]
+    assert all(r["max_running"] == 1 for r in runs)  # C = 1, and the default pool holds it
     plain, best, _, worst = runs
     assert plain["speedup"] == 1.0 and plain["acceptance_rate"] is None
     assert all(r["output_tokens"] == 2 * 9 for r in runs)  # two requests (2 x C) of 9 tokens each
@@ -32,3 +33,22 @@ def test_spec_speed_bounds_acceptance_with_the_branch_scale(tmp_path):
     # last, cut round count too)
     assert best["acceptance_rate"] == 1.0 and best["steps_per_token"] < 0.7 * plain["steps_per_token"]
     assert worst["acceptance_rate"] < 0.5 and worst["steps_per_token"] > best["steps_per_token"]
+
+
+@pytest.mark.slow  # eight engines on the CPU: ~30-60 s
+def test_spec_speed_reports_a_kv_bound_batch_and_medians_over_repeats(tmp_path):
+    """A pool of too few pages for C requests shows as max_running < C (a run labelled C=32 that ran 9
+    requests at a time is not a C=32 measurement); --repeat alternates plain and speculative runs and prints
+    the median speedup."""
+    record = tmp_path / "spec.json"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "spec_speed.py"), "--config", "tiny", "--device", "cpu",
+         "--dtype", "float32", "--spec", "2,1", "--input-len", "64", "--output-len", "4", "--concurrency", "4",
+         "--kv-gb", "0.0003", "--repeat", "2", "--json", str(record)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    runs = json.loads(record.read_text())["runs"]
+    assert [(r["repeat"], r["spec"] is None) for r in runs] == [(0, True), (0, False), (1, True), (1, False)]
+    assert all(1 <= r["max_running"] < 4 for r in runs), [r["max_running"] for r in runs]
+    assert "KV-bound: below C" in out.stdout
+    assert "median over 2 repeats: K=2 d=1" in out.stdout
