@@ -54,6 +54,18 @@ class SpecStep:
     last: bool = False
 
 
+@dataclass(frozen=True)
+class PipeLane:
+    """A pipelining request's row (docs/speculation.md, scheme 2): lane ``lane`` of its slot's lane ring,
+    one query. The device knows which token, position and loop each lane holds (a rejection changes
+    them), so every step schedules all of a request's lanes; an empty lane runs on scratch. Lane 0's row
+    carries the tokens the step committed."""
+
+    lane: int
+    queries: int = 1
+    last: bool = False  # (a draft-then-verify round's end: never, here)
+
+
 @dataclass
 class ScheduledRow:
     """One unit of work at one loop: a prefill chunk or a decode token.
@@ -72,7 +84,7 @@ class ScheduledRow:
     is_last_chunk: bool = False  # prefill: holds the last prompt position
     exit: ExitParams | None = None  # decode rows
     seq: int = -1  # the request's arrival number: a row's results never reach a later request of the same id
-    spec: SpecStep | None = None  # a speculating request's row (decode rows of the others: None)
+    spec: SpecStep | PipeLane | None = None  # a speculating request's row (decode rows of the others: None)
 
     @property
     def num_tokens(self) -> int:

@@ -62,6 +62,8 @@ class Request:
     spec_tokens: float = 0.0  # tokens committed per round
     spec_depth: float = 0.0  # exit depth of those tokens: plain decoding's steps per token
     unbooked: list[SampledToken] = field(default_factory=list)  # a round's committed tokens not yet booked
+    spec_steps: int = 0  # pipelining steps scheduled (PipelineSpeculation), and those observe() has counted
+    spec_steps_seen: int = 0
 
     @property
     def prompt_len(self) -> int:

@@ -194,12 +194,12 @@ class Scheduler:
                     logger.debug("request %s stops speculating: %s", req.request_id, why)
                     req.speculative = False
             if req.speculative:
-                row = self.speculation.row(req, exit)
-                spec.append(row)
+                mine = self.speculation.rows(req, exit)
+                spec += mine
             else:
-                row = self._decode_row(req)
-                rows.append(row)
-            budget -= row.num_tokens
+                mine = [self._decode_row(req)]
+                rows += mine
+            budget -= sum(row.num_tokens for row in mine)
         rows += spec
         for req in self.running:
             if req.status == RequestStatus.PREFILL and budget > 0:

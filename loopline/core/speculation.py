@@ -8,15 +8,22 @@ whose own exit fires during the draft idles on scratch), so the host knows every
 reading the device, and the overlapped engine schedules rounds as it schedules plain decode rows.
 The device knows the round's start position and commits 1..K+1 tokens at the last verify step.
 
-:class:`NoSpeculation` is the strategy when speculation is off; :class:`LoopSpeculation` when on.
+:class:`NoSpeculation` is the strategy when speculation is off; :class:`LoopSpeculation` runs draft-then-verify
+rounds (scheme 1), :class:`PipelineSpeculation` the depth pipeline (scheme 2: every step, one row per lane of the
+request's lane ring; the device decides what each lane holds).
 """
 from __future__ import annotations
 
-from loopline.core.contracts import ExitParams, SampledToken, ScheduledRow, SpecStep
+from loopline.core.contracts import (
+    ExitParams,
+    PipeLane,
+    SampledToken,
+    ScheduledRow,
+    SpecStep,
+)
 from loopline.core.request import Request
 from loopline.sampling_params import SamplingParams
 from loopline.spec.config import SpeculativeConfig
-
 
 #: What a round costs, in steps of plain decoding of the same batch (docs/speculation.md, "When it pays"):
 #: a draft step costs what a plain step costs; a verify step of K+1 queries a row costs
@@ -64,6 +71,14 @@ class NoSpeculation:
 
     def row(self, req: Request, exit: ExitParams) -> ScheduledRow:
         raise AssertionError("NoSpeculation schedules no speculative rows")
+
+    def rows(self, req: Request, exit: ExitParams) -> list[ScheduledRow]:
+        """The request's speculative rows of the next step."""
+        return [self.row(req, exit)]
+
+    @staticmethod
+    def booked(req: Request, row: ScheduledRow) -> None:
+        """The row runs (the scheduler calls this for rows sure to run)."""
 
 
 class LoopSpeculation(NoSpeculation):
@@ -150,3 +165,75 @@ class LoopSpeculation(NoSpeculation):
     def booked(req: Request, row: ScheduledRow) -> None:
         """The row runs: the request's round moves on (back to its start after the last verify step)."""
         req.spec_step = 0 if row.spec.last else req.spec_step + 1
+
+
+#: What a pipelining step costs, in steps of plain decoding of the same batch: its lanes are one-query rows,
+#: so like a draft step of scheme 1 plus, per extra lane, a share that falls with the batch (a guess of the
+#: same form as VERIFY_PER_QUERY's until a GPU measures it: docs/speculation.md).
+LANE_EXTRA = 0.25
+
+
+def pipe_step_cost(lanes: int, running: int) -> float:
+    """A pipelining step's cost in plain decoding steps (``running`` requests share each step)."""
+    return 1.0 + LANE_EXTRA * (lanes - 1) / max(running, 1) ** 0.25
+
+
+class PipelineSpeculation(LoopSpeculation):
+    """The depth pipeline (scheme 2) for every request that may speculate (:meth:`why_not`, as scheme 1):
+    each step schedules the request's ``L`` lanes, one query each. Committed tokens come back on lane 0's
+    row, 0..L of them a step. Turning speculation off (adaptive stop, ``disable_by_batch_size``) or a
+    preemption drops the lanes in flight: the slot's decode state holds only committed tokens, so the
+    request goes on as a plain decode slot (or resumes from its snapshot) exactly where plain decoding is."""
+
+    def __init__(self, config: SpeculativeConfig, num_loops: int, per_token_exits: bool = False) -> None:
+        super().__init__(config, per_token_exits)
+        self.lanes = config.lanes(num_loops)
+
+    def lookahead(self, params: SamplingParams) -> int:
+        # NOTE: the host reads a step's commits one step late, so the device may be up to L tokens past what it
+        # knows, and its lanes write L - 1 positions beyond: 2L past the last token it feeds.
+        return 0 if self.why_not(params) else 2 * self.lanes
+
+    def rows(self, req: Request, exit: ExitParams) -> list[ScheduledRow]:
+        return [ScheduledRow(request_id=req.request_id, is_prefill=False, start=-1, end=0, loop=0, plane=-1,
+                             input_token_ids=None, slot=req.slot, exit=exit, seq=req.arrival_seq, spec=PipeLane(j))
+                for j in range(self.lanes)]
+
+    @staticmethod
+    def booked(req: Request, row: ScheduledRow) -> None:
+        if row.spec.lane == 0:
+            req.spec_steps += 1
+
+    def observe(self, req: Request, committed: list[SampledToken], running: int) -> None:
+        """A step's committed run (the steps since the last one committed nothing): the request's tokens per
+        step and their depth move, and so does the engine's payoff."""
+        steps = max(req.spec_steps - req.spec_steps_seen, 1)
+        req.spec_steps_seen = req.spec_steps
+        n = len(committed)
+        depth = sum(t.exit_depth for t in committed) / n
+        w = 1.0 if req.spec_rounds == 0 else ROUND_WEIGHT
+        req.spec_tokens += w * (n / steps - req.spec_tokens)
+        req.spec_depth += w * (depth - req.spec_depth)
+        req.spec_rounds += 1
+        payoff = n * depth / (steps * pipe_step_cost(self.lanes, running))
+        self.payoff = payoff if self.payoff is None else self.payoff + ENGINE_WEIGHT * (payoff - self.payoff)
+
+    def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
+        limit = self.config.disable_by_batch_size
+        if limit is not None and running >= limit:
+            return f"{running} requests running (disable_by_batch_size={limit})"
+        if self.config.adaptive and req.spec_rounds >= WARMUP_ROUNDS:
+            cost = pipe_step_cost(self.lanes, running)
+            if req.spec_tokens * req.spec_depth < cost:  # plain steps a pipelining step saved < what it cost
+                return (f"{req.spec_tokens:.2f} tokens per step at depth {req.spec_depth:.2f} do not pay for a "
+                        f"pipelining step ({cost:.2f} plain steps)")
+        return None
+
+
+def make_speculation(config: SpeculativeConfig | None, num_loops: int, per_token_exits: bool = False) -> NoSpeculation:
+    """The host-side strategy of ``speculative_config`` (its ``scheme``) for a model of ``num_loops`` loops."""
+    if config is None:
+        return NoSpeculation()
+    if config.scheme == "pipeline":
+        return PipelineSpeculation(config, num_loops, per_token_exits)
+    return LoopSpeculation(config, per_token_exits)

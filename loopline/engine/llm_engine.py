@@ -29,7 +29,7 @@ from loopline.core.exit_policy import make_exit_policy
 from loopline.core.queue import make_queue
 from loopline.core.request import Request, RequestStatus
 from loopline.core.scheduler import Preemption, Scheduler, make_allocation
-from loopline.core.speculation import LoopSpeculation, NoSpeculation
+from loopline.core.speculation import make_speculation
 from loopline.engine.control import EngineControl
 from loopline.engine.handoff import HandoffPort
 from loopline.engine.input_processor import InputProcessor, PromptType
@@ -262,7 +262,7 @@ class LLMEngine(EngineVerbs):
         spec = args.speculative()
         if spec is not None:
             spec.check_model(model_cfg.total_ut_steps)
-        speculation = NoSpeculation() if spec is None else LoopSpeculation(spec, self.exit_policy.per_token)
+        speculation = make_speculation(spec, model_cfg.total_ut_steps, self.exit_policy.per_token)
         block_bytes = kv_bytes_per_block(model_cfg, args.block_size, cfg.kv_dtype)
         preemption = Preemption(int(args.swap_space * 2**30 // block_bytes)) if args.enable_preemption else None
         self.scheduler = Scheduler(self.kv, self.exit_policy, make_queue(args.scheduling_policy), args.max_num_seqs,

@@ -81,6 +81,11 @@ class SpeculativeConfig:
             raise InvalidRequestError("speculative_config.method is required; allowed: 'loop'", param="speculative_config.method")
         return cls(**dict(spec))
 
+    def lanes(self, total_loops: int) -> int:
+        """The ``pipeline`` scheme's lanes per request: tokens in flight at once when every draft is accepted,
+        ``ceil(total_loops / draft_loops)``."""
+        return -(-total_loops // self.draft_loops)
+
     def check_model(self, total_loops: int) -> SpeculativeConfig:
         """Checks ``draft_loops`` against a model of ``total_loops`` loops (a draft must be shallower)."""
         if total_loops < 2:

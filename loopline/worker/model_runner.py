@@ -52,6 +52,7 @@ from loopline.worker.loop_stack import loop_stack
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import LOOKAHEAD, DecodeKind, DecodeOut, PrefillKind
 from loopline.worker.sampler import Sampler, SamplerOutput
+from loopline.worker.pipe_rows import LaneRing, PipeKind, PipeRounds
 from loopline.worker.spec_rows import SpecKind, SpecRounds, SpecRoundState, VerifyPart
 from loopline.worker.sampling_inputs import (
     FieldsStager,
@@ -152,8 +153,11 @@ class ModelRunner:
         self.slot_survival = torch.ones(max_num_seqs + 1, dtype=torch.float32, device=device)
         self.slot_ops = slot_ops or SlotOps()  # the decode state's step ops (worker/backends.py picks them)
         self.max_num_seqs = max_num_seqs
-        # a speculative round may write 2K positions past a request's reservation (loopline.core.speculation)
-        self.lookahead = 2 * speculative.num_speculative_tokens if speculative is not None else 0
+        # a speculative round may write 2K positions past a request's reservation, a pipelining slot 2L
+        # (loopline.core.speculation)
+        pipeline = speculative is not None and speculative.scheme == "pipeline"
+        self.lookahead = 0 if speculative is None else 2 * (speculative.lanes(cfg.total_ut_steps) if pipeline
+                                                             else speculative.num_speculative_tokens)
         max_blocks = -(-(max_model_len + 1 + self.lookahead) // block_size)
         self.decode_state = DeviceDecodeState(max_num_seqs + 1, layout, block_size, max_blocks, self.scratch_block,
                                               device, self.slot_ops)
@@ -186,8 +190,17 @@ class ModelRunner:
         self.lookahead_plan = None if lookahead is None else LookaheadPlan(max_num_seqs + 1, lookahead[1].loops, device,
                                                                            counts_runs=not no_refill)
         spec_kinds: tuple = ()
-        self.spec: SpecRounds | None = None  # speculating requests' drafts and acceptance, when configured
-        if speculative is not None:
+        self.spec: SpecRounds | PipeRounds | None = None  # speculating requests' drafts and acceptance, when configured
+        self.lanes: LaneRing | None = None  # the pipeline's lane ring (scheme 2)
+        if pipeline:
+            self.lanes = LaneRing(max_num_seqs + 1, speculative.lanes(cfg.total_ut_steps), cfg.hidden_size, dtype,
+                                  device)
+            spec_kinds = (PipeKind(model=model, backend=backend, kv=kv, state=self.decode_state, ring=self.lanes,
+                                   requests=self.requests, scratch_slot=self.scratch_slot,
+                                   max_loops=cfg.total_ut_steps),)
+            self.spec = PipeRounds(model, self.decode_state, self.lanes, self.requests, sampler, device,
+                                   DraftHead(model, speculative.draft_loops, speculative.draft_adapter))
+        elif speculative is not None:
             rounds = SpecRoundState(max_num_seqs + 1, speculative.num_speculative_tokens, cfg.hidden_size, dtype, device)
             spec_kinds = (SpecKind(model=model, backend=backend, kv=kv, state=self.decode_state, rounds=rounds,
                                    requests=self.requests, scratch_slot=self.scratch_slot,
@@ -228,7 +241,7 @@ class ModelRunner:
             mixed = [StepShape(((d, d), *idle, (rows, p)), width, rows + p // tile, p, max_seq_len)
                      for d in decode_sizes for p in prefill_sizes]
         families = {"decode": decode, "mixed": mixed}
-        if self.spec is not None:
+        if isinstance(self.spec, SpecRounds):
             families["spec_draft"], families["spec"] = self._spec_shapes(width, max_seq_len)
         if self.lookahead_rule is not None:  # the same steps with the head's rule: steps with a lookahead row
             families |= {f"{name}_lookahead": [dataclasses.replace(s, features=LOOKAHEAD) for s in families[name]]
@@ -326,6 +339,8 @@ class ModelRunner:
         """A request's per-slot device state before its first token."""
         ds = self.decode_state
         ds.set_tables(st.slot, block_tables)
+        if self.lanes is not None:
+            self.lanes.clear(st.slot)
         self.stack.set_slot(st.slot, st.params.latent_seed)
         if has_penalties(st.params):
             ds.track_penalties(st.slot, st.prompt, self.vocab_size)
@@ -418,6 +433,8 @@ class ModelRunner:
             self._add(new)
         for resumed in sched.resumed_requests:
             self.pages.restore(resumed)
+            if self.lanes is not None:  # lanes in flight at the preemption were dropped: it resumes from its commits
+                self.lanes.clear(resumed.slot)
             if self.lookahead_plan is not None:  # (a slot with a new owner)
                 self.lookahead_plan.forget(resumed.slot)
         for rid, added in sched.block_updates.items():

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from loopline.attention import AttentionBackend
-from loopline.core.contracts import ScheduledRow
+from loopline.core.contracts import ScheduledRow, SpecStep
 from loopline.models.ouro import OuroForCausalLM
 from loopline.worker.decode_state import DeviceDecodeState
 from loopline.worker.draft_head import DraftHead
@@ -71,6 +71,29 @@ class SpecRoundState:
         self.exit_loop = torch.zeros(num_slots, k + 1, **i64)
 
 
+def plane_slots_of(ds: DeviceDecodeState, slots: Tensor, pos: Tensor) -> Tensor:
+    """``[n, P]``: the KV slot of position ``pos`` of each row's slot in every plane."""
+    bs = ds.block_size
+    blk = (pos // bs).view(-1, 1, 1).expand(-1, ds.layout.num_planes, 1)
+    return ds.tables[slots].gather(2, blk).squeeze(2).long() * bs + (pos % bs)[:, None]
+
+
+class DraftSampler:
+    """Samples drafts as the target samples the token index each stands for: the same parameters and the
+    counter-based noise of the same (seed, token index); a draft's logprobs are never reported."""
+
+    def __init__(self, sampler: Sampler, device: torch.device) -> None:
+        self.sampler, self.device = sampler, device
+        self._params, self._fields = ParamsStager(), FieldsStager()  # the drafts' own (the target rows' differ)
+
+    def __call__(self, logits: Tensor, states: list[Any], index: Tensor) -> Tensor:
+        """``logits`` ``[M, V]`` fp32, one request state and completion index ``[M]`` a row -> tokens ``[M]``."""
+        tensors = build_sampling_tensors(states, index, self.sampler.logprobs_mode, self.device,
+                                         params=self._params, fields=self._fields)
+        tensors.max_num_logprobs = None
+        return self.sampler(logits, tensors).token_ids
+
+
 class SpecPrepared(NamedTuple):
     """A step's speculative queries as ``prepare`` derived them (``[T]`` each, ``plane_slots`` ``[T, P]``)."""
 
@@ -96,7 +119,7 @@ class SpecKind(RowKind):
         self.requests, self.scratch_slot, self.copies_on_exit = requests, scratch_slot, copies_on_exit
 
     def takes(self, row: ScheduledRow) -> bool:
-        return row.spec is not None
+        return isinstance(row.spec, SpecStep)
 
     def host_fields(self, rows: int) -> dict:
         i64 = np.int64
@@ -143,8 +166,7 @@ class SpecKind(RowKind):
         pos = ds.pos[q_slots] + offset
         frozen = (st.exit_loop[q_slots, offset] > 0) | pad
         bs = ds.block_size
-        blk = (pos // bs).view(-1, 1, 1).expand(-1, ds.layout.num_planes, 1)
-        plane_slots = ds.tables[q_slots].gather(2, blk).squeeze(2).long() * bs + (pos % bs)[:, None]
+        plane_slots = plane_slots_of(ds, q_slots, pos)
         plane = ds.layout.plane_index(q_loop)
         scratch_kv = ds.scratch_block * bs
         inp.positions[t:t + T] = pos
@@ -200,7 +222,7 @@ class SpecRounds:
         self.model, self.state, self.rounds, self.requests, self.device = model, state, rounds, requests, device
         self.head = head  # the drafts' coda (a trained adapter's, when installed); targets use the model's head
         self.sampler = sampler
-        self._params, self._fields = ParamsStager(), FieldsStager()  # the drafts' own (the target rows' differ)
+        self.drafts = DraftSampler(sampler, device)
 
     def draft(self, rows: list[ScheduledRow]) -> None:
         """Draft-end rows: the head of each position's state (its exit loop's, if it exited) proposes the
@@ -215,10 +237,7 @@ class SpecRounds:
         st = self.rounds
         logits = self.head(st.hidden[slots, index], st.exit_loop[slots, index] == 0)
         states = [self.requests[r.request_id] for r in ends]
-        tensors = build_sampling_tensors(states, self.state.token_index[slots] + index, self.sampler.logprobs_mode,
-                                         self.device, params=self._params, fields=self._fields)
-        tensors.max_num_logprobs = None  # a draft's logprobs are never reported
-        st.tokens[slots, index + 1] = self.sampler(logits, tensors).token_ids
+        st.tokens[slots, index + 1] = self.drafts(logits, states, self.state.token_index[slots] + index)
 
     def verify_part(self, rows: list[ScheduledRow], row0: int) -> VerifyPart | None:
         """The target rows of the round-ending rows among ``rows`` (step rows from ``row0``)."""

@@ -234,7 +234,7 @@ def test_abort_mid_round_frees_everything(demo_prompts):
     ({"method": "loop", "num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method"),
     ({"method": "loop", "draft_loops": 0}, "speculative_config.draft_loops"),
-    ({"method": "loop", "scheme": "pipeline"}, "speculative_config.scheme"),
+    ({"method": "loop", "scheme": "pipelined"}, "speculative_config.scheme"),
     ({"method": "loop", "draftloops": 1}, "speculative_config.draftloops"),
     ({"num_speculative_tokens": 2}, "speculative_config.method"),
     ("loop", "speculative_config"),

@@ -1,0 +1,275 @@
+"""Depth-pipelined speculation on the device (docs/speculation.md, scheme 2).
+
+A pipelining request keeps up to ``L = ceil(R / d)`` tokens in flight at once, one per *lane* of its
+slot's lane ring: lane ``j`` holds the token at position ``pos + j`` (``pos``: the slot's decode state,
+the position of its last committed token), its input token, the loops it has run, its hidden state and
+gate survival, its exit loop (0: still looping) and the draft it proposed at loop ``d``. The host
+schedules all ``L`` lanes every step (it cannot know which hold a token: a rejection changes that); each
+is a one-query row reading its own loop's plane. An empty lane, or one whose token exited and waits for
+its predecessors, runs on the scratch slot and changes nothing.
+
+* :class:`LaneRing`: the lanes of every slot.
+* :class:`PipeKind`: the row kind. ``prepare`` starts lane 0 from the slot's committed token when it is
+  empty and derives every lane's position, KV slot, table and input; ``finish`` applies each lane's own
+  exit rule (plain decoding's), stores its state and makes the ``last_exited`` exit copy.
+* :class:`PipeRounds`: after the forward, vectorized over ``[slots, L]``: a lane that reached loop ``d``
+  without exiting drafts its successor's token (:class:`~loopline.worker.draft_head.DraftHead`); every
+  lane's target token is sampled from its hidden state (one sampler call with the step's decode rows; only
+  exited lanes' matter); then the verdicts oldest first: a lane whose predecessor exited must hold the
+  predecessor's target token, else it and every lane behind it are dropped; the leading run of exited,
+  accepted lanes commits (read back on lane 0's row), the ring shifts past it and the slot's decode state
+  moves with it; an empty lane behind a lane that exited (its target) or drafted (its draft) enters.
+
+Every lane computes exactly what plain decoding computes for its position: lanes of one request run at
+least ``d`` loops apart, so the K/V a lane reads at loop ``r`` (its predecessors' loop-``r`` K/V, or their
+exit loop's copied there at the exit) was written in an earlier step, and a dropped lane's K/V is rewritten
+before any query reads it. Drafts and targets are sampled with the counter-based noise of the token index
+they stand for, as scheme 1 does (``spec_rows``), so committed tokens are plain seeded sampling's.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from loopline.attention import AttentionBackend
+from loopline.core.contracts import PipeLane, ScheduledRow
+from loopline.models.ouro import OuroForCausalLM
+from loopline.worker.decode_state import DeviceDecodeState
+from loopline.worker.draft_head import DraftHead
+from loopline.worker.exit_rule import exit_decision
+from loopline.worker.request_state import RequestState
+from loopline.worker.row_kinds import RowKind
+from loopline.worker.sampler import Sampler
+from loopline.worker.spec_rows import DraftSampler, VerifyPart, plane_slots_of
+from loopline.worker.staging import stage
+from loopline.worker.step_inputs import HostImage, KindRows, Segment, StepInputs
+
+_FIELDS = ("slots", "lane", "min_loops", "max_loops", "threshold")
+
+
+class LaneRing:
+    """The lanes of every slot (module docstring): ``[num_slots, L]`` each, ``hidden`` ``[num_slots, L, H]``."""
+
+    def __init__(self, num_slots: int, lanes: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.lanes, self.device = lanes, device
+        i64 = {"dtype": torch.long, "device": device}
+        self.valid = torch.zeros(num_slots, lanes, dtype=torch.bool, device=device)
+        self.token = torch.zeros(num_slots, lanes, **i64)  # the lane's input token
+        self.loop = torch.zeros(num_slots, lanes, **i64)  # loops run
+        self.exit_loop = torch.zeros(num_slots, lanes, **i64)  # 0: still looping
+        self.draft = torch.zeros(num_slots, lanes, **i64)  # proposed at loop d for the next lane
+        self.hidden = torch.zeros(num_slots, lanes, hidden_size, dtype=dtype, device=device)
+        self.survival = torch.ones(num_slots, lanes, dtype=torch.float32, device=device)
+
+    def clear(self, slot: int) -> None:
+        """Nothing in flight: the slot's next pipelining step starts lane 0 from its committed token."""
+        self.valid[slot] = False
+
+    def state(self, slots: Tensor) -> tuple[Tensor, ...]:
+        return (self.valid[slots], self.token[slots], self.loop[slots], self.exit_loop[slots], self.draft[slots],
+                self.hidden[slots], self.survival[slots])
+
+    def store(self, slots: Tensor, state: tuple[Tensor, ...]) -> None:
+        for dst, src in zip((self.valid, self.token, self.loop, self.exit_loop, self.draft, self.hidden,
+                             self.survival), state):
+            dst[slots] = src
+
+
+class PipePrepared(NamedTuple):
+    """A step's lanes as ``prepare`` derived them (``[n]`` each, ``plane_slots`` ``[n, P]``)."""
+
+    slots: Tensor
+    lane: Tensor
+    loop: Tensor  # the loop each lane runs (1-based)
+    live: Tensor  # the lane holds a token that is still looping
+    plane_slots: Tensor
+    min_loops: Tensor
+    max_loops: Tensor
+    threshold: Tensor
+
+
+class PipeKind(RowKind):
+    """Rows of pipelining requests: one query per lane (module docstring)."""
+
+    query_len = 1
+    derives = True
+
+    def __init__(self, *, model: OuroForCausalLM, backend: AttentionBackend, kv: Callable[[], tuple[Tensor, Tensor]],
+                 state: DeviceDecodeState, ring: LaneRing, requests: dict[str, RequestState], scratch_slot: int,
+                 max_loops: int) -> None:
+        self.model, self.backend, self.kv, self.state, self.ring = model, backend, kv, state, ring
+        self.requests, self.scratch_slot, self.max_loops = requests, scratch_slot, max_loops
+
+    def takes(self, row: ScheduledRow) -> bool:
+        return isinstance(row.spec, PipeLane)
+
+    def host_fields(self, rows: int) -> dict:
+        i64 = np.int64
+        return {"slots": (i64, (rows,), self.scratch_slot), "lane": (i64, (rows,), 0), "min_loops": (i64, (rows,), 1),
+                "max_loops": (i64, (rows,), 1), "threshold": (np.float32, (rows,), 1.0)}
+
+    def plan(self, rows: list[ScheduledRow]) -> KindRows:
+        n = len(rows)
+        if not n:
+            return KindRows(rows, 0, 0, None, 0, 0)
+        host = (np.fromiter((r.slot for r in rows), np.int64, n), np.fromiter((r.spec.lane for r in rows), np.int64, n),
+                np.fromiter((r.exit.min_loops for r in rows), np.int64, n),
+                np.fromiter((r.exit.max_loops for r in rows), np.int64, n),
+                np.fromiter((r.exit.threshold for r in rows), np.float32, n))
+        bound = max(self.requests[r.request_id].max_len for r in rows)
+        return KindRows(rows, n, n, None, 1, bound, host)
+
+    def fill(self, part: KindRows, image: HostImage) -> None:
+        n = part.num_rows
+        for name, values in zip(_FIELDS, part.host):
+            image.own(name)[:n] = values
+
+    def prepare(self, inp: StepInputs, seg: Segment, own: dict[str, Tensor]) -> PipePrepared | None:
+        if not seg.rows:
+            return None
+        r, t, n = seg.row0, seg.tok0, seg.rows
+        ds, ring = self.state, self.ring
+        slots, lane = own["slots"], own["lane"]
+        key = (slots, lane)
+        # an empty lane 0 (the first step, or every lane committed or dropped) starts the committed token
+        enter = (lane == 0) & ~ring.valid[key]
+        ring.token[key] = torch.where(enter, ds.token[slots], ring.token[key])
+        ring.loop[key] = torch.where(enter, 0, ring.loop[key])
+        ring.exit_loop[key] = torch.where(enter, 0, ring.exit_loop[key])
+        ring.valid[key] = ring.valid[key] | enter
+        live = ring.valid[key] & (ring.exit_loop[key] == 0)
+        loop = (ring.loop[key] + 1).clamp(max=self.max_loops)
+        pos = ds.pos[slots] + lane
+        bs = ds.block_size
+        scratch_kv = ds.scratch_block * bs
+        plane_slots = torch.where(live[:, None], plane_slots_of(ds, slots, pos), scratch_kv)
+        plane = ds.layout.plane_index(loop)
+        inp.positions[t:t + n] = torch.where(live, pos, 0)
+        inp.slot_mapping[t:t + n] = plane_slots.gather(1, plane[:, None]).squeeze(1)
+        inp.seq_lens[r:r + n] = torch.where(live, pos + 1, 1).to(torch.int32)
+        width = inp.block_tables.shape[1]
+        inp.block_tables[r:r + n] = torch.where(live[:, None], ds.tables[slots, plane][:, :width], ds.scratch_block)
+        embed = self.model.model.embed_tokens.weight
+        inp.x[t:t + n] = torch.where((loop == 1)[:, None], embed[ring.token[key]], ring.hidden[key])
+        return PipePrepared(slots, lane, loop, live, plane_slots, own["min_loops"], own["max_loops"], own["threshold"])
+
+    def finish(self, h: Tensor, gate: Tensor, p: PipePrepared | None, own: dict[str, Tensor]) -> tuple:
+        """Each live lane's own exit rule after this loop, its state, and the exit copy."""
+        if p is None:
+            return ()
+        ring = self.ring
+        key = (p.slots, p.lane)
+        live = p.live
+        survival = torch.where(p.loop == 1, torch.ones_like(gate, dtype=torch.float32), ring.survival[key])
+        ex, survival = exit_decision(p.loop, survival, gate, p.min_loops, p.max_loops, p.threshold)
+        ring.hidden[key] = torch.where(live[:, None], h, ring.hidden[key])
+        ring.survival[key] = torch.where(live, survival, ring.survival[key])
+        ring.loop[key] = torch.where(live, p.loop, ring.loop[key])
+        exited = live & ex
+        ring.exit_loop[key] = torch.where(exited, p.loop, ring.exit_loop[key])
+        k_cache, v_cache = self.kv()  # (the pipeline runs on last_exited only: EngineArgs.speculative)
+        self.backend.copy_exited(k_cache, v_cache, p.plane_slots, p.loop, exited,
+                                 self.state.scratch_block * self.state.block_size)
+        return ()
+
+
+def shift(t: Tensor, by: Tensor, fill) -> Tensor:
+    """``t`` ``[M, L, ...]`` moved ``by`` ``[M]`` lanes towards lane 0, ``fill`` entering at the end."""
+    lanes = t.shape[1]
+    src = torch.arange(lanes, device=t.device)[None, :] + by[:, None]
+    inside = src < lanes
+    idx = src.clamp(max=lanes - 1)
+    while idx.dim() < t.dim():
+        idx, inside = idx.unsqueeze(-1), inside.unsqueeze(-1)
+    moved = t.gather(1, idx.expand_as(t))
+    return torch.where(inside, moved, fill)
+
+
+class PipeRounds:
+    """What pipelining rows do after the forward: drafts, every lane's target, the verdicts, commits and
+    entries (module docstring). The runner's interface is scheme 1's (``SpecRounds``): ``draft``,
+    ``verify_part``, ``accept``."""
+
+    def __init__(self, model: OuroForCausalLM, state: DeviceDecodeState, ring: LaneRing,
+                 requests: dict[str, RequestState], sampler: Sampler, device: torch.device, head: DraftHead) -> None:
+        self.model, self.state, self.ring, self.requests, self.device = model, state, ring, requests, device
+        self.head = head
+        self.drafts = DraftSampler(sampler, device)
+        self._lanes = torch.arange(ring.lanes, device=device)
+
+    def _lane0(self, rows: list[ScheduledRow], row0: int = 0) -> list[tuple[int, ScheduledRow]]:
+        return [(row0 + i, r) for i, r in enumerate(rows) if r.spec.lane == 0]
+
+    def _slots(self, rows: list[ScheduledRow]) -> Tensor:
+        return stage(self.device, ([r.slot for r in rows], np.int64))[0]
+
+    def _index(self, slots: Tensor) -> Tensor:
+        """``[M * L]``: the completion index of each lane's token (its target and its draft stand for it)."""
+        return (self.state.token_index[slots][:, None] + self._lanes).flatten()
+
+    def draft(self, rows: list[ScheduledRow]) -> None:
+        """Lanes that ran loop ``d`` and still loop propose their successor's token from their loop-``d``
+        head, sampled as the target samples the same token index."""
+        heads = [r for _, r in self._lane0(rows)]
+        if not heads:
+            return
+        ring, L = self.ring, self.ring.lanes
+        slots = self._slots(heads)
+        due = ring.valid[slots] & (ring.exit_loop[slots] == 0) & (ring.loop[slots] == self.head.depth)  # [M, L]
+        logits = self.head(ring.hidden[slots].flatten(0, 1), due.flatten())
+        states = [self.requests[r.request_id] for r in heads for _ in range(L)]
+        drafted = self.drafts(logits, states, self._index(slots)).view(-1, L)
+        ring.draft[slots] = torch.where(due, drafted, ring.draft[slots])
+
+    def verify_part(self, rows: list[ScheduledRow], row0: int) -> VerifyPart | None:
+        """Every lane of the pipelining requests among ``rows`` (step rows from ``row0``) as a target row, its
+        step row lane 0's (whose row carries the commits)."""
+        heads = self._lane0(rows, row0)
+        if not heads:
+            return None
+        ring, L = self.ring, self.ring.lanes
+        slots = self._slots([r for _, r in heads])
+        logits = self.model.head(ring.hidden[slots].flatten(0, 1)).float()
+        states = [self.requests[r.request_id] for _, r in heads for _ in range(L)]
+        return VerifyPart([i for i, _ in heads for _ in range(L)], states, slots, logits, self._index(slots),
+                          ring.exit_loop[slots].flatten())
+
+    def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
+        """The verdicts, commits and entries of the pipelining slots; ``target`` ``[M * L]``: each lane's
+        target token (the sampler's, greedy: the argmax; only exited lanes' are used). Returns the committed
+        mask ``[M * L]`` (a leading run of each slot's lanes)."""
+        ring, ds, L = self.ring, self.state, self.ring.lanes
+        slots = part.slots
+        valid, token, loop, exit_loop, draft, hidden, survival = ring.state(slots)
+        y = target.view(-1, L)
+        exited = valid & (exit_loop > 0)
+        # a lane behind an exited one must hold its target token; from the first that does not, drop every lane
+        follows = torch.ones_like(valid)
+        follows[:, 1:] = token[:, 1:] == y[:, :-1]
+        wrong = valid & ~follows & torch.cat([torch.zeros_like(exited[:, :1]), exited[:, :-1]], dim=1)
+        valid = valid & (wrong.long().cumsum(dim=1) == 0)
+        # the leading run of exited lanes that hold their predecessor's target commits
+        committed = (valid & exited & follows).long().cumprod(dim=1)
+        c = committed.sum(dim=1)  # [M]
+        last = y.gather(1, (c - 1).clamp(min=0)[:, None]).squeeze(1)
+        ds.token[slots] = torch.where(c > 0, last, ds.token[slots])
+        ds.pos[slots] = ds.pos[slots] + c
+        ds.token_index[slots] = ds.token_index[slots] + c
+        # the ring moves past the committed run
+        valid, token, loop, exit_loop, draft, y = (shift(t, c, f) for t, f in (
+            (valid, False), (token, 0), (loop, 0), (exit_loop, 0), (draft, 0), (y, 0)))
+        hidden, survival = shift(hidden, c, 0.0), shift(survival, c, 1.0)
+        # an empty lane behind an exited lane (its target) or one that drafted (its draft) enters at loop 1
+        prev_exited = valid[:, :-1] & (exit_loop[:, :-1] > 0)
+        prev_drafted = valid[:, :-1] & (exit_loop[:, :-1] == 0) & (loop[:, :-1] >= self.head.depth)
+        enter = ~valid[:, 1:] & (prev_exited | prev_drafted)
+        token[:, 1:] = torch.where(enter, torch.where(prev_exited, y[:, :-1], draft[:, :-1]), token[:, 1:])
+        loop[:, 1:] = torch.where(enter, 0, loop[:, 1:])
+        exit_loop[:, 1:] = torch.where(enter, 0, exit_loop[:, 1:])
+        valid[:, 1:] = valid[:, 1:] | enter
+        ring.store(slots, (valid, token, loop, exit_loop, draft, hidden, survival))
+        return committed.bool().flatten()

@@ -1,0 +1,200 @@
+"""The depth pipeline in the engine (#41, scheme 2; loopline.worker.pipe_rows, loopline.core.speculation):
+every committed token, exit depth and logprob is what the non-speculative engine gives, for d = 1, 2, 3, at
+fixed depth and with adaptive exits (before, at and after d), single and batched requests mixed with
+plain ones and with chunked prefill, with max_tokens / stop tokens / stop strings / EOS inside a committed
+run, abort, preemption and resume (lanes in flight dropped), prefix caching, seeded sampling, and the
+switches that return a request to plain decoding; the greedy tokens also equal the independent oracle's
+(tests/reference.py)."""
+from __future__ import annotations
+
+import pytest
+from reference import reference_generate
+from spec.test_engine import DEMO_PROMPTS, GREEDY, assert_same, drain, engine, ids
+
+from loopline import SamplingParams
+from loopline.config import EngineArgs
+from loopline.errors import InvalidRequestError
+
+
+def pipe(d: int, **kw) -> dict:
+    """The pipeline pinned on (no adaptive stop, no batch bound) unless ``kw`` says otherwise."""
+    return {"method": "loop", "scheme": "pipeline", "draft_loops": d, "adaptive": False,
+            "disable_by_batch_size": None, **kw}
+
+
+@pytest.fixture(scope="module")
+def demo_prompts():
+    from loopline.models.loader import load_tokenizer
+    from loopline.models.tiny import default_checkpoint
+
+    tok = load_tokenizer(default_checkpoint())
+    return [tok.encode(p) for p in DEMO_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain_fixed(demo_prompts):
+    """Plain decoding of the four demo prompts at fixed depth, two arriving late."""
+    reqs = {f"r{i}": (p, GREEDY) for i, p in enumerate(demo_prompts)}
+    return reqs, drain(engine(), reqs, arrivals={"r2": 5, "r3": 9})
+
+
+# --- greedy, fixed depth ----------------------------------------------------------------------------
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_greedy_fixed_depth_equals_plain_engine(plain_fixed, d):
+    reqs, plain = plain_fixed
+    eng = engine(speculative=pipe(d))
+    assert_same(drain(eng, reqs, arrivals={"r2": 5, "r3": 9}), plain)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_one_request_commits_more_than_a_token_per_plain_token_time(demo_prompts, async_scheduling):
+    reqs = {"r": (demo_prompts[0], GREEDY)}
+    plain_eng = engine(async_scheduling=async_scheduling)
+    plain = drain(plain_eng, reqs)
+    eng = engine(speculative=pipe(1), async_scheduling=async_scheduling)
+    assert_same(drain(eng, reqs), plain)
+    # fixed depth: plain decoding takes 4 steps a token; the demo model's d=1 drafts are mostly right
+    assert eng.stats.steps < 0.6 * plain_eng.stats.steps
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_equals_the_independent_oracle_on_a_tiny_model(tiny_gqa, async_scheduling):
+    prompts = [ids(5, 1), ids(11, 2), ids(3, 3)]
+    reqs = {f"r{i}": (p, GREEDY.clone(max_tokens=10, logprobs=0)) for i, p in enumerate(prompts)}
+    out = drain(engine(str(tiny_gqa.path), pipe(1), block_size=4, async_scheduling=async_scheduling), reqs)
+    for i, p in enumerate(prompts):
+        tokens, depths, logprobs = reference_generate(tiny_gqa.state_dict, tiny_gqa.cfg, p, 10)
+        got = out[f"r{i}"]
+        assert got.token_ids == tokens and got.exit_depths == depths
+        assert [next(iter(e.values())).logprob for e in got.logprobs] == pytest.approx(logprobs, abs=1e-4)
+
+
+# --- adaptive exits ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("d, exit_kw", [
+    (1, {"exit_threshold": 0.5}),
+    (2, {"exit_threshold": 0.5}),
+    (3, {"exit_threshold": 0.7}),
+    (1, {"exit_threshold": 0.5, "min_loops": 2}),
+    (2, {"exit_threshold": 0.3, "max_loops": 3}),
+])
+def test_adaptive_exit_depths_equal_plain_decoding(demo_prompts, d, exit_kw):
+    """Each lane runs its token's own exit rule: exits before, at and after the draft depth give plain
+    decoding's depths, tokens and logprobs (a lane exiting at e <= d hands its target token to the next)."""
+    params = GREEDY.clone(**exit_kw)
+    reqs = {f"r{i}": (p, params) for i, p in enumerate(demo_prompts)}
+    plain = drain(engine(), reqs, arrivals={"r1": 4})
+    assert_same(drain(engine(speculative=pipe(d)), reqs, arrivals={"r1": 4}), plain)
+    depths = {e for o in plain.values() for e in o.exit_depths}
+    assert len(depths) > 1, "the thresholds must make tokens exit at different depths"
+    if d < 3 and exit_kw.keys() == {"exit_threshold"}:
+        assert min(depths) <= d < max(depths), "exits at or before and after the draft depth"
+
+
+def test_adaptive_exits_equal_the_independent_oracle(tiny_gqa):
+    prompts = [ids(7, 4), ids(4, 5)]
+    reqs = {f"r{i}": (p, GREEDY.clone(max_tokens=12, exit_threshold=0.6, logprobs=0)) for i, p in enumerate(prompts)}
+    out = drain(engine(str(tiny_gqa.path), pipe(2), block_size=4), reqs)
+    for i, p in enumerate(prompts):
+        tokens, depths, logprobs = reference_generate(tiny_gqa.state_dict, tiny_gqa.cfg, p, 12, exit_threshold=0.6)
+        assert out[f"r{i}"].token_ids == tokens and out[f"r{i}"].exit_depths == depths
+        assert [next(iter(e.values())).logprob for e in out[f"r{i}"].logprobs] == pytest.approx(logprobs, abs=1e-4)
+
+
+# --- batches ----------------------------------------------------------------------------------------
+def test_pipelining_requests_batch_with_plain_ones_and_chunked_prefill(demo_prompts):
+    """A request with a penalty, a too shallow max_loops or speculate=False decodes plainly beside pipelining
+    ones, while a long prompt arrives in chunks (a small token budget) next to their lanes."""
+    long_prompt = (demo_prompts[0] + demo_prompts[1]) * 3
+    reqs = {"p0": (demo_prompts[0], GREEDY), "pen": (demo_prompts[1], GREEDY.clone(repetition_penalty=1.3)),
+            "p1": (demo_prompts[2], GREEDY.clone(max_tokens=17)),
+            "shallow": (demo_prompts[3], GREEDY.clone(max_loops=1)),
+            "off": (demo_prompts[3], GREEDY.clone(speculate=False)),
+            "long": (long_prompt, GREEDY.clone(max_tokens=8))}
+    arrivals = {"p1": 3, "long": 6}
+    kw = {"max_num_batched_tokens": 32, "max_num_seqs": 8}
+    out = drain(engine(speculative=pipe(1), **kw), reqs, arrivals=arrivals)
+    assert_same(out, drain(engine(**kw), reqs, arrivals=arrivals))
+
+
+def test_prefix_caching(demo_prompts):
+    shared = demo_prompts[0] * 4
+    reqs = {"a": (shared + demo_prompts[1], GREEDY.clone(max_tokens=12)),
+            "b": (shared + demo_prompts[2], GREEDY.clone(max_tokens=12))}
+    eng = engine(speculative=pipe(2), enable_prefix_caching=True, block_size=8)
+    out = drain(eng, reqs, arrivals={"b": 30})
+    assert eng.kv.prefix_cache.stats.hits >= len(shared) - 8  # b's prompt starts from a's pages
+    assert_same(out, drain(engine(), reqs, arrivals={"b": 30}))
+
+
+# --- stops inside a committed run -------------------------------------------------------------------
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 5, 7])
+def test_max_tokens_inside_a_committed_run(demo_prompts, max_tokens):
+    reqs = {"r": (demo_prompts[0], GREEDY.clone(max_tokens=max_tokens, exit_threshold=0.5))}
+    out = drain(engine(speculative=pipe(1)), reqs)
+    assert len(out["r"].token_ids) == max_tokens and out["r"].finish_reason == "length"
+    assert_same(out, drain(engine(), reqs))
+
+
+def test_stop_token_and_stop_string(demo_prompts):
+    plain = drain(engine(), {"r": (demo_prompts[0], GREEDY)})["r"]
+    stop_at = plain.token_ids[6]
+    reqs = {"stop_id": (demo_prompts[0], GREEDY.clone(stop_token_ids=[stop_at])),
+            "eos": (demo_prompts[0], GREEDY.clone(ignore_eos=False)),
+            "text": (demo_prompts[0], GREEDY.clone(stop=["new Python"]))}
+    out = drain(engine(speculative=pipe(1)), reqs)
+    assert_same(out, drain(engine(), reqs))
+    assert out["stop_id"].token_ids[-1] == stop_at and out["text"].finish_reason == "stop"
+
+
+def test_eos_inside_a_committed_run(tiny_gqa, tiny_factory):
+    prompt = ids(6, 7)
+    free = drain(engine(str(tiny_gqa.path), block_size=4), {"r": (prompt, GREEDY.clone(max_tokens=16))})["r"]
+    index = next(i for i, t in enumerate(free.token_ids) if i >= 3 and t not in free.token_ids[:i])
+    eos = tiny_factory(0, eos_token_id=free.token_ids[index])
+    reqs = {"r": (prompt, GREEDY.clone(max_tokens=16, ignore_eos=False))}
+    out = drain(engine(str(eos.path), pipe(1), block_size=4), reqs)
+    assert out["r"].token_ids == free.token_ids[:index + 1] and out["r"].finish_reason == "stop"
+
+
+# --- abort, preemption ------------------------------------------------------------------------------
+def test_abort_mid_flight_frees_everything(demo_prompts):
+    eng = engine(speculative=pipe(1))
+    eng.add_request("a", {"prompt_token_ids": demo_prompts[0]}, GREEDY)
+    eng.add_request("b", {"prompt_token_ids": demo_prompts[1]}, GREEDY)
+    for _ in range(9):
+        eng.step()
+    eng.abort_request("a")
+    out = drain(eng, {})
+    assert eng.kv.num_used_blocks == 0 and not eng.scheduler.requests
+    assert_same({"b": out["b"]}, drain(engine(), {"b": (demo_prompts[1], GREEDY)}))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_preemption_drops_lanes_and_resumes_exactly(tiny_gqa, async_scheduling):
+    reqs = {f"r{i}": (ids(6 + 2 * i, seed=20 + i), GREEDY.clone(max_tokens=14, exit_threshold=0.7, logprobs=0))
+            for i in range(4)}
+    roomy = drain(engine(str(tiny_gqa.path), block_size=4), reqs)
+    eng = engine(str(tiny_gqa.path), pipe(1), block_size=4, kv_allocation="incremental",
+                 enable_preemption=True, num_kv_blocks=4 * 16, async_scheduling=async_scheduling)
+    tight = drain(eng, reqs)
+    assert eng.scheduler.num_preemptions > 0
+    assert_same(tight, roomy)
+    assert not eng.runner.pages.snapshots
+
+
+# --- sampling ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d, kw", [(1, {"top_k": 20}), (2, {"top_p": 0.9, "exit_threshold": 0.5})])
+def test_seeded_sampling_equals_plain_seeded_sampling(demo_prompts, d, kw):
+    """Drafts use the (seed, token index) noise of the token they stand for, so committed tokens are plain
+    seeded sampling's, token for token, with the target's logprobs."""
+    params = SamplingParams(**{"max_tokens": 20, "temperature": 0.8, "ignore_eos": True, "logprobs": 2,
+                               "exit_threshold": 1.0, **kw})
+    reqs = {f"r{i}": (p, params.clone(seed=11 + i)) for i, p in enumerate(demo_prompts[:3])}
+    assert_same(drain(engine(speculative=pipe(d)), reqs), drain(engine(), reqs))
+
+
+# --- configuration ----------------------------------------------------------------------------------
+def test_shared_layout_is_refused_naming_the_field():
+    with pytest.raises(InvalidRequestError, match="kv_layout='last_exited'") as e:
+        EngineArgs(speculative_config=pipe(1), kv_layout="shared").validate()
+    assert e.value.param == "kv_layout"
