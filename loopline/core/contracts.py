@@ -158,3 +158,5 @@ class RunnerOutput:
     failed: dict[str, Exception] = field(default_factory=dict)
     # step row -> the tokens a speculative round committed after ``sampled[row]`` (its first), in order
     more: dict[int, list[SampledToken]] = field(default_factory=dict)
+    # step row -> (drafts judged, accepted) in this step: a pipelining request's lanes (on lane 0's row)
+    spec_verdicts: dict[int, tuple[int, int]] = field(default_factory=dict)

@@ -262,7 +262,8 @@ class LLMEngine(EngineVerbs):
         spec = args.speculative()
         if spec is not None:
             spec.check_model(model_cfg.total_ut_steps)
-        speculation = make_speculation(spec, model_cfg.total_ut_steps, self.exit_policy.per_token)
+        # (a family without speculation, Huginn, has no total_ut_steps: spec is None for it)
+        speculation = make_speculation(spec, model_cfg.total_ut_steps if spec is not None else 0, self.exit_policy.per_token)
         block_bytes = kv_bytes_per_block(model_cfg, args.block_size, cfg.kv_dtype)
         preemption = Preemption(int(args.swap_space * 2**30 // block_bytes)) if args.enable_preemption else None
         self.scheduler = Scheduler(self.kv, self.exit_policy, make_queue(args.scheduling_policy), args.max_num_seqs,
@@ -451,6 +452,10 @@ class LLMEngine(EngineVerbs):
         is the accepted drafts plus the correction or bonus)."""
         if self.scheduler.speculation.config is None:
             return
+        for i, (judged, accepted) in result.spec_verdicts.items():  # pipelining lanes: each draft its own round
+            if self.scheduler.owner(sched.rows[i]) is not None:
+                for n in range(judged):
+                    self.stats.count_round(1, int(n < accepted))
         for i, row in enumerate(sched.rows):
             if row.spec is not None and row.spec.last and result.sampled[i] is not None \
                     and self.scheduler.owner(row) is not None:

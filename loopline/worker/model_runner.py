@@ -46,7 +46,7 @@ from loopline.worker.draft_head import DraftHead
 from loopline.worker.exit_rule import exit_decision
 from loopline.worker.forward import StepForward
 from loopline.worker.kv_pages import KVPages
-from loopline.worker.lookahead_plan import Compacted, LookaheadPlan
+from loopline.worker.lookahead_plan import LookaheadPlan
 from loopline.worker.lookahead_rule import LookaheadRule
 from loopline.worker.loop_stack import loop_stack
 from loopline.worker.request_state import RequestState
@@ -176,7 +176,8 @@ class ModelRunner:
         # the family's loop over a step's rows (loopline.worker.loop_stack)
         self.stack = loop_stack(model, ops=self.slot_ops, state=self.decode_state, slot_hidden=self.slot_hidden,
                                 slot_survival=self.slot_survival, requests=self.requests,
-                                planes=family.once_planes(cfg, layout.num_loops), dtype=dtype)
+                                planes=family.once_planes(cfg, layout.num_loops), dtype=dtype, no_refill=no_refill,
+                                per_token_exits=per_token_exits)
         self.decode = DecodeKind(model=model, backend=backend, kv=kv, state=self.decode_state, ops=self.slot_ops,
                                  slot_hidden=self.slot_hidden, slot_survival=self.slot_survival,
                                  requests=self.requests, scratch_slot=self.scratch_slot,
@@ -240,7 +241,12 @@ class ModelRunner:
             decode_sizes, prefill_sizes = mixed_buckets(self.max_num_seqs, max_num_batched_tokens)
             mixed = [StepShape(((d, d), *idle, (rows, p)), width, rows + p // tile, p, max_seq_len)
                      for d in decode_sizes for p in prefill_sizes]
-        families = {"decode": decode, "mixed": mixed}
+        # the family's loop may skip work a step does not need: decode graphs per variant, leanest first (the
+        # last runs everything, as mixed steps' graphs do)
+        variants = self.stack.graph_variants
+        families = {f"decode{suffix}": [dataclasses.replace(s, features=s.features | f) for s in decode]
+                    for suffix, f in variants}
+        families["mixed"] = [dataclasses.replace(s, features=s.features | variants[-1][1]) for s in mixed]
         if isinstance(self.spec, SpecRounds):
             families["spec_draft"], families["spec"] = self._spec_shapes(width, max_seq_len)
         if self.lookahead_rule is not None:  # the same steps with the head's rule: steps with a lookahead row
@@ -375,10 +381,11 @@ class ModelRunner:
             return StepHandle.ready(RunnerOutput([], []))
         # prepare: the rows into persistent buffers (a captured graph's views where one fits the step)
         plan = self.builder.plan(rows)
+        self.stack.plan(plan)  # (the stages of the family's loop the rows need: step features)
         if self.lookahead_plan is not None:  # (the depths the rule fixed: which decode rows may exit)
             self.lookahead_plan.launch(plan.kinds[0])
         graph = self.graphs.find(plan) if self.graphs is not None else None
-        inputs = graph.inputs if graph is not None else self.builder.inputs(self.builder.exact_shape(plan))
+        inputs = graph.inputs if graph is not None else self.builder.inputs(self.stack.eager(self.builder.exact_shape(plan)))
         self.builder.fill(plan, inputs)
         # run: the one forward, replayed or eager
         out = graph.replay() if graph is not None else self.forward(inputs)
@@ -395,9 +402,10 @@ class ModelRunner:
         if ns > nd:  # speculative rows: drafts, and the target rows of rounds that end here
             self.spec.draft(rows[nd:ns])
             verify = self.spec.verify_part(rows[nd:ns], nd)
-        # sample, then advance the decode state; a step that ran the lookahead rule computed no logits: the coda
-        # and sampling run here for its decode rows that may exit (worker/lookahead_plan.py)
-        coda = Compacted(dec, None, None) if dec is None or dec.logits is not None else \
+        # sample, then advance the decode state, for the decode rows that may exit: a step that ran the lookahead
+        # rule computed no logits, its coda runs here (worker/lookahead_plan.py); the family's loop names its own
+        # (Huginn at fixed iterations: loop_stack.py)
+        coda = self.stack.compact(dec) if dec is None or dec.target is None else \
             self.lookahead_plan.compact(dec, self.model.head)
         ne = coda.dec.exit.shape[0] if coda.dec is not None else 0  # decode rows sampled
         batch = self.sample(rows, ne, booked, coda.dec, token_mask, verify, coda.rows)
@@ -423,6 +431,7 @@ class ModelRunner:
     def _apply_lifecycle(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
+            self.stack.forget(rid)
             self.pages.forget(rid)  # its pages (freed) may be written by this step
         # Snapshots before any freed block is written, and before a new request resets the
         # device state of a slot a victim just gave up (the scheduler never preempts a request
@@ -547,17 +556,25 @@ class ModelRunner:
         out: SamplerOutput = self.sampler(all_logits, tensors)
         depths = ([dec.loops] if nd else []) + [depth for _, depth in booked.meta]
         flags = ([dec.exit] if nd else []) + ([torch.ones(n_done, dtype=torch.bool, device=self.device)] if n_done else [])
+        verdicts = None
         if verify is not None:  # a round's target rows: the committed ones are read back, in order
             flags.append(self.spec.accept(verify, out.token_ids[nd + n_done:]))
             depths.append(verify.depth)
-        return SampleBatch(row_idx, states, out, *(t[0] if len(t) == 1 else torch.cat(t) for t in (flags, depths)))
+            if verify.verdicts is not None:  # (pipelining lanes: zeros for the rows before them)
+                verdicts = torch.cat([verify.verdicts.new_zeros(nd + n_done), verify.verdicts])
+        return SampleBatch(row_idx, states, out, *(t[0] if len(t) == 1 else torch.cat(t) for t in (flags, depths)),
+                           verdicts=verdicts)
 
     def _collect(self, rows, batch: SampleBatch, host: HostSample, booked: _Booked) -> RunnerOutput:
         exited = booked.exited
         sampled: list[SampledToken | None] = [None] * len(rows)
         more: dict[int, list[SampledToken]] = {}  # a speculative round's tokens after its first
         failed: dict[str, Exception] = {}
+        verdicts: dict[int, tuple[int, int]] = {}
         for j, row_i in enumerate(batch.row_idx):
+            if host.verdicts is not None and host.verdicts[j]:
+                judged, accepted = verdicts.get(row_i, (0, 0))
+                verdicts[row_i] = (judged + 1, accepted + (host.verdicts[j] == 2))
             if not host.exit[j]:
                 continue
             exited[row_i] = True
@@ -570,7 +587,7 @@ class ModelRunner:
                 sampled[row_i] = token
             else:
                 more.setdefault(row_i, []).append(token)
-        return RunnerOutput(exited, sampled, booked.prompt_logprobs, failed, more)
+        return RunnerOutput(exited, sampled, booked.prompt_logprobs, failed, more, verdicts)
 
     @staticmethod
     def _sampled_token(host: HostSample, j: int, params: SamplingParams) -> SampledToken:

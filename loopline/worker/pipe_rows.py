@@ -64,6 +64,7 @@ class LaneRing:
         self.draft = torch.zeros(num_slots, lanes, **i64)  # proposed at loop d for the next lane
         self.hidden = torch.zeros(num_slots, lanes, hidden_size, dtype=dtype, device=device)
         self.survival = torch.ones(num_slots, lanes, dtype=torch.float32, device=device)
+        self.is_draft = torch.zeros(num_slots, lanes, dtype=torch.bool, device=device)  # input a draft not yet judged
 
     def clear(self, slot: int) -> None:
         """Nothing in flight: the slot's next pipelining step starts lane 0 from its committed token."""
@@ -71,11 +72,11 @@ class LaneRing:
 
     def state(self, slots: Tensor) -> tuple[Tensor, ...]:
         return (self.valid[slots], self.token[slots], self.loop[slots], self.exit_loop[slots], self.draft[slots],
-                self.hidden[slots], self.survival[slots])
+                self.hidden[slots], self.survival[slots], self.is_draft[slots])
 
     def store(self, slots: Tensor, state: tuple[Tensor, ...]) -> None:
         for dst, src in zip((self.valid, self.token, self.loop, self.exit_loop, self.draft, self.hidden,
-                             self.survival), state):
+                             self.survival, self.is_draft), state):
             dst[slots] = src
 
 
@@ -140,6 +141,7 @@ class PipeKind(RowKind):
         ring.token[key] = torch.where(enter, ds.token[slots], ring.token[key])
         ring.loop[key] = torch.where(enter, 0, ring.loop[key])
         ring.exit_loop[key] = torch.where(enter, 0, ring.exit_loop[key])
+        ring.is_draft[key] = ring.is_draft[key] & ~enter
         ring.valid[key] = ring.valid[key] | enter
         live = ring.valid[key] & (ring.exit_loop[key] == 0)
         loop = (ring.loop[key] + 1).clamp(max=self.max_loops)
@@ -241,17 +243,24 @@ class PipeRounds:
     def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
         """The verdicts, commits and entries of the pipelining slots; ``target`` ``[M * L]``: each lane's
         target token (the sampler's, greedy: the argmax; only exited lanes' are used). Returns the committed
-        mask ``[M * L]`` (a leading run of each slot's lanes)."""
+        mask ``[M * L]`` (a leading run of each slot's lanes); ``part.verdicts``: each lane's draft verdict in
+        this step (0: none, 1: rejected, 2: accepted)."""
         ring, ds, L = self.ring, self.state, self.ring.lanes
         slots = part.slots
-        valid, token, loop, exit_loop, draft, hidden, survival = ring.state(slots)
+        valid, token, loop, exit_loop, draft, hidden, survival, is_draft = ring.state(slots)
         y = target.view(-1, L)
         exited = valid & (exit_loop > 0)
         # a lane behind an exited one must hold its target token; from the first that does not, drop every lane
         follows = torch.ones_like(valid)
         follows[:, 1:] = token[:, 1:] == y[:, :-1]
-        wrong = valid & ~follows & torch.cat([torch.zeros_like(exited[:, :1]), exited[:, :-1]], dim=1)
-        valid = valid & (wrong.long().cumsum(dim=1) == 0)
+        judged = valid & torch.cat([torch.zeros_like(exited[:, :1]), exited[:, :-1]], dim=1)
+        wrong = judged & ~follows
+        behind = wrong.long().cumsum(dim=1)
+        valid = valid & (behind == 0)
+        # (a lane that entered with its predecessor's target always follows: only drafts are ever wrong)
+        accepted = judged & valid & is_draft
+        part.verdicts = torch.where(wrong & (behind == 1), 1, torch.where(accepted, 2, 0)).flatten()
+        is_draft = is_draft & ~accepted
         # the leading run of exited lanes that hold their predecessor's target commits
         committed = (valid & exited & follows).long().cumprod(dim=1)
         c = committed.sum(dim=1)  # [M]
@@ -260,8 +269,8 @@ class PipeRounds:
         ds.pos[slots] = ds.pos[slots] + c
         ds.token_index[slots] = ds.token_index[slots] + c
         # the ring moves past the committed run
-        valid, token, loop, exit_loop, draft, y = (shift(t, c, f) for t, f in (
-            (valid, False), (token, 0), (loop, 0), (exit_loop, 0), (draft, 0), (y, 0)))
+        valid, token, loop, exit_loop, draft, y, is_draft = (shift(t, c, f) for t, f in (
+            (valid, False), (token, 0), (loop, 0), (exit_loop, 0), (draft, 0), (y, 0), (is_draft, False)))
         hidden, survival = shift(hidden, c, 0.0), shift(survival, c, 1.0)
         # an empty lane behind an exited lane (its target) or one that drafted (its draft) enters at loop 1
         prev_exited = valid[:, :-1] & (exit_loop[:, :-1] > 0)
@@ -270,6 +279,7 @@ class PipeRounds:
         token[:, 1:] = torch.where(enter, torch.where(prev_exited, y[:, :-1], draft[:, :-1]), token[:, 1:])
         loop[:, 1:] = torch.where(enter, 0, loop[:, 1:])
         exit_loop[:, 1:] = torch.where(enter, 0, exit_loop[:, 1:])
+        is_draft[:, 1:] = torch.where(enter, ~prev_exited, is_draft[:, 1:])
         valid[:, 1:] = valid[:, 1:] | enter
-        ring.store(slots, (valid, token, loop, exit_loop, draft, hidden, survival))
+        ring.store(slots, (valid, token, loop, exit_loop, draft, hidden, survival, is_draft))
         return committed.bool().flatten()

@@ -34,6 +34,7 @@ class HostSample:
     ranks: list[int] | None = None
     top_ids: list[list[int]] | None = None  # [M][k] top logprobs
     top_lps: list[list[float]] | None = None
+    verdicts: list[int] | None = None  # pipelining target rows: their lane's draft verdict (SampleBatch.verdicts)
 
 
 @dataclass
@@ -48,11 +49,14 @@ class SampleBatch:
     # [3, M] int64: exit_flags, depth and the token ids already packed on the device (the decode state's
     # advance records them, see SlotOps.advance); None: packed here, by one stack, when read back.
     packed: Tensor | None = None
+    # [M] int64 or None: per sampled row, the draft verdict of a pipelining lane in this step (0: none, 1: its
+    # draft rejected, 2: accepted; loopline.worker.pipe_rows), for the spec_decode counters
+    verdicts: Tensor | None = None
 
     def _tensors(self) -> dict[str, Tensor | None]:
         o = self.out
         return {"exit": self.exit_flags, "depth": self.depth, "ids": o.token_ids, "lps": o.logprobs, "ranks": o.ranks,
-                "top_ids": o.top_ids, "top_lps": o.top_logprobs}
+                "top_ids": o.top_ids, "top_lps": o.top_logprobs, "verdicts": self.verdicts}
 
     def to_host_async(self) -> Callable[[], HostSample]:
         """Starts non-blocking copies to pinned memory; the returned call waits for them."""

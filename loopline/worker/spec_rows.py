@@ -211,6 +211,7 @@ class VerifyPart:
     logits: Tensor  # [M * (K+1), V] fp32 target logits (each position at its own exit)
     token_index: Tensor  # [M * (K+1)] index in the completion of each position's token
     depth: Tensor  # [M * (K+1)] exit depth of each position
+    verdicts: Tensor | None = None  # the pipeline's: each target row's draft verdict, set by accept (SampleBatch)
 
 
 class SpecRounds:

@@ -198,3 +198,38 @@ def test_shared_layout_is_refused_naming_the_field():
     with pytest.raises(InvalidRequestError, match="kv_layout='last_exited'") as e:
         EngineArgs(speculative_config=pipe(1), kv_layout="shared").validate()
     assert e.value.param == "kv_layout"
+
+
+# --- switching off, metrics -------------------------------------------------------------------------
+def test_disable_by_batch_size_drops_lanes_mid_flight_exactly(demo_prompts):
+    """Pipelining stops (lanes in flight dropped) once two requests run; outputs stay plain decoding's."""
+    reqs = {f"r{i}": (p, GREEDY.clone(exit_threshold=0.5)) for i, p in enumerate(demo_prompts[:3])}
+    arrivals = {"r1": 12, "r2": 13}
+    eng = engine(speculative=pipe(1, disable_by_batch_size=2))
+    out = drain(eng, reqs, arrivals=arrivals)
+    assert_same(out, drain(engine(), reqs, arrivals=arrivals))
+    assert eng.stats.spec_num_draft_tokens > 0  # r0 pipelined while alone
+    assert all(not r.speculative for r in eng.scheduler.running)
+
+
+def test_adaptive_stop_returns_to_plain_decoding_exactly(tiny_gqa):
+    """Random weights: d=1 drafts are rarely right, so the adaptive stop turns the pipeline off mid-flight."""
+    reqs = {f"r{i}": (ids(5 + i, seed=40 + i), GREEDY.clone(max_tokens=24, logprobs=0)) for i in range(2)}
+    pinned = engine(str(tiny_gqa.path), pipe(1), block_size=4)
+    drain(pinned, reqs)
+    eng = engine(str(tiny_gqa.path), pipe(1, adaptive=True), block_size=4)
+    out = drain(eng, reqs)
+    assert_same(out, drain(engine(str(tiny_gqa.path), block_size=4), reqs))
+    assert 0 < eng.stats.spec_num_draft_tokens < pinned.stats.spec_num_draft_tokens
+
+
+def test_spec_decode_counters_count_judged_drafts(demo_prompts):
+    """Each judged draft is a round of one draft (vLLM's counters): at fixed depth with d=1 every committed
+    token but the prompt's first was computed by a lane whose draft was judged at its exit."""
+    eng = engine(speculative=pipe(1))
+    drain(eng, {"r": (demo_prompts[0], GREEDY)})
+    st = eng.stats
+    assert st.spec_num_drafts == st.spec_num_draft_tokens == GREEDY.max_tokens - 1
+    assert 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens
+    assert st.spec_accepted_per_pos == [st.spec_num_accepted_tokens]
+    assert st.spec_mean_acceptance_length == pytest.approx(1 + st.spec_num_accepted_tokens / st.spec_num_drafts)
