@@ -177,7 +177,7 @@ class ModelRunner:
         self.stack = loop_stack(model, ops=self.slot_ops, state=self.decode_state, slot_hidden=self.slot_hidden,
                                 slot_survival=self.slot_survival, requests=self.requests,
                                 planes=family.once_planes(cfg, layout.num_loops), dtype=dtype, no_refill=no_refill,
-                                per_token_exits=per_token_exits)
+                                per_token_exits=per_token_exits, tile_tokens=self.work_tile_tokens)
         self.decode = DecodeKind(model=model, backend=backend, kv=kv, state=self.decode_state, ops=self.slot_ops,
                                  slot_hidden=self.slot_hidden, slot_survival=self.slot_survival,
                                  requests=self.requests, scratch_slot=self.scratch_slot,
@@ -247,8 +247,8 @@ class ModelRunner:
         families = {f"decode{suffix}": [dataclasses.replace(s, features=s.features | f) for s in decode]
                     for suffix, f in variants}
         families["mixed"] = [dataclasses.replace(s, features=s.features | variants[-1][1]) for s in mixed]
-        if isinstance(self.spec, SpecRounds):
-            families["spec_draft"], families["spec"] = self._spec_shapes(width, max_seq_len)
+        if self.spec is not None:
+            families |= self._spec_shapes(width, max_seq_len)
         if self.lookahead_rule is not None:  # the same steps with the head's rule: steps with a lookahead row
             families |= {f"{name}_lookahead": [dataclasses.replace(s, features=LOOKAHEAD) for s in families[name]]
                          for name in ("decode", "mixed")}
@@ -258,20 +258,27 @@ class ModelRunner:
         self.stack.reserve(max(s.tokens for s in shapes), max(s.rows for s in shapes), width)
         self.graphs.capture(capturer)
 
-    def _spec_shapes(self, width: int, max_seq_len: int) -> tuple[list[StepShape], list[StepShape]]:
-        """``(draft, spec)``: steps with speculating rows at the :func:`spec_buckets` pairs (no prefill chunk:
-        those run eagerly). A ``spec`` bucket of ``s`` rows holds ``s * (K + 1)`` query tokens, so one graph
+    def _spec_shapes(self, width: int, max_seq_len: int) -> dict[str, list[StepShape]]:
+        """The families of steps with speculating rows at the :func:`spec_buckets` pairs (no prefill chunk:
+        those run eagerly). The pipeline's (``pipe``): ``s`` pipelining requests are ``s * L`` one-query lane
+        rows, beside ``d`` decode rows, like a plain decode step of as many rows. Draft then verify's
+        (``spec_draft``, then ``spec``): A ``spec`` bucket of ``s`` rows holds ``s * (K + 1)`` query tokens, so one graph
         serves verify rows (K+1 queries), draft rows (1) and any mix of them (requests in different phases
         of their rounds). Steps whose rows all have one query (every speculating request drafting) take the
         ``draft`` family first: one token a row, no work list, the decode attention and the one-row GEMVs,
         as a plain decode step of as many rows. In the verify-sized graph such a step ran K+1 tokens a
         row through the GEMMs and the work-list attention: on an H200 (Ouro-1.4B shapes, C = 1, every
         draft accepted) K=3, d=1 gave 1.08x plain decoding at 1.79 steps per token against 4.01."""
+        pairs = spec_buckets(self.max_num_seqs, self.max_num_seqs)
+        if self.lanes is not None:
+            lanes = self.lanes.lanes
+            return {"pipe": [StepShape(((d, d), (s * lanes, s * lanes), (0, 0)), width, 0, 1, max_seq_len)
+                             for d, s in pairs]}
         k1 = self.spec.rounds.k + 1
         tiles = -(-k1 // (self.work_tile_tokens or 64))
-        pairs = spec_buckets(self.max_num_seqs, self.max_num_seqs)
         draft = [StepShape(((d, d), (s, s), (0, 0)), width, 0, 1, max_seq_len) for d, s in pairs]
-        return draft, [StepShape(((d, d), (s, s * k1), (0, 0)), width, s * tiles, k1, max_seq_len) for d, s in pairs]
+        return {"spec_draft": draft,
+                "spec": [StepShape(((d, d), (s, s * k1), (0, 0)), width, s * tiles, k1, max_seq_len) for d, s in pairs]}
 
     # --- sleep (colocated training) ---------------------------------------------------
     def release_kv_cache(self) -> None:

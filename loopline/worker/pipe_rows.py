@@ -136,14 +136,16 @@ class PipeKind(RowKind):
         ds, ring = self.state, self.ring
         slots, lane = own["slots"], own["lane"]
         key = (slots, lane)
-        # an empty lane 0 (the first step, or every lane committed or dropped) starts the committed token
-        enter = (lane == 0) & ~ring.valid[key]
+        # an empty lane 0 (the first step, or every lane committed or dropped) starts the committed token; a
+        # graph's padding rows (the scratch slot) stay empty and frozen
+        real = slots != self.scratch_slot
+        enter = (lane == 0) & ~ring.valid[key] & real
         ring.token[key] = torch.where(enter, ds.token[slots], ring.token[key])
         ring.loop[key] = torch.where(enter, 0, ring.loop[key])
         ring.exit_loop[key] = torch.where(enter, 0, ring.exit_loop[key])
         ring.is_draft[key] = ring.is_draft[key] & ~enter
         ring.valid[key] = ring.valid[key] | enter
-        live = ring.valid[key] & (ring.exit_loop[key] == 0)
+        live = ring.valid[key] & (ring.exit_loop[key] == 0) & real
         loop = (ring.loop[key] + 1).clamp(max=self.max_loops)
         pos = ds.pos[slots] + lane
         bs = ds.block_size

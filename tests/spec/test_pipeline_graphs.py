@@ -1,0 +1,63 @@
+"""CUDA graphs of pipelining steps (#41 scheme 2): ``s`` pipelining requests' ``s * L`` one-query lane rows,
+beside decode rows, replay the ``pipe`` family. On the CPU the graph input path is checked with a capturer
+whose "replay" re-runs the captured forward eagerly on the graph's padded views (padding lanes run on the
+scratch slot, frozen); the GPU test captures real CUDA graphs.
+
+What must hold: tokens, exit depths and logprobs with graphs equal those without and those of plain
+decoding (greedy and seeded sampling, adaptive exits), with pipelining requests padded into larger buckets
+and batched with plain requests; every step of lane rows without a prefill chunk replays a graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+from spec.test_graphs import GREEDY, SAMPLED, assert_same, drain, make, requests, watch
+
+from loopline.config import EngineArgs
+from loopline.engine import LLMEngine
+
+
+def pipe(d: int) -> dict:
+    return {"method": "loop", "scheme": "pipeline", "draft_loops": d, "adaptive": False,
+            "disable_by_batch_size": None}
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("d", [1, 2])
+def test_pipelining_steps_replay_graphs_and_equal_eager_and_plain(tiny_gqa, params, d):
+    reqs, arrivals = requests(params)
+    eng = make(tiny_gqa, pipe(d), graphs=True, async_scheduling=d == 2)
+    seen = watch(eng)
+    graphed = drain(eng, reqs, arrivals)
+    assert_same(graphed, drain(make(tiny_gqa, pipe(d), graphs=False), reqs, arrivals))
+    assert_same(graphed, drain(make(tiny_gqa, None, graphs=False), reqs, arrivals))
+    lanes = -(-4 // d)  # the tiny model's 4 loops
+    pipe_steps = [s for s in seen if s[0] and not s[1]]
+    assert len(pipe_steps) > 20 and all(rows % lanes == 0 for rows, *_ in pipe_steps)
+    assert all(where is not None and where[0] == "pipe" for *_, where in pipe_steps)
+    assert any(rows == 3 * lanes and where[1] == 4 * lanes for rows, _, _, where in pipe_steps)  # 3 padded to 4
+    assert any(decode for _, _, decode, _ in pipe_steps)  # beside plain requests' decode rows
+    assert eng.runner.graphs.replays["pipe"] == len(pipe_steps)
+
+
+def test_pipeline_captures_its_family_only(tiny_gqa):
+    on = make(tiny_gqa, pipe(1), graphs=True).runner.graphs
+    assert [f.name for f in on.families] == ["decode", "mixed", "pipe"]
+    assert {(s.max_query_len, s.work) for s in on.families[2].shapes} == {(1, 0)}
+    assert all(s.counts[1][0] % 4 == 0 for s in on.families[2].shapes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_real_cuda_graphs_equal_eager(tiny_gqa, params):
+    kw = {"model": str(tiny_gqa.path), "dtype": "float32", "device": "cuda", "skip_tokenizer_init": True,
+          "block_size": 8, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 128,
+          "attention_backend": "triton", "num_kv_blocks": 512, "speculative_config": pipe(1)}
+    reqs, arrivals = requests(params)
+    eng = LLMEngine(EngineArgs(**kw))
+    assert eng.runner.graphs is not None
+    graphed = drain(eng, reqs, arrivals)
+    assert eng.runner.graphs.replays["pipe"] > 20
+    assert_same(graphed, drain(LLMEngine(EngineArgs(**kw, enforce_eager=True)), reqs, arrivals))
+    plain = {k: v for k, v in kw.items() if k != "speculative_config"}
+    assert_same(graphed, drain(LLMEngine(EngineArgs(**plain, enforce_eager=True)), reqs, arrivals))
