@@ -4,7 +4,7 @@ python3 tools/spec_speed.py --config ouro-1.4b --branch-scale 1.0,0.0 --spec 2,1
 python3 tools/spec_speed.py --config demo --spec 3,1,pinned --scheme draft_verify,pipeline --concurrency 1
 
 ``--scheme`` runs every ``--spec`` once per scheme (a scheme the engine refuses is printed as refused and
-skipped: the pipeline, until the engine runs it); ``--config demo`` loads the bundled model's weights
+skipped; the pipeline ignores K); ``--config demo`` loads the bundled model's weights
 (their acceptance is real; the prompts are synthetic token ids).
 
 Random weights give acceptance ~0: the loops' argmax tokens disagree (``loopline bench --speculative-config``
@@ -179,8 +179,7 @@ def main() -> None:
                          "repeatable; plain decoding always runs")
     ap.add_argument("--scheme", default="draft_verify",
                     help="comma-separated speculative_config.scheme values (draft_verify, pipeline), each run with "
-                         "every --spec (pipeline: K is unused; the engine refuses it until it is built there: "
-                         "docs/speculation.md)")
+                         "every --spec (pipeline: K is unused; docs/speculation.md)")
     ap.add_argument("--concurrency", default="1", help="comma-separated concurrencies")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)

@@ -84,6 +84,8 @@ class NoSpeculation:
 class LoopSpeculation(NoSpeculation):
     """Draft-then-verify rounds (scheme 1) for every request that may speculate (:meth:`why_not`)."""
 
+    unit = "round"  # what the adaptive stop weighs: tokens committed per unit against the unit's cost
+
     def __init__(self, config: SpeculativeConfig, per_token_exits: bool = False) -> None:
         self.config = config
         self.k, self.d = config.num_speculative_tokens, config.draft_loops
@@ -121,15 +123,23 @@ class LoopSpeculation(NoSpeculation):
     def observe(self, req: Request, committed: list[SampledToken], running: int) -> None:
         """The request's running means of tokens per round and their depth move, and so does the
         engine's payoff."""
-        n = len(committed)
+        n, units = len(committed), self.units(req)
         depth = sum(t.exit_depth for t in committed) / n
         w = 1.0 if req.spec_rounds == 0 else ROUND_WEIGHT
-        req.spec_tokens += w * (n - req.spec_tokens)
+        req.spec_tokens += w * (n / units - req.spec_tokens)
         req.spec_depth += w * (depth - req.spec_depth)
         req.spec_rounds += 1
         assert req.params.max_loops is not None, "not effective params"
-        payoff = n * depth / round_cost(self.k, self.d, req.params.max_loops, running)
+        payoff = n * depth / (units * self.cost(req.params.max_loops, running))
         self.payoff = payoff if self.payoff is None else self.payoff + ENGINE_WEIGHT * (payoff - self.payoff)
+
+    def units(self, req: Request) -> int:
+        """Units (rounds) the committed run just observed took."""
+        return 1
+
+    def cost(self, max_loops: int, running: int) -> float:
+        """A unit's cost in plain decoding steps."""
+        return round_cost(self.k, self.d, max_loops, running)
 
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
         # NOTE: one way only: a plain decode row's token may be mid-loop when the host looks (the device
@@ -138,10 +148,10 @@ class LoopSpeculation(NoSpeculation):
         if limit is not None and running >= limit:
             return f"{running} requests running (disable_by_batch_size={limit})"
         if self.config.adaptive and req.spec_rounds >= WARMUP_ROUNDS:
-            cost = round_cost(self.k, self.d, max_loops, running)
+            cost = self.cost(max_loops, running)
             if req.spec_tokens * req.spec_depth < cost:  # plain steps the round saved < what it cost
-                return (f"{req.spec_tokens:.2f} tokens per round at depth {req.spec_depth:.2f} do not pay for a "
-                        f"round ({cost:.2f} plain steps)")
+                return (f"{req.spec_tokens:.2f} tokens per {self.unit} at depth {req.spec_depth:.2f} do not pay for a "
+                        f"{self.unit} ({cost:.2f} plain steps)")
         return None
 
     def lookahead(self, params: SamplingParams) -> int:
@@ -185,6 +195,8 @@ class PipelineSpeculation(LoopSpeculation):
     preemption drops the lanes in flight: the slot's decode state holds only committed tokens, so the
     request goes on as a plain decode slot (or resumes from its snapshot) exactly where plain decoding is."""
 
+    unit = "pipelining step"
+
     def __init__(self, config: SpeculativeConfig, num_loops: int, per_token_exits: bool = False) -> None:
         super().__init__(config, per_token_exits)
         self.lanes = config.lanes(num_loops)
@@ -204,30 +216,14 @@ class PipelineSpeculation(LoopSpeculation):
         if row.spec.lane == 0:
             req.spec_steps += 1
 
-    def observe(self, req: Request, committed: list[SampledToken], running: int) -> None:
-        """A step's committed run (the steps since the last one committed nothing): the request's tokens per
-        step and their depth move, and so does the engine's payoff."""
+    def units(self, req: Request) -> int:
+        """The steps since the last committed run (the steps between committed nothing)."""
         steps = max(req.spec_steps - req.spec_steps_seen, 1)
         req.spec_steps_seen = req.spec_steps
-        n = len(committed)
-        depth = sum(t.exit_depth for t in committed) / n
-        w = 1.0 if req.spec_rounds == 0 else ROUND_WEIGHT
-        req.spec_tokens += w * (n / steps - req.spec_tokens)
-        req.spec_depth += w * (depth - req.spec_depth)
-        req.spec_rounds += 1
-        payoff = n * depth / (steps * pipe_step_cost(self.lanes, running))
-        self.payoff = payoff if self.payoff is None else self.payoff + ENGINE_WEIGHT * (payoff - self.payoff)
+        return steps
 
-    def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
-        limit = self.config.disable_by_batch_size
-        if limit is not None and running >= limit:
-            return f"{running} requests running (disable_by_batch_size={limit})"
-        if self.config.adaptive and req.spec_rounds >= WARMUP_ROUNDS:
-            cost = pipe_step_cost(self.lanes, running)
-            if req.spec_tokens * req.spec_depth < cost:  # plain steps a pipelining step saved < what it cost
-                return (f"{req.spec_tokens:.2f} tokens per step at depth {req.spec_depth:.2f} do not pay for a "
-                        f"pipelining step ({cost:.2f} plain steps)")
-        return None
+    def cost(self, max_loops: int, running: int) -> float:
+        return pipe_step_cost(self.lanes, running)
 
 
 def make_speculation(config: SpeculativeConfig | None, num_loops: int, per_token_exits: bool = False) -> NoSpeculation:

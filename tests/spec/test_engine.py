@@ -27,6 +27,10 @@ def spec(k: int, d: int) -> dict:
             "disable_by_batch_size": None}
 
 
+# the depth pipeline (scheme 2, tests/spec/test_pipeline_engine.py), pinned on: the stop tests below run both schemes
+PIPE = {"method": "loop", "scheme": "pipeline", "draft_loops": 1, "adaptive": False, "disable_by_batch_size": None}
+
+
 def engine(model: str | None = None, speculative: dict | None = None, **kw) -> LLMEngine:
     kw.setdefault("dtype", "float32")
     kw.setdefault("device", "cpu")
@@ -172,14 +176,15 @@ def test_max_tokens_inside_an_accepted_run(demo_prompts, max_tokens):
     assert_same(out, drain(engine(), reqs))
 
 
-def test_stop_token_eos_and_stop_string_inside_an_accepted_run(demo_prompts):
+@pytest.mark.parametrize("speculative", [spec(4, 1), PIPE], ids=["draft_verify", "pipeline"])
+def test_stop_token_eos_and_stop_string_inside_an_accepted_run(demo_prompts, speculative):
     plain = drain(engine(), {"r": (demo_prompts[0], GREEDY)})["r"]
     # a token the greedy continuation produces mid-way, never as a round's first token only
     stop_at = plain.token_ids[6]
     reqs = {"stop_id": (demo_prompts[0], GREEDY.clone(stop_token_ids=[stop_at])),
             "eos": (demo_prompts[0], GREEDY.clone(ignore_eos=False)),
             "text": (demo_prompts[0], GREEDY.clone(stop=["new Python"]))}
-    out = drain(engine(speculative=spec(4, 1)), reqs)
+    out = drain(engine(speculative=speculative), reqs)
     ref = drain(engine(), reqs)
     assert_same(out, ref)
     assert out["stop_id"].token_ids[-1] == stop_at and out["stop_id"].stop_reason == stop_at
@@ -187,7 +192,8 @@ def test_stop_token_eos_and_stop_string_inside_an_accepted_run(demo_prompts):
     assert len(out["text"].token_ids) < len(plain.token_ids)
 
 
-def test_eos_inside_an_accepted_run(tiny_gqa, tiny_factory):
+@pytest.mark.parametrize("speculative", [spec(4, 1), PIPE], ids=["draft_verify", "pipeline"])
+def test_eos_inside_an_accepted_run(tiny_gqa, tiny_factory, speculative):
     """A checkpoint whose EOS is a token the greedy continuation produces mid-way: speculative rounds stop
     there as plain decoding does (the committed run's tokens after it are dropped)."""
     prompt = ids(6, 7)
@@ -195,7 +201,7 @@ def test_eos_inside_an_accepted_run(tiny_gqa, tiny_factory):
     index = next(i for i, t in enumerate(free.token_ids) if i >= 3 and t not in free.token_ids[:i])
     eos = tiny_factory(0, eos_token_id=free.token_ids[index])
     reqs = {"r": (prompt, GREEDY.clone(max_tokens=16, ignore_eos=False))}
-    eng = engine(str(eos.path), spec(4, 1), block_size=4)
+    eng = engine(str(eos.path), speculative, block_size=4)
     out = drain(eng, reqs)
     assert out["r"].token_ids == free.token_ids[:index + 1] and out["r"].finish_reason == "stop"
     assert_same(out, drain(engine(str(eos.path), block_size=4), reqs))

@@ -181,18 +181,24 @@ def test_a_speculative_bucket_holds_rows_not_only_tokens(tiny_gqa):
     assert graphs.find(plan(1, 5, 5)) is None  # a longer query than the graph's: eager
 
 
+PIPE = {"method": "loop", "scheme": "pipeline", "draft_loops": 1, "adaptive": False, "disable_by_batch_size": None}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_real_cuda_graphs_equal_eager(tiny_gqa, params):
+@pytest.mark.parametrize("speculative, families", [(spec(3, 1), ("spec", "spec_draft")), (PIPE, ("pipe",))],
+                         ids=["draft_verify", "pipeline"])
+def test_real_cuda_graphs_equal_eager(tiny_gqa, params, speculative, families):
+    """Both schemes' graph families (the pipeline's: tests/spec/test_pipeline_graphs.py)."""
     kw = {"model": str(tiny_gqa.path), "dtype": "float32", "device": "cuda", "skip_tokenizer_init": True,
           "block_size": 8, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 128,
-          "attention_backend": "triton", "num_kv_blocks": 512, "speculative_config": spec(3, 1)}
+          "attention_backend": "triton", "num_kv_blocks": 512, "speculative_config": speculative}
     reqs, arrivals = requests(params)
     eng = LLMEngine(EngineArgs(**kw))
     assert eng.runner.graphs is not None
     graphed = drain(eng, reqs, arrivals)
-    assert spec_replays(eng) > 20
+    assert sum(eng.runner.graphs.replays[f] for f in families) > 20
     assert_same(graphed, drain(LLMEngine(EngineArgs(**kw, enforce_eager=True)), reqs, arrivals))
     plain = {k: v for k, v in kw.items() if k != "speculative_config"}
     assert_same(graphed, drain(LLMEngine(EngineArgs(**plain, enforce_eager=True)), reqs, arrivals))

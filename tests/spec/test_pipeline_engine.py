@@ -126,34 +126,13 @@ def test_prefix_caching(demo_prompts):
     assert_same(out, drain(engine(), reqs, arrivals={"b": 30}))
 
 
-# --- stops inside a committed run -------------------------------------------------------------------
+# --- stops inside a committed run (stop ids, EOS, stop strings: tests/spec/test_engine.py, both schemes) -------------------------------------------------------------------
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 5, 7])
 def test_max_tokens_inside_a_committed_run(demo_prompts, max_tokens):
     reqs = {"r": (demo_prompts[0], GREEDY.clone(max_tokens=max_tokens, exit_threshold=0.5))}
     out = drain(engine(speculative=pipe(1)), reqs)
     assert len(out["r"].token_ids) == max_tokens and out["r"].finish_reason == "length"
     assert_same(out, drain(engine(), reqs))
-
-
-def test_stop_token_and_stop_string(demo_prompts):
-    plain = drain(engine(), {"r": (demo_prompts[0], GREEDY)})["r"]
-    stop_at = plain.token_ids[6]
-    reqs = {"stop_id": (demo_prompts[0], GREEDY.clone(stop_token_ids=[stop_at])),
-            "eos": (demo_prompts[0], GREEDY.clone(ignore_eos=False)),
-            "text": (demo_prompts[0], GREEDY.clone(stop=["new Python"]))}
-    out = drain(engine(speculative=pipe(1)), reqs)
-    assert_same(out, drain(engine(), reqs))
-    assert out["stop_id"].token_ids[-1] == stop_at and out["text"].finish_reason == "stop"
-
-
-def test_eos_inside_a_committed_run(tiny_gqa, tiny_factory):
-    prompt = ids(6, 7)
-    free = drain(engine(str(tiny_gqa.path), block_size=4), {"r": (prompt, GREEDY.clone(max_tokens=16))})["r"]
-    index = next(i for i, t in enumerate(free.token_ids) if i >= 3 and t not in free.token_ids[:i])
-    eos = tiny_factory(0, eos_token_id=free.token_ids[index])
-    reqs = {"r": (prompt, GREEDY.clone(max_tokens=16, ignore_eos=False))}
-    out = drain(engine(str(eos.path), pipe(1), block_size=4), reqs)
-    assert out["r"].token_ids == free.token_ids[:index + 1] and out["r"].finish_reason == "stop"
 
 
 # --- abort, preemption ------------------------------------------------------------------------------

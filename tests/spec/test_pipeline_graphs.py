@@ -5,15 +5,12 @@ scratch slot, frozen); the GPU test captures real CUDA graphs.
 
 What must hold: tokens, exit depths and logprobs with graphs equal those without and those of plain
 decoding (greedy and seeded sampling, adaptive exits), with pipelining requests padded into larger buckets
-and batched with plain requests; every step of lane rows without a prefill chunk replays a graph."""
+and batched with plain requests; every step of lane rows without a prefill chunk replays a graph. The real CUDA
+graphs' GPU test is tests/spec/test_graphs.py's, run for both schemes."""
 from __future__ import annotations
 
 import pytest
-import torch
 from spec.test_graphs import GREEDY, SAMPLED, assert_same, drain, make, requests, watch
-
-from loopline.config import EngineArgs
-from loopline.engine import LLMEngine
 
 
 def pipe(d: int) -> dict:
@@ -44,20 +41,3 @@ def test_pipeline_captures_its_family_only(tiny_gqa):
     assert [f.name for f in on.families] == ["decode", "mixed", "pipe"]
     assert {(s.max_query_len, s.work) for s in on.families[2].shapes} == {(1, 0)}
     assert all(s.counts[1][0] % 4 == 0 for s in on.families[2].shapes)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_real_cuda_graphs_equal_eager(tiny_gqa, params):
-    kw = {"model": str(tiny_gqa.path), "dtype": "float32", "device": "cuda", "skip_tokenizer_init": True,
-          "block_size": 8, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 128,
-          "attention_backend": "triton", "num_kv_blocks": 512, "speculative_config": pipe(1)}
-    reqs, arrivals = requests(params)
-    eng = LLMEngine(EngineArgs(**kw))
-    assert eng.runner.graphs is not None
-    graphed = drain(eng, reqs, arrivals)
-    assert eng.runner.graphs.replays["pipe"] > 20
-    assert_same(graphed, drain(LLMEngine(EngineArgs(**kw, enforce_eager=True)), reqs, arrivals))
-    plain = {k: v for k, v in kw.items() if k != "speculative_config"}
-    assert_same(graphed, drain(LLMEngine(EngineArgs(**plain, enforce_eager=True)), reqs, arrivals))
