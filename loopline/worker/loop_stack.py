@@ -18,18 +18,29 @@ kinds, the builder and the graphs never branch on a family:
 
 Static shapes: every row of a step runs the prelude and the coda (a CUDA graph cannot pick rows on the
 device). A row that does not start a token writes its prelude K/V to the scratch slot, so the prelude
-plane holds each token's K/V from the step it started in; a row writes its coda K/V at every loop, the
-last write (its exit loop's) being the one later tokens read.
+plane holds each token's K/V from the step it started in; a row writes its coda K/V each time its coda
+runs, the last write (its exit loop's) being the one later tokens read.
+
+Huginn's stages are skipped where no row needs them (docs/model-families.md, 'Cost'): the coda's output
+matters only for a row that exits at this loop (its logits; later tokens read the exit loop's coda K/V),
+the prelude only for a row that starts a token. The host knows which rows those are for prompt chunks
+(their loop) and for decode rows at fixed iterations (``fixed_loops.py``); every other decode row (the
+convergence exit reads ``p_r`` at every loop) may. :meth:`HuginnStack.plan` names the stages a step needs
+as step features (``STAGED`` plus ``PRELUDE`` / ``CODA``): graph variants without a stage skip it, and an
+eager decode-only step (``COMPACT``) runs each stage over its rows that need it only, gathered. A shape
+without ``STAGED`` runs every stage for every row.
 """
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from collections import Counter
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from loopline.attention.base import PagedAttentionMetadata
+from loopline.attention.base import PagedAttentionMetadata, build_work_tiles
 from loopline.attention.paged import PagedAttention
 from loopline.models.family import family_of
 from loopline.models.ops import Rope
@@ -39,8 +50,16 @@ from loopline.worker.decode_state import (
     DeviceDecodeState,
     SlotOps,
 )
+from loopline.worker.fixed_loops import FixedLoops
+from loopline.worker.lookahead_plan import Compacted
+from loopline.worker.row_kinds import DecodeOut
 from loopline.worker.staging import stage
-from loopline.worker.step_inputs import Segment, StepInputs
+from loopline.worker.step_inputs import Segment, StepInputs, StepPlan, StepShape
+
+# step features of Huginn's stages (StepShape.features): STAGED says the others are authoritative (a shape
+# without it runs every stage); PRELUDE / CODA: some row needs that stage; COMPACT (eager decode-only steps):
+# each stage runs over the rows that need it only
+STAGED, PRELUDE, CODA, COMPACT = "staged", "prelude", "coda", "compact"
 
 
 class OuroStack:
@@ -96,6 +115,25 @@ class OuroStack:
     def reserve(self, tokens: int, rows: int, width: int) -> None:
         """Buffers for steps up to this size (before graphs capture views of them): none."""
 
+    # --- what a step needs of the loop (Ouro: everything, every step) ------------------------------
+    graph_variants: tuple[tuple[str, frozenset[str]], ...] = (("", frozenset()),)
+    """``(family name suffix, step features)`` of the decode graphs to capture, leanest first; the last runs
+    everything (mixed steps' graphs use it)."""
+
+    def plan(self, plan: StepPlan) -> None:
+        """A step is launched with these rows: the step features the loop needs (none)."""
+
+    def eager(self, shape: StepShape) -> StepShape:
+        """The shape an eager step of the planned step runs at (its exact one)."""
+        return shape
+
+    def compact(self, dec: DecodeOut) -> Compacted:
+        """The decode rows that sampling takes (every row: logits were computed for all)."""
+        return Compacted(dec, None, None)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished."""
+
 
 class HuginnStack:
     """Huginn's loop (module docstring): prelude for rows starting a token, one core iteration, the coda.
@@ -105,8 +143,19 @@ class HuginnStack:
     keeps_injected = True
 
     def __init__(self, model: Any, *, state: DeviceDecodeState, slot_hidden: Tensor, requests: dict,
-                 planes: dict[str, int], dtype: torch.dtype, **_: Any) -> None:
+                 planes: dict[str, int], dtype: torch.dtype, no_refill: bool = False, per_token_exits: bool = False,
+                 tile_tokens: int | None = None, **_: Any) -> None:
         self.model, self.state, self.slot_hidden, self.requests = model, state, slot_hidden, requests
+        # which decode rows start a token or exit, counted on the host (fixed iterations)
+        self.fixed = FixedLoops(no_refill=no_refill, per_token_exits=per_token_exits)
+        self.tile_tokens = tile_tokens  # the attention's work-tile size (None: no work lists)
+        # the planned step, and per stage (prelude, coda) its decode rows and prompt chunks that need it
+        self._plan: StepPlan | None = None
+        self._need: tuple = ((np.zeros(0, np.int64),) * 2,) * 2
+        self._sub: tuple[_Subset | None, _Subset | None] = (None, None)  # the same on the device (COMPACT steps)
+        self._coda_rows: Tensor | None = None  # the decode rows the last forward's coda ran for (None: every row)
+        #: tokens planned, and of them those an eager run gives the prelude / the coda (what the skip saves)
+        self.stage_rows: Counter = Counter()
         family = family_of(model)
         self.criterion, vocab = family.exit_criterion, family.logits_size(model.config)
         self.device, self.dtype = state.device, dtype
@@ -216,36 +265,128 @@ class HuginnStack:
         self.starts[t + n_tok:inp.x.shape[0]] = False
         step_tables[:, r + len(rows):] = self.scratch_block
 
+    # --- which stages a step runs (module docstring) ------------------------------------------------
+    graph_variants = (("_core", frozenset({STAGED})), ("_prelude", frozenset({STAGED, PRELUDE})),
+                      ("_coda", frozenset({STAGED, CODA})), ("", frozenset({STAGED, PRELUDE, CODA})))
+
+    def plan(self, plan: StepPlan) -> None:
+        """The stages the step's rows need, as step features: the prelude for prompt chunks at loop 1 and
+        decode rows that may start a token, the coda for chunks at their prompt's last loop and decode rows
+        that may exit (``fixed_loops.py``; the counts advance: call once per launched step)."""
+        dec, chunks, requests = plan.kinds[0], plan.kinds[-1], self.requests
+        starts, exits = self.fixed.step(dec.rows, chunks.rows, lambda rid: requests[rid].prefill_loops)
+        first = np.fromiter((r.loop == 1 for r in chunks.rows), bool, len(chunks.rows))
+        last = np.fromiter((r.loop == requests[r.request_id].prefill_loops for r in chunks.rows), bool, len(chunks.rows))
+        self._need = ((np.flatnonzero(starts), np.flatnonzero(first)), (np.flatnonzero(exits), np.flatnonzero(last)))
+        features = {STAGED} | {name for name, (d, c) in zip((PRELUDE, CODA), self._need) if len(d) or len(c)}
+        plan.features = plan.features | features
+        self._plan, self._sub = plan, (None, None)
+        self.stage_rows["tokens"] += sum(part.num_tokens for part in plan.kinds)
+        for name, (d, c) in zip((PRELUDE, CODA), self._need):  # (as an eager run gathers them)
+            self.stage_rows[name] += len(d) + int(_chunk_lens(chunks)[c].sum())
+
+    def eager(self, shape: StepShape) -> StepShape:
+        """An eager step (exact sizes) runs each stage for the rows that need it only, gathered
+        (``COMPACT``); a graph's bucket runs a stage for all its rows."""
+        if STAGED not in shape.features or len(self._plan.kinds) != 2:  # (speculative rows: not Huginn's)
+            return shape
+        self._sub = tuple(self._subset(shape, d, c) for d, c in self._need)
+        return dataclasses.replace(shape, features=shape.features | {COMPACT})
+
+    def _subset(self, shape: StepShape, dec_rows: np.ndarray, chunk_rows: np.ndarray) -> _Subset | None:
+        """The step's decode rows ``dec_rows`` and prompt chunks ``chunk_rows`` as one stage's rows and tokens,
+        with their attention's query offsets (and work list where the step has one); None: every row."""
+        dec, chunks = self._plan.kinds
+        nd = dec.num_rows
+        if not len(dec_rows) and not len(chunk_rows) or len(dec_rows) + len(chunk_rows) == nd + chunks.num_rows:
+            return None
+        lens = _chunk_lens(chunks)[chunk_rows]
+        starts = chunks.host.offsets[chunk_rows] + nd if len(chunk_rows) else np.zeros(0, np.int64)
+        tokens = np.concatenate([dec_rows, *(np.arange(a, a + n) for a, n in zip(starts, lens))]).astype(np.int64)
+        q = np.concatenate([np.ones(len(dec_rows), np.int64), lens])
+        qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+        rows = np.concatenate([dec_rows, nd + chunk_rows]).astype(np.int64)
+        work = None
+        if shape.work and len(chunk_rows):
+            work = build_work_tiles(lens, self.tile_tokens or 64, first_row=len(dec_rows))
+        staged = stage(self.device, tokens, rows, qsl, dec_rows.astype(np.int64), *([work] if work is not None else []))
+        return _Subset(*staged[:4], int(q.max()), staged[4] if work is not None else None,
+                       len(dec_rows) if work is not None else 0, len(dec_rows) == nd)
+
+    def compact(self, dec: DecodeOut | None) -> Compacted:
+        """The decode rows sampling takes: those that may exit (their logits were computed for them only in
+        a ``COMPACT`` step; gathered here after a graph's)."""
+        if dec is None:
+            return Compacted(None, None, None)
+        rows = self._need[1][0]
+        if len(rows) == dec.exit.shape[0]:
+            return Compacted(dec, None, None)
+        if not len(rows):
+            return Compacted(None, [], None)
+        sub = self._sub[1]
+        idx = sub.dec_rows if sub is not None else stage(self.device, rows.astype(np.int64))[0]
+        logits = dec.logits if sub is not None else dec.logits[idx]
+        return Compacted(DecodeOut(dec.exit[idx], logits, dec.slots[idx], dec.loops[idx], dec.run[idx],
+                                   dec.token_index[idx]), rows.tolist(), idx)
+
+    def forget(self, request_id: str) -> None:
+        self.fixed.forget(request_id)
+
     # --- the loop ----------------------------------------------------------------------------------
-    def _attn(self, attn: PagedAttention, stage_index: int, tables: Tensor) -> PagedAttention:
-        """The step's attention on the prelude's (0) or the coda's (1) plane."""
+    def _attn(self, attn: PagedAttention, stage_index: int, tables: Tensor, sub: _Subset | None) -> PagedAttention:
+        """The step's attention on the prelude's (0) or the coda's (1) plane, for ``sub``'s rows (None: all)."""
         meta = attn.meta
         T = meta.slot_mapping.shape[0]
-        stage_meta = PagedAttentionMetadata(meta.query_start_loc, meta.seq_lens, tables[stage_index],
-                                            self.slot_mapping[stage_index, :T], meta.max_query_len, meta.max_seq_len,
-                                            meta.work_tiles, meta.num_decode_rows)
+        slots = self.slot_mapping[stage_index, :T]
+        if sub is None:
+            stage_meta = PagedAttentionMetadata(meta.query_start_loc, meta.seq_lens, tables[stage_index], slots,
+                                                meta.max_query_len, meta.max_seq_len, meta.work_tiles,
+                                                meta.num_decode_rows)
+        else:
+            stage_meta = PagedAttentionMetadata(sub.qsl, meta.seq_lens[sub.rows], tables[stage_index][sub.rows],
+                                                slots[sub.tokens], sub.max_query_len, meta.max_seq_len, sub.work,
+                                                sub.num_decode_rows)
         return PagedAttention(attn.backend, attn.k_cache, attn.v_cache, stage_meta, attn.scale,
                               k_scale=attn.k_scale, v_scale=attn.v_scale)
+
+    def _stage(self, fn: Any, x: Tensor, pos: Tensor, attn: PagedAttention, stage_index: int, tables: Tensor,
+               sub: _Subset | None, base: Tensor) -> Tensor:
+        """``fn(x, positions, attention)`` (the prelude or the coda) over the step's tokens, or ``sub``'s
+        (then scattered into ``base``: the other tokens' values)."""
+        if sub is not None:
+            x, pos = x[sub.tokens], pos[sub.tokens]
+        one, zero = (t.expand(x.shape[0], -1) for t in self._identity)
+        out = fn(x, pos, _PreRotated(self._attn(attn, stage_index, tables, sub), one, zero))
+        return out if sub is None else base.index_copy(0, sub.tokens, out)
 
     def __call__(self, inp: StepInputs, attn: PagedAttention) -> tuple[Tensor, Tensor]:
         model, T = self.model, inp.x.shape[0]
         rows, width = inp.block_tables.shape
         self.reserve(T, rows, width)
         tables = self._tables(rows, width)
-        pos, starts = inp.positions, self.starts[:T, None]
-        one, zero = (t.expand(T, -1) for t in self._identity)
-        e = model.prelude(self.ids[:T], pos, _PreRotated(self._attn(attn, 0, tables), one, zero))
-        e = torch.where(starts, e, self.injected_in[:T])
+        pos, starts, features = inp.positions, self.starts[:T, None], inp.shape.features
+        staged = STAGED in features
+        pre_sub, coda_sub = self._sub if COMPACT in features else (None, None)
+        e = self.injected_in[:T]  # a row not starting a token injects its kept prelude output
+        if not staged or PRELUDE in features:
+            e = torch.where(starts, self._stage(model.prelude, self.ids[:T], pos, attn, 0, tables, pre_sub, e), e)
         s0 = model.initial_state(e, pos, self.seeds[:T])
         s = torch.where(starts, s0, inp.x)
+        one, zero = (t.expand(T, -1) for t in self._identity)
         s, _ = model.core(s, e, pos, _PreRotated(attn, one, zero))
-        y = model.coda_hidden(s, pos, _PreRotated(self._attn(attn, 1, tables), one, zero))
+        y = None  # (no row needs the coda: none exits, no chunk ends its prompt)
+        if not staged or CODA in features:
+            # (tokens outside the subset keep the core's output: nothing reads their coda)
+            y = self._stage(model.coda_hidden, s, pos, attn, 1, tables, coda_sub, s)
         self._out = (y, e)
+        self._coda_rows = None if coda_sub is None or coda_sub.all_decode else coda_sub.dec_rows
         # no exit signal: the fixed-depth rule reads none (the convergence exit reads logits)
         return s, torch.zeros(T, dtype=torch.float32, device=s.device)
 
     def head_input(self, h: Tensor, lo: int, hi: int) -> Tensor:
-        return self._out[0][lo:hi]
+        # NOTE: without the coda nothing reads this (no chunk ends its prompt): the core's output stands in
+        y = self._out[0]
+        return h if y is None else y[lo:hi]
 
     def injected(self, lo: int, hi: int) -> Tensor | None:
         return self._out[1][lo:hi]
@@ -254,13 +395,23 @@ class HuginnStack:
         """Decode rows' exit after this loop by the family's criterion on the coda's logits (the
         convergence test: ``KL(p_{r-1} || p_r) < threshold`` from ``min_loops`` on, always at ``max_loops``;
         ``p_0`` uniform), and their slots' latent state, ``log p`` and prelude output kept."""
-        self._logits = logits = self.model.head(self._out[0][lo:hi])
-        prev = torch.where((d.loops == 1)[:, None], self._uniform, self.slot_logp[d.slots])
-        ex, logp = self.criterion.decide(d.loops, prev, logits, d.min_loops, d.max_loops, d.threshold)
-        self.slot_logp[d.slots] = logp
+        y, rows = self._out[0], self._coda_rows
         self.slot_hidden[d.slots] = h
         self.slot_injected[d.slots] = self._out[1][lo:hi]
-        return ex
+        fixed = d.loops >= d.max_loops  # the rule of a row without the coda: the host knows it does not exit
+        if y is None:
+            self._logits = None
+            return fixed
+        # the rows the coda ran for (a COMPACT step's; the others keep ``fixed``)
+        y = y[lo:hi] if rows is None else y[lo:hi][rows]
+        slots, loops = (d.slots, d.loops) if rows is None else (d.slots[rows], d.loops[rows])
+        self._logits = logits = self.model.head(y)
+        prev = torch.where((loops == 1)[:, None], self._uniform, self.slot_logp[slots])
+        sub = (d.min_loops, d.max_loops, d.threshold) if rows is None else (d.min_loops[rows], d.max_loops[rows],
+                                                                             d.threshold[rows])
+        ex, logp = self.criterion.decide(loops, prev, logits, *sub)
+        self.slot_logp[slots] = logp
+        return ex if rows is None else fixed.index_copy(0, rows, ex)
 
     def decode_logits(self, h: Tensor, ex: Tensor, lo: int, hi: int) -> Tensor:
         return self._logits
@@ -268,6 +419,24 @@ class HuginnStack:
     def set_slot(self, slot: int, seed: int) -> None:
         """A request's latent seed in its decode slot (when it arrives)."""
         self.slot_seed[slot] = seed
+
+
+class _Subset(NamedTuple):
+    """One stage's rows in an eager step (``HuginnStack.eager``): decode rows first, then whole prompt chunks."""
+
+    tokens: Tensor  # [n] int64, the step's tokens
+    rows: Tensor  # [r] int64, the step's rows
+    qsl: Tensor  # [r + 1] int32, query offsets among the subset's tokens
+    dec_rows: Tensor  # [k] int64, its decode rows (the first k rows and tokens)
+    max_query_len: int
+    work: Tensor | None  # the chunks' work list, where the step's attention has one
+    num_decode_rows: int  # (with a work list: the first k rows)
+    all_decode: bool  # every decode row of the step is in it
+
+
+def _chunk_lens(chunks: Any) -> np.ndarray:
+    """Tokens of each prompt chunk of a step (``KindRows`` of the prefill kind)."""
+    return np.diff(chunks.host.offsets) if chunks.num_rows else np.zeros(0, np.int64)
 
 
 class _PreRotated:
