@@ -212,3 +212,30 @@ def test_spec_decode_counters_count_judged_drafts(demo_prompts):
     assert 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens
     assert st.spec_accepted_per_pos == [st.spec_num_accepted_tokens]
     assert st.spec_mean_acceptance_length == pytest.approx(1 + st.spec_num_accepted_tokens / st.spec_num_drafts)
+
+
+# --- through LLM and AsyncLLM -----------------------------------------------------------------------
+def test_llm_generate_and_async_llm_stream_equal_plain_decoding(demo_prompts):
+    """``LLM.generate`` and AsyncLLM's DELTA stream (the serving path) with the pipeline: the committed runs
+    arrive in order and the completions equal plain decoding's."""
+    import asyncio
+
+    from loopline import LLM, AsyncLLM
+    from loopline.sampling_params import RequestOutputKind
+
+    params = GREEDY.clone(max_tokens=20, exit_threshold=0.5)
+    plain = drain(engine(), {"r": (demo_prompts[0], params)})["r"]
+    llm = LLM(device="cpu", dtype="float32", speculative_config=pipe(1))
+    (out,) = llm.generate([{"prompt_token_ids": demo_prompts[0]}], params, use_tqdm=False)
+    assert_same({"r": out.outputs[0]}, {"r": plain})
+
+    async def stream(alm) -> list[int]:
+        delta = params.clone(output_kind=RequestOutputKind.DELTA, logprobs=None)
+        return [t async for o in alm.generate({"prompt_token_ids": demo_prompts[0]}, delta, "r")
+                for t in o.outputs[0].token_ids]
+
+    alm = AsyncLLM(EngineArgs(device="cpu", dtype="float32", max_num_seqs=2, speculative_config=pipe(1)))
+    try:
+        assert asyncio.run(stream(alm)) == plain.token_ids
+    finally:
+        alm.shutdown()
