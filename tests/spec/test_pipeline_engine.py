@@ -239,3 +239,30 @@ def test_llm_generate_and_async_llm_stream_equal_plain_decoding(demo_prompts):
         assert asyncio.run(stream(alm)) == plain.token_ids
     finally:
         alm.shutdown()
+
+
+# --- across engines -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["pd", "dp"])
+def test_pd_decode_workers_and_dp_replicas_pipeline(tiny_gqa, layout):
+    """A PD decode worker resumes a handed-off request with an empty lane ring and pipelines it; each DP
+    replica pipelines its own requests; outputs equal one plain engine's (tests/spec/test_distributed.py's
+    workload: greedy and seeded, adaptive exits)."""
+    from spec.test_distributed import BASE, plain_outputs, served, settled, workload
+    from spec.test_distributed import assert_same as assert_same_outputs
+
+    from loopline import AsyncLLM
+
+    requests = workload()
+    scale = {"prefill_workers": 1, "decode_workers": 1, "max_num_batched_tokens": 8} if layout == "pd" \
+        else {"data_parallel_size": 2}
+    llm = AsyncLLM(EngineArgs(model=str(tiny_gqa.path), speculative_config=pipe(1), **scale, **BASE))
+    try:
+        got = served(llm, requests)
+        snaps = settled(llm)
+    finally:
+        llm.shutdown()
+    assert_same_outputs(got, plain_outputs(tiny_gqa, requests))
+    if layout == "pd":  # (replicas: the prefill worker, then the decode worker)
+        assert len(snaps) == 2 and snaps[0].spec_num_draft_tokens == 0
+        snaps = snaps[1:]
+    assert all(s.spec_num_draft_tokens > 0 for s in snaps)
