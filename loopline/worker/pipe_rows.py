@@ -221,13 +221,16 @@ class PipeRounds:
         heads = [r for _, r in self._lane0(rows)]
         if not heads:
             return
-        ring, L = self.ring, self.ring.lanes
+        ring = self.ring
         slots = self._slots(heads)
         due = ring.valid[slots] & (ring.exit_loop[slots] == 0) & (ring.loop[slots] == self.head.depth)  # [M, L]
-        logits = self.head(ring.hidden[slots].flatten(0, 1), due.flatten())
-        states = [self.requests[r.request_id] for r in heads for _ in range(L)]
-        drafted = self.drafts(logits, states, self._index(slots)).view(-1, L)
-        ring.draft[slots] = torch.where(due, drafted, ring.draft[slots])
+        # NOTE: at most one lane of a slot runs loop d in a step (live lanes entered in different steps, and each
+        # runs one loop a step), so the head runs once a slot, on that lane (lane 0, unused, where none did)
+        lane = due.long().argmax(dim=1)
+        any_due = due.any(dim=1)
+        logits = self.head(ring.hidden[slots, lane], any_due)
+        drafted = self.drafts(logits, [self.requests[r.request_id] for r in heads], self.state.token_index[slots] + lane)
+        ring.draft[slots, lane] = torch.where(any_due, drafted, ring.draft[slots, lane])
 
     def verify_part(self, rows: list[ScheduledRow], row0: int) -> VerifyPart | None:
         """Every lane of the pipelining requests among ``rows`` (step rows from ``row0``) as a target row, its

@@ -266,3 +266,24 @@ def test_pd_decode_workers_and_dp_replicas_pipeline(tiny_gqa, layout):
         assert len(snaps) == 2 and snaps[0].spec_num_draft_tokens == 0
         snaps = snaps[1:]
     assert all(s.spec_num_draft_tokens > 0 for s in snaps)
+
+
+@pytest.mark.parametrize("d, threshold", [(1, 1.0), (2, 0.5)])
+def test_engine_steps_as_the_reference_steps(demo_prompts, d, threshold):
+    """The engine's pipeline takes the reference's decode steps to the step (a draft entering a step late,
+    or a lane missing its draft, shows here even where outputs stay exact): tools/spec_pipeline_engine_steps.py."""
+    import torch
+
+    from loopline.models.loader import load_model
+    from loopline.models.tiny import default_checkpoint
+    from loopline.spec import SpeculativeConfig
+    from loopline.spec.reference import speculative_generate
+
+    model = load_model(default_checkpoint(), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = speculative_generate(model, demo_prompts[0], 24, SpeculativeConfig(scheme="pipeline", draft_loops=d),
+                                   exit_threshold=threshold)
+    eng = engine(speculative=pipe(d), async_scheduling=False)
+    out = drain(eng, {"r": (demo_prompts[0], GREEDY.clone(max_tokens=24, exit_threshold=threshold))})
+    assert out["r"].token_ids == list(ref.tokens)
+    assert eng.stats.steps - eng.stats.prefill_steps == ref.steps
