@@ -68,6 +68,29 @@ def check_huginn(tmp_path, eager, exit_kw, **config):
         assert got.token_logprobs == pytest.approx(ref.logprobs, abs=1e-3), rid
 
 
+@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+def test_huginn_stage_variants_in_graphs_equal_eager(tmp_path, mode):
+    """Huginn at fixed iterations (up to 8, requests at different depths and phases): decode steps where no row
+    starts a token or exits replay the graph variants without the prelude, the coda or both; tokens, exit
+    iterations and logprobs equal the same engine run eagerly (whose steps gather each stage's rows)."""
+    from loopline.models.huginn_tiny import make_tiny_huginn_checkpoint
+
+    path = make_tiny_huginn_checkpoint(tmp_path / "h", seed=0, mean_recurrence=8)
+    reqs = {rid: (p, SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True, max_loops=8 - 2 * i))
+            for i, (rid, p) in enumerate(PROMPTS.items())}
+    outs = {}
+    for eager in (True, False):
+        eng = engine(path, eager, scheduling_mode=mode)
+        outs[eager] = run_arrivals(eng, reqs, {"c": 2, "d": 5})
+        if DEVICE == "cuda" and not eager:
+            replays = eng.runner.graphs.replays
+            assert replays["decode_core"] > 0 and replays["decode_prelude"] + replays["decode_coda"] > 0, replays
+    for rid in reqs:
+        a, b = outs[True][rid].outputs[0], outs[False][rid].outputs[0]
+        assert (a.token_ids, a.exit_depths) == (b.token_ids, b.exit_depths), rid
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-3), rid
+
+
 def test_lookahead_in_graphs_equals_eager(tmp_path):
     from worker.test_lookahead_engine import random_head
 

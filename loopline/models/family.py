@@ -245,12 +245,16 @@ def _ouro_loop_reads(c: Any) -> tuple[int, int, int]:
 
 
 def _huginn_loop_reads(c: Any) -> tuple[int, int, int]:
-    """The engine runs the prelude, the adapter, the core block and the coda every loop (static shapes):
-    their weights and the K/V of their layers' planes; ``lm_head`` (the convergence exit reads logits)."""
+    """Every loop runs the adapter and the core block; the coda and ``lm_head`` run in a step where a token
+    exits, the prelude in the step that starts the next one (as many at refill), so they count as the head
+    (docs/model-families.md, 'Cost'; at the convergence exit every step runs them: a lower bound there).
+    K/V: every stage's layers, per position and loop."""
     h = c.hidden_size
     layer = h * (h + 2 * c.kv_size) + h * h + 3 * h * c.intermediate_size + 4 * h
-    layers = c.n_layers_in_prelude + c.n_layers_in_recurrent_block + c.n_layers_in_coda
-    return layers * layer + 2 * h * h + h, c.padded_vocab_size * h, 2 * layers * c.kv_size
+    ends = c.n_layers_in_prelude + c.n_layers_in_coda
+    layers = ends + c.n_layers_in_recurrent_block
+    return (c.n_layers_in_recurrent_block * layer + 2 * h * h + h, ends * layer + c.padded_vocab_size * h,
+            2 * layers * c.kv_size)
 
 
 def _huginn_parameters(config: Any) -> int:

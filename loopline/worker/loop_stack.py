@@ -10,25 +10,25 @@ kinds, the builder and the graphs never branch on a family:
   ``model.head`` of the loop's output. Nothing beyond what the engine did before the seam.
 * :class:`HuginnStack`: rows starting a token run the prelude (attention over the prelude plane) and
   draw the seeded latent initial state; every row then runs one core iteration (adapter injection of the
-  token's prelude output, the core block, attention over the loop's plane) and the coda (attention over
-  the coda plane), whose output is what the head reads. The prelude output is kept per token (decode:
+  token's prelude output, the core block, attention over the loop's plane) and, where its output matters,
+  the coda (attention over the coda plane), whose output is what the head reads. The prelude output is kept per token (decode:
   per slot; prompts: per position) for the token's later loops. The extra per-token inputs (token ids,
   whether the row starts its token, latent seeds, the kept prelude output, the prelude and coda planes'
   KV slots and block tables) live in buffers of this object, allocated only for Huginn.
 
-Static shapes: every row of a step runs the prelude and the coda (a CUDA graph cannot pick rows on the
-device). A row that does not start a token writes its prelude K/V to the scratch slot, so the prelude
-plane holds each token's K/V from the step it started in; a row writes its coda K/V each time its coda
-runs, the last write (its exit loop's) being the one later tokens read.
+A stage that runs for a row that does not need it changes nothing: a row that does not start a token
+writes its prelude K/V to the scratch slot, so the prelude plane holds each token's K/V from the step it
+started in; a row writes its coda K/V each time its coda runs, the last write (its exit loop's) being the
+one later tokens read.
 
 Huginn's stages are skipped where no row needs them (docs/model-families.md, 'Cost'): the coda's output
 matters only for a row that exits at this loop (its logits; later tokens read the exit loop's coda K/V),
 the prelude only for a row that starts a token. The host knows which rows those are for prompt chunks
 (their loop) and for decode rows at fixed iterations (``fixed_loops.py``); every other decode row (the
 convergence exit reads ``p_r`` at every loop) may. :meth:`HuginnStack.plan` names the stages a step needs
-as step features (``STAGED`` plus ``PRELUDE`` / ``CODA``): graph variants without a stage skip it, and an
-eager decode-only step (``COMPACT``) runs each stage over its rows that need it only, gathered. A shape
-without ``STAGED`` runs every stage for every row.
+as step features (``STAGED`` plus ``PRELUDE`` / ``CODA``): graph variants without a stage skip it (a graph
+runs a stage for all its rows: it cannot pick rows on the device), and an eager step (``COMPACT``) runs each
+stage over its rows that need it only, gathered. A shape without ``STAGED`` runs every stage for every row.
 """
 from __future__ import annotations
 

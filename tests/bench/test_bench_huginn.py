@@ -44,7 +44,11 @@ def test_huginn_3_5b_config_is_huginn_0125():
     assert cfg == huginn.HuginnConfig() and build is huginn.HuginnForCausalLM
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.mean_recurrence, cfg.padded_vocab_size) == (5280, 55, 32, 65536)
     assert 3.5e9 < huginn.parameter_count(cfg) < 3.6e9
-    # one engine loop reads the 8 layers, the adapter and ln_f (bf16), the head, and 8 layers' K/V per position
+    # one engine loop reads the 4 core layers and the adapter (bf16); a step with an exit also the prelude's and
+    # the coda's 4 layers and lm_head; 8 layers' K/V per position
     reads = ByteModel.for_config(cfg, __import__("torch").bfloat16)
-    assert reads.head == 65536 * 5280 * 2 and reads.kv_per_token_loop == 2 * 8 * 5280 * 2
-    assert 0.8 * 2 * (huginn.parameter_count(cfg) - 65536 * 5280) < reads.body < 2 * huginn.parameter_count(cfg)
+    layer = 2 * (5280 * 3 * 5280 + 5280 * 5280 + 3 * 5280 * 17920 + 4 * 5280)
+    assert reads.head == 65536 * 5280 * 2 + 4 * layer and reads.kv_per_token_loop == 2 * 8 * 5280 * 2
+    assert reads.body == 4 * layer + 2 * (2 * 5280 * 5280 + 5280)
+    assert 0.8 * 2 * (huginn.parameter_count(cfg) - 65536 * 5280) < reads.body + reads.head - 65536 * 5280 * 2 \
+        < 2 * huginn.parameter_count(cfg)
