@@ -65,10 +65,12 @@ class LaneRing:
         self.hidden = torch.zeros(num_slots, lanes, hidden_size, dtype=dtype, device=device)
         self.survival = torch.ones(num_slots, lanes, dtype=torch.float32, device=device)
         self.is_draft = torch.zeros(num_slots, lanes, dtype=torch.bool, device=device)  # input a draft not yet judged
+        self.limit = torch.zeros(num_slots, **i64)  # the request's max_tokens: no lane behind lane 0 computes past it
 
-    def clear(self, slot: int) -> None:
+    def clear(self, slot: int, max_tokens: int) -> None:
         """Nothing in flight: the slot's next pipelining step starts lane 0 from its committed token."""
         self.valid[slot] = False
+        self.limit[slot] = max_tokens
 
     def state(self, slots: Tensor) -> tuple[Tensor, ...]:
         return (self.valid[slots], self.token[slots], self.loop[slots], self.exit_loop[slots], self.draft[slots],
@@ -280,7 +282,9 @@ class PipeRounds:
         # an empty lane behind an exited lane (its target) or one that drafted (its draft) enters at loop 1
         prev_exited = valid[:, :-1] & (exit_loop[:, :-1] > 0)
         prev_drafted = valid[:, :-1] & (exit_loop[:, :-1] == 0) & (loop[:, :-1] >= self.head.depth)
-        enter = ~valid[:, 1:] & (prev_exited | prev_drafted)
+        # (no lane for a token past max_tokens: lane j computes completion index token_index + j)
+        room = (ds.token_index[slots][:, None] + self._lanes[1:]) < ring.limit[slots][:, None]
+        enter = ~valid[:, 1:] & (prev_exited | prev_drafted) & room
         token[:, 1:] = torch.where(enter, torch.where(prev_exited, y[:, :-1], draft[:, :-1]), token[:, 1:])
         loop[:, 1:] = torch.where(enter, 0, loop[:, 1:])
         exit_loop[:, 1:] = torch.where(enter, 0, exit_loop[:, 1:])

@@ -204,11 +204,12 @@ def test_adaptive_stop_returns_to_plain_decoding_exactly(tiny_gqa):
 
 def test_spec_decode_counters_count_judged_drafts(demo_prompts):
     """Each judged draft is a round of one draft (vLLM's counters): at fixed depth with d=1 every committed
-    token but the prompt's first was computed by a lane whose draft was judged at its exit."""
+    token but the prompt's first and the last is input to a lane that entered with a draft (no lane enters
+    for a token past max_tokens), judged when the lane before it exits."""
     eng = engine(speculative=pipe(1))
     drain(eng, {"r": (demo_prompts[0], GREEDY)})
     st = eng.stats
-    assert st.spec_num_drafts == st.spec_num_draft_tokens == GREEDY.max_tokens - 1
+    assert st.spec_num_drafts == st.spec_num_draft_tokens == GREEDY.max_tokens - 2
     assert 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens
     assert st.spec_accepted_per_pos == [st.spec_num_accepted_tokens]
     assert st.spec_mean_acceptance_length == pytest.approx(1 + st.spec_num_accepted_tokens / st.spec_num_drafts)
