@@ -27,7 +27,8 @@ def spec(k: int, d: int) -> dict:
             "disable_by_batch_size": None}
 
 
-# the depth pipeline (scheme 2, tests/spec/test_pipeline_engine.py), pinned on: the stop tests below run both schemes
+# the depth pipeline (scheme 2, tests/spec/test_pipeline_engine.py), pinned on: the stop and abort tests below run
+# both schemes
 PIPE = {"method": "loop", "scheme": "pipeline", "draft_loops": 1, "adaptive": False, "disable_by_batch_size": None}
 
 
@@ -221,8 +222,9 @@ def test_preemption_between_rounds_is_exact(tiny_gqa, async_scheduling):
     assert not eng.runner.pages.snapshots
 
 
-def test_abort_mid_round_frees_everything(demo_prompts):
-    eng = engine(speculative=spec(3, 1))
+@pytest.mark.parametrize("speculative", [spec(3, 1), PIPE], ids=["draft_verify", "pipeline"])
+def test_abort_mid_round_frees_everything(demo_prompts, speculative):
+    eng = engine(speculative=speculative)
     eng.add_request("a", {"prompt_token_ids": demo_prompts[0]}, GREEDY)
     eng.add_request("b", {"prompt_token_ids": demo_prompts[1]}, GREEDY)
     for _ in range(9):

@@ -126,7 +126,7 @@ def test_prefix_caching(demo_prompts):
     assert_same(out, drain(engine(), reqs, arrivals={"b": 30}))
 
 
-# --- stops inside a committed run (stop ids, EOS, stop strings: tests/spec/test_engine.py, both schemes) -------------------------------------------------------------------
+# --- stops inside a committed run (stop ids, EOS, stop strings: tests/spec/test_engine.py, both schemes) ----
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 5, 7])
 def test_max_tokens_inside_a_committed_run(demo_prompts, max_tokens):
     reqs = {"r": (demo_prompts[0], GREEDY.clone(max_tokens=max_tokens, exit_threshold=0.5))}
@@ -135,19 +135,7 @@ def test_max_tokens_inside_a_committed_run(demo_prompts, max_tokens):
     assert_same(out, drain(engine(), reqs))
 
 
-# --- abort, preemption ------------------------------------------------------------------------------
-def test_abort_mid_flight_frees_everything(demo_prompts):
-    eng = engine(speculative=pipe(1))
-    eng.add_request("a", {"prompt_token_ids": demo_prompts[0]}, GREEDY)
-    eng.add_request("b", {"prompt_token_ids": demo_prompts[1]}, GREEDY)
-    for _ in range(9):
-        eng.step()
-    eng.abort_request("a")
-    out = drain(eng, {})
-    assert eng.kv.num_used_blocks == 0 and not eng.scheduler.requests
-    assert_same({"b": out["b"]}, drain(engine(), {"b": (demo_prompts[1], GREEDY)}))
-
-
+# --- preemption (abort mid-flight: tests/spec/test_engine.py, both schemes) ---------------------------------
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_preemption_drops_lanes_and_resumes_exactly(tiny_gqa, async_scheduling):
     reqs = {f"r{i}": (ids(6 + 2 * i, seed=20 + i), GREEDY.clone(max_tokens=14, exit_threshold=0.7, logprobs=0))
