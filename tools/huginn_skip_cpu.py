@@ -2,12 +2,14 @@
 every row (the path before issue #46's skip), in one process on the CPU.
 
 Builds a random Huginn checkpoint (default: hidden 1024, 2 + 4 + 2 layers, fp32, so each layer's weights are a
-sizeable read, as on a GPU), runs the same requests through the engine with the skip and with it switched off
-(every row a candidate for both stages: ``HuginnStack.plan`` told every row needs them), alternating, and
-prints per run: engine steps, the median step time, the rows that ran the prelude / the coda out of the
-tokens planned (``HuginnStack.stage_rows``), and the median ratio of the two settings' step times.
+sizeable read, as on a GPU), runs the same requests through two engines in one process, one with the skip
+and one with it switched off (every row a candidate for both stages: ``HuginnStack.plan`` told every row
+needs them), stepping in turn, and prints the rows that ran the prelude / the coda out of the tokens
+planned (``HuginnStack.stage_rows``), each run's median step times and the median over steps of the
+paired time ratio (robust to a shared CPU's load, which moves both engines of a pair alike).
+``--stagger N`` lets request i arrive at step i * N, so the rows' phases differ (else they decode in step).
 
-    python tools/huginn_skip_cpu.py --concurrency 1,8 --loops 8 --repeats 5
+    python tools/huginn_skip_cpu.py --concurrency 1,8 --loops 8 --repeats 5 --output-len 8
 """
 from __future__ import annotations
 
@@ -42,27 +44,40 @@ def every_stage(stack) -> None:
     stack.plan = planned
 
 
-def run(path: Path, concurrency: int, loops: int, input_len: int, output_len: int, skip: bool) -> dict:
-    eng = LLMEngine(EngineArgs(model=str(path), skip_tokenizer_init=True, device="cpu", dtype="float32",
-                               max_num_seqs=concurrency, max_num_loops=loops, max_num_batched_tokens=256))
-    stack = eng.runner.stack
-    if not skip:
-        every_stage(stack)
+def paired(path: Path, concurrency: int, loops: int, input_len: int, output_len: int, stagger: int) -> dict:
+    """Two engines on the same requests, one with the skip and one without, stepping in turn (which one
+    steps first alternates): their steps pair one to one (the schedule does not depend on the skip; the
+    outputs are checked equal), so each pair's time ratio is taken under the same load."""
+    engines = {}
+    for skip in (True, False):
+        eng = LLMEngine(EngineArgs(model=str(path), skip_tokenizer_init=True, device="cpu", dtype="float32",
+                                   max_num_seqs=concurrency, max_num_loops=loops, max_num_batched_tokens=256))
+        if not skip:
+            every_stage(eng.runner.stack)
+        engines[skip] = eng
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, max_loops=loops)
-    for i in range(concurrency):
-        eng.add_request(f"r{i}", {"prompt_token_ids": [(7 * i + 3 * j) % 500 + 1 for j in range(input_len)]}, params)
-    times, tokens = [], []
-    while eng.has_unfinished_requests():
-        t = time.perf_counter()
-        for out in eng.step():
-            if out.finished:
-                tokens.append(out.outputs[0].token_ids)
-        times.append(time.perf_counter() - t)
-    rows = stack.stage_rows
-    prelude = rows["prelude"] if skip else rows["prelude_all"]
-    coda = rows["coda"] if skip else rows["coda_all"]
-    return {"steps": len(times), "median_ms": 1e3 * statistics.median(times), "total_s": sum(times),
-            "tokens": rows["tokens"], "prelude": prelude, "coda": coda, "output": sorted(tokens)}
+    pending = [(i * stagger, f"r{i}", [(7 * i + 3 * j) % 500 + 1 for j in range(input_len)]) for i in range(concurrency)]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    tokens: dict[bool, list] = {True: [], False: []}
+    step = 0
+    while pending or engines[True].has_unfinished_requests():
+        while pending and pending[0][0] <= step:  # request i arrives at step i * stagger
+            _, rid, prompt = pending.pop(0)
+            for eng in engines.values():
+                eng.add_request(rid, {"prompt_token_ids": prompt}, params)
+        for skip in ((True, False) if step % 2 == 0 else (False, True)):
+            t = time.perf_counter()
+            outs = engines[skip].step()
+            times[skip].append(time.perf_counter() - t)
+            tokens[skip] += [(o.request_id, o.outputs[0].token_ids) for o in outs if o.finished]
+        step += 1
+    assert sorted(tokens[True]) == sorted(tokens[False]) and not engines[False].has_unfinished_requests(), \
+        "the skip changed the outputs"
+    rows = engines[True].runner.stack.stage_rows
+    ratios = [off / on for on, off in zip(times[True], times[False])]
+    return {"steps": step, "ratio": statistics.median(ratios), "on_ms": 1e3 * statistics.median(times[True]),
+            "off_ms": 1e3 * statistics.median(times[False]), "tokens": rows["tokens"], "prelude": rows["prelude"],
+            "coda": rows["coda"]}
 
 
 def main() -> None:
@@ -71,27 +86,24 @@ def main() -> None:
     ap.add_argument("--loops", type=int, default=8)
     ap.add_argument("--input-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--stagger", type=int, default=0, help="steps between two requests' arrivals (0: all at once)")
     args = ap.parse_args()
     path = make_tiny_huginn_checkpoint(Path(tempfile.mkdtemp()) / "huginn", seed=0, hidden_size=args.hidden,
                                        num_attention_heads=args.hidden // 128, num_key_value_heads=args.hidden // 128,
                                        intermediate_size=args.hidden * 11 // 4, vocab_size=8192, padded_vocab_size=8192,
                                        mean_recurrence=args.loops, torch_dtype="float32")
-    run(path, 1, args.loops, args.input_len, 2, skip=True)  # (warm-up: first-call costs, discarded)
+    paired(path, 1, args.loops, args.input_len, 2, 0)  # (warm-up: first-call costs, discarded)
     for c in (int(x) for x in args.concurrency.split(",")):
-        ratios = []
-        for rep in range(args.repeats):
-            on = run(path, c, args.loops, args.input_len, args.output_len, skip=True)
-            off = run(path, c, args.loops, args.input_len, args.output_len, skip=False)
-            assert on["output"] == off["output"], "the skip changed the tokens"
-            ratios.append(off["median_ms"] / on["median_ms"])
-            for name, r in (("skip", on), ("every stage", off)):
-                print(f"C={c} rep {rep} {name:>11}: {r['steps']} steps, median step {r['median_ms']:.1f} ms, "
-                      f"total {r['total_s']:.2f} s; prelude rows {r['prelude']}/{r['tokens']}, "
-                      f"coda rows {r['coda']}/{r['tokens']}")
-        print(f"C={c}: median step time, every stage / skip: {statistics.median(ratios):.2f}x "
-              f"({', '.join(f'{x:.2f}' for x in ratios)})")
+        runs = [paired(path, c, args.loops, args.input_len, args.output_len, args.stagger) for _ in range(args.repeats)]
+        r = runs[0]
+        print(f"C={c} stagger={args.stagger}: {r['steps']} steps; rows that ran the prelude {r['prelude']}/{r['tokens']}, "
+              f"the coda {r['coda']}/{r['tokens']} (every stage: {r['tokens']}/{r['tokens']} each)")
+        for i, r in enumerate(runs):
+            print(f"  run {i}: median step {r['on_ms']:.1f} ms with the skip, {r['off_ms']:.1f} ms every stage; "
+                  f"median paired ratio every stage / skip {r['ratio']:.2f}")
+        print(f"C={c}: median of the runs' paired ratios {statistics.median(r['ratio'] for r in runs):.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,18 @@
-"""The loops of fixed-depth decode rows, counted on the host: which rows of a step start a token and which
-may exit, known when the step is planned (docs/model-families.md, 'Cost').
+"""The loops of decode rows whose exit loop is known in advance, counted on the host: which rows of a step
+start a token and which may exit, known when the step is planned (docs/model-families.md, 'Cost').
 
-A decode row at fixed iterations (``exit_threshold`` 1.0, no recorded depths, no lookahead head) exits at
-exactly its ``max_loops``; nothing the device decides feeds back into its loop. Its slot's loop moves only
-on events the host issues itself, in launch order: the step that finishes the request's prompt starts the
-first decode token at loop 0 (``DeviceDecodeState.start``), and each step that schedules the row advances
-it by one (a ``no_refill`` row waiting for its cohort does not: the host applies the device's cohort rule to
-the same counts). So the host counts each such request's loops at launch, with no readback, and the count
-is exact in the overlapped engine too: launching step n+1 before reading step n changes no event it counts.
-(``lookahead_plan.py`` learns exits from readbacks because the head decides them on the device; a fixed
-row's exit is known from its first loop.) A preempted request keeps its count (its slot state is restored
-unchanged); a request this runner did not see start decoding (a PD handoff's import), a row of another
-policy, or one whose cohort holds such a row, is *unknown*: it may start or exit in any step.
+A row at fixed iterations (``exit_threshold`` 1.0, no lookahead head) exits at exactly its ``max_loops``; a
+row replaying recorded depths (``exit_mode="trace"``) exits token ``k`` at ``exit_depths[k]`` (the last
+repeating). Nothing the device decides feeds back into such a row's loop: its slot's loop moves only on
+events the host issues itself, in launch order. The step that finishes the request's prompt starts decode
+token 1 at loop 0 (``DeviceDecodeState.start``), and each step that schedules the row advances it by one
+(a ``no_refill`` row waiting for its cohort does not: the host applies the device's cohort rule to the same
+counts) until the known exit loop. So the host counts each such request's loops and tokens at launch, with
+no readback, and the count is exact in the overlapped engine too: launching step n+1 before reading step n
+changes no event it counts. (``lookahead_plan.py`` learns exits from readbacks because the head decides them
+on the device.) A preempted request keeps its count (its slot state is restored unchanged); a request this
+runner did not see start decoding (a PD handoff's import), a row of another policy, or one whose
+``no_refill`` cohort holds such a row, is *unknown*: it may start or exit in any step.
 """
 from __future__ import annotations
 
@@ -24,16 +25,27 @@ from loopline.models.family import FIXED_DEPTH
 
 
 class FixedLoops:
-    """Per request: the loops its in-flight decode token has run (0: it starts one next), where known."""
+    """Per request whose exit loops are known: the loops its in-flight decode token has run (0: it starts one
+    next) and that token's index in the completion."""
 
-    def __init__(self, *, no_refill: bool, per_token_exits: bool) -> None:
-        """``per_token_exits``: depths come from recorded traces (``exit_mode="trace"``): no row is fixed."""
-        self.no_refill, self.per_token_exits = no_refill, per_token_exits
-        self.done: dict[str, int] = {}
+    def __init__(self, *, no_refill: bool, depths: Callable[[str], list[int] | None] | None = None) -> None:
+        """``depths(request_id)``: the recorded depths of ``exit_mode="trace"`` (given: every row replays
+        them, as the device does; None for a request: unknown). Without it a row is known at fixed
+        iterations."""
+        self.no_refill, self.depths = no_refill, depths
+        self.done: dict[str, tuple[int, int]] = {}
 
     def forget(self, request_id: str) -> None:
         """The request finished (or left this runner)."""
         self.done.pop(request_id, None)
+
+    def _exit_loop(self, row: ScheduledRow, token: int) -> int:
+        """The loop at which the row's token ``token`` exits (0: not known)."""
+        if self.depths is not None:
+            trace = self.depths(row.request_id)
+            return trace[min(token, len(trace) - 1)] if trace else 0
+        fixed = row.exit.threshold >= FIXED_DEPTH and row.exit.lookahead is None
+        return row.exit.max_loops if fixed else 0
 
     def step(self, decode: list[ScheduledRow], prefill: list[ScheduledRow],
              prefill_loops: Callable[[str], int]) -> tuple[np.ndarray, np.ndarray]:
@@ -41,11 +53,11 @@ class FixedLoops:
         where the row starts a token / exits in this step, or where that is unknown); the counts advance.
         ``prefill_loops(request_id)``: the loops the request's prompt runs."""
         n = len(decode)
-        done = np.fromiter((self.done.get(r.request_id, -1) for r in decode), np.int64, n)
-        fixed = np.fromiter((not self.per_token_exits and r.exit.threshold >= FIXED_DEPTH and r.exit.lookahead is None
-                             for r in decode), bool, n)
-        max_loops = np.fromiter((r.exit.max_loops for r in decode), np.int64, n)
-        known = fixed & (done >= 0)
+        state = [self.done.get(r.request_id) for r in decode]
+        done = np.fromiter((-1 if s is None else s[0] for s in state), np.int64, n)
+        token = np.fromiter((0 if s is None else s[1] for s in state), np.int64, n)
+        exit_at = np.fromiter((0 if s is None else self._exit_loop(r, s[1]) for r, s in zip(decode, state)), np.int64, n)
+        known = exit_at > 0
         run = np.ones(n, dtype=bool)
         if self.no_refill:  # the device's cohort rule (SlotOps.decode_rows) over the step's rows
             if known.all():
@@ -53,15 +65,16 @@ class FixedLoops:
             else:  # a row of unknown loop decides whether the others wait
                 known[:] = False
         loop = done + 1
+        ends = run & (loop >= exit_at)
         may_start = ~known | (run & (loop == 1))
-        may_exit = ~known | (run & (loop >= max_loops))
-        after = np.where(run, np.where(loop >= max_loops, 0, loop), done)
-        for r, k, count in zip(decode, known.tolist(), after.tolist()):
+        may_exit = ~known | ends
+        after = np.where(run, np.where(ends, 0, loop), done)
+        for r, k, count, t in zip(decode, known.tolist(), after.tolist(), (token + ends).tolist()):
             if k:
-                self.done[r.request_id] = count
+                self.done[r.request_id] = (count, t)
             else:
                 self.done.pop(r.request_id, None)
-        for r in prefill:  # a prompt that finishes here: its first decode token starts at loop 1
+        for r in prefill:  # a prompt that finishes here: its decode token 1 starts at loop 1
             if r.is_last_chunk and r.loop == prefill_loops(r.request_id):
-                self.done[r.request_id] = 0
+                self.done[r.request_id] = (0, 1)
         return may_start, may_exit

@@ -24,8 +24,8 @@ one later tokens read.
 Huginn's stages are skipped where no row needs them (docs/model-families.md, 'Cost'): the coda's output
 matters only for a row that exits at this loop (its logits; later tokens read the exit loop's coda K/V),
 the prelude only for a row that starts a token. The host knows which rows those are for prompt chunks
-(their loop) and for decode rows at fixed iterations (``fixed_loops.py``); every other decode row (the
-convergence exit reads ``p_r`` at every loop) may. :meth:`HuginnStack.plan` names the stages a step needs
+(their loop) and for decode rows at fixed iterations or replaying recorded depths (``fixed_loops.py``);
+every other decode row (the convergence exit reads ``p_r`` at every loop) may. :meth:`HuginnStack.plan` names the stages a step needs
 as step features (``STAGED`` plus ``PRELUDE`` / ``CODA``): graph variants without a stage skip it (a graph
 runs a stage for all its rows: it cannot pick rows on the device), and an eager step (``COMPACT``) runs each
 stage over its rows that need it only, gathered. A shape without ``STAGED`` runs every stage for every row.
@@ -146,8 +146,9 @@ class HuginnStack:
                  planes: dict[str, int], dtype: torch.dtype, no_refill: bool = False, per_token_exits: bool = False,
                  tile_tokens: int | None = None, **_: Any) -> None:
         self.model, self.state, self.slot_hidden, self.requests = model, state, slot_hidden, requests
-        # which decode rows start a token or exit, counted on the host (fixed iterations)
-        self.fixed = FixedLoops(no_refill=no_refill, per_token_exits=per_token_exits)
+        # which decode rows start a token or exit, counted on the host (fixed iterations, recorded depths)
+        self.fixed = FixedLoops(no_refill=no_refill, depths=(lambda rid: requests[rid].params.exit_depths)
+                                if per_token_exits else None)
         self.tile_tokens = tile_tokens  # the attention's work-tile size (None: no work lists)
         # the planned step, and per stage (prelude, coda) its decode rows and prompt chunks that need it
         self._plan: StepPlan | None = None

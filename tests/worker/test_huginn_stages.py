@@ -69,17 +69,17 @@ def assert_same_logits(got: dict, want: dict) -> None:
 def knows_nothing(eng: LLMEngine) -> LLMEngine:
     """The engine with every decode row a candidate for both stages (the host counts nothing): each step runs
     the prelude and the coda for all its decode rows, as before the skip."""
-    eng.runner.stack.fixed.per_token_exits = True
+    eng.runner.stack.fixed.depths = lambda rid: None  # (as for a request whose depths are not known)
     return eng
 
 
 def counts_match_the_device(eng: LLMEngine) -> None:
-    """The host's loop count of every request it knows equals its slot's loop on the device."""
-    runner = eng.runner
-    for rid, done in runner.stack.fixed.done.items():
+    """The host's loop and token counts of every request it knows equal its slot's on the device."""
+    runner, ds = eng.runner, eng.runner.decode_state
+    for rid, (done, token) in runner.stack.fixed.done.items():
         st = runner.requests.get(rid)
         if st is not None:  # (a preempted request has no slot now)
-            assert int(runner.decode_state.loop[st.slot]) == done, rid
+            assert (int(ds.loop[st.slot]), int(ds.token_index[st.slot])) == (done, token), rid
 
 
 @pytest.mark.parametrize("mode", ["refill", "no_refill"])
@@ -175,6 +175,26 @@ def test_a_rule_that_skips_a_needed_stage_breaks_exactness(tiny, monkeypatch, st
         assert_equal_plain(model, run_arrivals(engine(path), FIXED, ARRIVALS, max_steps=2000), FIXED)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_recorded_depths_skip_equals_every_stage(tiny, overlap):
+    """``exit_mode="trace"`` (the bench's synthetic exit distributions): each token's exit loop is known from
+    its request's depths, so the same skip applies; tokens, depths and top logprobs equal the engine with
+    every row a candidate, and the depths are the recorded ones."""
+    path, _ = tiny
+    traces = {"a": [8, 2, 5, 3], "b": [3, 7, 1, 4, 6], "c": [5], "d": [2, 8, 8, 1]}
+    requests = {rid: (PROMPTS[rid], params(6, exit_depths=t)) for rid, t in traces.items()}
+    kw = {"exit_mode": "trace", "async_scheduling": overlap, "max_num_batched_tokens": 8}
+    eng = engine(path, **kw)
+    outputs = run_arrivals(eng, requests, {"c": 4, "d": 9}, watch=counts_match_the_device)
+    plain = run_arrivals(knows_nothing(engine(path, **kw)), requests, {"c": 4, "d": 9})
+    for rid, t in traces.items():
+        got, want = outputs[rid].outputs[0], plain[rid].outputs[0]
+        assert (got.token_ids, got.exit_depths) == (want.token_ids, want.exit_depths), rid
+        assert got.exit_depths[1:] == [t[min(k, len(t) - 1)] for k in range(1, 6)], rid
+    assert_same_logits(top_logprobs(outputs), top_logprobs(plain))
+    assert eng.runner.stack.stage_rows["coda"] < 0.8 * eng.runner.stack.stage_rows["tokens"]
+
+
 def test_fixed_loops_counts_by_hand():
     """Refill: a row's loop runs 1..max_loops and starts again; no_refill: a fresh row waits for its cohort;
     a row of another policy is unknown (and makes its no_refill cohort unknown)."""
@@ -186,7 +206,7 @@ def test_fixed_loops_counts_by_hand():
     def last_chunk(rid, loop):
         return ScheduledRow(rid, True, 0, 4, loop, 0, None, is_last_chunk=True)
 
-    fl = FixedLoops(no_refill=False, per_token_exits=False)
+    fl = FixedLoops(no_refill=False)
     fl.step([], [last_chunk("a", 3)], lambda rid: 3)
     seen = [tuple(x.tolist() for x in fl.step([dec("a", 3)], [], lambda rid: 3)) for _ in range(4)]
     assert seen == [([True], [False]), ([False], [False]), ([False], [True]), ([True], [False])]
@@ -195,7 +215,7 @@ def test_fixed_loops_counts_by_hand():
     s, e = fl.step([dec("a", 3), dec("k", 5, 0.1)], [], lambda rid: 3)
     assert (s.tolist(), e.tolist()) == ([False, True], [False, True])
 
-    cohort = FixedLoops(no_refill=True, per_token_exits=False)
+    cohort = FixedLoops(no_refill=True)
     cohort.step([], [last_chunk("a", 2)], lambda rid: 2)
     cohort.step([dec("a", 2)], [], lambda rid: 2)  # a runs loop 1
     cohort.step([], [last_chunk("b", 2)], lambda rid: 2)
