@@ -121,10 +121,11 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = field(default=None, metadata={"cli": False})
     logprob_token_ids: list[int] | None = field(default=None, metadata={"cli": False})
     best_of: int | None = field(default=None, metadata={"cli": False})
-    # Resolved by the engine (InputProcessor), never set by a caller: the token ids min_tokens
-    # suppresses (EOS unless ignore_eos, and stop_token_ids), each bad word's token ids, and the
-    # prompt's cache_salt (vLLM puts it on the prompt; it travels with the request from here on).
-    _min_tokens_stop_ids: tuple[int, ...] | None = field(default=None, repr=False, metadata={"cli": False})
+    # Resolved by the engine (InputProcessor), never set by a caller: the token ids that end the
+    # request (stop_token_ids and, unless ignore_eos, EOS: what min_tokens suppresses, and what the
+    # depth pipeline enters no lane behind), each bad word's token ids, and the prompt's cache_salt
+    # (vLLM puts it on the prompt; it travels with the request from here on).
+    _stop_ids: tuple[int, ...] | None = field(default=None, repr=False, metadata={"cli": False})
     _bad_words_token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False, metadata={"cli": False})
     _cache_salt: str | None = field(default=None, repr=False, metadata={"cli": False})
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -290,7 +291,7 @@ class SamplingParams:
     # --- what the sampler needs (host-side flags of the batch) ---------------------------
     @property
     def uses_min_tokens(self) -> bool:
-        return self.min_tokens > 0 and bool(self._min_tokens_stop_ids)
+        return self.min_tokens > 0 and bool(self._stop_ids)
 
 
 def _token_bias(value: Any) -> dict[int, float]:

@@ -111,19 +111,18 @@ class InputProcessor:
                 f"{self.kv.pool.num_blocks}; lower max_tokens or raise num_kv_blocks", param="max_tokens")
         eos = self._chat_eos if chat_stop else self._eos
         bad_words = self._bad_words(params.bad_words) if params.bad_words else None
-        stop_ids = None
-        if params.min_tokens > 0:  # what min_tokens suppresses: EOS (unless ignored) and stop_token_ids
-            stop_ids = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))))
+        # the ids that end the request: what min_tokens suppresses, and what the depth pipeline stops at
+        stop_ids = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))))
         if params.allowed_token_ids is not None:  # a row with no token left would sample from nothing
             never = {w[0] for w in bad_words or () if len(w) == 1}
-            if set(params.allowed_token_ids) <= never | (set(stop_ids or ()) if params.min_tokens else set()):
+            if set(params.allowed_token_ids) <= never | (set(stop_ids) if params.min_tokens else set()):
                 raise InvalidRequestError("allowed_token_ids leaves no token to sample: every one is a bad word "
                                           "or suppressed by min_tokens", param="allowed_token_ids")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         # NOTE: the one place a request's defaults are decided; everything downstream reads `effective`
         effective = params.clone(seed=seed, max_tokens=max_tokens, **num,
                                  lookahead_threshold=self.exit_policy.lookahead_threshold(params),
-                                 _min_tokens_stop_ids=stop_ids, _bad_words_token_ids=bad_words, _cache_salt=salt,
+                                 _stop_ids=stop_ids, _bad_words_token_ids=bad_words, _cache_salt=salt,
                                  logprobs_mode=params.logprobs_mode or self.config.logprobs_mode,
                                  max_loops=max_loops, exit_threshold=threshold)
         prefill = family.prefill_loops(cfg, max_loops)

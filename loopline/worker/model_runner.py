@@ -353,7 +353,7 @@ class ModelRunner:
         ds = self.decode_state
         ds.set_tables(st.slot, block_tables)
         if self.lanes is not None:
-            self.lanes.clear(st.slot, st.params.max_tokens)
+            self.lanes.clear(st.slot, st.params.max_tokens, st.params._stop_ids)
         self.stack.set_slot(st.slot, st.params.latent_seed)
         if has_penalties(st.params):
             ds.track_penalties(st.slot, st.prompt, self.vocab_size)
@@ -450,7 +450,8 @@ class ModelRunner:
         for resumed in sched.resumed_requests:
             self.pages.restore(resumed)
             if self.lanes is not None:  # lanes in flight at the preemption were dropped: it resumes from its commits
-                self.lanes.clear(resumed.slot, self.requests[resumed.request_id].params.max_tokens)
+                params = self.requests[resumed.request_id].params
+                self.lanes.clear(resumed.slot, params.max_tokens, params._stop_ids)
             if self.lookahead_plan is not None:  # (a slot with a new owner)
                 self.lookahead_plan.forget(resumed.slot)
         for rid, added in sched.block_updates.items():

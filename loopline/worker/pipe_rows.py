@@ -54,6 +54,11 @@ _FIELDS = ("slots", "lane", "min_loops", "max_loops", "threshold")
 class LaneRing:
     """The lanes of every slot (module docstring): ``[num_slots, L]`` each, ``hidden`` ``[num_slots, L, H]``."""
 
+    #: how many of a request's stop ids (EOS unless ignore_eos, stop_token_ids) the ring holds: no lane enters
+    #: behind a token among them. Only speed depends on it: a lane entered behind a stop token the ring does
+    #: not hold computes a token the host discards.
+    STOP_WIDTH = 16
+
     def __init__(self, num_slots: int, lanes: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.lanes, self.device = lanes, device
         i64 = {"dtype": torch.long, "device": device}
@@ -64,21 +69,25 @@ class LaneRing:
         self.draft = torch.zeros(num_slots, lanes, **i64)  # proposed at loop d for the next lane
         self.hidden = torch.zeros(num_slots, lanes, hidden_size, dtype=dtype, device=device)
         self.survival = torch.ones(num_slots, lanes, dtype=torch.float32, device=device)
-        self.is_draft = torch.zeros(num_slots, lanes, dtype=torch.bool, device=device)  # input a draft not yet judged
+        # the lane proposed a draft for a token within max_tokens: a round of one draft, counted when it commits
+        self.drafted = torch.zeros(num_slots, lanes, dtype=torch.bool, device=device)
         self.limit = torch.zeros(num_slots, **i64)  # the request's max_tokens: no lane behind lane 0 computes past it
+        self.stop = torch.full((num_slots, self.STOP_WIDTH), -1, **i64)  # -1: none
 
-    def clear(self, slot: int, max_tokens: int) -> None:
+    def clear(self, slot: int, max_tokens: int, stop_ids: tuple[int, ...] | None) -> None:
         """Nothing in flight: the slot's next pipelining step starts lane 0 from its committed token."""
         self.valid[slot] = False
         self.limit[slot] = max_tokens
+        ids = list(stop_ids or ())[:self.STOP_WIDTH]
+        self.stop[slot] = torch.tensor(ids + [-1] * (self.STOP_WIDTH - len(ids)), dtype=torch.long)
 
     def state(self, slots: Tensor) -> tuple[Tensor, ...]:
         return (self.valid[slots], self.token[slots], self.loop[slots], self.exit_loop[slots], self.draft[slots],
-                self.hidden[slots], self.survival[slots], self.is_draft[slots])
+                self.hidden[slots], self.survival[slots], self.drafted[slots])
 
     def store(self, slots: Tensor, state: tuple[Tensor, ...]) -> None:
         for dst, src in zip((self.valid, self.token, self.loop, self.exit_loop, self.draft, self.hidden,
-                             self.survival, self.is_draft), state):
+                             self.survival, self.drafted), state):
             dst[slots] = src
 
 
@@ -145,7 +154,7 @@ class PipeKind(RowKind):
         ring.token[key] = torch.where(enter, ds.token[slots], ring.token[key])
         ring.loop[key] = torch.where(enter, 0, ring.loop[key])
         ring.exit_loop[key] = torch.where(enter, 0, ring.exit_loop[key])
-        ring.is_draft[key] = ring.is_draft[key] & ~enter
+        ring.drafted[key] = ring.drafted[key] & ~enter
         ring.valid[key] = ring.valid[key] | enter
         live = ring.valid[key] & (ring.exit_loop[key] == 0) & real
         loop = (ring.loop[key] + 1).clamp(max=self.max_loops)
@@ -231,8 +240,11 @@ class PipeRounds:
         lane = due.long().argmax(dim=1)
         any_due = due.any(dim=1)
         logits = self.head(ring.hidden[slots, lane], any_due)
-        drafted = self.drafts(logits, [self.requests[r.request_id] for r in heads], self.state.token_index[slots] + lane)
+        index = self.state.token_index[slots] + lane
+        drafted = self.drafts(logits, [self.requests[r.request_id] for r in heads], index)
         ring.draft[slots, lane] = torch.where(any_due, drafted, ring.draft[slots, lane])
+        # a round of one draft, when its token is within max_tokens (the reference's rule)
+        ring.drafted[slots, lane] = ring.drafted[slots, lane] | (any_due & (index + 1 < ring.limit[slots]))
 
     def verify_part(self, rows: list[ScheduledRow], row0: int) -> VerifyPart | None:
         """Every lane of the pipelining requests among ``rows`` (step rows from ``row0``) as a target row, its
@@ -250,45 +262,46 @@ class PipeRounds:
     def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
         """The verdicts, commits and entries of the pipelining slots; ``target`` ``[M * L]``: each lane's
         target token (the sampler's, greedy: the argmax; only exited lanes' are used). Returns the committed
-        mask ``[M * L]`` (a leading run of each slot's lanes); ``part.verdicts``: each lane's draft verdict in
-        this step (0: none, 1: rejected, 2: accepted)."""
+        mask ``[M * L]`` (a leading run of each slot's lanes); ``part.verdicts``: each committed lane's draft
+        verdict (0: it drafted none, 1: rejected, 2: accepted)."""
         ring, ds, L = self.ring, self.state, self.ring.lanes
         slots = part.slots
-        valid, token, loop, exit_loop, draft, hidden, survival, is_draft = ring.state(slots)
+        valid, token, loop, exit_loop, draft, hidden, survival, drafted = ring.state(slots)
         y = target.view(-1, L)
         exited = valid & (exit_loop > 0)
         # a lane behind an exited one must hold its target token; from the first that does not, drop every lane
         follows = torch.ones_like(valid)
         follows[:, 1:] = token[:, 1:] == y[:, :-1]
         judged = valid & torch.cat([torch.zeros_like(exited[:, :1]), exited[:, :-1]], dim=1)
-        wrong = judged & ~follows
-        behind = wrong.long().cumsum(dim=1)
+        behind = (judged & ~follows).long().cumsum(dim=1)
         valid = valid & (behind == 0)
-        # (a lane that entered with its predecessor's target always follows: only drafts are ever wrong)
-        accepted = judged & valid & is_draft
-        part.verdicts = torch.where(wrong & (behind == 1), 1, torch.where(accepted, 2, 0)).flatten()
-        is_draft = is_draft & ~accepted
         # the leading run of exited lanes that hold their predecessor's target commits
-        committed = (valid & exited & follows).long().cumprod(dim=1)
-        c = committed.sum(dim=1)  # [M]
+        committed = (valid & exited & follows).long().cumprod(dim=1).bool()
+        # NOTE: a draft's verdict counts when its lane commits, not when the lane behind it is judged: a lane
+        # that exits before its predecessor judges its successor against a target that may yet be dropped
+        part.verdicts = torch.where(committed & drafted, 1 + (y == draft).long(), 0).flatten()
+        c = committed.long().sum(dim=1)  # [M]
         last = y.gather(1, (c - 1).clamp(min=0)[:, None]).squeeze(1)
         ds.token[slots] = torch.where(c > 0, last, ds.token[slots])
         ds.pos[slots] = ds.pos[slots] + c
         ds.token_index[slots] = ds.token_index[slots] + c
         # the ring moves past the committed run
-        valid, token, loop, exit_loop, draft, y, is_draft = (shift(t, c, f) for t, f in (
-            (valid, False), (token, 0), (loop, 0), (exit_loop, 0), (draft, 0), (y, 0), (is_draft, False)))
+        valid, token, loop, exit_loop, draft, y, drafted = (shift(t, c, f) for t, f in (
+            (valid, False), (token, 0), (loop, 0), (exit_loop, 0), (draft, 0), (y, 0), (drafted, False)))
         hidden, survival = shift(hidden, c, 0.0), shift(survival, c, 1.0)
-        # an empty lane behind an exited lane (its target) or one that drafted (its draft) enters at loop 1
+        # an empty lane behind an exited lane (its target) or one that drafted (its draft) enters at loop 1,
+        # unless that token ends the request (a stop id) or lies past max_tokens (lane j computes completion
+        # index token_index + j)
         prev_exited = valid[:, :-1] & (exit_loop[:, :-1] > 0)
         prev_drafted = valid[:, :-1] & (exit_loop[:, :-1] == 0) & (loop[:, :-1] >= self.head.depth)
-        # (no lane for a token past max_tokens: lane j computes completion index token_index + j)
+        fed = torch.where(prev_exited, y[:, :-1], draft[:, :-1])
+        stops = (fed[:, :, None] == ring.stop[slots][:, None, :]).any(dim=2)
         room = (ds.token_index[slots][:, None] + self._lanes[1:]) < ring.limit[slots][:, None]
-        enter = ~valid[:, 1:] & (prev_exited | prev_drafted) & room
-        token[:, 1:] = torch.where(enter, torch.where(prev_exited, y[:, :-1], draft[:, :-1]), token[:, 1:])
+        enter = ~valid[:, 1:] & (prev_exited | prev_drafted) & room & ~stops
+        token[:, 1:] = torch.where(enter, fed, token[:, 1:])
         loop[:, 1:] = torch.where(enter, 0, loop[:, 1:])
         exit_loop[:, 1:] = torch.where(enter, 0, exit_loop[:, 1:])
-        is_draft[:, 1:] = torch.where(enter, ~prev_exited, is_draft[:, 1:])
+        drafted[:, 1:] = drafted[:, 1:] & ~enter
         valid[:, 1:] = valid[:, 1:] | enter
-        ring.store(slots, (valid, token, loop, exit_loop, draft, hidden, survival, is_draft))
-        return committed.bool().flatten()
+        ring.store(slots, (valid, token, loop, exit_loop, draft, hidden, survival, drafted))
+        return committed.flatten()

@@ -180,7 +180,7 @@ def _stage_fields(device: torch.device, ps: list, num_logprobs: int | None, widt
         add("bias_rows", [b for b, _, _ in bias], i64)
         add("bias_ids", [t for _, t, _ in bias], i64)
         add("bias_values", [v for _, _, v in bias], f32)
-    mins = [(b, t) for b, p in enumerate(ps) if p.uses_min_tokens for t in p._min_tokens_stop_ids]
+    mins = [(b, t) for b, p in enumerate(ps) if p.uses_min_tokens for t in p._stop_ids]
     if mins:
         out["any_min_tokens"] = True
         add("min_tokens", [p.min_tokens if p.uses_min_tokens else 0 for p in ps], i64)

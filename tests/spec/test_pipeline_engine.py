@@ -257,10 +257,15 @@ def test_pd_decode_workers_and_dp_replicas_pipeline(tiny_gqa, layout):
     assert all(s.spec_num_draft_tokens > 0 for s in snaps)
 
 
-@pytest.mark.parametrize("d, threshold", [(1, 1.0), (2, 0.5)])
-def test_engine_steps_as_the_reference_steps(demo_prompts, d, threshold):
+@pytest.mark.parametrize("d, threshold, prompt, stop", [(1, 1.0, 0, False), (2, 0.5, 0, False), (1, 0.7, 1, False),
+                                                        (1, 0.5, 0, True)])
+def test_engine_steps_and_counters_as_the_reference(demo_prompts, d, threshold, prompt, stop):
     """The engine's pipeline takes the reference's decode steps to the step (a draft entering a step late,
-    or a lane missing its draft, shows here even where outputs stay exact): tools/spec_pipeline_engine_steps.py."""
+    or a lane missing its draft, shows here even where outputs stay exact): tools/spec_pipeline_engine_steps.py.
+    Its spec_decode counters are the reference's drafted and accepted committed tokens: a verdict counts when
+    its lane commits (at threshold 0.5 lanes exit before their predecessors, whose later rejection drops
+    lanes judged accepted; counting at the judgement gave 31 drafts for the reference's 30 at 0.7), and no lane
+    enters behind a stop token (``stop``: one inside the output)."""
     import torch
 
     from loopline.models.loader import load_model
@@ -269,10 +274,19 @@ def test_engine_steps_as_the_reference_steps(demo_prompts, d, threshold):
     from loopline.spec.reference import speculative_generate
 
     model = load_model(default_checkpoint(), dtype=torch.float32).eval()
+    config = SpeculativeConfig(scheme="pipeline", draft_loops=d)
+    stop_ids: list[int] = []
     with torch.no_grad():
-        ref = speculative_generate(model, demo_prompts[0], 24, SpeculativeConfig(scheme="pipeline", draft_loops=d),
-                                   exit_threshold=threshold)
+        ref = speculative_generate(model, demo_prompts[prompt], 32, config, exit_threshold=threshold)
+        if stop:  # a token first generated well inside the run ends it
+            k = next(i for i in range(8, 32) if ref.tokens[i] not in ref.tokens[:i])
+            stop_ids = [ref.tokens[k]]
+            ref = speculative_generate(model, demo_prompts[prompt], 32, config, exit_threshold=threshold, eos_ids=stop_ids)
+            assert len(ref.tokens) == k + 1
     eng = engine(speculative=pipe(d), async_scheduling=False)
-    out = drain(eng, {"r": (demo_prompts[0], GREEDY.clone(max_tokens=24, exit_threshold=threshold))})
+    out = drain(eng, {"r": (demo_prompts[prompt], GREEDY.clone(max_tokens=32, exit_threshold=threshold,
+                                                          stop_token_ids=stop_ids))})
     assert out["r"].token_ids == list(ref.tokens)
     assert eng.stats.steps - eng.stats.prefill_steps == ref.steps
+    assert eng.stats.spec_num_draft_tokens == sum(ref.drafted)
+    assert eng.stats.spec_num_accepted_tokens == sum(a and m for a, m in zip(ref.drafted, ref.matches))
