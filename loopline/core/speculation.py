@@ -86,9 +86,10 @@ class LoopSpeculation(NoSpeculation):
 
     unit = "round"  # what the adaptive stop weighs: tokens committed per unit against the unit's cost
 
-    def __init__(self, config: SpeculativeConfig, per_token_exits: bool = False) -> None:
+    def __init__(self, config: SpeculativeConfig, num_loops: int, per_token_exits: bool = False) -> None:
         self.config = config
         self.k, self.d = config.num_speculative_tokens, config.draft_loops
+        self.kv_bound = config.kv_lookahead(num_loops)  # KV positions a request may write past its last fed token
         self.per_token_exits = per_token_exits
         self.payoff: float | None = None  # running mean over rounds: plain steps a round saved / its cost
         self._starts = 0
@@ -155,9 +156,7 @@ class LoopSpeculation(NoSpeculation):
         return None
 
     def lookahead(self, params: SamplingParams) -> int:
-        # NOTE: the host reads a round's result up to one round late, so the round it launches may start
-        # K+1 positions past what it knows and write K positions beyond: 2K past the last token it feeds.
-        return 0 if self.why_not(params) else 2 * self.k
+        return 0 if self.why_not(params) else self.kv_bound
 
     def row(self, req: Request, exit: ExitParams) -> ScheduledRow:
         """The request's next row of its current round (booked by :meth:`booked` once it is sure to run)."""
@@ -198,13 +197,8 @@ class PipelineSpeculation(LoopSpeculation):
     unit = "pipelining step"
 
     def __init__(self, config: SpeculativeConfig, num_loops: int, per_token_exits: bool = False) -> None:
-        super().__init__(config, per_token_exits)
+        super().__init__(config, num_loops, per_token_exits)
         self.lanes = config.lanes(num_loops)
-
-    def lookahead(self, params: SamplingParams) -> int:
-        # NOTE: the host reads a step's commits one step late, so the device may be up to L tokens past what it
-        # knows, and its lanes write L - 1 positions beyond: 2L past the last token it feeds.
-        return 0 if self.why_not(params) else 2 * self.lanes
 
     def rows(self, req: Request, exit: ExitParams) -> list[ScheduledRow]:
         return [ScheduledRow(request_id=req.request_id, is_prefill=False, start=-1, end=0, loop=0, plane=-1,
@@ -232,4 +226,4 @@ def make_speculation(config: SpeculativeConfig | None, num_loops: int, per_token
         return NoSpeculation()
     if config.scheme == "pipeline":
         return PipelineSpeculation(config, num_loops, per_token_exits)
-    return LoopSpeculation(config, per_token_exits)
+    return LoopSpeculation(config, num_loops, per_token_exits)

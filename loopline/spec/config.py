@@ -86,6 +86,13 @@ class SpeculativeConfig:
         ``ceil(total_loops / draft_loops)``."""
         return -(-total_loops // self.draft_loops)
 
+    def kv_lookahead(self, total_loops: int) -> int:
+        """Positions of KV a speculating request may write past its last fed token. Draft then verify: the host
+        reads a round's result up to one round late, so the round it launches may start K+1 positions past what
+        it knows and write K beyond (2K). The pipeline: the host reads a step's commits one step late, so the
+        device may be up to L tokens past what it knows, and its lanes write L - 1 beyond (2L)."""
+        return 2 * (self.lanes(total_loops) if self.scheme == "pipeline" else self.num_speculative_tokens)
+
     def check_model(self, total_loops: int) -> SpeculativeConfig:
         """Checks ``draft_loops`` against a model of ``total_loops`` loops (a draft must be shallower)."""
         if total_loops < 2:

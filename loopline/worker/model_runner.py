@@ -153,11 +153,9 @@ class ModelRunner:
         self.slot_survival = torch.ones(max_num_seqs + 1, dtype=torch.float32, device=device)
         self.slot_ops = slot_ops or SlotOps()  # the decode state's step ops (worker/backends.py picks them)
         self.max_num_seqs = max_num_seqs
-        # a speculative round may write 2K positions past a request's reservation, a pipelining slot 2L
-        # (loopline.core.speculation)
+        # a speculating request may write KV past its reservation (SpeculativeConfig.kv_lookahead)
         pipeline = speculative is not None and speculative.scheme == "pipeline"
-        self.lookahead = 0 if speculative is None else 2 * (speculative.lanes(cfg.total_ut_steps) if pipeline
-                                                             else speculative.num_speculative_tokens)
+        self.lookahead = 0 if speculative is None else speculative.kv_lookahead(cfg.total_ut_steps)
         max_blocks = -(-(max_model_len + 1 + self.lookahead) // block_size)
         self.decode_state = DeviceDecodeState(max_num_seqs + 1, layout, block_size, max_blocks, self.scratch_block,
                                               device, self.slot_ops)

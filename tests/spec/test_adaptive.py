@@ -145,7 +145,7 @@ def test_the_cost_model_at_its_measured_points():
     # more running requests share a verify step's extra cost
     assert round_cost(2, 1, 4, 4) < round_cost(2, 1, 4, 1)
     # a request's running means decide, once warm: 4 tokens a round at depth 4 pay, 1.2 do not
-    s = LoopSpeculation(SpeculativeConfig(num_speculative_tokens=3, draft_loops=1))
+    s = LoopSpeculation(SpeculativeConfig(num_speculative_tokens=3, draft_loops=1), 4)
     req = Request("a", [1, 2], SamplingParams(), 0, 8, frozenset(), 0)
     req.spec_rounds, req.spec_depth = WARMUP_ROUNDS, 4.0
     req.spec_tokens = 4.0
