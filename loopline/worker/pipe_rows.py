@@ -42,7 +42,7 @@ from loopline.worker.decode_state import DeviceDecodeState
 from loopline.worker.draft_head import DraftHead
 from loopline.worker.exit_rule import exit_decision
 from loopline.worker.request_state import RequestState
-from loopline.worker.row_kinds import RowKind
+from loopline.worker.row_kinds import RowKind, exit_columns
 from loopline.worker.sampler import Sampler
 from loopline.worker.spec_rows import DraftSampler, VerifyPart, plane_slots_of
 from loopline.worker.staging import stage
@@ -129,9 +129,7 @@ class PipeKind(RowKind):
         if not n:
             return KindRows(rows, 0, 0, None, 0, 0)
         host = (np.fromiter((r.slot for r in rows), np.int64, n), np.fromiter((r.spec.lane for r in rows), np.int64, n),
-                np.fromiter((r.exit.min_loops for r in rows), np.int64, n),
-                np.fromiter((r.exit.max_loops for r in rows), np.int64, n),
-                np.fromiter((r.exit.threshold for r in rows), np.float32, n))
+                *exit_columns(rows))
         bound = max(self.requests[r.request_id].max_len for r in rows)
         return KindRows(rows, n, n, None, 1, bound, host)
 

@@ -58,6 +58,15 @@ class PrefillInputs:
         return self.offsets.tolist()
 
 
+def exit_columns(rows: list[ScheduledRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows' exit rules as the host image's columns: ``min_loops``, ``max_loops`` (int64), ``threshold``
+    (float32)."""
+    n = len(rows)
+    return (np.fromiter((r.exit.min_loops for r in rows), np.int64, n),
+            np.fromiter((r.exit.max_loops for r in rows), np.int64, n),
+            np.fromiter((r.exit.threshold for r in rows), np.float32, n))
+
+
 def slot_of(blocks: np.ndarray, pos: np.ndarray | int, block_size: int) -> np.ndarray:
     return blocks[np.asarray(pos) // block_size].astype(np.int64) * block_size + np.asarray(pos) % block_size
 
@@ -190,10 +199,7 @@ class DecodeKind(RowKind):
         """The host tells the device the rows' slots and exit rules; their lengths live on the device,
         so each request's longest sequence bounds them."""
         n = len(rows)
-        host = (np.fromiter((r.slot for r in rows), np.int64, n),
-                np.fromiter((r.exit.min_loops for r in rows), np.int64, n),
-                np.fromiter((r.exit.max_loops for r in rows), np.int64, n),
-                np.fromiter((r.exit.threshold for r in rows), np.float32, n),
+        host = (np.fromiter((r.slot for r in rows), np.int64, n), *exit_columns(rows),
                 np.fromiter((NEVER if r.exit.lookahead is None else r.exit.lookahead for r in rows), np.float32, n))
         bound = max((self.requests[r.request_id].max_len for r in rows), default=0)
         # the head runs only in steps with a lookahead row (a graph variant of its own: StepShape.features)

@@ -46,7 +46,7 @@ from loopline.worker.decode_state import DeviceDecodeState
 from loopline.worker.draft_head import DraftHead
 from loopline.worker.exit_rule import exit_decision
 from loopline.worker.request_state import RequestState
-from loopline.worker.row_kinds import RowKind
+from loopline.worker.row_kinds import RowKind, exit_columns
 from loopline.worker.sampler import Sampler
 from loopline.worker.sampling_inputs import (
     FieldsStager,
@@ -131,10 +131,7 @@ class SpecKind(RowKind):
         if not n:
             return KindRows(rows, 0, 0, np.zeros(0, dtype=np.int64), 0, 0)
         host = (np.fromiter((r.slot for r in rows), np.int64, n), np.fromiter((r.spec.index for r in rows), np.int64, n),
-                np.fromiter((r.spec.loop for r in rows), np.int64, n),
-                np.fromiter((r.exit.min_loops for r in rows), np.int64, n),
-                np.fromiter((r.exit.max_loops for r in rows), np.int64, n),
-                np.fromiter((r.exit.threshold for r in rows), np.float32, n))
+                np.fromiter((r.spec.loop for r in rows), np.int64, n), *exit_columns(rows))
         queries = np.fromiter((r.spec.queries for r in rows), np.int64, n)
         bound = max(self.requests[r.request_id].max_len for r in rows)
         return KindRows(rows, n, int(queries.sum()), queries, int(queries.max()), bound, host)
