@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
 
+from loopline.core.exit_trace import ExitTraceConfig
 from loopline.errors import InvalidRequestError
 from loopline.spec.config import SpeculativeConfig
 from loopline.vllm_flags import canonical_dtype, check_engine_options, json_object, option_help
@@ -126,6 +127,12 @@ class EngineArgs:
               "\"adaptive\" (default true) and \"disable_by_batch_size\" (default 32) turn it off where it "
               "does not pay",
         type=json_object)
+    # --- exit traces (docs/lookahead.md, 'Engine traces') ---
+    exit_trace: dict[str, Any] | None = _opt(
+        None, "record every executed loop's exit features while serving, a JSON object: {\"dir\": PATH, "
+              "\"proj_dim\": 32, \"proj_seed\": 0, \"labels\": false, \"prompts\": true, \"shard_rows\": 65536}; "
+              "safetensors shards and meta.json in dir (off when unset: nothing runs)",
+        type=json_object)
     # --- vLLM launch options: loopline/vllm_flags.py says what each means here (the help) and checks it ---
     trust_remote_code: bool = _opt(False, option_help("trust_remote_code"))
     tensor_parallel_size: int = _opt(1, option_help("tensor_parallel_size"))
@@ -189,6 +196,9 @@ class EngineArgs:
                 "speculative_config with kv_layout='shared': outputs are not plain shared decoding's (a draft reads "
                 "the round's earlier positions at their draft depth; docs/speculation.md); use kv_layout='last_exited' "
                 "for outputs equal to plain decoding")
+        if ExitTraceConfig.from_value(self.exit_trace) is not None and self.speculative_config is not None:
+            raise InvalidRequestError("exit_trace records plain decode rows; it cannot be combined with "
+                                      "speculative_config (speculating rows are not recorded)", param="exit_trace")
         check_engine_options(self)  # the vLLM launch options (loopline/vllm_flags.py)
         resolve_kv_cache_dtype(self.kv_cache_dtype, None)  # raises, naming the allowed values
         if self.enable_prefix_caching and self.kv_layout == "shared":

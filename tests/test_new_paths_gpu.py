@@ -110,3 +110,30 @@ def test_lookahead_in_graphs_equals_eager(tmp_path):
         a, b = outs[True][rid].outputs[0], outs[False][rid].outputs[0]
         assert (a.token_ids, a.exit_depths) == (b.token_ids, b.exit_depths), rid
         assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-3), rid
+
+
+def test_exit_traces_in_graphs_equal_eager(tmp_path):
+    """The exit-trace recorder inside captured decode graphs (its projections and labels are graph outputs, read
+    back by a copy queued on the step's stream): the same rows and values as the same engine run eagerly."""
+    from loopline.core.exit_trace import load_exit_traces
+    from loopline.models.tiny import default_checkpoint
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, exit_threshold=0.5)
+    reqs = {f"r{i}": ([3 + (i * 37 + j * 11) % 250 for j in range(5 + 3 * i)], params) for i in range(6)}
+    cols = {}
+    for eager in (True, False):
+        trace = {"dir": str(tmp_path / f"t{eager}"), "labels": True, "shard_rows": 64}
+        eng = engine(default_checkpoint(), eager, exit_trace=trace)
+        if DEVICE == "cuda":
+            assert (eng.runner.graphs is None) == eager
+        run_arrivals(eng, reqs, {"r4": 3, "r5": 7})
+        _, c = load_exit_traces(trace["dir"])
+        order = sorted(range(len(c["loop"])), key=lambda i: (c["request_ids"][i], int(c["position"][i]), int(c["loop"][i])))
+        cols[eager] = {k: v[order] for k, v in c.items() if k not in ("request_ids", "request")} | {
+            "ids": [c["request_ids"][i] for i in order]}
+    a, b = cols[True], cols[False]
+    assert a["ids"] == b["ids"]
+    for name in ("position", "loop", "generated", "exited", "greedy"):
+        assert torch.equal(a[name], b[name]), name
+    for name in ("gate_logit", "input_proj", "hidden_proj", "greedy_logprob"):
+        torch.testing.assert_close(a[name], b[name], atol=1e-3, rtol=1e-3, msg=name)

@@ -26,6 +26,7 @@ import torch
 from loopline.config import EngineArgs, EngineConfig, resolve_device, resolve_dtype
 from loopline.core.contracts import RunnerOutput, SchedulerOutput
 from loopline.core.exit_policy import make_exit_policy
+from loopline.core.exit_trace import ExitTraceConfig
 from loopline.core.queue import make_queue
 from loopline.core.request import Request, RequestStatus
 from loopline.core.scheduler import Preemption, Scheduler, make_allocation
@@ -192,6 +193,16 @@ def _num_loops(args: EngineArgs, model_cfg: Any) -> int:
     return value
 
 
+def _exit_trace(args: EngineArgs, model_cfg: Any) -> ExitTraceConfig | None:
+    """``exit_trace`` parsed, for a family whose exit is the gate (the recorder records gate logits)."""
+    config = ExitTraceConfig.from_value(args.exit_trace)
+    family = family_of(model_cfg)
+    if config is not None and family.exit_criterion.name != "gate":
+        raise InvalidRequestError(f"exit_trace records the exit gate's logits; model_type {family.model_type!r} "
+                                  f"has no gate (its exit: {family.exit_criterion.name!r})", param="exit_trace")
+    return config
+
+
 def _lookahead_head(args: EngineArgs, model_cfg: Any):
     """The lookahead exit head in the ``--model`` directory (``lookahead.json``: docs/lookahead.md), validated
     against the model, or None (none there, no directory named, or dummy weights). A model given in memory
@@ -279,7 +290,8 @@ class LLMEngine(EngineVerbs):
                                   max_len, Sampler(args.logprobs_mode), device, dtype, slot_ops=backends.slot_ops,
                                   no_refill=args.scheduling_mode == "no_refill",
                                   per_token_exits=self.exit_policy.per_token, kv_dtype=cfg.kv_dtype,
-                                  kv_scales=kv_scales, speculative=spec, lookahead=head)
+                                  kv_scales=kv_scales, speculative=spec, lookahead=head,
+                                  exit_trace=_exit_trace(args, model_cfg))
         if self.runner.spec is not None:  # drafts' trained adapter, beside the served weights (docs/speculation.md)
             weights_dir = model_path if model is None and args.load_format != "dummy" else None
             found = resolve_adapter(spec.draft_adapter, weights_dir, model_cfg.hidden_size, model_cfg.total_ut_steps,
@@ -351,7 +363,10 @@ class LLMEngine(EngineVerbs):
         """Takes a request out of the scheduler (its KV, slot and snapshot freed; the runner drops its
         state with the next step's ``finished_request_ids``) or out of a pause's held list."""
         self.structured.drop(child_id)
-        return self.scheduler.finish_request(child_id, reason, stop_reason) or self.control.drop_held(child_id, reason)
+        req = self.scheduler.finish_request(child_id, reason, stop_reason)
+        if req is not None and self.runner.trace is not None:  # its recorded rows past its last token go
+            self.runner.trace.finish(child_id, req.num_output_tokens)
+        return req or self.control.drop_held(child_id, reason)
 
     def has_unfinished_requests(self) -> bool:
         # NOTE: a launched step not yet read matters only for requests still in the scheduler: the
@@ -414,7 +429,10 @@ class LLMEngine(EngineVerbs):
         self.stats.count_step(sched, time.perf_counter() - t0)
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self)
-        return self._collect()
+        deltas = self._collect()
+        if self.runner.trace is not None and not self.scheduler.has_unfinished():
+            self.runner.trace.flush()  # idle: what was recorded goes to disk
+        return deltas
 
     def _collect(self) -> list[OutputDelta]:
         return self.outputs.collect(on_error=self._fail_output)

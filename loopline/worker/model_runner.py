@@ -33,6 +33,7 @@ from loopline.core.contracts import (
     ScheduledRow,
     SchedulerOutput,
 )
+from loopline.core.exit_trace import ExitTraceConfig
 from loopline.kv.layout import KVLayout
 from loopline.kv.quant import KVScales, is_fp8
 from loopline.models.family import family_of
@@ -65,6 +66,7 @@ from loopline.worker.sampling_inputs import (
 )
 from loopline.worker.staging import stage
 from loopline.worker.step_inputs import StepBuilder, StepShape
+from loopline.worker.trace_recorder import TraceRecorder
 
 _SEED_MASK = 2**63 - 1
 # (logits of the sampled rows, their request ids) -> None: masks constrained rows in place
@@ -128,10 +130,12 @@ class ModelRunner:
                  dtype: torch.dtype, *, slot_ops: SlotOps | None = None, no_refill: bool = False,
                  per_token_exits: bool = False, kv_dtype: torch.dtype | None = None,
                  kv_scales: KVScales | None = None, speculative: SpeculativeConfig | None = None,
-                 lookahead: tuple[LookaheadHead, HeadConfig] | None = None) -> None:
+                 lookahead: tuple[LookaheadHead, HeadConfig] | None = None,
+                 exit_trace: ExitTraceConfig | None = None) -> None:
         """``kv_dtype``: the pool's stored dtype (default ``dtype``); an FP8 pool needs ``kv_scales``.
         ``speculative``: loop self-speculation's config (docs/speculation.md). ``lookahead``: the head
-        beside the weights (``load_head``), which ``exit_mode="lookahead"`` rows use (docs/lookahead.md)."""
+        beside the weights (``load_head``), which ``exit_mode="lookahead"`` rows use (docs/lookahead.md).
+        ``exit_trace``: record every executed loop's exit features to disk (docs/lookahead.md, 'Engine traces')."""
         cfg = model.config
         self.kv_dtype = kv_dtype or dtype
         if is_fp8(self.kv_dtype) and kv_scales is None:
@@ -185,6 +189,8 @@ class ModelRunner:
         self.lookahead_rule = None if lookahead is None else LookaheadRule(*lookahead, cfg.hidden_size, model.embed,
                                                                             self.decode_state, device)
         self.decode.lookahead = self.lookahead_rule
+        self.trace = None if exit_trace is None else TraceRecorder(exit_trace, model, device)
+        self.decode.trace = self.trace
         # what the host knows a step ahead of the rule's exits: the coda runs only for rows that may exit
         self.lookahead_plan = None if lookahead is None else LookaheadPlan(max_num_seqs + 1, lookahead[1].loops, device,
                                                                            counts_runs=not no_refill)
@@ -397,6 +403,8 @@ class ModelRunner:
         parts = self.builder.split(out, plan)
         dec, prefill = parts[0], parts[-1]
         nd = plan.kinds[0].num_rows
+        if self.trace is not None and nd:
+            self.trace.decode(rows[:nd], dec, self.requests)
         ns = nd + sum(p.num_rows for p in plan.kinds[1:-1])  # speculative rows come between
         booked = _Booked([False] * len(rows))
         if prefill is not None:
@@ -436,6 +444,8 @@ class ModelRunner:
     def _apply_lifecycle(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_request_ids:
             self.requests.pop(rid, None)
+            if self.trace is not None:  # (a request ended without the engine's count: a handoff, an abort-all)
+                self.trace.finish(rid)
             self.stack.forget(rid)
             self.pages.forget(rid)  # its pages (freed) may be written by this step
         # Snapshots before any freed block is written, and before a new request resets the
@@ -472,6 +482,9 @@ class ModelRunner:
                             head_in: Tensor) -> None:
         st = self.requests[row.request_id]
         lo, hi = row.start, row.end
+        if self.trace is not None and self.trace.config.prompts:  # (the loop's input: before it is overwritten)
+            x = self.model.embed(st.prompt[lo:hi]) if row.loop == 1 else st.hidden[lo:hi]
+            self.trace.prefill(row.request_id, st.prompt.numel(), row.loop, lo, x, head_in, gate)
         ep = st.prompt_exit
         # NOTE: a chunk's rule is one (loop, min, max, threshold) for all its positions, so it
         # goes in as scalars; each op here is a launch per prefill row, which bounds steps

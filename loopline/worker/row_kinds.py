@@ -36,6 +36,7 @@ from loopline.worker.decode_state import DecodeRows, DeviceDecodeState, RowsInto
 from loopline.worker.lookahead_rule import NEVER, LookaheadRule
 from loopline.worker.request_state import RequestState
 from loopline.worker.step_inputs import HostImage, KindRows, Segment, StepInputs
+from loopline.worker.trace_recorder import TraceRecorder
 
 LOOKAHEAD = frozenset({"lookahead"})  # the step feature of the lookahead head's rule (StepShape.features)
 
@@ -156,6 +157,8 @@ class DecodeOut(NamedTuple):
     # exit only (worker/lookahead_plan.py)
     hidden: Tensor | None = None
     target: Tensor | None = None
+    # with an exit-trace recorder installed: the rows' recorded columns, [B, width] fp32 (worker/trace_recorder.py)
+    trace: Tensor | None = None
 
 
 class DecodeKind(RowKind):
@@ -165,11 +168,13 @@ class DecodeKind(RowKind):
 
     query_len = 1
     derives = steady = True
-    num_outputs = 8
+    num_outputs = 9
     # exit_mode="lookahead": the head's rule (worker/lookahead_rule.py), installed by the runner when the
     # model has a head; it runs in steps with a lookahead row (rows of other policies there carry its NEVER
     # threshold), and steps without one run the forward without it
     lookahead: LookaheadRule | None = None
+    # EngineArgs.exit_trace: the recorder, installed by the runner before graphs are captured (None: nothing runs)
+    trace: TraceRecorder | None = None
 
     def __init__(self, *, model: OuroForCausalLM, backend: AttentionBackend, kv: Callable[[], tuple[Tensor, Tensor]],
                  state: DeviceDecodeState, ops: SlotOps, slot_hidden: Tensor, slot_survival: Tensor,
@@ -227,6 +232,8 @@ class DecodeKind(RowKind):
         self._rule = self.lookahead if LOOKAHEAD <= inp.shape.features else None
         if self._rule is not None:  # the projection of the rows' inputs: the head reads its change
             self._rule.before(inp.x[t:t + n])
+        if self.trace is not None:
+            self.trace.before(inp.x[t:t + n])
         return rows
 
     def finish(self, h: Tensor, gate: Tensor, rows: DecodeRows | None, own: dict[str, Tensor]) -> tuple:
@@ -252,7 +259,8 @@ class DecodeKind(RowKind):
         # row runs, and the mask would be a launch of its own)
         if self.no_refill:
             ex = ex & rows.run
-        return ex, logits, rows.slots, rows.loops, rows.run, rows.token_index, hidden, target
+        trace = self.trace.after(h, gate) if self.trace is not None else None
+        return ex, logits, rows.slots, rows.loops, rows.run, rows.token_index, hidden, target, trace
 
     def trim(self, out: tuple, part: KindRows) -> DecodeOut | None:
         if out[0] is None or not part.num_rows:
