@@ -2,6 +2,13 @@
 
 python3 tools/spec_speed.py --config ouro-1.4b --branch-scale 1.0,0.0 --spec 2,1 --spec 1,1 --concurrency 1
 python3 tools/spec_speed.py --config demo --spec 3,1,pinned --scheme draft_verify,pipeline --concurrency 1
+python3 tools/spec_speed.py --config ouro-1.4b --spec 3,1 --scheme draft_verify,pipeline --concurrency 1,8,32,128 \
+    --replay-acceptance 0.89,0.71,0.68
+
+``--replay-acceptance`` replays an acceptance pattern on random weights (loopline/spec/replay.py: each draft's
+verdict is a seeded draw with the given per-position probability, e.g. the demo model's measured greedy
+acceptance at d=1, 0.89 / 0.71 / 0.68; the engine does that pattern's work, its outputs are meaningless): rows
+made with it are labelled ``replayed``.
 
 ``--scheme`` runs every ``--spec`` once per scheme (a scheme the engine refuses is printed as refused and
 skipped; the pipeline ignores K); ``--config demo`` loads the bundled model's weights
@@ -39,6 +46,7 @@ from loopline.models.loader import load_model
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
 from loopline.models.tiny import default_checkpoint, random_checkpoint_config
 from loopline.sampling_params import SamplingParams
+from loopline.spec.replay import AcceptanceReplay
 
 
 def build_model(config: str, scale: float, dtype: torch.dtype, device: str) -> OuroForCausalLM:
@@ -76,6 +84,8 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
                                   max_model_len=args.input_len + args.output_len + 64,
                                   kv_cache_memory_gb=args.kv_gb, speculative_config=speculative,
                                   enforce_eager=args.eager), model=model)
+    if spec is not None and args.replay_acceptance:  # labelled: the verdicts are draws, the outputs meaningless
+        engine.runner.spec.replay = AcceptanceReplay(args.replay_acceptance)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
     vocab = model.config.vocab_size
 
@@ -113,7 +123,7 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
     drafts = {k: spec_now[k] - stats0[k] for k in ("vllm:spec_decode_num_draft_tokens",
                                                    "vllm:spec_decode_num_accepted_tokens")}
     return {"spec": None if spec is None else {"K": spec[0], "d": spec[1], "pinned": len(spec) > 2,
-                                               "scheme": scheme},
+                                               "scheme": scheme, "replayed": args.replay_acceptance},
             "concurrency": c, "max_running": max_running, "output_tokens": tokens,
             "seconds": round(elapsed, 4), "output_tok_s": round(tokens / elapsed, 2),
             "steps_per_token": round((steps - steps0) / tokens, 3),
@@ -155,7 +165,8 @@ def _name(r: dict) -> str:
     if spec is None:
         return "plain"
     return (f"{'pipe ' if spec['scheme'] == 'pipeline' else ''}K={spec['K']} d={spec['d']}"
-            + (" pinned" if spec["pinned"] else ""))
+            + (" pinned" if spec["pinned"] else "")
+            + (f" replayed {','.join(map(str, spec['replayed']))}" if spec.get("replayed") else ""))
 
 
 def print_medians(rows: list[dict]) -> None:
@@ -189,6 +200,11 @@ def main() -> None:
                     help="KV pool in GiB (default: the engine's; on CUDA what gpu_memory_utilization leaves)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of the whole set, plain and speculative alternating")
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--replay-acceptance", default=None,
+                    type=lambda v: [float(x) for x in v.split(",")],
+                    help="P0,P1,...: speculative runs accept the draft at round position j with probability Pj "
+                         "instead of comparing it with the target (the pipeline: P0 for every lane); the cost of an "
+                         "acceptance pattern on random weights (loopline/spec/replay.py), labelled 'replayed'")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     specs = [parse_spec(s) for s in args.spec]

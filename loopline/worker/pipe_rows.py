@@ -38,6 +38,7 @@ from torch import Tensor
 from loopline.attention import AttentionBackend
 from loopline.core.contracts import PipeLane, ScheduledRow
 from loopline.models.ouro import OuroForCausalLM
+from loopline.spec.replay import AcceptanceReplay
 from loopline.worker.decode_state import DeviceDecodeState
 from loopline.worker.draft_head import DraftHead
 from loopline.worker.exit_rule import exit_decision
@@ -213,6 +214,7 @@ class PipeRounds:
         self.head = head
         self.drafts = DraftSampler(sampler, device)
         self._lanes = torch.arange(ring.lanes, device=device)
+        self.replay: AcceptanceReplay | None = None  # a measurement hook (loopline/spec/replay.py); None: real verdicts
 
     def _lane0(self, rows: list[ScheduledRow], row0: int = 0) -> list[tuple[int, ScheduledRow]]:
         return [(row0 + i, r) for i, r in enumerate(rows) if r.spec.lane == 0]
@@ -270,6 +272,10 @@ class PipeRounds:
         # a lane behind an exited one must hold its target token; from the first that does not, drop every lane
         follows = torch.ones_like(valid)
         follows[:, 1:] = token[:, 1:] == y[:, :-1]
+        agrees = y == draft
+        if self.replay is not None:  # (cost measurements on random weights: lane j's draft is for index ti + j + 1)
+            agrees = self.replay.accepted(slots, ds.token_index[slots], L, per_position=False)
+            follows[:, 1:] = agrees[:, :-1]
         judged = valid & torch.cat([torch.zeros_like(exited[:, :1]), exited[:, :-1]], dim=1)
         behind = (judged & ~follows).long().cumsum(dim=1)
         valid = valid & (behind == 0)
@@ -277,7 +283,7 @@ class PipeRounds:
         committed = (valid & exited & follows).long().cumprod(dim=1).bool()
         # NOTE: a draft's verdict counts when its lane commits, not when the lane behind it is judged: a lane
         # that exits before its predecessor judges its successor against a target that may yet be dropped
-        part.verdicts = torch.where(committed & drafted, 1 + (y == draft).long(), 0).flatten()
+        part.verdicts = torch.where(committed & drafted, 1 + agrees.long(), 0).flatten()
         c = committed.long().sum(dim=1)  # [M]
         last = y.gather(1, (c - 1).clamp(min=0)[:, None]).squeeze(1)
         ds.token[slots] = torch.where(c > 0, last, ds.token[slots])

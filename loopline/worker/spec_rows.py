@@ -42,6 +42,7 @@ from torch import Tensor
 from loopline.attention import AttentionBackend
 from loopline.core.contracts import ScheduledRow, SpecStep
 from loopline.models.ouro import OuroForCausalLM
+from loopline.spec.replay import AcceptanceReplay
 from loopline.worker.decode_state import DeviceDecodeState
 from loopline.worker.draft_head import DraftHead
 from loopline.worker.exit_rule import exit_decision
@@ -221,6 +222,7 @@ class SpecRounds:
         self.head = head  # the drafts' coda (a trained adapter's, when installed); targets use the model's head
         self.sampler = sampler
         self.drafts = DraftSampler(sampler, device)
+        self.replay: AcceptanceReplay | None = None  # a measurement hook (loopline/spec/replay.py); None: real verdicts
 
     def draft(self, rows: list[ScheduledRow]) -> None:
         """Draft-end rows: the head of each position's state (its exit loop's, if it exited) proposes the
@@ -261,6 +263,8 @@ class SpecRounds:
         k = st.k
         y = target.view(-1, k + 1)
         match = y[:, :k] == st.tokens[part.slots, 1:]
+        if self.replay is not None:  # (cost measurements on random weights: outputs meaningless)
+            match = self.replay.accepted(part.slots, ds.token_index[part.slots], k)
         accepted = match.long().cumprod(dim=1).sum(dim=1)  # [M] drafts accepted
         j = torch.arange(k + 1, device=self.device)
         committed = j[None, :] <= accepted[:, None]

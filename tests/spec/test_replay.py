@@ -1,0 +1,62 @@
+"""Replayed acceptance (loopline/spec/replay.py), the cost-measurement hook of ``tools/spec_speed.py``: on random
+weights (which accept no draft) the engine's counters follow the replayed probabilities for both schemes, the
+engine runs fewer steps the more it accepts, and the draws are deterministic per (slot, completion index)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from spec.test_engine import engine
+
+from loopline import SamplingParams
+from loopline.spec.replay import AcceptanceReplay
+
+PROMPTS = {f"r{i}": [3 + (i * 37 + j * 11) % 250 for j in range(6 + 2 * i)] for i in range(2)}
+PARAMS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def run(tiny, scheme: str, probs: list[float] | None):
+    spec = {"method": "loop", "num_speculative_tokens": 3, "draft_loops": 1, "scheme": scheme, "adaptive": False,
+            "disable_by_batch_size": None}
+    eng = engine(str(tiny.path), speculative=spec)
+    if probs is not None:
+        eng.runner.spec.replay = AcceptanceReplay(probs, seed=1)
+    outs = {}
+    for rid, p in PROMPTS.items():
+        eng.add_request(rid, {"prompt_token_ids": p}, PARAMS)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0]
+    assert all(len(o.token_ids) == PARAMS.max_tokens for o in outs.values())
+    return eng.stats
+
+
+@pytest.mark.parametrize("scheme", ["draft_verify", "pipeline"])
+def test_counters_follow_the_replayed_acceptance(tiny_gqa, scheme):
+    real = run(tiny_gqa, scheme, None)
+    everything, nothing, half = (run(tiny_gqa, scheme, p) for p in ([1.0], [0.0], [0.5]))
+    assert real.spec_num_accepted_tokens < 0.2 * real.spec_num_draft_tokens  # random weights: (nearly) none
+    assert everything.spec_num_accepted_tokens == everything.spec_num_draft_tokens > 0
+    assert nothing.spec_num_accepted_tokens == 0 < nothing.spec_num_draft_tokens
+    # draft then verify counts a round's accepted prefix: (0.5 + 0.25 + 0.125) / 3 of its drafts; the pipeline
+    # judges each lane's draft alone
+    rate = half.spec_num_accepted_tokens / half.spec_num_draft_tokens
+    assert rate == pytest.approx(0.875 / 3 if scheme == "draft_verify" else 0.5, abs=0.12), rate
+    assert everything.steps < half.steps < nothing.steps
+
+
+def test_per_position_probabilities_and_determinism():
+    r = AcceptanceReplay([0.9, 0.5, 0.1], seed=3)
+    slots = torch.arange(64).repeat_interleave(64)
+    first = torch.arange(64).repeat(64) * 5
+    a = r.accepted(slots, first, 4)
+    assert torch.equal(a, r.accepted(slots, first, 4))  # the same draw for the same (slot, index)
+    rates = a.double().mean(0)
+    assert torch.allclose(rates, torch.tensor([0.9, 0.5, 0.1, 0.1], dtype=torch.float64), atol=0.03), rates
+    # the draw of completion index i does not depend on the round it falls in
+    assert torch.equal(r.accepted(slots, first + 1, 3)[:, :2].double().mean(0) > 0,
+                       torch.tensor([True, True]))
+    u = r.uniform(torch.zeros(10_000, dtype=torch.long), torch.arange(10_000))
+    assert 0.48 < float(u.mean()) < 0.52 and float(u.min()) >= 0 and float(u.max()) < 1
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        AcceptanceReplay([1.5])
