@@ -3,7 +3,8 @@
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests slow diag kernels sweep gemm swiglu gemv profile prefill mixed
-# wide splits bench headline sync overlap partition hf adaptive phases pd demo serve; LOOPLINE_BENCH_C (default "1 32 128") picks
+# wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay
+# lookahead trace_cost; LOOPLINE_BENCH_C (default "1 32 128") picks
 # bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -174,6 +175,34 @@ for c in (32, 128):
           f"serve {s:.1f} tok/s (TTFT p50 {srv['ttft_ms']['p50']:.0f} ms, TPOT p50 {srv['tpot_ms']['p50']:.2f}), "
           f"serve/offline {s / o:.3f}, failed {srv['failed']}")
 PY
+fi
+if has newpaths; then  # GPU tests of the newest engine paths: Huginn, lookahead and exit traces in graphs, speculation graphs
+  timeout 150 python3 -m pytest -q -x -m gpu tests/test_new_paths_gpu.py tests/spec/test_graphs.py \
+    tests/spec/test_pipeline_graphs.py > "$out/newpaths.log" 2>&1
+  echo "new-path gpu tests rc=$? $(tail -1 "$out/newpaths.log")"; grep -hE "^(FAILED|ERROR)" "$out/newpaths.log" | head -5
+fi
+if has huginn; then  # issue #46: Huginn-0125 shapes, fixed 32 and 8 iterations, then refill / no_refill / fixed at mean 8
+  h="--config huginn-3.5b --input-len 256 --output-len 64 --concurrency 1,32,128"
+  timeout 140 python3 -m loopline.entrypoints.cli bench $h --dtype bfloat16 --no-progress --max-num-loops 32 \
+    --output-json "$out/huginn32.json" 2>&1 | tail -6
+  timeout 80 python3 -m loopline.entrypoints.cli bench $h --dtype bfloat16 --no-progress --max-num-loops 8 \
+    --output-json "$out/huginn8.json" 2>&1 | tail -6
+  timeout 160 python3 -m loopline.entrypoints.cli bench $h --dtype bfloat16 --no-progress --max-num-loops 32 \
+    --compare --depth-dist mean8 --repeats 1 --output-json "$out/huginn_compare.json" 2>&1 | tail -14
+fi
+if has spec_replay; then  # issue #41: both schemes at the demo model's acceptance, replayed on Ouro-1.4B shapes
+  timeout 300 python3 tools/spec_speed.py --config ouro-1.4b --spec 3,1 --scheme draft_verify,pipeline \
+    --concurrency "${LOOPLINE_SPEC_C:-1,8,32,128}" --replay-acceptance 0.89,0.71,0.68 --json "$out/spec_replay.json" 2>&1 \
+    | grep -v Warn | tail -12
+fi
+if has lookahead; then  # issue #44: the lookahead policy vs the stock exit path at the same depths and fixed depth
+  mkdir -p "$out/lookahead"
+  timeout 300 python3 tools/lookahead_h200.py --config ouro-1.4b --concurrency 1,32,128 --input-len 1024 \
+    --output-len 128 --out "$out/lookahead" 2>&1 | tail -20
+fi
+if has trace_cost; then  # issue #44: the exit-trace recorder off / on / on with labels
+  timeout 120 python3 tools/exit_trace_cost.py --config ouro-1.4b --dtype bfloat16 --concurrency 1,32 \
+    --input-len 1024 --output-len 128 --repeats 2 --json "$out/trace_cost.json" 2>&1 | tail -9
 fi
 # the device returns at most 8 files: everything also goes back in one archive
 tar -czf "$out/all.tgz" -C "$out" --exclude all.tgz . 2>/dev/null
