@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
 
 
 class LooplineError(Exception):
@@ -79,3 +82,15 @@ class RequestFailedError(LooplineError, RuntimeError):
     def __init__(self, message: str, request_ids: list[str]) -> None:
         super().__init__(message)
         self.request_ids = list(request_ids)
+
+
+def check_object(value: Any, cls: type, name: str) -> None:
+    """``value`` must be a JSON object whose keys are fields of the dataclass ``cls``: else an
+    :class:`InvalidRequestError` naming ``name`` (and the first unknown field) and the allowed fields."""
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(f"{name} must be a JSON object, got {type(value).__name__}", param=name)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise InvalidRequestError(f"{name} has unknown field(s) {', '.join(map(repr, unknown))}; allowed: "
+                                  f"{', '.join(sorted(known))}", param=f"{name}.{unknown[0]}")

@@ -101,7 +101,7 @@ def test_off_by_default_and_prompts_optional(tiny_gqa, tmp_path):
     ({"dir": "x", "proj_dim": 0}, "exit_trace.proj_dim"),
     ({"dir": "x", "shard_rows": 2.5}, "exit_trace.shard_rows"),
     ({"dir": "x", "labels": "yes"}, "exit_trace.labels"),
-    ({"dir": "x", "depth": 3}, "exit_trace"),
+    ({"dir": "x", "depth": 3}, "exit_trace.depth"),
     ("not json", "exit_trace"),
     ([1, 2], "exit_trace"),
 ])

@@ -27,11 +27,11 @@ spec, the model's loops, the shard list). Columns of a shard with ``N`` rows and
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loopline.errors import InvalidRequestError
+from loopline.errors import InvalidRequestError, check_object
 
 TRACE_FORMAT = "loopline-exit-traces/1"
 META_FILE = "meta.json"
@@ -59,14 +59,7 @@ class ExitTraceConfig:
             except json.JSONDecodeError as e:
                 raise InvalidRequestError(f"exit_trace must be a JSON object, got {value!r} ({e})",
                                           param="exit_trace") from None
-        if not isinstance(value, dict):
-            raise InvalidRequestError(f"exit_trace must be an object with a 'dir', got {type(value).__name__}",
-                                      param="exit_trace")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidRequestError(f"exit_trace: unknown field(s) {unknown}; allowed: {sorted(known)}",
-                                      param="exit_trace")
+        check_object(value, cls, "exit_trace")
         if not isinstance(value.get("dir"), str) or not value["dir"]:
             raise InvalidRequestError(f"exit_trace.dir must be a non-empty path, got {value.get('dir')!r}",
                                       param="exit_trace.dir")

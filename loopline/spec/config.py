@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from loopline.errors import InvalidRequestError
+from loopline.errors import InvalidRequestError, check_object
 
 #: The most draft tokens per round; deeper rounds only pay off with acceptance above ~0.95 (docs/speculation.md).
 MAX_SPECULATIVE_TOKENS = 16
@@ -69,14 +69,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> SpeculativeConfig:
         """Parses vLLM's ``speculative_config`` dict; unknown keys are refused (naming them)."""
-        if not isinstance(spec, Mapping):
-            raise InvalidRequestError(f"speculative_config must be a JSON object, got {type(spec).__name__}",
-                                      param="speculative_config")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(spec) - known)
-        if unknown:
-            raise InvalidRequestError(f"speculative_config has unknown field(s) {', '.join(map(repr, unknown))}; "
-                                      f"allowed: {', '.join(sorted(known))}", param=f"speculative_config.{unknown[0]}")
+        check_object(spec, cls, "speculative_config")
         if "method" not in spec:
             raise InvalidRequestError("speculative_config.method is required; allowed: 'loop'", param="speculative_config.method")
         return cls(**dict(spec))

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from loopline.errors import InvalidRequestError
+from loopline.errors import InvalidRequestError, check_object
 
 # Bounds on what one request may ask the grammar compiler to build (a schema or grammar compiles on the host).
 MAX_SPEC_CHARS = 64 * 1024
@@ -75,14 +75,7 @@ class StructuredOutputsParams:
         """From a request's ``structured_outputs`` object; unknown keys are refused, naming them."""
         if isinstance(data, cls):
             return data
-        if not isinstance(data, dict):
-            raise InvalidRequestError(f"structured_outputs must be an object, got {type(data).__name__}",
-                                      param="structured_outputs")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise InvalidRequestError(f"structured_outputs: unknown field(s) {unknown}; allowed: {sorted(known)}",
-                                      param="structured_outputs")
+        check_object(data, cls, "structured_outputs")
         return cls(**data)
 
 
