@@ -46,7 +46,7 @@ class ExitTraceConfig:
     proj_seed: int = 0  # the projection's seed (the lookahead trainer's default spec: 32 channels, seed 0)
     labels: bool = False  # also each loop's greedy token and its log-probability (an lm_head per row and loop)
     prompts: bool = True  # also the prompt positions' loops (those the engine computes: not prefix-cache hits)
-    shard_rows: int = 65_536  # rows per shard file; memory holds at most one shard (and a few steps in flight)
+    shard_rows: int = 65_536  # rows per shard file (memory: one shard, plus the rows of requests in flight)
 
     @classmethod
     def from_value(cls, value: Any) -> ExitTraceConfig | None:

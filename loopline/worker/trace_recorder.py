@@ -5,7 +5,8 @@ calls nothing. When on, a step's decode rows project their loop input and output
 captured CUDA graph computes them too: graphs are captured with the recorder installed), and the runner
 queues one non-blocking copy of the step's rows to pinned memory with an event; rows reach the shard when
 their event has completed (``Event.query``, never a wait inside a step), the shard goes to disk when it is
-full and whenever the engine is idle (:meth:`TraceRecorder.flush`). Memory: one shard's rows and at most
+full and whenever the engine is idle (:meth:`TraceRecorder.flush`). A request's rows are held until it ends
+(:meth:`TraceRecorder.finish`). Memory: the rows of the requests in flight, one shard's rows, and at most
 :data:`MAX_PENDING` steps' copies in flight (beyond that the oldest is waited for).
 """
 from __future__ import annotations
@@ -23,7 +24,6 @@ from loopline.core.exit_trace import META_FILE, ExitTraceConfig
 from loopline.models.lookahead_head import TraceSpec, projection
 
 MAX_PENDING = 64  # steps whose copies may be in flight before the oldest is waited for
-_INT_COLUMNS = ("loop", "token_index", "exited", "run")  # a decode step's int64 columns, in this order
 
 
 class TraceRecorder:
@@ -31,9 +31,8 @@ class TraceRecorder:
 
     def __init__(self, config: ExitTraceConfig, model: Any, device: torch.device) -> None:
         cfg = model.config
-        self.config, self.model, self.device = config, model, device
+        self.config, self.model = config, model
         self.proj = projection(cfg.hidden_size, TraceSpec(proj_dim=config.proj_dim, proj_seed=config.proj_seed)).to(device)
-        self.width = 2 * config.proj_dim + 1 + (2 if config.labels else 0)  # the float columns a row carries
         self.dir = Path(config.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.meta = config.meta(cfg.total_ut_steps, cfg.hidden_size)
@@ -93,13 +92,13 @@ class TraceRecorder:
             self._pending.append((done, pinned[0], pinned[1] if ints is not None else None, info))
         self._drain(keep=MAX_PENDING)
 
-    def _drain(self, keep: int | None = None) -> None:
+    def _drain(self, keep: int) -> None:
         """Books the copies that completed, in order; waits for the oldest while more than ``keep`` are in
-        flight (``None``: never waits)."""
+        flight."""
         while self._pending:
             done = self._pending[0][0]
             if done is not None and not done.query():
-                if keep is None or len(self._pending) <= keep:
+                if len(self._pending) <= keep:
                     break
                 done.synchronize()
             _, floats, ints, info = self._pending.popleft()
