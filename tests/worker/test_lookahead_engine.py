@@ -82,6 +82,38 @@ class Oracle:
         return ((want == ctx.loop + la.DISTANCE) & (ctx.token_index >= 0)).float()
 
 
+@pytest.mark.parametrize("loops", [4, 6])
+def test_the_folded_head_equals_the_head_on_its_features(loops):
+    """HeadPredictor folds the standardisation and the projection into the first layer; on random inputs its
+    probabilities equal the trainer's head applied to the feature vectors (loop 0's rows and loop n's, loops past
+    the head's last one clamped as the rule clamps them)."""
+    from loopline.models.lookahead_head import projection
+    from loopline.worker.lookahead_rule import (
+        HeadPredictor,
+        LookaheadInputs,
+        PredictorContext,
+        feature_matrix,
+    )
+
+    hidden_size, b = 48, 11
+    head, config = random_head(loops, hidden_size, seed=3)
+    with torch.no_grad():  # statistics away from 0 / 1, so an unfolded mean or std would show
+        head.mean.uniform_(-0.5, 0.5)
+        head.std.uniform_(0.5, 2.0)
+    folded = HeadPredictor(head, config, hidden_size, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    h, x = torch.randn(b, hidden_size, generator=g), torch.randn(b, hidden_size, generator=g)
+    loop = torch.randint(1, loops + 2, (b,), generator=g)
+    gate, cdf, pos = torch.randn(b, generator=g), torch.rand(b, generator=g), torch.rand(b, generator=g)
+    ctx = PredictorContext(*(torch.zeros(2 * b, dtype=torch.long),) * 3)
+    got = folded(LookaheadInputs(loop, gate, cdf, h @ folded.proj, x @ folded.proj, pos), ctx)
+    p = projection(hidden_size, config.trace_spec)
+    with torch.no_grad():
+        want = torch.sigmoid(head(feature_matrix(LookaheadInputs(loop, gate, cdf, h @ p, x @ p, pos), loops)))
+    assert got.shape == (2 * b,) and float(want.std()) > 0.05
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+
+
 def prompts(n: int, length: int = 12) -> list[list[int]]:
     stream = la.split_stream(default_checkpoint(), "heldout", 2000)
     return [stream[100 * i:100 * i + length + i] for i in range(n)]
