@@ -19,3 +19,22 @@ class EagerCapturer:
 
     def close(self) -> None:
         pass
+
+
+class AddressCheckingCapturer(EagerCapturer):
+    """The eager stand-in, plus what a CUDA graph assumes: the tensors ``read()`` returns (the step buffers a
+    graph reads outside its own inputs) sit at the addresses they had at capture whenever it replays."""
+
+    def __init__(self, read) -> None:
+        self.read, self.replays_checked = read, 0
+
+    def capture(self, fn, setup, shape):
+        outputs, replay = super().capture(fn, setup, shape)
+        at_capture = [t.data_ptr() for t in self.read()]
+
+        def checked_replay() -> None:
+            assert [t.data_ptr() for t in self.read()] == at_capture, "a graph would read moved step buffers"
+            self.replays_checked += 1
+            replay()
+
+        return outputs, checked_replay

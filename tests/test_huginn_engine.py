@@ -211,6 +211,35 @@ def test_graph_buckets_equal_the_plain_path(tiny):
     assert eng.runner.graphs.replays["decode"] > 10 and eng.runner.graphs.replays["mixed"] > 2
 
 
+def test_steps_larger_than_every_graph_leave_the_graphs_buffers(tiny):
+    """Graphs captured for short sequences and small prompt chunks; a long prompt's chunks and sequences past the
+    captured length run eagerly in buffers of their own, and every later graph replay still finds Huginn's step
+    buffers where it captured them (a CUDA graph replays fixed addresses: on an H100 a run at concurrency 128
+    read freed memory there); outputs equal the plain path's."""
+    from graph_testing import AddressCheckingCapturer
+
+    from loopline.worker.loop_stack import _STEP_BUFFERS
+
+    path, model = tiny
+    requests = {rid: (p, greedy(12, max_loops=4)) for rid, p in PROMPTS.items()}
+    eng = engine(path, max_num_seqs=3, max_num_batched_tokens=24, max_model_len=64)
+    stack = eng.runner.stack
+    capturer = AddressCheckingCapturer(lambda: [getattr(stack, n) for n in _STEP_BUFFERS if not n.startswith("_")])
+    eng.runner.capture_graphs(32, 8, max_prefill_rows=1, capturer=capturer)
+    pinned = stack._tokens, stack._rows
+    grew = []
+    plan = stack.plan
+
+    def watch(step_plan):  # (the sizes the previous step left: larger than pinned after an eager step grew them)
+        grew.append((stack._tokens, stack._rows) != pinned)
+        return plan(step_plan)
+
+    stack.plan = watch
+    outputs = run_arrivals(eng, requests, arrivals={"c": 5, "d": 9})
+    assert_equal_plain(model, outputs, requests)
+    assert any(grew) and capturer.replays_checked > 10, (eng.runner.graphs.replays, grew)
+
+
 def test_cli_settings_line_and_serve_startup_line_name_huginn_fields(tiny):
     from types import SimpleNamespace
 

@@ -60,6 +60,8 @@ from loopline.worker.step_inputs import Segment, StepInputs, StepPlan, StepShape
 # without it runs every stage); PRELUDE / CODA: some row needs that stage; COMPACT (eager decode-only steps):
 # each stage runs over the rows that need it only
 STAGED, PRELUDE, CODA, COMPACT = "staged", "prelude", "coda", "compact"
+# HuginnStack's step buffers (and their sizes): what a step's inputs are written into and its graph reads
+_STEP_BUFFERS = ("ids", "starts", "seeds", "injected_in", "slot_mapping", "_tokens", "tables", "_rows")
 
 
 class OuroStack:
@@ -112,8 +114,8 @@ class OuroStack:
         """fp32 logits of the decode rows (rows not exiting: unused, may be zeros)."""
         return self.model.head(h, needed=ex)
 
-    def reserve(self, tokens: int, rows: int, width: int) -> None:
-        """Buffers for steps up to this size (before graphs capture views of them): none."""
+    def reserve(self, tokens: int, rows: int, width: int, *, pin: bool = False) -> None:
+        """Buffers for steps up to this size; ``pin``: graphs are about to capture views of them (none)."""
 
     # --- what a step needs of the loop (Ouro: everything, every step) ------------------------------
     graph_variants: tuple[tuple[str, frozenset[str]], ...] = (("", frozenset()),)
@@ -175,6 +177,7 @@ class HuginnStack:
         state.add_family_rows({"huginn_injected": self.slot_injected, "huginn_seed": self.slot_seed,
                                "huginn_logp": self.slot_logp})
         self._tokens = self._rows = 0
+        self._pinned: dict[str, Any] | None = None  # the step buffers graphs read (reserve(pin=True))
         self.reserve(1, 1, 1)
         self.scale = model.config.head_dim ** -0.5
         self._out: tuple[Tensor, Tensor] | None = None  # the last forward's (head input, prelude output)
@@ -182,8 +185,14 @@ class HuginnStack:
         d = model.config.head_dim
         self._identity = (torch.ones(1, d, dtype=dtype, device=self.device), torch.zeros(1, d, dtype=dtype, device=self.device))
 
-    def reserve(self, tokens: int, rows: int, width: int) -> None:
-        # NOTE: new buffers, never a resize (graphs captured on the old ones keep reading them)
+    def reserve(self, tokens: int, rows: int, width: int, *, pin: bool = False) -> None:
+        """Step buffers for ``tokens`` tokens and ``rows x width`` block-table entries. ``pin`` (before graphs
+        capture): these become the buffers every later step writes and the graphs read. A graph replays
+        fixed addresses and does not keep a tensor alive, so pinned buffers are never replaced: a larger
+        (eager) step gets buffers of its own, which :meth:`plan` drops at the next step."""
+        if pin:
+            self._pinned = None
+        # NOTE: new buffers, never a resize (a resize would move what a running step reads)
         if tokens > self._tokens:
             n, h, dev = max(tokens, self._tokens * 3 // 2), self.model.config.hidden_size, self.device
             self.ids = torch.zeros(n, dtype=torch.long, device=dev)
@@ -196,6 +205,8 @@ class HuginnStack:
             self.tables = torch.full((2, max(rows * width, self._rows * 3 // 2)), self.scratch_block,
                                      dtype=torch.int32, device=self.device)
             self._rows = self.tables.shape[1]
+        if pin:
+            self._pinned = {name: getattr(self, name) for name in _STEP_BUFFERS}
 
     def _tables(self, rows: int, width: int) -> Tensor:
         """``[2, rows, width]`` views of the prelude's and the coda's block tables for a step's shape."""
@@ -274,6 +285,8 @@ class HuginnStack:
         """The stages the step's rows need, as step features: the prelude for prompt chunks at loop 1 and
         decode rows that may start a token, the coda for chunks at their prompt's last loop and decode rows
         that may exit (``fixed_loops.py``; the counts advance: call once per launched step)."""
+        if self._pinned is not None:  # (a larger step's own buffers, if the last step had them, go)
+            self.__dict__.update(self._pinned)
         dec, chunks, requests = plan.kinds[0], plan.kinds[-1], self.requests
         starts, exits = self.fixed.step(dec.rows, chunks.rows, lambda rid: requests[rid].prefill_loops)
         first = np.fromiter((r.loop == 1 for r in chunks.rows), bool, len(chunks.rows))

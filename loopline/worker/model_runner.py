@@ -259,7 +259,7 @@ class ModelRunner:
         self.graphs = StepGraphs(self.forward, self.builder, families)
         shapes = [shape for family in families.values() for shape in family]
         # the family's own step buffers at their largest before any graph captures views of them
-        self.stack.reserve(max(s.tokens for s in shapes), max(s.rows for s in shapes), width)
+        self.stack.reserve(max(s.tokens for s in shapes), max(s.rows for s in shapes), width, pin=True)
         self.graphs.capture(capturer)
 
     def _spec_shapes(self, width: int, max_seq_len: int) -> dict[str, list[StepShape]]:
