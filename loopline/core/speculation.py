@@ -177,9 +177,11 @@ class LoopSpeculation(NoSpeculation):
 
 
 #: What a pipelining step costs, in steps of plain decoding of the same batch: its lanes are one-query rows,
-#: so like a draft step of scheme 1 plus, per extra lane, a share that falls with the batch (a guess of the
-#: same form as VERIFY_PER_QUERY's until a GPU measures it: docs/speculation.md).
-LANE_EXTRA = 0.25
+#: so like a draft step of scheme 1 plus, per extra lane, a share that falls with the batch. Measured on an
+#: H100 (Ouro-1.4B shapes, CUDA graphs, K=3 d=1 at replayed acceptance, docs/benchmarks/h100-2026-12-05.md): a
+#: pipelining step cost 4.0 plain steps at C=1 and 3.4 at C=8, i.e. 1.0 and 1.36 per extra lane of 4; the model
+#: is at or above both points, so the adaptive stop turns the pipeline off rather than cost throughput.
+LANE_EXTRA = 1.4
 
 
 def pipe_step_cost(lanes: int, running: int) -> float:
