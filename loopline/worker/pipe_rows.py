@@ -191,16 +191,20 @@ class PipeKind(RowKind):
         return ()
 
 
-def shift(t: Tensor, by: Tensor, fill) -> Tensor:
-    """``t`` ``[M, L, ...]`` moved ``by`` ``[M]`` lanes towards lane 0, ``fill`` entering at the end."""
-    lanes = t.shape[1]
-    src = torch.arange(lanes, device=t.device)[None, :] + by[:, None]
-    inside = src < lanes
-    idx = src.clamp(max=lanes - 1)
-    while idx.dim() < t.dim():
-        idx, inside = idx.unsqueeze(-1), inside.unsqueeze(-1)
-    moved = t.gather(1, idx.expand_as(t))
-    return torch.where(inside, moved, fill)
+def shifter(by: Tensor, lanes: int, lane_ids: Tensor) -> Callable[[Tensor, object], Tensor]:
+    """``shift(t, fill)``: ``t`` ``[M, L, ...]`` moved ``by`` ``[M]`` lanes towards lane 0, ``fill`` entering at
+    the end. The source index is computed once for every field the ring moves (each op here is a launch
+    outside the step's graph, every pipelining step)."""
+    src = lane_ids[None, :] + by[:, None]
+    inside, idx = src < lanes, src.clamp(max=lanes - 1)
+    inside3, idx3 = inside[:, :, None], idx[:, :, None]
+
+    def shift(t: Tensor, fill) -> Tensor:
+        if t.dim() == 2:
+            return torch.where(inside, t.gather(1, idx), fill)
+        return torch.where(inside3, t.gather(1, idx3.expand_as(t)), fill)
+
+    return shift
 
 
 class PipeRounds:
@@ -290,9 +294,10 @@ class PipeRounds:
         ds.pos[slots] = ds.pos[slots] + c
         ds.token_index[slots] = ds.token_index[slots] + c
         # the ring moves past the committed run
-        valid, token, loop, exit_loop, draft, y, drafted = (shift(t, c, f) for t, f in (
+        shift = shifter(c, L, self._lanes)
+        valid, token, loop, exit_loop, draft, y, drafted = (shift(t, f) for t, f in (
             (valid, False), (token, 0), (loop, 0), (exit_loop, 0), (draft, 0), (y, 0), (drafted, False)))
-        hidden, survival = shift(hidden, c, 0.0), shift(survival, c, 1.0)
+        hidden, survival = shift(hidden, 0.0), shift(survival, 1.0)
         # an empty lane behind an exited lane (its target) or one that drafted (its draft) enters at loop 1,
         # unless that token ends the request (a stop id) or lies past max_tokens (lane j computes completion
         # index token_index + j)
