@@ -150,7 +150,7 @@ class LookaheadRule:
                  state: DeviceDecodeState, device: torch.device) -> None:
         head_predictor = HeadPredictor(head, config, hidden_size, device)
         self.predictor: Callable[[LookaheadInputs, PredictorContext], Tensor] = head_predictor
-        self.proj = head_predictor.proj  # [H, K] fp32, fixed at capture (a predictor swapped in reads the same)
+        self.proj = head_predictor.proj  # [H, 2 * hidden] fp32, fixed at capture (a predictor swapped in reads the same)
         self.loops, self.embed, self.state = config.loops, embed, state
         self.log_max_position = math.log1p(config.trace_spec.max_position)
         state.allocate_exit_target()
@@ -163,7 +163,7 @@ class LookaheadRule:
             start(slot, params)
 
     def project(self, h: Tensor) -> Tensor:
-        """``[B, H] -> [B, K]`` fp32: the head's view of a hidden state."""
+        """``[B, H] -> [B, 2 * hidden]`` fp32: the head's view of a hidden state (``HeadPredictor.proj``)."""
         return h.float() @ self.proj
 
     def _fix(self, target: Tensor, n: Tensor, prob: Tensor, threshold: Tensor, min_loops: Tensor | int,

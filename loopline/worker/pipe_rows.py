@@ -191,10 +191,11 @@ class PipeKind(RowKind):
         return ()
 
 
-def shifter(by: Tensor, lanes: int, lane_ids: Tensor) -> Callable[[Tensor, object], Tensor]:
+def shifter(by: Tensor, lane_ids: Tensor) -> Callable[[Tensor, object], Tensor]:
     """``shift(t, fill)``: ``t`` ``[M, L, ...]`` moved ``by`` ``[M]`` lanes towards lane 0, ``fill`` entering at
-    the end. The source index is computed once for every field the ring moves (each op here is a launch
-    outside the step's graph, every pipelining step)."""
+    the end (``lane_ids``: ``arange(L)``). The source index is computed once for every field the ring moves
+    (each op here is a launch outside the step's graph, every pipelining step)."""
+    lanes = lane_ids.shape[0]
     src = lane_ids[None, :] + by[:, None]
     inside, idx = src < lanes, src.clamp(max=lanes - 1)
     inside3, idx3 = inside[:, :, None], idx[:, :, None]
@@ -294,7 +295,7 @@ class PipeRounds:
         ds.pos[slots] = ds.pos[slots] + c
         ds.token_index[slots] = ds.token_index[slots] + c
         # the ring moves past the committed run
-        shift = shifter(c, L, self._lanes)
+        shift = shifter(c, self._lanes)
         valid, token, loop, exit_loop, draft, y, drafted = (shift(t, f) for t, f in (
             (valid, False), (token, 0), (loop, 0), (exit_loop, 0), (draft, 0), (y, 0), (drafted, False)))
         hidden, survival = shift(hidden, 0.0), shift(survival, 1.0)
