@@ -144,14 +144,14 @@ class ReplayPredictor:
 
 class LookaheadRule:
     """The head, its projection and the per-slot fixed exits, for the decode kind and the runner's prefill
-    booking. ``embed``: the model's prelude (a prompt chunk's loop-1 input)."""
+    booking."""
 
-    def __init__(self, head: LookaheadHead, config: HeadConfig, hidden_size: int, embed: Callable[[Tensor], Tensor],
-                 state: DeviceDecodeState, device: torch.device) -> None:
+    def __init__(self, head: LookaheadHead, config: HeadConfig, hidden_size: int, state: DeviceDecodeState,
+                 device: torch.device) -> None:
         head_predictor = HeadPredictor(head, config, hidden_size, device)
         self.predictor: Callable[[LookaheadInputs, PredictorContext], Tensor] = head_predictor
         self.proj = head_predictor.proj  # [H, 2 * hidden] fp32, fixed at capture (a predictor swapped in reads the same)
-        self.loops, self.embed, self.state = config.loops, embed, state
+        self.loops, self.state = config.loops, state
         self.log_max_position = math.log1p(config.trace_spec.max_position)
         state.allocate_exit_target()
         self._prev: Tensor | None = None  # the decode rows' input projection, from before() to decode()
@@ -211,9 +211,9 @@ class LookaheadRule:
         return exit, target
 
     # --- prompt chunks (the runner's booking, after the forward) ------------------------
-    def prefill(self, st: RequestState, loop: int, lo: int, hi: int, h: Tensor, gate: Tensor) -> Tensor:
-        """Prompt positions ``[lo, hi)`` after ``loop`` (their ``h``, ``gate``): their exit flags under the
-        rule, with survival and targets kept in ``st``. Call before ``st.hidden`` takes this loop's state."""
+    def prefill(self, st: RequestState, loop: int, lo: int, hi: int, x: Tensor, h: Tensor, gate: Tensor) -> Tensor:
+        """Prompt positions ``[lo, hi)`` after ``loop`` (their loop input ``x``, output ``h`` and ``gate``): their
+        exit flags under the rule, with survival and targets kept in ``st``."""
         ep = st.prompt_exit
         assert st.exit_target is not None and ep.lookahead is not None
         survival = st.survival[lo:hi] if loop > 1 else 1.0
@@ -221,7 +221,7 @@ class LookaheadRule:
         st.survival[lo:hi] = survival
         target = st.exit_target[lo:hi] if loop > 1 else torch.zeros_like(st.exit_target[lo:hi])
         exit = exit | (target == loop)
-        prev = self.project(self.embed(st.prompt[lo:hi]) if loop == 1 else st.hidden[lo:hi])
+        prev = self.project(x)
         positions = torch.arange(lo, hi, device=h.device)
         n = hi - lo
         loops = torch.full((n,), loop, dtype=torch.long, device=h.device)

@@ -186,8 +186,8 @@ class ModelRunner:
                                  copies_on_exit=len(layout.exit_copy_planes(1)) > 0, no_refill=no_refill,
                                  per_token_exits=per_token_exits, stack=self.stack)
         # the lookahead exit rule, evaluated on the device after every loop (worker/lookahead_rule.py)
-        self.lookahead_rule = None if lookahead is None else LookaheadRule(*lookahead, cfg.hidden_size, model.embed,
-                                                                            self.decode_state, device)
+        self.lookahead_rule = None if lookahead is None else LookaheadRule(*lookahead, cfg.hidden_size, self.decode_state,
+                                                                            device)
         self.decode.lookahead = self.lookahead_rule
         self.trace = None if exit_trace is None else TraceRecorder(exit_trace, model, device)
         self.decode.trace = self.trace
@@ -482,16 +482,19 @@ class ModelRunner:
                             head_in: Tensor) -> None:
         st = self.requests[row.request_id]
         lo, hi = row.start, row.end
-        if self.trace is not None and self.trace.config.prompts:  # (the loop's input: before it is overwritten)
-            x = self.model.embed(st.prompt[lo:hi]) if row.loop == 1 else st.hidden[lo:hi]
-            self.trace.prefill(row.request_id, st.prompt.numel(), row.loop, lo, x, head_in, gate)
         ep = st.prompt_exit
+        traced = self.trace is not None and self.trace.config.prompts
+        x = None  # the loop's input, for those that read it (before st.hidden takes this loop's state)
+        if traced or ep.lookahead is not None:
+            x = self.model.embed(st.prompt[lo:hi]) if row.loop == 1 else st.hidden[lo:hi]
+        if traced:
+            self.trace.prefill(row.request_id, st.prompt.numel(), row.loop, lo, x, head_in, gate)
         # NOTE: a chunk's rule is one (loop, min, max, threshold) for all its positions, so it
         # goes in as scalars; each op here is a launch per prefill row, which bounds steps
         # that carry many rows.
         if ep.threshold < 1.0 or ep.lookahead is not None:  # the gate (or the head) decides, position by position
             if ep.lookahead is not None:
-                ex = self.lookahead_rule.prefill(st, row.loop, lo, hi, h, gate)
+                ex = self.lookahead_rule.prefill(st, row.loop, lo, hi, x, h, gate)
             else:
                 survival = st.survival[lo:hi] if row.loop > 1 else 1.0
                 ex, survival = exit_decision(row.loop, survival, gate, ep.min_loops, ep.max_loops, ep.threshold)
