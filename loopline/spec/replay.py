@@ -27,6 +27,9 @@ class AcceptanceReplay:
             raise ValueError(f"acceptance probabilities must be in [0, 1], got {list(probs)}")
         self.probs = [float(p) for p in probs]
         self.seed = int(seed)
+        # (positions, per_position, device) -> (offsets, probabilities): made once, since a tensor built from a
+        # list on a GPU is a host-to-device copy, which waits for the stream's queued work every step
+        self._tables: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def uniform(self, slots: Tensor, index: Tensor) -> Tensor:
         """A deterministic uniform in [0, 1) per ``(slot, completion index)`` (``slots`` broadcast to ``index``)."""
@@ -38,7 +41,10 @@ class AcceptanceReplay:
 
     def accepted(self, slots: Tensor, first: Tensor, positions: int, per_position: bool = True) -> Tensor:
         """``[M, positions]`` bool: the verdicts of drafts for completion indices ``first + j`` of ``slots``."""
-        j = torch.arange(positions, device=slots.device)
-        p = torch.tensor([self.probs[min(k, len(self.probs) - 1)] if per_position else self.probs[0]
-                          for k in range(positions)], dtype=torch.float64, device=slots.device)
+        key = (positions, per_position, slots.device)
+        if key not in self._tables:
+            p = [self.probs[min(k, len(self.probs) - 1)] if per_position else self.probs[0] for k in range(positions)]
+            self._tables[key] = (torch.arange(positions, device=slots.device),
+                                 torch.tensor(p, dtype=torch.float64, device=slots.device))
+        j, p = self._tables[key]
         return self.uniform(slots[:, None], first[:, None] + j[None, :]) < p[None, :]

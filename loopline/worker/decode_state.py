@@ -18,9 +18,10 @@ slot state is saved and loaded with it (``save`` / ``load``).
 
 :class:`SlotOps` computes a step's decode rows from this state, the loop's
 input (the prelude or the slot's hidden state), the exit rule with the slots'
-hidden state and survival, and the advance, in torch (the reference). At one
-decode row each torch op is a launch of its own, ~40 per step;
-``loopline.worker.triton_slot_ops.TritonSlotOps`` does each of the four in one kernel.
+hidden state and survival, and the advance, in torch (the reference), and the depth
+pipeline's step after sampling (``pipe_accept``, over its lane ring). At one decode row each
+torch op is a launch of its own, ~40 per step (~150 for ``pipe_accept``);
+``loopline.worker.triton_slot_ops.TritonSlotOps`` does each of the five in one kernel.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from torch import Tensor
 
 from loopline.worker.exit_rule import exit_decision
 from loopline.kv.layout import KVLayout
+from loopline.worker.lane_ring import LaneRing, accept_lanes
 from loopline.worker.staging import stage
 
 
@@ -157,6 +159,11 @@ class SlotOps:
         ds.token[slots] = torch.where(ex, sampled, ds.token[slots])
         ds.pos[slots] = ds.pos[slots] + ex.long()
         ds.token_index[slots] = ds.token_index[slots] + ex.long()
+
+    def pipe_accept(self, ring: LaneRing, ds: "DeviceDecodeState", slots: Tensor, target: Tensor, depth: int,
+                    agrees: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The depth pipeline's verdicts, commits and entries after sampling (:func:`accept_lanes`)."""
+        return accept_lanes(ring, ds, slots, target, depth, agrees)
 
 
 class DeviceDecodeState:

@@ -8,7 +8,7 @@ schedules all ``L`` lanes every step (it cannot know which hold a token: a rejec
 is a one-query row reading its own loop's plane. An empty lane, or one whose token exited and waits for
 its predecessors, runs on the scratch slot and changes nothing.
 
-* :class:`LaneRing`: the lanes of every slot.
+* :class:`~loopline.worker.lane_ring.LaneRing`: the lanes of every slot.
 * :class:`PipeKind`: the row kind. ``prepare`` starts lane 0 from the slot's committed token when it is
   empty and derives every lane's position, KV slot, table and input; ``finish`` applies each lane's own
   exit rule (plain decoding's), stores its state and makes the ``last_exited`` exit copy.
@@ -42,6 +42,7 @@ from loopline.spec.replay import AcceptanceReplay
 from loopline.worker.decode_state import DeviceDecodeState
 from loopline.worker.draft_head import DraftHead
 from loopline.worker.exit_rule import exit_decision
+from loopline.worker.lane_ring import LaneRing
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import RowKind, exit_columns
 from loopline.worker.sampler import Sampler
@@ -50,46 +51,6 @@ from loopline.worker.staging import stage
 from loopline.worker.step_inputs import HostImage, KindRows, Segment, StepInputs
 
 _FIELDS = ("slots", "lane", "min_loops", "max_loops", "threshold")
-
-
-class LaneRing:
-    """The lanes of every slot (module docstring): ``[num_slots, L]`` each, ``hidden`` ``[num_slots, L, H]``."""
-
-    #: how many of a request's stop ids (EOS unless ignore_eos, stop_token_ids) the ring holds: no lane enters
-    #: behind a token among them. Only speed depends on it: a lane entered behind a stop token the ring does
-    #: not hold computes a token the host discards.
-    STOP_WIDTH = 16
-
-    def __init__(self, num_slots: int, lanes: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.lanes, self.device = lanes, device
-        i64 = {"dtype": torch.long, "device": device}
-        self.valid = torch.zeros(num_slots, lanes, dtype=torch.bool, device=device)
-        self.token = torch.zeros(num_slots, lanes, **i64)  # the lane's input token
-        self.loop = torch.zeros(num_slots, lanes, **i64)  # loops run
-        self.exit_loop = torch.zeros(num_slots, lanes, **i64)  # 0: still looping
-        self.draft = torch.zeros(num_slots, lanes, **i64)  # proposed at loop d for the next lane
-        self.hidden = torch.zeros(num_slots, lanes, hidden_size, dtype=dtype, device=device)
-        self.survival = torch.ones(num_slots, lanes, dtype=torch.float32, device=device)
-        # the lane proposed a draft for a token within max_tokens: a round of one draft, counted when it commits
-        self.drafted = torch.zeros(num_slots, lanes, dtype=torch.bool, device=device)
-        self.limit = torch.zeros(num_slots, **i64)  # the request's max_tokens: no lane behind lane 0 computes past it
-        self.stop = torch.full((num_slots, self.STOP_WIDTH), -1, **i64)  # -1: none
-
-    def clear(self, slot: int, max_tokens: int, stop_ids: tuple[int, ...] | None) -> None:
-        """Nothing in flight: the slot's next pipelining step starts lane 0 from its committed token."""
-        self.valid[slot] = False
-        self.limit[slot] = max_tokens
-        ids = list(stop_ids or ())[:self.STOP_WIDTH]
-        self.stop[slot] = torch.tensor(ids + [-1] * (self.STOP_WIDTH - len(ids)), dtype=torch.long)
-
-    def state(self, slots: Tensor) -> tuple[Tensor, ...]:
-        return (self.valid[slots], self.token[slots], self.loop[slots], self.exit_loop[slots], self.draft[slots],
-                self.hidden[slots], self.survival[slots], self.drafted[slots])
-
-    def store(self, slots: Tensor, state: tuple[Tensor, ...]) -> None:
-        for dst, src in zip((self.valid, self.token, self.loop, self.exit_loop, self.draft, self.hidden,
-                             self.survival, self.drafted), state):
-            dst[slots] = src
 
 
 class PipePrepared(NamedTuple):
@@ -191,23 +152,6 @@ class PipeKind(RowKind):
         return ()
 
 
-def shifter(by: Tensor, lane_ids: Tensor) -> Callable[[Tensor, object], Tensor]:
-    """``shift(t, fill)``: ``t`` ``[M, L, ...]`` moved ``by`` ``[M]`` lanes towards lane 0, ``fill`` entering at
-    the end (``lane_ids``: ``arange(L)``). The source index is computed once for every field the ring moves
-    (each op here is a launch outside the step's graph, every pipelining step)."""
-    lanes = lane_ids.shape[0]
-    src = lane_ids[None, :] + by[:, None]
-    inside, idx = src < lanes, src.clamp(max=lanes - 1)
-    inside3, idx3 = inside[:, :, None], idx[:, :, None]
-
-    def shift(t: Tensor, fill) -> Tensor:
-        if t.dim() == 2:
-            return torch.where(inside, t.gather(1, idx), fill)
-        return torch.where(inside3, t.gather(1, idx3.expand_as(t)), fill)
-
-    return shift
-
-
 class PipeRounds:
     """What pipelining rows do after the forward: drafts, every lane's target, the verdicts, commits and
     entries (module docstring). The runner's interface is scheme 1's (``SpecRounds``): ``draft``,
@@ -268,50 +212,12 @@ class PipeRounds:
         """The verdicts, commits and entries of the pipelining slots; ``target`` ``[M * L]``: each lane's
         target token (the sampler's, greedy: the argmax; only exited lanes' are used). Returns the committed
         mask ``[M * L]`` (a leading run of each slot's lanes); ``part.verdicts``: each committed lane's draft
-        verdict (0: it drafted none, 1: rejected, 2: accepted)."""
-        ring, ds, L = self.ring, self.state, self.ring.lanes
-        slots = part.slots
-        valid, token, loop, exit_loop, draft, hidden, survival, drafted = ring.state(slots)
-        y = target.view(-1, L)
-        exited = valid & (exit_loop > 0)
-        # a lane behind an exited one must hold its target token; from the first that does not, drop every lane
-        follows = torch.ones_like(valid)
-        follows[:, 1:] = token[:, 1:] == y[:, :-1]
-        agrees = y == draft
+        verdict (0: it drafted none, 1: rejected, 2: accepted). One op of the decode state's slot ops
+        (:func:`~loopline.worker.lane_ring.accept_lanes`, or its kernel)."""
+        agrees = None
         if self.replay is not None:  # (cost measurements on random weights: lane j's draft is for index ti + j + 1)
-            agrees = self.replay.accepted(slots, ds.token_index[slots], L, per_position=False)
-            follows[:, 1:] = agrees[:, :-1]
-        judged = valid & torch.cat([torch.zeros_like(exited[:, :1]), exited[:, :-1]], dim=1)
-        behind = (judged & ~follows).long().cumsum(dim=1)
-        valid = valid & (behind == 0)
-        # the leading run of exited lanes that hold their predecessor's target commits
-        committed = (valid & exited & follows).long().cumprod(dim=1).bool()
-        # NOTE: a draft's verdict counts when its lane commits, not when the lane behind it is judged: a lane
-        # that exits before its predecessor judges its successor against a target that may yet be dropped
-        part.verdicts = torch.where(committed & drafted, 1 + agrees.long(), 0).flatten()
-        c = committed.long().sum(dim=1)  # [M]
-        last = y.gather(1, (c - 1).clamp(min=0)[:, None]).squeeze(1)
-        ds.token[slots] = torch.where(c > 0, last, ds.token[slots])
-        ds.pos[slots] = ds.pos[slots] + c
-        ds.token_index[slots] = ds.token_index[slots] + c
-        # the ring moves past the committed run
-        shift = shifter(c, self._lanes)
-        valid, token, loop, exit_loop, draft, y, drafted = (shift(t, f) for t, f in (
-            (valid, False), (token, 0), (loop, 0), (exit_loop, 0), (draft, 0), (y, 0), (drafted, False)))
-        hidden, survival = shift(hidden, 0.0), shift(survival, 1.0)
-        # an empty lane behind an exited lane (its target) or one that drafted (its draft) enters at loop 1,
-        # unless that token ends the request (a stop id) or lies past max_tokens (lane j computes completion
-        # index token_index + j)
-        prev_exited = valid[:, :-1] & (exit_loop[:, :-1] > 0)
-        prev_drafted = valid[:, :-1] & (exit_loop[:, :-1] == 0) & (loop[:, :-1] >= self.head.depth)
-        fed = torch.where(prev_exited, y[:, :-1], draft[:, :-1])
-        stops = (fed[:, :, None] == ring.stop[slots][:, None, :]).any(dim=2)
-        room = (ds.token_index[slots][:, None] + self._lanes[1:]) < ring.limit[slots][:, None]
-        enter = ~valid[:, 1:] & (prev_exited | prev_drafted) & room & ~stops
-        token[:, 1:] = torch.where(enter, fed, token[:, 1:])
-        loop[:, 1:] = torch.where(enter, 0, loop[:, 1:])
-        exit_loop[:, 1:] = torch.where(enter, 0, exit_loop[:, 1:])
-        drafted[:, 1:] = drafted[:, 1:] & ~enter
-        valid[:, 1:] = valid[:, 1:] | enter
-        ring.store(slots, (valid, token, loop, exit_loop, draft, hidden, survival, drafted))
-        return committed.flatten()
+            agrees = self.replay.accepted(part.slots, self.state.token_index[part.slots], self.ring.lanes,
+                                          per_position=False)
+        committed, part.verdicts = self.state.ops.pipe_accept(self.ring, self.state, part.slots, target,
+                                                              self.head.depth, agrees)
+        return committed

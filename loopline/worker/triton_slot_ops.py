@@ -16,6 +16,7 @@ from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, pdl_options
 from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, RowsInto, SlotOps
+from loopline.worker.lane_ring import LaneRing
 
 try:
     import triton
@@ -154,6 +155,99 @@ if triton is not None:
         tl.store(tidx_ptr + slot, tl.load(tidx_ptr + slot, mask=m & ex, other=0) + 1, mask=m & ex)
 
 
+    @triton.jit(do_not_specialize=["lanes", "depth"])
+    def _pipe_accept_kernel(
+        slots_ptr, y_ptr, agrees_ptr,  # [M] int64; [M, L] int64 targets; [M, L] int8 replayed verdicts
+        valid_r, token_r, loop_r, exit_r, draft_r, drafted_r, surv_r, hidden_r, limit_r, stop_r,  # the ring
+        token_s, pos_s, tidx_s,  # the decode state
+        committed_ptr, verdicts_ptr,  # [M, L] int8 / int64 out
+        lanes, depth, hidden_size,
+        LP: tl.constexpr, SW: tl.constexpr, BLOCK_H: tl.constexpr, REPLAY: tl.constexpr,
+    ):
+        """One program per pipelining slot: ``accept_lanes`` (lane_ring.py) for its ``[L]`` lanes. Every
+        value a lane needs of another lane (its predecessor's, or the one the shift brings) is loaded from
+        that lane's address, so nothing moves between registers; the stores come after a barrier."""
+        m = tl.program_id(0)
+        slot = tl.load(slots_ptr + m)
+        j = tl.arange(0, LP)
+        inl = j < lanes
+        base = slot * lanes
+        row = m * lanes
+        valid = (tl.load(valid_r + base + j, mask=inl, other=0) != 0) & inl
+        token = tl.load(token_r + base + j, mask=inl, other=0)
+        exit_l = tl.load(exit_r + base + j, mask=inl, other=0)
+        draft = tl.load(draft_r + base + j, mask=inl, other=0)
+        drafted = tl.load(drafted_r + base + j, mask=inl, other=0) != 0
+        y = tl.load(y_ptr + row + j, mask=inl, other=0)
+        exited = valid & (exit_l > 0)
+        pm = inl & (j >= 1)  # the predecessor's values (lane 0 has none: masked loads give 0)
+        exited_before = (tl.load(valid_r + base + j - 1, mask=pm, other=0) != 0) & (
+            tl.load(exit_r + base + j - 1, mask=pm, other=0) > 0)
+        if REPLAY:
+            agrees = tl.load(agrees_ptr + row + j, mask=inl, other=0) != 0
+            follows = tl.load(agrees_ptr + row + j - 1, mask=pm, other=1) != 0
+        else:
+            agrees = y == draft
+            follows = (token == tl.load(y_ptr + row + j - 1, mask=pm, other=0)) | (j == 0)
+        # from the first judged lane that does not follow, every lane is dropped
+        drop = tl.min(tl.where(valid & exited_before & ~follows, j, LP), axis=0)
+        valid = valid & (j < drop)
+        # the leading run of exited lanes that follow commits: c lanes
+        c = tl.min(tl.where(valid & exited & follows, LP, j), axis=0)
+        committed = j < c
+        tl.store(committed_ptr + row + j, committed.to(tl.int8), mask=inl)
+        tl.store(verdicts_ptr + row + j, tl.where(committed & drafted, 1 + agrees.to(tl.int64), 0), mask=inl)
+        last = tl.load(y_ptr + row + tl.maximum(c - 1, 0))
+        token_now = tl.where(c > 0, last, tl.load(token_s + slot))
+        pos = tl.load(pos_s + slot) + c
+        tidx = tl.load(tidx_s + slot) + c
+        # the ring moves past the committed run: lane j takes lane j + c's values (src), the entry rule
+        # reads lane j - 1's after the move (prv)
+        src = j + c
+        ins = inl & (src < lanes)
+        valid_n = (tl.load(valid_r + base + src, mask=ins, other=0) != 0) & ins & (src < drop)
+        token_n = tl.load(token_r + base + src, mask=ins, other=0)
+        loop_n = tl.load(loop_r + base + src, mask=ins, other=0)
+        exit_n = tl.load(exit_r + base + src, mask=ins, other=0)
+        draft_n = tl.load(draft_r + base + src, mask=ins, other=0)
+        drafted_n = (tl.load(drafted_r + base + src, mask=ins, other=0) != 0) & ins
+        surv_n = tl.load(surv_r + base + src, mask=ins, other=1.0)
+        prv = src - 1
+        inp = pm & (prv < lanes)
+        valid_p = (tl.load(valid_r + base + prv, mask=inp, other=0) != 0) & inp & (prv < drop)
+        exit_p = tl.load(exit_r + base + prv, mask=inp, other=0)
+        loop_p = tl.load(loop_r + base + prv, mask=inp, other=0)
+        exited_p = valid_p & (exit_p > 0)
+        drafted_p = valid_p & (exit_p == 0) & (loop_p >= depth)
+        fed = tl.where(exited_p, tl.load(y_ptr + row + prv, mask=inp, other=0),
+                       tl.load(draft_r + base + prv, mask=inp, other=0))
+        stop = tl.load(stop_r + slot * SW + tl.arange(0, SW))
+        stops = tl.sum((fed[:, None] == stop[None, :]).to(tl.int32), axis=1) > 0
+        room = tidx + j < tl.load(limit_r + slot)
+        enter = pm & ~valid_n & (exited_p | drafted_p) & room & ~stops
+        tl.debug_barrier()  # every load above (each thread reads other lanes' addresses) before any store
+        tl.store(token_s + slot, token_now)
+        tl.store(pos_s + slot, pos)
+        tl.store(tidx_s + slot, tidx)
+        tl.store(valid_r + base + j, (valid_n | enter).to(tl.int8), mask=inl)
+        tl.store(token_r + base + j, tl.where(enter, fed, token_n), mask=inl)
+        tl.store(loop_r + base + j, tl.where(enter, 0, loop_n), mask=inl)
+        tl.store(exit_r + base + j, tl.where(enter, 0, exit_n), mask=inl)
+        tl.store(draft_r + base + j, draft_n, mask=inl)
+        tl.store(drafted_r + base + j, (drafted_n & ~enter).to(tl.int8), mask=inl)
+        tl.store(surv_r + base + j, surv_n, mask=inl)
+        if c > 0:  # hidden states: lane by lane towards lane 0 (a lane's source lies at or after it)
+            cols = tl.arange(0, BLOCK_H)
+            for lane in tl.static_range(LP):
+                if lane < lanes:
+                    s_lane = lane + c
+                    for h0 in range(0, hidden_size, BLOCK_H):
+                        cm = h0 + cols < hidden_size
+                        v = tl.load(hidden_r + (base + s_lane) * hidden_size + h0 + cols,
+                                    mask=cm & (s_lane < lanes), other=0.0)
+                        tl.store(hidden_r + (base + lane) * hidden_size + h0 + cols, v, mask=cm)
+
+
 def _check(op: str, **tensors: tuple[Tensor, torch.dtype]) -> None:
     for name, (t, dtype) in tensors.items():
         if t.dtype != dtype or not t.is_contiguous():
@@ -285,6 +379,27 @@ class TritonSlotOps(SlotOps):
             ds.loop, ds.token, ds.pos, ds.token_index, slots, loops, _int8(run), _int8(exited), sampled,
             record if record is not None else slots, n, BLOCK=block, RECORD=record is not None,
             **pdl_options(slots.device), num_warps=4)
+
+
+    def pipe_accept(self, ring: LaneRing, ds: DeviceDecodeState, slots: Tensor, target: Tensor, depth: int,
+                    agrees: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        m, lanes = slots.shape[0], ring.lanes
+        dev = slots.device
+        committed = torch.empty(m * lanes, dtype=_BOOL, device=dev)
+        verdicts = torch.empty(m * lanes, dtype=_I64, device=dev)
+        if not m:
+            return committed, verdicts
+        y = target.long().contiguous()
+        _check("pipe_accept", slots=(slots, _I64), target=(y, _I64))
+        replay = agrees is not None
+        agrees8 = _int8(agrees.contiguous()) if replay else committed  # (unread without REPLAY)
+        _pipe_accept_kernel[(m,)](
+            slots, y, agrees8, _int8(ring.valid), ring.token, ring.loop, ring.exit_loop, ring.draft,
+            _int8(ring.drafted), ring.survival, ring.hidden, ring.limit, ring.stop, ds.token, ds.pos, ds.token_index,
+            _int8(committed), verdicts, lanes, depth, ring.hidden.shape[-1],
+            LP=triton.next_power_of_2(lanes), SW=ring.STOP_WIDTH,
+            BLOCK_H=min(triton.next_power_of_2(ring.hidden.shape[-1]), 1024), REPLAY=replay, num_warps=4)
+        return committed, verdicts
 
 
 __all__ = ["TritonSlotOps"]

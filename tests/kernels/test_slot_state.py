@@ -164,3 +164,53 @@ def test_advance_rejects_bad_operands():
         TritonSlotOps().advance(ds, t, t, flags, flags, t, torch.zeros(2, 2, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="record must be a contiguous torch.int64"):
         TritonSlotOps().advance(ds, t, t, flags, flags, t, torch.zeros(3, 2, dtype=torch.int32, device=DEVICE))
+
+
+def _ring(g: torch.Generator, lanes: int, hidden: int, dtype: torch.dtype):
+    from loopline.worker.lane_ring import LaneRing
+
+    ring = LaneRing(SLOTS, lanes, hidden, dtype, DEVICE)
+    shape = (SLOTS, lanes)
+    # few distinct tokens, so lanes follow their predecessors' targets and drafts agree often
+    ring.valid.copy_(torch.rand(shape, generator=g) < 0.8)
+    ring.token.copy_(torch.randint(0, 3, shape, generator=g))
+    ring.loop.copy_(torch.randint(0, LOOPS + 1, shape, generator=g))
+    ring.exit_loop.copy_(torch.where(torch.rand(shape, generator=g) < 0.6, ring.loop.cpu(), 0).clamp(min=0))
+    ring.draft.copy_(torch.randint(0, 3, shape, generator=g))
+    ring.drafted.copy_(torch.rand(shape, generator=g) < 0.5)
+    ring.survival.copy_(torch.rand(shape, generator=g))
+    ring.hidden.copy_(torch.randn((SLOTS, lanes, hidden), generator=g).to(dtype))
+    ring.stop.copy_(torch.where(torch.rand((SLOTS, ring.STOP_WIDTH), generator=g) < 0.1,
+                                torch.randint(0, 3, (SLOTS, ring.STOP_WIDTH), generator=g), -1))
+    return ring
+
+
+def _ring_fields(ring) -> dict[str, torch.Tensor]:
+    return {name: getattr(ring, name) for name in
+            ("valid", "token", "loop", "exit_loop", "draft", "drafted", "survival", "hidden", "limit", "stop")}
+
+
+@pytest.mark.parametrize("lanes", [1, 3, 4, 5])
+@pytest.mark.parametrize("replay", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pipe_accept_matches_reference(lanes, replay, dtype):
+    """The depth pipeline's step after sampling: verdicts, commits, the ring's move and the entries."""
+    g = torch.Generator().manual_seed(lanes * 10 + replay)
+    hidden = 40 if dtype == torch.float32 else 1100  # 1100: more than one column block per lane
+    ds, ring = _state(g, "last_exited", False), _ring(g, lanes, hidden, dtype)
+    # max_tokens within a few tokens of each slot's index: lanes at and past it
+    ring.limit.copy_(ds.token_index + torch.randint(0, lanes + 2, (SLOTS,), generator=g).to(DEVICE))
+    m = 12
+    slots = torch.randperm(SLOTS - 1, generator=g)[:m].to(DEVICE)
+    target = torch.randint(0, 3, (m * lanes,), generator=g).to(DEVICE)
+    agrees = (torch.rand((m, lanes), generator=g) < 0.7).to(DEVICE) if replay else None
+    ref_ds, ref_ring = _clone(ds), _ring(torch.Generator(), lanes, hidden, dtype)
+    for name, t in _ring_fields(ring).items():
+        getattr(ref_ring, name).copy_(t)
+    committed, verdicts = TritonSlotOps().pipe_accept(ring, ds, slots, target, 2, agrees)
+    ref_committed, ref_verdicts = SlotOps().pipe_accept(ref_ring, ref_ds, slots, target, 2, agrees)
+    assert torch.equal(committed, ref_committed) and torch.equal(verdicts, ref_verdicts)
+    assert ref_committed.any() and (ref_verdicts > 0).any() and not ref_committed.all()  # the draw covers cases
+    _same_state(ds, ref_ds)
+    for name, t in _ring_fields(ring).items():
+        assert torch.equal(t, getattr(ref_ring, name)), name

@@ -1,6 +1,7 @@
 """Speculative rounds on the Triton backends (attention, layer kernels, decode-state kernels) equal plain
 decoding on the torch backend: the GPU path's kernels see draft rows (one query through the work list) and
-verify rows (K+1 queries, frozen positions on scratch, exit copies between verify loops). On the CPU this
+verify rows (K+1 queries, frozen positions on scratch, exit copies between verify loops), and the
+pipeline's lane rows and its step after sampling. On the CPU this
 runs in Triton's interpreter (``slow``); on a GPU in seconds."""
 from __future__ import annotations
 
@@ -29,12 +30,16 @@ def generate(model: OuroForCausalLM, backend: str, speculative: dict | None, bac
 
 
 @pytest.mark.slow
-def test_speculation_on_triton_kernels_equals_plain_torch_decoding():
+@pytest.mark.parametrize("speculative", [
+    {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False},
+    # the pipeline's step after sampling is TritonSlotOps.pipe_accept's kernel here
+    {"method": "loop", "scheme": "pipeline", "draft_loops": 1, "adaptive": False, "disable_by_batch_size": None},
+], ids=["draft_verify", "pipeline"])
+def test_speculation_on_triton_kernels_equals_plain_torch_decoding(speculative):
     model = small_gqa_model(DEVICE)
     want = generate(model, "torch", None)
     from loopline.worker.backends import select_backends
 
-    got = generate(model, "triton", {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False},
-                   select_backends("triton", "triton", torch.device(DEVICE)))
+    got = generate(model, "triton", speculative, select_backends("triton", "triton", torch.device(DEVICE)))
     assert_same_tokens_depths_logprobs(got, want)
     assert min(d for _, ds, _ in want.values() for d in ds) < model.config.total_ut_steps  # exit copies ran
