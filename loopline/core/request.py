@@ -60,6 +60,7 @@ class Request:
     spec_step: int = 0  # steps of the current round already scheduled
     spec_rounds: int = 0  # rounds whose result the host read, and their running means (LoopSpeculation.observe)
     spec_tokens: float = 0.0  # tokens committed per round
+    spec_tokens_var: float = 0.0  # their variance (the adaptive stop's confidence)
     spec_depth: float = 0.0  # exit depth of those tokens: plain decoding's steps per token
     unbooked: list[SampledToken] = field(default_factory=list)  # a round's committed tokens not yet booked
     spec_steps: int = 0  # pipelining steps scheduled (PipelineSpeculation), and those observe() has counted

@@ -14,6 +14,8 @@ request's lane ring; the device decides what each lane holds).
 """
 from __future__ import annotations
 
+import math
+
 from loopline.core.contracts import (
     ExitParams,
     PipeLane,
@@ -31,9 +33,14 @@ from loopline.spec.config import SpeculativeConfig
 #: CUDA graphs) measured 2.2-2.4 at C=1 for K = 1..3, 1.4 at C=4 (K=2) and 1.7 at C=8 (K=3): the model is
 #: at or above every measured point, so speculation stops rather than cost throughput.
 VERIFY_EXTRA, VERIFY_PER_QUERY = 1.0, 0.1
-#: Rounds a request runs before its own acceptance may turn its speculation off, and the weight of each new
-#: round in its running means.
-WARMUP_ROUNDS, ROUND_WEIGHT = 4, 0.25
+#: Rounds a request runs before its own acceptance may turn its speculation off. Its running means weigh
+#: every round alike until the weight falls to ROUND_WEIGHT, then follow new rounds at that weight. A stop is
+#: final and a unit's yield is noisy (a round commits 1..K+1 tokens), so a request stops only once its mean
+#: is below break-even by STOP_Z standard errors (the yield's running variance over the rounds the mean
+#: holds). With a weight of 0.25 and no such bound, draft then verify at C=8 (H200, replayed demo acceptance)
+#: lost 21% where every round speculating gained 19%: requests whose rounds pay stopped on a few bad ones
+#: (docs/benchmarks/h200-2026-12-05-huginn.md).
+WARMUP_ROUNDS, ROUND_WEIGHT, STOP_Z = 6, 0.05, 2.0
 #: The weight of each round in the engine's running payoff, and how often a new request speculates (probes)
 #: while the engine's rounds do not pay.
 ENGINE_WEIGHT, PROBE_EVERY = 0.1, 16
@@ -126,8 +133,10 @@ class LoopSpeculation(NoSpeculation):
         engine's payoff."""
         n, units = len(committed), self.units(req)
         depth = sum(t.exit_depth for t in committed) / n
-        w = 1.0 if req.spec_rounds == 0 else ROUND_WEIGHT
-        req.spec_tokens += w * (n / units - req.spec_tokens)
+        w = max(1.0 / (req.spec_rounds + 1), ROUND_WEIGHT)
+        delta = n / units - req.spec_tokens
+        req.spec_tokens += w * delta
+        req.spec_tokens_var = (1.0 - w) * (req.spec_tokens_var + w * delta * delta)  # (the yield's running variance)
         req.spec_depth += w * (depth - req.spec_depth)
         req.spec_rounds += 1
         assert req.params.max_loops is not None, "not effective params"
@@ -150,7 +159,9 @@ class LoopSpeculation(NoSpeculation):
             return f"{running} requests running (disable_by_batch_size={limit})"
         if self.config.adaptive and req.spec_rounds >= WARMUP_ROUNDS:
             cost = self.cost(max_loops, running)
-            if req.spec_tokens * req.spec_depth < cost:  # plain steps the round saved < what it cost
+            rounds = min(req.spec_rounds, (2.0 - ROUND_WEIGHT) / ROUND_WEIGHT)  # (an EMA's effective count)
+            upper = req.spec_tokens + STOP_Z * math.sqrt(req.spec_tokens_var / (rounds - 1))  # (unbiased)
+            if upper * req.spec_depth < cost:  # even at its upper bound, plain steps a round saves < its cost
                 return (f"{req.spec_tokens:.2f} tokens per {self.unit} at depth {req.spec_depth:.2f} do not pay for a "
                         f"{self.unit} ({cost:.2f} plain steps)")
         return None
@@ -177,16 +188,16 @@ class LoopSpeculation(NoSpeculation):
 
 
 #: What a pipelining step costs, in steps of plain decoding of the same batch: its lanes are one-query rows,
-#: so like a draft step of scheme 1 plus, per extra lane, a share that falls with the batch. Measured on an
-#: H100 (Ouro-1.4B shapes, CUDA graphs, K=3 d=1 at replayed acceptance, docs/benchmarks/h100-2026-12-05.md): a
-#: pipelining step cost 4.0 plain steps at C=1 and 3.4 at C=8, i.e. 1.0 and 1.36 per extra lane of 4; the model
-#: is at or above both points, so the adaptive stop turns the pipeline off rather than cost throughput.
-LANE_EXTRA = 1.4
+#: so like a draft step of scheme 1 plus, per extra lane, a share that grows slowly with the batch. Measured on
+#: the H200 (Ouro-1.4B shapes, CUDA graphs, K=3 d=1 at replayed acceptance, the step after sampling one kernel,
+#: docs/benchmarks/h200-2026-12-05-huginn.md): a pipelining step of 4 lanes cost 2.10 plain steps at C=1 and 2.5
+#: at C=8; the model (2.2 and 2.6) is at or above both.
+LANE_EXTRA, LANE_GROWTH = 0.4, 0.15
 
 
 def pipe_step_cost(lanes: int, running: int) -> float:
     """A pipelining step's cost in plain decoding steps (``running`` requests share each step)."""
-    return 1.0 + LANE_EXTRA * (lanes - 1) / max(running, 1) ** 0.25
+    return 1.0 + LANE_EXTRA * (lanes - 1) * max(running, 1) ** LANE_GROWTH
 
 
 class PipelineSpeculation(LoopSpeculation):

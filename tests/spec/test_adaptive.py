@@ -11,8 +11,9 @@ from engine_testing import assert_same_tokens_depths_logprobs, run_arrivals, tok
 
 from loopline import SamplingParams
 from loopline.config import EngineArgs
+from loopline.core.contracts import SampledToken
 from loopline.core.request import Request
-from loopline.core.speculation import WARMUP_ROUNDS, LoopSpeculation, round_cost
+from loopline.core.speculation import WARMUP_ROUNDS, LoopSpeculation, pipe_step_cost, round_cost
 from loopline.engine import LLMEngine
 from loopline.errors import InvalidRequestError
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
@@ -155,3 +156,38 @@ def test_the_cost_model_at_its_measured_points():
     req.spec_rounds = WARMUP_ROUNDS - 1
     assert s.why_stop(req, 4, 1) is None  # still warming up
     assert "disable_by_batch_size=32" in s.why_stop(req, 4, 32)
+    # the pipeline's step of 4 lanes: at or above the H200's 2.10 (C=1) and 2.5 (C=8) plain steps
+    assert 2.10 <= pipe_step_cost(4, 1) < 2.4 and 2.5 <= pipe_step_cost(4, 8) < 2.8
+    assert pipe_step_cost(1, 8) == 1.0  # one lane: a plain step
+
+
+def _observe(s: LoopSpeculation, req: Request, tokens: list[int]) -> str | None:
+    """Feeds rounds of ``tokens`` committed tokens each (at depth 4) and returns the first stop reason."""
+    for n in tokens:
+        s.observe(req, [SampledToken(token_id=1, exit_depth=4)] * n, 8)
+        reason = s.why_stop(req, 4, 8)
+        if reason is not None:
+            return reason
+    return None
+
+
+def test_a_request_whose_rounds_pay_is_not_stopped_by_a_few_bad_ones():
+    """The stop is final and a round commits 1..K+1 tokens: a request whose rounds pay on average keeps
+    speculating through bad streaks (its means weigh the early rounds alike, then follow at ROUND_WEIGHT, and
+    stop only once even the mean's upper bound is below break-even); one whose rounds do not pay stops."""
+    import random
+
+    s = LoopSpeculation(SpeculativeConfig(num_speculative_tokens=3, draft_loops=1), 4)
+    cost = s.cost(4, 8)  # ~9.5 plain steps: 2.37 tokens a round at depth 4 break even
+    assert 2.65 * 4 > 1.1 * cost
+    rng = random.Random(0)
+    stopped = 0
+    for i in range(50):  # 2.65 tokens a round on average (1.12x the cost), as replayed at C=8
+        req = Request(f"p{i}", [1, 2], SamplingParams(max_loops=4), 0, 8, frozenset(), 0)
+        rounds = rng.choices([1, 2, 3, 4], weights=[0.25, 0.2, 0.2, 0.35], k=45)
+        stopped += _observe(s, req, rounds) is not None
+    assert stopped <= 3  # (with a weight of 0.25 and no bound, as before: 47 of 50)
+    req = Request("bad", [1, 2], SamplingParams(max_loops=4), 0, 8, frozenset(), 0)
+    reason = _observe(s, req, rng.choices([1, 2], k=45))  # 1.5 tokens a round
+    assert reason is not None and "do not pay" in reason
+    assert req.spec_rounds <= 3 * WARMUP_ROUNDS
