@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -46,6 +47,7 @@ from loopline.models.lookahead_head import (
 from loopline.worker.decode_state import DecodeRows, DeviceDecodeState
 from loopline.worker.exit_rule import exit_decision
 from loopline.worker.request_state import RequestState
+from loopline.worker.staging import stage
 
 NEVER = 2.0  # the head threshold of rows of other policies: no probability reaches it
 
@@ -211,23 +213,52 @@ class LookaheadRule:
         return exit, target
 
     # --- prompt chunks (the runner's booking, after the forward) ------------------------
-    def prefill(self, st: RequestState, loop: int, lo: int, hi: int, x: Tensor, h: Tensor, gate: Tensor) -> Tensor:
-        """Prompt positions ``[lo, hi)`` after ``loop`` (their loop input ``x``, output ``h`` and ``gate``): their
-        exit flags under the rule, with survival and targets kept in ``st``."""
-        ep = st.prompt_exit
-        assert st.exit_target is not None and ep.lookahead is not None
-        survival = st.survival[lo:hi] if loop > 1 else 1.0
-        exit, survival = exit_decision(loop, survival, gate, ep.min_loops, ep.max_loops, 1.0)
-        st.survival[lo:hi] = survival
-        target = st.exit_target[lo:hi] if loop > 1 else torch.zeros_like(st.exit_target[lo:hi])
+    def prefill(self, chunks: list[PromptChunk], h: Tensor, gate: Tensor) -> Tensor:
+        """The step's prompt chunks of lookahead requests after their loops, in one batch: ``h`` and ``gate``
+        are their outputs, concatenated in ``chunks``' order. Returns the tokens' exit flags under the rule
+        (chunk ``j``'s at its offset), with survival and targets kept in each chunk's request state."""
+        dev = h.device
+        ints, threshold = stage(dev, _chunk_fields(chunks), (np.repeat([c.st.prompt_exit.lookahead for c in chunks],
+                                                                        [c.hi - c.lo for c in chunks]), np.float32))
+        loop, min_loops, max_loops, slots, positions, token_index = ints
+        # loop 1 starts from survival 1 and no target, whatever the request's slices hold
+        survival = torch.where(loop == 1, 1.0, _cat([c.st.survival[c.lo:c.hi] for c in chunks]))
+        exit, survival = exit_decision(loop, survival, gate, min_loops, max_loops, 1.0)
+        target = torch.where(loop == 1, 0, _cat([c.st.exit_target[c.lo:c.hi] for c in chunks]))
         exit = exit | (target == loop)
-        prev = self.project(x)
-        positions = torch.arange(lo, hi, device=h.device)
-        n = hi - lo
-        loops = torch.full((n,), loop, dtype=torch.long, device=h.device)
-        threshold = torch.full((n,), ep.lookahead, dtype=torch.float32, device=h.device)
-        st.exit_target[lo:hi] = self.decide(loops, gate, 1.0 - survival, self.project(h), prev, positions,
-                                            ep.min_loops, ep.max_loops, threshold, target,
-                                            torch.full((n,), st.slot, dtype=torch.long, device=h.device),
-                                            positions - (st.prompt.numel() - 1))
+        prev = self.project(_cat([c.x for c in chunks]))
+        target = self.decide(loop, gate, 1.0 - survival, self.project(h), prev, positions, min_loops, max_loops,
+                             threshold, target, slots, token_index)
+        a = 0
+        for c in chunks:  # (a copy each into the request's own tensors: views of the batch)
+            b = a + c.hi - c.lo
+            c.st.survival[c.lo:c.hi] = survival[a:b]
+            c.st.exit_target[c.lo:c.hi] = target[a:b]
+            a = b
         return exit
+
+
+class PromptChunk(NamedTuple):
+    """A prompt chunk the rule decides for: positions ``[lo, hi)`` of ``st``'s prompt after ``loop``, its loop
+    input ``x`` (the embedding at loop 1, else the kept hidden state)."""
+
+    st: RequestState
+    loop: int
+    lo: int
+    hi: int
+    x: Tensor
+
+
+def _chunk_fields(chunks: list[PromptChunk]) -> np.ndarray:
+    """``[6, N]`` int64, per token of the chunks: loop, min and max loops, slot, position, token index (the
+    prompt's last position 0): one upload for the step instead of tensors built per chunk."""
+    n = [c.hi - c.lo for c in chunks]
+    per_chunk = np.array([(c.loop, c.st.prompt_exit.min_loops, c.st.prompt_exit.max_loops, c.st.slot,
+                           c.st.prompt.numel() - 1) for c in chunks], dtype=np.int64)
+    loop, min_loops, max_loops, slot, last = np.repeat(per_chunk, n, axis=0).T
+    positions = np.concatenate([np.arange(c.lo, c.hi, dtype=np.int64) for c in chunks])
+    return np.stack([loop, min_loops, max_loops, slot, positions, positions - last])
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -48,7 +48,7 @@ from loopline.worker.exit_rule import exit_decision
 from loopline.worker.forward import StepForward
 from loopline.worker.kv_pages import KVPages
 from loopline.worker.lookahead_plan import LookaheadPlan
-from loopline.worker.lookahead_rule import LookaheadRule
+from loopline.worker.lookahead_rule import LookaheadRule, PromptChunk
 from loopline.worker.loop_stack import loop_stack
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import LOOKAHEAD, DecodeKind, DecodeOut, PrefillKind
@@ -472,37 +472,71 @@ class ModelRunner:
                            offsets, booked: _Booked) -> None:
         """Books prefill rows ``rows[first:]``; the j-th one's tokens are ``h[offsets[j]:offsets[j + 1]]``
         (``head_in``: what the head reads of them; ``injected``: the family's kept prelude output, or None)."""
-        for j, i in enumerate(range(first, len(rows))):
+        chunks = rows[first:]
+        traced = self.trace is not None and self.trace.config.prompts
+        # the loop's input, for those that read it (before st.hidden takes this loop's state)
+        xs = [self._loop_input(row) if traced or self.requests[row.request_id].prompt_exit.lookahead is not None
+              else None for row in chunks]
+        newly = self._lookahead_prefill(chunks, xs, h, gate, offsets)
+        for j, (i, row) in enumerate(zip(range(first, len(rows)), chunks)):
             lo, hi = offsets[j], offsets[j + 1]
-            if injected is not None and rows[i].loop == 1:
-                self.requests[rows[i].request_id].injected[rows[i].start:rows[i].end] = injected[lo:hi]
-            self._finish_prefill_row(i, rows[i], h[lo:hi], gate[lo:hi], booked, head_in[lo:hi])
+            if injected is not None and row.loop == 1:
+                self.requests[row.request_id].injected[row.start:row.end] = injected[lo:hi]
+            if traced:
+                self.trace.prefill(row.request_id, self.requests[row.request_id].prompt.numel(), row.loop, row.start,
+                                   xs[j], head_in[lo:hi], gate[lo:hi])
+            self._finish_prefill_row(i, row, h[lo:hi], gate[lo:hi], booked, head_in[lo:hi], newly.get(j))
+
+    def _loop_input(self, row: ScheduledRow) -> Tensor:
+        """A prompt chunk's loop input: the embedding at loop 1, else the previous loop's kept hidden state."""
+        st = self.requests[row.request_id]
+        return self.model.embed(st.prompt[row.start:row.end]) if row.loop == 1 else st.hidden[row.start:row.end]
+
+    def _lookahead_prefill(self, chunks, xs: list, h: Tensor, gate: Tensor, offsets) -> dict[int, Tensor]:
+        """The lookahead rule for the step's chunks of lookahead requests, in one batch (one evaluation per
+        step, not ~40 small ops per chunk): each such chunk's positions that exit at this loop and had not
+        exited before, by its index in ``chunks``."""
+        picked = [j for j, row in enumerate(chunks) if self.requests[row.request_id].prompt_exit.lookahead is not None]
+        if not picked:
+            return {}
+        if len(picked) == len(chunks):  # (the common case: the step's outputs are the batch as they are)
+            h_in, gate_in = h[offsets[0]:offsets[-1]], gate[offsets[0]:offsets[-1]]
+        else:
+            h_in = torch.cat([h[offsets[j]:offsets[j + 1]] for j in picked])
+            gate_in = torch.cat([gate[offsets[j]:offsets[j + 1]] for j in picked])
+        exit = self.lookahead_rule.prefill(
+            [PromptChunk(self.requests[chunks[j].request_id], chunks[j].loop, chunks[j].start, chunks[j].end, xs[j])
+             for j in picked], h_in, gate_in)
+        depth = [self.requests[chunks[j].request_id].sel_depth[chunks[j].start:chunks[j].end] for j in picked]
+        newly = exit & ((depth[0] if len(depth) == 1 else torch.cat(depth)) == 0)  # (exits here first)
+        out, a = {}, 0
+        for j in picked:
+            b = a + chunks[j].end - chunks[j].start
+            out[j], a = newly[a:b], b
+        return out
 
     def _finish_prefill_row(self, i: int, row: ScheduledRow, h: Tensor, gate: Tensor, booked: _Booked,
-                            head_in: Tensor) -> None:
+                            head_in: Tensor, lookahead_newly: Tensor | None = None) -> None:
+        """One chunk's exits, kept state and (after its last loop) results. ``lookahead_newly``: a lookahead
+        request's positions that exit here first (the rule ran for the step's chunks at once)."""
         st = self.requests[row.request_id]
         lo, hi = row.start, row.end
         ep = st.prompt_exit
-        traced = self.trace is not None and self.trace.config.prompts
-        x = None  # the loop's input, for those that read it (before st.hidden takes this loop's state)
-        if traced or ep.lookahead is not None:
-            x = self.model.embed(st.prompt[lo:hi]) if row.loop == 1 else st.hidden[lo:hi]
-        if traced:
-            self.trace.prefill(row.request_id, st.prompt.numel(), row.loop, lo, x, head_in, gate)
-        # NOTE: a chunk's rule is one (loop, min, max, threshold) for all its positions, so it
-        # goes in as scalars; each op here is a launch per prefill row, which bounds steps
-        # that carry many rows.
+        # NOTE: the gate's rule for a chunk is one (loop, min, max, threshold) for all its positions, so it
+        # goes in as scalars; each op here is a launch per prefill row, which bounds steps that carry many
+        # rows (the lookahead rule's ~40 ops run once per step instead: _lookahead_prefill).
         if ep.threshold < 1.0 or ep.lookahead is not None:  # the gate (or the head) decides, position by position
             if ep.lookahead is not None:
-                ex = self.lookahead_rule.prefill(st, row.loop, lo, hi, x, h, gate)
+                newly = lookahead_newly
             else:
                 survival = st.survival[lo:hi] if row.loop > 1 else 1.0
                 ex, survival = exit_decision(row.loop, survival, gate, ep.min_loops, ep.max_loops, ep.threshold)
                 st.survival[lo:hi] = survival
-            newly = ex & (st.sel_depth[lo:hi] == 0)
-            # torch.where, not boolean indexing: a mask index would sync with the host
-            st.sel_hidden[lo:hi] = torch.where(newly[:, None], head_in, st.sel_hidden[lo:hi])
-            st.sel_depth[lo:hi] = torch.where(newly, row.loop, st.sel_depth[lo:hi])
+                newly = ex & (st.sel_depth[lo:hi] == 0)
+            # in place (one launch each, not a where and a copy); a mask, not a mask index: that would sync
+            sel_hidden = st.sel_hidden[lo:hi]
+            torch.where(newly[:, None], head_in, sel_hidden, out=sel_hidden)
+            st.sel_depth[lo:hi].masked_fill_(newly, row.loop)
         elif row.loop == ep.max_loops:  # no early exit: every position exits exactly at max_loops
             st.sel_hidden[lo:hi] = head_in
             st.sel_depth[lo:hi] = row.loop

@@ -315,6 +315,43 @@ def test_a_preempted_lookahead_request_resumes_exactly(demo_with_head, async_sch
     assert len(set(alone["low"][1])) > 1
 
 
+def test_prompt_chunks_of_several_requests_in_one_step_equal_each_alone(demo_with_head):
+    """The prompt-side rule runs once per step for all its lookahead chunks (``LookaheadRule.prefill``): requests
+    whose chunks (at different loops, beside a gate request's, so the batch is a subset of the step's chunks)
+    share steps give each its tokens, depths, logprobs, prompt logprobs and prompt exit depths alone."""
+    from loopline.worker.lookahead_rule import LookaheadRule
+
+    kw = {"max_num_seqs": 4, "max_num_batched_tokens": 48}
+    base = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": 0, "prompt_logprobs": 0}
+    la_params = SamplingParams(exit_mode="lookahead", lookahead_threshold=Q, **base)
+    reqs = {str(i): (p, la_params if i < 3 else SamplingParams(exit_threshold=0.6, **base))
+            for i, p in enumerate(prompts(4, 18))}
+    arrivals = {"1": 1, "2": 2}  # (chunks of one request at several loops in a step)
+
+    def prompt_side(outs):  # (prompt exit depths exactly; logprobs to rounding: other steps' batches)
+        return {rid: (o.prompt_exit_depths, [lp and {t: pytest.approx(v.logprob, abs=1e-4) for t, v in lp.items()}
+                                             for lp in o.prompt_logprobs]) for rid, o in outs.items()}
+
+    batches = []
+    rule_prefill = LookaheadRule.prefill
+
+    def counted(rule, chunks, h, gate):
+        batches.append((len(chunks), len({c.loop for c in chunks})))
+        return rule_prefill(rule, chunks, h, gate)
+
+    alone = {}
+    for rid, req in reqs.items():
+        alone.update(run_arrivals(engine(demo_with_head, **kw), {rid: req}))
+    eng = engine(demo_with_head, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LookaheadRule, "prefill", counted)
+        together = run_arrivals(eng, reqs, arrivals)
+    assert max(n for n, _ in batches) >= 3 and max(loops for _, loops in batches) >= 2
+    assert_same_tokens_depths_logprobs(tokens_depths_logprobs(together), tokens_depths_logprobs(alone))
+    assert prompt_side(together) == prompt_side(alone)
+    assert len({d for rid in "012" for d in alone[rid].prompt_exit_depths[1:]}) > 1  # the head fixed prompt exits
+
+
 def test_graph_replayed_steps_equal_eager_ones(demo_with_head):
     """The rule inside the captured step (CPU capturer: decode and mixed families, padded buckets): lookahead,
     threshold and fixed requests with arrivals give the eager engine's tokens, depths and logprobs."""
