@@ -133,8 +133,10 @@ class ReplayPredictor:
 
     def start_slot(self, slot: int, params: Any) -> None:
         depths = list(params.exit_depths or [0])[:self.depths.shape[1]]
-        self.depths[slot].zero_()
-        self.depths[slot, :len(depths)] = torch.tensor(depths, dtype=torch.long).to(self.depths.device)
+        row = np.zeros(self.depths.shape[1], dtype=np.int64)
+        row[:len(depths)] = depths
+        # staged (pinned, asynchronous): a copy from pageable memory would wait for the device at each admission
+        self.depths[slot] = stage(self.depths.device, row)[0]
         self.last[slot] = len(depths) - 1
 
     def __call__(self, x: LookaheadInputs, ctx: PredictorContext) -> Tensor:
