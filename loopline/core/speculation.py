@@ -39,7 +39,7 @@ VERIFY_EXTRA, VERIFY_PER_QUERY = 1.0, 0.1
 #: is below break-even by STOP_Z standard errors (the yield's running variance over the rounds the mean
 #: holds). With a weight of 0.25 and no such bound, draft then verify at C=8 (H200, replayed demo acceptance)
 #: lost 21% where every round speculating gained 19%: requests whose rounds pay stopped on a few bad ones
-#: (docs/benchmarks/h200-2026-12-05-huginn.md).
+#: (docs/benchmarks/h200-2026-12-05.md).
 WARMUP_ROUNDS, ROUND_WEIGHT, STOP_Z = 6, 0.05, 2.0
 #: The weight of each round in the engine's running payoff, and how often a new request speculates (probes)
 #: while the engine's rounds do not pay.
@@ -190,7 +190,7 @@ class LoopSpeculation(NoSpeculation):
 #: What a pipelining step costs, in steps of plain decoding of the same batch: its lanes are one-query rows,
 #: so like a draft step of scheme 1 plus, per extra lane, a share that grows slowly with the batch. Measured on
 #: the H200 (Ouro-1.4B shapes, CUDA graphs, K=3 d=1 at replayed acceptance, the step after sampling one kernel,
-#: docs/benchmarks/h200-2026-12-05-huginn.md): a pipelining step of 4 lanes cost 2.10 plain steps at C=1 and 2.5
+#: docs/benchmarks/h200-2026-12-05.md): a pipelining step of 4 lanes cost 2.10 plain steps at C=1 and 2.5
 #: at C=8; the model (2.2 and 2.6) is at or above both.
 LANE_EXTRA, LANE_GROWTH = 0.4, 0.15
 
