@@ -188,11 +188,11 @@ class LoopSpeculation(NoSpeculation):
 
 
 #: What a pipelining step costs, in steps of plain decoding of the same batch: its lanes are one-query rows,
-#: so like a draft step of scheme 1 plus, per extra lane, a share that grows slowly with the batch. Measured on
-#: the H200 (Ouro-1.4B shapes, CUDA graphs, K=3 d=1 at replayed acceptance, the step after sampling one kernel,
-#: docs/benchmarks/h200-2026-12-05.md): a pipelining step of 4 lanes cost 2.10 plain steps at C=1 and 2.5
-#: at C=8; the model (2.2 and 2.6) is at or above both.
-LANE_EXTRA, LANE_GROWTH = 0.4, 0.15
+#: so like a draft step of scheme 1 plus, per extra lane, a share that grows slowly with the batch. Measured
+#: with the step after sampling one kernel (Ouro-1.4B shapes, CUDA graphs, K=3 d=1 at replayed acceptance,
+#: docs/benchmarks/h200-2026-12-05.md), a pipelining step of 4 lanes cost 2.10 plain steps at C=1 and 2.5 at
+#: C=8 on an H200, 2.50 and 3.09 on an H100; the model (2.5 and 3.09) is at or above all four.
+LANE_EXTRA, LANE_GROWTH = 0.5, 0.16
 
 
 def pipe_step_cost(lanes: int, running: int) -> float:

@@ -10,13 +10,19 @@ small launches a step, all outside the step's graph; the kernel does it in one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # (decode_state imports this module)
-    from loopline.worker.decode_state import DeviceDecodeState
+
+class CommittedState(Protocol):
+    """What :func:`accept_lanes` moves past a slot's commits: the decode state's per-slot fields
+    (``DeviceDecodeState``, which imports this module)."""
+
+    token: Tensor  # [S] int64, the token fed at loop 1: the last committed one
+    pos: Tensor  # [S] int64, its position
+    token_index: Tensor  # [S] int64, the completion index of the next token
 
 
 class LaneRing:
@@ -76,7 +82,7 @@ def shifter(by: Tensor, lane_ids: Tensor) -> Callable[[Tensor, object], Tensor]:
     return shift
 
 
-def accept_lanes(ring: LaneRing, ds: "DeviceDecodeState", slots: Tensor, target: Tensor, depth: int,
+def accept_lanes(ring: LaneRing, ds: CommittedState, slots: Tensor, target: Tensor, depth: int,
                  agrees: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The verdicts, commits and entries of pipelining ``slots`` ``[M]``; ``target`` ``[M * L]``: each lane's
     target token (only exited lanes' are used); ``depth``: the draft loop ``d``; ``agrees`` ``[M, L]``: the
