@@ -41,9 +41,14 @@ VERIFY_EXTRA, VERIFY_PER_QUERY = 1.0, 0.1
 #: lost 21% where every round speculating gained 19%: requests whose rounds pay stopped on a few bad ones
 #: (docs/benchmarks/h200-2026-12-05.md).
 WARMUP_ROUNDS, ROUND_WEIGHT, STOP_Z = 6, 0.05, 2.0
-#: The weight of each round in the engine's running payoff, and how often a new request speculates (probes)
-#: while the engine's rounds do not pay.
-ENGINE_WEIGHT, PROBE_EVERY = 0.1, 16
+#: The engine's running payoff: the plain steps its recent units saved over what they cost, both summed with
+#: each older unit's share decaying by ENGINE_WEIGHT (a ratio of sums: a unit counts as the steps it took,
+#: so a pipeline's slow first commit, 1 token after R steps, weighs what those steps cost); it decides for
+#: new requests once ENGINE_WARMUP units were seen (as many as a request needs to decide for itself), and
+#: while it is below 1 one new request in PROBE_EVERY still speculates. (With the payoff's first value taken
+#: from one unit, an 8-token warm-up request turned the pipeline off for the requests after it, on an H100:
+#: tests/spec/test_replay.py reproduces it on the CPU.)
+ENGINE_WEIGHT, ENGINE_WARMUP, PROBE_EVERY = 0.1, WARMUP_ROUNDS, 16
 
 
 def round_cost(k: int, d: int, max_loops: int, running: int) -> float:
@@ -98,7 +103,8 @@ class LoopSpeculation(NoSpeculation):
         self.k, self.d = config.num_speculative_tokens, config.draft_loops
         self.kv_bound = config.kv_lookahead(num_loops)  # KV positions a request may write past its last fed token
         self.per_token_exits = per_token_exits
-        self.payoff: float | None = None  # running mean over rounds: plain steps a round saved / its cost
+        self._saved = self._cost = 0.0  # decayed sums over units: plain steps saved, plain steps cost
+        self._units = 0  # units observed
         self._starts = 0
 
     def why_not(self, params: SamplingParams) -> str | None:
@@ -123,7 +129,7 @@ class LoopSpeculation(NoSpeculation):
     def starts(self) -> bool:
         # NOTE: while the engine's rounds do not pay, a request in PROBE_EVERY still speculates, so the
         # estimate follows what the requests of the moment accept
-        if not self.config.adaptive or self.payoff is None or self.payoff >= 1.0:
+        if not self.config.adaptive or self._units < ENGINE_WARMUP or self.payoff >= 1.0:
             return True
         self._starts += 1
         return self._starts % PROBE_EVERY == 0
@@ -140,8 +146,15 @@ class LoopSpeculation(NoSpeculation):
         req.spec_depth += w * (depth - req.spec_depth)
         req.spec_rounds += 1
         assert req.params.max_loops is not None, "not effective params"
-        payoff = n * depth / (units * self.cost(req.params.max_loops, running))
-        self.payoff = payoff if self.payoff is None else self.payoff + ENGINE_WEIGHT * (payoff - self.payoff)
+        keep = (1.0 - ENGINE_WEIGHT) ** units
+        self._saved = keep * self._saved + n * depth
+        self._cost = keep * self._cost + units * self.cost(req.params.max_loops, running)
+        self._units += units
+
+    @property
+    def payoff(self) -> float | None:
+        """The engine's running payoff (``None`` before any unit): plain steps saved over their cost."""
+        return self._saved / self._cost if self._units else None
 
     def units(self, req: Request) -> int:
         """Units (rounds) the committed run just observed took."""

@@ -60,3 +60,20 @@ def test_per_position_probabilities_and_determinism():
     assert 0.48 < float(u.mean()) < 0.52 and float(u.min()) >= 0 and float(u.max()) < 1
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         AcceptanceReplay([1.5])
+
+
+@pytest.mark.parametrize("scheme", ["draft_verify", "pipeline"])
+def test_a_short_first_request_does_not_decide_for_the_engine(tiny_gqa, scheme):
+    """Speculation's defaults at one request with the demo model's replayed acceptance (which pays for both
+    schemes at C = 1): a short first request (a warm-up, a health check) gives the engine a handful of rounds,
+    too few to turn speculation off for the requests after it."""
+    spec = {"method": "loop", "num_speculative_tokens": 3, "draft_loops": 1, "scheme": scheme}
+    eng = engine(str(tiny_gqa.path), speculative=spec, max_num_seqs=1)
+    eng.runner.spec.replay = AcceptanceReplay([0.89, 0.71, 0.68], seed=1)
+    for rid, (p, n) in {"warm": (PROMPTS["r0"], 8), "a": (PROMPTS["r1"], 32), "b": (PROMPTS["r0"][::-1], 32)}.items():
+        eng.add_request(rid, {"prompt_token_ids": p}, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        drafts = eng.stats.spec_num_drafts
+        while eng.has_unfinished_requests():
+            eng.step()
+        if rid != "warm":
+            assert eng.stats.spec_num_drafts - drafts >= 8, rid  # it speculated
