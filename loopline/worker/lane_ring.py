@@ -36,6 +36,7 @@ class LaneRing:
     def __init__(self, num_slots: int, lanes: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.lanes, self.device = lanes, device
         i64 = {"dtype": torch.long, "device": device}
+        self.lane_ids = torch.arange(lanes, **i64)  # (made once: every step's shift and index read it)
         self.valid = torch.zeros(num_slots, lanes, dtype=torch.bool, device=device)
         self.token = torch.zeros(num_slots, lanes, **i64)  # the lane's input token
         self.loop = torch.zeros(num_slots, lanes, **i64)  # loops run
@@ -91,7 +92,7 @@ def accept_lanes(ring: LaneRing, ds: CommittedState, slots: Tensor, target: Tens
     (a leading run of each slot's lanes) and each lane's draft verdict ``[M * L]`` int64 (0: it drafted none
     or did not commit, 1: rejected, 2: accepted)."""
     L = ring.lanes
-    lane_ids = torch.arange(L, device=slots.device)
+    lane_ids = ring.lane_ids
     valid, token, loop, exit_loop, draft, hidden, survival, drafted = ring.state(slots)
     y = target.view(-1, L)
     exited = valid & (exit_loop > 0)

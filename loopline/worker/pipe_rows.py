@@ -162,7 +162,6 @@ class PipeRounds:
         self.model, self.state, self.ring, self.requests, self.device = model, state, ring, requests, device
         self.head = head
         self.drafts = DraftSampler(sampler, device)
-        self._lanes = torch.arange(ring.lanes, device=device)
         self.replay: AcceptanceReplay | None = None  # a measurement hook (loopline/spec/replay.py); None: real verdicts
 
     def _lane0(self, rows: list[ScheduledRow], row0: int = 0) -> list[tuple[int, ScheduledRow]]:
@@ -173,7 +172,7 @@ class PipeRounds:
 
     def _index(self, slots: Tensor) -> Tensor:
         """``[M * L]``: the completion index of each lane's token (its target and its draft stand for it)."""
-        return (self.state.token_index[slots][:, None] + self._lanes).flatten()
+        return (self.state.token_index[slots][:, None] + self.ring.lane_ids).flatten()
 
     def draft(self, rows: list[ScheduledRow]) -> None:
         """Lanes that ran loop ``d`` and still loop propose their successor's token from their loop-``d``
