@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
-# The GPU machine's side of tools/flashinfer_payload.sh: stash the carried parts, join and verify them, install
-# the wheels into SITE with pip --no-index --no-deps, and set up what FlashInfer's JIT needs.
-#   bash tools/flashinfer_install.sh stash     # copies .fi/{payload.tar.part*,MANIFEST,*.sha256} to STASH
-#   bash tools/flashinfer_install.sh install   # all parts in STASH: join, sha256-check the tar and every wheel,
-#                                              # install flashinfer + the modules the environment lacks, + tvm-ffi
+# The GPU machine's side of tools/flashinfer_payload.sh: verify the carried .fi/site.tar.xz, copy into SITE the
+# unpacked wheels whose module the environment lacks, and set up what FlashInfer's JIT needs.
+#   bash tools/flashinfer_install.sh install   # sha256-check, unpack, copy flashinfer + tvm-ffi + what is missing
 #   source <(bash tools/flashinfer_install.sh env)   # exports for the run (PYTHONPATH, CUDA_HOME, PATH, FLASHINFER_*)
 #   bash tools/flashinfer_install.sh check     # imports flashinfer, JIT-compiles and runs one paged attention
 # FlashInfer's JIT (flashinfer/jit/cpp_ext.py) runs `$CUDA_HOME/bin/nvcc` through ninja and links with
@@ -15,49 +13,29 @@
 # while the machine stays warm; the first paged-prefill compile takes minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STASH=${STASH:-/tmp/fi_parts}
 SITE=${SITE:-/tmp/site}
 SHIM=${CUDA_SHIM:-/tmp/cuda_home}
 PY=${PYTHON:-python3}
 CARRIED=${CARRIED:-.fi}
 
-stash() {
-  mkdir -p "$STASH"
-  cp -f "$CARRIED"/payload.tar.part* "$STASH"/ 2>/dev/null || true
-  for f in MANIFEST payload.sha256 WHEELS.sha256; do [ -f "$CARRIED/$f" ] && cp -f "$CARRIED/$f" "$STASH/"; done
-  [ -f "$STASH/MANIFEST" ] || { echo "no MANIFEST carried yet" >&2; exit 1; }
-  local missing
-  missing=$(cd "$STASH" && while read -r p; do [ -f "$p" ] || echo "$p"; done < MANIFEST)
-  echo "stashed in $STASH: $(cd "$STASH" && ls payload.tar.part* | tr '\n' ' ')"
-  [ -z "$missing" ] && echo "all parts present: run install" || echo "still missing: $missing"
-}
-
 have() { PYTHONPATH= "$PY" -c "import $1" > /dev/null 2>&1; }
 
 install() {
-  cd "$STASH"
-  while read -r p; do [ -f "$p" ] || { echo "missing part $p (stash it first)" >&2; exit 1; }; done < MANIFEST
+  (cd "$CARRIED" && sha256sum -c site.sha256)
   local work; work=$(mktemp -d)
-  # shellcheck disable=SC2046
-  cat $(cat MANIFEST) > "$work/payload.tar"
-  (cd "$work" && sha256sum -c "$STASH/payload.sha256")
-  tar -C "$work" -xf "$work/payload.tar"
-  (cd "$work" && sha256sum -c "$STASH/WHEELS.sha256")
-  cd - > /dev/null
-  local wheels=("$work"/flashinfer_python-0.7.4-*.whl)
-  # module -> wheel name prefix: installed only where the environment lacks the module, so nothing it has
+  xz -dc "$CARRIED/site.tar.xz" | tar -C "$work" -xf -
+  # module -> distribution folder: copied only where the environment lacks the module, so nothing it has
   # (torch's own cuda-bindings, say) is shadowed by another version on PYTHONPATH
-  local pairs=(pynvml:nvidia_ml_py einops:einops requests:requests urllib3:urllib3 idna:idna certifi:certifi
-               charset_normalizer:charset_normalizer tqdm:tqdm packaging:packaging click:click tabulate:tabulate
-               cuda.bindings:cuda_bindings cuda.pathfinder:cuda_pathfinder tvm_ffi:apache_tvm_ffi)
+  local dists=(flashinfer_python) pairs=(pynvml:nvidia_ml_py einops:einops requests:requests urllib3:urllib3
+               idna:idna certifi:certifi charset_normalizer:charset_normalizer tqdm:tqdm packaging:packaging
+               click:click tabulate:tabulate cuda.bindings:cuda_bindings cuda.pathfinder:cuda_pathfinder
+               tvm_ffi:apache_tvm_ffi)
   for pair in "${pairs[@]}"; do
-    local mod=${pair%%:*} whl=${pair##*:}
-    if ! have "$mod"; then
-      if [ "$whl" = apache_tvm_ffi ]; then wheels+=(.whl/apache_tvm_ffi-*cp312*.whl); else wheels+=("$work/$whl"-*.whl); fi
-    fi
+    if ! have "${pair%%:*}"; then dists+=("${pair##*:}"); fi
   done
-  echo "installing into $SITE: ${wheels[*]##*/}"
-  "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "${wheels[@]}"
+  echo "installing into $SITE: ${dists[*]}"
+  mkdir -p "$SITE"
+  for d in "${dists[@]}"; do cp -a "$work/$d/." "$SITE/"; done
   rm -rf "$work"
 }
 
@@ -125,9 +103,8 @@ PYEOF
 }
 
 case "${1:-}" in
-  stash) stash ;;
   install) install ;;
   env) env_ ;;
   check) check ;;
-  *) echo "usage: $0 stash|install|env|check" >&2; exit 2 ;;
+  *) echo "usage: $0 install|env|check" >&2; exit 2 ;;
 esac

@@ -4,7 +4,7 @@
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay
-# lookahead trace_cost; LOOPLINE_BENCH_C (default "1 32 128") picks
+# lookahead trace_cost flashinfer; LOOPLINE_BENCH_C (default "1 32 128") picks
 # bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -190,8 +190,21 @@ if has huginn; then  # issue #46: Huginn-0125 shapes, fixed 32 and 8 iterations,
   timeout 160 python3 -m loopline.entrypoints.cli bench $h --dtype bfloat16 --no-progress --max-num-loops 32 \
     --compare --depth-dist mean8 --repeats 1 --output-json "$out/huginn_compare.json" 2>&1 | tail -14
 fi
+if has flashinfer; then  # issue #40: FlashInfer installed from the carried .fi/, its GPU tests, kernels and engine vs Triton
+  bash tools/flashinfer_install.sh install > "$out/fi_install.log" 2>&1; echo "flashinfer install rc=$? $(tail -1 "$out/fi_install.log")"
+  # shellcheck disable=SC1090
+  source <(bash tools/flashinfer_install.sh env)
+  timeout 420 bash tools/flashinfer_install.sh check 2>&1 | grep -v Warn | tee "$out/fi_check.txt" | tail -4
+  timeout 240 python3 -m pytest -q tests/attention/test_flashinfer_gpu.py > "$out/fi_tests.log" 2>&1
+  echo "flashinfer gpu tests rc=$? $(tail -1 "$out/fi_tests.log")"; grep -hE "^(FAILED|ERROR)|Error" "$out/fi_tests.log" | head -8
+  timeout 120 python3 -m loopline.attention.bench_attention --compare flashinfer --rows 1,8,32,128 --ctx 1024 2>&1 \
+    | grep -v Warn | tee "$out/fi_kernels.txt" | tail -12
+  bench 300 --input-len 1024 --output-len 128 --concurrency ${LOOPLINE_FI_C:-1,32,128} --compare --variants triton,flashinfer \
+    --repeats 1 --kv-cache-memory-gb 40 --output-json "$out/fi_engine.json" 2> "$out/fi_engine.err" | tail -12 \
+    || tail -5 "$out/fi_engine.err"
+fi
 if has spec_replay; then  # issue #41: both schemes at the demo model's acceptance, replayed on Ouro-1.4B shapes
-  timeout 300 python3 tools/spec_speed.py --config ouro-1.4b --spec 3,1 --scheme draft_verify,pipeline \
+  timeout 300 python3 tools/spec_speed.py --config ouro-1.4b --spec 3,1 ${LOOPLINE_SPEC_EXTRA:-} --scheme draft_verify,pipeline \
     --concurrency "${LOOPLINE_SPEC_C:-1,8,32,128}" --replay-acceptance 0.89,0.71,0.68 --json "$out/spec_replay.json" 2>&1 \
     | grep -v Warn | tail -12
 fi

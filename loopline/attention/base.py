@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -117,6 +118,9 @@ class AttentionBackend(ABC):
     """Writes a layer's new K/V into the paged cache and attends over it."""
 
     name: str
+    #: Which steps a CUDA graph may hold: "all"; "decode" (steps whose rows all have one query: the backend
+    #: plans steps with prompt chunks on the host); "none" (its calls sync with the host).
+    graph_steps: Literal["all", "decode", "none"] = "none"
 
     @abstractmethod
     def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, meta: PagedAttentionMetadata, *,

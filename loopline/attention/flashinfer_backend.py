@@ -87,6 +87,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     CUDA graph capture)."""
 
     name = "flashinfer"
+    graph_steps = "decode"  # steps with prompt chunks plan on the host (_plan_eager)
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
         import flashinfer  # lazy: the extra is optional; the caller checked it is installed

@@ -168,6 +168,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    graph_steps = "all"
 
     def __init__(self, num_splits: int | None = None, decode_launch: DecodeLaunch | None = None,
                  prefill_launch: PrefillLaunch | None = None, split_rule: SplitRule | None = None) -> None:

@@ -298,7 +298,7 @@ class LLMEngine(EngineVerbs):
                                     spec.draft_loops)
             if found is not None:
                 self.runner.spec.head.install(*found)
-        if device.type == "cuda" and not args.enforce_eager and backends.attention.name == "triton":
+        if device.type == "cuda" and not args.enforce_eager and backends.attention.graph_steps != "none":
             self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture), cfg.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
         # constrained requests' grammar matchers (xgrammar is imported on the first one)

@@ -228,7 +228,8 @@ class ModelRunner:
     def capture_graphs(self, max_seq_len: int, max_num_batched_tokens: int | None = None, *,
                        max_prefill_rows: int = 16, capturer: GraphCapturer | None = None) -> None:
         """Captures decode-only steps, and steps with up to ``max_prefill_rows`` small prefill chunks
-        (given the token budget), as CUDA graphs (CUDA and a graph-safe attention backend only); under
+        (given the token budget), as CUDA graphs (CUDA only; a backend whose ``graph_steps`` is "decode" gets
+        the families whose rows all have one query, the rest run eagerly); under
         loop self-speculation also steps of speculating rows beside decode rows (:meth:`_spec_shapes`); with a
         lookahead head the decode and mixed steps twice, with and without its rule (only steps with a
         lookahead row run it). ``capturer``: how graphs are captured and replayed (default: CUDA graphs)."""
@@ -256,6 +257,9 @@ class ModelRunner:
         if self.lookahead_rule is not None:  # the same steps with the head's rule: steps with a lookahead row
             families |= {f"{name}_lookahead": [dataclasses.replace(s, features=LOOKAHEAD) for s in families[name]]
                          for name in ("decode", "mixed")}
+        if self.backend.graph_steps == "decode":  # steps with prompt chunks or verify rows run eagerly
+            families = {name: shapes for name, shapes in families.items()
+                        if all(s.max_query_len == 1 for s in shapes)}
         self.graphs = StepGraphs(self.forward, self.builder, families)
         shapes = [shape for family in families.values() for shape in family]
         # the family's own step buffers at their largest before any graph captures views of them

@@ -110,7 +110,12 @@ def generate(backend, layout, params, prompts):
 
     llm = LLM(str(DEMO_CHECKPOINT), device="cuda", dtype="bfloat16", attention_backend=backend, kv_layout=layout,
               num_kv_blocks=512, max_num_seqs=4)
-    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and graphs.replays["decode"] > 0  # decode steps replayed CUDA graphs
+    if backend == "flashinfer":  # steps with prompt chunks ran eagerly (host-planned)
+        assert all(s.max_query_len == 1 for f in graphs.families for s in f.shapes)
+    return outs
 
 
 PROMPTS = ["The little cat", "Once upon a time there was", "1, 2, 3,", "A tree is"]

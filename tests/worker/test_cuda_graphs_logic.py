@@ -118,6 +118,22 @@ def test_every_step_through_a_graph_equals_the_same_step_eagerly(tiny_gqa, layou
                     assert torch.equal(a, b), (step, kind)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_backend_that_graphs_decode_steps_only_runs_prompt_steps_eagerly(tiny_gqa, async_scheduling):
+    """A backend whose ``graph_steps`` is "decode" (FlashInfer: it plans steps with prompt chunks on the host)
+    gets the decode families only; steps with prompt chunks run eagerly, and the outputs are the same."""
+    def decode_only(engine):
+        engine.runner.backend.graph_steps = "decode"
+        simulate_graphs(engine, 64, 24)
+
+    kw = dict(async_scheduling=async_scheduling)
+    with_graphs = run(tiny_gqa, graphs=False, hook=decode_only, **kw)
+    graphs = run.engine.runner.graphs
+    assert set(graphs.replays) == {"decode"} and graphs.replays["decode"] > 20
+    assert [f.name for f in graphs.families] and all(s.max_query_len == 1 for f in graphs.families for s in f.shapes)
+    assert approx_floats(with_graphs) == run(tiny_gqa, graphs=False, **kw)
+
+
 def test_async_graphs_with_trace_depths_and_penalties(tiny_gqa):
     """Under async scheduling the decode graph derives each row from the device state, trace depths
     and all; penalties read the device's counts after it."""
