@@ -25,7 +25,7 @@ PKGS=(flashinfer-python==0.7.4 "apache-tvm-ffi>=0.1.11,<0.2" nvidia-ml-py einops
 STAGE=$WHEELS/stage
 for w in "$WHEELS"/*.whl; do
   name=$(basename "$w"); name=${name%%-*}         # distribution name, as in the wheel's file name
-  mkdir -p "$STAGE/$name" && (cd "$STAGE/$name" && "$PY" -m zipfile -e "$w" .)
+  mkdir -p "$STAGE/$name" && unzip -q "$w" -d "$STAGE/$name"  # (unzip keeps the executables' mode bits)
 done
 rm -rf "$OUT"
 mkdir -p "$OUT"

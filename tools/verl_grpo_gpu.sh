@@ -17,8 +17,9 @@
 # Each run has a wall-clock limit (LIMIT1 / LIMIT2 / LIMIT_RESUME seconds); a run cut short keeps the iterations
 # it logged.
 #
-# No pip install here: the packages of docs/rl.md ("Wheels for the GPU run") are on PYTHONPATH, e.g.
-#   pip install --no-index --no-deps --target /tmp/site WHEELS/*.whl; export PYTHONPATH=$PWD:/tmp/site
+# No pip install here: the packages of docs/rl.md ("Wheels for the GPU run") are on PYTHONPATH, e.g. from the
+# payload of tools/verl_payload.sh (carry .verl):
+#   bash tools/verl_payload.sh install; export PYTHONPATH=$PWD:/tmp/site
 #   OUT=/tmp/out PHASE=1 bash tools/verl_grpo_gpu.sh; OUT=/tmp/out2 PHASE=2 bash tools/verl_grpo_gpu.sh
 # On the CPU (a check that the script runs end to end; fp32, tiny batches, no reference model):
 #   OUT=/tmp/out DEVICE=cpu ITERS=2 WORK=/tmp/verl_grpo_cpu PHASE=1 bash tools/verl_grpo_gpu.sh   (then PHASE=2)
