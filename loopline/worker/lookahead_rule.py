@@ -47,7 +47,7 @@ from loopline.models.lookahead_head import (
 from loopline.worker.decode_state import DecodeRows, DeviceDecodeState
 from loopline.worker.exit_rule import exit_decision
 from loopline.worker.request_state import RequestState
-from loopline.worker.staging import stage
+from loopline.worker.staging import concat, stage
 
 NEVER = 2.0  # the head threshold of rows of other policies: no probability reaches it
 
@@ -224,11 +224,11 @@ class LookaheadRule:
                                                                         [c.hi - c.lo for c in chunks]), np.float32))
         loop, min_loops, max_loops, slots, positions, token_index = ints
         # loop 1 starts from survival 1 and no target, whatever the request's slices hold
-        survival = torch.where(loop == 1, 1.0, _cat([c.st.survival[c.lo:c.hi] for c in chunks]))
+        survival = torch.where(loop == 1, 1.0, concat([c.st.survival[c.lo:c.hi] for c in chunks]))
         exit, survival = exit_decision(loop, survival, gate, min_loops, max_loops, 1.0)
-        target = torch.where(loop == 1, 0, _cat([c.st.exit_target[c.lo:c.hi] for c in chunks]))
+        target = torch.where(loop == 1, 0, concat([c.st.exit_target[c.lo:c.hi] for c in chunks]))
         exit = exit | (target == loop)
-        prev = self.project(_cat([c.x for c in chunks]))
+        prev = self.project(concat([c.x for c in chunks]))
         target = self.decide(loop, gate, 1.0 - survival, self.project(h), prev, positions, min_loops, max_loops,
                              threshold, target, slots, token_index)
         a = 0
@@ -260,7 +260,3 @@ def _chunk_fields(chunks: list[PromptChunk]) -> np.ndarray:
     loop, min_loops, max_loops, slot, last = np.repeat(per_chunk, n, axis=0).T
     positions = np.concatenate([np.arange(c.lo, c.hi, dtype=np.int64) for c in chunks])
     return np.stack([loop, min_loops, max_loops, slot, positions, positions - last])
-
-
-def _cat(parts: list[Tensor]) -> Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)

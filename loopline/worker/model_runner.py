@@ -64,7 +64,7 @@ from loopline.worker.sampling_inputs import (
     build_sampling_tensors,
     has_penalties,
 )
-from loopline.worker.staging import stage
+from loopline.worker.staging import concat, stage
 from loopline.worker.step_inputs import StepBuilder, StepShape
 from loopline.worker.trace_recorder import TraceRecorder
 
@@ -512,7 +512,7 @@ class ModelRunner:
             [PromptChunk(self.requests[chunks[j].request_id], chunks[j].loop, chunks[j].start, chunks[j].end, xs[j])
              for j in picked], h_in, gate_in)
         depth = [self.requests[chunks[j].request_id].sel_depth[chunks[j].start:chunks[j].end] for j in picked]
-        newly = exit & ((depth[0] if len(depth) == 1 else torch.cat(depth)) == 0)  # (exits here first)
+        newly = exit & (concat(depth) == 0)  # (exits here first)
         out, a = {}, 0
         for j in picked:
             b = a + chunks[j].end - chunks[j].start
@@ -622,7 +622,7 @@ class ModelRunner:
             depths.append(verify.depth)
             if verify.verdicts is not None:  # (pipelining lanes: zeros for the rows before them)
                 verdicts = torch.cat([verify.verdicts.new_zeros(nd + n_done), verify.verdicts])
-        return SampleBatch(row_idx, states, out, *(t[0] if len(t) == 1 else torch.cat(t) for t in (flags, depths)),
+        return SampleBatch(row_idx, states, out, *(concat(t) for t in (flags, depths)),
                            verdicts=verdicts)
 
     def _collect(self, rows, batch: SampleBatch, host: HostSample, booked: _Booked) -> RunnerOutput:

@@ -61,3 +61,8 @@ _TORCH_DTYPES = {np.dtype(k): v for k, v in {
     np.bool_: torch.bool, np.int8: torch.int8, np.uint8: torch.uint8, np.int16: torch.int16, np.int32: torch.int32,
     np.int64: torch.int64, np.float16: torch.float16, np.float32: torch.float32, np.float64: torch.float64,
 }.items()}
+
+
+def concat(parts: list[Tensor]) -> Tensor:
+    """The step's parts as one tensor; a single part as it is (``torch.cat`` would copy it: a launch)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
