@@ -108,8 +108,10 @@ class LoopSpeculation(NoSpeculation):
         self._starts = 0
 
     def why_not(self, params: SamplingParams) -> str | None:
-        # NOTE: the sampler's per-request fields and penalties would have to see the drafts before each
-        # position as generated tokens; those requests run plain decode rows instead (docs/speculation.md).
+        # NOTE: penalties and multi-token bad words read the tokens generated before each position, which
+        # inside a round are drafts, not yet committed; those requests run plain decode rows instead
+        # (docs/speculation.md). allowed_token_ids and logit_bias read no history and min_tokens only each
+        # position's own token index, so drafts and targets both apply them.
         if not params.speculate:
             return "speculate=False"
         if self.per_token_exits:
@@ -120,8 +122,8 @@ class LoopSpeculation(NoSpeculation):
             return f"max_loops {params.max_loops} <= draft_loops {self.d}"
         if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
             return "penalties"
-        if params.allowed_token_ids or params.logit_bias or params.uses_min_tokens or params._bad_words_token_ids:
-            return "allowed_token_ids, logit_bias, min_tokens or bad_words"
+        if params._bad_words_token_ids:
+            return "bad_words"
         if params.structured_outputs is not None:
             return "structured outputs"
         return None

@@ -58,7 +58,7 @@ def test_who_speculates_and_what_it_reserves():
                     ("bias", {"logit_bias": {5: 1.0}}), ("sampled", {"temperature": 0.7, "top_p": 0.9})]:
         s.add_request(request(rid, **kw))
     speculative = {rid: r.speculative for rid, r in s.requests.items()}
-    assert speculative == {"spec": True, "greedy_pen": False, "shallow": False, "bias": False, "sampled": True}
+    assert speculative == {"spec": True, "greedy_pen": False, "shallow": False, "bias": True, "sampled": True}
     assert s.requests["spec"].num_tokens_reserved == 5 + 8 + 2 * K
     assert s.requests["greedy_pen"].num_tokens_reserved == 5 + 8
 

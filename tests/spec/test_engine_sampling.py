@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 from spec.test_engine import (  # tests/ is on pythonpath
     DEMO_PROMPTS,
+    PIPE,
     assert_same,
     drain,
     engine,
@@ -58,6 +59,24 @@ def test_seeded_sampling_equals_the_plain_engine(demo_prompts, k, d, fields):
     eng = engine(speculative=spec(k, d))
     assert_same(drain(eng, reqs, arrivals={"r3": 6}), plain)
     assert 0 < eng.stats.spec_num_accepted_tokens < eng.stats.spec_num_draft_tokens
+
+
+@pytest.mark.parametrize("scheme", ["draft_verify", "pipeline"])
+def test_history_free_logits_fields_speculate_and_equal_the_plain_engine(demo_prompts, scheme):
+    """allowed_token_ids and logit_bias read no history, min_tokens only each position's token index: requests
+    with them speculate (every request here has one), seeded and greedy, and equal plain decoding."""
+    vocab = sorted({t for p in demo_prompts for t in p})  # the prompts' tokens: a narrow, plausible choice
+    eos = min(engine().model_config.eos_token_ids)
+    reqs = {"allowed": (demo_prompts[0], SAMPLED.clone(seed=3, allowed_token_ids=vocab)),
+            "bias": (demo_prompts[1], SAMPLED.clone(seed=4, logit_bias={t: 2.0 for t in demo_prompts[1][:6]})),
+            "greedy_bias": (demo_prompts[2], SAMPLED.clone(temperature=0.0, logit_bias={vocab[7]: 4.0})),
+            "min": (demo_prompts[3], SAMPLED.clone(seed=5, ignore_eos=False, min_tokens=12, logit_bias={eos: 25.0}))}
+    plain = drain(engine(), reqs)
+    # EOS, biased to win everywhere, is held back until index 12 (alone, it ends the request at once)
+    assert plain["min"].finish_reason == "stop" and len(plain["min"].token_ids) == 13
+    eng = engine(speculative=spec(2, 1) if scheme == "draft_verify" else PIPE)
+    assert_same(drain(eng, reqs), plain)
+    assert eng.stats.spec_num_draft_tokens > 0 and eng.stats.spec_num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
