@@ -228,10 +228,10 @@ class EngineArgs:
         if self.speculative_config is None:
             return None
         spec = SpeculativeConfig.from_dict(self.speculative_config)
-        if spec.scheme == "pipeline" and self.kv_layout != "last_exited":
+        if spec.pipelines and self.kv_layout != "last_exited":
             # NOTE: on the one shared plane a lane would read its predecessor's K/V at the predecessor's current
             # loop, where plain shared decoding reads every earlier token's final K/V (docs/speculation.md)
-            raise InvalidRequestError(f"speculative_config.scheme='pipeline' needs kv_layout='last_exited', got "
+            raise InvalidRequestError(f"speculative_config.scheme={spec.scheme!r} needs kv_layout='last_exited', got "
                                       f"kv_layout={self.kv_layout!r}: on the shared plane tokens in flight would read "
                                       "their predecessors' unfinished K/V", param="kv_layout")
         return spec

@@ -65,6 +65,7 @@ class Request:
     unbooked: list[SampledToken] = field(default_factory=list)  # a round's committed tokens not yet booked
     spec_steps: int = 0  # pipelining steps scheduled (PipelineSpeculation), and those observe() has counted
     spec_steps_seen: int = 0
+    spec_scheme: str = "draft_verify"  # under speculative_config.scheme "auto": the one picked at admission
 
     @property
     def prompt_len(self) -> int:

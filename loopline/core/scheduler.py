@@ -121,7 +121,8 @@ class Scheduler:
 
     # --- lifecycle --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        request.speculative = self.speculation.why_not(request.params) is None and self.speculation.starts()
+        # (the requests it will run beside: those running and those queued before it)
+        request.speculative = self.speculation.admit(request, len(self.running) + len(self.waiting))
         request.lookahead = self.speculation.lookahead(request.params) if request.speculative else 0
         self.requests[request.request_id] = request
         self.waiting.push(request)
@@ -200,7 +201,7 @@ class Scheduler:
                 mine = [self._decode_row(req)]
                 rows += mine
             budget -= sum(row.num_tokens for row in mine)
-        rows += spec
+        rows += self.speculation.order(spec)
         for req in self.running:
             if req.status == RequestStatus.PREFILL and budget > 0:
                 budget = self._schedule_prefill(req, rows, budget)

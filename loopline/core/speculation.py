@@ -10,7 +10,8 @@ The device knows the round's start position and commits 1..K+1 tokens at the las
 
 :class:`NoSpeculation` is the strategy when speculation is off; :class:`LoopSpeculation` runs draft-then-verify
 rounds (scheme 1), :class:`PipelineSpeculation` the depth pipeline (scheme 2: every step, one row per lane of the
-request's lane ring; the device decides what each lane holds).
+request's lane ring; the device decides what each lane holds), :class:`AutoSpeculation` both, each request
+in the scheme the running count picked when it was admitted.
 """
 from __future__ import annotations
 
@@ -70,6 +71,10 @@ class NoSpeculation:
         """Whether a new request that may speculate does (the engine's experience so far)."""
         return False
 
+    def admit(self, req: Request, running: int) -> bool:
+        """Whether a new request speculates (``running`` requests run or wait before it)."""
+        return self.why_not(req.params) is None and self.starts()
+
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
         """Why a speculating request, between two rounds, returns to plain decoding (``None``: it goes on)."""
         return None
@@ -91,6 +96,11 @@ class NoSpeculation:
     @staticmethod
     def booked(req: Request, row: ScheduledRow) -> None:
         """The row runs (the scheduler calls this for rows sure to run)."""
+
+    @staticmethod
+    def order(rows: list[ScheduledRow]) -> list[ScheduledRow]:
+        """A step's speculative rows in the order of the runner's row kinds."""
+        return rows
 
 
 class LoopSpeculation(NoSpeculation):
@@ -248,10 +258,55 @@ class PipelineSpeculation(LoopSpeculation):
         return pipe_step_cost(self.lanes, running)
 
 
+class AutoSpeculation(NoSpeculation):
+    """Both schemes (``scheme="auto"``): a request added while fewer than ``auto_pipeline_below`` requests run or
+    wait pipelines, the others draft then verify; each keeps its scheme (``Request.spec_scheme``) until it stops
+    speculating. Each scheme keeps its own payoff, and a new request asks the one it would run whether to
+    start. A step's rounds come before its lanes (the runner's row kinds come in that order)."""
+
+    def __init__(self, config: SpeculativeConfig, num_loops: int, per_token_exits: bool = False) -> None:
+        self.config = config
+        self.schemes = {"draft_verify": LoopSpeculation(config, num_loops, per_token_exits),
+                        "pipeline": PipelineSpeculation(config, num_loops, per_token_exits)}
+        self.kv_bound = config.kv_lookahead(num_loops)
+
+    def _of(self, req: Request) -> LoopSpeculation:
+        return self.schemes[req.spec_scheme]
+
+    def why_not(self, params: SamplingParams) -> str | None:
+        return self.schemes["draft_verify"].why_not(params)  # (the same rule for both)
+
+    def admit(self, req: Request, running: int) -> bool:
+        req.spec_scheme = "pipeline" if running < self.config.auto_pipeline_below else "draft_verify"
+        return self.why_not(req.params) is None and self._of(req).starts()
+
+    def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
+        return self._of(req).why_stop(req, max_loops, running)
+
+    def observe(self, req: Request, committed: list[SampledToken], running: int) -> None:
+        self._of(req).observe(req, committed, running)
+
+    def lookahead(self, params: SamplingParams) -> int:
+        return 0 if self.why_not(params) else self.kv_bound
+
+    def rows(self, req: Request, exit: ExitParams) -> list[ScheduledRow]:
+        return self._of(req).rows(req, exit)
+
+    def booked(self, req: Request, row: ScheduledRow) -> None:  # type: ignore[override]
+        self._of(req).booked(req, row)
+
+    @staticmethod
+    def order(rows: list[ScheduledRow]) -> list[ScheduledRow]:
+        """Rounds' rows, then lanes (stable within each)."""
+        return sorted(rows, key=lambda r: isinstance(r.spec, PipeLane))
+
+
 def make_speculation(config: SpeculativeConfig | None, num_loops: int, per_token_exits: bool = False) -> NoSpeculation:
     """The host-side strategy of ``speculative_config`` (its ``scheme``) for a model of ``num_loops`` loops."""
     if config is None:
         return NoSpeculation()
     if config.scheme == "pipeline":
         return PipelineSpeculation(config, num_loops, per_token_exits)
+    if config.scheme == "auto":
+        return AutoSpeculation(config, num_loops, per_token_exits)
     return LoopSpeculation(config, num_loops, per_token_exits)

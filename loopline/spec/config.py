@@ -9,7 +9,11 @@ from loopline.errors import InvalidRequestError, check_object
 
 #: The most draft tokens per round; deeper rounds only pay off with acceptance above ~0.95 (docs/speculation.md).
 MAX_SPECULATIVE_TOKENS = 16
-SCHEMES = ("draft_verify", "pipeline")
+SCHEMES = ("draft_verify", "pipeline", "auto")
+#: Scheme ``auto``: a request that starts speculating while fewer requests than this run pipelines, the others
+#: draft then verify (the H200 measured the pipeline ahead at one request, 1.32x plain against 1.02x, and
+#: draft then verify ahead at eight, 1.19x against 1.05x: docs/speculation.md, "When each scheme wins").
+DEFAULT_AUTO_PIPELINE_BELOW = 4
 #: Requests running at which speculation stops paying (docs/speculation.md, "When it pays").
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 METHODS = ("loop",)
@@ -29,6 +33,8 @@ class SpeculativeConfig:
 
     ``num_speculative_tokens`` (vLLM's name) is K, the drafts per verify round of ``draft_verify``; the
     ``pipeline`` scheme drafts one token ahead per in-flight token and ignores it (it must still be valid).
+    ``auto`` runs both: a request pipelines when it starts speculating while fewer than
+    ``auto_pipeline_below`` requests run, and drafts then verifies otherwise (each keeps its scheme).
 
     Speculation adapts so that it does not cost throughput (docs/speculation.md, "When it pays"):
     ``disable_by_batch_size`` (vLLM's name): while at least this many requests run, new requests do not
@@ -43,6 +49,7 @@ class SpeculativeConfig:
     scheme: str = "draft_verify"
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     adaptive: bool = True
+    auto_pipeline_below: int = DEFAULT_AUTO_PIPELINE_BELOW
     #: the trained draft adapter (docs/speculation.md): ``"auto"`` (the one beside the served weights, when
     #: it holds ``draft_loops`` and was trained on them), ``"none"``, or a directory holding one
     draft_adapter: str = "auto"
@@ -59,6 +66,7 @@ class SpeculativeConfig:
         _int_in("draft_loops", self.draft_loops, 1, 1 << 20)
         if self.disable_by_batch_size is not None:
             _int_in("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
+        _int_in("auto_pipeline_below", self.auto_pipeline_below, 1, 1 << 20)
         if not isinstance(self.adaptive, bool):
             raise InvalidRequestError(f"speculative_config.adaptive={self.adaptive!r}; allowed: true or false",
                                       param="speculative_config.adaptive")
@@ -83,8 +91,15 @@ class SpeculativeConfig:
         """Positions of KV a speculating request may write past its last fed token. Draft then verify: the host
         reads a round's result up to one round late, so the round it launches may start K+1 positions past what
         it knows and write K beyond (2K). The pipeline: the host reads a step's commits one step late, so the
-        device may be up to L tokens past what it knows, and its lanes write L - 1 beyond (2L)."""
-        return 2 * (self.lanes(total_loops) if self.scheme == "pipeline" else self.num_speculative_tokens)
+        device may be up to L tokens past what it knows, and its lanes write L - 1 beyond (2L). ``auto``: the
+        larger of the two (a request's scheme is picked after its KV is reserved)."""
+        pipe, rounds = 2 * self.lanes(total_loops), 2 * self.num_speculative_tokens
+        return {"pipeline": pipe, "draft_verify": rounds}.get(self.scheme, max(pipe, rounds))
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether some request may pipeline (scheme ``pipeline`` or ``auto``)."""
+        return self.scheme != "draft_verify"
 
     def check_model(self, total_loops: int) -> SpeculativeConfig:
         """Checks ``draft_loops`` against a model of ``total_loops`` loops (a draft must be shallower)."""

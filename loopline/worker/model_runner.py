@@ -55,6 +55,7 @@ from loopline.worker.row_kinds import LOOKAHEAD, DecodeKind, DecodeOut, PrefillK
 from loopline.worker.sampler import Sampler, SamplerOutput
 from loopline.worker.pipe_rows import LaneRing, PipeKind, PipeRounds
 from loopline.worker.spec_rows import SpecKind, SpecRounds, SpecRoundState, VerifyPart
+from loopline.worker.both_rounds import BothRounds
 from loopline.worker.sampling_inputs import (
     FieldsStager,
     HostSample,
@@ -158,7 +159,6 @@ class ModelRunner:
         self.slot_ops = slot_ops or SlotOps()  # the decode state's step ops (worker/backends.py picks them)
         self.max_num_seqs = max_num_seqs
         # a speculating request may write KV past its reservation (SpeculativeConfig.kv_lookahead)
-        pipeline = speculative is not None and speculative.scheme == "pipeline"
         self.lookahead = 0 if speculative is None else speculative.kv_lookahead(cfg.total_ut_steps)
         max_blocks = -(-(max_model_len + 1 + self.lookahead) // block_size)
         self.decode_state = DeviceDecodeState(max_num_seqs + 1, layout, block_size, max_blocks, self.scratch_block,
@@ -194,24 +194,27 @@ class ModelRunner:
         # what the host knows a step ahead of the rule's exits: the coda runs only for rows that may exit
         self.lookahead_plan = None if lookahead is None else LookaheadPlan(max_num_seqs + 1, lookahead[1].loops, device,
                                                                            counts_runs=not no_refill)
-        spec_kinds: tuple = ()
-        self.spec: SpecRounds | PipeRounds | None = None  # speculating requests' drafts and acceptance, when configured
+        spec_kinds: list = []
+        rounds: list[SpecRounds | PipeRounds] = []  # speculating requests' drafts and acceptance, per scheme
         self.lanes: LaneRing | None = None  # the pipeline's lane ring (scheme 2)
-        if pipeline:
-            self.lanes = LaneRing(max_num_seqs + 1, speculative.lanes(cfg.total_ut_steps), cfg.hidden_size, dtype,
-                                  device)
-            spec_kinds = (PipeKind(model=model, backend=backend, kv=kv, state=self.decode_state, ring=self.lanes,
-                                   requests=self.requests, scratch_slot=self.scratch_slot,
-                                   max_loops=cfg.total_ut_steps),)
-            self.spec = PipeRounds(model, self.decode_state, self.lanes, self.requests, sampler, device,
-                                   DraftHead(model, speculative.draft_loops, speculative.draft_adapter))
-        elif speculative is not None:
-            rounds = SpecRoundState(max_num_seqs + 1, speculative.num_speculative_tokens, cfg.hidden_size, dtype, device)
-            spec_kinds = (SpecKind(model=model, backend=backend, kv=kv, state=self.decode_state, rounds=rounds,
-                                   requests=self.requests, scratch_slot=self.scratch_slot,
-                                   copies_on_exit=len(layout.exit_copy_planes(1)) > 0),)
-            self.spec = SpecRounds(model, self.decode_state, rounds, self.requests, sampler, device,
-                                   DraftHead(model, speculative.draft_loops, speculative.draft_adapter))
+        if speculative is not None:
+            head = DraftHead(model, speculative.draft_loops, speculative.draft_adapter)
+            if speculative.scheme != "pipeline":  # draft-then-verify rounds (scheme 1; with "auto", beside lanes)
+                state = SpecRoundState(max_num_seqs + 1, speculative.num_speculative_tokens, cfg.hidden_size, dtype,
+                                       device)
+                spec_kinds.append(SpecKind(model=model, backend=backend, kv=kv, state=self.decode_state, rounds=state,
+                                           requests=self.requests, scratch_slot=self.scratch_slot,
+                                           copies_on_exit=len(layout.exit_copy_planes(1)) > 0))
+                rounds.append(SpecRounds(model, self.decode_state, state, self.requests, sampler, device, head))
+            if speculative.pipelines:
+                self.lanes = LaneRing(max_num_seqs + 1, speculative.lanes(cfg.total_ut_steps), cfg.hidden_size, dtype,
+                                      device)
+                spec_kinds.append(PipeKind(model=model, backend=backend, kv=kv, state=self.decode_state, ring=self.lanes,
+                                           requests=self.requests, scratch_slot=self.scratch_slot,
+                                           max_loops=cfg.total_ut_steps))
+                rounds.append(PipeRounds(model, self.decode_state, self.lanes, self.requests, sampler, device, head))
+        self.spec: SpecRounds | PipeRounds | BothRounds | None = (
+            None if not rounds else rounds[0] if len(rounds) == 1 else BothRounds(*rounds))
         kinds = (self.decode, *spec_kinds,
                  PrefillKind(model=model, requests=self.requests, block_size=block_size, device=device, stack=self.stack))
         self.builder = StepBuilder(kinds, cfg.hidden_size, dtype, device, block_size, self.scratch_block,
@@ -278,15 +281,25 @@ class ModelRunner:
         row through the GEMMs and the work-list attention: on an H200 (Ouro-1.4B shapes, C = 1, every
         draft accepted) K=3, d=1 gave 1.08x plain decoding at 1.79 steps per token against 4.01."""
         pairs = spec_buckets(self.max_num_seqs, self.max_num_seqs)
-        if self.lanes is not None:
-            lanes = self.lanes.lanes
-            return {"pipe": [StepShape(((d, d), (s * lanes, s * lanes), (0, 0)), width, 0, 1, max_seq_len)
-                             for d, s in pairs]}
-        k1 = self.spec.rounds.k + 1
-        tiles = -(-k1 // (self.work_tile_tokens or 64))
-        draft = [StepShape(((d, d), (s, s), (0, 0)), width, 0, 1, max_seq_len) for d, s in pairs]
-        return {"spec_draft": draft,
-                "spec": [StepShape(((d, d), (s, s * k1), (0, 0)), width, s * tiles, k1, max_seq_len) for d, s in pairs]}
+        families: dict[str, list[StepShape]] = {}
+        for kind in self.builder.kinds:
+            def counts(d: int, rows: int, tokens: int, kind=kind) -> tuple[tuple[int, int], ...]:
+                """``d`` decode rows and ``rows`` of ``kind`` (with ``tokens`` queries): the step's kind counts."""
+                return tuple((d, d) if k is self.decode else (rows, tokens) if k is kind else (0, 0)
+                             for k in self.builder.kinds)
+
+            if isinstance(kind, PipeKind):
+                lanes = kind.ring.lanes
+                families["pipe"] = [StepShape(counts(d, s * lanes, s * lanes), width, 0, 1, max_seq_len)
+                                    for d, s in pairs]
+            elif isinstance(kind, SpecKind):
+                k1 = kind.rounds.k + 1
+                tiles = -(-k1 // (self.work_tile_tokens or 64))
+                families["spec_draft"] = [StepShape(counts(d, s, s), width, 0, 1, max_seq_len) for d, s in pairs]
+                families["spec"] = [StepShape(counts(d, s, s * k1), width, s * tiles, k1, max_seq_len)
+                                    for d, s in pairs]
+        # (scheme "auto": a step with rounds' rows and lanes both runs eagerly)
+        return families
 
     # --- sleep (colocated training) ---------------------------------------------------
     def release_kv_cache(self) -> None:
