@@ -164,7 +164,8 @@ def _name(r: dict) -> str:
     spec = r["spec"]
     if spec is None:
         return "plain"
-    return (f"{'pipe ' if spec['scheme'] == 'pipeline' else ''}K={spec['K']} d={spec['d']}"
+    prefix = {"pipeline": "pipe ", "auto": "auto "}.get(spec["scheme"], "")
+    return (f"{prefix}K={spec['K']} d={spec['d']}"
             + (" pinned" if spec["pinned"] else "")
             + (f" replayed {','.join(map(str, spec['replayed']))}" if spec.get("replayed") else ""))
 
@@ -189,7 +190,7 @@ def main() -> None:
                     help="K,d (speculation's defaults: it adapts) or K,d,pinned (every round speculates); "
                          "repeatable; plain decoding always runs")
     ap.add_argument("--scheme", default="draft_verify",
-                    help="comma-separated speculative_config.scheme values (draft_verify, pipeline), each run with "
+                    help="comma-separated speculative_config.scheme values (draft_verify, pipeline, auto), each run with "
                          "every --spec (pipeline: K is unused; docs/speculation.md)")
     ap.add_argument("--concurrency", default="1", help="comma-separated concurrencies")
     ap.add_argument("--input-len", type=int, default=1024)
