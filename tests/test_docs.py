@@ -13,6 +13,13 @@ run. An HTML comment right before a block changes how it runs:
   fails on HTTP errors.
 * ``<!-- docs-test: continue -->``: a python block that runs in the namespace of
   the file's previous python block.
+* ``<!-- docs-test: slow REASON -->``: a long block (a CLI process that loads
+  torch, a training run, a benchmark): its test carries the ``slow`` mark, so
+  it runs under ``-m slow`` and not in the default run. It goes on a line of
+  its own above the other markers (``server``, ``continue``) it combines with.
+  A ``continue`` chain is slow as a whole: one slow block of the chain (its
+  first python block and the ``continue`` blocks after it) makes every block
+  of it slow, so no block runs without the namespace it continues.
 """
 from __future__ import annotations
 
@@ -47,6 +54,8 @@ class Block:
     code: str
     mark: str | None = None
     reason: str = ""
+    slow: str | None = None  # the reason of a `slow` marker (or of the chain's slow block); None: the default run
+    marks: tuple[str, ...] = ()  # every marker above the block, in order
 
     @property
     def id(self) -> str:
@@ -66,15 +75,46 @@ def _blocks(path: Path) -> list[Block]:
         while i < len(lines) and not lines[i].startswith("```"):
             body.append(lines[i])
             i += 1
-        prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
-        mark = _MARK.match(prev)
-        out.append(Block(path, start + 1, m.group(1), "\n".join(body) + "\n",
-                         mark.group(1) if mark else None, mark.group(2) if mark else ""))
+        found = []  # the markers right above the block (blank lines between them allowed), top first
+        for j in range(start - 1, -1, -1):
+            if not lines[j].strip():
+                continue
+            mark = _MARK.match(lines[j])
+            if not mark:
+                break
+            found.insert(0, (mark.group(1), mark.group(2)))
+        slow = next((reason for name, reason in found if name == "slow"), None)
+        other = [(name, reason) for name, reason in found if name != "slow"]
+        out.append(Block(path, start + 1, m.group(1), "\n".join(body) + "\n", other[-1][0] if other else None,
+                         other[-1][1] if other else "", slow, tuple(name for name, _ in found)))
         i += 1
     return out
 
 
-BLOCKS = [b for p in DOC_FILES for b in _blocks(p)]
+def _slow_chains(blocks: list[Block]) -> list[Block]:
+    """A ``continue`` chain (a block and the ``continue`` blocks right after it among the run blocks) is slow as a
+    whole when any of its blocks is: under ``-m slow`` no block runs without the namespace it continues, and in the
+    default run none continues a namespace that was not built."""
+    chains: list[list[Block]] = []
+    for b in blocks:
+        if b.lang == "text":
+            continue
+        if b.mark == "continue" and chains and chains[-1][0].path == b.path:
+            chains[-1].append(b)
+        else:
+            chains.append([b])
+    for chain in chains:
+        reason = next((b.slow for b in chain if b.slow is not None), None)
+        if reason is not None:
+            for b in chain:
+                if b.slow is None:
+                    b.slow = f"continues a slow block ({reason})"
+    return blocks
+
+
+
+
+BLOCKS = _slow_chains([b for p in DOC_FILES for b in _blocks(p)])
 
 
 # --- static checks -----------------------------------------------------------------------------
@@ -95,6 +135,10 @@ def test_every_block_has_a_known_language_and_skips_say_why():
     assert not bad, f"tag these blocks with one of {sorted(LANGUAGES)}: {bad}"
     assert [b.id for b in BLOCKS if b.mark == "skip" and not b.reason] == []
     assert [b.id for b in BLOCKS if b.mark not in (None, "skip", "server", "continue")] == []
+    # at most one of skip / server / continue, `slow` (with its reason) first and never on a skipped block
+    assert [b.id for b in BLOCKS if len([m for m in b.marks if m != "slow"]) > 1] == []
+    assert [b.id for b in BLOCKS if "slow" in b.marks and (b.marks[0] != "slow" or b.marks.count("slow") > 1
+                                                           or not b.slow or b.mark == "skip")] == []
 
 
 def test_relative_links_point_at_files():
@@ -180,7 +224,8 @@ def small_cpu_kv(monkeypatch, request):
         gc.collect()
 
 
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang != "text"], ids=lambda b: b.id)
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if b.slow is not None else [])
+                                   for b in BLOCKS if b.lang != "text"])
 def test_code_block_runs(block: Block, request, tmp_path, bin_dir, small_cpu_kv):
     if block.mark == "skip":
         pytest.skip(block.reason)
@@ -229,3 +274,6 @@ def test_markers_are_used_sparingly():
     skipped = [b for b in code if b.mark == "skip"]
     assert len(skipped) <= len(code) // 2, [b.id for b in skipped]
     assert all(textwrap.dedent(b.reason) for b in skipped)
+    # slow blocks run under -m slow; still, most of the blocks that run do so in the default run
+    slow = [b for b in code if b.mark != "skip" and b.slow is not None]
+    assert len(slow) <= (len(code) - len(skipped)) // 2, [b.id for b in slow]
