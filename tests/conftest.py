@@ -19,6 +19,35 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _share_httpx_ssl_contexts() -> None:
+    """httpx builds a new SSL context for every client it makes (loading the CA bundle: ~50 ms, ~100 ms on a
+    busy 2-core machine), and the tests make one for nearly every request to their loopback servers
+    (``httpx.post(...)``, an OpenAI client per test): a context is built once for each set of arguments and
+    shared. Only the plain cases (``verify`` True or False, no client certificate) are shared; a context a
+    caller passes, or one with a certificate chain, is built as before."""
+    try:
+        from httpx._transports import default as transports
+    except ImportError:  # another httpx layout: every client builds its own, as without this
+        return
+    build = getattr(transports, "create_ssl_context", None)
+    if build is None:
+        return
+    built: dict[tuple, object] = {}
+
+    def shared(verify=True, cert=None, trust_env=True):
+        if cert is not None or not isinstance(verify, bool):
+            return build(verify=verify, cert=cert, trust_env=trust_env)
+        key = (verify, trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        if key not in built:
+            built[key] = build(verify=verify, cert=cert, trust_env=trust_env)
+        return built[key]
+
+    transports.create_ssl_context = shared
+
+
+_share_httpx_ssl_contexts()
+
+
 def _glibc():
     try:
         return ctypes.CDLL("libc.so.6") if sys.platform == "linux" else None
@@ -27,6 +56,14 @@ def _glibc():
 
 
 _LIBC = _glibc()
+
+
+def pytest_collection_finish(session):
+    """What is imported and collected by now (torch, transformers, the test modules: ~half a million objects)
+    lives for the whole run: frozen out of the collector's sight, so that each full collection (the one after
+    every module, below, and those the interpreter runs itself) stops walking it: ~0.25 s each otherwise."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -31,6 +31,10 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 MIXED_ROWS = [(1, 13), (5, 5), (1, 1), (3, 21)]
 GQA = [(4, 2), (2, 2), (6, 2)]
 GQA_IDS = ["gqa", "mha", "gqa3"]
+# The interpreted attention kernels (~2-4 s a case on 2 cores): G = 2 in the default run, G = 1 and 3 slow
+# (tests/attention/test_triton_backend.py runs the same kernels without FP8 at every G by default).
+GQA_DEFAULT_ONE = [pytest.param(4, 2, id="gqa"), pytest.param(2, 2, id="mha", marks=pytest.mark.slow),
+                   pytest.param(6, 2, id="gqa3", marks=pytest.mark.slow)]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -292,22 +296,25 @@ def check_attend(rows, heads, kv_heads, num_splits=None, work_pad=None, decode_r
     return case, got
 
 
-@pytest.mark.parametrize("heads,kv_heads", GQA, ids=GQA_IDS)
+@pytest.mark.parametrize("heads,kv_heads", GQA_DEFAULT_ONE)
 def test_triton_attend_decode_rows(heads, kv_heads):
     check_attend([(1, 13), (1, 1), (1, 30), (1, 17)], heads, kv_heads, block_n=16)
 
 
-@pytest.mark.parametrize("heads,kv_heads", GQA, ids=GQA_IDS)
+@pytest.mark.parametrize("heads,kv_heads", GQA_DEFAULT_ONE)
 def test_triton_attend_mixed_rows(heads, kv_heads):
     check_attend(MIXED_ROWS, heads, kv_heads)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+# ~4 s a case, slow: the work-list grid runs without FP8 in test_triton_backend.py, FP8 reads in the tests above
+@pytest.mark.parametrize("heads,kv_heads", [pytest.param(4, 2, id="gqa", marks=pytest.mark.slow), GQA_DEFAULT_ONE[1]])
 def test_triton_attend_work_list_with_decode_rows(heads, kv_heads):
     # a mixed step as the engine lays it out: decode rows first (their own launch), chunks on the work list
     check_attend([(1, 30), (1, 5), (20, 40), (3, 3)], heads, kv_heads, work_pad=2, decode_rows=2)
 
 
+@pytest.mark.slow  # ~6 s in the interpreter; default run: the split-KV kernel without FP8
+# (tests/attention/test_triton_backend.py::test_attend_split_kv_matches_torch) and FP8 reads in the tests above
 def test_triton_attend_split_kv():
     # forced splits: 16-key steps that do not divide evenly, empty splits of short rows
     check_attend([(1, 70), (1, 2), (2, 17), (1, 33)], 4, 2, num_splits=3, block_n=16)
@@ -328,7 +335,7 @@ def fused_case(seq_lens, heads, kv_heads, seed=0):
     return case, history.to(DEVICE), (q, k, v, rope)
 
 
-@pytest.mark.parametrize("heads,kv_heads", GQA, ids=GQA_IDS)
+@pytest.mark.parametrize("heads,kv_heads", GQA_DEFAULT_ONE)
 def test_triton_fused_decode_matches_torch(heads, kv_heads):
     """``rotate_store_attend`` of decode rows in one kernel (4 splits) against torch's rotary, store and
     attention, and against Triton's store-then-attend path: outputs close, caches byte for byte."""
@@ -350,6 +357,8 @@ def test_triton_fused_decode_matches_torch(heads, kv_heads):
     assert not results[0][0].isnan().any()
 
 
+@pytest.mark.slow  # ~4 s in the interpreter; default run: the kernels equal the torch FP8
+# reference (above) and test_torch_store_quantizes_within_fp8_error bounds the rounding
 def test_fp8_attention_is_close_to_full_precision():
     """Sanity: an FP8 cache scaled to its values' range changes the attention output by a few percent at most."""
     # unit-sized queries and keys, as attention sees them (large logits would magnify any error of the keys)
@@ -403,7 +412,7 @@ def test_copy_exited_and_copy_slots_move_fp8_bytes(name):
 # ---------------------------------------------------------------- other caches ignore the scales
 
 
-@pytest.mark.parametrize("name", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["torch", pytest.param("triton", marks=pytest.mark.slow)])  # (triton: ~4 s, slow)
 def test_scales_leave_other_caches_alone(name):
     make = (lambda: TorchAttentionBackend()) if name == "torch" else (
         lambda: TritonAttentionBackend(num_splits=2, decode_launch=DecodeLaunch(block_n=16)))
@@ -488,6 +497,8 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # a fresh interpreter compiling every kernel for sm_90 (~6 s on 2 cores); default run:
+# tests/kernels/test_pdl.py reads the compiled kernels' PTX the same way
 def test_fp8_kernels_compile_for_hopper():
     """The FP8 variants as an H100/H200 (sm_90) compiles them, without a GPU: stores round with the hardware
     conversion (round to nearest even, saturating), tiles widen in registers (to fp16: one conversion), and

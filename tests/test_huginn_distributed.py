@@ -120,6 +120,8 @@ def _idle(llm, timeout: float = 20.0) -> None:
     raise AssertionError(f"not idle: {llm.snapshot}")
 
 
+@pytest.mark.slow  # two worker processes (~18 s on 2 cores). Default run: test_handoff_gives_the_single_engines_outputs
+# moves every Huginn plane and the slot's rows between engines; tests/distributed/test_pd.py runs the worker processes
 def test_pd_workers_give_the_single_engines_outputs(huginn):
     """One prefill and one decode worker process (gloo): every request equals one engine's, its pages
     streamed to the decode worker and its latent seed carried in the handoff."""
@@ -135,6 +137,8 @@ def test_pd_workers_give_the_single_engines_outputs(huginn):
     assert approx_floats({k: result(v) for k, v in got.items()}) == {k: result(v) for k, v in ref.items()}
 
 
+@pytest.mark.slow  # two engine processes (~16 s on 2 cores). Default run: tests/distributed/test_dp.py runs replicas,
+# and a Huginn request is one engine's (test_huginn_engine.py)
 def test_dp_replicas_give_the_single_engines_outputs(huginn):
     """Two replicas (engine processes): requests spread over both, each equal to one engine's run of it."""
     requests = workload()

@@ -139,6 +139,8 @@ def test_bad_request_fields_are_named_and_others_still_run(tiny, kw, field, matc
     assert outputs["ok"].outputs[0].token_ids == plain_generate(model, PROMPTS["a"], 2).tokens
 
 
+@pytest.mark.slow  # ~5 s on 2 cores; default run: test_convergence_exit_equals_the_oracle, and refill with chunked
+# prefill and per-request seeds in test_chunked_prefill_refill_depths_and_seeds
 def test_convergence_exit_under_refill_equals_plain_path(tiny):
     """The convergence (KL) exit with per-request thresholds and min/max iterations, decode rows at
     different depths in one step, requests refilling slots: exit depths, tokens and logprobs equal the
@@ -169,6 +171,8 @@ def test_convergence_exit_equals_the_oracle(tiny):
     assert torch.tensor(c.token_logprobs) == pytest.approx(torch.tensor(logprobs), abs=1e-4)
 
 
+# ~3.5 s each, slow: tests/worker/test_huginn_stages.py::test_preemption_at_fixed_iterations preempts Huginn requests
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["refill", "no_refill"])
 def test_preemption_under_a_tiny_pool_equals_a_roomy_run(tiny, mode):
     """Requests preempted (KV and slot state to CPU memory, the latent state, prelude output and log p with

@@ -157,6 +157,8 @@ def test_update_from_tensors_with_huginn_names(ckpts):
         eng.finish_weight_update()
 
 
+@pytest.mark.slow  # ~6.5 s on 2 cores; default run: test_update_from_tensors_with_huginn_names updates a Huginn
+# engine's weights in place, tests/rl updates from disk
 def test_update_from_disk(ckpts, tmp_path):
     old, new = ckpts
     eng = engine(old, enable_prefix_caching=True)

@@ -189,9 +189,11 @@ def check_fused_decode(seq_lens, heads, kv_heads, head_dim, block_size, dtype, a
     return got
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2), (6, 2)], ids=["gqa", "mha", "gqa3"])
-# 20: most splits get no key tile (slow in the Triton interpreter: ~10 s each; 1 and 3 cover the kernel by default)
-@pytest.mark.parametrize("num_splits", [1, 3, pytest.param(20, marks=pytest.mark.slow)])
+# 20: most splits get no key tile (slow in the Triton interpreter: ~10 s each; 1 and 3 cover the kernel by default);
+# 3 splits at G = 1 and 3 (~1.5 s each) are slow too: every G runs with one split, and G = 2 with three
+@pytest.mark.parametrize("heads,kv_heads,num_splits", [
+    pytest.param(h, kv, n, id=f"{n}-{name}", marks=[pytest.mark.slow] if n == 20 or (n == 3 and name != "gqa") else [])
+    for n in (1, 3, 20) for (h, kv), name in zip([(4, 2), (2, 2), (6, 2)], ["gqa", "mha", "gqa3"])])
 def test_fused_decode_matches_rotary_store_then_attend(heads, kv_heads, num_splits):
     # Contexts of one token (no history: only the row's own key), inside one page, over page edges and
     # over several 16-key steps; with 3 splits some splits of short rows are empty.
@@ -534,6 +536,8 @@ def test_gpu_large_block_ids_use_64bit_offsets():
     torch.cuda.empty_cache()
 
 
+@pytest.mark.slow  # a fresh interpreter compiling the kernels (~5 s on 2 cores); default run:
+# tests/test_fp8_kv_attention.py::test_fp8_kernels_compile_for_hopper compiles them the same way
 def test_attention_kernels_are_not_specialized_on_step_sizes():
     """Per-step sizes must not pick kernel variants: a new one would compile mid-serving (or mid-capture).
 

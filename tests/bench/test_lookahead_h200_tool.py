@@ -7,9 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the tool's process (~8 s on 2 cores); its replay runs in-process in
+# worker/test_lookahead_engine.py::test_a_replayed_pattern_in_graph_steps
 def test_the_tool_writes_json_and_a_table(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "lookahead_h200.py"), "--config", "tiny", "--device", "cpu",
                           "--dtype", "float32", "--concurrency", "2", "--input-len", "8", "--output-len", "6",

@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"^\s+(.+?)\s+([\d.]+) ms/step\s+\((\d+) calls, ([\d.]+) s\)$")
 
 
+@pytest.mark.slow  # the tool's process (~6-7 s on 2 cores); tests/bench/test_bench.py runs the bench it times
 def test_step_phases_times_each_phase_of_the_measured_run():
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "step_phases.py"), "--config", "tiny", "--device", "cpu",

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the tool's process (~8-10 s on 2 cores); the streaming path it times is tested in tests/entrypoints
 def test_stream_host_cost_times_each_part_in_each_window(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "stream_host_cost.py"), "--max-tokens", "96", "--window", "32",

@@ -43,8 +43,12 @@ def shared_prefix_requests(params):
     return {f"r{i}": (system + ids(3 + i, seed=i), params) for i in range(4)}
 
 
-@pytest.mark.parametrize("mode", ["refill", "no_refill"])
-@pytest.mark.parametrize("params", [ADAPTIVE, SAMPLED])
+# default run: greedy under refill, sampled under no_refill; the other two pairings (~1 s each) are slow
+@pytest.mark.parametrize("params, mode", [
+    pytest.param(ADAPTIVE, "refill", id="params0-refill"),
+    pytest.param(ADAPTIVE, "no_refill", id="params0-no_refill", marks=pytest.mark.slow),
+    pytest.param(SAMPLED, "refill", id="params1-refill", marks=pytest.mark.slow),
+    pytest.param(SAMPLED, "no_refill", id="params1-no_refill")])
 def test_prefix_caching_equals_no_caching(tiny_gqa, params, mode):
     reqs = shared_prefix_requests(params)
     arrivals = {"r0": 0, "r1": 30, "r2": 30, "r3": 60}  # later requests find r0's pages cached
@@ -152,9 +156,14 @@ def test_priority_order_under_contention(tiny_gqa):
 
 
 # --- preemption ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("async_scheduling", [False, True])
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
-@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+# default run: four of the eight, each pair of mode, layout and engine order once; the rest (~1 s each) slow
+_PREEMPTION_DEFAULT = {("refill", "last_exited", False), ("refill", "shared", True), ("no_refill", "last_exited", True),
+                       ("no_refill", "shared", False)}
+
+
+@pytest.mark.parametrize("mode, layout, async_scheduling", [
+    pytest.param(m, lay, a, id=f"{m}-{lay}-{a}", marks=[] if (m, lay, a) in _PREEMPTION_DEFAULT else [pytest.mark.slow])
+    for m in ("refill", "no_refill") for lay in ("last_exited", "shared") for a in (False, True)])
 def test_preemption_under_tiny_pool_equals_unpressured_run(tiny_gqa, layout, mode, async_scheduling):
     reqs = {f"r{i}": (ids(6 + 2 * i, seed=20 + i), (ADAPTIVE if i % 2 else SAMPLED).clone(max_tokens=14))
             for i in range(4)}

@@ -293,6 +293,8 @@ def test_dp_over_http_completions_stream_and_replica_metrics(dp, serve_app):
     assert rows() - rows0 < 400  # 200 tokens at 4 loops would run 800 rows: it was stopped early
 
 
+@pytest.mark.slow  # ~10 s on 2 cores. Default run: a killed engine process (tests/entrypoints/test_core_client.py)
+# and killed PD workers (test_pd.py) fail only their requests, health names them
 def test_killed_replica_fails_only_its_requests(make_engine_args, one, serve_app):
     """Replica A's process is killed mid-stream: A's request fails with a clean EngineDeadError naming
     it; B's request finishes exactly as one engine runs it; new requests go to B; /health and

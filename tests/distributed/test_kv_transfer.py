@@ -70,6 +70,8 @@ def _exchange_then_unanswered_receive(conn) -> None:
     conn.send((equal, error))
 
 
+@pytest.mark.slow  # two processes (~8 s on 2 cores). Default run: test_pd.py's workers move every page over gloo
+# (outputs equal one engine's), test_handoff.py::test_a_failed_transfer_fails_its_request_alone
 def test_gloo_moves_pages_exactly_and_times_out():
     # In a process of its own: rank 0 joins the default process group, which outlives the test (a transport
     # never destroys it: a dead peer would hang that), and would be the pytest worker's for its later tests.
@@ -88,6 +90,8 @@ def _late_exchange(conn) -> None:
     conn.send(_exchange("gloo", "cpu", timeout_s=1.0, peer_delay_s=2.5))
 
 
+@pytest.mark.slow  # two processes and a 2.5 s late start (~11 s on 2 cores); default run: the exchange and the
+# timeout in test_gloo_moves_pages_exactly_and_times_out, and test_pd.py's worker pools form their groups
 def test_a_worker_joining_after_a_transfer_timeout_still_forms_the_group():
     """A pool starts its workers one after another (seconds each on a GPU host): the group waits for
     the last one longer than one transfer's timeout. (In a process of its own: a process joins once.)"""

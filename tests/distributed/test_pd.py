@@ -72,9 +72,12 @@ def wait_idle(llm, timeout=20.0):
     raise AssertionError(f"workers not idle: {llm.client.worker_snapshots}")
 
 
-# Each layout once and each decode pool size once (2P2D below covers several prefill workers): every pairing
-# would add two fixtures of two and three engine processes each to the CPU run for no new path.
-@pytest.fixture(scope="module", params=[("last_exited", 2), ("shared", 1)], ids=["last_exited-1P2D", "shared-1P1D"])
+# Each layout once and each decode pool size once (2P2D below covers several prefill and decode workers): every
+# pairing would add two fixtures of two and three engine processes each to the CPU run for no new path. The default
+# run has last_exited over one decode worker (two processes); the shared layout's three are slow (~12 s on 2 cores):
+# test_handoff.py hands off both layouts' pages in one process.
+@pytest.fixture(scope="module", params=[("last_exited", 1), pytest.param(("shared", 2), marks=pytest.mark.slow)],
+                ids=["last_exited-1P1D", "shared-1P2D"])
 def pd(request, tiny_gqa):
     layout, decode = request.param
     llm = AsyncLLM(EngineArgs(model=str(tiny_gqa.path), kv_layout=layout, prefill_workers=1, decode_workers=decode, **BASE))
@@ -351,6 +354,8 @@ def test_decode_worker_killed_mid_stream(faults):
 
 
 # --- admission credits -------------------------------------------------------------------------
+@pytest.mark.slow  # its own two worker processes (~8 s on 2 cores); default run: the credit accounting
+# runs for every request of the clusters above (test_decode_worker_holds_the_pages_before_the_handoff)
 def test_decode_credit_holds_requests_back(tiny_gqa):
     """A decode pool that holds one request at a time: the others wait in the front end (not on the
     prefill worker) and all finish with the single engine's outputs; a request the pool can never

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 
+import pytest
 import torch
 
 from loopline.distributed.kv_transfer import make_transport
@@ -34,6 +35,8 @@ def _receive_then_close(init_method: str, conn) -> None:
     t.close()
 
 
+@pytest.mark.slow  # two processes (~6 s on 2 cores); default run: test_pd.py kills prefill and decode workers
+# mid-transfer and the rest (their peers) keep serving and shut down
 def test_a_worker_exits_promptly_while_a_receive_from_a_dead_peer_is_pending():
     ctx = multiprocessing.get_context("spawn")
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -81,6 +84,9 @@ def _stop_a_busy_prefill_worker(llm, srv, sig: int, prompt: list[int]) -> tuple[
         return victim, r, time.monotonic() - t0
 
 
+@pytest.mark.slow  # four worker processes and a server (~17-19 s on 2 cores). Default run: test_pd.py kills a prefill
+# worker mid-prompt and the rest keeps serving, test_engine_process_faults.py SIGTERMs an engine process, and the
+# test above ends a worker whose peer died
 def test_a_prefill_worker_stopped_mid_request_fails_it_with_5xx_by_sigterm_as_by_sigkill(tiny_gqa, serve_app):
     """3 prefill + 1 decode workers behind the HTTP server. A prefill worker stopped mid-prompt, by SIGTERM
     (it shuts down cleanly, aborting what it holds) or by SIGKILL, fails its request the same way: 503 naming

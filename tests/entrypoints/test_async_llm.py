@@ -417,6 +417,9 @@ def test_an_engine_bug_in_one_request_fails_it_alone(make_engine_args, tiny_gqa,
             (alone.token_ids, alone.exit_depths, alone.text, "length")
 
 
+@pytest.mark.slow  # an engine process and a server (~5 s on 2 cores); default run:
+# test_an_engine_bug_in_one_request_fails_it_alone, and over HTTP
+# test_http_a_failed_step_is_a_500_with_an_id_and_the_server_keeps_serving
 def test_http_an_engine_bug_in_one_request_is_its_500_and_the_others_finish(make_engine_args, serve_app, monkeypatch):
     """Over HTTP, concurrently: the failing request gets a 500 (non-streamed) or an in-band error then
     [DONE] (streamed), naming only an error id; the others answer exactly as each does alone."""

@@ -41,6 +41,8 @@ def _probe(flag: str, omp: str | None) -> list[int]:
     return [int(x) for x in r.stdout.split()]
 
 
+@pytest.mark.slow  # three python processes importing torch (~12 s on 2 cores); default run: the default's rule
+# above, and the CLI tests run apply_cpu_threads (--stats prints cpu_threads)
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="torch caps OMP_NUM_THREADS at the core count")
 def test_precedence_flag_then_omp_num_threads_then_default():
     initial, default, got, now = _probe("none", None)

@@ -355,6 +355,9 @@ def test_raw_sse_format(server):
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow  # an engine process of its own (~5 s on 2 cores); default run: the prefix cache's counts
+# (tests/core/test_kv_features.py), cached tokens over HTTP (tests/engine/test_cached_tokens.py), the series
+# (test_metrics_content)
 def test_prefix_cache_hits_in_metrics(make_engine_args, serve_app):
     from loopline import AsyncLLM
     from loopline.entrypoints.openai.api_server import build_app

@@ -145,23 +145,23 @@ def test_generate_bad_input_is_400_and_the_server_keeps_serving(srv, body, param
 
 
 def test_a_duplicate_rid_is_refused_without_touching_the_live_request(srv, llm, pool):
-    live = pool.submit(generate, srv, input_ids=PROMPT, rid="dup",
-                       sampling_params={"max_new_tokens": 120, "ignore_eos": True})
+    live = pool.submit(generate, srv, input_ids=PROMPT, rid="dup",  # (48 tokens: still running when the other comes)
+                       sampling_params={"max_new_tokens": 48, "ignore_eos": True})
     wait_for(lambda: running(llm))
     assert error(generate(srv, input_ids=PROMPT, rid="dup"), 400)["param"] == "rid"
     out = live.result(60).json()
-    assert out["finish_reason"] == "length" and len(out["output_ids"]) == 120
+    assert out["finish_reason"] == "length" and len(out["output_ids"]) == 48
 
 
 def test_a_rid_never_collides_with_the_choice_ids_of_another_request(srv, llm, pool):
     """The engine names choices ``rid#i`` for every request, so a rid that looks like one is its own request."""
-    live = pool.submit(generate, srv, input_ids=PROMPT, rid="x",
-                       sampling_params={"max_new_tokens": 120, "ignore_eos": True, "n": 2})
+    live = pool.submit(generate, srv, input_ids=PROMPT, rid="x",  # (48 tokens: still running when the other comes)
+                       sampling_params={"max_new_tokens": 48, "ignore_eos": True, "n": 2})
     wait_for(lambda: running(llm))
     beside = generate(srv, input_ids=PROMPT, rid="x#0", sampling_params={"max_new_tokens": 2, "ignore_eos": True})
     assert beside.status_code == 200 and len(beside.json()["output_ids"]) == 2
     outs = live.result(60).json()
-    assert [len(o["output_ids"]) for o in outs] == [120, 120]
+    assert [len(o["output_ids"]) for o in outs] == [48, 48]
 
 
 def test_generate_stream_ends_with_the_whole_completion(srv):
@@ -217,7 +217,8 @@ def test_pause_keep_via_query_string_and_bad_mode(srv, llm, pool):
                    headers={**AUTH, "Content-Type": "application/json"})
     assert error(r, 400)["code"] == "invalid_json"
     assert error(post(srv, "/pause_generation", content=b"{not json"), 415)["code"] == "unsupported_media_type"
-    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 120, "seed": 5, "ignore_eos": True}}
+    # 48 tokens: the request still runs when the pause lands (each token takes several steps); 120 took 2.5x longer
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 48, "seed": 5, "ignore_eos": True}}
     reference = generate(srv, **body).json()["output_ids"]
     kept = pool.submit(post, srv, "/generate", body)
     wait_for(lambda: running(llm))

@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 
 def test_serve_parser_has_server_and_engine_flags():
@@ -75,12 +76,17 @@ def _wait_healthy(proc: subprocess.Popen, base: str) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # a server process (~5 s on 2 cores); default run: the check it makes, in
+# test_security.py::test_rl_api_on_a_non_loopback_bind_needs_an_api_key
 def test_rl_api_on_a_public_bind_without_a_key_refuses_to_start(tiny_gqa, free_port):
     proc = _start(tiny_gqa, free_port(), "--host", "0.0.0.0", "--enable-rl-api")
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "needs --api-key" in out
 
 
+@pytest.mark.slow  # a server process (~14 s on 2 cores). Default run: test_serve_parser_has_server_and_engine_flags
+# checks the closed defaults, test_security.py and test_vllm_launch_flags.py the app they build, and
+# test_sigterm_lets_short_requests_finish_and_aborts_long_ones runs a real server
 def test_a_real_server_is_closed_by_default(tiny_gqa, free_port):
     """Defaults of `loopline serve` on loopback: no RL routes, loopback Host names only, no CORS."""
     port = free_port()

@@ -187,6 +187,10 @@ def _stop(proc: subprocess.Popen) -> str:
     return out
 
 
+@pytest.mark.slow  # a server process (~15 s on 2 cores). Default run:
+# test_a_vllm_launch_line_parses_and_passes_the_checks parses this line,
+# test_https_server_with_root_path_and_a_short_request_log runs run_server's uvicorn settings,
+# tests/entrypoints/test_rl_routes.py the sleep routes and test_serve_cli.py a real server process
 def test_unix_socket_server_with_a_vllm_launch_line(tiny_gqa, tmp_path):
     sock = str(tmp_path / "s.sock")
     proc = _serve(tiny_gqa, "--uds", sock, *VLLM_LINE)

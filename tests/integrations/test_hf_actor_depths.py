@@ -6,11 +6,27 @@ per-sample inputs through verl's own merge (``extract_multi_modal_inputs``) and 
 as verl's FSDP engine does (skipped without verl)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 
 from loopline import SamplingParams
-from loopline.train.hf_actor import OuroActorForCausalLM, rollout_depth_inputs
+
+if TYPE_CHECKING:
+    from loopline.train.hf_actor import OuroActorForCausalLM
+
+
+def _hf_actor():
+    """loopline.train.hf_actor, imported by the tests that use it: it loads transformers' model classes (seconds),
+    which every test worker would otherwise pay when it collects this module."""
+    from loopline.train import hf_actor
+
+    return hf_actor
+
+
+def rollout_depth_inputs(*args, **kwargs):
+    return _hf_actor().rollout_depth_inputs(*args, **kwargs)
 
 TOL = 1e-4
 PROMPT_LENS = (4, 11, 7)
@@ -27,7 +43,7 @@ def _rollouts(tiny, layout: str, threshold: float | None, temperature: float = 1
 
 
 def _actor(tiny) -> OuroActorForCausalLM:
-    return OuroActorForCausalLM.from_pretrained(str(tiny.path), dtype=torch.float32)
+    return _hf_actor().OuroActorForCausalLM.from_pretrained(str(tiny.path), dtype=torch.float32)
 
 
 def _packed(samples, layout):

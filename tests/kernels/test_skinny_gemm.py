@@ -91,7 +91,8 @@ def _one_layer(hidden: int, q: int, kv: int, inter: int, dtype: torch.dtype, g: 
     return model, attn, mlp
 
 
-@pytest.mark.parametrize("dtype", PRODUCT_DTYPES)
+# ~4 s a dtype: one in the default run
+@pytest.mark.parametrize("dtype", [PRODUCT_DTYPES[0], pytest.param(PRODUCT_DTYPES[1], marks=pytest.mark.slow)])
 def test_triton_ops_give_decode_batches_projections_to_the_skinny_kernel(monkeypatch, dtype):
     """2 to skinny_max_rows rows: packed q/k/v (also behind the layer's add + RMSNorm), o_proj and packed gate/up
     take the skinny kernel, as down_proj does, and equal TorchOps. Hidden 96 (K past the last 128-column tile:

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the tool's process (~10 s on 2 cores); it measures what tests/rl tests
 def test_rl_gpu_measure_runs_on_cpu():
     cmd = [sys.executable, str(ROOT / "tools" / "rl_gpu_measure.py"), "--config", "tiny", "--device", "cpu",
            "--prompts", "4", "--input-len", "16", "--output-len", "8", "--bucket-mb", "0.01,1",

@@ -54,6 +54,8 @@ def run(m: OuroForCausalLM, reqs: dict, speculative: dict | None, arrivals: dict
     return tokens_depths_logprobs(run_arrivals(eng, reqs, arrivals)), eng.stats
 
 
+@pytest.mark.slow  # ~4.5 s on 2 cores; default run: the engine-wide memory below, and a request's own stop in
+# spec/test_pipeline_engine.py::test_adaptive_stop_returns_to_plain_decoding_exactly
 def test_drafts_that_do_not_pay_return_the_request_to_plain_decoding():
     m, reqs = model(1.0), prompts(1)
     plain, _ = run(m, reqs, None)

@@ -67,6 +67,8 @@ def settled(llm: AsyncLLM, timeout: float = 20.0) -> list:
     raise AssertionError("engines not idle")
 
 
+@pytest.mark.slow  # two worker processes (~8-10 s on 2 cores). Default run: a handed-off request resumes in the
+# decode engine (tests/distributed/test_handoff.py), speculation resumes after a preemption (spec/test_engine.py)
 def test_decode_workers_speculate_after_the_handoff(tiny_gqa):
     requests = workload()
     llm = AsyncLLM(EngineArgs(model=str(tiny_gqa.path), prefill_workers=1, decode_workers=1,
@@ -83,6 +85,8 @@ def test_decode_workers_speculate_after_the_handoff(tiny_gqa):
     assert decode.spec_num_draft_tokens == 2 * decode.spec_num_drafts
 
 
+@pytest.mark.slow  # two engine processes (~7 s on 2 cores). Default run: replicas are whole engines
+# (tests/distributed/test_dp.py), each speculating as one engine does (tests/spec/test_engine.py)
 def test_each_data_parallel_replica_speculates(tiny_gqa):
     requests = workload()
     llm = AsyncLLM(EngineArgs(model=str(tiny_gqa.path), data_parallel_size=2, speculative_config=SPEC, **BASE))

@@ -71,8 +71,10 @@ def rate(eng) -> float:
     return s.spec_num_accepted_tokens / max(s.spec_num_draft_tokens, 1)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=16, temperature=0.8, seed=3, logprobs=1,
-                                                           ignore_eos=True, top_k=50)])
+# default run: greedy; sampled (~5 s) is slow (test_adaptive_exits_stay_exact_with_the_adapter runs the adapter too)
+@pytest.mark.parametrize("params", [
+    GREEDY, pytest.param(SamplingParams(max_tokens=16, temperature=0.8, seed=3, logprobs=1, ignore_eos=True, top_k=50),
+                         marks=pytest.mark.slow)])
 def test_outputs_equal_plain_decoding_with_the_adapter_and_it_changes_drafts(prompts, blind_dir, params):
     reqs = {f"r{i}": (p, params) for i, p in enumerate(prompts)}
     plain = drain(engine(blind_dir), reqs)
@@ -180,6 +182,8 @@ def _tool(name: str):
     return module
 
 
+@pytest.mark.slow  # ~10 s on 2 cores (the corpus scan and three measurements); default run: the adapter in the
+# reference (test_reference_with_an_adapter_equals_plain_decoding) and in the engine (the tests above)
 def test_spec_acceptance_tool_measures_drafts_through_the_adapter(blind_dir):
     """tools/spec_acceptance.py --draft-adapter's measurement: an identity adapter gives what the plain coda
     gives, the blind one (drafts always token 0) almost no match; the target (last loop) never changes."""

@@ -79,7 +79,10 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprob
 
 
 # --- M1: greedy at fixed depth ------------------------------------------------------------------
-@pytest.mark.parametrize("k, d", [(3, 1), (2, 2), (1, 3), (5, 1)])
+# default run: (3, 1) (d = 2: spec/test_engine_sampling.py's seeded (2, 2)); the others (~4 s each) slow
+@pytest.mark.parametrize("k, d", [(3, 1), pytest.param(2, 2, marks=pytest.mark.slow),
+                                  pytest.param(1, 3, marks=pytest.mark.slow),
+                                  pytest.param(5, 1, marks=pytest.mark.slow)])
 def test_greedy_fixed_depth_equals_plain_engine_on_the_demo_model(demo_prompts, k, d):
     reqs = {f"r{i}": (p, GREEDY) for i, p in enumerate(demo_prompts)}
     plain = drain(engine(), reqs, arrivals={"r2": 5, "r3": 9})
@@ -124,12 +127,15 @@ def test_speculating_requests_batch_with_plain_ones(demo_prompts):
 
 
 # --- M2: adaptive exits ------------------------------------------------------------------------
+# default run: (3, 1); the others (~3-4 s each) are slow (d = 2 with sampling: spec/test_engine_sampling.py)
 @pytest.mark.parametrize("k, d, exit_kw", [
     (3, 1, {"exit_threshold": 0.5}),
-    (2, 2, {"exit_threshold": 0.5}),
-    (2, 3, {"exit_threshold": 0.7}),
-    (2, 1, {"exit_threshold": 0.5, "min_loops": 2}),  # min_loops > d: nothing exits in the draft phase
-    (2, 2, {"exit_threshold": 0.3, "max_loops": 3}),  # a shallower target than the model's loops
+    pytest.param(2, 2, {"exit_threshold": 0.5}, marks=pytest.mark.slow),
+    pytest.param(2, 3, {"exit_threshold": 0.7}, marks=pytest.mark.slow),
+    # min_loops > d: nothing exits in the draft phase
+    pytest.param(2, 1, {"exit_threshold": 0.5, "min_loops": 2}, marks=pytest.mark.slow),
+    # a shallower target than the model's loops
+    pytest.param(2, 2, {"exit_threshold": 0.3, "max_loops": 3}, marks=pytest.mark.slow),
 ])
 def test_adaptive_exit_depths_equal_plain_decoding(demo_prompts, k, d, exit_kw):
     """The target is each token's own exit rule: a position exiting at e <= d in the draft is final, the
@@ -222,7 +228,10 @@ def test_preemption_between_rounds_is_exact(tiny_gqa, async_scheduling):
     assert not eng.runner.pages.snapshots
 
 
-@pytest.mark.parametrize("speculative", [spec(3, 1), PIPE], ids=["draft_verify", "pipeline"])
+# default run: draft then verify; the pipeline (~2 s) is slow (its lanes dropped: spec/test_pipeline_engine.py's
+# test_preemption_drops_lanes_and_resumes_exactly)
+@pytest.mark.parametrize("speculative", [spec(3, 1), pytest.param(PIPE, marks=pytest.mark.slow)],
+                         ids=["draft_verify", "pipeline"])
 def test_abort_mid_round_frees_everything(demo_prompts, speculative):
     eng = engine(speculative=speculative)
     eng.add_request("a", {"prompt_token_ids": demo_prompts[0]}, GREEDY)
@@ -303,6 +312,8 @@ def test_stat_logger_line_reports_acceptance(demo_prompts):
 
 
 # --- through AsyncLLM ------------------------------------------------------------------------------
+@pytest.mark.slow  # an engine process (~7-11 s on 2 cores). Default run: AsyncLLM's DELTA
+# outputs (tests/entrypoints/test_output_kinds.py) and accepted runs committed together (the engine tests here)
 def test_async_llm_streams_accepted_runs(demo_prompts):
     """AsyncLLM (the serving path) with speculation: DELTA outputs deliver a round's committed run together,
     and the whole completion equals plain decoding's."""

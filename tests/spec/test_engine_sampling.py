@@ -47,11 +47,13 @@ def demo_prompts():
     return [tok.encode(p) for p in DEMO_PROMPTS]
 
 
+# default run: top-k / top-p at draft depth 2; the others are slow (~3-5 s each; sampling with adaptive exits:
+# spec/test_pipeline_engine.py::test_seeded_sampling_equals_plain_seeded_sampling)
 @pytest.mark.parametrize("k, d, fields", [
-    (3, 1, {}),
+    pytest.param(3, 1, {}, marks=pytest.mark.slow),
     (2, 2, {"top_k": 20, "top_p": 0.9}),
-    (4, 1, {"min_p": 0.05, "temperature": 1.0}),
-    (2, 1, {"exit_threshold": 0.5, "temperature": 0.5}),
+    pytest.param(4, 1, {"min_p": 0.05, "temperature": 1.0}, marks=pytest.mark.slow),
+    pytest.param(2, 1, {"exit_threshold": 0.5, "temperature": 0.5}, marks=pytest.mark.slow),
 ])
 def test_seeded_sampling_equals_the_plain_engine(demo_prompts, k, d, fields):
     reqs = {f"r{i}": (p, SAMPLED.clone(seed=11 + i, **fields)) for i, p in enumerate(demo_prompts)}
@@ -79,7 +81,8 @@ def test_history_free_logits_fields_speculate_and_equal_the_plain_engine(demo_pr
     assert eng.stats.spec_num_draft_tokens > 0 and eng.stats.spec_num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
+# (the synchronous order, ~3 s: slow; spec/test_pipeline_engine.py's steps test runs speculation synchronously)
+@pytest.mark.parametrize("async_scheduling", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_processed_logprobs_and_both_engine_orders(demo_prompts, async_scheduling):
     reqs = {"a": (demo_prompts[0], SAMPLED.clone(top_k=8)), "g": (demo_prompts[1], SAMPLED.clone(temperature=0.0))}
     kw = {"logprobs_mode": "processed_logprobs", "async_scheduling": async_scheduling}
@@ -109,10 +112,11 @@ _ACCEPT = spec_rows.SpecRounds.accept
 
 
 @pytest.mark.parametrize("k, d, threshold, broken_fails", [
-    (1, 1, 1.0, True), (2, 1, 1.0, True),
+    # default run: k = 2 (a round of two drafts), with the broken accept shown to fail; the others ~6-10 s each
+    pytest.param(1, 1, 1.0, True, marks=pytest.mark.slow), (2, 1, 1.0, True),
     # a broken accept is not asserted to fail here: (2, 2) accepts 69% of its drafts and this one-layer
     # model's next token barely depends on a changed previous one; under 0.5 most tokens exit at loop 1 = d
-    (2, 2, 1.0, False), (2, 1, 0.5, False),
+    pytest.param(2, 2, 1.0, False, marks=pytest.mark.slow), pytest.param(2, 1, 0.5, False, marks=pytest.mark.slow),
 ])
 def test_output_distribution_is_the_target(small_vocab, monkeypatch, k, d, threshold, broken_fails):
     model, state, cfg = small_vocab

@@ -93,8 +93,10 @@ def requests(params: SamplingParams) -> tuple[dict, dict]:
     return reqs, {"s1": 3, "p1": 6, "s2": 9}
 
 
-@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("k, d", [(3, 1), (2, 2)])
+# default run: (3, 1) greedy and (2, 2) sampled; the other two pairings (~3.5 s each) are slow
+@pytest.mark.parametrize("k, d, params", [
+    pytest.param(3, 1, GREEDY, id="3-1-greedy"), pytest.param(3, 1, SAMPLED, id="3-1-sampled", marks=pytest.mark.slow),
+    pytest.param(2, 2, GREEDY, id="2-2-greedy", marks=pytest.mark.slow), pytest.param(2, 2, SAMPLED, id="2-2-sampled")])
 def test_speculative_steps_replay_graphs_and_equal_eager_and_plain(tiny_gqa, params, k, d):
     reqs, arrivals = requests(params)
     eng = make(tiny_gqa, spec(k, d), graphs=True)

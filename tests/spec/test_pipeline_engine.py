@@ -39,14 +39,14 @@ def plain_fixed(demo_prompts):
 
 
 # --- greedy, fixed depth ----------------------------------------------------------------------------
-@pytest.mark.parametrize("d", [1, 2, 3])
+@pytest.mark.parametrize("d", [1, pytest.param(2, marks=pytest.mark.slow), 3])  # (d = 2: the seeded test)
 def test_greedy_fixed_depth_equals_plain_engine(plain_fixed, d):
     reqs, plain = plain_fixed
     eng = engine(speculative=pipe(d))
     assert_same(drain(eng, reqs, arrivals={"r2": 5, "r3": 9}), plain)
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("async_scheduling", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_one_request_commits_more_than_a_token_per_plain_token_time(demo_prompts, async_scheduling):
     reqs = {"r": (demo_prompts[0], GREEDY)}
     plain_eng = engine(async_scheduling=async_scheduling)
@@ -70,12 +70,13 @@ def test_greedy_equals_the_independent_oracle_on_a_tiny_model(tiny_gqa, async_sc
 
 
 # --- adaptive exits ---------------------------------------------------------------------------------
+# default run: d = 1 (exits before, at and after it; d = 2 with adaptive exits: the seeded test); the others ~3-6 s
 @pytest.mark.parametrize("d, exit_kw", [
     (1, {"exit_threshold": 0.5}),
-    (2, {"exit_threshold": 0.5}),
-    (3, {"exit_threshold": 0.7}),
-    (1, {"exit_threshold": 0.5, "min_loops": 2}),
-    (2, {"exit_threshold": 0.3, "max_loops": 3}),
+    pytest.param(2, {"exit_threshold": 0.5}, marks=pytest.mark.slow),
+    pytest.param(3, {"exit_threshold": 0.7}, marks=pytest.mark.slow),
+    pytest.param(1, {"exit_threshold": 0.5, "min_loops": 2}, marks=pytest.mark.slow),
+    pytest.param(2, {"exit_threshold": 0.3, "max_loops": 3}, marks=pytest.mark.slow),
 ])
 def test_adaptive_exit_depths_equal_plain_decoding(demo_prompts, d, exit_kw):
     """Each lane runs its token's own exit rule: exits before, at and after the draft depth give plain
@@ -101,6 +102,9 @@ def test_adaptive_exits_equal_the_independent_oracle(tiny_gqa):
 
 
 # --- batches ----------------------------------------------------------------------------------------
+@pytest.mark.slow  # ~5-10 s on 2 cores. Default run: plain rows beside speculating ones in
+# spec/test_engine.py::test_speculating_requests_batch_with_plain_ones, and the batches (with arrivals) of
+# test_greedy_fixed_depth_equals_plain_engine
 def test_pipelining_requests_batch_with_plain_ones_and_chunked_prefill(demo_prompts):
     """A request with a penalty, a too shallow max_loops or speculate=False decodes plainly beside pipelining
     ones, while a long prompt arrives in chunks (a small token budget) next to their lanes."""
@@ -127,7 +131,8 @@ def test_prefix_caching(demo_prompts):
 
 
 # --- stops inside a committed run (stop ids, EOS, stop strings: tests/spec/test_engine.py, both schemes) ----
-@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow),
+                                        pytest.param(5, marks=pytest.mark.slow), 7])
 def test_max_tokens_inside_a_committed_run(demo_prompts, max_tokens):
     reqs = {"r": (demo_prompts[0], GREEDY.clone(max_tokens=max_tokens, exit_threshold=0.5))}
     out = drain(engine(speculative=pipe(1)), reqs)
@@ -136,7 +141,8 @@ def test_max_tokens_inside_a_committed_run(demo_prompts, max_tokens):
 
 
 # --- preemption (abort mid-flight: tests/spec/test_engine.py, both schemes) ---------------------------------
-@pytest.mark.parametrize("async_scheduling", [True, False])
+# default run: the overlapped engine (test_engine_steps_and_counters_as_the_reference runs the synchronous one)
+@pytest.mark.parametrize("async_scheduling", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_preemption_drops_lanes_and_resumes_exactly(tiny_gqa, async_scheduling):
     reqs = {f"r{i}": (ids(6 + 2 * i, seed=20 + i), GREEDY.clone(max_tokens=14, exit_threshold=0.7, logprobs=0))
             for i in range(4)}
@@ -150,7 +156,9 @@ def test_preemption_drops_lanes_and_resumes_exactly(tiny_gqa, async_scheduling):
 
 
 # --- sampling ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("d, kw", [(1, {"top_k": 20}), (2, {"top_p": 0.9, "exit_threshold": 0.5})])
+# default run: d = 2 with top-p and adaptive exits; d = 1 with top-k (~6-7 s) is slow
+@pytest.mark.parametrize("d, kw", [pytest.param(1, {"top_k": 20}, marks=pytest.mark.slow),
+                                   (2, {"top_p": 0.9, "exit_threshold": 0.5})])
 def test_seeded_sampling_equals_plain_seeded_sampling(demo_prompts, d, kw):
     """Drafts use the (seed, token index) noise of the token they stand for, so committed tokens are plain
     seeded sampling's, token for token, with the target's logprobs."""
@@ -204,6 +212,9 @@ def test_spec_decode_counters_count_judged_drafts(demo_prompts):
 
 
 # --- through LLM and AsyncLLM -----------------------------------------------------------------------
+@pytest.mark.slow  # an engine process (~8-15 s on 2 cores). Default run: spec/test_engine.py::
+# test_async_llm_streams_accepted_runs streams speculation through AsyncLLM, docs/speculation.md's pipeline
+# block runs LLM.generate with it
 def test_llm_generate_and_async_llm_stream_equal_plain_decoding(demo_prompts):
     """``LLM.generate`` and AsyncLLM's DELTA stream (the serving path) with the pipeline: the committed runs
     arrive in order and the completions equal plain decoding's."""
@@ -231,6 +242,9 @@ def test_llm_generate_and_async_llm_stream_equal_plain_decoding(demo_prompts):
 
 
 # --- across engines -----------------------------------------------------------------------------------
+# worker processes (~15-18 s each on 2 cores). Default run: spec/test_distributed.py's decode worker resumes a
+# handed-off request and speculates; the pipeline's resume after a preemption (lanes dropped) is tested above
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["pd", "dp"])
 def test_pd_decode_workers_and_dp_replicas_pipeline(tiny_gqa, layout):
     """A PD decode worker resumes a handed-off request with an empty lane ring and pipelines it; each DP
@@ -257,8 +271,12 @@ def test_pd_decode_workers_and_dp_replicas_pipeline(tiny_gqa, layout):
     assert all(s.spec_num_draft_tokens > 0 for s in snaps)
 
 
-@pytest.mark.parametrize("d, threshold, prompt, stop", [(1, 1.0, 0, False), (2, 0.5, 0, False), (1, 0.7, 1, False),
-                                                        (1, 0.5, 0, True)])
+# default run: threshold 0.7 (lanes judged accepted, then dropped); fixed depth, d = 2 and a stop token (~2-8 s) slow
+# (a stop inside a committed run: spec/test_engine.py::test_stop_token_eos_and_stop_string_inside_an_accepted_run)
+@pytest.mark.parametrize("d, threshold, prompt, stop", [pytest.param(1, 1.0, 0, False, marks=pytest.mark.slow),
+                                                        pytest.param(2, 0.5, 0, False, marks=pytest.mark.slow),
+                                                        (1, 0.7, 1, False),
+                                                        pytest.param(1, 0.5, 0, True, marks=pytest.mark.slow)])
 def test_engine_steps_and_counters_as_the_reference(demo_prompts, d, threshold, prompt, stop):
     """The engine's pipeline takes the reference's decode steps to the step (a draft entering a step late,
     or a lane missing its draft, shows here even where outputs stay exact): tools/spec_pipeline_engine_steps.py.

@@ -18,8 +18,10 @@ def pipe(d: int) -> dict:
             "disable_by_batch_size": None}
 
 
-@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("d", [1, 2])
+# default run: d = 1 greedy (synchronous) and d = 2 sampled (overlapped); the other two (~3 s each) are slow
+@pytest.mark.parametrize("d, params", [
+    pytest.param(1, GREEDY, id="1-greedy"), pytest.param(1, SAMPLED, id="1-sampled", marks=pytest.mark.slow),
+    pytest.param(2, GREEDY, id="2-greedy", marks=pytest.mark.slow), pytest.param(2, SAMPLED, id="2-sampled")])
 def test_pipelining_steps_replay_graphs_and_equal_eager_and_plain(tiny_gqa, params, d):
     reqs, arrivals = requests(params)
     eng = make(tiny_gqa, pipe(d), graphs=True, async_scheduling=d == 2)

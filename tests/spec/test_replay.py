@@ -31,6 +31,10 @@ def run(tiny, scheme: str, probs: list[float] | None):
     return eng.stats
 
 
+# ~4.5-5.5 s each, slow. Default run: the counters against the reference's in
+# spec/test_pipeline_engine.py::test_engine_steps_and_counters_as_the_reference, and the replayed acceptance
+# in test_a_short_first_request_does_not_decide_for_the_engine below
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["draft_verify", "pipeline"])
 def test_counters_follow_the_replayed_acceptance(tiny_gqa, scheme):
     real = run(tiny_gqa, scheme, None)

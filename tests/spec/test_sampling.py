@@ -135,6 +135,9 @@ def test_seeded_runs_are_reproducible(small_vocab):
     assert sum(a.accepted) < sum(a.drafts)  # the draft is rejected sometimes: the correction path runs
 
 
+@pytest.mark.slow  # ~16 s on 2 cores. Default run: test_rejection_step_samples_the_target checks the step's
+# distribution, test_seeded_runs_are_reproducible runs the correction in whole generations, and
+# spec/test_engine_sampling.py::test_output_distribution_is_the_target checks the engine's output distribution
 def test_two_token_distribution_is_the_target(small_vocab, monkeypatch):
     _check(small_vocab, monkeypatch, 300, 2, SpeculativeConfig(num_speculative_tokens=1, draft_loops=1), 1.0)
 

@@ -87,6 +87,8 @@ def test_generate_min_new_tokens_and_logit_bias(srv):
     assert r.json()["output_ids"] == [9] * 6  # the bias wins every step; min_new_tokens keeps EOS away
 
 
+@pytest.mark.slow  # an engine process (~7 s on 2 cores); default run: the rollout server's sampling dicts
+# (tests/rl/test_rollout_server.py) and structured outputs through generate (the tests above)
 def test_rollout_sampling_dict_takes_structured_outputs():
     from loopline.entrypoints.rollout_server import RolloutLimits, RolloutServer
 

@@ -30,3 +30,27 @@ def installed(name: str) -> bool:
         return True
     except importlib.metadata.PackageNotFoundError:
         return False
+
+
+@pytest.fixture(scope="module")
+def memoized_corpus():
+    """Within a module: each corpus of the running interpreter (``CorpusSpec.root`` None) is read once. Reading
+    one scans the standard library and the installed packages (~4 s on a busy 2-core machine), and the
+    modules that use this build the same corpora many times over (``split_stream`` per split, ``build_data``
+    per training run: ``corpus_info`` and ``split`` each). Each caller gets a list of its own (the documents are
+    frozen); the corpus tests, which check that reading twice gives the same, do not use this."""
+    from loopline.train import corpus
+
+    read = corpus.documents
+    cache: dict[CorpusSpec, list] = {}
+
+    def documents(spec: CorpusSpec = CorpusSpec(), srcs=None):
+        if srcs is not None or spec.root is not None:
+            return read(spec, srcs)
+        if spec not in cache:
+            cache[spec] = read(spec)
+        return list(cache[spec])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(corpus, "documents", documents)
+        yield

@@ -9,6 +9,9 @@ import pytest
 from loopline.entrypoints.cli import main
 from loopline.train.presets import build_config
 
+# each corpus read once in this module (tests/train/conftest.py::memoized_corpus)
+pytestmark = pytest.mark.usefixtures("memoized_corpus")
+
 
 def test_pretrain_smoke_exports_a_loadable_model_and_resumes(tmp_path, capsys):
     out, ckpt = tmp_path / "demo", tmp_path / "state"
@@ -33,6 +36,8 @@ def test_pretrain_smoke_exports_a_loadable_model_and_resumes(tmp_path, capsys):
     assert len(comp.exit_depths) == len(comp.token_ids) >= 1
 
 
+@pytest.mark.slow  # two training runs (~8 s on 2 cores); default run: the command in
+# test_pretrain_smoke_exports_a_loadable_model_and_resumes, test_export.py the held-out evaluation
 def test_eval_every_reports_heldout_losses_and_leaves_the_run_alone(tmp_path, capsys):
     base = ["train", "pretrain", "--preset", "smoke", "--set", "stage1_steps=4", "--set", "stage2_steps=2",
             "--log-every", "0", "--threads", "1"]

@@ -52,6 +52,8 @@ def test_the_reduced_cpu_form_trains_measures_and_returns_the_run(tmp_path):
     assert json.loads((out / "cpu-check.summary.json").read_text())["heldout_loop_losses"] == summary["heldout_loop_losses"]
 
 
+@pytest.mark.slow  # the script's process (~4-5 s on 2 cores); default run: test_corpus_packages.py covers the
+# demo-large preset's corpus
 def test_a_follow_up_call_on_a_fresh_machine_starts_nothing(tmp_path):
     """REQUIRE_RESUME=1 is for the second call of a run split over two: without the first call's state (the
     machine went cold in between) it must stop, not spend the call training from step 0."""

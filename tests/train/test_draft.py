@@ -21,6 +21,9 @@ from loopline.spec.adapter import (
 from loopline.train.draft import collect_states, evaluate, train_adapter
 from loopline.train.lookahead import split_stream
 
+# each corpus read once in this module (tests/train/conftest.py::memoized_corpus)
+pytestmark = pytest.mark.usefixtures("memoized_corpus")
+
 TINY_RUN = ["--seq-len", "32", "--train-windows", "4", "--calib-windows", "2", "--heldout-windows", "2",
             "--epochs", "2", "--rank", "4", "--threads", "1"]
 
@@ -31,15 +34,21 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def states(model):
-    stream = split_stream(default_checkpoint(), "train", 12 * 64)
+def train_stream():
+    """The bundled model's training split, read once (``split_stream`` scans the corpus: seconds a call)."""
+    return split_stream(default_checkpoint(), "train", 12 * 64)
+
+
+@pytest.fixture(scope="module")
+def states(model, train_stream):
+    stream = train_stream
     return collect_states(model, stream[:8 * 64], 64, 8), collect_states(model, stream[8 * 64:], 64, 4)
 
 
-def test_states_are_the_dense_forward(model, states):
+def test_states_are_the_dense_forward(model, states, train_stream):
     fit, _ = states
     assert fit.shape == (8 * 64, 4, 256)
-    stream = split_stream(default_checkpoint(), "train", 64)
+    stream = train_stream  # (its first 64 tokens: split_stream(..., "train", 64)'s, the same documents in order)
     dense = model.forward_dense(torch.tensor([stream[:64]])).hidden_states[:, 0]  # [R, T, H]
     torch.testing.assert_close(fit[:64], dense.permute(1, 0, 2), atol=1e-5, rtol=1e-5)
 
@@ -64,22 +73,30 @@ def test_calibration_keeps_the_plain_coda_when_fitting_hurts(model, states):
     assert plain["adapter"]["1"] == plain["plain"]["1"]
 
 
-def test_cli_trains_saves_and_reports_reproducibly(tmp_path, capsys):
+def _cli_run(tmp_path, name: str):
+    out, report = tmp_path / name, tmp_path / f"{name}.json"
+    assert main(["train", "draft", "--out", str(out), "--report", str(report), "--depths", "1,3", *TINY_RUN]) == 0
+    return out, json.loads(report.read_text())
+
+
+def test_cli_trains_saves_and_reports(tmp_path, capsys):
     assert main(["train", "draft"]) == 2
     assert "--out is required" in capsys.readouterr().err
     assert main(["train", "draft", "--out", str(tmp_path / "x"), "--depths", "0,4"]) == 2
     assert "depths=[0, 4]; allowed: draft depths in 1..3" in capsys.readouterr().err
-    runs = []
-    for name in ("a", "b"):
-        out, report = tmp_path / name, tmp_path / f"{name}.json"
-        assert main(["train", "draft", "--out", str(out), "--report", str(report), "--depths", "1,3", *TINY_RUN]) == 0
-        runs.append((out, json.loads(report.read_text())))
-    (a, ra), (b, rb) = runs
-    assert (a / ADAPTER_FILE).read_bytes() == (b / ADAPTER_FILE).read_bytes()  # one seed, one adapter
-    assert ra["heldout"] == rb["heldout"] and ra["heldout"]["positions"] == 64
+    a, ra = _cli_run(tmp_path, "a")
+    assert ra["heldout"]["positions"] == 64
     assert set(ra["heldout"]["plain"]) == set(ra["heldout"]["adapter"]) == {"1", "3"}
     cfg = json.loads((a / ADAPTER_CONFIG).read_text())
     assert cfg["format"] == "loopline-draft-adapter/1" and cfg["depths"] == [1, 3]
     assert cfg["base_weights_sha256"] == base_weights_sha256(default_checkpoint())
     adapter, _ = load_adapter(a, 256, 4, base_sha256=base_weights_sha256(default_checkpoint()))
     assert adapter.depths == [1, 3] and adapter.rank == 4
+
+
+@pytest.mark.slow  # two more CLI runs (~9 s each on 2 cores); default run: test_fitting_lowers_kl_and_is_seeded
+# fits twice with one seed and gets the same adapter, test_cli_trains_saves_and_reports runs the command once
+def test_cli_runs_are_reproducible(tmp_path):
+    (a, ra), (b, rb) = _cli_run(tmp_path, "a"), _cli_run(tmp_path, "b")
+    assert (a / ADAPTER_FILE).read_bytes() == (b / ADAPTER_FILE).read_bytes()  # one seed, one adapter
+    assert ra["heldout"] == rb["heldout"] and ra["heldout"]["positions"] == 64

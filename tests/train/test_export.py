@@ -62,7 +62,8 @@ def test_export_is_an_ouro_checkpoint(exported, threshold, trained):
     assert f"| loss | {info['metrics']['loop_losses'][0]:.4f} |" in card and f": {threshold}" in card
 
 
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+# the shared layout (~6 s) is slow: tests/core/test_engine_reference.py checks it against the oracle
+@pytest.mark.parametrize("layout", ["last_exited", pytest.param("shared", marks=pytest.mark.slow)])
 def test_engine_matches_the_dense_oracle_on_the_exported_weights(exported, threshold, layout):
     llm = LLM(str(exported), dtype="float32", device="cpu", kv_layout=layout, kv_cache_memory_gb=1 / 64,
               disable_log_stats=True)

@@ -12,6 +12,9 @@ from loopline.entrypoints.cli import main
 from loopline.models.tiny import default_checkpoint
 from loopline.train import lookahead as la
 
+# each corpus read once in this module (tests/train/conftest.py::memoized_corpus)
+pytestmark = pytest.mark.usefixtures("memoized_corpus")
+
 SPEC = la.TraceSpec(proj_dim=8, seq_len=48)
 
 
@@ -113,11 +116,16 @@ def test_bad_trace_dirs_and_splits_are_named(tmp_path):
         la.split_stream(default_checkpoint(), "test", 10)
 
 
-def test_cli_trains_saves_and_reports(tmp_path, capsys):
+def test_cli_refuses_missing_paths(tmp_path, capsys):
     assert main(["train", "lookahead", "--traces-dir", str(tmp_path / "t")]) == 2
     assert "--out is required" in capsys.readouterr().err
     assert main(["train", "lookahead", "--model", str(tmp_path / "none"), "--traces-dir", str(tmp_path / "t")]) == 2
     assert "--model" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a whole run (~9 s on 2 cores); default run: each step it takes (collect_traces, train_head,
+# save_head and the policy points) is tested above
+def test_cli_trains_saves_and_reports(tmp_path, capsys):
     out, report = tmp_path / "head", tmp_path / "report.json"
     args = ["train", "lookahead", "--out", str(out), "--traces-dir", str(tmp_path / "t"), "--report", str(report),
             "--seq-len", "32", "--train-windows", "4", "--calib-windows", "2", "--heldout-windows", "2",

@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the script's training processes (~10 s on 2 cores); default run: tests/train/test_trainer.py
+# trains the smoke preset
 def test_reports_ms_per_step_for_each_backend(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
     run = subprocess.run(["bash", str(ROOT / "tools" / "train_speed_gpu.sh"), str(tmp_path), "8", "smoke", "eager-loss"],

@@ -51,7 +51,8 @@ def test_a_frozen_gate_keeps_its_init_while_the_lm_trains(smoke_data):
         dataclasses.replace(SMOKE, gate_freeze_steps=SMOKE.stage1_steps + 1)
 
 
-@pytest.mark.parametrize("cut", [4, 10, 13])  # in stage 1, at the switch to stage 2, in stage 2
+# in stage 1, at the switch to stage 2, in stage 2 (~3.5 s each: the switch in the default run)
+@pytest.mark.parametrize("cut", [pytest.param(4, marks=pytest.mark.slow), 10, pytest.param(13, marks=pytest.mark.slow)])
 def test_resume_continues_exactly(smoke_data, tmp_path, cut):
     config = dataclasses.replace(SMOKE, stage1_steps=10, stage2_steps=6)
     straight = Trainer(config, smoke_data)

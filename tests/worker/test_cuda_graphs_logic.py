@@ -64,8 +64,12 @@ def run(tiny, graphs: bool, params: SamplingParams | None = None, hook=None, **k
     return done
 
 
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
-@pytest.mark.parametrize("async_scheduling", [False, True])
+# default run: each layout under one engine order (the other two pairings, ~1.2 s each, slow)
+@pytest.mark.parametrize("layout, async_scheduling", [
+    pytest.param("last_exited", False, id="False-last_exited"),
+    pytest.param("shared", False, id="False-shared", marks=pytest.mark.slow),
+    pytest.param("last_exited", True, id="True-last_exited", marks=pytest.mark.slow),
+    pytest.param("shared", True, id="True-shared")])
 def test_graph_input_path_equals_eager(tiny_gqa, layout, async_scheduling):
     kw = dict(kv_layout=layout, async_scheduling=async_scheduling, enable_prefix_caching=layout == "last_exited")
     with_graphs = run(tiny_gqa, graphs=True, **kw)
@@ -118,7 +122,8 @@ def test_every_step_through_a_graph_equals_the_same_step_eagerly(tiny_gqa, layou
                     assert torch.equal(a, b), (step, kind)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+# (one engine order in the default run)
+@pytest.mark.parametrize("async_scheduling", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_backend_that_graphs_decode_steps_only_runs_prompt_steps_eagerly(tiny_gqa, async_scheduling):
     """A backend whose ``graph_steps`` is "decode" (FlashInfer: it plans steps with prompt chunks on the host)
     gets the decode families only; steps with prompt chunks run eagerly, and the outputs are the same."""
@@ -146,7 +151,8 @@ def test_async_graphs_with_trace_depths_and_penalties(tiny_gqa):
     assert all(depths[:4] == [3, 1, 4, 2] for _, depths, *_ in with_graphs.values() if len(depths) >= 4)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+# (one engine order in the default run)
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_graphs_under_preemption(tiny_gqa, async_scheduling):
     """Victims leave and re-enter slots while decode and mixed steps replay graphs."""
     kw = dict(async_scheduling=async_scheduling, kv_allocation="incremental", enable_preemption=True)

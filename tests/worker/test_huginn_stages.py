@@ -82,8 +82,13 @@ def counts_match_the_device(eng: LLMEngine) -> None:
             assert (int(ds.loop[st.slot]), int(ds.token_index[st.slot])) == (done, token), rid
 
 
-@pytest.mark.parametrize("mode", ["refill", "no_refill"])
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+# default run: overlapped no_refill; the other three (~4-7 s each) are slow (refill at fixed iterations:
+# test_huginn_engine.py::test_chunked_prefill_refill_depths_and_seeds)
+@pytest.mark.parametrize("overlap, mode", [
+    pytest.param(False, "refill", id="sync-refill", marks=pytest.mark.slow),
+    pytest.param(False, "no_refill", id="sync-no_refill", marks=pytest.mark.slow),
+    pytest.param(True, "refill", id="overlapped-refill", marks=pytest.mark.slow),
+    pytest.param(True, "no_refill", id="overlapped-no_refill")])
 def test_fixed_iterations_skip_equals_plain_path(tiny, mode, overlap):
     """Concurrent requests at different depths and phases, chunked prefill, arrivals while others decode:
     tokens, depths and logprobs equal the plain path; top logprobs equal the engine without the skip; the
@@ -115,7 +120,7 @@ def test_adaptive_rows_keep_the_coda_beside_fixed_ones(tiny):
     assert rows["coda"] < 0.9 * rows["tokens"], rows
 
 
-@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+@pytest.mark.parametrize("mode", [pytest.param("refill", marks=pytest.mark.slow), "no_refill"])  # (refill: ~4 s, slow)
 def test_preemption_at_fixed_iterations(tiny, mode):
     """Requests preempted under a tiny pool (their counts kept while they wait: the slot state comes back
     unchanged) equal the plain path."""
@@ -175,7 +180,9 @@ def test_a_rule_that_skips_a_needed_stage_breaks_exactness(tiny, monkeypatch, st
         assert_equal_plain(model, run_arrivals(engine(path), FIXED, ARRIVALS, max_steps=2000), FIXED)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+# default run: overlapped; synchronous (~2 s) is slow
+@pytest.mark.parametrize("overlap", [pytest.param(False, id="sync", marks=pytest.mark.slow),
+                                     pytest.param(True, id="overlapped")])
 def test_recorded_depths_skip_equals_every_stage(tiny, overlap):
     """``exit_mode="trace"`` (the bench's synthetic exit distributions): each token's exit loop is known from
     its request's depths, so the same skip applies; tokens, depths and top logprobs equal the engine with

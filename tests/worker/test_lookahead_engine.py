@@ -5,6 +5,7 @@ the plain path's ``lookahead_generate`` token for token; rows of three policies 
 are validated at load, and a request for the policy on a model without a head is refused naming exit_mode."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -114,12 +115,19 @@ def test_the_folded_head_equals_the_head_on_its_features(loops):
     torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
 
 
+@functools.cache
+def heldout_stream() -> tuple[int, ...]:
+    """The bundled model's held-out tokens, read once: ``split_stream`` scans the corpus (seconds each call)."""
+    return tuple(la.split_stream(default_checkpoint(), "heldout", 2000))
+
+
 def prompts(n: int, length: int = 12) -> list[list[int]]:
-    stream = la.split_stream(default_checkpoint(), "heldout", 2000)
-    return [stream[100 * i:100 * i + length + i] for i in range(n)]
+    stream = heldout_stream()
+    return [list(stream[100 * i:100 * i + length + i]) for i in range(n)]
 
 
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+# default run: last_exited (the shared layout's oracle replay: test_the_coda_runs_only_for_rows_that_may_exit)
+@pytest.mark.parametrize("layout", ["last_exited", pytest.param("shared", marks=pytest.mark.slow)])
 def test_an_oracle_replaying_the_stock_gate_equals_the_stock_engine(demo_with_head, layout):
     """5 requests through 3 slots (refill, arrivals), prompts split into 8-token chunks, greedy, 12 tokens."""
     kw = {"kv_layout": layout, "max_num_seqs": 3, "max_num_batched_tokens": 8}
@@ -298,7 +306,8 @@ def test_lookahead_requests_do_not_speculate(demo_with_head):
                                                                  reqs["la"][1]).params).startswith("exit_mode")
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+# (the synchronous engine: slow)
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_preempted_lookahead_request_resumes_exactly(demo_with_head, async_scheduling):
     """A higher-priority arrival preempts a lookahead request in its only slot (and runs its own lookahead
     tokens there); the victim resumes with its slot's fixed exit and gives what it gives alone."""
@@ -381,7 +390,8 @@ class CountingPredictor:
         return self.inner(features, ctx)
 
 
-@pytest.mark.parametrize("graphs", [False, True])
+# default run: graph replays (decode and mixed families, with and without the rule); eager steps are slow
+@pytest.mark.parametrize("graphs", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_steps_without_lookahead_rows_do_not_run_the_head(demo_with_head, graphs):
     """Free when off: stock-gate requests on a model with a head never call it (eager steps, and graph replays of
     the decode and mixed families without the rule) and give the headless model's outputs; a lookahead request
@@ -409,7 +419,8 @@ def test_steps_without_lookahead_rows_do_not_run_the_head(demo_with_head, graphs
         assert replays["decode_lookahead"] > 0 and replays["mixed_lookahead"] > 0
 
 
-@pytest.mark.parametrize("layout, delay", [("last_exited", 0), ("shared", 1)])
+# default run: the shared layout with readbacks a step late; last_exited with readbacks at once is slow
+@pytest.mark.parametrize("layout, delay", [pytest.param("last_exited", 0, marks=pytest.mark.slow), ("shared", 1)])
 def test_the_coda_runs_only_for_rows_that_may_exit(demo_with_head, layout, delay):
     """Known depths, used: with an oracle replaying the stock gate, a step's coda and sampling run only for the
     decode rows whose exit is not known to be later (worker/lookahead_plan.py), and outputs still equal the stock
