@@ -62,6 +62,7 @@ class NoSpeculation:
     """Speculation off: no request speculates and nothing is reserved for it."""
 
     config: SpeculativeConfig | None = None
+    kv_bound = 0  # KV positions a speculating request may write past its last fed token
 
     def why_not(self, params: SamplingParams) -> str | None:
         """Why a request with ``params`` runs plain decode rows (``None``: it speculates)."""
@@ -84,7 +85,7 @@ class NoSpeculation:
 
     def lookahead(self, params: SamplingParams) -> int:
         """Positions past ``prompt + max_tokens`` the request may write (reserved with its KV)."""
-        return 0
+        return 0 if self.why_not(params) else self.kv_bound
 
     def row(self, req: Request, exit: ExitParams) -> ScheduledRow:
         raise AssertionError("NoSpeculation schedules no speculative rows")
@@ -111,7 +112,7 @@ class LoopSpeculation(NoSpeculation):
     def __init__(self, config: SpeculativeConfig, num_loops: int, per_token_exits: bool = False) -> None:
         self.config = config
         self.k, self.d = config.num_speculative_tokens, config.draft_loops
-        self.kv_bound = config.kv_lookahead(num_loops)  # KV positions a request may write past its last fed token
+        self.kv_bound = config.kv_lookahead(num_loops)
         self.per_token_exits = per_token_exits
         self._saved = self._cost = 0.0  # decayed sums over units: plain steps saved, plain steps cost
         self._units = 0  # units observed
@@ -190,9 +191,6 @@ class LoopSpeculation(NoSpeculation):
                 return (f"{req.spec_tokens:.2f} tokens per {self.unit} at depth {req.spec_depth:.2f} do not pay for a "
                         f"{self.unit} ({cost:.2f} plain steps)")
         return None
-
-    def lookahead(self, params: SamplingParams) -> int:
-        return 0 if self.why_not(params) else self.kv_bound
 
     def row(self, req: Request, exit: ExitParams) -> ScheduledRow:
         """The request's next row of its current round (booked by :meth:`booked` once it is sure to run)."""
@@ -285,9 +283,6 @@ class AutoSpeculation(NoSpeculation):
 
     def observe(self, req: Request, committed: list[SampledToken], running: int) -> None:
         self._of(req).observe(req, committed, running)
-
-    def lookahead(self, params: SamplingParams) -> int:
-        return 0 if self.why_not(params) else self.kv_bound
 
     def rows(self, req: Request, exit: ExitParams) -> list[ScheduledRow]:
         return self._of(req).rows(req, exit)

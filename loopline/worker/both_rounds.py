@@ -56,7 +56,7 @@ class BothRounds:
         parts = [p for p in (a, b) if p is not None]
         if not parts:
             return None
-        return _BothPart(sum((p.row_idx for p in parts), []), sum((p.states for p in parts), []),
+        return _BothPart([i for p in parts for i in p.row_idx], [st for p in parts for st in p.states],
                          *(concat([getattr(p, f) for p in parts]) for f in ("slots", "logits", "token_index", "depth")),
                          parts=(a, b))
 

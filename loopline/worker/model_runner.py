@@ -41,7 +41,14 @@ from loopline.models.lookahead_head import HeadConfig, LookaheadHead
 from loopline.models.ouro import OuroForCausalLM
 from loopline.sampling_params import BAD_WORD_MAX_TOKENS, SamplingParams
 from loopline.spec.config import SpeculativeConfig
-from loopline.worker.cuda_graphs import GraphCapturer, StepGraphs, bucket_sizes, mixed_buckets, spec_buckets
+from loopline.worker.both_rounds import BothRounds
+from loopline.worker.cuda_graphs import (
+    GraphCapturer,
+    StepGraphs,
+    bucket_sizes,
+    mixed_buckets,
+    spec_buckets,
+)
 from loopline.worker.decode_state import DeviceDecodeState, SlotOps
 from loopline.worker.draft_head import DraftHead
 from loopline.worker.exit_rule import exit_decision
@@ -50,12 +57,10 @@ from loopline.worker.kv_pages import KVPages
 from loopline.worker.lookahead_plan import LookaheadPlan
 from loopline.worker.lookahead_rule import LookaheadRule, PromptChunk
 from loopline.worker.loop_stack import loop_stack
+from loopline.worker.pipe_rows import LaneRing, PipeKind, PipeRounds
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import LOOKAHEAD, DecodeKind, DecodeOut, PrefillKind
 from loopline.worker.sampler import Sampler, SamplerOutput
-from loopline.worker.pipe_rows import LaneRing, PipeKind, PipeRounds
-from loopline.worker.spec_rows import SpecKind, SpecRounds, SpecRoundState, VerifyPart
-from loopline.worker.both_rounds import BothRounds
 from loopline.worker.sampling_inputs import (
     FieldsStager,
     HostSample,
@@ -65,6 +70,7 @@ from loopline.worker.sampling_inputs import (
     build_sampling_tensors,
     has_penalties,
 )
+from loopline.worker.spec_rows import SpecKind, SpecRounds, SpecRoundState, VerifyPart
 from loopline.worker.staging import concat, stage
 from loopline.worker.step_inputs import StepBuilder, StepShape
 from loopline.worker.trace_recorder import TraceRecorder
@@ -281,25 +287,28 @@ class ModelRunner:
         row through the GEMMs and the work-list attention: on an H200 (Ouro-1.4B shapes, C = 1, every
         draft accepted) K=3, d=1 gave 1.08x plain decoding at 1.79 steps per token against 4.01."""
         pairs = spec_buckets(self.max_num_seqs, self.max_num_seqs)
+        counts = self._kind_counts
         families: dict[str, list[StepShape]] = {}
         for kind in self.builder.kinds:
-            def counts(d: int, rows: int, tokens: int, kind=kind) -> tuple[tuple[int, int], ...]:
-                """``d`` decode rows and ``rows`` of ``kind`` (with ``tokens`` queries): the step's kind counts."""
-                return tuple((d, d) if k is self.decode else (rows, tokens) if k is kind else (0, 0)
-                             for k in self.builder.kinds)
-
             if isinstance(kind, PipeKind):
                 lanes = kind.ring.lanes
-                families["pipe"] = [StepShape(counts(d, s * lanes, s * lanes), width, 0, 1, max_seq_len)
+                families["pipe"] = [StepShape(counts(kind, d, s * lanes, s * lanes), width, 0, 1, max_seq_len)
                                     for d, s in pairs]
             elif isinstance(kind, SpecKind):
                 k1 = kind.rounds.k + 1
                 tiles = -(-k1 // (self.work_tile_tokens or 64))
-                families["spec_draft"] = [StepShape(counts(d, s, s), width, 0, 1, max_seq_len) for d, s in pairs]
-                families["spec"] = [StepShape(counts(d, s, s * k1), width, s * tiles, k1, max_seq_len)
+                families["spec_draft"] = [StepShape(counts(kind, d, s, s), width, 0, 1, max_seq_len)
+                                          for d, s in pairs]
+                families["spec"] = [StepShape(counts(kind, d, s, s * k1), width, s * tiles, k1, max_seq_len)
                                     for d, s in pairs]
         # (scheme "auto": a step with rounds' rows and lanes both runs eagerly)
         return families
+
+    def _kind_counts(self, kind: object, decode: int, rows: int, tokens: int) -> tuple[tuple[int, int], ...]:
+        """A step's (rows, tokens) per row kind: ``decode`` decode rows and ``rows`` rows of ``kind`` holding
+        ``tokens`` queries."""
+        return tuple((decode, decode) if k is self.decode else (rows, tokens) if k is kind else (0, 0)
+                     for k in self.builder.kinds)
 
     # --- sleep (colocated training) ---------------------------------------------------
     def release_kv_cache(self) -> None:
