@@ -58,13 +58,49 @@ def make_engine_args(tiny_gqa):
     return make
 
 
+def _as_new(llm, wait_s: float = 10.0) -> bool:
+    """Whether ``llm`` serves as a new engine would: running, idle (requests a module's last test aborted may
+    still be ending: waited for), not paused or sleeping, its weights committed, and every counter of its
+    gauges still zero (no preemptions so far: test_metrics reads the engine's own count)."""
+    from dataclasses import replace
+
+    from loopline.runtime.protocol import EngineSnapshot
+
+    deadline = time.monotonic() + wait_s
+    while llm.is_running and (llm.snapshot.num_unfinished or llm.snapshot.kv_used_blocks):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    if not llm.is_running or replace(llm.snapshot, kv_total_blocks=0) != EngineSnapshot():
+        return False
+    import asyncio
+
+    return not asyncio.run(llm.is_sleeping())
+
+
+@pytest.fixture(scope="session")
+def _shared_async_llm():
+    """The default engine process, shared by this worker's modules (each start is ~4 s of a 2-core CI box,
+    and a dozen modules use it); ``async_llm`` replaces it when a module left it other than new."""
+    held = {}
+    yield held
+    if "llm" in held:
+        held["llm"].shutdown()
+
+
 @pytest.fixture(scope="module")
-def async_llm(make_engine_args):
+def async_llm(make_engine_args, _shared_async_llm):
+    """The default AsyncLLM (an engine process over the tiny GQA checkpoint), as a new one would serve: the
+    worker's shared engine when it is in that state, else a new one (modules that shut down, pause, sleep or
+    update an engine, or need other arguments, build their own)."""
     from loopline import AsyncLLM
 
-    llm = AsyncLLM(make_engine_args())
-    yield llm
-    llm.shutdown()
+    llm = _shared_async_llm.get("llm")
+    if llm is None or not _as_new(llm):
+        if llm is not None:
+            llm.shutdown()
+        llm = _shared_async_llm["llm"] = AsyncLLM(make_engine_args())
+    return llm
 
 
 @pytest.fixture(scope="module")
