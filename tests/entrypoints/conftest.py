@@ -60,8 +60,8 @@ def make_engine_args(tiny_gqa):
 
 def _as_new(llm, wait_s: float = 10.0) -> bool:
     """Whether ``llm`` serves as a new engine would: running, idle (requests a module's last test aborted may
-    still be ending: waited for), not paused or sleeping, its weights committed, and every counter of its
-    gauges still zero (no preemptions so far: test_metrics reads the engine's own count)."""
+    still be ending: waited for), not paused or sleeping, the weights it started with (version 0, committed),
+    and every counter of its gauges still zero (no preemptions so far: test_metrics reads the engine's own)."""
     from dataclasses import replace
 
     from loopline.runtime.protocol import EngineSnapshot
@@ -75,7 +75,10 @@ def _as_new(llm, wait_s: float = 10.0) -> bool:
         return False
     import asyncio
 
-    return not asyncio.run(llm.is_sleeping())
+    async def state():
+        return await llm.is_sleeping(), await llm.get_weight_version()
+
+    return asyncio.run(state()) == (False, 0)
 
 
 @pytest.fixture(scope="session")

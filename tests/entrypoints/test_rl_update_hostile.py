@@ -8,7 +8,6 @@ import re
 import httpx
 import pytest
 
-from loopline import AsyncLLM
 from loopline.models.tiny import make_tiny_checkpoint
 from rl.test_disk_update_hostile import CASES
 
@@ -17,12 +16,12 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def srv(make_engine_args, serve_app):
+def srv(async_llm, serve_app):
+    # the shared default engine: every update here is refused, and async_llm checks the next module still
+    # gets weight version 0, committed
     from loopline.entrypoints.openai.api_server import build_app
 
-    llm = AsyncLLM(make_engine_args())
-    yield serve_app(build_app(llm, "tiny-rl", api_key=KEY, shutdown_engine=False, enable_rl_api=True))
-    llm.shutdown()
+    return serve_app(build_app(async_llm, "tiny-rl", api_key=KEY, shutdown_engine=False, enable_rl_api=True))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
