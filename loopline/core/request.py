@@ -62,6 +62,9 @@ class Request:
     spec_tokens: float = 0.0  # tokens committed per round
     spec_tokens_var: float = 0.0  # their variance (the adaptive stop's confidence)
     spec_depth: float = 0.0  # exit depth of those tokens: plain decoding's steps per token
+    spec_k: int = 0  # drafts of the current round (LoopSpeculation.plan_round; 0: none planned yet)
+    spec_hits: float = 0.0  # running means per round of drafts accepted and drafts judged (the acceptance
+    spec_tries: float = 0.0  # rate K adapts to: a draft is judged when every draft before it was accepted)
     unbooked: list[SampledToken] = field(default_factory=list)  # a round's committed tokens not yet booked
     spec_steps: int = 0  # pipelining steps scheduled (PipelineSpeculation), and those observe() has counted
     spec_steps_seen: int = 0

@@ -189,7 +189,8 @@ class Scheduler:
             if self.allocation.needs_growth() and not self._grow(req):
                 continue  # out of KV: it waits (or was preempted)
             exit = self.exit_policy.params_for(req.params, req.num_output_tokens) if req.speculative else None
-            if exit is not None and req.spec_step == 0:
+            if exit is not None and req.spec_step == 0:  # a round starts: its size, and whether it runs at all
+                self.speculation.plan_round(req, exit.max_loops, len(self.running))
                 why = self.speculation.why_stop(req, exit.max_loops, len(self.running))
                 if why is not None:
                     logger.debug("request %s stops speculating: %s", req.request_id, why)
@@ -407,7 +408,7 @@ class Scheduler:
                 req.output.append(sample)
                 if row.spec is not None:  # a round's committed run: the sample, then the rest
                     req.unbooked = list(result.more.get(i, ()))
-                    self.speculation.observe(req, [sample, *req.unbooked], len(self.running))
+                    self.speculation.observe(req, [sample, *req.unbooked], len(self.running), row.spec.queries - 1)
                 touched.append(req)
         return touched
 

@@ -7,6 +7,8 @@ verify steps (all ``K+1`` positions at loops ``d+1..R``). Exits never change the
 whose own exit fires during the draft idles on scratch), so the host knows every step's phase without
 reading the device, and the overlapped engine schedules rounds as it schedules plain decode rows.
 The device knows the round's start position and commits 1..K+1 tokens at the last verify step.
+``K`` is the request's own for each round (:meth:`LoopSpeculation.plan_round`): ``num_speculative_tokens``
+is the most, and once a request is warm its rounds draft as many as its measured acceptance makes pay best.
 
 :class:`NoSpeculation` is the strategy when speculation is off; :class:`LoopSpeculation` runs draft-then-verify
 rounds (scheme 1), :class:`PipelineSpeculation` the depth pipeline (scheme 2: every step, one row per lane of the
@@ -58,6 +60,20 @@ def round_cost(k: int, d: int, max_loops: int, running: int) -> float:
     return (k + 1) * d + (max_loops - d) * verify
 
 
+def round_yield(accept: float, k: int) -> float:
+    """Tokens a round of ``k`` drafts commits on average when each draft is accepted with probability
+    ``accept`` once every draft before it was: the accepted drafts plus the correction or bonus."""
+    return float(k + 1) if accept >= 1.0 else (1.0 - accept ** (k + 1)) / (1.0 - accept)
+
+
+def best_k(accept: float, k_max: int, d: int, max_loops: int, running: int) -> int:
+    """The drafts per round (``1..k_max``) that save the most plain steps per step a round costs; the fewer
+    drafts on a tie. A round of ``k`` drafts costs ``round_cost`` and saves ``round_yield`` tokens' steps, so
+    low acceptance favours short rounds (a rejected draft wastes the positions after it) and high acceptance
+    long ones (the verify's fixed cost spreads over more tokens)."""
+    return max(range(1, k_max + 1), key=lambda k: (round_yield(accept, k) / round_cost(k, d, max_loops, running), -k))
+
+
 class NoSpeculation:
     """Speculation off: no request speculates and nothing is reserved for it."""
 
@@ -80,8 +96,12 @@ class NoSpeculation:
         """Why a speculating request, between two rounds, returns to plain decoding (``None``: it goes on)."""
         return None
 
-    def observe(self, req: Request, committed: list[SampledToken], running: int) -> None:
-        """One round's committed tokens (read by the host; ``running`` requests share the steps)."""
+    def observe(self, req: Request, committed: list[SampledToken], running: int, drafts: int = 0) -> None:
+        """One round's committed tokens (read by the host; ``running`` requests share the steps); ``drafts``:
+        the round's (0: a pipelining step's, whose drafts are judged one at a time)."""
+
+    def plan_round(self, req: Request, max_loops: int, running: int) -> None:
+        """A speculating request is about to start a round (``running`` requests run): its shape is fixed."""
 
     def lookahead(self, params: SamplingParams) -> int:
         """Positions past ``prompt + max_tokens`` the request may write (reserved with its KV)."""
@@ -147,9 +167,9 @@ class LoopSpeculation(NoSpeculation):
         self._starts += 1
         return self._starts % PROBE_EVERY == 0
 
-    def observe(self, req: Request, committed: list[SampledToken], running: int) -> None:
-        """The request's running means of tokens per round and their depth move, and so does the
-        engine's payoff."""
+    def observe(self, req: Request, committed: list[SampledToken], running: int, drafts: int = 0) -> None:
+        """The request's running means of tokens per round, their depth and its drafts' acceptance move,
+        and so does the engine's payoff."""
         n, units = len(committed), self.units(req)
         depth = sum(t.exit_depth for t in committed) / n
         w = max(1.0 / (req.spec_rounds + 1), ROUND_WEIGHT)
@@ -157,12 +177,26 @@ class LoopSpeculation(NoSpeculation):
         req.spec_tokens += w * delta
         req.spec_tokens_var = (1.0 - w) * (req.spec_tokens_var + w * delta * delta)  # (the yield's running variance)
         req.spec_depth += w * (depth - req.spec_depth)
+        if drafts:  # n - 1 drafts accepted; the one after them judged too, unless the run took them all
+            req.spec_hits += w * (n - 1 - req.spec_hits)
+            req.spec_tries += w * (min(n, drafts) - req.spec_tries)
         req.spec_rounds += 1
         assert req.params.max_loops is not None, "not effective params"
         keep = (1.0 - ENGINE_WEIGHT) ** units
         self._saved = keep * self._saved + n * depth
-        self._cost = keep * self._cost + units * self.cost(req.params.max_loops, running)
+        self._cost = keep * self._cost + units * self.cost(req.params.max_loops, running, drafts or self.k)
         self._units += units
+
+    def plan_round(self, req: Request, max_loops: int, running: int) -> None:
+        """The round's drafts: ``num_speculative_tokens`` until the request is warm (or without ``adaptive``),
+        then :func:`best_k` at its measured acceptance (docs/speculation.md, "How many drafts")."""
+        req.spec_k = self.k
+        if self.config.adaptive and req.spec_rounds >= WARMUP_ROUNDS and req.spec_tries > 0:
+            req.spec_k = best_k(req.spec_hits / req.spec_tries, self.k, self.d, max_loops, running)
+
+    def drafts(self, req: Request) -> int:
+        """Drafts of the request's current round."""
+        return req.spec_k or self.k
 
     @property
     def payoff(self) -> float | None:
@@ -173,9 +207,9 @@ class LoopSpeculation(NoSpeculation):
         """Units (rounds) the committed run just observed took."""
         return 1
 
-    def cost(self, max_loops: int, running: int) -> float:
-        """A unit's cost in plain decoding steps."""
-        return round_cost(self.k, self.d, max_loops, running)
+    def cost(self, max_loops: int, running: int, k: int) -> float:
+        """A unit's cost in plain decoding steps (a round's, of ``k`` drafts)."""
+        return round_cost(k, self.d, max_loops, running)
 
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
         # NOTE: one way only: a plain decode row's token may be mid-loop when the host looks (the device
@@ -184,7 +218,7 @@ class LoopSpeculation(NoSpeculation):
         if limit is not None and running >= limit:
             return f"{running} requests running (disable_by_batch_size={limit})"
         if self.config.adaptive and req.spec_rounds >= WARMUP_ROUNDS:
-            cost = self.cost(max_loops, running)
+            cost = self.cost(max_loops, running, self.drafts(req))
             rounds = min(req.spec_rounds, (2.0 - ROUND_WEIGHT) / ROUND_WEIGHT)  # (an EMA's effective count)
             upper = req.spec_tokens + STOP_Z * math.sqrt(req.spec_tokens_var / (rounds - 1))  # (unbiased)
             if upper * req.spec_depth < cost:  # even at its upper bound, plain steps a round saves < its cost
@@ -194,7 +228,7 @@ class LoopSpeculation(NoSpeculation):
 
     def row(self, req: Request, exit: ExitParams) -> ScheduledRow:
         """The request's next row of its current round (booked by :meth:`booked` once it is sure to run)."""
-        k, d, step = self.k, self.d, req.spec_step
+        k, d, step = self.drafts(req), self.d, req.spec_step
         if step < (k + 1) * d:
             index, loop = divmod(step, d)
             phase = SpecStep(index, loop + 1, 1, draft_end=loop + 1 == d and index < k)
@@ -252,8 +286,11 @@ class PipelineSpeculation(LoopSpeculation):
         req.spec_steps_seen = req.spec_steps
         return steps
 
-    def cost(self, max_loops: int, running: int) -> float:
+    def cost(self, max_loops: int, running: int, k: int) -> float:
         return pipe_step_cost(self.lanes, running)
+
+    def plan_round(self, req: Request, max_loops: int, running: int) -> None:
+        """(Lanes have no rounds.)"""
 
 
 class AutoSpeculation(NoSpeculation):
@@ -281,8 +318,11 @@ class AutoSpeculation(NoSpeculation):
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
         return self._of(req).why_stop(req, max_loops, running)
 
-    def observe(self, req: Request, committed: list[SampledToken], running: int) -> None:
-        self._of(req).observe(req, committed, running)
+    def observe(self, req: Request, committed: list[SampledToken], running: int, drafts: int = 0) -> None:
+        self._of(req).observe(req, committed, running, drafts)
+
+    def plan_round(self, req: Request, max_loops: int, running: int) -> None:
+        self._of(req).plan_round(req, max_loops, running)
 
     def rows(self, req: Request, exit: ExitParams) -> list[ScheduledRow]:
         return self._of(req).rows(req, exit)

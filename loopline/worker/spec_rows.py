@@ -131,7 +131,9 @@ class SpecKind(RowKind):
         n = len(rows)
         if not n:
             return KindRows(rows, 0, 0, np.zeros(0, dtype=np.int64), 0, 0)
-        host = (np.fromiter((r.slot for r in rows), np.int64, n), np.fromiter((r.spec.index for r in rows), np.int64, n),
+        # (a verify row's index: -(K + 1), its round's queries; the device reads the round's last position from it)
+        host = (np.fromiter((r.slot for r in rows), np.int64, n),
+                np.fromiter((r.spec.index if r.spec.index >= 0 else -r.spec.queries for r in rows), np.int64, n),
                 np.fromiter((r.spec.loop for r in rows), np.int64, n), *exit_columns(rows))
         queries = np.fromiter((r.spec.queries for r in rows), np.int64, n)
         bound = max(self.requests[r.request_id].max_len for r in rows)
@@ -169,7 +171,7 @@ class SpecKind(RowKind):
         scratch_kv = ds.scratch_block * bs
         inp.positions[t:t + T] = pos
         inp.slot_mapping[t:t + T] = torch.where(frozen, scratch_kv, plane_slots.gather(1, plane[:, None]).squeeze(1))
-        last = torch.where(index >= 0, index, st.k)  # a row's last round position
+        last = torch.where(index >= 0, index, -index - 1)  # a row's last round position (verify rows: its K)
         inp.seq_lens[r:r + n] = (ds.pos[slots] + last + 1).to(torch.int32)
         width = inp.block_tables.shape[1]
         inp.block_tables[r:r + n] = ds.tables[slots, ds.layout.plane_index(loop)][:, :width]
@@ -210,6 +212,7 @@ class VerifyPart:
     token_index: Tensor  # [M * (K+1)] index in the completion of each position's token
     depth: Tensor  # [M * (K+1)] exit depth of each position
     verdicts: Tensor | None = None  # the pipeline's: each target row's draft verdict, set by accept (SampleBatch)
+    drafts: Tensor | None = None  # [M] drafts of each round (<= K: positions past a round's are never accepted)
 
 
 class SpecRounds:
@@ -244,15 +247,16 @@ class SpecRounds:
         last = [(row0 + i, r) for i, r in enumerate(rows) if r.spec.last]
         if not last:
             return None
-        k1 = self.rounds.k + 1
-        slots, _ = self._indices([r for _, r in last])
+        k1 = self.rounds.k + 1  # (a round of fewer drafts samples the positions past its own too: never committed)
+        slots, drafts = stage(self.device, ([r.slot for _, r in last], np.int64),
+                              ([r.spec.queries - 1 for _, r in last], np.int64))
         st = self.rounds
         logits = self.model.head(st.hidden[slots].flatten(0, 1)).float()
         j = torch.arange(k1, device=self.device)
         index = (self.state.token_index[slots][:, None] + j).flatten()
         states = [self.requests[r.request_id] for _, r in last for _ in range(k1)]
         return VerifyPart([i for i, _ in last for _ in range(k1)], states, slots, logits, index,
-                          st.exit_loop[slots].flatten())
+                          st.exit_loop[slots].flatten(), drafts=drafts)
 
     def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
         """Acceptance of the round-ending rows' drafts; ``target`` ``[M * (K+1)]``: the target tokens
@@ -265,8 +269,10 @@ class SpecRounds:
         match = y[:, :k] == st.tokens[part.slots, 1:]
         if self.replay is not None:  # (cost measurements on random weights: outputs meaningless)
             match = self.replay.accepted(part.slots, ds.token_index[part.slots], k)
-        accepted = match.long().cumprod(dim=1).sum(dim=1)  # [M] drafts accepted
         j = torch.arange(k + 1, device=self.device)
+        if part.drafts is not None:  # a round of fewer drafts than K: the positions past its own were never drafted
+            match = match & (j[None, :k] < part.drafts[:, None])
+        accepted = match.long().cumprod(dim=1).sum(dim=1)  # [M] drafts accepted
         committed = j[None, :] <= accepted[:, None]
         ds.token[part.slots] = y.gather(1, accepted[:, None]).squeeze(1)
         ds.pos[part.slots] = ds.pos[part.slots] + accepted + 1

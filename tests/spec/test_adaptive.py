@@ -181,7 +181,7 @@ def test_a_request_whose_rounds_pay_is_not_stopped_by_a_few_bad_ones():
     import random
 
     s = LoopSpeculation(SpeculativeConfig(num_speculative_tokens=3, draft_loops=1), 4)
-    cost = s.cost(4, 8)  # ~9.5 plain steps: 2.37 tokens a round at depth 4 break even
+    cost = s.cost(4, 8, 3)  # ~9.5 plain steps: 2.37 tokens a round at depth 4 break even
     assert 2.65 * 4 > 1.1 * cost
     rng = random.Random(0)
     stopped = 0
