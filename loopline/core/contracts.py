@@ -43,7 +43,8 @@ class SpecStep:
     """Where a speculating request's row sits in its draft-then-verify round (docs/speculation.md).
 
     A draft step runs round position ``index`` (0..K) at ``loop`` (1..d) as one query; a verify step
-    (``index == -1``) runs all ``queries = K + 1`` positions at ``loop`` (d+1..max_loops). ``draft_end``:
+    (``index == -1``) runs all ``queries = K + 1`` positions at ``loop`` (d+1..max_loops). ``K`` is the round's
+    own (``Request.spec_k``: at most ``num_speculative_tokens``). ``draft_end``:
     the step ends a position's draft loops, whose head proposes the next position's token; ``last``: the
     round's final verify step, which accepts and commits. The device knows the round's start position."""
 
