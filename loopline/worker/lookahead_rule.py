@@ -103,6 +103,12 @@ class HeadPredictor:
         self.out_w, self.out_b = second.weight.detach().T.to(**f32), second.bias.detach().to(**f32)
         self.loops = loops
 
+    def weights(self) -> Any:
+        """The folded layers as the fused rule reads them (``loopline.kernels.lookahead.HeadWeights``)."""
+        from loopline.kernels.lookahead import HeadWeights  # NOTE: lazily, as the other Triton kernels
+
+        return HeadWeights(*(t.contiguous() for t in (self.scalars, self.loop_bias, self.out_w, self.out_b)))
+
     def __call__(self, x: LookaheadInputs, ctx: PredictorContext) -> Tensor:
         w = self.width
         h_state, h_change = x.h[:, :w], x.h[:, w:]
@@ -153,12 +159,38 @@ class LookaheadRule:
     def __init__(self, head: LookaheadHead, config: HeadConfig, hidden_size: int, state: DeviceDecodeState,
                  device: torch.device) -> None:
         head_predictor = HeadPredictor(head, config, hidden_size, device)
-        self.predictor: Callable[[LookaheadInputs, PredictorContext], Tensor] = head_predictor
         self.proj = head_predictor.proj  # [H, 2 * hidden] fp32, fixed at capture (a predictor swapped in reads the same)
+        self.predictor = head_predictor
         self.loops, self.state = config.loops, state
         self.log_max_position = math.log1p(config.trace_spec.max_position)
         state.allocate_exit_target()
         self._prev: Tensor | None = None  # the decode rows' input projection, from before() to decode()
+
+    @property
+    def predictor(self) -> Callable[[LookaheadInputs, PredictorContext], Tensor]:
+        """What decides (a trained head, a replay, a test's oracle); installing one re-derives the fused rule."""
+        return self._predictor
+
+    @predictor.setter
+    def predictor(self, predictor: Callable[[LookaheadInputs, PredictorContext], Tensor]) -> None:
+        self._predictor = predictor
+        self._kernel = self._fused(self.proj.device)  # (head weights, replay) for the fused rule; False: torch ops
+
+    def _fused(self, device: torch.device) -> tuple | bool:
+        """The fused rule's arguments where it applies: on CUDA, for a :class:`HeadPredictor`, or a
+        :class:`ReplayPredictor` paying one's cost; ``False`` elsewhere (other predictors run as torch ops)."""
+        p = self._predictor
+        if device.type != "cuda":
+            return False
+        from loopline.kernels import lookahead as kernels
+
+        if not kernels.available():
+            return False
+        if isinstance(p, HeadPredictor):
+            return p.weights(), None
+        if isinstance(p, ReplayPredictor) and isinstance(p.cost_of, HeadPredictor):
+            return p.cost_of.weights(), kernels.Replay(p.depths, p.last)
+        return False
 
     def start_slot(self, slot: int, params: Any) -> None:
         """A request takes decode ``slot``: a predictor that keys on slots (``ReplayPredictor``) learns it."""
@@ -184,6 +216,12 @@ class LookaheadRule:
                token_index: Tensor) -> Tensor:
         """The rows' targets after loop ``loop`` ``[B]`` (and after loop 0 for rows at loop 1), ``B`` rows:
         one predictor call of ``2B`` decision rows (loop 0's, then loop ``loop``'s: static shapes)."""
+        if self._kernel:  # on CUDA, a trained head (or one whose cost a replay pays): one launch for all of it
+            from loopline.kernels import lookahead as kernels
+
+            head, replay = self._kernel
+            return kernels.decide(head, self.loops, self.log_max_position, loop, gate, cdf, h_proj, prev, positions,
+                                  min_loops, max_loops, threshold, target, slots, token_index, replay)
         b = gate.shape[0]
         pos = torch.log1p(positions.float()) / self.log_max_position
         zeros = torch.zeros_like(loop)
