@@ -39,8 +39,9 @@ class SpeculativeConfig:
     Speculation adapts so that it does not cost throughput (docs/speculation.md, "When it pays"):
     ``disable_by_batch_size`` (vLLM's name): while at least this many requests run, new requests do not
     speculate and speculating ones return to plain decoding at their next round boundary (``None``: no
-    bound). ``adaptive``: a request whose measured tokens per round fall below what a round costs in plain
-    decoding steps returns to plain decoding.
+    bound). ``adaptive``: once warm, each request's rounds draft the count in ``1..K`` its measured acceptance
+    pays best, and a request whose measured tokens per round fall below what a round costs in plain decoding
+    steps returns to plain decoding.
     """
 
     method: str = "loop"
