@@ -141,8 +141,8 @@ class LoopSpeculation(NoSpeculation):
     def why_not(self, params: SamplingParams) -> str | None:
         # NOTE: penalties and multi-token bad words read the tokens generated before each position, which
         # inside a round are drafts, not yet committed; those requests run plain decode rows instead
-        # (docs/speculation.md). allowed_token_ids and logit_bias read no history and min_tokens only each
-        # position's own token index, so drafts and targets both apply them.
+        # (docs/speculation.md). allowed_token_ids, logit_bias and one-token bad words read no history and
+        # min_tokens only each position's own token index, so drafts and targets both apply them.
         if not params.speculate:
             return "speculate=False"
         if self.per_token_exits:
@@ -153,8 +153,8 @@ class LoopSpeculation(NoSpeculation):
             return f"max_loops {params.max_loops} <= draft_loops {self.d}"
         if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
             return "penalties"
-        if params._bad_words_token_ids:
-            return "bad_words"
+        if any(len(word) > 1 for word in params._bad_words_token_ids or ()):
+            return "bad_words of several tokens"
         if params.structured_outputs is not None:
             return "structured outputs"
         return None

@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 from spec.test_engine import (  # tests/ is on pythonpath
     DEMO_PROMPTS,
+    GREEDY,
     PIPE,
     assert_same,
     drain,
@@ -79,6 +80,33 @@ def test_history_free_logits_fields_speculate_and_equal_the_plain_engine(demo_pr
     eng = engine(speculative=spec(2, 1) if scheme == "draft_verify" else PIPE)
     assert_same(drain(eng, reqs), plain)
     assert eng.stats.spec_num_draft_tokens > 0 and eng.stats.spec_num_accepted_tokens > 0
+
+
+def test_one_token_bad_words_speculate_and_several_token_ones_do_not(demo_prompts):
+    """A bad word of one token bans it whatever came before: a request with only such words speculates; one
+    with a word of several tokens (its ban depends on the tokens before) decodes plainly. Both equal plain
+    decoding, and the ban is real: the banned token is what plain greedy decoding emits without it."""
+    eng = engine(speculative=spec(3, 1))
+    tok = eng.tokenizer
+    free = drain(engine(), {"free": (demo_prompts[0], GREEDY)})["free"].token_ids
+    one = next(w for w in (tok.decode([t]) for t in free[2:]) if len(tok.encode(w)) == 1 and w.strip())
+    reqs = {"one": (demo_prompts[0], GREEDY.clone(bad_words=[one])),
+            "several": (demo_prompts[1], GREEDY.clone(bad_words=["import os"]))}
+    seen = {}
+    add = eng.scheduler.add_request
+
+    def recording(req):
+        add(req)
+        seen[req.request_id.split("#")[0]] = (req.speculative, req.params._bad_words_token_ids)
+
+    eng.scheduler.add_request = recording
+    out = drain(eng, reqs)
+    assert_same(out, drain(engine(), reqs))
+    assert seen["one"][0] and all(len(w) == 1 for w in seen["one"][1])
+    assert not seen["several"][0] and any(len(w) > 1 for w in seen["several"][1])
+    assert out["one"].token_ids != free[:len(out["one"].token_ids)]  # the ban changed the output
+    assert tok.encode(one)[0] not in out["one"].token_ids
+    assert eng.stats.spec_num_accepted_tokens > 0
 
 
 # (the synchronous order, ~3 s: slow; spec/test_pipeline_engine.py's steps test runs speculation synchronously)
