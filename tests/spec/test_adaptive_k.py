@@ -71,17 +71,20 @@ def cycling(monkeypatch, sizes: list[int]) -> list[int]:
     return planned
 
 
-@pytest.mark.parametrize("params, graphs", [(GREEDY, False), (GREEDY.clone(temperature=0.8, seed=7, top_k=20), True)])
-def test_rounds_of_fewer_drafts_equal_plain_decoding(demo_prompts, monkeypatch, params, graphs):
+@pytest.mark.parametrize("params, graphs, scheme", [
+    (GREEDY, False, "draft_verify"), (GREEDY.clone(temperature=0.8, seed=7, top_k=20), True, "draft_verify"),
+    (GREEDY, False, "auto")])
+def test_rounds_of_fewer_drafts_equal_plain_decoding(demo_prompts, monkeypatch, params, graphs, scheme):
     """Rounds of 1, 3 and 2 drafts (K = 3) in turn, four requests, two arriving later: tokens, exit
     depths and logprobs equal the plain engine's; every step of speculative rows in the graph case
-    replays one of the speculative families."""
+    replays one of the speculative families. Under ``auto`` the first request pipelines beside the
+    others' rounds."""
     reqs = {f"r{i}": (p, params.clone(max_tokens=20)) for i, p in enumerate(demo_prompts)}
     arrivals = {"r2": 4, "r3": 7}
     kw = {"max_num_batched_tokens": 64, "max_model_len": 128, "max_num_seqs": 8}
     plain = drain(engine(**kw), reqs, arrivals)
     planned = cycling(monkeypatch, [1, 3, 2])
-    eng = engine(speculative=spec(3, 1), **kw)
+    eng = engine(speculative=spec(3, 1) | {"scheme": scheme, "auto_pipeline_below": 1 + (scheme == "auto")}, **kw)
     if graphs:
         eng.runner.capture_graphs(128, 64, max_prefill_rows=3, capturer=EagerCapturer())
     assert_same(drain(eng, reqs, arrivals), plain)
