@@ -4,7 +4,7 @@
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay
-# lookahead trace_cost flashinfer; LOOPLINE_BENCH_C (default "1 32 128") picks
+# lookahead trace_cost flashinfer newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
 # bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -207,6 +207,10 @@ if has spec_replay; then  # issue #41: both schemes at the demo model's acceptan
   timeout 300 python3 tools/spec_speed.py --config ouro-1.4b --spec 3,1 ${LOOPLINE_SPEC_EXTRA:-} --scheme ${LOOPLINE_SPEC_SCHEMES:-draft_verify,pipeline,auto} \
     --concurrency "${LOOPLINE_SPEC_C:-1,8,32,128}" --replay-acceptance 0.89,0.71,0.68 --json "$out/spec_replay.json" 2>&1 \
     | grep -v Warn | tail -12
+fi
+if has newkernels; then  # kernels written since the last GPU run: their tests on the GPU (fused lookahead rule)
+  timeout 90 python3 -m pytest -q tests/kernels/test_lookahead_kernel.py > "$out/newkernels.log" 2>&1
+  echo "new kernel tests rc=$? $(tail -1 "$out/newkernels.log")"; grep -hE "^(FAILED|ERROR)" "$out/newkernels.log" | head -5
 fi
 if has lookahead; then  # issue #44: the lookahead policy vs the stock exit path at the same depths and fixed depth
   mkdir -p "$out/lookahead"
