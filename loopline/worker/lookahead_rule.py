@@ -105,7 +105,8 @@ class HeadPredictor:
 
     def weights(self) -> Any:
         """The folded layers as the fused rule reads them (``loopline.kernels.lookahead.HeadWeights``)."""
-        from loopline.kernels.lookahead import HeadWeights  # NOTE: lazily, as the other Triton kernels
+        # NOTE: lazily, as the other Triton kernels
+        from loopline.kernels.lookahead import HeadWeights
 
         return HeadWeights(*(t.contiguous() for t in (self.scalars, self.loop_bias, self.out_w, self.out_b)))
 

@@ -3,19 +3,20 @@ present): the same fixed exits for a trained head's folded layers and for replay
 loop, with and without a target already fixed, bounds that forbid a decision, and prompt positions."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from triton_testing import DEVICE
+from worker.test_lookahead_engine import random_head  # the engine tests' seeded untrained head
 
 from loopline.kernels import lookahead as kernels
-from loopline.worker.lookahead_rule import HeadPredictor, LookaheadInputs, LookaheadRule, ReplayPredictor
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker"))
-from test_lookahead_engine import random_head  # noqa: E402  (the engine tests' seeded untrained head)
+from loopline.worker.lookahead_rule import (
+    HeadPredictor,
+    LookaheadInputs,
+    LookaheadRule,
+    ReplayPredictor,
+)
 
 LOOPS, HIDDEN, ROWS, SLOTS, TOKENS = 8, 48, 96, 8, 6
 

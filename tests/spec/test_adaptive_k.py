@@ -10,13 +10,28 @@ import itertools
 
 import pytest
 from graph_testing import EagerCapturer
-from spec.test_engine import GREEDY, assert_same, demo_prompts, drain, engine, spec  # noqa: F401 (fixture)
+from spec.test_engine import DEMO_PROMPTS, GREEDY, assert_same, drain, engine, spec
 
 from loopline.core.contracts import SampledToken
 from loopline.core.request import Request
-from loopline.core.speculation import WARMUP_ROUNDS, LoopSpeculation, best_k, round_cost, round_yield
+from loopline.core.speculation import (
+    WARMUP_ROUNDS,
+    LoopSpeculation,
+    best_k,
+    round_cost,
+    round_yield,
+)
 from loopline.sampling_params import SamplingParams
 from loopline.spec import SpeculativeConfig
+
+
+@pytest.fixture(scope="module")
+def demo_prompts():
+    from loopline.models.loader import load_tokenizer
+    from loopline.models.tiny import default_checkpoint
+
+    tok = load_tokenizer(default_checkpoint())
+    return [tok.encode(p) for p in DEMO_PROMPTS]
 
 
 def test_round_yield_and_the_best_k_follow_the_cost_model():
