@@ -64,6 +64,13 @@ CASES = {
                          {**_DECODE, "PREFETCH": False}, True),
     "decode_attention_prefetch": ("loopline.attention.triton_kernels", "decode_attention_kernel", _DECODE_POINTERS,
                                   {**_DECODE, "PREFETCH": True}, True),
+    # the lookahead exit rule in one kernel (exit_mode="lookahead")
+    "lookahead_decide": ("loopline.kernels.lookahead", "_decide_kernel",
+                         {**{f"{n}_ptr": "*fp32" for n in ("h", "prev", "gate", "cdf", "thr", "scal", "bias", "out_w",
+                                                           "out_b", "probs")},
+                          **{f"{n}_ptr": "*i64" for n in ("loop", "pos", "min", "max", "target", "out", "slots",
+                                                          "tindex", "depths", "last")}},
+                         {"W": 32, "BLOCK": 32, "LOOPS": 4, "REPLAY": True, "PROBS": True}, True),
     # the small kernels around the layers: the exit rule, the exit copy, the greedy choice and the advance
     "exit_and_store": ("loopline.worker.triton_slot_ops", "_exit_and_store_kernel",
                        {"gate_ptr": "*fp32", "slots_ptr": "*i64", "loops_ptr": "*i64", "min_ptr": "*i64",
@@ -103,7 +110,7 @@ def compile_cases() -> dict[str, list[str]]:
             elif arg.endswith("_ptr") or arg in pointers:
                 signature[arg] = pointers.get(arg, "*bf16")
             else:
-                signature[arg] = "fp32" if arg in ("qk_scale", "eps") else "i32"
+                signature[arg] = "fp32" if arg in ("qk_scale", "eps", "inv_log_max_pos") else "i32"
         src = ASTSource(fn=kernel, signature=signature, constexprs={**constants, "PDL": pdl})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": 4, "num_stages": 2, "launch_pdl": pdl}).asm["ptx"]
@@ -176,7 +183,7 @@ def test_decode_attention_prefetches_only_history_before_the_wait(ptx):
 
 @pytest.mark.parametrize("case", ["add_rms_norm", "norm_exit_gate", "rope_write_kv", "write_kv", "merge_splits",
                                   "paged_attention", "exit_and_store", "copy_exited", "chunk_argmax", "pick_chunk",
-                                  "advance"])
+                                  "advance", "lookahead_decide"])
 def test_kernels_wait_before_everything(ptx, case):
     _check_waits_first(ptx[case])
 
