@@ -86,10 +86,16 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
                                   enforce_eager=args.eager), model=model)
     if spec is not None and args.replay_acceptance:  # labelled: the verdicts are draws, the outputs meaningless
         engine.runner.spec.replay = AcceptanceReplay(args.replay_acceptance)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
     vocab = model.config.vocab_size
 
+    def params(i: int) -> SamplingParams:  # sampled runs: each request seeded (reproducible, the same in every run)
+        return SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True,
+                              exit_threshold=1.0, seed=i if args.temperature > 0 else None)
+
     def prompt(i: int) -> list[int]:  # distinct prompts: no prefix sharing
+        if args.stream is not None:  # held-out text, a window per request
+            at = (i * 7919 * args.input_len) % (len(args.stream) - args.input_len)
+            return args.stream[at:at + args.input_len]
         return [3 + (i * 7919 + j * 31) % (vocab - 3) for j in range(args.input_len)]
 
     engine.add_request("warm", prompt(10_000), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -98,7 +104,7 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
     steps0, stats0 = engine.stats.steps, dict(engine.stats.spec_decode_metrics())
     total, started, done, tokens, max_running = 2 * c, 0, 0, 0, 0
     for _ in range(c):
-        engine.add_request(f"r{started}", prompt(started), params)
+        engine.add_request(f"r{started}", prompt(started), params(started))
         started += 1
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -110,7 +116,7 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
                 done += 1
                 tokens += len(out.outputs[0].token_ids)
                 if started < total:
-                    engine.add_request(f"r{started}", prompt(started), params)
+                    engine.add_request(f"r{started}", prompt(started), params(started))
                     started += 1
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -120,15 +126,19 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    drafts = {k: spec_now[k] - stats0[k] for k in ("vllm:spec_decode_num_draft_tokens",
+    drafts = {k: spec_now[k] - stats0[k] for k in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                                                    "vllm:spec_decode_num_accepted_tokens")}
+    rounds = drafts["vllm:spec_decode_num_drafts"]
     return {"spec": None if spec is None else {"K": spec[0], "d": spec[1], "pinned": len(spec) > 2,
                                                "scheme": scheme, "replayed": args.replay_acceptance},
-            "concurrency": c, "max_running": max_running, "output_tokens": tokens,
+            "concurrency": c, "temperature": args.temperature, "max_running": max_running, "output_tokens": tokens,
             "seconds": round(elapsed, 4), "output_tok_s": round(tokens / elapsed, 2),
             "steps_per_token": round((steps - steps0) / tokens, 3),
             "draft_tokens": drafts["vllm:spec_decode_num_draft_tokens"],
             "accepted_tokens": drafts["vllm:spec_decode_num_accepted_tokens"],
+            # vLLM's mean acceptance length: tokens a round commits, its accepted drafts and the one it adds
+            "mean_acceptance_length": (round(1 + drafts["vllm:spec_decode_num_accepted_tokens"] / rounds, 3)
+                                       if rounds else None),
             "acceptance_rate": (round(drafts["vllm:spec_decode_num_accepted_tokens"]
                                       / drafts["vllm:spec_decode_num_draft_tokens"], 3)
                                 if drafts["vllm:spec_decode_num_draft_tokens"] else None)}
@@ -156,6 +166,7 @@ def run_set(model: OuroForCausalLM, args: argparse.Namespace, scale: float, c: i
         rows.append(r)
         print(f"scale {scale:<5} C={c:<4} {_name(r):<22} {r['output_tok_s']:9.1f} tok/s  {r['speedup']:5.2f}x  "
               f"{r['steps_per_token']:5.2f} steps/token  acceptance {r['acceptance_rate']}  "
+              f"length {r['mean_acceptance_length']}  "
               f"max running {r['max_running']}" + ("  (KV-bound: below C)" if r["max_running"] < c else ""), flush=True)
     return rows
 
@@ -201,6 +212,11 @@ def main() -> None:
                     help="KV pool in GiB (default: the engine's; on CUDA what gpu_memory_utilization leaves)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of the whole set, plain and speculative alternating")
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--prompts", choices=["synthetic", "heldout"], default="synthetic",
+                    help="prompt token ids: synthetic (distinct, no shared prefix) or, with --config demo, windows "
+                         "of the demo model's held-out text (never trained on: its drafts' real acceptance)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request (0: greedy; above 0 each request has its own seed)")
     ap.add_argument("--replay-acceptance", default=None,
                     type=lambda v: [float(x) for x in v.split(",")],
                     help="P0,P1,...: speculative runs accept the draft at round position j with probability Pj "
@@ -208,6 +224,13 @@ def main() -> None:
                          "acceptance pattern on random weights (loopline/spec/replay.py), labelled 'replayed'")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.prompts == "heldout" and args.config != "demo":
+        raise SystemExit("--prompts heldout: held-out text is the demo model's (--config demo)")
+    args.stream = None
+    if args.prompts == "heldout":
+        from loopline.train.engine_eval import heldout_stream
+
+        args.stream = heldout_stream(default_checkpoint())
     specs = [parse_spec(s) for s in args.spec]
     schemes = args.scheme.split(",")
     rows = []
