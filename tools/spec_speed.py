@@ -80,10 +80,17 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
                                              "draft_loops": spec[1], "scheme": scheme}
     if spec is not None and len(spec) > 2:
         speculative |= {"adaptive": False, "disable_by_batch_size": None}
-    engine = LLMEngine(EngineArgs(device=args.device, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=c,
+    # An adapter is checked against the served checkpoint's files, so with one the engine loads the demo
+    # model from its directory (the same weights) instead of taking the model object.
+    from_dir = spec is not None and args.draft_adapter is not None
+    if from_dir:
+        speculative["draft_adapter"] = args.draft_adapter
+    engine = LLMEngine(EngineArgs(model=str(default_checkpoint()) if from_dir else None, device=args.device,
+                                  dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=c,
                                   max_model_len=args.input_len + args.output_len + 64,
                                   kv_cache_memory_gb=args.kv_gb, speculative_config=speculative,
-                                  enforce_eager=args.eager), model=model)
+                                  enforce_eager=args.eager), model=None if from_dir else model)
+    adapter = engine.draft_adapter  # (None: the plain coda drafts)
     if spec is not None and args.replay_acceptance:  # labelled: the verdicts are draws, the outputs meaningless
         engine.runner.spec.replay = AcceptanceReplay(args.replay_acceptance)
     vocab = model.config.vocab_size
@@ -130,7 +137,8 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
                                                    "vllm:spec_decode_num_accepted_tokens")}
     rounds = drafts["vllm:spec_decode_num_drafts"]
     return {"spec": None if spec is None else {"K": spec[0], "d": spec[1], "pinned": len(spec) > 2,
-                                               "scheme": scheme, "replayed": args.replay_acceptance},
+                                               "scheme": scheme, "replayed": args.replay_acceptance,
+                                               "draft_adapter": None if adapter is None else args.draft_adapter},
             "concurrency": c, "temperature": args.temperature, "max_running": max_running, "output_tokens": tokens,
             "seconds": round(elapsed, 4), "output_tok_s": round(tokens / elapsed, 2),
             "steps_per_token": round((steps - steps0) / tokens, 3),
@@ -215,6 +223,8 @@ def main() -> None:
     ap.add_argument("--prompts", choices=["synthetic", "heldout"], default="synthetic",
                     help="prompt token ids: synthetic (distinct, no shared prefix) or, with --config demo, windows "
                          "of the demo model's held-out text (never trained on: its drafts' real acceptance)")
+    ap.add_argument("--draft-adapter", default=None,
+                    help="speculative_config.draft_adapter: a trained draft adapter's directory (loopline train draft)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of every request (0: greedy; above 0 each request has its own seed)")
     ap.add_argument("--replay-acceptance", default=None,
@@ -224,6 +234,8 @@ def main() -> None:
                          "acceptance pattern on random weights (loopline/spec/replay.py), labelled 'replayed'")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.draft_adapter is not None and args.config != "demo":
+        raise SystemExit("--draft-adapter: an adapter is trained for the demo model (--config demo)")
     if args.prompts == "heldout" and args.config != "demo":
         raise SystemExit("--prompts heldout: held-out text is the demo model's (--config demo)")
     args.stream = None
@@ -246,7 +258,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": rows}, f, indent=2)
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "stream"}, "runs": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ run() {  # run LABEL THRESHOLD LIMIT_S ITERATIONS [overrides...]: one main_ppo r
     actor_rollout_ref.rollout.engine_kwargs.loopline.exit_threshold="$threshold" \
     trainer.total_training_steps="$iters" "trainer.logger=[console,file]" \
     trainer.experiment_name="demo_${DEVICE}_$label" trainer.default_local_dir="$WORK/ckpt_$label" \
+    hydra.run.dir="$WORK/hydra/$label" \
     "${DEVICE_ARGS[@]}" "$@" > "$OUT/$label.log" 2>&1 || rc=$?
   [ "$rc" = 124 ] || [ "$rc" = 137 ] && ray_stop
   local logged=0
