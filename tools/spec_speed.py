@@ -32,6 +32,7 @@ a few percent). ``--json FILE`` writes the table. ``--config tiny`` is a small c
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -72,6 +73,14 @@ def _scaled(model: OuroForCausalLM, scale: float) -> OuroForCausalLM:
     return model
 
 
+@functools.cache
+def heldout() -> list[int]:
+    """The demo model's held-out text (never trained on), encoded once per process."""
+    from loopline.train.engine_eval import heldout_stream
+
+    return heldout_stream(default_checkpoint())
+
+
 def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c: int, scheme: str = "draft_verify") -> dict:
     """One closed-loop run of ``c`` concurrent requests; returns tok/s, steps per token and the
     acceptance counters. ``spec``: ``(K, d)`` with speculation's defaults (it adapts), ``(K, d,
@@ -100,9 +109,10 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
                               exit_threshold=1.0, seed=i if args.temperature > 0 else None)
 
     def prompt(i: int) -> list[int]:  # distinct prompts: no prefix sharing
-        if args.stream is not None:  # held-out text, a window per request
-            at = (i * 7919 * args.input_len) % (len(args.stream) - args.input_len)
-            return args.stream[at:at + args.input_len]
+        if args.prompts == "heldout":  # held-out text, a window per request
+            stream = heldout()
+            at = (i * 7919 * args.input_len) % (len(stream) - args.input_len)
+            return stream[at:at + args.input_len]
         return [3 + (i * 7919 + j * 31) % (vocab - 3) for j in range(args.input_len)]
 
     engine.add_request("warm", prompt(10_000), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -238,11 +248,6 @@ def main() -> None:
         raise SystemExit("--draft-adapter: an adapter is trained for the demo model (--config demo)")
     if args.prompts == "heldout" and args.config != "demo":
         raise SystemExit("--prompts heldout: held-out text is the demo model's (--config demo)")
-    args.stream = None
-    if args.prompts == "heldout":
-        from loopline.train.engine_eval import heldout_stream
-
-        args.stream = heldout_stream(default_checkpoint())
     specs = [parse_spec(s) for s in args.spec]
     schemes = args.scheme.split(",")
     rows = []
@@ -258,7 +263,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "stream"}, "runs": rows}, f, indent=2)
+            json.dump({"args": vars(args), "runs": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
