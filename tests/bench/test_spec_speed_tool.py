@@ -22,7 +22,7 @@ def test_spec_speed_bounds_acceptance_with_the_branch_scale(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     runs = json.loads(record.read_text())["runs"]
-    spec = {"K": 2, "d": 1, "pinned": True, "scheme": "draft_verify"}
+    spec = {"K": 2, "d": 1, "pinned": True, "scheme": "draft_verify", "replayed": None, "draft_adapter": None}
     assert [(r["branch_scale"], r["spec"]) for r in runs] == [(0.0, None), (0.0, spec), (1.0, None), (1.0, spec)]
     assert all(r["max_running"] == 1 for r in runs)  # C = 1, and the default pool holds it
     plain, best, _, worst = runs
