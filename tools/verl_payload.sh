@@ -1,29 +1,38 @@
 #!/usr/bin/env bash
 # Packs what verl 0.9.1's trainer needs on the offline GPU machine (docs/rl.md, "Wheels for the GPU run") into
-# one xz tar that travels beside the repository in a call (the carry limit leaves ~35 MB once the tree counts).
+# one xz tar that travels beside the repository in a call (the carry limit leaves ~35 MB once the tree counts;
+# the GPU image's own packages are not carried, except tokenizers: its 0.23.2 is newer than transformers 5.10.4 takes).
 # Run here, with the package index reachable:
 #   bash tools/verl_payload.sh            # -> .verl/ (git-ignored): site.tar.xz + site.sha256
 # Each wheel is unpacked into its own folder (what `pip install --no-deps --target` writes). Ray's wheel is 79 MB:
-# its Java jar and the dashboard's source maps are left out (never loaded here) and its three native binaries
-# are stripped of symbols (--strip-unneeded), which brings the payload to 36 MB (the repository is ~29 MB of the 64 MiB a call carries).
-# On the GPU machine: bash tools/verl_payload.sh install   # verify, unpack into SITE (/tmp/site)
+# its Java jar, the dashboard's source maps and web UI scripts are left out (never loaded here), and every native
+# binary is stripped of symbols (--strip-unneeded), which brings the payload to 33 MB (the repository is ~29 MB
+# of the 64 MiB a call carries).
+# On the GPU machine: bash tools/verl_payload.sh install   # verify, unpack into SITE (/tmp/site), and write
+# loopline's package metadata there (its verl plug-in's entry point: loopline runs from the checkout)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-.verl}
+PAYLOAD=${PAYLOAD:-.verl}  # (not OUT: the device tool sets OUT to its results folder)
 SITE=${SITE:-/tmp/site}
 PY=${PYTHON:-python3}
 if [ "${1:-}" = install ]; then
-  (cd "$OUT" && sha256sum -c site.sha256)
+  (cd "$PAYLOAD" && sha256sum -c site.sha256)
   mkdir -p "$SITE"
   work=$(mktemp -d)
-  xz -dc "$OUT/site.tar.xz" | tar -C "$work" -xf -
+  xz -dc "$PAYLOAD/site.tar.xz" | tar -C "$work" -xf -
   for d in "$work"/*/; do cp -a "$d." "$SITE/"; done
   rm -rf "$work"
+  # loopline itself runs from the checkout on PYTHONPATH, not installed: its entry point (`import verl` loads
+  # the "verl.plugins" group, which registers rollout.name=loopline and the Ouro model classes) needs metadata
+  meta="$SITE/loopline-0.1.0.dist-info"
+  mkdir -p "$meta"
+  printf 'Metadata-Version: 2.1\nName: loopline\nVersion: 0.1.0\n' > "$meta/METADATA"
+  printf '[verl.plugins]\nloopline = loopline.integrations.verl\n' > "$meta/entry_points.txt"
   echo "installed into $SITE: $(ls "$SITE" | grep -c dist-info) distributions"
   exit 0
 fi
 # the distributions of docs/rl.md's table ("Wheels for the GPU run"), at the versions that ran on the CPU
-PKGS=(verl==0.9.1 transformers==5.10.4 hydra-core==1.3.8 omegaconf==2.3.1 tensordict==0.10.0 pyvers==0.1.0
+PKGS=(verl==0.9.1 transformers==5.10.4 tokenizers==0.22.2 hydra-core==1.3.8 omegaconf==2.3.1 tensordict==0.10.0 pyvers==0.1.0
   orjson==3.13.0 cloudpickle==3.1.3 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 codetiming==1.4.0
   torchdata==0.11.0 tabulate==0.10.0 TransferQueue==0.1.11 pyzmq==27.3.0 msgspec==0.23.0 cachetools==8.0.2
   prometheus_client==0.26.0 ray==2.60.0 msgpack==1.2.4 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
@@ -50,10 +59,12 @@ done
 ray=$STAGE/ray/ray
 rm -rf "$ray/jars"
 find "$ray/dashboard" -name '*.map' -delete
-for f in "$ray/_raylet.so" "$ray/core/src/ray/gcs/gcs_server" "$ray/core/src/ray/raylet/raylet"; do
+rm -rf "$ray/dashboard/client/build/static"  # the web UI's scripts and styles: no browser reaches this machine
+for f in "$ray/core/src/ray/gcs/gcs_server" "$ray/core/src/ray/raylet/raylet"; do
   strip --strip-unneeded "$f"
 done
-rm -rf "$OUT" && mkdir -p "$OUT"
-tar -C "$STAGE" -cf - . | xz -9 -T0 > "$OUT/site.tar.xz"
-(cd "$OUT" && sha256sum site.tar.xz > site.sha256)
-ls -l "$OUT"
+find "$STAGE" -name '*.so' -exec strip --strip-unneeded {} +  # (aiohttp's parsers: 3.4 MB -> 0.6 MB each)
+rm -rf "$PAYLOAD" && mkdir -p "$PAYLOAD"
+tar -C "$STAGE" -cf - . | xz -9 -T0 > "$PAYLOAD/site.tar.xz"
+(cd "$PAYLOAD" && sha256sum site.tar.xz > site.sha256)
+ls -l "$PAYLOAD"

@@ -27,7 +27,7 @@ and fills whichever field the installed ``CausalLMOutputWithPast`` has.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -169,19 +169,32 @@ def _same_sequence(position_ids: Tensor) -> Tensor:
     return (seq[:, :, None] == seq[:, None, :])[:, None]
 
 
-class OuroLayerStack(nn.ModuleList):
+class OuroLayerStack(nn.Module):
     """The shared decoder layers (``model.layers.{i}``), called once per forward to run every loop.
 
     It holds the loopline model's own layers (no copies). Its call runs a computation on the
     loopline model, so every layer parameter is read inside one call of this module: a wrapper
     that gathers parameters around a module's call (an FSDP unit) takes the stack as one unit.
     Per-layer units would not work: the layer math reads a layer's last norm inside the next
-    layer's call (fused add + norm), and every layer runs once per loop.
+    layer's call (fused add + norm), and every layer runs once per loop. A plain module that
+    indexes like a list, not an ``nn.ModuleList``: torch 2.11's ``fully_shard`` refuses every
+    ``ModuleList``, also one that implements ``forward``.
     """
 
     def __init__(self, core: OuroForCausalLM) -> None:
-        super().__init__(core.model.layers)
+        super().__init__()
+        for i, layer in enumerate(core.model.layers):
+            self.add_module(str(i), layer)
         object.__setattr__(self, "_core", core)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return list(self._modules.values())[index]
 
     def forward(self, compute: Callable[[OuroForCausalLM], Any]) -> Any:
         """``compute(loopline model)``, inside this module's call."""

@@ -86,13 +86,15 @@ def replay_logprobs_batch(model: OuroForCausalLM, prompts: Sequence[Sequence[int
 
 def replay_hidden_batch(model: OuroForCausalLM, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                         exit_depths: Sequence[Sequence[int]], *, layout: str = "last_exited",
-                        max_loops: PerCompletion = None, latent_seed: PerCompletion = 0) -> list[Tensor]:
+                        max_loops: PerCompletion = None, latent_seed: PerCompletion = 0,
+                        device: torch.device | None = None) -> list[Tensor]:
     """The hidden states each generated token was sampled from (with autograd); one ``[N_b, hidden]`` each.
 
     ``model.head`` of row ``k`` gives the logits of ``outputs[b][k]`` (what a trainer that computes
-    its own log-softmax, entropy or temperature needs).
+    its own log-softmax, entropy or temperature needs). ``device``: where the replay runs (default: the
+    model's first parameter's; a trainer whose parameters rest offloaded between calls passes its inputs').
     """
-    batch = _Batch.build(model, prompts, outputs, exit_depths, layout, 1.0, max_loops, latent_seed)
+    batch = _Batch.build(model, prompts, outputs, exit_depths, layout, 1.0, max_loops, latent_seed, device)
     return list(_hidden(model, batch).split(batch.num_outputs))
 
 
@@ -127,7 +129,8 @@ class _Batch:
 
     @staticmethod
     def build(model: OuroForCausalLM, prompts, outputs, exit_depths, layout: str, temperature,
-              max_loops: PerCompletion = None, latent_seed: PerCompletion = 0) -> _Batch:
+              max_loops: PerCompletion = None, latent_seed: PerCompletion = 0,
+              device: torch.device | None = None) -> _Batch:
         cfg = model.config
         family = family_of(model)
         layouts = tuple(_REPLAYS[family.model_type])
@@ -166,7 +169,7 @@ class _Batch:
             depths.append(ds)
             targets += out
             token_temps += [t if t >= _GREEDY_EPS else 1.0] * len(out)
-        dev = next(model.parameters()).device
+        dev = device if device is not None else next(model.parameters()).device
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         kv = torch.full((len(seqs), width), family.prefill_loops(cfg, max(bounds)), dtype=torch.long)

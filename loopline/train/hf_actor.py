@@ -50,9 +50,10 @@ class OuroActorForCausalLM(OuroHFForCausalLM):
             raise ValueError("exit_depths recomputes a rollout: labels and a KV cache are not supported with it")
         layout = _layout(kv_layout)
         b, t = input_ids.shape
-        seqs = _sequences(input_ids, attention_mask, position_ids)
+        # NOTE: the sequences are cut on the host (the replay takes token lists), one copy per input
+        seqs = _sequences(*(None if x is None else x.cpu() for x in (input_ids, attention_mask, position_ids)))
         depths = _per_position(exit_depths, input_ids, attention_mask)
-        ids = input_ids.reshape(-1)
+        ids = input_ids.reshape(-1).cpu()
         prompts, outputs, exits, at = [], [], [], []
         for idx in seqs:
             split = _split(ids[idx].tolist(), depths[idx].tolist(), self.config.total_ut_steps)
@@ -68,7 +69,8 @@ class OuroActorForCausalLM(OuroHFForCausalLM):
                                    **kwargs)
 
         def replay(core: OuroForCausalLM) -> Tensor:
-            return torch.cat(replay_hidden_batch(core, prompts, outputs, exits, layout=layout))
+            # NOTE: on the inputs' device: an offloaded reference's resting parameters are on the host
+            return torch.cat(replay_hidden_batch(core, prompts, outputs, exits, layout=layout, device=input_ids.device))
 
         hidden = self.model.layers(replay)  # NOTE: inside the layer stack's call (its FSDP unit)
         full = hidden.new_zeros(b * t, hidden.shape[-1]).index_put((torch.cat(at).to(hidden.device),), hidden)

@@ -84,6 +84,19 @@ def test_packed_recompute_equals_the_rollout(tiny_gqa, layout, threshold):
         assert (lp - torch.tensor(c.token_logprobs)).abs().max().item() < TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_recompute_on_the_gpu_equals_the_rollout(tiny_gqa):
+    """As verl's FSDP actor calls it: the model and every input on the GPU (depths included)."""
+    samples = _rollouts(tiny_gqa, "last_exited", 0.6)
+    ids, positions, extra = _packed(samples, "last_exited")
+    actor = _actor(tiny_gqa).cuda()
+    logits = actor(input_ids=ids.cuda(), position_ids=positions.cuda(), use_cache=False,
+                   **{k: v.cuda() for k, v in extra.items()}).logits[0].cpu()
+    for (_, c), lp in zip(samples, _response_logprobs(logits, ids[0], samples, _starts(samples))):
+        assert (lp - torch.tensor(c.token_logprobs)).abs().max().item() < 1e-3  # (TF32 products on the GPU)
+
+
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 def test_padded_recompute_equals_the_rollout(tiny_gqa, layout):
     """verl's ``use_remove_padding=False``: right-padded rows, a mask, depths one per real token."""

@@ -67,22 +67,35 @@ _FSDP_SCRIPT = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
+    device = sys.argv[3]  # "cpu", or "cuda": parameters offloaded to the host, as verl's reference model
+    dist.init_process_group("gloo" if device == "cpu" else "nccl")
     import loopline.integrations.verl  # noqa: F401  (registers Ouro with AutoModelForCausalLM, as verl's plug-in)
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig, AutoModelForCausalLM
     from verl.utils.fsdp_utils import apply_fsdp2
-    from loopline.train.hf_actor import OuroActorForCausalLM
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from loopline.train.hf_actor import OuroActorForCausalLM, rollout_depth_inputs
     path = sys.argv[1]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, config=AutoConfig.from_pretrained(path))
     assert type(model) is OuroActorForCausalLM, type(model)
-    plain = copy.deepcopy(model)
+    plain = copy.deepcopy(model).to(device)
     # verl's FSDP2 wrapping (engine strategy fsdp2), as FSDPEngine._build_fsdp_module calls it
-    apply_fsdp2(model, {"mesh": init_device_mesh("cpu", (1,)), "reshard_after_forward": True}, {})
+    kwargs = {"mesh": init_device_mesh(device, (1,)), "reshard_after_forward": True}
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    apply_fsdp2(model, kwargs, {})
     units = sorted(type(m).__name__ for m in model.modules() if type(m).__name__.startswith("FSDP"))
     names = [n for n, _ in model.named_parameters()]
     assert names == [n for n, _ in plain.named_parameters()] and len(names) == len(set(names)), names
-    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0)).to(device)
+    # the depth-aware forward inside the wrapped model (prompt 4, 5 generated tokens at mixed depths)
+    r = model.config.total_ut_steps
+    extra = rollout_depth_inputs(4, [r, 1, r, max(r - 1, 1), r])
+    extra = {k: v.to(device) for k, v in extra.items()}
+    with torch.no_grad():
+        depth_worst = float((model(input_ids=ids[:1], use_cache=False, **extra).logits
+                             - plain(input_ids=ids[:1], use_cache=False, **extra).logits).abs().max())
     worst = 0.0
     for _ in range(2):  # twice: gradients accumulate over micro-batches as over loops
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
@@ -91,25 +104,45 @@ _FSDP_SCRIPT = textwrap.dedent("""
         if q.grad is None:
             assert p.grad is None, name
             continue
-        worst = max(worst, float((p.grad.full_tensor() - q.grad).abs().max() / q.grad.abs().max()))
-    print("UNITS", units, "PARAMS", len(names), "WORST", worst)
+        worst = max(worst, float((p.grad.full_tensor().to(q.grad.device) - q.grad).abs().max() / q.grad.abs().max()))
+    print("UNITS", units, "PARAMS", len(names), "WORST", worst, "DEPTHS", depth_worst)
     dist.destroy_process_group()
 """)
+
+
+def _fsdp_run(tiny, tmp_path, device: str) -> tuple[str, int, float, float]:
+    script = tmp_path / "fsdp.py"
+    script.write_text(_FSDP_SCRIPT)
+    port = str(29500 + os.getpid() % 1000)
+    run = subprocess.run([sys.executable, str(script), str(tiny.path), port, device], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(l for l in run.stdout.splitlines() if l.startswith("UNITS"))
+    units, rest = line.split(" PARAMS ")
+    params, rest = rest.split(" WORST ")
+    worst, depths = rest.split(" DEPTHS ")
+    return units, int(params), float(worst), float(depths)
 
 
 def test_fsdp2_wrapping_keeps_one_parameter_per_shared_weight(tiny_factory, tmp_path):
     pytest.importorskip("verl")
     tiny = tiny_factory(0)
-    script = tmp_path / "fsdp.py"
-    script.write_text(_FSDP_SCRIPT)
-    port = str(29500 + os.getpid() % 1000)
-    run = subprocess.run([sys.executable, str(script), str(tiny.path), port], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = next(l for l in run.stdout.splitlines() if l.startswith("UNITS"))
-    units, rest = line.split(" PARAMS ")
-    params, worst = rest.split(" WORST ")
+    units, params, worst, depths = _fsdp_run(tiny, tmp_path, "cpu")
     # units: embed_tokens and lm_head (verl wraps them by name), the layer stack, the root
     assert "FSDPOuroLayerStack" in units and "FSDPOuroActorForCausalLM" in units, units
-    assert int(params) == len(tiny.state_dict)
-    assert float(worst) < 1e-5
+    assert params == len(tiny.state_dict)
+    assert worst < 1e-5
+    assert depths < 1e-5  # the depth-aware forward, wrapped, equals the unwrapped model's
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fsdp2_offloaded_reference_on_the_gpu(tiny_factory, tmp_path):
+    """verl's reference worker: FSDP2 with parameters offloaded to the host between calls. torch 2.11 refused
+    the layer stack as a ModuleList, and the depth-aware replay ran on the offloaded parameters' device."""
+    pytest.importorskip("verl")
+    tiny = tiny_factory(0)
+    units, params, worst, depths = _fsdp_run(tiny, tmp_path, "cuda")
+    assert "FSDPOuroLayerStack" in units and "FSDPOuroActorForCausalLM" in units, units
+    assert params == len(tiny.state_dict)
+    assert worst < 1e-3 and depths < 1e-3  # (TF32 products on the GPU)

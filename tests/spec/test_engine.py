@@ -215,10 +215,17 @@ def test_eos_inside_an_accepted_run(tiny_gqa, tiny_factory, speculative):
 
 
 # --- engine features around rounds ---------------------------------------------------------------
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_preemption_between_rounds_is_exact(tiny_gqa, async_scheduling):
-    reqs = {f"r{i}": (ids(6 + 2 * i, seed=20 + i), GREEDY.clone(max_tokens=14, exit_threshold=0.7, logprobs=None))
+@pytest.mark.parametrize("async_scheduling, seed, penalties", [(True, 20, False), (False, 20, False), (True, 31, False),
+                                                              (True, 20, True)])
+def test_preemption_between_rounds_is_exact(tiny_gqa, async_scheduling, seed, penalties):
+    """Seed 31 (async): every request mid-round while one grew as its last round's commit was read, with no
+    victim (speculating requests are preempted only between rounds); the scheduler aborted one as blocked
+    until a round in flight stopped growing (its positions are allocated at its start)."""
+    reqs = {f"r{i}": (ids(6 + 2 * i, seed=seed + i), GREEDY.clone(max_tokens=14, exit_threshold=0.7, logprobs=None))
             for i in range(4)}
+    if penalties:  # their history (counts, seen mask) moves with the slot
+        reqs["r1"] = (reqs["r1"][0], reqs["r1"][1].clone(repetition_penalty=1.4, frequency_penalty=0.5))
+        reqs["r2"] = (reqs["r2"][0], reqs["r2"][1].clone(presence_penalty=0.7))
     roomy = drain(engine(str(tiny_gqa.path), block_size=4), reqs)
     eng = engine(str(tiny_gqa.path), spec(2, 1), block_size=4, kv_allocation="incremental",
                  enable_preemption=True, num_kv_blocks=4 * 14, async_scheduling=async_scheduling)
