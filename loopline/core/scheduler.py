@@ -186,7 +186,12 @@ class Scheduler:
         for req in [r for r in self.running if r.status == RequestStatus.DECODE]:
             if req.status != RequestStatus.DECODE:
                 continue  # preempted while another request grew
-            if self.allocation.needs_growth() and not self._grow(req):
+            # NOTE: a round's positions are all allocated at its start (num_positions covers the round even
+            # when the previous round's commit is still unread), so a round in flight never grows: growing then,
+            # as its previous commit is read, could find no victim (speculating requests are preempted only
+            # between rounds) and leave every request waiting (tests/spec/test_engine.py, preemption)
+            mid_round = req.speculative and req.spec_step > 0
+            if self.allocation.needs_growth() and not mid_round and not self._grow(req):
                 continue  # out of KV: it waits (or was preempted)
             exit = self.exit_policy.params_for(req.params, req.num_output_tokens) if req.speculative else None
             if exit is not None and req.spec_step == 0:  # a round starts: its size, and whether it runs at all
