@@ -139,10 +139,10 @@ class LoopSpeculation(NoSpeculation):
         self._starts = 0
 
     def why_not(self, params: SamplingParams) -> str | None:
-        # NOTE: penalties and multi-token bad words read the tokens generated before each position, which
-        # inside a round are drafts, not yet committed; those requests run plain decode rows instead
-        # (docs/speculation.md). allowed_token_ids, logit_bias and one-token bad words read no history and
-        # min_tokens only each position's own token index, so drafts and targets both apply them.
+        # NOTE: penalties and multi-token bad words read the tokens generated before each position: inside a
+        # round, the committed ones and the round's drafts before it (loopline.worker.spec_rows.round_history).
+        # allowed_token_ids, logit_bias and one-token bad words read no history and min_tokens only each
+        # position's own token index, so drafts and targets both apply them.
         if not params.speculate:
             return "speculate=False"
         if self.per_token_exits:
@@ -151,10 +151,6 @@ class LoopSpeculation(NoSpeculation):
             return "exit_mode 'lookahead': the head fixes exits, and the rounds' rows do not run it"
         if params.max_loops is not None and params.max_loops <= self.d:
             return f"max_loops {params.max_loops} <= draft_loops {self.d}"
-        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-            return "penalties"
-        if any(len(word) > 1 for word in params._bad_words_token_ids or ()):
-            return "bad_words of several tokens"
         if params.structured_outputs is not None:
             return "structured outputs"
         return None
@@ -270,6 +266,15 @@ class PipelineSpeculation(LoopSpeculation):
         super().__init__(config, num_loops, per_token_exits)
         self.lanes = config.lanes(num_loops)
 
+    def why_not(self, params: SamplingParams) -> str | None:
+        # NOTE: a lane's history would be the drafts of the lanes ahead of it, which the device replaces
+        # whenever one is rejected; those requests run plain decode rows (or draft then verify, under auto)
+        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+            return "penalties (the pipeline)"
+        if any(len(word) > 1 for word in params._bad_words_token_ids or ()):
+            return "bad_words of several tokens (the pipeline)"
+        return super().why_not(params)
+
     def rows(self, req: Request, exit: ExitParams) -> list[ScheduledRow]:
         return [ScheduledRow(request_id=req.request_id, is_prefill=False, start=-1, end=0, loop=0, plane=-1,
                              input_token_ids=None, slot=req.slot, exit=exit, seq=req.arrival_seq, spec=PipeLane(j))
@@ -309,10 +314,11 @@ class AutoSpeculation(NoSpeculation):
         return self.schemes[req.spec_scheme]
 
     def why_not(self, params: SamplingParams) -> str | None:
-        return self.schemes["draft_verify"].why_not(params)  # (the same rule for both)
+        return self.schemes["draft_verify"].why_not(params)  # (draft then verify takes every request either takes)
 
     def admit(self, req: Request, running: int) -> bool:
-        req.spec_scheme = "pipeline" if running < self.config.auto_pipeline_below else "draft_verify"
+        pipelines = running < self.config.auto_pipeline_below and self.schemes["pipeline"].why_not(req.params) is None
+        req.spec_scheme = "pipeline" if pipelines else "draft_verify"
         return self.why_not(req.params) is None and self._of(req).starts()
 
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:

@@ -14,6 +14,7 @@ from torch import Tensor
 from loopline.core.contracts import PipeLane, ScheduledRow
 from loopline.spec.replay import AcceptanceReplay
 from loopline.worker.pipe_rows import PipeRounds
+from loopline.worker.sampler import SamplingTensors
 from loopline.worker.spec_rows import SpecRounds, VerifyPart
 from loopline.worker.staging import concat
 
@@ -59,6 +60,11 @@ class BothRounds:
         return _BothPart([i for p in parts for i in p.row_idx], [st for p in parts for st in p.states],
                          *(concat([getattr(p, f) for p in parts]) for f in ("slots", "logits", "token_index", "depth")),
                          parts=(a, b))
+
+    def target_history(self, tensors: SamplingTensors, part: VerifyPart, first: int) -> None:
+        assert isinstance(part, _BothPart), "a part of verify_part's"
+        if part.parts[0] is not None:  # (the rounds' rows come first; lanes read no history)
+            self.rounds.target_history(tensors, part.parts[0], first)
 
     def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
         assert isinstance(part, _BothPart), "a part of verify_part's"

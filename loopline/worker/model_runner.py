@@ -633,6 +633,8 @@ class ModelRunner:
                 tensors.output_counts, tensors.seen_mask = ds.counts[row_slots], ds.seen[row_slots]
             if history:
                 tensors.recent = ds.recent[row_slots][:, -tensors.bad_prefix.shape[1]:]
+            if verify is not None:  # a round's targets read the drafts before their position too
+                self.spec.target_history(tensors, verify, nd + n_done)
         if token_mask is not None:  # structured outputs: disallowed tokens of constrained rows to -inf
             token_mask(all_logits, [rows[i].request_id for i in row_idx])
         out: SamplerOutput = self.sampler(all_logits, tensors)

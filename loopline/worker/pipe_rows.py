@@ -45,7 +45,7 @@ from loopline.worker.exit_rule import exit_decision
 from loopline.worker.lane_ring import LaneRing
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import RowKind, exit_columns
-from loopline.worker.sampler import Sampler
+from loopline.worker.sampler import Sampler, SamplingTensors
 from loopline.worker.spec_rows import DraftSampler, VerifyPart, plane_slots_of
 from loopline.worker.staging import stage
 from loopline.worker.step_inputs import HostImage, KindRows, Segment, StepInputs
@@ -206,6 +206,11 @@ class PipeRounds:
         states = [self.requests[r.request_id] for _, r in heads for _ in range(L)]
         return VerifyPart([i for i, _ in heads for _ in range(L)], states, slots, logits, self._index(slots),
                           ring.exit_loop[slots].flatten())
+
+    @staticmethod
+    def target_history(tensors: SamplingTensors, part: VerifyPart, first: int) -> None:
+        """(Nothing: requests whose sampling reads their history, penalties or bad words of several tokens,
+        never pipeline.)"""
 
     def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
         """The verdicts, commits and entries of the pipelining slots; ``target`` ``[M * L]``: each lane's

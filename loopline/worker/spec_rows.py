@@ -48,7 +48,7 @@ from loopline.worker.draft_head import DraftHead
 from loopline.worker.exit_rule import exit_decision
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import RowKind, exit_columns
-from loopline.worker.sampler import Sampler
+from loopline.worker.sampler import Sampler, SamplingTensors
 from loopline.worker.sampling_inputs import (
     FieldsStager,
     ParamsStager,
@@ -87,12 +87,61 @@ class DraftSampler:
         self.sampler, self.device = sampler, device
         self._params, self._fields = ParamsStager(), FieldsStager()  # the drafts' own (the target rows' differ)
 
-    def __call__(self, logits: Tensor, states: list[Any], index: Tensor) -> Tensor:
-        """``logits`` ``[M, V]`` fp32, one request state and completion index ``[M]`` a row -> tokens ``[M]``."""
+    def __call__(self, logits: Tensor, states: list[Any], index: Tensor,
+                 history: Callable[[SamplingTensors], None] | None = None) -> Tensor:
+        """``logits`` ``[M, V]`` fp32, one request state and completion index ``[M]`` a row -> tokens ``[M]``;
+        ``history`` gives the rows' generated history where their penalties or bad words read it."""
         tensors = build_sampling_tensors(states, index, self.sampler.logprobs_mode, self.device,
                                          params=self._params, fields=self._fields)
         tensors.max_num_logprobs = None
+        if history is not None:
+            history(tensors)
         return self.sampler(logits, tensors).token_ids
+
+
+def round_history(ds: DeviceDecodeState, rounds: SpecRoundState, tensors: SamplingTensors, slots: Tensor,
+                  position: Tensor, first: int = 0) -> None:
+    """Sampling rows ``first, first + 1, ...`` of ``tensors`` are round position ``position`` of ``slots``: their generated
+    history (what penalties and multi-token bad words read) is the slot's committed tokens plus the round's
+    drafts before that position. A token committed at a position follows exactly those drafts (all of them
+    were accepted), so drafts and targets sampled this way are plain decoding's; a position after a rejected
+    draft is never committed, whatever its history."""
+    drafts = rounds.tokens[slots, 1:]  # [M, K]: the drafts of positions 0..K-1 (fed at 1..K)
+    before = torch.arange(drafts.shape[1], device=slots.device)[None, :] < position[:, None]
+    if tensors.any_penalties and ds.counts is not None:
+        extra = torch.zeros(len(slots), ds.counts.shape[1], dtype=ds.counts.dtype, device=slots.device)
+        extra.scatter_add_(1, drafts, before.to(extra.dtype))
+        counts, seen = ds.counts[slots] + extra, ds.seen[slots] | (extra > 0)
+        if tensors.output_counts is None:  # (rows 0.. only: the drafts' own tensors)
+            tensors.output_counts, tensors.seen_mask = counts, seen
+        else:
+            rows = slice(first, first + len(slots))
+            tensors.output_counts[rows], tensors.seen_mask[rows] = counts, seen
+    if tensors.any_bad_words and ds.recent is not None:
+        width, kept = tensors.bad_prefix.shape[1], ds.recent.shape[1]
+        # the last `width` tokens of (committed, drafts before the position), oldest first
+        full = torch.cat([ds.recent[slots], drafts], dim=1)
+        at = (kept + position)[:, None] - width + torch.arange(width, device=slots.device)[None, :]
+        recent = full.gather(1, at)
+        if tensors.recent is None:
+            tensors.recent = recent
+        else:
+            tensors.recent[first:first + len(slots)] = recent
+
+
+def commit_history(ds: DeviceDecodeState, slots: Tensor, tokens: Tensor, committed: Tensor) -> None:
+    """The committed tokens of each slot's round (``tokens`` ``[M, K+1]``, ``committed`` its prefix mask) join
+    the slot's generated-token counts, seen mask and last tokens, as plain decoding's advance adds one."""
+    if ds.counts is not None:
+        rows = slots[:, None].expand_as(tokens)
+        ds.counts.index_put_((rows.flatten(), tokens.flatten()), committed.flatten().to(ds.counts.dtype),
+                             accumulate=True)
+        ds.seen[slots] = ds.seen[slots] | (ds.counts[slots] > 0)  # (seen: the prompt's tokens and the generated)
+    if ds.recent is not None:
+        kept = ds.recent.shape[1]
+        full = torch.cat([ds.recent[slots], tokens], dim=1)
+        end = kept + committed.sum(dim=1)  # one past each slot's last committed token
+        ds.recent[slots] = full.gather(1, end[:, None] - kept + torch.arange(kept, device=slots.device)[None, :])
 
 
 class SpecPrepared(NamedTuple):
@@ -240,7 +289,8 @@ class SpecRounds:
         st = self.rounds
         logits = self.head(st.hidden[slots, index], st.exit_loop[slots, index] == 0)
         states = [self.requests[r.request_id] for r in ends]
-        st.tokens[slots, index + 1] = self.drafts(logits, states, self.state.token_index[slots] + index)
+        st.tokens[slots, index + 1] = self.drafts(logits, states, self.state.token_index[slots] + index,
+                                                  lambda t: round_history(self.state, st, t, slots, index))
 
     def verify_part(self, rows: list[ScheduledRow], row0: int) -> VerifyPart | None:
         """The target rows of the round-ending rows among ``rows`` (step rows from ``row0``)."""
@@ -258,6 +308,13 @@ class SpecRounds:
         return VerifyPart([i for i, _ in last for _ in range(k1)], states, slots, logits, index,
                           st.exit_loop[slots].flatten(), drafts=drafts)
 
+    def target_history(self, tensors: SamplingTensors, part: VerifyPart, first: int) -> None:
+        """Sampling rows ``first..`` of ``tensors`` are ``part``'s target rows: their generated history
+        (:func:`round_history`), where their penalties or bad words read it."""
+        k1 = self.rounds.k + 1
+        position = torch.arange(k1, device=self.device).repeat(len(part.slots))
+        round_history(self.state, self.rounds, tensors, part.slots.repeat_interleave(k1), position, first)
+
     def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
         """Acceptance of the round-ending rows' drafts; ``target`` ``[M * (K+1)]``: the target tokens
         the sampler drew (greedy: the argmax). Drafts are accepted while they equal the target's tokens;
@@ -274,6 +331,7 @@ class SpecRounds:
             match = match & (j[None, :k] < part.drafts[:, None])
         accepted = match.long().cumprod(dim=1).sum(dim=1)  # [M] drafts accepted
         committed = j[None, :] <= accepted[:, None]
+        commit_history(ds, part.slots, y, committed)
         ds.token[part.slots] = y.gather(1, accepted[:, None]).squeeze(1)
         ds.pos[part.slots] = ds.pos[part.slots] + accepted + 1
         ds.token_index[part.slots] = ds.token_index[part.slots] + accepted + 1

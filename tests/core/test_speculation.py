@@ -55,12 +55,15 @@ def test_a_round_is_drafts_then_verify_steps():
 def test_who_speculates_and_what_it_reserves():
     s = scheduler()
     for rid, kw in [("spec", {}), ("greedy_pen", {"repetition_penalty": 1.2}), ("shallow", {"max_loops": D}),
-                    ("bias", {"logit_bias": {5: 1.0}}), ("sampled", {"temperature": 0.7, "top_p": 0.9})]:
+                    ("bias", {"logit_bias": {5: 1.0}}), ("sampled", {"temperature": 0.7, "top_p": 0.9}),
+                    ("off", {"speculate": False})]:
         s.add_request(request(rid, **kw))
     speculative = {rid: r.speculative for rid, r in s.requests.items()}
-    assert speculative == {"spec": True, "greedy_pen": False, "shallow": False, "bias": True, "sampled": True}
+    # penalties read the round's drafts as history (loopline.worker.spec_rows.round_history): they speculate
+    assert speculative == {"spec": True, "greedy_pen": True, "shallow": False, "bias": True, "sampled": True,
+                           "off": False}
     assert s.requests["spec"].num_tokens_reserved == 5 + 8 + 2 * K
-    assert s.requests["greedy_pen"].num_tokens_reserved == 5 + 8
+    assert s.requests["off"].num_tokens_reserved == 5 + 8
 
 
 def test_preemption_waits_for_the_round_to_end():

@@ -70,6 +70,19 @@ def test_seeded_sampling_equals_plain_decoding(demo_prompts):
     assert_same(out, drain(engine(), reqs, arrivals))
 
 
+def test_requests_with_penalties_draft_then_verify_beside_lanes(demo_prompts):
+    """r0 arrives alone but has penalties, which the pipeline does not take: it drafts then verifies; r1 joins
+    one request and pipelines. Their rows share steps (the rounds' targets read their drafts as history, the
+    lanes' nothing), and both equal plain decoding."""
+    reqs = {"r0": (demo_prompts[0], GREEDY.clone(repetition_penalty=1.3, frequency_penalty=0.4)),
+            "r1": (demo_prompts[1], GREEDY.clone(temperature=0.8, seed=7))}
+    eng = engine(speculative=AUTO)
+    seen = schemes_of(eng)
+    out = drain(eng, reqs, {"r1": 2})
+    assert seen == {"r0": (True, "draft_verify"), "r1": (True, "pipeline")}
+    assert_same(out, drain(engine(), reqs, {"r1": 2}))
+
+
 def test_config():
     auto = SpeculativeConfig.from_dict({"method": "loop", "scheme": "auto"})
     assert auto.auto_pipeline_below == 4 and auto.pipelines

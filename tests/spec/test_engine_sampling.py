@@ -82,16 +82,29 @@ def test_history_free_logits_fields_speculate_and_equal_the_plain_engine(demo_pr
     assert eng.stats.spec_num_draft_tokens > 0 and eng.stats.spec_num_accepted_tokens > 0
 
 
-def test_one_token_bad_words_speculate_and_several_token_ones_do_not(demo_prompts):
-    """A bad word of one token bans it whatever came before: a request with only such words speculates; one
-    with a word of several tokens (its ban depends on the tokens before) decodes plainly. Both equal plain
-    decoding, and the ban is real: the banned token is what plain greedy decoding emits without it."""
-    eng = engine(speculative=spec(3, 1))
+def _banned_pair(tok, tokens: list[int]) -> list[int]:
+    """Two consecutive tokens of ``tokens`` (past the first two) that their text encodes back to."""
+    for a, b in zip(tokens[2:], tokens[3:]):
+        text = tok.decode([a, b])
+        if tok.encode(text) == [a, b] and text.strip():
+            return [a, b]
+    raise AssertionError("no re-encodable pair in the plain output")
+
+
+@pytest.mark.parametrize("scheme", ["draft_verify", "pipeline"])
+def test_bad_words_speculate_where_the_scheme_reads_their_history(demo_prompts, scheme):
+    """A bad word of one token bans it whatever came before: requests with only such words speculate under
+    both schemes. A word of several tokens bans its last token after the others: inside a round those are
+    the committed tokens and the drafts before the position, so draft then verify speculates; the pipeline
+    decodes such a request plainly. Both equal plain decoding, and each ban is real: the banned token (pair)
+    is what plain greedy decoding emits without it."""
+    eng = engine(speculative=spec(3, 1) if scheme == "draft_verify" else PIPE)
     tok = eng.tokenizer
-    free = drain(engine(), {"free": (demo_prompts[0], GREEDY)})["free"].token_ids
-    one = next(w for w in (tok.decode([t]) for t in free[2:]) if len(tok.encode(w)) == 1 and w.strip())
+    free = {i: drain(engine(), {"free": (demo_prompts[i], GREEDY)})["free"].token_ids for i in (0, 1)}
+    one = next(w for w in (tok.decode([t]) for t in free[0][2:]) if len(tok.encode(w)) == 1 and w.strip())
+    pair = _banned_pair(tok, free[1])
     reqs = {"one": (demo_prompts[0], GREEDY.clone(bad_words=[one])),
-            "several": (demo_prompts[1], GREEDY.clone(bad_words=["import os"]))}
+            "several": (demo_prompts[1], GREEDY.clone(bad_words=[tok.decode(pair)]))}
     seen = {}
     add = eng.scheduler.add_request
 
@@ -103,10 +116,38 @@ def test_one_token_bad_words_speculate_and_several_token_ones_do_not(demo_prompt
     out = drain(eng, reqs)
     assert_same(out, drain(engine(), reqs))
     assert seen["one"][0] and all(len(w) == 1 for w in seen["one"][1])
-    assert not seen["several"][0] and any(len(w) > 1 for w in seen["several"][1])
-    assert out["one"].token_ids != free[:len(out["one"].token_ids)]  # the ban changed the output
+    assert seen["several"][0] == (scheme == "draft_verify") and tuple(pair) in map(tuple, seen["several"][1])
+    assert out["one"].token_ids != free[0][:len(out["one"].token_ids)]  # the ban changed the output
     assert tok.encode(one)[0] not in out["one"].token_ids
+    assert out["several"].token_ids != free[1][:len(out["several"].token_ids)]
+    assert all(out["several"].token_ids[i:i + 2] != pair for i in range(len(out["several"].token_ids)))
     assert eng.stats.spec_num_accepted_tokens > 0
+
+
+# default run: greedy and seeded at d = 1; (2, 2) is slow (~4 s)
+@pytest.mark.parametrize("k, d", [(3, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_penalties_speculate_and_equal_the_plain_engine(demo_prompts, k, d):
+    """Repetition, presence and frequency penalties read the tokens generated before each position: inside a
+    round, the committed tokens and the round's drafts before the position (spec_rows.round_history). Seeded
+    and greedy requests with them speculate, equal plain decoding token for token (logprobs too), and the
+    penalties are real: without them the outputs differ."""
+    pen = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.4}
+    reqs = {"greedy": (demo_prompts[0], GREEDY.clone(**pen)),
+            "seeded": (demo_prompts[1], SAMPLED.clone(seed=21, **pen)),
+            "repetition": (demo_prompts[2], GREEDY.clone(repetition_penalty=1.5, max_tokens=30)),
+            "none": (demo_prompts[3], SAMPLED.clone(seed=23)),
+            # a prompt that asks for repeats: a round's drafts repeat each other unless penalized as history
+            "repeats": (engine().tokenizer.encode("x = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1"),
+                        GREEDY.clone(frequency_penalty=0.6, max_tokens=32))}
+    plain = drain(engine(), reqs, arrivals={"none": 4})
+    eng = engine(speculative=spec(k, d))
+    out = drain(eng, reqs, arrivals={"none": 4})
+    assert_same(out, plain)
+    assert 0 < eng.stats.spec_num_accepted_tokens < eng.stats.spec_num_draft_tokens
+    unpenalized = drain(engine(), {rid: (p, params.clone(repetition_penalty=1.0, presence_penalty=0.0,
+                                                          frequency_penalty=0.0))
+                                   for rid, (p, params) in reqs.items() if rid != "none"})
+    assert all(unpenalized[rid].token_ids != out[rid].token_ids for rid in unpenalized)
 
 
 # (the synchronous order, ~3 s: slow; spec/test_pipeline_engine.py's steps test runs speculation synchronously)

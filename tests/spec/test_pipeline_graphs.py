@@ -23,7 +23,7 @@ def pipe(d: int) -> dict:
     pytest.param(1, GREEDY, id="1-greedy"), pytest.param(1, SAMPLED, id="1-sampled", marks=pytest.mark.slow),
     pytest.param(2, GREEDY, id="2-greedy", marks=pytest.mark.slow), pytest.param(2, SAMPLED, id="2-sampled")])
 def test_pipelining_steps_replay_graphs_and_equal_eager_and_plain(tiny_gqa, params, d):
-    reqs, arrivals = requests(params)
+    reqs, arrivals = requests(params, penalized_spec=False)
     eng = make(tiny_gqa, pipe(d), graphs=True, async_scheduling=d == 2)
     seen = watch(eng)
     graphed = drain(eng, reqs, arrivals)
