@@ -289,6 +289,14 @@ class DeviceDecodeState:
         self._count(slots, tokens, torch.ones_like(slots, dtype=torch.bool))
         self._push(slots, tokens, torch.ones_like(slots, dtype=torch.bool))
 
+    def take_run(self, slots: Tensor, tokens: Tensor, taken: Tensor) -> None:
+        """Each slot's run of tokens (``tokens`` ``[M, n]``, ``taken`` the prefix of it committed, a speculative
+        round's) joins its generated-token counts and last tokens, one position at a time as :meth:`advance` adds one."""
+        if self.counts is not None or self.recent is not None:
+            for j in range(tokens.shape[1]):
+                self._count(slots, tokens[:, j], taken[:, j])
+                self._push(slots, tokens[:, j], taken[:, j])
+
     def advance(self, slots: Tensor, loops: Tensor, run: Tensor, exited: Tensor, sampled: Tensor,
                 record: Tensor | None = None) -> None:
         """After a step: exited slots take their sampled token and move to the next position

@@ -129,21 +129,6 @@ def round_history(ds: DeviceDecodeState, rounds: SpecRoundState, tensors: Sampli
             tensors.recent[first:first + len(slots)] = recent
 
 
-def commit_history(ds: DeviceDecodeState, slots: Tensor, tokens: Tensor, committed: Tensor) -> None:
-    """The committed tokens of each slot's round (``tokens`` ``[M, K+1]``, ``committed`` its prefix mask) join
-    the slot's generated-token counts, seen mask and last tokens, as plain decoding's advance adds one."""
-    if ds.counts is not None:
-        rows = slots[:, None].expand_as(tokens)
-        ds.counts.index_put_((rows.flatten(), tokens.flatten()), committed.flatten().to(ds.counts.dtype),
-                             accumulate=True)
-        ds.seen[slots] = ds.seen[slots] | (ds.counts[slots] > 0)  # (seen: the prompt's tokens and the generated)
-    if ds.recent is not None:
-        kept = ds.recent.shape[1]
-        full = torch.cat([ds.recent[slots], tokens], dim=1)
-        end = kept + committed.sum(dim=1)  # one past each slot's last committed token
-        ds.recent[slots] = full.gather(1, end[:, None] - kept + torch.arange(kept, device=slots.device)[None, :])
-
-
 class SpecPrepared(NamedTuple):
     """A step's speculative queries as ``prepare`` derived them (``[T]`` each, ``plane_slots`` ``[T, P]``)."""
 
@@ -331,7 +316,7 @@ class SpecRounds:
             match = match & (j[None, :k] < part.drafts[:, None])
         accepted = match.long().cumprod(dim=1).sum(dim=1)  # [M] drafts accepted
         committed = j[None, :] <= accepted[:, None]
-        commit_history(ds, part.slots, y, committed)
+        ds.take_run(part.slots, y, committed)
         ds.token[part.slots] = y.gather(1, accepted[:, None]).squeeze(1)
         ds.pos[part.slots] = ds.pos[part.slots] + accepted + 1
         ds.token_index[part.slots] = ds.token_index[part.slots] + accepted + 1
