@@ -140,7 +140,8 @@ class LoopSpeculation(NoSpeculation):
 
     def why_not(self, params: SamplingParams) -> str | None:
         # NOTE: penalties and multi-token bad words read the tokens generated before each position: inside a
-        # round, the committed ones and the round's drafts before it (loopline.worker.spec_rows.round_history).
+        # round, the committed ones and the round's drafts before it; in the pipeline, the committed ones and the
+        # input tokens of the lanes ahead (loopline.worker.spec_rows.round_history).
         # allowed_token_ids, logit_bias and one-token bad words read no history and min_tokens only each
         # position's own token index, so drafts and targets both apply them.
         if not params.speculate:
@@ -265,15 +266,6 @@ class PipelineSpeculation(LoopSpeculation):
     def __init__(self, config: SpeculativeConfig, num_loops: int, per_token_exits: bool = False) -> None:
         super().__init__(config, num_loops, per_token_exits)
         self.lanes = config.lanes(num_loops)
-
-    def why_not(self, params: SamplingParams) -> str | None:
-        # NOTE: a lane's history would be the drafts of the lanes ahead of it, which the device replaces
-        # whenever one is rejected; those requests run plain decode rows (or draft then verify, under auto)
-        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-            return "penalties (the pipeline)"
-        if any(len(word) > 1 for word in params._bad_words_token_ids or ()):
-            return "bad_words of several tokens (the pipeline)"
-        return super().why_not(params)
 
     def rows(self, req: Request, exit: ExitParams) -> list[ScheduledRow]:
         return [ScheduledRow(request_id=req.request_id, is_prefill=False, start=-1, end=0, loop=0, plane=-1,

@@ -63,8 +63,11 @@ class BothRounds:
 
     def target_history(self, tensors: SamplingTensors, part: VerifyPart, first: int) -> None:
         assert isinstance(part, _BothPart), "a part of verify_part's"
-        if part.parts[0] is not None:  # (the rounds' rows come first; lanes read no history)
-            self.rounds.target_history(tensors, part.parts[0], first)
+        a, b = part.parts
+        if a is not None:  # (the rounds' rows come first)
+            self.rounds.target_history(tensors, a, first)
+        if b is not None:
+            self.lanes.target_history(tensors, b, first + (len(a.row_idx) if a is not None else 0))
 
     def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
         assert isinstance(part, _BothPart), "a part of verify_part's"

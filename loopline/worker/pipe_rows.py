@@ -46,7 +46,7 @@ from loopline.worker.lane_ring import LaneRing
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import RowKind, exit_columns
 from loopline.worker.sampler import Sampler, SamplingTensors
-from loopline.worker.spec_rows import DraftSampler, VerifyPart, plane_slots_of
+from loopline.worker.spec_rows import DraftSampler, VerifyPart, plane_slots_of, round_history
 from loopline.worker.staging import stage
 from loopline.worker.step_inputs import HostImage, KindRows, Segment, StepInputs
 
@@ -189,7 +189,9 @@ class PipeRounds:
         any_due = due.any(dim=1)
         logits = self.head(ring.hidden[slots, lane], any_due)
         index = self.state.token_index[slots] + lane
-        drafted = self.drafts(logits, [self.requests[r.request_id] for r in heads], index)
+        fed = ring.token[slots, 1:]  # lane j's history: the committed tokens, then lanes 1..j's input tokens
+        drafted = self.drafts(logits, [self.requests[r.request_id] for r in heads], index,
+                              lambda t: round_history(self.state, fed, t, slots, lane))
         ring.draft[slots, lane] = torch.where(any_due, drafted, ring.draft[slots, lane])
         # a round of one draft, when its token is within max_tokens (the reference's rule)
         ring.drafted[slots, lane] = ring.drafted[slots, lane] | (any_due & (index + 1 < ring.limit[slots]))
@@ -207,10 +209,15 @@ class PipeRounds:
         return VerifyPart([i for i, _ in heads for _ in range(L)], states, slots, logits, self._index(slots),
                           ring.exit_loop[slots].flatten())
 
-    @staticmethod
-    def target_history(tensors: SamplingTensors, part: VerifyPart, first: int) -> None:
-        """(Nothing: requests whose sampling reads their history, penalties or bad words of several tokens,
-        never pipeline.)"""
+    def target_history(self, tensors: SamplingTensors, part: VerifyPart, first: int) -> None:
+        """Sampling rows ``first..`` of ``tensors`` are ``part``'s lanes: lane ``j``'s generated history (what
+        penalties and multi-token bad words read) is the committed tokens plus lanes ``1..j``'s input tokens
+        (:func:`~loopline.worker.spec_rows.round_history`). The lanes ahead of a lane that commits all
+        committed, each holding its predecessor's target, so a committed token read plain decoding's history."""
+        L = self.ring.lanes
+        slots = part.slots.repeat_interleave(L)
+        round_history(self.state, self.ring.token[slots, 1:], tensors, slots, self.ring.lane_ids.repeat(len(part.slots)),
+                      first)
 
     def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
         """The verdicts, commits and entries of the pipelining slots; ``target`` ``[M * L]``: each lane's
@@ -224,4 +231,6 @@ class PipeRounds:
                                           per_position=False)
         committed, part.verdicts = self.state.ops.pipe_accept(self.ring, self.state, part.slots, target,
                                                               self.head.depth, agrees)
+        L = self.ring.lanes
+        self.state.take_run(part.slots, target.view(-1, L), committed.view(-1, L))  # (penalties, bad words)
         return committed

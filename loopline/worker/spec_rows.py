@@ -99,18 +99,19 @@ class DraftSampler:
         return self.sampler(logits, tensors).token_ids
 
 
-def round_history(ds: DeviceDecodeState, rounds: SpecRoundState, tensors: SamplingTensors, slots: Tensor,
-                  position: Tensor, first: int = 0) -> None:
-    """Sampling rows ``first, first + 1, ...`` of ``tensors`` are round position ``position`` of ``slots``: their generated
-    history (what penalties and multi-token bad words read) is the slot's committed tokens plus the round's
-    drafts before that position. A token committed at a position follows exactly those drafts (all of them
-    were accepted), so drafts and targets sampled this way are plain decoding's; a position after a rejected
-    draft is never committed, whatever its history."""
-    drafts = rounds.tokens[slots, 1:]  # [M, K]: the drafts of positions 0..K-1 (fed at 1..K)
-    before = torch.arange(drafts.shape[1], device=slots.device)[None, :] < position[:, None]
+def round_history(ds: DeviceDecodeState, fed: Tensor, tensors: SamplingTensors, slots: Tensor, position: Tensor,
+                  first: int = 0) -> None:
+    """Sampling rows ``first, first + 1, ...`` of ``tensors`` stand for the token after position ``position`` of
+    a speculative run of ``slots`` past their last committed token; ``fed`` ``[n, K]``: each row's tokens fed at
+    positions ``1..K`` (scheme 1: a round's drafts; scheme 2: the lanes' input tokens). Their generated history
+    (what penalties and multi-token bad words read) is the slot's committed tokens plus ``fed`` before the
+    position. A token committed at a position follows exactly those tokens (all of them were accepted), so
+    drafts and targets sampled this way are plain decoding's; a position after a rejected draft is never
+    committed, whatever its history."""
+    before = torch.arange(fed.shape[1], device=slots.device)[None, :] < position[:, None]
     if tensors.any_penalties and ds.counts is not None:
         extra = torch.zeros(len(slots), ds.counts.shape[1], dtype=ds.counts.dtype, device=slots.device)
-        extra.scatter_add_(1, drafts, before.to(extra.dtype))
+        extra.scatter_add_(1, fed, before.to(extra.dtype))
         counts, seen = ds.counts[slots] + extra, ds.seen[slots] | (extra > 0)
         if tensors.output_counts is None:  # (rows 0.. only: the drafts' own tensors)
             tensors.output_counts, tensors.seen_mask = counts, seen
@@ -119,8 +120,8 @@ def round_history(ds: DeviceDecodeState, rounds: SpecRoundState, tensors: Sampli
             tensors.output_counts[rows], tensors.seen_mask[rows] = counts, seen
     if tensors.any_bad_words and ds.recent is not None:
         width, kept = tensors.bad_prefix.shape[1], ds.recent.shape[1]
-        # the last `width` tokens of (committed, drafts before the position), oldest first
-        full = torch.cat([ds.recent[slots], drafts], dim=1)
+        # the last `width` tokens of (committed, fed before the position), oldest first
+        full = torch.cat([ds.recent[slots], fed], dim=1)
         at = (kept + position)[:, None] - width + torch.arange(width, device=slots.device)[None, :]
         recent = full.gather(1, at)
         if tensors.recent is None:
@@ -275,7 +276,7 @@ class SpecRounds:
         logits = self.head(st.hidden[slots, index], st.exit_loop[slots, index] == 0)
         states = [self.requests[r.request_id] for r in ends]
         st.tokens[slots, index + 1] = self.drafts(logits, states, self.state.token_index[slots] + index,
-                                                  lambda t: round_history(self.state, st, t, slots, index))
+                                                  lambda t: round_history(self.state, st.tokens[slots, 1:], t, slots, index))
 
     def verify_part(self, rows: list[ScheduledRow], row0: int) -> VerifyPart | None:
         """The target rows of the round-ending rows among ``rows`` (step rows from ``row0``)."""
@@ -298,7 +299,8 @@ class SpecRounds:
         (:func:`round_history`), where their penalties or bad words read it."""
         k1 = self.rounds.k + 1
         position = torch.arange(k1, device=self.device).repeat(len(part.slots))
-        round_history(self.state, self.rounds, tensors, part.slots.repeat_interleave(k1), position, first)
+        slots = part.slots.repeat_interleave(k1)
+        round_history(self.state, self.rounds.tokens[slots, 1:], tensors, slots, position, first)
 
     def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
         """Acceptance of the round-ending rows' drafts; ``target`` ``[M * (K+1)]``: the target tokens

@@ -70,17 +70,22 @@ def test_seeded_sampling_equals_plain_decoding(demo_prompts):
     assert_same(out, drain(engine(), reqs, arrivals))
 
 
-def test_requests_with_penalties_draft_then_verify_beside_lanes(demo_prompts):
-    """r0 arrives alone but has penalties, which the pipeline does not take: it drafts then verifies; r1 joins
-    one request and pipelines. Their rows share steps (the rounds' targets read their drafts as history, the
-    lanes' nothing), and both equal plain decoding."""
+def test_penalties_and_bad_words_in_both_schemes_in_one_step(demo_prompts):
+    """r0 (penalties) pipelines alone, r1 (seeded) joins it and pipelines, r2 (penalties and a bad word of two
+    tokens) arrives to two and drafts then verifies. Their rows share steps; the rounds' targets read the
+    committed tokens and their drafts as history, the lanes' the committed tokens and the lanes ahead (rows
+    after the rounds' in the step's sampling batch), and all three equal plain decoding."""
+    free = drain(engine(), {"free": (demo_prompts[2], GREEDY)})["free"].token_ids
+    pair = engine().tokenizer.decode(free[3:5])
     reqs = {"r0": (demo_prompts[0], GREEDY.clone(repetition_penalty=1.3, frequency_penalty=0.4)),
-            "r1": (demo_prompts[1], GREEDY.clone(temperature=0.8, seed=7))}
+            "r1": (demo_prompts[1], GREEDY.clone(temperature=0.8, seed=7)),
+            "r2": (demo_prompts[2], GREEDY.clone(presence_penalty=0.6, bad_words=[pair]))}
     eng = engine(speculative=AUTO)
     seen = schemes_of(eng)
-    out = drain(eng, reqs, {"r1": 2})
-    assert seen == {"r0": (True, "draft_verify"), "r1": (True, "pipeline")}
-    assert_same(out, drain(engine(), reqs, {"r1": 2}))
+    out = drain(eng, reqs, {"r1": 2, "r2": 3})
+    assert seen == {"r0": (True, "pipeline"), "r1": (True, "pipeline"), "r2": (True, "draft_verify")}
+    assert_same(out, drain(engine(), reqs, {"r1": 2, "r2": 3}))
+    assert eng.stats.spec_num_accepted_tokens > 0
 
 
 def test_config():

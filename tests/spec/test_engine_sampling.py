@@ -82,6 +82,18 @@ def test_history_free_logits_fields_speculate_and_equal_the_plain_engine(demo_pr
     assert eng.stats.spec_num_draft_tokens > 0 and eng.stats.spec_num_accepted_tokens > 0
 
 
+def added(eng) -> dict:
+    """Records each request the engine adds (by request id), as the scheduler holds it."""
+    seen, add = {}, eng.scheduler.add_request
+
+    def recording(req):
+        add(req)
+        seen[req.request_id.split("#")[0]] = req
+
+    eng.scheduler.add_request = recording
+    return seen
+
+
 def _banned_pair(tok, tokens: list[int]) -> list[int]:
     """Two consecutive tokens of ``tokens`` (past the first two) that their text encodes back to."""
     for a, b in zip(tokens[2:], tokens[3:]):
@@ -92,12 +104,12 @@ def _banned_pair(tok, tokens: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("scheme", ["draft_verify", "pipeline"])
-def test_bad_words_speculate_where_the_scheme_reads_their_history(demo_prompts, scheme):
-    """A bad word of one token bans it whatever came before: requests with only such words speculate under
-    both schemes. A word of several tokens bans its last token after the others: inside a round those are
-    the committed tokens and the drafts before the position, so draft then verify speculates; the pipeline
-    decodes such a request plainly. Both equal plain decoding, and each ban is real: the banned token (pair)
-    is what plain greedy decoding emits without it."""
+def test_bad_words_speculate_and_equal_the_plain_engine(demo_prompts, scheme):
+    """A bad word of one token bans it whatever came before. A word of several tokens bans its last token
+    after the others: inside a round those are the committed tokens and the drafts before the position, in
+    the pipeline the committed tokens and the input tokens of the lanes ahead. Requests with either speculate
+    under both schemes and equal plain decoding, and each ban is real: the banned token (pair) is what plain
+    greedy decoding emits without it."""
     eng = engine(speculative=spec(3, 1) if scheme == "draft_verify" else PIPE)
     tok = eng.tokenizer
     free = {i: drain(engine(), {"free": (demo_prompts[i], GREEDY)})["free"].token_ids for i in (0, 1)}
@@ -105,18 +117,11 @@ def test_bad_words_speculate_where_the_scheme_reads_their_history(demo_prompts, 
     pair = _banned_pair(tok, free[1])
     reqs = {"one": (demo_prompts[0], GREEDY.clone(bad_words=[one])),
             "several": (demo_prompts[1], GREEDY.clone(bad_words=[tok.decode(pair)]))}
-    seen = {}
-    add = eng.scheduler.add_request
-
-    def recording(req):
-        add(req)
-        seen[req.request_id.split("#")[0]] = (req.speculative, req.params._bad_words_token_ids)
-
-    eng.scheduler.add_request = recording
+    seen = added(eng)
     out = drain(eng, reqs)
     assert_same(out, drain(engine(), reqs))
-    assert seen["one"][0] and all(len(w) == 1 for w in seen["one"][1])
-    assert seen["several"][0] == (scheme == "draft_verify") and tuple(pair) in map(tuple, seen["several"][1])
+    assert seen["one"].speculative and all(len(w) == 1 for w in seen["one"].params._bad_words_token_ids)
+    assert seen["several"].speculative and tuple(pair) in map(tuple, seen["several"].params._bad_words_token_ids)
     assert out["one"].token_ids != free[0][:len(out["one"].token_ids)]  # the ban changed the output
     assert tok.encode(one)[0] not in out["one"].token_ids
     assert out["several"].token_ids != free[1][:len(out["several"].token_ids)]
@@ -124,13 +129,19 @@ def test_bad_words_speculate_where_the_scheme_reads_their_history(demo_prompts, 
     assert eng.stats.spec_num_accepted_tokens > 0
 
 
-# default run: greedy and seeded at d = 1; (2, 2) is slow (~4 s)
-@pytest.mark.parametrize("k, d", [(3, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
-def test_penalties_speculate_and_equal_the_plain_engine(demo_prompts, k, d):
+# default run: greedy and seeded at d = 1, both schemes; (2, 2) is slow (~4 s)
+# (at fixed depth a pipelining request's lanes exit in order, so each commits as lane 0; adaptive exits
+# commit lanes behind it, whose targets read the lanes ahead as history)
+@pytest.mark.parametrize("speculative, exits", [
+    (spec(3, 1), {}), (PIPE, {"exit_threshold": 0.5}),
+    pytest.param(PIPE, {}, marks=pytest.mark.slow), pytest.param(spec(2, 2), {}, marks=pytest.mark.slow)],
+    ids=["draft_verify", "pipeline_adaptive", "pipeline", "draft_verify_d2"])
+def test_penalties_speculate_and_equal_the_plain_engine(demo_prompts, speculative, exits):
     """Repetition, presence and frequency penalties read the tokens generated before each position: inside a
-    round, the committed tokens and the round's drafts before the position (spec_rows.round_history). Seeded
-    and greedy requests with them speculate, equal plain decoding token for token (logprobs too), and the
-    penalties are real: without them the outputs differ."""
+    round, the committed tokens and the round's drafts before the position; in the pipeline, the committed
+    tokens and the input tokens of the lanes ahead (spec_rows.round_history). Seeded and greedy requests with
+    them speculate, equal plain decoding token for token (logprobs too), and the penalties are real: without
+    them the outputs differ."""
     pen = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.4}
     reqs = {"greedy": (demo_prompts[0], GREEDY.clone(**pen)),
             "seeded": (demo_prompts[1], SAMPLED.clone(seed=21, **pen)),
@@ -138,11 +149,16 @@ def test_penalties_speculate_and_equal_the_plain_engine(demo_prompts, k, d):
             "none": (demo_prompts[3], SAMPLED.clone(seed=23)),
             # a prompt that asks for repeats: a round's drafts repeat each other unless penalized as history
             "repeats": (engine().tokenizer.encode("x = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1"),
-                        GREEDY.clone(frequency_penalty=0.6, max_tokens=32))}
+                        GREEDY.clone(frequency_penalty=0.6, max_tokens=32)),
+            # a run of one token: a position's own input token is the one its penalty must count
+            "hashes": (engine().tokenizer.encode("#" * 50), GREEDY.clone(frequency_penalty=1.0, max_tokens=32))}
+    reqs = {rid: (p, params.clone(**exits)) for rid, (p, params) in reqs.items()}
     plain = drain(engine(), reqs, arrivals={"none": 4})
-    eng = engine(speculative=spec(k, d))
+    eng = engine(speculative=speculative)
+    seen = added(eng)
     out = drain(eng, reqs, arrivals={"none": 4})
     assert_same(out, plain)
+    assert all(req.speculative for req in seen.values())
     assert 0 < eng.stats.spec_num_accepted_tokens < eng.stats.spec_num_draft_tokens
     unpenalized = drain(engine(), {rid: (p, params.clone(repetition_penalty=1.0, presence_penalty=0.0,
                                                           frequency_penalty=0.0))

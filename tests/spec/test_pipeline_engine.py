@@ -106,8 +106,8 @@ def test_adaptive_exits_equal_the_independent_oracle(tiny_gqa):
 # spec/test_engine.py::test_speculating_requests_batch_with_plain_ones, and the batches (with arrivals) of
 # test_greedy_fixed_depth_equals_plain_engine
 def test_pipelining_requests_batch_with_plain_ones_and_chunked_prefill(demo_prompts):
-    """A request with a penalty, a too shallow max_loops or speculate=False decodes plainly beside pipelining
-    ones, while a long prompt arrives in chunks (a small token budget) next to their lanes."""
+    """A request with a too shallow max_loops or speculate=False decodes plainly beside pipelining ones (one of
+    them with a penalty), while a long prompt arrives in chunks (a small token budget) next to their lanes."""
     long_prompt = (demo_prompts[0] + demo_prompts[1]) * 3
     reqs = {"p0": (demo_prompts[0], GREEDY), "pen": (demo_prompts[1], GREEDY.clone(repetition_penalty=1.3)),
             "p1": (demo_prompts[2], GREEDY.clone(max_tokens=17)),
