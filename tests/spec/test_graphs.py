@@ -84,13 +84,12 @@ SAMPLED = SamplingParams(max_tokens=14, temperature=0.9, top_k=50, seed=5, ignor
                          exit_threshold=0.6)
 
 
-def requests(params: SamplingParams, penalized_spec: bool = True) -> tuple[dict, dict]:
-    """Three speculating requests (a 4-bucket; one with penalties, whose rounds read their drafts as history)
+def requests(params: SamplingParams) -> tuple[dict, dict]:
+    """Three speculating requests (a 4-bucket; one with penalties, which reads the drafts or lanes ahead as history)
     and two plain ones (speculate=False, with penalties), staggered."""
     reqs = {f"s{i}": (ids(n, seed=n), params.clone(seed=params.seed + i if params.seed is not None else None))
             for i, n in enumerate((5, 13, 8))}
-    if penalized_spec:  # (the pipeline decodes such requests plainly)
-        reqs["s1"] = (reqs["s1"][0], reqs["s1"][1].clone(repetition_penalty=1.3, presence_penalty=0.4))
+    reqs["s1"] = (reqs["s1"][0], reqs["s1"][1].clone(repetition_penalty=1.3, presence_penalty=0.4))
     reqs["p0"] = (ids(7, seed=70), params.clone(repetition_penalty=1.2, speculate=False))
     reqs["p1"] = (ids(4, seed=40), params.clone(frequency_penalty=0.5, max_tokens=30, speculate=False))
     return reqs, {"s1": 3, "p1": 6, "s2": 9}

@@ -4,7 +4,7 @@ whose "replay" re-runs the captured forward eagerly on the graph's padded views 
 scratch slot, frozen); the GPU test captures real CUDA graphs.
 
 What must hold: tokens, exit depths and logprobs with graphs equal those without and those of plain
-decoding (greedy and seeded sampling, adaptive exits), with pipelining requests padded into larger buckets
+decoding (greedy and seeded sampling, adaptive exits, one request with penalties), with pipelining requests padded into larger buckets
 and batched with plain requests; every step of lane rows without a prefill chunk replays a graph. The real CUDA
 graphs' GPU test is tests/spec/test_graphs.py's, run for both schemes."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ def pipe(d: int) -> dict:
     pytest.param(1, GREEDY, id="1-greedy"), pytest.param(1, SAMPLED, id="1-sampled", marks=pytest.mark.slow),
     pytest.param(2, GREEDY, id="2-greedy", marks=pytest.mark.slow), pytest.param(2, SAMPLED, id="2-sampled")])
 def test_pipelining_steps_replay_graphs_and_equal_eager_and_plain(tiny_gqa, params, d):
-    reqs, arrivals = requests(params, penalized_spec=False)
+    reqs, arrivals = requests(params)
     eng = make(tiny_gqa, pipe(d), graphs=True, async_scheduling=d == 2)
     seen = watch(eng)
     graphed = drain(eng, reqs, arrivals)
