@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from reference import fp8_round_trip  # (tests/reference.py: Ouro's oracle, the same FP8 store)
+
 
 def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
     xf = x.float()
@@ -60,7 +62,9 @@ def _rope(x: Tensor, positions: Tensor, base: float) -> Tensor:
 
 
 class _Layer:
-    def __init__(self, sd: dict[str, Tensor], prefix: str, cfg: dict) -> None:
+    def __init__(self, sd: dict[str, Tensor], prefix: str, cfg: dict,
+                 kv_scales: tuple[Tensor, Tensor] | None = None) -> None:
+        self.kv_scales = kv_scales  # this layer's (k [kv_heads], v [kv_heads]): its K/V stored as FP8
         self.w = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
         self.cfg = cfg
         self.h = cfg["n_embd"]
@@ -80,7 +84,10 @@ class _Layer:
             q = q + self.w["attn.qk_bias"][0, 0]
             k = k + self.w["attn.qk_bias"][1, 0]
         base = self.cfg["rope_base"]
-        return _rope(q, positions, base), _rope(k, positions, base), v
+        q, k = _rope(q, positions, base), _rope(k, positions, base)
+        if self.kv_scales is not None:  # every key and value a query reads was stored (its own too)
+            k, v = fp8_round_trip(k, self.kv_scales[0]), fp8_round_trip(v, self.kv_scales[1])
+        return q, k, v
 
     def finish(self, x: Tensor, q: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         """The block's output given each query's keys/values ``[n_q, n_k, kv_heads, D]`` (query i sees
@@ -108,13 +115,20 @@ class _Layer:
 class HuginnReference:
     """The reference model of one state dict and config (module docstring)."""
 
-    def __init__(self, sd: dict[str, Tensor], cfg: dict) -> None:
+    def __init__(self, sd: dict[str, Tensor], cfg: dict, kv_scales: tuple[Tensor, Tensor] | None = None) -> None:
+        """``kv_scales = (k, v)`` ``[layers, kv_heads]``: K/V are stored as FP8 E4M3 with row ``i`` the
+        scales of layer ``i`` of every stage (an engine's cache layer ``i`` holds all three)."""
         self.sd, self.cfg = sd, cfg
         self.eps = cfg["norm_eps"]
         t = "transformer."
-        self.prelude = [_Layer(sd, f"{t}prelude.{i}.", cfg) for i in range(cfg["n_layers_in_prelude"])]
-        self.core = [_Layer(sd, f"{t}core_block.{i}.", cfg) for i in range(cfg["n_layers_in_recurrent_block"])]
-        self.coda_layers = [_Layer(sd, f"{t}coda.{i}.", cfg) for i in range(cfg["n_layers_in_coda"])]
+
+        def layers(name: str, count: int) -> list[_Layer]:
+            return [_Layer(sd, f"{t}{name}.{i}.", cfg, None if kv_scales is None else (kv_scales[0][i], kv_scales[1][i]))
+                    for i in range(count)]
+
+        self.prelude = layers("prelude", cfg["n_layers_in_prelude"])
+        self.core = layers("core_block", cfg["n_layers_in_recurrent_block"])
+        self.coda_layers = layers("coda", cfg["n_layers_in_coda"])
         self.head = sd.get("lm_head.weight", sd[f"{t}wte.weight"])
 
     def embed(self, ids: Tensor) -> Tensor:
@@ -171,9 +185,11 @@ def reference_logits(sd: dict[str, Tensor], cfg: dict, ids: Sequence[int], num_s
 @torch.no_grad()
 def reference_generate(sd: dict[str, Tensor], cfg: dict, prompt: Sequence[int], max_tokens: int, *,
                        max_steps: int, init_states: Tensor, min_steps: int = 1, threshold: float = 1.0,
-                       eos_ids: Sequence[int] = ()) -> tuple[list[int], list[int], list[float]]:
-    """Serial greedy oracle (module docstring): ``(tokens, exit iterations, logprobs)``."""
-    ref = HuginnReference(sd, cfg)
+                       eos_ids: Sequence[int] = (), kv_scales: tuple[Tensor, Tensor] | None = None
+                       ) -> tuple[list[int], list[int], list[float]]:
+    """Serial greedy oracle (module docstring): ``(tokens, exit iterations, logprobs)``; ``kv_scales``: every
+    K/V stored as FP8 (:class:`HuginnReference`)."""
+    ref = HuginnReference(sd, cfg, kv_scales)
     seq, tokens, depths, logprobs = list(prompt), [], [], []
     exits: list[int | None] = [max_steps] * len(prompt)
     while len(tokens) < max_tokens:

@@ -105,7 +105,6 @@ def test_kv_pool_from_the_kv_stages(tiny):
     ({"max_num_loops": True}, "max_num_loops"),
     ({"kv_layout": "shared"}, "kv_layout"),
     ({"kernel_backend": "triton"}, "kernel_backend"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
     ({"speculative_config": {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1}}, "speculative_config"),
 ])
 def test_bad_engine_options_are_named(tiny, kw, field):

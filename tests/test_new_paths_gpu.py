@@ -1,6 +1,6 @@
 """This session's new engine paths on a real GPU (marked gpu: skipped without CUDA): Huginn through the
 Triton attention, eagerly and in CUDA graphs, against the plain path; the lookahead exit policy in CUDA
-graphs against the same engine eagerly. ``LOOPLINE_TEST_DEVICE=cpu`` runs the same checks on the CPU
+graphs against the same engine eagerly; Huginn's FP8 KV against its oracle. ``LOOPLINE_TEST_DEVICE=cpu`` runs the same checks on the CPU
 (the torch backend, no graphs) to check the tests themselves."""
 from __future__ import annotations
 
@@ -46,6 +46,36 @@ def test_huginn_head_size_not_a_power_of_two_on_the_gpu(tmp_path):
     # Huginn-0125's heads are 96 wide: the Triton kernels run 128-wide tiles, masked (here 48 in 64)
     check_huginn(tmp_path, False, {"exit_threshold": 0.5, "max_loops": 6}, hidden_size=96, num_attention_heads=2,
                  num_key_value_heads=2)
+
+
+def test_huginn_fp8_kv_on_the_gpu_equals_the_oracle(tmp_path):
+    """FP8 pages through the Triton kernels in CUDA graphs, 96-wide heads as Huginn-0125's: tokens and exit
+    iterations equal the independent oracle storing every K/V as FP8 with the engine's scales."""
+    from huginn_reference import reference_generate
+    from safetensors.torch import load_file
+    from test_huginn_fp8 import closer_to_fp8
+
+    from loopline.models.huginn_tiny import make_tiny_huginn_checkpoint
+    from loopline.models.loader import load_looped_model
+
+    path = make_tiny_huginn_checkpoint(tmp_path / "h", seed=0, hidden_size=96, num_attention_heads=2,
+                                       num_key_value_heads=2)
+    model = load_looped_model(path)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True, exit_threshold=0.05,
+                            max_loops=6, min_loops=2)
+    eng = engine(path, False, kv_cache_dtype="fp8")
+    outs = run_arrivals(eng, {rid: (p, params) for rid, p in PROMPTS.items()}, {"d": 3})
+    scales = (eng.runner.kv_scales.k.cpu(), eng.runner.kv_scales.v.cpu())
+    cfg, sd = json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
+    for rid, prompt in PROMPTS.items():
+        n = len(prompt) + params.max_tokens
+        init = model.initial_state(torch.zeros(n, 96), torch.arange(n), torch.zeros(n, dtype=torch.long))
+        tokens, depths, logprobs = reference_generate(sd, cfg, prompt, 8, max_steps=6, min_steps=2, threshold=0.05,
+                                                      init_states=init, kv_scales=scales)
+        full = reference_generate(sd, cfg, prompt, 8, max_steps=6, min_steps=2, threshold=0.05, init_states=init)[2]
+        got = outs[rid].outputs[0]
+        assert (got.token_ids, got.exit_depths) == (tokens, depths), rid
+        closer_to_fp8(got.token_logprobs, logprobs, full, rid)
 
 
 def check_huginn(tmp_path, eager, exit_kw, **config):

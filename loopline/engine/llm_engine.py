@@ -283,7 +283,7 @@ class LLMEngine(EngineVerbs):
                                    watermark_blocks=int(args.kv_watermark * num_blocks),
                                    after_prefill=RequestStatus.HANDOFF if prefill_only else RequestStatus.DECODE,
                                    speculation=speculation)
-        kv_scales = kv_scales_for(self.model, cfg.kv_dtype, self.tokenizer, max_len)
+        kv_scales = kv_scales_for(self.model, cfg.kv_dtype, self.tokenizer, max_len, num_loops)
         if kv_scales is not None:
             logger.info("KV cache: %s with per-layer, per-KV-head scales from %s", args.kv_cache_dtype, kv_scales.source)
         self.runner = ModelRunner(self.model, layout, backends.attention, num_blocks, args.block_size, args.max_num_seqs,

@@ -11,11 +11,13 @@ Scales are per layer and head, never per loop plane or page, so the exit copy,
 the prefix cache, preemption snapshots and the PD handoff move pages as raw
 bytes, unchanged. They come from the checkpoint when it carries
 ``model.layers.{i}.self_attn.k_scale`` / ``v_scale`` (a scalar or one per KV
-head); otherwise from a calibration pass at engine start: the dense model runs
-every loop over a fixed prompt (:data:`CALIBRATION_TEXT` when a tokenizer is
-loaded, else fixed pseudo-random ids) and each layer and head's largest
-|K| and |V| over all loops is mapped to half the FP8 range, rounded up to a
-power of two. Why this way:
+head; Ouro checkpoints); otherwise from a calibration pass at engine start: the
+dense model runs a fixed prompt (:data:`CALIBRATION_TEXT` when a tokenizer is
+loaded, else fixed pseudo-random ids) through every stage and every loop a
+prompt runs, and each cache layer and head's largest |K| and |V| over all of
+them is mapped to half the FP8 range, rounded up to a power of two. A cache
+layer of a family with several stages (Huginn: prelude, core and coda) holds
+layer ``i`` of each, so its scale covers all three. Why this way:
 
 * fixed, not taken from the first user prompt, so a request's tokens never
   depend on which request came first, and two processes (a prefill and a
@@ -37,6 +39,7 @@ from torch import Tensor
 
 from loopline.attention.base import FP8_KV_DTYPE, FP8_MAX
 from loopline.errors import InvalidRequestError
+from loopline.models.plain import PlaneKV
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")
 HEADROOM = 2.0  # the calibrated maximum maps to at most FP8_MAX / HEADROOM
@@ -134,31 +137,51 @@ def calibration_token_ids(vocab_size: int, tokenizer=None, length: int = CALIBRA
     return torch.tensor((ids * reps)[:length], dtype=torch.long)
 
 
+class _AmaxKV(PlaneKV):
+    """A prompt pass's K/V (:func:`~loopline.models.plain.dense_prompt`) that keeps each cache layer's largest
+    |K| and |V| per KV head. A prompt's loop ``r`` reads only what loop ``r`` wrote, so every plane of a
+    stage shares one buffer (one plane's memory, whatever the depth)."""
+
+    def __init__(self, capacity: int, layers: int, kv_heads: int, device: torch.device) -> None:
+        super().__init__(capacity)
+        self.k_amax = torch.zeros(layers, kv_heads, device=device)
+        self.v_amax = torch.zeros_like(self.k_amax)
+
+    def write(self, key: tuple[str, int, int], start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        stage, _, layer = key
+        self.k_amax[layer] = torch.maximum(self.k_amax[layer], k.detach().abs().float().amax(dim=(0, 2)))
+        self.v_amax[layer] = torch.maximum(self.v_amax[layer], v.detach().abs().float().amax(dim=(0, 2)))
+        return super().write((stage, 0, layer), start, k, v)
+
+
 @torch.inference_mode()
-def calibrate_kv_scales(model, token_ids: Tensor, max_len: int | None = None) -> KVScales:
-    """Scales from the largest |K| (after rotary) and |V| of every layer and KV head over every loop of the
-    dense reference forward of ``token_ids`` (``[T]``), mapped by :func:`power_of_two_scales`."""
-    from loopline.models.ouro import DenseCausalAttention  # the reference forward's attention
+def kv_amax(model, token_ids: Tensor, max_loops: int | None = None) -> tuple[Tensor, Tensor]:
+    """The largest |K| (after rotary) and |V| ``[cache layers, kv_heads]`` fp32 of a dense prompt pass of
+    ``token_ids`` (``[T]``) over every stage and every loop a prompt runs for ``max_loops`` (default: the
+    checkpoint's depth). A cache layer holds layer ``i`` of every stage (Huginn: prelude, core and coda layer
+    ``i``; Ouro: its one loop stage), so its maximum is taken over all of them."""
+    from loopline.models.family import family_of
+    from loopline.models.plain import dense_prompt
 
     cfg = model.config
+    device = next(model.parameters()).device
+    kv = _AmaxKV(token_ids.shape[0], family_of(model).kv_layers(cfg), cfg.num_key_value_heads, device)
+    dense_prompt(model, token_ids, kv, max_loops)
+    return kv.k_amax, kv.v_amax
+
+
+def calibrate_kv_scales(model, token_ids: Tensor, max_len: int | None = None, max_loops: int | None = None
+                        ) -> KVScales:
+    """Scales from :func:`kv_amax` of ``token_ids`` (cut to ``max_len``), mapped by :func:`power_of_two_scales`.
+    One scale per cache layer serves every stage it holds: E4M3's relative precision is the same across its
+    range, so a stage with smaller values loses nothing to another's larger scale."""
     if max_len is not None:
         token_ids = token_ids[:max_len]
-    device = next(model.parameters()).device
-    ids = token_ids.to(device)[None, :]
-    k_amax = torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, device=device)
-    v_amax = torch.zeros_like(k_amax)
-
-    def record(layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        k_amax[layer] = torch.maximum(k_amax[layer], k.detach().abs().float().amax(dim=(0, 2)))
-        v_amax[layer] = torch.maximum(v_amax[layer], v.detach().abs().float().amax(dim=(0, 2)))
-        return k, v
-
-    t = ids.shape[1]
-    model.forward_dense(ids, compute_logits=False, attention=lambda r: DenseCausalAttention(1, t, history=record))
-    if device.type == "cuda":
+    k_amax, v_amax = kv_amax(model, token_ids, max_loops)
+    if k_amax.device.type == "cuda":
         torch.cuda.empty_cache()  # the pool is allocated next, in one piece
     return KVScales(power_of_two_scales(k_amax), power_of_two_scales(v_amax),
-                    f"calibration ({t} tokens, every loop)")
+                    f"calibration ({token_ids.shape[0]} tokens, every stage and loop)")
 
 
 def checkpoint_scales(model) -> KVScales | None:
@@ -170,16 +193,18 @@ def checkpoint_scales(model) -> KVScales | None:
     return KVScales(k, v, "checkpoint (k_scale / v_scale)")
 
 
-def kv_scales_for(model, kv_dtype: torch.dtype, tokenizer=None, max_len: int | None = None) -> KVScales | None:
-    """The scales an engine with a ``kv_dtype`` cache uses: None unless FP8; the checkpoint's, else calibrated."""
+def kv_scales_for(model, kv_dtype: torch.dtype, tokenizer=None, max_len: int | None = None,
+                  max_loops: int | None = None) -> KVScales | None:
+    """The scales an engine with a ``kv_dtype`` cache uses: None unless FP8; the checkpoint's, else calibrated
+    (over the loops a prompt runs for the engine's ``max_loops``)."""
     if not is_fp8(kv_dtype):
         return None
     found = checkpoint_scales(model)
     if found is not None:
         return found
     ids = calibration_token_ids(model.config.vocab_size, tokenizer)
-    return calibrate_kv_scales(model, ids, max_len)
+    return calibrate_kv_scales(model, ids, max_len, max_loops)
 
 
 __all__ = ["KV_CACHE_DTYPES", "KVScales", "calibrate_kv_scales", "calibration_token_ids", "checkpoint_scales",
-           "is_fp8", "kv_scales_for", "power_of_two_scales", "resolve_kv_cache_dtype", "stored_dtype"]
+           "is_fp8", "kv_amax", "kv_scales_for", "power_of_two_scales", "resolve_kv_cache_dtype", "stored_dtype"]

@@ -215,7 +215,6 @@ HUGINN = Family(
     loop_reads=lambda c: _huginn_loop_reads(c),
     engine_limits=(
         ("kernel_backend", ("auto", "torch"), "Huginn's layers run in plain torch"),
-        ("kv_cache_dtype", ("auto",), "FP8 KV scales are calibrated for Ouro's layers only"),
         ("speculative_config", (None,), "loop self-speculation drafts with Ouro's stages"),
     ),
     # the latent seeds the prompt's states; the coda plane holds the prompt's last loop (its depth)

@@ -78,10 +78,11 @@ class PlainOutput:
 class _Sequence:
     """One sequence's KV and the stage calls at given positions."""
 
-    def __init__(self, model: nn.Module, family: Family, capacity: int, planes: int, seed: int) -> None:
+    def __init__(self, model: nn.Module, family: Family, capacity: int, planes: int, seed: int,
+                 kv: PlaneKV | None = None) -> None:
         self.model, self.family, self.planes, self.seed = model, family, planes, seed
         self.device = next(model.parameters()).device
-        self.kv = PlaneKV(capacity)
+        self.kv = kv if kv is not None else PlaneKV(capacity)
         stages = family.kv_stages(model.config)
         self.per_loop = [s for s in stages if s.per_loop]
         self.once = {s.name: s for s in stages if not s.per_loop}
@@ -155,6 +156,21 @@ def plain_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens: int,
     logits = seq.coda(torch.cat([state[:-1], exit_state]), pos)[-1]
     return greedy_emit(logits, exit_loop, len(prompt_ids), max_tokens, eos_ids,
                        lambda token, position: _decode(seq, token, position, min_loops, max_loops, threshold, vocab))
+
+
+@torch.no_grad()
+def dense_prompt(model: nn.Module, ids: Tensor, kv: PlaneKV, max_loops: int | None = None, seed: int = 0) -> None:
+    """Runs ``ids`` (``[T]``) as one prompt through every stage at the family's prefill depth for ``max_loops``
+    (default: the checkpoint's depth), writing every stage's K/V of every loop into ``kv`` (FP8 KV calibration
+    reads them: ``loopline.kv.quant``). A coda without K/V (Ouro's ``lm_head``) is not run."""
+    family, config = family_of(model), model.config
+    loops = family.prefill_loops(config, config.num_loops if max_loops is None else max_loops)
+    seq = _Sequence(model, family, ids.shape[0], loops, seed, kv)
+    e, state, pos = seq.prelude(ids.to(seq.device), 0)
+    for loop in range(1, loops + 1):
+        state, _ = seq.core(state, e, pos, loop)
+    if "coda" in seq.once:
+        seq.coda(state, pos)
 
 
 def greedy_emit(logits: Tensor, exit_loop: int, position: int, max_tokens: int, eos_ids: Collection[int],
