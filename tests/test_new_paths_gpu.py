@@ -53,7 +53,7 @@ def test_huginn_fp8_kv_on_the_gpu_equals_the_oracle(tmp_path):
     iterations equal the independent oracle storing every K/V as FP8 with the engine's scales."""
     from huginn_reference import reference_generate
     from safetensors.torch import load_file
-    from test_huginn_fp8 import closer_to_fp8
+    from matching import closer_to_fp8
 
     from loopline.models.huginn_tiny import make_tiny_huginn_checkpoint
     from loopline.models.loader import load_looped_model

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from matching import approx_floats
+from matching import approx_floats, closer_to_fp8
 from reference import reference_generate
 from safetensors.torch import load_file, save_file
 
@@ -163,15 +163,12 @@ def test_fp8_engine_matches_the_reference_storing_fp8(tiny_gqa, layout):
                                                            layout=layout, kv_scales=scales)
         out = outs[f"r{i}"].outputs[0]
         assert (out.token_ids, out.exit_depths) == (tokens, exit_depths)
-        for tid, lps, ref in zip(out.token_ids, out.logprobs, logprobs):
-            assert abs(lps[tid].logprob - ref) < 1e-4
+        # ...and FP8 really changes the numbers: the logprobs are nearer the reference storing FP8 than the
+        # one without (tests/test_huginn_fp8.py says why the tolerance is FP8's own error, not fp32's)
+        _, _, full = reference_generate(tiny_gqa.state_dict, tiny_gqa.cfg, p, 8, exit_threshold=0.7, layout=layout)
+        closer_to_fp8([lps[tid].logprob for tid, lps in zip(out.token_ids, out.logprobs)], logprobs, full, f"r{i}")
         depths |= set(exit_depths)
     assert len(depths) > 1
-    # ...and FP8 really changes the numbers: the reference without FP8 gives other logprobs
-    _, _, plain = reference_generate(tiny_gqa.state_dict, tiny_gqa.cfg, prompts[1], 8, exit_threshold=0.7, layout=layout)
-    _, _, fp8 = reference_generate(tiny_gqa.state_dict, tiny_gqa.cfg, prompts[1], 8, exit_threshold=0.7, layout=layout,
-                                   kv_scales=scales)
-    assert max(abs(a - b) for a, b in zip(plain, fp8)) > 1e-4
 
 
 def test_fp8_batched_chunked_equals_serial(tiny_gqa):
