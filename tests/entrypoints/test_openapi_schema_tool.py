@@ -13,13 +13,14 @@ from openapi_schema import BODIES, openapi_document  # noqa: E402
 
 def test_every_json_route_gets_its_models_body():
     app = FastAPI()
-    for path in BODIES:
+    for path in [p for p in BODIES if p != "/sleep"]:  # (a route the app lacks gets no body)
         async def route(request: Request) -> dict:  # (the server's routes parse their bodies themselves)
             return {}
         app.post(path)(route)
     doc = openapi_document(app)
     schemas = doc["components"]["schemas"]
-    for path, model in BODIES.items():
+    assert "/sleep" not in doc["paths"]
+    for path, model in [(p, m) for p, m in BODIES.items() if p != "/sleep"]:
         ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref == f"#/components/schemas/{model.__name__}"
         assert set(model.model_fields) <= set(schemas[model.__name__]["properties"])
