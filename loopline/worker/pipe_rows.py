@@ -189,9 +189,9 @@ class PipeRounds:
         any_due = due.any(dim=1)
         logits = self.head(ring.hidden[slots, lane], any_due)
         index = self.state.token_index[slots] + lane
-        fed = ring.token[slots, 1:]  # lane j's history: the committed tokens, then lanes 1..j's input tokens
+        # lane j's history: the committed tokens, then lanes 1..j's input tokens
         drafted = self.drafts(logits, [self.requests[r.request_id] for r in heads], index,
-                              lambda t: round_history(self.state, fed, t, slots, lane))
+                              lambda t: round_history(self.state, ring.token[slots, 1:], t, slots, lane))
         ring.draft[slots, lane] = torch.where(any_due, drafted, ring.draft[slots, lane])
         # a round of one draft, when its token is within max_tokens (the reference's rule)
         ring.drafted[slots, lane] = ring.drafted[slots, lane] | (any_due & (index + 1 < ring.limit[slots]))

@@ -108,8 +108,11 @@ def round_history(ds: DeviceDecodeState, fed: Tensor, tensors: SamplingTensors, 
     position. A token committed at a position follows exactly those tokens (all of them were accepted), so
     drafts and targets sampled this way are plain decoding's; a position after a rejected draft is never
     committed, whatever its history."""
+    penalties, bad_words = tensors.any_penalties and ds.counts is not None, tensors.any_bad_words and ds.recent is not None
+    if not (penalties or bad_words):  # (no launch for the usual request)
+        return
     before = torch.arange(fed.shape[1], device=slots.device)[None, :] < position[:, None]
-    if tensors.any_penalties and ds.counts is not None:
+    if penalties:
         extra = torch.zeros(len(slots), ds.counts.shape[1], dtype=ds.counts.dtype, device=slots.device)
         extra.scatter_add_(1, fed, before.to(extra.dtype))
         counts, seen = ds.counts[slots] + extra, ds.seen[slots] | (extra > 0)
@@ -118,7 +121,7 @@ def round_history(ds: DeviceDecodeState, fed: Tensor, tensors: SamplingTensors, 
         else:
             rows = slice(first, first + len(slots))
             tensors.output_counts[rows], tensors.seen_mask[rows] = counts, seen
-    if tensors.any_bad_words and ds.recent is not None:
+    if bad_words:
         width, kept = tensors.bad_prefix.shape[1], ds.recent.shape[1]
         # the last `width` tokens of (committed, fed before the position), oldest first
         full = torch.cat([ds.recent[slots], fed], dim=1)
