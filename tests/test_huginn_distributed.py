@@ -10,7 +10,7 @@ import time
 
 import pytest
 from engine_testing import run_arrivals  # tests/ is on pythonpath (pyproject.toml)
-from matching import approx_floats
+from matching import FP8_LOGPROB_ATOL, approx_floats
 
 from loopline import AsyncLLM
 from loopline.config import EngineArgs
@@ -48,17 +48,17 @@ def result(out) -> list:
     return [(c.token_ids, c.exit_depths, c.finish_reason, c.token_logprobs) for c in out.outputs]
 
 
-def single(path, requests) -> dict:
-    return run_arrivals(LLMEngine(EngineArgs(model=str(path), **BASE)), requests)
+def single(path, requests, **extra) -> dict:
+    return run_arrivals(LLMEngine(EngineArgs(model=str(path), **BASE, **extra)), requests)
 
 
-def handed_off(path, requests) -> tuple[dict, set, LLMEngine, LLMEngine]:
+def handed_off(path, requests, **extra) -> tuple[dict, set, LLMEngine, LLMEngine]:
     """A prefill-only engine and a decode engine stepped in turn, as a PD worker pair: prompt pages (every
     plane) that became final are streamed into pages the decode engine reserved when the first arrived,
     and each ready request moves with the rest of its pages. Returns the outputs, the requests whose pages
-    left before their prompt finished, and both engines."""
-    prefill = LLMEngine(EngineArgs(model=str(path), **BASE), prefill_only=True)
-    decode = LLMEngine(EngineArgs(model=str(path), **BASE))
+    left before their prompt finished, and both engines. ``extra``: more engine arguments for both."""
+    prefill = LLMEngine(EngineArgs(model=str(path), **BASE, **extra), prefill_only=True)
+    decode = LLMEngine(EngineArgs(model=str(path), **BASE, **extra))
     done, sent, early = {}, {}, set()
 
     def put(child, first, kv):
@@ -104,6 +104,18 @@ def test_handoff_gives_the_single_engines_outputs(huginn):
     assert len(depths) >= 3  # the convergence exit fired at varied iterations
     assert prefill.kv.num_used_blocks == 0 and decode.kv.num_used_blocks == 0
     assert not decode.runner.pages.snapshots and not prefill.runner.requests
+
+
+def test_fp8_handoff_moves_fp8_pages_and_gives_the_single_engines_outputs(huginn):
+    """With an FP8 cache the pages travel as their bytes (every plane), both sides hold the same calibrated
+    scales, and the outputs are the single FP8 engine's."""
+    requests = workload()
+    ref = single(huginn, requests, kv_cache_dtype="fp8")
+    got, _, prefill, decode = handed_off(huginn, requests, kv_cache_dtype="fp8")
+    assert prefill.runner.k_cache.element_size() == 1 and prefill.runner.kv_scales.same_as(decode.runner.kv_scales)
+    assert approx_floats({k: result(v) for k, v in got.items()}, FP8_LOGPROB_ATOL) == \
+        {k: result(v) for k, v in ref.items()}
+    assert prefill.kv.num_used_blocks == 0 and decode.kv.num_used_blocks == 0
 
 
 async def _generate_all(llm, requests) -> dict:
