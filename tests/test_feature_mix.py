@@ -5,7 +5,7 @@ chunked prefill budget, block size, preemption under a tight pool, prefix cachin
 few requests (greedy or seeded sampling with top-k / top-p / min-p, adaptive or fixed depth, penalties, bad
 words, stop ids, min_tokens, max_loops, speculate=False, arrival steps). Every request's tokens, exit depths,
 finish reason and logprobs must equal those of the same request run alone in a plain engine of the same
-KV layout (tests/spec/test_engine.py's ``assert_same``). The default run draws 6 seeds, the slow run 60 (all
+KV layout (tests/spec/test_engine.py's ``assert_same``). The default run draws 8 seeds, the slow run 60 (all
 passed when this was written; a forerunner of the generator ran 360 more mixes, and every failure was a
 request it had made invalid: min_tokens above max_tokens, a prompt larger than the pool).
 """
@@ -31,35 +31,31 @@ def prompts() -> list[list[int]]:
     return [tok.encode(t) for t in TEXTS]
 
 
+#: (probability, field, values): each request draws each field with its probability, then one of its values
+SAMPLED_FIELDS = [(0.3, "top_k", [5, 20]), (0.3, "top_p", [0.8, 0.95]), (0.2, "min_p", [0.05])]
+OTHER_FIELDS = [(0.3, "repetition_penalty", [1.2, 1.5]), (0.3, "frequency_penalty", [0.5, 1.0]),
+                (0.2, "presence_penalty", [0.7]), (0.2, "bad_words", [[w] for w in (" the", "(", "self", " =", "):")]),
+                (0.15, "stop_token_ids", [[t] for t in (7, 11, 42, 199, 260, 318, 401)]),
+                (0.1, "max_loops", [2, 3]), (0.1, "speculate", [False])]
+
+
+def draw(rng: random.Random, fields: list, kw: dict) -> None:
+    for p, name, values in fields:
+        if rng.random() < p:
+            kw[name] = rng.choice(values)
+
+
 def request_params(rng: random.Random) -> SamplingParams:
-    kw: dict = {"max_tokens": rng.randint(1, 24), "ignore_eos": rng.random() < 0.8, "logprobs": rng.choice([None, 0, 2])}
+    kw: dict = {"max_tokens": rng.randint(1, 24), "ignore_eos": rng.random() < 0.8, "logprobs": rng.choice([None, 0, 2]),
+                "exit_threshold": rng.choice([1.0, 0.5, 0.3])}
     if rng.random() < 0.5:
         kw.update(temperature=rng.choice([0.5, 0.8, 1.0]), seed=rng.randint(0, 1000))
-        if rng.random() < 0.3:
-            kw["top_k"] = rng.choice([5, 20])
-        if rng.random() < 0.3:
-            kw["top_p"] = rng.choice([0.8, 0.95])
-        if rng.random() < 0.2:
-            kw["min_p"] = 0.05
+        draw(rng, SAMPLED_FIELDS, kw)
     else:
         kw["temperature"] = 0.0
-    kw["exit_threshold"] = rng.choice([1.0, 0.5, 0.3])
-    if rng.random() < 0.3:
-        kw["repetition_penalty"] = rng.choice([1.2, 1.5])
-    if rng.random() < 0.3:
-        kw["frequency_penalty"] = rng.choice([0.5, 1.0])
-    if rng.random() < 0.2:
-        kw["presence_penalty"] = 0.7
-    if rng.random() < 0.2:
-        kw["bad_words"] = [rng.choice([" the", "(", "self", " =", "):"])]
-    if rng.random() < 0.15:
-        kw["stop_token_ids"] = [rng.randrange(3, 500)]
+    draw(rng, OTHER_FIELDS, kw)
     if rng.random() < 0.15 and not kw["ignore_eos"]:
         kw["min_tokens"] = rng.randint(0, kw["max_tokens"])
-    if rng.random() < 0.1:
-        kw["max_loops"] = rng.choice([2, 3])
-    if rng.random() < 0.1:
-        kw["speculate"] = False
     return SamplingParams(**kw)
 
 
@@ -102,6 +98,11 @@ def trial(seed: int, prompts: list[list[int]]) -> None:
         assert_same({rid: got[rid]}, alone)
 
 
-@pytest.mark.parametrize("seed", [*range(6), *(pytest.param(s, marks=pytest.mark.slow) for s in range(6, 60))])
+# default run: 8 seeds that draw each scheme, preemption, prefix caching and the shared layout at least once
+DEFAULT_SEEDS = (0, 1, 2, 3, 4, 5, 11, 15)
+
+
+@pytest.mark.parametrize("seed", [s if s in DEFAULT_SEEDS else pytest.param(s, marks=pytest.mark.slow)
+                                  for s in range(60)])
 def test_a_random_mix_equals_each_request_alone(prompts, seed):
     trial(seed, prompts)
