@@ -5,7 +5,7 @@ chunked prefill budget, block size, preemption under a tight pool, prefix cachin
 few requests (greedy or seeded sampling with top-k / top-p / min-p, adaptive or fixed depth, penalties, bad
 words, stop ids, min_tokens, max_loops, speculate=False, arrival steps). Every request's tokens, exit depths,
 finish reason and logprobs must equal those of the same request run alone in a plain engine of the same
-KV layout (tests/spec/test_engine.py's ``assert_same``). The default run draws 8 seeds, the slow run 60 (all
+KV layout (tests/spec/test_engine.py's ``assert_same``). The default run draws 4 seeds, the slow run 60 (all
 passed when this was written; a forerunner of the generator ran 360 more mixes, and every failure was a
 request it had made invalid: min_tokens above max_tokens, a prompt larger than the pool).
 """
@@ -98,8 +98,8 @@ def trial(seed: int, prompts: list[list[int]]) -> None:
         assert_same({rid: got[rid]}, alone)
 
 
-# default run: 8 seeds that draw each scheme, preemption, prefix caching and the shared layout at least once
-DEFAULT_SEEDS = (0, 1, 2, 3, 4, 5, 11, 15)
+# default run: 4 seeds that draw each scheme, preemption, prefix caching and the shared layout at least once
+DEFAULT_SEEDS = (3, 4, 11, 15)
 
 
 @pytest.mark.parametrize("seed", [s if s in DEFAULT_SEEDS else pytest.param(s, marks=pytest.mark.slow)

@@ -106,6 +106,7 @@ def test_handoff_gives_the_single_engines_outputs(huginn):
     assert not decode.runner.pages.snapshots and not prefill.runner.requests
 
 
+@pytest.mark.slow  # ~7 s; default run: tests/test_huginn_fp8.py (the FP8 engine) and the handoff test above
 def test_fp8_handoff_moves_fp8_pages_and_gives_the_single_engines_outputs(huginn):
     """With an FP8 cache the pages travel as their bytes (every plane), both sides hold the same calibrated
     scales, and the outputs are the single FP8 engine's."""
