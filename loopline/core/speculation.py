@@ -306,11 +306,10 @@ class AutoSpeculation(NoSpeculation):
         return self.schemes[req.spec_scheme]
 
     def why_not(self, params: SamplingParams) -> str | None:
-        return self.schemes["draft_verify"].why_not(params)  # (draft then verify takes every request either takes)
+        return self.schemes["draft_verify"].why_not(params)  # (the same rule for both)
 
     def admit(self, req: Request, running: int) -> bool:
-        pipelines = running < self.config.auto_pipeline_below and self.schemes["pipeline"].why_not(req.params) is None
-        req.spec_scheme = "pipeline" if pipelines else "draft_verify"
+        req.spec_scheme = "pipeline" if running < self.config.auto_pipeline_below else "draft_verify"
         return self.why_not(req.params) is None and self._of(req).starts()
 
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
