@@ -4,6 +4,7 @@
 #   PHASE=1  fixed     exit_threshold 1.0 (every token at full depth), ITERS iterations
 #            adaptive  exit_threshold 0.5, exit depths carried to the actor/reference (LooplineAgentLoopManager);
 #                      saves at iteration SAVE_AT (default ITERS/2) and at the last one
+#            RUNS1="adaptive" (or "fixed") runs one of the two
 #   PHASE=2  stock     exit_threshold 0.5 with verl's stock agent-loop manager: the actor recomputes at full depth
 #            resumed   adaptive resumed from its save at SAVE_AT for iteration SAVE_AT+1, compared with adaptive's
 #                      (tools/verl_grpo_resume_check.py); if that save is gone (a fresh machine), a 3-iteration
@@ -35,6 +36,8 @@ WORK=${WORK:-/tmp/verl_grpo}
 LIMIT1=${LIMIT1:-255}
 LIMIT2=${LIMIT2:-240}
 LIMIT_RESUME=${LIMIT_RESUME:-150}
+RUNS2=${RUNS2:-stock}  # PHASE=2's full-length runs before the resume (fixed too when PHASE=1 had room for one)
+RUNS1=${RUNS1:-fixed adaptive}  # PHASE=1's runs, in this order (one of them alone when a call has room for one)
 MODEL=$PWD/loopline/models/demo_ouro
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
@@ -47,7 +50,9 @@ if [ "$DEVICE" = cuda ]; then
     actor_rollout_ref.actor.ppo_mini_batch_size=16 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32
     actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16
-    actor_rollout_ref.rollout.engine_kwargs.loopline.num_kv_blocks=4096)
+    actor_rollout_ref.rollout.engine_kwargs.loopline.num_kv_blocks=4096
+    # Ray's dashboard is not in the wheels: without this, ray.init waits 60 s for it to fail
+    +ray_kwargs.ray_init.include_dashboard=False)
 elif [ "$DEVICE" = cpu ]; then
   # verl has no CPU platform: loopline's (loopline/integrations/verl_cpu.py) and a logical GPU for placement
   export VERL_PLATFORM=loopline_cpu OMP_NUM_THREADS=1
@@ -64,7 +69,7 @@ ray_stop() {  # after a run cut short: its Ray processes would hold the GPU (nev
 run() {  # run LABEL THRESHOLD LIMIT_S ITERATIONS [overrides...]: one main_ppo run, its summary and a timing line
   local label=$1 threshold=$2 limit=$3 iters=$4 rc=0 start=$SECONDS
   shift 4
-  rm -f "$WORK/$label.jsonl"
+  rm -rf "$WORK/$label.jsonl" "$WORK/generations/$label"
   VERL_FILE_LOGGER_PATH="$WORK/$label.jsonl" timeout -k 20 "$limit" "$PY" -m verl.trainer.main_ppo \
     --config-path="$PWD/tools" --config-name=verl_grpo_demo \
     actor_rollout_ref.model.path="$MODEL" reward.custom_reward_function.path="$PWD/tools/verl_grpo_reward.py" \
@@ -72,6 +77,7 @@ run() {  # run LABEL THRESHOLD LIMIT_S ITERATIONS [overrides...]: one main_ppo r
     actor_rollout_ref.rollout.engine_kwargs.loopline.exit_threshold="$threshold" \
     trainer.total_training_steps="$iters" "trainer.logger=[console,file]" \
     trainer.experiment_name="demo_${DEVICE}_$label" trainer.default_local_dir="$WORK/ckpt_$label" \
+    trainer.rollout_data_dir="$WORK/generations/$label" \
     hydra.run.dir="$WORK/hydra/$label" \
     "${DEVICE_ARGS[@]}" "$@" > "$OUT/$label.log" 2>&1 || rc=$?
   [ "$rc" = 124 ] || [ "$rc" = 137 ] && ray_stop
@@ -133,11 +139,13 @@ preflight || exit 3
 if [ "$PHASE" = 1 ]; then
   rm -f "$WORK/verl_grpo_gpu.json"
   rm -rf "$WORK/ckpt_fixed" "$WORK/ckpt_adaptive"
-  run fixed 1.0 "$LIMIT1" "$ITERS"
-  run adaptive 0.5 "$LIMIT1" "$ITERS" trainer.save_freq="$SAVE_AT"
+  case " $RUNS1 " in *" fixed "*) run fixed 1.0 "$LIMIT1" "$ITERS" ;; esac
+  case " $RUNS1 " in *" adaptive "*) run adaptive 0.5 "$LIMIT1" "$ITERS" trainer.save_freq="$SAVE_AT" ;; esac
   report
 elif [ "$PHASE" = 2 ]; then
-  run stock 0.5 "$LIMIT2" "$ITERS" actor_rollout_ref.rollout.agent.agent_loop_manager_class=null
+  case " $RUNS2 " in *" fixed "*) rm -rf "$WORK/ckpt_fixed"; run fixed 1.0 "$LIMIT2" "$ITERS" ;; esac
+  case " $RUNS2 " in *" stock "*)
+    run stock 0.5 "$LIMIT2" "$ITERS" actor_rollout_ref.rollout.agent.agent_loop_manager_class=null ;; esac
   continued=adaptive k=$SAVE_AT
   if [ ! -d "$WORK/ckpt_adaptive/global_step_$k" ]; then
     echo "no adaptive checkpoint at iteration $k in $WORK: a 3-iteration run saving at 2 is the continued run"
@@ -149,7 +157,8 @@ elif [ "$PHASE" = 2 ]; then
   run resumed 0.5 "$LIMIT_RESUME" "$((k + 1))" trainer.resume_mode=resume_path \
     trainer.resume_from_path="$WORK/ckpt_$continued/global_step_$k"
   "$PY" tools/verl_grpo_resume_check.py "$WORK/$continued.jsonl" "$WORK/resumed.jsonl" --step "$((k + 1))" \
-    --out "$OUT/resume_check.json" | tee "$OUT/resume_check.txt"
+    --out "$OUT/resume_check.json" --generations "$WORK/generations/$continued" "$WORK/generations/resumed" \
+    | tee "$OUT/resume_check.txt"
   last=$(cat "$WORK/ckpt_adaptive/latest_checkpointed_iteration.txt" 2> /dev/null || echo "")
   if [ -n "$last" ]; then
     start=$SECONDS

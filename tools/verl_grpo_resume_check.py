@@ -12,7 +12,15 @@ on past its save at iteration k (CONTINUED) and the run resumed from that save
   same requests in another arrival order and the trainer's micro-batches may group samples
   differently, which changes reduction orders, not values beyond rounding.
 
-    python tools/verl_grpo_resume_check.py CONTINUED.jsonl RESUMED.jsonl --step 11 --out resume.json
+    python tools/verl_grpo_resume_check.py CONTINUED.jsonl RESUMED.jsonl --step 11 --out resume.json \
+        --generations CONTINUED_DIR RESUMED_DIR
+
+``--generations`` also compares the iteration's samples themselves, from the two runs' dumps
+(verl's ``trainer.rollout_data_dir``: ``STEP.jsonl``, one line per sample with its prompt and
+completion text): per prompt, the completions of the two runs as multisets; it reports how many
+samples differ and, for each, how many characters the closest completion of the other run shares
+with it. It does not change the verdict; it says whether a log-probability difference comes from
+other tokens or from other numbers for the same tokens.
 
 Prints one line per metric and exits 1 when a metric is missing or out of tolerance.
 """
@@ -65,19 +73,71 @@ def compare(continued: dict[str, Any], resumed: dict[str, Any],
     return rows
 
 
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def compare_generations(continued: Path, resumed: Path) -> dict[str, Any]:
+    """Samples of one iteration's dumps (``STEP.jsonl`` files) that the other run did not generate.
+
+    Samples are matched per prompt as multisets of completions (a sample's position in the dump depends on
+    uids drawn per run). For each unmatched completion: its prompt, its length and the longest prefix it
+    shares with an unmatched completion of the same prompt in the other run (characters)."""
+    def load(path: Path) -> dict[str, list[str]]:
+        by_prompt: dict[str, list[str]] = {}
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                by_prompt.setdefault(row["input"], []).append(row["output"])
+        return by_prompt
+
+    a, b = load(continued), load(resumed)
+    samples = sum(len(v) for v in a.values())
+    differing = []
+    for prompt in sorted(set(a) | set(b)):
+        left, right = list(a.get(prompt, [])), list(b.get(prompt, []))
+        for out in list(left):
+            if out in right:
+                left.remove(out)
+                right.remove(out)
+        for out in left:
+            shared = max((_common_prefix(out, other) for other in right), default=0)
+            differing.append({"prompt": prompt, "chars": len(out), "shared_prefix_chars": shared})
+    return {"samples": samples, "resumed_samples": sum(len(v) for v in b.values()),
+            "differing": len(differing), "details": differing}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("continued", help="file log of the run that went on past the checkpoint")
     ap.add_argument("resumed", help="file log of the run resumed from the checkpoint")
     ap.add_argument("--step", type=int, required=True, help="the iteration after the checkpoint (k+1)")
     ap.add_argument("--out", help="JSON file for the comparison")
+    ap.add_argument("--generations", nargs=2, metavar=("CONTINUED_DIR", "RESUMED_DIR"),
+                    help="the two runs' trainer.rollout_data_dir: compare the iteration's samples too")
     args = ap.parse_args()
     rows = compare(step_metrics(Path(args.continued), args.step), step_metrics(Path(args.resumed), args.step))
     for key, r in rows.items():
         print(f"{'ok  ' if r['ok'] else 'FAIL'} {key}: continued {r['continued']!r} resumed {r['resumed']!r}")
     ok = all(r["ok"] for r in rows.values())
+    result: dict[str, Any] = {"step": args.step, "ok": ok, "metrics": rows}
+    if args.generations:
+        dumps = [Path(d) / f"{args.step}.jsonl" for d in args.generations]
+        missing = [str(d) for d in dumps if not d.is_file()]
+        if missing:
+            print(f"generations: no dump {', '.join(missing)}")
+        else:
+            gen = result["generations"] = compare_generations(*dumps)
+            shared = sorted(d["shared_prefix_chars"] for d in gen["details"])
+            print(f"generations: {gen['differing']} of {gen['samples']} samples differ"
+                  + (f" (shared prefix chars: {shared})" if shared else ""))
     if args.out:
-        Path(args.out).write_text(json.dumps({"step": args.step, "ok": ok, "metrics": rows}, indent=1))
+        Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"iteration {args.step}: resumed {'reproduces' if ok else 'DOES NOT reproduce'} the continued run")
     raise SystemExit(0 if ok else 1)
 

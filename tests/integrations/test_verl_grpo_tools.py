@@ -72,3 +72,19 @@ def test_summary_and_plots(tmp_path):
         _tool("verl_grpo_plot").draw({}, tmp_path / "img")
     with pytest.raises(ValueError, match=r"no runs to plot \(asked for \['x'\]\)"):
         _tool("verl_grpo_plot").draw(summary, tmp_path / "img", runs=["x"])
+
+
+def test_resume_check_compares_the_samples_per_prompt(tmp_path):
+    check = _tool("verl_grpo_resume_check")
+    rows = [("x = (", "1)\n"), ("x = (", "2)\n"), ("def f(", "a):\n")]
+    for run, outputs in (("a", ["1)\n", "2)\n", "a):\n"]), ("b", ["2)\n", "1)\n", "ab):\n"])):
+        (tmp_path / run).mkdir()
+        with open(tmp_path / run / "11.jsonl", "w") as f:
+            # the dump's order is the run's uid order: the second run lists the first prompt's samples swapped
+            for (prompt, _), out in zip(rows, outputs):
+                f.write(json.dumps({"input": prompt, "output": out, "score": 1.0, "step": 11}) + "\n")
+    gen = check.compare_generations(tmp_path / "a" / "11.jsonl", tmp_path / "b" / "11.jsonl")
+    assert (gen["samples"], gen["resumed_samples"], gen["differing"]) == (3, 3, 1)
+    assert gen["details"] == [{"prompt": "def f(", "chars": 4, "shared_prefix_chars": 1}]
+    same = check.compare_generations(tmp_path / "a" / "11.jsonl", tmp_path / "a" / "11.jsonl")
+    assert same["differing"] == 0 and same["details"] == []
