@@ -60,8 +60,9 @@ class Request:
     spec_step: int = 0  # steps of the current round already scheduled
     spec_rounds: int = 0  # rounds whose result the host read, and their running means (LoopSpeculation.observe)
     spec_tokens: float = 0.0  # tokens committed per round
-    spec_tokens_var: float = 0.0  # their variance (the adaptive stop's confidence)
     spec_depth: float = 0.0  # exit depth of those tokens: plain decoding's steps per token
+    spec_payoff: float = 0.0  # per round, the plain steps its tokens saved over the round's own cost
+    spec_payoff_var: float = 0.0  # its variance (the adaptive stop's confidence)
     spec_k: int = 0  # drafts of the current round (LoopSpeculation.plan_round; 0: none planned yet)
     spec_hits: float = 0.0  # running means per round of drafts accepted and drafts judged (the acceptance
     spec_tries: float = 0.0  # rate K adapts to: a draft is judged when every draft before it was accepted)

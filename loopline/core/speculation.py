@@ -165,23 +165,27 @@ class LoopSpeculation(NoSpeculation):
         return self._starts % PROBE_EVERY == 0
 
     def observe(self, req: Request, committed: list[SampledToken], running: int, drafts: int = 0) -> None:
-        """The request's running means of tokens per round, their depth and its drafts' acceptance move,
-        and so does the engine's payoff."""
+        """The request's running means of tokens per round, their depth, each round's payoff and its drafts'
+        acceptance move, and so does the engine's payoff."""
         n, units = len(committed), self.units(req)
         depth = sum(t.exit_depth for t in committed) / n
+        assert req.params.max_loops is not None, "not effective params"
+        # NOTE: each round is judged by its own cost (its K, the batch it ran in): a mean of tokens per round
+        # judged by the current K's cost would still count the longer rounds of a larger K after K shrank
+        cost = units * self.cost(req.params.max_loops, running, drafts or self.k)
         w = max(1.0 / (req.spec_rounds + 1), ROUND_WEIGHT)
-        delta = n / units - req.spec_tokens
-        req.spec_tokens += w * delta
-        req.spec_tokens_var = (1.0 - w) * (req.spec_tokens_var + w * delta * delta)  # (the yield's running variance)
+        delta = n * depth / cost - req.spec_payoff
+        req.spec_payoff += w * delta
+        req.spec_payoff_var = (1.0 - w) * (req.spec_payoff_var + w * delta * delta)  # (the running variance)
+        req.spec_tokens += w * (n / units - req.spec_tokens)
         req.spec_depth += w * (depth - req.spec_depth)
         if drafts:  # n - 1 drafts accepted; the one after them judged too, unless the run took them all
             req.spec_hits += w * (n - 1 - req.spec_hits)
             req.spec_tries += w * (min(n, drafts) - req.spec_tries)
         req.spec_rounds += 1
-        assert req.params.max_loops is not None, "not effective params"
         keep = (1.0 - ENGINE_WEIGHT) ** units
         self._saved = keep * self._saved + n * depth
-        self._cost = keep * self._cost + units * self.cost(req.params.max_loops, running, drafts or self.k)
+        self._cost = keep * self._cost + cost
         self._units += units
 
     def plan_round(self, req: Request, max_loops: int, running: int) -> None:
@@ -215,12 +219,11 @@ class LoopSpeculation(NoSpeculation):
         if limit is not None and running >= limit:
             return f"{running} requests running (disable_by_batch_size={limit})"
         if self.config.adaptive and req.spec_rounds >= WARMUP_ROUNDS:
-            cost = self.cost(max_loops, running, self.drafts(req))
             rounds = min(req.spec_rounds, (2.0 - ROUND_WEIGHT) / ROUND_WEIGHT)  # (an EMA's effective count)
-            upper = req.spec_tokens + STOP_Z * math.sqrt(req.spec_tokens_var / (rounds - 1))  # (unbiased)
-            if upper * req.spec_depth < cost:  # even at its upper bound, plain steps a round saves < its cost
+            upper = req.spec_payoff + STOP_Z * math.sqrt(req.spec_payoff_var / (rounds - 1))  # (unbiased)
+            if upper < 1.0:  # even at its upper bound, the plain steps a round saves are below its cost
                 return (f"{req.spec_tokens:.2f} tokens per {self.unit} at depth {req.spec_depth:.2f} do not pay for a "
-                        f"{self.unit} ({cost:.2f} plain steps)")
+                        f"{self.unit} (they save {req.spec_payoff:.2f}x its cost in plain steps)")
         return None
 
     def row(self, req: Request, exit: ExitParams) -> ScheduledRow:

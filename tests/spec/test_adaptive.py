@@ -147,13 +147,13 @@ def test_the_cost_model_at_its_measured_points():
     assert round_cost(3, 1, 4, 1) == pytest.approx(4 + 3 * 2.4)
     # more running requests share a verify step's extra cost
     assert round_cost(2, 1, 4, 4) < round_cost(2, 1, 4, 1)
-    # a request's running means decide, once warm: 4 tokens a round at depth 4 pay, 1.2 do not
+    # a request's running mean payoff decides, once warm: 4 tokens a round at depth 4 pay, 1.2 do not
     s = LoopSpeculation(SpeculativeConfig(num_speculative_tokens=3, draft_loops=1), 4)
     req = Request("a", [1, 2], SamplingParams(), 0, 8, frozenset(), 0)
     req.spec_rounds, req.spec_depth = WARMUP_ROUNDS, 4.0
-    req.spec_tokens = 4.0
+    req.spec_tokens, req.spec_payoff = 4.0, 4.0 * 4.0 / round_cost(3, 1, 4, 1)
     assert s.why_stop(req, 4, 1) is None
-    req.spec_tokens = 1.2
+    req.spec_tokens, req.spec_payoff = 1.2, 1.2 * 4.0 / round_cost(3, 1, 4, 1)
     assert "do not pay" in s.why_stop(req, 4, 1)
     req.spec_rounds = WARMUP_ROUNDS - 1
     assert s.why_stop(req, 4, 1) is None  # still warming up
@@ -194,3 +194,27 @@ def test_a_request_whose_rounds_pay_is_not_stopped_by_a_few_bad_ones():
     reason = _observe(s, req, rng.choices([1, 2], k=45))  # 1.5 tokens a round
     assert reason is not None and "do not pay" in reason
     assert req.spec_rounds <= 3 * WARMUP_ROUNDS
+
+
+def test_each_round_is_judged_by_its_own_cost():
+    """A request whose K fell (its rounds accept less) stops once the rounds of the new K do not pay. Judged by
+    its mean tokens per round (which still holds the longer rounds of the larger K) against the new K's cost,
+    as before, it went on for 34 rounds of K=1; judged by each round's payoff, 25."""
+    s = LoopSpeculation(SpeculativeConfig(num_speculative_tokens=3, draft_loops=1), 4)
+    req = Request("k", [1, 2], SamplingParams(max_loops=4), 0, 8, frozenset(), 0)
+    token = SampledToken(token_id=1, exit_depth=4)
+    ratios = []
+    for _ in range(10):  # K=3 rounds that accept everything: 4 tokens, 1.68x their cost
+        s.observe(req, [token] * 4, 8, drafts=3)
+        ratios.append(4 * 4 / round_cost(3, 1, 4, 8))
+        assert s.why_stop(req, 4, 8) is None
+    # while every weight is 1 / (rounds + 1), the running payoff is the mean of the rounds' own ratios
+    assert req.spec_payoff == pytest.approx(sum(ratios) / len(ratios))
+    stop = None
+    for i in range(60):  # then K=1 rounds of 1 token: 0.56x their cost
+        s.observe(req, [token], 8, drafts=1)
+        stop = s.why_stop(req, 4, 8)
+        if stop is not None:
+            break
+    assert stop is not None and "do not pay" in stop
+    assert i + 1 <= 28
