@@ -36,6 +36,7 @@ WORK=${WORK:-/tmp/verl_grpo}
 LIMIT1=${LIMIT1:-255}
 LIMIT2=${LIMIT2:-240}
 LIMIT_RESUME=${LIMIT_RESUME:-150}
+EXTRA=${EXTRA:-}  # more Hydra overrides for every run, space-separated (e.g. actor_rollout_ref.actor.optim.lr=1e-4)
 RUNS2=${RUNS2:-stock}  # PHASE=2's full-length runs before the resume (fixed too when PHASE=1 had room for one)
 RUNS1=${RUNS1:-fixed adaptive}  # PHASE=1's runs, in this order (one of them alone when a call has room for one)
 MODEL=$PWD/loopline/models/demo_ouro
@@ -45,7 +46,7 @@ export PYTHONUNBUFFERED=1
 if [ "$DEVICE" = cuda ]; then
   SERVE_DTYPE=bfloat16
   DEVICE_ARGS=(trainer.device=cuda
-    data.train_batch_size=16 data.max_response_length=32 actor_rollout_ref.rollout.n=8
+    data.train_batch_size=16 data.max_response_length=8 actor_rollout_ref.rollout.n=8
     actor_rollout_ref.rollout.dtype=bfloat16 actor_rollout_ref.rollout.enforce_eager=True
     actor_rollout_ref.actor.ppo_mini_batch_size=16 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32
@@ -79,7 +80,7 @@ run() {  # run LABEL THRESHOLD LIMIT_S ITERATIONS [overrides...]: one main_ppo r
     trainer.experiment_name="demo_${DEVICE}_$label" trainer.default_local_dir="$WORK/ckpt_$label" \
     trainer.rollout_data_dir="$WORK/generations/$label" \
     hydra.run.dir="$WORK/hydra/$label" \
-    "${DEVICE_ARGS[@]}" "$@" > "$OUT/$label.log" 2>&1 || rc=$?
+    "${DEVICE_ARGS[@]}" $EXTRA "$@" > "$OUT/$label.log" 2>&1 || rc=$?
   [ "$rc" = 124 ] || [ "$rc" = 137 ] && ray_stop
   local logged=0
   [ -f "$WORK/$label.jsonl" ] && logged=$(grep -c . "$WORK/$label.jsonl")
