@@ -1,44 +1,44 @@
 #!/usr/bin/env bash
 # GRPO on the bundled demo model with verl 0.9.1's trainer (main_ppo, FSDP2 actor + reference) and loopline
-# rollouts on one GPU (docs/rl.md, section 10), in two calls of at most ~540 s each:
-#   PHASE=1  fixed     exit_threshold 1.0 (every token at full depth), ITERS iterations
-#            adaptive  exit_threshold 0.5, exit depths carried to the actor/reference (LooplineAgentLoopManager);
-#                      saves at iteration SAVE_AT (default ITERS/2) and at the last one
-#            RUNS1="adaptive" (or "fixed") runs one of the two
-#   PHASE=2  stock     exit_threshold 0.5 with verl's stock agent-loop manager: the actor recomputes at full depth
+# rollouts on one GPU (docs/rl.md, section 10), one phase per device call (each at most ~540 s on an H100:
+# verl starts in ~2 minutes, an iteration takes ~10 s):
+#   PHASE=1  adaptive  exit_threshold 0.5, exit depths carried to the actor/reference (LooplineAgentLoopManager),
+#                      ITERS iterations; saves at iteration SAVE_AT (default ITERS/2) and at the last one
+#   PHASE=2  fixed     exit_threshold 1.0 (every token at full depth), ITERS iterations
 #            resumed   adaptive resumed from its save at SAVE_AT for iteration SAVE_AT+1, compared with adaptive's
-#                      (tools/verl_grpo_resume_check.py); if that save is gone (a fresh machine), a 3-iteration
-#                      run saving at 2 is the continued run instead
+#                      (tools/verl_grpo_resume_check.py, samples included); if that save is gone (a fresh
+#                      machine), a 3-iteration run saving at 2 is the continued run instead
 #            serve     adaptive's last checkpoint exported (python -m loopline.integrations.verl_checkpoint) and
 #                      served by `loopline serve`, one completion (tools/verl_serve_check.py)
-# Checkpoints, data and verl's logs live in WORK (default /tmp/verl_grpo: it survives between the two calls on a
+#   PHASE=3  stock     exit_threshold 0.5 with verl's stock agent-loop manager: the actor recomputes at full depth
+#                      (optional: the contrast the depth-aware manager removes)
+# Checkpoints, data and verl's logs live in WORK (default /tmp/verl_grpo: it survives between the calls on a
 # warm machine); each phase writes its results to OUT: verl_grpo_gpu.json (per run, per iteration: reward,
 # rollout-vs-actor mismatch, timings; tools/verl_grpo_summary.py), RUN.log / RUN.jsonl, timing.txt (one line
 # per run), resume_check.json, serve.json, and the plots when matplotlib is there (tools/verl_grpo_plot.py).
-# Each run has a wall-clock limit (LIMIT1 / LIMIT2 / LIMIT_RESUME seconds); a run cut short keeps the iterations
-# it logged.
+# Each run has a wall-clock limit (LIMIT1 / LIMIT2 / LIMIT_RESUME / LIMIT3 seconds); a run cut short keeps the
+# iterations it logged. EXTRA: more Hydra overrides for every run, space-separated.
 #
 # No pip install here: the packages of docs/rl.md ("Wheels for the GPU run") are on PYTHONPATH, e.g. from the
 # payload of tools/verl_payload.sh (carry .verl):
 #   bash tools/verl_payload.sh install; export PYTHONPATH=$PWD:/tmp/site
-#   OUT=/tmp/out PHASE=1 bash tools/verl_grpo_gpu.sh; OUT=/tmp/out2 PHASE=2 bash tools/verl_grpo_gpu.sh
+#   OUT=/tmp/out1 PHASE=1 bash tools/verl_grpo_gpu.sh   (then PHASE=2, and PHASE=3 if wanted, on the same machine)
 # On the CPU (a check that the script runs end to end; fp32, tiny batches, no reference model):
-#   OUT=/tmp/out DEVICE=cpu ITERS=2 WORK=/tmp/verl_grpo_cpu PHASE=1 bash tools/verl_grpo_gpu.sh   (then PHASE=2)
+#   OUT=/tmp/out DEVICE=cpu ITERS=2 WORK=/tmp/verl_grpo_cpu PHASE=1 bash tools/verl_grpo_gpu.sh   (then 2 and 3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a directory for the results}
-PHASE=${PHASE:?set PHASE to 1 or 2}
+PHASE=${PHASE:?set PHASE to 1, 2 or 3}
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 ITERS=${ITERS:-20}
 SAVE_AT=${SAVE_AT:-$((ITERS / 2))}
 WORK=${WORK:-/tmp/verl_grpo}
-LIMIT1=${LIMIT1:-255}
-LIMIT2=${LIMIT2:-240}
+LIMIT1=${LIMIT1:-480}
+LIMIT2=${LIMIT2:-330}
 LIMIT_RESUME=${LIMIT_RESUME:-150}
-EXTRA=${EXTRA:-}  # more Hydra overrides for every run, space-separated (e.g. actor_rollout_ref.actor.optim.lr=1e-4)
-RUNS2=${RUNS2:-stock}  # PHASE=2's full-length runs before the resume (fixed too when PHASE=1 had room for one)
-RUNS1=${RUNS1:-fixed adaptive}  # PHASE=1's runs, in this order (one of them alone when a call has room for one)
+LIMIT3=${LIMIT3:-480}
+EXTRA=${EXTRA:-}
 MODEL=$PWD/loopline/models/demo_ouro
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
@@ -139,14 +139,12 @@ preflight || exit 3
 [ -f "$WORK/data/train.parquet" ] || "$PY" tools/verl_grpo_data.py --out "$WORK/data"
 if [ "$PHASE" = 1 ]; then
   rm -f "$WORK/verl_grpo_gpu.json"
-  rm -rf "$WORK/ckpt_fixed" "$WORK/ckpt_adaptive"
-  case " $RUNS1 " in *" fixed "*) run fixed 1.0 "$LIMIT1" "$ITERS" ;; esac
-  case " $RUNS1 " in *" adaptive "*) run adaptive 0.5 "$LIMIT1" "$ITERS" trainer.save_freq="$SAVE_AT" ;; esac
+  rm -rf "$WORK/ckpt_adaptive"
+  run adaptive 0.5 "$LIMIT1" "$ITERS" trainer.save_freq="$SAVE_AT"
   report
 elif [ "$PHASE" = 2 ]; then
-  case " $RUNS2 " in *" fixed "*) rm -rf "$WORK/ckpt_fixed"; run fixed 1.0 "$LIMIT2" "$ITERS" ;; esac
-  case " $RUNS2 " in *" stock "*)
-    run stock 0.5 "$LIMIT2" "$ITERS" actor_rollout_ref.rollout.agent.agent_loop_manager_class=null ;; esac
+  rm -rf "$WORK/ckpt_fixed"
+  run fixed 1.0 "$LIMIT2" "$ITERS"
   continued=adaptive k=$SAVE_AT
   if [ ! -d "$WORK/ckpt_adaptive/global_step_$k" ]; then
     echo "no adaptive checkpoint at iteration $k in $WORK: a 3-iteration run saving at 2 is the continued run"
@@ -171,6 +169,10 @@ elif [ "$PHASE" = 2 ]; then
     echo "no adaptive checkpoint in $WORK/ckpt_adaptive: nothing to serve" | tee -a "$OUT/timing.txt"
   fi
   report
+elif [ "$PHASE" = 3 ]; then
+  rm -rf "$WORK/ckpt_stock"
+  run stock 0.5 "$LIMIT3" "$ITERS" actor_rollout_ref.rollout.agent.agent_loop_manager_class=null
+  report
 else
-  echo "PHASE must be 1 or 2, got $PHASE" >&2; exit 2
+  echo "PHASE must be 1, 2 or 3, got $PHASE" >&2; exit 2
 fi
