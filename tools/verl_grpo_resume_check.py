@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -73,15 +74,6 @@ def compare(continued: dict[str, Any], resumed: dict[str, Any],
     return rows
 
 
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def compare_generations(continued: Path, resumed: Path) -> dict[str, Any]:
     """Samples of one iteration's dumps (``STEP.jsonl`` files) that the other run did not generate.
 
@@ -106,7 +98,7 @@ def compare_generations(continued: Path, resumed: Path) -> dict[str, Any]:
                 left.remove(out)
                 right.remove(out)
         for out in left:
-            shared = max((_common_prefix(out, other) for other in right), default=0)
+            shared = max((len(os.path.commonprefix([out, other])) for other in right), default=0)
             differing.append({"prompt": prompt, "chars": len(out), "shared_prefix_chars": shared})
     return {"samples": samples, "resumed_samples": sum(len(v) for v in b.values()),
             "differing": len(differing), "details": differing}
