@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 PROMPTS = ["def f(", "x = [", "import os\n", "class A(", "for i in range(", "print(", "if x ==", "return {"]
@@ -44,8 +45,7 @@ def main() -> None:
     result = {"device": args.device, "dtype": args.dtype, "samples": n, "max_tokens": args.max_tokens}
     for name, other in others.items():
         diff = [i for i in range(n) if together[i] != other[i]]
-        first = [next((j for j, (a, b) in enumerate(zip(together[i], other[i])) if a != b),
-                      min(len(together[i]), len(other[i]))) for i in diff]
+        first = [len(os.path.commonprefix([together[i], other[i]])) for i in diff]
         result[name] = {"differing": len(diff), "first_differing_token": first}
         print(f"{args.device} {args.dtype}: all at once vs {name}: {len(diff)} of {n} samples differ"
               + (f", first at token {first}" if first else ""))

@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +93,10 @@ def compare_generations(continued: Path, resumed: Path) -> dict[str, Any]:
     samples = sum(len(v) for v in a.values())
     differing = []
     for prompt in sorted(set(a) | set(b)):
-        left, right = list(a.get(prompt, [])), list(b.get(prompt, []))
-        for out in list(left):
-            if out in right:
-                left.remove(out)
-                right.remove(out)
-        for out in left:
-            shared = max((len(os.path.commonprefix([out, other])) for other in right), default=0)
+        left, right = Counter(a.get(prompt, [])), Counter(b.get(prompt, []))
+        only_right = right - left
+        for out in (left - right).elements():
+            shared = max((len(os.path.commonprefix([out, other])) for other in only_right), default=0)
             differing.append({"prompt": prompt, "chars": len(out), "shared_prefix_chars": shared})
     return {"samples": samples, "resumed_samples": sum(len(v) for v in b.values()),
             "differing": len(differing), "details": differing}

@@ -31,7 +31,7 @@ if [ "${1:-}" = install ]; then
   # Bytecode for every module, on all cores, before the runs: on a fresh machine verl's processes (driver, task
   # runner, workers, server) otherwise compile the same modules as they first import them
   start=$SECONDS
-  "${PYTHON:-python3}" -m compileall -q -j 0 "$SITE" > /dev/null 2>&1 || true
+  "$PY" -m compileall -q -j 0 "$SITE" > /dev/null 2>&1 || true
   echo "installed into $SITE: $(ls "$SITE" | grep -c dist-info) distributions (bytecode in $((SECONDS - start)) s)"
   exit 0
 fi
