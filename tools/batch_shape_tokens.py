@@ -5,7 +5,7 @@ An RL run resumed from a checkpoint sees its requests arrive in another order, s
 step's numbers depend on its rows (a one-row GEMV against a cuBLAS GEMM, kernel choices by batch size), a
 sampled token can flip and the rest of that sample changes (docs/rl.md, section 10, the resume check).
 
-    python tools/batch_shape_tokens.py --device cuda --dtype bfloat16 [--model DIR] [--out result.json]
+    python tools/batch_shape_tokens.py --device cuda --dtype bfloat16 [--enforce-eager] [--model DIR] [--out result.json]
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--copies", type=int, default=8, help="copies of each of the 8 prompts, each its own seed")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as verl's rollout config sets)")
     ap.add_argument("--out", help="JSON file for the result")
     args = ap.parse_args()
 
@@ -31,7 +32,7 @@ def main() -> None:
 
     prompts = PROMPTS * args.copies
     params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=1000 + i) for i in range(len(prompts))]
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager)
 
     def run(order: list[int]) -> dict[int, list[int]]:
         outs = llm.generate([prompts[i] for i in order], [params[i] for i in order], use_tqdm=False)
@@ -42,7 +43,8 @@ def main() -> None:
     others = {"reverse": run(list(reversed(range(n)))), "alone": {}}
     for i in range(n):
         others["alone"].update(run([i]))
-    result = {"device": args.device, "dtype": args.dtype, "samples": n, "max_tokens": args.max_tokens}
+    result = {"device": args.device, "dtype": args.dtype, "enforce_eager": args.enforce_eager, "samples": n,
+              "max_tokens": args.max_tokens}
     for name, other in others.items():
         diff = [i for i in range(n) if together[i] != other[i]]
         first = [len(os.path.commonprefix([together[i], other[i]])) for i in diff]
