@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GRPO on the bundled demo model with verl 0.9.1's trainer (main_ppo, FSDP2 actor + reference) and loopline
 # rollouts on one GPU (docs/rl.md, section 10), one phase per device call (each at most ~540 s on an H100:
-# verl starts in ~2 minutes, an iteration takes ~10 s):
+# verl starts in ~2 minutes, an iteration takes ~8 s):
 #   PHASE=1  adaptive  exit_threshold 0.5, exit depths carried to the actor/reference (LooplineAgentLoopManager),
 #                      ITERS iterations; saves at iteration SAVE_AT (default ITERS/2) and at the last one
 #   PHASE=2  fixed     exit_threshold 1.0 (every token at full depth), ITERS iterations
