@@ -2,7 +2,7 @@
 # One device call that checks and measures everything GPU-side (H200, ~8 minutes).
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
-# parts (default: tests kernels profile bench): tests slow diag kernels sweep gemm swiglu gemv profile prefill mixed
+# parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay
 # lookahead trace_cost flashinfer newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
 # bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
@@ -24,6 +24,12 @@ if has tests; then  # correctness on the GPU: every kernel test (bf16 cases too)
   timeout 240 python3 -m pytest -q -m gpu tests/worker tests/entrypoints/test_core_client.py > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$? $(tail -1 "$out/gpu_tests.log")"
   grep -hE "^(FAILED|ERROR)" "$out/kernel_tests.log" "$out/gpu_tests.log" | head -10
+fi
+if has gpuall; then  # every gpu-marked test in one process (xdist's workers would share the one GPU), one line per
+  # test as it ends, so a run cut by its limit still tells what passed and what failed
+  timeout "${LOOPLINE_GPUALL_S:-540}" python3 -m pytest -v -n 0 -p no:randomly -m gpu -rfE --continue-on-collection-errors \
+    tests > "$out/gpuall.log" 2>&1
+  echo "all gpu tests rc=$? $(tail -1 "$out/gpuall.log")"; grep -hE "(FAILED|ERROR)" "$out/gpuall.log" | head -20
 fi
 if has slow; then  # the tests the CPU run leaves out (Triton-interpreter length there, seconds here)
   timeout 200 python3 -m pytest -q -m slow tests/worker tests/kernels tests/attention > "$out/slow_tests.log" 2>&1
