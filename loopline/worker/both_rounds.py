@@ -61,13 +61,13 @@ class BothRounds:
                          *(concat([getattr(p, f) for p in parts]) for f in ("slots", "logits", "token_index", "depth")),
                          parts=(a, b))
 
-    def target_history(self, tensors: SamplingTensors, part: VerifyPart, first: int) -> None:
+    def target_history(self, tensors: SamplingTensors, part: VerifyPart) -> None:
         assert isinstance(part, _BothPart), "a part of verify_part's"
         a, b = part.parts
         if a is not None:  # (the rounds' rows come first)
-            self.rounds.target_history(tensors, a, first)
+            self.rounds.target_history(tensors, a)
         if b is not None:
-            self.lanes.target_history(tensors, b, first + (len(a.row_idx) if a is not None else 0))
+            self.lanes.target_history(tensors, b)
 
     def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
         assert isinstance(part, _BothPart), "a part of verify_part's"

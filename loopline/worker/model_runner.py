@@ -627,14 +627,14 @@ class ModelRunner:
         ds = self.decode_state
         history = tensors.any_bad_words and ds.recent is not None
         if tensors.any_penalties or history:  # the device counts every slot's tokens (and keeps its last ones)
-            done = stage(self.device, ([rows[i].slot for i in row_idx[nd:]], np.int64))[0]
+            done = stage(self.device, ([rows[i].slot for i in row_idx[nd:nd + n_done]], np.int64))[0]
             row_slots = torch.cat([dec.slots, done]) if nd else done
             if tensors.any_penalties:
                 tensors.output_counts, tensors.seen_mask = ds.counts[row_slots], ds.seen[row_slots]
             if history:
                 tensors.recent = ds.recent[row_slots][:, -tensors.bad_prefix.shape[1]:]
-            if verify is not None:  # a round's targets read the drafts before their position too
-                self.spec.target_history(tensors, verify, nd + n_done)
+            if verify is not None:  # a round's targets read the drafts before their position too: after the rest
+                self.spec.target_history(tensors, verify)
         if token_mask is not None:  # structured outputs: disallowed tokens of constrained rows to -inf
             token_mask(all_logits, [rows[i].request_id for i in row_idx])
         out: SamplerOutput = self.sampler(all_logits, tensors)

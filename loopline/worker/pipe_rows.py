@@ -209,15 +209,14 @@ class PipeRounds:
         return VerifyPart([i for i, _ in heads for _ in range(L)], states, slots, logits, self._index(slots),
                           ring.exit_loop[slots].flatten())
 
-    def target_history(self, tensors: SamplingTensors, part: VerifyPart, first: int) -> None:
-        """Sampling rows ``first..`` of ``tensors`` are ``part``'s lanes: lane ``j``'s generated history (what
+    def target_history(self, tensors: SamplingTensors, part: VerifyPart) -> None:
+        """``part``'s lanes are the sampling rows after those whose history ``tensors`` holds: lane ``j``'s generated history (what
         penalties and multi-token bad words read) is the committed tokens plus lanes ``1..j``'s input tokens
         (:func:`~loopline.worker.spec_rows.round_history`). The lanes ahead of a lane that commits all
         committed, each holding its predecessor's target, so a committed token read plain decoding's history."""
         L = self.ring.lanes
         slots = part.slots.repeat_interleave(L)
-        round_history(self.state, self.ring.token[slots, 1:], tensors, slots, self.ring.lane_ids.repeat(len(part.slots)),
-                      first)
+        round_history(self.state, self.ring.token[slots, 1:], tensors, slots, self.ring.lane_ids.repeat(len(part.slots)))
 
     def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
         """The verdicts, commits and entries of the pipelining slots; ``target`` ``[M * L]``: each lane's

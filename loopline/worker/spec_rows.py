@@ -99,15 +99,14 @@ class DraftSampler:
         return self.sampler(logits, tensors).token_ids
 
 
-def round_history(ds: DeviceDecodeState, fed: Tensor, tensors: SamplingTensors, slots: Tensor, position: Tensor,
-                  first: int = 0) -> None:
-    """Sampling rows ``first, first + 1, ...`` of ``tensors`` stand for the token after position ``position`` of
-    a speculative run of ``slots`` past their last committed token; ``fed`` ``[n, K]``: each row's tokens fed at
-    positions ``1..K`` (scheme 1: a round's drafts; scheme 2: the lanes' input tokens). Their generated history
-    (what penalties and multi-token bad words read) is the slot's committed tokens plus ``fed`` before the
-    position. A token committed at a position follows exactly those tokens (all of them were accepted), so
-    drafts and targets sampled this way are plain decoding's; a position after a rejected draft is never
-    committed, whatever its history."""
+def round_history(ds: DeviceDecodeState, fed: Tensor, tensors: SamplingTensors, slots: Tensor, position: Tensor) -> None:
+    """The next sampling rows of ``tensors`` (after those whose history it holds already, if any) stand for the
+    token after position ``position`` of a speculative run of ``slots`` past their last committed token; ``fed``
+    ``[n, K]``: each row's tokens fed at positions ``1..K`` (scheme 1: a round's drafts; scheme 2: the lanes'
+    input tokens). Their generated history (what penalties and multi-token bad words read) is the slot's
+    committed tokens plus ``fed`` before the position. A token committed at a position follows exactly those
+    tokens (all of them were accepted), so drafts and targets sampled this way are plain decoding's; a position
+    after a rejected draft is never committed, whatever its history."""
     penalties, bad_words = tensors.any_penalties and ds.counts is not None, tensors.any_bad_words and ds.recent is not None
     if not (penalties or bad_words):  # (no launch for the usual request)
         return
@@ -115,22 +114,18 @@ def round_history(ds: DeviceDecodeState, fed: Tensor, tensors: SamplingTensors, 
     if penalties:
         extra = torch.zeros(len(slots), ds.counts.shape[1], dtype=ds.counts.dtype, device=slots.device)
         extra.scatter_add_(1, fed, before.to(extra.dtype))
-        counts, seen = ds.counts[slots] + extra, ds.seen[slots] | (extra > 0)
-        if tensors.output_counts is None:  # (rows 0.. only: the drafts' own tensors)
-            tensors.output_counts, tensors.seen_mask = counts, seen
-        else:
-            rows = slice(first, first + len(slots))
-            tensors.output_counts[rows], tensors.seen_mask[rows] = counts, seen
+        tensors.output_counts = _after(tensors.output_counts, ds.counts[slots] + extra)
+        tensors.seen_mask = _after(tensors.seen_mask, ds.seen[slots] | (extra > 0))
     if bad_words:
         width, kept = tensors.bad_prefix.shape[1], ds.recent.shape[1]
         # the last `width` tokens of (committed, fed before the position), oldest first
         full = torch.cat([ds.recent[slots], fed], dim=1)
         at = (kept + position)[:, None] - width + torch.arange(width, device=slots.device)[None, :]
-        recent = full.gather(1, at)
-        if tensors.recent is None:
-            tensors.recent = recent
-        else:
-            tensors.recent[first:first + len(slots)] = recent
+        tensors.recent = _after(tensors.recent, full.gather(1, at))
+
+
+def _after(rows: Tensor | None, more: Tensor) -> Tensor:
+    return more if rows is None else torch.cat([rows, more])
 
 
 class SpecPrepared(NamedTuple):
@@ -297,13 +292,13 @@ class SpecRounds:
         return VerifyPart([i for i, _ in last for _ in range(k1)], states, slots, logits, index,
                           st.exit_loop[slots].flatten(), drafts=drafts)
 
-    def target_history(self, tensors: SamplingTensors, part: VerifyPart, first: int) -> None:
-        """Sampling rows ``first..`` of ``tensors`` are ``part``'s target rows: their generated history
-        (:func:`round_history`), where their penalties or bad words read it."""
+    def target_history(self, tensors: SamplingTensors, part: VerifyPart) -> None:
+        """``part``'s target rows are the sampling rows after those whose history ``tensors`` holds: their
+        generated history (:func:`round_history`), where their penalties or bad words read it."""
         k1 = self.rounds.k + 1
         position = torch.arange(k1, device=self.device).repeat(len(part.slots))
         slots = part.slots.repeat_interleave(k1)
-        round_history(self.state, self.rounds.tokens[slots, 1:], tensors, slots, position, first)
+        round_history(self.state, self.rounds.tokens[slots, 1:], tensors, slots, position)
 
     def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
         """Acceptance of the round-ending rows' drafts; ``target`` ``[M * (K+1)]``: the target tokens
