@@ -63,6 +63,12 @@ else
   echo "DEVICE must be cuda or cpu, got $DEVICE" >&2; exit 2
 fi
 
+# verl's validation: the 6 held-out prompts, 8 samples each at the training temperature, every 10 iterations
+# and after the last (runs that start fresh add trainer.val_before_train=True: iteration 0, before training;
+# a resumed run does not, so the engine sees what the continued run's did before the compared iteration)
+VAL_ARGS=(trainer.test_freq=10 actor_rollout_ref.rollout.val_kwargs.n=8 actor_rollout_ref.rollout.val_kwargs.do_sample=True
+  actor_rollout_ref.rollout.val_kwargs.temperature=1.0)
+
 ray_stop() {  # after a run cut short: its Ray processes would hold the GPU (never on a shared CPU machine)
   if [ "$DEVICE" = cuda ]; then "$PY" -m ray.scripts.scripts stop --force > /dev/null 2>&1 || true; fi
 }
@@ -80,10 +86,11 @@ run() {  # run LABEL THRESHOLD LIMIT_S ITERATIONS [overrides...]: one main_ppo r
     trainer.experiment_name="demo_${DEVICE}_$label" trainer.default_local_dir="$WORK/ckpt_$label" \
     trainer.rollout_data_dir="$WORK/generations/$label" \
     hydra.run.dir="$WORK/hydra/$label" \
-    "${DEVICE_ARGS[@]}" $EXTRA "$@" > "$OUT/$label.log" 2>&1 || rc=$?
+    "${DEVICE_ARGS[@]}" "${VAL_ARGS[@]}" $EXTRA "$@" > "$OUT/$label.log" 2>&1 || rc=$?
   [ "$rc" = 124 ] || [ "$rc" = 137 ] && ray_stop
   local logged=0
-  [ -f "$WORK/$label.jsonl" ] && logged=$(grep -c . "$WORK/$label.jsonl")
+  # (training iterations: a validation before training logs a record of its own)
+  [ -f "$WORK/$label.jsonl" ] && logged=$(grep -c '"critic/score/mean"' "$WORK/$label.jsonl")
   echo "$label: rc=$rc, $logged/$iters iterations logged in $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/timing.txt"
   if [ "$logged" -gt 0 ]; then
     cp "$WORK/$label.jsonl" "$OUT/"
@@ -105,9 +112,11 @@ report() {  # the merged summary, the plots (when matplotlib is there), one line
 import json, statistics, sys
 for label, rows in json.load(open(sys.argv[1])).items():
     steps = [r["timing_s/step"] for r in rows if "timing_s/step" in r]
-    print(label, "reward", [round(r.get("critic/score/mean", float("nan")), 3) for r in rows],
+    held_out = {r["step"]: round(v, 3) for r in rows for k, v in r.items() if k.startswith("val-core/") and "/reward/mean@" in k}
+    rows = [r for r in rows if "critic/score/mean" in r]
+    print(label, "reward", [round(r["critic/score/mean"], 3) for r in rows],
           "mismatch", [f'{r.get("training/rollout_probs_diff_mean", float("nan")):.1e}' for r in rows],
-          f"median step {statistics.median(steps):.2f} s" if steps else "")
+          f"median step {statistics.median(steps):.2f} s" if steps else "", f"held-out reward {held_out}" if held_out else "")
 EOF
 }
 
@@ -140,11 +149,11 @@ preflight || exit 3
 if [ "$PHASE" = 1 ]; then
   rm -f "$WORK/verl_grpo_gpu.json"
   rm -rf "$WORK/ckpt_adaptive"
-  run adaptive 0.5 "$LIMIT1" "$ITERS" trainer.save_freq="$SAVE_AT"
+  run adaptive 0.5 "$LIMIT1" "$ITERS" trainer.save_freq="$SAVE_AT" trainer.val_before_train=True
   report
 elif [ "$PHASE" = 2 ]; then
   rm -rf "$WORK/ckpt_fixed"
-  run fixed 1.0 "$LIMIT2" "$ITERS"
+  run fixed 1.0 "$LIMIT2" "$ITERS" trainer.val_before_train=True
   continued=adaptive k=$SAVE_AT
   if [ ! -d "$WORK/ckpt_adaptive/global_step_$k" ]; then
     echo "no adaptive checkpoint at iteration $k in $WORK: a 3-iteration run saving at 2 is the continued run"
@@ -171,7 +180,7 @@ elif [ "$PHASE" = 2 ]; then
   report
 elif [ "$PHASE" = 3 ]; then
   rm -rf "$WORK/ckpt_stock"
-  run stock 0.5 "$LIMIT3" "$ITERS" actor_rollout_ref.rollout.agent.agent_loop_manager_class=null
+  run stock 0.5 "$LIMIT3" "$ITERS" trainer.val_before_train=True actor_rollout_ref.rollout.agent.agent_loop_manager_class=null
   report
 else
   echo "PHASE must be 1, 2 or 3, got $PHASE" >&2; exit 2

@@ -2,7 +2,9 @@
 
 Two PNGs, one line per run (``fixed``, ``adaptive``, ``stock``, ... as labelled in the JSON):
 
-* ``PREFIX_reward.png``: the mean reward per iteration (``critic/score/mean``);
+* ``PREFIX_reward.png``: the mean reward per iteration (``critic/score/mean``, solid) and, where verl's
+  validation ran, the mean reward on the held-out prompts (``val-core/*/reward/mean@N``, squares, dotted;
+  iteration 0: before training);
 * ``PREFIX_mismatch.png``: verl's rollout-vs-actor probability mismatch per iteration
   (``training/rollout_probs_diff_mean``, solid; ``..._max``, dashed), log scale.
 
@@ -20,6 +22,12 @@ from typing import Any
 
 REWARD = "critic/score/mean"
 MISMATCH_MEAN, MISMATCH_MAX = "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max"
+
+
+def held_out_key(rows: list[dict[str, Any]]) -> str | None:
+    """The run's held-out mean reward metric (``val-core/SOURCE/reward/mean@N``, the largest N), if any."""
+    keys = {k for r in rows for k in r if k.startswith("val-core/") and "/reward/mean@" in k}
+    return max(keys, key=lambda k: int(k.rsplit("@", 1)[1]), default=None)
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -45,9 +53,13 @@ def draw(summary: dict[str, list[dict[str, Any]]], out_dir: Path, prefix: str = 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for label, rows in summary.items():
+    for i, (label, rows) in enumerate(summary.items()):
         x, y = _series(rows, REWARD)
-        ax.plot(x, y, marker="o", markersize=3, label=label)
+        ax.plot(x, y, marker="o", markersize=3, color=f"C{i}", label=label)
+        held_out = held_out_key(rows)
+        if held_out is not None:
+            x, y = _series(rows, held_out)
+            ax.plot(x, y, marker="s", markersize=5, linestyle=":", color=f"C{i}", label=f"{label} held-out")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("iteration")
     ax.set_ylabel("mean reward (critic/score/mean)")

@@ -3,8 +3,10 @@
 Reads verl's JSON lines (one ``{"step": n, "data": {metric: value}}`` per iteration) and writes one
 JSON object: per iteration the mean reward (``critic/score/mean``), the rollout-vs-actor logprob
 mismatch verl measures when ``rollout.calculate_log_probs=True`` (``training/rollout_probs_diff_*``,
-``training/rollout_actor_probs_pearson_corr``), the step and weight-sync times (``timing_s/*``) and
-the mean response length.
+``training/rollout_actor_probs_pearson_corr``), the step and weight-sync times (``timing_s/*``), the
+mean response length, and verl's validation on the held-out prompts where it ran (``val-core/*``, e.g.
+``val-core/loopline_python_closes/reward/mean@8``; with ``trainer.val_before_train`` a record of step 0
+holds only those).
 
     python tools/verl_grpo_summary.py RUN.jsonl --label adaptive --out summary.json
 """
@@ -20,7 +22,8 @@ KEYS = ("critic/score/mean", "critic/rewards/mean", "training/rollout_probs_diff
 
 
 def summarize(lines: list[str]) -> list[dict]:
-    """One dict per logged iteration: its step, the metrics of KEYS it has, and every ``timing_s/`` entry."""
+    """One dict per logged record: its step, the metrics of KEYS it has, every ``timing_s/`` and ``val-core/``
+    entry."""
     rows = []
     for line in lines:
         if not line.strip():
@@ -29,7 +32,7 @@ def summarize(lines: list[str]) -> list[dict]:
         data = record.get("data", record)
         row = {"step": record.get("step", data.get("training/global_step"))}
         row.update({k: data[k] for k in KEYS if k in data})
-        row.update({k: v for k, v in data.items() if k.startswith("timing_s/")})
+        row.update({k: v for k, v in data.items() if k.startswith(("timing_s/", "val-core/"))})
         rows.append(row)
     return rows
 

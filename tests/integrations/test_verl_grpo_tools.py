@@ -74,6 +74,23 @@ def test_summary_and_plots(tmp_path):
         _tool("verl_grpo_plot").draw(summary, tmp_path / "img", runs=["x"])
 
 
+def test_summary_keeps_the_held_out_reward(tmp_path):
+    """verl's validation (trainer.val_before_train, test_freq): a record of step 0 with only val-core metrics,
+    and val-core metrics merged into the iterations it ran after; the plot takes the largest mean@N."""
+    key = "val-core/loopline_python_closes/reward/mean@8"
+    lines = [{"step": 0, "data": {key: 0.4, "val-core/loopline_python_closes/reward/mean@1": 0.3}},
+             {"step": 1, "data": {"critic/score/mean": 0.5, "timing_s/step": 1.0}},
+             {"step": 2, "data": {"critic/score/mean": 0.7, "timing_s/step": 1.0, key: 0.6, "val-aux/x": 1.0}}]
+    rows = _tool("verl_grpo_summary").summarize([json.dumps(line) for line in lines])
+    assert rows[0] == {"step": 0, key: 0.4, "val-core/loopline_python_closes/reward/mean@1": 0.3}
+    assert rows[2] == {"step": 2, "critic/score/mean": 0.7, "timing_s/step": 1.0, key: 0.6}
+    plot = _tool("verl_grpo_plot")
+    assert plot.held_out_key(rows) == key
+    assert plot.held_out_key(rows[1:2]) is None
+    assert plot._series(rows, key) == ([0, 2], [0.4, 0.6])
+    assert plot._series(rows, "critic/score/mean") == ([1, 2], [0.5, 0.7])
+
+
 def test_resume_check_compares_the_samples_per_prompt(tmp_path):
     check = _tool("verl_grpo_resume_check")
     rows = [("x = (", "1)\n"), ("x = (", "2)\n"), ("def f(", "a):\n")]
