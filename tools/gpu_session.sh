@@ -3,7 +3,7 @@
 # Usage on the device machine, from the repository root:
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
-# wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay
+# wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # lookahead trace_cost flashinfer newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
 # bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
@@ -213,6 +213,12 @@ if has spec_replay; then  # issue #41: both schemes at the demo model's acceptan
   timeout 300 python3 tools/spec_speed.py --config ouro-1.4b --spec 3,1 ${LOOPLINE_SPEC_EXTRA:-} --scheme ${LOOPLINE_SPEC_SCHEMES:-draft_verify,pipeline,auto} \
     --concurrency "${LOOPLINE_SPEC_C:-1,8,32,128}" --replay-acceptance 0.89,0.71,0.68 --json "$out/spec_replay.json" 2>&1 \
     | grep -v Warn | tail -12
+fi
+if has spec_k; then  # issue #41: a verify step's cost for K = 1..6 (every draft accepted, pinned), the model refitted
+  timeout 420 python3 tools/spec_speed.py --config ouro-1.4b --replay-acceptance 1.0 --spec 1,1,pinned --spec 2,1,pinned \
+    --spec 3,1,pinned --spec 4,1,pinned --spec 6,1,pinned --concurrency "${LOOPLINE_SPEC_C:-1,4,8}" \
+    --json "$out/spec_k.json" 2>&1 | grep -v Warn | tail -8
+  python3 tools/fit_verify_cost.py "$out/spec_k.json"
 fi
 if has newkernels; then  # kernels written since the last GPU run: their tests on the GPU (fused lookahead rule)
   timeout 90 python3 -m pytest -q tests/kernels/test_lookahead_kernel.py > "$out/newkernels.log" 2>&1
