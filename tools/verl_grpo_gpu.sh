@@ -112,7 +112,7 @@ report() {  # the merged summary, the plots (when matplotlib is there), one line
 import json, statistics, sys
 for label, rows in json.load(open(sys.argv[1])).items():
     steps = [r["timing_s/step"] for r in rows if "timing_s/step" in r]
-    held_out = {r["step"]: round(v, 3) for r in rows for k, v in r.items() if k.startswith("val-core/") and "/reward/mean@" in k}
+    held_out = {r["step"]: round(v, 3) for r in rows for k, v in r.items() if k.startswith("val-") and "/reward/mean@" in k}
     rows = [r for r in rows if "critic/score/mean" in r]
     print(label, "reward", [round(r["critic/score/mean"], 3) for r in rows],
           "mismatch", [f'{r.get("training/rollout_probs_diff_mean", float("nan")):.1e}' for r in rows],

@@ -3,7 +3,8 @@
 Two PNGs, one line per run (``fixed``, ``adaptive``, ``stock``, ... as labelled in the JSON):
 
 * ``PREFIX_reward.png``: the mean reward per iteration (``critic/score/mean``, solid) and, where verl's
-  validation ran, the mean reward on the held-out prompts (``val-core/*/reward/mean@N``, squares, dotted;
+  validation ran, the mean reward on the held-out prompts (``val-core/*/reward/mean@N`` or, for a float
+  reward, ``val-aux/*/reward/mean@N``; squares, dotted;
   iteration 0: before training);
 * ``PREFIX_mismatch.png``: verl's rollout-vs-actor probability mismatch per iteration
   (``training/rollout_probs_diff_mean``, solid; ``..._max``, dashed), log scale.
@@ -25,8 +26,8 @@ MISMATCH_MEAN, MISMATCH_MAX = "training/rollout_probs_diff_mean", "training/roll
 
 
 def held_out_key(rows: list[dict[str, Any]]) -> str | None:
-    """The run's held-out mean reward metric (``val-core/SOURCE/reward/mean@N``, the largest N), if any."""
-    keys = {k for r in rows for k in r if k.startswith("val-core/") and "/reward/mean@" in k}
+    """The run's held-out mean reward metric (``val-core|val-aux/SOURCE/reward/mean@N``, the largest N), if any."""
+    keys = {k for r in rows for k in r if k.startswith(("val-core/", "val-aux/")) and "/reward/mean@" in k}
     return max(keys, key=lambda k: int(k.rsplit("@", 1)[1]), default=None)
 
 

@@ -75,14 +75,16 @@ def test_summary_and_plots(tmp_path):
 
 
 def test_summary_keeps_the_held_out_reward(tmp_path):
-    """verl's validation (trainer.val_before_train, test_freq): a record of step 0 with only val-core metrics,
+    """verl's validation (trainer.val_before_train, test_freq): a record of step 0 with only validation metrics,
     and val-core metrics merged into the iterations it ran after; the plot takes the largest mean@N."""
-    key = "val-core/loopline_python_closes/reward/mean@8"
-    lines = [{"step": 0, "data": {key: 0.4, "val-core/loopline_python_closes/reward/mean@1": 0.3}},
+    key = "val-aux/loopline_python_closes/reward/mean@8"  # (a float reward: verl files it under val-aux)
+    lines = [{"step": 0, "data": {key: 0.4, "val-aux/loopline_python_closes/reward/mean@1": 0.3,
+                                  "val-aux/loopline_python_closes/reward/std@8": 0.1}},
              {"step": 1, "data": {"critic/score/mean": 0.5, "timing_s/step": 1.0}},
-             {"step": 2, "data": {"critic/score/mean": 0.7, "timing_s/step": 1.0, key: 0.6, "val-aux/x": 1.0}}]
+             {"step": 2, "data": {"critic/score/mean": 0.7, "timing_s/step": 1.0, key: 0.6,
+                                  "val-aux/loopline_python_closes/reward/best@8/mean": 1.0}}]
     rows = _tool("verl_grpo_summary").summarize([json.dumps(line) for line in lines])
-    assert rows[0] == {"step": 0, key: 0.4, "val-core/loopline_python_closes/reward/mean@1": 0.3}
+    assert rows[0] == {"step": 0, key: 0.4, "val-aux/loopline_python_closes/reward/mean@1": 0.3}
     assert rows[2] == {"step": 2, "critic/score/mean": 0.7, "timing_s/step": 1.0, key: 0.6}
     plot = _tool("verl_grpo_plot")
     assert plot.held_out_key(rows) == key
