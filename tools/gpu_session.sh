@@ -26,7 +26,14 @@ if has tests; then  # correctness on the GPU: every kernel test (bf16 cases too)
   grep -hE "^(FAILED|ERROR)" "$out/kernel_tests.log" "$out/gpu_tests.log" | head -10
 fi
 if has gpuall; then  # every gpu-marked test in one process (xdist's workers would share the one GPU), one line per
-  # test as it ends, so a run cut by its limit still tells what passed and what failed
+  # test as it ends, so a run cut by its limit still tells what passed and what failed; the packages the image
+  # lacks (server stack, xgrammar, openai, license-expression) from a carried .whl/ (tools/gpu_test_wheels.sh)
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_site .whl/*.whl \
+      && export PYTHONPATH=$PYTHONPATH:/tmp/gpu_site
+  else
+    echo "no .whl/ carried (bash tools/gpu_test_wheels.sh): tests that import the server stack, xgrammar or openai fail"
+  fi
   timeout "${LOOPLINE_GPUALL_S:-540}" python3 -m pytest -v -n 0 -p no:randomly -m gpu -rfE --continue-on-collection-errors \
     tests > "$out/gpuall.log" 2>&1
   echo "all gpu tests rc=$? $(tail -1 "$out/gpuall.log")"; grep -hE "(FAILED|ERROR)" "$out/gpuall.log" | head -20
