@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from loopline.core.speculation import VERIFY_EXTRA, VERIFY_PER_QUERY, verify_step_cost
+
 
 def implied_costs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each usable pinned draft-then-verify run's verify step cost ``v`` in plain steps, against the plain run
@@ -74,16 +76,10 @@ def fit(points: list[dict[str, Any]]) -> tuple[float, float]:
     return float(e), float(q)
 
 
-def model(e: float, q: float, k: int, c: int) -> float:
-    return 1.0 + (e + q * (k + 1)) / max(c, 1) ** 0.25
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("records", nargs="+", help="JSON records of tools/spec_speed.py (--json)")
     args = ap.parse_args()
-    from loopline.core.speculation import VERIFY_EXTRA, VERIFY_PER_QUERY
-
     points = [p for path in args.records for p in implied_costs(json.loads(Path(path).read_text())["runs"])]
     if not points:
         raise SystemExit("no usable runs: pinned draft_verify runs after a plain run, at C=1 or accepting every draft")
@@ -91,8 +87,8 @@ def main() -> None:
     print(f"{'C':>4} {'K':>3} {'d':>2} {'accept len':>10} {'v measured':>10} {'v model now':>11} {'v refit':>8}")
     for p in sorted(points, key=lambda p: (p["C"], p["K"])):
         print(f"{p['C']:>4} {p['K']:>3} {p['d']:>2} {p['acceptance_length']:>10.2f} {p['verify_cost']:>10.2f} "
-              f"{model(VERIFY_EXTRA, VERIFY_PER_QUERY, p['K'], p['C']):>11.2f} {model(e, q, p['K'], p['C']):>8.2f}")
-    below = [p for p in points if model(VERIFY_EXTRA, VERIFY_PER_QUERY, p["K"], p["C"]) < p["verify_cost"]]
+              f"{verify_step_cost(p['K'], p['C']):>11.2f} {verify_step_cost(p['K'], p['C'], e, q):>8.2f}")
+    below = [p for p in points if verify_step_cost(p["K"], p["C"]) < p["verify_cost"]]
     print(f"now: VERIFY_EXTRA={VERIFY_EXTRA}, VERIFY_PER_QUERY={VERIFY_PER_QUERY}; "
           f"{len(below)} of {len(points)} measured points above the model")
     print(f"refit (least squares): VERIFY_EXTRA={e:.3f}, VERIFY_PER_QUERY={q:.3f}")

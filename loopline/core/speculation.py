@@ -54,10 +54,15 @@ WARMUP_ROUNDS, ROUND_WEIGHT, STOP_Z = 6, 0.05, 2.0
 ENGINE_WEIGHT, ENGINE_WARMUP, PROBE_EVERY = 0.1, WARMUP_ROUNDS, 16
 
 
+def verify_step_cost(k: int, running: int, extra: float = VERIFY_EXTRA, per_query: float = VERIFY_PER_QUERY) -> float:
+    """A verify step's cost in plain decoding steps (``k + 1`` queries a request, ``running`` requests a step);
+    ``extra`` and ``per_query``: the model's constants (tools/fit_verify_cost.py refits them)."""
+    return 1.0 + (extra + per_query * (k + 1)) / max(running, 1) ** 0.25
+
+
 def round_cost(k: int, d: int, max_loops: int, running: int) -> float:
     """A round's cost in plain decoding steps (``running`` requests share each step)."""
-    verify = 1.0 + (VERIFY_EXTRA + VERIFY_PER_QUERY * (k + 1)) / max(running, 1) ** 0.25
-    return (k + 1) * d + (max_loops - d) * verify
+    return (k + 1) * d + (max_loops - d) * verify_step_cost(k, running)
 
 
 def round_yield(accept: float, k: int) -> float:

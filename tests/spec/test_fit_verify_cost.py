@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from loopline.core.speculation import VERIFY_EXTRA, VERIFY_PER_QUERY, verify_step_cost
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,7 +24,6 @@ def _tool():
 def _records(e: float, q: float, accept: float = 1.0) -> list[dict]:
     """spec_speed runs whose times follow the model with constants (e, q): R = 4, d = 1, 2C requests of 128
     tokens, plain steps of 1 ms at C = 1 and 2 ms at C = 8."""
-    fit = _tool()
     runs = []
     for c, step in ((1, 1e-3), (8, 2e-3)):
         tokens = 256 * c
@@ -31,7 +32,7 @@ def _records(e: float, q: float, accept: float = 1.0) -> list[dict]:
         for k in (1, 2, 3, 6):
             length = (k + 1) * accept if c > 1 else 1 + k * accept
             rounds = tokens / c / length
-            seconds = rounds * ((k + 1) + 3 * fit.model(e, q, k, c)) * step
+            seconds = rounds * ((k + 1) + 3 * verify_step_cost(k, c, e, q)) * step
             runs.append({"spec": {"K": k, "d": 1, "pinned": True, "scheme": "draft_verify"}, "concurrency": c,
                          "branch_scale": 1.0, "repeat": 0, "output_tokens": tokens, "seconds": seconds,
                          "mean_acceptance_length": length})
@@ -43,7 +44,7 @@ def test_the_fit_recovers_the_constants_the_times_were_made_with():
     points = fit.implied_costs(_records(0.8, 0.15))
     assert {(p["C"], p["K"]) for p in points} == {(c, k) for c in (1, 8) for k in (1, 2, 3, 6)}
     for p in points:
-        assert p["R"] == 4 and p["verify_cost"] == pytest.approx(fit.model(0.8, 0.15, p["K"], p["C"]))
+        assert p["R"] == 4 and p["verify_cost"] == pytest.approx(verify_step_cost(p["K"], p["C"], 0.8, 0.15))
     assert fit.fit(points) == pytest.approx((0.8, 0.15))
 
 
@@ -59,8 +60,6 @@ def test_runs_that_cannot_be_read_are_left_out():
 
 
 def test_command_line(tmp_path):
-    from loopline.core.speculation import VERIFY_EXTRA, VERIFY_PER_QUERY
-
     fit = _tool()
     for e, q in ((VERIFY_EXTRA + 0.5, VERIFY_PER_QUERY), (VERIFY_EXTRA / 2, VERIFY_PER_QUERY / 2)):
         path = tmp_path / "spec.json"
