@@ -110,9 +110,12 @@ report() {  # the merged summary, the plots (when matplotlib is there), one line
   fi
   "$PY" - "$OUT/verl_grpo_gpu.json" <<'EOF'
 import json, statistics, sys
+sys.path.insert(0, "tools")
+from verl_grpo_plot import held_out_key  # (matplotlib only inside its draw)
 for label, rows in json.load(open(sys.argv[1])).items():
     steps = [r["timing_s/step"] for r in rows if "timing_s/step" in r]
-    held_out = {r["step"]: round(v, 3) for r in rows for k, v in r.items() if k.startswith("val-") and "/reward/mean@" in k}
+    key = held_out_key(rows)
+    held_out = {r["step"]: round(r[key], 3) for r in rows if key in r} if key else {}
     rows = [r for r in rows if "critic/score/mean" in r]
     print(label, "reward", [round(r["critic/score/mean"], 3) for r in rows],
           "mismatch", [f'{r.get("training/rollout_probs_diff_mean", float("nan")):.1e}' for r in rows],
