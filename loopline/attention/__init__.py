@@ -31,8 +31,9 @@ def not_provided_reason(name: str) -> str | None:
 def auto_attention_backend(device: torch.device) -> str:
     """What ``attention_backend='auto'`` picks on ``device``.
 
-    NOTE: the rule to change once the H200 comparison (``python -m loopline.attention.bench_attention
-    --compare flashinfer``) shows FlashInfer ahead for some shape; until then triton on CUDA."""
+    Triton on CUDA: measured against FlashInfer on an H100 (docs/benchmarks/h100-2026-12-06.md), the engine with
+    FlashInfer ran 0.71x / 0.95x / 0.97x Triton's output rate at concurrency 1 / 32 / 128, its faster prefill
+    kernel lost to the host-planned prompt steps."""
     return "triton" if device.type == "cuda" else "torch"
 
 

@@ -123,8 +123,10 @@ PROMPTS = ["The little cat", "Once upon a time there was", "1, 2, 3,", "A tree i
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 def test_demo_model_generates_what_triton_does(layout):
-    """Fixed depth: greedy tokens equal, except where bf16 rounding flips a near tie: at the first difference
-    both tokens' log probabilities lie within 0.05 of each other, and nothing after it is compared."""
+    """Fixed depth: greedy tokens equal, except where bf16 rounding flips a near tie. Every compared position,
+    the first difference included, holds the same log probabilities within 0.05 in both runs (at the difference,
+    for both tokens: the two runs' distributions agree there too, and each run's pick is the other's runner-up
+    within bf16 noise); nothing after it is compared (the texts differ from there)."""
     from loopline import SamplingParams
 
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=5, exit_threshold=1.0)
@@ -132,12 +134,11 @@ def test_demo_model_generates_what_triton_does(layout):
     compared = 0
     for a, b in zip(triton_out, fi_out):
         for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            for t in {ta, tb}:
+                assert t in a.logprobs[i] and t in b.logprobs[i], f"token {t} not in both runs' top 5 at {i}"
+                assert abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob) < 0.05, (i, t)
             if ta != tb:
-                lp = a.logprobs[i]
-                assert tb in lp, f"flashinfer's token {tb} is not in triton's top 5 at {i}"
-                assert abs(lp[ta].logprob - lp[tb].logprob) < 0.05
                 break
-            assert abs(a.logprobs[i][ta].logprob - b.logprobs[i][tb].logprob) < 0.05
             compared += 1
     assert compared >= len(PROMPTS) * 24  # most of the text is compared, not cut at an early tie
 
