@@ -112,6 +112,8 @@ def generate(backend, layout, params, prompts):
               num_kv_blocks=512, max_num_seqs=4)
     outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     graphs = llm.llm_engine.runner.graphs
+    if backend == "torch":  # the reference run
+        return outs
     assert graphs is not None and graphs.replays["decode"] > 0  # decode steps replayed CUDA graphs
     if backend == "flashinfer":  # steps with prompt chunks ran eagerly (host-planned)
         assert all(s.max_query_len == 1 for f in graphs.families for s in f.shapes)
@@ -121,26 +123,39 @@ def generate(backend, layout, params, prompts):
 PROMPTS = ["The little cat", "Once upon a time there was", "1, 2, 3,", "A tree is"]
 
 
+def logprob_gap(a, b) -> tuple[float, int]:
+    """The largest difference between two greedy runs' log probabilities of the same tokens, over the positions
+    before their texts first differ (the first difference included, for both tokens where both runs' top 5 hold
+    them), and how many positions agree."""
+    worst, same = 0.0, 0
+    for x, y in zip(a, b):
+        for i, (tx, ty) in enumerate(zip(x.token_ids, y.token_ids)):
+            for t in {tx, ty} & x.logprobs[i].keys() & y.logprobs[i].keys():
+                worst = max(worst, abs(x.logprobs[i][t].logprob - y.logprobs[i][t].logprob))
+            if tx != ty:
+                assert ty in x.logprobs[i], f"token {ty} is not in the other run's top 5 at {i}"
+                break
+            same += 1
+    return worst, same
+
+
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 def test_demo_model_generates_what_triton_does(layout):
-    """Fixed depth: greedy tokens equal, except where bf16 rounding flips a near tie. Every compared position,
-    the first difference included, holds the same log probabilities within 0.05 in both runs (at the difference,
-    for both tokens: the two runs' distributions agree there too, and each run's pick is the other's runner-up
-    within bf16 noise); nothing after it is compared (the texts differ from there)."""
+    """Fixed depth, bf16: FlashInfer's log probabilities stay as close to Triton's as the torch backend's (plain
+    PyTorch attention, the reference kernel) do. A bf16 logit near 16 has a step of 0.125 nats, so one rounding
+    step apart in the attention output can move a log probability by ~0.1; a fixed bound would test the rounding,
+    the reference run's spread tests the kernel. Near ties flip within that spread; texts are compared up to
+    their first difference, and most of the text must be compared."""
     from loopline import SamplingParams
 
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=5, exit_threshold=1.0)
-    triton_out, fi_out = (generate(b, layout, params, PROMPTS) for b in ("triton", "flashinfer"))
-    compared = 0
-    for a, b in zip(triton_out, fi_out):
-        for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
-            for t in {ta, tb}:
-                assert t in a.logprobs[i] and t in b.logprobs[i], f"token {t} not in both runs' top 5 at {i}"
-                assert abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob) < 0.05, (i, t)
-            if ta != tb:
-                break
-            compared += 1
-    assert compared >= len(PROMPTS) * 24  # most of the text is compared, not cut at an early tie
+    triton_out, fi_out, torch_out = (generate(b, layout, params, PROMPTS) for b in ("triton", "flashinfer", "torch"))
+    fi_gap, fi_same = logprob_gap(triton_out, fi_out)
+    ref_gap, _ = logprob_gap(triton_out, torch_out)
+    print(f"{layout}: |flashinfer - triton| <= {fi_gap:.4f} over {fi_same} positions, |torch - triton| <= "
+          f"{ref_gap:.4f}")
+    assert fi_gap <= max(0.05, 1.5 * ref_gap), (fi_gap, ref_gap)
+    assert fi_same >= len(PROMPTS) * 24, fi_same  # not cut short at an early flip
 
 
 def test_demo_model_exit_depths_at_its_threshold():
