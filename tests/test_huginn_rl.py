@@ -150,8 +150,26 @@ def test_update_from_tensors_with_huginn_names(ckpts):
     after = drain(eng, rollouts())
     assert results(after) == results(drain(engine(new), rollouts())) != before
     assert all(o.weight_version == 1 for o in after.values())
-    # an incomplete set (a core weight missing) is refused at finish and names it
+    # the tied head sent apart from the embedding is refused (the loader refuses such a checkpoint): in one call,
+    # nothing of it is copied and the weights keep serving; in a later call than the head's, the update fails
+    # with the head already copied, and the engine refuses to generate until a complete update lands
+    wte, apart = state["transformer.wte.weight"], state["transformer.wte.weight"] + 1
+    weights = eng.control.weights
     eng.start_weight_update(2)
+    with pytest.raises(WeightUpdateError, match="lm_head.weight differs from transformer.wte.weight"):
+        eng.update_weights([("transformer.wte.weight", wte), ("lm_head.weight", apart)])
+    assert not weights.broken and not weights.in_progress
+    eng.start_weight_update(2)
+    eng.update_weights([("lm_head.weight", apart)])
+    with pytest.raises(WeightUpdateError, match="lm_head.weight differs from transformer.wte.weight"):
+        eng.update_weights([("transformer.wte.weight", wte)])
+    assert weights.broken
+    eng.start_weight_update(2)  # equal tensors, the head sent too: accepted, and the engine serves again
+    eng.update_weights([(n, state[n]) for n in names] + [("lm_head.weight", wte.clone())])
+    assert eng.finish_weight_update() == 2 and not weights.broken
+    assert results(drain(eng, rollouts())) == results(after)
+    # an incomplete set (a core weight missing) is refused at finish and names it
+    eng.start_weight_update(3)
     eng.update_weights([(n, state[n]) for n in names if n != "transformer.core_block.3.mlp.fc.weight"])
     with pytest.raises(WeightUpdateError, match="transformer.core_block.3.mlp.fc.weight"):
         eng.finish_weight_update()

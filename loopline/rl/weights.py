@@ -11,7 +11,8 @@ One update is ``start(version) -> update(weights)* -> finish()``:
   parameter addresses (and CUDA graphs captured on them) stay valid.
 * ``finish`` fails unless every parameter was received exactly once. A parameter the model family
   ties to another (``Family.tied_weights``: Huginn's ``lm_head.weight`` with tied embeddings, which
-  checkpoints leave out) may be left out: ``finish`` copies its source into it. Names the family
+  checkpoints leave out) may be left out: ``finish`` copies its source into it. Sent, it must equal its
+  source, as the loader requires of a checkpoint (the call that would set them apart is refused). Names the family
   recomputes (``Family.ignored_weights``: Huginn's ``freqs_cis``) are skipped.
 * A failure after something was copied (a later rejected call, a copy error,
   an incomplete ``finish``) leaves the weights *partially new*: ``broken``
@@ -129,6 +130,13 @@ class WeightUpdater:
             again = [n for n, _, _ in items if n in s.seen]
             if again:
                 raise WeightUpdateError(f"parameter {again[0]!r} was sent twice in one update", param=again[0])
+            untied = self._untied(s, items)
+            if untied is not None:
+                name, source = untied
+                raise WeightUpdateError(
+                    f"{name} differs from {source}, which the model's config ties it to (as the loader, which "
+                    f"refuses such a checkpoint); allowed: equal tensors, or {name} left out (it then follows "
+                    f"{source})", param=name)
             if s.verify:
                 differ = [n for n, target, src in items if not torch.equal(target.detach(), src.to(target.device))]
                 if differ:
@@ -244,6 +252,22 @@ class WeightUpdater:
             self._fail()
             raise EngineStateError(f"copying {name} failed ({type(e).__name__}: {e}); the weights are partially updated "
                                    "and the engine refuses to generate until a complete update lands") from e
+
+    def _untied(self, s: _Session, items: list[tuple[str, Tensor, Tensor]]) -> tuple[str, str] | None:
+        """The first tied pair ``(name, source)`` whose two values this update sets apart: one sent in
+        ``items``, the other in ``items`` or earlier in the session (compared with the parameter that holds
+        it), or ``None``."""
+        here = {n: src for n, _, src in items}
+        for name, source in self._tied.items():
+            if name not in here and source not in here:
+                continue
+            values = [here.get(n, self._targets[n] if n in s.seen else None) for n in (name, source)]
+            if None in values:
+                continue  # the other one is not sent (yet): finish copies the source into a name left out
+            a, b = (v.detach() for v in values)
+            if not torch.equal(a, b.to(a.device)):
+                return name, source
+        return None
 
     def _require_session(self) -> _Session:
         if self.session is None:
