@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,3 +91,23 @@ def spy_on_kernel(name: str, launches: list):
         yield
     finally:
         setattr(tb, name, kernel)
+
+
+def one_layer(hidden: int, q: int, kv: int, inter: int, dtype: torch.dtype, g: torch.Generator):
+    """``(model, attn, mlp)``: one layer's bias-free projections and what TritonOps.prepare reads besides the
+    layers (RoPE's shape, the activation dtype via lm_head)."""
+    attn, mlp = torch.nn.Module(), torch.nn.Module()
+    shapes = {"q_proj": (attn, hidden, q), "k_proj": (attn, hidden, kv), "v_proj": (attn, hidden, kv),
+              "o_proj": (attn, q, hidden), "gate_proj": (mlp, hidden, inter), "up_proj": (mlp, hidden, inter),
+              "down_proj": (mlp, inter, hidden)}
+    for name, (mod, k, n) in shapes.items():
+        lin = torch.nn.Linear(k, n, bias=False).to(DEVICE, dtype)  # requires grad, as the engine's parameters do
+        lin.weight.data = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+        setattr(mod, name, lin)
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = [torch.nn.Module()]
+    model.model.layers[0].self_attn, model.model.layers[0].mlp = attn, mlp
+    model.config = SimpleNamespace(head_dim=16, rope_theta=10000.0, max_position_embeddings=32)
+    model.lm_head = attn.o_proj
+    return model, attn, mlp

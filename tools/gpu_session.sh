@@ -4,7 +4,7 @@
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
-# lookahead trace_cost flashinfer newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
+# lookahead trace_cost flashinfer fewrows newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
 # bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -231,6 +231,14 @@ if has spec_k; then  # issue #41: a verify step's cost for K = 1..6 (every draft
     --spec 3,1,pinned --spec 4,1,pinned --spec 6,1,pinned --concurrency "${LOOPLINE_SPEC_C:-1,4,8}" \
     --json "$out/spec_k.json" 2>&1 | grep -v Warn | tail -8
   python3 tools/fit_verify_cost.py "$out/spec_k.json"
+fi
+if has fewrows; then  # issue #40: the add + RMSNorm inside the q/k/v and gate/up products of 2-16 rows (norm_gemm)
+  timeout 90 python3 -m pytest -q -n 0 -m "" tests/kernels/test_norm_gemm.py > "$out/fewrows_tests.log" 2>&1
+  echo "norm_gemm tests rc=$? $(tail -1 "$out/fewrows_tests.log")"; grep -hE "^(FAILED|ERROR)" "$out/fewrows_tests.log" | head -5
+  for r in ${LOOPLINE_FEWROWS_R:-2 4 8 16}; do for m in 0 16 0 16; do  # each pair twice, interleaved
+    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --norm-gemm-max-rows "$m" 2>&1 \
+      | grep -E "mean step" | sed "s/^/rows $r norm_gemm $m: /"
+  done; done | tee "$out/fewrows.txt"
 fi
 if has newkernels; then  # kernels written since the last GPU run: their tests on the GPU (fused lookahead rule)
   timeout 90 python3 -m pytest -q tests/kernels/test_lookahead_kernel.py > "$out/newkernels.log" 2>&1

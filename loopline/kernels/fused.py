@@ -13,6 +13,8 @@ from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, pdl_options
 from loopline.kernels.gemv import gemv, norm_gemv, normed_row, use_gemv, use_norm_gemv
+from loopline.kernels.norm_gemm import MAX_ROWS as _NORM_GEMM_ROWS_LIMIT
+from loopline.kernels.norm_gemm import norm_gemm, use_norm_gemm
 from loopline.kernels.skinny_gemm import MAX_ROWS as _SKINNY_ROWS_LIMIT
 from loopline.kernels.skinny_gemm import skinny_linear, use_skinny
 from loopline.models.ops import TorchOps, rotary_cos_sin
@@ -122,6 +124,10 @@ def _pack(linears: list[torch.nn.Linear]) -> tuple[Tensor, list[int]]:
 # call, 1,024-token contexts): 2 rows 1.490 vs 1.469 ms, 8 rows 1.976 vs 1.901, 16 rows 2.740 vs 2.607.
 # TritonOps(skinny_max_rows=...) overrides it (for that comparison).
 SKINNY_MAX_ROWS = 0
+# Batches of 2 to NORM_GEMM_MAX_ROWS rows run the layer's add + RMSNorm inside their packed q/k/v and gate/up
+# products (loopline.kernels.norm_gemm: tensor cores, PDL, no split-K) instead of a norm kernel then cuBLAS, as
+# one row does in norm_gemv. 0 (off) until measured: TritonOps(norm_gemm_max_rows=...) for the comparison.
+NORM_GEMM_MAX_ROWS = 0
 
 
 def _linear(x: Tensor, weight: Tensor, skinny_max_rows: int = 0) -> Tensor:
@@ -154,19 +160,25 @@ class TritonOps(TorchOps):
     weight updates.
 
     ``skinny_max_rows``: the largest batch whose q/k/v, gate/up and o_proj take the skinny kernel
-    (default :data:`SKINNY_MAX_ROWS`; 0: cuBLAS for every batch of more than one row). Two instances
-    with different values compare the routes in one process.
+    (default :data:`SKINNY_MAX_ROWS`; 0: cuBLAS for every batch of more than one row). ``norm_gemm_max_rows``:
+    the largest batch whose add + RMSNorm rides its q/k/v and gate/up product (default
+    :data:`NORM_GEMM_MAX_ROWS`; 0: one row only). Two instances with different values compare the routes in
+    one process.
     """
 
     name = "triton"
 
-    def __init__(self, skinny_max_rows: int | None = None) -> None:
+    def __init__(self, skinny_max_rows: int | None = None, norm_gemm_max_rows: int | None = None) -> None:
         if triton is None:
             raise RuntimeError("TritonOps needs the triton package")
         rows = SKINNY_MAX_ROWS if skinny_max_rows is None else skinny_max_rows
         if not 0 <= rows <= _SKINNY_ROWS_LIMIT:
             raise ValueError(f"skinny_max_rows must be in 0..{_SKINNY_ROWS_LIMIT}, got {rows}")
         self.skinny_max_rows = rows
+        rows = NORM_GEMM_MAX_ROWS if norm_gemm_max_rows is None else norm_gemm_max_rows
+        if not 0 <= rows <= _NORM_GEMM_ROWS_LIMIT:
+            raise ValueError(f"norm_gemm_max_rows must be in 0..{_NORM_GEMM_ROWS_LIMIT}, got {rows}")
+        self.norm_gemm_max_rows = rows
         self._packed: dict[int, tuple[Tensor, list[int]]] = {}
         self._rope: tuple[tuple, Tensor] | None = None  # ((head_dim, theta, dtype, device), [P, 2, D] cos/sin)
 
@@ -217,13 +229,19 @@ class TritonOps(TorchOps):
 
     def _norm_packed(self, module: torch.nn.Module, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None,
                      weight: Tensor, eps: float) -> tuple[Tensor, tuple[Tensor, ...]] | None:
-        """One row: the add + RMSNorm rides the packed projection's kernel (one launch instead of two)."""
+        """One row (and 2 to ``norm_gemm_max_rows`` rows): the add + RMSNorm rides the packed projection's
+        kernel (one launch instead of two)."""
         packed = self._packed.get(id(module))
-        if packed is None or not use_norm_gemv(x, packed[0]):
+        if packed is None:
             return None
-        if branch is not None and not use_norm_gemv(branch, packed[0]):
+        if use_norm_gemv(x, packed[0]) and (branch is None or use_norm_gemv(branch, packed[0])):
+            fused = norm_gemv
+        elif (2 <= x.shape[0] <= self.norm_gemm_max_rows and use_norm_gemm(x, packed[0])
+              and (branch is None or use_norm_gemm(branch, packed[0]))):
+            fused = norm_gemm
+        else:
             return None
-        x_out, y = norm_gemv(x, packed[0], weight, eps, branch=branch, branch_weight=branch_weight)
+        x_out, y = fused(x, packed[0], weight, eps, branch=branch, branch_weight=branch_weight)
         return x_out, y.split(packed[1], dim=-1)
 
     def norm_project_qkv(self, attn: torch.nn.Module, x: Tensor, branch: Tensor | None,  # type: ignore[override]

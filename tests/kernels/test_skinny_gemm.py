@@ -2,11 +2,9 @@
 projections of TritonOps that take it (CPU interpreter or GPU)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from triton_testing import DEVICE, bf16_dot_in_the_interpreter, close
+from triton_testing import DEVICE, bf16_dot_in_the_interpreter, close, one_layer
 
 import loopline.kernels.fused as fused
 from loopline.kernels import skinny_gemm
@@ -71,26 +69,6 @@ def test_pdl_launch_gives_the_same_bits(monkeypatch, dtype):
         assert waits == [True] * programs
 
 
-def _one_layer(hidden: int, q: int, kv: int, inter: int, dtype: torch.dtype, g: torch.Generator):
-    """``(model, attn, mlp)``: one layer's bias-free projections and what TritonOps.prepare reads besides the
-    layers (RoPE's shape, the activation dtype via lm_head)."""
-    attn, mlp = torch.nn.Module(), torch.nn.Module()
-    shapes = {"q_proj": (attn, hidden, q), "k_proj": (attn, hidden, kv), "v_proj": (attn, hidden, kv),
-              "o_proj": (attn, q, hidden), "gate_proj": (mlp, hidden, inter), "up_proj": (mlp, hidden, inter),
-              "down_proj": (mlp, inter, hidden)}
-    for name, (mod, k, n) in shapes.items():
-        lin = torch.nn.Linear(k, n, bias=False).to(DEVICE, dtype)  # requires grad, as the engine's parameters do
-        lin.weight.data = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
-        setattr(mod, name, lin)
-    model = torch.nn.Module()
-    model.model = torch.nn.Module()
-    model.model.layers = [torch.nn.Module()]
-    model.model.layers[0].self_attn, model.model.layers[0].mlp = attn, mlp
-    model.config = SimpleNamespace(head_dim=16, rope_theta=10000.0, max_position_embeddings=32)
-    model.lm_head = attn.o_proj
-    return model, attn, mlp
-
-
 # ~4 s a dtype: one in the default run
 @pytest.mark.parametrize("dtype", [PRODUCT_DTYPES[0], pytest.param(PRODUCT_DTYPES[1], marks=pytest.mark.slow)])
 def test_triton_ops_give_decode_batches_projections_to_the_skinny_kernel(monkeypatch, dtype):
@@ -102,7 +80,7 @@ def test_triton_ops_give_decode_batches_projections_to_the_skinny_kernel(monkeyp
     assert fused.SKINNY_MAX_ROWS == 0  # the measured default: cuBLAS (see fused.py)
     g = torch.Generator().manual_seed(7)
     hidden, inter = 96, 512
-    model, attn, mlp = _one_layer(hidden, 96, 32, inter, dtype, g)
+    model, attn, mlp = one_layer(hidden, 96, 32, inter, dtype, g)
     ref, fast, off = TorchOps(), TritonOps(skinny_max_rows=16), TritonOps()
     assert fast.skinny_max_rows == 16 and off.skinny_max_rows == 0
     calls = []
