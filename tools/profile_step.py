@@ -147,8 +147,8 @@ class AblatedOps(TritonOps):
     GEMVs (``norms``), or without the layers' one-row GEMVs (``gemv``; the vocabulary projection still runs)."""
 
     def __init__(self, kinds: frozenset[str], skinny_max_rows: int | None = None,
-                 norm_gemm_max_rows: int | None = None) -> None:
-        super().__init__(skinny_max_rows, norm_gemm_max_rows)
+                 fuse_max_rows: int | None = None) -> None:
+        super().__init__(skinny_max_rows, fuse_max_rows)
         self.kinds = kinds
 
     def gemv_ablated(self, x, weight) -> bool:
@@ -222,9 +222,9 @@ def make_backends(a: argparse.Namespace) -> Backends:
                  else TritonAttentionBackend(**launches))
     base = select_backends("auto", "auto", torch.device("cuda"))  # the engine's own choice on CUDA
     if kinds & {"norms", "gemv"}:
-        layer_ops = AblatedOps(kinds, a.skinny_max_rows, a.norm_gemm_max_rows)
-    elif a.skinny_max_rows is not None or a.norm_gemm_max_rows is not None:
-        layer_ops = TritonOps(skinny_max_rows=a.skinny_max_rows, norm_gemm_max_rows=a.norm_gemm_max_rows)
+        layer_ops = AblatedOps(kinds, a.skinny_max_rows, a.fuse_max_rows)
+    elif a.skinny_max_rows is not None or a.fuse_max_rows is not None:
+        layer_ops = TritonOps(skinny_max_rows=a.skinny_max_rows, fuse_max_rows=a.fuse_max_rows)
     else:
         layer_ops = base.layer_ops
     return dataclasses.replace(base, attention=attention, layer_ops=layer_ops)
@@ -256,10 +256,11 @@ def main() -> None:
                     help="batches of 2..N rows run q/k/v, gate/up and o_proj through the skinny split-K kernel "
                          "(loopline.kernels.skinny_gemm, PDL) instead of cuBLAS; 0: cuBLAS above one row (down_proj "
                          "keeps the skinny kernel up to 64 rows either way). Default: fused.SKINNY_MAX_ROWS")
-    ap.add_argument("--norm-gemm-max-rows", type=int, default=None,
-                    help="batches of 2..N rows run the add + RMSNorm inside their q/k/v and gate/up products "
-                         "(loopline.kernels.norm_gemm) instead of a norm kernel then cuBLAS. Default: "
-                         "fused.NORM_GEMM_MAX_ROWS")
+    ap.add_argument("--fuse-max-rows", type=int, default=None,
+                    help="batches of 2..N rows take the one-row path's fusions: the add + RMSNorm inside their "
+                         "q/k/v and gate/up products (loopline.kernels.norm_gemm) instead of a norm kernel then "
+                         "cuBLAS, and the SwiGLU activation inside down_proj's skinny kernel. Default: "
+                         "fused.FUSE_MAX_ROWS")
     ap.add_argument("--attn-splits", default=None,
                     help="MAX,MIN_KEYS: split-KV rule of decode attention (at most MAX splits of at least "
                          "MIN_KEYS keys; default: the backend's own)")
@@ -310,7 +311,7 @@ def main() -> None:
     step_ms = (time.perf_counter() - t0) / a.steps * 1e3
     print(f"rows={a.rows} context={a.context} eager={a.eager} async={a.async_scheduling} "
           f"skinny_max_rows={getattr(backends.layer_ops, 'skinny_max_rows', None)} "
-          f"norm_gemm_max_rows={getattr(backends.layer_ops, 'norm_gemm_max_rows', None)}: mean step {step_ms:.3f} ms "
+          f"fuse_max_rows={getattr(backends.layer_ops, 'fuse_max_rows', None)}: mean step {step_ms:.3f} ms "
           f"-> {a.rows * 1e3 / (step_ms * 4):.1f} output tok/s at 4 loops")
     runner = engine.runner
     if runner.graphs is not None:

@@ -10,6 +10,7 @@ import loopline.kernels.fused as fused
 from loopline.kernels import norm_gemm as ng
 from loopline.kernels.fused import TritonOps
 from loopline.kernels.norm_gemm import MAX_ROWS, norm_gemm, use_norm_gemm
+from loopline.kernels.skinny_gemm import skinny_linear
 from loopline.models.ops import TorchOps
 
 F = torch.nn.functional
@@ -83,24 +84,27 @@ def test_norm_gemm_rejects_bad_operands():
         norm_gemm(x, weight, wn[:32], 1e-6)
     assert use_norm_gemm(x, weight) and not use_norm_gemm(torch.zeros(MAX_ROWS + 1, 64, device=DEVICE), weight)
     assert not use_norm_gemm(torch.zeros(4, 128, device=DEVICE)[:, :64], weight)  # rows must be contiguous
-    with pytest.raises(ValueError, match="norm_gemm_max_rows"):
-        TritonOps(norm_gemm_max_rows=MAX_ROWS + 1)
+    with pytest.raises(ValueError, match="fuse_max_rows"):
+        TritonOps(fuse_max_rows=MAX_ROWS + 1)
 
 
 @pytest.mark.parametrize("dtype", [PRODUCT_DTYPES[0], pytest.param(PRODUCT_DTYPES[1], marks=pytest.mark.slow)])
 def test_triton_ops_fuse_the_norm_into_few_row_projections(monkeypatch, dtype):
-    """With norm_gemm_max_rows, the layer's add + RMSNorm rides the packed q/k/v and gate/up products of 2 to
-    that many rows (with and without the residual branch), equal to TorchOps; one row keeps norm_gemv, more
-    rows (or the default 0) the norm kernel then the product. (bf16 in the interpreter: against the norm kernel
+    """With fuse_max_rows, the layer's add + RMSNorm rides the packed q/k/v and gate/up products of 2 to
+    that many rows (with and without the residual branch) and the activation rides down_proj's skinny kernel,
+    equal to TorchOps; one row keeps the GEMVs, more rows (or the default 0) the norm kernel then the product
+    and the activation kernel before down_proj. (bf16 in the interpreter: against the norm kernel
     then the product, see _reference.)"""
-    assert fused.NORM_GEMM_MAX_ROWS == 0  # off until measured on a GPU (see fused.py)
+    assert fused.FUSE_MAX_ROWS == 0  # off until measured on a GPU (see fused.py)
     g = torch.Generator().manual_seed(3)
     hidden, inter = 96, 160
     model, attn, mlp = one_layer(hidden, 96, 32, inter, dtype, g)
-    ref, fast, off = _reference(dtype), TritonOps(norm_gemm_max_rows=8), TritonOps()
-    calls = []
+    ref, fast, off = _reference(dtype), TritonOps(fuse_max_rows=8), TritonOps()
+    calls, downs = [], []
     monkeypatch.setattr(fused, "norm_gemm", lambda x, w, *a, **kw: calls.append((x.shape[0], w.shape[0]))
                         or norm_gemm(x, w, *a, **kw))
+    monkeypatch.setattr(fused, "skinny_linear", lambda x, w, *a, **kw: downs.append((x.shape[0], "up" in kw))
+                        or skinny_linear(x, w, *a, **kw))
     wn, wb = ((torch.rand(hidden, generator=g) + 0.5).to(DEVICE, dtype) for _ in range(2))
     with torch.inference_mode(), bf16_dot_in_the_interpreter():
         for rows in (2, 8, 9):
@@ -119,5 +123,10 @@ def test_triton_ops_fuse_the_norm_into_few_row_projections(monkeypatch, dtype):
                 close(got_x, want_x, dtype)
                 for a, e in zip(got, want, strict=True):
                     close(a, e, dtype)
+                want_down = ref.swiglu_down(mlp, *want)
+                downs.clear()
+                close(ops.swiglu_down(mlp, *want), want_down, dtype)
                 ops.release(model)
-                assert calls == ([(rows, 160), (rows, 160), (rows, 2 * inter)] if rows <= limit else []), rows
+                fused_here = rows <= limit
+                assert calls == ([(rows, 160), (rows, 160), (rows, 2 * inter)] if fused_here else []), rows
+                assert downs == [(rows, fused_here)], rows  # down_proj: skinny either way, the activation inside
