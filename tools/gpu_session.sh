@@ -233,7 +233,8 @@ if has spec_k; then  # issue #41: a verify step's cost for K = 1..6 (every draft
   python3 tools/fit_verify_cost.py "$out/spec_k.json"
 fi
 if has fewrows; then  # issue #40: 2-16 rows with the one-row path's fusions (norms in q/k/v and gate/up, SwiGLU in down)
-  timeout 120 python3 -m pytest -q -n 0 -m "" tests/kernels/test_norm_gemm.py tests/kernels/test_skinny_gemm.py > "$out/fewrows_tests.log" 2>&1
+  timeout 150 python3 -m pytest -q -n 0 -m "" tests/kernels/test_norm_gemm.py tests/kernels/test_skinny_gemm.py \
+    tests/worker/test_gpu_engine.py -k "norm or skinny or few_row" > "$out/fewrows_tests.log" 2>&1
   echo "norm_gemm tests rc=$? $(tail -1 "$out/fewrows_tests.log")"; grep -hE "^(FAILED|ERROR)" "$out/fewrows_tests.log" | head -5
   for r in ${LOOPLINE_FEWROWS_R:-2 4 8}; do for m in 0 16 0 16; do  # each pair twice, interleaved
     timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --fuse-max-rows "$m" 2>&1 \
