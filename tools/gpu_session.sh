@@ -236,9 +236,11 @@ if has fewrows; then  # issue #40: 2-16 rows with the one-row path's fusions (no
   timeout 150 python3 -m pytest -q -n 0 -m "" tests/kernels/test_norm_gemm.py tests/kernels/test_skinny_gemm.py \
     tests/worker/test_gpu_engine.py -k "norm or skinny or few_row" > "$out/fewrows_tests.log" 2>&1
   echo "norm_gemm tests rc=$? $(tail -1 "$out/fewrows_tests.log")"; grep -hE "^(FAILED|ERROR)" "$out/fewrows_tests.log" | head -5
-  for r in ${LOOPLINE_FEWROWS_R:-2 4 8}; do for m in 0 16 0 16; do  # each pair twice, interleaved
-    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --fuse-max-rows "$m" 2>&1 \
-      | grep -E "mean step" | sed "s/^/rows $r norm_gemm $m: /"
+  # default, fusions, fusions + o_proj on the skinny kernel (PDL), the default again (drift)
+  for r in ${LOOPLINE_FEWROWS_R:-2 4 8}; do for v in "0 0" "16 0" "16 16" "0 0"; do
+    set -- $v
+    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --fuse-max-rows "$1" \
+      --skinny-max-rows "$2" 2>&1 | grep -E "mean step" | sed "s/^/rows $r fuse $1 skinny $2: /"
   done; done | tee "$out/fewrows.txt"
 fi
 if has newkernels; then  # kernels written since the last GPU run: their tests on the GPU (fused lookahead rule)
