@@ -242,6 +242,21 @@ def use_norm_gemv(x: Tensor, weight: Tensor) -> bool:
     return use_gemv(x, weight) and x.is_contiguous() and x.shape[1] <= _NORM_MAX_K
 
 
+def check_norm_operands(fn: str, x: Tensor, norm_weight: Tensor, branch: Tensor | None,
+                        branch_weight: Tensor | None) -> None:
+    """Refuses (``ValueError`` naming ``fn`` and the operand) a residual branch or norm weights that do not fit
+    the rows ``x`` ``[M, K]`` of a fused add + RMSNorm + projection (:func:`norm_gemv`, ``norm_gemm``)."""
+    k = x.shape[1]
+    if (branch is None) != (branch_weight is None):
+        raise ValueError(f"{fn}'s branch and branch_weight come together")
+    if branch is not None and (branch.shape != x.shape or not branch.is_contiguous() or branch.dtype != x.dtype):
+        raise ValueError(f"{fn}'s branch must be contiguous and shaped like x {tuple(x.shape)} {x.dtype}, "
+                         f"got {tuple(branch.shape)} {branch.dtype}")
+    for name, w in (("norm_weight", norm_weight), ("branch_weight", branch_weight)):
+        if w is not None and (w.shape != (k,) or not w.is_contiguous()):
+            raise ValueError(f"{fn}'s {name} must be contiguous [{k}], got {tuple(w.shape)}")
+
+
 def norm_gemv(x: Tensor, weight: Tensor, norm_weight: Tensor, eps: float, *, branch: Tensor | None = None,
               branch_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One row through the residual add, the RMSNorm and a projection, in one kernel.
@@ -253,14 +268,7 @@ def norm_gemv(x: Tensor, weight: Tensor, norm_weight: Tensor, eps: float, *, bra
     if x.shape != (1, k) or not x.is_contiguous() or weight.stride(1) != 1 or k > _NORM_MAX_K:
         raise ValueError(f"norm_gemv wants x [1, K] contiguous with K <= {_NORM_MAX_K} and weight [N, K] with "
                          f"unit stride along K, got {tuple(x.shape)} / {tuple(weight.shape)}")
-    if (branch is None) != (branch_weight is None):
-        raise ValueError("norm_gemv's branch and branch_weight come together")
-    if branch is not None and (branch.shape != x.shape or not branch.is_contiguous() or branch.dtype != x.dtype):
-        raise ValueError(f"norm_gemv's branch must be contiguous and shaped like x {tuple(x.shape)} {x.dtype}, "
-                         f"got {tuple(branch.shape)} {branch.dtype}")
-    for name, w in (("norm_weight", norm_weight), ("branch_weight", branch_weight)):
-        if w is not None and (w.shape != (k,) or not w.is_contiguous()):
-            raise ValueError(f"norm_gemv's {name} must be contiguous [{k}], got {tuple(w.shape)}")
+    check_norm_operands("norm_gemv", x, norm_weight, branch, branch_weight)
     blocks = triton.cdiv(n, _NORM_BLOCK_N)
     # The CPU interpreter gets three programs, so that the tests walk several blocks per program.
     grid = min(blocks, _NORM_PROGRAMS_PER_SM * cuda_sm_count(x.device) if x.is_cuda else 3)
@@ -275,4 +283,5 @@ def norm_gemv(x: Tensor, weight: Tensor, norm_weight: Tensor, eps: float, *, bra
     return x_out, y
 
 
-__all__ = ["DEFAULT_CONFIG", "SHAPE_CONFIGS", "GemvConfig", "gemv", "norm_gemv", "use_gemv", "use_norm_gemv"]
+__all__ = ["DEFAULT_CONFIG", "SHAPE_CONFIGS", "GemvConfig", "check_norm_operands", "gemv", "norm_gemv", "use_gemv",
+           "use_norm_gemv"]

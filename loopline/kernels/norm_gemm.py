@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, kernel_operands, pdl_options
+from loopline.kernels.gemv import check_norm_operands
 
 try:
     import triton
@@ -156,14 +157,7 @@ def norm_gemm(x: Tensor, weight: Tensor, norm_weight: Tensor, eps: float, *, bra
             or weight.shape[1] != k or weight.stride(1) != 1):
         raise ValueError(f"norm_gemm wants x [M, K] contiguous with 1 <= M <= {MAX_ROWS} and weight [N, K] with "
                          f"unit stride along K, got {tuple(x.shape)} / {tuple(weight.shape)}")
-    if (branch is None) != (branch_weight is None):
-        raise ValueError("norm_gemm's branch and branch_weight come together")
-    if branch is not None and (branch.shape != x.shape or not branch.is_contiguous() or branch.dtype != x.dtype):
-        raise ValueError(f"norm_gemm's branch must be contiguous and shaped like x {tuple(x.shape)} {x.dtype}, "
-                         f"got {tuple(branch.shape)} {branch.dtype}")
-    for name, w in (("norm_weight", norm_weight), ("branch_weight", branch_weight)):
-        if w is not None and (w.shape != (k,) or not w.is_contiguous()):
-            raise ValueError(f"norm_gemm's {name} must be contiguous [{k}], got {tuple(w.shape)}")
+    check_norm_operands("norm_gemm", x, norm_weight, branch, branch_weight)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     x_out = torch.empty_like(x) if branch is not None else x
     b = branch if branch is not None else x

@@ -2,11 +2,9 @@
 (CPU interpreter or GPU)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from triton_testing import DEVICE, DTYPES, bf16_dot_in_the_interpreter, close
+from triton_testing import DEVICE, DTYPES, bf16_dot_in_the_interpreter, close, one_layer
 
 from loopline.kernels.gemv import GemvConfig, gemv, norm_gemv, use_gemv, use_norm_gemv
 from loopline.models.ops import TorchOps
@@ -69,31 +67,12 @@ def test_gemv_rejects_bad_shapes_and_applies_to_one_row():
     assert not use_gemv(torch.zeros(1, 16, dtype=torch.bfloat16), bf.requires_grad_())  # autograd: reference path
 
 
-def _one_layer_model(g: torch.Generator) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
-    """``(model, attn, mlp)``: one layer's projections (hidden 64, q/k/v 64 each, MLP 96) in bf16 and what
-    TritonOps.prepare reads besides the layers (RoPE's shape, the activation dtype via lm_head)."""
-    attn, mlp = torch.nn.Module(), torch.nn.Module()
-    for mod, names, (k, n) in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj"), (64, 64)),
-                               (mlp, ("gate_proj", "up_proj"), (64, 96)), (mlp, ("down_proj",), (96, 64))):
-        for name in names:
-            lin = torch.nn.Linear(k, n, bias=False).to(DEVICE, torch.bfloat16)  # requires grad, as the engine's
-            lin.weight.data = _weight(k, n, torch.bfloat16, g)
-            setattr(mod, name, lin)
-    model = torch.nn.Module()
-    model.model = torch.nn.Module()
-    model.model.layers = [torch.nn.Module()]
-    model.model.layers[0].self_attn, model.model.layers[0].mlp = attn, mlp
-    model.config = SimpleNamespace(head_dim=16, rope_theta=10000.0, max_position_embeddings=32)
-    model.lm_head = attn.o_proj
-    return model, attn, mlp
-
-
 def test_triton_ops_take_gemv_for_one_row_only(monkeypatch):
     import loopline.kernels.fused as fused
     from loopline.kernels.fused import TritonOps
 
     g = torch.Generator().manual_seed(3)
-    model, attn, mlp = _one_layer_model(g)
+    model, attn, mlp = one_layer(64, 64, 64, 96, torch.bfloat16, g)  # q/k/v 64 each, MLP 96, bf16
     fast, ref = TritonOps(), TorchOps()
     fast.prepare(model)
     calls = []
@@ -204,7 +183,7 @@ def test_triton_ops_fuse_the_norm_into_one_row_projections(monkeypatch):
     from loopline.kernels.fused import TritonOps
 
     g = torch.Generator().manual_seed(5)
-    model, attn, mlp = _one_layer_model(g)
+    model, attn, mlp = one_layer(64, 64, 64, 96, torch.bfloat16, g)  # q/k/v 64 each, MLP 96, bf16
     fast, ref = TritonOps(), TorchOps()
     fast.prepare(model)
     calls = []
