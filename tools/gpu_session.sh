@@ -4,7 +4,7 @@
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
-# lookahead trace_cost flashinfer fewrows newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
+# lookahead trace_cost flashinfer fewrows fewrows_sweep newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
 # bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -242,6 +242,12 @@ if has fewrows; then  # issue #40: 2-16 rows with the one-row path's fusions (no
     timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --fuse-max-rows "$1" \
       --skinny-max-rows "$2" 2>&1 | grep -E "mean step" | sed "s/^/rows $r fuse $1 skinny $2: /"
   done; done | tee "$out/fewrows.txt"
+fi
+if has fewrows_sweep; then  # issue #40: norm_gemm's launch at 4 and 8 rows (BLOCK_N,BLOCK_K,WARPS,STAGES)
+  for r in 4 8; do for c in ${LOOPLINE_NORM_GEMM_CONFIGS:-32,128,4,4 16,128,4,4 32,256,4,3 64,128,4,4 32,64,4,6}; do
+    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --fuse-max-rows 16 \
+      --norm-gemm-config "$c" 2>&1 | grep -E "mean step" | sed "s/^/rows $r norm_gemm $c: /"
+  done; done | tee "$out/fewrows_sweep.txt"
 fi
 if has newkernels; then  # kernels written since the last GPU run: their tests on the GPU (fused lookahead rule)
   timeout 90 python3 -m pytest -q tests/kernels/test_lookahead_kernel.py > "$out/newkernels.log" 2>&1

@@ -19,7 +19,7 @@ import torch
 from loopline.attention.triton_backend import DecodeLaunch, PrefillLaunch, SplitRule, TritonAttentionBackend
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
-from loopline.kernels import gemv
+from loopline.kernels import gemv, norm_gemm
 from loopline.kernels.fused import TritonOps
 from loopline.kernels.gemv import use_gemv
 from loopline.models.ouro import OuroForCausalLM
@@ -252,6 +252,9 @@ def main() -> None:
     ap.add_argument("--gemv-config", default=None,
                     help="block_n,block_k,num_warps,num_stages for every one-row GEMV (default: the kernel's own); "
                          "N:K=block_n,... for weights of one shape only, several separated by ';'")
+    ap.add_argument("--norm-gemm-config", default=None,
+                    help="block_n,block_k,num_warps,num_stages of the few-row fused norm + projection kernel "
+                         "(loopline.kernels.norm_gemm; with --fuse-max-rows). Default: the kernel's own")
     ap.add_argument("--skinny-max-rows", type=int, default=None,
                     help="batches of 2..N rows run q/k/v, gate/up and o_proj through the skinny split-K kernel "
                          "(loopline.kernels.skinny_gemm, PDL) instead of cuBLAS; 0: cuBLAS above one row (down_proj "
@@ -284,6 +287,8 @@ def main() -> None:
             gemv.SHAPE_CONFIGS[tuple(map(int, shape.split(":")))] = gemv.GemvConfig(*map(int, launch.split(",")))
         elif spec:
             gemv.DEFAULT_CONFIG = gemv.GemvConfig(*map(int, spec.split(",")))
+    if a.norm_gemm_config:
+        norm_gemm.DEFAULT_CONFIG = norm_gemm.NormGemmConfig(*map(int, a.norm_gemm_config.split(",")))
     cfg = random_checkpoint_config(a.config)
     with torch.device("cuda"):
         model = OuroForCausalLM(cfg).to(torch.bfloat16)

@@ -25,6 +25,8 @@ Off by default (``fused.FUSE_MAX_ROWS``): unmeasured on a GPU when written.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -39,9 +41,18 @@ except ImportError:  # pragma: no cover - the kernel is unusable without triton
 
 MAX_ROWS = 16  # token rows a program holds (one MMA tile); more rows are a GEMM cuBLAS does well
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Launch (not tuned on a GPU): Ouro-1.4B's q/k/v (N = 6,144) gets 192 programs and gate/up (11,264) 352 on 132
-# SMs; 128-column K tiles, 4 stages of them in flight per program.
-BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 32, 128, 4, 4
+
+
+class NormGemmConfig(NamedTuple):
+    block_n: int  # weight rows per program (>= 16: the MMA's wide operand)
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Launch (not tuned on a GPU; ``tools/profile_step.py --norm-gemm-config`` sweeps it): Ouro-1.4B's q/k/v
+# (N = 6,144) gets 192 programs and gate/up (11,264) 352 on 132 SMs; 128-column K tiles, 4 stages in flight.
+DEFAULT_CONFIG = NormGemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=4)
 
 
 if triton is not None:
@@ -145,7 +156,7 @@ def use_norm_gemm(x: Tensor, weight: Tensor) -> bool:
 
 
 def norm_gemm(x: Tensor, weight: Tensor, norm_weight: Tensor, eps: float, *, branch: Tensor | None = None,
-              branch_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+              branch_weight: Tensor | None = None, config: NormGemmConfig | None = None) -> tuple[Tensor, Tensor]:
     """``M <= MAX_ROWS`` rows through the residual add, the RMSNorm and a projection, in one kernel.
 
     Returns ``(x', y)``: ``x' = x + rms_norm(branch) * branch_weight`` (``x`` itself without ``branch``) and
@@ -158,16 +169,18 @@ def norm_gemm(x: Tensor, weight: Tensor, norm_weight: Tensor, eps: float, *, bra
         raise ValueError(f"norm_gemm wants x [M, K] contiguous with 1 <= M <= {MAX_ROWS} and weight [N, K] with "
                          f"unit stride along K, got {tuple(x.shape)} / {tuple(weight.shape)}")
     check_norm_operands("norm_gemm", x, norm_weight, branch, branch_weight)
+    cfg = config or DEFAULT_CONFIG
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     x_out = torch.empty_like(x) if branch is not None else x
     b = branch if branch is not None else x
-    _norm_gemm_kernel[(triton.cdiv(n, BLOCK_N),)](
+    _norm_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, b, branch_weight if branch_weight is not None else norm_weight, norm_weight, x_out, weight, y,
         m, n, k, x.stride(0), b.stride(0), x_out.stride(0), weight.stride(0), y.stride(0), eps,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=k % BLOCK_K == 0,
-        HAS_BRANCH=branch is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        **pdl_options(x.device), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, HAS_BRANCH=branch is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **pdl_options(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return x_out, y
 
 
-__all__ = ["MAX_ROWS", "norm_gemm", "use_norm_gemm"]
+__all__ = ["DEFAULT_CONFIG", "MAX_ROWS", "NormGemmConfig", "norm_gemm", "use_norm_gemm"]

@@ -9,7 +9,7 @@ from triton_testing import DEVICE, bf16_dot_in_the_interpreter, close, one_layer
 import loopline.kernels.fused as fused
 from loopline.kernels import norm_gemm as ng
 from loopline.kernels.fused import TritonOps
-from loopline.kernels.norm_gemm import MAX_ROWS, norm_gemm, use_norm_gemm
+from loopline.kernels.norm_gemm import MAX_ROWS, NormGemmConfig, norm_gemm, use_norm_gemm
 from loopline.kernels.skinny_gemm import skinny_linear
 from loopline.models.ops import TorchOps
 
@@ -41,6 +41,9 @@ def test_norm_gemm_is_add_rms_norm_then_the_product(dtype, rows, k, n):
     x_ref, normed = ref.add_rms_norm(x, b, wb, wn, 1e-6)
     with bf16_dot_in_the_interpreter():
         x_out, y = norm_gemm(x, weight, wn, 1e-6, branch=b, branch_weight=wb)
+        # another launch: 16-row blocks, 64-column K tiles (more programs, more K steps)
+        close(norm_gemm(x, weight, wn, 1e-6, branch=b, branch_weight=wb, config=NormGemmConfig(16, 64, 4, 2))[1],
+              y, dtype)
         same, y_plain = norm_gemm(x, weight, wn, 1e-6)
         wrong = norm_gemm(x, weight.flip(1).contiguous(), wn, 1e-6, branch=b, branch_weight=wb)[1]
     close(x_out, x_ref, dtype)
@@ -67,7 +70,7 @@ def test_pdl_launch_waits_in_every_program(monkeypatch):
     for a, e in zip(plain, early, strict=True):
         assert torch.equal(a, e)
     if DEVICE != "cuda":
-        assert waits == [True] * -(-70 // ng.BLOCK_N)
+        assert waits == [True] * -(-70 // ng.DEFAULT_CONFIG.block_n)
 
 
 def test_norm_gemm_rejects_bad_operands():
