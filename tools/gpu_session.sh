@@ -4,7 +4,7 @@
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
-# lookahead trace_cost flashinfer fewrows fewrows_sweep newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
+# lookahead trace_cost flashinfer fewrows fewrows_sweep fp8_one_row newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
 # bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -248,6 +248,16 @@ if has fewrows_sweep; then  # issue #40: norm_gemm's launch at 4 and 8 rows (BLO
     timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --fuse-max-rows 16 \
       --norm-gemm-config "$c" 2>&1 | grep -E "mean step" | sed "s/^/rows $r norm_gemm $c: /"
   done; done | tee "$out/fewrows_sweep.txt"
+fi
+if has fp8_one_row; then  # issue #40: FP8 KV at one row (0.94x bf16): 128-key tiles with as many splits as fill them
+  for v in "bf16" "fp8" "fp8 --decode-launch 128,4,1 --attn-num-splits 9" "fp8 --decode-launch 128,4,1 --attn-num-splits 10" \
+           "fp8 --decode-launch 128,4,1 --attn-num-splits 12" "fp8 --decode-launch 64,4,1 --attn-num-splits 18" "bf16"; do
+    set -- $v
+    kv=$1; shift
+    [ "$kv" = bf16 ] && kv=auto
+    timeout 60 python3 tools/profile_step.py --rows 1 --context 1024 --steps 128 --kv-cache-dtype "$kv" "$@" 2>&1 \
+      | grep -E "mean step" | sed "s/^/$v: /"
+  done | tee "$out/fp8_one_row.txt"
 fi
 if has newkernels; then  # kernels written since the last GPU run: their tests on the GPU (fused lookahead rule)
   timeout 90 python3 -m pytest -q tests/kernels/test_lookahead_kernel.py > "$out/newkernels.log" 2>&1
