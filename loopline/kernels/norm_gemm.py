@@ -20,8 +20,9 @@ weights are MBs). Rounding is :meth:`TorchOps.add_rms_norm`'s then one rounding
 of the fp32 product, as ``F.linear``; the statistics are summed in ``BLOCK_K``
 chunks, so they may differ from a whole-row sum in the last fp32 bits.
 
-Off by default (``fused.FUSE_MAX_ROWS``): unmeasured on a GPU when written.
-``tools/profile_step.py --fuse-max-rows 16`` times whole steps with it.
+Off by default (``fused.FUSE_MAX_ROWS``, the setting that also moves the SwiGLU activation into
+down_proj's skinny kernel, ``skinny_linear(..., up=...)``): unmeasured on a GPU when written.
+``tools/profile_step.py --fuse-max-rows 16`` times whole steps with both.
 """
 from __future__ import annotations
 
