@@ -175,6 +175,28 @@ def test_update_from_tensors_with_huginn_names(ckpts):
         eng.finish_weight_update()
 
 
+def test_update_from_disk_refuses_a_tied_head_stored_apart(ckpts, tmp_path):
+    """A tied checkpoint storing lm_head.weight unequal to the embedding (the loader refuses it) is refused
+    by the dry run, before any tensor is copied: the old weights keep serving, nothing is broken."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    old, new = ckpts
+    bad = tmp_path / "apart"
+    shutil.copytree(new, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    state["lm_head.weight"] = state["transformer.wte.weight"] + 1
+    save_file(state, str(bad / "model.safetensors"))
+    eng = engine(old)
+    with pytest.raises(WeightUpdateError, match="lm_head.weight differs from transformer.wte.weight"):
+        eng.update_weights_from_disk(str(bad), 1)
+    assert not eng.control.weights.broken and not eng.control.weights.in_progress
+    state["lm_head.weight"] = state["transformer.wte.weight"].clone()  # stored equal: accepted
+    save_file(state, str(bad / "model.safetensors"))
+    assert eng.update_weights_from_disk(str(bad), 1) == 1
+
+
 @pytest.mark.slow  # ~6.5 s on 2 cores; default run: test_update_from_tensors_with_huginn_names updates a Huginn
 # engine's weights in place, tests/rl updates from disk
 def test_update_from_disk(ckpts, tmp_path):

@@ -11,6 +11,7 @@ or a property for a state verb -- and ``LLMEngine.control_call`` dispatches to i
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -283,9 +284,19 @@ class DiskLoad:
                                         param="path")
         # NOTE: tensor by tensor, twice: the dry run holds one tensor at a time, never a shard or the model
         seen: set[str] = set()
+        tied = weights.tied
+        digests: dict[str, bytes] = {}  # of the tied parameters and their sources, to compare them without both
         for entry in self._tensors():  # names, shapes, dtypes, finite values, duplicates
-            seen.update(n for n, _, _ in weights.validate([entry], already_seen=seen))
+            items = weights.validate([entry], already_seen=seen)
+            seen.update(n for n, _, _ in items)
+            for name, _, src in items:
+                if name in tied or name in tied.values():
+                    digests[name] = _digest(src)
         weights.check_complete(seen, path)  # a missing tensor is refused before the first copy
+        for name, source in tied.items():  # a tied pair stored apart is refused before the first copy too
+            if name in digests and source in digests and digests[name] != digests[source]:
+                raise WeightUpdateError(f"{path}: {name} differs from {source}, which the model's config ties it "
+                                        f"to; allowed: equal tensors, or {name} left out", param=name)
         self.adapter = self.control.find_update_adapter(path)  # (a malformed one refuses the update here)
         self.validated = True
 
@@ -336,3 +347,8 @@ class DiskLoad:
         if self.control.disk_load is self:
             self.control.disk_load = None
             self.control._release_held()
+
+
+def _digest(t: torch.Tensor) -> bytes:
+    """A digest of a tensor's bytes (its dtype and shape are checked elsewhere)."""
+    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy()).digest()

@@ -88,6 +88,12 @@ class WeightUpdater:
         return list(self._targets)
 
     @property
+    def tied(self) -> dict[str, str]:
+        """Parameter -> the parameter the model's config ties it to (it follows its source when not sent, and
+        must equal it when sent)."""
+        return dict(self._tied)
+
+    @property
     def in_progress(self) -> bool:
         return self.session is not None
 
