@@ -4,7 +4,7 @@
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
-# lookahead trace_cost flashinfer fewrows fewrows_sweep fp8_one_row newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
+# lookahead trace_cost flashinfer fewrows fewrows_sweep fewrows_e2e fp8_one_row newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
 # bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -248,6 +248,17 @@ if has fewrows_sweep; then  # issue #40: norm_gemm's launch at 4 and 8 rows (BLO
     timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --fuse-max-rows 16 \
       --norm-gemm-config "$c" 2>&1 | grep -E "mean step" | sed "s/^/rows $r norm_gemm $c: /"
   done; done | tee "$out/fewrows_sweep.txt"
+fi
+if has fewrows_e2e; then  # issue #40/#41: the README command at C = 1, 2, 8 and the pinned pipeline at C = 1, each
+  # without and with the few-row fusions (LOOPLINE_FUSE_MAX_ROWS), back to back in separate processes
+  for f in 0 16; do
+    LOOPLINE_FUSE_MAX_ROWS=$f bench 200 --input-len 1024 --output-len 128 --concurrency 1,2,8 \
+      --output-json "$out/fewrows_e2e_$f.json" 2> "$out/fewrows_e2e_$f.err" | grep -E "^concurrency|^\| loopline" \
+      | sed "s/^/fuse $f: /"
+    LOOPLINE_FUSE_MAX_ROWS=$f timeout 150 python3 tools/spec_speed.py --config ouro-1.4b --spec 3,1,pinned \
+      --scheme pipeline --concurrency 1 --replay-acceptance 0.89,0.71,0.68 --json "$out/fewrows_pipe_$f.json" 2>&1 \
+      | grep -v Warn | tail -4 | sed "s/^/fuse $f: /"
+  done
 fi
 if has fp8_one_row; then  # issue #40: FP8 KV at one row (0.94x bf16): 128-key tiles with as many splits as fill them
   for v in "bf16" "fp8" "fp8 --decode-launch 128,4,1 --attn-num-splits 9" "fp8 --decode-launch 128,4,1 --attn-num-splits 10" \

@@ -8,6 +8,8 @@ reference rounds.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -127,8 +129,20 @@ SKINNY_MAX_ROWS = 0
 # Batches of 2 to FUSE_MAX_ROWS rows take the one-row path's fusions: the layer's add + RMSNorm inside their
 # packed q/k/v and gate/up products (loopline.kernels.norm_gemm: tensor cores, PDL, no split-K) instead of a
 # norm kernel then cuBLAS, as norm_gemv does, and the SwiGLU activation inside down_proj's skinny kernel instead
-# of a kernel of its own, as the one-row GEMV does. 0 (off) until measured: TritonOps(fuse_max_rows=...).
+# of a kernel of its own, as the one-row GEMV does. 0 (off) until measured: TritonOps(fuse_max_rows=...), or the
+# environment variable LOOPLINE_FUSE_MAX_ROWS for a whole process (an engine, loopline bench, a tool).
 FUSE_MAX_ROWS = 0
+
+
+def default_fuse_max_rows() -> int:
+    """``LOOPLINE_FUSE_MAX_ROWS`` when set (an A/B switch for measurements), else :data:`FUSE_MAX_ROWS`."""
+    raw = os.environ.get("LOOPLINE_FUSE_MAX_ROWS")
+    if raw is None:
+        return FUSE_MAX_ROWS
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"LOOPLINE_FUSE_MAX_ROWS must be an integer in 0..{_FUSE_ROWS_LIMIT}, got {raw!r}") from None
 
 
 def _linear(x: Tensor, weight: Tensor, skinny_max_rows: int = 0) -> Tensor:
@@ -176,7 +190,7 @@ class TritonOps(TorchOps):
         if not 0 <= rows <= _SKINNY_ROWS_LIMIT:
             raise ValueError(f"skinny_max_rows must be in 0..{_SKINNY_ROWS_LIMIT}, got {rows}")
         self.skinny_max_rows = rows
-        rows = FUSE_MAX_ROWS if fuse_max_rows is None else fuse_max_rows
+        rows = default_fuse_max_rows() if fuse_max_rows is None else fuse_max_rows
         if not 0 <= rows <= _FUSE_ROWS_LIMIT:
             raise ValueError(f"fuse_max_rows must be in 0..{_FUSE_ROWS_LIMIT}, got {rows}")
         self.fuse_max_rows = rows

@@ -91,6 +91,16 @@ def test_norm_gemm_rejects_bad_operands():
         TritonOps(fuse_max_rows=MAX_ROWS + 1)
 
 
+def test_fuse_max_rows_from_the_environment(monkeypatch):
+    assert TritonOps().fuse_max_rows == fused.FUSE_MAX_ROWS == 0
+    monkeypatch.setenv("LOOPLINE_FUSE_MAX_ROWS", "8")
+    assert TritonOps().fuse_max_rows == 8 and TritonOps(fuse_max_rows=4).fuse_max_rows == 4  # the argument wins
+    for bad, match in (("eight", "LOOPLINE_FUSE_MAX_ROWS must be an integer"), ("99", "fuse_max_rows must be in")):
+        monkeypatch.setenv("LOOPLINE_FUSE_MAX_ROWS", bad)
+        with pytest.raises(ValueError, match=match):
+            TritonOps()
+
+
 @pytest.mark.parametrize("dtype", [PRODUCT_DTYPES[0], pytest.param(PRODUCT_DTYPES[1], marks=pytest.mark.slow)])
 def test_triton_ops_fuse_the_norm_into_few_row_projections(monkeypatch, dtype):
     """With fuse_max_rows, the layer's add + RMSNorm rides the packed q/k/v and gate/up products of 2 to
