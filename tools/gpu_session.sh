@@ -242,6 +242,10 @@ if has fewrows; then  # issue #40: 2-16 rows with the one-row path's fusions (no
     timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --fuse-max-rows "$1" \
       --skinny-max-rows "$2" 2>&1 | grep -E "mean step" | sed "s/^/rows $r fuse $1 skinny $2: /"
   done; done | tee "$out/fewrows.txt"
+  for f in 0 16; do  # where a 4-row step's time goes, per kernel, without and with
+    timeout 90 python3 tools/profile_step.py --rows 4 --context 1088 --steps 64 --fuse-max-rows "$f" --kernels \
+      > "$out/fewrows_kernels_$f.txt" 2>&1
+  done
 fi
 if has fewrows_sweep; then  # issue #40: norm_gemm's launch at 4 and 8 rows (BLOCK_N,BLOCK_K,WARPS,STAGES)
   for r in 4 8; do for c in ${LOOPLINE_NORM_GEMM_CONFIGS:-32,128,4,4 16,128,4,4 32,256,4,3 64,128,4,4 32,64,4,6}; do
