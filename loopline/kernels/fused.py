@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, pdl_options
-from loopline.kernels.gemv import gemv, norm_gemv, normed_row, use_gemv, use_norm_gemv
+from loopline.kernels.gemv import gemv, norm_gemv, normed_row, silu_mul_rounded, use_gemv, use_norm_gemv
 from loopline.kernels.norm_gemm import MAX_ROWS as _FUSE_ROWS_LIMIT
 from loopline.kernels.norm_gemm import norm_gemm, use_norm_gemm
 from loopline.kernels.skinny_gemm import MAX_ROWS as _SKINNY_ROWS_LIMIT
@@ -103,8 +103,7 @@ if triton is not None:
         dtype = out_ptr.dtype.element_ty
         g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # silu rounded like F.silu
-        tl.store(out_ptr + row * stride_o + cols, (act * u).to(dtype), mask=mask)
+        tl.store(out_ptr + row * stride_o + cols, silu_mul_rounded(g, u, dtype), mask=mask)
 
 
 def _pack(linears: list[torch.nn.Linear]) -> tuple[Tensor, list[int]]:
@@ -350,7 +349,7 @@ class TritonOps(TorchOps):
         # Decode-sized batches (up to skinny_gemm.MAX_ROWS rows, whatever skinny_max_rows): a split-K kernel
         # streams down_proj's wide-K weight faster than cuBLAS.
         if (down.bias is None and 2 <= gate.shape[0] <= self.fuse_max_rows and use_skinny(gate, down.weight)
-                and use_skinny(up, down.weight) and up.dtype == gate.dtype):
+                and use_skinny(up, down.weight)):  # (both of the weight's dtype)
             return skinny_linear(gate, down.weight, up=up)  # the activation rides the load, as at one row
         act = self.silu_mul(gate, up)
         if down.bias is None and use_skinny(act, down.weight):

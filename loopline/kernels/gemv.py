@@ -68,15 +68,37 @@ if triton is not None:
             return tl.load(w_rows + cols[None, :], eviction_policy="evict_first")  # read once
         return tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0, eviction_policy="evict_first")
 
+    # The rounding recipes of TorchOps that several kernels apply (elementwise, any broadcastable shapes): one
+    # definition each, so the fused paths round alike by construction.
+
+    @triton.jit
+    def silu_mul_rounded(g, u, dtype: tl.constexpr):
+        """``silu(g) * u`` from fp32 ``g``, ``u`` as :meth:`TorchOps.silu_mul` rounds it (the activation as F.silu
+        rounds it, then the product), in ``dtype``."""
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        return (act * u).to(dtype)
+
+    @triton.jit
+    def branch_added(x, b, rb, wb, dtype: tl.constexpr):
+        """``x + rms_norm(b) * wb`` in ``dtype`` (``b``, ``rb``: 1 / RMS of b, and ``wb`` in fp32; ``x`` in
+        ``dtype``), rounded as :meth:`TorchOps.add_rms_norm`."""
+        bn = ((b * rb).to(dtype).to(tl.float32) * wb).to(dtype)
+        return (x.to(tl.float32) + bn.to(tl.float32)).to(dtype)
+
+    @triton.jit
+    def norm_scaled(xf, r, wn, dtype: tl.constexpr):
+        """``rms_norm(x) * wn`` in ``dtype`` from fp32 ``xf``, ``r`` (1 / RMS of x) and ``wn``, rounded as
+        :meth:`TorchOps.rms_norm`."""
+        return ((xf * r).to(dtype).to(tl.float32) * wn).to(dtype)
+
     @triton.jit
     def _row_chunk(x_ptr, u_ptr, k, K, BLOCK_K: tl.constexpr, SILU: tl.constexpr, dtype: tl.constexpr):
         """Columns ``k .. k + BLOCK_K`` of the input row in fp32 (``silu(gate) * up`` with SILU)."""
         cols = k + tl.arange(0, BLOCK_K)
         m = cols < K
         x = tl.load(x_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        if SILU:  # silu(gate) rounded like F.silu, then the product rounded, as TorchOps.silu_mul
-            act = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
-            x = (act * tl.load(u_ptr + cols, mask=m, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        if SILU:
+            x = silu_mul_rounded(x, tl.load(u_ptr + cols, mask=m, other=0.0).to(tl.float32), dtype).to(tl.float32)
         return x
 
     @triton.jit
@@ -122,15 +144,13 @@ if triton is not None:
         if HAS_BRANCH:
             b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
             rb = tl.rsqrt(tl.sum(b * b, axis=0) / K + eps)
-            wb = tl.load(wb_ptr + cols, mask=m, other=0.0).to(tl.float32)
-            bn = ((b * rb).to(dtype).to(tl.float32) * wb).to(dtype)
-            x = (x.to(tl.float32) + bn.to(tl.float32)).to(dtype)
+            x = branch_added(x, b, rb, tl.load(wb_ptr + cols, mask=m, other=0.0).to(tl.float32), dtype)
             if WRITE_X:
                 tl.store(x_out_ptr + cols, x, mask=m)
         xf = x.to(tl.float32)
         r = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
         wn = tl.load(wn_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        return ((xf * r).to(dtype).to(tl.float32) * wn).to(dtype).to(tl.float32)
+        return norm_scaled(xf, r, wn, dtype).to(tl.float32)
 
     @triton.jit
     def _row_block(w_ptr, block, blocks, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -168,7 +188,8 @@ if triton is not None:
             w = ahead
             block += step
 else:  # pragma: no cover
-    normed_row = None  # imported by kernels/fused.py, whose kernels are unusable without triton too
+    # imported by the other kernel modules, whose kernels are unusable without triton too
+    normed_row = silu_mul_rounded = branch_added = norm_scaled = None
 
 
 class GemvConfig(NamedTuple):

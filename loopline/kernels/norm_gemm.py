@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, kernel_operands, pdl_options
-from loopline.kernels.gemv import check_norm_operands
+from loopline.kernels.gemv import branch_added, check_norm_operands, norm_scaled
 
 try:
     import triton
@@ -71,8 +71,7 @@ if triton is not None:
         if HAS_BRANCH:
             b = tl.load(b_ptr + rows[:, None] * stride_b + cols[None, :], mask=m, other=0.0).to(tl.float32)
             wb = tl.load(wb_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            bn = ((b * rb[:, None]).to(dtype).to(tl.float32) * wb[None, :]).to(dtype)
-            x = (x.to(tl.float32) + bn.to(tl.float32)).to(dtype)
+            x = branch_added(x, b, rb[:, None], wb[None, :], dtype)
         return x
 
     @triton.jit
@@ -100,7 +99,7 @@ if triton is not None:
                      dtype).to(tl.float32)
         cols = k + tl.arange(0, BLOCK_K)
         wn = tl.load(wn_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        return ((x * rx[:, None]).to(dtype).to(tl.float32) * wn[None, :]).to(dtype)
+        return norm_scaled(x, rx[:, None], wn[None, :], dtype)
 
     @triton.jit
     def _norm_gemm_kernel(

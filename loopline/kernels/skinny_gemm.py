@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from loopline.kernels import cuda_sm_count, grid_dependency_wait, kernel_operands, pdl_options
+from loopline.kernels.gemv import silu_mul_rounded
 
 try:
     import triton
@@ -71,10 +72,8 @@ if triton is not None:
         own kernel. Zeros past K stay zeros."""
         x = _tile(x_ptrs, offs_k, k, K, EVEN_K, False)
         if SILU:
-            dtype = x.dtype
-            g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-            x = (act * _tile(u_ptrs, offs_k, k, K, EVEN_K, False).to(tl.float32)).to(dtype)
+            x = silu_mul_rounded(x.to(tl.float32), _tile(u_ptrs, offs_k, k, K, EVEN_K, False).to(tl.float32),
+                                 x.dtype)
         return x
 
     @triton.jit

@@ -92,6 +92,7 @@ def test_norm_gemm_rejects_bad_operands():
 
 
 def test_fuse_max_rows_from_the_environment(monkeypatch):
+    monkeypatch.delenv("LOOPLINE_FUSE_MAX_ROWS", raising=False)  # (a measurement's setting must not leak in)
     assert TritonOps().fuse_max_rows == fused.FUSE_MAX_ROWS == 0
     monkeypatch.setenv("LOOPLINE_FUSE_MAX_ROWS", "8")
     assert TritonOps().fuse_max_rows == 8 and TritonOps(fuse_max_rows=4).fuse_max_rows == 4  # the argument wins
@@ -109,6 +110,7 @@ def test_triton_ops_fuse_the_norm_into_few_row_projections(monkeypatch, dtype):
     and the activation kernel before down_proj. (bf16 in the interpreter: against the norm kernel
     then the product, see _reference.)"""
     assert fused.FUSE_MAX_ROWS == 0  # off until measured on a GPU (see fused.py)
+    monkeypatch.delenv("LOOPLINE_FUSE_MAX_ROWS", raising=False)  # `off` below is the default
     g = torch.Generator().manual_seed(3)
     hidden, inter = 96, 160
     model, attn, mlp = one_layer(hidden, 96, 32, inter, dtype, g)
