@@ -580,6 +580,61 @@ def test_split_rule_fills_one_wave_and_compiles_few_counts(monkeypatch):
     assert TritonAttentionBackend(num_splits=24).pick_num_splits(cuda, 16, 1, 64) == 24  # forced: any count
 
 
+def test_wider_key_tiles_take_fewer_splits(monkeypatch):
+    """A launch whose key tiles hold r times the rule's keys (FP8's 128-key tiles) takes ceil(splits / r)
+    splits, at least 2 where the rule splits, so each split reads as many bytes; the rule's own tile changes
+    nothing."""
+    import loopline.attention.triton_backend as tb
+
+    monkeypatch.setattr(tb, "cuda_sm_count", lambda device: 132)
+    backend, cuda = TritonAttentionBackend(), torch.device("cuda")
+
+    def splits(rows, max_seq_len, key_tile):
+        return backend.pick_num_splits(cuda, rows * 16, 1, max_seq_len, key_tile=key_tile)
+
+    assert [splits(r, 8192, 128) for r in (1, 2, 4, 8, 16, 32)] == [10, 4, 2, 2, 2, 1]
+    assert [splits(r, 8192, 64) for r in (1, 2, 4, 8, 16, 32)] == [20, 8, 4, 2, 2, 1]
+    assert splits(1, 1024, 128) == 8 and splits(1, 100, 128) == 1
+    assert splits(1, 8192, 256) == 5  # r = 4
+
+
+def test_fp8_decode_launch_uses_128_key_tiles_and_half_the_splits(monkeypatch):
+    """The fused decode kernel over an FP8 cache launches 128-key tiles and the halved split count."""
+    import loopline.attention.triton_backend as tb
+    from loopline.models.ops import Rope
+
+    monkeypatch.setattr(tb, "cuda_sm_count", lambda device: 132)
+    launched = {}
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                launched.update(grid=grid, block_n=kw["BLOCK_N"], splits=kw["NUM_SPLITS"])
+                raise _Stop
+            return run
+
+    class _Stop(Exception):
+        pass
+
+    monkeypatch.setattr(tb, "decode_attention_kernel", Spy())
+    backend, cuda = TritonAttentionBackend(), torch.device("cuda")
+    rule = backend.pick_num_splits  # (this CPU never splits: the rule as on a GPU)
+    monkeypatch.setattr(backend, "pick_num_splits", lambda device, *args, **kw: rule(cuda, *args, **kw))
+    for dtype, want in ((torch.float8_e4m3fn, (128, 10)), (torch.bfloat16, (64, 20))):
+        q = torch.zeros(1, 16, 128, dtype=torch.bfloat16)
+        k = torch.zeros(1, 16, 128, dtype=torch.bfloat16)
+        cache = torch.zeros(8, 16, 16, 128, dtype=dtype)
+        meta = PagedAttentionMetadata(
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([100], dtype=torch.int32),
+            block_tables=torch.zeros(1, 8, dtype=torch.int32), slot_mapping=torch.zeros(1, dtype=torch.int64),
+            max_query_len=1, max_seq_len=4096)
+        rope = Rope(torch.ones(1, 64), torch.zeros(1, 64))
+        scales = dict(k_scale=torch.ones(16), v_scale=torch.ones(16)) if dtype != torch.bfloat16 else {}
+        with pytest.raises(_Stop):
+            backend.rotate_store_attend(cache, cache.clone(), q, k, k.clone(), rope, meta, 0.1, **scales)
+        assert (launched["block_n"], launched["splits"]) == want, dtype
+
+
 def test_backend_splits_by_its_own_rule(monkeypatch):
     """A backend built with another ``SplitRule`` splits by it (what profile_step --attn-splits and
     --attn-num-splits time), and a rule out of range is refused."""
