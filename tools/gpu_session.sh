@@ -4,7 +4,7 @@
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
-# lookahead trace_cost flashinfer fewrows fewrows_sweep fewrows_e2e fp8_one_row newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
+# lookahead trace_cost flashinfer fp8_one_row newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
 # bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -231,38 +231,6 @@ if has spec_k; then  # issue #41: a verify step's cost for K = 1..6 (every draft
     --spec 3,1,pinned --spec 4,1,pinned --spec 6,1,pinned --concurrency "${LOOPLINE_SPEC_C:-1,4,8}" \
     --json "$out/spec_k.json" 2>&1 | grep -v Warn | tail -8
   python3 tools/fit_verify_cost.py "$out/spec_k.json"
-fi
-if has fewrows; then  # issue #40: 2-16 rows with the one-row path's fusions (norms in q/k/v and gate/up, SwiGLU in down)
-  timeout 150 python3 -m pytest -q -n 0 -m "" tests/kernels/test_norm_gemm.py tests/kernels/test_skinny_gemm.py \
-    tests/worker/test_gpu_engine.py -k "norm or skinny or few_row" > "$out/fewrows_tests.log" 2>&1
-  echo "norm_gemm tests rc=$? $(tail -1 "$out/fewrows_tests.log")"; grep -hE "^(FAILED|ERROR)" "$out/fewrows_tests.log" | head -5
-  # default, fusions, fusions + o_proj on the skinny kernel (PDL), the default again (drift)
-  for r in ${LOOPLINE_FEWROWS_R:-2 4 8}; do for v in "0 0" "16 0" "16 16" "0 0"; do
-    set -- $v
-    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --fuse-max-rows "$1" \
-      --skinny-max-rows "$2" 2>&1 | grep -E "mean step" | sed "s/^/rows $r fuse $1 skinny $2: /"
-  done; done | tee "$out/fewrows.txt"
-  for f in 0 16; do  # where a 4-row step's time goes, per kernel, without and with
-    timeout 90 python3 tools/profile_step.py --rows 4 --context 1088 --steps 64 --fuse-max-rows "$f" --kernels \
-      > "$out/fewrows_kernels_$f.txt" 2>&1
-  done
-fi
-if has fewrows_sweep; then  # issue #40: norm_gemm's launch at 4 and 8 rows (BLOCK_N,BLOCK_K,WARPS,STAGES)
-  for r in 4 8; do for c in ${LOOPLINE_NORM_GEMM_CONFIGS:-32,128,4,4 16,128,4,4 32,256,4,3 64,128,4,4 32,64,4,6}; do
-    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --fuse-max-rows 16 \
-      --norm-gemm-config "$c" 2>&1 | grep -E "mean step" | sed "s/^/rows $r norm_gemm $c: /"
-  done; done | tee "$out/fewrows_sweep.txt"
-fi
-if has fewrows_e2e; then  # issue #40/#41: the README command at C = 1, 2, 8 and the pinned pipeline at C = 1, each
-  # without and with the few-row fusions (LOOPLINE_FUSE_MAX_ROWS), back to back in separate processes
-  for f in 0 16; do
-    LOOPLINE_FUSE_MAX_ROWS=$f bench 200 --input-len 1024 --output-len 128 --concurrency 1,2,8 \
-      --output-json "$out/fewrows_e2e_$f.json" 2> "$out/fewrows_e2e_$f.err" | grep -E "^concurrency|^\| loopline" \
-      | sed "s/^/fuse $f: /"
-    LOOPLINE_FUSE_MAX_ROWS=$f timeout 150 python3 tools/spec_speed.py --config ouro-1.4b --spec 3,1,pinned \
-      --scheme pipeline --concurrency 1 --replay-acceptance 0.89,0.71,0.68 --json "$out/fewrows_pipe_$f.json" 2>&1 \
-      | grep -v Warn | tail -4 | sed "s/^/fuse $f: /"
-  done
 fi
 if has fp8_one_row; then  # issue #40: FP8 KV at one row (0.94x bf16): 128-key tiles with as many splits as fill them
   for v in "bf16" "fp8" "fp8 --decode-launch 128,4,1 --attn-num-splits 9" "fp8 --decode-launch 128,4,1 --attn-num-splits 10" \

@@ -19,7 +19,7 @@ import torch
 from loopline.attention.triton_backend import DecodeLaunch, PrefillLaunch, SplitRule, TritonAttentionBackend
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
-from loopline.kernels import gemv, norm_gemm
+from loopline.kernels import gemv
 from loopline.kernels.fused import TritonOps
 from loopline.kernels.gemv import use_gemv
 from loopline.models.ouro import OuroForCausalLM
@@ -146,9 +146,8 @@ class AblatedOps(TritonOps):
     """The fused layer kernels without the add + RMSNorm kernels and the norms inside the q/k/v and gate/up
     GEMVs (``norms``), or without the layers' one-row GEMVs (``gemv``; the vocabulary projection still runs)."""
 
-    def __init__(self, kinds: frozenset[str], skinny_max_rows: int | None = None,
-                 fuse_max_rows: int | None = None) -> None:
-        super().__init__(skinny_max_rows, fuse_max_rows)
+    def __init__(self, kinds: frozenset[str], skinny_max_rows: int | None = None) -> None:
+        super().__init__(skinny_max_rows)
         self.kinds = kinds
 
     def gemv_ablated(self, x, weight) -> bool:
@@ -222,9 +221,9 @@ def make_backends(a: argparse.Namespace) -> Backends:
                  else TritonAttentionBackend(**launches))
     base = select_backends("auto", "auto", torch.device("cuda"))  # the engine's own choice on CUDA
     if kinds & {"norms", "gemv"}:
-        layer_ops = AblatedOps(kinds, a.skinny_max_rows, a.fuse_max_rows)
-    elif a.skinny_max_rows is not None or a.fuse_max_rows is not None:
-        layer_ops = TritonOps(skinny_max_rows=a.skinny_max_rows, fuse_max_rows=a.fuse_max_rows)
+        layer_ops = AblatedOps(kinds, a.skinny_max_rows)
+    elif a.skinny_max_rows is not None:
+        layer_ops = TritonOps(skinny_max_rows=a.skinny_max_rows)
     else:
         layer_ops = base.layer_ops
     return dataclasses.replace(base, attention=attention, layer_ops=layer_ops)
@@ -252,18 +251,10 @@ def main() -> None:
     ap.add_argument("--gemv-config", default=None,
                     help="block_n,block_k,num_warps,num_stages for every one-row GEMV (default: the kernel's own); "
                          "N:K=block_n,... for weights of one shape only, several separated by ';'")
-    ap.add_argument("--norm-gemm-config", default=None,
-                    help="block_n,block_k,num_warps,num_stages of the few-row fused norm + projection kernel "
-                         "(loopline.kernels.norm_gemm; with --fuse-max-rows). Default: the kernel's own")
     ap.add_argument("--skinny-max-rows", type=int, default=None,
                     help="batches of 2..N rows run q/k/v, gate/up and o_proj through the skinny split-K kernel "
                          "(loopline.kernels.skinny_gemm, PDL) instead of cuBLAS; 0: cuBLAS above one row (down_proj "
                          "keeps the skinny kernel up to 64 rows either way). Default: fused.SKINNY_MAX_ROWS")
-    ap.add_argument("--fuse-max-rows", type=int, default=None,
-                    help="batches of 2..N rows take the one-row path's fusions: the add + RMSNorm inside their "
-                         "q/k/v and gate/up products (loopline.kernels.norm_gemm) instead of a norm kernel then "
-                         "cuBLAS, and the SwiGLU activation inside down_proj's skinny kernel. Default: "
-                         "fused.FUSE_MAX_ROWS")
     ap.add_argument("--attn-splits", default=None,
                     help="MAX,MIN_KEYS: split-KV rule of decode attention (at most MAX splits of at least "
                          "MIN_KEYS keys; default: the backend's own)")
@@ -287,8 +278,6 @@ def main() -> None:
             gemv.SHAPE_CONFIGS[tuple(map(int, shape.split(":")))] = gemv.GemvConfig(*map(int, launch.split(",")))
         elif spec:
             gemv.DEFAULT_CONFIG = gemv.GemvConfig(*map(int, spec.split(",")))
-    if a.norm_gemm_config:
-        norm_gemm.DEFAULT_CONFIG = norm_gemm.NormGemmConfig(*map(int, a.norm_gemm_config.split(",")))
     cfg = random_checkpoint_config(a.config)
     with torch.device("cuda"):
         model = OuroForCausalLM(cfg).to(torch.bfloat16)
@@ -315,8 +304,7 @@ def main() -> None:
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) / a.steps * 1e3
     print(f"rows={a.rows} context={a.context} eager={a.eager} async={a.async_scheduling} "
-          f"skinny_max_rows={getattr(backends.layer_ops, 'skinny_max_rows', None)} "
-          f"fuse_max_rows={getattr(backends.layer_ops, 'fuse_max_rows', None)}: mean step {step_ms:.3f} ms "
+          f"skinny_max_rows={getattr(backends.layer_ops, 'skinny_max_rows', None)}: mean step {step_ms:.3f} ms "
           f"-> {a.rows * 1e3 / (step_ms * 4):.1f} output tok/s at 4 loops")
     runner = engine.runner
     if runner.graphs is not None:

@@ -8,15 +8,11 @@ reference rounds.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, pdl_options
 from loopline.kernels.gemv import gemv, norm_gemv, normed_row, silu_mul_rounded, use_gemv, use_norm_gemv
-from loopline.kernels.norm_gemm import MAX_ROWS as _FUSE_ROWS_LIMIT
-from loopline.kernels.norm_gemm import norm_gemm, use_norm_gemm
 from loopline.kernels.skinny_gemm import MAX_ROWS as _SKINNY_ROWS_LIMIT
 from loopline.kernels.skinny_gemm import skinny_linear, use_skinny
 from loopline.models.ops import TorchOps, rotary_cos_sin
@@ -125,23 +121,6 @@ def _pack(linears: list[torch.nn.Linear]) -> tuple[Tensor, list[int]]:
 # call, 1,024-token contexts): 2 rows 1.490 vs 1.469 ms, 8 rows 1.976 vs 1.901, 16 rows 2.740 vs 2.607.
 # TritonOps(skinny_max_rows=...) overrides it (for that comparison).
 SKINNY_MAX_ROWS = 0
-# Batches of 2 to FUSE_MAX_ROWS rows take the one-row path's fusions: the layer's add + RMSNorm inside their
-# packed q/k/v and gate/up products (loopline.kernels.norm_gemm: tensor cores, PDL, no split-K) instead of a
-# norm kernel then cuBLAS, as norm_gemv does, and the SwiGLU activation inside down_proj's skinny kernel instead
-# of a kernel of its own, as the one-row GEMV does. 0 (off) until measured: TritonOps(fuse_max_rows=...), or the
-# environment variable LOOPLINE_FUSE_MAX_ROWS for a whole process (an engine, loopline bench, a tool).
-FUSE_MAX_ROWS = 0
-
-
-def default_fuse_max_rows() -> int:
-    """``LOOPLINE_FUSE_MAX_ROWS`` when set (an A/B switch for measurements), else :data:`FUSE_MAX_ROWS`."""
-    raw = os.environ.get("LOOPLINE_FUSE_MAX_ROWS")
-    if raw is None:
-        return FUSE_MAX_ROWS
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"LOOPLINE_FUSE_MAX_ROWS must be an integer in 0..{_FUSE_ROWS_LIMIT}, got {raw!r}") from None
 
 
 def _linear(x: Tensor, weight: Tensor, skinny_max_rows: int = 0) -> Tensor:
@@ -174,25 +153,19 @@ class TritonOps(TorchOps):
     weight updates.
 
     ``skinny_max_rows``: the largest batch whose q/k/v, gate/up and o_proj take the skinny kernel
-    (default :data:`SKINNY_MAX_ROWS`; 0: cuBLAS for every batch of more than one row). ``fuse_max_rows``:
-    the largest batch that takes the one-row path's fusions, the add + RMSNorm inside the q/k/v and gate/up
-    products and the activation inside down_proj (default :data:`FUSE_MAX_ROWS`; 0: one row only). Two
-    instances with different values compare the routes in one process.
+    (default :data:`SKINNY_MAX_ROWS`; 0: cuBLAS for every batch of more than one row). Two instances
+    with different values compare the routes in one process.
     """
 
     name = "triton"
 
-    def __init__(self, skinny_max_rows: int | None = None, fuse_max_rows: int | None = None) -> None:
+    def __init__(self, skinny_max_rows: int | None = None) -> None:
         if triton is None:
             raise RuntimeError("TritonOps needs the triton package")
         rows = SKINNY_MAX_ROWS if skinny_max_rows is None else skinny_max_rows
         if not 0 <= rows <= _SKINNY_ROWS_LIMIT:
             raise ValueError(f"skinny_max_rows must be in 0..{_SKINNY_ROWS_LIMIT}, got {rows}")
         self.skinny_max_rows = rows
-        rows = default_fuse_max_rows() if fuse_max_rows is None else fuse_max_rows
-        if not 0 <= rows <= _FUSE_ROWS_LIMIT:
-            raise ValueError(f"fuse_max_rows must be in 0..{_FUSE_ROWS_LIMIT}, got {rows}")
-        self.fuse_max_rows = rows
         self._packed: dict[int, tuple[Tensor, list[int]]] = {}
         self._rope: tuple[tuple, Tensor] | None = None  # ((head_dim, theta, dtype, device), [P, 2, D] cos/sin)
 
@@ -243,19 +216,13 @@ class TritonOps(TorchOps):
 
     def _norm_packed(self, module: torch.nn.Module, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None,
                      weight: Tensor, eps: float) -> tuple[Tensor, tuple[Tensor, ...]] | None:
-        """One row (and 2 to ``fuse_max_rows`` rows): the add + RMSNorm rides the packed projection's
-        kernel (one launch instead of two)."""
+        """One row: the add + RMSNorm rides the packed projection's kernel (one launch instead of two)."""
         packed = self._packed.get(id(module))
-        if packed is None:
+        if packed is None or not use_norm_gemv(x, packed[0]):
             return None
-        if use_norm_gemv(x, packed[0]) and (branch is None or use_norm_gemv(branch, packed[0])):
-            fused = norm_gemv
-        elif (2 <= x.shape[0] <= self.fuse_max_rows and use_norm_gemm(x, packed[0])
-              and (branch is None or use_norm_gemm(branch, packed[0]))):
-            fused = norm_gemm
-        else:
+        if branch is not None and not use_norm_gemv(branch, packed[0]):
             return None
-        x_out, y = fused(x, packed[0], weight, eps, branch=branch, branch_weight=branch_weight)
+        x_out, y = norm_gemv(x, packed[0], weight, eps, branch=branch, branch_weight=branch_weight)
         return x_out, y.split(packed[1], dim=-1)
 
     def norm_project_qkv(self, attn: torch.nn.Module, x: Tensor, branch: Tensor | None,  # type: ignore[override]
@@ -348,9 +315,6 @@ class TritonOps(TorchOps):
             return gemv(gate, down.weight, up=up)
         # Decode-sized batches (up to skinny_gemm.MAX_ROWS rows, whatever skinny_max_rows): a split-K kernel
         # streams down_proj's wide-K weight faster than cuBLAS.
-        if (down.bias is None and 2 <= gate.shape[0] <= self.fuse_max_rows and use_skinny(gate, down.weight)
-                and use_skinny(up, down.weight)):  # (both of the weight's dtype)
-            return skinny_linear(gate, down.weight, up=up)  # the activation rides the load, as at one row
         act = self.silu_mul(gate, up)
         if down.bias is None and use_skinny(act, down.weight):
             return skinny_linear(act, down.weight)

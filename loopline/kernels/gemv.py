@@ -40,6 +40,12 @@ cuBLAS from 2 rows on q/k/v and gate/up (10.8 / 19.1 vs 9.3 / 13.2 us; 4 rows 16
 elementwise fp32 products growing with the rows, and whole steps (``tools/profile_step.py``) tied at 2
 rows (1.456 vs 1.461 ms) and lost from 3 (3 / 4 / 8 rows: 2.490 / 2.411 / 4.003 vs 1.602 / 1.642 /
 1.843 ms). Its one-row case, a 3-D tile of one row, was slower than this kernel too.)
+
+(Nor the add + RMSNorm fused into tensor-core q/k/v and gate/up products for 2-16 rows, plus the SiLU
+computed on load in ``down_proj`` (H100, 2026-12-06; the code is in git at 12bff1d): whole steps took
+2.485 / 2.737 / 3.100 ms against 1.728 / 1.920 / 2.175 at 2 / 4 / 8 rows, the best launch of five
+(32 x 256, 4 warps, 3 stages) 2.366 / 2.689 ms at 4 / 8 rows, and end to end the README command ran at
+0.70x / 0.73x the default's output rate at C = 2 / 8.)
 """
 from __future__ import annotations
 
@@ -188,8 +194,8 @@ if triton is not None:
             w = ahead
             block += step
 else:  # pragma: no cover
-    # imported by the other kernel modules, whose kernels are unusable without triton too
-    normed_row = silu_mul_rounded = branch_added = norm_scaled = None
+    # imported by kernels/fused.py, whose kernels are unusable without triton too
+    normed_row = silu_mul_rounded = None
 
 
 class GemvConfig(NamedTuple):
@@ -266,7 +272,7 @@ def use_norm_gemv(x: Tensor, weight: Tensor) -> bool:
 def check_norm_operands(fn: str, x: Tensor, norm_weight: Tensor, branch: Tensor | None,
                         branch_weight: Tensor | None) -> None:
     """Refuses (``ValueError`` naming ``fn`` and the operand) a residual branch or norm weights that do not fit
-    the rows ``x`` ``[M, K]`` of a fused add + RMSNorm + projection (:func:`norm_gemv`, ``norm_gemm``)."""
+    the rows ``x`` ``[M, K]`` of a fused add + RMSNorm + projection (:func:`norm_gemv`)."""
     k = x.shape[1]
     if (branch is None) != (branch_weight is None):
         raise ValueError(f"{fn}'s branch and branch_weight come together")

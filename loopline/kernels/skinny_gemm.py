@@ -38,7 +38,6 @@ import torch
 from torch import Tensor
 
 from loopline.kernels import cuda_sm_count, grid_dependency_wait, kernel_operands, pdl_options
-from loopline.kernels.gemv import silu_mul_rounded
 
 try:
     import triton
@@ -66,24 +65,12 @@ if triton is not None:
         return tl.load(ptrs, mask=k_mask, other=0.0)
 
     @triton.jit
-    def _rows_tile(x_ptrs, u_ptrs, offs_k, k, K, EVEN_K: tl.constexpr, SILU: tl.constexpr):
-        """The token rows' tile; with SILU ``silu(x) * u``, each rounded as :meth:`TorchOps.silu_mul` (the
-        activation as F.silu rounds it, then the product): the MLP's down projection without the activation's
-        own kernel. Zeros past K stay zeros."""
-        x = _tile(x_ptrs, offs_k, k, K, EVEN_K, False)
-        if SILU:
-            x = silu_mul_rounded(x.to(tl.float32), _tile(u_ptrs, offs_k, k, K, EVEN_K, False).to(tl.float32),
-                                 x.dtype)
-        return x
-
-    @triton.jit
     def _skinny_kernel(
-        x_ptr, u_ptr, w_ptr, out_ptr,  # x (and up) [M, K] (unit last stride), W [N, K] (unit last stride),
-        M, N, K, k_per_split,          # out [SPLIT_K, M, N]
-        stride_xm, stride_um, stride_wn, stride_os, stride_om,
+        x_ptr, w_ptr, out_ptr,  # x [M, K] (unit last stride), W [N, K] (unit last stride), out [SPLIT_K, M, N]
+        M, N, K, k_per_split,
+        stride_xm, stride_wn, stride_os, stride_om,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding); ignored for 16-bit operands
-        SILU: tl.constexpr,  # the rows are silu(x) * up (u_ptr)
         PDL: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
@@ -97,27 +84,24 @@ if triton is not None:
         offs_k = pid_k.to(tl.int64) * k_per_split + tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
         x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
-        u_ptrs = u_ptr + rows_x[:, None] * stride_um + offs_k[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if PDL:
             # No earlier kernel writes the weights: the first tile streams in while they finish. The rows
             # are read after the wait. The product is the loop's first step (same order, same bits).
             w = _tile(w_ptrs, offs_k, 0, K, EVEN_K, True)
             grid_dependency_wait(PDL)
-            x = _rows_tile(x_ptrs, u_ptrs, offs_k, 0, K, EVEN_K, SILU)
+            x = _tile(x_ptrs, offs_k, 0, K, EVEN_K, False)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
         for k in range(BLOCK_K if PDL else 0, k_per_split, BLOCK_K):
             w = _tile(w_ptrs, offs_k, k, K, EVEN_K, True)
-            x = _rows_tile(x_ptrs, u_ptrs, offs_k, k, K, EVEN_K, SILU)
+            x = _tile(x_ptrs, offs_k, k, K, EVEN_K, False)
             # W as the left operand: its rows are the MMA's M, so the K-contiguous tile needs no
             # transpose, and the token rows (padded to 16) are the narrow right operand.
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
         ptrs = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
 
@@ -173,10 +157,8 @@ def use_skinny(x: Tensor, weight: Tensor) -> bool:
     return triton is not None and kernel_operands(x, weight, _DTYPES) and 1 <= x.shape[0] <= MAX_ROWS
 
 
-def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None, *,
-                  up: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight)`` for ``x`` ``[M <= MAX_ROWS, K]`` (rows may be strided) and ``weight`` ``[N, K]``;
-    with ``up`` (shaped like ``x``), ``F.linear(silu(x) * up, weight)``: the activation computed on load.
+def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None) -> Tensor:
+    """``F.linear(x, weight)`` for ``x`` ``[M <= MAX_ROWS, K]`` (rows may be strided) and ``weight`` ``[N, K]``.
 
     Both need unit stride along K; :func:`use_skinny` says whether the engine should call it.
     """
@@ -185,9 +167,6 @@ def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None,
     if x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != k:
         raise ValueError(f"skinny_linear wants x [M, K] and weight [N, K] with unit stride along K, got "
                          f"{tuple(x.shape)} / {tuple(weight.shape)}")
-    if up is not None and (up.shape != x.shape or up.stride(1) != 1 or up.dtype != x.dtype):
-        raise ValueError(f"skinny_linear's up must be shaped like x {tuple(x.shape)} {x.dtype} with unit stride, "
-                         f"got {tuple(up.shape)} {up.dtype}")
     cfg = config or skinny_config(n, k, _sm_count(x.device), x.element_size())
     pdl = pdl_options(x.device)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -200,10 +179,9 @@ def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None,
         out = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         stride_os, stride_om = out.stride(0), out.stride(1)
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        x, up if up is not None else x, weight, out, m, n, k, k_per_split, x.stride(0),
-        (up if up is not None else x).stride(0), weight.stride(0), stride_os, stride_om,
+        x, weight, out, m, n, k, k_per_split, x.stride(0), weight.stride(0), stride_os, stride_om,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=even_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SILU=up is not None, **pdl,
+        EVEN_K=even_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         block = 1024

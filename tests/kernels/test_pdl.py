@@ -27,7 +27,7 @@ WAIT = "griddepcontrol.wait"
 _ATTN_POINTERS = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start_loc_ptr": "*i32",
                   "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "work_tiles_ptr": "*i32"}
 _G = {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True}
-_SKINNY = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN_K": True, "PRECISION": "tf32", "SILU": False}
+_SKINNY = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN_K": True, "PRECISION": "tf32"}
 _DECODE_POINTERS = {**_ATTN_POINTERS, "slot_mapping_ptr": "*i64"}
 _DECODE = {"G": 2, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "D_PAD": 64, "NUM_SPLITS": 2,
            "DOT_PRECISION": "tf32"}
@@ -45,10 +45,6 @@ CASES = {
                   {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True, "HAS_BRANCH": True}, True),
     "skinny": ("loopline.kernels.skinny_gemm", "_skinny_kernel", {}, _SKINNY, True),
     "skinny_no_pdl": ("loopline.kernels.skinny_gemm", "_skinny_kernel", {}, _SKINNY, False),
-    "skinny_silu": ("loopline.kernels.skinny_gemm", "_skinny_kernel", {}, {**_SKINNY, "SILU": True}, True),
-    "norm_gemm": ("loopline.kernels.norm_gemm", "_norm_gemm_kernel", {},
-                  {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "EVEN_K": True, "HAS_BRANCH": True,
-                   "PRECISION": "tf32"}, True),
     "split_k_reduce": ("loopline.kernels.skinny_gemm", "_split_k_reduce_kernel", {"ws_ptr": "*fp32"},
                        {"SPLIT_K": 2, "BLOCK": 1024}, True),
     "add_rms_norm": ("loopline.kernels.fused", "_add_rms_norm_kernel", {}, {"BLOCK": 256, "HAS_BRANCH": True}, True),
@@ -166,12 +162,10 @@ def test_without_pdl_no_grid_dependency_control(ptx):
         assert ptx[case] and not any("griddepcontrol" in x for x in ptx[case]), case
 
 
-@pytest.mark.parametrize("case", ["skinny", "skinny_silu", "norm_gemm"])
-def test_skinny_gemm_prefetches_its_first_weight_tile_only(ptx, case):
-    # Before the wait: the first K tile of the weight (evict_first); the token rows after it, then the loop
-    # (with SILU the up rows too; norm_gemm's rows, branch and norm weights).
-    _check_waits_first(ptx[case], prefetch="evict_first")
-    after = ptx[case][[WAIT in x for x in ptx[case]].index(True):]
+def test_skinny_gemm_prefetches_its_first_weight_tile_only(ptx):
+    # Before the wait: the first K tile of the weight (evict_first); the token rows after it, then the loop.
+    _check_waits_first(ptx["skinny"], prefetch="evict_first")
+    after = ptx["skinny"][[WAIT in x for x in ptx["skinny"]].index(True):]
     assert any("ld.global" in x and "evict" not in x for x in after)  # the rows, after the wait
     # The split-K reduction reads only partials the skinny kernel wrote.
     _check_waits_first(ptx["split_k_reduce"])

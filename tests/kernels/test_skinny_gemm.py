@@ -39,26 +39,6 @@ def test_skinny_linear_matches_linear(rows, dtype):
             close(skinny_linear(x, weight.flip(1).contiguous()), want, dtype)
 
 
-@pytest.mark.parametrize("rows", [2, 16])
-@pytest.mark.parametrize("dtype", PRODUCT_DTYPES)
-def test_skinny_linear_with_up_is_the_mlp_tail(rows, dtype):
-    """``up`` given: ``F.linear(silu(x) * up, W)``, the activation computed on load (split K and not), against
-    the activation kernel then the product (rounded as TorchOps.silu_mul; the interpreter truncates its casts,
-    so on the CPU bf16 is checked against the activation kernel, itself checked against TorchOps in
-    test_fused)."""
-    x, weight = _operands(rows, dtype)
-    up = _operands(rows, dtype, seed=5)[0]
-    ref = TorchOps() if dtype == torch.float32 or DEVICE == "cuda" else TritonOps()
-    want = torch.nn.functional.linear(ref.silu_mul(x, up), weight)
-    with bf16_dot_in_the_interpreter():
-        for cfg in CONFIGS:
-            close(skinny_linear(x, weight, cfg, up=up), want, dtype)
-        with pytest.raises(AssertionError):  # the test can fail: up and x swapped
-            close(skinny_linear(up, weight, up=x), want, dtype)
-    with pytest.raises(ValueError, match="up must be shaped like x"):
-        skinny_linear(x, weight, up=up[:1])
-
-
 @pytest.mark.parametrize("dtype", PRODUCT_DTYPES)
 def test_pdl_launch_gives_the_same_bits(monkeypatch, dtype):
     """With PDL the first weight tile's product is peeled out of the K loop (loaded before the wait): the same

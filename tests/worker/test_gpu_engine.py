@@ -35,24 +35,6 @@ def test_triton_equals_torch_backend_fp32(tiny_gqa, layout, threshold):
     assert triton_out == torch_out
 
 
-@pytest.mark.parametrize("threshold", [1.0, 0.7])
-def test_few_row_fusions_equal_the_default_kernels_fp32(tiny_gqa, monkeypatch, threshold):
-    """fused.FUSE_MAX_ROWS on (steps of 2-16 rows: the add + RMSNorm inside the q/k/v and gate/up products,
-    the activation inside down_proj): the same tokens and depths as the default kernels, CUDA graphs on."""
-    import loopline.kernels.fused as fused
-
-    prompts = [ids(n, seed=n) for n in (3, 17, 40, 9, 25)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, exit_threshold=threshold)
-    kw = dict(block_size=8, max_num_batched_tokens=32, max_num_seqs=8, attention_backend="triton")
-    want = run(tiny_gqa, prompts, params, **kw)
-    calls = []
-    real = fused.norm_gemm
-    monkeypatch.setattr(fused, "norm_gemm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    monkeypatch.setattr(fused, "FUSE_MAX_ROWS", 16)
-    assert run(tiny_gqa, prompts, params, **kw) == want
-    assert calls and all(2 <= n <= 16 for n in calls)
-
-
 def test_cuda_equals_cpu_fp32(tiny_gqa):
     prompts = [ids(n, seed=n) for n in (5, 21)]
     params = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True, exit_threshold=0.7)
