@@ -4,7 +4,7 @@
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
-# lookahead trace_cost flashinfer fp8_one_row newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
+# lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
 # bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -241,6 +241,26 @@ if has fp8_one_row; then  # issue #40: FP8 KV at one row (0.94x bf16): 128-key t
     timeout 60 python3 tools/profile_step.py --rows 1 --context 1024 --steps 128 --kv-cache-dtype "$kv" "$@" 2>&1 \
       | grep -E "mean step" | sed "s/^/$v: /"
   done | tee "$out/fp8_one_row.txt"
+fi
+if has rows_breakdown; then  # issue #40/#41: where a 2-16-row step's time goes beyond one row's. Without PDL
+  # (LOOPLINE_PDL=0) every kernel's profiled time is its own, not its wait for the kernel before; the mean step
+  # with and without PDL says what PDL buys at each row count; bench_gemm gives the products' bandwidth alone
+  for r in ${LOOPLINE_ROWS:-1 2 4 8 16}; do
+    for pdl in 1 0; do
+      LOOPLINE_PDL=$pdl timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 2>&1 \
+        | grep -E "mean step" | sed "s/^/rows $r pdl $pdl: /"
+    done
+    LOOPLINE_PDL=0 timeout 90 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 64 --kernels \
+      > "$out/rows_kernels_$r.txt" 2>&1
+  done | tee "$out/rows_breakdown.txt"
+  timeout 200 python3 tools/bench_gemm.py --rows 1,2,4,8,16 --sweep --pdl > "$out/rows_gemm.txt" 2>&1; tail -30 "$out/rows_gemm.txt"
+fi
+if has fp8_rows; then  # issue #40: FP8 against bf16 steps at 1-16 rows; "--decode-launch 64" is the launch before 38ab60a
+  for r in ${LOOPLINE_ROWS:-1 2 4 8 16}; do for v in "auto" "fp8" "fp8 --decode-launch 64" "auto"; do
+    set -- $v; kv=$1; shift
+    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --kv-cache-dtype "$kv" "$@" 2>&1 \
+      | grep -E "mean step" | sed "s/^/rows $r $v: /"
+  done; done | tee "$out/fp8_rows.txt"
 fi
 if has newkernels; then  # kernels written since the last GPU run: their tests on the GPU (fused lookahead rule)
   timeout 90 python3 -m pytest -q tests/kernels/test_lookahead_kernel.py > "$out/newkernels.log" 2>&1
