@@ -4,8 +4,8 @@
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
-# lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown newkernels; LOOPLINE_BENCH_C (default "1 32 128") picks
-# bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
+# lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile newkernels; LOOPLINE_BENCH_C
+# (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
 out=${1:?output folder}
@@ -254,6 +254,14 @@ if has rows_breakdown; then  # issue #40/#41: where a 2-16-row step's time goes 
       > "$out/rows_kernels_$r.txt" 2>&1
   done | tee "$out/rows_breakdown.txt"
   timeout 200 python3 tools/bench_gemm.py --rows 1,2,4,8,16 --sweep --pdl > "$out/rows_gemm.txt" 2>&1; tail -30 "$out/rows_gemm.txt"
+fi
+if has pipe_profile; then  # issue #41: a pinned pipeline step at C = 1 (4 lanes) against a plain 4-row step, per kernel:
+  # what its rounds launch besides the forward (calls per step) and what that costs
+  pipe='{"method": "loop", "num_speculative_tokens": 3, "draft_loops": 1, "scheme": "pipeline", "adaptive": false, "disable_by_batch_size": null}'
+  timeout 120 python3 tools/profile_step.py --rows 1 --context 1088 --steps 96 --kernels --speculative-config "$pipe" \
+    --replay-acceptance 0.89,0.71,0.68 > "$out/pipe_profile.txt" 2>&1
+  timeout 90 python3 tools/profile_step.py --rows 4 --context 1088 --steps 96 --kernels > "$out/pipe_profile_plain4.txt" 2>&1
+  grep -hE "mean step|device time per step|warning" "$out/pipe_profile.txt" "$out/pipe_profile_plain4.txt"
 fi
 if has fp8_rows; then  # issue #40: FP8 against bf16 steps at 1-16 rows; "--decode-launch 64" is the launch before 38ab60a
   for r in ${LOOPLINE_ROWS:-1 2 4 8 16}; do for v in "auto" "fp8" "fp8 --decode-launch 64" "auto"; do

@@ -5,12 +5,16 @@ Prints the mean step time, the CUDA-graph replay time alone, and a host profile.
 --skinny-max-rows 0 against 16 compares cuBLAS with the skinny kernel for 2..16-row projections.
 --prefill times whole-prompt prefill loops; --mixed-prompts P times steps that carry P prompts next
 to --rows decoding rows (a C = 128 run's prefill steps).
+--speculative-config JSON [--replay-acceptance P0,P1,...] times speculating requests' steps (e.g. the
+depth pipeline's, whose --kernels table counts the small ops its rounds launch each step); the summary adds
+the output tokens per step, so the time per token compares with plain decoding's at 4 steps a token.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import dataclasses
+import json
 import pstats
 import time
 
@@ -25,8 +29,14 @@ from loopline.kernels.gemv import use_gemv
 from loopline.models.ouro import OuroForCausalLM
 from loopline.models.tiny import random_checkpoint_config
 from loopline.sampling_params import SamplingParams
+from loopline.spec.replay import AcceptanceReplay
 from loopline.worker.backends import Backends, select_backends
 from loopline.worker.cuda_graphs import bucket_sizes
+
+
+def output_tokens(engine: LLMEngine) -> int:
+    """Tokens the running requests have generated so far."""
+    return sum(len(r.output) for r in engine.scheduler.requests.values())
 
 
 def print_kernel_table(engine: LLMEngine, steps: int) -> None:
@@ -268,9 +278,17 @@ def main() -> None:
                     help="BLOCK_N,WARPS,STAGES of decode-only attention launches (default: the backend's own)")
     ap.add_argument("--prefill-launch", default=None,
                     help="BLOCK_M,BLOCK_N,WARPS,STAGES of attention launches with prefill chunks (with --prefill)")
+    ap.add_argument("--speculative-config", default=None,
+                    help='the engine\'s speculative_config as JSON, e.g. \'{"method": "loop", "num_speculative_tokens": '
+                         '3, "draft_loops": 1, "scheme": "pipeline", "adaptive": false, "disable_by_batch_size": null}\'')
+    ap.add_argument("--replay-acceptance", default=None,
+                    help="P0,P1,...: with --speculative-config, accept the draft at round position j with probability "
+                         "Pj (loopline/spec/replay.py; random weights accept none otherwise)")
     ap.add_argument("--ablate", default="",
                     help=f"comma-separated kernels to replace by no-ops, timing only: {', '.join(ABLATIONS)}")
     a = ap.parse_args()
+    if a.replay_acceptance and not a.speculative_config:
+        raise SystemExit("--replay-acceptance needs --speculative-config")
     backends = make_backends(a)
     for spec in (a.gemv_config or "").split(";"):
         if "=" in spec:
@@ -285,8 +303,13 @@ def main() -> None:
                                   kv_cache_memory_gb=a.kv_gb or max(8.0, (a.rows + a.mixed_prompts) * 0.9), enforce_eager=a.eager, async_scheduling=a.async_scheduling,
                                   kv_cache_dtype=a.kv_cache_dtype,
                                   max_num_batched_tokens=max(2048, a.rows * a.context) if a.prefill else a.budget,
-                                  max_model_len=a.context + 512), model=model, backends=backends)
-    params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)  # enough loop steps for every phase
+                                  max_model_len=a.context + 512,
+                                  speculative_config=json.loads(a.speculative_config) if a.speculative_config else None),
+                          model=model, backends=backends)
+    if a.replay_acceptance:  # the verdicts are draws: timing only
+        engine.runner.spec.replay = AcceptanceReplay([float(p) for p in a.replay_acceptance.split(",")])
+    # enough loop steps for every phase (speculation commits several tokens a step)
+    params = SamplingParams(max_tokens=400 if a.speculative_config else 96, temperature=0.0, ignore_eos=True)
     if a.prefill:
         return profile_prefill(engine, a, params)
     for i in range(a.rows):  # distinct prompts: shared prefix pages would make KV reads hit L2
@@ -298,16 +321,22 @@ def main() -> None:
     if a.mixed_prompts:
         return profile_mixed(engine, a, params)
     torch.cuda.synchronize()
+    out0 = output_tokens(engine)
     t0 = time.perf_counter()
     for _ in range(a.steps):
         engine.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) / a.steps * 1e3
+    if engine.scheduler.num_running < a.rows:  # (and their tokens left the count: fewer --steps)
+        print(f"warning: requests finished during the timed steps ({engine.scheduler.num_running} of {a.rows} left)")
+    per_step = (output_tokens(engine) - out0) / a.steps
+    spec = f" spec={a.speculative_config} replayed={a.replay_acceptance}" if a.speculative_config else ""
     print(f"rows={a.rows} context={a.context} eager={a.eager} async={a.async_scheduling} "
-          f"skinny_max_rows={getattr(backends.layer_ops, 'skinny_max_rows', None)}: mean step {step_ms:.3f} ms "
-          f"-> {a.rows * 1e3 / (step_ms * 4):.1f} output tok/s at 4 loops")
+          f"skinny_max_rows={getattr(backends.layer_ops, 'skinny_max_rows', None)}{spec}: mean step {step_ms:.3f} ms "
+          f"-> {a.rows * 1e3 / (step_ms * 4):.1f} output tok/s at 4 loops; {per_step:.3f} output tokens a step "
+          f"-> {per_step * 1e3 / step_ms:.1f} tok/s")
     runner = engine.runner
-    if runner.graphs is not None:
+    if runner.graphs is not None and not a.speculative_config:
         # NOTE: replays with the last step's inputs; it rewrites state a step would write anyway (KV of
         # the same positions, slot hidden state), and the timing run ends the profile's engine use.
         b = next(s for s in bucket_sizes(runner.max_num_seqs) if s >= a.rows)
