@@ -163,6 +163,7 @@ class PipeRounds:
         self.head = head
         self.drafts = DraftSampler(sampler, device)
         self.replay: AcceptanceReplay | None = None  # a measurement hook (loopline/spec/replay.py); None: real verdicts
+        self._lanes: tuple[Tensor, Tensor] | None = None  # draft()'s slots and every lane's head output, for verify_part()
 
     def _lane0(self, rows: list[ScheduledRow], row0: int = 0) -> list[tuple[int, ScheduledRow]]:
         return [(row0 + i, r) for i, r in enumerate(rows) if r.spec.lane == 0]
@@ -174,9 +175,18 @@ class PipeRounds:
         """``[M * L]``: the completion index of each lane's token (its target and its draft stand for it)."""
         return (self.state.token_index[slots][:, None] + self.ring.lane_ids).flatten()
 
+    def _lanes_head(self, slots: Tensor) -> Tensor:
+        """``[M * L, V]`` fp32: the model's head on every lane's hidden state (the lanes' target logits)."""
+        return self.model.head(self.ring.hidden[slots].flatten(0, 1)).float()
+
     def draft(self, rows: list[ScheduledRow]) -> None:
         """Lanes that ran loop ``d`` and still loop propose their successor's token from their loop-``d``
-        head, sampled as the target samples the same token index."""
+        head, sampled as the target samples the same token index.
+
+        Without a draft adapter a drafting lane's head output is its target row's (the same hidden state
+        through the same head), so the step runs the head once, over every lane, and ``verify_part`` takes
+        the result: one read of the output projection a step instead of two."""
+        self._lanes = None
         heads = [r for _, r in self._lane0(rows)]
         if not heads:
             return
@@ -187,7 +197,12 @@ class PipeRounds:
         # runs one loop a step), so the head runs once a slot, on that lane (lane 0, unused, where none did)
         lane = due.long().argmax(dim=1)
         any_due = due.any(dim=1)
-        logits = self.head(ring.hidden[slots, lane], any_due)
+        if self.head.adapter is None:
+            every = self._lanes_head(slots)
+            self._lanes = slots, every
+            logits = every.view(len(heads), ring.lanes, -1)[torch.arange(len(heads), device=slots.device), lane]
+        else:
+            logits = self.head(ring.hidden[slots, lane], any_due)
         index = self.state.token_index[slots] + lane
         # lane j's history: the committed tokens, then lanes 1..j's input tokens
         drafted = self.drafts(logits, [self.requests[r.request_id] for r in heads], index,
@@ -203,8 +218,11 @@ class PipeRounds:
         if not heads:
             return None
         ring, L = self.ring, self.ring.lanes
-        slots = self._slots([r for _, r in heads])
-        logits = self.model.head(ring.hidden[slots].flatten(0, 1)).float()
+        if self._lanes is not None:  # draft's, for the same rows, when it ran the head over every lane
+            (slots, logits), self._lanes = self._lanes, None
+        else:
+            slots = self._slots([r for _, r in heads])
+            logits = self._lanes_head(slots)
         states = [self.requests[r.request_id] for _, r in heads for _ in range(L)]
         return VerifyPart([i for i, _ in heads for _ in range(L)], states, slots, logits, self._index(slots),
                           ring.exit_loop[slots].flatten())

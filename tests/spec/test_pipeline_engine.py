@@ -211,6 +211,37 @@ def test_spec_decode_counters_count_judged_drafts(demo_prompts):
     assert st.spec_mean_acceptance_length == pytest.approx(1 + st.spec_num_accepted_tokens / st.spec_num_drafts)
 
 
+def test_drafts_and_targets_share_one_head_pass_a_step(demo_prompts, monkeypatch):
+    """Without a draft adapter a drafting lane's head output is its target row's: a step runs the head once
+    over every lane (one read of the output projection, not two), and the tokens are plain decoding's."""
+    from loopline.worker.draft_head import DraftHead
+    from loopline.worker.pipe_rows import PipeRounds
+
+    calls = {"lanes": 0, "verify": 0, "draft_head": 0}
+    lanes_head, verify_part = PipeRounds._lanes_head, PipeRounds.verify_part
+
+    def counted_lanes(self, slots):
+        calls["lanes"] += 1
+        return lanes_head(self, slots)
+
+    def counted_verify(self, rows, row0):
+        part = verify_part(self, rows, row0)
+        calls["verify"] += part is not None
+        return part
+
+    def draft_head(self, hidden, live):
+        calls["draft_head"] += 1
+        raise AssertionError("no adapter: the drafts take the lanes' head pass")
+
+    monkeypatch.setattr(PipeRounds, "_lanes_head", counted_lanes)
+    monkeypatch.setattr(PipeRounds, "verify_part", counted_verify)
+    monkeypatch.setattr(DraftHead, "__call__", draft_head)
+    reqs = {"r": (demo_prompts[0], GREEDY)}
+    plain = drain(engine(), reqs)
+    assert_same(drain(engine(speculative=pipe(1)), reqs), plain)
+    assert calls["verify"] > 10 and calls["lanes"] == calls["verify"] and calls["draft_head"] == 0
+
+
 # --- through LLM and AsyncLLM -----------------------------------------------------------------------
 @pytest.mark.slow  # an engine process (~8-15 s on 2 cores). Default run: spec/test_engine.py::
 # test_async_llm_streams_accepted_runs streams speculation through AsyncLLM, docs/speculation.md's pipeline
