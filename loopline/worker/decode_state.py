@@ -165,6 +165,23 @@ class SlotOps:
         """The depth pipeline's verdicts, commits and entries after sampling (:func:`accept_lanes`)."""
         return accept_lanes(ring, ds, slots, target, depth, agrees)
 
+    def pipe_draft_lanes(self, ring: LaneRing, ds: "DeviceDecodeState", slots: Tensor,
+                         depth: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The depth pipeline's drafting lane of each of ``slots`` ``[M]``: the lane that ran loop ``depth``
+        this step and still loops (at most one a slot: live lanes entered in different steps and each runs
+        one loop a step). Returns ``lane`` ``[M]`` int64 (0 where none drafts), ``due`` ``[M]`` bool and the
+        completion index of the drafting lane's token ``[M]`` int64 (its draft is for the index after it)."""
+        due = ring.valid[slots] & (ring.exit_loop[slots] == 0) & (ring.loop[slots] == depth)  # [M, L]
+        lane = due.long().argmax(dim=1)
+        return lane, due.any(dim=1), ds.token_index[slots] + lane
+
+    def pipe_store_draft(self, ring: LaneRing, slots: Tensor, lane: Tensor, due: Tensor, index: Tensor,
+                         drafted: Tensor) -> None:
+        """Stores the drafts ``drafted`` ``[M]`` of the due lanes (:meth:`pipe_draft_lanes`) in the ring; a
+        draft within the request's max_tokens is a round of one draft (counted when its lane commits)."""
+        ring.draft[slots, lane] = torch.where(due, drafted, ring.draft[slots, lane])
+        ring.drafted[slots, lane] = ring.drafted[slots, lane] | (due & (index + 1 < ring.limit[slots]))
+
 
 class DeviceDecodeState:
     def __init__(self, num_slots: int, layout: KVLayout, block_size: int, max_blocks: int, scratch_block: int,

@@ -190,26 +190,20 @@ class PipeRounds:
         heads = [r for _, r in self._lane0(rows)]
         if not heads:
             return
-        ring = self.ring
+        ring, ops = self.ring, self.state.ops
         slots = self._slots(heads)
-        due = ring.valid[slots] & (ring.exit_loop[slots] == 0) & (ring.loop[slots] == self.head.depth)  # [M, L]
-        # NOTE: at most one lane of a slot runs loop d in a step (live lanes entered in different steps, and each
-        # runs one loop a step), so the head runs once a slot, on that lane (lane 0, unused, where none did)
-        lane = due.long().argmax(dim=1)
-        any_due = due.any(dim=1)
+        # (lane 0, whose draft is unused, where no lane drafts)
+        lane, any_due, index = ops.pipe_draft_lanes(ring, self.state, slots, self.head.depth)
         if self.head.adapter is None:
             every = self._lanes_head(slots)
             self._lanes = slots, every
             logits = every.view(len(heads), ring.lanes, -1)[torch.arange(len(heads), device=slots.device), lane]
         else:
             logits = self.head(ring.hidden[slots, lane], any_due)
-        index = self.state.token_index[slots] + lane
         # lane j's history: the committed tokens, then lanes 1..j's input tokens
         drafted = self.drafts(logits, [self.requests[r.request_id] for r in heads], index,
                               lambda t: round_history(self.state, ring.token[slots, 1:], t, slots, lane))
-        ring.draft[slots, lane] = torch.where(any_due, drafted, ring.draft[slots, lane])
-        # a round of one draft, when its token is within max_tokens (the reference's rule)
-        ring.drafted[slots, lane] = ring.drafted[slots, lane] | (any_due & (index + 1 < ring.limit[slots]))
+        ops.pipe_store_draft(ring, slots, lane, any_due, index, drafted)
 
     def verify_part(self, rows: list[ScheduledRow], row0: int) -> VerifyPart | None:
         """Every lane of the pipelining requests among ``rows`` (step rows from ``row0``) as a target row, its

@@ -248,6 +248,51 @@ if triton is not None:
                         tl.store(hidden_r + (base + lane) * hidden_size + h0 + cols, v, mask=cm)
 
 
+    @triton.jit(do_not_specialize=["m", "lanes", "depth"])
+    def _pipe_draft_lanes_kernel(
+        slots_ptr, valid_r, loop_r, exit_r, tidx_s,  # [M] int64; the ring's [S, L] fields; [S] token index
+        lane_ptr, due_ptr, index_ptr,  # [M] int64 / int8 / int64 out
+        m, lanes, depth, BLOCK_M: tl.constexpr, LP: tl.constexpr,
+    ):
+        """``SlotOps.pipe_draft_lanes`` for ``BLOCK_M`` slots a program: each slot's first lane that ran loop
+        ``depth`` and still loops (lane 0 where none does), as ``argmax`` of the due mask picks it."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = rows < m
+        slot = tl.load(slots_ptr + rows, mask=rm, other=0)
+        j = tl.arange(0, LP)
+        mask = rm[:, None] & (j < lanes)[None, :]
+        addr = slot[:, None] * lanes + j[None, :]
+        valid = tl.load(valid_r + addr, mask=mask, other=0) != 0
+        loop = tl.load(loop_r + addr, mask=mask, other=0)
+        exit_l = tl.load(exit_r + addr, mask=mask, other=1)
+        due = mask & valid & (exit_l == 0) & (loop == depth)
+        first = tl.min(tl.where(due, j[None, :], LP), axis=1)
+        any_due = first < LP
+        lane = tl.where(any_due, first, 0).to(tl.int64)
+        tl.store(lane_ptr + rows, lane, mask=rm)
+        tl.store(due_ptr + rows, any_due.to(tl.int8), mask=rm)
+        tl.store(index_ptr + rows, tl.load(tidx_s + slot, mask=rm, other=0) + lane, mask=rm)
+
+    @triton.jit(do_not_specialize=["m", "lanes"])
+    def _pipe_store_draft_kernel(
+        slots_ptr, lane_ptr, due_ptr, index_ptr, tok_ptr,  # [M] each (due int8)
+        draft_r, drafted_r, limit_r,  # the ring's [S, L] drafts and flags, its [S] max_tokens
+        m, lanes, BLOCK_M: tl.constexpr,
+    ):
+        """``SlotOps.pipe_store_draft`` for ``BLOCK_M`` slots a program (distinct slots: no two rows write one
+        lane)."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = rows < m
+        slot = tl.load(slots_ptr + rows, mask=rm, other=0)
+        at = slot * lanes + tl.load(lane_ptr + rows, mask=rm, other=0)
+        due = tl.load(due_ptr + rows, mask=rm, other=0) != 0
+        room = tl.load(index_ptr + rows, mask=rm, other=0) + 1 < tl.load(limit_r + slot, mask=rm, other=0)
+        old = tl.load(draft_r + at, mask=rm, other=0)
+        tl.store(draft_r + at, tl.where(due, tl.load(tok_ptr + rows, mask=rm, other=0), old), mask=rm)
+        was = tl.load(drafted_r + at, mask=rm, other=0) != 0
+        tl.store(drafted_r + at, (was | (due & room)).to(tl.int8), mask=rm)
+
+
 def _check(op: str, **tensors: tuple[Tensor, torch.dtype]) -> None:
     for name, (t, dtype) in tensors.items():
         if t.dtype != dtype or not t.is_contiguous():
@@ -400,6 +445,37 @@ class TritonSlotOps(SlotOps):
             LP=triton.next_power_of_2(lanes), SW=ring.STOP_WIDTH,
             BLOCK_H=min(triton.next_power_of_2(ring.hidden.shape[-1]), 1024), REPLAY=replay, num_warps=4)
         return committed, verdicts
+
+    def pipe_draft_lanes(self, ring: LaneRing, ds: DeviceDecodeState, slots: Tensor,
+                         depth: int) -> tuple[Tensor, Tensor, Tensor]:
+        m, dev = slots.shape[0], slots.device
+        lane = torch.empty(m, dtype=_I64, device=dev)
+        due = torch.empty(m, dtype=_BOOL, device=dev)
+        index = torch.empty(m, dtype=_I64, device=dev)
+        if not m:
+            return lane, due, index
+        _check("pipe_draft_lanes", slots=(slots, _I64))
+        block = 32
+        _pipe_draft_lanes_kernel[(triton.cdiv(m, block),)](
+            slots, _int8(ring.valid), ring.loop, ring.exit_loop, ds.token_index, lane, _int8(due), index,
+            m, ring.lanes, depth, BLOCK_M=block, LP=triton.next_power_of_2(ring.lanes), num_warps=1)
+        return lane, due, index
+
+    def pipe_store_draft(self, ring: LaneRing, slots: Tensor, lane: Tensor, due: Tensor, index: Tensor,
+                         drafted: Tensor) -> None:
+        m = slots.shape[0]
+        if not m:
+            return
+        tok = drafted.long().contiguous()
+        _check("pipe_store_draft", slots=(slots, _I64), lane=(lane, _I64), due=(due, _BOOL), index=(index, _I64),
+               drafted=(tok, _I64))
+        for name, t in (("lane", lane), ("due", due), ("index", index), ("drafted", tok)):
+            if t.shape != (m,):
+                raise ValueError(f"pipe_store_draft: {name} must have one entry per slot ({m}), got {tuple(t.shape)}")
+        block = 32
+        _pipe_store_draft_kernel[(triton.cdiv(m, block),)](
+            slots, lane, _int8(due), index, tok, ring.draft, _int8(ring.drafted), ring.limit, m, ring.lanes,
+            BLOCK_M=block, num_warps=1)
 
 
 __all__ = ["TritonSlotOps"]

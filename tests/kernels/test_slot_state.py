@@ -214,3 +214,45 @@ def test_pipe_accept_matches_reference(lanes, replay, dtype):
     _same_state(ds, ref_ds)
     for name, t in _ring_fields(ring).items():
         assert torch.equal(t, getattr(ref_ring, name)), name
+
+
+@pytest.mark.parametrize("lanes", [1, 3, 4, 5])
+@pytest.mark.parametrize("m", [1, 12, 36])  # 36: more than one program
+def test_pipe_draft_lanes_and_store_match_reference(lanes, m):
+    """The depth pipeline's drafting lane of each slot (first lane that ran loop d and still loops; lane 0,
+    not due, where none does), its token's completion index, and the store of the drafts."""
+    g = torch.Generator().manual_seed(lanes * 100 + m)
+    depth = 2
+    ds, ring = _state(g, "last_exited", False), _ring(g, lanes, 8, torch.float32)
+    ring.loop.copy_(torch.randint(1, 4, ring.loop.shape, generator=g))  # loop == depth often
+    ring.exit_loop.copy_(torch.where(torch.rand(ring.loop.shape, generator=g) < 0.3, ring.loop.cpu(), 0))
+    ring.limit.copy_(ds.token_index + torch.randint(0, lanes + 2, (SLOTS,), generator=g).to(DEVICE))
+    slots = torch.randperm(SLOTS - 1, generator=g)[:m].to(DEVICE)
+    ref_ring = _ring(torch.Generator(), lanes, 8, torch.float32)
+    for name, t in _ring_fields(ring).items():
+        getattr(ref_ring, name).copy_(t)
+    got = TritonSlotOps().pipe_draft_lanes(ring, ds, slots, depth)
+    want = SlotOps().pipe_draft_lanes(ref_ring, ds, slots, depth)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    lane, due, index = want
+    if m >= 12:  # the draw covers due and idle slots, and lanes past 0
+        assert due.any() and not due.all() and ((lane > 0).any() or lanes == 1)
+    tokens = torch.randint(5, 9, (m,), generator=g).to(DEVICE)
+    TritonSlotOps().pipe_store_draft(ring, slots, lane, due, index, tokens)
+    SlotOps().pipe_store_draft(ref_ring, slots, lane, due, index, tokens)
+    for name, t in _ring_fields(ring).items():
+        assert torch.equal(t, getattr(ref_ring, name)), name
+    assert (ring.draft >= 5).any() == bool(due.any())
+
+
+def test_pipe_store_draft_rejects_bad_operands():
+    g = torch.Generator().manual_seed(0)
+    ring = _ring(g, 3, 8, torch.float32)
+    slots = torch.tensor([1, 2], device=DEVICE)
+    lane = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    due = torch.ones(2, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="due must be a contiguous torch.bool"):
+        TritonSlotOps().pipe_store_draft(ring, slots, lane, due.long(), lane, lane)
+    with pytest.raises(ValueError, match="index must have one entry per slot"):
+        TritonSlotOps().pipe_store_draft(ring, slots, lane, due, lane[:1], lane)
