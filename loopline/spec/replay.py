@@ -12,6 +12,7 @@ never installed by the engine itself; tables made with it say the acceptance is 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -32,12 +33,18 @@ class AcceptanceReplay:
         self._tables: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def uniform(self, slots: Tensor, index: Tensor) -> Tensor:
-        """A deterministic uniform in [0, 1) per ``(slot, completion index)`` (``slots`` broadcast to ``index``)."""
+        """A deterministic uniform in [0, 1) per ``(slot, completion index)`` (``slots`` broadcast to ``index``).
+        ``TritonSlotOps.pipe_accept`` computes the same hash in its kernel (``_replay_hash``)."""
         h = (index * 1_000_003 + slots * 7_919 + self.seed * 104_729 + 12_345) & 0xFFFFFFFF
         for _ in range(2):  # (an integer mix: neighbouring indices get unrelated draws)
             h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
         h = h ^ (h >> 16)
         return h.double() / 2.0 ** 32
+
+    def threshold(self, position: int = 0) -> int:
+        """The draw's acceptance as an integer bound: ``uniform < p`` exactly when the draw's 32-bit hash is
+        below ``ceil(p * 2**32)`` (a kernel compares integers, with no float rounding of ``p``)."""
+        return math.ceil(self.probs[min(position, len(self.probs) - 1)] * 2.0 ** 32)
 
     def accepted(self, slots: Tensor, first: Tensor, positions: int, per_position: bool = True) -> Tensor:
         """``[M, positions]`` bool: the verdicts of drafts for completion indices ``first + j`` of ``slots``."""

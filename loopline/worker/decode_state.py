@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from loopline.spec.replay import AcceptanceReplay
 from loopline.worker.exit_rule import exit_decision
 from loopline.kv.layout import KVLayout
 from loopline.worker.lane_ring import LaneRing, accept_lanes
@@ -161,8 +162,13 @@ class SlotOps:
         ds.token_index[slots] = ds.token_index[slots] + ex.long()
 
     def pipe_accept(self, ring: LaneRing, ds: "DeviceDecodeState", slots: Tensor, target: Tensor, depth: int,
-                    agrees: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """The depth pipeline's verdicts, commits and entries after sampling (:func:`accept_lanes`)."""
+                    replay: AcceptanceReplay | None = None) -> tuple[Tensor, Tensor]:
+        """The depth pipeline's verdicts, commits and entries after sampling (:func:`accept_lanes`); with
+        ``replay`` (a measurement hook) lane ``j``'s draft is accepted by the replay's draw for the slot's
+        completion index ``token_index + j``, with its first probability."""
+        agrees = None
+        if replay is not None:
+            agrees = replay.accepted(slots, ds.token_index[slots], ring.lanes, per_position=False)
         return accept_lanes(ring, ds, slots, target, depth, agrees)
 
     def pipe_draft_lanes(self, ring: LaneRing, ds: "DeviceDecodeState", slots: Tensor,

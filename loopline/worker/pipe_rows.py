@@ -236,12 +236,9 @@ class PipeRounds:
         mask ``[M * L]`` (a leading run of each slot's lanes); ``part.verdicts``: each committed lane's draft
         verdict (0: it drafted none, 1: rejected, 2: accepted). One op of the decode state's slot ops
         (:func:`~loopline.worker.lane_ring.accept_lanes`, or its kernel)."""
-        agrees = None
-        if self.replay is not None:  # (cost measurements on random weights: lane j's draft is for index ti + j + 1)
-            agrees = self.replay.accepted(part.slots, self.state.token_index[part.slots], self.ring.lanes,
-                                          per_position=False)
+        # (self.replay: cost measurements on random weights, drawn inside the op: lane j's draft is for ti + j + 1)
         committed, part.verdicts = self.state.ops.pipe_accept(self.ring, self.state, part.slots, target,
-                                                              self.head.depth, agrees)
+                                                              self.head.depth, self.replay)
         L = self.ring.lanes
         self.state.take_run(part.slots, target.view(-1, L), committed.view(-1, L))  # (penalties, bad words)
         return committed

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, pdl_options
+from loopline.spec.replay import AcceptanceReplay
 from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, RowsInto, SlotOps
 from loopline.worker.lane_ring import LaneRing
 
@@ -155,13 +156,22 @@ if triton is not None:
         tl.store(tidx_ptr + slot, tl.load(tidx_ptr + slot, mask=m & ex, other=0) + 1, mask=m & ex)
 
 
-    @triton.jit(do_not_specialize=["lanes", "depth"])
+    @triton.jit
+    def _replay_agrees(slot, index, seed, bound):
+        """``AcceptanceReplay``'s draw for ``(slot, completion index)``: the same 32-bit integer hash, accepted
+        below ``bound`` (``AcceptanceReplay.threshold``)."""
+        h = (index * 1_000_003 + slot * 7_919 + seed * 104_729 + 12_345) & 0xFFFFFFFF
+        h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+        h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+        return (h ^ (h >> 16)) < bound
+
+    @triton.jit(do_not_specialize=["lanes", "depth", "replay_seed", "replay_bound"])
     def _pipe_accept_kernel(
-        slots_ptr, y_ptr, agrees_ptr,  # [M] int64; [M, L] int64 targets; [M, L] int8 replayed verdicts
+        slots_ptr, y_ptr,  # [M] int64; [M, L] int64 targets
         valid_r, token_r, loop_r, exit_r, draft_r, drafted_r, surv_r, hidden_r, limit_r, stop_r,  # the ring
         token_s, pos_s, tidx_s,  # the decode state
         committed_ptr, verdicts_ptr,  # [M, L] int8 / int64 out
-        lanes, depth, hidden_size,
+        lanes, depth, hidden_size, replay_seed, replay_bound,
         LP: tl.constexpr, SW: tl.constexpr, BLOCK_H: tl.constexpr, REPLAY: tl.constexpr,
     ):
         """One program per pipelining slot: ``accept_lanes`` (lane_ring.py) for its ``[L]`` lanes. Every
@@ -183,9 +193,10 @@ if triton is not None:
         pm = inl & (j >= 1)  # the predecessor's values (lane 0 has none: masked loads give 0)
         exited_before = (tl.load(valid_r + base + j - 1, mask=pm, other=0) != 0) & (
             tl.load(exit_r + base + j - 1, mask=pm, other=0) > 0)
-        if REPLAY:
-            agrees = tl.load(agrees_ptr + row + j, mask=inl, other=0) != 0
-            follows = tl.load(agrees_ptr + row + j - 1, mask=pm, other=1) != 0
+        if REPLAY:  # (lane j's draft is for completion index token_index + j + 1; drawn by token_index + j)
+            tidx0 = tl.load(tidx_s + slot).to(tl.int64)
+            agrees = _replay_agrees(slot.to(tl.int64), tidx0 + j, replay_seed, replay_bound)
+            follows = _replay_agrees(slot.to(tl.int64), tidx0 + j - 1, replay_seed, replay_bound) | (j == 0)
         else:
             agrees = y == draft
             follows = (token == tl.load(y_ptr + row + j - 1, mask=pm, other=0)) | (j == 0)
@@ -427,7 +438,7 @@ class TritonSlotOps(SlotOps):
 
 
     def pipe_accept(self, ring: LaneRing, ds: DeviceDecodeState, slots: Tensor, target: Tensor, depth: int,
-                    agrees: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    replay: AcceptanceReplay | None = None) -> tuple[Tensor, Tensor]:
         m, lanes = slots.shape[0], ring.lanes
         dev = slots.device
         committed = torch.empty(m * lanes, dtype=_BOOL, device=dev)
@@ -436,14 +447,13 @@ class TritonSlotOps(SlotOps):
             return committed, verdicts
         y = target.long().contiguous()
         _check("pipe_accept", slots=(slots, _I64), target=(y, _I64))
-        replay = agrees is not None
-        agrees8 = _int8(agrees.contiguous()) if replay else committed  # (unread without REPLAY)
         _pipe_accept_kernel[(m,)](
-            slots, y, agrees8, _int8(ring.valid), ring.token, ring.loop, ring.exit_loop, ring.draft,
+            slots, y, _int8(ring.valid), ring.token, ring.loop, ring.exit_loop, ring.draft,
             _int8(ring.drafted), ring.survival, ring.hidden, ring.limit, ring.stop, ds.token, ds.pos, ds.token_index,
             _int8(committed), verdicts, lanes, depth, ring.hidden.shape[-1],
+            replay.seed if replay is not None else 0, replay.threshold() if replay is not None else 0,
             LP=triton.next_power_of_2(lanes), SW=ring.STOP_WIDTH,
-            BLOCK_H=min(triton.next_power_of_2(ring.hidden.shape[-1]), 1024), REPLAY=replay, num_warps=4)
+            BLOCK_H=min(triton.next_power_of_2(ring.hidden.shape[-1]), 1024), REPLAY=replay is not None, num_warps=4)
         return committed, verdicts
 
     def pipe_draft_lanes(self, ring: LaneRing, ds: DeviceDecodeState, slots: Tensor,

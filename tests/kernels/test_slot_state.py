@@ -10,7 +10,11 @@ import pytest
 import torch
 from triton_testing import DEVICE
 
-from loopline.worker.triton_slot_ops import TritonSlotOps
+import triton
+import triton.language as tl
+
+from loopline.spec.replay import AcceptanceReplay
+from loopline.worker.triton_slot_ops import TritonSlotOps, _replay_agrees
 from loopline.kv.layout import make_layout
 from loopline.worker.decode_state import DecodeTensors, DeviceDecodeState, SlotOps
 
@@ -203,7 +207,7 @@ def test_pipe_accept_matches_reference(lanes, replay, dtype):
     m = 12
     slots = torch.randperm(SLOTS - 1, generator=g)[:m].to(DEVICE)
     target = torch.randint(0, 3, (m * lanes,), generator=g).to(DEVICE)
-    agrees = (torch.rand((m, lanes), generator=g) < 0.7).to(DEVICE) if replay else None
+    agrees = AcceptanceReplay([0.7], seed=lanes) if replay else None  # (drawn in the kernel, by the same hash)
     ref_ds, ref_ring = _clone(ds), _ring(torch.Generator(), lanes, hidden, dtype)
     for name, t in _ring_fields(ring).items():
         getattr(ref_ring, name).copy_(t)
@@ -256,3 +260,27 @@ def test_pipe_store_draft_rejects_bad_operands():
         TritonSlotOps().pipe_store_draft(ring, slots, lane, due.long(), lane, lane)
     with pytest.raises(ValueError, match="index must have one entry per slot"):
         TritonSlotOps().pipe_store_draft(ring, slots, lane, due, lane[:1], lane)
+
+
+@triton.jit
+def _draws_kernel(slot_ptr, index_ptr, out_ptr, n, seed, bound, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    ok = _replay_agrees(tl.load(slot_ptr + i, mask=mask, other=0), tl.load(index_ptr + i, mask=mask, other=0),
+                        seed, bound)
+    tl.store(out_ptr + i, ok.to(tl.int8), mask=mask)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3, 0.89, 1.0])
+def test_kernel_replay_draw_is_the_replays(p):
+    """``pipe_accept``'s in-kernel draw (``_replay_agrees``) equals ``AcceptanceReplay``'s for every (slot, index)
+    of a grid, the integer bound standing exactly for ``uniform < p``."""
+    replay = AcceptanceReplay([p], seed=3)
+    slot, index = torch.meshgrid(torch.arange(40), torch.arange(0, 5000, 7), indexing="ij")
+    slot, index = slot.flatten().to(DEVICE), index.flatten().to(DEVICE)
+    out = torch.empty(slot.shape[0], dtype=torch.int8, device=DEVICE)
+    _draws_kernel[(triton.cdiv(slot.shape[0], 1024),)](slot, index, out, slot.shape[0], replay.seed,
+                                                       replay.threshold(), BLOCK=1024)
+    want = replay.uniform(slot, index) < p
+    assert torch.equal(out.bool(), want)
+    assert want.float().mean().item() == pytest.approx(p, abs=0.02)
