@@ -34,7 +34,7 @@ class AcceptanceReplay:
 
     def uniform(self, slots: Tensor, index: Tensor) -> Tensor:
         """A deterministic uniform in [0, 1) per ``(slot, completion index)`` (``slots`` broadcast to ``index``).
-        ``TritonSlotOps.pipe_accept`` computes the same hash in its kernel (``_replay_hash``)."""
+        ``TritonSlotOps.pipe_accept`` computes the same hash in its kernel (``_replay_agrees``)."""
         h = (index * 1_000_003 + slots * 7_919 + self.seed * 104_729 + 12_345) & 0xFFFFFFFF
         for _ in range(2):  # (an integer mix: neighbouring indices get unrelated draws)
             h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
