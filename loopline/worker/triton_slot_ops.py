@@ -160,7 +160,7 @@ if triton is not None:
     def _replay_agrees(slot, index, seed, bound):
         """``AcceptanceReplay``'s draw for ``(slot, completion index)``: the same 32-bit integer hash, accepted
         below ``bound`` (``AcceptanceReplay.threshold``)."""
-        h = (index * 1_000_003 + slot * 7_919 + seed * 104_729 + 12_345) & 0xFFFFFFFF
+        h = (index * 1_000_003 + slot * 7_919 + seed.to(tl.int64) * 104_729 + 12_345) & 0xFFFFFFFF
         h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
         h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
         return (h ^ (h >> 16)) < bound
