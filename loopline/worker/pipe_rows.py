@@ -164,6 +164,7 @@ class PipeRounds:
         self.drafts = DraftSampler(sampler, device)
         self.replay: AcceptanceReplay | None = None  # a measurement hook (loopline/spec/replay.py); None: real verdicts
         self._lanes: tuple[Tensor, Tensor] | None = None  # draft()'s slots and every lane's head output, for verify_part()
+        self._row_ids = torch.arange(ring.valid.shape[0], device=device)  # (made once: a launch a step otherwise)
 
     def _lane0(self, rows: list[ScheduledRow], row0: int = 0) -> list[tuple[int, ScheduledRow]]:
         return [(row0 + i, r) for i, r in enumerate(rows) if r.spec.lane == 0]
@@ -197,7 +198,7 @@ class PipeRounds:
         if self.head.adapter is None:
             every = self._lanes_head(slots)
             self._lanes = slots, every
-            logits = every.view(len(heads), ring.lanes, -1)[torch.arange(len(heads), device=slots.device), lane]
+            logits = every.view(len(heads), ring.lanes, -1)[self._row_ids[:len(heads)], lane]
         else:
             logits = self.head(ring.hidden[slots, lane], any_due)
         # lane j's history: the committed tokens, then lanes 1..j's input tokens
