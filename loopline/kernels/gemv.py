@@ -74,8 +74,8 @@ if triton is not None:
             return tl.load(w_rows + cols[None, :], eviction_policy="evict_first")  # read once
         return tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0, eviction_policy="evict_first")
 
-    # The rounding recipes of TorchOps that several kernels apply (elementwise, any broadcastable shapes): one
-    # definition each, so the fused paths round alike by construction.
+    # TorchOps' SwiGLU rounding, which the one-row GEMV and the activation kernel (kernels/fused.py) both apply:
+    # one definition, so the two paths round alike by construction.
 
     @triton.jit
     def silu_mul_rounded(g, u, dtype: tl.constexpr):
@@ -83,19 +83,6 @@ if triton is not None:
         rounds it, then the product), in ``dtype``."""
         act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         return (act * u).to(dtype)
-
-    @triton.jit
-    def branch_added(x, b, rb, wb, dtype: tl.constexpr):
-        """``x + rms_norm(b) * wb`` in ``dtype`` (``b``, ``rb``: 1 / RMS of b, and ``wb`` in fp32; ``x`` in
-        ``dtype``), rounded as :meth:`TorchOps.add_rms_norm`."""
-        bn = ((b * rb).to(dtype).to(tl.float32) * wb).to(dtype)
-        return (x.to(tl.float32) + bn.to(tl.float32)).to(dtype)
-
-    @triton.jit
-    def norm_scaled(xf, r, wn, dtype: tl.constexpr):
-        """``rms_norm(x) * wn`` in ``dtype`` from fp32 ``xf``, ``r`` (1 / RMS of x) and ``wn``, rounded as
-        :meth:`TorchOps.rms_norm`."""
-        return ((xf * r).to(dtype).to(tl.float32) * wn).to(dtype)
 
     @triton.jit
     def _row_chunk(x_ptr, u_ptr, k, K, BLOCK_K: tl.constexpr, SILU: tl.constexpr, dtype: tl.constexpr):
@@ -150,13 +137,15 @@ if triton is not None:
         if HAS_BRANCH:
             b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
             rb = tl.rsqrt(tl.sum(b * b, axis=0) / K + eps)
-            x = branch_added(x, b, rb, tl.load(wb_ptr + cols, mask=m, other=0.0).to(tl.float32), dtype)
+            wb = tl.load(wb_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            bn = ((b * rb).to(dtype).to(tl.float32) * wb).to(dtype)
+            x = (x.to(tl.float32) + bn.to(tl.float32)).to(dtype)
             if WRITE_X:
                 tl.store(x_out_ptr + cols, x, mask=m)
         xf = x.to(tl.float32)
         r = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
         wn = tl.load(wn_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        return norm_scaled(xf, r, wn, dtype).to(tl.float32)
+        return ((xf * r).to(dtype).to(tl.float32) * wn).to(dtype).to(tl.float32)
 
     @triton.jit
     def _row_block(w_ptr, block, blocks, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -269,21 +258,6 @@ def use_norm_gemv(x: Tensor, weight: Tensor) -> bool:
     return use_gemv(x, weight) and x.is_contiguous() and x.shape[1] <= _NORM_MAX_K
 
 
-def check_norm_operands(fn: str, x: Tensor, norm_weight: Tensor, branch: Tensor | None,
-                        branch_weight: Tensor | None) -> None:
-    """Refuses (``ValueError`` naming ``fn`` and the operand) a residual branch or norm weights that do not fit
-    the rows ``x`` ``[M, K]`` of a fused add + RMSNorm + projection (:func:`norm_gemv`)."""
-    k = x.shape[1]
-    if (branch is None) != (branch_weight is None):
-        raise ValueError(f"{fn}'s branch and branch_weight come together")
-    if branch is not None and (branch.shape != x.shape or not branch.is_contiguous() or branch.dtype != x.dtype):
-        raise ValueError(f"{fn}'s branch must be contiguous and shaped like x {tuple(x.shape)} {x.dtype}, "
-                         f"got {tuple(branch.shape)} {branch.dtype}")
-    for name, w in (("norm_weight", norm_weight), ("branch_weight", branch_weight)):
-        if w is not None and (w.shape != (k,) or not w.is_contiguous()):
-            raise ValueError(f"{fn}'s {name} must be contiguous [{k}], got {tuple(w.shape)}")
-
-
 def norm_gemv(x: Tensor, weight: Tensor, norm_weight: Tensor, eps: float, *, branch: Tensor | None = None,
               branch_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One row through the residual add, the RMSNorm and a projection, in one kernel.
@@ -295,7 +269,14 @@ def norm_gemv(x: Tensor, weight: Tensor, norm_weight: Tensor, eps: float, *, bra
     if x.shape != (1, k) or not x.is_contiguous() or weight.stride(1) != 1 or k > _NORM_MAX_K:
         raise ValueError(f"norm_gemv wants x [1, K] contiguous with K <= {_NORM_MAX_K} and weight [N, K] with "
                          f"unit stride along K, got {tuple(x.shape)} / {tuple(weight.shape)}")
-    check_norm_operands("norm_gemv", x, norm_weight, branch, branch_weight)
+    if (branch is None) != (branch_weight is None):
+        raise ValueError("norm_gemv's branch and branch_weight come together")
+    if branch is not None and (branch.shape != x.shape or not branch.is_contiguous() or branch.dtype != x.dtype):
+        raise ValueError(f"norm_gemv's branch must be contiguous and shaped like x {tuple(x.shape)} {x.dtype}, "
+                         f"got {tuple(branch.shape)} {branch.dtype}")
+    for name, w in (("norm_weight", norm_weight), ("branch_weight", branch_weight)):
+        if w is not None and (w.shape != (k,) or not w.is_contiguous()):
+            raise ValueError(f"norm_gemv's {name} must be contiguous [{k}], got {tuple(w.shape)}")
     blocks = triton.cdiv(n, _NORM_BLOCK_N)
     # The CPU interpreter gets three programs, so that the tests walk several blocks per program.
     grid = min(blocks, _NORM_PROGRAMS_PER_SM * cuda_sm_count(x.device) if x.is_cuda else 3)
@@ -310,5 +291,4 @@ def norm_gemv(x: Tensor, weight: Tensor, norm_weight: Tensor, eps: float, *, bra
     return x_out, y
 
 
-__all__ = ["DEFAULT_CONFIG", "SHAPE_CONFIGS", "GemvConfig", "check_norm_operands", "gemv", "norm_gemv", "use_gemv",
-           "use_norm_gemv"]
+__all__ = ["DEFAULT_CONFIG", "SHAPE_CONFIGS", "GemvConfig", "gemv", "norm_gemv", "use_gemv", "use_norm_gemv"]

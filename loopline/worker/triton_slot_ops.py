@@ -193,10 +193,10 @@ if triton is not None:
         pm = inl & (j >= 1)  # the predecessor's values (lane 0 has none: masked loads give 0)
         exited_before = (tl.load(valid_r + base + j - 1, mask=pm, other=0) != 0) & (
             tl.load(exit_r + base + j - 1, mask=pm, other=0) > 0)
+        tidx0 = tl.load(tidx_s + slot)  # the slot's token index before this step's commits
         if REPLAY:  # (lane j's draft is for completion index token_index + j + 1; drawn by token_index + j)
-            tidx0 = tl.load(tidx_s + slot).to(tl.int64)
-            agrees = _replay_agrees(slot.to(tl.int64), tidx0 + j, replay_seed, replay_bound)
-            follows = _replay_agrees(slot.to(tl.int64), tidx0 + j - 1, replay_seed, replay_bound) | (j == 0)
+            agrees = _replay_agrees(slot, tidx0 + j, replay_seed, replay_bound)
+            follows = _replay_agrees(slot, tidx0 + j - 1, replay_seed, replay_bound) | (j == 0)
         else:
             agrees = y == draft
             follows = (token == tl.load(y_ptr + row + j - 1, mask=pm, other=0)) | (j == 0)
@@ -211,7 +211,7 @@ if triton is not None:
         last = tl.load(y_ptr + row + tl.maximum(c - 1, 0))
         token_now = tl.where(c > 0, last, tl.load(token_s + slot))
         pos = tl.load(pos_s + slot) + c
-        tidx = tl.load(tidx_s + slot) + c
+        tidx = tidx0 + c
         # the ring moves past the committed run: lane j takes lane j + c's values (src), the entry rule
         # reads lane j - 1's after the move (prv)
         src = j + c
