@@ -6,7 +6,7 @@ F.linear (torch's default), the same with torch's cuBLASLt backend preferred, x 
 [K, N] (a different cuBLAS layout and kernel family), and --sweep loopline's split-K Triton kernel
 (loopline.kernels.skinny_gemm) at M = 2..128: its launch rule (``skinny``, M <= 64) and the best of a grid
 of tile shapes (``triton``; at M <= 16 also 32-row tiles). --rows 2,4,8,16 checks the rule at the batches
-whose q/k/v, gate/up and o_proj the engine gives the kernel (``loopline.kernels.fused.SKINNY_MAX_ROWS``).
+whose projections the engine may give the kernel (``loopline.kernels.fused.SKINNY_MAX_ROWS``, per projection).
 Each time is a CUDA-graph replay of many calls divided by their number (no launch
 cost), cycling over enough weight copies that none is served from L2, as in a decode step where a
 layer's weights were last read a whole model ago. GB/s counts weight bytes only.

@@ -4,7 +4,8 @@
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
-# lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile newkernels; LOOPLINE_BENCH_C
+# lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
+# splits_rows newkernels; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -21,7 +22,8 @@ has() { [[ " $parts " == *" $1 "* ]]; }
 if has tests; then  # correctness on the GPU: every kernel test (bf16 cases too), then the GPU engine tests
   timeout 280 python3 -m pytest -q tests/attention tests/kernels > "$out/kernel_tests.log" 2>&1
   echo "kernel tests rc=$? $(tail -1 "$out/kernel_tests.log")"
-  timeout 240 python3 -m pytest -q -m gpu tests/worker tests/entrypoints/test_core_client.py > "$out/gpu_tests.log" 2>&1
+  # (-n 0: xdist's workers would share the one GPU, and the first engine's KV pool leaves the second no memory)
+  timeout 240 python3 -m pytest -q -n 0 -m gpu tests/worker tests/entrypoints/test_core_client.py > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$? $(tail -1 "$out/gpu_tests.log")"
   grep -hE "^(FAILED|ERROR)" "$out/kernel_tests.log" "$out/gpu_tests.log" | head -10
 fi
@@ -262,6 +264,27 @@ if has pipe_profile; then  # issue #41: a pinned pipeline step at C = 1 (4 lanes
     --replay-acceptance 0.89,0.71,0.68 > "$out/pipe_profile.txt" 2>&1
   timeout 90 python3 tools/profile_step.py --rows 4 --context 1088 --steps 96 --kernels > "$out/pipe_profile_plain4.txt" 2>&1
   grep -hE "mean step|device time per step|warning" "$out/pipe_profile.txt" "$out/pipe_profile_plain4.txt"
+fi
+if has skinny_routes; then  # issue #40: cuBLAS or the skinny split-K kernel per projection at 2-16 rows
+  # (bench_gemm alone: skinny with PDL wins o_proj from 2 rows and q/k/v from 4, cuBLAS gate/up), then the pinned
+  # pipeline at C = 1 (4 lanes) under each route
+  for r in ${LOOPLINE_ROWS:-2 4 8 16}; do for v in 0 qkv=16,o=16 o=16 16 0; do
+    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --skinny-max-rows "$v" 2>&1 \
+      | grep -E "mean step" | sed "s/^/rows $r skinny $v: /"
+  done; done | tee "$out/skinny_routes.txt"
+  pipe='{"method": "loop", "num_speculative_tokens": 3, "draft_loops": 1, "scheme": "pipeline", "adaptive": false, "disable_by_batch_size": null}'
+  for v in 0 qkv=16,o=16 o=16 0; do
+    timeout 60 python3 tools/profile_step.py --rows 1 --context 1088 --steps 128 --skinny-max-rows "$v" \
+      --speculative-config "$pipe" --replay-acceptance 0.89,0.71,0.68 2>&1 | grep -E "mean step" | sed "s/^/pipe skinny $v: /"
+  done | tee -a "$out/skinny_routes.txt"
+fi
+if has splits_rows; then  # issue #40: split-KV counts of the fused decode attention at 2 and 4 rows (the rule: 2.5
+  # programs per SM, 64-key splits)
+  for r in 2 4; do for s in 0 4 6 8 10 12 16; do
+    if [ "$s" = 0 ]; then extra=(); else extra=(--attn-num-splits "$s"); fi
+    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 "${extra[@]}" 2>&1 \
+      | grep -E "mean step" | sed "s/^/rows $r splits ${s/#0/rule}: /"
+  done; done | tee "$out/splits_rows.txt"
 fi
 if has fp8_rows; then  # issue #40: FP8 against bf16 steps at 1-16 rows; "--decode-launch 64" is the launch before 38ab60a
   for r in ${LOOPLINE_ROWS:-1 2 4 8 16}; do for v in "auto" "fp8" "fp8 --decode-launch 64" "auto"; do

@@ -24,7 +24,7 @@ from loopline.attention.triton_backend import DecodeLaunch, PrefillLaunch, Split
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
 from loopline.kernels import gemv
-from loopline.kernels.fused import TritonOps
+from loopline.kernels.fused import SkinnyRows, TritonOps
 from loopline.kernels.gemv import use_gemv
 from loopline.models.ouro import OuroForCausalLM
 from loopline.models.tiny import random_checkpoint_config
@@ -156,7 +156,7 @@ class AblatedOps(TritonOps):
     """The fused layer kernels without the add + RMSNorm kernels and the norms inside the q/k/v and gate/up
     GEMVs (``norms``), or without the layers' one-row GEMVs (``gemv``; the vocabulary projection still runs)."""
 
-    def __init__(self, kinds: frozenset[str], skinny_max_rows: int | None = None) -> None:
+    def __init__(self, kinds: frozenset[str], skinny_max_rows: SkinnyRows | None = None) -> None:
         super().__init__(skinny_max_rows)
         self.kinds = kinds
 
@@ -261,10 +261,11 @@ def main() -> None:
     ap.add_argument("--gemv-config", default=None,
                     help="block_n,block_k,num_warps,num_stages for every one-row GEMV (default: the kernel's own); "
                          "N:K=block_n,... for weights of one shape only, several separated by ';'")
-    ap.add_argument("--skinny-max-rows", type=int, default=None,
+    ap.add_argument("--skinny-max-rows", type=SkinnyRows.parse, default=None,
                     help="batches of 2..N rows run q/k/v, gate/up and o_proj through the skinny split-K kernel "
                          "(loopline.kernels.skinny_gemm, PDL) instead of cuBLAS; 0: cuBLAS above one row (down_proj "
-                         "keeps the skinny kernel up to 64 rows either way). Default: fused.SKINNY_MAX_ROWS")
+                         "keeps the skinny kernel up to 64 rows either way); per projection: qkv=16,o=16 (the "
+                         "others 0). Default: fused.SKINNY_MAX_ROWS")
     ap.add_argument("--attn-splits", default=None,
                     help="MAX,MIN_KEYS: split-KV rule of decode attention (at most MAX splits of at least "
                          "MIN_KEYS keys; default: the backend's own)")
@@ -332,7 +333,7 @@ def main() -> None:
     per_step = (output_tokens(engine) - out0) / a.steps
     spec = f" spec={a.speculative_config} replayed={a.replay_acceptance}" if a.speculative_config else ""
     print(f"rows={a.rows} context={a.context} eager={a.eager} async={a.async_scheduling} "
-          f"skinny_max_rows={getattr(backends.layer_ops, 'skinny_max_rows', None)}{spec}: mean step {step_ms:.3f} ms "
+          f"skinny={tuple(getattr(backends.layer_ops, 'skinny_rows', ()))}{spec}: mean step {step_ms:.3f} ms "
           f"-> {a.rows * 1e3 / (step_ms * 4):.1f} output tok/s at 4 loops; {per_step:.3f} output tokens a step "
           f"-> {per_step * 1e3 / step_ms:.1f} tok/s")
     runner = engine.runner

@@ -8,6 +8,8 @@ reference rounds.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -114,13 +116,33 @@ def _pack(linears: list[torch.nn.Linear]) -> tuple[Tensor, list[int]]:
     return packed, sizes
 
 
-# The packed q/k/v, the packed gate/up and o_proj of batches of 2 to SKINNY_MAX_ROWS rows take the split-K
-# skinny kernel (launched with PDL, like the one-row GEMVs) instead of cuBLAS; one row takes the GEMV kernels.
-# The down projection keeps its own range (the skinny kernel up to skinny_gemm.MAX_ROWS rows). 0: measured
-# slower on an H200 in whole decode steps (tools/profile_step.py --skinny-max-rows 16 vs 0, one machine, one
-# call, 1,024-token contexts): 2 rows 1.490 vs 1.469 ms, 8 rows 1.976 vs 1.901, 16 rows 2.740 vs 2.607.
-# TritonOps(skinny_max_rows=...) overrides it (for that comparison).
-SKINNY_MAX_ROWS = 0
+class SkinnyRows(NamedTuple):
+    """Per projection, the largest batch (from 2 rows) that takes the skinny split-K kernel (launched with PDL,
+    like the one-row GEMVs) instead of cuBLAS; 0: cuBLAS for every batch of more than one row. One row takes
+    the GEMV kernels; the down projection keeps its own range (the skinny kernel up to skinny_gemm.MAX_ROWS)."""
+
+    qkv: int = 0  # the packed q/k/v
+    gate_up: int = 0  # the packed gate/up
+    o: int = 0  # o_proj
+
+    @classmethod
+    def parse(cls, text: str) -> SkinnyRows:
+        """``"16"`` (every projection) or ``"qkv=16,o=16"`` (the others 0)."""
+        if "=" not in text:
+            return cls(*[int(text)] * 3)
+        fields = dict(part.split("=") for part in text.split(","))
+        unknown = set(fields) - set(cls._fields)
+        if unknown:
+            raise ValueError(f"skinny rows: unknown projection(s) {sorted(unknown)}; allowed: {list(cls._fields)}")
+        return cls(**{k: int(v) for k, v in fields.items()})
+
+
+# q/k/v and o_proj take the skinny kernel up to 16 rows, gate/up keeps cuBLAS (H100, whole decode steps,
+# tools/profile_step.py --skinny-max-rows, 1,088-token contexts, one call): 2 / 4 / 8 / 16 rows 1.654 / 1.841 /
+# 2.131 / 2.901 ms against 1.750 / 1.950 / 2.205 / 2.996 with cuBLAS for all three and 1.719 / 1.880 / 2.158 /
+# 2.936 with the kernel for all three (which an H200 had measured slower than cuBLAS: 2 rows 1.490 vs 1.469 ms,
+# 8 rows 1.976 vs 1.901). bench_gemm: the kernel wins o_proj from 2 rows and q/k/v from 4, loses gate/up.
+SKINNY_MAX_ROWS = SkinnyRows(qkv=16, o=16)
 
 
 def _linear(x: Tensor, weight: Tensor, skinny_max_rows: int = 0) -> Tensor:
@@ -152,20 +174,23 @@ class TritonOps(TorchOps):
     parameters keep their names, shapes, values and addresses for in-place
     weight updates.
 
-    ``skinny_max_rows``: the largest batch whose q/k/v, gate/up and o_proj take the skinny kernel
-    (default :data:`SKINNY_MAX_ROWS`; 0: cuBLAS for every batch of more than one row). Two instances
-    with different values compare the routes in one process.
+    ``skinny_max_rows``: per projection (:class:`SkinnyRows`; an int: all three) the largest batch that takes
+    the skinny kernel (default :data:`SKINNY_MAX_ROWS`). Two instances with different values compare the
+    routes in one process.
     """
 
     name = "triton"
 
-    def __init__(self, skinny_max_rows: int | None = None) -> None:
+    def __init__(self, skinny_max_rows: int | SkinnyRows | None = None) -> None:
         if triton is None:
             raise RuntimeError("TritonOps needs the triton package")
         rows = SKINNY_MAX_ROWS if skinny_max_rows is None else skinny_max_rows
-        if not 0 <= rows <= _SKINNY_ROWS_LIMIT:
-            raise ValueError(f"skinny_max_rows must be in 0..{_SKINNY_ROWS_LIMIT}, got {rows}")
-        self.skinny_max_rows = rows
+        if isinstance(rows, int):
+            rows = SkinnyRows(rows, rows, rows)
+        for name, value in zip(SkinnyRows._fields, rows):
+            if not 0 <= value <= _SKINNY_ROWS_LIMIT:
+                raise ValueError(f"skinny_max_rows ({name}) must be in 0..{_SKINNY_ROWS_LIMIT}, got {value}")
+        self.skinny_rows = SkinnyRows(*rows)
         self._packed: dict[int, tuple[Tensor, list[int]]] = {}
         self._rope: tuple[tuple, Tensor] | None = None  # ((head_dim, theta, dtype, device), [P, 2, D] cos/sin)
 
@@ -185,6 +210,11 @@ class TritonOps(TorchOps):
     def release(self, model: torch.nn.Module) -> None:
         self._packed = {}
         self._rope = None
+
+    @property
+    def skinny_max_rows(self) -> int:
+        """The largest batch any projection routes to the skinny kernel."""
+        return max(self.skinny_rows)
 
     def packed_weights(self, module: torch.nn.Module) -> tuple[Tensor, list[int]] | None:
         """``module``'s (a layer's attention or MLP) packed weight and its parts' row counts, or ``None``."""
@@ -207,12 +237,12 @@ class TritonOps(TorchOps):
         rows = self._rope[1][positions]  # [N, 2, D]
         return rows[:, 0], rows[:, 1]
 
-    def _packed_linear(self, module: torch.nn.Module, x: Tensor) -> tuple[Tensor, ...] | None:
+    def _packed_linear(self, module: torch.nn.Module, x: Tensor, skinny_rows: int) -> tuple[Tensor, ...] | None:
         packed = self._packed.get(id(module))
         if packed is None or x.requires_grad:
             return None
         weight, sizes = packed
-        return _linear(x, weight, self.skinny_max_rows).split(sizes, dim=-1)
+        return _linear(x, weight, skinny_rows).split(sizes, dim=-1)
 
     def _norm_packed(self, module: torch.nn.Module, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None,
                      weight: Tensor, eps: float) -> tuple[Tensor, tuple[Tensor, ...]] | None:
@@ -236,10 +266,10 @@ class TritonOps(TorchOps):
                 or super().norm_project_gate_up(mlp, x, branch, branch_weight, weight, eps))
 
     def project_qkv(self, attn: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
-        return self._packed_linear(attn, x) or TorchOps.project_qkv(attn, x)
+        return self._packed_linear(attn, x, self.skinny_rows.qkv) or TorchOps.project_qkv(attn, x)
 
     def project_gate_up(self, mlp: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        return self._packed_linear(mlp, x) or TorchOps.project_gate_up(mlp, x)
+        return self._packed_linear(mlp, x, self.skinny_rows.gate_up) or TorchOps.project_gate_up(mlp, x)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
         if x.requires_grad:
@@ -301,7 +331,7 @@ class TritonOps(TorchOps):
         return q_out, k_out
 
     def linear(self, module: torch.nn.Linear, x: Tensor) -> Tensor:  # type: ignore[override]
-        return _linear(x, module.weight, self.skinny_max_rows) if module.bias is None else module(x)
+        return _linear(x, module.weight, self.skinny_rows.o) if module.bias is None else module(x)
 
     def logits(self, lm_head: torch.nn.Linear, h: Tensor, needed: Tensor | None = None) -> Tensor:  # type: ignore[override]
         # One decode row: the 200 MB vocabulary projection is read only when the row's token exits.

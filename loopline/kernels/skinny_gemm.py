@@ -11,8 +11,8 @@ rounding; split-K partials are summed in a fixed order by a second kernel, so
 results are the same on every run (no atomics).
 
 :class:`loopline.kernels.fused.TritonOps` takes it for the down projection at
-2-64 rows and for q/k/v, gate/up and o_proj at 2 to ``fused.SKINNY_MAX_ROWS``
-rows (one row takes ``loopline.kernels.gemv``, more rows cuBLAS).
+2-64 rows and for each other projection at 2 to its ``fused.SKINNY_MAX_ROWS``
+rows (q/k/v and o_proj: 16, gate/up: none; one row takes ``loopline.kernels.gemv``, more rows cuBLAS).
 
 On Hopper both kernels are launched with programmatic dependent launch
 (:func:`loopline.kernels.pdl_options`), as the one-row GEMV is: a program

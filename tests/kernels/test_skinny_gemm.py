@@ -75,14 +75,15 @@ def test_triton_ops_give_decode_batches_projections_to_the_skinny_kernel(monkeyp
     """2 to skinny_max_rows rows: packed q/k/v (also behind the layer's add + RMSNorm), o_proj and packed gate/up
     take the skinny kernel, as down_proj does, and equal TorchOps. Hidden 96 (K past the last 128-column tile:
     masked), q/k/v 160 rows (a clamped column block), down_proj K = 512 (split K, the reduce). More rows, or
-    skinny_max_rows=0, take cuBLAS for all but down_proj (skinny up to 64 rows); one row takes the GEMVs
-    (test_gemv.py)."""
-    assert fused.SKINNY_MAX_ROWS == 0  # the measured default: cuBLAS (see fused.py)
+    skinny_max_rows=0, take cuBLAS for all but down_proj (skinny up to 64 rows); each projection keeps its own
+    limit (SkinnyRows); one row takes the GEMVs (test_gemv.py)."""
+    assert fused.SKINNY_MAX_ROWS == fused.SkinnyRows(qkv=16, o=16)  # the measured default (see fused.py)
     g = torch.Generator().manual_seed(7)
     hidden, inter = 96, 512
     model, attn, mlp = one_layer(hidden, 96, 32, inter, dtype, g)
-    ref, fast, off = TorchOps(), TritonOps(skinny_max_rows=16), TritonOps()
-    assert fast.skinny_max_rows == 16 and off.skinny_max_rows == 0
+    mixed_rows = fused.SkinnyRows(qkv=16, gate_up=0, o=3)
+    ref, fast, off, mixed = TorchOps(), TritonOps(skinny_max_rows=16), TritonOps(0), TritonOps(mixed_rows)
+    assert fast.skinny_max_rows == 16 and off.skinny_max_rows == 0 and mixed.skinny_rows == mixed_rows
     calls = []
     monkeypatch.setattr(fused, "skinny_linear", lambda x, w: calls.append((x.shape[0], tuple(w.shape)))
                         or skinny_linear(x, w))
@@ -91,7 +92,7 @@ def test_triton_ops_give_decode_batches_projections_to_the_skinny_kernel(monkeyp
     with torch.inference_mode(), bf16_dot_in_the_interpreter():  # how the engine runs the model
         for rows in (2, 3, 8, 16, 17):
             x = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
-            for ops, limit in ((fast, 16), (off, 0)):
+            for ops, limits in ((fast, fused.SkinnyRows(16, 16, 16)), (off, fused.SkinnyRows()), (mixed, mixed_rows)):
                 ops.prepare(model)
                 calls.clear()
                 for got, want in zip(ops.project_qkv(attn, x), ref.project_qkv(attn, x), strict=True):
@@ -108,11 +109,18 @@ def test_triton_ops_give_decode_batches_projections_to_the_skinny_kernel(monkeyp
                 close(up, up_r, dtype)
                 close(ops.swiglu_down(mlp, gate, up), ref.swiglu_down(mlp, gate_r, up_r), dtype)
                 ops.release(model)
-                taken = [(rows, w) for w in (qkv, qkv, o, gate_up)] if 2 <= rows <= limit else []
-                assert calls == taken + [(rows, down)], (rows, limit)
+                routes = ((qkv, limits.qkv), (qkv, limits.qkv), (o, limits.o), (gate_up, limits.gate_up))
+                taken = [(rows, w) for w, limit in routes if 2 <= rows <= limit]
+                assert calls == taken + [(rows, down)], (rows, limits)
         big = torch.randn(skinny_gemm.MAX_ROWS + 1, hidden, device=DEVICE, dtype=dtype)
         assert not skinny_gemm.use_skinny(big, attn.o_proj.weight)
         assert not skinny_gemm.use_skinny(x.double(), attn.o_proj.weight.double())
     assert not skinny_gemm.use_skinny(x, attn.o_proj.weight)  # autograd recording: the differentiable path
     with pytest.raises(ValueError, match="skinny_max_rows"):
         TritonOps(skinny_max_rows=skinny_gemm.MAX_ROWS + 1)
+    with pytest.raises(ValueError, match=r"skinny_max_rows \(o\) must be in 0\.\.64"):
+        TritonOps(fused.SkinnyRows(o=skinny_gemm.MAX_ROWS + 1))
+    assert fused.SkinnyRows.parse("8") == fused.SkinnyRows(8, 8, 8)
+    assert fused.SkinnyRows.parse("qkv=16,o=4") == fused.SkinnyRows(qkv=16, gate_up=0, o=4)
+    with pytest.raises(ValueError, match="unknown projection"):
+        fused.SkinnyRows.parse("down=4")
