@@ -45,7 +45,10 @@ VERIFY_EXTRA, VERIFY_PER_QUERY = 1.0, 0.1
 #: (docs/benchmarks/h200-2026-12-05.md).
 WARMUP_ROUNDS, ROUND_WEIGHT, STOP_Z = 6, 0.05, 2.0
 #: The engine's running payoff: the plain steps its recent units saved over what they cost, both summed with
-#: each older unit's share decaying by ENGINE_WEIGHT (a ratio of sums: a unit counts as the steps it took,
+#: each older unit's share decaying by ENGINE_WEIGHT / (requests running), so that it follows the batch's last
+#: ~10 steps whatever the batch (every running request adds its units each step; with a window of ~10 units,
+#: at 8 running one new pipelining request's start-up turned the next requests away: the adaptive pipeline
+#: ran 0.92x plain at C = 8 on an H100 where pinned lanes ran 1.40x) (a ratio of sums: a unit counts as the steps it took,
 #: so a pipeline's slow first commit, 1 token after R steps, weighs what those steps cost); it decides for
 #: new requests once ENGINE_WARMUP units were seen (as many as a request needs to decide for itself), and
 #: while it is below 1 one new request in PROBE_EVERY still speculates. (With the payoff's first value taken
@@ -188,7 +191,7 @@ class LoopSpeculation(NoSpeculation):
             req.spec_hits += w * (n - 1 - req.spec_hits)
             req.spec_tries += w * (min(n, drafts) - req.spec_tries)
         req.spec_rounds += 1
-        keep = (1.0 - ENGINE_WEIGHT) ** units
+        keep = (1.0 - ENGINE_WEIGHT / max(running, 1)) ** units  # (every running request adds its units a step)
         self._saved = keep * self._saved + n * depth
         self._cost = keep * self._cost + cost
         self._units += units
@@ -251,10 +254,12 @@ class LoopSpeculation(NoSpeculation):
 
 #: What a pipelining step costs, in steps of plain decoding of the same batch: its lanes are one-query rows,
 #: so like a draft step of scheme 1 plus, per extra lane, a share that grows slowly with the batch. Measured
-#: with the step after sampling one kernel (Ouro-1.4B shapes, CUDA graphs, K=3 d=1 at replayed acceptance,
-#: docs/benchmarks/h200-2026-12-05.md), a pipelining step of 4 lanes cost 2.10 plain steps at C=1 and 2.5 at
-#: C=8 on an H200, 2.50 and 3.09 on an H100; the model (2.5 and 3.09) is at or above all four.
-LANE_EXTRA, LANE_GROWTH = 0.5, 0.16
+#: on an H100 (Ouro-1.4B shapes, CUDA graphs, 4 lanes, d=1, pinned at replayed demo acceptance; plain steps per
+#: token over the pipeline's, divided by its speedup: docs/benchmarks/h100-2026-12-06.md, session 27), a
+#: pipelining step cost 1.68 / 1.91 / 2.06 plain steps at C = 1 / 8 / 16; the model (1.75 / 2.02 / 2.14) is
+#: at or above all three. (The model before, 1 + 0.5 (L - 1) C^0.16, fitted the dearer steps before session
+#: 26's step work: at C = 8 it stopped pipelining that paid 1.40x, and the adaptive pipeline ran at 0.92x.)
+LANE_EXTRA, LANE_GROWTH = 0.25, 0.15
 
 
 def pipe_step_cost(lanes: int, running: int) -> float:

@@ -11,9 +11,9 @@ from loopline.errors import InvalidRequestError, check_object
 MAX_SPECULATIVE_TOKENS = 16
 SCHEMES = ("draft_verify", "pipeline", "auto")
 #: Scheme ``auto``: a request that starts speculating while fewer requests than this run pipelines, the others
-#: draft then verify (the H200 measured the pipeline ahead at one request, 1.32x plain against 1.02x, and
-#: draft then verify ahead at eight, 1.19x against 1.05x: docs/speculation.md, "When each scheme wins").
-DEFAULT_AUTO_PIPELINE_BELOW = 4
+#: draft then verify (an H100 measured the pipeline ahead at one request, 1.64x plain against 1.10x, and at
+#: eight, 1.39x against 1.30x, the two tied at sixteen: docs/speculation.md, "When each scheme wins").
+DEFAULT_AUTO_PIPELINE_BELOW = 12
 #: Requests running at which speculation stops paying (docs/speculation.md, "When it pays").
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 METHODS = ("loop",)
