@@ -19,9 +19,10 @@ slot state is saved and loaded with it (``save`` / ``load``).
 :class:`SlotOps` computes a step's decode rows from this state, the loop's
 input (the prelude or the slot's hidden state), the exit rule with the slots'
 hidden state and survival, and the advance, in torch (the reference), and the depth
-pipeline's step after sampling (``pipe_accept``, over its lane ring). At one decode row each
-torch op is a launch of its own, ~40 per step (~150 for ``pipe_accept``);
-``loopline.worker.triton_slot_ops.TritonSlotOps`` does each of the five in one kernel.
+pipeline's lane rows (``pipe_rows``, ``pipe_finish``: the same for the lanes of its ring),
+drafting lanes and step after sampling (``pipe_accept``). At one decode row each
+torch op is a launch of its own, ~40 per step (~50 for the lane rows, ~150 for ``pipe_accept``);
+``loopline.worker.triton_slot_ops.TritonSlotOps`` does each op in one kernel.
 """
 from __future__ import annotations
 
@@ -86,6 +87,14 @@ class DecodeRows(NamedTuple):
     loops: Tensor  # [B] int64, the loop each row runs (1-based)
     run: Tensor  # [B] bool; False: a no_refill slot waiting for its cohort, run on scratch
     token_index: Tensor  # [B] int64, index in the completion of the token being computed
+
+
+class PipeRows(NamedTuple):
+    """A pipelining step's lanes as ``pipe_rows`` derived them (``[n]`` each, ``plane_slots`` ``[n, P]``)."""
+
+    loop: Tensor  # int64, the loop each lane runs (1-based)
+    live: Tensor  # bool, the lane holds a token that is still looping
+    plane_slots: Tensor  # int64, the KV slot of the lane's position in every plane (scratch where not live)
 
 
 class SlotOps:
@@ -160,6 +169,51 @@ class SlotOps:
         ds.token[slots] = torch.where(ex, sampled, ds.token[slots])
         ds.pos[slots] = ds.pos[slots] + ex.long()
         ds.token_index[slots] = ds.token_index[slots] + ex.long()
+
+    def pipe_rows(self, ring: LaneRing, ds: "DeviceDecodeState", slots: Tensor, lane: Tensor, max_loops: int,
+                  scratch_slot: int, embed_weight: Tensor, into: RowsInto, x: Tensor) -> PipeRows:
+        """The depth pipeline's lane rows ``(slots, lane)`` ``[n]`` of a step, inside its graph: an empty lane
+        0 of a real slot (its first step, or every lane committed or dropped) starts the slot's committed
+        token; every lane's position, KV slot, seq length and table (of its loop's plane) go to ``into``
+        and its input (the token's embedding at loop 1, else its hidden state) to ``x`` ``[n, H]``. Lanes
+        that do not loop (empty, exited, or the scratch slot's padding rows) run on scratch."""
+        key = (slots, lane)
+        real = slots != scratch_slot
+        enter = (lane == 0) & ~ring.valid[key] & real
+        ring.token[key] = torch.where(enter, ds.token[slots], ring.token[key])
+        ring.loop[key] = torch.where(enter, 0, ring.loop[key])
+        ring.exit_loop[key] = torch.where(enter, 0, ring.exit_loop[key])
+        ring.drafted[key] = ring.drafted[key] & ~enter
+        ring.valid[key] = ring.valid[key] | enter
+        live = ring.valid[key] & (ring.exit_loop[key] == 0) & real
+        loop = (ring.loop[key] + 1).clamp(max=max_loops)
+        pos = ds.pos[slots] + lane
+        bs = ds.block_size
+        blk = (pos // bs).view(-1, 1, 1).expand(-1, ds.layout.num_planes, 1)
+        plane_slots = ds.tables[slots].gather(2, blk).squeeze(2).long() * bs + (pos % bs)[:, None]
+        plane_slots = torch.where(live[:, None], plane_slots, ds.scratch_block * bs)
+        plane = ds.layout.plane_index(loop)
+        into.positions.copy_(torch.where(live, pos, 0))
+        into.slot_mapping.copy_(plane_slots.gather(1, plane[:, None]).squeeze(1))
+        into.seq_lens.copy_(torch.where(live, pos + 1, 1))
+        width = into.block_tables.shape[1]
+        into.block_tables.copy_(torch.where(live[:, None], ds.tables[slots, plane][:, :width], ds.scratch_block))
+        x.copy_(torch.where((loop == 1)[:, None], embed_weight[ring.token[key]], ring.hidden[key]))
+        return PipeRows(loop, live, plane_slots)
+
+    def pipe_finish(self, ring: LaneRing, h: Tensor, gate: Tensor, slots: Tensor, lane: Tensor, rows: PipeRows,
+                    min_loops: Tensor, max_loops: Tensor, threshold: Tensor) -> Tensor:
+        """Each live lane's own exit rule after the loop it ran (plain decoding's), and its hidden state
+        ``h``, survival and loop stored in the ring (its exit loop where it exits). Returns ``exited`` ``[n]``."""
+        key, live = (slots, lane), rows.live
+        survival = torch.where(rows.loop == 1, torch.ones_like(gate, dtype=torch.float32), ring.survival[key])
+        ex, survival = exit_decision(rows.loop, survival, gate, min_loops, max_loops, threshold)
+        ring.hidden[key] = torch.where(live[:, None], h, ring.hidden[key])
+        ring.survival[key] = torch.where(live, survival, ring.survival[key])
+        ring.loop[key] = torch.where(live, rows.loop, ring.loop[key])
+        exited = live & ex
+        ring.exit_loop[key] = torch.where(exited, rows.loop, ring.exit_loop[key])
+        return exited
 
     def pipe_accept(self, ring: LaneRing, ds: "DeviceDecodeState", slots: Tensor, target: Tensor, depth: int,
                     replay: AcceptanceReplay | None = None) -> tuple[Tensor, Tensor]:

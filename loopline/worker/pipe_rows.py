@@ -39,14 +39,13 @@ from loopline.attention import AttentionBackend
 from loopline.core.contracts import PipeLane, ScheduledRow
 from loopline.models.ouro import OuroForCausalLM
 from loopline.spec.replay import AcceptanceReplay
-from loopline.worker.decode_state import DeviceDecodeState
+from loopline.worker.decode_state import DeviceDecodeState, PipeRows, RowsInto
 from loopline.worker.draft_head import DraftHead
-from loopline.worker.exit_rule import exit_decision
 from loopline.worker.lane_ring import LaneRing
 from loopline.worker.request_state import RequestState
 from loopline.worker.row_kinds import RowKind, exit_columns
 from loopline.worker.sampler import Sampler, SamplingTensors
-from loopline.worker.spec_rows import DraftSampler, VerifyPart, plane_slots_of, round_history
+from loopline.worker.spec_rows import DraftSampler, VerifyPart, round_history
 from loopline.worker.staging import stage
 from loopline.worker.step_inputs import HostImage, KindRows, Segment, StepInputs
 
@@ -54,13 +53,11 @@ _FIELDS = ("slots", "lane", "min_loops", "max_loops", "threshold")
 
 
 class PipePrepared(NamedTuple):
-    """A step's lanes as ``prepare`` derived them (``[n]`` each, ``plane_slots`` ``[n, P]``)."""
+    """A step's lanes as ``prepare`` derived them (``[n]`` each)."""
 
     slots: Tensor
     lane: Tensor
-    loop: Tensor  # the loop each lane runs (1-based)
-    live: Tensor  # the lane holds a token that is still looping
-    plane_slots: Tensor
+    rows: PipeRows  # each lane's loop, whether it still loops, its KV slot in every plane
     min_loops: Tensor
     max_loops: Tensor
     threshold: Tensor
@@ -104,50 +101,21 @@ class PipeKind(RowKind):
         if not seg.rows:
             return None
         r, t, n = seg.row0, seg.tok0, seg.rows
-        ds, ring = self.state, self.ring
         slots, lane = own["slots"], own["lane"]
-        key = (slots, lane)
-        # an empty lane 0 (the first step, or every lane committed or dropped) starts the committed token; a
-        # graph's padding rows (the scratch slot) stay empty and frozen
-        real = slots != self.scratch_slot
-        enter = (lane == 0) & ~ring.valid[key] & real
-        ring.token[key] = torch.where(enter, ds.token[slots], ring.token[key])
-        ring.loop[key] = torch.where(enter, 0, ring.loop[key])
-        ring.exit_loop[key] = torch.where(enter, 0, ring.exit_loop[key])
-        ring.drafted[key] = ring.drafted[key] & ~enter
-        ring.valid[key] = ring.valid[key] | enter
-        live = ring.valid[key] & (ring.exit_loop[key] == 0) & real
-        loop = (ring.loop[key] + 1).clamp(max=self.max_loops)
-        pos = ds.pos[slots] + lane
-        bs = ds.block_size
-        scratch_kv = ds.scratch_block * bs
-        plane_slots = torch.where(live[:, None], plane_slots_of(ds, slots, pos), scratch_kv)
-        plane = ds.layout.plane_index(loop)
-        inp.positions[t:t + n] = torch.where(live, pos, 0)
-        inp.slot_mapping[t:t + n] = plane_slots.gather(1, plane[:, None]).squeeze(1)
-        inp.seq_lens[r:r + n] = torch.where(live, pos + 1, 1).to(torch.int32)
-        width = inp.block_tables.shape[1]
-        inp.block_tables[r:r + n] = torch.where(live[:, None], ds.tables[slots, plane][:, :width], ds.scratch_block)
-        embed = self.model.model.embed_tokens.weight
-        inp.x[t:t + n] = torch.where((loop == 1)[:, None], embed[ring.token[key]], ring.hidden[key])
-        return PipePrepared(slots, lane, loop, live, plane_slots, own["min_loops"], own["max_loops"], own["threshold"])
+        into = RowsInto(inp.positions[t:t + n], inp.slot_mapping[t:t + n], inp.seq_lens[r:r + n],
+                        inp.block_tables[r:r + n])
+        rows = self.state.ops.pipe_rows(self.ring, self.state, slots, lane, self.max_loops, self.scratch_slot,
+                                        self.model.model.embed_tokens.weight, into, inp.x[t:t + n])
+        return PipePrepared(slots, lane, rows, own["min_loops"], own["max_loops"], own["threshold"])
 
     def finish(self, h: Tensor, gate: Tensor, p: PipePrepared | None, own: dict[str, Tensor]) -> tuple:
         """Each live lane's own exit rule after this loop, its state, and the exit copy."""
         if p is None:
             return ()
-        ring = self.ring
-        key = (p.slots, p.lane)
-        live = p.live
-        survival = torch.where(p.loop == 1, torch.ones_like(gate, dtype=torch.float32), ring.survival[key])
-        ex, survival = exit_decision(p.loop, survival, gate, p.min_loops, p.max_loops, p.threshold)
-        ring.hidden[key] = torch.where(live[:, None], h, ring.hidden[key])
-        ring.survival[key] = torch.where(live, survival, ring.survival[key])
-        ring.loop[key] = torch.where(live, p.loop, ring.loop[key])
-        exited = live & ex
-        ring.exit_loop[key] = torch.where(exited, p.loop, ring.exit_loop[key])
+        exited = self.state.ops.pipe_finish(self.ring, h, gate, p.slots, p.lane, p.rows, p.min_loops, p.max_loops,
+                                            p.threshold)
         k_cache, v_cache = self.kv()  # (the pipeline runs on last_exited only: EngineArgs.speculative)
-        self.backend.copy_exited(k_cache, v_cache, p.plane_slots, p.loop, exited,
+        self.backend.copy_exited(k_cache, v_cache, p.rows.plane_slots, p.rows.loop, exited,
                                  self.state.scratch_block * self.state.block_size)
         return ()
 

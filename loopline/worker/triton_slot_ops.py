@@ -16,7 +16,7 @@ from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, pdl_options
 from loopline.spec.replay import AcceptanceReplay
-from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, RowsInto, SlotOps
+from loopline.worker.decode_state import DecodeRows, DecodeTensors, DeviceDecodeState, PipeRows, RowsInto, SlotOps
 from loopline.worker.lane_ring import LaneRing
 
 try:
@@ -155,6 +155,99 @@ if triton is not None:
         tl.store(pos_ptr + slot, tl.load(pos_ptr + slot, mask=m & ex, other=0) + 1, mask=m & ex)
         tl.store(tidx_ptr + slot, tl.load(tidx_ptr + slot, mask=m & ex, other=0) + 1, mask=m & ex)
 
+
+    @triton.jit(do_not_specialize=["n_lanes", "max_loops", "out_blocks"])
+    def _pipe_rows_kernel(
+        slots_ptr, lane_ptr,  # [n] int64: the lane rows (slot, lane)
+        valid_r, token_r, loop_r, exit_r, drafted_r, hidden_r,  # the ring's [S, L] fields, its [S, L, H] hidden
+        token_s, pos_s, tables_s, plane_of_loop, embed_ptr,  # the decode state; plane of each loop; [V, H]
+        loop_out, live_out, plane_slots_out,  # [n] int64 / int8, [n, P] int64
+        positions_out, slot_map_out, seq_lens_out, tables_out, x_out,  # the step's attention inputs and input rows
+        n_lanes, max_loops, scratch_slot, scratch_block, block_size, max_blocks, out_blocks, hidden_size,
+        stride_ts, stride_tp, stride_e, stride_to, stride_x,
+        PLANES: tl.constexpr, PLANES_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):
+        """``SlotOps.pipe_rows`` for one lane row a program. Rows are distinct (slot, lane) pairs but for the
+        scratch slot's padding rows, which store back the values they read."""
+        b = tl.program_id(0)
+        slot = tl.load(slots_ptr + b)
+        lane = tl.load(lane_ptr + b)
+        at = slot * n_lanes + lane
+        real = slot != scratch_slot
+        valid = tl.load(valid_r + at) != 0
+        enter = (lane == 0) & ~valid & real
+        token = tl.where(enter, tl.load(token_s + slot), tl.load(token_r + at))
+        ran = tl.where(enter, 0, tl.load(loop_r + at))
+        exit_l = tl.where(enter, 0, tl.load(exit_r + at))
+        drafted = (tl.load(drafted_r + at) != 0) & ~enter
+        valid = valid | enter
+        tl.store(token_r + at, token)
+        tl.store(loop_r + at, ran)
+        tl.store(exit_r + at, exit_l)
+        tl.store(drafted_r + at, drafted.to(tl.int8))
+        tl.store(valid_r + at, valid.to(tl.int8))
+        live = valid & (exit_l == 0) & real
+        loop = tl.minimum(ran + 1, max_loops)
+        pos = tl.load(pos_s + slot) + lane
+        table = tables_s + slot.to(tl.int64) * stride_ts
+        planes = tl.arange(0, PLANES_PAD)
+        pm = planes < PLANES
+        blk = pos // block_size
+        kv = tl.load(table + planes * stride_tp + blk, mask=pm & live & (blk < max_blocks), other=0).to(tl.int64)
+        kv = tl.where(live, kv * block_size + pos % block_size, scratch_block * block_size)
+        tl.store(plane_slots_out + b * PLANES + planes, kv, mask=pm)
+        plane = tl.load(plane_of_loop + loop)
+        tl.store(slot_map_out + b, tl.sum(tl.where(planes == plane, kv, 0), 0))
+        tl.store(positions_out + b, tl.where(live, pos, 0))
+        tl.store(seq_lens_out + b, tl.where(live, pos + 1, 1).to(tl.int32))
+        tl.store(loop_out + b, loop)
+        tl.store(live_out + b, live.to(tl.int8))
+        for t in range(0, out_blocks, BLOCK_T):
+            cols = t + tl.arange(0, BLOCK_T)
+            cm = cols < out_blocks
+            blocks = tl.load(table + plane * stride_tp + cols, mask=cm & live, other=0)
+            tl.store(tables_out + b.to(tl.int64) * stride_to + cols, tl.where(live, blocks, scratch_block), mask=cm)
+        # the loop's input: the token's embedding at loop 1, else the lane's hidden state (one source a row)
+        if loop == 1:
+            src = embed_ptr + token * stride_e
+        else:
+            src = hidden_r + at.to(tl.int64) * hidden_size
+        for c in range(0, hidden_size, BLOCK_H):
+            cols = c + tl.arange(0, BLOCK_H)
+            m = cols < hidden_size
+            tl.store(x_out + b.to(tl.int64) * stride_x + cols, tl.load(src + cols, mask=m), mask=m)
+
+    @triton.jit(do_not_specialize=["n_lanes"])
+    def _pipe_finish_kernel(
+        h_ptr, gate_ptr, slots_ptr, lane_ptr, loop_ptr, live_ptr, min_ptr, max_ptr, thr_ptr,  # rows [n]; h [n, H]
+        hidden_r, surv_r, loop_r, exit_r, ex_out,  # the ring's fields; exited [n] bool
+        n_lanes, n_cols, stride_h,
+        BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """``SlotOps.pipe_finish`` for one lane row a program: the exit rule as ``_exit_and_store_kernel``
+        computes it for plain decode rows, stored for live lanes only."""
+        grid_dependency_wait(PDL)
+        b = tl.program_id(0)
+        at = tl.load(slots_ptr + b) * n_lanes + tl.load(lane_ptr + b)
+        loop = tl.load(loop_ptr + b)
+        live = tl.load(live_ptr + b) != 0
+        survival = tl.where(loop == 1, 1.0, tl.load(surv_r + at))
+        lam = tl.sigmoid(tl.load(gate_ptr + b).to(tl.float32))
+        survival = survival * (1.0 - lam)
+        thr = tl.load(thr_ptr + b)
+        early = (thr < 1.0) & (loop >= tl.load(min_ptr + b)) & ((1.0 - survival) >= thr)
+        exited = live & ((loop >= tl.load(max_ptr + b)) | early)
+        tl.store(ex_out + b, exited.to(tl.int8))
+        if live:
+            tl.store(surv_r + at, survival)
+            tl.store(loop_r + at, loop)
+            if exited:
+                tl.store(exit_r + at, loop)
+            for c in range(0, n_cols, BLOCK):
+                cols = c + tl.arange(0, BLOCK)
+                m = cols < n_cols
+                tl.store(hidden_r + at.to(tl.int64) * n_cols + cols, tl.load(h_ptr + b * stride_h + cols, mask=m),
+                         mask=m)
 
     @triton.jit
     def _replay_agrees(slot, index, seed, bound):
@@ -436,6 +529,51 @@ class TritonSlotOps(SlotOps):
             record if record is not None else slots, n, BLOCK=block, RECORD=record is not None,
             **pdl_options(slots.device), num_warps=4)
 
+
+    def pipe_rows(self, ring: LaneRing, ds: DeviceDecodeState, slots: Tensor, lane: Tensor, max_loops: int,
+                  scratch_slot: int, embed_weight: Tensor, into: RowsInto, x: Tensor) -> PipeRows:
+        n, dev = slots.shape[0], slots.device
+        planes, max_blocks, hidden = ds.layout.num_planes, ds.tables.shape[2], ring.hidden.shape[-1]
+        loop, live = torch.empty(n, dtype=_I64, device=dev), torch.empty(n, dtype=_BOOL, device=dev)
+        plane_slots = torch.empty((n, planes), dtype=_I64, device=dev)
+        if not n:
+            return PipeRows(loop, live, plane_slots)
+        positions, slot_mapping, seq_lens, tables = into
+        _check("pipe_rows", slots=(slots, _I64), lane=(lane, _I64), positions=(positions, _I64),
+               slot_mapping=(slot_mapping, _I64), seq_lens=(seq_lens, _I32))
+        if tables.dtype != _I32 or tables.stride(1) != 1 or tables.shape[1] > max_blocks:
+            raise ValueError(f"pipe_rows: block_tables must be int32 rows of unit stride, at most {max_blocks} wide")
+        if (x.shape != (n, hidden) or x.stride(1) != 1 or embed_weight.stride(1) != 1
+                or not x.dtype == embed_weight.dtype == ring.hidden.dtype):
+            raise ValueError(f"pipe_rows: x must be [{n}, {hidden}] of unit column stride, in the dtype of "
+                             "embed_weight and the ring's hidden state")
+        _pipe_rows_kernel[(n,)](
+            slots, lane, _int8(ring.valid), ring.token, ring.loop, ring.exit_loop, _int8(ring.drafted), ring.hidden,
+            ds.token, ds.pos, ds.tables, self._planes(ds), embed_weight, loop, _int8(live), plane_slots,
+            positions, slot_mapping, seq_lens, tables, x,
+            ring.lanes, max_loops, scratch_slot, ds.scratch_block, ds.block_size, max_blocks, tables.shape[1], hidden,
+            ds.tables.stride(0), ds.tables.stride(1), embed_weight.stride(0), tables.stride(0), x.stride(0),
+            PLANES=planes, PLANES_PAD=triton.next_power_of_2(planes),
+            BLOCK_T=min(triton.next_power_of_2(max_blocks), 256), BLOCK_H=min(triton.next_power_of_2(hidden), 4096),
+            num_warps=4)
+        return PipeRows(loop, live, plane_slots)
+
+    def pipe_finish(self, ring: LaneRing, h: Tensor, gate: Tensor, slots: Tensor, lane: Tensor, rows: PipeRows,
+                    min_loops: Tensor, max_loops: Tensor, threshold: Tensor) -> Tensor:
+        n, cols = h.shape
+        exited = torch.empty(n, dtype=_BOOL, device=h.device)
+        if not n:
+            return exited
+        _check("pipe_finish", gate=(gate, torch.float32), slots=(slots, _I64), lane=(lane, _I64),
+               loop=(rows.loop, _I64), live=(rows.live, _BOOL), min_loops=(min_loops, _I64),
+               max_loops=(max_loops, _I64), threshold=(threshold, torch.float32))
+        if h.stride(1) != 1 or h.dtype != ring.hidden.dtype or cols != ring.hidden.shape[-1]:
+            raise ValueError("pipe_finish: h must have unit column stride and the ring's hidden dtype and width")
+        _pipe_finish_kernel[(n,)](
+            h, gate, slots, lane, rows.loop, _int8(rows.live), min_loops, max_loops, threshold, ring.hidden,
+            ring.survival, ring.loop, ring.exit_loop, _int8(exited), ring.lanes, cols, h.stride(0),
+            BLOCK=min(triton.next_power_of_2(cols), 4096), **pdl_options(h.device), num_warps=4)
+        return exited
 
     def pipe_accept(self, ring: LaneRing, ds: DeviceDecodeState, slots: Tensor, target: Tensor, depth: int,
                     replay: AcceptanceReplay | None = None) -> tuple[Tensor, Tensor]:

@@ -284,3 +284,63 @@ def test_kernel_replay_draw_is_the_replays(p, seed):
     want = replay.uniform(slot, index) < p
     assert torch.equal(out.bool(), want)
     assert want.float().mean().item() == pytest.approx(p, abs=0.02)
+
+
+@pytest.mark.parametrize("lanes", [1, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pipe_rows_and_finish_match_reference(lanes, dtype):
+    """The depth pipeline's lane rows inside the step's graph: entries of empty lanes 0, each lane's attention
+    inputs and loop input (``pipe_rows``), then each live lane's exit rule and state store (``pipe_finish``),
+    including the scratch slot's padding rows, which change nothing."""
+    from loopline.worker.decode_state import RowsInto
+
+    g = torch.Generator().manual_seed(lanes * 7 + (dtype == torch.bfloat16))
+    hidden = 40 if dtype == torch.float32 else 1100  # 1100: more than one column block
+    ds, ring = _state(g, "last_exited", False), _ring(g, lanes, hidden, dtype)
+    ds.pos.copy_(torch.randint(0, MAX_BLOCKS * BLOCK - lanes, (SLOTS,), generator=g))  # every lane's position fits
+    scratch = SLOTS - 1
+    m = 7
+    real = torch.randperm(SLOTS - 1, generator=g)[:m]
+    slots = torch.cat([real.repeat_interleave(lanes), torch.full((2 * lanes,), scratch)]).to(DEVICE)
+    lane = torch.arange(lanes).repeat(m + 2).to(DEVICE)
+    n = slots.shape[0]
+    embed = torch.randn((50, hidden), generator=g).to(DEVICE, dtype)
+    ring.token.clamp_(max=49)
+    ds.token.copy_(torch.randint(0, 50, (SLOTS,), generator=g))
+
+    def buffers():
+        return (RowsInto(torch.full((n,), -5, dtype=torch.long, device=DEVICE),
+                         torch.full((n,), -5, dtype=torch.long, device=DEVICE),
+                         torch.full((n,), -5, dtype=torch.int32, device=DEVICE),
+                         torch.full((n, MAX_BLOCKS - 2), -5, dtype=torch.int32, device=DEVICE)),
+                torch.zeros((n, hidden), dtype=dtype, device=DEVICE))
+
+    ref_ds, ref_ring = _clone(ds), _ring(torch.Generator(), lanes, hidden, dtype)
+    for name, t in _ring_fields(ring).items():
+        getattr(ref_ring, name).copy_(t)
+    (into, x), (ref_into, ref_x) = buffers(), buffers()
+    got = TritonSlotOps().pipe_rows(ring, ds, slots, lane, LOOPS, scratch, embed, into, x)
+    want = SlotOps().pipe_rows(ref_ring, ref_ds, slots, lane, LOOPS, scratch, embed, ref_into, ref_x)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip(into, ref_into):
+        assert torch.equal(a, b)
+    assert torch.equal(x, ref_x)
+    _same_state(ds, ref_ds)
+    for name, t in _ring_fields(ring).items():
+        assert torch.equal(t, getattr(ref_ring, name)), name
+    assert want.live.any() and not want.live.all() and (want.loop == 1).any() and (want.loop > 1).any()
+
+    h = torch.randn((n, hidden), generator=g).to(DEVICE, dtype)
+    gate = torch.randn(n, generator=g).to(DEVICE) * 3
+    min_loops = torch.randint(1, 3, (n,), generator=g).to(DEVICE)
+    max_loops = torch.randint(2, LOOPS + 1, (n,), generator=g).to(DEVICE)
+    threshold = torch.rand(n, generator=g).to(DEVICE)
+    ex = TritonSlotOps().pipe_finish(ring, h, gate, slots, lane, got, min_loops, max_loops, threshold)
+    ex_ref = SlotOps().pipe_finish(ref_ring, h, gate, slots, lane, want, min_loops, max_loops, threshold)
+    assert torch.equal(ex, ex_ref) and ex_ref.any() and not ex_ref.all()
+    for name, t in _ring_fields(ring).items():
+        if name == "survival":  # the kernel's sigmoid is not torch's
+            torch.testing.assert_close(t, ref_ring.survival, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(t, getattr(ref_ring, name)), name
