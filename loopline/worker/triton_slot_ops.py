@@ -30,6 +30,14 @@ _I64, _I32, _BOOL = torch.int64, torch.int32, torch.bool
 
 if triton is not None:
 
+    @triton.jit
+    def _copy_row(src, dst, n_cols, BLOCK: tl.constexpr):
+        """``n_cols`` elements from ``src`` to ``dst``, ``BLOCK`` at a time."""
+        for c in range(0, n_cols, BLOCK):
+            cols = c + tl.arange(0, BLOCK)
+            m = cols < n_cols
+            tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
+
     # NOTE: the row count changes from step to step (eager steps); not specializing on it keeps one
     # compiled variant instead of one per (== 1, divisible by 16) pattern, compiled mid-run.
     # (out_blocks, the written table width, follows the step's max_seq_len: not specialized either)
@@ -106,10 +114,7 @@ if triton is not None:
         ex = (loop >= tl.load(max_ptr + b)) | early
         tl.store(ex_out + b, ex.to(tl.int8))
         tl.store(survival_s + slot, survival)
-        for c in range(0, n_cols, BLOCK):
-            cols = c + tl.arange(0, BLOCK)
-            m = cols < n_cols
-            tl.store(hidden_s + slot * stride_hs + cols, tl.load(h_ptr + b * stride_h + cols, mask=m), mask=m)
+        _copy_row(h_ptr + b * stride_h, hidden_s + slot * stride_hs, n_cols, BLOCK)
 
     @triton.jit
     def _decode_inputs_kernel(
@@ -124,10 +129,7 @@ if triton is not None:
             src = embed_ptr + tl.load(ids_ptr + b) * stride_e
         else:
             src = hidden_s + tl.load(slots_ptr + b) * stride_hs
-        for c in range(0, n_cols, BLOCK):
-            cols = c + tl.arange(0, BLOCK)
-            m = cols < n_cols
-            tl.store(out_ptr + b.to(tl.int64) * stride_o + cols, tl.load(src + cols, mask=m), mask=m)
+        _copy_row(src, out_ptr + b.to(tl.int64) * stride_o, n_cols, BLOCK)
 
     @triton.jit(do_not_specialize=["n_rows"])
     def _advance_kernel(
@@ -212,10 +214,7 @@ if triton is not None:
             src = embed_ptr + token * stride_e
         else:
             src = hidden_r + at.to(tl.int64) * hidden_size
-        for c in range(0, hidden_size, BLOCK_H):
-            cols = c + tl.arange(0, BLOCK_H)
-            m = cols < hidden_size
-            tl.store(x_out + b.to(tl.int64) * stride_x + cols, tl.load(src + cols, mask=m), mask=m)
+        _copy_row(src, x_out + b.to(tl.int64) * stride_x, hidden_size, BLOCK_H)
 
     @triton.jit(do_not_specialize=["n_lanes"])
     def _pipe_finish_kernel(
@@ -243,11 +242,7 @@ if triton is not None:
             tl.store(loop_r + at, loop)
             if exited:
                 tl.store(exit_r + at, loop)
-            for c in range(0, n_cols, BLOCK):
-                cols = c + tl.arange(0, BLOCK)
-                m = cols < n_cols
-                tl.store(hidden_r + at.to(tl.int64) * n_cols + cols, tl.load(h_ptr + b * stride_h + cols, mask=m),
-                         mask=m)
+            _copy_row(h_ptr + b * stride_h, hidden_r + at.to(tl.int64) * n_cols, n_cols, BLOCK)
 
     @triton.jit
     def _replay_agrees(slot, index, seed, bound):

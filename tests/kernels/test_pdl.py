@@ -76,6 +76,10 @@ CASES = {
                        {"gate_ptr": "*fp32", "slots_ptr": "*i64", "loops_ptr": "*i64", "min_ptr": "*i64",
                         "max_ptr": "*i64", "thr_ptr": "*fp32", "hidden_s": "*bf16", "survival_s": "*fp32",
                         "ex_out": "*i8"}, {"BLOCK": 256}, True),
+    "pipe_finish": ("loopline.worker.triton_slot_ops", "_pipe_finish_kernel",
+                    {**{f"{n}_ptr": "*i64" for n in ("slots", "lane", "loop", "min", "max")}, "gate_ptr": "*fp32",
+                     "live_ptr": "*i8", "thr_ptr": "*fp32", "hidden_r": "*bf16", "surv_r": "*fp32", "loop_r": "*i64",
+                     "exit_r": "*i64", "ex_out": "*i8"}, {"BLOCK": 256}, True),
     "copy_exited": ("loopline.attention.triton_kernels", "copy_exited_kernel",
                     {"plane_slots_ptr": "*i64", "loops_ptr": "*i64", "exits_ptr": "*i8"},
                     {"BLOCK_SIZE": 16, "HEAD_DIM": 64, "D_PAD": 64, "BLOCK_H": 4}, True),
@@ -182,8 +186,8 @@ def test_decode_attention_prefetches_only_history_before_the_wait(ptx):
 
 
 @pytest.mark.parametrize("case", ["add_rms_norm", "norm_exit_gate", "rope_write_kv", "write_kv", "merge_splits",
-                                  "paged_attention", "exit_and_store", "copy_exited", "chunk_argmax", "pick_chunk",
-                                  "advance", "lookahead_decide"])
+                                  "paged_attention", "exit_and_store", "pipe_finish", "copy_exited", "chunk_argmax",
+                                  "pick_chunk", "advance", "lookahead_decide"])
 def test_kernels_wait_before_everything(ptx, case):
     _check_waits_first(ptx[case])
 
