@@ -48,12 +48,12 @@ WARMUP_ROUNDS, ROUND_WEIGHT, STOP_Z = 6, 0.05, 2.0
 #: each older unit's share decaying by ENGINE_WEIGHT / (requests running), so that it follows the batch's last
 #: ~10 steps whatever the batch (every running request adds its units each step; with a window of ~10 units,
 #: at 8 running one new pipelining request's start-up turned the next requests away: the adaptive pipeline
-#: ran 0.92x plain at C = 8 on an H100 where pinned lanes ran 1.40x) (a ratio of sums: a unit counts as the steps it took,
-#: so a pipeline's slow first commit, 1 token after R steps, weighs what those steps cost); it decides for
-#: new requests once ENGINE_WARMUP units were seen (as many as a request needs to decide for itself), and
-#: while it is below 1 one new request in PROBE_EVERY still speculates. (With the payoff's first value taken
-#: from one unit, an 8-token warm-up request turned the pipeline off for the requests after it, on an H100:
-#: tests/spec/test_replay.py reproduces it on the CPU.)
+#: ran 0.92x plain at C = 8 on an H100 where pinned lanes ran 1.40x). It is a ratio of sums: a unit counts as
+#: the steps it took, so a pipeline's slow first commit, 1 token after R steps, weighs what those steps cost.
+#: It decides for new requests once ENGINE_WARMUP units were seen (as many as a request needs to decide for
+#: itself), and while it is below 1 one new request in PROBE_EVERY still speculates. (With the payoff's first
+#: value taken from one unit, an 8-token warm-up request turned the pipeline off for the requests after it, on
+#: an H100: tests/spec/test_replay.py reproduces it on the CPU.)
 ENGINE_WEIGHT, ENGINE_WARMUP, PROBE_EVERY = 0.1, WARMUP_ROUNDS, 16
 
 

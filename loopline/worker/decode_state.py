@@ -119,10 +119,8 @@ class SlotOps:
         tidx = ds.token_index[slots]
         if per_token_exits:  # the host's token index lags; the device's is exact
             min_loops = max_loops = ds.trace_depths(slots, tidx)
-        bs = ds.block_size
-        blk = (pos // bs).view(-1, 1, 1).expand(-1, ds.layout.num_planes, 1)
-        plane_slots = ds.tables[slots].gather(2, blk).squeeze(2).long() * bs + (pos % bs)[:, None]
-        scratch_kv = ds.scratch_block * bs
+        plane_slots = ds.plane_slots(slots, pos)
+        scratch_kv = ds.scratch_block * ds.block_size
         dec = DecodeTensors(
             slots=torch.where(run, slots, scratch_slot), loops=loops, starts=loops == 1,
             input_ids=ds.token[slots], min_loops=min_loops, max_loops=max_loops, threshold=threshold,
@@ -188,10 +186,7 @@ class SlotOps:
         live = ring.valid[key] & (ring.exit_loop[key] == 0) & real
         loop = (ring.loop[key] + 1).clamp(max=max_loops)
         pos = ds.pos[slots] + lane
-        bs = ds.block_size
-        blk = (pos // bs).view(-1, 1, 1).expand(-1, ds.layout.num_planes, 1)
-        plane_slots = ds.tables[slots].gather(2, blk).squeeze(2).long() * bs + (pos % bs)[:, None]
-        plane_slots = torch.where(live[:, None], plane_slots, ds.scratch_block * bs)
+        plane_slots = torch.where(live[:, None], ds.plane_slots(slots, pos), ds.scratch_block * ds.block_size)
         plane = ds.layout.plane_index(loop)
         into.positions.copy_(torch.where(live, pos, 0))
         into.slot_mapping.copy_(plane_slots.gather(1, plane[:, None]).squeeze(1))
@@ -284,6 +279,12 @@ class DeviceDecodeState:
         """The per-slot fixed exits of the lookahead rule (before CUDA graphs capture reads of it)."""
         if self.exit_target is None:
             self.exit_target = torch.zeros_like(self.loop)
+
+    def plane_slots(self, slots: Tensor, pos: Tensor) -> Tensor:
+        """``[n, P]``: the KV slot of position ``pos`` ``[n]`` of each row's slot in every plane."""
+        bs = self.block_size
+        blk = (pos // bs).view(-1, 1, 1).expand(-1, self.layout.num_planes, 1)
+        return self.tables[slots].gather(2, blk).squeeze(2).long() * bs + (pos % bs)[:, None]
 
     def trace_depths(self, slots: Tensor, token_index: Tensor) -> Tensor:
         assert self.trace is not None, "set_trace() first"

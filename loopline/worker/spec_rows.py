@@ -72,13 +72,6 @@ class SpecRoundState:
         self.exit_loop = torch.zeros(num_slots, k + 1, **i64)
 
 
-def plane_slots_of(ds: DeviceDecodeState, slots: Tensor, pos: Tensor) -> Tensor:
-    """``[n, P]``: the KV slot of position ``pos`` of each row's slot in every plane."""
-    bs = ds.block_size
-    blk = (pos // bs).view(-1, 1, 1).expand(-1, ds.layout.num_planes, 1)
-    return ds.tables[slots].gather(2, blk).squeeze(2).long() * bs + (pos % bs)[:, None]
-
-
 class DraftSampler:
     """Samples drafts as the target samples the token index each stands for: the same parameters and the
     counter-based noise of the same (seed, token index); a draft's logprobs are never reported."""
@@ -199,7 +192,7 @@ class SpecKind(RowKind):
         pos = ds.pos[q_slots] + offset
         frozen = (st.exit_loop[q_slots, offset] > 0) | pad
         bs = ds.block_size
-        plane_slots = plane_slots_of(ds, q_slots, pos)
+        plane_slots = ds.plane_slots(q_slots, pos)
         plane = ds.layout.plane_index(q_loop)
         scratch_kv = ds.scratch_block * bs
         inp.positions[t:t + T] = pos

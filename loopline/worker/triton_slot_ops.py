@@ -38,6 +38,28 @@ if triton is not None:
             m = cols < n_cols
             tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
 
+    @triton.jit
+    def _store_kv_inputs(b, table, pos, run, plane, plane_slots_out, positions_out, slot_map_out, seq_lens_out,
+                         tables_out, scratch_block, block_size, max_blocks, out_blocks, stride_tp, stride_to,
+                         PLANES: tl.constexpr, PLANES_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+        """Row ``b``'s attention inputs at position ``pos`` through its slot's ``table`` (``[P, max_blocks]``
+        rows ``stride_tp`` apart): its KV slot in every plane, the one of ``plane`` (written this loop), its
+        position, seq length and ``plane``'s block table; a row that does not ``run`` reads and writes scratch."""
+        planes = tl.arange(0, PLANES_PAD)
+        pm = planes < PLANES
+        blk = pos // block_size
+        kv = tl.load(table + planes * stride_tp + blk, mask=pm & run & (blk < max_blocks), other=0).to(tl.int64)
+        kv = tl.where(run, kv * block_size + pos % block_size, scratch_block * block_size)
+        tl.store(plane_slots_out + b * PLANES + planes, kv, mask=pm)
+        tl.store(slot_map_out + b, tl.sum(tl.where(planes == plane, kv, 0), 0))
+        tl.store(positions_out + b, tl.where(run, pos, 0))
+        tl.store(seq_lens_out + b, tl.where(run, pos + 1, 1).to(tl.int32))
+        for t in range(0, out_blocks, BLOCK_T):
+            cols = t + tl.arange(0, BLOCK_T)
+            cm = cols < out_blocks
+            blocks = tl.load(table + plane * stride_tp + cols, mask=cm & run, other=0)
+            tl.store(tables_out + b.to(tl.int64) * stride_to + cols, tl.where(run, blocks, scratch_block), mask=cm)
+
     # NOTE: the row count changes from step to step (eager steps); not specializing on it keeps one
     # compiled variant instead of one per (== 1, divisible by 16) pattern, compiled mid-run.
     # (out_blocks, the written table width, follows the step's max_seq_len: not specialized either)
@@ -71,29 +93,17 @@ if triton is not None:
         else:
             min_loops = tl.load(min_in_ptr + b)
             max_loops = tl.load(max_in_ptr + b)
-        plane = tl.load(plane_of_loop + loops)
-        table = tables_s + slot.to(tl.int64) * stride_ts
-        planes = tl.arange(0, PLANES_PAD)
-        pm = planes < PLANES
-        kv = tl.load(table + planes * stride_tp + pos // block_size, mask=pm, other=0).to(tl.int64) * block_size
-        kv = tl.where(run, kv + pos % block_size, scratch_block * block_size)
-        tl.store(plane_slots_out + b * PLANES + planes, kv, mask=pm)
-        tl.store(slot_map_out + b, tl.sum(tl.where(planes == plane, kv, 0), 0))
+        _store_kv_inputs(b, tables_s + slot.to(tl.int64) * stride_ts, pos, run, tl.load(plane_of_loop + loops),
+                         plane_slots_out, positions_out, slot_map_out, seq_lens_out, tables_out, scratch_block,
+                         block_size, max_blocks, out_blocks, stride_tp, out_blocks, PLANES, PLANES_PAD, BLOCK_T)
         tl.store(d_slots + b, tl.where(run, slot, scratch_slot))
         tl.store(loops_out + b, loops)
         tl.store(starts_out + b, (loops == 1).to(tl.int8))
         tl.store(ids_out + b, tl.load(token_s + slot))
         tl.store(min_out + b, min_loops)
         tl.store(max_out + b, max_loops)
-        tl.store(positions_out + b, tl.where(run, pos, 0))
-        tl.store(seq_lens_out + b, tl.where(run, pos + 1, 1).to(tl.int32))
         tl.store(run_out + b, run.to(tl.int8))
         tl.store(tidx_out + b, tidx)
-        for t in range(0, out_blocks, BLOCK_T):
-            cols = t + tl.arange(0, BLOCK_T)
-            cm = cols < out_blocks
-            blocks = tl.load(table + plane * stride_tp + cols, mask=cm, other=0)
-            tl.store(tables_out + b.to(tl.int64) * out_blocks + cols, tl.where(run, blocks, scratch_block), mask=cm)
 
     @triton.jit
     def _exit_and_store_kernel(
@@ -191,24 +201,11 @@ if triton is not None:
         live = valid & (exit_l == 0) & real
         loop = tl.minimum(ran + 1, max_loops)
         pos = tl.load(pos_s + slot) + lane
-        table = tables_s + slot.to(tl.int64) * stride_ts
-        planes = tl.arange(0, PLANES_PAD)
-        pm = planes < PLANES
-        blk = pos // block_size
-        kv = tl.load(table + planes * stride_tp + blk, mask=pm & live & (blk < max_blocks), other=0).to(tl.int64)
-        kv = tl.where(live, kv * block_size + pos % block_size, scratch_block * block_size)
-        tl.store(plane_slots_out + b * PLANES + planes, kv, mask=pm)
-        plane = tl.load(plane_of_loop + loop)
-        tl.store(slot_map_out + b, tl.sum(tl.where(planes == plane, kv, 0), 0))
-        tl.store(positions_out + b, tl.where(live, pos, 0))
-        tl.store(seq_lens_out + b, tl.where(live, pos + 1, 1).to(tl.int32))
+        _store_kv_inputs(b, tables_s + slot.to(tl.int64) * stride_ts, pos, live, tl.load(plane_of_loop + loop),
+                         plane_slots_out, positions_out, slot_map_out, seq_lens_out, tables_out, scratch_block,
+                         block_size, max_blocks, out_blocks, stride_tp, stride_to, PLANES, PLANES_PAD, BLOCK_T)
         tl.store(loop_out + b, loop)
         tl.store(live_out + b, live.to(tl.int8))
-        for t in range(0, out_blocks, BLOCK_T):
-            cols = t + tl.arange(0, BLOCK_T)
-            cm = cols < out_blocks
-            blocks = tl.load(table + plane * stride_tp + cols, mask=cm & live, other=0)
-            tl.store(tables_out + b.to(tl.int64) * stride_to + cols, tl.where(live, blocks, scratch_block), mask=cm)
         # the loop's input: the token's embedding at loop 1, else the lane's hidden state (one source a row)
         if loop == 1:
             src = embed_ptr + token * stride_e
