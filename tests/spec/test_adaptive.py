@@ -13,7 +13,8 @@ from loopline import SamplingParams
 from loopline.config import EngineArgs
 from loopline.core.contracts import SampledToken
 from loopline.core.request import Request
-from loopline.core.speculation import WARMUP_ROUNDS, LoopSpeculation, pipe_step_cost, round_cost
+from loopline.core.speculation import (ENGINE_WARMUP, WARMUP_ROUNDS, LoopSpeculation, PipelineSpeculation,
+                                       pipe_step_cost, round_cost)
 from loopline.engine import LLMEngine
 from loopline.errors import InvalidRequestError
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
@@ -231,8 +232,6 @@ def test_new_requests_start_up_does_not_turn_the_pipeline_off_for_the_next():
     of 8 paying requests below 1 and refused the next requests, which then decoded plainly to the end (the
     adaptive pipeline at 0.92x plain at C = 8 on an H100, where pinned lanes ran 1.40x). Fails on a window of
     ENGINE_WEIGHT per unit."""
-    from loopline.core.speculation import ENGINE_WARMUP, PipelineSpeculation
-
     s = PipelineSpeculation(SpeculativeConfig(num_speculative_tokens=3, draft_loops=1, scheme="pipeline"), 4)
     reqs = [Request(str(i), [1, 2], SamplingParams(), 0, 8, frozenset(), 0) for i in range(12)]
     for r in reqs:
@@ -249,7 +248,7 @@ def test_new_requests_start_up_does_not_turn_the_pipeline_off_for_the_next():
         for r in reqs[:8]:
             commit(r, 2, 2)
             commit(r, 1, 1)
-    assert s._units >= ENGINE_WARMUP and s.payoff > 1.2
+    assert s._units >= ENGINE_WARMUP and s.payoff > 1.2  # (past warm-up: the payoff decides)
     for r in reqs[8:]:  # four requests replace finished ones, one after another: each fills its pipeline
         assert s.starts(), s.payoff
         commit(r, 1, 4)
