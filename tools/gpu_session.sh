@@ -4,7 +4,7 @@
 #   bash tools/gpu_session.sh "$OUT" [commit] [parts...]
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
-# lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
+# headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows newkernels; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
@@ -50,9 +50,15 @@ if has slow; then  # the tests the CPU run leaves out (Triton-interpreter length
   echo "slow tests rc=$? $(tail -1 "$out/slow_tests.log")"; grep -hE "^(FAILED|ERROR)" "$out/slow_tests.log" | head -5
 fi
 if has headline; then  # README's headline table: the defaults a user gets, no tuning flags
+  # (LOOPLINE_HEADLINE_C: the concurrencies, default 1,32,128)
   timeout 420 python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --input-len 1024 \
-    --output-len 128 --concurrency 1,32,128 --no-progress --output-json "$out/headline.json" 2> "$out/headline.err" \
-    | tail -8 || tail -3 "$out/headline.err"
+    --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-1,32,128}" --no-progress --output-json "$out/headline.json" \
+    2> "$out/headline.err" | tail -8 || tail -3 "$out/headline.err"
+fi
+if has headline_fp8; then  # the same with the one flag a user adds for FP8 KV
+  timeout 420 python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --input-len 1024 \
+    --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-1,32,128}" --kv-cache-dtype fp8 --no-progress \
+    --output-json "$out/headline_fp8.json" 2> "$out/headline_fp8.err" | tail -8 || tail -3 "$out/headline_fp8.err"
 fi
 if has diag; then  # the GPU engine tests alone, with cuBLAS's own log
   CUBLAS_LOGINFO_DBG=1 CUBLAS_LOGDEST_DBG="$out/cublas.log" timeout 150 python3 -m pytest -q -x -m gpu \

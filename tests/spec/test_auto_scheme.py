@@ -9,6 +9,7 @@ import pytest
 from graph_testing import EagerCapturer
 from spec.test_engine import DEMO_PROMPTS, GREEDY, assert_same, drain, engine
 
+from loopline.config import EngineArgs
 from loopline.errors import InvalidRequestError
 from loopline.spec import SpeculativeConfig
 
@@ -96,3 +97,12 @@ def test_config():
         SpeculativeConfig.from_dict({"method": "loop", "scheme": "auto", "auto_pipeline_below": 0})
     with pytest.raises(InvalidRequestError, match="scheme='auto' needs kv_layout='last_exited'"):
         engine(speculative=AUTO, kv_layout="shared")
+
+
+def test_shared_layout_gets_draft_verify_when_no_scheme_is_named():
+    """The shared plane cannot pipeline: without a named scheme its user gets draft then verify; naming one
+    that pipelines is refused (test_config)."""
+    args = EngineArgs(speculative_config={"method": "loop", "num_speculative_tokens": 3}, kv_layout="shared")
+    spec = args.speculative()
+    assert spec.scheme == "draft_verify" and spec.num_speculative_tokens == 3
+    assert EngineArgs(speculative_config={"method": "loop"}).speculative().scheme == SpeculativeConfig().scheme
