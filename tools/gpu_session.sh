@@ -231,7 +231,7 @@ if has flashinfer; then  # issue #40: FlashInfer installed from the carried .fi/
 fi
 if has spec_replay; then  # issue #41: both schemes at the demo model's acceptance, replayed on Ouro-1.4B shapes
   # (LOOPLINE_SPEC: the first --spec, default 3,1; 2,1 is speculative_config's default K)
-  timeout 300 python3 tools/spec_speed.py --config ouro-1.4b --spec ${LOOPLINE_SPEC:-3,1} ${LOOPLINE_SPEC_EXTRA:-} --scheme ${LOOPLINE_SPEC_SCHEMES:-draft_verify,pipeline,auto} \
+  timeout "${LOOPLINE_SPEC_S:-300}" python3 tools/spec_speed.py --config ouro-1.4b --spec ${LOOPLINE_SPEC:-3,1} ${LOOPLINE_SPEC_EXTRA:-} --scheme ${LOOPLINE_SPEC_SCHEMES:-draft_verify,pipeline,auto} \
     --concurrency "${LOOPLINE_SPEC_C:-1,8,32,128}" --replay-acceptance 0.89,0.71,0.68 --json "$out/spec_replay.json" 2>&1 \
     | grep -v Warn | tail -12
 fi
