@@ -50,8 +50,8 @@ def main() -> None:
         for d in ns.draft_loops:
             runs = {}
             for setting in ("none", "auto"):
-                spec = {"method": "loop", "num_speculative_tokens": ns.k, "draft_loops": d, "adaptive": False,
-                        "disable_by_batch_size": None, "draft_adapter": setting}
+                spec = {"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": ns.k, "draft_loops": d,
+                        "adaptive": False, "disable_by_batch_size": None, "draft_adapter": setting}
                 runs[setting] = run(ns.model, prompts, params, spec)
             assert runs["auto"][0].draft_adapter is not None, f"{ns.model} has no adapter for draft_loops={d}"
             equal = runs["auto"][1] == runs["none"][1]

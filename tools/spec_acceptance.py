@@ -117,7 +117,7 @@ def adaptive_rounds(model, stream: list[int], prompts: int, prompt_len: int, new
     print("|---|---|---|---|---|---|")
     for d in (1, 2):
         for k in (2, 4):
-            spec = SpeculativeConfig(num_speculative_tokens=k, draft_loops=d)
+            spec = SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=k, draft_loops=d)
             drafts = accepted = rounds = tokens = early = 0
             depth = 0
             for i in range(prompts):

@@ -48,8 +48,8 @@ def main() -> None:
         params = SamplingParams(max_tokens=ns.tokens, temperature=temp, ignore_eos=True, exit_threshold=ns.threshold)
         plain = run(prompts, params, ns.device, None).stats.steps
         for d in ns.draft_loops:
-            spec = {"method": "loop", "num_speculative_tokens": ns.k, "draft_loops": d, "adaptive": False,
-                    "disable_by_batch_size": None}
+            spec = {"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": ns.k, "draft_loops": d,
+                    "adaptive": False, "disable_by_batch_size": None}
             st = run(prompts, params, ns.device, spec).stats
             per = ", ".join(f"{n / st.spec_num_drafts:.2f}" for n in st.spec_accepted_per_pos)
             print(f"| {temp:g} | {d} | {st.spec_num_accepted_tokens / st.spec_num_draft_tokens:.3f} | {per} | "

@@ -42,7 +42,7 @@ def measure(model, prompts: list[list[int]], tokens: int, d: int, k: int, temper
     """Sums over the prompts: decode tokens, plain steps, both schemes' steps and row-loops."""
     loops = model.config.total_ut_steps
     pipe = SpeculativeConfig(scheme="pipeline", draft_loops=d)
-    verify = SpeculativeConfig(num_speculative_tokens=k, draft_loops=d)
+    verify = SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=k, draft_loops=d)
     sums, rows = Counter(), Counter()
     for seed, prompt in enumerate(prompts):
         out = speculative_generate(model, prompt, tokens, pipe, temperature=temperature, seed=seed,

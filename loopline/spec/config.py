@@ -10,12 +10,15 @@ from loopline.errors import InvalidRequestError, check_object
 #: The most draft tokens per round; deeper rounds only pay off with acceptance above ~0.95 (docs/speculation.md).
 MAX_SPECULATIVE_TOKENS = 16
 SCHEMES = ("draft_verify", "pipeline", "auto")
-#: Scheme ``auto``: a request that starts speculating while fewer requests than this run pipelines, the others
-#: draft then verify (an H100 measured the pipeline ahead at one request, 1.64x plain against 1.10x, and at
-#: eight, 1.39x against 1.30x, the two tied at sixteen: docs/speculation.md, "When each scheme wins").
-DEFAULT_AUTO_PIPELINE_BELOW = 12
 #: Requests running at which speculation stops paying (docs/speculation.md, "When it pays").
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+#: Scheme ``auto``: a request that starts speculating while fewer requests than this run pipelines, the others
+#: draft then verify. The pipeline measured at or above draft then verify at each concurrency timed below 32
+#: (H100, replayed demo acceptance: 1.74x plain against 1.05x at one request, 1.64x against 1.36x at four,
+#: 1.43x against 1.28x at eight, 1.33x against 1.31x at sixteen), and steps that hold both schemes' rows run
+#: eagerly (``auto`` mixing them at sixteen: 0.77x), so by default ``auto`` pipelines wherever speculation
+#: runs (docs/speculation.md, "When each scheme wins").
+DEFAULT_AUTO_PIPELINE_BELOW = DEFAULT_DISABLE_BY_BATCH_SIZE
 METHODS = ("loop",)
 
 
@@ -47,7 +50,9 @@ class SpeculativeConfig:
     method: str = "loop"
     num_speculative_tokens: int = 2
     draft_loops: int = 1
-    scheme: str = "draft_verify"
+    #: the pipeline by default: it measured at or above draft then verify wherever speculation ran (above);
+    #: on ``kv_layout="shared"``, which cannot pipeline, a config that names no scheme drafts then verifies
+    scheme: str = "pipeline"
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     adaptive: bool = True
     auto_pipeline_below: int = DEFAULT_AUTO_PIPELINE_BELOW

@@ -100,7 +100,7 @@ def test_spec_decode_series_only_with_speculation(scraped, tiny_gqa):
     from tests.entrypoints.conftest import RunningServer
 
     assert "vllm:spec_decode" not in scraped[0]
-    spec = {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False}
+    spec = {"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False}
     llm = AsyncLLM(EngineArgs(model=str(tiny_gqa.path), dtype="float32", device="cpu", block_size=4,
                               max_model_len=128, max_num_seqs=4, speculative_config=spec))
     srv = RunningServer(build_app(llm, MODEL, api_key="k", shutdown_engine=False))

@@ -54,7 +54,7 @@ def _warm(s: LoopSpeculation, accepted: int, drafts: int, rounds: int = WARMUP_R
 
 
 def test_a_warm_request_drafts_as_many_as_its_acceptance_pays():
-    s = LoopSpeculation(SpeculativeConfig(num_speculative_tokens=6, draft_loops=1), 4)
+    s = LoopSpeculation(SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=6, draft_loops=1), 4)
     every = _warm(s, 6, 6)  # every draft accepted: acceptance 1, the longest rounds
     assert every.spec_hits / every.spec_tries == pytest.approx(1.0)
     s.plan_round(every, 4, 1)
@@ -66,7 +66,8 @@ def test_a_warm_request_drafts_as_many_as_its_acceptance_pays():
     cold = _warm(s, 1, 6, rounds=WARMUP_ROUNDS - 1)  # not warm yet: K
     s.plan_round(cold, 4, 1)
     assert cold.spec_k == 6
-    fixed = LoopSpeculation(SpeculativeConfig(num_speculative_tokens=6, draft_loops=1, adaptive=False), 4)
+    fixed = LoopSpeculation(SpeculativeConfig(scheme="draft_verify",
+                                              num_speculative_tokens=6, draft_loops=1, adaptive=False), 4)
     req = _warm(fixed, 1, 6)
     fixed.plan_round(req, 4, 1)
     assert req.spec_k == 6  # adaptive off: always K
@@ -117,7 +118,7 @@ def test_the_engine_adapts_drafts_on_the_demo_model(demo_prompts):
     """With adaptive on (the default), K = 6 and one request at a time: cold rounds draft K, warm ones what
     the request's measured acceptance makes pay (:func:`best_k`), and the output stays plain decoding's."""
     reqs = {"r0": (demo_prompts[0], GREEDY.clone(max_tokens=64))}
-    eng = engine(speculative={"method": "loop", "num_speculative_tokens": 6, "draft_loops": 1,
+    eng = engine(speculative={"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": 6, "draft_loops": 1,
                               "disable_by_batch_size": None})
     seen = []
     plan = eng.scheduler.speculation.plan_round

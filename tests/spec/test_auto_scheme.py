@@ -91,7 +91,7 @@ def test_penalties_and_bad_words_in_both_schemes_in_one_step(demo_prompts):
 
 def test_config():
     auto = SpeculativeConfig.from_dict({"method": "loop", "scheme": "auto"})
-    assert auto.auto_pipeline_below == 12 and auto.pipelines
+    assert auto.auto_pipeline_below == 32 and auto.pipelines
     assert auto.kv_lookahead(4) == max(2 * auto.lanes(4), 2 * auto.num_speculative_tokens)
     with pytest.raises(InvalidRequestError, match="auto_pipeline_below"):
         SpeculativeConfig.from_dict({"method": "loop", "scheme": "auto", "auto_pipeline_below": 0})

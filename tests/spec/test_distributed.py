@@ -13,7 +13,7 @@ from loopline import AsyncLLM, EngineArgs, SamplingParams
 from loopline.engine import LLMEngine
 
 # speculation pinned on: these tests check where it runs, not when it pays
-SPEC = {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False,
+SPEC = {"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False,
         "disable_by_batch_size": None}
 BASE = dict(dtype="float32", device="cpu", max_num_seqs=4, max_model_len=256, block_size=4,
             skip_tokenizer_init=True)

@@ -98,7 +98,7 @@ def test_adaptive_exits_stay_exact_with_the_adapter(prompts, blind_dir):
 def test_reference_with_an_adapter_equals_plain_decoding(prompts, blind_dir):
     model = load_model(blind_dir, dtype=torch.float32)
     adapter, _ = load_adapter(blind_dir, 256, 4)
-    cfg = SpeculativeConfig(num_speculative_tokens=3, draft_loops=1)
+    cfg = SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=3, draft_loops=1)
     out = speculative_generate(model, prompts[0], 12, cfg, draft_adapter=adapter)
     assert out.tokens == plain_generate(model, prompts[0], 12).tokens
     assert sum(out.accepted) < sum(speculative_generate(model, prompts[0], 12, cfg).accepted)

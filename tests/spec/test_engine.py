@@ -23,8 +23,8 @@ DEMO_PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n    ", "class Foo:\
 
 def spec(k: int, d: int) -> dict:
     """Speculation pinned on (no adaptive stop, no batch bound): these tests check its mechanics."""
-    return {"method": "loop", "num_speculative_tokens": k, "draft_loops": d, "adaptive": False,
-            "disable_by_batch_size": None}
+    return {"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": k, "draft_loops": d,
+            "adaptive": False, "disable_by_batch_size": None}
 
 
 # the depth pipeline (scheme 2, tests/spec/test_pipeline_engine.py), pinned on: the stop and abort tests below run
@@ -296,12 +296,14 @@ def test_bench_reports_acceptance_with_vllm_names():
     ns = build_parser().parse_args(["bench", "--config", "tiny", "--device", "cpu", "--dtype", "float32",
                                     "--no-progress", "--input-len", "6", "--output-len", "10", "--concurrency", "2",
                                     "--speculative-config",
-                                    '{"method": "loop", "num_speculative_tokens": 2, "adaptive": false}'])
+                                    '{"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": 2, '
+                                    '"adaptive": false}'])
     (point,) = run_offline(ns)["results"]
     run = point["variants"][0]["median"]
     spec_decode = run["spec_decode"]
     # random weights accept few drafts: adaptive speculation would stop before the measured part
-    assert run["engine"]["speculative_config"] == {"method": "loop", "num_speculative_tokens": 2, "adaptive": False}
+    assert run["engine"]["speculative_config"] == {"method": "loop", "scheme": "draft_verify",
+                                                   "num_speculative_tokens": 2, "adaptive": False}
     rounds = spec_decode["vllm:spec_decode_num_drafts"]
     assert rounds > 0 and spec_decode["vllm:spec_decode_num_draft_tokens"] == 2 * rounds
     accepted = spec_decode["vllm:spec_decode_num_accepted_tokens"]

@@ -31,7 +31,7 @@ def generate(model: OuroForCausalLM, backend: str, speculative: dict | None, bac
 
 @pytest.mark.slow
 @pytest.mark.parametrize("speculative", [
-    {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False},
+    {"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False},
     # the pipeline's drafting lanes, draft store and step after sampling are TritonSlotOps kernels here
     {"method": "loop", "scheme": "pipeline", "draft_loops": 1, "adaptive": False, "disable_by_batch_size": None},
 ], ids=["draft_verify", "pipeline"])

@@ -30,8 +30,8 @@ def ids(n: int, seed: int, vocab: int = 500) -> list[int]:
 
 
 def spec(k: int, d: int) -> dict:
-    return {"method": "loop", "num_speculative_tokens": k, "draft_loops": d, "adaptive": False,
-            "disable_by_batch_size": None}
+    return {"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": k, "draft_loops": d,
+            "adaptive": False, "disable_by_batch_size": None}
 
 
 def make(tiny, speculative: dict | None, graphs: bool, **kw) -> LLMEngine:

@@ -41,7 +41,8 @@ def test_speculative_graph_buckets_on_triton_kernels_equal_plain_torch_decoding(
     want, _ = generate(model, "torch", None)
     from loopline.worker.backends import select_backends
 
-    got, replays = generate(model, "triton", {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False},
+    got, replays = generate(model, "triton", {"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": 2,
+                                              "draft_loops": 1, "adaptive": False},
                             select_backends("triton", "triton", torch.device(DEVICE)))
     assert replays > 10
     assert_same_tokens_depths_logprobs(got, want)

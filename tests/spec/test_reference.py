@@ -37,7 +37,8 @@ def _demo_prompt(demo) -> list[int]:
 def test_greedy_equals_plain_decoding_on_the_demo_model(demo, k, d, threshold):
     prompt = _demo_prompt(demo)
     plain = plain_generate(demo, prompt, 24, exit_threshold=threshold)
-    spec = speculative_generate(demo, prompt, 24, SpeculativeConfig(num_speculative_tokens=k, draft_loops=d),
+    spec = speculative_generate(demo, prompt, 24, SpeculativeConfig(scheme="draft_verify",
+                                                                    num_speculative_tokens=k, draft_loops=d),
                                 exit_threshold=threshold)
     assert spec.tokens == plain.tokens
     assert spec.exit_loops == plain.exit_loops
@@ -54,7 +55,8 @@ def test_greedy_equals_plain_decoding_on_the_demo_model(demo, k, d, threshold):
 def test_greedy_equals_the_independent_oracle(tiny, tiny_gqa, k, d, threshold, min_loops):
     tokens, depths, logprobs = reference_generate(tiny_gqa.state_dict, tiny_gqa.cfg, PROMPT, 10, min_loops=min_loops,
                                                   exit_threshold=threshold)
-    spec = speculative_generate(tiny, PROMPT, 10, SpeculativeConfig(num_speculative_tokens=k, draft_loops=d),
+    spec = speculative_generate(tiny, PROMPT, 10, SpeculativeConfig(scheme="draft_verify",
+                                                                    num_speculative_tokens=k, draft_loops=d),
                                 exit_threshold=threshold, min_loops=min_loops)
     assert (spec.tokens, spec.exit_loops) == (tokens, depths)
     assert spec.logprobs == pytest.approx(logprobs, abs=1e-4)
@@ -68,7 +70,7 @@ def _cut_inside_a_run(spec, kept: int) -> bool:
 
 def test_eos_inside_an_accepted_run(demo):
     prompt = _demo_prompt(demo)
-    spec_config = SpeculativeConfig(num_speculative_tokens=4, draft_loops=3)
+    spec_config = SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=4, draft_loops=3)
     full = plain_generate(demo, prompt, 12)
     inside = 0
     for j in range(2, 12):
@@ -83,7 +85,7 @@ def test_eos_inside_an_accepted_run(demo):
 
 def test_max_tokens_inside_an_accepted_run(demo):
     prompt = _demo_prompt(demo)
-    spec_config = SpeculativeConfig(num_speculative_tokens=4, draft_loops=3)
+    spec_config = SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=4, draft_loops=3)
     full = plain_generate(demo, prompt, 8)
     inside = 0
     for n in range(1, 9):
@@ -95,10 +97,10 @@ def test_max_tokens_inside_an_accepted_run(demo):
 
 def test_bad_requests_name_the_field(tiny):
     with pytest.raises(ValueError, match="draft_loops=4; allowed: an integer in 1..3"):
-        speculative_generate(tiny, PROMPT, 4, SpeculativeConfig(draft_loops=4))
+        speculative_generate(tiny, PROMPT, 4, SpeculativeConfig(scheme="draft_verify", draft_loops=4))
     with pytest.raises(ValueError, match="temperature=-1"):
-        speculative_generate(tiny, PROMPT, 4, SpeculativeConfig(), temperature=-1)
+        speculative_generate(tiny, PROMPT, 4, SpeculativeConfig(scheme="draft_verify"), temperature=-1)
     with pytest.raises(ValueError, match="max_tokens=0"):
-        speculative_generate(tiny, PROMPT, 0, SpeculativeConfig())
+        speculative_generate(tiny, PROMPT, 0, SpeculativeConfig(scheme="draft_verify"))
     with pytest.raises(ValueError, match="draft_loops=4; allowed: an integer in 1..3"):
         speculative_generate(tiny, PROMPT, 4, SpeculativeConfig(scheme="pipeline", draft_loops=4))

@@ -129,7 +129,7 @@ def _check(small_vocab, monkeypatch, runs: int, n_tokens: int, spec: Speculative
 
 def test_seeded_runs_are_reproducible(small_vocab):
     model = small_vocab[0]
-    spec = SpeculativeConfig(num_speculative_tokens=3, draft_loops=1)
+    spec = SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=3, draft_loops=1)
     a, b = (speculative_generate(model, PROMPT, 8, spec, temperature=1.0, seed=7) for _ in range(2))
     assert (a.tokens, a.exit_loops, a.accepted) == (b.tokens, b.exit_loops, b.accepted)
     assert sum(a.accepted) < sum(a.drafts)  # the draft is rejected sometimes: the correction path runs
@@ -139,7 +139,8 @@ def test_seeded_runs_are_reproducible(small_vocab):
 # distribution, test_seeded_runs_are_reproducible runs the correction in whole generations, and
 # spec/test_engine_sampling.py::test_output_distribution_is_the_target checks the engine's output distribution
 def test_two_token_distribution_is_the_target(small_vocab, monkeypatch):
-    _check(small_vocab, monkeypatch, 300, 2, SpeculativeConfig(num_speculative_tokens=1, draft_loops=1), 1.0)
+    _check(small_vocab, monkeypatch, 300, 2, SpeculativeConfig(scheme="draft_verify",
+                                                               num_speculative_tokens=1, draft_loops=1), 1.0)
 
 
 @pytest.mark.slow
@@ -147,4 +148,5 @@ def test_two_token_distribution_is_the_target(small_vocab, monkeypatch):
 # loop 1, where draft and target are the same distribution: nothing is ever rejected, the correction never runs)
 @pytest.mark.parametrize("k, d, threshold", [(2, 1, 1.0), (2, 2, 1.0), (3, 1, 0.7)])
 def test_three_token_distribution_is_the_target(small_vocab, monkeypatch, k, d, threshold):
-    _check(small_vocab, monkeypatch, 3000, 3, SpeculativeConfig(num_speculative_tokens=k, draft_loops=d), threshold)
+    _check(small_vocab, monkeypatch, 3000, 3, SpeculativeConfig(scheme="draft_verify",
+                                                                num_speculative_tokens=k, draft_loops=d), threshold)

@@ -293,7 +293,7 @@ def test_bench_runs_the_lookahead_variant(demo_with_head):
 def test_lookahead_requests_do_not_speculate(demo_with_head):
     """Under loop self-speculation a lookahead request decodes plainly (the rounds' rows do not run the head):
     its outputs are the lookahead engine's, a threshold request beside it still speculates."""
-    spec = {"method": "loop", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False,
+    spec = {"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False,
             "disable_by_batch_size": None}
     prompt = prompts(1)[0]
     base = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 0}
