@@ -207,7 +207,7 @@ def speculative_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens
                          exit_threshold: float | None = None, eos_ids: Sequence[int] = (),
                          draft_adapter: DraftAdapter | None = None) -> SpecOutput | PipelineOutput:
     """Generates up to ``max_tokens`` tokens after ``prompt_ids`` with loop self-speculation:
-    draft-then-verify rounds, or the depth pipeline when ``spec.scheme == "pipeline"`` (module docstring;
+    draft-then-verify rounds, or the depth pipeline when ``spec.pipelines`` (module docstring;
     then a :class:`PipelineOutput`, and ``num_speculative_tokens`` is unused).
 
     ``temperature == 0``: greedy, token for token and exit depth for exit depth what
@@ -231,12 +231,13 @@ def speculative_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens
     k, d = spec.num_speculative_tokens, spec.draft_loops
     loops = _Loops(model, len(prompt_ids) + max_tokens + k + 1, min_loops, max_loops, threshold)
     generator = torch.Generator(device=loops.kv_device).manual_seed(seed)
-    out = SpecOutput() if spec.scheme == "draft_verify" else PipelineOutput()
+    # "auto" picks by the engine's load: one request alone pipelines
+    out = PipelineOutput() if spec.pipelines else SpecOutput()
     logits = _prefill(loops, prompt_ids, first.exit_loops[0])
     token = _sample(logits, temperature, generator)
     eos = set(eos_ids)
     out.tokens.append(token), out.exit_loops.append(first.exit_loops[0]), out.logprobs.append(_logprob(logits, token))
-    if spec.scheme == "pipeline":
+    if spec.pipelines:
         return _Pipeline(loops, d, temperature, generator, eos, max_tokens, draft_adapter).run(out, len(prompt_ids))
     position = len(prompt_ids)
     while token not in eos and len(out.tokens) < max_tokens:

@@ -60,6 +60,15 @@ def test_fixed_depth_greedy_equals_plain_decoding_and_the_cost_model(demo, demo_
     assert out.steps < 23 * 4  # plain decoding: 4 steps for each of the 23 tokens after the first
 
 
+def test_default_and_auto_schemes_pipeline_one_request(demo, demo_prompt):
+    """The reference has one request: the default scheme and ``auto`` (below its bound) pipeline it."""
+    want = speculative_generate(demo, demo_prompt, 12, pipeline(1), exit_threshold=1.0)
+    for spec in (SpeculativeConfig(), SpeculativeConfig(scheme="auto")):
+        out = speculative_generate(demo, demo_prompt, 12, spec, exit_threshold=1.0)
+        assert isinstance(out, PipelineOutput)
+        assert (out.tokens, out.exit_loops, out.steps) == (want.tokens, want.exit_loops, want.steps)
+
+
 @pytest.mark.parametrize("d", [1, pytest.param(2, marks=pytest.mark.slow), 3])  # (d = 2: ~3 s, slow)
 def test_adaptive_exits_greedy_equals_plain_decoding(demo, demo_prompt, d):
     # threshold 0.5: the demo model's tokens exit at loops 1..4, before, at and after each draft depth
