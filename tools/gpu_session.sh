@@ -286,9 +286,11 @@ if has skinny_routes; then  # issue #40: cuBLAS or the skinny split-K kernel per
   done | tee -a "$out/skinny_routes.txt"
 fi
 if has splits_rows; then  # issue #40: split-KV counts of the fused decode attention at 2 and 4 rows (the rule: 2.5
-  # programs per SM, 64-key splits); LOOPLINE_ROWS / LOOPLINE_SPLITS pick others (e.g. 8 16 / 0 2 3 4 6 8)
+  # programs per SM, 64-key splits); LOOPLINE_ROWS / LOOPLINE_SPLITS pick others (e.g. 8 16 / 0 2 3 4 6 8);
+  # LOOPLINE_SPLITS_EXTRA="--attn-programs-per-sm 100" splits where the rule does not (24 rows and more)
   for r in ${LOOPLINE_ROWS:-2 4}; do for s in ${LOOPLINE_SPLITS:-0 4 6 8 10 12 16}; do
-    if [ "$s" = 0 ]; then extra=(); else extra=(--attn-num-splits "$s"); fi
+    # shellcheck disable=SC2206
+    if [ "$s" = 0 ]; then extra=(); else extra=(--attn-num-splits "$s" ${LOOPLINE_SPLITS_EXTRA:-}); fi
     timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 "${extra[@]}" 2>&1 \
       | grep -E "mean step" | sed "s/^/rows $r splits ${s/#0/rule}: /"
   done; done | tee "$out/splits_rows.txt"

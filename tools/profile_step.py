@@ -221,6 +221,8 @@ def make_backends(a: argparse.Namespace) -> Backends:
         rule = dataclasses.replace(rule, max_splits=max_splits, min_keys_per_split=min_keys)
     if a.attn_num_splits:
         rule = dataclasses.replace(rule, exact_splits=a.attn_num_splits)
+    if a.attn_programs_per_sm:
+        rule = dataclasses.replace(rule, programs_per_sm=a.attn_programs_per_sm)
     if a.fused_decode_min_splits is not None:
         rule = dataclasses.replace(rule, fused_decode_min_splits=a.fused_decode_min_splits)
     launches = dict(
@@ -272,6 +274,10 @@ def main() -> None:
     ap.add_argument("--attn-num-splits", type=int, default=None,
                     help="every decode launch the split rule splits takes exactly this many splits (any count, "
                          "not only the rule's powers of two: e.g. 24 at one row, 384 programs)")
+    ap.add_argument("--attn-programs-per-sm", type=float, default=None,
+                    help="the split rule's programs_per_sm (default: the backend's own); with a large value and "
+                         "--attn-num-splits every decode launch takes that many splits, also where the rule "
+                         "does not split (24 rows and more at 1,088 keys)")
     ap.add_argument("--fused-decode-min-splits", type=int, default=None,
                     help="decode-only steps with at least this many key splits take the fused decode attention "
                          "kernel (default: the backend's own; 1: every decode-only step)")

@@ -647,6 +647,9 @@ def test_backend_splits_by_its_own_rule(monkeypatch):
     exact = TritonAttentionBackend(split_rule=SplitRule(exact_splits=24))
     assert exact.pick_num_splits(cuda, 16, 1, 8192) == 24  # not one of SPLIT_COUNTS: any count
     assert exact.pick_num_splits(cuda, 32 * 16, 1, 8192) == 1  # what the rule does not split stays whole
+    # (profile_step --attn-programs-per-sm 100 --attn-num-splits 2: split where the default rule does not)
+    everywhere = TritonAttentionBackend(split_rule=SplitRule(programs_per_sm=100.0, exact_splits=2))
+    assert everywhere.pick_num_splits(cuda, 32 * 16, 1, 1088) == 2
     assert exact.pick_num_splits(cuda, 16 * 4, 4, 8192) == 1  # prefill tiles are never split
     for bad in (dict(max_splits=0), dict(programs_per_sm=0.0), dict(fused_decode_min_splits=0), dict(exact_splits=65)):
         with pytest.raises(ValueError, match=next(iter(bad))):
