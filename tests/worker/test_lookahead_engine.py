@@ -290,10 +290,11 @@ def test_bench_runs_the_lookahead_variant(demo_with_head):
     assert depth == {"fixed": 4.0, "lookahead": 4.0}
 
 
-def test_lookahead_requests_do_not_speculate(demo_with_head):
-    """Under loop self-speculation a lookahead request decodes plainly (the rounds' rows do not run the head):
-    its outputs are the lookahead engine's, a threshold request beside it still speculates."""
-    spec = {"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False,
+@pytest.mark.parametrize("scheme", ["draft_verify", "pipeline"])
+def test_lookahead_requests_do_not_speculate(demo_with_head, scheme):
+    """Under loop self-speculation (either scheme) a lookahead request decodes plainly (speculative rows do not
+    run the head): its outputs are the lookahead engine's, a threshold request beside it still speculates."""
+    spec = {"method": "loop", "scheme": scheme, "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False,
             "disable_by_batch_size": None}
     prompt = prompts(1)[0]
     base = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 0}
@@ -302,6 +303,7 @@ def test_lookahead_requests_do_not_speculate(demo_with_head):
     want = tokens_depths_logprobs(run_arrivals(engine(demo_with_head), reqs))
     eng = engine(demo_with_head, speculative_config=spec)
     assert_same_tokens_depths_logprobs(tokens_depths_logprobs(run_arrivals(eng, reqs)), want)
+    assert eng.stats.spec_num_draft_tokens > 0  # the threshold request speculated
     assert eng.scheduler.speculation.why_not(eng.inputs.process("x", {"prompt_token_ids": prompt},
                                                                  reqs["la"][1]).params).startswith("exit_mode")
 
