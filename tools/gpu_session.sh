@@ -5,7 +5,7 @@
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
-# splits_rows newkernels; LOOPLINE_BENCH_C
+# splits_rows split_sums newkernels; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -294,6 +294,14 @@ if has splits_rows; then  # issue #40: split-KV counts of the fused decode atten
     timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 "${extra[@]}" 2>&1 \
       | grep -E "mean step" | sed "s/^/rows $r splits ${s/#0/rule}: /"
   done; done | tee "$out/splits_rows.txt"
+fi
+if has split_sums; then  # issue #40: o_proj's and down_proj's split-K partials summed by the norm that reads them
+  # (TritonOps(split_sums_in_norm=True)) against their reduction kernel, at 2-16 rows and the pipeline's C = 1 step
+  for r in ${LOOPLINE_ROWS:-2 4 8 16}; do for v in "" "--split-sums-in-norm" ""; do
+    # shellcheck disable=SC2086
+    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 $v 2>&1 \
+      | grep -E "mean step" | sed "s/^/rows $r ${v:-reduce-kernel}: /"
+  done; done | tee "$out/split_sums.txt"
 fi
 if has fp8_rows; then  # issue #40: FP8 against bf16 steps at 1-16 rows; "--decode-launch 64" is the launch before 38ab60a
   for r in ${LOOPLINE_ROWS:-1 2 4 8 16}; do for v in "auto" "fp8" "fp8 --decode-launch 64" "auto"; do

@@ -234,8 +234,8 @@ def make_backends(a: argparse.Namespace) -> Backends:
     base = select_backends("auto", "auto", torch.device("cuda"))  # the engine's own choice on CUDA
     if kinds & {"norms", "gemv"}:
         layer_ops = AblatedOps(kinds, a.skinny_max_rows)
-    elif a.skinny_max_rows is not None:
-        layer_ops = TritonOps(skinny_max_rows=a.skinny_max_rows)
+    elif a.skinny_max_rows is not None or a.split_sums_in_norm:
+        layer_ops = TritonOps(skinny_max_rows=a.skinny_max_rows, split_sums_in_norm=a.split_sums_in_norm)
     else:
         layer_ops = base.layer_ops
     return dataclasses.replace(base, attention=attention, layer_ops=layer_ops)
@@ -268,6 +268,10 @@ def main() -> None:
                          "(loopline.kernels.skinny_gemm, PDL) instead of cuBLAS; 0: cuBLAS above one row (down_proj "
                          "keeps the skinny kernel up to 64 rows either way); per projection: qkv=16,o=16 (the "
                          "others 0). Default: fused.SKINNY_MAX_ROWS")
+    ap.add_argument("--split-sums-in-norm", action="store_true",
+                    help="o_proj's and down_proj's split-K partials (skinny kernel, 2-16 / 2-64 rows) are summed by "
+                         "the add + RMSNorm that reads them instead of a reduction kernel (TritonOps"
+                         "(split_sums_in_norm=True); not with --ablate norms/gemv)")
     ap.add_argument("--attn-splits", default=None,
                     help="MAX,MIN_KEYS: split-KV rule of decode attention (at most MAX splits of at least "
                          "MIN_KEYS keys; default: the backend's own)")
@@ -339,7 +343,9 @@ def main() -> None:
     per_step = (output_tokens(engine) - out0) / a.steps
     spec = f" spec={a.speculative_config} replayed={a.replay_acceptance}" if a.speculative_config else ""
     print(f"rows={a.rows} context={a.context} eager={a.eager} async={a.async_scheduling} "
-          f"skinny={tuple(getattr(backends.layer_ops, 'skinny_rows', ()))}{spec}: mean step {step_ms:.3f} ms "
+          f"skinny={tuple(getattr(backends.layer_ops, 'skinny_rows', ()))}"
+          f"{' split-sums-in-norm' if getattr(backends.layer_ops, 'split_sums_in_norm', False) else ''}"
+          f"{spec}: mean step {step_ms:.3f} ms "
           f"-> {a.rows * 1e3 / (step_ms * 4):.1f} output tok/s at 4 loops; {per_step:.3f} output tokens a step "
           f"-> {per_step * 1e3 / step_ms:.1f} tok/s")
     runner = engine.runner

@@ -16,7 +16,7 @@ from torch import Tensor
 from loopline.kernels import grid_dependency_wait, pdl_options
 from loopline.kernels.gemv import gemv, norm_gemv, normed_row, silu_mul_rounded, use_gemv, use_norm_gemv
 from loopline.kernels.skinny_gemm import MAX_ROWS as _SKINNY_ROWS_LIMIT
-from loopline.kernels.skinny_gemm import skinny_linear, use_skinny
+from loopline.kernels.skinny_gemm import SplitKPartials, skinny_linear, use_skinny
 from loopline.models.ops import TorchOps, rotary_cos_sin
 
 try:
@@ -30,10 +30,10 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(
-        x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, y_ptr,  # rows of [N, H]; weights [H]
+        x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, y_ptr,  # rows of [N, H] (b: or SPLITS partials [S, N, H]); weights [H]
         n_cols, eps,
-        stride_x, stride_b, stride_xo, stride_y,
-        BLOCK: tl.constexpr, HAS_BRANCH: tl.constexpr, PDL: tl.constexpr,
+        stride_x, stride_b, stride_bs, stride_xo, stride_y,
+        BLOCK: tl.constexpr, HAS_BRANCH: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
     ):
         grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -41,15 +41,16 @@ if triton is not None:
         dtype = y_ptr.dtype.element_ty
         # x' = x + w_b * norm(b), rounded like the reference: norm -> dtype, * w -> dtype, + x -> dtype
         y = normed_row(x_ptr + row * stride_x, b_ptr + row * stride_b, wb_ptr, wn_ptr, x_out_ptr + row * stride_xo,
-                       n_cols, eps, BLOCK, HAS_BRANCH, True, dtype)
+                       n_cols, eps, BLOCK, HAS_BRANCH, True, dtype, stride_bs, SPLITS)
         tl.store(y_ptr + row * stride_y + cols, y.to(dtype), mask=cols < n_cols)
 
     @triton.jit
     def _norm_exit_gate_kernel(
         x_ptr, b_ptr, wb_ptr, wn_ptr, wg_ptr, bg_ptr, y_ptr, gate_ptr,  # rows of [N, H]; weights [H]; gate [N] fp32
         n_cols, eps,
-        stride_x, stride_b, stride_y,
-        BLOCK: tl.constexpr, HAS_BRANCH: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+        stride_x, stride_b, stride_bs, stride_y,
+        BLOCK: tl.constexpr, HAS_BRANCH: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -58,7 +59,7 @@ if triton is not None:
         dtype = y_ptr.dtype.element_ty
         # The residual sum itself is not needed after the loop: only h = norm(x') is stored.
         y = normed_row(x_ptr + row * stride_x, b_ptr + row * stride_b, wb_ptr, wn_ptr, x_ptr, n_cols, eps, BLOCK,
-                       HAS_BRANCH, False, dtype)
+                       HAS_BRANCH, False, dtype, stride_bs, SPLITS)
         tl.store(y_ptr + row * stride_y + cols, y.to(dtype), mask=m)
         logit = tl.sum(y * tl.load(wg_ptr + cols, mask=m, other=0.0).to(tl.float32), axis=0)
         if HAS_BIAS:
@@ -145,13 +146,14 @@ class SkinnyRows(NamedTuple):
 SKINNY_MAX_ROWS = SkinnyRows(qkv=16, o=16)
 
 
-def _linear(x: Tensor, weight: Tensor, skinny_max_rows: int = 0) -> Tensor:
+def _linear(x: Tensor, weight: Tensor, skinny_max_rows: int = 0,
+            sum_splits: bool = True) -> Tensor | SplitKPartials:
     """``F.linear(x, weight)``; one row takes the GEMV kernel, which streams the weight faster than cuBLAS, and
-    2 to ``skinny_max_rows`` rows the skinny split-K kernel."""
+    2 to ``skinny_max_rows`` rows the skinny split-K kernel (``sum_splits=False``: its partials unsummed)."""
     if use_gemv(x, weight):
         return gemv(x, weight)
     if 2 <= x.shape[0] <= skinny_max_rows and use_skinny(x, weight):
-        return skinny_linear(x, weight)
+        return skinny_linear(x, weight, sum_splits=sum_splits)
     return torch.nn.functional.linear(x, weight)
 
 
@@ -166,6 +168,14 @@ def _row_major(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _branch_operand(branch: Tensor | SplitKPartials) -> tuple[Tensor, int, int, int]:
+    """A norm kernel's branch: ``(rows, row stride, split stride, splits)``; 0 splits: a plain tensor."""
+    if isinstance(branch, SplitKPartials):
+        return branch.parts, branch.parts.stride(1), branch.parts.stride(0), branch.parts.shape[0]
+    branch = _row_major(branch)
+    return branch, branch.stride(0), 0, 0
+
+
 class TritonOps(TorchOps):
     """Fused inference kernels; falls back to the reference for autograd.
 
@@ -177,11 +187,16 @@ class TritonOps(TorchOps):
     ``skinny_max_rows``: per projection (:class:`SkinnyRows`; an int: all three) the largest batch that takes
     the skinny kernel (default :data:`SKINNY_MAX_ROWS`). Two instances with different values compare the
     routes in one process.
+
+    ``split_sums_in_norm``: where the skinny kernel splits K for ``o_proj`` and ``down_proj`` (2-16 and 2-64
+    rows), the add + RMSNorm kernel that reads the projection as its branch sums the partials as it loads them,
+    instead of a reduction kernel of their own (two launches a layer fewer; the same bits). Off by default:
+    untimed on a GPU (``tools/profile_step.py --split-sums-in-norm``).
     """
 
     name = "triton"
 
-    def __init__(self, skinny_max_rows: int | SkinnyRows | None = None) -> None:
+    def __init__(self, skinny_max_rows: int | SkinnyRows | None = None, split_sums_in_norm: bool = False) -> None:
         if triton is None:
             raise RuntimeError("TritonOps needs the triton package")
         rows = SKINNY_MAX_ROWS if skinny_max_rows is None else skinny_max_rows
@@ -191,6 +206,7 @@ class TritonOps(TorchOps):
             if not 0 <= value <= _SKINNY_ROWS_LIMIT:
                 raise ValueError(f"skinny_max_rows ({name}) must be in 0..{_SKINNY_ROWS_LIMIT}, got {value}")
         self.skinny_rows = SkinnyRows(*rows)
+        self.split_sums_in_norm = split_sums_in_norm
         self._packed: dict[int, tuple[Tensor, list[int]]] = {}
         self._rope: tuple[tuple, Tensor] | None = None  # ((head_dim, theta, dtype, device), [P, 2, D] cos/sin)
 
@@ -277,43 +293,45 @@ class TritonOps(TorchOps):
         x = _row_major(x)
         y = torch.empty_like(x)
         n, h = x.shape
-        _add_rms_norm_kernel[(n,)](x, x, weight, weight, x, y, h, eps, x.stride(0), x.stride(0), x.stride(0),
-                                   y.stride(0), BLOCK=triton.next_power_of_2(h), HAS_BRANCH=False,
+        _add_rms_norm_kernel[(n,)](x, x, weight, weight, x, y, h, eps, x.stride(0), x.stride(0), 0, x.stride(0),
+                                   y.stride(0), BLOCK=triton.next_power_of_2(h), HAS_BRANCH=False, SPLITS=0,
                                    **pdl_options(x.device), num_warps=_norm_warps(n))
         return y
 
-    def add_rms_norm(self, x: Tensor, branch: Tensor, branch_weight: Tensor, next_weight: Tensor,
-                     eps: float) -> tuple[Tensor, Tensor]:
+    def add_rms_norm(self, x: Tensor, branch: Tensor | SplitKPartials,  # type: ignore[override]
+                     branch_weight: Tensor, next_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         if x.requires_grad or branch.requires_grad:
             return super().add_rms_norm(x, branch, branch_weight, next_weight, eps)
-        x, branch = _row_major(x), _row_major(branch)
+        x = _row_major(x)
+        b, stride_b, stride_bs, splits = _branch_operand(branch)
         x_out, y = torch.empty_like(x), torch.empty_like(x)
         n, h = x.shape
-        _add_rms_norm_kernel[(n,)](x, branch, branch_weight, next_weight, x_out, y, h, eps, x.stride(0),
-                                   branch.stride(0), x_out.stride(0), y.stride(0),
-                                   BLOCK=triton.next_power_of_2(h), HAS_BRANCH=True, **pdl_options(x.device),
-                                   num_warps=_norm_warps(n))
+        _add_rms_norm_kernel[(n,)](x, b, branch_weight, next_weight, x_out, y, h, eps, x.stride(0),
+                                   stride_b, stride_bs, x_out.stride(0), y.stride(0),
+                                   BLOCK=triton.next_power_of_2(h), HAS_BRANCH=True, SPLITS=splits,
+                                   **pdl_options(x.device), num_warps=_norm_warps(n))
         return x_out, y
 
-    def norm_exit_gate(self, gate: torch.nn.Linear, x: Tensor, branch: Tensor | None,  # type: ignore[override]
-                       branch_weight: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    def norm_exit_gate(self, gate: torch.nn.Linear, x: Tensor,  # type: ignore[override]
+                       branch: Tensor | SplitKPartials | None, branch_weight: Tensor | None, weight: Tensor,
+                       eps: float) -> tuple[Tensor, Tensor]:
         # One launch for the loop's last add + norm and the gate: a link less in a decode step's chain (the
         # gate alone, a kernel of its own, had replaced casts, a cuBLAS fp32 GEMV and its split-K reduce).
         if (x.requires_grad or (branch is not None and branch.requires_grad)
                 or (gate.weight.requires_grad and torch.is_grad_enabled())):
             return super().norm_exit_gate(gate, x, branch, branch_weight, weight, eps)
         x = _row_major(x)
-        branch = x if branch is None else _row_major(branch)
+        b, stride_b, stride_bs, splits = _branch_operand(x if branch is None else branch)
         n, h = x.shape
         y = torch.empty_like(x)
         logits = torch.empty(n, dtype=torch.float32, device=x.device)
         if n == 0:
             return y, logits
         _norm_exit_gate_kernel[(n,)](
-            x, branch, weight if branch_weight is None else branch_weight, weight, gate.weight,
-            gate.weight if gate.bias is None else gate.bias, y, logits, h, eps, x.stride(0), branch.stride(0),
-            y.stride(0), BLOCK=triton.next_power_of_2(h), HAS_BRANCH=branch is not x, HAS_BIAS=gate.bias is not None,
-            **pdl_options(x.device), num_warps=_norm_warps(n))
+            x, b, weight if branch_weight is None else branch_weight, weight, gate.weight,
+            gate.weight if gate.bias is None else gate.bias, y, logits, h, eps, x.stride(0), stride_b, stride_bs,
+            y.stride(0), BLOCK=triton.next_power_of_2(h), HAS_BRANCH=branch is not None, SPLITS=splits,
+            HAS_BIAS=gate.bias is not None, **pdl_options(x.device), num_warps=_norm_warps(n))
         return y, logits
 
     def rotary(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
@@ -330,8 +348,11 @@ class TritonOps(TorchOps):
             HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), BLOCK_H=block_h)
         return q_out, k_out
 
-    def linear(self, module: torch.nn.Linear, x: Tensor) -> Tensor:  # type: ignore[override]
-        return _linear(x, module.weight, self.skinny_rows.o) if module.bias is None else module(x)
+    def linear(self, module: torch.nn.Linear, x: Tensor) -> Tensor | SplitKPartials:  # type: ignore[override]
+        # (o_proj: its result is the layer's branch, read only by add_rms_norm)
+        if module.bias is not None:
+            return module(x)
+        return _linear(x, module.weight, self.skinny_rows.o, sum_splits=not self.split_sums_in_norm)
 
     def logits(self, lm_head: torch.nn.Linear, h: Tensor, needed: Tensor | None = None) -> Tensor:  # type: ignore[override]
         # One decode row: the 200 MB vocabulary projection is read only when the row's token exits.
@@ -339,7 +360,8 @@ class TritonOps(TorchOps):
             return gemv(h, lm_head.weight, needed=needed, out_dtype=torch.float32)
         return TorchOps.logits(lm_head, h)
 
-    def swiglu_down(self, mlp: torch.nn.Module, gate: Tensor, up: Tensor) -> Tensor:
+    def swiglu_down(self, mlp: torch.nn.Module, gate: Tensor,  # type: ignore[override]
+                    up: Tensor) -> Tensor | SplitKPartials:
         down = mlp.down_proj
         if down.bias is None and use_gemv(gate, down.weight):  # one row: the activation rides the load
             return gemv(gate, down.weight, up=up)
@@ -347,7 +369,7 @@ class TritonOps(TorchOps):
         # streams down_proj's wide-K weight faster than cuBLAS.
         act = self.silu_mul(gate, up)
         if down.bias is None and use_skinny(act, down.weight):
-            return skinny_linear(act, down.weight)
+            return skinny_linear(act, down.weight, sum_splits=not self.split_sums_in_norm)
         return down(act)
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]

@@ -127,15 +127,23 @@ if triton is not None:
 
     @triton.jit
     def normed_row(x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, K, eps, BLOCK_K: tl.constexpr,
-                    HAS_BRANCH: tl.constexpr, WRITE_X, dtype: tl.constexpr):
+                   HAS_BRANCH: tl.constexpr, WRITE_X, dtype: tl.constexpr, stride_bs, SPLITS: tl.constexpr):
         """``rms_norm(x') * wn`` in fp32, with ``x' = x + rms_norm(b) * wb`` (HAS_BRANCH; stored to ``x_out``
         where WRITE_X) or ``x`` itself, rounded as :meth:`TorchOps.add_rms_norm`. The add + RMSNorm kernel
-        (``kernels/fused.py``) computes its rows with it too, so the two paths round alike by construction."""
+        (``kernels/fused.py``) computes its rows with it too, so the two paths round alike by construction.
+        SPLITS > 0: ``b`` is that many split-K partial rows ``stride_bs`` apart (``skinny_gemm.SplitKPartials``),
+        summed in split order and rounded to ``dtype`` as the split-K reduction kernel stores them."""
         cols = tl.arange(0, BLOCK_K)
         m = cols < K
         x = tl.load(x_ptr + cols, mask=m, other=0.0)
         if HAS_BRANCH:
-            b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            if SPLITS == 0:
+                b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            else:
+                b = tl.zeros((BLOCK_K,), dtype=tl.float32)
+                for s in tl.static_range(SPLITS):
+                    b += tl.load(b_ptr + s * stride_bs + cols, mask=m, other=0.0)
+                b = b.to(dtype).to(tl.float32)
             rb = tl.rsqrt(tl.sum(b * b, axis=0) / K + eps)
             wb = tl.load(wb_ptr + cols, mask=m, other=0.0).to(tl.float32)
             bn = ((b * rb).to(dtype).to(tl.float32) * wb).to(dtype)
@@ -174,7 +182,8 @@ if triton is not None:
         # No earlier kernel writes the weights: the first block streams in while they finish.
         w = _row_block(w_ptr, pid, blocks, N, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
         grid_dependency_wait(PDL)
-        xv = normed_row(x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, K, eps, BLOCK_K, HAS_BRANCH, pid == 0, dtype)
+        xv = normed_row(x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, K, eps, BLOCK_K, HAS_BRANCH, pid == 0, dtype, 0,
+                        tl.constexpr(0))
         block = pid
         for _ in range(pid, blocks, step):
             ahead = _row_block(w_ptr, block + step, blocks, N, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)

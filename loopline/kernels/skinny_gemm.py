@@ -119,6 +119,24 @@ if triton is not None:
         tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+class SplitKPartials(NamedTuple):
+    """A product whose split-K partial sums are not yet added (:func:`skinny_linear` with ``sum_splits=False``):
+    ``parts`` ``[S, M, N]`` fp32. Their sum in split order, rounded to ``dtype``, is the product, as the reduction
+    kernel stores it; the add + RMSNorm kernels that read a layer's branch (``kernels/fused.py``) sum it so as they
+    load it, a launch less."""
+
+    parts: Tensor
+    dtype: torch.dtype
+
+    @property
+    def requires_grad(self) -> bool:
+        return False  # inference only (use_skinny)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.parts.shape[1:]
+
+
 class SkinnyConfig(NamedTuple):
     block_n: int
     block_k: int
@@ -157,10 +175,12 @@ def use_skinny(x: Tensor, weight: Tensor) -> bool:
     return triton is not None and kernel_operands(x, weight, _DTYPES) and 1 <= x.shape[0] <= MAX_ROWS
 
 
-def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None) -> Tensor:
+def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None, *,
+                  sum_splits: bool = True) -> Tensor | SplitKPartials:
     """``F.linear(x, weight)`` for ``x`` ``[M <= MAX_ROWS, K]`` (rows may be strided) and ``weight`` ``[N, K]``.
 
-    Both need unit stride along K; :func:`use_skinny` says whether the engine should call it.
+    Both need unit stride along K; :func:`use_skinny` says whether the engine should call it. With
+    ``sum_splits=False`` a launch that splits K returns its partials unsummed (:class:`SplitKPartials`).
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -169,12 +189,12 @@ def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None)
                          f"{tuple(x.shape)} / {tuple(weight.shape)}")
     cfg = config or skinny_config(n, k, _sm_count(x.device), x.element_size())
     pdl = pdl_options(x.device)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     # Each split covers a whole number of K blocks; a tail split may run past K and read masked zeros.
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     even_k = k_per_split * cfg.split_k == k
     if cfg.split_k == 1:
-        out, stride_os, stride_om = y, 0, y.stride(0)
+        out = y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        stride_os, stride_om = 0, y.stride(0)
     else:
         out = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         stride_os, stride_om = out.stride(0), out.stride(1)
@@ -184,6 +204,9 @@ def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None)
         EVEN_K=even_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
+        if not sum_splits:
+            return SplitKPartials(out, x.dtype)
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         block = 1024
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](out, y, n, out.stride(0), out.stride(1), y.stride(0),
                                                            SPLIT_K=cfg.split_k, BLOCK=block, **pdl)
@@ -196,4 +219,4 @@ def _sm_count(device: torch.device) -> int:
     return cuda_sm_count(device)
 
 
-__all__ = ["MAX_ROWS", "SkinnyConfig", "skinny_config", "skinny_linear", "use_skinny"]
+__all__ = ["MAX_ROWS", "SkinnyConfig", "SplitKPartials", "skinny_config", "skinny_linear", "use_skinny"]

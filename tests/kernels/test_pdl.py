@@ -47,9 +47,16 @@ CASES = {
     "skinny_no_pdl": ("loopline.kernels.skinny_gemm", "_skinny_kernel", {}, _SKINNY, False),
     "split_k_reduce": ("loopline.kernels.skinny_gemm", "_split_k_reduce_kernel", {"ws_ptr": "*fp32"},
                        {"SPLIT_K": 2, "BLOCK": 1024}, True),
-    "add_rms_norm": ("loopline.kernels.fused", "_add_rms_norm_kernel", {}, {"BLOCK": 256, "HAS_BRANCH": True}, True),
+    "add_rms_norm": ("loopline.kernels.fused", "_add_rms_norm_kernel", {},
+                     {"BLOCK": 256, "HAS_BRANCH": True, "SPLITS": 0}, True),
+    # the branch as split-K partials (TritonOps(split_sums_in_norm=True))
+    "add_rms_norm_splits": ("loopline.kernels.fused", "_add_rms_norm_kernel", {"b_ptr": "*fp32"},
+                            {"BLOCK": 256, "HAS_BRANCH": True, "SPLITS": 4}, True),
     "norm_exit_gate": ("loopline.kernels.fused", "_norm_exit_gate_kernel", {"gate_ptr": "*fp32"},
-                       {"BLOCK": 256, "HAS_BRANCH": True, "HAS_BIAS": True}, True),
+                       {"BLOCK": 256, "HAS_BRANCH": True, "SPLITS": 0, "HAS_BIAS": True}, True),
+    "norm_exit_gate_splits": ("loopline.kernels.fused", "_norm_exit_gate_kernel",
+                              {"gate_ptr": "*fp32", "b_ptr": "*fp32"},
+                              {"BLOCK": 256, "HAS_BRANCH": True, "SPLITS": 4, "HAS_BIAS": True}, True),
     "rope_write_kv": ("loopline.attention.triton_kernels", "rope_write_kv_kernel", {"slot_mapping_ptr": "*i64"},
                       {"BLOCK_SIZE": 16, "HALF": 32, "HALF_PAD": 32, "BLOCK_H": 4, "ROTATE": True}, True),
     "write_kv": ("loopline.attention.triton_kernels", "rope_write_kv_kernel", {"slot_mapping_ptr": "*i64"},
@@ -185,7 +192,8 @@ def test_decode_attention_prefetches_only_history_before_the_wait(ptx):
     _check_waits_first(ptx["decode_attention"], prefetch=("evict_last",))
 
 
-@pytest.mark.parametrize("case", ["add_rms_norm", "norm_exit_gate", "rope_write_kv", "write_kv", "merge_splits",
+@pytest.mark.parametrize("case", ["add_rms_norm", "add_rms_norm_splits", "norm_exit_gate", "norm_exit_gate_splits",
+                                  "rope_write_kv", "write_kv", "merge_splits",
                                   "paged_attention", "exit_and_store", "pipe_finish", "copy_exited", "chunk_argmax",
                                   "pick_chunk", "advance", "lookahead_decide"])
 def test_kernels_wait_before_everything(ptx, case):

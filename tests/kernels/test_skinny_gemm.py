@@ -85,8 +85,8 @@ def test_triton_ops_give_decode_batches_projections_to_the_skinny_kernel(monkeyp
     ref, fast, off, mixed = TorchOps(), TritonOps(skinny_max_rows=16), TritonOps(0), TritonOps(mixed_rows)
     assert fast.skinny_max_rows == 16 and off.skinny_max_rows == 0 and mixed.skinny_rows == mixed_rows
     calls = []
-    monkeypatch.setattr(fused, "skinny_linear", lambda x, w: calls.append((x.shape[0], tuple(w.shape)))
-                        or skinny_linear(x, w))
+    monkeypatch.setattr(fused, "skinny_linear", lambda x, w, **kw: calls.append((x.shape[0], tuple(w.shape)))
+                        or skinny_linear(x, w, **kw))
     qkv, o, gate_up, down = (160, hidden), (hidden, 96), (2 * inter, hidden), (hidden, inter)
     wn = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE, dtype)
     with torch.inference_mode(), bf16_dot_in_the_interpreter():  # how the engine runs the model
@@ -124,3 +124,40 @@ def test_triton_ops_give_decode_batches_projections_to_the_skinny_kernel(monkeyp
     assert fused.SkinnyRows.parse("qkv=16,o=4") == fused.SkinnyRows(qkv=16, gate_up=0, o=4)
     with pytest.raises(ValueError, match="unknown projection"):
         fused.SkinnyRows.parse("down=4")
+
+
+@pytest.mark.parametrize("dtype", PRODUCT_DTYPES)
+def test_split_sums_in_the_norm_give_the_same_bits(dtype):
+    """``TritonOps(split_sums_in_norm=True)``: o_proj and down_proj return their split-K partials unsummed and
+    the add + RMSNorm (and the loop's last norm with the exit gate) sums them on load: the same bits as the
+    reduction kernel then the norm. o_proj and down_proj have K = 512 here (two splits)."""
+    g = torch.Generator().manual_seed(11)
+    hidden, inter = 96, 512
+    model, attn, mlp = one_layer(hidden, 512, 32, inter, dtype, g)
+    plain, folded = TritonOps(skinny_max_rows=16), TritonOps(skinny_max_rows=16, split_sums_in_norm=True)
+    gate_lin = torch.nn.Linear(hidden, 1).to(DEVICE, dtype)
+    wb, wn = ((1 + 0.1 * torch.randn(hidden, generator=g)).to(DEVICE, dtype) for _ in range(2))
+    with torch.inference_mode(), bf16_dot_in_the_interpreter():
+        for rows in (2, 5, 16, 17):
+            res = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
+            o_in = torch.randn(rows, 512, generator=g).to(DEVICE, dtype)
+            gate, up = (torch.randn(rows, inter, generator=g).to(DEVICE, dtype) for _ in range(2))
+            want_o, got_o = plain.linear(attn.o_proj, o_in), folded.linear(attn.o_proj, o_in)
+            want_d, got_d = plain.swiglu_down(mlp, gate, up), folded.swiglu_down(mlp, gate, up)
+            # 17 rows: o_proj takes cuBLAS (a tensor); down_proj the skinny kernel up to 64 rows
+            assert isinstance(got_o, skinny_gemm.SplitKPartials) == (rows <= 16)
+            assert isinstance(got_d, skinny_gemm.SplitKPartials) and got_d.shape == (rows, hidden)
+            for a, b in zip(plain.add_rms_norm(res, want_o, wb, wn, 1e-6),
+                            folded.add_rms_norm(res, got_o, wb, wn, 1e-6), strict=True):
+                assert torch.equal(a, b), rows
+            for a, b in zip(plain.norm_exit_gate(gate_lin, res, want_d, wb, wn, 1e-6),
+                            folded.norm_exit_gate(gate_lin, res, got_d, wb, wn, 1e-6), strict=True):
+                assert torch.equal(a, b), rows
+            reference = TorchOps().add_rms_norm(res, torch.nn.functional.linear(o_in, attn.o_proj.weight), wb, wn,
+                                                1e-6)
+            close(plain.add_rms_norm(res, want_o, wb, wn, 1e-6)[1], reference[1], dtype)
+        # the test can fail: a split left out is caught
+        parts = folded.linear(attn.o_proj, o_in[:16]).parts
+        short = skinny_gemm.SplitKPartials(parts[:1], dtype)
+        assert not torch.equal(folded.add_rms_norm(res[:16], short, wb, wn, 1e-6)[1],
+                               plain.add_rms_norm(res[:16], plain.linear(attn.o_proj, o_in[:16]), wb, wn, 1e-6)[1])
