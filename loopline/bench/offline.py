@@ -79,6 +79,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("sync", {"async_scheduling": False}, description="the host reads each step before launching the next"),
     Variant("async", {"async_scheduling": True}, description="step n+1 launches before step n is read"),
     Variant("eager", {"enforce_eager": True}, description="no CUDA graphs"),
+    Variant("no_spec", {"speculative_config": None},
+            description="speculation off (the run's --speculative-config dropped): --variants no_spec,loopline "
+                        "reports speculation's speedup"),
     Variant("triton", {"attention_backend": "triton"}, description="paged attention on loopline's Triton kernels"),
     Variant("flashinfer", {"attention_backend": "flashinfer"},
             description="paged attention on FlashInfer's (pip install 'loopline[flashinfer]')"),

@@ -82,6 +82,13 @@ def point_table(point: dict[str, Any]) -> list[str]:
                  _fmt(m["mean_step_time_ms"], 2), _prefill_cell(m), _fmt(m["achieved_gbps"], 2),
                  "-" if util is None else f"{100 * util:.0f}%", "-" if idle is None else f"{100 * idle:.1f}%"]
         lines.append("| " + " | ".join(cells) + " |")
+    for row in point["variants"]:  # loop self-speculation: vLLM's acceptance figures of the measured part
+        spec = row["median"].get("spec_decode")
+        if spec:
+            drafts, accepted = spec["vllm:spec_decode_num_draft_tokens"], spec["vllm:spec_decode_num_accepted_tokens"]
+            lines.append(f"{row['name']}: speculation {accepted:,} of {drafts:,} draft tokens accepted"
+                         + (f" ({accepted / drafts:.1%})" if drafts else "")
+                         + f", mean acceptance length {_fmt(spec['mean_acceptance_length'], 2)}")
     return lines
 
 

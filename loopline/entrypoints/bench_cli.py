@@ -54,8 +54,9 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--compare", action="store_true",
                    help="run variants interleaved and report ratios vs the first (default: refill,no_refill,fixed)")
     r.add_argument("--variants", default=None,
-                   help="comma list for --compare from: refill, no_refill, fixed, lookahead, shared, last_exited, "
-                        "no_prefix_cache, prefix_cache, sync, async, eager, hf")
+                   help="comma list for --compare from: loopline (the flags given), refill, no_refill, fixed, "
+                        "lookahead, shared, last_exited, no_prefix_cache, prefix_cache, sync, async, eager, triton, "
+                        "flashinfer, no_spec (speculation off: no_spec,loopline gives its speedup), hf")
     r.add_argument("--hf-baseline", action="store_true",
                    help="also run transformers generate() on the same weights (static batches of concurrency)")
     r.add_argument("--repeats", type=int, default=None, help="interleaved rounds, medians reported (default: 3 with --compare, else 1)")

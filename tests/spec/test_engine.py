@@ -311,6 +311,31 @@ def test_bench_reports_acceptance_with_vllm_names():
     assert spec_decode["mean_acceptance_length"] == pytest.approx(1 + accepted / rounds)
 
 
+def test_bench_no_spec_variant_gives_the_speedup_and_the_table_the_acceptance():
+    """``--variants no_spec,loopline``: the same flags without speculation first, so "vs first" is the speedup;
+    the text report prints each speculating run's acceptance under its table."""
+    from loopline.bench.report import point_table
+    from loopline.entrypoints.bench_cli import run_offline
+    from loopline.entrypoints.cli import build_parser
+
+    ns = build_parser().parse_args(["bench", "--config", "tiny", "--device", "cpu", "--dtype", "float32",
+                                    "--no-progress", "--input-len", "6", "--output-len", "8", "--concurrency", "1",
+                                    "--repeats", "1", "--variants", "no_spec,loopline", "--speculative-config",
+                                    '{"method": "loop", "adaptive": false}'])
+    (point,) = run_offline(ns)["results"]
+    off, on = (v["median"] for v in point["variants"])
+    assert off["engine"]["speculative_config"] is None and off["spec_decode"] is None
+    assert on["engine"]["speculative_config"] == {"method": "loop", "adaptive": False}
+    assert on["spec_decode"]["vllm:spec_decode_num_draft_tokens"] > 0
+    ratio = point["variants"][1]["ratio_output_throughput"]
+    assert ratio == pytest.approx(on["output_throughput"] / off["output_throughput"])
+    lines = point_table(point)
+    accepted = on["spec_decode"]["vllm:spec_decode_num_accepted_tokens"]
+    drafts = on["spec_decode"]["vllm:spec_decode_num_draft_tokens"]
+    assert lines[-1].startswith(f"loopline: speculation {accepted:,} of {drafts:,} draft tokens accepted")
+    assert not any(line.startswith("no_spec: speculation") for line in lines)
+
+
 def test_stat_logger_line_reports_acceptance(demo_prompts):
     from loopline.engine.stat_logger import StatLogger
 
