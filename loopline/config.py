@@ -122,10 +122,12 @@ class EngineArgs:
     # --- loop self-speculation (docs/speculation.md) ---
     speculative_config: dict[str, Any] | None = _opt(
         None, "loop self-speculation (vLLM's option), a JSON object: {\"method\": \"loop\", "
-              "\"num_speculative_tokens\": K (1..16), \"draft_loops\": d (1..loops-1)}; drafts from loops 1..d, "
-              "verified at the deeper loops; greedy and sampled requests without penalties or logits fields; "
-              "\"adaptive\" (default true) and \"disable_by_batch_size\" (default 32) turn it off where it "
-              "does not pay",
+              "\"draft_loops\": d (1..loops-1), \"scheme\": \"pipeline\" (default: the next token enters at loop 1 "
+              "once its predecessor has run d loops) or \"draft_verify\" (\"num_speculative_tokens\": K (1..16) "
+              "drafts from loops 1..d, verified at the deeper loops) or \"auto\"}; outputs equal plain decoding's "
+              "(kv_layout last_exited); "
+              "not for structured outputs or lookahead exits; \"adaptive\" (default true) and "
+              "\"disable_by_batch_size\" (default 32) turn it off where it does not pay",
         type=json_object)
     # --- exit traces (docs/lookahead.md, 'Engine traces') ---
     exit_trace: dict[str, Any] | None = _opt(
