@@ -273,6 +273,11 @@ class LLMEngine(EngineVerbs):
         spec = args.speculative()
         if spec is not None:
             spec.check_model(model_cfg.total_ut_steps)
+            if spec.scheme == "pipeline" and "num_speculative_tokens" in args.speculative_config:
+                # vLLM's habit names K; the default scheme has no rounds to spend it on
+                logger.info("speculative_config: scheme 'pipeline' (the default) keeps up to %d tokens in flight and "
+                            "does not use num_speculative_tokens=%d; \"scheme\": \"draft_verify\" drafts that "
+                            "many a round", spec.lanes(model_cfg.total_ut_steps), spec.num_speculative_tokens)
         # (a family without speculation, Huginn, has no total_ut_steps: spec is None for it)
         speculation = make_speculation(spec, model_cfg.total_ut_steps if spec is not None else 0, self.exit_policy.per_token)
         block_bytes = kv_bytes_per_block(model_cfg, args.block_size, cfg.kv_dtype)

@@ -106,3 +106,17 @@ def test_shared_layout_gets_draft_verify_when_no_scheme_is_named():
     spec = args.speculative()
     assert spec.scheme == "draft_verify" and spec.num_speculative_tokens == 3
     assert EngineArgs(speculative_config={"method": "loop"}).speculative().scheme == SpeculativeConfig().scheme
+
+
+def test_an_unused_num_speculative_tokens_is_logged(caplog):
+    """vLLM's habit names ``num_speculative_tokens``; under the default (pipeline) scheme the engine says it is
+    unused and how to get K-draft rounds, once, at start."""
+    with caplog.at_level("INFO", logger="loopline"):
+        engine(speculative={"method": "loop", "num_speculative_tokens": 3})
+    said = [r.getMessage() for r in caplog.records if "num_speculative_tokens" in r.getMessage()]
+    assert len(said) == 1 and "does not use num_speculative_tokens=3" in said[0] and "draft_verify" in said[0]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="loopline"):
+        engine(speculative={"method": "loop"})
+        engine(speculative={"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": 3})
+    assert not any("num_speculative_tokens" in r.getMessage() for r in caplog.records)
