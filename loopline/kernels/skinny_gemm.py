@@ -121,12 +121,11 @@ if triton is not None:
 
 class SplitKPartials(NamedTuple):
     """A product whose split-K partial sums are not yet added (:func:`skinny_linear` with ``sum_splits=False``):
-    ``parts`` ``[S, M, N]`` fp32. Their sum in split order, rounded to ``dtype``, is the product, as the reduction
-    kernel stores it; the add + RMSNorm kernels that read a layer's branch (``kernels/fused.py``) sum it so as they
-    load it, a launch less."""
+    ``parts`` ``[S, M, N]`` fp32. Their sum in split order, rounded to the operands' dtype, is the product, as the
+    reduction kernel stores it; the add + RMSNorm kernels that read a layer's branch (``kernels/fused.py``) sum it
+    so as they load it (rounded to their rows' dtype, the same in the engine), a launch less."""
 
     parts: Tensor
-    dtype: torch.dtype
 
     @property
     def requires_grad(self) -> bool:
@@ -205,7 +204,7 @@ def skinny_linear(x: Tensor, weight: Tensor, config: SkinnyConfig | None = None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         if not sum_splits:
-            return SplitKPartials(out, x.dtype)
+            return SplitKPartials(out)
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         block = 1024
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](out, y, n, out.stride(0), out.stride(1), y.stride(0),

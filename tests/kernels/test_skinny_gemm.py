@@ -158,6 +158,6 @@ def test_split_sums_in_the_norm_give_the_same_bits(dtype):
             close(plain.add_rms_norm(res, want_o, wb, wn, 1e-6)[1], reference[1], dtype)
         # the test can fail: a split left out is caught
         parts = folded.linear(attn.o_proj, o_in[:16]).parts
-        short = skinny_gemm.SplitKPartials(parts[:1], dtype)
+        short = skinny_gemm.SplitKPartials(parts[:1])
         assert not torch.equal(folded.add_rms_norm(res[:16], short, wb, wn, 1e-6)[1],
                                plain.add_rms_norm(res[:16], plain.linear(attn.o_proj, o_in[:16]), wb, wn, 1e-6)[1])
