@@ -296,8 +296,8 @@ if has splits_rows; then  # issue #40: split-KV counts of the fused decode atten
   done; done | tee "$out/splits_rows.txt"
 fi
 if has split_sums; then  # issue #40: o_proj's and down_proj's split-K partials summed by the norm that reads them
-  # (TritonOps(split_sums_in_norm=True)) against their reduction kernel, at 2-16 rows and the pipeline's C = 1 step
-  for r in ${LOOPLINE_ROWS:-2 4 8 16}; do for v in "" "--split-sums-in-norm" ""; do
+  # (TritonOps(split_sums_in_norm=True), the default) against their reduction kernel, at 2-16 rows
+  for r in ${LOOPLINE_ROWS:-2 4 8 16}; do for v in "--no-split-sums-in-norm" "--split-sums-in-norm" "--no-split-sums-in-norm"; do
     # shellcheck disable=SC2086
     timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 $v 2>&1 \
       | grep -E "mean step" | sed "s/^/rows $r ${v:-reduce-kernel}: /"

@@ -157,7 +157,8 @@ class AblatedOps(TritonOps):
     GEMVs (``norms``), or without the layers' one-row GEMVs (``gemv``; the vocabulary projection still runs)."""
 
     def __init__(self, kinds: frozenset[str], skinny_max_rows: SkinnyRows | None = None) -> None:
-        super().__init__(skinny_max_rows)
+        # (ablated norms hand the projection on as it is: its split-K partials summed by their own kernel)
+        super().__init__(skinny_max_rows, split_sums_in_norm=False)
         self.kinds = kinds
 
     def gemv_ablated(self, x, weight) -> bool:
@@ -234,8 +235,9 @@ def make_backends(a: argparse.Namespace) -> Backends:
     base = select_backends("auto", "auto", torch.device("cuda"))  # the engine's own choice on CUDA
     if kinds & {"norms", "gemv"}:
         layer_ops = AblatedOps(kinds, a.skinny_max_rows)
-    elif a.skinny_max_rows is not None or a.split_sums_in_norm:
-        layer_ops = TritonOps(skinny_max_rows=a.skinny_max_rows, split_sums_in_norm=a.split_sums_in_norm)
+    elif a.skinny_max_rows is not None or a.split_sums_in_norm is not None:
+        sums = {} if a.split_sums_in_norm is None else {"split_sums_in_norm": a.split_sums_in_norm}
+        layer_ops = TritonOps(skinny_max_rows=a.skinny_max_rows, **sums)
     else:
         layer_ops = base.layer_ops
     return dataclasses.replace(base, attention=attention, layer_ops=layer_ops)
@@ -268,10 +270,11 @@ def main() -> None:
                          "(loopline.kernels.skinny_gemm, PDL) instead of cuBLAS; 0: cuBLAS above one row (down_proj "
                          "keeps the skinny kernel up to 64 rows either way); per projection: qkv=16,o=16 (the "
                          "others 0). Default: fused.SKINNY_MAX_ROWS")
-    ap.add_argument("--split-sums-in-norm", action="store_true",
+    ap.add_argument("--split-sums-in-norm", action=argparse.BooleanOptionalAction, default=None,
                     help="o_proj's and down_proj's split-K partials (skinny kernel, 2-16 / 2-64 rows) are summed by "
-                         "the add + RMSNorm that reads them instead of a reduction kernel (TritonOps"
-                         "(split_sums_in_norm=True); not with --ablate norms/gemv)")
+                         "the add + RMSNorm that reads them (TritonOps(split_sums_in_norm=True), the default) or, "
+                         "with --no-split-sums-in-norm, by a reduction kernel of their own; --ablate norms/gemv "
+                         "always takes the reduction kernel")
     ap.add_argument("--attn-splits", default=None,
                     help="MAX,MIN_KEYS: split-KV rule of decode attention (at most MAX splits of at least "
                          "MIN_KEYS keys; default: the backend's own)")

@@ -82,7 +82,10 @@ def test_triton_ops_give_decode_batches_projections_to_the_skinny_kernel(monkeyp
     hidden, inter = 96, 512
     model, attn, mlp = one_layer(hidden, 96, 32, inter, dtype, g)
     mixed_rows = fused.SkinnyRows(qkv=16, gate_up=0, o=3)
-    ref, fast, off, mixed = TorchOps(), TritonOps(skinny_max_rows=16), TritonOps(0), TritonOps(mixed_rows)
+    # (products summed by their reduction kernel, so they compare as tensors: the default hands a split-K
+    # product to the norm that reads it, test_split_sums_in_the_norm_give_the_same_bits)
+    ref, fast, off, mixed = (TorchOps(), TritonOps(skinny_max_rows=16, split_sums_in_norm=False),
+                             TritonOps(0, split_sums_in_norm=False), TritonOps(mixed_rows, split_sums_in_norm=False))
     assert fast.skinny_max_rows == 16 and off.skinny_max_rows == 0 and mixed.skinny_rows == mixed_rows
     calls = []
     monkeypatch.setattr(fused, "skinny_linear", lambda x, w, **kw: calls.append((x.shape[0], tuple(w.shape)))
@@ -128,13 +131,13 @@ def test_triton_ops_give_decode_batches_projections_to_the_skinny_kernel(monkeyp
 
 @pytest.mark.parametrize("dtype", PRODUCT_DTYPES)
 def test_split_sums_in_the_norm_give_the_same_bits(dtype):
-    """``TritonOps(split_sums_in_norm=True)``: o_proj and down_proj return their split-K partials unsummed and
+    """``TritonOps()`` (``split_sums_in_norm=True``, the default): o_proj and down_proj return their split-K partials unsummed and
     the add + RMSNorm (and the loop's last norm with the exit gate) sums them on load: the same bits as the
     reduction kernel then the norm. o_proj and down_proj have K = 512 here (two splits)."""
     g = torch.Generator().manual_seed(11)
     hidden, inter = 96, 512
     model, attn, mlp = one_layer(hidden, 512, 32, inter, dtype, g)
-    plain, folded = TritonOps(skinny_max_rows=16), TritonOps(skinny_max_rows=16, split_sums_in_norm=True)
+    plain, folded = TritonOps(skinny_max_rows=16, split_sums_in_norm=False), TritonOps(skinny_max_rows=16)
     gate_lin = torch.nn.Linear(hidden, 1).to(DEVICE, dtype)
     wb, wn = ((1 + 0.1 * torch.randn(hidden, generator=g)).to(DEVICE, dtype) for _ in range(2))
     with torch.inference_mode(), bf16_dot_in_the_interpreter():
