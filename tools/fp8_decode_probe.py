@@ -18,12 +18,18 @@ Ouro-1.4B's decode shapes (16 heads of 128, 16-token pages, shuffled, one query 
   fp16 by moving its bits (``fp16 bits = sign << 8 | magnitude << 7``, the E4M3 value times 2**-8, exact,
   folded into the scales) instead of the conversion instruction.
 
+Measured on an H100 (docs/benchmarks/h200-2026-12-06.md): FP8's engine launch reads at 85% of its pages'
+ceiling, which is itself lower than bf16's (2.7 vs 3.0 TB/s); packing heads and moving bits were slower
+(the packed kernel was in the engine at commit 8790251, behind ``DecodeLaunch.heads``). ``head-major``
+cases time the engine's kernels over the same pages laid out ``[block, head, slot, D]`` (strided views).
+
 Each line prints microseconds per launch and the KV bytes' rate. ``--check`` first compares every variant
 with a dense fp32 reference over the dequantized cache (ragged lengths).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -156,6 +162,11 @@ def make_case(seq_lens: list[int], device: str):
     return q, (kc, vc, None), (kc8, vc8, (ks, vs)), meta
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of ``cache`` stored ``[block, head, slot, D]``, viewed as ``[block, slot, head, D]``."""
+    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+
 def reference(q, k_cache, v_cache, scales, meta, scale: float) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for r in range(q.shape[0]):
@@ -174,7 +185,7 @@ VARIANTS = [(hg, bn, w, st, fast) for hg, bn, w, st, fast in (
     (2, 128, 4, 2, True), (2, 64, 8, 2, True), (2, 64, 4, 3, True), (4, 32, 4, 2, True), (4, 64, 8, 2, True),
     (2, 32, 4, 3, True))]
 ENGINE_LAUNCHES = [None, DecodeLaunch(64, 4, 2), DecodeLaunch(128, 8, 2), DecodeLaunch(128, 4, 3),
-                   DecodeLaunch(256, 8, 2), DecodeLaunch(heads=2), DecodeLaunch(heads=4)]
+                   DecodeLaunch(256, 8, 2)]
 GATHER = [(1, 4, 8), (1, 8, 8), (2, 2, 8), (2, 4, 8), (4, 1, 8), (4, 2, 8)]
 
 
@@ -191,9 +202,12 @@ def check(device: str) -> None:
             err = (out.float() - ref).abs().max().item()
             print(f"check {name} packed hg={hg} n={bn} fast={fast}: max abs err {err:.2e}", flush=True)
             assert err < 2e-2, (name, hg, bn, fast, err)
-        eng = TritonAttentionBackend().attend(q, kc, vc, meta, scale, **(dict(zip(("k_scale", "v_scale"), sc))
-                                                                          if sc else {}))
-        print(f"check {name} engine: max abs err {(eng.float() - ref).abs().max().item():.2e}", flush=True)
+        kw = dict(zip(("k_scale", "v_scale"), sc)) if sc else {}
+        for layout, (kx, vx) in (("", (kc, vc)), (" head-major", (head_major(kc), head_major(vc)))):
+            eng = TritonAttentionBackend().attend(q, kx, vx, meta, scale, **kw)
+            err = (eng.float() - ref).abs().max().item()
+            print(f"check {name} engine{layout}: max abs err {err:.2e}", flush=True)
+            assert err < 2e-2, (name, layout, err)
 
 
 def main() -> None:
@@ -205,6 +219,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1088)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--only", default="", help="time only the cases whose label contains one of these (comma list)")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.check:
@@ -225,7 +240,7 @@ def main() -> None:
             kw = dict(zip(("k_scale", "v_scale"), sc)) if sc else {}
             for launch in ENGINE_LAUNCHES:
                 be = TritonAttentionBackend(decode_launch=launch)
-                cases.append((f"{name} engine {tuple(launch) if launch else 'default'}", elem,
+                cases.append((f"{name} engine {dataclasses.astuple(launch) if launch else 'default'}", elem,
                               lambda be=be, kc=kc, vc=vc, kw=kw: be.attend(q, kc, vc, meta, scale, **kw)))
             for hg, bn, w, st, fast in VARIANTS:
                 if fast and name == "bf16":
@@ -237,8 +252,20 @@ def main() -> None:
             for hg, pages, w in GATHER:
                 cases.append((f"{name} gather hg={hg} pages={pages} w={w}", elem,
                               lambda kb=kb, vb=vb, p=(hg, pages, w): gather_read(kb, vb, meta, *p)))
+            # The same pages laid out head-major ([block, head, slot, D]: a head's page is 16 adjacent keys),
+            # as strided views the kernels take unchanged
+            khm, vhm = (head_major(x) for x in (kc, vc))
+            cases.append((f"{name} engine head-major", elem,
+                          lambda be=TritonAttentionBackend(), kc=khm, vc=vhm, kw=kw: be.attend(q, kc, vc, meta, scale,
+                                                                                              **kw)))
+            kb, vb = (khm.view(torch.uint8), vhm.view(torch.uint8)) if sc else (khm, vhm)
+            for hg, pages, w in GATHER[:2]:
+                cases.append((f"{name} gather head-major hg={hg} pages={pages} w={w}", elem,
+                              lambda kb=kb, vb=vb, p=(hg, pages, w): gather_read(kb, vb, meta, *p)))
         print(f"rows {rows}, {a.context} keys: K+V {gb * 2:.3f} GB bf16 / {gb:.3f} GB fp8 per launch", flush=True)
         for label, elem, fn in cases:
+            if a.only and not any(o in label for o in a.only.split(",")):
+                continue
             try:
                 ms = timed(fn, a.reps)
             except Exception as e:  # a launch that does not compile (shared memory) is reported, not fatal

@@ -10,7 +10,6 @@ decode-only steps take the fused decode kernel. FP8 caches take the same launche
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,6 @@ from loopline.attention.triton_kernels import (
     copy_exited_kernel,
     decode_attention_kernel,
     merge_splits_kernel,
-    packed_decode_kernel,
     paged_attention_kernel,
     rope_write_kv_kernel,
     triton,
@@ -148,10 +146,6 @@ class DecodeLaunch:
     block_n: int | None = None  # keys per inner step
     num_warps: int | None = None
     num_stages: int | None = None
-    # KV heads per program of decode rows the launch does not split, for models without GQA (one query head per
-    # KV head): > 1 takes ``packed_decode_kernel``, which reads that many heads' adjacent bytes as one tile.
-    # None: ``LOOPLINE_DECODE_HEADS`` (a measurement knob, as ``LOOPLINE_PDL`` is; default 1).
-    heads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -403,14 +397,7 @@ class TritonAttentionBackend(AttentionBackend):
         num_stages = tune.num_stages or num_stages
         precision = _dot_precision(_dot_dtype(q, k_cache))
 
-        packed = self._packed_heads(group, kvh, d, q)
-        if decode_only and num_splits == 1 and packed > 1:
-            self._launch_packed(q, k_cache, v_cache, scales, out, meta, num_rows, packed, scale, precision)
-            return out
-        if work is not None and meta.num_decode_rows and packed > 1:
-            self._launch_packed(q, k_cache, v_cache, scales, out, meta, meta.num_decode_rows, packed, scale,
-                                precision)
-        elif work is not None and meta.num_decode_rows:
+        if work is not None and meta.num_decode_rows:
             # Decode rows of a mixed step: one query each, so 16-row tiles, not the work list's 64
             # (whose padding rows would multiply their softmax and MMA work by 64 / G).
             decode_m = _decode_block_m(group)
@@ -442,30 +429,6 @@ class TritonAttentionBackend(AttentionBackend):
             HEAD_DIM=q.shape[2], D_PAD=_next_pow2(q.shape[2]), NUM_SPLITS=num_splits, DOT_PRECISION=precision,
             WORK_LIST=work is not None,
             **pdl_options(q.device), num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
-
-    def _packed_heads(self, group: int, kvh: int, d: int, q: Tensor) -> int:
-        """KV heads per program of unsplit decode rows (``DecodeLaunch.heads``); 1 (the paged kernel) for GQA
-        models, head counts it does not divide, head sizes that are not a power of two, and autograd."""
-        heads = self.decode_launch.heads or int(os.environ.get("LOOPLINE_DECODE_HEADS", "1"))
-        if heads < 2 or group != 1 or kvh % heads or not _is_pow2(d) or q.requires_grad:
-            return 1
-        return heads
-
-    def _launch_packed(self, q, k_cache, v_cache, scales, out, meta, rows, heads, scale, precision) -> None:
-        """``packed_decode_kernel`` over the first ``rows`` rows (one query each), ``heads`` KV heads a program."""
-        d = q.shape[2]
-        launch = self.decode_launch
-        tile_bytes = 1 if is_fp8_kv(k_cache) else k_cache.element_size()
-        block_n = launch.block_n or max(16, min(128, 16384 // (heads * d * tile_bytes)))  # ~16 KB K/V tiles
-        packed_decode_kernel[(rows, k_cache.shape[2] // heads)](
-            q, k_cache, v_cache, *scales, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale * _LOG2E, q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            out.stride(0), out.stride(1), meta.block_tables.stride(0),
-            HG=heads, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, DOT_PRECISION=precision,
-            **pdl_options(q.device), num_warps=launch.num_warps or 4, num_stages=launch.num_stages or 2,
         )  # fmt: skip
 
     def _work_block_m(self, group: int) -> int:

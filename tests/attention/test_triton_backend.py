@@ -129,24 +129,6 @@ def test_decode_launch_override_matches_torch():
                  decode_launch=DecodeLaunch(block_n=16, num_warps=2, num_stages=2))
 
 
-@pytest.mark.parametrize("heads_per_program", [2, 4])
-def test_packed_decode_matches_torch(heads_per_program):
-    """DecodeLaunch(heads=HG): unsplit decode rows of a model without GQA read HG KV heads a program (one tile of
-    their adjacent bytes, the queries block-diagonal), in decode-only and mixed steps; GQA keeps the paged kernel."""
-    launch = DecodeLaunch(heads=heads_per_program)
-    launches = []
-    with spy_on_kernel("packed_decode_kernel", launches):
-        check_attend([(1, 70), (1, 5), (1, 33), (1, 1)], 4, 4, head_dim=16, block_size=8, dtype=torch.float32,
-                     atol=1e-5, num_splits=1, decode_launch=launch)
-        assert launches == [(4, 4 // heads_per_program)]
-        check_attend([(1, 70), (1, 5), (1, 33), (40, 90), (3, 3)], 4, 4, head_dim=16, block_size=8,
-                     dtype=torch.float32, atol=1e-5, work_pad=2, decode_rows=3, decode_launch=launch)
-        assert launches[1:] == [(3, 4 // heads_per_program)]  # the mixed step's three decode rows
-        check_attend([(1, 70), (1, 5)], 4, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5,
-                     num_splits=1, decode_launch=launch)
-        assert len(launches) == 2  # G = 2: the paged kernel
-
-
 @pytest.mark.parametrize("work_pad", [None, 2], ids=["grid", "work-list"])
 def test_prefill_launch_override_matches_torch(work_pad):
     # bench_attention's prefill sweep times other tiles (here 32 query rows: 16 tokens x G=2).
