@@ -473,13 +473,14 @@ from loopline.attention import triton_kernels as t
 
 ptrs = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
         "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
-        "block_tables_ptr": "*i32", "work_tiles_ptr": "*i32", "slot_mapping_ptr": "*i64"}
+        "block_tables_ptr": "*i32", "work_tiles_ptr": "*i32", "slot_mapping_ptr": "*i64", "arrivals_ptr": "*i32"}
 attn = {"G": 2, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "D_PAD": 128, "NUM_SPLITS": 2,
         "DOT_PRECISION": "tf32"}
 cases = {
     "paged_attention": (t.paged_attention_kernel, {**attn, "TILE_T": 8, "WORK_LIST": True}),
-    "decode_attention": (t.decode_attention_kernel, {**attn, "PREFETCH": False}),
-    "decode_attention_prefetch": (t.decode_attention_kernel, {**attn, "PREFETCH": True}),
+    "decode_attention": (t.decode_attention_kernel, {**attn, "PREFETCH": False, "SPLITS_PAD": 2, "LAST_MERGES": False}),
+    "decode_attention_prefetch": (t.decode_attention_kernel, {**attn, "PREFETCH": True, "SPLITS_PAD": 2,
+                                                              "LAST_MERGES": False}),
     "rope_write_kv": (t.rope_write_kv_kernel, {"BLOCK_SIZE": 16, "HALF": 64, "HALF_PAD": 64, "BLOCK_H": 4, "ROTATE": True}),
     "write_kv": (t.rope_write_kv_kernel, {"BLOCK_SIZE": 16, "HALF": 64, "HALF_PAD": 64, "BLOCK_H": 4, "ROTATE": False}),
 }

@@ -146,6 +146,9 @@ class DecodeLaunch:
     block_n: int | None = None  # keys per inner step
     num_warps: int | None = None
     num_stages: int | None = None
+    # Split launches of the fused decode kernel: the split of a (row, KV head) that finishes last merges the
+    # partials, instead of a merge launch of its own (counters in a buffer the kernel rearms). None: off.
+    last_split_merges: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.split_rule = split_rule or SplitRule()
         self.decode_launch = decode_launch or DecodeLaunch()
         self.prefill_launch = prefill_launch or PrefillLaunch()
+        self._arrivals: dict[torch.device, Tensor] = {}
         if self.prefill_launch.block_m is not None and not _is_pow2(self.prefill_launch.block_m):
             raise ValueError(f"prefill_launch.block_m must be a power of two, got {self.prefill_launch.block_m}")
 
@@ -289,24 +293,36 @@ class TritonAttentionBackend(AttentionBackend):
         block_m = _decode_block_m(group)
         out = torch.empty((n, heads, d), dtype=q.dtype, device=q.device)
         part_out, part_lse = self.partials(num_splits, out)
+        last_merges = bool(launch.last_split_merges) and num_splits > 1
+        arrivals = self.arrivals(q.device, n * kvh) if last_merges else out
         decode_attention_kernel[(n, kvh, num_splits)](
-            q, k, v, cos, sin, k_cache, v_cache, *scales, out, part_out, part_lse,
+            q, k, v, cos, sin, k_cache, v_cache, *scales, out, part_out, part_lse, arrivals,
             meta.seq_lens, meta.block_tables, meta.slot_mapping, scale * _LOG2E, n, heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             out.stride(0), out.stride(1), meta.block_tables.stride(0),
             G=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=d, D_PAD=_next_pow2(d),
-            NUM_SPLITS=num_splits,
+            NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits),
             DOT_PRECISION=_dot_precision(_dot_dtype(q, k_cache)), **pdl_options(q.device),
             # With splits (small batches) the step is latency-bound and the grid fits in one wave at two
             # programs per SM; larger grids keep the pipelined loop's lower register count.
-            PREFETCH=num_splits > 1,
+            PREFETCH=num_splits > 1, LAST_MERGES=last_merges,
             num_warps=launch.num_warps or 4,
             num_stages=launch.num_stages or self._decode_stages(num_splits),
         )  # fmt: skip
-        self.merge(num_splits, part_out, part_lse, out)
+        if not last_merges:
+            self.merge(num_splits, part_out, part_lse, out)
         return out
+
+    def arrivals(self, device: torch.device, count: int) -> Tensor:
+        """The fused decode kernel's arrival counters (``DecodeLaunch.last_split_merges``): zeros, which each
+        launch leaves zero again, so one buffer per device serves every launch and CUDA graph. Grown (rarely: at
+        least 4,096 counters) outside the launches that use it."""
+        buf = self._arrivals.get(device)
+        if buf is None or buf.numel() < count:
+            buf = self._arrivals[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        return buf
 
     @staticmethod
     def _decode_stages(num_splits: int) -> int:

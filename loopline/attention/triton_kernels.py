@@ -375,19 +375,27 @@ def merge_splits_kernel(
     grid_dependency_wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    idx = (tl.arange(0, SPLITS_PAD) * num_tokens + n) * num_heads + h  # [SPLITS_PAD]
+    _merge_head(part_out_ptr, part_lse_ptr, out_ptr + n * stride_on + h * stride_oh, idx, NUM_SPLITS, SPLITS_PAD,
+                HEAD_DIM, D_PAD, "")
+
+
+@_jit
+def _merge_head(part_out_ptr, part_lse_ptr, out_row, idx, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CACHE: tl.constexpr):
+    """One head's split partials (at ``idx`` ``[SPLITS_PAD]`` of the workspaces) combined by their log-sum-exp
+    into ``out_row``. CACHE: the loads' cache modifier (".cg" where other programs of the launch wrote them)."""
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
     s_valid = offs_s < NUM_SPLITS
-    idx = (offs_s * num_tokens + n) * num_heads + h  # [SPLITS_PAD]
-    lse = tl.load(part_lse_ptr + idx, mask=s_valid, other=float("-inf"))
+    lse = tl.load(part_lse_ptr + idx, mask=s_valid, other=float("-inf"), cache_modifier=CACHE)
     # Split 0 holds key 0, which every query sees (the fused decode kernel: the last split holds the
     # row's own key), so the max is finite.
     w = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]
     o = tl.load(part_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=_head_cols(s_valid[:, None], offs_d, HEAD_DIM, D_PAD), other=0.0)
+                mask=_head_cols(s_valid[:, None], offs_d, HEAD_DIM, D_PAD), other=0.0, cache_modifier=CACHE)
     o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)  # [D_PAD]
-    _store_cols(out_ptr + n * stride_on + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), offs_d, HEAD_DIM,
-                D_PAD)
+    _store_cols(out_row + offs_d, o.to(out_row.dtype.element_ty), offs_d, HEAD_DIM, D_PAD)
 
 
 @_jit
@@ -514,6 +522,7 @@ def decode_attention_kernel(
     out_ptr,  # [N, H, D] (NUM_SPLITS == 1)
     part_out_ptr,  # [NUM_SPLITS, N, H, D] fp32, contiguous (NUM_SPLITS > 1)
     part_lse_ptr,  # [NUM_SPLITS, N, H] fp32, contiguous (NUM_SPLITS > 1)
+    arrivals_ptr,  # [N * KVH] int32, zero between launches (LAST_MERGES): splits of (row, KV head) done
     seq_lens_ptr,  # [N] int32: row n's query is at position seq_lens[n] - 1
     block_tables_ptr,  # [N, max_blocks] int32
     slot_mapping_ptr,  # [N] int64, where the row's K/V goes (< 0: not stored)
@@ -543,8 +552,10 @@ def decode_attention_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two: the tiles' width
     NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,  # load the first key tile before the wait: 1.6x the registers, for small grids
+    LAST_MERGES: tl.constexpr,  # the last split of a (row, KV head) to finish merges the partials (no merge launch)
     PDL: tl.constexpr,
 ):
     """Decode rows (one query each, row n = token n): rotary, the K/V store and attention in one launch.
@@ -653,6 +664,18 @@ def decode_attention_kernel(
         p_idx = (split * num_tokens + n) * num_heads + head
         tl.store(part_lse_ptr + p_idx, lse, mask=m_valid)
         tl.store(part_out_ptr + p_idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=md_valid)
+        if LAST_MERGES:
+            # Arrive once every thread's partials are stored (the barrier, then the release of the
+            # atomic); the split that arrives last reads them all (acquire) and merges as
+            # merge_splits_kernel does, then rearms the counter for the next launch.
+            tl.debug_barrier()
+            arrivals = arrivals_ptr + n * (num_heads // G) + kv_head
+            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                for g in tl.static_range(G):
+                    _merge_head(part_out_ptr, part_lse_ptr, out_ptr + n * stride_on + (kv_head * G + g) * stride_oh,
+                                (tl.arange(0, SPLITS_PAD) * num_tokens + n) * num_heads + kv_head * G + g,
+                                NUM_SPLITS, SPLITS_PAD, HEAD_DIM, D_PAD, ".cg")
+                tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
 
 
 @_jit

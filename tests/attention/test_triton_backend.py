@@ -140,7 +140,7 @@ def test_prefill_launch_override_matches_torch(work_pad):
 
 
 def check_fused_decode(seq_lens, heads, kv_heads, head_dim, block_size, dtype, atol, num_splits=None, seed=0,
-                       padding_slots=(), block_n=None):
+                       padding_slots=(), block_n=None, last_split_merges=None, backend=None):
     """Decode rows through ``rotate_store_attend`` (rotary + K/V store + attention in one kernel) against the
     reference: torch's rotary and store, then torch attention. Both the output and the cache must match;
     rows in ``padding_slots`` have slot -1 (nothing stored, attention still computed)."""
@@ -174,11 +174,13 @@ def check_fused_decode(seq_lens, heads, kv_heads, head_dim, block_size, dtype, a
         ref_k.view(-1, kv_heads, head_dim)[true_slots[own]] = k_rot[own]
         ref_v.view(-1, kv_heads, head_dim)[true_slots[own]] = v[own]
     want = ref.attend(q_rot, ref_k, ref_v, meta, scale)
-    backend = fused_decode_for_every_split_count(num_splits=num_splits, decode_launch=DecodeLaunch(block_n=block_n))
-    launches = []
-    with spy_on_kernel("decode_attention_kernel", launches):
+    backend = backend or fused_decode_for_every_split_count(
+        num_splits=num_splits, decode_launch=DecodeLaunch(block_n=block_n, last_split_merges=last_split_merges))
+    launches, merges = [], []
+    with spy_on_kernel("decode_attention_kernel", launches), spy_on_kernel("merge_splits_kernel", merges):
         got = backend.rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale)
     assert len(launches) == 1  # the fused kernel, not the store + attention fallback
+    assert len(merges) == (num_splits > 1 and not last_split_merges)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
     # K within rounding of torch's rotary (Triton's bf16 rounding of the products is not always torch's, in
@@ -199,6 +201,19 @@ def test_fused_decode_matches_rotary_store_then_attend(heads, kv_heads, num_spli
     # over several 16-key steps; with 3 splits some splits of short rows are empty.
     check_fused_decode([1, 2, 13, 17, 70, 33], heads, kv_heads, head_dim=16, block_size=8, dtype=torch.float32,
                        atol=1e-5, num_splits=num_splits, block_n=16)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+def test_fused_decode_last_split_merges(heads, kv_heads):
+    """DecodeLaunch(last_split_merges=True): the split of a (row, KV head) that arrives last merges the partials
+    in the kernel (no merge launch) and rearms its counter: a second launch on the same backend, and one with
+    more rows, give the reference again and leave every counter at zero."""
+    backend = fused_decode_for_every_split_count(num_splits=3,
+                                                 decode_launch=DecodeLaunch(block_n=16, last_split_merges=True))
+    for seq_lens in ([1, 2, 13, 17, 70, 33], [5, 40, 33], [9, 1, 66, 20, 3, 48, 31]):
+        check_fused_decode(seq_lens, heads, kv_heads, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5,
+                           num_splits=3, last_split_merges=True, backend=backend)
+        assert not backend.arrivals(torch.empty(0, device=DEVICE).device, 1).any()
 
 
 def test_fused_decode_padding_rows_store_nothing():

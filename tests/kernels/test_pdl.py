@@ -28,9 +28,9 @@ _ATTN_POINTERS = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start
                   "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "work_tiles_ptr": "*i32"}
 _G = {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True}
 _SKINNY = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN_K": True, "PRECISION": "tf32"}
-_DECODE_POINTERS = {**_ATTN_POINTERS, "slot_mapping_ptr": "*i64"}
+_DECODE_POINTERS = {**_ATTN_POINTERS, "slot_mapping_ptr": "*i64", "arrivals_ptr": "*i32"}
 _DECODE = {"G": 2, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "D_PAD": 64, "NUM_SPLITS": 2,
-           "DOT_PRECISION": "tf32"}
+           "SPLITS_PAD": 2, "DOT_PRECISION": "tf32", "LAST_MERGES": False}
 # name: (module, kernel, pointer types (default *bf16), constexprs, PDL)
 CASES = {
     "gemv": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
@@ -71,6 +71,9 @@ CASES = {
                          {**_DECODE, "PREFETCH": False}, True),
     "decode_attention_prefetch": ("loopline.attention.triton_kernels", "decode_attention_kernel", _DECODE_POINTERS,
                                   {**_DECODE, "PREFETCH": True}, True),
+    # the last split merges (DecodeLaunch(last_split_merges=True)): its arrival counter after the wait only
+    "decode_attention_last_merges": ("loopline.attention.triton_kernels", "decode_attention_kernel",
+                                     _DECODE_POINTERS, {**_DECODE, "PREFETCH": True, "LAST_MERGES": True}, True),
     # the lookahead exit rule in one kernel (exit_mode="lookahead")
     "lookahead_decide": ("loopline.kernels.lookahead", "_decide_kernel",
                          {**{f"{n}_ptr": "*fp32" for n in ("h", "prev", "gate", "cdf", "thr", "scal", "bias", "out_w",
