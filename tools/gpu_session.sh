@@ -5,7 +5,7 @@
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
-# splits_rows split_sums newkernels; LOOPLINE_BENCH_C
+# splits_rows split_sums last_merges fp8_layout newkernels; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -294,6 +294,20 @@ if has splits_rows; then  # issue #40: split-KV counts of the fused decode atten
     timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 "${extra[@]}" 2>&1 \
       | grep -E "mean step" | sed "s/^/rows $r splits ${s/#0/rule}: /"
   done; done | tee "$out/splits_rows.txt"
+fi
+if has last_merges; then  # issue #40: the fused decode kernel's last split merges (no merge launch), A/B/A at
+  # 1-8 rows: its GPU tests first (the arrival counters are a cross-program handshake), then whole steps
+  timeout 90 python3 -m pytest -q -n 0 tests/attention/test_triton_backend.py -k "last_split or gpu_fused_decode" \
+    > "$out/last_merges_tests.log" 2>&1; echo "last-merges tests rc=$? $(tail -1 "$out/last_merges_tests.log")"
+  for r in ${LOOPLINE_ROWS:-1 2 4 8}; do for v in 0 1 0; do
+    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --decode-launch "0,0,0,$v" 2>&1 \
+      | grep -E "mean step" | sed "s/^/rows $r last_split_merges=$v: /"
+  done; done | tee "$out/last_merges.txt"
+fi
+if has fp8_layout; then  # issue #40: FP8 and bf16 decode attention over token-major pages (the engine's) against
+  # head-major ones (strided views), and the reads alone, at 128 and 32 rows
+  timeout 200 python3 tools/fp8_decode_probe.py --check --rows 128,32 --only "engine default,head-major,gather hg=1 pages=4" \
+    2>&1 | grep -v Warn | tee "$out/fp8_layout.txt"
 fi
 if has split_sums; then  # issue #40: o_proj's and down_proj's split-K partials summed by the norm that reads them
   # (TritonOps(split_sums_in_norm=True), the default) against their reduction kernel, at 2-16 rows
