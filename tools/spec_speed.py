@@ -124,6 +124,8 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
     while engine.has_unfinished_requests():
         engine.step()
     steps0, stats0 = engine.stats.steps, dict(engine.stats.spec_decode_metrics())
+    graphs = engine.runner.graphs  # (None: eager, the CPU)
+    replays0 = dict(graphs.replays) if graphs is not None else {}
     total, started, done, tokens, max_running = 2 * c, 0, 0, 0, 0
     for _ in range(c):
         engine.add_request(f"r{started}", prompt(started), params(started))
@@ -144,6 +146,9 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     spec_now, steps = engine.stats.spec_decode_metrics(), engine.stats.steps
+    # steps of the measured part that replayed a graph, per family; the rest ran eagerly
+    replays = {f: n - replays0.get(f, 0) for f, n in (graphs.replays.items() if graphs is not None else ())}
+    replays = {f: n for f, n in replays.items() if n}
     del engine  # its KV pool: the next run's engine sizes its own from the free memory
     gc.collect()
     if args.device == "cuda":
@@ -157,6 +162,7 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
             "concurrency": c, "temperature": args.temperature, "max_running": max_running, "output_tokens": tokens,
             "seconds": round(elapsed, 4), "output_tok_s": round(tokens / elapsed, 2),
             "steps_per_token": round((steps - steps0) / tokens, 3),
+            "steps": steps - steps0, "graph_replays": replays, "eager_steps": steps - steps0 - sum(replays.values()),
             "draft_tokens": drafts["vllm:spec_decode_num_draft_tokens"],
             "accepted_tokens": drafts["vllm:spec_decode_num_accepted_tokens"],
             # vLLM's mean acceptance length: tokens a round commits, its accepted drafts and the one it adds
@@ -190,7 +196,8 @@ def run_set(model: OuroForCausalLM, args: argparse.Namespace, scale: float, c: i
         print(f"scale {scale:<5} C={c:<4} {_name(r):<22} {r['output_tok_s']:9.1f} tok/s  {r['speedup']:5.2f}x  "
               f"{r['steps_per_token']:5.2f} steps/token  acceptance {r['acceptance_rate']}  "
               f"length {r['mean_acceptance_length']}  "
-              f"max running {r['max_running']}" + ("  (KV-bound: below C)" if r["max_running"] < c else ""), flush=True)
+              f"max running {r['max_running']}  eager steps {r['eager_steps']}/{r['steps']}"
+              + ("  (KV-bound: below C)" if r["max_running"] < c else ""), flush=True)
     return rows
 
 
