@@ -189,6 +189,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_launch = decode_launch or DecodeLaunch()
         self.prefill_launch = prefill_launch or PrefillLaunch()
         self._arrivals: dict[torch.device, Tensor] = {}
+        self._retired: list[Tensor] = []  # outgrown arrival buffers (``arrivals``)
         if self.prefill_launch.block_m is not None and not _is_pow2(self.prefill_launch.block_m):
             raise ValueError(f"prefill_launch.block_m must be a power of two, got {self.prefill_launch.block_m}")
 
@@ -321,6 +322,8 @@ class TritonAttentionBackend(AttentionBackend):
         least 4,096 counters) outside the launches that use it."""
         buf = self._arrivals.get(device)
         if buf is None or buf.numel() < count:
+            if buf is not None:  # graphs captured with it may still replay: it stays allocated
+                self._retired.append(buf)
             buf = self._arrivals[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
         return buf
 

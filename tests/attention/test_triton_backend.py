@@ -214,6 +214,11 @@ def test_fused_decode_last_split_merges(heads, kv_heads):
         check_fused_decode(seq_lens, heads, kv_heads, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5,
                            num_splits=3, last_split_merges=True, backend=backend)
         assert not backend.arrivals(torch.empty(0, device=DEVICE).device, 1).any()
+    # an outgrown buffer stays allocated (a captured graph may hold it), and the new one starts at zero
+    device = torch.empty(0, device=DEVICE).device
+    old = backend.arrivals(device, 1)
+    grown = backend.arrivals(device, old.numel() + 1)
+    assert grown.numel() > old.numel() and not grown.any() and any(t is old for t in backend._retired)
 
 
 def test_fused_decode_padding_rows_store_nothing():
