@@ -567,7 +567,8 @@ def decode_attention_kernel(
     step's metadata is written: everything read before the wait was complete before that kernel
     began. After the wait the program rotates q; the last split also rotates the row's own key,
     stores its K/V in the cache for later steps and attends it from registers (no other program
-    reads that position in this layer)."""
+    reads that position in this layer). With LAST_MERGES the split of a (row, KV head) that finishes
+    last combines the partials itself (``DecodeLaunch.last_split_merges``), instead of merge_splits_kernel."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
