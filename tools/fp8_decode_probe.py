@@ -185,7 +185,8 @@ VARIANTS = [(hg, bn, w, st, fast) for hg, bn, w, st, fast in (
     (2, 128, 4, 2, True), (2, 64, 8, 2, True), (2, 64, 4, 3, True), (4, 32, 4, 2, True), (4, 64, 8, 2, True),
     (2, 32, 4, 3, True))]
 ENGINE_LAUNCHES = [None, DecodeLaunch(64, 4, 2), DecodeLaunch(128, 8, 2), DecodeLaunch(128, 4, 3),
-                   DecodeLaunch(256, 8, 2)]
+                   DecodeLaunch(256, 8, 2), DecodeLaunch(128, 2, 2), DecodeLaunch(128, 4, 4), DecodeLaunch(64, 4, 3),
+                   DecodeLaunch(64, 2, 3), DecodeLaunch(32, 2, 4)]
 GATHER = [(1, 4, 8), (1, 8, 8), (2, 2, 8), (2, 4, 8), (4, 1, 8), (4, 2, 8)]
 
 
