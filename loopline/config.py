@@ -230,10 +230,10 @@ class EngineArgs:
         if self.speculative_config is None:
             return None
         spec = SpeculativeConfig.from_dict(self.speculative_config)
-        if spec.pipelines and self.kv_layout != "last_exited" and "scheme" not in self.speculative_config:
-            # the default scheme may pipeline, which the shared plane cannot: its user gets the scheme it can run
-            spec = dataclasses.replace(spec, scheme="draft_verify")
         if spec.pipelines and self.kv_layout != "last_exited":
+            if "scheme" not in self.speculative_config:
+                # the default scheme may pipeline, which the shared plane cannot: its user gets the scheme it can run
+                return dataclasses.replace(spec, scheme="draft_verify")
             # NOTE: on the one shared plane a lane would read its predecessor's K/V at the predecessor's current
             # loop, where plain shared decoding reads every earlier token's final K/V (docs/speculation.md)
             raise InvalidRequestError(f"speculative_config.scheme={spec.scheme!r} needs kv_layout='last_exited', got "
