@@ -239,6 +239,7 @@ def make_backends(a: argparse.Namespace) -> Backends:
         sums = {} if a.split_sums_in_norm is None else {"split_sums_in_norm": a.split_sums_in_norm}
         if a.gemv_max_rows is not None:
             sums["gemv_max_rows"] = a.gemv_max_rows
+            sums["norm_gemv_max_rows"] = a.norm_gemv_max_rows
         layer_ops = TritonOps(skinny_max_rows=a.skinny_max_rows, **sums)
     else:
         layer_ops = base.layer_ops
@@ -275,6 +276,8 @@ def main() -> None:
     ap.add_argument("--gemv-max-rows", type=int, default=None,
                     help="batches of up to N rows (1-4) take the GEMV kernels with the norm and the activation fused "
                          "(TritonOps(gemv_max_rows=N)); default: the engine's")
+    ap.add_argument("--norm-gemv-max-rows", type=int, default=None,
+                    help="with --gemv-max-rows: batches of up to N rows take the norm fused (default: the same N)")
     ap.add_argument("--norm-gemv-launch", default=None,
                     help="BLOCK_N,WARPS,PROGRAMS_PER_SM of norm_gemv at 2-4 rows (default: gemv.NORM_LAUNCHES)")
     ap.add_argument("--few-rows-gemv-config", default=None,

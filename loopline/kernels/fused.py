@@ -199,12 +199,13 @@ class TritonOps(TorchOps):
     ``gemv_max_rows``: batches of up to this many rows (1 to ``gemv.MAX_ROWS``) take the GEMV kernels, with the
     add + RMSNorm in front of q/k/v and gate/up and the SwiGLU activation in front of down_proj fused, and the
     vocabulary projection skipped when no row's token exits; larger batches take cuBLAS and the skinny kernel.
+    ``norm_gemv_max_rows`` (default ``gemv_max_rows``) caps the batches whose norms ride the products.
     """
 
     name = "triton"
 
     def __init__(self, skinny_max_rows: int | SkinnyRows | None = None, split_sums_in_norm: bool = True,
-                 gemv_max_rows: int = 1) -> None:
+                 gemv_max_rows: int = 1, norm_gemv_max_rows: int | None = None) -> None:
         if triton is None:
             raise RuntimeError("TritonOps needs the triton package")
         rows = SKINNY_MAX_ROWS if skinny_max_rows is None else skinny_max_rows
@@ -217,6 +218,10 @@ class TritonOps(TorchOps):
         if not 1 <= gemv_max_rows <= _GEMV_ROWS_LIMIT:
             raise ValueError(f"gemv_max_rows must be in 1..{_GEMV_ROWS_LIMIT}, got {gemv_max_rows}")
         self.gemv_max_rows = gemv_max_rows
+        self.norm_gemv_max_rows = gemv_max_rows if norm_gemv_max_rows is None else norm_gemv_max_rows
+        if not 1 <= self.norm_gemv_max_rows <= gemv_max_rows:
+            raise ValueError(f"norm_gemv_max_rows must be in 1..{gemv_max_rows} (gemv_max_rows), got "
+                             f"{norm_gemv_max_rows}")
         self.split_sums_in_norm = split_sums_in_norm
         self._packed: dict[int, tuple[Tensor, list[int]]] = {}
         self._rope: tuple[tuple, Tensor] | None = None  # ((head_dim, theta, dtype, device), [P, 2, D] cos/sin)
@@ -276,10 +281,10 @@ class TritonOps(TorchOps):
         """Up to ``gemv_max_rows`` rows: the add + RMSNorm rides the packed projection's kernel (one launch
         instead of two)."""
         packed = self._packed.get(id(module))
-        if packed is None or not use_norm_gemv(x, packed[0], self.gemv_max_rows):
+        if packed is None or not use_norm_gemv(x, packed[0], self.norm_gemv_max_rows):
             return None
         if branch is not None and not (isinstance(branch, Tensor) and use_norm_gemv(branch, packed[0],
-                                                                                   self.gemv_max_rows)):
+                                                                                   self.norm_gemv_max_rows)):
             return None
         x_out, y = norm_gemv(x, packed[0], weight, eps, branch=branch, branch_weight=branch_weight)
         return x_out, y.split(packed[1], dim=-1)

@@ -305,3 +305,5 @@ def test_triton_ops_route_up_to_gemv_max_rows_to_the_gemv_kernels(monkeypatch):
                      ("gemv", 3, (200, 64))]
     with pytest.raises(ValueError, match="gemv_max_rows must be in 1..4, got 5"):
         TritonOps(gemv_max_rows=5)
+    with pytest.raises(ValueError, match="norm_gemv_max_rows must be in 1..2"):
+        TritonOps(gemv_max_rows=2, norm_gemv_max_rows=3)
