@@ -5,7 +5,7 @@
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
-# splits_rows split_sums last_merges few_rows few_rows_kernels fp8_layout fp8_launches newkernels; LOOPLINE_BENCH_C
+# splits_rows split_sums last_merges fp8_layout fp8_launches newkernels; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -303,36 +303,6 @@ if has last_merges; then  # issue #40: the fused decode kernel's last split merg
     timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --decode-launch "0,0,0,$v" 2>&1 \
       | grep -E "mean step" | sed "s/^/rows $r last_split_merges=$v: /"
   done; done | tee "$out/last_merges.txt"
-fi
-if has few_rows; then  # issues #40/#41: 2-4-row steps through the GEMV kernels (norm and SiLU fused, lm_head only
-  # when a row exits: TritonOps(gemv_max_rows=4)) against today's cuBLAS/skinny route, A/B/A, then launches
-  timeout 120 python3 -m pytest -q -n 0 tests/kernels/test_gemv.py > "$out/few_rows_tests.log" 2>&1
-  echo "gemv tests rc=$? $(tail -1 "$out/few_rows_tests.log")"; grep -hE "^(FAILED|ERROR)" "$out/few_rows_tests.log" | head -5
-  for r in ${LOOPLINE_ROWS:-2 3 4}; do for v in 1 4 1; do
-    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --gemv-max-rows "$v" 2>&1 \
-      | grep -E "mean step" | sed "s/^/rows $r gemv_max_rows=$v: /"
-  done; done | tee "$out/few_rows.txt"
-  for l in ${LOOPLINE_FEW_LAUNCHES:-"2,8,2" "4,8,2 --few-rows-gemv-config 2,2048,8,2" "4,4,2"}; do
-    for r in 2 4; do
-      # shellcheck disable=SC2086
-      timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --gemv-max-rows 4 \
-        --norm-gemv-launch $l 2>&1 | grep -E "mean step" | sed "s/^/rows $r launch $l: /"
-    done
-  done | tee -a "$out/few_rows.txt"
-fi
-if has few_rows_kernels; then  # the same, the products without the norm (--norm-gemv-max-rows 1) A/B/A, and the
-  # device time per kernel of a 2-row step on each route
-  for r in 2 4; do for v in "1" "4 --norm-gemv-max-rows 1" "1"; do
-    # shellcheck disable=SC2086
-    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 --gemv-max-rows $v 2>&1 \
-      | grep -E "mean step" | sed "s/^/rows $r gemv_max_rows=$v: /"
-  done; done | tee "$out/few_rows_split.txt"
-  for v in "1" "4 --norm-gemv-max-rows 1" "4 --norm-gemv-launch 4,4,2"; do
-    echo "== rows 2 gemv_max_rows=$v"
-    # shellcheck disable=SC2086
-    LOOPLINE_PDL=0 timeout 90 python3 tools/profile_step.py --rows 2 --context 1088 --steps 64 --kernels --gemv-max-rows $v \
-      2>&1 | grep -E "mean step|us/step|device time" | head -16
-  done | tee "$out/few_rows_kernels.txt"
 fi
 if has fp8_layout; then  # issue #40: FP8 and bf16 decode attention over token-major pages (the engine's) against
   # head-major ones (strided views), and the reads alone, at 128 and 32 rows

@@ -235,11 +235,8 @@ def make_backends(a: argparse.Namespace) -> Backends:
     base = select_backends("auto", "auto", torch.device("cuda"))  # the engine's own choice on CUDA
     if kinds & {"norms", "gemv"}:
         layer_ops = AblatedOps(kinds, a.skinny_max_rows)
-    elif a.skinny_max_rows is not None or a.split_sums_in_norm is not None or a.gemv_max_rows is not None:
+    elif a.skinny_max_rows is not None or a.split_sums_in_norm is not None:
         sums = {} if a.split_sums_in_norm is None else {"split_sums_in_norm": a.split_sums_in_norm}
-        if a.gemv_max_rows is not None:
-            sums["gemv_max_rows"] = a.gemv_max_rows
-            sums["norm_gemv_max_rows"] = a.norm_gemv_max_rows
         layer_ops = TritonOps(skinny_max_rows=a.skinny_max_rows, **sums)
     else:
         layer_ops = base.layer_ops
@@ -273,15 +270,6 @@ def main() -> None:
                          "(loopline.kernels.skinny_gemm, PDL) instead of cuBLAS; 0: cuBLAS above one row (down_proj "
                          "keeps the skinny kernel up to 64 rows either way); per projection: qkv=16,o=16 (the "
                          "others 0). Default: fused.SKINNY_MAX_ROWS")
-    ap.add_argument("--gemv-max-rows", type=int, default=None,
-                    help="batches of up to N rows (1-4) take the GEMV kernels with the norm and the activation fused "
-                         "(TritonOps(gemv_max_rows=N)); default: the engine's")
-    ap.add_argument("--norm-gemv-max-rows", type=int, default=None,
-                    help="with --gemv-max-rows: batches of up to N rows take the norm fused (default: the same N)")
-    ap.add_argument("--norm-gemv-launch", default=None,
-                    help="BLOCK_N,WARPS,PROGRAMS_PER_SM of norm_gemv at 2-4 rows (default: gemv.NORM_LAUNCHES)")
-    ap.add_argument("--few-rows-gemv-config", default=None,
-                    help="block_n,block_k,num_warps,num_stages of the GEMV at 2-4 rows (default: gemv.FEW_ROWS_CONFIG)")
     ap.add_argument("--split-sums-in-norm", action=argparse.BooleanOptionalAction, default=None,
                     help="o_proj's and down_proj's split-K partials (skinny kernel, 2-16 / 2-64 rows) are summed by "
                          "the add + RMSNorm that reads them (TritonOps(split_sums_in_norm=True), the default) or, "
@@ -323,11 +311,6 @@ def main() -> None:
             gemv.SHAPE_CONFIGS[tuple(map(int, shape.split(":")))] = gemv.GemvConfig(*map(int, launch.split(",")))
         elif spec:
             gemv.DEFAULT_CONFIG = gemv.GemvConfig(*map(int, spec.split(",")))
-    if a.few_rows_gemv_config:
-        gemv.FEW_ROWS_CONFIG = gemv.GemvConfig(*map(int, a.few_rows_gemv_config.split(",")))
-    if a.norm_gemv_launch:
-        launch = gemv.NormGemvLaunch(*map(int, a.norm_gemv_launch.split(",")))
-        gemv.NORM_LAUNCHES.update({r: launch for r in range(2, gemv.MAX_ROWS + 1)})
     cfg = random_checkpoint_config(a.config)
     with torch.device("cuda"):
         model = OuroForCausalLM(cfg).to(torch.bfloat16)

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from loopline.kernels import grid_dependency_wait, pdl_options
-from loopline.kernels.gemv import MAX_ROWS as _GEMV_ROWS_LIMIT
 from loopline.kernels.gemv import gemv, norm_gemv, normed_row, silu_mul_rounded, use_gemv, use_norm_gemv
 from loopline.kernels.skinny_gemm import MAX_ROWS as _SKINNY_ROWS_LIMIT
 from loopline.kernels.skinny_gemm import SplitKPartials, skinny_linear, use_skinny
@@ -147,12 +146,11 @@ class SkinnyRows(NamedTuple):
 SKINNY_MAX_ROWS = SkinnyRows(qkv=16, o=16)
 
 
-def _linear(x: Tensor, weight: Tensor, skinny_max_rows: int = 0, sum_splits: bool = True,
-            gemv_max_rows: int = 1) -> Tensor | SplitKPartials:
-    """``F.linear(x, weight)``; up to ``gemv_max_rows`` rows take the GEMV kernel, which streams the weight faster
-    than cuBLAS, and from there to ``skinny_max_rows`` rows the skinny split-K kernel (``sum_splits=False``: its
-    partials unsummed)."""
-    if use_gemv(x, weight, gemv_max_rows):
+def _linear(x: Tensor, weight: Tensor, skinny_max_rows: int = 0,
+            sum_splits: bool = True) -> Tensor | SplitKPartials:
+    """``F.linear(x, weight)``; one row takes the GEMV kernel, which streams the weight faster than cuBLAS, and
+    2 to ``skinny_max_rows`` rows the skinny split-K kernel (``sum_splits=False``: its partials unsummed)."""
+    if use_gemv(x, weight):
         return gemv(x, weight)
     if 2 <= x.shape[0] <= skinny_max_rows and use_skinny(x, weight):
         return skinny_linear(x, weight, sum_splits=sum_splits)
@@ -195,17 +193,11 @@ class TritonOps(TorchOps):
     instead of a reduction kernel of their own (two launches a layer fewer; the same bits). On by default:
     whole H200 steps of 2 / 4 / 8 / 16 rows took 0.997x / 0.980x / 0.988x / 0.991x the time of the reduction
     kernel's (``tools/profile_step.py --no-split-sums-in-norm`` gives the old route).
-
-    ``gemv_max_rows``: batches of up to this many rows (1 to ``gemv.MAX_ROWS``) take the GEMV kernels, with the
-    add + RMSNorm in front of q/k/v and gate/up and the SwiGLU activation in front of down_proj fused, and the
-    vocabulary projection skipped when no row's token exits; larger batches take cuBLAS and the skinny kernel.
-    ``norm_gemv_max_rows`` (default ``gemv_max_rows``) caps the batches whose norms ride the products.
     """
 
     name = "triton"
 
-    def __init__(self, skinny_max_rows: int | SkinnyRows | None = None, split_sums_in_norm: bool = True,
-                 gemv_max_rows: int = 1, norm_gemv_max_rows: int | None = None) -> None:
+    def __init__(self, skinny_max_rows: int | SkinnyRows | None = None, split_sums_in_norm: bool = True) -> None:
         if triton is None:
             raise RuntimeError("TritonOps needs the triton package")
         rows = SKINNY_MAX_ROWS if skinny_max_rows is None else skinny_max_rows
@@ -215,13 +207,6 @@ class TritonOps(TorchOps):
             if not 0 <= value <= _SKINNY_ROWS_LIMIT:
                 raise ValueError(f"skinny_max_rows ({name}) must be in 0..{_SKINNY_ROWS_LIMIT}, got {value}")
         self.skinny_rows = SkinnyRows(*rows)
-        if not 1 <= gemv_max_rows <= _GEMV_ROWS_LIMIT:
-            raise ValueError(f"gemv_max_rows must be in 1..{_GEMV_ROWS_LIMIT}, got {gemv_max_rows}")
-        self.gemv_max_rows = gemv_max_rows
-        self.norm_gemv_max_rows = gemv_max_rows if norm_gemv_max_rows is None else norm_gemv_max_rows
-        if not 1 <= self.norm_gemv_max_rows <= gemv_max_rows:
-            raise ValueError(f"norm_gemv_max_rows must be in 1..{gemv_max_rows} (gemv_max_rows), got "
-                             f"{norm_gemv_max_rows}")
         self.split_sums_in_norm = split_sums_in_norm
         self._packed: dict[int, tuple[Tensor, list[int]]] = {}
         self._rope: tuple[tuple, Tensor] | None = None  # ((head_dim, theta, dtype, device), [P, 2, D] cos/sin)
@@ -274,17 +259,15 @@ class TritonOps(TorchOps):
         if packed is None or x.requires_grad:
             return None
         weight, sizes = packed
-        return _linear(x, weight, skinny_rows, gemv_max_rows=self.gemv_max_rows).split(sizes, dim=-1)
+        return _linear(x, weight, skinny_rows).split(sizes, dim=-1)
 
     def _norm_packed(self, module: torch.nn.Module, x: Tensor, branch: Tensor | None, branch_weight: Tensor | None,
                      weight: Tensor, eps: float) -> tuple[Tensor, tuple[Tensor, ...]] | None:
-        """Up to ``gemv_max_rows`` rows: the add + RMSNorm rides the packed projection's kernel (one launch
-        instead of two)."""
+        """One row: the add + RMSNorm rides the packed projection's kernel (one launch instead of two)."""
         packed = self._packed.get(id(module))
-        if packed is None or not use_norm_gemv(x, packed[0], self.norm_gemv_max_rows):
+        if packed is None or not use_norm_gemv(x, packed[0]):
             return None
-        if branch is not None and not (isinstance(branch, Tensor) and use_norm_gemv(branch, packed[0],
-                                                                                   self.norm_gemv_max_rows)):
+        if branch is not None and not use_norm_gemv(branch, packed[0]):
             return None
         x_out, y = norm_gemv(x, packed[0], weight, eps, branch=branch, branch_weight=branch_weight)
         return x_out, y.split(packed[1], dim=-1)
@@ -370,19 +353,18 @@ class TritonOps(TorchOps):
         # (o_proj: its result is the layer's branch, read only by add_rms_norm)
         if module.bias is not None:
             return module(x)
-        return _linear(x, module.weight, self.skinny_rows.o, sum_splits=not self.split_sums_in_norm,
-                       gemv_max_rows=self.gemv_max_rows)
+        return _linear(x, module.weight, self.skinny_rows.o, sum_splits=not self.split_sums_in_norm)
 
     def logits(self, lm_head: torch.nn.Linear, h: Tensor, needed: Tensor | None = None) -> Tensor:  # type: ignore[override]
-        # Decode rows: the 200 MB vocabulary projection is read only when a row's token exits.
-        if needed is not None and lm_head.bias is None and use_gemv(h, lm_head.weight, self.gemv_max_rows):
-            return gemv(h, lm_head.weight, needed=needed.contiguous(), out_dtype=torch.float32)
+        # One decode row: the 200 MB vocabulary projection is read only when the row's token exits.
+        if needed is not None and lm_head.bias is None and use_gemv(h, lm_head.weight):
+            return gemv(h, lm_head.weight, needed=needed, out_dtype=torch.float32)
         return TorchOps.logits(lm_head, h)
 
     def swiglu_down(self, mlp: torch.nn.Module, gate: Tensor,  # type: ignore[override]
                     up: Tensor) -> Tensor | SplitKPartials:
         down = mlp.down_proj
-        if down.bias is None and use_gemv(gate, down.weight, self.gemv_max_rows):  # the activation rides the load
+        if down.bias is None and use_gemv(gate, down.weight):  # one row: the activation rides the load
             return gemv(gate, down.weight, up=up)
         # Decode-sized batches (up to skinny_gemm.MAX_ROWS rows, whatever skinny_max_rows): a split-K kernel
         # streams down_proj's wide-K weight faster than cuBLAS.

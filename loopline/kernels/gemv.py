@@ -46,6 +46,14 @@ computed on load in ``down_proj`` (H100, 2026-12-06; the code is in git at 12bff
 2.485 / 2.737 / 3.100 ms against 1.728 / 1.920 / 2.175 at 2 / 4 / 8 rows, the best launch of five
 (32 x 256, 4 warps, 3 stages) 2.366 / 2.689 ms at 4 / 8 rows, and end to end the README command ran at
 0.70x / 0.73x the default's output rate at C = 2 / 8.)
+
+(Nor, a third time, these two kernels taking 1-4 rows themselves, each row its own fp32 products on the one
+widened weight tile, the norms and the activation fused, the vocabulary projection skipped unless a row
+exits (H200, 2026-12-07; the code is in git at 18fdb2d / c3e6539): whole steps at 2 / 3 / 4 rows took 1.625 /
+3.318 / 3.254 ms against 1.388-1.400 / 1.520 / 1.534; the best of four launches 1.553 / - / 2.128, and the
+products alone without the norms 1.577 / - / 2.605. Kernel by kernel at 2 rows (PDL off), the GEMV read
+the step's weights in 1,126 us where the skinny kernel, cuBLAS, the SiLU kernel and cuBLAS's lm_head took
+915 us.)
 """
 from __future__ import annotations
 
@@ -95,71 +103,34 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _rows_product(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, k, K, stride_xm, stride_um, BLOCK_K: tl.constexpr,
-                      SILU: tl.constexpr, dtype: tl.constexpr, ROWS: tl.constexpr):
-        """Adds ``w * row`` (fp32) to the accumulator of each of the ``ROWS`` input rows; the weight tile is
-        widened once for all of them (the rows are KBs, the tile what the kernel streams)."""
-        wf = w.to(tl.float32)
-        acc0 += wf * _row_chunk(x_ptr, u_ptr, k, K, BLOCK_K, SILU, dtype)[None, :]
-        if ROWS > 1:
-            acc1 += wf * _row_chunk(x_ptr + stride_xm, u_ptr + stride_um, k, K, BLOCK_K, SILU, dtype)[None, :]
-        if ROWS > 2:
-            acc2 += wf * _row_chunk(x_ptr + 2 * stride_xm, u_ptr + 2 * stride_um, k, K, BLOCK_K, SILU, dtype)[None, :]
-        if ROWS > 3:
-            acc3 += wf * _row_chunk(x_ptr + 3 * stride_xm, u_ptr + 3 * stride_um, k, K, BLOCK_K, SILU, dtype)[None, :]
-        return acc0, acc1, acc2, acc3
-
-    @triton.jit
-    def _store_rows(y_ptr, stride_ym, rows, N, v0, v1, v2, v3, ROWS: tl.constexpr):
-        """Stores ``v0 .. v{ROWS-1}`` (``[BLOCK_N]`` each) at columns ``rows`` of y's first ``ROWS`` rows."""
-        m = rows < N
-        tl.store(y_ptr + rows, v0, mask=m)
-        if ROWS > 1:
-            tl.store(y_ptr + stride_ym + rows, v1, mask=m)
-        if ROWS > 2:
-            tl.store(y_ptr + 2 * stride_ym + rows, v2, mask=m)
-        if ROWS > 3:
-            tl.store(y_ptr + 3 * stride_ym + rows, v3, mask=m)
-
-    @triton.jit
     def _gemv_kernel(
-        x_ptr, u_ptr, w_ptr, y_ptr, needed_ptr,  # x [ROWS, K] (and up for SILU), W [N, K] (unit last stride), y [ROWS, N]
-        N, K, stride_wn, stride_xm, stride_um, stride_ym,
+        x_ptr, u_ptr, w_ptr, y_ptr, needed_ptr,  # x [K] (and up [K] for SILU), W [N, K] (unit last stride), y [N]
+        N, K, stride_wn,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SILU: tl.constexpr,
-        PREDICATED: tl.constexpr,  # needed_ptr: ROWS int8 flags; all 0 writes zeros without reading W
-        ROWS: tl.constexpr, ROWS_P2: tl.constexpr, PDL: tl.constexpr,
+        PREDICATED: tl.constexpr,  # needed_ptr: one int8 flag; 0 writes zeros without reading W
+        PDL: tl.constexpr,
     ):
         dtype = x_ptr.dtype.element_ty  # y is rounded to the operands' dtype, then stored as y's (fp32 logits)
-        out_dtype = y_ptr.dtype.element_ty
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         # Rows past N are clamped, not masked: they re-read a valid row, the loads stay unpredicated and
         # wide, and the store drops their results.
         w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
-        acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc1 = acc0
-        acc2 = acc0
-        acc3 = acc0
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if PDL and not PREDICATED:
             # No earlier kernel writes the weights: the first tile streams in while they finish.
             w = _weight_tile(w_rows, 0, K, BLOCK_K, EVEN_K)
             grid_dependency_wait(PDL)
-            acc0, acc1, acc2, acc3 = _rows_product(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, 0, K, stride_xm,
-                                                   stride_um, BLOCK_K, SILU, dtype, ROWS)
+            acc += w.to(tl.float32) * _row_chunk(x_ptr, u_ptr, 0, K, BLOCK_K, SILU, dtype)[None, :]
         else:
             grid_dependency_wait(PDL)
             if PREDICATED:
-                flags = tl.load(needed_ptr + tl.arange(0, ROWS_P2), mask=tl.arange(0, ROWS_P2) < ROWS, other=0)
-                if tl.max(flags, axis=0) == 0:
-                    zero = tl.zeros((BLOCK_N,), dtype=out_dtype)
-                    _store_rows(y_ptr, stride_ym, rows, N, zero, zero, zero, zero, ROWS)
+                if tl.load(needed_ptr) == 0:
+                    tl.store(y_ptr + rows, tl.zeros((BLOCK_N,), dtype=y_ptr.dtype.element_ty), mask=rows < N)
                     return
         for k in range(BLOCK_K if PDL and not PREDICATED else 0, K, BLOCK_K):
             w = _weight_tile(w_rows, k, K, BLOCK_K, EVEN_K)
-            acc0, acc1, acc2, acc3 = _rows_product(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, k, K, stride_xm,
-                                                   stride_um, BLOCK_K, SILU, dtype, ROWS)
-        _store_rows(y_ptr, stride_ym, rows, N, tl.sum(acc0, axis=1).to(dtype).to(out_dtype),
-                    tl.sum(acc1, axis=1).to(dtype).to(out_dtype), tl.sum(acc2, axis=1).to(dtype).to(out_dtype),
-                    tl.sum(acc3, axis=1).to(dtype).to(out_dtype), ROWS)
+            acc += w.to(tl.float32) * _row_chunk(x_ptr, u_ptr, k, K, BLOCK_K, SILU, dtype)[None, :]
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(dtype).to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
     @triton.jit
@@ -207,10 +178,10 @@ if triton is not None:
 
     @triton.jit
     def _norm_gemv_kernel(
-        x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, w_ptr, y_ptr,  # rows [ROWS, K], norm weights [K], W [N, K], y [ROWS, N]
-        N, K, stride_wn, stride_m, stride_ym, eps,  # stride_m: x's, b's and x_out's row stride
+        x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, w_ptr, y_ptr,  # rows [K], norm weights [K], W [N, K], y [N]
+        N, K, stride_wn, eps,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BRANCH: tl.constexpr,
-        ROWS: tl.constexpr, PDL: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         dtype = y_ptr.dtype.element_ty
         pid = tl.program_id(0)
@@ -219,37 +190,13 @@ if triton is not None:
         # No earlier kernel writes the weights: the first block streams in while they finish.
         w = _row_block(w_ptr, pid, blocks, N, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
         grid_dependency_wait(PDL)
-        # Each program normalizes every row once (KBs); program 0 also stores the residual sums.
-        x0 = normed_row(x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, K, eps, BLOCK_K, HAS_BRANCH, pid == 0, dtype, 0,
+        xv = normed_row(x_ptr, b_ptr, wb_ptr, wn_ptr, x_out_ptr, K, eps, BLOCK_K, HAS_BRANCH, pid == 0, dtype, 0,
                         tl.constexpr(0))
-        x1 = x0
-        x2 = x0
-        x3 = x0
-        if ROWS > 1:
-            x1 = normed_row(x_ptr + stride_m, b_ptr + stride_m, wb_ptr, wn_ptr, x_out_ptr + stride_m, K, eps,
-                            BLOCK_K, HAS_BRANCH, pid == 0, dtype, 0, tl.constexpr(0))
-        if ROWS > 2:
-            x2 = normed_row(x_ptr + 2 * stride_m, b_ptr + 2 * stride_m, wb_ptr, wn_ptr, x_out_ptr + 2 * stride_m, K,
-                            eps, BLOCK_K, HAS_BRANCH, pid == 0, dtype, 0, tl.constexpr(0))
-        if ROWS > 3:
-            x3 = normed_row(x_ptr + 3 * stride_m, b_ptr + 3 * stride_m, wb_ptr, wn_ptr, x_out_ptr + 3 * stride_m, K,
-                            eps, BLOCK_K, HAS_BRANCH, pid == 0, dtype, 0, tl.constexpr(0))
         block = pid
         for _ in range(pid, blocks, step):
             ahead = _row_block(w_ptr, block + step, blocks, N, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
             rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-            wf = w.to(tl.float32)
-            y0 = tl.sum(wf * x0[None, :], axis=1).to(dtype)
-            y1 = y0
-            y2 = y0
-            y3 = y0
-            if ROWS > 1:
-                y1 = tl.sum(wf * x1[None, :], axis=1).to(dtype)
-            if ROWS > 2:
-                y2 = tl.sum(wf * x2[None, :], axis=1).to(dtype)
-            if ROWS > 3:
-                y3 = tl.sum(wf * x3[None, :], axis=1).to(dtype)
-            _store_rows(y_ptr, stride_ym, rows, N, y0, y1, y2, y3, ROWS)
+            tl.store(y_ptr + rows, tl.sum(w.to(tl.float32) * xv[None, :], axis=1).to(dtype), mask=rows < N)
             w = ahead
             block += step
 else:  # pragma: no cover
@@ -280,103 +227,65 @@ SHAPE_CONFIGS: dict[tuple[int, int], GemvConfig] = {
 }
 
 
-MAX_ROWS = 4  # rows a launch of these kernels multiplies; more rows take the tensor-core routes
-
-# Launches for 2..MAX_ROWS rows (each row keeps a [BLOCK_N, BLOCK_K] fp32 accumulator: 16 registers a thread
-# a row at 8 warps; ptxas, sm_90, with the activation: 80 / 128 registers at 2 / 4 rows, against 166 / 255 for
-# the one-row launch's 4 x 2,048 tiles). Not yet measured against each other (``tools/profile_step.py``).
-FEW_ROWS_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=8, num_stages=2)
-FEW_ROWS_SHAPE_CONFIGS: dict[tuple[int, int], GemvConfig] = {
-    (49152, 2048): GemvConfig(block_n=8, block_k=512, num_warps=8, num_stages=2),
-}
-
-
-def use_gemv(x: Tensor, weight: Tensor, max_rows: int = 1) -> bool:
-    """Whether :func:`gemv` applies: 1 to ``max_rows`` (at most :data:`MAX_ROWS`) rows, unit stride along K, no
-    autograd. fp32 too: with no MMA the kernel is exact to fp32 rounding there, so fp32 engine tests check the
-    path as served."""
-    return (triton is not None and kernel_operands(x, weight, _DTYPES)
-            and 1 <= x.shape[0] <= min(max_rows, MAX_ROWS))
-
-
-def _check_rows(name: str, x: Tensor, k: int) -> None:
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"{name} wants x [R, K] with 1 <= R <= {MAX_ROWS}, K = {k} and unit stride along K, got "
-                         f"{tuple(x.shape)}")
+def use_gemv(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`gemv` applies: one row, unit stride along K, no autograd. fp32 too: with no MMA
+    the kernel is exact to fp32 rounding there, so fp32 engine tests check the path as served."""
+    return triton is not None and kernel_operands(x, weight, _DTYPES) and x.shape[0] == 1
 
 
 def gemv(x: Tensor, weight: Tensor, *, up: Tensor | None = None, needed: Tensor | None = None,
          config: GemvConfig | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
-    """``F.linear(x, weight)`` for ``x`` ``[R, K]`` (1 <= R <= :data:`MAX_ROWS`) and ``weight`` ``[N, K]``; with
-    ``up`` given, ``F.linear(silu(x) * up, weight)`` (the MLP's down projection, activation computed on load).
+    """``F.linear(x, weight)`` for one row ``x`` ``[1, K]`` and ``weight`` ``[N, K]``; with ``up`` given,
+    ``F.linear(silu(x) * up, weight)`` (the MLP's down projection, activation computed on load).
 
-    ``needed``: ``[R]`` bools on the device; where all are False the kernel returns zeros without reading the
-    weight (the coda of decode rows whose tokens do not exit this loop); where any is True every row is
-    computed. ``out_dtype``: the result's dtype (default ``x``'s), holding ``F.linear(x, weight).to(out_dtype)``:
+    ``needed``: a one-element bool tensor on the device; where it is False the kernel returns zeros
+    without reading the weight (the coda of a decode row whose token does not exit this loop).
+    ``out_dtype``: the result's dtype (default ``x``'s), holding ``F.linear(x, weight).to(out_dtype)``:
     rounded to ``x``'s dtype first, so fp32 logits need no conversion launch of their own."""
-    if weight.dim() != 2 or weight.stride(1) != 1:
-        raise ValueError(f"gemv wants weight [N, K] with unit stride along K, got {tuple(weight.shape)}")
-    n, k = weight.shape
-    _check_rows("gemv", x, k)
-    rows = x.shape[0]
+    if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"gemv wants x [1, K] and weight [N, K] with unit stride along K, got "
+                         f"{tuple(x.shape)} / {tuple(weight.shape)}")
     if up is not None and (up.shape != x.shape or up.stride(1) != 1):
         raise ValueError(f"gemv's up must be shaped like x {tuple(x.shape)} with unit stride, got {tuple(up.shape)}")
-    if needed is not None and (needed.numel() != rows or needed.dtype != torch.bool or not needed.is_contiguous()):
-        raise ValueError(f"gemv's needed must be {rows} contiguous bool(s), one a row, got {needed.dtype} "
-                         f"{tuple(needed.shape)}")
+    if needed is not None and (needed.numel() != 1 or needed.dtype != torch.bool):
+        raise ValueError(f"gemv's needed must be one bool, got {needed.dtype} {tuple(needed.shape)}")
     if out_dtype is not None and out_dtype not in _DTYPES:
         raise ValueError(f"gemv's out_dtype must be one of {', '.join(map(str, _DTYPES))}, got {out_dtype}")
-    if config is None:
-        config = (SHAPE_CONFIGS.get((n, k), DEFAULT_CONFIG) if rows == 1
-                  else FEW_ROWS_SHAPE_CONFIGS.get((n, k), FEW_ROWS_CONFIG))
-    cfg = config
-    y = torch.empty((rows, n), dtype=out_dtype or x.dtype, device=x.device)
-    u = up if up is not None else x
+    n, k = weight.shape
+    cfg = config or SHAPE_CONFIGS.get((n, k), DEFAULT_CONFIG)
+    y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, u, weight, y, needed.view(torch.int8) if needed is not None else x,
-        n, k, weight.stride(0), x.stride(0), u.stride(0), y.stride(0),
+        x, up if up is not None else x, weight, y, needed.view(torch.int8) if needed is not None else x,
+        n, k, weight.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, SILU=up is not None,
-        PREDICATED=needed is not None, ROWS=rows, ROWS_P2=triton.next_power_of_2(rows), **pdl_options(x.device),
+        PREDICATED=needed is not None, **pdl_options(x.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
-class NormGemvLaunch(NamedTuple):
-    """A :func:`norm_gemv` launch: weight rows a block, warps, and programs per SM (a fixed grid whose programs
-    each walk several blocks)."""
-    block_n: int
-    num_warps: int
-    programs_per_sm: int
-
-
 # norm_gemv's launch (H200, one-row steps, same call): 4 rows x whole row per block, 4 warps, 5 programs per
 # SM (what fits at 96 registers) gave 0.992 ms; 8 warps at 4 per SM 0.999; 3 per SM 1.001, 2 per SM 1.132;
-# without the load ahead 1.027. Several rows hold one normalized row each: 8 warps, as many programs per SM as
-# ptxas's register counts let reside (sm_90, K = 2,048: 112 / 120 / 138 registers a thread at 2 / 3 / 4 rows;
-# not yet measured against other launches).
-NORM_LAUNCHES: dict[int, NormGemvLaunch] = {1: NormGemvLaunch(4, 4, 5), 2: NormGemvLaunch(4, 8, 2),
-                                            3: NormGemvLaunch(4, 8, 2), 4: NormGemvLaunch(4, 8, 1)}
+# without the load ahead 1.027.
+_NORM_BLOCK_N, _NORM_WARPS, _NORM_PROGRAMS_PER_SM = 4, 4, 5
 _NORM_MAX_K = 2048  # whole rows per block: wider ones would not fit a program's registers
 
 
-def use_norm_gemv(x: Tensor, weight: Tensor, max_rows: int = 1) -> bool:
-    """Whether :func:`norm_gemv` applies: :func:`use_gemv`'s 1 to ``max_rows`` rows, contiguous, of at most
-    2,048 columns."""
-    return use_gemv(x, weight, max_rows) and x.is_contiguous() and x.shape[1] <= _NORM_MAX_K
+def use_norm_gemv(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`norm_gemv` applies: :func:`use_gemv`'s one row, contiguous, of at most 2,048 columns."""
+    return use_gemv(x, weight) and x.is_contiguous() and x.shape[1] <= _NORM_MAX_K
 
 
 def norm_gemv(x: Tensor, weight: Tensor, norm_weight: Tensor, eps: float, *, branch: Tensor | None = None,
               branch_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """1 to :data:`MAX_ROWS` rows through the residual add, the RMSNorm and a projection, in one kernel.
+    """One row through the residual add, the RMSNorm and a projection, in one kernel.
 
     Returns ``(x', y)``: ``x' = x + rms_norm(branch) * branch_weight`` (``x`` itself without ``branch``) and
     ``y = F.linear(rms_norm(x') * norm_weight, weight)``, rounded as :meth:`TorchOps.add_rms_norm` then
     :func:`gemv`."""
     n, k = weight.shape
-    if (x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != k or not x.is_contiguous()
-            or weight.stride(1) != 1 or k > _NORM_MAX_K):
-        raise ValueError(f"norm_gemv wants x [R, K] contiguous with 1 <= R <= {MAX_ROWS}, K <= {_NORM_MAX_K} and "
-                         f"weight [N, K] with unit stride along K, got {tuple(x.shape)} / {tuple(weight.shape)}")
+    if x.shape != (1, k) or not x.is_contiguous() or weight.stride(1) != 1 or k > _NORM_MAX_K:
+        raise ValueError(f"norm_gemv wants x [1, K] contiguous with K <= {_NORM_MAX_K} and weight [N, K] with "
+                         f"unit stride along K, got {tuple(x.shape)} / {tuple(weight.shape)}")
     if (branch is None) != (branch_weight is None):
         raise ValueError("norm_gemv's branch and branch_weight come together")
     if branch is not None and (branch.shape != x.shape or not branch.is_contiguous() or branch.dtype != x.dtype):
@@ -385,21 +294,18 @@ def norm_gemv(x: Tensor, weight: Tensor, norm_weight: Tensor, eps: float, *, bra
     for name, w in (("norm_weight", norm_weight), ("branch_weight", branch_weight)):
         if w is not None and (w.shape != (k,) or not w.is_contiguous()):
             raise ValueError(f"norm_gemv's {name} must be contiguous [{k}], got {tuple(w.shape)}")
-    rows = x.shape[0]
-    launch = NORM_LAUNCHES[rows]
-    blocks = triton.cdiv(n, launch.block_n)
+    blocks = triton.cdiv(n, _NORM_BLOCK_N)
     # The CPU interpreter gets three programs, so that the tests walk several blocks per program.
-    grid = min(blocks, launch.programs_per_sm * cuda_sm_count(x.device) if x.is_cuda else 3)
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    grid = min(blocks, _NORM_PROGRAMS_PER_SM * cuda_sm_count(x.device) if x.is_cuda else 3)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     x_out = torch.empty_like(x) if branch is not None else x
     block_k = triton.next_power_of_2(k)
     _norm_gemv_kernel[(grid,)](
         x, branch if branch is not None else x, branch_weight if branch_weight is not None else norm_weight,
-        norm_weight, x_out, weight, y, n, k, weight.stride(0), k, n, eps,
-        BLOCK_N=launch.block_n, BLOCK_K=block_k, EVEN_K=k == block_k, HAS_BRANCH=branch is not None, ROWS=rows,
-        **pdl_options(x.device), num_warps=launch.num_warps)
+        norm_weight, x_out, weight, y, n, k, weight.stride(0), eps,
+        BLOCK_N=_NORM_BLOCK_N, BLOCK_K=block_k, EVEN_K=k == block_k, HAS_BRANCH=branch is not None,
+        **pdl_options(x.device), num_warps=_NORM_WARPS)
     return x_out, y
 
 
-__all__ = ["DEFAULT_CONFIG", "FEW_ROWS_CONFIG", "MAX_ROWS", "NORM_LAUNCHES", "SHAPE_CONFIGS", "GemvConfig",
-           "NormGemvLaunch", "gemv", "norm_gemv", "use_gemv", "use_norm_gemv"]
+__all__ = ["DEFAULT_CONFIG", "SHAPE_CONFIGS", "GemvConfig", "gemv", "norm_gemv", "use_gemv", "use_norm_gemv"]

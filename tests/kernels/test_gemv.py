@@ -1,12 +1,12 @@
-"""The GEMV kernels (1 to gemv.MAX_ROWS rows), their fused SwiGLU activation and their fused add + RMSNorm
-against the reference ops (CPU interpreter or GPU)."""
+"""The one-row GEMV, its fused SwiGLU activation and its fused add + RMSNorm against the reference ops
+(CPU interpreter or GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from triton_testing import DEVICE, DTYPES, bf16_dot_in_the_interpreter, close, one_layer
 
-from loopline.kernels.gemv import MAX_ROWS, GemvConfig, gemv, norm_gemv, use_gemv, use_norm_gemv
+from loopline.kernels.gemv import GemvConfig, gemv, norm_gemv, use_gemv, use_norm_gemv
 from loopline.models.ops import TorchOps
 
 F = torch.nn.functional
@@ -53,19 +53,14 @@ def test_gemv_silu_is_the_mlp_tail(dtype, cfg):
 
 def test_gemv_rejects_bad_shapes_and_applies_to_one_row():
     w = torch.zeros(8, 16)
-    with pytest.raises(ValueError, match="x \\[R, K\\] with 1 <= R <= 4"):
-        gemv(torch.zeros(MAX_ROWS + 1, 16), w)
-    with pytest.raises(ValueError, match="K = 16"):
-        gemv(torch.zeros(1, 8), w)
+    with pytest.raises(ValueError, match="x \\[1, K\\]"):
+        gemv(torch.zeros(2, 16), w)
     with pytest.raises(ValueError, match="up must be shaped like x"):
         gemv(torch.zeros(1, 16), w, up=torch.zeros(1, 8))
     bf = w.to(torch.bfloat16)
     with torch.inference_mode():
         assert use_gemv(torch.zeros(1, 16, dtype=torch.bfloat16), bf)
         assert not use_gemv(torch.zeros(2, 16, dtype=torch.bfloat16), bf)
-        assert use_gemv(torch.zeros(2, 16, dtype=torch.bfloat16), bf, max_rows=2)
-        assert not use_gemv(torch.zeros(3, 16, dtype=torch.bfloat16), bf, max_rows=2)
-        assert not use_gemv(torch.zeros(MAX_ROWS + 1, 16, dtype=torch.bfloat16), bf, max_rows=16)
         assert use_gemv(torch.zeros(1, 16), w)
         assert not use_gemv(torch.zeros(1, 16, dtype=torch.float64), w.double())
         assert not use_gemv(torch.zeros(1, 16), bf)
@@ -103,7 +98,7 @@ def test_gemv_needed_flag_skips_the_weight(dtype):
     yes, no = (torch.tensor([f], device=DEVICE) for f in (True, False))
     close(gemv(x, weight, needed=yes), _reference(x, weight), dtype)
     assert torch.equal(gemv(x, weight, needed=no), torch.zeros(1, 72, dtype=dtype, device=DEVICE))
-    with pytest.raises(ValueError, match="needed must be 1 contiguous bool"):
+    with pytest.raises(ValueError, match="needed must be one bool"):
         gemv(x, weight, needed=torch.ones(2, dtype=torch.bool, device=DEVICE))
 
 
@@ -167,8 +162,8 @@ def test_norm_gemv_is_add_rms_norm_then_the_product(dtype, k, n):
 
 def test_norm_gemv_rejects_bad_operands():
     x, b, wb, wn, weight = _norm_case(64, 8, torch.float32, seed=1)
-    with pytest.raises(ValueError, match="x \\[R, K\\] contiguous with 1 <= R <= 4"):
-        norm_gemv(torch.zeros(MAX_ROWS + 1, 64, device=DEVICE), weight, wn, 1e-6)
+    with pytest.raises(ValueError, match="x \\[1, K\\]"):
+        norm_gemv(torch.zeros(2, 64, device=DEVICE), weight, wn, 1e-6)
     with pytest.raises(ValueError, match="K <= 2048"):
         norm_gemv(torch.zeros(1, 4096, device=DEVICE), torch.zeros(8, 4096, device=DEVICE), None, 1e-6)
     with pytest.raises(ValueError, match="come together"):
@@ -178,7 +173,6 @@ def test_norm_gemv_rejects_bad_operands():
     with pytest.raises(ValueError, match="norm_weight must be"):
         norm_gemv(x, weight, wn[:32], 1e-6)
     assert use_norm_gemv(x, weight) and not use_norm_gemv(torch.zeros(2, 64, device=DEVICE), weight)
-    assert use_norm_gemv(torch.zeros(2, 64, device=DEVICE), weight, max_rows=4)
     assert not use_norm_gemv(torch.zeros(1, 4096, device=DEVICE), torch.zeros(8, 4096, device=DEVICE))
 
 
@@ -212,98 +206,3 @@ def test_triton_ops_fuse_the_norm_into_one_row_projections(monkeypatch):
             close(gate, gate_r, torch.bfloat16)
             close(up, up_r, torch.bfloat16)
     assert calls == [((192, 64), False), ((192, 64), True), ((192, 64), True)]
-
-
-@pytest.mark.parametrize("rows", range(2, MAX_ROWS + 1))
-@pytest.mark.parametrize("dtype", PRODUCT_DTYPES)
-def test_gemv_takes_several_rows_each_its_own_product(rows, dtype):
-    """2-4 rows in one launch: each row's product (plain, with the SwiGLU activation, predicated) equals the
-    reference, a row's result depends on that row only (rows swapped, results swapped), and the ``needed``
-    flags skip the weight only when no row needs it."""
-    g = torch.Generator().manual_seed(10 + rows)
-    k, n = 320, 72
-    weight = _weight(k, n, dtype, g)
-    x = torch.randn(rows, 2 * k, generator=g).to(DEVICE, dtype)[:, :k]  # row stride 2K, as split halves
-    for cfg in (None, GemvConfig(8, 64, 4, 1)):
-        y = gemv(x, weight, config=cfg)
-        close(y, _reference(x, weight), dtype)
-        assert torch.equal(gemv(x.flip(0), weight, config=cfg), y.flip(0))
-    gate, up = torch.randn(rows, 2 * k, generator=g).mul(3).to(DEVICE, dtype).split([k, k], dim=-1)
-    want = _reference(TorchOps.silu_mul(gate, up), weight)
-    if dtype == torch.float32 or DEVICE == "cuda":  # (the interpreter truncates the activation's bf16 rounding)
-        close(gemv(gate, weight, up=up), want, dtype)
-    needed = torch.zeros(rows, dtype=torch.bool, device=DEVICE)
-    assert torch.equal(gemv(x, weight, needed=needed, out_dtype=torch.float32),
-                       torch.zeros(rows, n, device=DEVICE))
-    needed[rows - 1] = True
-    close(gemv(x, weight, needed=needed), _reference(x, weight), dtype)
-    with pytest.raises(AssertionError):  # the test can fail: one row's input in another's place is caught
-        close(gemv(x[[1, 0] + list(range(2, rows))], weight), _reference(x, weight), dtype)
-
-
-@pytest.mark.parametrize("rows", range(2, MAX_ROWS + 1))
-@pytest.mark.parametrize("dtype", PRODUCT_DTYPES)
-def test_norm_gemv_takes_several_rows(rows, dtype):
-    """Each row's residual sum and normalized product, as for one row (three programs walk the blocks)."""
-    from loopline.kernels.fused import TritonOps
-
-    g = torch.Generator().manual_seed(20 + rows)
-    k, n = 256, 130
-    x, b = (torch.randn(rows, k, generator=g).to(DEVICE, dtype) for _ in range(2))
-    wb, wn = ((torch.rand(k, generator=g) + 0.5).to(DEVICE, dtype) for _ in range(2))
-    weight = _weight(k, n, dtype, g)
-    ref = TorchOps() if dtype == torch.float32 or DEVICE == "cuda" else TritonOps()
-    x_ref, normed = ref.add_rms_norm(x, b, wb, wn, 1e-6)
-    x_out, y = norm_gemv(x, weight, wn, 1e-6, branch=b, branch_weight=wb)
-    close(x_out, x_ref, dtype)
-    close(y, _reference(normed, weight), dtype)
-    same, y_plain = norm_gemv(x, weight, wn, 1e-6)
-    assert same is x
-    close(y_plain, _reference(ref.rms_norm(x, wn, 1e-6), weight), dtype)
-    with pytest.raises(AssertionError):  # the test can fail: another row's norm is caught
-        close(norm_gemv(x.flip(0).contiguous(), weight, wn, 1e-6)[1], y_plain, dtype)
-
-
-def test_triton_ops_route_up_to_gemv_max_rows_to_the_gemv_kernels(monkeypatch):
-    """With gemv_max_rows=3: 1-3 rows take norm_gemv for q/k/v and gate/up and gemv for o_proj, down_proj
-    (activation fused) and the predicated vocabulary projection; 4 rows take the other routes. Every route
-    agrees with TorchOps."""
-    import loopline.kernels.fused as fused
-    from loopline.kernels.fused import TritonOps
-
-    g = torch.Generator().manual_seed(7)
-    model, attn, mlp = one_layer(64, 64, 64, 96, torch.bfloat16, g)
-    # (the interpreter truncates fp32 -> bf16 casts: there the reference is TritonOps' own norm and activation
-    # kernels, which round alike, then torch's products; on a GPU it is TorchOps)
-    fast, ref = TritonOps(gemv_max_rows=3), TorchOps() if DEVICE == "cuda" else TritonOps()
-    fast.prepare(model)
-    calls = []
-    monkeypatch.setattr(fused, "gemv", lambda x, w, **kw: calls.append(("gemv", x.shape[0], w.shape))
-                        or gemv(x, w, **kw))
-    monkeypatch.setattr(fused, "norm_gemv", lambda x, w, *a, **kw: calls.append(("norm", x.shape[0], w.shape))
-                        or norm_gemv(x, w, *a, **kw))
-    head = torch.nn.Linear(64, 200, bias=False).to(DEVICE, torch.bfloat16)
-    head.weight.data = _weight(64, 200, torch.bfloat16, g)
-    wb, wn = ((torch.rand(64, generator=g) + 0.5).to(DEVICE, torch.bfloat16) for _ in range(2))
-    with torch.inference_mode(), bf16_dot_in_the_interpreter():
-        for rows in (3, 4):
-            x, b = (torch.randn(rows, 64, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-            got_x, got = fast.norm_project_qkv(attn, x, b, wb, wn, 1e-6)
-            want_x, want = ref.norm_project_qkv(attn, x, b, wb, wn, 1e-6)
-            close(got_x, want_x, torch.bfloat16)
-            for a, e in zip(got, want, strict=True):
-                close(a, e, torch.bfloat16)
-            close(fast.linear(attn.o_proj, x), ref.linear(attn.o_proj, x), torch.bfloat16)
-            _, (gate, up) = fast.norm_project_gate_up(mlp, x, b, wb, wn, 1e-6)
-            _, (gate_r, up_r) = ref.norm_project_gate_up(mlp, x, b, wb, wn, 1e-6)
-            close(gate, gate_r, torch.bfloat16)
-            close(fast.swiglu_down(mlp, gate, up), ref.swiglu_down(mlp, gate, up), torch.bfloat16)
-            exits = torch.zeros(rows, dtype=torch.bool, device=DEVICE)
-            exits[0] = True
-            close(fast.logits(head, x, exits), TorchOps.logits(head, x), torch.bfloat16)
-    assert calls == [("norm", 3, (192, 64)), ("gemv", 3, (64, 64)), ("norm", 3, (192, 64)), ("gemv", 3, (64, 96)),
-                     ("gemv", 3, (200, 64))]
-    with pytest.raises(ValueError, match="gemv_max_rows must be in 1..4, got 5"):
-        TritonOps(gemv_max_rows=5)
-    with pytest.raises(ValueError, match="norm_gemv_max_rows must be in 1..2"):
-        TritonOps(gemv_max_rows=2, norm_gemv_max_rows=3)

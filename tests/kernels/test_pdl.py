@@ -26,8 +26,7 @@ if getattr(pytest.importorskip("triton.language.extra.cuda"), "gdc_wait", None) 
 WAIT = "griddepcontrol.wait"
 _ATTN_POINTERS = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start_loc_ptr": "*i32",
                   "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "work_tiles_ptr": "*i32"}
-_G = {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True, "ROWS": 1, "ROWS_P2": 1}
-_G4 = {**_G, "ROWS": 4, "ROWS_P2": 4}  # four rows a launch (TritonOps(gemv_max_rows=4))
+_G = {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True}
 _SKINNY = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN_K": True, "PRECISION": "tf32"}
 _DECODE_POINTERS = {**_ATTN_POINTERS, "slot_mapping_ptr": "*i64", "arrivals_ptr": "*i32"}
 _DECODE = {"G": 2, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "D_PAD": 64, "NUM_SPLITS": 2,
@@ -43,13 +42,7 @@ CASES = {
     "gemv_no_pdl": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
                     {**_G, "SILU": False, "PREDICATED": False}, False),
     "norm_gemv": ("loopline.kernels.gemv", "_norm_gemv_kernel", {},
-                  {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True, "HAS_BRANCH": True, "ROWS": 1}, True),
-    "gemv_rows": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
-                  {**_G4, "SILU": True, "PREDICATED": False}, True),
-    "gemv_rows_predicated": ("loopline.kernels.gemv", "_gemv_kernel", {"needed_ptr": "*i8"},
-                             {**_G4, "SILU": False, "PREDICATED": True}, True),
-    "norm_gemv_rows": ("loopline.kernels.gemv", "_norm_gemv_kernel", {},
-                       {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True, "HAS_BRANCH": True, "ROWS": 4}, True),
+                  {"BLOCK_N": 4, "BLOCK_K": 256, "EVEN_K": True, "HAS_BRANCH": True}, True),
     "skinny": ("loopline.kernels.skinny_gemm", "_skinny_kernel", {}, _SKINNY, True),
     "skinny_no_pdl": ("loopline.kernels.skinny_gemm", "_skinny_kernel", {}, _SKINNY, False),
     "split_k_reduce": ("loopline.kernels.skinny_gemm", "_split_k_reduce_kernel", {"ws_ptr": "*fp32"},
@@ -167,7 +160,7 @@ def _check_waits_first(lines: list[str], prefetch: tuple[str, ...] | str | None 
         assert loads and all(any(k in x for k in kinds) for x in loads), "the prefetch is missing or reads other data"
 
 
-@pytest.mark.parametrize("case", ["gemv", "gemv_silu", "norm_gemv", "gemv_rows", "norm_gemv_rows"])
+@pytest.mark.parametrize("case", ["gemv", "gemv_silu", "norm_gemv"])
 def test_gemv_prefetches_only_weights_before_the_wait(ptx, case):
     # Weight loads carry evict_first; the row (written by the kernel before) is read after the wait.
     _check_waits_first(ptx[case], prefetch="evict_first")
@@ -176,7 +169,6 @@ def test_gemv_prefetches_only_weights_before_the_wait(ptx, case):
 def test_predicated_gemv_reads_nothing_before_the_wait(ptx):
     # The coda must not stream the vocabulary projection for a token that does not exit.
     _check_waits_first(ptx["gemv_predicated"])
-    _check_waits_first(ptx["gemv_rows_predicated"])
 
 
 def test_without_pdl_no_grid_dependency_control(ptx):
