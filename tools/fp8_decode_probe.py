@@ -137,6 +137,29 @@ def packed(q, k_cache, v_cache, scales, meta, scale, out, hg: int, block_n: int,
         FAST=fast, num_warps=warps, num_stages=stages)
 
 
+# CUDA-core kernels of tools/decode_kernel_probe.py (no tensor cores: a tile widens straight to fp32 in
+# registers, no shared-memory operand): one (row, head) per program of 1-2 warps (``warp``: PAGES, WARPS,
+# PREFETCH, SPLITS) or one online softmax per key lane (``lanes``: HG, PAGES, WARPS, PREFETCH). At bf16 they
+# matched the engine on an H200 (2026-11-30); over FP8 pages they skip the widened tile's trip through
+# shared memory that the engine's tensor-core dots take.
+CUDA_CORE = [("warp", (1, 1, 0, 1)), ("warp", (1, 1, 1, 1)), ("warp", (2, 1, 0, 1)), ("warp", (1, 2, 0, 1)),
+             ("warp", (2, 2, 1, 1)), ("lanes", (1, 1, 2, 0)), ("lanes", (1, 2, 4, 0)), ("lanes", (1, 1, 1, 0)),
+             ("lanes", (1, 2, 2, 1))]
+
+
+def cuda_core(name: str, params: tuple, q, k_cache, v_cache, scales, meta, scale: float, out) -> torch.Tensor:
+    """``decode_kernel_probe.launch``, with an FP8 cache's per-head scales folded into q (K's) and applied to
+    the output (V's), as the engine's kernels fold them; returns ``out``."""
+    from decode_kernel_probe import launch
+
+    if scales is not None:
+        q = (q.float() * scales[0][None, :, None]).to(q.dtype)
+    launch(name, params, q, k_cache, v_cache, meta, scale, out)
+    if scales is not None:
+        out.mul_(scales[1][None, :, None].to(out.dtype))
+    return out
+
+
 def make_case(seq_lens: list[int], device: str):
     """bf16 pages and their FP8 copy (per-head scales from the amax), shuffled, one query per row."""
     pages = [-(-s // BLOCK_SIZE) for s in seq_lens]
@@ -203,6 +226,11 @@ def check(device: str) -> None:
             err = (out.float() - ref).abs().max().item()
             print(f"check {name} packed hg={hg} n={bn} fast={fast}: max abs err {err:.2e}", flush=True)
             assert err < 2e-2, (name, hg, bn, fast, err)
+        for variant, params in CUDA_CORE:
+            out = cuda_core(variant, params, q, kc, vc, sc, meta, scale, torch.empty_like(q))
+            err = (out.float() - ref).abs().max().item()
+            print(f"check {name} {variant} {params}: max abs err {err:.2e}", flush=True)
+            assert err < 2e-2, (name, variant, params, err)
         kw = dict(zip(("k_scale", "v_scale"), sc)) if sc else {}
         for layout, (kx, vx) in (("", (kc, vc)), (" head-major", (head_major(kc), head_major(vc)))):
             eng = TritonAttentionBackend().attend(q, kx, vx, meta, scale, **kw)
@@ -249,6 +277,10 @@ def main() -> None:
                 cases.append((f"{name} packed hg={hg} n={bn} w={w} s={st} fast={int(fast)}", elem,
                               lambda kc=kc, vc=vc, sc=sc, p=(hg, bn, w, st, fast):
                               packed(q, kc, vc, sc, meta, scale, out, *p)))
+            for variant, params in CUDA_CORE:
+                cases.append((f"{name} cuda-core {variant} {params}", elem,
+                              lambda kc=kc, vc=vc, sc=sc, v=variant, p=params:
+                              cuda_core(v, p, q, kc, vc, sc, meta, scale, out)))
             kb, vb = (kc.view(torch.uint8), vc.view(torch.uint8)) if sc else (kc, vc)
             for hg, pages, w in GATHER:
                 cases.append((f"{name} gather hg={hg} pages={pages} w={w}", elem,

@@ -5,7 +5,7 @@
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
-# splits_rows split_sums last_merges fp8_layout fp8_launches newkernels; LOOPLINE_BENCH_C
+# splits_rows split_sums last_merges fp8_layout fp8_cuda_core fp8_launches newkernels; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -308,6 +308,11 @@ if has fp8_layout; then  # issue #40: FP8 and bf16 decode attention over token-m
   # head-major ones (strided views), and the reads alone, at 128 and 32 rows
   timeout 200 python3 tools/fp8_decode_probe.py --check --rows 128,32 --only "engine default,head-major,gather hg=1 pages=4" \
     2>&1 | grep -v Warn | tee "$out/fp8_layout.txt"
+fi
+if has fp8_cuda_core; then  # issue #40: CUDA-core decode kernels (tools/decode_kernel_probe.py's warp / lanes) over
+  # FP8 and bf16 pages against the engine's launch and the reads alone, at 128 and 32 rows
+  timeout 240 python3 tools/fp8_decode_probe.py --check --rows 128,32 --only "engine default,cuda-core,gather hg=1 pages=4" \
+    2>&1 | grep -v Warn | grep -v "^check" | tee "$out/fp8_cuda_core.txt"
 fi
 if has fp8_launches; then  # issue #40: the unsplit decode launch over FP8 pages (keys per step, warps, stages) at
   # 128 and 32 rows, against the reads alone
