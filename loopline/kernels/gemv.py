@@ -49,7 +49,7 @@ computed on load in ``down_proj`` (H100, 2026-12-06; the code is in git at 12bff
 
 (Nor, a third time, these two kernels taking 1-4 rows themselves, each row its own fp32 products on the one
 widened weight tile, the norms and the activation fused, the vocabulary projection skipped unless a row
-exits (H200, 2026-12-07; the code is in git at 18fdb2d / c3e6539): whole steps at 2 / 3 / 4 rows took 1.625 /
+exits (H200, 2026-12-06 (session 30); the code is in git at 18fdb2d / c3e6539): whole steps at 2 / 3 / 4 rows took 1.625 /
 3.318 / 3.254 ms against 1.388-1.400 / 1.520 / 1.534; the best of four launches 1.553 / - / 2.128, and the
 products alone without the norms 1.577 / - / 2.605. Kernel by kernel at 2 rows (PDL off), the GEMV read
 the step's weights in 1,126 us where the skinny kernel, cuBLAS, the SiLU kernel and cuBLAS's lm_head took
