@@ -275,14 +275,16 @@ def test_triton_rotate_and_write_matches_torch(heads, kv_heads):
     assert not torch.equal(results[1][1], as_bytes(case.empty()[0]))  # something was stored
 
 
-def check_attend(rows, heads, kv_heads, num_splits=None, work_pad=None, decode_rows=0, block_n=None, seed=0):
+def check_attend(rows, heads, kv_heads, num_splits=None, work_pad=None, decode_rows=0, block_n=None, seed=0,
+                 cuda_cores=None):
     """Triton attention over an FP8 cache against torch's over the same bytes."""
     case = make_case(rows, heads, kv_heads, seed=seed)
     kc, vc = case.filled(TritonAttentionBackend())
     assert torch.equal(as_bytes(kc), as_bytes(case.filled()[0]))  # the Triton store wrote torch's bytes
     scale = 16**-0.5
     want = TorchAttentionBackend().attend(case.q, kc, vc, case.meta, scale, **case.scales())
-    backend = TritonAttentionBackend(num_splits=num_splits, decode_launch=DecodeLaunch(block_n=block_n))
+    backend = TritonAttentionBackend(num_splits=num_splits,
+                                     decode_launch=DecodeLaunch(block_n=block_n, cuda_cores=cuda_cores))
     meta = case.meta
     if work_pad is not None:
         tile = backend.work_tile_tokens(heads // kv_heads)
@@ -299,6 +301,13 @@ def check_attend(rows, heads, kv_heads, num_splits=None, work_pad=None, decode_r
 @pytest.mark.parametrize("heads,kv_heads", GQA_DEFAULT_ONE)
 def test_triton_attend_decode_rows(heads, kv_heads):
     check_attend([(1, 13), (1, 1), (1, 30), (1, 17)], heads, kv_heads, block_n=16)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_triton_cuda_core_decode_reads_fp8(num_splits):
+    """mha_decode_kernel (DecodeLaunch(cuda_cores=True)) over FP8 pages: the key scale folded into q, the
+    value scale into the output, as torch's attention over the dequantized bytes."""
+    check_attend([(1, 13), (1, 1), (1, 30), (1, 17)], 2, 2, num_splits=num_splits, block_n=8, cuda_cores=True)
 
 
 @pytest.mark.parametrize("heads,kv_heads", GQA_DEFAULT_ONE)

@@ -5,7 +5,7 @@
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
-# splits_rows split_sums last_merges fp8_layout fp8_cuda_core fp8_launches newkernels; LOOPLINE_BENCH_C
+# splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps fp8_launches newkernels; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -313,6 +313,18 @@ if has fp8_cuda_core; then  # issue #40: CUDA-core decode kernels (tools/decode_
   # FP8 and bf16 pages against the engine's launch and the reads alone, at 128 and 32 rows
   timeout 240 python3 tools/fp8_decode_probe.py --check --rows 128,32 --only "engine default,cuda-core,gather hg=1 pages=4" \
     2>&1 | grep -v Warn | grep -v "^check" | tee "$out/fp8_cuda_core.txt"
+fi
+if has cuda_core_steps; then  # issue #40: decode rows of many-row steps on CUDA cores (DecodeLaunch(cuda_cores=True),
+  # --decode-launch BLOCK_N,WARPS,STAGES,0,1) against the tensor-core kernel, FP8 and bf16, whole steps A/B/A
+  timeout 120 python3 -m pytest -q -n 0 tests/attention/test_triton_backend.py tests/test_fp8_kv_attention.py -k cuda_core \
+    > "$out/cuda_core_tests.log" 2>&1; echo "cuda-core tests rc=$? $(tail -1 "$out/cuda_core_tests.log")"
+  for c in "128 fp8" "32 fp8" "128 auto"; do set -- $c
+    for l in "" "16,1,1,0,1" "32,2,1,0,1" "16,2,1,0,1" ""; do
+      [ "$2" = auto ] && [ "$l" = "32,2,1,0,1" -o "$l" = "16,2,1,0,1" ] && continue
+      timeout 90 python3 tools/profile_step.py --rows "$1" --context 1088 --steps 64 --kv-cache-dtype "$2" \
+        ${l:+--decode-launch $l} 2>&1 | grep -E "mean step" | sed "s/^/rows $1 $2 launch ${l:-default}: /"
+    done
+  done | tee "$out/cuda_core_steps.txt"
 fi
 if has fp8_launches; then  # issue #40: the unsplit decode launch over FP8 pages (keys per step, warps, stages) at
   # 128 and 32 rows, against the reads alone

@@ -28,6 +28,7 @@ from loopline.attention.triton_kernels import (
     copy_exited_kernel,
     decode_attention_kernel,
     merge_splits_kernel,
+    mha_decode_kernel,
     paged_attention_kernel,
     rope_write_kv_kernel,
     triton,
@@ -149,6 +150,10 @@ class DecodeLaunch:
     # Split launches of the fused decode kernel: the split of a (row, KV head) that finishes last merges the
     # partials, instead of a merge launch of its own (counters in a buffer the kernel rearms). None: off.
     last_split_merges: bool | None = None
+    # MHA caches (one query head per KV head): decode rows on CUDA cores (``mha_decode_kernel``: a warp or two
+    # per (row, head), tiles widened to fp32 in registers) instead of the tensor-core tile loop, in launches
+    # that do not take the fused decode kernel. None: off.
+    cuda_cores: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -416,7 +421,12 @@ class TritonAttentionBackend(AttentionBackend):
         num_stages = tune.num_stages or num_stages
         precision = _dot_precision(_dot_dtype(q, k_cache))
 
-        if work is not None and meta.num_decode_rows:
+        if group == 1 and self.decode_launch.cuda_cores and (decode_only or work is not None):
+            if decode_only:  # every row a decode row
+                return self._cuda_core_decode(q, k_cache, v_cache, scales, out, meta, scale, num_rows, num_splits)
+            if meta.num_decode_rows:
+                self._cuda_core_decode(q, k_cache, v_cache, scales, out, meta, scale, meta.num_decode_rows, 1)
+        elif work is not None and meta.num_decode_rows:
             # Decode rows of a mixed step: one query each, so 16-row tiles, not the work list's 64
             # (whose padding rows would multiply their softmax and MMA work by 64 / G).
             decode_m = _decode_block_m(group)
@@ -428,6 +438,24 @@ class TritonAttentionBackend(AttentionBackend):
         part_out, part_lse = self.partials(num_splits, out)
         self._launch(q, k_cache, v_cache, scales, out, part_out, part_lse, meta, work, scale, grid, group, tile_t,
                      block_m, block_n, num_splits, precision, num_warps, num_stages)
+        self.merge(num_splits, part_out, part_lse, out)
+        return out
+
+    def _cuda_core_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scales: tuple[Tensor, Tensor],
+                          out: Tensor, meta: PagedAttentionMetadata, scale: float, rows: int,
+                          num_splits: int) -> Tensor:
+        """The first ``rows`` rows of ``q`` (one query each) through ``mha_decode_kernel`` into ``out``."""
+        launch = self.decode_launch
+        part_out, part_lse = self.partials(num_splits, out)
+        d = q.shape[2]
+        mha_decode_kernel[(rows, q.shape[1], num_splits)](
+            q, k_cache, v_cache, *scales, out, part_out, part_lse, meta.seq_lens, meta.block_tables,
+            scale * _LOG2E, q.shape[0], q.shape[1], q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+            BLOCK_N=launch.block_n or k_cache.shape[1], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d,
+            D_PAD=_next_pow2(d), NUM_SPLITS=num_splits, **pdl_options(q.device),
+            num_warps=launch.num_warps or 1, num_stages=launch.num_stages or 1)
         self.merge(num_splits, part_out, part_lse, out)
         return out
 

@@ -15,6 +15,8 @@
   row's history in one launch. With splits (small batches), each program loads
   its first key tile before its grid-dependency wait, while the kernels before
   it still run (the history was written by earlier steps).
+* ``mha_decode_kernel`` serves decode rows of MHA caches on CUDA cores instead
+  (``DecodeLaunch.cuda_cores``): one (row, head) per program of a warp or two, no tensor-core tiles.
 * ``rope_write_kv_kernel`` stores a step's new K/V at ``slot_mapping`` (slot < 0:
   skip) and applies rotary to q and k on the way (what the engine runs: the
   rotated k never makes a round trip through memory); with ``ROTATE=False`` it
@@ -355,6 +357,86 @@ def paged_attention_kernel(
         p_idx = (split * num_tokens + q_row) * num_heads + head  # [BLOCK_M] into [S, N, H]
         tl.store(part_lse_ptr + p_idx, lse, mask=m_valid)
         tl.store(part_out_ptr + p_idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=md_valid)
+
+
+@_jit_step_sizes("num_tokens", "stride_bt")
+def mha_decode_kernel(
+    q_ptr,  # [N, H, D], rotated; row n is decode row n (one query)
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, H, D]: one KV head per query head (MHA)
+    v_cache_ptr,
+    k_scale_ptr,  # [H] fp32, FP8 caches only (unread otherwise)
+    v_scale_ptr,
+    out_ptr,  # [N, H, D] (NUM_SPLITS == 1)
+    part_out_ptr,  # [NUM_SPLITS, N, H, D] fp32, contiguous (NUM_SPLITS > 1)
+    part_lse_ptr,  # [NUM_SPLITS, N, H] fp32, contiguous (NUM_SPLITS > 1)
+    seq_lens_ptr,  # [N] int32: keys 0 .. seq_len - 1, the row's own included
+    block_tables_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    num_tokens,
+    num_heads,
+    stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_on, stride_oh,
+    stride_bt,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Decode rows of an MHA cache on CUDA cores (``DecodeLaunch.cuda_cores``): grid ``(row, head, split)``,
+    one query against ``[BLOCK_N, D]`` key and value tiles that widen to fp32 in registers, scores and
+    output as elementwise products and sums. A query of one head fills 1 of a tensor-core tile's 16 rows;
+    here no tile passes through shared memory, which over FP8 pages the widened tiles of the dot path must.
+    q is taken in fp32 (with an FP8 cache's key scale folded in), the probabilities are never rounded.
+    Splits write partials as ``paged_attention_kernel``'s do."""
+    row = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    grid_dependency_wait(PDL)
+    n = row.to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + row)
+    steps = tl.cdiv(seq_len, BLOCK_N)
+    kv_lo = tl.cdiv(split * steps, NUM_SPLITS) * BLOCK_N  # splits as in paged_attention_kernel
+    kv_hi = tl.minimum(seq_len, tl.cdiv((split + 1) * steps, NUM_SPLITS) * BLOCK_N)
+    table = block_tables_ptr + n * stride_bt
+    offs_t = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    slot = (offs_t % BLOCK_SIZE).to(tl.int64)
+    k_inner = k_cache_ptr + head * stride_kh + slot[:, None] * stride_ks + offs_d[None, :]  # [BLOCK_N, D]
+    v_inner = v_cache_ptr + head * stride_vh + slot[:, None] * stride_vs + offs_d[None, :]
+    q = tl.load(q_ptr + n * stride_qn + head * stride_qh + offs_d, mask=d_ok, other=0.0).to(tl.float32) * qk_scale
+    FP8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e4nv
+    if FP8:
+        q = q * tl.load(k_scale_ptr + head)
+    m_i = -1.0e30  # finite: see paged_attention_kernel
+    l_i = 0.0
+    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + offs_t
+        valid = pos < kv_hi
+        # NOTE: int64 before multiplying: block id * block stride exceeds 2**31 in big pools.
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        tile_ok = _head_cols(valid[:, None], offs_d, HEAD_DIM, D_PAD)
+        k = tl.load(k_inner + block[:, None] * stride_kb, mask=tile_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_inner + block[:, None] * stride_vb, mask=tile_ok, other=0.0).to(tl.float32)
+        s = tl.where(valid, tl.sum(k * q[None, :], 1), float("-inf"))  # [BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe
+    if FP8:
+        o = o * tl.load(v_scale_ptr + head)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + n * stride_on + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+    else:
+        idx = (split * num_tokens + n) * num_heads + head
+        tl.store(part_lse_ptr + idx, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")))
+        tl.store(part_out_ptr + idx * HEAD_DIM + offs_d, o, mask=d_ok)
 
 
 @_jit_step_sizes("num_tokens")

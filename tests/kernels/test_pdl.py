@@ -67,6 +67,10 @@ CASES = {
     "paged_attention": ("loopline.attention.triton_kernels", "paged_attention_kernel", _ATTN_POINTERS,
                         {"G": 2, "TILE_T": 8, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_SIZE": 16, "HEAD_DIM": 64,
                          "D_PAD": 64, "NUM_SPLITS": 2, "DOT_PRECISION": "tf32", "WORK_LIST": True}, True),
+    "mha_decode": ("loopline.attention.triton_kernels", "mha_decode_kernel",
+                   {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "seq_lens_ptr": "*i32",
+                    "block_tables_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"},
+                   {"BLOCK_N": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "D_PAD": 64, "NUM_SPLITS": 2}, True),
     "decode_attention": ("loopline.attention.triton_kernels", "decode_attention_kernel", _DECODE_POINTERS,
                          {**_DECODE, "PREFETCH": False}, True),
     "decode_attention_prefetch": ("loopline.attention.triton_kernels", "decode_attention_kernel", _DECODE_POINTERS,
@@ -197,7 +201,7 @@ def test_decode_attention_prefetches_only_history_before_the_wait(ptx):
 
 @pytest.mark.parametrize("case", ["add_rms_norm", "add_rms_norm_splits", "norm_exit_gate", "norm_exit_gate_splits",
                                   "rope_write_kv", "write_kv", "merge_splits",
-                                  "paged_attention", "exit_and_store", "pipe_finish", "copy_exited", "chunk_argmax",
+                                  "paged_attention", "mha_decode", "exit_and_store", "pipe_finish", "copy_exited", "chunk_argmax",
                                   "pick_chunk", "advance", "lookahead_decide"])
 def test_kernels_wait_before_everything(ptx, case):
     _check_waits_first(ptx[case])
