@@ -303,11 +303,12 @@ def test_triton_attend_decode_rows(heads, kv_heads):
     check_attend([(1, 13), (1, 1), (1, 30), (1, 17)], heads, kv_heads, block_n=16)
 
 
+@pytest.mark.parametrize("lanes", [1, 2], ids=["one-softmax", "per-lane"])
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_triton_cuda_core_decode_reads_fp8(num_splits):
-    """mha_decode_kernel (DecodeLaunch(cuda_cores=True)) over FP8 pages: the key scale folded into q, the
+def test_triton_cuda_core_decode_reads_fp8(num_splits, lanes):
+    """mha_decode_kernel (DecodeLaunch(cuda_cores=1 or 2)) over FP8 pages: the key scale folded into q, the
     value scale into the output, as torch's attention over the dequantized bytes."""
-    check_attend([(1, 13), (1, 1), (1, 30), (1, 17)], 2, 2, num_splits=num_splits, block_n=8, cuda_cores=True)
+    check_attend([(1, 13), (1, 1), (1, 30), (1, 17)], 2, 2, num_splits=num_splits, block_n=8, cuda_cores=lanes)
 
 
 @pytest.mark.parametrize("heads,kv_heads", GQA_DEFAULT_ONE)

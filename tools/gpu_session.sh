@@ -314,13 +314,14 @@ if has fp8_cuda_core; then  # issue #40: CUDA-core decode kernels (tools/decode_
   timeout 240 python3 tools/fp8_decode_probe.py --check --rows 128,32 --only "engine default,cuda-core,gather hg=1 pages=4" \
     2>&1 | grep -v Warn | grep -v "^check" | tee "$out/fp8_cuda_core.txt"
 fi
-if has cuda_core_steps; then  # issue #40: decode rows of many-row steps on CUDA cores (DecodeLaunch(cuda_cores=True),
+if has cuda_core_steps; then  # issue #40: decode rows of many-row steps on CUDA cores (DecodeLaunch(cuda_cores=1 or 2),
   # --decode-launch BLOCK_N,WARPS,STAGES,0,1) against the tensor-core kernel, FP8 and bf16, whole steps A/B/A
   timeout 120 python3 -m pytest -q -n 0 tests/attention/test_triton_backend.py tests/test_fp8_kv_attention.py -k cuda_core \
     > "$out/cuda_core_tests.log" 2>&1; echo "cuda-core tests rc=$? $(tail -1 "$out/cuda_core_tests.log")"
+  # (BLOCK_N,WARPS,STAGES,0,K: K 1 one softmax a program, 2 one a key lane)
   for c in "128 fp8" "32 fp8" "128 auto"; do set -- $c
-    for l in "" "16,1,1,0,1" "32,2,1,0,1" "16,2,1,0,1" ""; do
-      [ "$2" = auto ] && [ "$l" = "32,2,1,0,1" -o "$l" = "16,2,1,0,1" ] && continue
+    for l in "" "16,1,1,0,1" "16,2,1,0,1" "32,4,1,0,1" "16,2,1,0,2" ""; do
+      [ "$2" = auto ] && [ "$l" = "16,2,1,0,1" -o "$l" = "32,4,1,0,1" ] && continue
       timeout 90 python3 tools/profile_step.py --rows "$1" --context 1088 --steps 64 --kv-cache-dtype "$2" \
         ${l:+--decode-launch $l} 2>&1 | grep -E "mean step" | sed "s/^/rows $1 $2 launch ${l:-default}: /"
     done

@@ -152,8 +152,13 @@ class DecodeLaunch:
     last_split_merges: bool | None = None
     # MHA caches (one query head per KV head): decode rows on CUDA cores (``mha_decode_kernel``: a warp or two
     # per (row, head), tiles widened to fp32 in registers) instead of the tensor-core tile loop, in launches
-    # that do not take the fused decode kernel. None: off.
-    cuda_cores: bool | None = None
+    # that do not take the fused decode kernel: 1 one online softmax a program, 2 one a key lane (combined at
+    # the end). None / 0: off.
+    cuda_cores: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.cuda_cores not in (None, 0, 1, 2):
+            raise ValueError(f"cuda_cores must be None, 0, 1 or 2, got {self.cuda_cores!r}")
 
 
 @dataclass(frozen=True)
@@ -454,7 +459,7 @@ class TritonAttentionBackend(AttentionBackend):
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), out.stride(0), out.stride(1), meta.block_tables.stride(0),
             BLOCK_N=launch.block_n or k_cache.shape[1], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d,
-            D_PAD=_next_pow2(d), NUM_SPLITS=num_splits, **pdl_options(q.device),
+            D_PAD=_next_pow2(d), NUM_SPLITS=num_splits, LANES=launch.cuda_cores == 2, **pdl_options(q.device),
             num_warps=launch.num_warps or 1, num_stages=launch.num_stages or 1)
         self.merge(num_splits, part_out, part_lse, out)
         return out

@@ -381,6 +381,7 @@ def mha_decode_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    LANES: tl.constexpr,  # an online softmax per key lane, combined once at the end (no per-tile key reductions)
     PDL: tl.constexpr,
 ):
     """Decode rows of an MHA cache on CUDA cores (``DecodeLaunch.cuda_cores``): grid ``(row, head, split)``,
@@ -409,9 +410,14 @@ def mha_decode_kernel(
     FP8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e4nv
     if FP8:
         q = q * tl.load(k_scale_ptr + head)
-    m_i = -1.0e30  # finite: see paged_attention_kernel
-    l_i = 0.0
-    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    if LANES:  # lane t of every tile folds into its own running max, sum and output
+        m_i = tl.full([BLOCK_N], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+    else:
+        m_i = -1.0e30  # finite: see paged_attention_kernel
+        l_i = 0.0
+        acc = tl.zeros([D_PAD], dtype=tl.float32)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         pos = start + offs_t
         valid = pos < kv_hi
@@ -421,12 +427,25 @@ def mha_decode_kernel(
         k = tl.load(k_inner + block[:, None] * stride_kb, mask=tile_ok, other=0.0).to(tl.float32)
         v = tl.load(v_inner + block[:, None] * stride_vb, mask=tile_ok, other=0.0).to(tl.float32)
         s = tl.where(valid, tl.sum(k * q[None, :], 1), float("-inf"))  # [BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        if LANES:
+            m_new = tl.maximum(m_i, s)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
         m_i = m_new
+    if LANES:  # the lanes' softmaxes combined by their maxima (a lane that saw no key weighs 0)
+        m_all = tl.max(m_i, 0)
+        w = tl.exp2(m_i - m_all)
+        l_i = tl.sum(l_i * w, 0)
+        acc = tl.sum(acc * w[:, None], 0)
+        m_i = m_all
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe
     if FP8:

@@ -129,10 +129,11 @@ def test_decode_launch_override_matches_torch():
                  decode_launch=DecodeLaunch(block_n=16, num_warps=2, num_stages=2))
 
 
+@pytest.mark.parametrize("lanes", [1, 2], ids=["one-softmax", "per-lane"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("head_dim", [16, 24])  # 24: tiles of 32 columns, masked
-def test_cuda_core_decode_matches_torch(num_splits, head_dim):
-    """DecodeLaunch(cuda_cores=True): decode rows of an MHA cache through mha_decode_kernel (ragged lengths over
+def test_cuda_core_decode_matches_torch(num_splits, head_dim, lanes):
+    """DecodeLaunch(cuda_cores=1): decode rows of an MHA cache through mha_decode_kernel (ragged lengths over
     several pages; three splits leave some empty), launched in place of the tensor-core kernel."""
     from triton_testing import spy_on_kernel
 
@@ -140,15 +141,20 @@ def test_cuda_core_decode_matches_torch(num_splits, head_dim):
     launches, tiles = [], []
     with spy_on_kernel("mha_decode_kernel", launches), spy_on_kernel("paged_attention_kernel", tiles):
         check_attend(rows, 2, 2, head_dim=head_dim, block_size=8, dtype=torch.float32, atol=1e-5,
-                     num_splits=num_splits, decode_launch=DecodeLaunch(block_n=16, cuda_cores=True))
+                     num_splits=num_splits, decode_launch=DecodeLaunch(block_n=16, cuda_cores=lanes))
     assert launches == [(4, 2, num_splits)] and not tiles
     launches.clear()
     with spy_on_kernel("mha_decode_kernel", launches), pytest.raises(AssertionError):  # the test can fail
         q, k_cache, v_cache, meta = make_case(rows, 2, 2, head_dim, 8, torch.float32, DEVICE, 0)
-        got = TritonAttentionBackend(decode_launch=DecodeLaunch(cuda_cores=True)).attend(q, k_cache, v_cache,
+        got = TritonAttentionBackend(decode_launch=DecodeLaunch(cuda_cores=1)).attend(q, k_cache, v_cache,
                                                                                          meta, head_dim**-0.5)
         torch.testing.assert_close(got, TorchAttentionBackend().attend(q, k_cache.flip(1), v_cache, meta,
                                                                          head_dim**-0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_launch_rejects_an_unknown_cuda_core_kernel():
+    with pytest.raises(ValueError, match="cuda_cores must be None, 0, 1 or 2, got 3"):
+        DecodeLaunch(cuda_cores=3)
 
 
 def test_cuda_core_decode_serves_a_mixed_steps_decode_rows_and_skips_gqa():
@@ -158,10 +164,10 @@ def test_cuda_core_decode_serves_a_mixed_steps_decode_rows_and_skips_gqa():
     launches = []
     with spy_on_kernel("mha_decode_kernel", launches):
         check_attend(rows, 2, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5, work_pad=2,
-                     decode_rows=3, decode_launch=DecodeLaunch(cuda_cores=True))
+                     decode_rows=3, decode_launch=DecodeLaunch(cuda_cores=1))
         assert launches == [(3, 2, 1)]
         check_attend([(1, 70), (1, 5)], 4, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5,
-                     decode_launch=DecodeLaunch(cuda_cores=True))  # GQA: the tensor-core kernel
+                     decode_launch=DecodeLaunch(cuda_cores=1))  # GQA: the tensor-core kernel
         assert launches == [(3, 2, 1)]
 
 

@@ -70,7 +70,13 @@ CASES = {
     "mha_decode": ("loopline.attention.triton_kernels", "mha_decode_kernel",
                    {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "seq_lens_ptr": "*i32",
                     "block_tables_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"},
-                   {"BLOCK_N": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "D_PAD": 64, "NUM_SPLITS": 2}, True),
+                   {"BLOCK_N": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "D_PAD": 64, "NUM_SPLITS": 2, "LANES": False},
+                   True),
+    "mha_decode_lanes": ("loopline.attention.triton_kernels", "mha_decode_kernel",
+                         {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "seq_lens_ptr": "*i32",
+                          "block_tables_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"},
+                         {"BLOCK_N": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "D_PAD": 64, "NUM_SPLITS": 1, "LANES": True},
+                         True),
     "decode_attention": ("loopline.attention.triton_kernels", "decode_attention_kernel", _DECODE_POINTERS,
                          {**_DECODE, "PREFETCH": False}, True),
     "decode_attention_prefetch": ("loopline.attention.triton_kernels", "decode_attention_kernel", _DECODE_POINTERS,
@@ -201,7 +207,7 @@ def test_decode_attention_prefetches_only_history_before_the_wait(ptx):
 
 @pytest.mark.parametrize("case", ["add_rms_norm", "add_rms_norm_splits", "norm_exit_gate", "norm_exit_gate_splits",
                                   "rope_write_kv", "write_kv", "merge_splits",
-                                  "paged_attention", "mha_decode", "exit_and_store", "pipe_finish", "copy_exited", "chunk_argmax",
+                                  "paged_attention", "mha_decode", "mha_decode_lanes", "exit_and_store", "pipe_finish", "copy_exited", "chunk_argmax",
                                   "pick_chunk", "advance", "lookahead_decide"])
 def test_kernels_wait_before_everything(ptx, case):
     _check_waits_first(ptx[case])
