@@ -5,7 +5,7 @@
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
-# splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps fp8_launches newkernels; LOOPLINE_BENCH_C
+# splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e fp8_launches newkernels; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -59,6 +59,16 @@ if has headline_fp8; then  # the same with the one flag a user adds for FP8 KV
   timeout 420 python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --input-len 1024 \
     --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-1,32,128}" --kv-cache-dtype fp8 --no-progress \
     --output-json "$out/headline_fp8.json" 2> "$out/headline_fp8.err" | tail -8 || tail -3 "$out/headline_fp8.err"
+fi
+if has cuda_core_e2e; then  # the README command with --kv-cache-dtype fp8 under the CUDA-core decode launch
+  # (LOOPLINE_CC_LAUNCH, default 16,2,1,0,1; the LOOPLINE_DECODE_LAUNCH timing hook) between two default runs
+  i=0
+  for l in "" "${LOOPLINE_CC_LAUNCH:-16,2,1,0,1}" ""; do
+    i=$((i + 1)); echo "== run $i, decode launch ${l:-default}"
+    LOOPLINE_DECODE_LAUNCH=$l timeout 300 python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 \
+      --input-len 1024 --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-32,128}" --kv-cache-dtype fp8 --no-progress \
+      --output-json "$out/cuda_core_e2e_$i.json" 2> "$out/cuda_core_e2e.err" | tail -4 || tail -3 "$out/cuda_core_e2e.err"
+  done
 fi
 if has diag; then  # the GPU engine tests alone, with cuBLAS's own log
   CUBLAS_LOGINFO_DBG=1 CUBLAS_LOGDEST_DBG="$out/cublas.log" timeout 150 python3 -m pytest -q -x -m gpu \

@@ -228,7 +228,7 @@ def make_backends(a: argparse.Namespace) -> Backends:
         rule = dataclasses.replace(rule, fused_decode_min_splits=a.fused_decode_min_splits)
     launches = dict(
         split_rule=rule,
-        decode_launch=DecodeLaunch(*map(int, a.decode_launch.split(","))) if a.decode_launch else None,
+        decode_launch=DecodeLaunch.parse(a.decode_launch) if a.decode_launch else None,
         prefill_launch=PrefillLaunch(*map(int, a.prefill_launch.split(","))) if a.prefill_launch else None)
     attention = (AblatedAttention(kinds, **launches) if kinds & {"merge", "attention"}
                  else TritonAttentionBackend(**launches))

@@ -10,6 +10,7 @@ decode-only steps take the fused decode kernel. FP8 caches take the same launche
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +161,18 @@ class DecodeLaunch:
         if self.cuda_cores not in (None, 0, 1, 2):
             raise ValueError(f"cuda_cores must be None, 0, 1 or 2, got {self.cuda_cores!r}")
 
+    @classmethod
+    def parse(cls, text: str) -> DecodeLaunch:
+        """``"BLOCK_N,WARPS,STAGES[,LAST_MERGES[,CUDA_CORES]]"`` (0: the backend's own), as the timing tools
+        and ``LOOPLINE_DECODE_LAUNCH`` spell a launch."""
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            raise ValueError(f"a decode launch is up to 5 comma-separated integers, got {text!r}") from None
+        if not 1 <= len(values) <= 5:
+            raise ValueError(f"a decode launch is up to 5 comma-separated integers, got {text!r}")
+        return cls(*(v or None for v in values))
+
 
 @dataclass(frozen=True)
 class PrefillLaunch:
@@ -196,7 +209,9 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"num_splits must be in 1..64 or None, got {num_splits}")
         self.num_splits = num_splits
         self.split_rule = split_rule or SplitRule()
-        self.decode_launch = decode_launch or DecodeLaunch()
+        # LOOPLINE_DECODE_LAUNCH: a timing hook (gpu_session.sh times the README command under other launches)
+        env = os.environ.get("LOOPLINE_DECODE_LAUNCH")
+        self.decode_launch = decode_launch or (DecodeLaunch.parse(env) if env else DecodeLaunch())
         self.prefill_launch = prefill_launch or PrefillLaunch()
         self._arrivals: dict[torch.device, Tensor] = {}
         self._retired: list[Tensor] = []  # outgrown arrival buffers (``arrivals``)

@@ -157,6 +157,19 @@ def test_decode_launch_rejects_an_unknown_cuda_core_kernel():
         DecodeLaunch(cuda_cores=3)
 
 
+def test_decode_launch_parses_its_spelling_and_the_environment_hook(monkeypatch):
+    assert DecodeLaunch.parse("16,2,1,0,1") == DecodeLaunch(16, 2, 1, None, 1)
+    assert DecodeLaunch.parse("0,0,0,1") == DecodeLaunch(last_split_merges=1)
+    for bad in ("16,x", "1,2,3,4,5,6", ""):
+        with pytest.raises(ValueError, match="up to 5 comma-separated integers"):
+            DecodeLaunch.parse(bad)
+    monkeypatch.setenv("LOOPLINE_DECODE_LAUNCH", "0,0,0,0,2")
+    assert TritonAttentionBackend().decode_launch == DecodeLaunch(cuda_cores=2)
+    assert TritonAttentionBackend(decode_launch=DecodeLaunch(block_n=32)).decode_launch.cuda_cores is None
+    monkeypatch.delenv("LOOPLINE_DECODE_LAUNCH")
+    assert TritonAttentionBackend().decode_launch == DecodeLaunch()
+
+
 def test_cuda_core_decode_serves_a_mixed_steps_decode_rows_and_skips_gqa():
     from triton_testing import spy_on_kernel
 
