@@ -8,7 +8,8 @@ the one-row GEMV with the coda skipped for a row whose token does not exit (the 
 decodes alone), and the fused decode-state kernels (rows from the device state, exit rule, advance).
 
 ``slow``: ~5 minutes in the interpreter on 2 CPU cores; each kernel also has a short test of its own
-in the default run (tests/kernels, tests/attention). Run it with ``pytest -m slow``.
+in the default run (tests/kernels, tests/attention). Run it with ``pytest -m slow``. The CUDA-core decode
+kernel's engine test (an MHA model, torch layer kernels, ~30 s) runs by default.
 """
 from __future__ import annotations
 
@@ -45,3 +46,30 @@ def test_triton_backend_engine_equals_torch_backend():
     assert_same_tokens_depths_logprobs(got, want)
     depths = [d for _, ds, _ in want.values() for d in ds]
     assert min(depths) < model.config.total_ut_steps  # some tokens exit early, so the exit copy ran
+
+
+def test_cuda_core_decode_engine_equals_torch_backend():
+    """An MHA model (Ouro's shape of attention) served with DecodeLaunch(cuda_cores=1 and 2): decode rows of
+    every step, mixed ones included, through mha_decode_kernel; tokens, exit depths and logprobs equal the torch
+    backend's (fp32). Layer kernels stay torch's, so this runs in the default suite."""
+    import dataclasses
+
+    import torch
+
+    from loopline.attention.triton_backend import DecodeLaunch, TritonAttentionBackend
+    from loopline.models.ouro import OuroConfig
+    from loopline.worker.backends import select_backends
+
+    torch.manual_seed(0)
+    cfg = OuroConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    model = OuroForCausalLM(cfg).to(DEVICE)
+    want = generate(model, "torch")
+    for kind in (1, 2):
+        attention = TritonAttentionBackend(decode_launch=DecodeLaunch(cuda_cores=kind))
+        backends = dataclasses.replace(select_backends("torch", "torch", torch.device(DEVICE)), attention=attention)
+        launches = []
+        with spy_on_kernel("mha_decode_kernel", launches):
+            got = generate(model, "torch", backends)
+        assert launches
+        assert_same_tokens_depths_logprobs(got, want)
