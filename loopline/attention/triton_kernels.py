@@ -418,14 +418,16 @@ def mha_decode_kernel(
         m_i = -1.0e30  # finite: see paged_attention_kernel
         l_i = 0.0
         acc = tl.zeros([D_PAD], dtype=tl.float32)
+    # NOTE: int64 before multiplying: block id * block stride exceeds 2**31 in big pools.
+    block = tl.load(table + (kv_lo + offs_t) // BLOCK_SIZE, mask=kv_lo + offs_t < kv_hi, other=0).to(tl.int64)
     for start in range(kv_lo, kv_hi, BLOCK_N):
-        pos = start + offs_t
-        valid = pos < kv_hi
-        # NOTE: int64 before multiplying: block id * block stride exceeds 2**31 in big pools.
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        valid = start + offs_t < kv_hi
         tile_ok = _head_cols(valid[:, None], offs_d, HEAD_DIM, D_PAD)
         k = tl.load(k_inner + block[:, None] * stride_kb, mask=tile_ok, other=0.0).to(tl.float32)
         v = tl.load(v_inner + block[:, None] * stride_vb, mask=tile_ok, other=0.0).to(tl.float32)
+        # the next tile's block ids, issued before this tile's math waits on its loads
+        after = start + BLOCK_N + offs_t
+        block = tl.load(table + after // BLOCK_SIZE, mask=after < kv_hi, other=0).to(tl.int64)
         s = tl.where(valid, tl.sum(k * q[None, :], 1), float("-inf"))  # [BLOCK_N]
         if LANES:
             m_new = tl.maximum(m_i, s)
