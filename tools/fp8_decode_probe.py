@@ -209,7 +209,10 @@ VARIANTS = [(hg, bn, w, st, fast) for hg, bn, w, st, fast in (
     (2, 32, 4, 3, True))]
 ENGINE_LAUNCHES = [None, DecodeLaunch(64, 4, 2), DecodeLaunch(128, 8, 2), DecodeLaunch(128, 4, 3),
                    DecodeLaunch(256, 8, 2), DecodeLaunch(128, 2, 2), DecodeLaunch(128, 4, 4), DecodeLaunch(64, 4, 3),
-                   DecodeLaunch(64, 2, 3), DecodeLaunch(32, 2, 4)]
+                   DecodeLaunch(64, 2, 3), DecodeLaunch(32, 2, 4),
+                   # the engine's CUDA-core decode kernel (mha_decode_kernel): one softmax a program, then per lane
+                   DecodeLaunch(16, 1, 1, None, 1), DecodeLaunch(16, 2, 1, None, 1), DecodeLaunch(32, 4, 1, None, 1),
+                   DecodeLaunch(16, 2, 1, None, 2)]
 GATHER = [(1, 4, 8), (1, 8, 8), (2, 2, 8), (2, 4, 8), (4, 1, 8), (4, 2, 8)]
 
 
@@ -237,6 +240,12 @@ def check(device: str) -> None:
             err = (eng.float() - ref).abs().max().item()
             print(f"check {name} engine{layout}: max abs err {err:.2e}", flush=True)
             assert err < 2e-2, (name, layout, err)
+        for kind in (1, 2):  # the engine's CUDA-core decode kernel
+            eng = TritonAttentionBackend(decode_launch=DecodeLaunch(16, 2, 1, None, kind)).attend(q, kc, vc, meta,
+                                                                                                  scale, **kw)
+            err = (eng.float() - ref).abs().max().item()
+            print(f"check {name} engine cuda_cores={kind}: max abs err {err:.2e}", flush=True)
+            assert err < 2e-2, (name, kind, err)
 
 
 def main() -> None:

@@ -321,7 +321,7 @@ if has fp8_layout; then  # issue #40: FP8 and bf16 decode attention over token-m
 fi
 if has fp8_cuda_core; then  # issue #40: CUDA-core decode kernels (tools/decode_kernel_probe.py's warp / lanes) over
   # FP8 and bf16 pages against the engine's launch and the reads alone, at 128 and 32 rows
-  timeout 240 python3 tools/fp8_decode_probe.py --check --rows 128,32 --only "engine default,cuda-core,gather hg=1 pages=4" \
+  timeout 240 python3 tools/fp8_decode_probe.py --check --rows 128,32 --only "engine default,engine (16,engine (32,cuda-core,gather hg=1 pages=4" \
     2>&1 | grep -v Warn | grep -v "^check" | tee "$out/fp8_cuda_core.txt"
 fi
 if has cuda_core_steps; then  # issue #40: decode rows of many-row steps on CUDA cores (DecodeLaunch(cuda_cores=1 or 2),
