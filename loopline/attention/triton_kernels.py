@@ -198,6 +198,16 @@ def _load_kv_tile(start, kv_hi, table, k_head, v_head, stride_kb, stride_ks, str
 
 
 @_jit
+def _split_keys(kv_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split ``split``'s keys ``kv_lo .. kv_hi`` of ``kv_len``: key steps ceil(s * steps / S) .. ceil((s + 1) *
+    steps / S) of ``BLOCK_N`` keys, so sizes differ by at most one step and split 0 is never empty."""
+    steps = tl.cdiv(kv_len, BLOCK_N)
+    kv_lo = tl.cdiv(split * steps, NUM_SPLITS) * BLOCK_N
+    kv_hi = tl.minimum(kv_len, tl.cdiv((split + 1) * steps, NUM_SPLITS) * BLOCK_N)
+    return kv_lo, kv_hi
+
+
+@_jit
 def softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """One online-softmax step of queries ``q`` ``[BLOCK_M, D]`` over a key tile; MASKED: only ``visible``
     ``[BLOCK_M, BLOCK_N]`` scores count. Public: experimental kernels (tools/decode_kernel_probe.py) build on it.
@@ -316,11 +326,7 @@ def paged_attention_kernel(
 
     # Causal: no query of this tile sees past its last query's position.
     kv_len = tl.minimum(seq_len, ctx_len + tile_start + TILE_T)
-    # Split s takes key steps ceil(s * steps / S) .. ceil((s + 1) * steps / S): sizes differ by at most one
-    # step, and split 0 is never empty.
-    steps = tl.cdiv(kv_len, BLOCK_N)
-    kv_lo = tl.cdiv(split * steps, NUM_SPLITS) * BLOCK_N
-    kv_hi = tl.minimum(kv_len, tl.cdiv((split + 1) * steps, NUM_SPLITS) * BLOCK_N)
+    kv_lo, kv_hi = _split_keys(kv_len, split, NUM_SPLITS, BLOCK_N)
 
     # NOTE: m_i starts finite (not -inf) so a row that has seen only masked keys
     # gets exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).
@@ -396,9 +402,7 @@ def mha_decode_kernel(
     grid_dependency_wait(PDL)
     n = row.to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + row)
-    steps = tl.cdiv(seq_len, BLOCK_N)
-    kv_lo = tl.cdiv(split * steps, NUM_SPLITS) * BLOCK_N  # splits as in paged_attention_kernel
-    kv_hi = tl.minimum(seq_len, tl.cdiv((split + 1) * steps, NUM_SPLITS) * BLOCK_N)
+    kv_lo, kv_hi = _split_keys(seq_len, split, NUM_SPLITS, BLOCK_N)
     table = block_tables_ptr + n * stride_bt
     offs_t = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
@@ -431,14 +435,14 @@ def mha_decode_kernel(
         s = tl.where(valid, tl.sum(k * q[None, :], 1), float("-inf"))  # [BLOCK_N]
         if LANES:
             m_new = tl.maximum(m_i, s)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        if LANES:
             l_i = l_i * alpha + p
             acc = acc * alpha[:, None] + p[:, None] * v
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new)
             l_i = l_i * alpha + tl.sum(p, 0)
             acc = acc * alpha + tl.sum(p[:, None] * v, 0)
         m_i = m_new
@@ -677,9 +681,7 @@ def decode_attention_kernel(
     split = tl.program_id(2)
     n = row.to(tl.int64)
     hist = tl.load(seq_lens_ptr + row, eviction_policy="evict_last") - 1  # keys of earlier steps: 0 .. hist - 1
-    steps = tl.cdiv(hist, BLOCK_N)
-    kv_lo = tl.cdiv(split * steps, NUM_SPLITS) * BLOCK_N  # splits as in paged_attention_kernel
-    kv_hi = tl.minimum(hist, tl.cdiv((split + 1) * steps, NUM_SPLITS) * BLOCK_N)
+    kv_lo, kv_hi = _split_keys(hist, split, NUM_SPLITS, BLOCK_N)
     table = block_tables_ptr + row.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kch
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vch
