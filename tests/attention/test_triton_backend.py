@@ -143,13 +143,12 @@ def test_cuda_core_decode_matches_torch(num_splits, head_dim, lanes):
         check_attend(rows, 2, 2, head_dim=head_dim, block_size=8, dtype=torch.float32, atol=1e-5,
                      num_splits=num_splits, decode_launch=DecodeLaunch(block_n=16, cuda_cores=lanes))
     assert launches == [(4, 2, num_splits)] and not tiles
-    launches.clear()
-    with spy_on_kernel("mha_decode_kernel", launches), pytest.raises(AssertionError):  # the test can fail
-        q, k_cache, v_cache, meta = make_case(rows, 2, 2, head_dim, 8, torch.float32, DEVICE, 0)
-        got = TritonAttentionBackend(decode_launch=DecodeLaunch(cuda_cores=1)).attend(q, k_cache, v_cache,
-                                                                                         meta, head_dim**-0.5)
-        torch.testing.assert_close(got, TorchAttentionBackend().attend(q, k_cache.flip(1), v_cache, meta,
-                                                                         head_dim**-0.5), atol=1e-5, rtol=1e-5)
+    # the test can fail: against keys in the wrong slots of their pages the kernel's output differs
+    q, k_cache, v_cache, meta = make_case(rows, 2, 2, head_dim, 8, torch.float32, DEVICE, 0)
+    got = TritonAttentionBackend(decode_launch=DecodeLaunch(cuda_cores=lanes)).attend(q, k_cache, v_cache, meta,
+                                                                                      head_dim**-0.5)
+    wrong = TorchAttentionBackend().attend(q, k_cache.flip(1), v_cache, meta, head_dim**-0.5)
+    assert not torch.allclose(got, wrong, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_launch_rejects_an_unknown_cuda_core_kernel():
