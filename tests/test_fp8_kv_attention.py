@@ -21,7 +21,7 @@ from triton_testing import DEVICE, spy_on_kernel
 from loopline.attention.base import PagedAttentionMetadata, build_work_tiles, dequantize_fp8, quantize_fp8
 from loopline.attention.paged import PagedAttention
 from loopline.attention.torch_backend import TorchAttentionBackend
-from loopline.attention.triton_backend import DecodeLaunch, TritonAttentionBackend
+from loopline.attention.triton_backend import DecodeLaunch, SplitRule, TritonAttentionBackend
 from loopline.models.ops import Rope, rotary_cos_sin
 
 FP8 = torch.float8_e4m3fn
@@ -276,14 +276,14 @@ def test_triton_rotate_and_write_matches_torch(heads, kv_heads):
 
 
 def check_attend(rows, heads, kv_heads, num_splits=None, work_pad=None, decode_rows=0, block_n=None, seed=0,
-                 cuda_cores=None):
+                 cuda_cores=None, split_rule=None):
     """Triton attention over an FP8 cache against torch's over the same bytes."""
     case = make_case(rows, heads, kv_heads, seed=seed)
     kc, vc = case.filled(TritonAttentionBackend())
     assert torch.equal(as_bytes(kc), as_bytes(case.filled()[0]))  # the Triton store wrote torch's bytes
     scale = 16**-0.5
     want = TorchAttentionBackend().attend(case.q, kc, vc, case.meta, scale, **case.scales())
-    backend = TritonAttentionBackend(num_splits=num_splits,
+    backend = TritonAttentionBackend(num_splits=num_splits, split_rule=split_rule,
                                      decode_launch=DecodeLaunch(block_n=block_n, cuda_cores=cuda_cores))
     meta = case.meta
     if work_pad is not None:
@@ -309,6 +309,22 @@ def test_triton_cuda_core_decode_reads_fp8(num_splits, lanes):
     """mha_decode_kernel (DecodeLaunch(cuda_cores=1 or 2)) over FP8 pages: the key scale folded into q, the
     value scale into the output, as torch's attention over the dequantized bytes."""
     check_attend([(1, 13), (1, 1), (1, 30), (1, 17)], 2, 2, num_splits=num_splits, block_n=8, cuda_cores=lanes)
+
+
+def test_fp8_decode_takes_cuda_cores_from_a_full_grid():
+    """DecodeLaunch(cuda_cores=None): unsplit decode-only launches over FP8 pages of an MHA cache with at least
+    SplitRule.cuda_core_min_programs (row, head) programs take mha_decode_kernel, smaller ones, GQA caches and
+    cuda_cores=0 the tensor-core kernel; the output is torch's either way."""
+    rows = [(1, 13), (1, 1), (1, 30), (1, 17)]  # 4 rows x 2 heads: 8 programs
+    launches = []
+    with spy_on_kernel("mha_decode_kernel", launches):
+        check_attend(rows, 2, 2, split_rule=SplitRule(cuda_core_min_programs=8))
+        assert launches == [(4, 2, 1)]
+        check_attend(rows, 2, 2, split_rule=SplitRule(cuda_core_min_programs=9))
+        check_attend(rows, 2, 2, split_rule=SplitRule(cuda_core_min_programs=8), cuda_cores=0)
+        check_attend(rows, 4, 2, split_rule=SplitRule(cuda_core_min_programs=1))  # GQA
+        check_attend(rows + [(5, 20)], 2, 2, split_rule=SplitRule(cuda_core_min_programs=1))  # a prefill row
+        assert launches == [(4, 2, 1)]
 
 
 @pytest.mark.parametrize("heads,kv_heads", GQA_DEFAULT_ONE)

@@ -5,7 +5,8 @@
 # parts (default: tests kernels profile bench): tests gpuall slow diag kernels sweep gemm swiglu gemv profile prefill mixed
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
-# splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e fp8_launches newkernels; LOOPLINE_BENCH_C
+# splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
+# fp8_launches newkernels; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -336,6 +337,22 @@ if has cuda_core_steps; then  # issue #40: decode rows of many-row steps on CUDA
         ${l:+--decode-launch $l} 2>&1 | grep -E "mean step" | sed "s/^/rows $1 $2 launch ${l:-default}: /"
     done
   done | tee "$out/cuda_core_steps.txt"
+fi
+if has cuda_core_splits; then  # issue #40: whole decode steps over FP8 (and bf16) pages at 32 / 64 / 128 rows,
+  # the tensor-core kernel against mha_decode_kernel (DecodeLaunch 16,W,1,0,K) at forced split counts
+  # (--attn-num-splits S with --attn-programs-per-sm 1000 splits every launch; --fused-decode-min-splits 65
+  # keeps the split launches off the fused decode kernel); LOOPLINE_SPLIT_CASES: "rows kv launch splits ..."
+  # cases separated by ';' (launch "-": the default; splits 0: the rule's)
+  F="--attn-programs-per-sm 1000 --fused-decode-min-splits 65"
+  IFS=';' read -ra cases <<< "${LOOPLINE_SPLIT_CASES:-32 fp8 - 0;32 fp8 16,1,1,0,1 0;32 fp8 16,1,1,0,1 4;32 fp8 - 0}"
+  for c in "${cases[@]}"; do set -- $c
+    kvgb=""; [ "$1" -ge 128 ] && kvgb="--kv-gb 62"  # 128 rows of FP8 pages fit an H100 with a 62 GiB pool
+    launch=""; [ "$3" != "-" ] && launch="--decode-launch $3"
+    split=""; [ "$4" != "0" ] && split="--attn-num-splits $4 $F"
+    # shellcheck disable=SC2086
+    timeout 100 python3 tools/profile_step.py --rows "$1" --context 1088 --steps 64 --kv-cache-dtype "$2" $kvgb \
+      $launch $split 2>&1 | grep -E "mean step" | sed "s/.*mean step/rows $1 $2 launch $3 splits $4: mean step/"
+  done | tee "$out/cuda_core_splits.txt"
 fi
 if has fp8_launches; then  # issue #40: the unsplit decode launch over FP8 pages (keys per step, warps, stages) at
   # 128 and 32 rows, against the reads alone

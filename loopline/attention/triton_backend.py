@@ -67,11 +67,17 @@ class SplitRule:
     # row) the fused kernel wins, 1.096 vs 1.187 ms. 1: every decode-only step takes it.
     fused_decode_min_splits: int = 2
     exact_splits: int | None = None
+    # Unsplit decode-only launches over FP8 pages of an MHA cache with at least this many (row, head) programs
+    # take mha_decode_kernel (``DecodeLaunch.cuda_cores`` None: this rule). H100, Ouro-1.4B shapes, 1,088 keys
+    # (profile_step --kv-cache-dtype fp8 --decode-launch 16,1,1,0,1): 128 rows (2,048 programs) 6.880 ms a
+    # step against 7.484 / 7.671 on the tensor-core kernel; 64 rows 6.336 against 5.678 / 5.870 (5.909 with 2
+    # splits), 32 rows 4.657 against 3.109 (3.048 with 4 splits): one-warp programs need a full grid.
+    cuda_core_min_programs: int = 2048
 
     def __post_init__(self) -> None:
         if not self.programs_per_sm > 0:
             raise ValueError(f"programs_per_sm must be > 0, got {self.programs_per_sm}")
-        for name in ("min_keys_per_split", "max_splits", "fused_decode_min_splits"):
+        for name in ("min_keys_per_split", "max_splits", "fused_decode_min_splits", "cuda_core_min_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.exact_splits is not None and not 1 <= self.exact_splits <= 64:
@@ -154,7 +160,8 @@ class DecodeLaunch:
     # MHA caches (one query head per KV head): decode rows on CUDA cores (``mha_decode_kernel``: a warp or two
     # per (row, head), tiles widened to fp32 in registers) instead of the tensor-core tile loop, in launches
     # that do not take the fused decode kernel: 1 one online softmax a program, 2 one a key lane (combined at
-    # the end). None / 0: off.
+    # the end). 0: off. None: decode-only launches over FP8 pages take form 1 from
+    # ``SplitRule.cuda_core_min_programs`` programs on (unsplit), mixed steps' decode rows the tensor-core kernel.
     cuda_cores: int | None = None
 
     def __post_init__(self) -> None:
@@ -163,15 +170,15 @@ class DecodeLaunch:
 
     @classmethod
     def parse(cls, text: str) -> DecodeLaunch:
-        """``"BLOCK_N,WARPS,STAGES[,LAST_MERGES[,CUDA_CORES]]"`` (0: the backend's own), as the timing tools
-        and ``LOOPLINE_DECODE_LAUNCH`` spell a launch."""
+        """``"BLOCK_N,WARPS,STAGES[,LAST_MERGES[,CUDA_CORES]]"`` (0: the backend's own; CUDA_CORES 0 off,
+        left out the rule), as the timing tools and ``LOOPLINE_DECODE_LAUNCH`` spell a launch."""
         try:
             values = [int(v) for v in text.split(",")]
         except ValueError:
             raise ValueError(f"a decode launch is up to 5 comma-separated integers, got {text!r}") from None
         if not 1 <= len(values) <= 5:
             raise ValueError(f"a decode launch is up to 5 comma-separated integers, got {text!r}")
-        return cls(*(v or None for v in values))
+        return cls(*(v or None for v in values[:4]), *values[4:])
 
 
 @dataclass(frozen=True)
@@ -441,11 +448,17 @@ class TritonAttentionBackend(AttentionBackend):
         num_stages = tune.num_stages or num_stages
         precision = _dot_precision(_dot_dtype(q, k_cache))
 
-        if group == 1 and self.decode_launch.cuda_cores and (decode_only or work is not None):
+        cuda_cores = self.decode_launch.cuda_cores
+        if cuda_cores is None:  # the rule: full grids of decode rows over FP8 pages
+            cuda_cores = int(decode_only and num_splits == 1 and is_fp8_kv(k_cache)
+                             and num_rows * heads >= self.split_rule.cuda_core_min_programs)
+        if group == 1 and cuda_cores and (decode_only or work is not None):
             if decode_only:  # every row a decode row
-                return self._cuda_core_decode(q, k_cache, v_cache, scales, out, meta, scale, num_rows, num_splits)
+                return self._cuda_core_decode(q, k_cache, v_cache, scales, out, meta, scale, num_rows, num_splits,
+                                              cuda_cores)
             if meta.num_decode_rows:
-                self._cuda_core_decode(q, k_cache, v_cache, scales, out, meta, scale, meta.num_decode_rows, 1)
+                self._cuda_core_decode(q, k_cache, v_cache, scales, out, meta, scale, meta.num_decode_rows, 1,
+                                       cuda_cores)
         elif work is not None and meta.num_decode_rows:
             # Decode rows of a mixed step: one query each, so 16-row tiles, not the work list's 64
             # (whose padding rows would multiply their softmax and MMA work by 64 / G).
@@ -463,8 +476,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _cuda_core_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scales: tuple[Tensor, Tensor],
                           out: Tensor, meta: PagedAttentionMetadata, scale: float, rows: int,
-                          num_splits: int) -> Tensor:
-        """The first ``rows`` rows of ``q`` (one query each) through ``mha_decode_kernel`` into ``out``."""
+                          num_splits: int, form: int) -> Tensor:
+        """The first ``rows`` rows of ``q`` (one query each) through ``mha_decode_kernel`` into ``out``;
+        ``form``: ``DecodeLaunch.cuda_cores``'s 1 or 2."""
         launch = self.decode_launch
         part_out, part_lse = self.partials(num_splits, out)
         d = q.shape[2]
@@ -474,7 +488,7 @@ class TritonAttentionBackend(AttentionBackend):
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), out.stride(0), out.stride(1), meta.block_tables.stride(0),
             BLOCK_N=launch.block_n or k_cache.shape[1], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d,
-            D_PAD=_next_pow2(d), NUM_SPLITS=num_splits, LANES=launch.cuda_cores == 2, **pdl_options(q.device),
+            D_PAD=_next_pow2(d), NUM_SPLITS=num_splits, LANES=form == 2, **pdl_options(q.device),
             num_warps=launch.num_warps or 1, num_stages=launch.num_stages or 1)
         self.merge(num_splits, part_out, part_lse, out)
         return out

@@ -159,6 +159,7 @@ def test_decode_launch_rejects_an_unknown_cuda_core_kernel():
 def test_decode_launch_parses_its_spelling_and_the_environment_hook(monkeypatch):
     assert DecodeLaunch.parse("16,2,1,0,1") == DecodeLaunch(16, 2, 1, None, 1)
     assert DecodeLaunch.parse("0,0,0,1") == DecodeLaunch(last_split_merges=1)
+    assert DecodeLaunch.parse("0,0,0,0,0") == DecodeLaunch(cuda_cores=0)  # off, where None is the rule
     for bad in ("16,x", "1,2,3,4,5,6", ""):
         with pytest.raises(ValueError, match="up to 5 comma-separated integers"):
             DecodeLaunch.parse(bad)
