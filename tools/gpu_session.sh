@@ -346,12 +346,13 @@ if has cuda_core_splits; then  # issue #40: whole decode steps over FP8 (and bf1
   F="--attn-programs-per-sm 1000 --fused-decode-min-splits 65"
   IFS=';' read -ra cases <<< "${LOOPLINE_SPLIT_CASES:-32 fp8 - 0;32 fp8 16,1,1,0,1 0;32 fp8 16,1,1,0,1 4;32 fp8 - 0}"
   for c in "${cases[@]}"; do set -- $c
-    kvgb=""; [ "$1" -ge 128 ] && kvgb="--kv-gb 62"  # 128 rows of FP8 pages fit an H100 with a 62 GiB pool
+    kvgb=""; [ "$1" -gt 64 ] && kvgb="--kv-gb 62"  # up to 128 rows of FP8 pages fit an H100 with a 62 GiB pool
     launch=""; [ "$3" != "-" ] && launch="--decode-launch $3"
     split=""; [ "$4" != "0" ] && split="--attn-num-splits $4 $F"
     # shellcheck disable=SC2086
     timeout 100 python3 tools/profile_step.py --rows "$1" --context 1088 --steps 64 --kv-cache-dtype "$2" $kvgb \
-      $launch $split 2>&1 | grep -E "mean step" | sed "s/.*mean step/rows $1 $2 launch $3 splits $4: mean step/"
+      $launch $split 2>&1 | grep -E "mean step|graph replay" | sed "s/.*mean step/rows $1 $2 launch $3 splits $4: mean step/" \
+      | sed "s/^graph /  graph /"
   done | tee "$out/cuda_core_splits.txt"
 fi
 if has fp8_launches; then  # issue #40: the unsplit decode launch over FP8 pages (keys per step, warps, stages) at

@@ -338,11 +338,15 @@ def main() -> None:
         return profile_mixed(engine, a, params)
     torch.cuda.synchronize()
     out0 = output_tokens(engine)
+    replays0 = sum(engine.runner.graphs.replays.values()) if engine.runner.graphs is not None else 0
     t0 = time.perf_counter()
     for _ in range(a.steps):
         engine.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) / a.steps * 1e3
+    if engine.runner.graphs is not None:  # steps no captured graph fits run eagerly (launch-bound)
+        replayed = sum(engine.runner.graphs.replays.values()) - replays0
+        print(f"graph replays in the timed steps: {replayed} of {a.steps} ({dict(engine.runner.graphs.replays)})")
     if engine.scheduler.num_running < a.rows:  # (and their tokens left the count: fewer --steps)
         print(f"warning: requests finished during the timed steps ({engine.scheduler.num_running} of {a.rows} left)")
     per_step = (output_tokens(engine) - out0) / a.steps

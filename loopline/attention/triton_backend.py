@@ -68,11 +68,12 @@ class SplitRule:
     fused_decode_min_splits: int = 2
     exact_splits: int | None = None
     # Unsplit decode-only launches over FP8 pages of an MHA cache with at least this many (row, head) programs
-    # take mha_decode_kernel (``DecodeLaunch.cuda_cores`` None: this rule). H100, Ouro-1.4B shapes, 1,088 keys
-    # (profile_step --kv-cache-dtype fp8 --decode-launch 16,1,1,0,1): 128 rows (2,048 programs) 6.880 ms a
-    # step against 7.484 / 7.671 on the tensor-core kernel; 64 rows 6.336 against 5.678 / 5.870 (5.909 with 2
-    # splits), 32 rows 4.657 against 3.109 (3.048 with 4 splits): one-warp programs need a full grid.
-    cuda_core_min_programs: int = 2048
+    # take mha_decode_kernel (``DecodeLaunch.cuda_cores`` None: this rule). H100, Ouro-1.4B shapes, 1,088 keys,
+    # step graph replayed alone (profile_step --kv-cache-dtype fp8 --decode-launch 16,1,1,0,1 against the
+    # tensor-core kernel): 128 rows 6.867 vs 7.511 ms (mean steps), 96 rows 5.886 vs 6.006, 80 rows 5.515 vs
+    # 5.290, 64 rows 5.078 vs 4.518; 32 rows 4.657 vs 3.109 a step (3.045 with 4 splits): one-warp programs
+    # need a full grid.
+    cuda_core_min_programs: int = 1536
 
     def __post_init__(self) -> None:
         if not self.programs_per_sm > 0:
