@@ -26,6 +26,7 @@ from loopline.config import EngineArgs, resolve_device, resolve_dtype
 from loopline.engine import EngineStats, LLMEngine
 from loopline.errors import InvalidRequestError
 from loopline.models.ouro import OuroConfig, OuroForCausalLM
+from loopline.runtime.heap import frozen_heap
 from loopline.sampling_params import SamplingParams
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -273,14 +274,15 @@ def run_engine(model: OuroForCausalLM, base_args: EngineArgs, spec: BenchSpec, v
         before = copy.deepcopy(engine.stats)
         measured_params = params(workload)
         timer = DeviceTimer(device, spec.gpu_timing)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        timer.start()
-        t0 = time.perf_counter()
-        timings, head_steps = drive_closed_loop(engine, workload, measured_params, spec.concurrency, tag="run",
-                                                timer=timer, progress=progress)
-        timer.stop()
-        duration = time.perf_counter() - t0
+        with frozen_heap():  # as a serving engine process runs (loopline.runtime.heap)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            timer.start()
+            t0 = time.perf_counter()
+            timings, head_steps = drive_closed_loop(engine, workload, measured_params, spec.concurrency,
+                                                    tag="run", timer=timer, progress=progress)
+            timer.stop()
+            duration = time.perf_counter() - t0
         stats = _stats_delta(engine.stats, before)
     finally:
         del engine

@@ -21,6 +21,7 @@ or a step failing again and again stops it, and the last message then carries
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import signal
@@ -38,10 +39,14 @@ from loopline.engine.llm_engine import is_device_fault
 from loopline.engine.verbs import VERBS
 from loopline.errors import (EngineDeadError, EngineInternalError, EngineStateError, LooplineError, new_error_id,
                              RequestFailedError)
+from loopline.runtime.heap import freeze_startup_heap, thawed
 from loopline.runtime.protocol import (AbortCmd, AddCmd, CallCmd, Command, EngineInfo, EngineMessage, EngineSnapshot,
                                        Reply, ShutdownCmd, StepRecord)
 
 logger = logging.getLogger("loopline.async")
+# Verbs that drop or rebuild long-lived engine state (the KV pool, the CUDA graphs, offloaded weights): they run
+# with the startup heap back under the collector (loopline.runtime.heap.thawed), so what they drop is freed.
+_THAWING_VERBS = frozenset({"sleep", "wake_up"})
 
 _IDLE_WAIT_S = 0.005
 # A step that fails this many times in a row, although every request in flight was failed and
@@ -208,8 +213,9 @@ class EngineCore:
                     load = getattr(self.engine.control, f"stage_{verb.name}")(*cmd.args)
                     self._readers[cmd.call_id] = _Reader(cmd.call_id, load, self.inbox)
                     return
-                result = (getattr(self, f"call_{verb.name}")(*cmd.args) if verb.loop
-                          else self.engine.control_call(verb.name, *cmd.args))
+                with thawed() if verb.name in _THAWING_VERBS else contextlib.nullcontext():
+                    result = (getattr(self, f"call_{verb.name}")(*cmd.args) if verb.loop
+                              else self.engine.control_call(verb.name, *cmd.args))
             except Exception as e:  # engine errors go back to the caller unchanged
                 self._msg.replies.append(Reply(cmd.call_id, None, e))
                 return
@@ -431,6 +437,7 @@ def run_engine_process(engine_args: Any, conn: Any, log_level: int, num_threads:
         conn.send_bytes(dumps(EngineMessage(dead=e)))
         return
     conn.send_bytes(pickle.dumps(EngineInfo.of(engine), pickle.HIGHEST_PROTOCOL))
+    freeze_startup_heap()  # the engine lives as long as this process: no collector pauses over it
     inbox = Inbox()
 
     def receive() -> None:

@@ -15,6 +15,7 @@ next step (overlapped engine). There is no other execution path.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import mmap
 from collections.abc import Callable
@@ -322,6 +323,7 @@ class ModelRunner:
         self.graphs = None  # (capture_graphs kept its arguments for restore_graphs)
         self.k_cache = self.v_cache = torch.empty(0, dtype=self.kv_dtype, device=self.device)
         if self.device.type == "cuda":
+            gc.collect()  # what the graphs held in reference cycles goes before the cache is emptied
             torch.cuda.empty_cache()
 
     def allocate_kv_cache(self) -> None:
