@@ -313,17 +313,18 @@ def test_triton_cuda_core_decode_reads_fp8(num_splits, lanes):
 
 def test_fp8_decode_takes_cuda_cores_from_a_full_grid():
     """DecodeLaunch(cuda_cores=None): unsplit decode-only launches over FP8 pages of an MHA cache with at least
-    SplitRule.cuda_core_min_programs (row, head) programs take mha_decode_kernel, smaller ones, GQA caches and
-    cuda_cores=0 the tensor-core kernel; the output is torch's either way."""
+    SplitRule.cuda_core_programs_per_sm (row, head) programs an SM (one SM under the interpreter) take
+    mha_decode_kernel; smaller ones, GQA caches and cuda_cores=0 the tensor-core kernel; the output is torch's
+    either way."""
     rows = [(1, 13), (1, 1), (1, 30), (1, 17)]  # 4 rows x 2 heads: 8 programs
     launches = []
     with spy_on_kernel("mha_decode_kernel", launches):
-        check_attend(rows, 2, 2, split_rule=SplitRule(cuda_core_min_programs=8))
+        check_attend(rows, 2, 2, split_rule=SplitRule(cuda_core_programs_per_sm=8))
         assert launches == [(4, 2, 1)]
-        check_attend(rows, 2, 2, split_rule=SplitRule(cuda_core_min_programs=9))
-        check_attend(rows, 2, 2, split_rule=SplitRule(cuda_core_min_programs=8), cuda_cores=0)
-        check_attend(rows, 4, 2, split_rule=SplitRule(cuda_core_min_programs=1))  # GQA
-        check_attend(rows + [(5, 20)], 2, 2, split_rule=SplitRule(cuda_core_min_programs=1))  # a prefill row
+        check_attend(rows, 2, 2, split_rule=SplitRule(cuda_core_programs_per_sm=9))
+        check_attend(rows, 2, 2, split_rule=SplitRule(cuda_core_programs_per_sm=8), cuda_cores=0)
+        check_attend(rows, 4, 2, split_rule=SplitRule(cuda_core_programs_per_sm=1))  # GQA
+        check_attend(rows + [(5, 20)], 2, 2, split_rule=SplitRule(cuda_core_programs_per_sm=1))  # a prefill row
         assert launches == [(4, 2, 1)]
 
 

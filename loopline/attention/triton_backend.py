@@ -68,17 +68,19 @@ class SplitRule:
     fused_decode_min_splits: int = 2
     exact_splits: int | None = None
     # Unsplit decode-only launches over FP8 pages of an MHA cache with at least this many (row, head) programs
-    # take mha_decode_kernel (``DecodeLaunch.cuda_cores`` None: this rule). H100, Ouro-1.4B shapes, 1,088 keys,
+    # per SM (the CPU interpreter counts one SM) take mha_decode_kernel (``DecodeLaunch.cuda_cores`` None: this
+    # rule): 11.6 is 1,536 programs on 132 SMs, 96 rows of Ouro's 16 heads. H100, Ouro-1.4B shapes, 1,088 keys,
     # step graph replayed alone (profile_step --kv-cache-dtype fp8 --decode-launch 16,1,1,0,1 against the
     # tensor-core kernel): 128 rows 6.867 vs 7.511 ms (mean steps), 96 rows 5.886 vs 6.006, 80 rows 5.515 vs
     # 5.290, 64 rows 5.078 vs 4.518; 32 rows 4.657 vs 3.109 a step (3.045 with 4 splits): one-warp programs
     # need a full grid.
-    cuda_core_min_programs: int = 1536
+    cuda_core_programs_per_sm: float = 11.6
 
     def __post_init__(self) -> None:
-        if not self.programs_per_sm > 0:
-            raise ValueError(f"programs_per_sm must be > 0, got {self.programs_per_sm}")
-        for name in ("min_keys_per_split", "max_splits", "fused_decode_min_splits", "cuda_core_min_programs"):
+        for name in ("programs_per_sm", "cuda_core_programs_per_sm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("min_keys_per_split", "max_splits", "fused_decode_min_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.exact_splits is not None and not 1 <= self.exact_splits <= 64:
@@ -162,7 +164,7 @@ class DecodeLaunch:
     # per (row, head), tiles widened to fp32 in registers) instead of the tensor-core tile loop, in launches
     # that do not take the fused decode kernel: 1 one online softmax a program, 2 one a key lane (combined at
     # the end). 0: off. None: decode-only launches over FP8 pages take form 1 from
-    # ``SplitRule.cuda_core_min_programs`` programs on (unsplit), mixed steps' decode rows the tensor-core kernel.
+    # ``SplitRule.cuda_core_programs_per_sm`` programs an SM on (unsplit), mixed steps' decode rows the tensor-core kernel.
     cuda_cores: int | None = None
 
     def __post_init__(self) -> None:
@@ -451,8 +453,9 @@ class TritonAttentionBackend(AttentionBackend):
 
         cuda_cores = self.decode_launch.cuda_cores
         if cuda_cores is None:  # the rule: full grids of decode rows over FP8 pages
+            sms = cuda_sm_count(q.device) if q.device.type == "cuda" else 1
             cuda_cores = int(decode_only and num_splits == 1 and is_fp8_kv(k_cache)
-                             and num_rows * heads >= self.split_rule.cuda_core_min_programs)
+                             and num_rows * heads >= self.split_rule.cuda_core_programs_per_sm * sms)
         if group == 1 and cuda_cores and (decode_only or work is not None):
             if decode_only:  # every row a decode row
                 return self._cuda_core_decode(q, k_cache, v_cache, scales, out, meta, scale, num_rows, num_splits,

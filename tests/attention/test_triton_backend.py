@@ -727,6 +727,7 @@ def test_backend_splits_by_its_own_rule(monkeypatch):
     everywhere = TritonAttentionBackend(split_rule=SplitRule(programs_per_sm=100.0, exact_splits=2))
     assert everywhere.pick_num_splits(cuda, 32 * 16, 1, 1088) == 2
     assert exact.pick_num_splits(cuda, 16 * 4, 4, 8192) == 1  # prefill tiles are never split
-    for bad in (dict(max_splits=0), dict(programs_per_sm=0.0), dict(fused_decode_min_splits=0), dict(exact_splits=65)):
+    for bad in (dict(max_splits=0), dict(programs_per_sm=0.0), dict(fused_decode_min_splits=0), dict(exact_splits=65),
+                dict(cuda_core_programs_per_sm=-1.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SplitRule(**bad)
