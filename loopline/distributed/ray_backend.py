@@ -43,6 +43,7 @@ from loopline.engine import LLMEngine
 from loopline.errors import EngineDeadError, InvalidRequestError
 from loopline.runtime.client import EngineClient
 from loopline.runtime.core import EngineCore, Inbox, dumps
+from loopline.runtime.heap import freeze_startup_heap
 from loopline.runtime.protocol import Command, EngineInfo, EngineMessage, EngineSnapshot, ShutdownCmd
 
 logger = logging.getLogger("loopline.dp")
@@ -82,6 +83,7 @@ class EngineActor:
             self._start = dumps(EngineMessage(dead=e))
             return
         self._start = pickle.dumps(EngineInfo.of(engine), pickle.HIGHEST_PROTOCOL)
+        freeze_startup_heap()  # the actor's process lives for its engine, as the engine process does
         self._inbox = Inbox()
         core = EngineCore(engine, self._inbox, self._emit) if role is None else \
             role.make_core(engine, self._inbox, self._emit)
