@@ -93,6 +93,29 @@ def spy_on_kernel(name: str, launches: list):
         setattr(tb, name, kernel)
 
 
+@contextlib.contextmanager
+def spy_on_kernel_options(name: str, options: list):
+    """Records the launch options (``num_warps``, ``maxnreg``, ...: the keyword arguments that are not the
+    kernel's own parameters) of each launch of the backend module's kernel ``name`` in ``options``."""
+    import loopline.attention.triton_backend as tb
+
+    kernel = getattr(tb, name)
+    params = set(kernel.arg_names)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                options.append({k: v for k, v in kwargs.items() if k not in params})
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    setattr(tb, name, Spy())
+    try:
+        yield
+    finally:
+        setattr(tb, name, kernel)
+
+
 def one_layer(hidden: int, q: int, kv: int, inter: int, dtype: torch.dtype, g: torch.Generator):
     """``(model, attn, mlp)``: one layer's bias-free projections and what TritonOps.prepare reads besides the
     layers (RoPE's shape, the activation dtype via lm_head)."""

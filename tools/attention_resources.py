@@ -33,7 +33,7 @@ SM_REGISTERS, SM_SHARED, SM_WARPS = 65536, 228 * 1024, 64
 
 def compile_launch(block_n: int, warps: int, stages: int):
     kernel = paged_attention_kernel
-    constexprs = {"G": 1, "TILE_T": 16, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_SIZE": 16, "HEAD_DIM": 128,
+    constexprs = {"G": 1, "TILE_T": 16, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "D_PAD": 128,
                   "NUM_SPLITS": 1, "DOT_PRECISION": "tf32", "WORK_LIST": False, "PDL": True}
     signature = {}
     for arg in kernel.arg_names:

@@ -6,7 +6,7 @@
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
-# fp8_launches newkernels; LOOPLINE_BENCH_C
+# register_caps fp8_launches newkernels; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -338,22 +338,40 @@ if has cuda_core_steps; then  # issue #40: decode rows of many-row steps on CUDA
     done
   done | tee "$out/cuda_core_steps.txt"
 fi
-if has cuda_core_splits; then  # issue #40: whole decode steps over FP8 (and bf16) pages at 32 / 64 / 128 rows,
-  # the tensor-core kernel against mha_decode_kernel (DecodeLaunch 16,W,1,0,K) at forced split counts
-  # (--attn-num-splits S with --attn-programs-per-sm 1000 splits every launch; --fused-decode-min-splits 65
-  # keeps the split launches off the fused decode kernel); LOOPLINE_SPLIT_CASES: "rows kv launch splits ..."
-  # cases separated by ';' (launch "-": the default; splits 0: the rule's)
-  F="--attn-programs-per-sm 1000 --fused-decode-min-splits 65"
-  IFS=';' read -ra cases <<< "${LOOPLINE_SPLIT_CASES:-32 fp8 - 0;32 fp8 16,1,1,0,1 0;32 fp8 16,1,1,0,1 4;32 fp8 - 0}"
+# step_cases FILE CASES: profile_step's mean step and graph replay for each "rows kv launch splits" case (cases
+# separated by ';'; launch "-": the default, else BLOCK_N,WARPS,STAGES,LAST_MERGES,CUDA_CORES[,MAX_REGISTERS];
+# splits 0: the rule's, S: --attn-num-splits S with --attn-programs-per-sm 1000, which splits every launch, and
+# --fused-decode-min-splits 65, which keeps split launches off the fused decode kernel). Pools over 64 rows take
+# 62 GiB (128 rows of FP8 pages fit an H100) unless LOOPLINE_KV_GB says otherwise.
+step_cases() {
+  local file=$1 c launch split kvgb
+  local F="--attn-programs-per-sm 1000 --fused-decode-min-splits 65"
+  IFS=';' read -ra cases <<< "$2"
   for c in "${cases[@]}"; do set -- $c
-    kvgb=""; [ "$1" -gt 64 ] && kvgb="--kv-gb 62"  # up to 128 rows of FP8 pages fit an H100 with a 62 GiB pool
+    kvgb=""; [ "$1" -gt 64 ] && kvgb="--kv-gb ${LOOPLINE_KV_GB:-62}"
     launch=""; [ "$3" != "-" ] && launch="--decode-launch $3"
     split=""; [ "$4" != "0" ] && split="--attn-num-splits $4 $F"
     # shellcheck disable=SC2086
     timeout 100 python3 tools/profile_step.py --rows "$1" --context 1088 --steps 64 --kv-cache-dtype "$2" $kvgb \
       $launch $split 2>&1 | grep -E "mean step|graph replay" | sed "s/.*mean step/rows $1 $2 launch $3 splits $4: mean step/" \
       | sed "s/^graph /  graph /"
-  done | tee "$out/cuda_core_splits.txt"
+  done | tee "$out/$file"
+}
+if has cuda_core_splits; then  # issue #40: whole decode steps over FP8 (and bf16) pages at 32 / 64 / 128 rows,
+  # the tensor-core kernel against mha_decode_kernel (DecodeLaunch 16,W,1,0,K) at forced split counts;
+  # LOOPLINE_SPLIT_CASES: the cases (step_cases)
+  step_cases cuda_core_splits.txt "${LOOPLINE_SPLIT_CASES:-32 fp8 - 0;32 fp8 16,1,1,0,1 0;32 fp8 16,1,1,0,1 4;32 fp8 - 0}"
+fi
+if has register_caps; then  # issue #40: the tensor-core decode launch with its registers capped (DecodeLaunch
+  # max_registers, Triton's maxnreg: more programs an SM, spills): FP8 unsplit launches compile to ~209 registers
+  # for sm_90 (two programs of 4 warps an SM), bf16 ones to ~106 (four); then the GPU tests of the cap
+  timeout 120 python3 -m pytest -q -n 0 tests/attention/test_triton_backend.py -k "capped" \
+    > "$out/register_caps_tests.log" 2>&1; echo "register-cap tests rc=$? $(tail -1 "$out/register_caps_tests.log")"
+  step_cases register_caps.txt "${LOOPLINE_CAP_CASES:-32 fp8 0,0,0,0,0 0;32 fp8 0,0,0,0,0,168 0;32 fp8 0,0,0,0,0,128 0;\
+32 fp8 0,0,0,0,0,96 0;32 fp8 0,0,0,0,0 0;128 fp8 0,0,0,0,0 0;128 fp8 0,0,0,0,0,168 0;128 fp8 0,0,0,0,0,128 0;\
+128 fp8 - 0;128 fp8 0,0,0,0,0 0;32 auto - 0;32 auto 0,0,0,0,0,96 0;32 auto 0,0,0,0,0,80 0;32 auto - 0}"
+  timeout 200 python3 tools/fp8_decode_probe.py --rows 128,32 --only "engine" 2>&1 | grep -v Warn \
+    | tee "$out/register_caps_probe.txt"
 fi
 if has fp8_launches; then  # issue #40: the unsplit decode launch over FP8 pages (keys per step, warps, stages) at
   # 128 and 32 rows, against the reads alone

@@ -289,9 +289,10 @@ def main() -> None:
                     help="decode-only steps with at least this many key splits take the fused decode attention "
                          "kernel (default: the backend's own; 1: every decode-only step)")
     ap.add_argument("--decode-launch", default=None,
-                    help="BLOCK_N,WARPS,STAGES[,LAST_MERGES[,CUDA_CORES]] of decode-only attention launches (0: the "
-                         "backend's own; LAST_MERGES 1: the fused decode kernel's last split merges, no merge launch; "
-                         "CUDA_CORES 1: MHA decode rows of unfused launches on mha_decode_kernel)")
+                    help="BLOCK_N,WARPS,STAGES[,LAST_MERGES[,CUDA_CORES[,MAX_REGISTERS]]] of decode-only attention "
+                         "launches (0: the backend's own; LAST_MERGES 1: the fused decode kernel's last split merges, "
+                         "no merge launch; CUDA_CORES 1: MHA decode rows of unfused launches on mha_decode_kernel, 0: "
+                         "never, left out: the rule; MAX_REGISTERS: Triton's maxnreg for the decode launches)")
     ap.add_argument("--prefill-launch", default=None,
                     help="BLOCK_M,BLOCK_N,WARPS,STAGES of attention launches with prefill chunks (with --prefill)")
     ap.add_argument("--speculative-config", default=None,

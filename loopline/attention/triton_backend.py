@@ -166,22 +166,33 @@ class DecodeLaunch:
     # the end). 0: off. None: decode-only launches over FP8 pages take form 1 from
     # ``SplitRule.cuda_core_programs_per_sm`` programs an SM on (unsplit), mixed steps' decode rows the tensor-core kernel.
     cuda_cores: int | None = None
+    # A cap on registers per thread (Triton's ``maxnreg``; spills go to local memory): more programs an SM where
+    # registers bound them (the FP8 unsplit launch compiles to ~209 for sm_90: two programs of 4 warps an SM).
+    # None: the compiler's own count.
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         if self.cuda_cores not in (None, 0, 1, 2):
             raise ValueError(f"cuda_cores must be None, 0, 1 or 2, got {self.cuda_cores!r}")
+        if self.max_registers is not None and not 24 <= self.max_registers <= 255:
+            raise ValueError(f"max_registers must be in 24..255 or None, got {self.max_registers!r}")
+
+    @property
+    def register_cap(self) -> dict[str, int]:
+        """The launch option that caps registers, if any."""
+        return {} if self.max_registers is None else {"maxnreg": self.max_registers}
 
     @classmethod
     def parse(cls, text: str) -> DecodeLaunch:
-        """``"BLOCK_N,WARPS,STAGES[,LAST_MERGES[,CUDA_CORES]]"`` (0: the backend's own; CUDA_CORES 0 off,
-        left out the rule), as the timing tools and ``LOOPLINE_DECODE_LAUNCH`` spell a launch."""
+        """``"BLOCK_N,WARPS,STAGES[,LAST_MERGES[,CUDA_CORES[,MAX_REGISTERS]]]"`` (0: the backend's own;
+        CUDA_CORES 0 off, left out the rule), as the timing tools and ``LOOPLINE_DECODE_LAUNCH`` spell a launch."""
         try:
             values = [int(v) for v in text.split(",")]
         except ValueError:
-            raise ValueError(f"a decode launch is up to 5 comma-separated integers, got {text!r}") from None
-        if not 1 <= len(values) <= 5:
-            raise ValueError(f"a decode launch is up to 5 comma-separated integers, got {text!r}")
-        return cls(*(v or None for v in values[:4]), *values[4:])
+            raise ValueError(f"a decode launch is up to 6 comma-separated integers, got {text!r}") from None
+        if not 1 <= len(values) <= 6:
+            raise ValueError(f"a decode launch is up to 6 comma-separated integers, got {text!r}")
+        return cls(*(v or None for v in values[:4]), *values[4:5], *(v or None for v in values[5:]))
 
 
 @dataclass(frozen=True)
@@ -345,7 +356,7 @@ class TritonAttentionBackend(AttentionBackend):
             # programs per SM; larger grids keep the pipelined loop's lower register count.
             PREFETCH=num_splits > 1, LAST_MERGES=last_merges,
             num_warps=launch.num_warps or 4,
-            num_stages=launch.num_stages or self._decode_stages(num_splits),
+            num_stages=launch.num_stages or self._decode_stages(num_splits), **launch.register_cap,
         )  # fmt: skip
         if not last_merges:
             self.merge(num_splits, part_out, part_lse, out)
@@ -471,10 +482,11 @@ class TritonAttentionBackend(AttentionBackend):
                          (meta.num_decode_rows, kvh, 1), group, decode_m // group, decode_m,
                          self.decode_launch.block_n or _decode_key_block(d_pad, q, k_cache), 1, precision,
                          self.decode_launch.num_warps or 4,
-                         self.decode_launch.num_stages or num_stages)
+                         self.decode_launch.num_stages or num_stages, self.decode_launch.register_cap)
         part_out, part_lse = self.partials(num_splits, out)
         self._launch(q, k_cache, v_cache, scales, out, part_out, part_lse, meta, work, scale, grid, group, tile_t,
-                     block_m, block_n, num_splits, precision, num_warps, num_stages)
+                     block_m, block_n, num_splits, precision, num_warps, num_stages,
+                     self.decode_launch.register_cap if decode_only else {})
         self.merge(num_splits, part_out, part_lse, out)
         return out
 
@@ -493,13 +505,13 @@ class TritonAttentionBackend(AttentionBackend):
             v_cache.stride(2), out.stride(0), out.stride(1), meta.block_tables.stride(0),
             BLOCK_N=launch.block_n or k_cache.shape[1], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d,
             D_PAD=_next_pow2(d), NUM_SPLITS=num_splits, LANES=form == 2, **pdl_options(q.device),
-            num_warps=launch.num_warps or 1, num_stages=launch.num_stages or 1)
+            num_warps=launch.num_warps or 1, num_stages=launch.num_stages or 1, **launch.register_cap)
         self.merge(num_splits, part_out, part_lse, out)
         return out
 
     @staticmethod
     def _launch(q, k_cache, v_cache, scales, out, part_out, part_lse, meta, work, scale, grid, group, tile_t, block_m,
-                block_n, num_splits, precision, num_warps, num_stages) -> None:
+                block_n, num_splits, precision, num_warps, num_stages, register_cap) -> None:
         paged_attention_kernel[grid](
             q, k_cache, v_cache, *scales, out, part_out, part_lse,
             meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -513,7 +525,7 @@ class TritonAttentionBackend(AttentionBackend):
             G=group, TILE_T=tile_t, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1],
             HEAD_DIM=q.shape[2], D_PAD=_next_pow2(q.shape[2]), NUM_SPLITS=num_splits, DOT_PRECISION=precision,
             WORK_LIST=work is not None,
-            **pdl_options(q.device), num_warps=num_warps, num_stages=num_stages,
+            **pdl_options(q.device), num_warps=num_warps, num_stages=num_stages, **register_cap,
         )  # fmt: skip
 
     def _work_block_m(self, group: int) -> int:

@@ -151,6 +151,31 @@ def test_cuda_core_decode_matches_torch(num_splits, head_dim, lanes):
     assert not torch.allclose(got, wrong, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["unsplit", "split", "fused", "mixed", "cuda-cores"])
+def test_capped_registers_reach_every_decode_launch(path):
+    """DecodeLaunch(max_registers=N) is passed as maxnreg to each kernel that runs decode rows (the fused decode
+    kernel, the unsplit and split tile loops, a mixed step's decode launch, mha_decode_kernel), not to prefill
+    tiles; the results stay torch's (on a GPU with the registers capped, under the interpreter as given)."""
+    from triton_testing import spy_on_kernel_options
+
+    launch = DecodeLaunch(max_registers=96, cuda_cores=1 if path == "cuda-cores" else 0)
+    rows = [(1, 70), (1, 5), (1, 33)]
+    kernel = {"fused": "decode_attention_kernel", "cuda-cores": "mha_decode_kernel"}.get(path, "paged_attention_kernel")
+    options = []
+    with spy_on_kernel_options(kernel, options):
+        if path == "fused":
+            check_fused_decode([70, 5, 33], 2, 2, 16, 8, torch.float32, 1e-5,
+                               backend=fused_decode_for_every_split_count(num_splits=2, decode_launch=launch))
+        elif path == "mixed":
+            check_attend(rows + [(40, 90)], 2, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5,
+                         work_pad=2, decode_rows=3, decode_launch=launch)
+        else:
+            check_attend(rows, 2, 2, head_dim=16, block_size=8, dtype=torch.float32, atol=1e-5,
+                         num_splits=3 if path == "split" else 1, decode_launch=launch)
+    want = [96, None] if path == "mixed" else [96]  # (the mixed step's prefill tiles keep the compiler's count)
+    assert [o.get("maxnreg") for o in options] == want
+
+
 def test_decode_launch_rejects_an_unknown_cuda_core_kernel():
     with pytest.raises(ValueError, match="cuda_cores must be None, 0, 1 or 2, got 3"):
         DecodeLaunch(cuda_cores=3)
@@ -160,9 +185,15 @@ def test_decode_launch_parses_its_spelling_and_the_environment_hook(monkeypatch)
     assert DecodeLaunch.parse("16,2,1,0,1") == DecodeLaunch(16, 2, 1, None, 1)
     assert DecodeLaunch.parse("0,0,0,1") == DecodeLaunch(last_split_merges=1)
     assert DecodeLaunch.parse("0,0,0,0,0") == DecodeLaunch(cuda_cores=0)  # off, where None is the rule
-    for bad in ("16,x", "1,2,3,4,5,6", ""):
-        with pytest.raises(ValueError, match="up to 5 comma-separated integers"):
+    assert DecodeLaunch.parse("0,0,0,0,0,168") == DecodeLaunch(cuda_cores=0, max_registers=168)
+    assert DecodeLaunch.parse("0,0,0,0,0,0") == DecodeLaunch(cuda_cores=0)
+    for bad in ("16,x", "1,2,3,4,5,6,7", ""):
+        with pytest.raises(ValueError, match="up to 6 comma-separated integers"):
             DecodeLaunch.parse(bad)
+    for registers in (16, 256):
+        with pytest.raises(ValueError, match=f"max_registers must be in 24..255 or None, got {registers}"):
+            DecodeLaunch(max_registers=registers)
+    assert DecodeLaunch(max_registers=128).register_cap == {"maxnreg": 128} and DecodeLaunch().register_cap == {}
     monkeypatch.setenv("LOOPLINE_DECODE_LAUNCH", "0,0,0,0,2")
     assert TritonAttentionBackend().decode_launch == DecodeLaunch(cuda_cores=2)
     assert TritonAttentionBackend(decode_launch=DecodeLaunch(block_n=32)).decode_launch.cuda_cores is None
