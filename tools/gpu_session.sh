@@ -368,7 +368,7 @@ if has register_caps; then  # issue #40: the tensor-core decode launch with its 
   timeout 120 python3 -m pytest -q -n 0 tests/attention/test_triton_backend.py -k "capped" \
     > "$out/register_caps_tests.log" 2>&1; echo "register-cap tests rc=$? $(tail -1 "$out/register_caps_tests.log")"
   step_cases register_caps.txt "${LOOPLINE_CAP_CASES:-32 fp8 0,0,0,0,0 0;32 fp8 0,0,0,0,0,168 0;32 fp8 0,0,0,0,0,128 0;\
-32 fp8 0,0,0,0,0,96 0;32 fp8 0,0,0,0,0 0;128 fp8 0,0,0,0,0 0;128 fp8 0,0,0,0,0,168 0;128 fp8 0,0,0,0,0,128 0;\
+32 fp8 0,0,0,0,0,96 0;32 fp8 64,4,2,0,0 0;32 fp8 64,4,2,0,0,128 0;32 fp8 0,0,0,0,0 0;128 fp8 0,0,0,0,0 0;128 fp8 0,0,0,0,0,168 0;128 fp8 0,0,0,0,0,128 0;\
 128 fp8 - 0;128 fp8 0,0,0,0,0 0;32 auto - 0;32 auto 0,0,0,0,0,96 0;32 auto 0,0,0,0,0,80 0;32 auto - 0}"
   timeout 200 python3 tools/fp8_decode_probe.py --rows 128,32 --only "engine" 2>&1 | grep -v Warn \
     | tee "$out/register_caps_probe.txt"
