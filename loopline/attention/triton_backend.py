@@ -462,12 +462,8 @@ class TritonAttentionBackend(AttentionBackend):
         num_stages = tune.num_stages or num_stages
         precision = _dot_precision(_dot_dtype(q, k_cache))
 
-        cuda_cores = self.decode_launch.cuda_cores
-        if cuda_cores is None:  # the rule: full grids of decode rows over FP8 pages
-            sms = cuda_sm_count(q.device) if q.device.type == "cuda" else 1
-            cuda_cores = int(decode_only and num_splits == 1 and is_fp8_kv(k_cache)
-                             and num_rows * heads >= self.split_rule.cuda_core_programs_per_sm * sms)
-        if group == 1 and cuda_cores and (decode_only or work is not None):
+        cuda_cores = self._cuda_core_form(q, k_cache, group, num_rows, num_splits, decode_only, work is not None)
+        if cuda_cores:
             if decode_only:  # every row a decode row
                 return self._cuda_core_decode(q, k_cache, v_cache, scales, out, meta, scale, num_rows, num_splits,
                                               cuda_cores)
@@ -489,6 +485,20 @@ class TritonAttentionBackend(AttentionBackend):
                      self.decode_launch.register_cap if decode_only else {})
         self.merge(num_splits, part_out, part_lse, out)
         return out
+
+    def _cuda_core_form(self, q: Tensor, k_cache: Tensor, group: int, num_rows: int, num_splits: int,
+                        decode_only: bool, mixed: bool) -> int:
+        """Which form of ``mha_decode_kernel`` runs this launch's decode rows (``DecodeLaunch.cuda_cores``),
+        0 for the tensor-core kernel: MHA caches only, in decode-only launches and mixed steps' decode launches;
+        unset, the rule of ``SplitRule.cuda_core_programs_per_sm`` (full unsplit grids over FP8 pages)."""
+        form = self.decode_launch.cuda_cores
+        if group != 1 or not (decode_only or mixed):
+            return 0
+        if form is None:
+            sms = cuda_sm_count(q.device) if q.device.type == "cuda" else 1
+            full = num_rows * q.shape[1] >= self.split_rule.cuda_core_programs_per_sm * sms
+            return int(decode_only and num_splits == 1 and is_fp8_kv(k_cache) and full)
+        return form
 
     def _cuda_core_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scales: tuple[Tensor, Tensor],
                           out: Tensor, meta: PagedAttentionMetadata, scale: float, rows: int,
