@@ -6,7 +6,7 @@
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
-# register_caps fp8_launches newkernels; LOOPLINE_BENCH_C
+# register_caps resources fp8_launches newkernels; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -372,6 +372,16 @@ if has register_caps; then  # issue #40: the tensor-core decode launch with its 
 128 fp8 - 0;128 fp8 0,0,0,0,0 0;32 auto - 0;32 auto 0,0,0,0,0,96 0;32 auto 0,0,0,0,0,80 0;32 auto - 0}"
   timeout 200 python3 tools/fp8_decode_probe.py --rows 128,32 --only "engine" 2>&1 | grep -v Warn \
     | tee "$out/register_caps_probe.txt"
+fi
+if has resources; then  # every compiled Triton kernel's registers, spills, shared memory and programs an SM, as
+  # the decode steps of 1, 2 and 32 rows (bf16) and 32 / 128 rows (FP8) compile them
+  for c in "1 auto" "2 auto" "32 auto" "32 fp8" "128 fp8"; do set -- $c
+    kvgb=""; [ "$1" -gt 64 ] && kvgb="--kv-gb ${LOOPLINE_KV_GB:-62}"
+    echo "== rows $1 $2"
+    # shellcheck disable=SC2086
+    timeout 100 python3 tools/profile_step.py --rows "$1" --context 1088 --steps 16 --kv-cache-dtype "$2" $kvgb \
+      --resources 2>&1 | sed -n '/^compiled Triton kernels/,/^ *$\|function calls/p' | grep -v "^ *$\|function calls"
+  done | tee "$out/resources.txt"
 fi
 if has fp8_launches; then  # issue #40: the unsplit decode launch over FP8 pages (keys per step, warps, stages) at
   # 128 and 32 rows, against the reads alone

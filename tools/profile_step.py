@@ -54,6 +54,44 @@ def print_kernel_table(engine: LLMEngine, steps: int) -> None:
         print(f"  {e.self_device_time_total / steps:9.1f} us/step  {e.count / steps:7.1f} calls/step  {e.key[:90]}")
 
 
+SM90 = {"registers": 65536, "shared": 228 * 1024, "warps": 64, "blocks": 32}  # one H100 / H200 SM
+
+
+def programs_per_sm(regs: int, shared: int, warps: int, sm: dict = SM90) -> tuple[int, str]:
+    """How many programs of a kernel one SM holds at once, and which resource bounds it."""
+    limits = {"registers": sm["registers"] // max(1, regs * 32 * warps), "shared": sm["shared"] // max(1, shared),
+              "warps": sm["warps"] // warps, "blocks": sm["blocks"]}
+    bound = min(limits, key=limits.get)
+    return limits[bound], bound
+
+
+def print_kernel_resources() -> None:
+    """Registers, spills and shared memory of every loopline Triton kernel compiled in this process (one line a
+    compiled variant), and the programs an SM they allow on an H100 / H200."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    kernels = {}
+    for module in list(sys.modules.values()):
+        if not getattr(module, "__name__", "").startswith("loopline"):
+            continue
+        for obj in vars(module).values():
+            while not isinstance(obj, JITFunction) and hasattr(obj, "fn"):  # autotuners and heuristics wrap it
+                obj = obj.fn
+            if isinstance(obj, JITFunction):
+                kernels[id(obj)] = obj
+    print("compiled Triton kernels: registers a thread, spilled bytes, shared KB, warps -> programs an SM (bound)")
+    for fn in sorted(kernels.values(), key=lambda f: f.__name__):
+        for caches in getattr(fn, "device_caches", {}).values():
+            for compiled in caches[0].values():
+                regs, spills = getattr(compiled, "n_regs", 0) or 0, getattr(compiled, "n_spills", 0) or 0
+                meta = compiled.metadata
+                per_sm, bound = programs_per_sm(regs, meta.shared, meta.num_warps)
+                print(f"  {fn.__name__:32s} {regs:4d} regs {spills:5d} spilled {meta.shared / 1024:6.1f} KB "
+                      f"{meta.num_warps:2d} warps {meta.num_stages} stages -> {per_sm:2d} ({bound})")
+
+
 def kernel_rows(p) -> list:
     """A profile's entries with device time, longest first."""
     rows = [e for e in p.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
@@ -256,6 +294,8 @@ def main() -> None:
                     help="profile prefill steps instead: --rows prompts of --context tokens in one step")
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype (e.g. fp8)")
     ap.add_argument("--kernels", action="store_true", help="also print device time per kernel name (torch.profiler)")
+    ap.add_argument("--resources", action="store_true",
+                    help="also print each compiled Triton kernel's registers, spills, shared memory and programs an SM")
     ap.add_argument("--mixed-prompts", type=int, default=0,
                     help="once --rows rows decode, add this many --context-token prompts and time the mixed steps")
     ap.add_argument("--budget", type=int, default=8192,
@@ -372,6 +412,8 @@ def main() -> None:
         print(f"graph replay alone: {(time.perf_counter() - t0) / 20 * 1e3:.3f} ms")
     if a.kernels:
         print_kernel_table(engine, a.steps)
+    if a.resources:
+        print_kernel_resources()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.steps):
