@@ -69,12 +69,9 @@ def pytest_collection_finish(session):
 @pytest.fixture(scope="module", autouse=True)
 def _release_memory_after_each_module():
     """Engines, servers and models of a finished module are garbage; glibc keeps the freed heap, so without a
-    trim every worker's RSS only grows (two workers' together past 5 GB on CI, where the budget is 4 GB).
-    What is left lives on (session fixtures, imports): frozen again, as a measured bench window
-    (loopline.runtime.heap.frozen_heap) unfreezes the whole heap when it ends."""
+    trim every worker's RSS only grows (two workers' together past 5 GB on CI, where the budget is 4 GB)."""
     yield
     gc.collect()
-    gc.freeze()
     if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
         _LIBC.malloc_trim(0)
 

@@ -32,8 +32,12 @@ def freeze_startup_heap() -> None:
 def frozen_heap() -> Iterator[None]:
     """:func:`freeze_startup_heap` for the block only: on exit the frozen objects rejoin the collector, so
     an engine built before the block and dropped after it (``loopline bench`` builds one per variant) can
-    still be collected, cycles included."""
+    still be collected, cycles included. A heap frozen before the block (by the application, a test
+    harness) is left as it is: nothing is frozen or unfrozen."""
     global _frozen
+    if gc.get_freeze_count():
+        yield
+        return
     freeze_startup_heap()
     try:
         yield

@@ -52,6 +52,19 @@ def test_frozen_heap_spares_what_lived_before_it_then_gives_it_back():
     assert ref() is None
 
 
+def test_frozen_heap_leaves_a_heap_frozen_before_it_as_it_is():
+    gc.freeze()  # (the application's own freeze)
+    frozen = gc.get_freeze_count()
+    node = cycle()
+    ref = weakref.ref(node)
+    with heap.frozen_heap():
+        assert gc.get_freeze_count() == frozen and not heap._frozen
+    assert gc.get_freeze_count() == frozen
+    del node
+    gc.collect()
+    assert ref() is None  # made after that freeze: still the collector's
+
+
 def test_thawed_does_nothing_where_nothing_froze_the_heap():
     node = cycle()
     with heap.thawed():
