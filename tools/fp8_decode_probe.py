@@ -210,7 +210,7 @@ VARIANTS = [(hg, bn, w, st, fast) for hg, bn, w, st, fast in (
 # (the tensor-core launches with cuda_cores=0: the default rule would send 128 FP8 rows to the CUDA cores)
 ENGINE_LAUNCHES = [None, *(DecodeLaunch(*launch, None, 0) for launch in (
                        (64, 4, 2), (128, 8, 2), (128, 4, 3), (256, 8, 2), (128, 2, 2), (128, 4, 4), (64, 4, 3),
-                       (64, 2, 3), (32, 2, 4), (None, None, None))),
+                       (64, 2, 3), (32, 2, 4), (32, 4, 2), (32, 4, 3), (None, None, None))),
                    # the tensor-core kernel's default launch with registers capped (more programs an SM, spills)
                    DecodeLaunch(cuda_cores=0, max_registers=168), DecodeLaunch(cuda_cores=0, max_registers=128),
                    DecodeLaunch(cuda_cores=0, max_registers=96),

@@ -363,12 +363,14 @@ if has cuda_core_splits; then  # issue #40: whole decode steps over FP8 (and bf1
   step_cases cuda_core_splits.txt "${LOOPLINE_SPLIT_CASES:-32 fp8 - 0;32 fp8 16,1,1,0,1 0;32 fp8 16,1,1,0,1 4;32 fp8 - 0}"
 fi
 if has register_caps; then  # issue #40: the tensor-core decode launch with its registers capped (DecodeLaunch
-  # max_registers, Triton's maxnreg: more programs an SM, spills): FP8 unsplit launches compile to ~209 registers
-  # for sm_90 (two programs of 4 warps an SM), bf16 ones to ~106 (four); then the GPU tests of the cap
+  # max_registers, Triton's maxnreg: more programs an SM, spills) and with 32-key FP8 tiles: compiled for sm_90 by
+  # Triton 3.8 on the CPU, FP8 unsplit launches of 128-key tiles hold ~209 registers (two programs of 4 warps
+  # an SM), of 32-key tiles ~128 (four), bf16's 64-key tiles ~106 (four); the GPU tests of the cap first
   timeout 120 python3 -m pytest -q -n 0 tests/attention/test_triton_backend.py -k "capped" \
     > "$out/register_caps_tests.log" 2>&1; echo "register-cap tests rc=$? $(tail -1 "$out/register_caps_tests.log")"
   step_cases register_caps.txt "${LOOPLINE_CAP_CASES:-32 fp8 0,0,0,0,0 0;32 fp8 0,0,0,0,0,168 0;32 fp8 0,0,0,0,0,128 0;\
-32 fp8 0,0,0,0,0,96 0;32 fp8 64,4,2,0,0 0;32 fp8 64,4,2,0,0,128 0;32 fp8 0,0,0,0,0 0;128 fp8 0,0,0,0,0 0;128 fp8 0,0,0,0,0,168 0;128 fp8 0,0,0,0,0,128 0;\
+32 fp8 0,0,0,0,0,96 0;32 fp8 64,4,2,0,0 0;32 fp8 64,4,2,0,0,128 0;32 fp8 32,4,2,0,0 0;32 fp8 32,4,3,0,0 0;\
+32 fp8 0,0,0,0,0 0;128 fp8 32,4,2,0,0 0;128 fp8 0,0,0,0,0 0;128 fp8 0,0,0,0,0,168 0;128 fp8 0,0,0,0,0,128 0;\
 128 fp8 - 0;128 fp8 0,0,0,0,0 0;32 auto - 0;32 auto 0,0,0,0,0,96 0;32 auto 0,0,0,0,0,80 0;32 auto - 0}"
   timeout 200 python3 tools/fp8_decode_probe.py --rows 128,32 --only "engine" 2>&1 | grep -v Warn \
     | tee "$out/register_caps_probe.txt"
