@@ -364,8 +364,8 @@ if has cuda_core_splits; then  # issue #40: whole decode steps over FP8 (and bf1
 fi
 if has register_caps; then  # issue #40: the tensor-core decode launch with its registers capped (DecodeLaunch
   # max_registers, Triton's maxnreg: more programs an SM, spills) and with 32-key FP8 tiles: compiled for sm_90 by
-  # Triton 3.8 on the CPU, FP8 unsplit launches of 128-key tiles hold ~209 registers (two programs of 4 warps
-  # an SM), of 32-key tiles ~128 (four), bf16's 64-key tiles ~106 (four); the GPU tests of the cap first
+  # Triton 3.6 on the CPU (tools/attention_resources.py), FP8 unsplit launches of 128-key tiles hold 255 registers
+  # (two programs of 4 warps an SM), of 32-key tiles 128 (four), bf16's 64-key tiles 114 (four); GPU tests first
   timeout 120 python3 -m pytest -q -n 0 tests/attention/test_triton_backend.py -k "capped" \
     > "$out/register_caps_tests.log" 2>&1; echo "register-cap tests rc=$? $(tail -1 "$out/register_caps_tests.log")"
   step_cases register_caps.txt "${LOOPLINE_CAP_CASES:-32 fp8 0,0,0,0,0 0;32 fp8 0,0,0,0,0,168 0;32 fp8 0,0,0,0,0,128 0;\

@@ -167,7 +167,7 @@ class DecodeLaunch:
     # ``SplitRule.cuda_core_programs_per_sm`` programs an SM on (unsplit), mixed steps' decode rows the tensor-core kernel.
     cuda_cores: int | None = None
     # A cap on registers per thread (Triton's ``maxnreg``; spills go to local memory): more programs an SM where
-    # registers bound them (the FP8 unsplit launch compiles to ~209 for sm_90: two programs of 4 warps an SM).
+    # registers bound them (the FP8 unsplit launch compiles to 255 for sm_90 under Triton 3.6: two programs of 4 warps an SM).
     # None: the compiler's own count.
     max_registers: int | None = None
 
