@@ -6,7 +6,7 @@
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
-# register_caps resources fp8_launches newkernels; LOOPLINE_BENCH_C
+# register_caps resources cuda_core_mixed fp8_launches newkernels; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -374,6 +374,14 @@ if has register_caps; then  # issue #40: the tensor-core decode launch with its 
 128 fp8 - 0;128 fp8 0,0,0,0,0 0;32 auto - 0;32 auto 0,0,0,0,0,96 0;32 auto 0,0,0,0,0,80 0;32 auto - 0}"
   timeout 200 python3 tools/fp8_decode_probe.py --rows 128,32 --only "engine" 2>&1 | grep -v Warn \
     | tee "$out/register_caps_probe.txt"
+fi
+if has cuda_core_mixed; then  # issue #40: a C = 128 run's mixed steps (120 decode rows + 8 x 1,024-token prompts,
+  # FP8 pages) with their decode launch on the tensor-core kernel (the default: the CUDA-core rule covers
+  # decode-only launches) against mha_decode_kernel (DecodeLaunch 0,0,0,0,1), A/B/A
+  for l in 0,0,0,0,0 0,0,0,0,1 0,0,0,0,0; do
+    timeout 150 python3 tools/profile_step.py --rows 120 --mixed-prompts 8 --context 1024 --kv-cache-dtype fp8 \
+      --kv-gb "${LOOPLINE_KV_GB:-62}" --decode-launch "$l" 2>&1 | grep -E "^mixed:" | sed "s/^/launch $l: /"
+  done | tee "$out/cuda_core_mixed.txt"
 fi
 if has resources; then  # every compiled Triton kernel's registers, spills, shared memory and programs an SM, as
   # the decode steps of 1, 2 and 32 rows (bf16) and 32 / 128 rows (FP8) compile them
