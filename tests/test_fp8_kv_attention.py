@@ -311,11 +311,14 @@ def test_triton_cuda_core_decode_reads_fp8(num_splits, lanes):
     check_attend([(1, 13), (1, 1), (1, 30), (1, 17)], 2, 2, num_splits=num_splits, block_n=8, cuda_cores=lanes)
 
 
-def test_fp8_decode_takes_cuda_cores_from_a_full_grid():
+def test_fp8_decode_takes_cuda_cores_from_a_full_grid(monkeypatch):
     """DecodeLaunch(cuda_cores=None): unsplit decode-only launches over FP8 pages of an MHA cache with at least
     SplitRule.cuda_core_programs_per_sm (row, head) programs an SM (one SM under the interpreter) take
     mha_decode_kernel; smaller ones, GQA caches and cuda_cores=0 the tensor-core kernel; the output is torch's
     either way."""
+    import loopline.attention.triton_backend as tb
+
+    monkeypatch.setattr(tb, "cuda_sm_count", lambda device: 1)  # a GPU of one SM: the thresholds below hold there
     rows = [(1, 13), (1, 1), (1, 30), (1, 17)]  # 4 rows x 2 heads: 8 programs
     launches = []
     with spy_on_kernel("mha_decode_kernel", launches):
