@@ -366,7 +366,8 @@ if has register_caps; then  # issue #40: the tensor-core decode launch with its 
   # max_registers, Triton's maxnreg: more programs an SM, spills) and with 32-key FP8 tiles: compiled for sm_90 by
   # Triton 3.6 on the CPU (tools/attention_resources.py), FP8 unsplit launches of 128-key tiles hold 255 registers
   # (two programs of 4 warps an SM), of 32-key tiles 128 (four), bf16's 64-key tiles 114 (four); GPU tests first
-  timeout 120 python3 -m pytest -q -n 0 tests/attention/test_triton_backend.py -k "capped" \
+  timeout 120 python3 -m pytest -q -n 0 tests/attention/test_triton_backend.py tests/test_fp8_kv_attention.py \
+    -k "capped or full_grid or cuda_core" \
     > "$out/register_caps_tests.log" 2>&1; echo "register-cap tests rc=$? $(tail -1 "$out/register_caps_tests.log")"
   step_cases register_caps.txt "${LOOPLINE_CAP_CASES:-32 fp8 0,0,0,0,0 0;32 fp8 0,0,0,0,0,168 0;32 fp8 0,0,0,0,0,128 0;\
 32 fp8 0,0,0,0,0,96 0;32 fp8 64,4,2,0,0 0;32 fp8 64,4,2,0,0,128 0;32 fp8 32,4,2,0,0 0;32 fp8 32,4,3,0,0 0;\
