@@ -24,6 +24,7 @@ import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
+from sm90 import sm_limits  # (tools/, beside this script)
 from triton.compiler import ASTSource
 
 from loopline.attention import triton_kernels as tk
@@ -32,7 +33,6 @@ _POINTERS = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start_loc_
              "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32", "work_tiles_ptr": "*i32", "slot_mapping_ptr": "*i64",
              "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
 _NOT_SPECIALIZED = ("num_work_tiles", "num_tokens", "stride_bt", "qk_scale", "num_heads")
-SM_REGISTERS, SM_SHARED, SM_WARPS, SM_BLOCKS = 65536, 228 * 1024, 64, 32
 DEFAULTS = {"paged": ["64,4,2", "64,4,3", "32,4,4", "128,8,2"], "fused": ["64,4,1,20", "128,4,1,10"],
             "mha": ["16,1,0", "16,2,1"]}
 
@@ -96,10 +96,11 @@ def main() -> None:
         regs, spilled = resources(compiled.asm["cubin"])
         shared = compiled.metadata.shared
         allocs = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+x", compiled.asm["ttgir"])
-        by_regs, by_shared = SM_REGISTERS // (regs * 32 * warps), SM_SHARED // max(shared, 1)
+        limits = sm_limits(regs, shared, warps)
         print(f"{launch:>11}: {regs} registers, {spilled} B spilled, {shared / 1024:.1f} KB shared, programs per SM "
-              f"{by_regs} by registers / {by_shared} by shared memory / {min(SM_WARPS // warps, SM_BLOCKS)} by warps"
-              f" and blocks, K/V buffers {max(map(int, allocs), default=1)}")
+              f"{limits['registers']} by registers / {limits['shared']} by shared memory / "
+              f"{min(limits['warps'], limits['blocks'])} by warps and blocks, K/V buffers "
+              f"{max(map(int, allocs), default=1)}")
 
 
 if __name__ == "__main__":

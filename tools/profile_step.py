@@ -19,6 +19,7 @@ import pstats
 import time
 
 import torch
+from sm90 import programs_per_sm  # (tools/, beside this script)
 
 from loopline.attention.triton_backend import DecodeLaunch, PrefillLaunch, SplitRule, TritonAttentionBackend
 from loopline.config import EngineArgs
@@ -52,17 +53,6 @@ def print_kernel_table(engine: LLMEngine, steps: int) -> None:
     print(f"device time per step: {total / steps / 1e3:.3f} ms over {steps} steps")
     for e in rows[:25]:
         print(f"  {e.self_device_time_total / steps:9.1f} us/step  {e.count / steps:7.1f} calls/step  {e.key[:90]}")
-
-
-SM90 = {"registers": 65536, "shared": 228 * 1024, "warps": 64, "blocks": 32}  # one H100 / H200 SM
-
-
-def programs_per_sm(regs: int, shared: int, warps: int, sm: dict = SM90) -> tuple[int, str]:
-    """How many programs of a kernel one SM holds at once, and which resource bounds it."""
-    limits = {"registers": sm["registers"] // max(1, regs * 32 * warps), "shared": sm["shared"] // max(1, shared),
-              "warps": sm["warps"] // warps, "blocks": sm["blocks"]}
-    bound = min(limits, key=limits.get)
-    return limits[bound], bound
 
 
 def print_kernel_resources() -> None:

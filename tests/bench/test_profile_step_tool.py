@@ -1,5 +1,5 @@
 """tools/profile_step.py's resource report (``--resources``): the programs an SM a kernel's registers, shared
-memory and warps allow, and one line per compiled variant of each loopline Triton kernel."""
+memory and warps allow (tools/sm90.py), and one line per compiled variant of each loopline Triton kernel."""
 from __future__ import annotations
 
 import sys
@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import profile_step  # noqa: E402  (tools/ on the path first)
+import sm90  # noqa: E402
 
 
 def _fake_kernel(x_ptr):
@@ -18,10 +19,10 @@ def _fake_kernel(x_ptr):
 
 
 def test_programs_per_sm_names_the_bound():
-    assert profile_step.programs_per_sm(255, 40 * 1024, 4) == (2, "registers")  # the FP8 128-key launch
-    assert profile_step.programs_per_sm(64, 100 * 1024, 4) == (2, "shared")
-    assert profile_step.programs_per_sm(24, 1024, 16) == (4, "warps")
-    assert profile_step.programs_per_sm(40, 1024, 1) == (32, "blocks")
+    assert sm90.programs_per_sm(255, 40 * 1024, 4) == (2, "registers")  # the FP8 128-key launch
+    assert sm90.programs_per_sm(64, 100 * 1024, 4) == (2, "shared")
+    assert sm90.programs_per_sm(24, 1024, 16) == (4, "warps")
+    assert sm90.programs_per_sm(40, 1024, 1) == (32, "blocks")
 
 
 def test_the_resource_report_lists_each_compiled_variant(monkeypatch, capsys):
