@@ -66,8 +66,9 @@ def compile_launch(kernel: str, launch: str, kv: str):
         return _compile(tk.paged_attention_kernel, constexprs, kv, warps, stages), warps
     if kernel == "fused":
         block_n, warps, stages, splits = values
-        constexprs = {**common, "G": 1, "BLOCK_M": 16, "NUM_SPLITS": splits, "SPLITS_PAD": triton.next_power_of_2(splits),
-                      "DOT_PRECISION": "tf32", "PREFETCH": splits > 1, "LAST_MERGES": False}
+        constexprs = {**common, "G": 1, "BLOCK_M": 16, "NUM_SPLITS": splits,
+                      "SPLITS_PAD": triton.next_power_of_2(splits), "DOT_PRECISION": "tf32", "PREFETCH": splits > 1,
+                      "LAST_MERGES": False}
         return _compile(tk.decode_attention_kernel, constexprs, kv, warps, stages), warps
     block_n, warps, lanes = values
     constexprs = {**common, "NUM_SPLITS": 1, "LANES": bool(lanes)}

@@ -164,11 +164,12 @@ class DecodeLaunch:
     # per (row, head), tiles widened to fp32 in registers) instead of the tensor-core tile loop, in launches
     # that do not take the fused decode kernel: 1 one online softmax a program, 2 one a key lane (combined at
     # the end). 0: off. None: decode-only launches over FP8 pages take form 1 from
-    # ``SplitRule.cuda_core_programs_per_sm`` programs an SM on (unsplit), mixed steps' decode rows the tensor-core kernel.
+    # ``SplitRule.cuda_core_programs_per_sm`` programs an SM on (unsplit), mixed steps' decode rows the
+    # tensor-core kernel.
     cuda_cores: int | None = None
     # A cap on registers per thread (Triton's ``maxnreg``; spills go to local memory): more programs an SM where
-    # registers bound them (the FP8 unsplit launch compiles to 255 for sm_90 under Triton 3.6: two programs of 4 warps an SM).
-    # None: the compiler's own count.
+    # registers bound them (the FP8 unsplit launch compiles to 255 for sm_90 under Triton 3.6: two programs of
+    # 4 warps an SM). None: the compiler's own count.
     max_registers: int | None = None
 
     def __post_init__(self) -> None:
