@@ -278,10 +278,15 @@ fi
 if has pipe_profile; then  # issue #41: a pinned pipeline step at C = 1 (4 lanes) against a plain 4-row step, per kernel:
   # what its rounds launch besides the forward (calls per step) and what that costs
   pipe='{"method": "loop", "num_speculative_tokens": 3, "draft_loops": 1, "scheme": "pipeline", "adaptive": false, "disable_by_batch_size": null}'
-  timeout 120 python3 tools/profile_step.py --rows 1 --context 1088 --steps 96 --kernels --speculative-config "$pipe" \
-    --replay-acceptance 0.89,0.71,0.68 > "$out/pipe_profile.txt" 2>&1
-  timeout 90 python3 tools/profile_step.py --rows 4 --context 1088 --steps 96 --kernels > "$out/pipe_profile_plain4.txt" 2>&1
-  grep -hE "mean step|device time per step|warning" "$out/pipe_profile.txt" "$out/pipe_profile_plain4.txt"
+  # (LOOPLINE_PIPE_ROWS: the requests pipelining, default 1; each beside a plain step of 4x as many rows)
+  for r in ${LOOPLINE_PIPE_ROWS:-1}; do
+    timeout 120 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 96 --kernels --speculative-config "$pipe" \
+      --replay-acceptance 0.89,0.71,0.68 > "$out/pipe_profile_$r.txt" 2>&1
+    timeout 90 python3 tools/profile_step.py --rows $((4 * r)) --context 1088 --steps 96 --kernels \
+      > "$out/pipe_profile_plain$((4 * r)).txt" 2>&1
+    grep -hE "mean step|device time per step|graph replays|warning" "$out/pipe_profile_$r.txt" \
+      "$out/pipe_profile_plain$((4 * r)).txt"
+  done
 fi
 if has skinny_routes; then  # issue #40: cuBLAS or the skinny split-K kernel per projection at 2-16 rows
   # (bench_gemm alone: skinny with PDL wins o_proj from 2 rows and q/k/v from 4, cuBLAS gate/up), then the pinned
