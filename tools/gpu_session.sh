@@ -6,7 +6,7 @@
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
-# register_caps resources cuda_core_mixed fp8_launches newkernels; LOOPLINE_BENCH_C
+# register_caps resources cuda_core_mixed fp8_launches newkernels full_waves; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -310,6 +310,14 @@ if has splits_rows; then  # issue #40: split-KV counts of the fused decode atten
     timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 "${extra[@]}" 2>&1 \
       | grep -E "mean step" | sed "s/^/rows $r splits ${s/#0/rule}: /"
   done; done | tee "$out/splits_rows.txt"
+fi
+if has full_waves; then  # issue #40: the fused decode launch's full-wave split counts (4 / 8 / 16 rows of Ouro take
+  # 6 / 3 / 3 splits, SplitRule.full_wave_programs_per_sm) against the rule's 4 / 2 / 2 (--no-full-waves), A/B/A
+  for r in ${LOOPLINE_ROWS:-4 8 16}; do for v in "" "--no-full-waves" ""; do
+    # shellcheck disable=SC2086
+    timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 $v 2>&1 \
+      | grep -E "mean step" | sed "s/^/rows $r ${v:-full-waves}: /"
+  done; done | tee "$out/full_waves.txt"
 fi
 if has last_merges; then  # issue #40: the fused decode kernel's last split merges (no merge launch), A/B/A at
   # 1-8 rows: its GPU tests first (the arrival counters are a cross-program handshake), then whole steps

@@ -15,6 +15,7 @@ import argparse
 import cProfile
 import dataclasses
 import json
+import math
 import pstats
 import time
 
@@ -254,6 +255,8 @@ def make_backends(a: argparse.Namespace) -> Backends:
         rule = dataclasses.replace(rule, programs_per_sm=a.attn_programs_per_sm)
     if a.fused_decode_min_splits is not None:
         rule = dataclasses.replace(rule, fused_decode_min_splits=a.fused_decode_min_splits)
+    if a.no_full_waves:
+        rule = dataclasses.replace(rule, full_wave_programs_per_sm=math.inf)
     launches = dict(
         split_rule=rule,
         decode_launch=DecodeLaunch.parse(a.decode_launch) if a.decode_launch else None,
@@ -315,6 +318,9 @@ def main() -> None:
                     help="the split rule's programs_per_sm (default: the backend's own); with a large value and "
                          "--attn-num-splits every decode launch takes that many splits, also where the rule "
                          "does not split (24 rows and more at 1,088 keys)")
+    ap.add_argument("--no-full-waves", action="store_true",
+                    help="the fused decode launch keeps the split rule's count where a count filling whole waves "
+                         "would replace it (SplitRule.full_wave_programs_per_sm: the rule before full waves)")
     ap.add_argument("--fused-decode-min-splits", type=int, default=None,
                     help="decode-only steps with at least this many key splits take the fused decode attention "
                          "kernel (default: the backend's own; 1: every decode-only step)")

@@ -39,7 +39,8 @@ from loopline.models.ops import Rope
 
 _LOG2E = 1.4426950408889634
 # The split counts kernels are compiled for (NUM_SPLITS is a compile-time constant, and a growing
-# max_seq_len should not compile a kernel per value): a rule's count rounds down to one of them.
+# max_seq_len should not compile a kernel per value): a rule's count rounds down to one of them. (The full-wave
+# counts of ``SplitRule`` depend on the rows and the SM count only: for Ouro's 16 heads on 132 SMs, 3 and 6.)
 SPLIT_COUNTS = (1, 2, 4, 8, 12, 16, 20)
 
 
@@ -75,12 +76,24 @@ class SplitRule:
     # 5.290, 64 rows 5.078 vs 4.518; 32 rows 4.657 vs 3.109 a step (3.045 with 4 splits): one-warp programs
     # need a full grid.
     cuda_core_programs_per_sm: float = 11.6
+    # Full waves: a fused decode launch over 16-bit pages with at least ``full_wave_programs_per_sm`` (row, KV
+    # head) programs an SM takes the fewest splits from the rule's count to 1.5 times it whose grid fills its
+    # waves (>= 95% of ``resident_programs_per_sm`` x SMs programs a wave); where none does, the rule's count.
+    # The fused kernel over bf16 pages (64-key tiles) compiles to 160 registers a thread for sm_90 (Triton
+    # 3.6, tools/attention_resources.py): 3 programs of 4 warps an SM. H100, Ouro-1.4B shapes, 1,088 keys
+    # (profile_step --attn-num-splits S, mean steps): 16 rows 2.764 / 2.771 ms with 3 splits (768 programs,
+    # two full waves) against 2.907 / 2.902 with the rule's 2 (512: 1.3 waves); 8 rows 2.105 with 3 (384)
+    # against 2.133 with 2 and 2.177 with 4; 4 rows 1.914 with 6 (384) against 1.951 with 4; 12 rows best at
+    # the rule's 2 (384). One and two rows (16 / 32 programs) keep the rule: there 24 and 12 splits would fill
+    # a wave, and one row's 24 measured slower than its 20 (the previous kernel's programs still hold SMs).
+    full_wave_programs_per_sm: float = 0.4
+    resident_programs_per_sm: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("programs_per_sm", "cuda_core_programs_per_sm"):
+        for name in ("programs_per_sm", "cuda_core_programs_per_sm", "full_wave_programs_per_sm"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("min_keys_per_split", "max_splits", "fused_decode_min_splits"):
+        for name in ("min_keys_per_split", "max_splits", "fused_decode_min_splits", "resident_programs_per_sm"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.exact_splits is not None and not 1 <= self.exact_splits <= 64:
@@ -328,7 +341,7 @@ class TritonAttentionBackend(AttentionBackend):
                                                v_scale=v_scale)
         launch = self.decode_launch
         block_n = launch.block_n or _decode_key_block(_next_pow2(d), q, k_cache)
-        num_splits = self.pick_num_splits(q.device, n * kvh, 1, meta.max_seq_len, key_tile=block_n)
+        num_splits = self.pick_num_splits(q.device, n * kvh, 1, meta.max_seq_len, key_tile=block_n, full_waves=True)
         if num_splits < self.split_rule.fused_decode_min_splits:
             return super().rotate_store_attend(k_cache, v_cache, q, k, v, rope, meta, scale, k_scale=k_scale,
                                                v_scale=v_scale)
@@ -547,7 +560,7 @@ class TritonAttentionBackend(AttentionBackend):
         return self._work_block_m(group) // group
 
     def pick_num_splits(self, device: torch.device, programs: int, q_tiles: int, max_seq_len: int, *,
-                        key_tile: int = 0) -> int:
+                        key_tile: int = 0, full_waves: bool = False) -> int:
         """The split-KV count of a launch of ``programs`` programs: ``split_rule`` splits the key range when
         the grid cannot fill the GPU (small decode batches).
 
@@ -559,6 +572,9 @@ class TritonAttentionBackend(AttentionBackend):
         --attn-num-splits 10); with this rule 1 / 2 / 8 rows took 0.94x / 0.91x / 0.96x the 64-key launch's
         step time.
 
+        ``full_waves``: the launch is the fused decode kernel's, whose residency ``SplitRule.resident_programs_per_sm``
+        describes; over the rule's own key tiles it may take a count that fills whole waves (``SplitRule``).
+
         Uses host ints only. Prefill steps (more than one query tile per row)
         already have parallelism and are never split.
         """
@@ -567,11 +583,17 @@ class TritonAttentionBackend(AttentionBackend):
         if q_tiles > 1 or device.type != "cuda":
             return 1
         rule = self.split_rule
-        wanted = math.ceil(rule.programs_per_sm * cuda_sm_count(device) / programs)
-        by_length = max(1, max_seq_len // rule.min_keys_per_split)
-        splits = max(1, min(wanted, by_length, rule.max_splits))
+        sms = cuda_sm_count(device)
+        wanted = math.ceil(rule.programs_per_sm * sms / programs)
+        most = min(max(1, max_seq_len // rule.min_keys_per_split), rule.max_splits)
+        splits = max(1, min(wanted, most))
         if splits > 1 and rule.exact_splits is not None:
             return rule.exact_splits
-        splits = max(c for c in SPLIT_COUNTS if c <= splits)
         ratio = max(1, key_tile // rule.min_keys_per_split)
+        if full_waves and splits > 1 and ratio == 1 and programs >= rule.full_wave_programs_per_sm * sms:
+            wave = rule.resident_programs_per_sm * sms
+            for count in range(splits, min(most, math.ceil(1.5 * splits)) + 1):
+                if programs * count >= 0.95 * wave * math.ceil(programs * count / wave):
+                    return count
+        splits = max(c for c in SPLIT_COUNTS if c <= splits)
         return splits if splits == 1 else max(2, -(-splits // ratio))

@@ -687,6 +687,30 @@ def test_split_rule_fills_one_wave_and_compiles_few_counts(monkeypatch):
     assert TritonAttentionBackend(num_splits=24).pick_num_splits(cuda, 16, 1, 64) == 24  # forced: any count
 
 
+def test_fused_decode_launch_fills_whole_waves(monkeypatch):
+    """The fused decode kernel's launch over the rule's key tiles takes the fewest splits from the rule's count to
+    1.5x it whose grid fills >= 95% of its waves (3 programs an SM), from 0.4 programs an SM on; elsewhere the
+    rule's count: on 132 SMs, Ouro's 4 / 8 / 16 rows take 6 / 3 / 3 splits (384 / 384 / 768 programs) instead
+    of 4 / 2 / 2, and no other row count changes."""
+    import loopline.attention.triton_backend as tb
+
+    monkeypatch.setattr(tb, "cuda_sm_count", lambda device: 132)
+    backend, cuda = TritonAttentionBackend(), torch.device("cuda")
+
+    def splits(rows, full_waves=True, key_tile=64, heads=16, max_seq_len=1088):
+        return backend.pick_num_splits(cuda, rows * heads, 1, max_seq_len, key_tile=key_tile, full_waves=full_waves)
+
+    changed = {r: (splits(r, False), splits(r)) for r in range(1, 65) if splits(r) != splits(r, False)}
+    assert changed == {4: (4, 6), 8: (2, 3), 16: (2, 3)}
+    assert [splits(r, key_tile=128) for r in (4, 8, 16)] == [2, 2, 2]  # FP8's 128-key tiles: the rule's
+    assert splits(16, max_seq_len=128) == 2  # at most the keys' 64-key splits
+    assert splits(2, heads=64) == 3  # 128 programs: 3 splits, 384
+    loose = TritonAttentionBackend(split_rule=SplitRule(full_wave_programs_per_sm=0.1))
+    assert loose.pick_num_splits(cuda, 2 * 16, 1, 8192, key_tile=64, full_waves=True) == 12  # 384 programs
+    assert TritonAttentionBackend(split_rule=SplitRule(resident_programs_per_sm=2)).pick_num_splits(
+        cuda, 16 * 16, 1, 1088, key_tile=64, full_waves=True) == 2  # 512 programs: two waves of 264
+
+
 def test_wider_key_tiles_take_fewer_splits(monkeypatch):
     """A launch whose key tiles hold r times the rule's keys (FP8's 128-key tiles) takes ceil(splits / r)
     splits, at least 2 where the rule splits, so each split reads as many bytes; the rule's own tile changes
@@ -706,7 +730,8 @@ def test_wider_key_tiles_take_fewer_splits(monkeypatch):
 
 
 def test_fp8_decode_launch_uses_128_key_tiles_and_half_the_splits(monkeypatch):
-    """The fused decode kernel over an FP8 cache launches 128-key tiles and the halved split count."""
+    """The fused decode kernel over an FP8 cache launches 128-key tiles and the halved split count; over bf16
+    pages it takes the full-wave count where the rule gives one."""
     import loopline.attention.triton_backend as tb
     from loopline.models.ops import Rope
 
@@ -727,19 +752,22 @@ def test_fp8_decode_launch_uses_128_key_tiles_and_half_the_splits(monkeypatch):
     backend, cuda = TritonAttentionBackend(), torch.device("cuda")
     rule = backend.pick_num_splits  # (this CPU never splits: the rule as on a GPU)
     monkeypatch.setattr(backend, "pick_num_splits", lambda device, *args, **kw: rule(cuda, *args, **kw))
-    for dtype, want in ((torch.float8_e4m3fn, (128, 10)), (torch.bfloat16, (64, 20))):
-        q = torch.zeros(1, 16, 128, dtype=torch.bfloat16)
-        k = torch.zeros(1, 16, 128, dtype=torch.bfloat16)
+    # (16 bf16 rows: the full-wave count, 3 splits; FP8 keeps the byte-matched rule, 2)
+    for rows, dtype, want in ((1, torch.float8_e4m3fn, (128, 10)), (1, torch.bfloat16, (64, 20)),
+                              (16, torch.bfloat16, (64, 3)), (16, torch.float8_e4m3fn, (128, 2))):
+        q = torch.zeros(rows, 16, 128, dtype=torch.bfloat16)
+        k = torch.zeros(rows, 16, 128, dtype=torch.bfloat16)
         cache = torch.zeros(8, 16, 16, 128, dtype=dtype)
         meta = PagedAttentionMetadata(
-            query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([100], dtype=torch.int32),
-            block_tables=torch.zeros(1, 8, dtype=torch.int32), slot_mapping=torch.zeros(1, dtype=torch.int64),
+            query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+            seq_lens=torch.full((rows,), 100, dtype=torch.int32),
+            block_tables=torch.zeros(rows, 8, dtype=torch.int32), slot_mapping=torch.zeros(rows, dtype=torch.int64),
             max_query_len=1, max_seq_len=4096)
         rope = Rope(torch.ones(1, 64), torch.zeros(1, 64))
         scales = dict(k_scale=torch.ones(16), v_scale=torch.ones(16)) if dtype != torch.bfloat16 else {}
         with pytest.raises(_Stop):
             backend.rotate_store_attend(cache, cache.clone(), q, k, k.clone(), rope, meta, 0.1, **scales)
-        assert (launched["block_n"], launched["splits"]) == want, dtype
+        assert (launched["block_n"], launched["splits"]) == want, (rows, dtype)
 
 
 def test_backend_splits_by_its_own_rule(monkeypatch):
@@ -759,6 +787,7 @@ def test_backend_splits_by_its_own_rule(monkeypatch):
     assert everywhere.pick_num_splits(cuda, 32 * 16, 1, 1088) == 2
     assert exact.pick_num_splits(cuda, 16 * 4, 4, 8192) == 1  # prefill tiles are never split
     for bad in (dict(max_splits=0), dict(programs_per_sm=0.0), dict(fused_decode_min_splits=0), dict(exact_splits=65),
-                dict(cuda_core_programs_per_sm=-1.0)):
+                dict(cuda_core_programs_per_sm=-1.0), dict(full_wave_programs_per_sm=0.0),
+                dict(resident_programs_per_sm=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SplitRule(**bad)
