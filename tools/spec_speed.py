@@ -149,7 +149,7 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
     # steps of the measured part that replayed a graph, per family; the rest ran eagerly
     replays = {f: n - replays0.get(f, 0) for f, n in (graphs.replays.items() if graphs is not None else ())}
     replays = {f: n for f, n in replays.items() if n}
-    del engine  # its KV pool: the next run's engine sizes its own from the free memory
+    del engine, graphs  # its KV pool and graphs: the next run's engine sizes its pool from the free memory
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -188,7 +188,8 @@ def run_set(model: OuroForCausalLM, args: argparse.Namespace, scale: float, c: i
         try:
             r = run(model, args, spec, c, scheme) | {"branch_scale": scale, "repeat": rep}
         except InvalidRequestError as e:  # a scheme the engine does not run: say so, measure the rest
-            print(f"scale {scale:<5} C={c:<4} {scheme} K={spec[0]} d={spec[1]}: refused: {e}", flush=True)
+            what = "plain" if spec is None else f"{scheme} K={spec[0]} d={spec[1]}"
+            print(f"scale {scale:<5} C={c:<4} {what}: refused: {e}", flush=True)
             continue
         base = base or r["output_tok_s"]
         r["speedup"] = round(r["output_tok_s"] / base, 3)

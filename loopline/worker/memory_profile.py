@@ -7,6 +7,7 @@ needed on top of the weights is what the pool must leave free.
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 
@@ -88,6 +89,9 @@ def num_kv_blocks(config, model: OuroForCausalLM, backend: AttentionBackend, lay
     if config.kv_cache_memory_gb is not None:
         budget = config.kv_cache_memory_gb * 2**30
     elif device.type == "cuda":
+        # An engine dropped earlier in this process (a notebook's second LLM, a benchmark's next variant) may
+        # hold its pool and graphs in reference cycles: collected now, the profile's empty_cache returns them.
+        gc.collect()
         # Profiling pass: the largest step's activations must fit beside the pool.
         peak = peak_step_bytes(model, backend, config.max_num_batched_tokens, config.max_num_seqs,
                                config.block_size, config.dtype, device, config.kv_dtype)

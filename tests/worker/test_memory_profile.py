@@ -58,3 +58,26 @@ def test_parameter_count_is_the_models(tiny_gqa):
 
     model = load_model(tiny_gqa.path, torch.float32, "cpu")
     assert parameter_count(model.config) == sum(p.numel() for p in model.parameters())
+
+
+def test_gpu_sizing_collects_dropped_engines_before_it_measures(monkeypatch, tiny_gqa):
+    """An engine dropped earlier in the process may hold its KV pool in reference cycles; the GPU sizing collects
+    them before the profiling pass (whose empty_cache hands the memory back) and before it reads free memory, so
+    a second engine in one process sizes its pool from the memory the first one left (on an H100 a tool's second
+    engine had found none)."""
+    import gc
+    from types import SimpleNamespace
+
+    import loopline.worker.memory_profile as mp
+
+    events = []
+    monkeypatch.setattr(mp.gc, "collect", lambda *a: events.append("collect") or 0)
+    monkeypatch.setattr(mp, "peak_step_bytes", lambda *a, **k: events.append("profile") or 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: events.append("free") or (80 << 30, 80 << 30))
+    model = load_model(tiny_gqa.path, torch.float32, "cpu")
+    config = SimpleNamespace(num_kv_blocks=None, kv_cache_memory_gb=None, block_size=16, kv_dtype=torch.float32,
+                             device=torch.device("cuda"), max_num_batched_tokens=64, max_num_seqs=4,
+                             dtype=torch.float32, gpu_memory_utilization=0.5)
+    assert mp.num_kv_blocks(config, model, None, None) > 0
+    assert events == ["collect", "profile", "free"]
+    assert gc.isenabled()
