@@ -18,7 +18,7 @@ import dataclasses
 import gc
 import math
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -204,6 +204,8 @@ class ModelRunner:
         spec_kinds: list = []
         rounds: list[SpecRounds | PipeRounds] = []  # speculating requests' drafts and acceptance, per scheme
         self.lanes: LaneRing | None = None  # the pipeline's lane ring (scheme 2)
+        # requests that may pipeline at once: new requests stop speculating from disable_by_batch_size running on
+        self.max_pipelining = min(max_num_seqs, (speculative and speculative.disable_by_batch_size) or max_num_seqs)
         if speculative is not None:
             head = DraftHead(model, speculative.draft_loops, speculative.draft_adapter)
             if speculative.scheme != "pipeline":  # draft-then-verify rounds (scheme 1; with "auto", beside lanes)
@@ -248,14 +250,14 @@ class ModelRunner:
         width = self.builder.width(max_seq_len)
         idle = ((0, 0),) * (len(self.builder.kinds) - 2)  # the speculative kind's part: its own family holds it
         decode = [StepShape(((b, b), *idle, (0, 0)), width, 0, 1, max_seq_len) for b in bucket_sizes(self.max_num_seqs)]
-        mixed = []
+        mixed, chunks = [], []
         if max_num_batched_tokens is not None:
             # Decode rows get their own attention launch; a fixed-size work list holds the prompt tiles, so
             # the grid does not depend on the step (a backend without work lists ignores it).
-            tile, rows = self.work_tile_tokens or 64, max_prefill_rows
             decode_sizes, prefill_sizes = mixed_buckets(self.max_num_seqs, max_num_batched_tokens)
-            mixed = [StepShape(((d, d), *idle, (rows, p)), width, rows + p // tile, p, max_seq_len)
-                     for d in decode_sizes for p in prefill_sizes]
+            chunks = [(max_prefill_rows, p) for p in prefill_sizes]
+            mixed = [StepShape(((d, d), *idle, chunk), width, self._work(*chunk), chunk[1], max_seq_len)
+                     for d in decode_sizes for chunk in chunks]
         # the family's loop may skip work a step does not need: decode graphs per variant, leanest first (the
         # last runs everything, as mixed steps' graphs do)
         variants = self.stack.graph_variants
@@ -263,7 +265,7 @@ class ModelRunner:
                     for suffix, f in variants}
         families["mixed"] = [dataclasses.replace(s, features=s.features | variants[-1][1]) for s in mixed]
         if self.spec is not None:
-            families |= self._spec_shapes(width, max_seq_len)
+            families |= self._spec_shapes(width, max_seq_len, chunks)
         if self.lookahead_rule is not None:  # the same steps with the head's rule: steps with a lookahead row
             families |= {f"{name}_lookahead": [dataclasses.replace(s, features=LOOKAHEAD) for s in families[name]]
                          for name in ("decode", "mixed")}
@@ -276,10 +278,17 @@ class ModelRunner:
         self.stack.reserve(max(s.tokens for s in shapes), max(s.rows for s in shapes), width, pin=True)
         self.graphs.capture(capturer)
 
-    def _spec_shapes(self, width: int, max_seq_len: int) -> dict[str, list[StepShape]]:
-        """The families of steps with speculating rows at the :func:`spec_buckets` pairs (no prefill chunk:
-        those run eagerly). The pipeline's (``pipe``): ``s`` pipelining requests are ``s * L`` one-query lane
-        rows, beside ``d`` decode rows, like a plain decode step of as many rows. Draft then verify's
+    def _work(self, rows: int, tokens: int) -> int:
+        """Work-list entries of a graph's prompt part: ``rows`` prompts' ``tokens`` tokens in query tiles."""
+        return rows + tokens // (self.work_tile_tokens or 64)
+
+    def _spec_shapes(self, width: int, max_seq_len: int,
+                     chunks: Sequence[tuple[int, int]] = ()) -> dict[str, list[StepShape]]:
+        """The families of steps with speculating rows at the :func:`spec_buckets` pairs. The pipeline's
+        (``pipe``): ``s`` pipelining requests are ``s * L`` one-query lane rows, beside ``d`` decode rows, like a
+        plain decode step of as many rows; ``pipe_mixed``: their lanes beside a prompt's chunk of one of the
+        mixed graphs' ``chunks`` (rows, tokens) and no decode rows, the step a closed loop's next request
+        makes (eagerly ~14 ms each on an H100, an estimate: docs/speculation.md). Other steps with prefill chunks and speculating rows run eagerly. Draft then verify's
         (``spec_draft``, then ``spec``): A ``spec`` bucket of ``s`` rows holds ``s * (K + 1)`` query tokens, so one graph
         serves verify rows (K+1 queries), draft rows (1) and any mix of them (requests in different phases
         of their rounds). Steps whose rows all have one query (every speculating request drafting) take the
@@ -295,6 +304,16 @@ class ModelRunner:
                 lanes = kind.ring.lanes
                 families["pipe"] = [StepShape(counts(kind, d, s * lanes, s * lanes), width, 0, 1, max_seq_len)
                                     for d, s in pairs]
+                # a prompt's chunk beside pipelining requests (the next request arriving): their lanes and the
+                # chunk, no plain decode rows, at most as many pipelining requests as may pipeline at once (a
+                # step of more runs eagerly). The lanes' one-query rows are attended off the work list unless a
+                # kind of several queries comes before theirs (scheme auto's rounds): then a tile each.
+                kinds = self.builder.kinds
+                listed = any(k.query_len != 1 for k in kinds[1:kinds.index(kind)])
+                families["pipe_mixed"] = [
+                    StepShape(counts(kind, 0, s * lanes, s * lanes)[:-1] + (chunk,), width,
+                              s * lanes * listed + self._work(*chunk), chunk[1], max_seq_len)
+                    for d, s in pairs if d == 0 and s <= self.max_pipelining for chunk in chunks]
             elif isinstance(kind, SpecKind):
                 k1 = kind.rounds.k + 1
                 tiles = -(-k1 // (self.work_tile_tokens or 64))

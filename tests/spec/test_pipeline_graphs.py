@@ -10,7 +10,7 @@ graphs' GPU test is tests/spec/test_graphs.py's, run for both schemes."""
 from __future__ import annotations
 
 import pytest
-from spec.test_graphs import GREEDY, SAMPLED, assert_same, drain, make, requests, watch
+from spec.test_graphs import GREEDY, SAMPLED, assert_same, drain, ids, make, requests, watch
 
 
 def pipe(d: int) -> dict:
@@ -38,8 +38,35 @@ def test_pipelining_steps_replay_graphs_and_equal_eager_and_plain(tiny_gqa, para
     assert eng.runner.graphs.replays["pipe"] == len(pipe_steps)
 
 
+@pytest.mark.parametrize("params", [pytest.param(GREEDY, id="greedy"), pytest.param(SAMPLED, id="sampled")])
+def test_a_prompt_arriving_beside_pipelining_requests_replays_a_graph(tiny_gqa, params):
+    """Requests arriving while others pipeline (a closed loop's next request): the steps that carry their prompt
+    chunks beside the lanes replay ``pipe_mixed`` graphs, and every request's tokens, depths and logprobs equal
+    those without graphs and those of plain decoding."""
+    reqs = {f"s{i}": (ids(n, seed=n), params.clone(seed=params.seed + i if params.seed is not None else None))
+            for i, n in enumerate((5, 13, 8, 11))}
+    arrivals = {"s1": 2, "s2": 9, "s3": 17}
+    eng = make(tiny_gqa, pipe(1), graphs=True)
+    seen = watch(eng)
+    graphed = drain(eng, reqs, arrivals)
+    assert_same(graphed, drain(make(tiny_gqa, pipe(1), graphs=False), reqs, arrivals))
+    assert_same(graphed, drain(make(tiny_gqa, None, graphs=False), reqs, arrivals))
+    beside = [where for lanes, prefill, decode, where in seen if lanes and prefill and not decode]
+    assert len(beside) >= 3 and all(where is not None and where[0] == "pipe_mixed" for where in beside)
+    assert eng.runner.graphs.replays["pipe_mixed"] == len(beside)
+
+
 def test_pipeline_captures_its_family_only(tiny_gqa):
+    """The pipeline's families: lanes beside decode rows (``pipe``), and lanes beside a prompt's chunk
+    (``pipe_mixed``: the next request arriving while others pipeline, eager before; no decode rows, the lanes
+    attended off the work list, which holds the chunk's tiles as a mixed step's does)."""
     on = make(tiny_gqa, pipe(1), graphs=True).runner.graphs
-    assert [f.name for f in on.families] == ["decode", "mixed", "pipe"]
+    assert [f.name for f in on.families] == ["decode", "mixed", "pipe", "pipe_mixed"]
     assert {(s.max_query_len, s.work) for s in on.families[2].shapes} == {(1, 0)}
     assert all(s.counts[1][0] % 4 == 0 for s in on.families[2].shapes)
+    mixed_work = {s.counts[-1]: s.work for s in on.families[1].shapes}
+    for s in on.families[3].shapes:
+        (decode, _), (lanes, _), chunk = s.counts
+        assert decode == 0 and lanes % 4 == 0 and chunk[1] > 1 and s.max_query_len == chunk[1]
+        assert s.work == mixed_work[chunk]
+    assert {s.counts[-1] for s in on.families[3].shapes} == set(mixed_work)
