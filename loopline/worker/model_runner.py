@@ -288,7 +288,8 @@ class ModelRunner:
         (``pipe``): ``s`` pipelining requests are ``s * L`` one-query lane rows, beside ``d`` decode rows, like a
         plain decode step of as many rows; ``pipe_mixed``: their lanes beside a prompt's chunk of one of the
         mixed graphs' ``chunks`` (rows, tokens) and no decode rows, the step a closed loop's next request
-        makes (eagerly ~14 ms each on an H100, an estimate: docs/speculation.md). Other steps with prefill chunks and speculating rows run eagerly. Draft then verify's
+        makes (eagerly ~14 ms each on an H100, an estimate: docs/speculation.md). Other steps with prefill
+        chunks and speculating rows run eagerly. Draft then verify's
         (``spec_draft``, then ``spec``): A ``spec`` bucket of ``s`` rows holds ``s * (K + 1)`` query tokens, so one graph
         serves verify rows (K+1 queries), draft rows (1) and any mix of them (requests in different phases
         of their rounds). Steps whose rows all have one query (every speculating request drafting) take the
@@ -312,7 +313,7 @@ class ModelRunner:
                 listed = any(k.query_len != 1 for k in kinds[1:kinds.index(kind)])
                 families["pipe_mixed"] = [
                     StepShape(counts(kind, 0, s * lanes, s * lanes)[:-1] + (chunk,), width,
-                              s * lanes * listed + self._work(*chunk), chunk[1], max_seq_len)
+                              (s * lanes if listed else 0) + self._work(*chunk), chunk[1], max_seq_len)
                     for d, s in pairs if d == 0 and s <= self.max_pipelining for chunk in chunks]
             elif isinstance(kind, SpecKind):
                 k1 = kind.rounds.k + 1
