@@ -6,7 +6,7 @@
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
-# register_caps resources cuda_core_mixed fp8_launches newkernels full_waves; LOOPLINE_BENCH_C
+# register_caps resources cuda_core_mixed fp8_launches newkernels full_waves full_waves_e2e; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -318,6 +318,16 @@ if has full_waves; then  # issue #40: the fused decode launch's full-wave split 
     timeout 60 python3 tools/profile_step.py --rows "$r" --context 1088 --steps 128 $v 2>&1 \
       | grep -E "mean step" | sed "s/^/rows $r ${v:-full-waves}: /"
   done; done | tee "$out/full_waves.txt"
+fi
+if has full_waves_e2e; then  # the README command at 4 / 8 / 16 requests (LOOPLINE_HEADLINE_C) with full waves (the
+  # default) and with the rule before (LOOPLINE_SPLIT_RULE, the timing hook), A/B/A
+  i=0
+  for r in "" "full_wave_programs_per_sm=inf" ""; do
+    i=$((i + 1)); echo "== run $i, split rule ${r:-default}"
+    LOOPLINE_SPLIT_RULE=$r timeout 240 python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 \
+      --input-len 1024 --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-4,8,16}" --no-progress \
+      --output-json "$out/full_waves_e2e_$i.json" 2> "$out/full_waves_e2e.err" | tail -5 || tail -3 "$out/full_waves_e2e.err"
+  done
 fi
 if has last_merges; then  # issue #40: the fused decode kernel's last split merges (no merge launch), A/B/A at
   # 1-8 rows: its GPU tests first (the arrival counters are a cross-program handshake), then whole steps

@@ -99,6 +99,24 @@ class SplitRule:
         if self.exact_splits is not None and not 1 <= self.exact_splits <= 64:
             raise ValueError(f"exact_splits must be in 1..64 or None, got {self.exact_splits}")
 
+    @classmethod
+    def parse(cls, text: str) -> SplitRule:
+        """``"FIELD=VALUE[,FIELD=VALUE...]"`` over the defaults, as ``LOOPLINE_SPLIT_RULE`` spells a rule (e.g.
+        ``full_wave_programs_per_sm=inf``: the rule before full waves); ``none`` clears ``exact_splits``."""
+        kinds = {"exact_splits": int, **{f: type(getattr(cls, f)) for f in cls.__dataclass_fields__
+                                         if f != "exact_splits"}}
+        values = {}
+        for item in filter(None, text.split(",")):
+            name, _, value = item.partition("=")
+            name = name.strip()
+            if name not in kinds:
+                raise ValueError(f"a split rule sets fields of {', '.join(kinds)}, got {item!r}")
+            try:
+                values[name] = None if value.strip() == "none" and name == "exact_splits" else kinds[name](value)
+            except ValueError:
+                raise ValueError(f"split rule field {name} takes a {kinds[name].__name__}, got {value!r}") from None
+        return cls(**values)
+
 
 def triton_available() -> bool:
     """True if triton can be imported (usable on CUDA, or on CPU under TRITON_INTERPRET=1)."""
@@ -243,8 +261,10 @@ class TritonAttentionBackend(AttentionBackend):
         if num_splits is not None and not 1 <= num_splits <= 64:
             raise ValueError(f"num_splits must be in 1..64 or None, got {num_splits}")
         self.num_splits = num_splits
-        self.split_rule = split_rule or SplitRule()
-        # LOOPLINE_DECODE_LAUNCH: a timing hook (gpu_session.sh times the README command under other launches)
+        # LOOPLINE_SPLIT_RULE / LOOPLINE_DECODE_LAUNCH: timing hooks (gpu_session.sh times the README command
+        # under other split rules and launches)
+        env = os.environ.get("LOOPLINE_SPLIT_RULE")
+        self.split_rule = split_rule or (SplitRule.parse(env) if env else SplitRule())
         env = os.environ.get("LOOPLINE_DECODE_LAUNCH")
         self.decode_launch = decode_launch or (DecodeLaunch.parse(env) if env else DecodeLaunch())
         self.prefill_launch = prefill_launch or PrefillLaunch()

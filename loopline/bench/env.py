@@ -64,11 +64,17 @@ def hardware_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
+#: Environment variables that change what the engine runs without a flag (timing hooks of tools/gpu_session.sh)
+TIMING_HOOKS = ("LOOPLINE_DECODE_LAUNCH", "LOOPLINE_SPLIT_RULE")
+
+
 def software_info() -> dict[str, Any]:
+    """Versions, and the timing hooks set in the environment (a run under one is not the defaults' run)."""
     import transformers
 
+    hooks = {name: os.environ[name] for name in TIMING_HOOKS if os.environ.get(name)}
     return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-            "platform": platform.platform()}
+            "platform": platform.platform(), **({"timing_hooks": hooks} if hooks else {})}
 
 
 class DeviceTimer:

@@ -51,6 +51,9 @@ def header_lines(record: dict[str, Any]) -> list[str]:
         f"workload: {p['input_len']} in / {p['output_len']} out, closed loop, greedy, ignore_eos | "
         f"depth {p['depth_dist'] or p['exit_mode']} | repeats {p['repeats']} (medians)",
     ]
+    if sw.get("timing_hooks"):
+        hooks = ", ".join(f"{k}={v}" for k, v in sw["timing_hooks"].items())
+        lines.append(f"NOTE: timing hooks set ({hooks}): not the defaults a user gets.")
     if not hw.get("gpu"):
         lines.append("NOTE: CPU run -- absolute numbers say little about GPU performance; GPU idle is n/a.")
     return lines

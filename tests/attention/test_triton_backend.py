@@ -711,6 +711,29 @@ def test_fused_decode_launch_fills_whole_waves(monkeypatch):
         cuda, 16 * 16, 1, 1088, key_tile=64, full_waves=True) == 2  # 512 programs: two waves of 264
 
 
+def test_split_rule_spelled_as_the_timing_hook_reads_it(monkeypatch):
+    """``SplitRule.parse`` sets fields over the defaults; ``LOOPLINE_SPLIT_RULE`` gives a backend built without a
+    rule that rule (gpu_session.sh times the README command under the rule before full waves); bad spellings
+    name the field."""
+    import math
+
+    import loopline.attention.triton_backend as tb
+
+    assert SplitRule.parse("full_wave_programs_per_sm=inf") == SplitRule(full_wave_programs_per_sm=math.inf)
+    assert SplitRule.parse("exact_splits=3, max_splits=8") == SplitRule(exact_splits=3, max_splits=8)
+    assert SplitRule.parse("exact_splits=none") == SplitRule.parse("") == SplitRule()
+    for bad, field in (("nope=1", "nope"), ("max_splits=x", "max_splits"), ("exact_splits=99", "exact_splits"),
+                       ("resident_programs_per_sm=0", "resident_programs_per_sm")):
+        with pytest.raises(ValueError, match=field):
+            SplitRule.parse(bad)
+    monkeypatch.setenv("LOOPLINE_SPLIT_RULE", "full_wave_programs_per_sm=inf")
+    monkeypatch.setattr(tb, "cuda_sm_count", lambda device: 132)
+    hooked = TritonAttentionBackend()
+    assert hooked.split_rule.full_wave_programs_per_sm == math.inf
+    assert hooked.pick_num_splits(torch.device("cuda"), 16 * 16, 1, 1088, key_tile=64, full_waves=True) == 2
+    assert TritonAttentionBackend(split_rule=SplitRule()).split_rule == SplitRule()  # a given rule wins
+
+
 def test_wider_key_tiles_take_fewer_splits(monkeypatch):
     """A launch whose key tiles hold r times the rule's keys (FP8's 128-key tiles) takes ceil(splits / r)
     splits, at least 2 where the rule splits, so each split reads as many bytes; the rule's own tile changes

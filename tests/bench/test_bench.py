@@ -382,3 +382,21 @@ def test_bench_help_has_no_default_none():
     text = sub.format_help()
     assert "(default: None)" not in text and "(default: False)" not in text
     assert all(a.help for a in sub._actions if a.option_strings)
+
+
+def test_record_names_the_timing_hooks_set(monkeypatch):
+    """A run under LOOPLINE_DECODE_LAUNCH / LOOPLINE_SPLIT_RULE says so in its record and its header: it is not the
+    defaults' run."""
+    from loopline.bench.env import software_info
+    from loopline.bench.report import header_lines
+
+    for name in ("LOOPLINE_DECODE_LAUNCH", "LOOPLINE_SPLIT_RULE"):
+        monkeypatch.delenv(name, raising=False)
+    assert "timing_hooks" not in software_info()
+    monkeypatch.setenv("LOOPLINE_SPLIT_RULE", "full_wave_programs_per_sm=inf")
+    sw = software_info()
+    assert sw["timing_hooks"] == {"LOOPLINE_SPLIT_RULE": "full_wave_programs_per_sm=inf"}
+    record = {"command": "loopline bench", "git": {"commit": "abc"}, "hardware": {"gpu": "H100"}, "software": sw,
+              "params": {"model_source": "tiny", "dtype": "float32", "total_ut_steps": 4, "input_len": 8,
+                         "output_len": 4, "depth_dist": None, "exit_mode": "fixed", "repeats": 1}}
+    assert any("LOOPLINE_SPLIT_RULE=full_wave_programs_per_sm=inf" in line for line in header_lines(record))
