@@ -117,8 +117,8 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
 
     # Warm-up: the measured loop in small, on the same engine, so that every step shape it makes (Triton's
     # compiles of their launches, the graphs) comes before the clock starts: C requests at once, then each one
-    # that finishes replaced while the others decode (or pipeline: a prompt beside lanes runs eagerly, in
-    # launches of its own). With C warm requests of 8 tokens at once and no replacements, the first run of a
+    # that finishes replaced while the others decode or pipeline (steps no graph holds run eagerly, in launches
+    # of their own). With C warm requests of 8 tokens at once and no replacements, the first run of a
     # fresh H100 compiled inside the clock: the pipeline at C = 2 / 4 ran 1.07x / 1.28x plain, the same run
     # again 1.92x / 1.55x.
     warm = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -65,7 +65,6 @@ def test_gpu_sizing_collects_dropped_engines_before_it_measures(monkeypatch, tin
     them before the profiling pass (whose empty_cache hands the memory back) and before it reads free memory, so
     a second engine in one process sizes its pool from the memory the first one left (on an H100 a tool's second
     engine had found none)."""
-    import gc
     from types import SimpleNamespace
 
     import loopline.worker.memory_profile as mp
@@ -80,4 +79,3 @@ def test_gpu_sizing_collects_dropped_engines_before_it_measures(monkeypatch, tin
                              dtype=torch.float32, gpu_memory_utilization=0.5)
     assert mp.num_kv_blocks(config, model, None, None) > 0
     assert events == ["collect", "profile", "free"]
-    assert gc.isenabled()
