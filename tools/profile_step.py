@@ -56,6 +56,36 @@ def print_kernel_table(engine: LLMEngine, steps: int) -> None:
         print(f"  {e.self_device_time_total / steps:9.1f} us/step  {e.count / steps:7.1f} calls/step  {e.key[:90]}")
 
 
+def print_syncs(engine: LLMEngine, steps: int) -> None:
+    """The host-device synchronizations torch reports over ``steps`` engine steps, one line per distinct stack
+    (its loopline frames) with its count. Event waits are not reported: the overlap's own read of the step
+    before is one."""
+    import traceback
+    import warnings
+
+    stacks: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "loopline" in f.filename or "tools" in f.filename]
+        key = f"{str(message)[:80]} <- " + " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
+                                                        for f in reversed(frames[-6:]))
+        stacks[key] = stacks.get(key, 0) + 1
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():  # (restores showwarning on exit)
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            for _ in range(steps):
+                engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    print(f"host-device synchronizations in {steps} steps: {sum(stacks.values())}")
+    for key, n in sorted(stacks.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {n:5d}x {key}")
+
+
 def print_kernel_resources() -> None:
     """Registers, spills and shared memory of every loopline Triton kernel compiled in this process (one line a
     compiled variant), and the programs an SM they allow on an H100 / H200."""
@@ -337,6 +367,9 @@ def main() -> None:
     ap.add_argument("--replay-acceptance", default=None,
                     help="P0,P1,...: with --speculative-config, accept the draft at round position j with probability "
                          "Pj (loopline/spec/replay.py; random weights accept none otherwise)")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="after the timing, report the host-device synchronizations of --steps steps with their stacks "
+                         "(torch.cuda.set_sync_debug_mode): what stalls the overlap")
     ap.add_argument("--ablate", default="",
                     help=f"comma-separated kernels to replace by no-ops, timing only: {', '.join(ABLATIONS)}")
     a = ap.parse_args()
@@ -406,6 +439,8 @@ def main() -> None:
             graph.replay()
         torch.cuda.synchronize()
         print(f"graph replay alone: {(time.perf_counter() - t0) / 20 * 1e3:.3f} ms")
+    if a.sync_debug:
+        print_syncs(engine, a.steps)
     if a.kernels:
         print_kernel_table(engine, a.steps)
     if a.resources:
