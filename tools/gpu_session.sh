@@ -6,7 +6,8 @@
 # wide splits bench headline sync overlap partition hf adaptive phases pd demo serve newpaths huginn spec_replay spec_k
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
-# register_caps resources cuda_core_mixed fp8_launches newkernels full_waves full_waves_e2e host_wait; LOOPLINE_BENCH_C
+# register_caps resources cuda_core_mixed fp8_launches newkernels full_waves full_waves_e2e host_wait
+# fp8_full_waves; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -328,6 +329,14 @@ if has full_waves_e2e; then  # the README command at 4 / 8 / 16 requests (LOOPLI
       --input-len 1024 --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-4,8,16}" --no-progress \
       --output-json "$out/full_waves_e2e_$i.json" 2> "$out/full_waves_e2e.err" | tail -5 || tail -3 "$out/full_waves_e2e.err"
   done
+fi
+if has fp8_full_waves; then  # issue #40: FP8 4-row fused decode launches take 2 splits (128 programs, 0.48 of a
+  # wave at the 2 programs an SM their 254 registers allow): 3 and 4 splits (a full wave) forced, A/B/A
+  for v in "" "--attn-num-splits 4" "--attn-num-splits 3" ""; do
+    # shellcheck disable=SC2086
+    timeout 60 python3 tools/profile_step.py --rows "${LOOPLINE_ROWS:-4}" --context 1088 --steps 128 --kv-cache-dtype fp8 $v \
+      2>&1 | grep -E "mean step" | sed "s/^/fp8 ${v:-default}: /"
+  done | tee "$out/fp8_full_waves.txt"
 fi
 if has host_wait; then  # why 64- and 80-row steps exceed their graph replayed alone (H100, session 31): the KV pool
   # profile_step sizes by rows (0.9 GiB a row) against a fixed 24 GiB, and the syncs torch sees in the steps
