@@ -7,7 +7,7 @@
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
 # register_caps resources cuda_core_mixed fp8_launches newkernels full_waves full_waves_e2e host_wait
-# fp8_full_waves; LOOPLINE_BENCH_C
+# fp8_full_waves cold_start; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -337,6 +337,17 @@ if has fp8_full_waves; then  # issue #40: FP8 4-row fused decode launches take 2
     timeout 60 python3 tools/profile_step.py --rows "${LOOPLINE_ROWS:-4}" --context 1088 --steps 128 --kv-cache-dtype fp8 $v \
       2>&1 | grep -E "mean step" | sed "s/^/fp8 ${v:-default}: /"
   done | tee "$out/fp8_full_waves.txt"
+fi
+if has cold_start; then  # what a fresh process's first requests pay (Triton compiles of the shapes no graph holds):
+  # no warm-up, an empty Triton cache, then the same again with the cache the first run filled; TTFT mean / p50 / p99
+  export TRITON_CACHE_DIR; TRITON_CACHE_DIR=$(mktemp -d)
+  for run in cold-cache warm-cache; do for c in ${LOOPLINE_COLD_C:-1 4}; do
+    bench 200 --input-len 1024 --output-len 16 --concurrency "$c" --num-prompts $((4 * c)) --warmup-prompts 0 \
+      --output-json "$out/cold_start_${run}_$c.json" > /dev/null 2> "$out/cold_start.err"
+    python3 -c "import json, sys; m = json.load(open(sys.argv[1]))['results'][0]['variants'][0]['median']['ttft_ms']
+print(f'$run C=$c: TTFT mean {m[\"mean\"]:.1f} p50 {m[\"p50\"]:.1f} p99 {m[\"p99\"]:.1f} ms')" "$out/cold_start_${run}_$c.json" \
+      || tail -3 "$out/cold_start.err"
+  done; done | tee "$out/cold_start.txt"
 fi
 if has host_wait; then  # why 64- and 80-row steps exceed their graph replayed alone (H100, session 31): the KV pool
   # profile_step sizes by rows (0.9 GiB a row) against a fixed 24 GiB, and the syncs torch sees in the steps
