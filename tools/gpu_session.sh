@@ -7,7 +7,7 @@
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
 # register_caps resources cuda_core_mixed fp8_launches newkernels full_waves full_waves_e2e host_wait
-# fp8_full_waves cold_start; LOOPLINE_BENCH_C
+# fp8_full_waves cold_start jit_misses; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -348,6 +348,10 @@ if has cold_start; then  # what a fresh process's first requests pay (Triton com
 print(f'$run C=$c: TTFT mean {m[\"mean\"]:.1f} p50 {m[\"p50\"]:.1f} p99 {m[\"p99\"]:.1f} ms')" "$out/cold_start_${run}_$c.json" \
       || tail -3 "$out/cold_start.err"
   done; done | tee "$out/cold_start.txt"
+fi
+if has jit_misses; then  # the Triton kernels an engine compiles after start-up, phase by phase (empty Triton cache)
+  TRITON_CACHE_DIR=$(mktemp -d) timeout 300 python3 tools/jit_misses.py --config ouro-1.4b --json "$out/jit_misses.json" \
+    2>&1 | grep -v Warn | tee "$out/jit_misses.txt" | head -60
 fi
 if has host_wait; then  # why 64- and 80-row steps exceed their graph replayed alone (H100, session 31): the KV pool
   # profile_step sizes by rows (0.9 GiB a row) against a fixed 24 GiB, and the syncs torch sees in the steps
