@@ -199,6 +199,11 @@ class _Family:
             return None
         if any(part.num_rows > rows for part, (rows, _) in zip(plan.kinds, graph.shape.counts)):
             return None
+        # every kind but the last (prompt chunks) holds as many queries a row: a graph with a longer prompt part
+        # does not hold a longer speculating row
+        if any(part.num_rows and part.max_query_len * rows > tokens
+               for part, (rows, tokens) in zip(plan.kinds[:-1], graph.shape.counts[:-1])):
+            return None
         return graph
 
 

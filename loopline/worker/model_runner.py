@@ -204,8 +204,8 @@ class ModelRunner:
         spec_kinds: list = []
         rounds: list[SpecRounds | PipeRounds] = []  # speculating requests' drafts and acceptance, per scheme
         self.lanes: LaneRing | None = None  # the pipeline's lane ring (scheme 2)
-        # requests that may pipeline at once: new requests stop speculating from disable_by_batch_size running on
-        self.max_pipelining = min(max_num_seqs, (speculative and speculative.disable_by_batch_size) or max_num_seqs)
+        # requests that may speculate at once: new requests stop speculating from disable_by_batch_size running on
+        self.max_speculating = min(max_num_seqs, (speculative and speculative.disable_by_batch_size) or max_num_seqs)
         if speculative is not None:
             head = DraftHead(model, speculative.draft_loops, speculative.draft_adapter)
             if speculative.scheme != "pipeline":  # draft-then-verify rounds (scheme 1; with "auto", beside lanes)
@@ -288,8 +288,9 @@ class ModelRunner:
         (``pipe``): ``s`` pipelining requests are ``s * L`` one-query lane rows, beside ``d`` decode rows, like a
         plain decode step of as many rows; ``pipe_mixed``: their lanes beside a prompt's chunk of one of the
         mixed graphs' ``chunks`` (rows, tokens) and no decode rows, the step a closed loop's next request
-        makes (eagerly ~14 ms each on an H100, an estimate: docs/speculation.md). Other steps with prefill
-        chunks and speculating rows run eagerly. Draft then verify's
+        makes (eagerly ~14 ms each on an H100, an estimate: docs/speculation.md); draft then verify's
+        ``spec_mixed`` likewise holds a chunk beside rounds' rows. Other steps with prefill chunks and
+        speculating rows run eagerly. Draft then verify's
         (``spec_draft``, then ``spec``): A ``spec`` bucket of ``s`` rows holds ``s * (K + 1)`` query tokens, so one graph
         serves verify rows (K+1 queries), draft rows (1) and any mix of them (requests in different phases
         of their rounds). Steps whose rows all have one query (every speculating request drafting) take the
@@ -314,7 +315,7 @@ class ModelRunner:
                 families["pipe_mixed"] = [
                     StepShape(counts(kind, 0, s * lanes, s * lanes)[:-1] + (chunk,), width,
                               (s * lanes if listed else 0) + self._work(*chunk), chunk[1], max_seq_len)
-                    for d, s in pairs if d == 0 and s <= self.max_pipelining for chunk in chunks]
+                    for d, s in pairs if d == 0 and s <= self.max_speculating for chunk in chunks]
             elif isinstance(kind, SpecKind):
                 k1 = kind.rounds.k + 1
                 tiles = -(-k1 // (self.work_tile_tokens or 64))
@@ -322,6 +323,13 @@ class ModelRunner:
                                           for d, s in pairs]
                 families["spec"] = [StepShape(counts(kind, d, s, s * k1), width, s * tiles, k1, max_seq_len)
                                     for d, s in pairs]
+                # a prompt's chunk beside speculating requests and no plain decode rows (the next request of a
+                # closed loop arriving), as pipe_mixed: their rows (drafting or verifying) on the work list
+                # beside the chunk's tiles
+                families["spec_mixed"] = [
+                    StepShape(counts(kind, 0, s, s * k1)[:-1] + (chunk,), width, s * tiles + self._work(*chunk),
+                              max(k1, chunk[1]), max_seq_len)
+                    for d, s in pairs if d == 0 and s <= self.max_speculating for chunk in chunks]
         # (scheme "auto": a step with rounds' rows and lanes both runs eagerly)
         return families
 

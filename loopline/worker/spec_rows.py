@@ -181,11 +181,13 @@ class SpecKind(RowKind):
         st.exit_loop[slots] = torch.where(start[:, None], 0, st.exit_loop[slots])
         st.tokens[slots, 0] = torch.where(start, ds.token[slots], st.tokens[slots, 0])
         # each query's row (the host wrote the rows' query offsets) and round position; a graph's padding
-        # tokens (past the last row's queries) belong to no row: they run on the scratch slot, frozen
+        # tokens (past the last row's queries) belong to no row: they run on the scratch slot, frozen. Beside a
+        # prompt's chunk (spec_mixed) the kind's padding tokens fall in its last padding row's range: past a
+        # round's K + 1 positions they are padding too
         qsl = inp.query_start_loc[r:r + n + 1].long() - t
         tok = torch.arange(T, device=slots.device)
         row = torch.searchsorted(qsl[1:], tok, right=True)
-        pad = row == n
+        pad = (row == n) | (tok - qsl[row.clamp(max=n - 1)] >= st.exit_loop.shape[1])
         row = row.clamp(max=n - 1)
         offset = torch.where(pad, 0, tok - qsl[row] + index.clamp(min=0)[row])
         q_slots, q_loop = torch.where(pad, self.scratch_slot, slots[row]), loop[row]

@@ -145,7 +145,7 @@ def test_speculation_off_captures_the_same_graphs(tiny_gqa):
     assert [s.counts for s in off.families[0].shapes] == [((b, b), (0, 0)) for b in (1, 2, 4, 6)]
     assert {s.max_seq_len for f in off.families for s in f.shapes} == {96}
     on = make(tiny_gqa, spec(3, 1), graphs=True).runner.graphs
-    assert [f.name for f in on.families] == ["decode", "mixed", "spec_draft", "spec"]
+    assert [f.name for f in on.families] == ["decode", "mixed", "spec_draft", "spec", "spec_mixed"]
     assert [s.counts[:1] + s.counts[2:] for s in on.families[0].shapes] == [s.counts for s in off.families[0].shapes]
     draft, verify = on.families[2].shapes, on.families[3].shapes
     # the draft family: one query token a speculating row, decode attention (no work list); the verify
@@ -153,6 +153,31 @@ def test_speculation_off_captures_the_same_graphs(tiny_gqa):
     assert [s.counts for s in draft] == [((d, d), (r, r), (0, 0)) for (d, _), (r, _), _ in (v.counts for v in verify)]
     assert {(s.max_query_len, s.work) for s in draft} == {(1, 0)}
     assert all(s.counts[1][1] == 4 * s.counts[1][0] and s.max_query_len == 4 for s in verify)
+    # a prompt's chunk beside speculating rows (no decode rows): the mixed graphs' chunks, both on the work list
+    mixed_work = {s.counts[-1]: s.work for s in on.families[1].shapes}
+    for s in on.families[4].shapes:
+        (decode, _), (rows, tokens), chunk = s.counts
+        assert decode == 0 and tokens == 4 * rows and s.max_query_len == max(4, chunk[1])
+        assert s.work == rows + mixed_work[chunk]  # a work-list tile per speculating row (K + 1 <= 64 queries)
+    assert {s.counts[-1] for s in on.families[4].shapes} == set(mixed_work)
+
+
+@pytest.mark.parametrize("params", [pytest.param(GREEDY, id="greedy"), pytest.param(SAMPLED, id="sampled")])
+def test_a_prompt_arriving_beside_speculating_requests_replays_a_graph(tiny_gqa, params):
+    """Requests arriving while others draft and verify (a closed loop's next request): the steps that carry their
+    prompt chunks beside the rounds' rows replay ``spec_mixed`` graphs, and every request's tokens, depths and
+    logprobs equal those without graphs and those of plain decoding."""
+    reqs = {f"s{i}": (ids(n, seed=n), params.clone(seed=params.seed + i if params.seed is not None else None))
+            for i, n in enumerate((5, 13, 8, 11))}
+    arrivals = {"s1": 2, "s2": 9, "s3": 17}
+    eng = make(tiny_gqa, spec(3, 1), graphs=True)
+    seen = watch(eng)
+    graphed = drain(eng, reqs, arrivals)
+    assert_same(graphed, drain(make(tiny_gqa, spec(3, 1), graphs=False), reqs, arrivals))
+    assert_same(graphed, drain(make(tiny_gqa, None, graphs=False), reqs, arrivals))
+    beside = [where for rows, prefill, decode, where in seen if rows and prefill and not decode]
+    assert len(beside) >= 3 and all(where is not None and where[0] == "spec_mixed" for where in beside)
+    assert eng.runner.graphs.replays["spec_mixed"] == len(beside)
 
 
 def test_spec_buckets_hold_every_step_once():
@@ -206,3 +231,23 @@ def test_real_cuda_graphs_equal_eager(tiny_gqa, params, speculative, families):
     assert_same(graphed, drain(LLMEngine(EngineArgs(**kw, enforce_eager=True)), reqs, arrivals))
     plain = {k: v for k, v in kw.items() if k != "speculative_config"}
     assert_same(graphed, drain(LLMEngine(EngineArgs(**plain, enforce_eager=True)), reqs, arrivals))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("speculative, family", [(spec(3, 1), "spec_mixed"), (PIPE, "pipe_mixed")],
+                         ids=["draft_verify", "pipeline"])
+def test_real_cuda_graphs_of_prompts_beside_speculating_rows_equal_eager(tiny_gqa, speculative, family):
+    """The families of a prompt's chunk beside speculating rows as real CUDA graphs: requests arriving while
+    others speculate, against the same engine eager and plain decoding."""
+    kw = {"model": str(tiny_gqa.path), "dtype": "float32", "device": "cuda", "skip_tokenizer_init": True,
+          "block_size": 8, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 128,
+          "attention_backend": "triton", "num_kv_blocks": 512}
+    reqs = {f"s{i}": (ids(n, seed=n), GREEDY) for i, n in enumerate((5, 13, 8, 11))}
+    arrivals = {"s1": 2, "s2": 9, "s3": 17}
+    eng = LLMEngine(EngineArgs(**kw, speculative_config=speculative))
+    graphed = drain(eng, reqs, arrivals)
+    assert eng.runner.graphs.replays[family] >= 3
+    assert_same(graphed, drain(LLMEngine(EngineArgs(**kw, speculative_config=speculative, enforce_eager=True)), reqs,
+                               arrivals))
+    assert_same(graphed, drain(LLMEngine(EngineArgs(**kw, enforce_eager=True)), reqs, arrivals))

@@ -10,11 +10,7 @@ graphs' GPU test is tests/spec/test_graphs.py's, run for both schemes."""
 from __future__ import annotations
 
 import pytest
-import torch
 from spec.test_graphs import GREEDY, SAMPLED, assert_same, drain, ids, make, requests, watch
-
-from loopline.config import EngineArgs
-from loopline.engine import LLMEngine
 
 
 def pipe(d: int) -> dict:
@@ -74,21 +70,3 @@ def test_pipeline_captures_its_family_only(tiny_gqa):
         assert decode == 0 and lanes % 4 == 0 and chunk[1] > 1 and s.max_query_len == chunk[1]
         assert s.work == mixed_work[chunk]
     assert {s.counts[-1] for s in on.families[3].shapes} == set(mixed_work)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_real_cuda_graphs_of_prompts_beside_lanes_equal_eager(tiny_gqa):
-    """The ``pipe_mixed`` family as real CUDA graphs: requests arriving while others pipeline, against the same
-    engine eager and plain decoding."""
-    kw = {"model": str(tiny_gqa.path), "dtype": "float32", "device": "cuda", "skip_tokenizer_init": True,
-          "block_size": 8, "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 128,
-          "attention_backend": "triton", "num_kv_blocks": 512}
-    reqs = {f"s{i}": (ids(n, seed=n), GREEDY) for i, n in enumerate((5, 13, 8, 11))}
-    arrivals = {"s1": 2, "s2": 9, "s3": 17}
-    eng = LLMEngine(EngineArgs(**kw, speculative_config=pipe(1)))
-    graphed = drain(eng, reqs, arrivals)
-    assert eng.runner.graphs.replays["pipe_mixed"] >= 3
-    assert_same(graphed, drain(LLMEngine(EngineArgs(**kw, speculative_config=pipe(1), enforce_eager=True)), reqs,
-                               arrivals))
-    assert_same(graphed, drain(LLMEngine(EngineArgs(**kw, enforce_eager=True)), reqs, arrivals))
