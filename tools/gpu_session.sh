@@ -25,7 +25,7 @@ if has tests; then  # correctness on the GPU: every kernel test (bf16 cases too)
   timeout 280 python3 -m pytest -q tests/attention tests/kernels > "$out/kernel_tests.log" 2>&1
   echo "kernel tests rc=$? $(tail -1 "$out/kernel_tests.log")"
   # (-n 0: xdist's workers would share the one GPU, and the first engine's KV pool leaves the second no memory)
-  timeout 240 python3 -m pytest -q -n 0 -m gpu tests/worker tests/entrypoints/test_core_client.py > "$out/gpu_tests.log" 2>&1
+  timeout 300 python3 -m pytest -q -n 0 -m gpu tests/worker tests/spec tests/entrypoints/test_core_client.py > "$out/gpu_tests.log" 2>&1
   echo "gpu tests rc=$? $(tail -1 "$out/gpu_tests.log")"
   grep -hE "^(FAILED|ERROR)" "$out/kernel_tests.log" "$out/gpu_tests.log" | head -10
 fi
