@@ -45,6 +45,11 @@ class SpeculativeConfig:
     bound). ``adaptive``: once warm, each request's rounds draft the count in ``1..K`` its measured acceptance
     pays best, and a request whose measured tokens per round fall below what a round costs in plain decoding
     steps returns to plain decoding.
+
+    ``redraft`` (the pipeline): a token still looping past ``draft_loops`` reads its deeper loops' head too,
+    and where that token differs from the draft its successor started from, the rows behind are dropped and
+    the new token enters at once, instead of at its exit (docs/speculation.md, "Re-drafting"). Outputs are
+    the same either way.
     """
 
     method: str = "loop"
@@ -59,6 +64,7 @@ class SpeculativeConfig:
     #: the trained draft adapter (docs/speculation.md): ``"auto"`` (the one beside the served weights, when
     #: it holds ``draft_loops`` and was trained on them), ``"none"``, or a directory holding one
     draft_adapter: str = "auto"
+    redraft: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft_adapter, str) or not self.draft_adapter:
@@ -73,9 +79,10 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None:
             _int_in("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
         _int_in("auto_pipeline_below", self.auto_pipeline_below, 1, 1 << 20)
-        if not isinstance(self.adaptive, bool):
-            raise InvalidRequestError(f"speculative_config.adaptive={self.adaptive!r}; allowed: true or false",
-                                      param="speculative_config.adaptive")
+        for name in ("adaptive", "redraft"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"speculative_config.{name}={getattr(self, name)!r}; allowed: true or false",
+                                          param=f"speculative_config.{name}")
         if self.scheme not in SCHEMES:
             raise InvalidRequestError(f"speculative_config.scheme={self.scheme!r}; allowed: {', '.join(map(repr, SCHEMES))}",
                                       param="speculative_config.scheme")

@@ -34,6 +34,13 @@ step it: a *step* runs one loop of every row in flight, a row being one token po
   ``min(1, p/q)``, else the correction from ``max(p - q, 0)``). On rejection every row behind it (its
   successor, which started from the wrong token, and the rows that one drafted in turn) is dropped, its
   K/V rolled back (zeroed in every plane, as if never written), and the correction enters next step.
+* **Re-drafting** (``spec.redraft``, greedy): a row still looping after loop ``d`` reads its head at each
+  further loop; where that token differs from the draft its successor started from, every row behind it is
+  dropped (as at a rejection) and the new token enters next step as the row's draft, judged at its exit.
+  A deeper loop's token agrees with the target more often, so fewer drafts fail at the exit, where a
+  failure costs the most loops. Sampled, the rows keep the one draft of loop ``d``: a new draft would have to
+  be a fresh sample of the deeper loop, which disagrees far more often (the engine's drafts share their
+  target's noise, so it re-drafts sampled rows too: docs/speculation.md).
 * A row's result commits once every row before it committed; a row that exits while an older one is
   still looping waits (its own verdict is conditional on its input, which the older row judges).
 * Rows are never started for tokens past ``max_tokens``, nor behind a draft that is an EOS token (a
@@ -238,7 +245,8 @@ def speculative_generate(model: nn.Module, prompt_ids: Sequence[int], max_tokens
     eos = set(eos_ids)
     out.tokens.append(token), out.exit_loops.append(first.exit_loops[0]), out.logprobs.append(_logprob(logits, token))
     if spec.pipelines:
-        return _Pipeline(loops, d, temperature, generator, eos, max_tokens, draft_adapter).run(out, len(prompt_ids))
+        redraft = spec.redraft and temperature == 0
+        return _Pipeline(loops, d, temperature, generator, eos, max_tokens, draft_adapter, redraft).run(out, len(prompt_ids))
     position = len(prompt_ids)
     while token not in eos and len(out.tokens) < max_tokens:
         committed = _round(loops, token, position, k, d, temperature, generator, out, draft_adapter)
@@ -344,9 +352,9 @@ class _Pipeline:
     """The depth pipeline over one sequence (module docstring): rows in flight, stepped one loop at a time."""
 
     def __init__(self, loops: _Loops, d: int, temperature: float, generator: torch.Generator, eos: set[int],
-                 max_tokens: int, adapter: DraftAdapter | None) -> None:
+                 max_tokens: int, adapter: DraftAdapter | None, redraft: bool = False) -> None:
         self.loops, self.d, self.temperature, self.generator = loops, d, temperature, generator
-        self.eos, self.max_tokens, self.adapter = eos, max_tokens, adapter
+        self.eos, self.max_tokens, self.adapter, self.redraft = eos, max_tokens, adapter, redraft
         self.lanes: list[_Lane] = []
 
     def run(self, out: PipelineOutput, position: int) -> PipelineOutput:
@@ -384,7 +392,7 @@ class _Pipeline:
         self.lanes.append(_Lane(index, self.loops.start(torch.tensor([token], device=device), position)))
 
     def _after_loop(self, lane: _Lane, out: PipelineOutput) -> None:
-        """The row's exit (judging its draft) or, at loop d, its draft."""
+        """The row's exit (judging its draft) or, at loop d, its draft (past it, a re-draft)."""
         rows = lane.rows
         successor = self.lanes.index(lane) + 1 < len(self.lanes)
         if int(rows.exit_loop[0]):
@@ -405,6 +413,13 @@ class _Pipeline:
             lane.q = _probs(q, self.temperature)
             if self._needed(lane.index + 1, lane.draft):
                 self._enter(lane.index + 1, lane.draft, rows.start + 1)
+        elif self.redraft and lane.draft is not None and lane.loop > self.d:
+            token = int(self.loops.logits(rows)[0].argmax())
+            if token != lane.draft:
+                self._drop_behind(lane, out)
+                lane.draft, lane.q = token, None  # (greedy: q is not read)
+                if self._needed(lane.index + 1, token):
+                    self._enter(lane.index + 1, token, rows.start + 1)
 
     def _drop_behind(self, lane: _Lane, out: PipelineOutput) -> None:
         """Drops every row after ``lane`` and rolls its K/V back: its position is zeroed in every plane, as

@@ -211,14 +211,15 @@ class SlotOps:
         return exited
 
     def pipe_accept(self, ring: LaneRing, ds: "DeviceDecodeState", slots: Tensor, target: Tensor, depth: int,
-                    replay: AcceptanceReplay | None = None) -> tuple[Tensor, Tensor]:
+                    replay: AcceptanceReplay | None = None, *, redraft: bool = False) -> tuple[Tensor, Tensor]:
         """The depth pipeline's verdicts, commits and entries after sampling (:func:`accept_lanes`); with
         ``replay`` (a measurement hook) lane ``j``'s draft is accepted by the replay's draw for the slot's
-        completion index ``token_index + j``, with its first probability."""
+        completion index ``token_index + j``, with its first probability, and no lane re-drafts (the draws
+        stand for a draft's verdict at its exit). ``redraft``: lanes looping past loop ``depth`` re-draft."""
         agrees = None
         if replay is not None:
             agrees = replay.accepted(slots, ds.token_index[slots], ring.lanes, per_position=False)
-        return accept_lanes(ring, ds, slots, target, depth, agrees)
+        return accept_lanes(ring, ds, slots, target, depth, agrees, redraft=redraft)
 
     def pipe_draft_lanes(self, ring: LaneRing, ds: "DeviceDecodeState", slots: Tensor,
                          depth: int) -> tuple[Tensor, Tensor, Tensor]:

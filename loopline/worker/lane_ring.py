@@ -84,28 +84,32 @@ def shifter(by: Tensor, lane_ids: Tensor) -> Callable[[Tensor, object], Tensor]:
 
 
 def accept_lanes(ring: LaneRing, ds: CommittedState, slots: Tensor, target: Tensor, depth: int,
-                 agrees: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 agrees: Tensor | None = None, redraft: bool = False) -> tuple[Tensor, Tensor]:
     """The verdicts, commits and entries of pipelining ``slots`` ``[M]``; ``target`` ``[M * L]``: each lane's
-    target token (only exited lanes' are used); ``depth``: the draft loop ``d``; ``agrees`` ``[M, L]``: the
-    drafts' verdicts to use instead of comparing them with the targets (replayed acceptance, a measurement
-    hook). Moves the slots' decode state past the committed tokens. Returns the committed mask ``[M * L]``
-    (a leading run of each slot's lanes) and each lane's draft verdict ``[M * L]`` int64 (0: it drafted none
-    or did not commit, 1: rejected, 2: accepted)."""
+    token from its head this step (its target where it exited); ``depth``: the draft loop ``d``; ``agrees``
+    ``[M, L]``: the drafts' verdicts to use instead of comparing them with the targets (replayed acceptance, a
+    measurement hook; no re-drafting then); ``redraft``: a lane still looping past loop ``d`` re-drafts (its
+    token is its draft now, and the lane behind must hold it). Moves the slots' decode state past the committed
+    tokens. Returns the committed mask ``[M * L]`` (a leading run of each slot's lanes) and each lane's draft
+    verdict ``[M * L]`` int64 (0: it drafted none or did not commit, 1: rejected, 2: accepted)."""
     L = ring.lanes
     lane_ids = ring.lane_ids
     valid, token, loop, exit_loop, draft, hidden, survival, drafted = ring.state(slots)
     y = target.view(-1, L)
     exited = valid & (exit_loop > 0)
-    # a lane behind an exited one must hold its target token; from the first that does not, drop every lane
+    # a lane behind an exited one (or one that re-drafts) must hold its token; from the first that does not,
+    # drop every lane
     follows = torch.ones_like(valid)
+    redrafts = valid & (exit_loop == 0) & (loop > depth) & (redraft and agrees is None)
     if agrees is None:
         agrees = y == draft
         follows[:, 1:] = token[:, 1:] == y[:, :-1]
     else:  # (lane j's draft is for completion index token_index + j + 1)
         follows[:, 1:] = agrees[:, :-1]
-    judged = valid & torch.cat([torch.zeros_like(exited[:, :1]), exited[:, :-1]], dim=1)
+    judged = valid & torch.cat([torch.zeros_like(exited[:, :1]), (exited | redrafts)[:, :-1]], dim=1)
     behind = (judged & ~follows).long().cumsum(dim=1)
     valid = valid & (behind == 0)
+    draft = torch.where(redrafts & valid, y, draft)  # (a lane's head token is its draft now: it feeds the next)
     # the leading run of exited lanes that hold their predecessor's target commits
     committed = (valid & exited & follows).long().cumprod(dim=1).bool()
     # NOTE: a draft's verdict counts when its lane commits, not when the lane behind it is judged: a lane

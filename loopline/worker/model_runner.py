@@ -221,7 +221,8 @@ class ModelRunner:
                 spec_kinds.append(PipeKind(model=model, backend=backend, kv=kv, state=self.decode_state, ring=self.lanes,
                                            requests=self.requests, scratch_slot=self.scratch_slot,
                                            max_loops=cfg.total_ut_steps))
-                rounds.append(PipeRounds(model, self.decode_state, self.lanes, self.requests, sampler, device, head))
+                rounds.append(PipeRounds(model, self.decode_state, self.lanes, self.requests, sampler, device, head,
+                                         redraft=speculative.redraft))
         self.spec: SpecRounds | PipeRounds | BothRounds | None = (
             None if not rounds else rounds[0] if len(rounds) == 1 else BothRounds(*rounds))
         kinds = (self.decode, *spec_kinds,

@@ -126,9 +126,10 @@ class PipeRounds:
     ``verify_part``, ``accept``."""
 
     def __init__(self, model: OuroForCausalLM, state: DeviceDecodeState, ring: LaneRing,
-                 requests: dict[str, RequestState], sampler: Sampler, device: torch.device, head: DraftHead) -> None:
+                 requests: dict[str, RequestState], sampler: Sampler, device: torch.device, head: DraftHead,
+                 redraft: bool = False) -> None:
         self.model, self.state, self.ring, self.requests, self.device = model, state, ring, requests, device
-        self.head = head
+        self.head, self.redraft = head, redraft  # (redraft: SpeculativeConfig.redraft)
         self.drafts = DraftSampler(sampler, device)
         self.replay: AcceptanceReplay | None = None  # a measurement hook (loopline/spec/replay.py); None: real verdicts
         self._lanes: tuple[Tensor, Tensor] | None = None  # draft()'s slots and every lane's head output, for verify_part()
@@ -201,13 +202,14 @@ class PipeRounds:
 
     def accept(self, part: VerifyPart, target: Tensor) -> Tensor:
         """The verdicts, commits and entries of the pipelining slots; ``target`` ``[M * L]``: each lane's
-        target token (the sampler's, greedy: the argmax; only exited lanes' are used). Returns the committed
+        token from its head this step (the sampler's, greedy: the argmax): exited lanes' targets, and with
+        ``redraft`` the new drafts of lanes looping past the draft loop. Returns the committed
         mask ``[M * L]`` (a leading run of each slot's lanes); ``part.verdicts``: each committed lane's draft
         verdict (0: it drafted none, 1: rejected, 2: accepted). One op of the decode state's slot ops
         (:func:`~loopline.worker.lane_ring.accept_lanes`, or its kernel)."""
         # (self.replay: cost measurements on random weights, drawn inside the op: lane j's draft is for ti + j + 1)
         committed, part.verdicts = self.state.ops.pipe_accept(self.ring, self.state, part.slots, target,
-                                                              self.head.depth, self.replay)
+                                                              self.head.depth, self.replay, redraft=self.redraft)
         L = self.ring.lanes
         self.state.take_run(part.slots, target.view(-1, L), committed.view(-1, L))  # (penalties, bad words)
         return committed

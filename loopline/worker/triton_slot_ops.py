@@ -257,7 +257,7 @@ if triton is not None:
         token_s, pos_s, tidx_s,  # the decode state
         committed_ptr, verdicts_ptr,  # [M, L] int8 / int64 out
         lanes, depth, hidden_size, replay_seed, replay_bound,
-        LP: tl.constexpr, SW: tl.constexpr, BLOCK_H: tl.constexpr, REPLAY: tl.constexpr,
+        LP: tl.constexpr, SW: tl.constexpr, BLOCK_H: tl.constexpr, REPLAY: tl.constexpr, REDRAFT: tl.constexpr,
     ):
         """One program per pipelining slot: ``accept_lanes`` (lane_ring.py) for its ``[L]`` lanes. Every
         value a lane needs of another lane (its predecessor's, or the one the shift brings) is loaded from
@@ -276,8 +276,12 @@ if triton is not None:
         y = tl.load(y_ptr + row + j, mask=inl, other=0)
         exited = valid & (exit_l > 0)
         pm = inl & (j >= 1)  # the predecessor's values (lane 0 has none: masked loads give 0)
-        exited_before = (tl.load(valid_r + base + j - 1, mask=pm, other=0) != 0) & (
-            tl.load(exit_r + base + j - 1, mask=pm, other=0) > 0)
+        valid_before = tl.load(valid_r + base + j - 1, mask=pm, other=0) != 0
+        exit_before = tl.load(exit_r + base + j - 1, mask=pm, other=0)
+        exited_before = valid_before & (exit_before > 0)
+        if REDRAFT:  # a predecessor looping past the draft loop re-drafts: its token judges this lane too
+            exited_before = exited_before | (valid_before & (exit_before == 0) & (
+                tl.load(loop_r + base + j - 1, mask=pm, other=0) > depth))
         tidx0 = tl.load(tidx_s + slot)  # the slot's token index before this step's commits
         if REPLAY:  # (lane j's draft is for completion index token_index + j + 1; drawn by token_index + j)
             agrees = _replay_agrees(slot, tidx0 + j, replay_seed, replay_bound)
@@ -306,6 +310,9 @@ if triton is not None:
         loop_n = tl.load(loop_r + base + src, mask=ins, other=0)
         exit_n = tl.load(exit_r + base + src, mask=ins, other=0)
         draft_n = tl.load(draft_r + base + src, mask=ins, other=0)
+        if REDRAFT:  # (a lane looping past the draft loop: its token is its draft now)
+            draft_n = tl.where(valid_n & (exit_n == 0) & (loop_n > depth),
+                               tl.load(y_ptr + row + src, mask=ins, other=0), draft_n)
         drafted_n = (tl.load(drafted_r + base + src, mask=ins, other=0) != 0) & ins
         surv_n = tl.load(surv_r + base + src, mask=ins, other=1.0)
         prv = src - 1
@@ -315,7 +322,10 @@ if triton is not None:
         loop_p = tl.load(loop_r + base + prv, mask=inp, other=0)
         exited_p = valid_p & (exit_p > 0)
         drafted_p = valid_p & (exit_p == 0) & (loop_p >= depth)
-        fed = tl.where(exited_p, tl.load(y_ptr + row + prv, mask=inp, other=0),
+        fed_token = exited_p  # the predecessor's token, not its draft, enters behind it
+        if REDRAFT:
+            fed_token = fed_token | (drafted_p & (loop_p > depth))
+        fed = tl.where(fed_token, tl.load(y_ptr + row + prv, mask=inp, other=0),
                        tl.load(draft_r + base + prv, mask=inp, other=0))
         stop = tl.load(stop_r + slot * SW + tl.arange(0, SW))
         stops = tl.sum((fed[:, None] == stop[None, :]).to(tl.int32), axis=1) > 0
@@ -568,7 +578,7 @@ class TritonSlotOps(SlotOps):
         return exited
 
     def pipe_accept(self, ring: LaneRing, ds: DeviceDecodeState, slots: Tensor, target: Tensor, depth: int,
-                    replay: AcceptanceReplay | None = None) -> tuple[Tensor, Tensor]:
+                    replay: AcceptanceReplay | None = None, *, redraft: bool = False) -> tuple[Tensor, Tensor]:
         m, lanes = slots.shape[0], ring.lanes
         dev = slots.device
         committed = torch.empty(m * lanes, dtype=_BOOL, device=dev)
@@ -583,7 +593,8 @@ class TritonSlotOps(SlotOps):
             _int8(committed), verdicts, lanes, depth, ring.hidden.shape[-1],
             replay.seed if replay is not None else 0, replay.threshold() if replay is not None else 0,
             LP=triton.next_power_of_2(lanes), SW=ring.STOP_WIDTH,
-            BLOCK_H=min(triton.next_power_of_2(ring.hidden.shape[-1]), 1024), REPLAY=replay is not None, num_warps=4)
+            BLOCK_H=min(triton.next_power_of_2(ring.hidden.shape[-1]), 1024), REPLAY=replay is not None,
+            REDRAFT=redraft and replay is None, num_warps=4)
         return committed, verdicts
 
     def pipe_draft_lanes(self, ring: LaneRing, ds: DeviceDecodeState, slots: Tensor,

@@ -195,10 +195,11 @@ def _ring_fields(ring) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("lanes", [1, 3, 4, 5])
-@pytest.mark.parametrize("replay", [False, True])
+@pytest.mark.parametrize("replay, redraft", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pipe_accept_matches_reference(lanes, replay, dtype):
-    """The depth pipeline's step after sampling: verdicts, commits, the ring's move and the entries."""
+def test_pipe_accept_matches_reference(lanes, replay, redraft, dtype):
+    """The depth pipeline's step after sampling: verdicts, commits, the ring's move and the entries (with
+    re-drafting lanes, which a replay turns off)."""
     g = torch.Generator().manual_seed(lanes * 10 + replay)
     hidden = 40 if dtype == torch.float32 else 1100  # 1100: more than one column block per lane
     ds, ring = _state(g, "last_exited", False), _ring(g, lanes, hidden, dtype)
@@ -211,8 +212,15 @@ def test_pipe_accept_matches_reference(lanes, replay, dtype):
     ref_ds, ref_ring = _clone(ds), _ring(torch.Generator(), lanes, hidden, dtype)
     for name, t in _ring_fields(ring).items():
         getattr(ref_ring, name).copy_(t)
-    committed, verdicts = TritonSlotOps().pipe_accept(ring, ds, slots, target, 2, agrees)
-    ref_committed, ref_verdicts = SlotOps().pipe_accept(ref_ring, ref_ds, slots, target, 2, agrees)
+    if redraft and not replay and lanes > 1:  # the draw has lanes that re-draft and change the step
+        plain_ds, plain_ring = _clone(ds), _ring(torch.Generator(), lanes, hidden, dtype)
+        for name, t in _ring_fields(ring).items():
+            getattr(plain_ring, name).copy_(t)
+        SlotOps().pipe_accept(plain_ring, plain_ds, slots, target, 2, agrees)
+    committed, verdicts = TritonSlotOps().pipe_accept(ring, ds, slots, target, 2, agrees, redraft=redraft)
+    ref_committed, ref_verdicts = SlotOps().pipe_accept(ref_ring, ref_ds, slots, target, 2, agrees, redraft=redraft)
+    if redraft and not replay and lanes > 1:
+        assert any(not torch.equal(getattr(plain_ring, name), getattr(ref_ring, name)) for name in ("valid", "draft"))
     assert torch.equal(committed, ref_committed) and torch.equal(verdicts, ref_verdicts)
     assert ref_committed.any() and (ref_verdicts > 0).any() and not ref_committed.all()  # the draw covers cases
     _same_state(ds, ref_ds)

@@ -7,6 +7,8 @@ switches that return a request to plain decoding; the greedy tokens also equal t
 (tests/reference.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from reference import reference_generate
@@ -350,17 +352,17 @@ def test_pd_decode_workers_and_dp_replicas_pipeline(tiny_gqa, layout):
 
 # default run: threshold 0.7 (lanes judged accepted, then dropped); fixed depth, d = 2 and a stop token (~2-8 s) slow
 # (a stop inside a committed run: spec/test_engine.py::test_stop_token_eos_and_stop_string_inside_an_accepted_run)
-@pytest.mark.parametrize("d, threshold, prompt, stop", [pytest.param(1, 1.0, 0, False, marks=pytest.mark.slow),
-                                                        pytest.param(2, 0.5, 0, False, marks=pytest.mark.slow),
-                                                        (1, 0.7, 1, False),
-                                                        pytest.param(1, 0.5, 0, True, marks=pytest.mark.slow)])
-def test_engine_steps_and_counters_as_the_reference(demo_prompts, d, threshold, prompt, stop):
+@pytest.mark.parametrize("d, threshold, prompt, stop, redraft", [
+    pytest.param(1, 1.0, 0, False, True, marks=pytest.mark.slow), pytest.param(2, 0.5, 0, False, True, marks=pytest.mark.slow),
+    (1, 0.7, 1, False, True), pytest.param(1, 0.7, 1, False, False, marks=pytest.mark.slow),
+    pytest.param(1, 1.0, 0, False, False, marks=pytest.mark.slow), pytest.param(1, 0.5, 0, True, True, marks=pytest.mark.slow)])
+def test_engine_steps_and_counters_as_the_reference(demo_prompts, d, threshold, prompt, stop, redraft):
     """The engine's pipeline takes the reference's decode steps to the step (a draft entering a step late,
     or a lane missing its draft, shows here even where outputs stay exact): tools/spec_pipeline_engine_steps.py.
     Its spec_decode counters are the reference's drafted and accepted committed tokens: a verdict counts when
     its lane commits (at threshold 0.5 lanes exit before their predecessors, whose later rejection drops
     lanes judged accepted; counting at the judgement gave 31 drafts for the reference's 30 at 0.7), and no lane
-    enters behind a stop token (``stop``: one inside the output)."""
+    enters behind a stop token (``stop``: one inside the output). Re-drafting (the default) and without it."""
     import torch
 
     from loopline.models.loader import load_model
@@ -369,7 +371,7 @@ def test_engine_steps_and_counters_as_the_reference(demo_prompts, d, threshold, 
     from loopline.spec.reference import speculative_generate
 
     model = load_model(default_checkpoint(), dtype=torch.float32).eval()
-    config = SpeculativeConfig(scheme="pipeline", draft_loops=d)
+    config = SpeculativeConfig(scheme="pipeline", draft_loops=d, redraft=redraft)
     stop_ids: list[int] = []
     with torch.no_grad():
         ref = speculative_generate(model, demo_prompts[prompt], 32, config, exit_threshold=threshold)
@@ -378,7 +380,11 @@ def test_engine_steps_and_counters_as_the_reference(demo_prompts, d, threshold, 
             stop_ids = [ref.tokens[k]]
             ref = speculative_generate(model, demo_prompts[prompt], 32, config, exit_threshold=threshold, eos_ids=stop_ids)
             assert len(ref.tokens) == k + 1
-    eng = engine(speculative=pipe(d), async_scheduling=False)
+        if redraft and threshold > 0.5:  # the case re-drafts: its steps are not those without it (at 0.5 these
+            # prompts' rows mostly exit by loop 2, and no re-draft changes the steps)
+            assert ref.steps != speculative_generate(model, demo_prompts[prompt], 32, dataclasses.replace(
+                config, redraft=False), exit_threshold=threshold, eos_ids=stop_ids).steps
+    eng = engine(speculative=pipe(d) | {"redraft": redraft}, async_scheduling=False)
     out = drain(eng, {"r": (demo_prompts[prompt], GREEDY.clone(max_tokens=32, exit_threshold=threshold,
                                                           stop_token_ids=stop_ids))})
     assert out["r"].token_ids == list(ref.tokens)
