@@ -27,7 +27,9 @@ mean steps per token, the acceptance rate and the most requests that ran at once
 ``C`` the KV pool, not the concurrency, bounded the batch; the KV pool is the engine's default unless
 ``--kv-gb`` sizes it). ``--repeat N`` runs the whole set N times, alternating plain and speculative runs, and
 prints each run's speedup over the plain run before it and their median (one run each is within the noise of
-a few percent). ``--json FILE`` writes the table. ``--config tiny`` is a small config for a CPU check.
+a few percent). ``--json FILE`` writes the table. On a GPU each row also names the Triton kernels first launched
+inside its measured loop (``compiles_in_clock``: a compile, or a load from Triton's disk cache, that the warm-up
+should have left none of). ``--config tiny`` is a small config for a CPU check.
 """
 from __future__ import annotations
 
@@ -48,6 +50,23 @@ from loopline.models.ouro import OuroConfig, OuroForCausalLM
 from loopline.models.tiny import default_checkpoint, random_checkpoint_config
 from loopline.sampling_params import SamplingParams
 from loopline.spec.replay import AcceptanceReplay
+
+
+class ClockCompiles:
+    """Triton's in-memory kernel-cache misses (a compile, or a load from its disk cache) while ``names`` is a
+    list: the measured loop's, which the warm-up should have left none of. Installed as Triton's
+    ``jit_cache_hook`` on a GPU."""
+
+    def __init__(self) -> None:
+        self.names: list[str] | None = None
+
+    def __call__(self, *args, **kw) -> bool:
+        if self.names is not None:
+            self.names.append(getattr(kw.get("fn"), "name", "?"))
+        return False  # compile as usual
+
+
+CLOCK_COMPILES = ClockCompiles()
 
 
 def build_model(config: str, scale: float, dtype: torch.dtype, device: str) -> OuroForCausalLM:
@@ -128,11 +147,13 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
     replays0 = dict(graphs.replays) if graphs is not None else {}
     if args.device == "cuda":
         torch.cuda.synchronize()
+    CLOCK_COMPILES.names = []
     t0 = time.perf_counter()
     tokens, max_running = closed_loop(engine, c, [(f"r{i}", prompt(i), params(i)) for i in range(2 * c)])
     if args.device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
+    compiled, CLOCK_COMPILES.names = CLOCK_COMPILES.names, None
     spec_now, steps = engine.stats.spec_decode_metrics(), engine.stats.steps
     # steps of the measured part that replayed a graph, per family; the rest ran eagerly
     replays = {f: n - replays0.get(f, 0) for f, n in (graphs.replays.items() if graphs is not None else ())}
@@ -151,6 +172,7 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
             "seconds": round(elapsed, 4), "output_tok_s": round(tokens / elapsed, 2),
             "steps_per_token": round((steps - steps0) / tokens, 3),
             "steps": steps - steps0, "graph_replays": replays, "eager_steps": steps - steps0 - sum(replays.values()),
+            "compiles_in_clock": compiled,
             "draft_tokens": drafts["vllm:spec_decode_num_draft_tokens"],
             "accepted_tokens": drafts["vllm:spec_decode_num_accepted_tokens"],
             # vLLM's mean acceptance length: tokens a round commits, its accepted drafts and the one it adds
@@ -203,7 +225,9 @@ def run_set(model: OuroForCausalLM, args: argparse.Namespace, scale: float, c: i
               f"{r['steps_per_token']:5.2f} steps/token  acceptance {r['acceptance_rate']}  "
               f"length {r['mean_acceptance_length']}  "
               f"max running {r['max_running']}  eager steps {r['eager_steps']}/{r['steps']}"
-              + ("  (KV-bound: below C)" if r["max_running"] < c else ""), flush=True)
+              + ("  (KV-bound: below C)" if r["max_running"] < c else "")
+              + (f"  compiled in the clock: {', '.join(r['compiles_in_clock'])}" if r["compiles_in_clock"] else ""),
+              flush=True)
     return rows
 
 
@@ -262,6 +286,10 @@ def main() -> None:
                          "acceptance pattern on random weights (loopline/spec/replay.py), labelled 'replayed'")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.device == "cuda":  # (the CPU runs no Triton kernels)
+        import triton
+
+        triton.knobs.runtime.jit_cache_hook = CLOCK_COMPILES
     if args.draft_adapter is not None and args.config != "demo":
         raise SystemExit("--draft-adapter: an adapter is trained for the demo model (--config demo)")
     if args.prompts == "heldout" and args.config != "demo":

@@ -250,7 +250,11 @@ if triton is not None:
         h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
         return (h ^ (h >> 16)) < bound
 
-    @triton.jit(do_not_specialize=["lanes", "depth", "replay_seed", "replay_bound"])
+    # The pipelining slots and their targets are views into a step's rows (after its decode rows): their
+    # addresses' alignment changes from step to step, and a pointer Triton specializes on its alignment
+    # compiled a second kernel in the middle of a served run (H100, tools/spec_speed.py, C = 2: 1.13x plain
+    # in a fresh process, 2.08x once compiled). So no slot op specializes on those pointers.
+    @triton.jit(do_not_specialize=["slots_ptr", "y_ptr", "lanes", "depth", "replay_seed", "replay_bound"])
     def _pipe_accept_kernel(
         slots_ptr, y_ptr,  # [M] int64; [M, L] int64 targets
         valid_r, token_r, loop_r, exit_r, draft_r, drafted_r, surv_r, hidden_r, limit_r, stop_r,  # the ring
@@ -354,7 +358,7 @@ if triton is not None:
                         tl.store(hidden_r + (base + lane) * hidden_size + h0 + cols, v, mask=cm)
 
 
-    @triton.jit(do_not_specialize=["m", "lanes", "depth"])
+    @triton.jit(do_not_specialize=["slots_ptr", "m", "lanes", "depth"])
     def _pipe_draft_lanes_kernel(
         slots_ptr, valid_r, loop_r, exit_r, tidx_s,  # [M] int64; the ring's [S, L] fields; [S] token index
         lane_ptr, due_ptr, index_ptr,  # [M] int64 / int8 / int64 out
@@ -379,7 +383,7 @@ if triton is not None:
         tl.store(due_ptr + rows, any_due.to(tl.int8), mask=rm)
         tl.store(index_ptr + rows, tl.load(tidx_s + slot, mask=rm, other=0) + lane, mask=rm)
 
-    @triton.jit(do_not_specialize=["m", "lanes"])
+    @triton.jit(do_not_specialize=["slots_ptr", "tok_ptr", "m", "lanes"])
     def _pipe_store_draft_kernel(
         slots_ptr, lane_ptr, due_ptr, index_ptr, tok_ptr,  # [M] each (due int8)
         draft_r, drafted_r, limit_r,  # the ring's [S, L] drafts and flags, its [S] max_tokens
