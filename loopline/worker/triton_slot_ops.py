@@ -250,10 +250,12 @@ if triton is not None:
         h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
         return (h ^ (h >> 16)) < bound
 
-    # The pipelining slots and their targets are views into a step's rows (after its decode rows): their
-    # addresses' alignment changes from step to step, and a pointer Triton specializes on its alignment
-    # compiled a second kernel in the middle of a served run (H100, tools/spec_speed.py, C = 2: 1.13x plain
-    # in a fresh process, 2.08x once compiled). So no slot op specializes on those pointers.
+    # The pipelining slots and their targets are views into a step's rows (after its decode rows), so their
+    # addresses' alignment may change from step to step, and Triton specializes a pointer on its alignment:
+    # the accept kernel compiled a second time in the middle of a measured run (H100, tools/spec_speed.py,
+    # C = 2: 1.13-1.22x plain in a fresh process, 2.08x once compiled; its other arguments are fixed
+    # allocations, constexprs or unspecialized ints). So no slot op specializes on those pointers (not yet
+    # timed with this).
     @triton.jit(do_not_specialize=["slots_ptr", "y_ptr", "lanes", "depth", "replay_seed", "replay_bound"])
     def _pipe_accept_kernel(
         slots_ptr, y_ptr,  # [M] int64; [M, L] int64 targets
