@@ -7,15 +7,15 @@ takes to the step (tests/spec/test_pipeline_engine.py). Without it a row drafts 
 ``d``, and judges that draft at its own exit: a wrong draft costs the successor's loops and those of every row
 behind it. **Re-drafting**: a row still looping after loop ``d`` reads its head at each of those loops too;
 where that greedy token differs from its draft, the rows behind it are dropped at once and the new token
-enters next step. A
-deeper loop's token agrees with the target more often (the demo model: 75% / 85% / 93% at loops 1 / 2 / 3), so
-fewer drafts fail at the exit, for the price of earlier, cheaper restarts. Greedy only (the engine's sampled
-drafts share the target's noise, so it re-drafts sampled rows too; the reference's rejection sampling does not).
+enters next step. A deeper loop's token agrees with the target more often (the demo model: 75% / 85% / 93% at
+loops 1 / 2 / 3), so fewer drafts fail at the exit, for the price of earlier, cheaper restarts. Greedy only
+(the engine's sampled drafts share the target's noise, so it re-drafts sampled rows too; the reference's
+rejection sampling does not).
 
 With re-drafting off and on (``SpeculativeConfig.redraft``, loops ``d+1`` to the exit), the 8 code prompts of
 ``tools/spec_pipeline_steps.py``, greedy: decode steps per token, row-loops per token, drafts that failed at
-their exit and rows dropped; it checks the tokens equal plain decoding's (the rule cannot change what is committed: a row's token commits only when it
-equals its predecessor's target).
+their exit and rows dropped; it checks the tokens equal plain decoding's (the rule cannot change what is
+committed: a row's token commits only when it equals its predecessor's target).
 """
 from __future__ import annotations
 
