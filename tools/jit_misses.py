@@ -39,6 +39,12 @@ class MissLog:
         self.misses: dict[str, list[list]] = collections.defaultdict(list)
         self.open: dict[object, list] = {}
 
+    def install(self) -> MissLog:
+        """Makes this log Triton's ``jit_cache_hook`` and ``jit_post_compile_hook``."""
+        triton.knobs.runtime.jit_cache_hook = self.on_miss
+        triton.knobs.runtime.jit_post_compile_hook = self.on_compiled
+        return self
+
     def on_miss(self, *args, **kw) -> bool:
         fn = kw.get("fn")
         entry = [getattr(fn, "name", str(fn)), time.perf_counter()]
@@ -74,9 +80,7 @@ def main() -> None:
     ap.add_argument("--speculative-config", default=None)
     ap.add_argument("--json", default=None, help="also write the phases and their misses to this file")
     a = ap.parse_args()
-    log = MissLog()
-    triton.knobs.runtime.jit_cache_hook = log.on_miss
-    triton.knobs.runtime.jit_post_compile_hook = log.on_compiled
+    log = MissLog().install()
     cfg = random_checkpoint_config(a.config)
     t0 = time.perf_counter()
     with torch.device("cuda"):

@@ -52,21 +52,8 @@ from loopline.sampling_params import SamplingParams
 from loopline.spec.replay import AcceptanceReplay
 
 
-class ClockCompiles:
-    """Triton's in-memory kernel-cache misses (a compile, or a load from its disk cache) while ``names`` is a
-    list: the measured loop's, which the warm-up should have left none of. Installed as Triton's
-    ``jit_cache_hook`` on a GPU."""
-
-    def __init__(self) -> None:
-        self.names: list[str] | None = None
-
-    def __call__(self, *args, **kw) -> bool:
-        if self.names is not None:
-            self.names.append(getattr(kw.get("fn"), "name", "?"))
-        return False  # compile as usual
-
-
-CLOCK_COMPILES = ClockCompiles()
+# Triton's kernel-cache misses (tools/jit_misses.py's log, a GPU only): the measured loops' are named in their rows
+COMPILES = None
 
 
 def build_model(config: str, scale: float, dtype: torch.dtype, device: str) -> OuroForCausalLM:
@@ -147,13 +134,16 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
     replays0 = dict(graphs.replays) if graphs is not None else {}
     if args.device == "cuda":
         torch.cuda.synchronize()
-    CLOCK_COMPILES.names = []
+    if COMPILES is not None:
+        COMPILES.phase = "measured"
     t0 = time.perf_counter()
     tokens, max_running = closed_loop(engine, c, [(f"r{i}", prompt(i), params(i)) for i in range(2 * c)])
     if args.device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    compiled, CLOCK_COMPILES.names = CLOCK_COMPILES.names, None
+    compiled = [] if COMPILES is None else [m[0] for m in COMPILES.misses.pop("measured", [])]
+    if COMPILES is not None:
+        COMPILES.phase = "outside the clock"
     spec_now, steps = engine.stats.spec_decode_metrics(), engine.stats.steps
     # steps of the measured part that replayed a graph, per family; the rest ran eagerly
     replays = {f: n - replays0.get(f, 0) for f, n in (graphs.replays.items() if graphs is not None else ())}
@@ -287,9 +277,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.device == "cuda":  # (the CPU runs no Triton kernels)
-        import triton
+        from jit_misses import MissLog  # (tools/, beside this script)
 
-        triton.knobs.runtime.jit_cache_hook = CLOCK_COMPILES
+        global COMPILES
+        COMPILES = MissLog().install()
     if args.draft_adapter is not None and args.config != "demo":
         raise SystemExit("--draft-adapter: an adapter is trained for the demo model (--config demo)")
     if args.prompts == "heldout" and args.config != "demo":

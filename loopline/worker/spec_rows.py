@@ -187,8 +187,9 @@ class SpecKind(RowKind):
         qsl = inp.query_start_loc[r:r + n + 1].long() - t
         tok = torch.arange(T, device=slots.device)
         row = torch.searchsorted(qsl[1:], tok, right=True)
-        pad = (row == n) | (tok - qsl[row.clamp(max=n - 1)] >= st.exit_loop.shape[1])
+        pad = row == n
         row = row.clamp(max=n - 1)
+        pad |= tok - qsl[row] >= st.exit_loop.shape[1]
         offset = torch.where(pad, 0, tok - qsl[row] + index.clamp(min=0)[row])
         q_slots, q_loop = torch.where(pad, self.scratch_slot, slots[row]), loop[row]
         pos = ds.pos[q_slots] + offset
