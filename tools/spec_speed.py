@@ -8,7 +8,11 @@ python3 tools/spec_speed.py --config ouro-1.4b --spec 3,1 --scheme draft_verify,
 ``--replay-acceptance`` replays an acceptance pattern on random weights (loopline/spec/replay.py: each draft's
 verdict is a seeded draw with the given per-position probability, e.g. the demo model's measured greedy
 acceptance at d=1, 0.89 / 0.71 / 0.68; the engine does that pattern's work, its outputs are meaningless): rows
-made with it are labelled ``replayed``.
+made with it are labelled ``replayed``. The pipeline's re-drafting (on by default) is judged at every loop past
+the draft loop, not at the exit alone: ``--replay-changes q2,q3,...`` replays it too (the probability that loop
+``l``'s greedy token differs from loop ``l - 1``'s; the demo model's, measured by ``tools/spec_acceptance.py``:
+0.069, 0.029, 0.016); without it a replayed run turns re-drafting off. ``--spec 2,1,noredraft`` runs the
+pipeline without re-drafting (with its verdicts at the exit drawn from ``P0``).
 
 ``--scheme`` runs every ``--spec`` once per scheme (a scheme the engine refuses is printed as refused and
 skipped; the pipeline ignores K); ``--config demo`` loads the bundled model's weights
@@ -89,12 +93,15 @@ def heldout() -> list[int]:
 
 def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c: int, scheme: str = "draft_verify") -> dict:
     """One closed-loop run of ``c`` concurrent requests; returns tok/s, steps per token and the
-    acceptance counters. ``spec``: ``(K, d)`` with speculation's defaults (it adapts), ``(K, d,
-    "pinned")`` speculating every round (no adaptive stop, no batch bound)."""
+    acceptance counters. ``spec``: ``(K, d)`` with speculation's defaults (it adapts), then any of the flags
+    ``"pinned"`` (every round speculates: no adaptive stop, no batch bound) and ``"noredraft"`` (the pipeline's
+    lanes keep their first draft)."""
     speculative = None if spec is None else {"method": "loop", "num_speculative_tokens": spec[0],
                                              "draft_loops": spec[1], "scheme": scheme}
-    if spec is not None and len(spec) > 2:
+    if spec is not None and "pinned" in spec[2:]:
         speculative |= {"adaptive": False, "disable_by_batch_size": None}
+    if spec is not None and "noredraft" in spec[2:]:
+        speculative["redraft"] = False
     # An adapter is checked against the served checkpoint's files, so with one the engine loads the demo
     # model from its directory (the same weights) instead of taking the model object.
     from_dir = spec is not None and args.draft_adapter is not None
@@ -107,7 +114,7 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
                                   enforce_eager=args.eager), model=None if from_dir else model)
     adapter = engine.draft_adapter  # (None: the plain coda drafts)
     if spec is not None and args.replay_acceptance:  # labelled: the verdicts are draws, the outputs meaningless
-        engine.runner.spec.replay = AcceptanceReplay(args.replay_acceptance)
+        engine.runner.spec.replay = AcceptanceReplay(args.replay_acceptance, loop_changes=args.replay_changes)
     vocab = model.config.vocab_size
 
     def params(i: int) -> SamplingParams:  # sampled runs: each request seeded (reproducible, the same in every run)
@@ -155,8 +162,10 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
     drafts = {k: spec_now[k] - stats0[k] for k in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                                                    "vllm:spec_decode_num_accepted_tokens")}
     rounds = drafts["vllm:spec_decode_num_drafts"]
-    return {"spec": None if spec is None else {"K": spec[0], "d": spec[1], "pinned": len(spec) > 2,
+    return {"spec": None if spec is None else {"K": spec[0], "d": spec[1], "pinned": "pinned" in spec[2:],
+                                               "redraft": "noredraft" not in spec[2:],
                                                "scheme": scheme, "replayed": args.replay_acceptance,
+                                               "replayed_changes": args.replay_changes,
                                                "draft_adapter": None if adapter is None else args.draft_adapter},
             "concurrency": c, "temperature": args.temperature, "max_running": max_running, "output_tokens": tokens,
             "seconds": round(elapsed, 4), "output_tok_s": round(tokens / elapsed, 2),
@@ -192,8 +201,8 @@ def closed_loop(engine: LLMEngine, c: int, requests: list[tuple[str, list[int], 
 
 def parse_spec(text: str) -> tuple:
     parts = text.split(",")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "pinned"):
-        raise SystemExit(f"--spec {text!r}: takes K,d or K,d,pinned (e.g. --spec 2,1)")
+    if len(parts) < 2 or not set(parts[2:]) <= {"pinned", "noredraft"}:
+        raise SystemExit(f"--spec {text!r}: takes K,d then any of pinned, noredraft (e.g. --spec 2,1 or 2,1,noredraft)")
     return (int(parts[0]), int(parts[1]), *parts[2:])
 
 
@@ -228,7 +237,11 @@ def _name(r: dict) -> str:
     prefix = {"pipeline": "pipe ", "auto": "auto "}.get(spec["scheme"], "")
     return (f"{prefix}K={spec['K']} d={spec['d']}"
             + (" pinned" if spec["pinned"] else "")
-            + (f" replayed {','.join(map(str, spec['replayed']))}" if spec.get("replayed") else ""))
+            + ("" if spec.get("redraft", True) else " no-redraft")
+            + (f" replayed {','.join(map(str, spec['replayed']))}" if spec.get("replayed") else "")
+            + (f" changes {','.join(map(str, spec['replayed_changes']))}"
+               if spec.get("replayed_changes") and spec["scheme"] != "draft_verify" and spec.get("redraft", True)
+               else ""))
 
 
 def print_medians(rows: list[dict]) -> None:
@@ -248,7 +261,8 @@ def main() -> None:
                     help="ouro-1.4b, ouro-2.6b, tiny (a small CPU config) or demo (the bundled model's weights)")
     ap.add_argument("--branch-scale", default="1.0", help="comma-separated residual-branch scales")
     ap.add_argument("--spec", action="append", default=[],
-                    help="K,d (speculation's defaults: it adapts) or K,d,pinned (every round speculates); "
+                    help="K,d (speculation's defaults: it adapts), then any of pinned (every round speculates) and noredraft "
+                         "(the pipeline's lanes keep their first draft); "
                          "repeatable; plain decoding always runs")
     ap.add_argument("--scheme", default="draft_verify",
                     help="comma-separated speculative_config.scheme values (draft_verify, pipeline, auto), each run with "
@@ -274,8 +288,15 @@ def main() -> None:
                     help="P0,P1,...: speculative runs accept the draft at round position j with probability Pj "
                          "instead of comparing it with the target (the pipeline: P0 for every lane); the cost of an "
                          "acceptance pattern on random weights (loopline/spec/replay.py), labelled 'replayed'")
+    ap.add_argument("--replay-changes", default=None,
+                    type=lambda v: [float(x) for x in v.split(",")],
+                    help="q2,q3,...: with --replay-acceptance, the pipeline's re-drafting replayed too: loop l's token "
+                         "differs from loop l-1's with probability ql (loops past the draft loop; the last entry for "
+                         "deeper loops); without it a replayed run does not re-draft")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.replay_changes is not None and args.replay_acceptance is None:
+        raise SystemExit("--replay-changes: replays re-drafting within a replayed run (--replay-acceptance)")
     if args.device == "cuda":  # (the CPU runs no Triton kernels)
         from jit_misses import MissLog  # (tools/, beside this script)
 

@@ -212,13 +212,17 @@ class SlotOps:
 
     def pipe_accept(self, ring: LaneRing, ds: "DeviceDecodeState", slots: Tensor, target: Tensor, depth: int,
                     replay: AcceptanceReplay | None = None, *, redraft: bool = False) -> tuple[Tensor, Tensor]:
-        """The depth pipeline's verdicts, commits and entries after sampling (:func:`accept_lanes`); with
-        ``replay`` (a measurement hook) lane ``j``'s draft is accepted by the replay's draw for the slot's
-        completion index ``token_index + j``, with its first probability, and no lane re-drafts (the draws
-        stand for a draft's verdict at its exit). ``redraft``: lanes looping past loop ``depth`` re-draft."""
+        """The depth pipeline's verdicts, commits and entries after sampling (:func:`accept_lanes`).
+        ``redraft``: lanes looping past loop ``depth`` re-draft. With ``replay`` (a measurement hook) lane
+        ``j``'s draft (for the slot's completion index ``token_index + j``) is judged by the replay's draws:
+        re-drafting, by its change at the loop the lane ran (:meth:`AcceptanceReplay.changed`); otherwise once,
+        at its exit, with the replay's first probability, and no lane re-drafts."""
         agrees = None
-        if replay is not None:
-            agrees = replay.accepted(slots, ds.token_index[slots], ring.lanes, per_position=False)
+        if replay is not None and redraft and replay.redrafts:
+            index = ds.token_index[slots][:, None] + ring.lane_ids[None, :]
+            agrees = ~replay.changed(slots[:, None], index, ring.loop[slots], depth)
+        elif replay is not None:
+            agrees, redraft = replay.accepted(slots, ds.token_index[slots], ring.lanes, per_position=False), False
         return accept_lanes(ring, ds, slots, target, depth, agrees, redraft=redraft)
 
     def pipe_draft_lanes(self, ring: LaneRing, ds: "DeviceDecodeState", slots: Tensor,

@@ -87,9 +87,9 @@ def accept_lanes(ring: LaneRing, ds: CommittedState, slots: Tensor, target: Tens
                  agrees: Tensor | None = None, redraft: bool = False) -> tuple[Tensor, Tensor]:
     """The verdicts, commits and entries of pipelining ``slots`` ``[M]``; ``target`` ``[M * L]``: each lane's
     token from its head this step (its target where it exited); ``depth``: the draft loop ``d``; ``agrees``
-    ``[M, L]``: the drafts' verdicts to use instead of comparing them with the targets (replayed acceptance, a
-    measurement hook; no re-drafting then); ``redraft``: a lane still looping past loop ``d`` re-drafts (its
-    token is its draft now, and the lane behind must hold it). Moves the slots' decode state past the committed
+    ``[M, L]``: the verdicts to use instead of comparing each lane's draft with its token this step (replayed
+    acceptance, a measurement hook: ``SlotOps.pipe_accept``); ``redraft``: a lane still looping past loop ``d``
+    re-drafts (its token is its draft now, and the lane behind must hold it). Moves the slots' decode state past the committed
     tokens. Returns the committed mask ``[M * L]`` (a leading run of each slot's lanes) and each lane's draft
     verdict ``[M * L]`` int64 (0: it drafted none or did not commit, 1: rejected, 2: accepted)."""
     L = ring.lanes
@@ -100,7 +100,7 @@ def accept_lanes(ring: LaneRing, ds: CommittedState, slots: Tensor, target: Tens
     # a lane behind an exited one (or one that re-drafts) must hold its token; from the first that does not,
     # drop every lane
     follows = torch.ones_like(valid)
-    redrafts = valid & (exit_loop == 0) & (loop > depth) & (redraft and agrees is None)
+    redrafts = valid & (exit_loop == 0) & (loop > depth) & redraft
     if agrees is None:
         agrees = y == draft
         follows[:, 1:] = token[:, 1:] == y[:, :-1]

@@ -242,13 +242,25 @@ if triton is not None:
             _copy_row(h_ptr + b * stride_h, hidden_r + at.to(tl.int64) * n_cols, n_cols, BLOCK)
 
     @triton.jit
+    def _replay_hash(slot, index, salt, seed):
+        """``AcceptanceReplay.hash`` of ``(slot, completion index, salt)``: the same 32-bit integer hash."""
+        h = (index * 1_000_003 + slot * 7_919 + salt * 15_485_863 + seed.to(tl.int64) * 104_729 + 12_345) & 0xFFFFFFFF
+        h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+        h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
+    @triton.jit
     def _replay_agrees(slot, index, seed, bound):
-        """``AcceptanceReplay``'s draw for ``(slot, completion index)``: the same 32-bit integer hash, accepted
-        below ``bound`` (``AcceptanceReplay.threshold``)."""
-        h = (index * 1_000_003 + slot * 7_919 + seed.to(tl.int64) * 104_729 + 12_345) & 0xFFFFFFFF
-        h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
-        h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
-        return (h ^ (h >> 16)) < bound
+        """``AcceptanceReplay``'s draw for ``(slot, completion index)``, accepted below ``bound``
+        (``AcceptanceReplay.threshold``)."""
+        return _replay_hash(slot, index, 0, seed) < bound
+
+    @triton.jit
+    def _replay_changed(slot, index, loop, depth, seed, bounds_ptr, mask, MAX_LOOPS: tl.constexpr):
+        """``AcceptanceReplay.changed``: the head's token at ``loop`` differs from the loop before's, by the
+        replay's draw against loop's bound in ``bounds_ptr`` (``AcceptanceReplay.change_bounds``)."""
+        bound = tl.load(bounds_ptr + tl.minimum(loop, MAX_LOOPS - 1), mask=mask, other=0)
+        return (_replay_hash(slot, index, loop, seed) < bound) & (loop > depth)
 
     # The pipelining slots and their targets are views into a step's rows (after its decode rows), so their
     # addresses' alignment may change from step to step, and Triton specializes a pointer on its alignment:
@@ -262,8 +274,9 @@ if triton is not None:
         valid_r, token_r, loop_r, exit_r, draft_r, drafted_r, surv_r, hidden_r, limit_r, stop_r,  # the ring
         token_s, pos_s, tidx_s,  # the decode state
         committed_ptr, verdicts_ptr,  # [M, L] int8 / int64 out
-        lanes, depth, hidden_size, replay_seed, replay_bound,
+        lanes, depth, hidden_size, replay_seed, replay_bound, change_bounds_ptr,
         LP: tl.constexpr, SW: tl.constexpr, BLOCK_H: tl.constexpr, REPLAY: tl.constexpr, REDRAFT: tl.constexpr,
+        MAX_LOOPS: tl.constexpr,
     ):
         """One program per pipelining slot: ``accept_lanes`` (lane_ring.py) for its ``[L]`` lanes. Every
         value a lane needs of another lane (its predecessor's, or the one the shift brings) is loaded from
@@ -289,7 +302,13 @@ if triton is not None:
             exited_before = exited_before | (valid_before & (exit_before == 0) & (
                 tl.load(loop_r + base + j - 1, mask=pm, other=0) > depth))
         tidx0 = tl.load(tidx_s + slot)  # the slot's token index before this step's commits
-        if REPLAY:  # (lane j's draft is for completion index token_index + j + 1; drawn by token_index + j)
+        if REPLAY and REDRAFT:  # a lane's draft judged at the loop it ran (AcceptanceReplay.changed)
+            loop_j = tl.load(loop_r + base + j, mask=inl, other=0)
+            agrees = ~_replay_changed(slot, tidx0 + j, loop_j, depth, replay_seed, change_bounds_ptr, inl, MAX_LOOPS)
+            loop_b = tl.load(loop_r + base + j - 1, mask=pm, other=0)
+            follows = ~_replay_changed(slot, tidx0 + j - 1, loop_b, depth, replay_seed, change_bounds_ptr, pm,
+                                       MAX_LOOPS) | (j == 0)
+        elif REPLAY:  # (lane j's draft is for completion index token_index + j + 1; drawn by token_index + j)
             agrees = _replay_agrees(slot, tidx0 + j, replay_seed, replay_bound)
             follows = _replay_agrees(slot, tidx0 + j - 1, replay_seed, replay_bound) | (j == 0)
         else:
@@ -593,14 +612,16 @@ class TritonSlotOps(SlotOps):
             return committed, verdicts
         y = target.long().contiguous()
         _check("pipe_accept", slots=(slots, _I64), target=(y, _I64))
+        redraft_replay = replay is not None and redraft and replay.redrafts
         _pipe_accept_kernel[(m,)](
             slots, y, _int8(ring.valid), ring.token, ring.loop, ring.exit_loop, ring.draft,
             _int8(ring.drafted), ring.survival, ring.hidden, ring.limit, ring.stop, ds.token, ds.pos, ds.token_index,
             _int8(committed), verdicts, lanes, depth, ring.hidden.shape[-1],
             replay.seed if replay is not None else 0, replay.threshold() if replay is not None else 0,
+            replay.change_bounds(dev) if redraft_replay else ds.pos,  # (ds.pos: unread without the replay's changes)
             LP=triton.next_power_of_2(lanes), SW=ring.STOP_WIDTH,
             BLOCK_H=min(triton.next_power_of_2(ring.hidden.shape[-1]), 1024), REPLAY=replay is not None,
-            REDRAFT=redraft and replay is None, num_warps=4)
+            REDRAFT=redraft and (replay is None or redraft_replay), MAX_LOOPS=AcceptanceReplay.MAX_LOOPS, num_warps=4)
         return committed, verdicts
 
     def pipe_draft_lanes(self, ring: LaneRing, ds: DeviceDecodeState, slots: Tensor,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from loopline.spec.replay import AcceptanceReplay
-from loopline.worker.triton_slot_ops import TritonSlotOps, _replay_agrees
+from loopline.worker.triton_slot_ops import TritonSlotOps, _replay_agrees, _replay_changed
 from loopline.kv.layout import make_layout
 from loopline.worker.decode_state import DecodeTensors, DeviceDecodeState, SlotOps
 
@@ -195,12 +195,14 @@ def _ring_fields(ring) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("lanes", [1, 3, 4, 5])
-@pytest.mark.parametrize("replay, redraft", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("replay, redraft", [(None, False), ("exit", False), (None, True), ("exit", True),
+                                             ("changes", True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pipe_accept_matches_reference(lanes, replay, redraft, dtype):
     """The depth pipeline's step after sampling: verdicts, commits, the ring's move and the entries (with
-    re-drafting lanes, which a replay turns off)."""
-    g = torch.Generator().manual_seed(lanes * 10 + replay)
+    re-drafting lanes; a replay of verdicts at the exit turns re-drafting off, one of the loops' changes
+    replays it)."""
+    g = torch.Generator().manual_seed(lanes * 10 + (replay is not None))
     hidden = 40 if dtype == torch.float32 else 1100  # 1100: more than one column block per lane
     ds, ring = _state(g, "last_exited", False), _ring(g, lanes, hidden, dtype)
     # max_tokens within a few tokens of each slot's index: lanes at and past it
@@ -208,18 +210,20 @@ def test_pipe_accept_matches_reference(lanes, replay, redraft, dtype):
     m = 12
     slots = torch.randperm(SLOTS - 1, generator=g)[:m].to(DEVICE)
     target = torch.randint(0, 3, (m * lanes,), generator=g).to(DEVICE)
-    agrees = AcceptanceReplay([0.7], seed=lanes) if replay else None  # (drawn in the kernel, by the same hash)
+    # (drawn in the kernel, by the same hash)
+    agrees = (None if replay is None else
+              AcceptanceReplay([0.7], seed=lanes, loop_changes=[0.3, 0.5] if replay == "changes" else None))
     ref_ds, ref_ring = _clone(ds), _ring(torch.Generator(), lanes, hidden, dtype)
     for name, t in _ring_fields(ring).items():
         getattr(ref_ring, name).copy_(t)
-    if redraft and not replay and lanes > 1:  # the draw has lanes that re-draft and change the step
+    if redraft and replay != "exit" and lanes > 1:  # the draw has lanes that re-draft and change the step
         plain_ds, plain_ring = _clone(ds), _ring(torch.Generator(), lanes, hidden, dtype)
         for name, t in _ring_fields(ring).items():
             getattr(plain_ring, name).copy_(t)
         SlotOps().pipe_accept(plain_ring, plain_ds, slots, target, 2, agrees)
     committed, verdicts = TritonSlotOps().pipe_accept(ring, ds, slots, target, 2, agrees, redraft=redraft)
     ref_committed, ref_verdicts = SlotOps().pipe_accept(ref_ring, ref_ds, slots, target, 2, agrees, redraft=redraft)
-    if redraft and not replay and lanes > 1:
+    if redraft and replay != "exit" and lanes > 1:
         assert any(not torch.equal(getattr(plain_ring, name), getattr(ref_ring, name)) for name in ("valid", "draft"))
     assert torch.equal(committed, ref_committed) and torch.equal(verdicts, ref_verdicts)
     assert ref_committed.any() and (ref_verdicts > 0).any() and not ref_committed.all()  # the draw covers cases
@@ -292,6 +296,37 @@ def test_kernel_replay_draw_is_the_replays(p, seed):
     want = replay.uniform(slot, index) < p
     assert torch.equal(out.bool(), want)
     assert want.float().mean().item() == pytest.approx(p, abs=0.02)
+
+
+@triton.jit
+def _changes_kernel(slot_ptr, index_ptr, loop_ptr, out_ptr, n, depth, seed, bounds_ptr, BLOCK: tl.constexpr,
+                    MAX_LOOPS: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    changed = _replay_changed(tl.load(slot_ptr + i, mask=mask, other=0), tl.load(index_ptr + i, mask=mask, other=0),
+                              tl.load(loop_ptr + i, mask=mask, other=0), depth, seed, bounds_ptr, mask, MAX_LOOPS)
+    tl.store(out_ptr + i, changed.to(tl.int8), mask=mask)
+
+
+def test_kernel_replay_changes_are_the_replays():
+    """The in-kernel draw of a re-drafting lane's change (``_replay_changed``) equals
+    ``AcceptanceReplay.changed`` for every (slot, index, loop), each loop at its own probability (the last
+    entry for deeper loops, none at or before the draft loop), independent of the exit draw."""
+    replay = AcceptanceReplay([0.5], seed=11, loop_changes=[0.1, 0.4, 0.8])
+    slot, index, loop = torch.meshgrid(torch.arange(30), torch.arange(0, 1500, 7), torch.arange(8), indexing="ij")
+    slot, index, loop = (t.flatten().to(DEVICE) for t in (slot, index, loop))
+    out = torch.empty(slot.shape[0], dtype=torch.int8, device=DEVICE)
+    _changes_kernel[(triton.cdiv(slot.shape[0], 1024),)](slot, index, loop, out, slot.shape[0], 1, replay.seed,
+                                                         replay.change_bounds(DEVICE), BLOCK=1024,
+                                                         MAX_LOOPS=replay.MAX_LOOPS)
+    want = replay.changed(slot, index, loop, 1)
+    assert torch.equal(out.bool(), want)
+    rates = [want[loop == lp].float().mean().item() for lp in range(8)]
+    assert rates[:2] == [0.0, 0.0]  # (draft loop 1: nothing to change at loops 0 and 1)
+    assert rates[2:] == pytest.approx([0.1, 0.4, 0.8, 0.8, 0.8, 0.8], abs=0.03), rates
+    exit_draw = replay.uniform(slot, index) < 0.5
+    both = (want & exit_draw)[loop == 3].float().mean().item()
+    assert both == pytest.approx(0.4 * 0.5, abs=0.03)  # (salted: not the verdict's draw)
 
 
 @pytest.mark.parametrize("lanes", [1, 4, 5])

@@ -14,12 +14,12 @@ PROMPTS = {f"r{i}": [3 + (i * 37 + j * 11) % 250 for j in range(6 + 2 * i)] for 
 PARAMS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
-def run(tiny, scheme: str, probs: list[float] | None):
+def run(tiny, scheme: str, probs: list[float] | None, loop_changes: list[float] | None = None, redraft: bool = True):
     spec = {"method": "loop", "num_speculative_tokens": 3, "draft_loops": 1, "scheme": scheme, "adaptive": False,
-            "disable_by_batch_size": None}
+            "disable_by_batch_size": None, "redraft": redraft}
     eng = engine(str(tiny.path), speculative=spec)
     if probs is not None:
-        eng.runner.spec.replay = AcceptanceReplay(probs, seed=1)
+        eng.runner.spec.replay = AcceptanceReplay(probs, seed=1, loop_changes=loop_changes)
     outs = {}
     for rid, p in PROMPTS.items():
         eng.add_request(rid, {"prompt_token_ids": p}, PARAMS)
@@ -81,3 +81,22 @@ def test_a_short_first_request_does_not_decide_for_the_engine(tiny_gqa, scheme):
             eng.step()
         if rid != "warm":
             assert eng.stats.spec_num_drafts - drafts >= 8, rid  # it speculated
+
+
+def test_replayed_redrafting(tiny_gqa):
+    """The pipeline's re-drafting replayed (``loop_changes``; the tiny model's 4 loops, d = 1, fixed depth): a
+    draft is rejected only by a change at its exit loop, so with none there every draft commits accepted
+    whatever the loops before it do, and changes at loops 2-3 cost steps (the lanes behind are dropped and
+    re-enter); a change at the exit rejects drafts at its rate. Without re-drafting the replay judges at the
+    exit only (its first probability), as before."""
+    steady = run(tiny_gqa, "pipeline", [0.0], loop_changes=[0.0])
+    churn = run(tiny_gqa, "pipeline", [0.0], loop_changes=[0.5, 0.5, 0.0])
+    for stats in (steady, churn):
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+    assert steady.steps < churn.steps
+    rejecting = run(tiny_gqa, "pipeline", [1.0], loop_changes=[0.0, 0.0, 0.4])
+    rate = rejecting.spec_num_accepted_tokens / rejecting.spec_num_draft_tokens
+    assert rate == pytest.approx(0.6, abs=0.12), rate
+    # re-drafting off: the changes are not drawn, every draft is judged by the first probability
+    off = run(tiny_gqa, "pipeline", [0.0], loop_changes=[0.0], redraft=False)
+    assert off.spec_num_accepted_tokens == 0 < off.spec_num_draft_tokens
