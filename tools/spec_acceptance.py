@@ -2,6 +2,7 @@
 
     python tools/spec_acceptance.py [--prompts 16] [--new-tokens 128] [--windows 16] [--record PATH]
                                     [--draft-adapter DIR]
+    python tools/spec_acceptance.py --loop-changes [--prompts 16] [--new-tokens 128]
 
 Two measurements, both fp32 on the CPU, both from the dense model (``forward_dense``, every loop):
 
@@ -131,6 +132,40 @@ def adaptive_rounds(model, stream: list[int], prompts: int, prompt_len: int, new
                   f"{early / tokens:.3f} |")
 
 
+@torch.no_grad()
+def loop_changes(model, stream: list[int], prompts: int, prompt_len: int, new_tokens: int) -> None:
+    """Prints, over greedy continuations at fixed depth (as :func:`generated_matches` makes them), how often each
+    loop's greedy token differs from the loop before's (what re-drafting acts on; ``tools/spec_speed.py
+    --replay-changes`` replays these rates), the joint patterns of those changes, and how often loop 1's token is
+    the last loop's (what a draft at d = 1 without re-drafting needs)."""
+    loops = model.config.total_ut_steps
+    stride = len(stream) // prompts
+    patterns: dict[tuple[int, ...], int] = {}
+    same_first = 0
+    for i in range(prompts):
+        prompt = stream[i * stride:i * stride + prompt_len]
+        gen = plain_generate(model, prompt, new_tokens, exit_threshold=1.0).tokens
+        greedy = model.forward_dense(torch.tensor([prompt + gen])).logits[:, 0].argmax(-1)  # [R, T]
+        # the tokens after the prefill's: each one's head at every loop, at the position before it
+        heads = greedy[:, torch.arange(prompt_len, prompt_len - 1 + len(gen))]
+        assert heads[-1].tolist() == gen[1:], "the dense forward disagrees with plain_generate"
+        for t in range(heads.shape[1]):
+            key = tuple(int(heads[r, t] != heads[r - 1, t]) for r in range(1, loops))
+            patterns[key] = patterns.get(key, 0) + 1
+            same_first += int(heads[0, t] == heads[-1, t])
+    n = sum(patterns.values())
+    print(f"# loop changes, demo model: {prompts} x {new_tokens} greedy tokens at fixed depth ({n} tokens)\n")
+    print("| loop | token differs from the loop before's |")
+    print("|---|---|")
+    for r in range(1, loops):
+        print(f"| {r + 1} | {sum(c for k, c in patterns.items() if k[r - 1]) / n:.3f} |")
+    print(f"\nloop 1's token is loop {loops}'s: {same_first / n:.3f}\n")
+    print("| changes at loops " + ", ".join(str(r + 1) for r in range(1, loops)) + " | share |")
+    print("|---|---|")
+    for key, c in sorted(patterns.items()):
+        print(f"| {key} | {c / n:.4f} |")
+
+
 def per_position(seqs: list[list[bool]], k: int) -> list[float]:
     """Acceptance of draft i (1..k) of a draft-then-verify round given drafts 1..i-1 were accepted."""
     reached, accepted = [0] * k, [0] * k
@@ -215,6 +250,9 @@ def main() -> None:
     ap.add_argument("--draft-adapter", type=Path, metavar="DIR",
                     help="also measure drafts through the trained draft adapter in DIR (loopline train draft), "
                          "each table without and with it")
+    ap.add_argument("--loop-changes", action="store_true",
+                    help="instead: how often each loop's greedy token differs from the loop before's (re-drafting; "
+                         "tools/spec_speed.py --replay-changes)")
     ap.add_argument("--adaptive", type=float, metavar="THRESHOLD",
                     help="instead: draft-then-verify reference runs at this exit threshold (4 prompts x 48 tokens)")
     args = ap.parse_args()
@@ -225,6 +263,9 @@ def main() -> None:
     model = load_model(model_dir, dtype=torch.float32).eval()
     loops = model.config.total_ut_steps
     stream = heldout_stream(model_dir)
+    if args.loop_changes:
+        loop_changes(model, stream, args.prompts, args.prompt_len, args.new_tokens)
+        return
     if args.adaptive is not None:
         adaptive_rounds(model, stream, 4, args.prompt_len, 48, args.adaptive)
         return

@@ -141,7 +141,11 @@ if triton is not None:
             src = hidden_s + tl.load(slots_ptr + b) * stride_hs
         _copy_row(src, out_ptr + b.to(tl.int64) * stride_o, n_cols, BLOCK)
 
-    @triton.jit(do_not_specialize=["n_rows"])
+    # The per-row operands are views into a step's rows (after its prefill rows), so their alignment may change
+    # from step to step: the kernel compiled a second specialization at a 16-prompt step after start-up (H100,
+    # tools/jit_misses.py, session 34), as the accept kernel did (below). None specializes on its alignment.
+    @triton.jit(do_not_specialize=["slots_ptr", "loops_ptr", "run_ptr", "exited_ptr", "sampled_ptr", "record_ptr",
+                                   "n_rows"])
     def _advance_kernel(
         loop_ptr, token_ptr, pos_ptr, tidx_ptr,  # per-slot state [S] int64, updated in place
         slots_ptr, loops_ptr, run_ptr, exited_ptr, sampled_ptr,  # per row [B]: int64, int64, bool, bool, int64
