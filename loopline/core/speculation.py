@@ -27,6 +27,7 @@ from loopline.core.contracts import (
     SpecStep,
 )
 from loopline.core.request import Request
+from loopline.core.step_clock import StepClock
 from loopline.sampling_params import SamplingParams
 from loopline.spec.config import SpeculativeConfig
 
@@ -92,13 +93,17 @@ class NoSpeculation:
         """Why a request with ``params`` runs plain decode rows (``None``: it speculates)."""
         return "speculation is off"
 
-    def starts(self) -> bool:
-        """Whether a new request that may speculate does (the engine's experience so far)."""
+    def starts(self, running: int = 0) -> bool:
+        """Whether a new request that may speculate does (the engine's experience so far; ``running`` requests
+        run or wait before it)."""
         return False
 
     def admit(self, req: Request, running: int) -> bool:
         """Whether a new request speculates (``running`` requests run or wait before it)."""
-        return self.why_not(req.params) is None and self.starts()
+        return self.why_not(req.params) is None and self.starts(running)
+
+    def observe_step(self, rows: list[ScheduledRow], seconds: float) -> None:
+        """One engine step's rows and its wall time (the measured step cost, ``step_clock.py``)."""
 
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
         """Why a speculating request, between two rounds, returns to plain decoding (``None``: it goes on)."""
@@ -137,7 +142,8 @@ class LoopSpeculation(NoSpeculation):
 
     unit = "round"  # what the adaptive stop weighs: tokens committed per unit against the unit's cost
 
-    def __init__(self, config: SpeculativeConfig, num_loops: int, per_token_exits: bool = False) -> None:
+    def __init__(self, config: SpeculativeConfig, num_loops: int, per_token_exits: bool = False,
+                 max_running: int | None = None) -> None:
         self.config = config
         self.k, self.d = config.num_speculative_tokens, config.draft_loops
         self.kv_bound = config.kv_lookahead(num_loops)
@@ -145,6 +151,8 @@ class LoopSpeculation(NoSpeculation):
         self._saved = self._cost = 0.0  # decayed sums over units: plain steps saved, plain steps cost
         self._units = 0  # units observed
         self._starts = 0
+        # step_cost "measured": this engine's step times (None: the cost model prices every step)
+        self.clock = StepClock(max_running) if config.step_cost == "measured" and config.adaptive else None
 
     def why_not(self, params: SamplingParams) -> str | None:
         # NOTE: penalties and multi-token bad words read the tokens generated before each position: inside a
@@ -164,7 +172,11 @@ class LoopSpeculation(NoSpeculation):
             return "structured outputs"
         return None
 
-    def starts(self) -> bool:
+    def starts(self, running: int = 0) -> bool:
+        # NOTE: until a plain step's time at this many requests is known, the request decodes plainly: its
+        # steps time it (StepClock.has_baseline), and the measured cost of speculating steps needs it
+        if self.clock is not None and not self.clock.has_baseline(running + 1):
+            return False
         # NOTE: while the engine's rounds do not pay, a request in PROBE_EVERY still speculates, so the
         # estimate follows what the requests of the moment accept
         if not self.config.adaptive or self._units < ENGINE_WARMUP or self.payoff >= 1.0:
@@ -216,9 +228,20 @@ class LoopSpeculation(NoSpeculation):
         """Units (rounds) the committed run just observed took."""
         return 1
 
+    def observe_step(self, rows: list[ScheduledRow], seconds: float) -> None:
+        if self.clock is not None:
+            self.clock.record(rows, seconds)
+
+    def measured_step(self, running: int) -> float | None:
+        """A speculating request's step in plain steps, as this engine measured it (``None``: not yet, or
+        ``step_cost`` "model")."""
+        return self.clock.step_cost(running) if self.clock is not None else None
+
     def cost(self, max_loops: int, running: int, k: int) -> float:
-        """A unit's cost in plain decoding steps (a round's, of ``k`` drafts)."""
-        return round_cost(k, self.d, max_loops, running)
+        """A unit's cost in plain decoding steps (a round's, of ``k`` drafts): its steps at their measured cost,
+        else the cost model's."""
+        step = self.measured_step(running)
+        return round_cost(k, self.d, max_loops, running) if step is None else ((k + 1) * self.d + max_loops - self.d) * step
 
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
         # NOTE: one way only: a plain decode row's token may be mid-loop when the host looks (the device
@@ -276,8 +299,9 @@ class PipelineSpeculation(LoopSpeculation):
 
     unit = "pipelining step"
 
-    def __init__(self, config: SpeculativeConfig, num_loops: int, per_token_exits: bool = False) -> None:
-        super().__init__(config, num_loops, per_token_exits)
+    def __init__(self, config: SpeculativeConfig, num_loops: int, per_token_exits: bool = False,
+                 max_running: int | None = None) -> None:
+        super().__init__(config, num_loops, per_token_exits, max_running)
         self.lanes = config.lanes(num_loops)
 
     def rows(self, req: Request, exit: ExitParams) -> list[ScheduledRow]:
@@ -297,7 +321,8 @@ class PipelineSpeculation(LoopSpeculation):
         return steps
 
     def cost(self, max_loops: int, running: int, k: int) -> float:
-        return pipe_step_cost(self.lanes, running)
+        step = self.measured_step(running)
+        return pipe_step_cost(self.lanes, running) if step is None else step
 
     def plan_round(self, req: Request, max_loops: int, running: int) -> None:
         """(Lanes have no rounds.)"""
@@ -309,10 +334,12 @@ class AutoSpeculation(NoSpeculation):
     speculating. Each scheme keeps its own payoff, and a new request asks the one it would run whether to
     start. A step's rounds come before its lanes (the runner's row kinds come in that order)."""
 
-    def __init__(self, config: SpeculativeConfig, num_loops: int, per_token_exits: bool = False) -> None:
+    def __init__(self, config: SpeculativeConfig, num_loops: int, per_token_exits: bool = False,
+                 max_running: int | None = None) -> None:
         self.config = config
-        self.schemes = {"draft_verify": LoopSpeculation(config, num_loops, per_token_exits),
-                        "pipeline": PipelineSpeculation(config, num_loops, per_token_exits)}
+        self.schemes = {"draft_verify": LoopSpeculation(config, num_loops, per_token_exits, max_running),
+                        "pipeline": PipelineSpeculation(config, num_loops, per_token_exits, max_running)}
+        self.schemes["pipeline"].clock = self.schemes["draft_verify"].clock  # (one engine, one clock)
         self.kv_bound = config.kv_lookahead(num_loops)
 
     def _of(self, req: Request) -> LoopSpeculation:
@@ -323,7 +350,10 @@ class AutoSpeculation(NoSpeculation):
 
     def admit(self, req: Request, running: int) -> bool:
         req.spec_scheme = "pipeline" if running < self.config.auto_pipeline_below else "draft_verify"
-        return self.why_not(req.params) is None and self._of(req).starts()
+        return self.why_not(req.params) is None and self._of(req).starts(running)
+
+    def observe_step(self, rows: list[ScheduledRow], seconds: float) -> None:
+        self.schemes["draft_verify"].observe_step(rows, seconds)
 
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
         return self._of(req).why_stop(req, max_loops, running)
@@ -346,12 +376,11 @@ class AutoSpeculation(NoSpeculation):
         return sorted(rows, key=lambda r: isinstance(r.spec, PipeLane))
 
 
-def make_speculation(config: SpeculativeConfig | None, num_loops: int, per_token_exits: bool = False) -> NoSpeculation:
-    """The host-side strategy of ``speculative_config`` (its ``scheme``) for a model of ``num_loops`` loops."""
+def make_speculation(config: SpeculativeConfig | None, num_loops: int, per_token_exits: bool = False,
+                     max_running: int | None = None) -> NoSpeculation:
+    """The host-side strategy of ``speculative_config`` (its ``scheme``) for a model of ``num_loops`` loops, in an
+    engine running at most ``max_running`` requests a step (max_num_seqs)."""
     if config is None:
         return NoSpeculation()
-    if config.scheme == "pipeline":
-        return PipelineSpeculation(config, num_loops, per_token_exits)
-    if config.scheme == "auto":
-        return AutoSpeculation(config, num_loops, per_token_exits)
-    return LoopSpeculation(config, num_loops, per_token_exits)
+    kind = {"pipeline": PipelineSpeculation, "auto": AutoSpeculation}.get(config.scheme, LoopSpeculation)
+    return kind(config, num_loops, per_token_exits, max_running)

@@ -279,7 +279,8 @@ class LLMEngine(EngineVerbs):
                             "does not use num_speculative_tokens=%d; \"scheme\": \"draft_verify\" drafts that "
                             "many a round", spec.lanes(model_cfg.total_ut_steps), spec.num_speculative_tokens)
         # (a family without speculation, Huginn, has no total_ut_steps: spec is None for it)
-        speculation = make_speculation(spec, model_cfg.total_ut_steps if spec is not None else 0, self.exit_policy.per_token)
+        speculation = make_speculation(spec, model_cfg.total_ut_steps if spec is not None else 0, self.exit_policy.per_token,
+                                       args.max_num_seqs)
         block_bytes = kv_bytes_per_block(model_cfg, args.block_size, cfg.kv_dtype)
         preemption = Preemption(int(args.swap_space * 2**30 // block_bytes)) if args.enable_preemption else None
         self.scheduler = Scheduler(self.kv, self.exit_policy, make_queue(args.scheduling_policy), args.max_num_seqs,
@@ -431,7 +432,9 @@ class LLMEngine(EngineVerbs):
             previous, self._pending = self._pending, None
         if previous is not None:
             self._read(*previous)
-        self.stats.count_step(sched, time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self.stats.count_step(sched, elapsed)
+        self.scheduler.speculation.observe_step(sched.rows, elapsed)
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self)
         deltas = self._collect()

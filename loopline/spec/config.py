@@ -20,6 +20,7 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 #: runs (docs/speculation.md, "When each scheme wins").
 DEFAULT_AUTO_PIPELINE_BELOW = DEFAULT_DISABLE_BY_BATCH_SIZE
 METHODS = ("loop",)
+STEP_COSTS = ("measured", "model")
 
 
 def _int_in(name: str, value: Any, low: int, high: int) -> int:
@@ -50,6 +51,10 @@ class SpeculativeConfig:
     and where that token differs from the draft its successor started from, the rows behind are dropped and
     the new token enters at once, instead of at its exit (docs/speculation.md, "Re-drafting"). Outputs are
     the same either way.
+
+    ``step_cost``: how ``adaptive`` prices a speculating step, ``"measured"`` (this engine's own step times;
+    until a plain step's time at the running count is known, a new request decodes plainly, timing it) or
+    ``"model"`` (the cost model; docs/speculation.md, "When it pays").
     """
 
     method: str = "loop"
@@ -65,6 +70,10 @@ class SpeculativeConfig:
     #: it holds ``draft_loops`` and was trained on them), ``"none"``, or a directory holding one
     draft_adapter: str = "auto"
     redraft: bool = True
+    #: what a speculating step costs against a plain one, for ``adaptive``: ``"measured"`` in this engine (its
+    #: steps' wall time by requests a step; loopline/core/step_clock.py), or ``"model"``, the cost model fitted
+    #: on Ouro-1.4B shapes (deterministic: tests)
+    step_cost: str = "measured"
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft_adapter, str) or not self.draft_adapter:
@@ -83,6 +92,9 @@ class SpeculativeConfig:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"speculative_config.{name}={getattr(self, name)!r}; allowed: true or false",
                                           param=f"speculative_config.{name}")
+        if self.step_cost not in STEP_COSTS:
+            raise InvalidRequestError(f"speculative_config.step_cost={self.step_cost!r}; allowed: "
+                                      f"{', '.join(map(repr, STEP_COSTS))}", param="speculative_config.step_cost")
         if self.scheme not in SCHEMES:
             raise InvalidRequestError(f"speculative_config.scheme={self.scheme!r}; allowed: {', '.join(map(repr, SCHEMES))}",
                                       param="speculative_config.scheme")
