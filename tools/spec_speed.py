@@ -95,15 +95,15 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
     """One closed-loop run of ``c`` concurrent requests; returns tok/s, steps per token and the
     acceptance counters. ``spec``: ``(K, d)`` with speculation's defaults (it adapts), then any of the flags
     ``"pinned"`` (every round speculates: no adaptive stop, no batch bound) and ``"noredraft"`` (the pipeline's
-    lanes keep their first draft) and ``"model"`` (``step_cost`` "model")."""
+    lanes keep their first draft) and ``"noguard"`` (no ``throughput_guard``)."""
     speculative = None if spec is None else {"method": "loop", "num_speculative_tokens": spec[0],
                                              "draft_loops": spec[1], "scheme": scheme}
     if spec is not None and "pinned" in spec[2:]:
         speculative |= {"adaptive": False, "disable_by_batch_size": None}
     if spec is not None and "noredraft" in spec[2:]:
         speculative["redraft"] = False
-    if spec is not None and "model" in spec[2:]:
-        speculative["step_cost"] = "model"
+    if spec is not None and "noguard" in spec[2:]:
+        speculative["throughput_guard"] = False
     # An adapter is checked against the served checkpoint's files, so with one the engine loads the demo
     # model from its directory (the same weights) instead of taking the model object.
     from_dir = spec is not None and args.draft_adapter is not None
@@ -166,7 +166,7 @@ def run(model: OuroForCausalLM, args: argparse.Namespace, spec: tuple | None, c:
     rounds = drafts["vllm:spec_decode_num_drafts"]
     return {"spec": None if spec is None else {"K": spec[0], "d": spec[1], "pinned": "pinned" in spec[2:],
                                                "redraft": "noredraft" not in spec[2:],
-                                               "step_cost": "model" if "model" in spec[2:] else "measured",
+                                               "throughput_guard": "noguard" not in spec[2:],
                                                "scheme": scheme, "replayed": args.replay_acceptance,
                                                "replayed_changes": args.replay_changes,
                                                "draft_adapter": None if adapter is None else args.draft_adapter},
@@ -204,8 +204,8 @@ def closed_loop(engine: LLMEngine, c: int, requests: list[tuple[str, list[int], 
 
 def parse_spec(text: str) -> tuple:
     parts = text.split(",")
-    if len(parts) < 2 or not set(parts[2:]) <= {"pinned", "noredraft", "model"}:
-        raise SystemExit(f"--spec {text!r}: takes K,d then any of pinned, noredraft, model (e.g. --spec 2,1 or "
+    if len(parts) < 2 or not set(parts[2:]) <= {"pinned", "noredraft", "noguard"}:
+        raise SystemExit(f"--spec {text!r}: takes K,d then any of pinned, noredraft, noguard (e.g. --spec 2,1 or "
                          "2,1,noredraft)")
     return (int(parts[0]), int(parts[1]), *parts[2:])
 
@@ -242,7 +242,7 @@ def _name(r: dict) -> str:
     return (f"{prefix}K={spec['K']} d={spec['d']}"
             + (" pinned" if spec["pinned"] else "")
             + ("" if spec.get("redraft", True) else " no-redraft")
-            + (" cost-model" if spec.get("step_cost") == "model" and not spec["pinned"] else "")
+            + (" no-guard" if not spec.get("throughput_guard", True) and not spec["pinned"] else "")
             + (f" replayed {','.join(map(str, spec['replayed']))}" if spec.get("replayed") else "")
             + (f" changes {','.join(map(str, spec['replayed_changes']))}"
                if spec.get("replayed_changes") and spec["scheme"] != "draft_verify" and spec.get("redraft", True)
@@ -267,8 +267,8 @@ def main() -> None:
     ap.add_argument("--branch-scale", default="1.0", help="comma-separated residual-branch scales")
     ap.add_argument("--spec", action="append", default=[],
                     help="K,d (speculation's defaults: it adapts), then any of pinned (every round speculates), noredraft "
-                         "(the pipeline's lanes keep their first draft) and model (step_cost 'model': the cost model "
-                         "prices steps instead of this engine's measured step times); "
+                         "(the pipeline's lanes keep their first draft) and noguard (throughput_guard off: the cost model "
+                         "alone decides); "
                          "repeatable; plain decoding always runs")
     ap.add_argument("--scheme", default="draft_verify",
                     help="comma-separated speculative_config.scheme values (draft_verify, pipeline, auto), each run with "

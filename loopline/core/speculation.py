@@ -102,8 +102,8 @@ class NoSpeculation:
         """Whether a new request speculates (``running`` requests run or wait before it)."""
         return self.why_not(req.params) is None and self.starts(running)
 
-    def observe_step(self, rows: list[ScheduledRow], seconds: float) -> None:
-        """One engine step's rows and its wall time (the measured step cost, ``step_clock.py``)."""
+    def observe_step(self, rows: list[ScheduledRow], seconds: float, tokens: int) -> None:
+        """One engine step's rows, its wall time and the output tokens it booked (``step_clock.py``)."""
 
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
         """Why a speculating request, between two rounds, returns to plain decoding (``None``: it goes on)."""
@@ -151,8 +151,8 @@ class LoopSpeculation(NoSpeculation):
         self._saved = self._cost = 0.0  # decayed sums over units: plain steps saved, plain steps cost
         self._units = 0  # units observed
         self._starts = 0
-        # step_cost "measured": this engine's step times (None: the cost model prices every step)
-        self.clock = StepClock(max_running) if config.step_cost == "measured" and config.adaptive else None
+        # throughput_guard: this engine's measured tokens a second, speculating or not (None: the model alone)
+        self.clock = StepClock(max_running) if config.throughput_guard and config.adaptive else None
 
     def why_not(self, params: SamplingParams) -> str | None:
         # NOTE: penalties and multi-token bad words read the tokens generated before each position: inside a
@@ -173,9 +173,13 @@ class LoopSpeculation(NoSpeculation):
         return None
 
     def starts(self, running: int = 0) -> bool:
-        # NOTE: until a plain step's time at this many requests is known, the request decodes plainly: its
-        # steps time it (StepClock.has_baseline), and the measured cost of speculating steps needs it
-        if self.clock is not None and not self.clock.has_baseline(running + 1):
+        # NOTE: until plain steps' rate at this many requests is known, the request decodes plainly: its steps
+        # measure it (StepClock.has_baseline), and the throughput guard compares speculating steps with it
+        if self.clock is not None and not self.clock.has_baseline(self.clock.joining(running)):
+            return False
+        # NOTE: measured not to pay at this count, none starts: one request speculating beside plain ones costs
+        # the whole batch, and measures nothing the guard judges (StepClock forgets the verdict in time)
+        if self.clock is not None and self.clock.pays(self.clock.joining(running)) is False:
             return False
         # NOTE: while the engine's rounds do not pay, a request in PROBE_EVERY still speculates, so the
         # estimate follows what the requests of the moment accept
@@ -228,20 +232,13 @@ class LoopSpeculation(NoSpeculation):
         """Units (rounds) the committed run just observed took."""
         return 1
 
-    def observe_step(self, rows: list[ScheduledRow], seconds: float) -> None:
+    def observe_step(self, rows: list[ScheduledRow], seconds: float, tokens: int) -> None:
         if self.clock is not None:
-            self.clock.record(rows, seconds)
-
-    def measured_step(self, running: int) -> float | None:
-        """A speculating request's step in plain steps, as this engine measured it (``None``: not yet, or
-        ``step_cost`` "model")."""
-        return self.clock.step_cost(running) if self.clock is not None else None
+            self.clock.record(rows, seconds, tokens)
 
     def cost(self, max_loops: int, running: int, k: int) -> float:
-        """A unit's cost in plain decoding steps (a round's, of ``k`` drafts): its steps at their measured cost,
-        else the cost model's."""
-        step = self.measured_step(running)
-        return round_cost(k, self.d, max_loops, running) if step is None else ((k + 1) * self.d + max_loops - self.d) * step
+        """A unit's cost in plain decoding steps (a round's, of ``k`` drafts)."""
+        return round_cost(k, self.d, max_loops, running)
 
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
         # NOTE: one way only: a plain decode row's token may be mid-loop when the host looks (the device
@@ -249,6 +246,9 @@ class LoopSpeculation(NoSpeculation):
         limit = self.config.disable_by_batch_size
         if limit is not None and running >= limit:
             return f"{running} requests running (disable_by_batch_size={limit})"
+        # (the guard after the request's warm-up rounds, as the request's own payoff)
+        if self.clock is not None and req.spec_rounds >= WARMUP_ROUNDS and (why := self.clock.why_not(running)):
+            return why
         if self.config.adaptive and req.spec_rounds >= WARMUP_ROUNDS:
             rounds = min(req.spec_rounds, (2.0 - ROUND_WEIGHT) / ROUND_WEIGHT)  # (an EMA's effective count)
             upper = req.spec_payoff + STOP_Z * math.sqrt(req.spec_payoff_var / (rounds - 1))  # (unbiased)
@@ -321,8 +321,7 @@ class PipelineSpeculation(LoopSpeculation):
         return steps
 
     def cost(self, max_loops: int, running: int, k: int) -> float:
-        step = self.measured_step(running)
-        return pipe_step_cost(self.lanes, running) if step is None else step
+        return pipe_step_cost(self.lanes, running)
 
     def plan_round(self, req: Request, max_loops: int, running: int) -> None:
         """(Lanes have no rounds.)"""
@@ -352,8 +351,8 @@ class AutoSpeculation(NoSpeculation):
         req.spec_scheme = "pipeline" if running < self.config.auto_pipeline_below else "draft_verify"
         return self.why_not(req.params) is None and self._of(req).starts(running)
 
-    def observe_step(self, rows: list[ScheduledRow], seconds: float) -> None:
-        self.schemes["draft_verify"].observe_step(rows, seconds)
+    def observe_step(self, rows: list[ScheduledRow], seconds: float, tokens: int) -> None:
+        self.schemes["draft_verify"].observe_step(rows, seconds, tokens)
 
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
         return self._of(req).why_stop(req, max_loops, running)

@@ -1,22 +1,26 @@
-"""What a speculating step costs in this engine, measured (docs/speculation.md, "When it pays"). Host-side only.
+"""Whether speculation pays in this engine, measured (docs/speculation.md, "When it pays"). Host-side only.
 
-Speculation pays when the tokens it commits are worth more plain decoding steps than its steps cost. What a
-step costs depends on the model, the GPU and the host: on Ouro-1.4B shapes a pipelining step at one request
-costs ~1.6 plain steps (memory-bound weights), on the bundled demo model ~3 (a step's time is the host's,
-and a pipelining step does more of it). A model fitted on one cannot know the other, so the engine times
-its own steps: :class:`StepClock` keeps the wall time of its decode steps by how many requests they hold,
-plain steps apart from steps with speculating rows, and gives what a speculating request's step costs in
-plain steps of the same batch:
+The adaptive stop prices a speculating step with a cost model fitted on Ouro-1.4B shapes, where a step's
+time is its bytes'. On another model or host that can be far off: on the bundled demo model a step's time
+is the host's, a pipelining step cost ~3 plain steps where the model says 1.75, and the adaptive pipeline
+ran at 0.58-0.75x plain decoding (an H100). What a request's own payoff cannot see either: a speculating
+request's extra step time is paid by every request in its step.
 
-    cost = 1 + (C / S) * (t_spec / t_plain - 1)
+So the engine measures what it is there for, throughput. :class:`StepClock` keeps, by requests a step, the
+output tokens a decode step committed and its wall time, for plain steps and for steps where every request
+speculates apart. Where the latter commit fewer tokens a second than plain steps of as many requests,
+speculation costs throughput there, and the engine turns it off (:meth:`StepClock.pays`).
 
-at ``C`` requests a step, ``S`` of them speculating: the request's own step, plus its share of what the
-step's extra time costs the whole batch (every request could have run a plain step in it). With one
-request pipelining beside seven plain ones, a step three times as dear costs that request 17 plain steps.
+Steps where only some requests speculate are not judged: a speculating step's fixed costs (the host's work
+for its rows, the head over its lanes, its kernels' launches) are shared by its speculating requests, so a
+step with one of them can lose where a step with all of them wins (the pipeline at four requests on a CPU:
+about even with one pipelining, 1.25x plain decoding with all four). The choice is all or none, and the
+cost model's verdicts (every request its own) lead to all where it says speculation pays. A verdict against
+it is forgotten after ``FORGET_STEPS`` plain steps at that count, so the next requests try again.
 
 A step's wall time is what the engine's ``step()`` took: scheduling and launching it, and reading the step
-before (the overlapped engine waits for that one there). So a step is timed only when the step before it
-was of the same kind (the same requests a step, speculating or not) and neither holds a prompt's chunk.
+before (the overlapped engine waits for that one there, and books its tokens). So a step counts only when the
+step before it was of the same kind (as many requests, speculating or not) and neither held a prompt's chunk.
 """
 from __future__ import annotations
 
@@ -25,74 +29,110 @@ from collections.abc import Sequence
 from loopline.core.contracts import ScheduledRow
 
 
-class _Mean:
-    """A running mean: every sample weighed alike at first, then each new one at ``WEIGHT``; a sample far from
-    the mean (a collection pause, a compile) counts as at most ``CLIP`` times it, or a ``CLIP``-th of it."""
+class _Rate:
+    """Tokens over seconds, both running means: every step weighed alike at first, then each new one at
+    ``WEIGHT``; a step far slower than the mean (a collection pause, a compile) counts as ``CLIP`` times it."""
 
-    WEIGHT, CLIP = 0.1, 4.0
+    WEIGHT, CLIP = 0.05, 4.0
 
     def __init__(self) -> None:
-        self.n, self.mean = 0, 0.0
+        self.n, self.tokens, self.seconds = 0, 0.0, 0.0
 
-    def add(self, x: float) -> None:
+    def add(self, tokens: int, seconds: float) -> None:
         if self.n:
-            x = min(max(x, self.mean / self.CLIP), self.mean * self.CLIP)
+            seconds = min(seconds, self.seconds * self.CLIP)
         self.n += 1
-        self.mean += max(1.0 / self.n, self.WEIGHT) * (x - self.mean)
+        w = max(1.0 / self.n, self.WEIGHT)
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 class StepClock:
-    """Wall time of decode steps by requests a step: plain steps, and steps with speculating rows (with the
-    share of their requests that speculate). See the module docstring."""
+    """Output tokens a second of decode steps by requests a step, plain steps and steps where every request
+    speculates apart. See the module docstring."""
 
-    #: samples a mean needs before it is used
-    MIN_SAMPLES = 8
+    #: steps a rate needs before it is used: a pipelining request commits 0..L tokens a step, a plain one a token
+    #: every few steps, so their rates need a few dozen steps
+    MIN_STEPS = 32
+    #: plain steps at a count after which what speculating steps measured there is forgotten
+    FORGET_STEPS = 4096
+    #: speculation pays unless its steps commit below this share of plain steps' rate: a pipelining request's
+    #: first steps commit nothing (its first token exits after R loops), which the first measured steps weigh
+    MARGIN = 0.9
 
     def __init__(self, max_requests: int | None = None) -> None:
         self.max_requests = max_requests  # the most requests a step holds (max_num_seqs; None: no bound)
-        self._plain: dict[int, _Mean] = {}
-        self._spec: dict[int, _Mean] = {}
-        self._share: dict[int, _Mean] = {}  # speculating requests over requests, in steps with speculating rows
+        self._plain: dict[int, _Rate] = {}
+        self._spec: dict[int, _Rate] = {}
+        self._plain_since: dict[int, int] = {}  # plain steps at a count since its last speculating one
         self._last: tuple[int, bool] | None = None
+        self._recent = 0  # requests in the last decode step
 
-    def record(self, rows: Sequence[ScheduledRow], seconds: float) -> None:
-        """One engine step: its rows and the wall time it took."""
+    def record(self, rows: Sequence[ScheduledRow], seconds: float, tokens: int) -> None:
+        """One engine step: its rows, the wall time it took and the output tokens it booked."""
         if not rows or any(r.is_prefill for r in rows):
             self._last = None
             return
-        requests = {r.request_id for r in rows}
-        speculating = {r.request_id for r in rows if r.spec is not None}
-        kind = (len(requests), bool(speculating))
+        c = len({r.request_id for r in rows})
+        s = len({r.request_id for r in rows if r.spec is not None})
+        self._recent = c
+        if 0 < s < c:  # (some speculate: not judged)
+            self._last = None
+            return
+        kind = (c, s == c)
         if kind == self._last:
-            c = len(requests)
-            if speculating:
-                self._spec.setdefault(c, _Mean()).add(seconds)
-                self._share.setdefault(c, _Mean()).add(len(speculating) / c)
-            else:
-                self._plain.setdefault(c, _Mean()).add(seconds)
+            (self._spec if kind[1] else self._plain).setdefault(c, _Rate()).add(tokens, seconds)
+            self._plain_since[c] = 0 if kind[1] else self._plain_since.get(c, 0) + 1
+            if self._plain_since[c] > self.FORGET_STEPS:
+                self._spec.pop(c, None)
         self._last = kind
 
-    def plain_seconds(self, running: int) -> float | None:
-        """A plain step's time at ``running`` requests: measured at that count, else at the nearest count below
-        it down to half of it (fewer requests: a cheaper step, so the cost below errs dear); ``None`` if none."""
+    def _known(self, rates: dict[int, _Rate], c: int) -> _Rate | None:
+        r = rates.get(c)
+        return r if r is not None and r.n >= self.MIN_STEPS else None
+
+    def plain_rate(self, running: int) -> float | None:
+        """Plain steps' tokens a second at ``running`` requests, else at the nearest count below it down to half of
+        it (fewer requests commit fewer tokens a step, so the comparison errs towards plain decoding); ``None``
+        if none is known."""
         for c in range(running, (running + 1) // 2 - 1, -1):
-            m = self._plain.get(c)
-            if m is not None and m.n >= self.MIN_SAMPLES:
-                return m.mean
+            r = self._known(self._plain, c)
+            if r is not None:
+                return r.per_second
         return None
 
-    def has_baseline(self, running: int) -> bool:
-        """Whether a plain step's time at ``running`` requests (at most ``max_requests``: the rest wait) is known
-        (:meth:`plain_seconds`)."""
-        return self.plain_seconds(min(running, self.max_requests or running)) is not None
+    def spec_rate(self, running: int) -> float | None:
+        """Steps where every request speculates: tokens a second at ``running`` requests (``None``: not known)."""
+        r = self._known(self._spec, running)
+        return None if r is None else r.per_second
 
-    def step_cost(self, running: int) -> float | None:
-        """A speculating request's step in plain steps of the batch, ``1 + (C/S)(t_spec/t_plain - 1)``; ``None``
-        until both means at ``running`` requests are known."""
-        plain, spec = self.plain_seconds(running), self._spec.get(running)
-        if plain is None or spec is None or spec.n < self.MIN_SAMPLES:
+    def joining(self, running: int) -> int:
+        """The requests a step will hold with a request added while ``running`` others run or wait: at least as many
+        as the last decode step held (requests added at once see fewer before them than they will run with), at
+        most ``max_requests`` (the rest wait)."""
+        return min(max(running + 1, self._recent), self.max_requests or running + 1)
+
+    def has_baseline(self, running: int) -> bool:
+        """Whether plain steps' rate is known at ``running`` requests, down to half of it, or at any count above
+        (requests added at once see fewer before them than they will run with)."""
+        return any(c >= (running + 1) // 2 and r.n >= self.MIN_STEPS for c, r in self._plain.items())
+
+    def pays(self, running: int) -> bool | None:
+        """Whether steps where every request speculates commit at least ``MARGIN`` times as many tokens a second as
+        plain steps at ``running`` requests (``None``: not both known)."""
+        plain, spec = self.plain_rate(running), self.spec_rate(running)
+        return None if plain is None or spec is None else spec >= self.MARGIN * plain
+
+    def why_not(self, running: int) -> str | None:
+        """Why speculation is off at ``running`` requests (``None``: it pays there, or that is not known)."""
+        if self.pays(running) is not False:
             return None
-        return 1.0 + max(spec.mean / plain - 1.0, 0.0) / self._share[running].mean
+        return (f"steps where every request speculates commit {self.spec_rate(running):.0f} tokens/s at {running} "
+                f"requests a step, plain steps {self.plain_rate(running):.0f}")
 
 
 __all__ = ["StepClock"]

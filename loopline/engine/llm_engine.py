@@ -405,7 +405,7 @@ class LLMEngine(EngineVerbs):
 
     def _step(self) -> list[OutputDelta]:
         self._check_alive()
-        t0 = time.perf_counter()
+        t0, generated = time.perf_counter(), self.stats.generated_tokens
         if self.control.step_blocked():  # paused with mode "keep", or no usable weights / KV
             return self._collect()
         sched = self.scheduler.schedule()
@@ -434,7 +434,7 @@ class LLMEngine(EngineVerbs):
             self._read(*previous)
         elapsed = time.perf_counter() - t0
         self.stats.count_step(sched, elapsed)
-        self.scheduler.speculation.observe_step(sched.rows, elapsed)
+        self.scheduler.speculation.observe_step(sched.rows, elapsed, self.stats.generated_tokens - generated)
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self)
         deltas = self._collect()

@@ -20,7 +20,6 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 #: runs (docs/speculation.md, "When each scheme wins").
 DEFAULT_AUTO_PIPELINE_BELOW = DEFAULT_DISABLE_BY_BATCH_SIZE
 METHODS = ("loop",)
-STEP_COSTS = ("measured", "model")
 
 
 def _int_in(name: str, value: Any, low: int, high: int) -> int:
@@ -52,9 +51,11 @@ class SpeculativeConfig:
     the new token enters at once, instead of at its exit (docs/speculation.md, "Re-drafting"). Outputs are
     the same either way.
 
-    ``step_cost``: how ``adaptive`` prices a speculating step, ``"measured"`` (this engine's own step times;
-    until a plain step's time at the running count is known, a new request decodes plainly, timing it) or
-    ``"model"`` (the cost model; docs/speculation.md, "When it pays").
+    ``throughput_guard`` (with ``adaptive``): the engine measures the output tokens a second of its plain steps
+    and of its steps where every request speculates, by requests a step; where the latter commit fewer, new
+    requests decode plainly and speculating ones stop after their warm-up rounds (the verdict is forgotten after
+    4,096 plain steps at that count). Until plain steps' rate at the running count is known, a new request
+    decodes plainly, measuring it.
     """
 
     method: str = "loop"
@@ -70,10 +71,9 @@ class SpeculativeConfig:
     #: it holds ``draft_loops`` and was trained on them), ``"none"``, or a directory holding one
     draft_adapter: str = "auto"
     redraft: bool = True
-    #: what a speculating step costs against a plain one, for ``adaptive``: ``"measured"`` in this engine (its
-    #: steps' wall time by requests a step; loopline/core/step_clock.py), or ``"model"``, the cost model fitted
-    #: on Ouro-1.4B shapes (deterministic: tests)
-    step_cost: str = "measured"
+    #: with ``adaptive``: speculation turns off where steps in which every request speculates commit fewer tokens
+    #: a second than plain steps of as many requests, as this engine measures them (loopline/core/step_clock.py)
+    throughput_guard: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft_adapter, str) or not self.draft_adapter:
@@ -88,13 +88,10 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None:
             _int_in("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
         _int_in("auto_pipeline_below", self.auto_pipeline_below, 1, 1 << 20)
-        for name in ("adaptive", "redraft"):
+        for name in ("adaptive", "redraft", "throughput_guard"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"speculative_config.{name}={getattr(self, name)!r}; allowed: true or false",
                                           param=f"speculative_config.{name}")
-        if self.step_cost not in STEP_COSTS:
-            raise InvalidRequestError(f"speculative_config.step_cost={self.step_cost!r}; allowed: "
-                                      f"{', '.join(map(repr, STEP_COSTS))}", param="speculative_config.step_cost")
         if self.scheme not in SCHEMES:
             raise InvalidRequestError(f"speculative_config.scheme={self.scheme!r}; allowed: {', '.join(map(repr, SCHEMES))}",
                                       param="speculative_config.scheme")

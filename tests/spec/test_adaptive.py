@@ -43,9 +43,9 @@ def engine(m: OuroForCausalLM, speculative: dict | None = None) -> LLMEngine:
 
 
 def spec(**fields) -> dict:
-    """Draft then verify, priced by the cost model (deterministic; the measured step cost: test_step_clock.py)."""
+    """Draft then verify, the cost model alone (deterministic; the measured guard: test_step_clock.py)."""
     return {"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": 3, "draft_loops": 1,
-            "step_cost": "model", **fields}
+            "throughput_guard": False, **fields}
 
 
 def prompts(n: int) -> dict:
@@ -151,7 +151,7 @@ def test_the_cost_model_at_its_measured_points():
     # more running requests share a verify step's extra cost
     assert round_cost(2, 1, 4, 4) < round_cost(2, 1, 4, 1)
     # a request's running mean payoff decides, once warm: 4 tokens a round at depth 4 pay, 1.2 do not
-    s = LoopSpeculation(SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=3, draft_loops=1, step_cost="model"), 4)
+    s = LoopSpeculation(SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=3, draft_loops=1, throughput_guard=False), 4)
     req = Request("a", [1, 2], SamplingParams(), 0, 8, frozenset(), 0)
     req.spec_rounds, req.spec_depth = WARMUP_ROUNDS, 4.0
     req.spec_tokens, req.spec_payoff = 4.0, 4.0 * 4.0 / round_cost(3, 1, 4, 1)
@@ -187,7 +187,7 @@ def test_a_request_whose_rounds_pay_is_not_stopped_by_a_few_bad_ones():
     stop only once even the mean's upper bound is below break-even); one whose rounds do not pay stops."""
     import random
 
-    s = LoopSpeculation(SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=3, draft_loops=1, step_cost="model"), 4)
+    s = LoopSpeculation(SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=3, draft_loops=1, throughput_guard=False), 4)
     cost = s.cost(4, 8, 3)  # ~9.5 plain steps: 2.37 tokens a round at depth 4 break even
     assert 2.65 * 4 > 1.1 * cost
     rng = random.Random(0)
@@ -207,7 +207,7 @@ def test_each_round_is_judged_by_its_own_cost():
     """A request whose K fell (its rounds accept less) stops once the rounds of the new K do not pay. Judged by
     its mean tokens per round (which still holds the longer rounds of the larger K) against the new K's cost,
     as before, it went on for 34 rounds of K=1; judged by each round's payoff, 25."""
-    s = LoopSpeculation(SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=3, draft_loops=1, step_cost="model"), 4)
+    s = LoopSpeculation(SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=3, draft_loops=1, throughput_guard=False), 4)
     req = Request("k", [1, 2], SamplingParams(max_loops=4), 0, 8, frozenset(), 0)
     token = SampledToken(token_id=1, exit_depth=4)
     ratios = []
@@ -234,7 +234,7 @@ def test_new_requests_start_up_does_not_turn_the_pipeline_off_for_the_next():
     of 8 paying requests below 1 and refused the next requests, which then decoded plainly to the end (the
     adaptive pipeline at 0.92x plain at C = 8 on an H100, where pinned lanes ran 1.40x). Fails on a window of
     ENGINE_WEIGHT per unit."""
-    s = PipelineSpeculation(SpeculativeConfig(num_speculative_tokens=3, draft_loops=1, scheme="pipeline", step_cost="model"), 4)
+    s = PipelineSpeculation(SpeculativeConfig(num_speculative_tokens=3, draft_loops=1, scheme="pipeline", throughput_guard=False), 4)
     reqs = [Request(str(i), [1, 2], SamplingParams(), 0, 8, frozenset(), 0) for i in range(12)]
     for r in reqs:
         r.params = r.params.clone()

@@ -119,7 +119,7 @@ def test_the_engine_adapts_drafts_on_the_demo_model(demo_prompts):
     the request's measured acceptance makes pay (:func:`best_k`), and the output stays plain decoding's."""
     reqs = {"r0": (demo_prompts[0], GREEDY.clone(max_tokens=64))}
     eng = engine(speculative={"method": "loop", "scheme": "draft_verify", "num_speculative_tokens": 6, "draft_loops": 1,
-                              "disable_by_batch_size": None, "step_cost": "model"})
+                              "disable_by_batch_size": None, "throughput_guard": False})
     seen = []
     plan = eng.scheduler.speculation.plan_round
 

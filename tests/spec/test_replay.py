@@ -71,7 +71,9 @@ def test_a_short_first_request_does_not_decide_for_the_engine(tiny_gqa, scheme):
     """Speculation's defaults at one request with the demo model's replayed acceptance (which pays for both
     schemes at C = 1): a short first request (a warm-up, a health check) gives the engine a handful of rounds,
     too few to turn speculation off for the requests after it."""
-    spec = {"method": "loop", "num_speculative_tokens": 3, "draft_loops": 1, "scheme": scheme}
+    # (the cost model's payoff alone: with the throughput guard a first request decodes plainly, measuring plain
+    # steps, test_step_clock.py)
+    spec = {"method": "loop", "num_speculative_tokens": 3, "draft_loops": 1, "scheme": scheme, "throughput_guard": False}
     eng = engine(str(tiny_gqa.path), speculative=spec, max_num_seqs=1)
     eng.runner.spec.replay = AcceptanceReplay([0.89, 0.71, 0.68], seed=1)
     for rid, (p, n) in {"warm": (PROMPTS["r0"], 8), "a": (PROMPTS["r1"], 32), "b": (PROMPTS["r0"][::-1], 32)}.items():

@@ -1,7 +1,7 @@
-"""Speculation's measured step cost (loopline/core/step_clock.py; docs/speculation.md, "When it pays"): the engine
-times its plain and speculating decode steps by requests a step, prices a speculating request's step at
-``1 + (C/S)(t_spec/t_plain - 1)`` plain steps, and decodes a new request plainly until a plain step's time is
-known. A step that costs more than its tokens save turns speculation off, whatever the cost model says."""
+"""Speculation's throughput guard (loopline/core/step_clock.py; docs/speculation.md, "When it pays"): the engine
+measures the output tokens a second of its plain decode steps and of its steps with speculating rows, by requests
+a step; where speculating steps commit fewer, speculation turns off, whatever the cost model says. A new request
+decodes plainly until plain steps' rate at its running count is known."""
 from __future__ import annotations
 
 import time
@@ -11,7 +11,7 @@ from spec.test_engine import engine
 
 from loopline import SamplingParams
 from loopline.core.contracts import PipeLane, ScheduledRow
-from loopline.core.speculation import PipelineSpeculation, pipe_step_cost
+from loopline.core.speculation import PROBE_EVERY, PipelineSpeculation
 from loopline.core.step_clock import StepClock
 from loopline.spec import SpeculativeConfig
 from loopline.spec.replay import AcceptanceReplay
@@ -29,69 +29,82 @@ def rows(plain: int, speculating: int = 0, prefill: bool = False) -> list[Schedu
     return out
 
 
-def test_the_clock_prices_a_speculating_step_by_what_it_costs_the_batch():
+def steps(clock: StepClock, step: list[ScheduledRow], n: int, seconds: float, tokens: int) -> None:
+    for _ in range(n + 1):  # (the first of a run of one kind is not counted)
+        clock.record(step, seconds, tokens)
+
+
+def test_the_guard_compares_tokens_a_second_at_as_many_requests():
     clock = StepClock()
-    assert clock.step_cost(8) is None and not clock.has_baseline(8)
-    for _ in range(StepClock.MIN_SAMPLES + 1):  # the first of a run of one kind is not timed
-        clock.record(rows(8), 0.001)
-    assert clock.plain_seconds(8) == pytest.approx(0.001) and clock.step_cost(8) is None
-    for _ in range(StepClock.MIN_SAMPLES + 1):  # one request speculating beside seven plain ones, 3x the time
-        clock.record(rows(7, 1), 0.003)
-    assert clock.step_cost(8) == pytest.approx(1 + 8 * 2.0)  # its step, and 2 extra steps' time for all 8
-    # steps with a prompt's chunk, and the step after a change of kind, are not timed
-    for step in (rows(7, 1, prefill=True), rows(8), rows(7, 1), rows(8)):
-        clock.record(step, 1.0)
-    assert clock.step_cost(8) == pytest.approx(17.0) and clock.plain_seconds(8) == pytest.approx(0.001)
+    assert clock.pays(8) is None and not clock.has_baseline(8)
+    steps(clock, rows(8), StepClock.MIN_STEPS, 0.001, 2)  # 8 plain rows at 4 loops: 2 tokens a step
+    assert clock.has_baseline(8) and clock.plain_rate(8) == pytest.approx(2000) and clock.pays(8) is None
+    # one request pipelining beside seven plain ones: not judged (its step's fixed costs are shared by none)
+    steps(clock, rows(7, 1), StepClock.MIN_STEPS, 0.003, 2.5)
+    assert clock.pays(8) is None
+    # every request pipelining: 5 tokens in three times a plain step's time
+    steps(clock, rows(0, 8), StepClock.MIN_STEPS, 0.003, 5)
+    assert clock.pays(8) is False and "commit 1667 tokens/s at 8 requests a step, plain steps 2000" in clock.why_not(8)
+    # steps with a prompt's chunk, and the first step after a change of kind, do not count
+    for step in (rows(0, 8, prefill=True), rows(8), rows(0, 8), rows(8)):
+        clock.record(step, 1.0, 0)
+    assert clock.plain_rate(8) == pytest.approx(2000) and clock.spec_rate(8) == pytest.approx(5000 / 3)
+    # 12 tokens in twice a plain step's time: it pays
+    steps(clock, rows(0, 8), 200, 0.002, 12)
+    assert clock.pays(8) is True and clock.why_not(8) is None
 
 
-def test_every_request_speculating_shares_the_extra_time():
+def test_a_verdict_is_forgotten_after_enough_plain_steps():
     clock = StepClock()
-    for step, seconds in ((rows(4), 0.002), (rows(0, 4), 0.003)):
-        for _ in range(StepClock.MIN_SAMPLES + 1):
-            clock.record(step, seconds)
-    assert clock.step_cost(4) == pytest.approx(1.5)
-    assert clock.step_cost(3) is None  # (no speculating steps at 3 requests)
+    steps(clock, rows(2), StepClock.MIN_STEPS, 0.001, 0.5)
+    steps(clock, rows(0, 2), StepClock.MIN_STEPS, 0.004, 0.5)
+    assert clock.pays(2) is False
+    steps(clock, rows(2), StepClock.FORGET_STEPS - 1, 0.001, 0.5)
+    assert clock.pays(2) is False
+    steps(clock, rows(2), 2, 0.001, 0.5)
+    assert clock.pays(2) is None  # the next requests try again
 
 
-def test_a_plain_step_of_fewer_requests_stands_in_down_to_half():
+def test_a_plain_rate_of_fewer_requests_stands_in_down_to_half():
     clock = StepClock()
-    for _ in range(StepClock.MIN_SAMPLES + 1):
-        clock.record(rows(4), 0.002)
-    assert [clock.has_baseline(c) for c in (3, 4, 5, 7, 8, 9)] == [False, True, True, True, True, False]
-    clock.max_requests = 4  # (a request admitted behind many waiting ones decodes at most 4 to a step)
-    assert clock.has_baseline(100)
+    steps(clock, rows(4), StepClock.MIN_STEPS, 0.002, 1)
+    assert [clock.plain_rate(c) is not None for c in (3, 4, 5, 7, 8, 9)] == [False, True, True, True, True, False]
+    assert [clock.has_baseline(c) for c in (1, 3, 4, 8, 9)] == [True, True, True, True, False]
+    # a request added with 99 others running or waiting joins steps of at most max_requests; one added first of
+    # a burst, steps of at least as many as the last one held
+    clock.max_requests = 4
+    assert clock.joining(99) == 4 and clock.joining(0) == 4 and clock.joining(2) == 4
+    clock.record(rows(1), 0.001, 0)
+    assert clock.joining(0) == 1
 
 
-def test_an_outlier_moves_the_mean_only_so_far():
+def test_a_pause_counts_as_four_steps_at_most():
     clock = StepClock()
-    for _ in range(StepClock.MIN_SAMPLES + 1):
-        clock.record(rows(2), 0.001)
-    clock.record(rows(2), 5.0)  # a collection pause: counted as 4x the mean at most
-    assert clock.plain_seconds(2) == pytest.approx(0.001 + 0.003 / 9)  # (the 9th sample weighs 1/9)
+    steps(clock, rows(2), StepClock.MIN_STEPS, 0.001, 1)
+    clock.record(rows(2), 5.0, 1)  # a collection pause
+    assert clock.plain_rate(2) == pytest.approx(1 / (0.001 + 0.05 * 0.003))
 
 
-def test_a_new_request_decodes_plainly_until_a_plain_step_is_timed():
+def test_new_requests_decode_plainly_until_plain_steps_are_measured_then_as_the_guard_says():
     s = PipelineSpeculation(SpeculativeConfig(num_speculative_tokens=3, draft_loops=1, scheme="pipeline"), 4)
-    assert not s.starts(0)  # (it would run alone: no plain step of one request timed yet)
-    for _ in range(StepClock.MIN_SAMPLES + 1):
-        s.observe_step(rows(1), 0.001)
-    assert s.starts(0) and s.cost(4, 1, 3) == pipe_step_cost(s.lanes, 1)  # the model until measured
-    for _ in range(StepClock.MIN_SAMPLES + 1):
-        s.observe_step(rows(0, 1), 0.004)
-    assert s.cost(4, 1, 3) == pytest.approx(4.0)
-    model = PipelineSpeculation(SpeculativeConfig(draft_loops=1, scheme="pipeline", step_cost="model"), 4)
-    assert model.starts(0) and model.clock is None
-    with pytest.raises(Exception, match="step_cost"):
-        SpeculativeConfig(step_cost="guess")
+    assert not s.starts(0)  # (it would run alone: no plain step of one request measured yet)
+    steps(s.clock, rows(1), StepClock.MIN_STEPS, 0.001, 0.25)
+    assert s.starts(0)
+    steps(s.clock, rows(0, 1), StepClock.MIN_STEPS, 0.003, 0.5)  # two thirds of the plain rate
+    assert not any(s.starts(0) for _ in range(2 * PROBE_EVERY))  # (no probe either)
+    off = PipelineSpeculation(SpeculativeConfig(draft_loops=1, scheme="pipeline", throughput_guard=False), 4)
+    assert off.starts(0) and off.clock is None
+    with pytest.raises(Exception, match="throughput_guard"):
+        SpeculativeConfig(throughput_guard="yes")
 
 
-@pytest.mark.parametrize("step_cost", ["measured", "model"])
-def test_speculating_steps_that_cost_more_than_they_save_turn_speculation_off(tiny_gqa, step_cost):
-    """Every draft accepted (replayed), so the cost model says the pipeline pays; but each speculating step
-    is made 15 ms dearer than a plain one (a few ms here). Measured, the first request decodes plainly (timing
-    a plain step), the second pipelines until its own measured payoff stops it, and the engine turns the
-    third away; priced by the model, the second pipelines to its end."""
-    spec = {"method": "loop", "scheme": "pipeline", "draft_loops": 1, "step_cost": step_cost}
+@pytest.mark.parametrize("guard", [True, False])
+def test_speculating_steps_that_commit_fewer_tokens_a_second_turn_speculation_off(tiny_gqa, guard):
+    """Drafts accepted but at the exit half the time (replayed), so the cost model says the pipeline pays; but
+    each speculating step is made 15 ms dearer than a plain one (a few ms here). With the guard the first
+    request decodes plainly (measuring plain steps), the second pipelines until the guard, once its rate is
+    known, stops it, and the engine turns the third away; without it the second pipelines to its end."""
+    spec = {"method": "loop", "scheme": "pipeline", "draft_loops": 1, "throughput_guard": guard}
     eng = engine(str(tiny_gqa.path), speculative=spec, max_num_seqs=1, block_size=4)
     eng.runner.spec.replay = AcceptanceReplay([1.0], loop_changes=[0.0, 0.0, 0.5])
     launch = eng.runner.launch
@@ -104,14 +117,14 @@ def test_speculating_steps_that_cost_more_than_they_save_turn_speculation_off(ti
     eng.runner.launch = dear
     prompt = [3 + (j * 11) % 250 for j in range(6)]
     drafts = {}
-    for rid in ("a", "b", "c") if step_cost == "measured" else ("b",):
+    for rid in ("a", "b", "c") if guard else ("b",):
         before = eng.stats.spec_num_draft_tokens
         eng.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=64, temperature=0.0,
                                                                            ignore_eos=True))
         while eng.has_unfinished_requests():
             eng.step()
         drafts[rid] = eng.stats.spec_num_draft_tokens - before
-    if step_cost == "model":
+    if not guard:
         assert drafts["b"] >= 55, drafts
     else:
         assert drafts["a"] == 0 and 0 < drafts["b"] < 40 and drafts["c"] == 0, drafts
