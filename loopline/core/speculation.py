@@ -178,7 +178,7 @@ class LoopSpeculation(NoSpeculation):
         if self.clock is not None and not self.clock.has_baseline(self.clock.joining(running)):
             return False
         # NOTE: measured not to pay at this count, none starts: one request speculating beside plain ones costs
-        # the whole batch, and measures nothing the guard judges (StepClock forgets the verdict in time)
+        # the whole batch (StepClock forgets the verdict in time, and the next requests try again)
         if self.clock is not None and self.clock.pays(self.clock.joining(running)) is False:
             return False
         # NOTE: while the engine's rounds do not pay, a request in PROBE_EVERY still speculates, so the

@@ -7,16 +7,17 @@ ran at 0.58-0.75x plain decoding (an H100). What a request's own payoff cannot s
 request's extra step time is paid by every request in its step.
 
 So the engine measures what it is there for, throughput. :class:`StepClock` keeps, by requests a step, the
-output tokens a decode step committed and its wall time, for plain steps and for steps where every request
-speculates apart. Where the latter commit fewer tokens a second than plain steps of as many requests,
-speculation costs throughput there, and the engine turns it off (:meth:`StepClock.pays`).
+output tokens a decode step committed and its wall time, for plain steps and for steps with speculating rows
+apart. Where the latter commit fewer tokens a second than plain steps of as many requests (below ``MARGIN``
+of them), speculation costs throughput there, and the engine turns it off (:meth:`StepClock.pays`); the
+verdict is forgotten after ``FORGET_STEPS`` plain steps at that count, so the next requests try again.
 
-Steps where only some requests speculate are not judged: a speculating step's fixed costs (the host's work
-for its rows, the head over its lanes, its kernels' launches) are shared by its speculating requests, so a
-step with one of them can lose where a step with all of them wins (the pipeline at four requests on a CPU:
-about even with one pipelining, 1.25x plain decoding with all four). The choice is all or none, and the
-cost model's verdicts (every request its own) lead to all where it says speculation pays. A verdict against
-it is forgotten after ``FORGET_STEPS`` plain steps at that count, so the next requests try again.
+Steps where only some requests speculate count too. Their rate can be below that of steps where all do (a
+speculating step's fixed costs, the host's work for its rows and its launches, are shared by its speculating
+requests: the pipeline at four requests on a CPU ran about even with one pipelining, 1.25x plain decoding
+with all four), which ``MARGIN`` leaves room for; but a batch where the cost model keeps a few requests
+speculating is what lost most (the demo model at eight requests on an H100: 0.52-0.66x plain decoding, its
+steps with lanes three times a plain one's), and only these steps show it.
 
 A step's wall time is what the engine's ``step()`` took: scheduling and launching it, and reading the step
 before (the overlapped engine waits for that one there, and books its tokens). So a step counts only when the
@@ -52,17 +53,19 @@ class _Rate:
 
 
 class StepClock:
-    """Output tokens a second of decode steps by requests a step, plain steps and steps where every request
-    speculates apart. See the module docstring."""
+    """Output tokens a second of decode steps by requests a step, plain steps and steps with speculating rows
+    apart. See the module docstring."""
 
     #: steps a rate needs before it is used: a pipelining request commits 0..L tokens a step, a plain one a token
     #: every few steps, so their rates need a few dozen steps
     MIN_STEPS = 32
     #: plain steps at a count after which what speculating steps measured there is forgotten
     FORGET_STEPS = 4096
-    #: speculation pays unless its steps commit below this share of plain steps' rate: a pipelining request's
-    #: first steps commit nothing (its first token exits after R loops), which the first measured steps weigh
+    #: speculation pays unless its steps commit below this share of plain steps' rate: steps with only some
+    #: requests speculating, and a pipelining request's first steps (its first token exits after R loops), count
     MARGIN = 0.9
+    #: a speculating request stops below this share (its stop is for good: a noisy moment must not end it)
+    STOP_MARGIN = 0.8
 
     def __init__(self, max_requests: int | None = None) -> None:
         self.max_requests = max_requests  # the most requests a step holds (max_num_seqs; None: no bound)
@@ -78,12 +81,8 @@ class StepClock:
             self._last = None
             return
         c = len({r.request_id for r in rows})
-        s = len({r.request_id for r in rows if r.spec is not None})
         self._recent = c
-        if 0 < s < c:  # (some speculate: not judged)
-            self._last = None
-            return
-        kind = (c, s == c)
+        kind = (c, any(r.spec is not None for r in rows))
         if kind == self._last:
             (self._spec if kind[1] else self._plain).setdefault(c, _Rate()).add(tokens, seconds)
             self._plain_since[c] = 0 if kind[1] else self._plain_since.get(c, 0) + 1
@@ -106,7 +105,7 @@ class StepClock:
         return None
 
     def spec_rate(self, running: int) -> float | None:
-        """Steps where every request speculates: tokens a second at ``running`` requests (``None``: not known)."""
+        """Steps with speculating rows: tokens a second at ``running`` requests (``None``: not yet known)."""
         r = self._known(self._spec, running)
         return None if r is None else r.per_second
 
@@ -121,18 +120,19 @@ class StepClock:
         (requests added at once see fewer before them than they will run with)."""
         return any(c >= (running + 1) // 2 and r.n >= self.MIN_STEPS for c, r in self._plain.items())
 
-    def pays(self, running: int) -> bool | None:
-        """Whether steps where every request speculates commit at least ``MARGIN`` times as many tokens a second as
-        plain steps at ``running`` requests (``None``: not both known)."""
+    def pays(self, running: int, margin: float = MARGIN) -> bool | None:
+        """Whether steps with speculating rows commit at least ``margin`` times as many tokens a second as plain
+        steps at ``running`` requests (``None``: not both known)."""
         plain, spec = self.plain_rate(running), self.spec_rate(running)
-        return None if plain is None or spec is None else spec >= self.MARGIN * plain
+        return None if plain is None or spec is None else spec >= margin * plain
 
-    def why_not(self, running: int) -> str | None:
-        """Why speculation is off at ``running`` requests (``None``: it pays there, or that is not known)."""
-        if self.pays(running) is not False:
+    def why_not(self, running: int, margin: float = STOP_MARGIN) -> str | None:
+        """Why a speculating request stops at ``running`` requests (``None``: speculation pays there within
+        ``margin``, or that is not known)."""
+        if self.pays(running, margin) is not False:
             return None
-        return (f"steps where every request speculates commit {self.spec_rate(running):.0f} tokens/s at {running} "
-                f"requests a step, plain steps {self.plain_rate(running):.0f}")
+        return (f"steps with speculating rows commit {self.spec_rate(running):.0f} tokens/s at {running} requests "
+                f"a step, plain steps {self.plain_rate(running):.0f}")
 
 
 __all__ = ["StepClock"]

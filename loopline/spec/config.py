@@ -52,10 +52,10 @@ class SpeculativeConfig:
     the same either way.
 
     ``throughput_guard`` (with ``adaptive``): the engine measures the output tokens a second of its plain steps
-    and of its steps where every request speculates, by requests a step; where the latter commit fewer, new
-    requests decode plainly and speculating ones stop after their warm-up rounds (the verdict is forgotten after
-    4,096 plain steps at that count). Until plain steps' rate at the running count is known, a new request
-    decodes plainly, measuring it.
+    and of its steps with speculating rows, by requests a step; where the latter commit below 0.9x the former
+    new requests decode plainly, below 0.8x speculating ones stop after their warm-up rounds (the verdict is
+    forgotten after 4,096 plain steps at that count). Until plain steps' rate is known, a new request decodes plainly,
+    measuring it.
     """
 
     method: str = "loop"
@@ -71,8 +71,8 @@ class SpeculativeConfig:
     #: it holds ``draft_loops`` and was trained on them), ``"none"``, or a directory holding one
     draft_adapter: str = "auto"
     redraft: bool = True
-    #: with ``adaptive``: speculation turns off where steps in which every request speculates commit fewer tokens
-    #: a second than plain steps of as many requests, as this engine measures them (loopline/core/step_clock.py)
+    #: with ``adaptive``: speculation turns off where steps with speculating rows commit fewer tokens a second than
+    #: plain steps of as many requests, as this engine measures them (loopline/core/step_clock.py)
     throughput_guard: bool = True
 
     def __post_init__(self) -> None:
