@@ -17,6 +17,7 @@ in the scheme the running count picked when it was admitted.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 from loopline.core.contracts import (
@@ -30,6 +31,8 @@ from loopline.core.request import Request
 from loopline.core.step_clock import StepClock
 from loopline.sampling_params import SamplingParams
 from loopline.spec.config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
 
 #: What a round costs, in steps of plain decoding of the same batch (docs/speculation.md, "When it pays"):
 #: a draft step costs what a plain step costs; a verify step of K+1 queries a row costs
@@ -153,6 +156,7 @@ class LoopSpeculation(NoSpeculation):
         self._starts = 0
         # throughput_guard: this engine's measured tokens a second, speculating or not (None: the model alone)
         self.clock = StepClock(max_running) if config.throughput_guard and config.adaptive else None
+        self._guard_off: set[int] = set()  # requests a step at which the guard turned speculation off (logged)
 
     def why_not(self, params: SamplingParams) -> str | None:
         # NOTE: penalties and multi-token bad words read the tokens generated before each position: inside a
@@ -179,7 +183,7 @@ class LoopSpeculation(NoSpeculation):
             return False
         # NOTE: measured not to pay at this count, none starts: one request speculating beside plain ones costs
         # the whole batch (StepClock forgets the verdict in time, and the next requests try again)
-        if self.clock is not None and self.clock.pays(self.clock.joining(running)) is False:
+        if self.clock is not None and not self._guard_allows(self.clock.joining(running)):
             return False
         # NOTE: while the engine's rounds do not pay, a request in PROBE_EVERY still speculates, so the
         # estimate follows what the requests of the moment accept
@@ -235,6 +239,20 @@ class LoopSpeculation(NoSpeculation):
     def observe_step(self, rows: list[ScheduledRow], seconds: float, tokens: int) -> None:
         if self.clock is not None:
             self.clock.record(rows, seconds, tokens)
+
+    def _guard_allows(self, c: int) -> bool:
+        """The throughput guard's verdict at ``c`` requests a step, logged (at info) where it changes: a user who
+        turned speculation on learns why it does not run."""
+        off = self.clock.pays(c) is False
+        if off != (c in self._guard_off):
+            if off:
+                self._guard_off.add(c)
+                logger.info("speculation off at %d requests a step: %s (throughput_guard)", c,
+                            self.clock.why_not(c, StepClock.MARGIN))
+            else:
+                self._guard_off.discard(c)
+                logger.info("speculation on again at %d requests a step (throughput_guard)", c)
+        return not off
 
     def cost(self, max_loops: int, running: int, k: int) -> float:
         """A unit's cost in plain decoding steps (a round's, of ``k`` drafts)."""

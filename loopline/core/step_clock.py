@@ -39,7 +39,7 @@ class _Rate:
     def __init__(self) -> None:
         self.n, self.tokens, self.seconds = 0, 0.0, 0.0
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: float, seconds: float) -> None:
         if self.n:
             seconds = min(seconds, self.seconds * self.CLIP)
         self.n += 1

@@ -4,6 +4,7 @@ a step; where speculating steps commit fewer, speculation turns off, whatever th
 decodes plainly until plain steps' rate at its running count is known."""
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -88,13 +89,21 @@ def test_a_pause_counts_as_four_steps_at_most():
     assert clock.plain_rate(2) == pytest.approx(1 / (0.001 + 0.05 * 0.003))
 
 
-def test_new_requests_decode_plainly_until_plain_steps_are_measured_then_as_the_guard_says():
+def test_new_requests_decode_plainly_until_plain_steps_are_measured_then_as_the_guard_says(caplog):
     s = PipelineSpeculation(SpeculativeConfig(num_speculative_tokens=3, draft_loops=1, scheme="pipeline"), 4)
     assert not s.starts(0)  # (it would run alone: no plain step of one request measured yet)
     steps(s.clock, rows(1), StepClock.MIN_STEPS, 0.001, 0.25)
     assert s.starts(0)
     steps(s.clock, rows(0, 1), StepClock.MIN_STEPS, 0.003, 0.5)  # two thirds of the plain rate
-    assert not any(s.starts(0) for _ in range(2 * PROBE_EVERY))  # (no probe either)
+    with caplog.at_level(logging.INFO, logger="loopline.core.speculation"):
+        assert not any(s.starts(0) for _ in range(2 * PROBE_EVERY))  # (no probe either)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["speculation off at 1 requests a step: steps with speculating rows commit 167 tokens/s at 1 "
+                    "requests a step, plain steps 250 (throughput_guard)"]  # once, where it changed
+    steps(s.clock, rows(1), StepClock.FORGET_STEPS + 1, 0.001, 0.25)  # the verdict forgotten: the next one tries
+    with caplog.at_level(logging.INFO, logger="loopline.core.speculation"):
+        assert s.starts(0)
+    assert caplog.records[-1].getMessage() == "speculation on again at 1 requests a step (throughput_guard)"
     off = PipelineSpeculation(SpeculativeConfig(draft_loops=1, scheme="pipeline", throughput_guard=False), 4)
     assert off.starts(0) and off.clock is None
     with pytest.raises(Exception, match="throughput_guard"):
