@@ -19,7 +19,9 @@ R, BLOCK, K, D = 4, 4, 2, 2
 
 def scheduler(allocation: str = "full", swap_blocks: int | None = None, blocks: int = 256) -> Scheduler:
     kv = KVCacheManager(blocks, BLOCK, make_layout("last_exited", R), False)
-    spec = LoopSpeculation(SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=K, draft_loops=D), R)
+    # (no throughput guard: it times engine steps, which a scheduler alone does not run; tests/spec/test_step_clock.py)
+    spec = LoopSpeculation(SpeculativeConfig(scheme="draft_verify", num_speculative_tokens=K, draft_loops=D,
+                                             throughput_guard=False), R)
     return Scheduler(kv, make_exit_policy("threshold"), make_queue("fcfs"), 4, 64, R,
                      allocation=make_allocation(allocation), speculation=spec,
                      preemption=Preemption(swap_blocks) if swap_blocks is not None else None)
