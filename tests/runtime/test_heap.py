@@ -57,9 +57,11 @@ def test_frozen_heap_leaves_a_heap_frozen_before_it_as_it_is():
     frozen = gc.get_freeze_count()
     node = cycle()
     ref = weakref.ref(node)
+    # (a frozen object freed meanwhile, by another test's thread, leaves the permanent generation: the count may
+    # fall a little; an unfreeze would empty it, a refreeze raise it by everything made since, `node` included)
     with heap.frozen_heap():
-        assert gc.get_freeze_count() == frozen and not heap._frozen
-    assert gc.get_freeze_count() == frozen
+        assert 0 < gc.get_freeze_count() <= frozen and not heap._frozen
+    assert 0 < gc.get_freeze_count() <= frozen
     del node
     gc.collect()
     assert ref() is None  # made after that freeze: still the collector's
