@@ -242,10 +242,14 @@ if has flashinfer; then  # issue #40: FlashInfer installed from the carried .fi/
     || tail -5 "$out/fi_engine.err"
 fi
 if has spec_replay; then  # issue #41: both schemes at the demo model's acceptance, replayed on Ouro-1.4B shapes
-  # (LOOPLINE_SPEC: the first --spec, default 3,1; 2,1 is speculative_config's default K)
+  # (LOOPLINE_SPEC: the first --spec, default 3,1; 2,1 is speculative_config's default K. The pipeline's re-drafting
+  # is replayed at the demo model's loop-change rates, tools/spec_acceptance.py --loop-changes; LOOPLINE_SPEC_CHANGES=
+  # "" replays verdicts at the exit only, and turns re-drafting off)
+  changes=${LOOPLINE_SPEC_CHANGES-0.069,0.029,0.016}
+  # shellcheck disable=SC2086
   timeout "${LOOPLINE_SPEC_S:-300}" python3 tools/spec_speed.py --config ouro-1.4b --spec ${LOOPLINE_SPEC:-3,1} ${LOOPLINE_SPEC_EXTRA:-} --scheme ${LOOPLINE_SPEC_SCHEMES:-draft_verify,pipeline,auto} \
-    --concurrency "${LOOPLINE_SPEC_C:-1,8,32,128}" --replay-acceptance 0.89,0.71,0.68 --json "$out/spec_replay.json" 2>&1 \
-    | grep -v Warn | tail -12
+    --concurrency "${LOOPLINE_SPEC_C:-1,8,32,128}" --replay-acceptance 0.89,0.71,0.68 ${changes:+--replay-changes $changes} \
+    --json "$out/spec_replay.json" 2>&1 | grep -v Warn | tail -12
 fi
 if has spec_k; then  # issue #41: a verify step's cost for K = 1..6 (every draft accepted, pinned), the model refitted
   timeout 420 python3 tools/spec_speed.py --config ouro-1.4b --replay-acceptance 1.0 --spec 1,1,pinned --spec 2,1,pinned \
