@@ -269,8 +269,12 @@ def run_engine(model: OuroForCausalLM, base_args: EngineArgs, spec: BenchSpec, v
             return [sampling_params_for(args.exit_mode, spec, w, i) for i in range(w.num_prompts)]
 
         warm = workload.head(spec.num_warmup, min(spec.warmup_output_len, workload.output_len))
-        if warm.num_prompts:
-            drive_closed_loop(engine, warm, params(warm), spec.concurrency, tag="warmup")
+        # A speculating engine's first requests decode plainly while its throughput guard measures plain steps
+        # (loopline/core/step_clock.py): a second wave then speculates, so that speculation's own kernels
+        # compile before the clock starts.
+        for _ in range(2 if getattr(engine.scheduler.speculation, "clock", None) is not None else 1):
+            if warm.num_prompts:
+                drive_closed_loop(engine, warm, params(warm), spec.concurrency, tag="warmup")
         before = copy.deepcopy(engine.stats)
         measured_params = params(workload)
         timer = DeviceTimer(device, spec.gpu_timing)

@@ -141,6 +141,32 @@ def test_model_dir_and_concurrency_sweep(tiny_gqa):
     assert record["params"]["model_source"] == str(tiny_gqa.path)
 
 
+@pytest.mark.parametrize("speculative", [None, '{"method": "loop", "draft_loops": 1}'])
+def test_a_speculating_engine_warms_up_plain_then_speculating(tiny_gqa, monkeypatch, speculative):
+    """The throughput guard decodes an engine's first requests plainly (measuring plain steps); the warm-up
+    runs a second wave, which speculates (its kernels compile before the clock). A plain engine warms up once."""
+    from loopline.bench import offline
+
+    waves, drive = [], offline.drive_closed_loop
+
+    def counting(engine, *args, tag, **kw):
+        drafts = engine.stats.spec_num_draft_tokens
+        out = drive(engine, *args, tag=tag, **kw)
+        if tag == "warmup":
+            waves.append(engine.stats.spec_num_draft_tokens - drafts)
+        return out
+
+    monkeypatch.setattr(offline, "drive_closed_loop", counting)
+    argv = ["bench", "--model", str(tiny_gqa.path), "--device", "cpu", "--no-progress", "--input-len", "4",
+            "--output-len", "16", "--concurrency", "1", "--num-prompts", "1", "--warmup-prompts", "1",
+            "--warmup-output-len", "12"]
+    run_offline(build_parser().parse_args(argv + (["--speculative-config", speculative] if speculative else [])))
+    if speculative is None:
+        assert waves == [0]
+    else:  # (12 tokens x 4 loops of plain steps measure them; the second request pipelines)
+        assert len(waves) == 2 and waves[0] == 0 < waves[1], waves
+
+
 def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "tput.png"
