@@ -272,8 +272,8 @@ def run_engine(model: OuroForCausalLM, base_args: EngineArgs, spec: BenchSpec, v
         # A speculating engine's first requests decode plainly while its throughput guard measures plain steps
         # (loopline/core/step_clock.py): a second wave then speculates, so that speculation's own kernels
         # compile before the clock starts.
-        for _ in range(2 if getattr(engine.scheduler.speculation, "clock", None) is not None else 1):
-            if warm.num_prompts:
+        if warm.num_prompts:
+            for _ in range(2 if engine.scheduler.speculation.clock is not None else 1):
                 drive_closed_loop(engine, warm, params(warm), spec.concurrency, tag="warmup")
         before = copy.deepcopy(engine.stats)
         measured_params = params(workload)

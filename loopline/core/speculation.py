@@ -91,6 +91,7 @@ class NoSpeculation:
 
     config: SpeculativeConfig | None = None
     kv_bound = 0  # KV positions a speculating request may write past its last fed token
+    clock: StepClock | None = None  # the throughput guard's measurements (None: no guard)
 
     def why_not(self, params: SamplingParams) -> str | None:
         """Why a request with ``params`` runs plain decode rows (``None``: it speculates)."""
@@ -107,6 +108,8 @@ class NoSpeculation:
 
     def observe_step(self, rows: list[ScheduledRow], seconds: float, tokens: int) -> None:
         """One engine step's rows, its wall time and the output tokens it booked (``step_clock.py``)."""
+        if self.clock is not None:
+            self.clock.record(rows, seconds, tokens)
 
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
         """Why a speculating request, between two rounds, returns to plain decoding (``None``: it goes on)."""
@@ -177,14 +180,14 @@ class LoopSpeculation(NoSpeculation):
         return None
 
     def starts(self, running: int = 0) -> bool:
-        # NOTE: until plain steps' rate at this many requests is known, the request decodes plainly: its steps
-        # measure it (StepClock.has_baseline), and the throughput guard compares speculating steps with it
-        if self.clock is not None and not self.clock.has_baseline(self.clock.joining(running)):
-            return False
-        # NOTE: measured not to pay at this count, none starts: one request speculating beside plain ones costs
-        # the whole batch (StepClock forgets the verdict in time, and the next requests try again)
-        if self.clock is not None and not self._guard_allows(self.clock.joining(running)):
-            return False
+        if self.clock is not None:
+            c = self.clock.joining(running)
+            # NOTE: until plain steps' rate at this many requests is known, the request decodes plainly: its
+            # steps measure it (StepClock.has_baseline), and the throughput guard compares speculating steps
+            # with it. Measured not to pay at this count, none starts: one request speculating beside plain
+            # ones costs the whole batch (StepClock forgets the verdict in time, and the next requests try again)
+            if not self.clock.has_baseline(c) or not self._guard_allows(c):
+                return False
         # NOTE: while the engine's rounds do not pay, a request in PROBE_EVERY still speculates, so the
         # estimate follows what the requests of the moment accept
         if not self.config.adaptive or self._units < ENGINE_WARMUP or self.payoff >= 1.0:
@@ -235,10 +238,6 @@ class LoopSpeculation(NoSpeculation):
     def units(self, req: Request) -> int:
         """Units (rounds) the committed run just observed took."""
         return 1
-
-    def observe_step(self, rows: list[ScheduledRow], seconds: float, tokens: int) -> None:
-        if self.clock is not None:
-            self.clock.record(rows, seconds, tokens)
 
     def _guard_allows(self, c: int) -> bool:
         """The throughput guard's verdict at ``c`` requests a step, logged (at info) where it changes: a user who
@@ -356,7 +355,7 @@ class AutoSpeculation(NoSpeculation):
         self.config = config
         self.schemes = {"draft_verify": LoopSpeculation(config, num_loops, per_token_exits, max_running),
                         "pipeline": PipelineSpeculation(config, num_loops, per_token_exits, max_running)}
-        self.schemes["pipeline"].clock = self.schemes["draft_verify"].clock  # (one engine, one clock)
+        self.clock = self.schemes["pipeline"].clock = self.schemes["draft_verify"].clock  # (one engine, one clock)
         self.kv_bound = config.kv_lookahead(num_loops)
 
     def _of(self, req: Request) -> LoopSpeculation:
@@ -368,9 +367,6 @@ class AutoSpeculation(NoSpeculation):
     def admit(self, req: Request, running: int) -> bool:
         req.spec_scheme = "pipeline" if running < self.config.auto_pipeline_below else "draft_verify"
         return self.why_not(req.params) is None and self._of(req).starts(running)
-
-    def observe_step(self, rows: list[ScheduledRow], seconds: float, tokens: int) -> None:
-        self.schemes["draft_verify"].observe_step(rows, seconds, tokens)
 
     def why_stop(self, req: Request, max_loops: int, running: int) -> str | None:
         return self._of(req).why_stop(req, max_loops, running)

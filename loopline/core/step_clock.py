@@ -118,7 +118,7 @@ class StepClock:
     def has_baseline(self, running: int) -> bool:
         """Whether plain steps' rate is known at ``running`` requests, down to half of it, or at any count above
         (requests added at once see fewer before them than they will run with)."""
-        return any(c >= (running + 1) // 2 and r.n >= self.MIN_STEPS for c, r in self._plain.items())
+        return any(c >= (running + 1) // 2 and self._known(self._plain, c) for c in self._plain)
 
     def pays(self, running: int, margin: float = MARGIN) -> bool | None:
         """Whether steps with speculating rows commit at least ``margin`` times as many tokens a second as plain

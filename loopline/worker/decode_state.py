@@ -217,13 +217,19 @@ class SlotOps:
         ``j``'s draft (for the slot's completion index ``token_index + j``) is judged by the replay's draws:
         re-drafting, by its change at the loop the lane ran (:meth:`AcceptanceReplay.changed`); otherwise once,
         at its exit, with the replay's first probability, and no lane re-drafts."""
-        agrees = None
-        if replay is not None and redraft and replay.redrafts:
+        agrees, redraft = None, self.redrafts(replay, redraft)
+        if replay is not None and redraft:
             index = ds.token_index[slots][:, None] + ring.lane_ids[None, :]
             agrees = ~replay.changed(slots[:, None], index, ring.loop[slots], depth)
         elif replay is not None:
-            agrees, redraft = replay.accepted(slots, ds.token_index[slots], ring.lanes, per_position=False), False
+            agrees = replay.accepted(slots, ds.token_index[slots], ring.lanes, per_position=False)
         return accept_lanes(ring, ds, slots, target, depth, agrees, redraft=redraft)
+
+    @staticmethod
+    def redrafts(replay: AcceptanceReplay | None, redraft: bool) -> bool:
+        """Whether :meth:`pipe_accept`'s lanes re-draft: asked to, and under a replay only one that draws the
+        loops' changes (:attr:`AcceptanceReplay.redrafts`)."""
+        return redraft and (replay is None or replay.redrafts)
 
     def pipe_draft_lanes(self, ring: LaneRing, ds: "DeviceDecodeState", slots: Tensor,
                          depth: int) -> tuple[Tensor, Tensor, Tensor]:

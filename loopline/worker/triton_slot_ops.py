@@ -616,16 +616,16 @@ class TritonSlotOps(SlotOps):
             return committed, verdicts
         y = target.long().contiguous()
         _check("pipe_accept", slots=(slots, _I64), target=(y, _I64))
-        redraft_replay = replay is not None and redraft and replay.redrafts
+        redraft = self.redrafts(replay, redraft)
         _pipe_accept_kernel[(m,)](
             slots, y, _int8(ring.valid), ring.token, ring.loop, ring.exit_loop, ring.draft,
             _int8(ring.drafted), ring.survival, ring.hidden, ring.limit, ring.stop, ds.token, ds.pos, ds.token_index,
             _int8(committed), verdicts, lanes, depth, ring.hidden.shape[-1],
             replay.seed if replay is not None else 0, replay.threshold() if replay is not None else 0,
-            replay.change_bounds(dev) if redraft_replay else ds.pos,  # (ds.pos: unread without the replay's changes)
+            replay.change_bounds(dev) if replay is not None and redraft else ds.pos,  # (ds.pos: unread without them)
             LP=triton.next_power_of_2(lanes), SW=ring.STOP_WIDTH,
             BLOCK_H=min(triton.next_power_of_2(ring.hidden.shape[-1]), 1024), REPLAY=replay is not None,
-            REDRAFT=redraft and (replay is None or redraft_replay), MAX_LOOPS=AcceptanceReplay.MAX_LOOPS, num_warps=4)
+            REDRAFT=redraft, MAX_LOOPS=AcceptanceReplay.MAX_LOOPS, num_warps=4)
         return committed, verdicts
 
     def pipe_draft_lanes(self, ring: LaneRing, ds: DeviceDecodeState, slots: Tensor,
