@@ -7,7 +7,7 @@
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
 # register_caps resources cuda_core_mixed fp8_launches newkernels full_waves full_waves_e2e host_wait
-# fp8_full_waves cold_start jit_misses; LOOPLINE_BENCH_C
+# fp8_full_waves cold_start jit_misses demo_profile; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -291,6 +291,17 @@ if has pipe_profile; then  # issue #41: a pinned pipeline step at C = 1 (4 lanes
       > "$out/pipe_profile_plain$((4 * r)).txt" 2>&1
     grep -hE "mean step|device time per step|graph replays|warning" "$out/pipe_profile_$r.txt" \
       "$out/pipe_profile_plain$((4 * r)).txt"
+  done
+fi
+if has demo_profile; then  # issue #41: the bundled demo model's steps, where the host sets the pace: a plain step of 1
+  # and 4 rows against one request pipelining (its 4 lanes, real acceptance), per kernel and under cProfile
+  pipe='{"method":"loop","num_speculative_tokens":2,"draft_loops":1,"scheme":"pipeline","adaptive":false,"disable_by_batch_size":null}'
+  for v in "--rows 1" "--rows 4" "--rows 1 --speculative-config $pipe" "--rows 8 --speculative-config $pipe" "--rows 8"; do
+    name=$(echo "$v" | cut -c1-20 | tr -c 'a-z0-9\n' '_')
+    # shellcheck disable=SC2086
+    timeout 120 python3 tools/profile_step.py --config demo --context 512 --steps 96 --kernels $v \
+      > "$out/demo_profile_$name.txt" 2>&1
+    grep -hE "mean step|graph replays|host under|warning" "$out/demo_profile_$name.txt" | sed "s/^/$name: /"
   done
 fi
 if has skinny_routes; then  # issue #40: cuBLAS or the skinny split-K kernel per projection at 2-16 rows

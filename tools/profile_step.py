@@ -1,4 +1,4 @@
-"""Where does a decode step's time go? (GPU, Ouro shapes, random weights)
+"""Where does a decode step's time go? (GPU, Ouro shapes, random weights; ``--config demo``: the bundled model)
 
 python tools/profile_step.py --rows 1 --context 1024 [--eager] [--kernels] [--skinny-max-rows N]
 Prints the mean step time, the CUDA-graph replay time alone, and a host profile.
@@ -28,8 +28,9 @@ from loopline.engine import LLMEngine
 from loopline.kernels import gemv
 from loopline.kernels.fused import SkinnyRows, TritonOps
 from loopline.kernels.gemv import use_gemv
+from loopline.models.loader import load_model
 from loopline.models.ouro import OuroForCausalLM
-from loopline.models.tiny import random_checkpoint_config
+from loopline.models.tiny import default_checkpoint, random_checkpoint_config
 from loopline.sampling_params import SamplingParams
 from loopline.spec.replay import AcceptanceReplay
 from loopline.worker.backends import Backends, select_backends
@@ -306,7 +307,9 @@ def make_backends(a: argparse.Namespace) -> Backends:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="ouro-1.4b")
+    ap.add_argument("--config", default="ouro-1.4b",
+                    help="ouro-1.4b / ouro-2.6b (random weights) or demo (the bundled model's weights: a step "
+                         "whose time is the host's)")
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=64)
@@ -382,9 +385,12 @@ def main() -> None:
             gemv.SHAPE_CONFIGS[tuple(map(int, shape.split(":")))] = gemv.GemvConfig(*map(int, launch.split(",")))
         elif spec:
             gemv.DEFAULT_CONFIG = gemv.GemvConfig(*map(int, spec.split(",")))
-    cfg = random_checkpoint_config(a.config)
-    with torch.device("cuda"):
-        model = OuroForCausalLM(cfg).to(torch.bfloat16)
+    if a.config == "demo":
+        model = load_model(default_checkpoint(), dtype=torch.bfloat16, device="cuda")
+    else:
+        with torch.device("cuda"):
+            model = OuroForCausalLM(random_checkpoint_config(a.config)).to(torch.bfloat16)
+    vocab = model.config.vocab_size - 8
     engine = LLMEngine(EngineArgs(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=max(8, a.rows + a.mixed_prompts),
                                   kv_cache_memory_gb=a.kv_gb or max(8.0, (a.rows + a.mixed_prompts) * 0.9), enforce_eager=a.eager, async_scheduling=a.async_scheduling,
                                   kv_cache_dtype=a.kv_cache_dtype,
@@ -399,7 +405,7 @@ def main() -> None:
     if a.prefill:
         return profile_prefill(engine, a, params)
     for i in range(a.rows):  # distinct prompts: shared prefix pages would make KV reads hit L2
-        engine.add_request(f"r{i}", [3 + (i * 7919 + j) % 40000 for j in range(a.context)], params)
+        engine.add_request(f"r{i}", [3 + (i * 7919 + j) % min(40000, vocab) for j in range(a.context)], params)
     while any(r.status.value != "decode" for r in engine.scheduler.requests.values()):
         engine.step()
     for _ in range(8):
@@ -453,6 +459,7 @@ def main() -> None:
     prof.disable()
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(18)
+    stats.sort_stats("cumulative").print_stats("loopline/", 30)  # the engine's own calls: where a step's host time goes
     # the host's wait for the device's results (the overlap reads the step before through an event): near zero,
     # the host, not the GPU, sets the step's pace
     total = sum(v[3] for k, v in stats.stats.items() if k[2] == "step" and "llm_engine" in k[0])

@@ -302,6 +302,12 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
         self._uniform = torch.compile(counter_uniform, dynamic=True) if compile_rng else counter_uniform
 
+    def warm(self, vocab_size: int, device: torch.device) -> None:
+        """Runs the greedy choice once on ``[1, vocab_size]`` logits, so that its kernels (on CUDA the chunked
+        Triton argmax) compile at start-up rather than in a server's first request (0.38 s of its first token
+        on an H100, ``tools/jit_misses.py``)."""
+        _argmax(torch.zeros((1, vocab_size), dtype=torch.float32, device=device))
+
     def __call__(self, logits: Tensor, t: SamplingTensors) -> SamplerOutput:
         logits = logits.float()  # [B, V]
         num_logprobs = -1 if t.max_num_logprobs is None else t.max_num_logprobs

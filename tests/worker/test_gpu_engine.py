@@ -213,3 +213,24 @@ def test_fp8_kv_with_a_bf16_model_runs(tiny_gqa):
         c = o.outputs[0]
         assert len(c.token_ids) == 16
         assert all(math.isfinite(step[t].logprob) for step, t in zip(c.logprobs, c.token_ids))
+
+
+def test_startup_compiles_the_greedy_sampler(tiny_gqa):
+    """A greedy request on a started engine compiles no sampling kernel (the engine warmed them at start-up):
+    Triton's in-memory cache misses during the first request name none of the chunked argmax's kernels."""
+    import triton
+
+    from loopline.kernels import sampling
+
+    kernels = (sampling._chunk_argmax_kernel, sampling._pick_chunk_kernel)
+    for kernel in kernels:  # (earlier tests in this process compiled them: forget that)
+        kernel.device_caches.clear()
+    llm = tiny_gqa.llm(device="cuda", skip_tokenizer_init=True, num_kv_blocks=512, attention_backend="triton")
+    missed = []
+    hook = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = lambda *a, **kw: missed.append(getattr(kw.get("fn"), "name", "")) or False
+    try:
+        llm.generate([{"prompt_token_ids": ids(9)}], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = hook
+    assert not {k.fn.__name__ for k in kernels} & set(missed), missed
