@@ -153,8 +153,14 @@ def reference_forward(
     *,
     prompt_len: int = 0,
     kv_scales: tuple[Tensor, Tensor] | None = None,
+    read_loops: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """All loops of one sequence. See the module docstring for the exact math.
+
+    ``read_loops``: ``L[d-1, i, j]`` given explicitly (``[R, T, T]``, 1-based; the diagonal is ignored: a query
+    reads its own loop), for schedules no layout describes (speculative rounds over the shared plane,
+    :func:`reference_speculative_shared`). The first ``prompt_len`` positions then run as one depth-major
+    block and every later position on its own, as for ``shared``.
 
     ``kv_scales = (k_scale, v_scale)`` (``[layers, kv_heads]``): every K/V is stored as FP8 E4M3 would
     store it -- ``clamp(x / scale, -448, 448)`` rounded to E4M3, times the scale -- before any query reads it.
@@ -185,7 +191,13 @@ def reference_forward(
     dtype = embed.dtype
     hidden_size = embed.shape[1]
 
-    loops_of = key_loops(t, r, kv_depths, layout, prompt_len)  # [R, T, T], 1-based
+    if read_loops is None:
+        loops_of = key_loops(t, r, kv_depths, layout, prompt_len)  # [R, T, T], 1-based
+    else:
+        if tuple(read_loops.shape) != (r, t, t):
+            raise ValueError(f"read_loops must be [{r}, {t}, {t}], got {tuple(read_loops.shape)}")
+        own = torch.eye(t, dtype=torch.bool).expand(r, t, t)
+        loops_of = torch.where(own, torch.arange(1, r + 1).view(r, 1, 1), read_loops.long())
     cos, sin = rope_tables(t, hd, cfg["rope_theta"], dtype)
     layer_w = [{name: sd[f"model.layers.{i}.{name}.weight"] for name in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -209,7 +221,7 @@ def reference_forward(
     # last_exited read loops <= d only: one block. shared reads final K/V
     # (loop e_j, maybe > d): the depth-major prompt is one block, every later
     # position its own block (= serial decode).
-    if kv_depths is None or layout == "last_exited":
+    if read_loops is None and (kv_depths is None or layout == "last_exited"):
         blocks = [range(t)]
     else:
         p = min(max(prompt_len, 1), t)
@@ -339,4 +351,94 @@ def reference_generate(
         logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
         if token in eos:
             break
+    return tokens, depths, logprobs
+
+
+@torch.no_grad()
+def reference_speculative_shared(
+    state_dict: dict[str, Tensor],
+    cfg: dict,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    *,
+    k: int,
+    d: int,
+    min_loops: int = 1,
+    max_loops: int | None = None,
+    exit_threshold: float = 1.0,
+    eos_ids: Sequence[int] = (),
+) -> tuple[list[int], list[int], list[float]]:
+    """Greedy draft-then-verify self-speculation (K drafts from loops ``1..d`` a round) over the ``shared`` layout's
+    one plane: ``(tokens, exit_depths, logprobs)``, like :func:`reference_generate`.
+
+    One plane holds each position's last written K/V, so what a query reads follows the round schedule
+    (docs/speculation.md, "Exits, draft depth and KV layouts"). A round starts at the last committed token's
+    position ``c`` and runs positions ``c..c+K``: each drafts alone through loops ``1..d`` (or to an earlier exit),
+    proposing the next position's token from the head of its last loop; then the positions still looping run
+    loops ``d+1..`` together to their own exits. The query of round position ``i`` at loop ``l`` reads:
+
+    * prompt positions at loop R (the depth-major prefill's last loop), earlier committed positions at
+      their exit loop (their final K/V), as plain ``shared`` decoding does;
+    * earlier positions of its own round at ``min(d, e_j)`` while ``l <= d`` (where they stopped drafting)
+      and at ``min(l, e_j)`` in the verify (every row writes its loop before any reads; exited rows keep
+      their exit loop's K/V).
+
+    Tokens: each position's target is the argmax at its own exit loop; the drafts agreeing with the targets
+    commit, then the first disagreeing target (the correction) or, after K agreements, position ``c+K``'s
+    target (the bonus). A committed position keeps the reads it was computed with; the next round starts at
+    the last committed token. With ``d`` = R every draft is its target and this is plain ``shared``
+    decoding (:func:`reference_generate`), which tests check. Positions are recomputed densely with
+    :func:`reference_forward`'s ``read_loops`` (no cache)."""
+    total = int(cfg["total_ut_steps"])
+    max_loops = total if max_loops is None else int(max_loops)
+    if k < 1 or not 1 <= d <= total:
+        raise ValueError(f"k must be >= 1 and d in 1..{total}, got k={k}, d={d}")
+    prompt = [int(x) for x in prompt_ids]
+    if not prompt:
+        raise ValueError("prompt_ids must not be empty")
+    n_prompt, eos = len(prompt), {int(x) for x in eos_ids}
+    rule = dict(min_loops=min_loops, max_loops=max_loops, exit_threshold=exit_threshold)
+    # rows[i]: ``[R, i]`` the loops position i read of positions 0..i-1, fixed once it is computed
+    loops = torch.arange(1, total + 1).view(total, 1)
+    rows: list[Tensor] = [loops.expand(total, i).clone() for i in range(n_prompt)]  # depth-major prompt block
+
+    def run(seq: list[int]) -> dict[str, Tensor]:
+        t = len(seq)
+        table = torch.ones(total, t, t, dtype=torch.long)
+        for i, row in enumerate(rows[:t]):
+            table[:, i, :i] = row
+        return reference_forward(state_dict, cfg, torch.tensor(seq), total, layout="shared", prompt_len=n_prompt,
+                                 read_loops=table)
+
+    out = run(prompt)
+    e = exit_depth(out["gate_logits"][:, n_prompt - 1], **rule)
+    logits = out["logits"][e - 1, n_prompt - 1]
+    tokens, depths = [int(torch.argmax(logits))], [e]
+    logprobs = [float(torch.log_softmax(logits, -1)[tokens[0]])]
+    final = {j: total for j in range(n_prompt)}  # position -> the loop of its K/V after its token committed
+    while len(tokens) < max_tokens and tokens[-1] not in eos:
+        c = n_prompt + len(tokens) - 1  # the last committed token's position (not run yet)
+        fed, exits, heads = [tokens[-1]], [], []
+        for i in range(k + 1):
+            earlier = torch.tensor([final[j] for j in range(c)], dtype=torch.long).expand(total, c)
+            ours = torch.tensor(exits, dtype=torch.long)
+            drafting = torch.minimum(torch.full_like(ours, d), ours).expand(total, i)
+            verifying = torch.minimum(loops.expand(total, i), ours.expand(total, i))
+            round_reads = torch.where(loops <= d, drafting, verifying)
+            rows[c + i:] = [torch.cat([earlier, round_reads], dim=1)]
+            out = run(prompt + tokens[:-1] + fed)
+            e = exit_depth(out["gate_logits"][:, c + i], **rule)
+            exits.append(e)
+            heads.append(out["logits"][:, c + i])
+            if i < k:
+                fed.append(int(torch.argmax(heads[i][min(e, d) - 1])))
+        for i in range(k + 1):
+            logits = heads[i][exits[i] - 1]
+            token = int(torch.argmax(logits))
+            tokens.append(token), depths.append(exits[i])
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            final[c + i] = exits[i]
+            if token in eos or len(tokens) >= max_tokens or i == k or fed[i + 1] != token:
+                break
+        del rows[n_prompt + len(tokens) - 1:]  # the rejected positions' reads (the next round recomputes them)
     return tokens, depths, logprobs

@@ -3,14 +3,15 @@ logprob is what the non-speculative engine gives (greedy and seeded sampling ali
 adaptive exits, kv_layout last_exited), for several K and d, single and batched requests mixed with
 requests that do not speculate, with max_tokens / stop tokens / stop strings / EOS inside an accepted
 run, under both engine orders (overlapped and synchronous), and with preemption between rounds; the
-greedy fixed-depth tokens also equal the independent oracle's (tests/reference.py)."""
+greedy fixed-depth tokens also equal the independent oracle's (tests/reference.py); kv_layout shared, whose
+reads follow the round schedule, equals that schedule's own oracle there."""
 from __future__ import annotations
 
 import random
 
 import pytest
 from engine_testing import run_arrivals
-from reference import reference_generate  # tests/ is on pythonpath (pyproject.toml)
+from reference import reference_generate, reference_speculative_shared  # tests/ is on pythonpath (pyproject.toml)
 
 from loopline import SamplingParams
 from loopline.config import EngineArgs
@@ -157,6 +158,44 @@ def test_adaptive_exits_equal_the_independent_oracle(tiny_gqa):
         tokens, depths, logprobs = reference_generate(tiny_gqa.state_dict, tiny_gqa.cfg, p, 12, exit_threshold=0.6)
         assert out[f"r{i}"].token_ids == tokens and out[f"r{i}"].exit_depths == depths
         assert [next(iter(e.values())).logprob for e in out[f"r{i}"].logprobs] == pytest.approx(logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.6])
+def test_the_shared_oracle_at_full_draft_depth_is_plain_shared_decoding(tiny_gqa, threshold):
+    """Drafting through every loop makes every draft its target and every read a final K/V: the speculative
+    shared-plane oracle then is plain shared decoding's (the independent oracle's ``layout="shared"``). With
+    one draft loop the schedule's shallower reads change the output."""
+    departs = False
+    for n, seed in ((5, 1), (9, 2), (6, 7)):
+        p = ids(n, seed)
+        plain = reference_generate(tiny_gqa.state_dict, tiny_gqa.cfg, p, 9, layout="shared", exit_threshold=threshold)
+        full = reference_speculative_shared(tiny_gqa.state_dict, tiny_gqa.cfg, p, 9, k=2, d=4, exit_threshold=threshold)
+        assert full == plain
+        shallow = reference_speculative_shared(tiny_gqa.state_dict, tiny_gqa.cfg, p, 9, k=2, d=1,
+                                               exit_threshold=threshold)
+        departs |= shallow[:2] != plain[:2]
+    assert departs
+
+
+@pytest.mark.parametrize("k, d, threshold", [(2, 1, 1.0), (3, 2, 0.6),
+                                             pytest.param(3, 1, 0.6, marks=pytest.mark.slow),
+                                             pytest.param(2, 3, 1.0, marks=pytest.mark.slow)])
+def test_shared_layout_equals_its_speculative_oracle(tiny_gqa, k, d, threshold):
+    """kv_layout='shared' speculates by its own semantics (reads follow the round schedule over the one plane):
+    tokens, exit depths and logprobs equal the independent oracle of exactly that schedule (tests/reference.py,
+    :func:`reference_speculative_shared`), not plain shared decoding."""
+    prompts = [ids(6, 7), ids(3, 8), ids(10, 9)]
+    reqs = {f"r{i}": (p, GREEDY.clone(max_tokens=11, exit_threshold=threshold, logprobs=0))
+            for i, p in enumerate(prompts)}
+    eng = engine(str(tiny_gqa.path), spec(k, d), block_size=4, kv_layout="shared")
+    out = drain(eng, reqs)
+    for i, p in enumerate(prompts):
+        tokens, depths, logprobs = reference_speculative_shared(tiny_gqa.state_dict, tiny_gqa.cfg, p, 11, k=k, d=d,
+                                                                exit_threshold=threshold)
+        got = out[f"r{i}"]
+        assert got.token_ids == tokens and got.exit_depths == depths, f"r{i}"
+        assert [next(iter(e.values())).logprob for e in got.logprobs] == pytest.approx(logprobs, abs=1e-4)
+    assert eng.stats.spec_num_drafts > 0
 
 
 def test_shared_layout_speculates_its_own_way(demo_prompts):
