@@ -7,7 +7,7 @@
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
 # register_caps resources cuda_core_mixed fp8_launches newkernels full_waves full_waves_e2e host_wait
-# fp8_full_waves cold_start jit_misses demo_profile; LOOPLINE_BENCH_C
+# fp8_full_waves cold_start jit_misses demo_profile demo_grid; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -303,6 +303,24 @@ if has demo_profile; then  # issue #41: the bundled demo model's steps, where th
       > "$out/demo_profile_$name.txt" 2>&1
     grep -hE "mean step|graph replays|host under|warning" "$out/demo_profile_$name.txt" | sed "s/^/$name: /"
   done
+fi
+if has demo_grid; then  # issue #41: the bundled demo model's real acceptance on the GPU over K, d, both schemes, greedy and
+  # T = 0.5, pinned (as docs/benchmarks/cpu-2026-12-06-spec-matrix.md on the CPU: 64 in / 64 out, held-out windows),
+  # then the trained adapter (LOOPLINE_ADAPTER: its directory, from `loopline train draft`) at K = 3
+  dv=""; for k in ${LOOPLINE_GRID_K:-1 2 3 4 6 8}; do dv="$dv --spec $k,1,pinned"; done
+  dv="$dv --spec 3,2,pinned --spec 3,3,pinned"
+  grid() { timeout "$1" python3 tools/spec_speed.py --config demo --prompts heldout --input-len 64 --output-len 64 \
+    --concurrency "${LOOPLINE_GRID_C:-1,8,32}" "${@:2}" 2>&1 | grep -E "x  |refused" | sed 's/  */ /g'; }
+  for t in 0 0.5; do
+    # shellcheck disable=SC2086
+    grid 200 $dv --scheme draft_verify --temperature $t --json "$out/grid_dv_t$t.json"
+    grid 100 --spec 1,1,pinned --spec 1,2,pinned --spec 1,3,pinned --scheme pipeline --temperature $t \
+      --json "$out/grid_pipe_t$t.json"
+  done
+  if [ -n "${LOOPLINE_ADAPTER:-}" ]; then
+    grid 100 --spec 3,1,pinned --spec 3,2,pinned --scheme draft_verify --draft-adapter "$LOOPLINE_ADAPTER" \
+      --json "$out/grid_adapter.json"
+  fi
 fi
 if has skinny_routes; then  # issue #40: cuBLAS or the skinny split-K kernel per projection at 2-16 rows
   # (bench_gemm alone: skinny with PDL wins o_proj from 2 rows and q/k/v from 4, cuBLAS gate/up), then the pinned
