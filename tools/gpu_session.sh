@@ -296,12 +296,12 @@ fi
 if has demo_profile; then  # issue #41: the bundled demo model's steps, where the host sets the pace: a plain step of 1
   # and 4 rows against one request pipelining (its 4 lanes, real acceptance), per kernel and under cProfile
   pipe='{"method":"loop","num_speculative_tokens":2,"draft_loops":1,"scheme":"pipeline","adaptive":false,"disable_by_batch_size":null}'
-  for v in "--rows 1" "--rows 4" "--rows 1 --speculative-config $pipe" "--rows 8 --speculative-config $pipe" "--rows 8"; do
+  for v in "--rows 1" "--rows 4" "--rows 1 --sync-debug --speculative-config $pipe" "--rows 8 --speculative-config $pipe" "--rows 8"; do
     name=$(echo "$v" | cut -c1-20 | tr -c 'a-z0-9\n' '_')
     # shellcheck disable=SC2086
     timeout 120 python3 tools/profile_step.py --config demo --context 512 --steps 96 --kernels $v \
       > "$out/demo_profile_$name.txt" 2>&1
-    grep -hE "mean step|graph replays|host under|warning" "$out/demo_profile_$name.txt" | sed "s/^/$name: /"
+    grep -hE "mean step|graph replays|host under|synchronizations|warning" "$out/demo_profile_$name.txt" | sed "s/^/$name: /"
   done
 fi
 if has demo_grid; then  # issue #41: the bundled demo model's real acceptance on the GPU over K, d, both schemes, greedy and
