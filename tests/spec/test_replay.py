@@ -37,7 +37,9 @@ def run(tiny, scheme: str, probs: list[float] | None, loop_changes: list[float] 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["draft_verify", "pipeline"])
 def test_counters_follow_the_replayed_acceptance(tiny_gqa, scheme):
-    real = run(tiny_gqa, scheme, None)
+    # (the pipeline without re-drafting: re-drafted lanes are judged on their last draft, taken from a deeper
+    # loop, which agrees with the target even on random weights)
+    real = run(tiny_gqa, scheme, None, redraft=False)
     everything, nothing, half = (run(tiny_gqa, scheme, p) for p in ([1.0], [0.0], [0.5]))
     assert real.spec_num_accepted_tokens < 0.2 * real.spec_num_draft_tokens  # random weights: (nearly) none
     assert everything.spec_num_accepted_tokens == everything.spec_num_draft_tokens > 0
