@@ -296,8 +296,10 @@ fi
 if has demo_profile; then  # issue #41: the bundled demo model's steps, where the host sets the pace: a plain step of 1
   # and 4 rows against one request pipelining (its 4 lanes, real acceptance), per kernel and under cProfile
   pipe='{"method":"loop","num_speculative_tokens":2,"draft_loops":1,"scheme":"pipeline","adaptive":false,"disable_by_batch_size":null}'
-  for v in "--rows 1" "--rows 4" "--rows 1 --sync-debug --speculative-config $pipe" "--rows 8 --speculative-config $pipe" "--rows 8"; do
-    name=$(echo "$v" | cut -c1-20 | tr -c 'a-z0-9\n' '_')
+  # (--triton-argmax-min-vocab 0: the sampler's Triton argmax, which the rule gives only long rows, A/B)
+  for v in "--rows 1" "--rows 1 --triton-argmax-min-vocab 0" "--rows 4" "--rows 1 --sync-debug --speculative-config $pipe" \
+           "--rows 8 --speculative-config $pipe" "--rows 8" "--rows 1"; do
+    name=$(echo "$v" | cut -c1-24 | tr -c 'a-z0-9\n' '_')
     # shellcheck disable=SC2086
     timeout 120 python3 tools/profile_step.py --config demo --context 512 --steps 96 --kernels $v \
       > "$out/demo_profile_$name.txt" 2>&1

@@ -33,6 +33,7 @@ from loopline.models.ouro import OuroForCausalLM
 from loopline.models.tiny import default_checkpoint, random_checkpoint_config
 from loopline.sampling_params import SamplingParams
 from loopline.spec.replay import AcceptanceReplay
+from loopline.worker import sampler
 from loopline.worker.backends import Backends, select_backends
 from loopline.worker.cuda_graphs import bucket_sizes
 
@@ -364,6 +365,9 @@ def main() -> None:
                          "never, left out: the rule; MAX_REGISTERS: Triton's maxnreg for the decode launches)")
     ap.add_argument("--prefill-launch", default=None,
                     help="BLOCK_M,BLOCK_N,WARPS,STAGES of attention launches with prefill chunks (with --prefill)")
+    ap.add_argument("--triton-argmax-min-vocab", type=int, default=None,
+                    help="the sampler's rule: the chunked Triton argmax from this vocabulary size on (default: "
+                         "loopline.worker.sampler's; 0: always)")
     ap.add_argument("--speculative-config", default=None,
                     help='the engine\'s speculative_config as JSON, e.g. \'{"method": "loop", "num_speculative_tokens": '
                          '3, "draft_loops": 1, "scheme": "pipeline", "adaptive": false, "disable_by_batch_size": null}\'')
@@ -385,6 +389,8 @@ def main() -> None:
             gemv.SHAPE_CONFIGS[tuple(map(int, shape.split(":")))] = gemv.GemvConfig(*map(int, launch.split(",")))
         elif spec:
             gemv.DEFAULT_CONFIG = gemv.GemvConfig(*map(int, spec.split(",")))
+    if a.triton_argmax_min_vocab is not None:  # (a timing hook: the rule is module state)
+        sampler._TRITON_ARGMAX_MIN_VOCAB = a.triton_argmax_min_vocab
     if a.config == "demo":
         model = load_model(default_checkpoint(), dtype=torch.bfloat16, device="cuda")
     else:

@@ -167,10 +167,18 @@ def counter_uniform(seeds: Tensor, token_index: Tensor, vocab_size: int) -> Tens
 # Logit processing
 
 
+# The chunked Triton argmax pays where a row is long: torch's one reduction over Ouro's 49,152 logits took
+# 12.8 us of the GPU at one row (H200), the two short launches less. Over a short row (the bundled model's
+# 4,096) the reduction is short too, and a step of such a small model waits on the host, where a Triton launch
+# costs more than torch's.
+_TRITON_ARGMAX_MIN_VOCAB = 16384
+
+
 def _argmax(x: Tensor) -> Tensor:
-    """``x.argmax(dim=-1)`` of fp32 ``[B, V]``; on CUDA the chunked Triton argmax (same result, two short
-    launches instead of one long reduction: ``loopline.kernels.sampling``)."""
-    if x.is_cuda and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1:
+    """``x.argmax(dim=-1)`` of fp32 ``[B, V]``; on CUDA with a long row the chunked Triton argmax (same result,
+    two short launches instead of one long reduction: ``loopline.kernels.sampling``)."""
+    if (x.is_cuda and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1
+            and x.shape[1] >= _TRITON_ARGMAX_MIN_VOCAB):
         from loopline.kernels import sampling  # NOTE: lazily, as the other Triton kernels (TRITON_INTERPRET)
 
         if sampling.available():
