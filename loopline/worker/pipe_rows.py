@@ -12,10 +12,11 @@ its predecessors, runs on the scratch slot and changes nothing.
 * :class:`PipeKind`: the row kind. ``prepare`` starts lane 0 from the slot's committed token when it is
   empty and derives every lane's position, KV slot, table and input; ``finish`` applies each lane's own
   exit rule (plain decoding's), stores its state and makes the ``last_exited`` exit copy.
-* :class:`PipeRounds`: after the forward, vectorized over ``[slots, L]``: a lane that reached loop ``d``
-  without exiting drafts its successor's token (:class:`~loopline.worker.draft_head.DraftHead`); every
-  lane's target token is sampled from its hidden state (one sampler call with the step's decode rows; only
-  exited lanes' matter); then the verdicts oldest first: a lane whose predecessor exited must hold the
+* :class:`PipeRounds`: after the forward, vectorized over ``[slots, L]``: every lane's target token is
+  sampled from its hidden state (one sampler call with the step's decode rows; exited lanes' are their
+  tokens); a lane that reached loop ``d`` without exiting drafts its successor's token, which is its target
+  token unless a draft adapter maps its state first (:class:`~loopline.worker.draft_head.DraftHead`); then
+  the verdicts oldest first: a lane whose predecessor exited must hold the
   predecessor's target token, else it and every lane behind it are dropped; the leading run of exited,
   accepted lanes commits (read back on lane 0's row), the ring shifts past it and the slot's decode state
   moves with it; an empty lane behind a lane that exited (its target) or drafted (its draft) enters.
