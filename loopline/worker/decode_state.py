@@ -211,9 +211,11 @@ class SlotOps:
         return exited
 
     def pipe_accept(self, ring: LaneRing, ds: "DeviceDecodeState", slots: Tensor, target: Tensor, depth: int,
-                    replay: AcceptanceReplay | None = None, *, redraft: bool = False) -> tuple[Tensor, Tensor]:
+                    replay: AcceptanceReplay | None = None, *, redraft: bool = False,
+                    drafts: bool = False) -> tuple[Tensor, Tensor]:
         """The depth pipeline's verdicts, commits and entries after sampling (:func:`accept_lanes`).
-        ``redraft``: lanes looping past loop ``depth`` re-draft. With ``replay`` (a measurement hook) lane
+        ``redraft``: lanes looping past loop ``depth`` re-draft; ``drafts``: lanes at loop ``depth`` draft their
+        target token here (without a draft adapter; else :meth:`pipe_store_draft` stored the drafts). With ``replay`` (a measurement hook) lane
         ``j``'s draft (for the slot's completion index ``token_index + j``) is judged by the replay's draws:
         re-drafting, by its change at the loop the lane ran (:meth:`AcceptanceReplay.changed`); otherwise once,
         at its exit, with the replay's first probability, and no lane re-drafts."""
@@ -223,7 +225,7 @@ class SlotOps:
             agrees = ~replay.changed(slots[:, None], index, ring.loop[slots], depth)
         elif replay is not None:
             agrees = replay.accepted(slots, ds.token_index[slots], ring.lanes, per_position=False)
-        return accept_lanes(ring, ds, slots, target, depth, agrees, redraft=redraft)
+        return accept_lanes(ring, ds, slots, target, depth, agrees, redraft=redraft, drafts=drafts)
 
     @staticmethod
     def redrafts(replay: AcceptanceReplay | None, redraft: bool) -> bool:

@@ -84,13 +84,14 @@ def shifter(by: Tensor, lane_ids: Tensor) -> Callable[[Tensor, object], Tensor]:
 
 
 def accept_lanes(ring: LaneRing, ds: CommittedState, slots: Tensor, target: Tensor, depth: int,
-                 agrees: Tensor | None = None, redraft: bool = False) -> tuple[Tensor, Tensor]:
+                 agrees: Tensor | None = None, redraft: bool = False, drafts: bool = False) -> tuple[Tensor, Tensor]:
     """The verdicts, commits and entries of pipelining ``slots`` ``[M]``; ``target`` ``[M * L]``: each lane's
     token from its head this step (its target where it exited); ``depth``: the draft loop ``d``; ``agrees``
     ``[M, L]``: the verdicts to use instead of comparing each lane's draft with its token this step (replayed
     acceptance, a measurement hook: ``SlotOps.pipe_accept``); ``redraft``: a lane still looping past loop ``d``
-    re-drafts (its token is its draft now, and the lane behind must hold it). Moves the slots' decode state past the committed
-    tokens. Returns the committed mask ``[M * L]`` (a leading run of each slot's lanes) and each lane's draft
+    re-drafts (its token is its draft now, and the lane behind must hold it); ``drafts``: this step's drafts are
+    their lanes' tokens (no draft adapter): a lane that ran loop ``d`` and still loops drafts its token (else
+    ``pipe_store_draft`` stored the drafts before). Moves the slots' decode state past the committed tokens. Returns the committed mask ``[M * L]`` (a leading run of each slot's lanes) and each lane's draft
     verdict ``[M * L]`` int64 (0: it drafted none or did not commit, 1: rejected, 2: accepted)."""
     L = ring.lanes
     lane_ids = ring.lane_ids
@@ -110,6 +111,11 @@ def accept_lanes(ring: LaneRing, ds: CommittedState, slots: Tensor, target: Tens
     behind = (judged & ~follows).long().cumsum(dim=1)
     valid = valid & (behind == 0)
     draft = torch.where(redrafts & valid, y, draft)  # (a lane's head token is its draft now: it feeds the next)
+    if drafts:  # a lane at the draft loop drafts its token; a draft within max_tokens is a round of one draft
+        due = valid & (exit_loop == 0) & (loop == depth)
+        draft = torch.where(due, y, draft)
+        room = (ds.token_index[slots][:, None] + lane_ids + 1) < ring.limit[slots][:, None]
+        drafted = drafted | (due & room)
     # the leading run of exited lanes that hold their predecessor's target commits
     committed = (valid & exited & follows).long().cumprod(dim=1).bool()
     # NOTE: a draft's verdict counts when its lane commits, not when the lane behind it is judged: a lane

@@ -134,8 +134,6 @@ class PipeRounds:
         self.drafts = DraftSampler(sampler, device)
         self.replay: AcceptanceReplay | None = None  # a measurement hook (loopline/spec/replay.py); None: real verdicts
         self._lanes: tuple[Tensor, Tensor] | None = None  # draft()'s slots and every lane's head output, for verify_part()
-        self._due: tuple[Tensor, Tensor, Tensor] | None = None  # draft()'s drafting lanes, drafted in accept()
-        self._row_ids = torch.arange(ring.valid.shape[0], device=device)  # (made once: a launch a step otherwise)
 
     def _lane0(self, rows: list[ScheduledRow], row0: int = 0) -> list[tuple[int, ScheduledRow]]:
         return [(row0 + i, r) for i, r in enumerate(rows) if r.spec.lane == 0]
@@ -159,19 +157,18 @@ class PipeRounds:
         through the same head), so the step runs the head once, over every lane, and ``verify_part`` takes
         the result: one read of the output projection a step instead of two. Its draft is then exactly its
         target token (the same logits, history, parameters and counter-based noise of the same token index),
-        which ``accept`` stores: no sampling of its own."""
-        self._lanes = self._due = None
+        which ``accept`` makes its draft: no sampling, no lane choice or store of its own."""
+        self._lanes = None
         heads = [r for _, r in self._lane0(rows)]
         if not heads:
             return
         ring, ops = self.ring, self.state.ops
         slots = self._slots(heads)
-        # (lane 0, whose draft is unused, where no lane drafts)
-        lane, any_due, index = ops.pipe_draft_lanes(ring, self.state, slots, self.head.depth)
         if self.head.adapter is None:
             self._lanes = slots, self._lanes_head(slots)
-            self._due = lane, any_due, index
             return
+        # (lane 0, whose draft is unused, where no lane drafts)
+        lane, any_due, index = ops.pipe_draft_lanes(ring, self.state, slots, self.head.depth)
         logits = self.head(ring.hidden[slots, lane], any_due)
         # lane j's history: the committed tokens, then lanes 1..j's input tokens
         drafted = self.drafts(logits, [self.requests[r.request_id] for r in heads], index,
@@ -210,13 +207,11 @@ class PipeRounds:
         mask ``[M * L]`` (a leading run of each slot's lanes); ``part.verdicts``: each committed lane's draft
         verdict (0: it drafted none, 1: rejected, 2: accepted). One op of the decode state's slot ops
         (:func:`~loopline.worker.lane_ring.accept_lanes`, or its kernel)."""
-        if self._due is not None:  # (draft's lanes without an adapter: each one's draft is its target token)
-            (lane, any_due, index), self._due = self._due, None
-            drafted = target.view(-1, self.ring.lanes)[self._row_ids[:len(part.slots)], lane]
-            self.state.ops.pipe_store_draft(self.ring, part.slots, lane, any_due, index, drafted)
-        # (self.replay: cost measurements on random weights, drawn inside the op: lane j's draft is for ti + j + 1)
+        # (self.replay: cost measurements on random weights, drawn inside the op: lane j's draft is for ti + j + 1;
+        # without an adapter the lanes at the draft loop draft their targets inside the op)
         committed, part.verdicts = self.state.ops.pipe_accept(self.ring, self.state, part.slots, target,
-                                                              self.head.depth, self.replay, redraft=self.redraft)
+                                                              self.head.depth, self.replay, redraft=self.redraft,
+                                                              drafts=self.head.adapter is None)
         L = self.ring.lanes
         self.state.take_run(part.slots, target.view(-1, L), committed.view(-1, L))  # (penalties, bad words)
         return committed

@@ -280,7 +280,7 @@ if triton is not None:
         committed_ptr, verdicts_ptr,  # [M, L] int8 / int64 out
         lanes, depth, hidden_size, replay_seed, replay_bound, change_bounds_ptr,
         LP: tl.constexpr, SW: tl.constexpr, BLOCK_H: tl.constexpr, REPLAY: tl.constexpr, REDRAFT: tl.constexpr,
-        MAX_LOOPS: tl.constexpr,
+        MAX_LOOPS: tl.constexpr, DRAFTS: tl.constexpr,
     ):
         """One program per pipelining slot: ``accept_lanes`` (lane_ring.py) for its ``[L]`` lanes. Every
         value a lane needs of another lane (its predecessor's, or the one the shift brings) is loaded from
@@ -343,6 +343,10 @@ if triton is not None:
             draft_n = tl.where(valid_n & (exit_n == 0) & (loop_n > depth),
                                tl.load(y_ptr + row + src, mask=ins, other=0), draft_n)
         drafted_n = (tl.load(drafted_r + base + src, mask=ins, other=0) != 0) & ins
+        if DRAFTS:  # a lane at the draft loop drafts its token (lane src's completion index is tidx0 + src)
+            due = valid_n & (exit_n == 0) & (loop_n == depth)
+            draft_n = tl.where(due, tl.load(y_ptr + row + src, mask=ins, other=0), draft_n)
+            drafted_n = drafted_n | (due & (tidx0 + src + 1 < tl.load(limit_r + slot)))
         surv_n = tl.load(surv_r + base + src, mask=ins, other=1.0)
         prv = src - 1
         inp = pm & (prv < lanes)
@@ -354,6 +358,8 @@ if triton is not None:
         fed_token = exited_p  # the predecessor's token, not its draft, enters behind it
         if REDRAFT:
             fed_token = fed_token | (drafted_p & (loop_p > depth))
+        if DRAFTS:  # (its draft at the draft loop is its token)
+            fed_token = fed_token | (drafted_p & (loop_p == depth))
         fed = tl.where(fed_token, tl.load(y_ptr + row + prv, mask=inp, other=0),
                        tl.load(draft_r + base + prv, mask=inp, other=0))
         stop = tl.load(stop_r + slot * SW + tl.arange(0, SW))
@@ -607,7 +613,8 @@ class TritonSlotOps(SlotOps):
         return exited
 
     def pipe_accept(self, ring: LaneRing, ds: DeviceDecodeState, slots: Tensor, target: Tensor, depth: int,
-                    replay: AcceptanceReplay | None = None, *, redraft: bool = False) -> tuple[Tensor, Tensor]:
+                    replay: AcceptanceReplay | None = None, *, redraft: bool = False,
+                    drafts: bool = False) -> tuple[Tensor, Tensor]:
         m, lanes = slots.shape[0], ring.lanes
         dev = slots.device
         committed = torch.empty(m * lanes, dtype=_BOOL, device=dev)
@@ -625,7 +632,7 @@ class TritonSlotOps(SlotOps):
             replay.change_bounds(dev) if replay is not None and redraft else ds.pos,  # (ds.pos: unread without them)
             LP=triton.next_power_of_2(lanes), SW=ring.STOP_WIDTH,
             BLOCK_H=min(triton.next_power_of_2(ring.hidden.shape[-1]), 1024), REPLAY=replay is not None,
-            REDRAFT=redraft, MAX_LOOPS=AcceptanceReplay.MAX_LOOPS, num_warps=4)
+            REDRAFT=redraft, MAX_LOOPS=AcceptanceReplay.MAX_LOOPS, DRAFTS=drafts, num_warps=4)
         return committed, verdicts
 
     def pipe_draft_lanes(self, ring: LaneRing, ds: DeviceDecodeState, slots: Tensor,

@@ -195,13 +195,14 @@ def _ring_fields(ring) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("lanes", [1, 3, 4, 5])
-@pytest.mark.parametrize("replay, redraft", [(None, False), ("exit", False), (None, True), ("exit", True),
-                                             ("changes", True)])
+@pytest.mark.parametrize("replay, redraft, drafts", [(None, False, False), ("exit", False, False), (None, True, False),
+                                                     ("exit", True, False), ("changes", True, False),
+                                                     (None, False, True), (None, True, True), ("changes", True, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pipe_accept_matches_reference(lanes, replay, redraft, dtype):
+def test_pipe_accept_matches_reference(lanes, replay, redraft, drafts, dtype):
     """The depth pipeline's step after sampling: verdicts, commits, the ring's move and the entries (with
     re-drafting lanes; a replay of verdicts at the exit turns re-drafting off, one of the loops' changes
-    replays it)."""
+    replays it; with ``drafts`` the lanes at the draft loop draft their targets)."""
     g = torch.Generator().manual_seed(lanes * 10 + (replay is not None))
     hidden = 40 if dtype == torch.float32 else 1100  # 1100: more than one column block per lane
     ds, ring = _state(g, "last_exited", False), _ring(g, lanes, hidden, dtype)
@@ -220,9 +221,11 @@ def test_pipe_accept_matches_reference(lanes, replay, redraft, dtype):
         plain_ds, plain_ring = _clone(ds), _ring(torch.Generator(), lanes, hidden, dtype)
         for name, t in _ring_fields(ring).items():
             getattr(plain_ring, name).copy_(t)
-        SlotOps().pipe_accept(plain_ring, plain_ds, slots, target, 2, agrees)
-    committed, verdicts = TritonSlotOps().pipe_accept(ring, ds, slots, target, 2, agrees, redraft=redraft)
-    ref_committed, ref_verdicts = SlotOps().pipe_accept(ref_ring, ref_ds, slots, target, 2, agrees, redraft=redraft)
+        SlotOps().pipe_accept(plain_ring, plain_ds, slots, target, 2, agrees, drafts=drafts)
+    committed, verdicts = TritonSlotOps().pipe_accept(ring, ds, slots, target, 2, agrees, redraft=redraft,
+                                                      drafts=drafts)
+    ref_committed, ref_verdicts = SlotOps().pipe_accept(ref_ring, ref_ds, slots, target, 2, agrees, redraft=redraft,
+                                                        drafts=drafts)
     if redraft and replay != "exit" and lanes > 1:
         assert any(not torch.equal(getattr(plain_ring, name), getattr(ref_ring, name)) for name in ("valid", "draft"))
     assert torch.equal(committed, ref_committed) and torch.equal(verdicts, ref_verdicts)
@@ -260,6 +263,44 @@ def test_pipe_draft_lanes_and_store_match_reference(lanes, m):
     for name, t in _ring_fields(ring).items():
         assert torch.equal(t, getattr(ref_ring, name)), name
     assert (ring.draft >= 5).any() == bool(due.any())
+
+
+@pytest.mark.parametrize("redraft", [False, True])
+def test_drafts_in_accept_equal_the_draft_store_before_it(redraft):
+    """``pipe_accept(drafts=True)`` (each lane at the draft loop drafts its target token) does what storing the
+    targets of ``pipe_draft_lanes``' lanes with ``pipe_store_draft`` and then accepting did (a slot has at most
+    one lane at the draft loop: lanes enter one a step)."""
+    g = torch.Generator().manual_seed(5 + redraft)
+    lanes, depth, m = 4, 2, 30
+    ds, ring = _state(g, "last_exited", False), _ring(g, lanes, 8, torch.float32)
+    ring.loop.copy_(torch.randint(1, 4, ring.loop.shape, generator=g))
+    ring.exit_loop.copy_(torch.where(torch.rand(ring.loop.shape, generator=g) < 0.3, ring.loop.cpu(), 0))
+    at_depth = ring.loop == depth
+    later = at_depth & (at_depth.long().cumsum(dim=1) > 1)  # (one lane a slot at the draft loop)
+    ring.loop.copy_(torch.where(later, depth + 1, ring.loop))
+    ring.exit_loop.copy_(torch.where(later & (ring.exit_loop > 0), depth + 1, ring.exit_loop))
+    ring.limit.copy_(ds.token_index + torch.randint(0, lanes + 2, (SLOTS,), generator=g).to(DEVICE))
+    slots = torch.randperm(SLOTS - 1, generator=g)[:m].to(DEVICE)
+    target = torch.randint(0, 3, (m * lanes,), generator=g).to(DEVICE)
+    old_ds, old_ring = _clone(ds), _ring(torch.Generator(), lanes, 8, torch.float32)
+    for name, t in _ring_fields(ring).items():
+        getattr(old_ring, name).copy_(t)
+    ops = SlotOps()
+    lane, due, index = ops.pipe_draft_lanes(old_ring, old_ds, slots, depth)
+    assert due.any() and not due.all()  # the draw covers drafting and idle slots
+    ops.pipe_store_draft(old_ring, slots, lane, due, index, target.view(m, lanes)[torch.arange(m), lane])
+    want = ops.pipe_accept(old_ring, old_ds, slots, target, depth, redraft=redraft)
+    got = ops.pipe_accept(ring, ds, slots, target, depth, redraft=redraft, drafts=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _same_state(ds, old_ds)
+    # a draft means something from its lane's draft loop on (before it, a dropped lane's or a new one's is stale:
+    # the lane's own draft replaces it before anything reads it)
+    live = {"draft": ring.valid & (ring.loop >= depth), "drafted": ring.valid}
+    for name, t in _ring_fields(ring).items():
+        if name in live:
+            assert torch.equal(t[live[name]], getattr(old_ring, name)[live[name]]), name
+        else:
+            assert torch.equal(t, getattr(old_ring, name)), name
 
 
 def test_pipe_store_draft_rejects_bad_operands():
