@@ -215,10 +215,11 @@ class SlotOps:
                     drafts: bool = False) -> tuple[Tensor, Tensor]:
         """The depth pipeline's verdicts, commits and entries after sampling (:func:`accept_lanes`).
         ``redraft``: lanes looping past loop ``depth`` re-draft; ``drafts``: lanes at loop ``depth`` draft their
-        target token here (without a draft adapter; else :meth:`pipe_store_draft` stored the drafts). With ``replay`` (a measurement hook) lane
-        ``j``'s draft (for the slot's completion index ``token_index + j``) is judged by the replay's draws:
-        re-drafting, by its change at the loop the lane ran (:meth:`AcceptanceReplay.changed`); otherwise once,
-        at its exit, with the replay's first probability, and no lane re-drafts."""
+        target token here (without a draft adapter; else :meth:`pipe_store_draft` stored the drafts). With
+        ``replay`` (a measurement hook) lane ``j``'s draft (for the slot's completion index ``token_index + j``)
+        is judged by the replay's draws: re-drafting, by its change at the loop the lane ran
+        (:meth:`AcceptanceReplay.changed`); otherwise once, at its exit, with the replay's first probability,
+        and no lane re-drafts."""
         agrees, redraft = None, self.redrafts(replay, redraft)
         if replay is not None and redraft:
             index = ds.token_index[slots][:, None] + ring.lane_ids[None, :]

@@ -91,7 +91,8 @@ def accept_lanes(ring: LaneRing, ds: CommittedState, slots: Tensor, target: Tens
     acceptance, a measurement hook: ``SlotOps.pipe_accept``); ``redraft``: a lane still looping past loop ``d``
     re-drafts (its token is its draft now, and the lane behind must hold it); ``drafts``: this step's drafts are
     their lanes' tokens (no draft adapter): a lane that ran loop ``d`` and still loops drafts its token (else
-    ``pipe_store_draft`` stored the drafts before). Moves the slots' decode state past the committed tokens. Returns the committed mask ``[M * L]`` (a leading run of each slot's lanes) and each lane's draft
+    ``pipe_store_draft`` stored the drafts before). Moves the slots' decode state past the committed tokens.
+    Returns the committed mask ``[M * L]`` (a leading run of each slot's lanes) and each lane's draft
     verdict ``[M * L]`` int64 (0: it drafted none or did not commit, 1: rejected, 2: accepted)."""
     L = ring.lanes
     lane_ids = ring.lane_ids
