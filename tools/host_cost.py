@@ -15,6 +15,7 @@ import json
 import time
 
 import torch
+from step_phases import TIMES, timed  # (tools/, beside this script)
 
 from loopline.config import EngineArgs
 from loopline.engine import LLMEngine
@@ -45,29 +46,17 @@ def main() -> None:
         engine.add_request(f"r{i}", [3 + (i * 7919 + j) % 500 for j in range(16)], params)
     for _ in range(30):
         engine.step()
-    spent = {"forward": 0.0, "slot ops": 0.0}
-
-    def timed(fn, key):
-        def wrapper(*args, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                spent[key] += time.perf_counter() - t0
-        return wrapper
-
     runner = engine.runner
-    runner.forward = timed(runner.forward, "forward")
-    ops = runner.decode_state.ops
+    timed(runner, "forward", "forward")
     for name in SLOT_OPS:
-        setattr(ops, name, timed(getattr(ops, name), "slot ops"))
+        timed(runner.decode_state.ops, name, "slot ops")
     tokens0 = sum(len(r.output) for r in engine.scheduler.requests.values())
     t0 = time.perf_counter()
     for _ in range(a.steps):
         engine.step()
     elapsed = time.perf_counter() - t0
     tokens = sum(len(r.output) for r in engine.scheduler.requests.values()) - tokens0
-    ms = {k: v / a.steps * 1e3 for k, v in spent.items()}
+    ms = {k: TIMES[k] / a.steps * 1e3 for k in ("forward", "slot ops")}
     step = elapsed / a.steps * 1e3
     print(f"rows={a.rows} spec={'yes' if spec else 'no'}: step {step:.3f} ms, forward {ms['forward']:.3f}, "
           f"slot ops {ms['slot ops']:.3f}, the host's own {step - ms['forward'] - ms['slot ops']:.3f} ms; "

@@ -306,6 +306,8 @@ class LLMEngine(EngineVerbs):
                 self.runner.spec.head.install(*found)
         if device.type == "cuda" and not args.enforce_eager and backends.attention.graph_steps != "none":
             self.runner.capture_graphs(min(max_len, args.max_seq_len_to_capture), cfg.max_num_batched_tokens)
+        if device.type == "cuda":  # sampling runs eagerly, graphs or not: its kernels compile now, not in a request
+            self.runner.sampler.warm(model_cfg.vocab_size, device)
         self.outputs = OutputProcessor(self.tokenizer)
         # constrained requests' grammar matchers (xgrammar is imported on the first one)
         self.structured = StructuredOutputs(self.tokenizer, model_cfg.vocab_size, unsupported=(

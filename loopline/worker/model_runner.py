@@ -278,7 +278,6 @@ class ModelRunner:
         # the family's own step buffers at their largest before any graph captures views of them
         self.stack.reserve(max(s.tokens for s in shapes), max(s.rows for s in shapes), width, pin=True)
         self.graphs.capture(capturer)
-        self.sampler.warm(self.model.config.vocab_size, self.device)  # (sampling runs eagerly, after the graph)
 
     def _work(self, rows: int, tokens: int) -> int:
         """Work-list entries of a graph's prompt part: ``rows`` prompts' ``tokens`` tokens in query tiles."""
