@@ -19,7 +19,10 @@ the Gumbel-max trick, ``argmax(z - log(-log u))``, which draws exactly from
 Randomness is counter-based: ``u`` for row ``b`` and vocab entry ``v`` is an
 integer hash of ``(seeds[b], token_index[b], v)``. It does not depend on the
 batch composition, on a global RNG or on the device, so a seeded request gives
-the same tokens whatever else is in the batch, on CPU and on CUDA.
+the same tokens whatever else is in the batch, on CPU and on CUDA. On CUDA the
+draw (hash, temperature, noise, argmax) runs as one Triton reduction
+(``loopline.kernels.sampling.sample_rows``): in torch the hash alone is ~120
+small launches, milliseconds of host time in every step that samples.
 
 NOTE: ``__call__`` never syncs with the host (no ``.item()``/``.tolist()``, no
 ``if tensor:``); work is skipped only through the host-side flags that the
@@ -186,6 +189,16 @@ def _argmax(x: Tensor) -> Tensor:
     return x.argmax(dim=-1)
 
 
+def _sample_kernel(x: Tensor) -> bool:
+    """Whether a batch with sampled rows draws in the Triton kernel: on CUDA, at any vocabulary (the torch draw
+    is ~120 launches of the uniforms' hash)."""
+    if not x.is_cuda:
+        return False
+    from loopline.kernels import sampling  # NOTE: lazily, as the other Triton kernels (TRITON_INTERPRET)
+
+    return sampling.available()
+
+
 def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
     """Repetition, then frequency and presence penalties (vLLM semantics). [B, V] -> [B, V].
 
@@ -297,24 +310,23 @@ class Sampler:
     override it for the whole batch or per row.
     """
 
-    def __init__(self, logprobs_mode: str = "raw_logprobs", *, compile_rng: bool = False):
-        """``compile_rng``: fuse ``counter_uniform`` with ``torch.compile``.
-
-        Eager, the hash is ~100 small launches (about 1.3-2.6 ms per call on an
-        H200 at V=49152); compiled it is one kernel (about 0.1 ms) with
-        bit-identical output, since it is integer arithmetic only. Off by
-        default because compiling needs a working Inductor toolchain.
-        """
+    def __init__(self, logprobs_mode: str = "raw_logprobs"):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode={logprobs_mode!r} is not supported; allowed: {', '.join(LOGPROBS_MODES)}")
         self.logprobs_mode = logprobs_mode
-        self._uniform = torch.compile(counter_uniform, dynamic=True) if compile_rng else counter_uniform
 
     def warm(self, vocab_size: int, device: torch.device) -> None:
-        """Runs the greedy choice once on ``[1, vocab_size]`` logits, so that its kernels (on CUDA the chunked
-        Triton argmax) compile at start-up rather than in a server's first request (0.38 s of its first token
-        on an H100, ``tools/jit_misses.py``)."""
-        _argmax(torch.zeros((1, vocab_size), dtype=torch.float32, device=device))
+        """Runs the token choice once on ``[1, vocab_size]`` logits, greedy and sampled (with and without
+        filtered logits), so that its kernels (on CUDA the Triton reductions) compile at start-up rather than in
+        a server's first request (0.38 s of its first token on an H100, ``tools/jit_misses.py``)."""
+        x = torch.zeros((1, vocab_size), dtype=torch.float32, device=device)
+        _argmax(x)
+        if _sample_kernel(x):
+            from loopline.kernels import sampling
+
+            one, zero = torch.ones(1, device=device), torch.zeros(1, dtype=torch.int64, device=device)
+            for z in (None, x):
+                sampling.sample_rows(x, one, zero, zero, SAMPLING_EPS, z)
 
     def __call__(self, logits: Tensor, t: SamplingTensors) -> SamplerOutput:
         logits = logits.float()  # [B, V]
@@ -326,16 +338,23 @@ class Sampler:
         fields = t.any_allowed or t.any_bad_words or t.any_min_tokens or t.any_logit_bias
         x = apply_logits_fields(logits, t) if fields else logits
         x = apply_penalties(x, t) if t.any_penalties else x
-        z = process_logits(x, t) if (processed or not t.all_greedy) else None
+        kernel = not t.all_greedy and _sample_kernel(x)
+        filters = t.any_top_k or t.any_top_p or t.any_min_p
+        # (the kernel tempers the logits itself: z only where filters or processed logprobs need it)
+        z = process_logits(x, t) if (processed or (not t.all_greedy and (filters or not kernel))) else None
 
-        greedy_ids = _argmax(x)  # [B]
         if t.all_greedy:
-            token_ids = greedy_ids
+            token_ids = _argmax(x)  # [B]
+        elif kernel:  # the draw below in two launches (loopline.kernels.sampling)
+            from loopline.kernels import sampling
+
+            token_ids = sampling.sample_rows(x.contiguous(), t.temperature.float(), t.seeds.long(),
+                                             t.token_index.long(), SAMPLING_EPS, z.contiguous() if filters else None)
         else:
-            u = self._uniform(t.seeds, t.token_index, x.shape[-1])  # [B, V]
+            u = counter_uniform(t.seeds, t.token_index, x.shape[-1])  # [B, V]
             # Gumbel-max: argmax(z + Gumbel) ~ softmax(z); masked -inf never wins.
             sampled = _argmax(z - torch.log(-torch.log(u)))
-            token_ids = torch.where(t.temperature < SAMPLING_EPS, greedy_ids, sampled)
+            token_ids = torch.where(t.temperature < SAMPLING_EPS, _argmax(x), sampled)
 
         if not want_logprobs:
             return SamplerOutput(token_ids, None, None, None, None)

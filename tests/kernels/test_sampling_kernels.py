@@ -1,11 +1,19 @@
-"""The greedy argmax kernels vs torch.argmax (CPU under TRITON_INTERPRET=1, GPU when present)."""
+"""The token-choice kernels vs torch (CPU under TRITON_INTERPRET=1, GPU when present): the greedy argmax, and the
+sampler's Gumbel-max draw with its counter-based uniforms."""
 from __future__ import annotations
 
 import pytest
 import torch
 from triton_testing import DEVICE
 
-from loopline.kernels.sampling import argmax_rows
+from loopline.kernels.sampling import argmax_rows, sample_rows
+from loopline.worker import sampler as sampler_module
+from loopline.worker.sampler import SAMPLING_EPS, Sampler, counter_uniform
+from tests.worker.test_sampler import _random_row_params, make_tensors
+
+# seeds and token indices whose high 32-bit halves matter too
+SEEDS = [0, 1, 2**40 + 3, 2**62 + 5, 7, 123456789012, 2**63 - 1, 99]
+INDEX = [0, 5, 2**33 + 1, 3, 100, 7, 2**32, 65535]
 
 
 @pytest.mark.parametrize("vocab", [5000, 2048, 49152])  # a ragged last chunk, one chunk, Ouro's vocabulary
@@ -32,3 +40,75 @@ def test_argmax_rows_rejects_bad_input():
     with pytest.raises(ValueError, match="fp32"):
         argmax_rows(torch.zeros(2, 8, dtype=torch.float16, device=DEVICE))
     assert argmax_rows(torch.zeros(0, 8, device=DEVICE)).shape == (0,)
+
+
+@pytest.mark.parametrize("vocab", [5000, 2048])
+def test_sample_rows_draws_the_samplers_uniforms(vocab):
+    """Flat logits: the draw is the argmax of the uniforms, which the kernel must hash bit for bit as
+    ``counter_uniform`` does (a different constant, word order or shift moves every row's token)."""
+    seeds, index = torch.tensor(SEEDS), torch.tensor(INDEX)
+    x = torch.zeros(len(SEEDS), vocab)
+    got = sample_rows(x.to(DEVICE), torch.ones(len(SEEDS), device=DEVICE), seeds.to(DEVICE), index.to(DEVICE),
+                      SAMPLING_EPS)
+    assert got.cpu().tolist() == counter_uniform(seeds, index, vocab).argmax(dim=-1).tolist()
+
+
+def _torch_draw(x, z, temperature, seeds, index):
+    u = counter_uniform(seeds, index, x.shape[1])
+    g = z - torch.log(-torch.log(u))
+    top2 = g.topk(2, dim=-1).values
+    return torch.where(temperature < SAMPLING_EPS, x.argmax(dim=-1), g.argmax(dim=-1)), top2[:, 0] - top2[:, 1]
+
+
+@pytest.mark.parametrize("vocab", [5000, 49152])
+@pytest.mark.parametrize("filtered", [False, True])
+def test_sample_rows_is_the_torch_draw(vocab, filtered):
+    g = torch.Generator().manual_seed(vocab + filtered)
+    n = len(SEEDS)
+    x = torch.randn(n, vocab, generator=g) * 3
+    temperature = torch.tensor([0.5, 0.0, 1.0, 2.0, 0.7, 1e-6, 1.3, 0.05])  # rows 1 and 5 greedy
+    seeds, index = torch.tensor(SEEDS), torch.tensor(INDEX)
+    z = x / torch.where(temperature < SAMPLING_EPS, 1.0, temperature)[:, None]
+    if filtered:  # a filter's -inf entries (as top-k / top-p leave them) never win
+        z = z.masked_fill(torch.rand(n, vocab, generator=g) < 0.9, float("-inf"))
+    want, gap = _torch_draw(x, z, temperature, seeds, index)
+    assert (gap[temperature >= SAMPLING_EPS] > 1e-4).all()  # no near-tie the last ulp of a log could flip
+    got = sample_rows(x.to(DEVICE), temperature.to(DEVICE), seeds.to(DEVICE), index.to(DEVICE), SAMPLING_EPS,
+                      z.to(DEVICE) if filtered else None)
+    assert got.cpu().tolist() == want.tolist()
+    assert want[1] == x[1].argmax() and want[5] == x[5].argmax()
+    if filtered:
+        assert torch.isfinite(z.gather(1, want[:, None])).squeeze(1)[temperature >= SAMPLING_EPS].all()
+
+
+def test_the_sampler_draws_in_the_kernel_as_in_torch(monkeypatch):
+    """The sampler's kernel route (CUDA's; forced here) gives the torch route's tokens and logprobs over rows
+    with every parameter: greedy rows, penalties, top-k, top-p, min-p, processed logprobs."""
+    g = torch.Generator().manual_seed(3)
+    B, V = 12, 3000
+    logits = torch.randn(B, V, generator=g) * 2
+    params = _random_row_params(g, B)
+    params["temperature"][0] = params["temperature"][7] = 0.0
+    counts = torch.randint(0, 3, (B, V), generator=g, dtype=torch.int32)
+    seen = torch.rand(B, V, generator=g) < 0.2
+    plain = dict(temperature=params["temperature"], seeds=params["seeds"], token_index=params["token_index"])
+    for kw, mode in ((params, "processed_logprobs"), (plain, "raw_logprobs")):
+        t = make_tensors(B, V, **kw, output_counts=counts, seen_mask=seen, max_num_logprobs=2, device=DEVICE)
+        monkeypatch.setattr(sampler_module, "_sample_kernel", lambda x: False)
+        want = Sampler(mode)(logits.to(DEVICE), t)
+        monkeypatch.setattr(sampler_module, "_sample_kernel", lambda x: True)
+        got = Sampler(mode)(logits.to(DEVICE), t)
+        assert got.token_ids.tolist() == want.token_ids.tolist()
+        torch.testing.assert_close(got.logprobs, want.logprobs)
+
+
+def test_sample_rows_rejects_bad_input():
+    x = torch.zeros(2, 8, device=DEVICE)
+    one, zero = torch.ones(2, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="temperature"):
+        sample_rows(x, one.double(), zero, zero, SAMPLING_EPS)
+    with pytest.raises(ValueError, match="token_index"):
+        sample_rows(x, one, zero, zero[:1], SAMPLING_EPS)
+    with pytest.raises(ValueError, match=r"z has shape \(2, 4\)"):
+        sample_rows(x, one, zero, zero, SAMPLING_EPS, x[:, :4].contiguous())
+    assert sample_rows(torch.zeros(0, 8, device=DEVICE), one[:0], zero[:0], zero[:0], SAMPLING_EPS).shape == (0,)
