@@ -51,6 +51,19 @@ if triton is not None:
         return _fmix32(h ^ (index >> 32).to(tl.uint32))
 
     @triton.jit
+    def _store_chunk_max(x, out, col0, val_ptr, idx_ptr, nan_ptr):
+        """A chunk's maximum, its first index (``col0`` + offset) and whether it holds a NaN, at ``out``: the
+        first NaN stands for the maximum, as in ``torch.argmax``."""
+        is_nan = x != x
+        first_nan = tl.argmax(is_nan.to(tl.int32), 0, tie_break_left=True)
+        x = tl.where(is_nan, float("-inf"), x)
+        best = tl.argmax(x, 0, tie_break_left=True)
+        has_nan = tl.max(is_nan.to(tl.int32), 0)
+        tl.store(val_ptr + out, tl.max(x, 0))
+        tl.store(idx_ptr + out, col0 + tl.where(has_nan > 0, first_nan, best))
+        tl.store(nan_ptr + out, has_nan)
+
+    @triton.jit
     def _chunk_sample_kernel(x_ptr, z_ptr, temp_ptr, seed_ptr, index_ptr, val_ptr, idx_ptr, nan_ptr, n_cols,
                              stride_x, stride_z, n_chunks, eps, CHUNK: tl.constexpr, HAS_Z: tl.constexpr,
                              PDL: tl.constexpr):
@@ -74,17 +87,8 @@ if triton is not None:
             h = _fmix32(a ^ (cols.to(tl.uint32) * 0x9E3779B9))
             h = _fmix32(h ^ b)
             u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # exact: (k + 1/2) / 2**23
-            x = z - tl.log(-tl.log(u))
-            x = tl.where(m, x, float("-inf"))
-        is_nan = x != x
-        first_nan = tl.argmax(is_nan.to(tl.int32), 0, tie_break_left=True)
-        x = tl.where(is_nan, float("-inf"), x)
-        best = tl.argmax(x, 0, tie_break_left=True)
-        has_nan = tl.max(is_nan.to(tl.int32), 0)
-        out = row * n_chunks + chunk
-        tl.store(val_ptr + out, tl.max(x, 0))
-        tl.store(idx_ptr + out, chunk * CHUNK + tl.where(has_nan > 0, first_nan, best))
-        tl.store(nan_ptr + out, has_nan)
+            x = z - tl.log(-tl.log(u))  # (past the row's end -inf, as z)
+        _store_chunk_max(x, row * n_chunks + chunk, chunk * CHUNK, val_ptr, idx_ptr, nan_ptr)
 
     @triton.jit
     def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, nan_ptr, n_cols, stride_x, n_chunks, CHUNK: tl.constexpr,
@@ -94,15 +98,7 @@ if triton is not None:
         chunk = tl.program_id(1)
         cols = chunk * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
-        is_nan = x != x
-        first_nan = tl.argmax(is_nan.to(tl.int32), 0, tie_break_left=True)
-        x = tl.where(is_nan, float("-inf"), x)
-        best = tl.argmax(x, 0, tie_break_left=True)
-        has_nan = tl.max(is_nan.to(tl.int32), 0)
-        out = row * n_chunks + chunk
-        tl.store(val_ptr + out, tl.max(x, 0))
-        tl.store(idx_ptr + out, chunk * CHUNK + tl.where(has_nan > 0, first_nan, best))
-        tl.store(nan_ptr + out, has_nan)
+        _store_chunk_max(x, row * n_chunks + chunk, chunk * CHUNK, val_ptr, idx_ptr, nan_ptr)
 
     @triton.jit
     def _pick_chunk_kernel(val_ptr, idx_ptr, nan_ptr, out_ptr, n_chunks, CHUNKS_PAD: tl.constexpr,
