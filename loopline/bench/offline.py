@@ -50,6 +50,12 @@ class BenchSpec:
     warmup_prompts: int | None = None  # default: concurrency
     warmup_output_len: int = 16
     gpu_timing: str = "events"  # or "profiler" (DeviceTimer)
+    # every request's sampling (vLLM's bench names); temperature 0: greedy. Sampled requests get seeds
+    # seed * 1_000_003 + index, so a run draws the same tokens again.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
 
     @property
     def num_warmup(self) -> int:
@@ -150,8 +156,12 @@ def engine_args_for(base: EngineArgs, variant: Variant, spec: BenchSpec, dtype: 
 
 
 def sampling_params_for(exit_mode: str, spec: BenchSpec, workload: Workload, index: int) -> SamplingParams:
-    """Greedy, ``ignore_eos``, exactly ``output_len`` tokens; the exit fields the mode reads."""
-    kw: dict[str, Any] = {"temperature": 0.0, "max_tokens": workload.output_len, "ignore_eos": True}
+    """``ignore_eos``, exactly ``output_len`` tokens, the spec's sampling (greedy by default; sampled requests
+    seeded by their index); the exit fields the mode reads."""
+    kw: dict[str, Any] = {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
+                          "min_p": spec.min_p, "max_tokens": workload.output_len, "ignore_eos": True}
+    if spec.temperature > 0:
+        kw["seed"] = spec.seed * 1_000_003 + index
     if exit_mode == "trace":
         if workload.exit_depths is None:
             raise InvalidRequestError("exit_mode='trace' needs --depth-dist", param="depth_dist")

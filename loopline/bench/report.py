@@ -35,6 +35,16 @@ def _pair(d: dict[str, Any], digits: int = 1) -> str:
     return f"{_fmt(d.get('p50'), digits)} / {_fmt(d.get('p99'), digits)}"
 
 
+def _sampling_words(params: dict[str, Any]) -> str:
+    """``greedy``, or the sampling fields that differ from off (records before the fields existed: greedy)."""
+    s = params.get("sampling") or {}
+    if not s.get("temperature"):
+        return "greedy"
+    on = {"temperature": True, "top_p": s.get("top_p", 1.0) < 1.0, "top_k": s.get("top_k", 0) > 0,
+          "min_p": s.get("min_p", 0.0) > 0.0}
+    return "sampled " + " ".join(f"{k}={v}" for k, v in s.items() if on.get(k))
+
+
 def header_lines(record: dict[str, Any]) -> list[str]:
     git, hw, sw = record["git"], record["hardware"], record["software"]
     commit = git["commit"] or "unknown"
@@ -48,7 +58,7 @@ def header_lines(record: dict[str, Any]) -> list[str]:
         f"hardware: {device}",
         f"software: torch {sw['torch']}, transformers {sw['transformers']}, python {sw['python']}",
         f"model:    {p['model_source']} | dtype {p['dtype']} | total_ut_steps {p['total_ut_steps']}",
-        f"workload: {p['input_len']} in / {p['output_len']} out, closed loop, greedy, ignore_eos | "
+        f"workload: {p['input_len']} in / {p['output_len']} out, closed loop, {_sampling_words(p)}, ignore_eos | "
         f"depth {p['depth_dist'] or p['exit_mode']} | repeats {p['repeats']} (medians)",
     ]
     if sw.get("timing_hooks"):

@@ -31,7 +31,13 @@ def add_parser(sub: Any) -> None:
                    help="random weights of these shapes, built in memory (default without --model: tiny); "
                         "--config FILE.yaml reads flags from a YAML file instead, as for the other commands")
     w.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request (random ids)")
-    w.add_argument("--output-len", type=int, default=128, help="generated tokens per request (ignore_eos, greedy)")
+    w.add_argument("--output-len", type=int, default=128, help="generated tokens per request (ignore_eos)")
+    w.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (default 0: greedy); above 0 each request is seeded by its "
+                        "index, so a run repeats its tokens")
+    w.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default 1: off)")
+    w.add_argument("--top-k", type=int, default=0, help="every request's top_k (default 0: off)")
+    w.add_argument("--min-p", type=float, default=0.0, help="every request's min_p (default 0: off)")
     w.add_argument("--concurrency", default="8",
                    help="requests kept in flight (closed loop); a comma list such as 1,8,32 runs a sweep")
     w.add_argument("--num-prompts", type=int, default=None, help="requests per run (default: 2 x concurrency)")
@@ -211,6 +217,18 @@ def _variants(ns: argparse.Namespace) -> list:
     return variants
 
 
+def _sampling(ns: argparse.Namespace, variants: list) -> dict[str, Any]:
+    """The requests' sampling fields, checked as a request's are (the error names the field and its range)."""
+    from loopline.sampling_params import SamplingParams
+
+    sampling = {"temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k, "min_p": ns.min_p}
+    SamplingParams(**sampling)
+    if ns.temperature > 0 and any(v.hf for v in variants):
+        raise InvalidRequestError("the transformers baseline (hf) decodes greedily: drop --hf-baseline / the hf "
+                                  "variant, or --temperature", param="temperature")
+    return sampling
+
+
 def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """Runs ``loopline bench`` from parsed arguments; returns the record (also used by tests)."""
     from loopline.bench.compare import run_point
@@ -232,6 +250,7 @@ def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) 
         check_plot_available(ns.plot)  # before minutes of benchmarking, not after
     exit_mode = _resolve_exit_mode(ns)
     variants = _variants(ns)
+    sampling = _sampling(ns, variants)
     repeats = ns.repeats or (3 if len(variants) > 1 else 1)
     args = dataclasses.replace(EngineArgs.from_cli_args(ns), exit_mode=exit_mode)
     apply_cpu_threads(ns.cpu_threads)
@@ -246,7 +265,7 @@ def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) 
         "depth_dist_probs": None if depth is None else dict(zip(map(str, depth.depths), depth.probs)),
         "requested_mean_loops": None if depth is None else depth.mean,
         "exit_mode": exit_mode, "exit_threshold": ns.exit_threshold, "min_loops": ns.min_loops,
-        "lookahead_threshold": ns.lookahead_threshold,
+        "lookahead_threshold": ns.lookahead_threshold, "sampling": sampling,
         "variants": [v.name for v in variants], "repeats": repeats, "seed": ns.seed,
         "warmup_prompts": ns.warmup_prompts, "warmup_output_len": ns.warmup_output_len,
         "gpu_timing": "profiler" if ns.profile_kernels else "events",
@@ -261,7 +280,7 @@ def run_offline(ns: argparse.Namespace, defaults: dict[str, Any] | None = None) 
         spec = BenchSpec(ns.input_len, ns.output_len, c, n, seed=ns.seed, exit_threshold=ns.exit_threshold,
                          min_loops=ns.min_loops, lookahead_threshold=ns.lookahead_threshold,
                          warmup_prompts=ns.warmup_prompts,
-                         warmup_output_len=ns.warmup_output_len, gpu_timing=params["gpu_timing"])
+                         warmup_output_len=ns.warmup_output_len, gpu_timing=params["gpu_timing"], **sampling)
         workload = make_workload(n, ns.input_len, ns.output_len, cfg.vocab_size, ns.seed, depth, ns.shared_prefix_len)
         point = run_point(model, args, spec, variants, workload, device, dtype, repeats=repeats,
                           progress=not ns.no_progress)

@@ -426,3 +426,32 @@ def test_record_names_the_timing_hooks_set(monkeypatch):
               "params": {"model_source": "tiny", "dtype": "float32", "total_ut_steps": 4, "input_len": 8,
                          "output_len": 4, "depth_dist": None, "exit_mode": "fixed", "repeats": 1}}
     assert any("LOOPLINE_SPLIT_RULE=full_wave_programs_per_sm=inf" in line for line in header_lines(record))
+
+
+def test_sampled_workload_seeds_every_request():
+    from loopline.bench.offline import BenchSpec, sampling_params_for
+    from loopline.bench.report import header_lines
+
+    record = bench("--input-len", "4", "--output-len", "3", "--concurrency", "2", "--temperature", "0.8",
+                   "--top-k", "5")
+    assert record["params"]["sampling"] == {"temperature": 0.8, "top_p": 1.0, "top_k": 5, "min_p": 0.0}
+    assert record["results"][0]["variants"][0]["median"]["output_tokens"] == 4 * 3
+    assert "closed loop, sampled temperature=0.8 top_k=5, ignore_eos" in "\n".join(header_lines(record))
+    workload = make_workload(3, 4, 5, 100, seed=0)
+    spec = BenchSpec(4, 5, 2, 3, seed=7, temperature=0.8, top_k=5)
+    params = [sampling_params_for("fixed", spec, workload, i) for i in range(3)]
+    assert [(p.temperature, p.top_k) for p in params] == [(0.8, 5)] * 3
+    assert len({p.seed for p in params}) == 3  # distinct, and the same again for the same run
+    assert [p.seed for p in params] == [sampling_params_for("fixed", spec, workload, i).seed for i in range(3)]
+    greedy = sampling_params_for("fixed", BenchSpec(4, 5, 2, 3), workload, 0)
+    assert greedy.temperature == 0.0 and greedy.seed is None
+    assert "closed loop, greedy, ignore_eos" in "\n".join(header_lines(bench("--input-len", "4", "--output-len", "2",
+                                                                            "--concurrency", "1")))
+
+
+@pytest.mark.parametrize("argv, field", [(["--top-p", "1.5"], "top_p"), (["--temperature", "-1"], "temperature"),
+                                         (["--temperature", "0.5", "--hf-baseline"], "temperature")])
+def test_bad_sampling_flags_name_the_field(argv, field):
+    with pytest.raises(InvalidRequestError) as e:
+        bench("--input-len", "4", "--output-len", "2", *argv)
+    assert e.value.param == field
