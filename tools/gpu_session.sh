@@ -7,7 +7,7 @@
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
 # register_caps resources cuda_core_mixed fp8_launches newkernels full_waves full_waves_e2e host_wait
-# fp8_full_waves cold_start jit_misses demo_profile demo_grid; LOOPLINE_BENCH_C
+# fp8_full_waves cold_start jit_misses demo_profile demo_grid headline_sampled; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -61,6 +61,14 @@ if has headline_fp8; then  # the same with the one flag a user adds for FP8 KV
   timeout 420 python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --input-len 1024 \
     --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-1,32,128}" --kv-cache-dtype fp8 --no-progress \
     --output-json "$out/headline_fp8.json" 2> "$out/headline_fp8.err" | tail -8 || tail -3 "$out/headline_fp8.err"
+fi
+if has headline_sampled; then  # the README command at T = 1 (a chat or RL user's requests; each seeded by its index),
+  # then greedy again in the same call: the sampled draw's cost end to end
+  for t in 1.0 0; do
+    timeout 300 python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --input-len 1024 \
+      --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-1,32,128}" --temperature $t --no-progress \
+      --output-json "$out/headline_t$t.json" 2> "$out/headline_sampled.err" | tail -8 || tail -3 "$out/headline_sampled.err"
+  done
 fi
 if has cuda_core_e2e; then  # the README command with --kv-cache-dtype fp8 under the CUDA-core decode launch
   # (LOOPLINE_CC_LAUNCH, default 16,2,1,0,1; the LOOPLINE_DECODE_LAUNCH timing hook) between two default runs
