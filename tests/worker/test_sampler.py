@@ -384,13 +384,26 @@ def _py_uniform(seed: int, index: int, v: int) -> float:
     return ((h >> 9) + 0.5) / 2**23
 
 
-def test_counter_uniform_matches_python_reference():
+@pytest.mark.parametrize("impl", ["counter_uniform", "_counter_uniform_torch"])  # the CPU's numpy, torch's int64
+def test_counter_uniform_matches_python_reference(impl):
+    from loopline.worker import sampler
+
     seeds = torch.tensor([0, 1, 2**31 - 1, 2**32 + 5, 2**63 - 1, 123456789012345])
     idx = torch.tensor([0, 7, 2**32 + 1, 3, 99999, 1])
-    u = counter_uniform(seeds, idx, 37)
+    u = getattr(sampler, impl)(seeds, idx, 37)
+    assert u.dtype == torch.float32 and u.shape == (6, 37)
     for b in range(len(seeds)):
         for v in (0, 1, 17, 36):
             assert float(u[b, v]) == _py_uniform(int(seeds[b]), int(idx[b]), v)
+
+
+def test_counter_uniform_numpy_is_torchs_bit_for_bit():
+    from loopline.worker.sampler import _counter_uniform_torch
+
+    g = torch.Generator().manual_seed(11)
+    seeds = torch.cat([torch.randint(0, 2**62, (40,), generator=g), torch.tensor([2**63 - 1, 2**32 - 1, 2**32])])
+    idx = torch.cat([torch.randint(0, 2**40, (40,), generator=g), torch.tensor([2**62, 2**32, 0])])
+    assert torch.equal(counter_uniform(seeds, idx, 3001), _counter_uniform_torch(seeds, idx, 3001))
 
 
 def test_counter_uniform_range_mean_and_distinct_rows():
