@@ -7,7 +7,7 @@
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
 # register_caps resources cuda_core_mixed fp8_launches newkernels full_waves full_waves_e2e host_wait
-# fp8_full_waves cold_start jit_misses demo_profile demo_grid headline_sampled; LOOPLINE_BENCH_C
+# fp8_full_waves cold_start jit_misses demo_profile demo_grid headline_sampled sampler_cost; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -61,6 +61,11 @@ if has headline_fp8; then  # the same with the one flag a user adds for FP8 KV
   timeout 420 python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --input-len 1024 \
     --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-1,32,128}" --kv-cache-dtype fp8 --no-progress \
     --output-json "$out/headline_fp8.json" 2> "$out/headline_fp8.err" | tail -8 || tail -3 "$out/headline_fp8.err"
+fi
+if has sampler_cost; then  # one sampler call on CUDA, greedy and T = 1 (the Triton draw), Ouro's vocabulary
+  for p in '{"temperature": 0.0}' '{"temperature": 1.0}' '{"temperature": 1.0, "top_p": 0.9}'; do
+    timeout 60 python3 tools/sampler_cost.py --device cuda --rows 1,8,32,128 --vocab 49152 --params "$p"
+  done | tee "$out/sampler_cost.txt"
 fi
 if has headline_sampled; then  # the README command at T = 1 (a chat or RL user's requests; each seeded by its index),
   # then greedy again in the same call: the sampled draw's cost end to end
