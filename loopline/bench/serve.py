@@ -47,6 +47,19 @@ class ServeSpec:
     model: str | None = None
     seed: int = 0  # arrival gaps
     timeout_s: float = 600.0
+    # every request's sampling fields (vLLM's bench serve flags; None: the server's default); temperature 0:
+    # greedy. Sampled requests are seeded seed * 1_000_003 + index, so a run draws the same tokens again.
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+
+    def sampling(self, index: int) -> dict[str, Any]:
+        """The request fields of prompt ``index``'s sampling."""
+        fields = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
+        if self.temperature > 0:
+            fields["seed"] = self.seed * 1_000_003 + index
+        return {k: v for k, v in fields.items() if v is not None}
 
 
 def _chunk_tokens(chunk: dict[str, Any]) -> tuple[int, list[int]]:
@@ -59,9 +72,10 @@ def _chunk_tokens(chunk: dict[str, Any]) -> tuple[int, list[int]]:
     return count, depths
 
 
-async def _one_request(client: Any, model: str | None, prompt: list[int], max_tokens: int) -> RequestTiming:
+async def _one_request(client: Any, model: str | None, prompt: list[int], max_tokens: int,
+                       sampling: dict[str, Any]) -> RequestTiming:
     payload: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-                               "temperature": 0.0, "stream_options": {"include_usage": True}}
+                               **sampling, "stream_options": {"include_usage": True}}
     if model:
         payload["model"] = model
     timing = RequestTiming(submit=time.perf_counter())
@@ -157,11 +171,12 @@ async def _send_all(client: Any, spec: ServeSpec, model: str | None, workload: W
     limit = asyncio.Semaphore(spec.concurrency) if spec.concurrency else None
 
     async def guarded(i: int) -> RequestTiming:
+        request = (client, model, workload.prompts[i], workload.max_tokens(i), spec.sampling(i))
         if limit is None:
-            timing = await _one_request(client, model, workload.prompts[i], workload.max_tokens(i))
+            timing = await _one_request(*request)
         else:
             async with limit:
-                timing = await _one_request(client, model, workload.prompts[i], workload.max_tokens(i))
+                timing = await _one_request(*request)
         if progress is not None:
             progress(1)
         return timing

@@ -105,6 +105,15 @@ def _add_serve(sub: Any) -> None:
     w.add_argument("--num-prompts", dest="serve_num_prompts", metavar="N", type=int, default=100,
                    help="requests per phase")
     w.add_argument("--vocab-size", type=int, default=500, help="random prompt ids are drawn from [3, vocab_size)")
+    w.add_argument("--temperature", dest="serve_temperature", metavar="T", type=float, default=0.0,
+                   help="every request's temperature (default 0: greedy); above 0 each request is seeded by its "
+                        "index, so a run repeats its tokens")
+    w.add_argument("--top-p", dest="serve_top_p", metavar="P", type=float, default=None,
+                   help="every request's top_p (default: the server's)")
+    w.add_argument("--top-k", dest="serve_top_k", metavar="K", type=int, default=None,
+                   help="every request's top_k (default: the server's)")
+    w.add_argument("--min-p", dest="serve_min_p", metavar="P", type=float, default=None,
+                   help="every request's min_p (default: the server's)")
     w.add_argument("--seed", dest="serve_seed", metavar="N", type=int, default=0,
                    help="seed of prompts, lengths and arrivals; rate k of a sweep uses seed + k")
     load = s.add_argument_group("load")
@@ -368,6 +377,7 @@ def run_serve_bench(ns: argparse.Namespace, transport: Any = None, progress: Any
     from loopline.bench.capacity import TTFTBound, check_rates, find_capacity
     from loopline.bench.report import environment
     from loopline.bench.serve import PHASES, ServeSpec, run_phases, run_rates, server_info
+    from loopline.sampling_params import SamplingParams
 
     for name in ("serve_input_len", "serve_output_len", "serve_num_prompts", "serve_concurrency",
                  "serve_max_model_len"):
@@ -382,6 +392,9 @@ def run_serve_bench(ns: argparse.Namespace, transport: Any = None, progress: Any
     else:
         rates = [] if capacity_rates else [math.inf]
     dataset = _dataset(ns)
+    sampling = {"temperature": ns.serve_temperature, "top_p": ns.serve_top_p, "top_k": ns.serve_top_k,
+                "min_p": ns.serve_min_p}
+    SamplingParams(**{k: v for k, v in sampling.items() if v is not None})  # (errors name the field, before any load)
     try:  # up front: a benchmark against no server would only print a table of failures
         reported, server_len = server_info(ns.base_url, transport, timeout_s=min(30.0, ns.timeout))
     except Exception as e:  # noqa: BLE001 -- httpx's connect/timeout/protocol errors, OSError: all mean no answer
@@ -390,7 +403,7 @@ def run_serve_bench(ns: argparse.Namespace, transport: Any = None, progress: Any
     model = ns.served_model or reported
     max_model_len = ns.serve_max_model_len or server_len
     spec = ServeSpec(ns.base_url, rates[0] if rates else math.inf, ns.serve_concurrency, model,
-                     ns.serve_seed, ns.timeout)
+                     ns.serve_seed, ns.timeout, **sampling)
 
     def workload_for(k: int):
         return dataset.build(ns.serve_num_prompts, ns.vocab_size, ns.serve_seed + k, max_model_len)
@@ -410,6 +423,7 @@ def run_serve_bench(ns: argparse.Namespace, transport: Any = None, progress: Any
     params = {"base_url": ns.base_url, "model": spec.model, **dataset.describe(), "num_prompts": ns.serve_num_prompts,
               "max_model_len": max_model_len, "request_rates": rates, "replay": ns.replay,
               "concurrency": ns.serve_concurrency, "seed": ns.serve_seed, "vocab_size": ns.vocab_size,
+              "sampling": {k: v for k, v in sampling.items() if v is not None},
               "workload_seed0": {"mean_input_len": sample.input_tokens / max(sample.num_prompts, 1),
                                  "mean_output_len": sample.output_tokens / max(sample.num_prompts, 1)},
               "capacity_rates": capacity_rates, "ttft_bound_ms": ns.ttft_bound_ms if bound else None,

@@ -343,6 +343,14 @@ def test_bench_serve_against_stub():
     assert record["ttft_ms"]["p50"] is not None and record["itl_ms"]["p50"] is not None
     assert all(b["stream"] and b["ignore_eos"] and b["max_tokens"] == 4 and b["model"] == "stub-model" for b in seen)
     assert sorted(b["prompt"] for b in seen) == sorted(workload.prompts)
+    assert all(b["temperature"] == 0.0 and "seed" not in b and "top_p" not in b for b in seen)  # greedy by default
+
+    seen.clear()  # sampled: every request seeded by its index; unset fields left to the server
+    run_serve(ServeSpec("http://stub", concurrency=2, seed=3, temperature=0.7, top_p=0.9), workload,
+              transport=httpx.MockTransport(handler))
+    by_prompt = {tuple(b["prompt"]): b for b in seen}
+    assert [by_prompt[tuple(p)]["seed"] for p in workload.prompts] == [3 * 1_000_003 + i for i in range(6)]
+    assert all(b["temperature"] == 0.7 and b["top_p"] == 0.9 and "top_k" not in b for b in seen)
 
     def failing(request):
         if request.url.path == "/v1/models":

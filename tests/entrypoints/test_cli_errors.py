@@ -107,3 +107,11 @@ def test_prefix_caching_with_the_shared_layout_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="loopline"):
         EngineArgs(kv_layout="shared", enable_prefix_caching=True).validate()
     assert "enable_prefix_caching has no effect with kv_layout='shared'" in caplog.text
+
+
+@pytest.mark.parametrize("argv,needle", [(["--top-p", "1.5"], "top_p"), (["--temperature", "-0.5"], "temperature")])
+def test_bench_sampling_flags_fail_before_any_load(argv, needle, capsys):
+    """`bench serve` checks its requests' sampling before it looks for a server (the port answers nothing)."""
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "no server answers" not in err and "internal error" not in err
