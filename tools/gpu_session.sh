@@ -63,7 +63,8 @@ if has headline_fp8; then  # the same with the one flag a user adds for FP8 KV
     --output-json "$out/headline_fp8.json" 2> "$out/headline_fp8.err" | tail -8 || tail -3 "$out/headline_fp8.err"
 fi
 if has sampler_cost; then  # one sampler call on CUDA, greedy and T = 1 (the Triton draw), Ouro's vocabulary
-  for p in '{"temperature": 0.0}' '{"temperature": 1.0}' '{"temperature": 1.0, "top_p": 0.9}'; do
+  for p in '{"temperature": 0.0}' '{"temperature": 1.0}' '{"temperature": 1.0, "top_p": 0.9}' \
+           '{"temperature": 1.0, "top_k": 20}' '{"temperature": 1.0, "top_k": 20, "select": false}'; do
     timeout 60 python3 tools/sampler_cost.py --device cuda --rows 1,8,32,128 --vocab 49152 --params "$p"
   done | tee "$out/sampler_cost.txt"
 fi

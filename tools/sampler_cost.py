@@ -2,8 +2,8 @@
 
 python tools/sampler_cost.py [--rows 1,8] [--vocab 4096] [--params JSON] [--device cpu|cuda] [--calls 300]
 
-``--params``: the rows' sampling fields as JSON (``temperature``, ``top_p``, ``top_k``, ``min_p``), every row alike;
-rows are seeded by their index. On CUDA the time includes a synchronize after the calls (the device's share).
+``--params``: the rows' sampling fields as JSON (``temperature``, ``top_p``, ``top_k``, ``min_p``; ``"select": false``
+hides the rows' largest top_k, so that top-k sorts whole rows), every row alike; rows are seeded by their index. On CUDA the time includes a synchronize after the calls (the device's share).
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from loopline.worker.sampler import SAMPLING_EPS, Sampler, SamplingTensors
 
 
 def tensors(rows: int, device: str, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-            min_p: float = 0.0) -> SamplingTensors:
+            min_p: float = 0.0, select: bool = True) -> SamplingTensors:
+    """The rows' tensors as the engine builds them (``select``: the largest top_k known, as the engine's are)."""
     def col(value: float, dtype: torch.dtype) -> torch.Tensor:
         return torch.full((rows,), value, dtype=dtype, device=device)
 
@@ -27,7 +28,8 @@ def tensors(rows: int, device: str, temperature: float = 0.0, top_p: float = 1.0
         frequency_penalty=col(0.0, torch.float32), repetition_penalty=col(1.0, torch.float32),
         seeds=torch.arange(rows, device=device), token_index=torch.arange(rows, device=device),
         output_counts=None, seen_mask=None, all_greedy=temperature < SAMPLING_EPS, any_penalties=False,
-        any_top_k=top_k > 0, any_top_p=top_p < 1.0, any_min_p=min_p > 0.0, max_num_logprobs=None)
+        any_top_k=top_k > 0, any_top_p=top_p < 1.0, any_min_p=min_p > 0.0, max_num_logprobs=None,
+        max_top_k=max(top_k, 0) if select else 0)
 
 
 def main() -> None:

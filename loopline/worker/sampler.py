@@ -70,6 +70,7 @@ class SamplingTensors:
     any_top_p: bool
     any_min_p: bool
     max_num_logprobs: int | None  # max k of "logprobs=k" over rows; -1/None => none requested
+    max_top_k: int = 0  # the largest top_k over rows, never less; 0 => unknown (top-k then sorts whole rows)
     # Per-request logprobs modes (SamplingParams.logprobs_mode), set only when a row differs from
     # the sampler's default: one mode for every row, or a per-row choice for a mixed batch.
     logprobs_mode: str | None = None  # overrides the sampler's logprobs_mode for every row
@@ -285,14 +286,22 @@ def apply_logits_fields(logits: Tensor, t: SamplingTensors) -> Tensor:
     return x
 
 
-def _apply_top_k_top_p(z: Tensor, top_k: Tensor, top_p: Tensor, use_k: bool, use_p: bool) -> Tensor:
+def _apply_top_k_top_p(z: Tensor, top_k: Tensor, top_p: Tensor, use_k: bool, use_p: bool,
+                       max_k: int = 0) -> Tensor:
     """Mask with -inf outside the top-k, then outside the nucleus of what is left. [B, V].
 
     Both cuts become a per-row value threshold (``z < thr`` is dropped), so ties
     at the boundary are all kept and the result never depends on how the sort
-    orders equal values.
+    orders equal values. ``max_k``: the rows' largest ``top_k`` when the host
+    knows it; top-k alone then selects that many values a row instead of sorting
+    the row (the same threshold: the k-th largest value).
     """
     B, V = z.shape
+    if use_k and not use_p and 0 < max_k < V:
+        kth = z.topk(max_k, dim=-1).values  # [B, max_k], descending
+        on = top_k > 0
+        thr = kth.gather(1, (torch.where(on, top_k.clamp(max=max_k), max_k) - 1)[:, None])
+        return z.masked_fill((z < thr) & on[:, None], float("-inf"))
     sorted_z = z.sort(dim=-1, descending=True).values  # [B, V]
     thr = sorted_z[:, -1:]  # keep-all threshold
     if use_k:
@@ -324,7 +333,7 @@ def process_logits(x: Tensor, t: SamplingTensors) -> Tensor:
     temp = torch.where(t.temperature < SAMPLING_EPS, 1.0, t.temperature)
     z = x / temp[:, None]
     if t.any_top_k or t.any_top_p:
-        z = _apply_top_k_top_p(z, t.top_k, t.top_p, t.any_top_k, t.any_top_p)
+        z = _apply_top_k_top_p(z, t.top_k, t.top_p, t.any_top_k, t.any_top_p, t.max_top_k)
     if t.any_min_p:
         z = _apply_min_p(z, t.min_p)
     return z

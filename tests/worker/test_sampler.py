@@ -455,3 +455,28 @@ def test_cuda_matches_cpu_and_never_syncs():
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(out.token_ids.cpu(), cpu.token_ids)
     torch.testing.assert_close(out.logprobs.cpu(), cpu.logprobs)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_top_k_by_selection_is_top_k_by_sort(trial):
+    """With the rows' largest top_k known on the host, top-k alone selects instead of sorting: the same mask,
+    ties at the boundary kept, rows with top-k off untouched; the sampler's tokens and logprobs the same."""
+    from dataclasses import replace
+
+    from loopline.worker.sampler import _apply_top_k_top_p
+
+    g = torch.Generator().manual_seed(40 + trial)
+    B, V = 6, 300
+    z = torch.randn(B, V, generator=g).round(decimals=1)  # ties at the boundary
+    z[2, :5] = float("-inf")
+    top_k = torch.tensor([5, 0, 17, -1, 1, 40])
+    by_sort = _apply_top_k_top_p(z, top_k, torch.ones(B), True, False)
+    by_select = _apply_top_k_top_p(z, top_k, torch.ones(B), True, False, max_k=40)
+    assert torch.equal(by_sort, by_select)
+    assert torch.equal(by_select[1], z[1]) and torch.equal(by_select[3], z[3])
+    assert int(torch.isfinite(by_select[0]).sum()) >= 5  # (ties kept: at least k)
+    t = make_tensors(B, V, temperature=[0.8, 1.0, 0.5, 0.0, 1.2, 0.9], top_k=top_k.tolist(), seeds=list(range(B)),
+                     token_index=[3] * B, max_num_logprobs=2)
+    plain, fast = Sampler("processed_logprobs")(z, t), Sampler("processed_logprobs")(z, replace(t, max_top_k=40))
+    assert torch.equal(plain.token_ids, fast.token_ids)
+    torch.testing.assert_close(plain.logprobs, fast.logprobs)
