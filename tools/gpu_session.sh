@@ -20,6 +20,16 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} LOOPLINE_GI
 # tokens at 4 planes. Runs in one process with the transformers baseline cap it (`--kv-cache-memory-gb`).
 bench() { timeout "$1" python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --no-progress "${@:2}"; }
 has() { [[ " $parts " == *" $1 "* ]]; }
+# the packages the image lacks (server stack, xgrammar, openai, license-expression and boolean.py, which the
+# training corpus's license check reads) from a carried .whl/ (tools/gpu_test_wheels.sh)
+wheels() {
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_site .whl/*.whl \
+      && export PYTHONPATH=$PYTHONPATH:/tmp/gpu_site
+  else
+    echo "no .whl/ carried (bash tools/gpu_test_wheels.sh): $1"
+  fi
+}
 
 if has tests; then  # correctness on the GPU: every kernel test (bf16 cases too), then the GPU engine tests
   timeout 280 python3 -m pytest -q tests/attention tests/kernels > "$out/kernel_tests.log" 2>&1
@@ -32,12 +42,7 @@ fi
 if has gpuall; then  # every gpu-marked test in one process (xdist's workers would share the one GPU), one line per
   # test as it ends, so a run cut by its limit still tells what passed and what failed; the packages the image
   # lacks (server stack, xgrammar, openai, license-expression) from a carried .whl/ (tools/gpu_test_wheels.sh)
-  if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_site .whl/*.whl \
-      && export PYTHONPATH=$PYTHONPATH:/tmp/gpu_site
-  else
-    echo "no .whl/ carried (bash tools/gpu_test_wheels.sh): tests that import the server stack, xgrammar or openai fail"
-  fi
+  wheels "tests that import the server stack, xgrammar or openai fail"
   # LOOPLINE_GPUALL_PATHS: a part of the suite (on a fresh machine, with Triton's cache cold, all of it took more
   # than one call under two workers: split it, e.g. "tests/structured tests/train tests/spec tests/integrations
   # tests/rl tests/distributed tests/entrypoints tests/test_new_paths_gpu.py tests/test_fp8_kv_attention.py", then
@@ -325,8 +330,9 @@ if has demo_grid; then  # issue #41: the bundled demo model's real acceptance on
   # then the trained adapter (LOOPLINE_ADAPTER: its directory, from `loopline train draft`) at K = 3
   dv=""; for k in ${LOOPLINE_GRID_K:-1 2 3 4 6 8}; do dv="$dv --spec $k,1,pinned"; done
   dv="$dv --spec 3,2,pinned --spec 3,3,pinned"
+  wheels "--prompts heldout fails (the corpus's license check imports boolean.py)"
   grid() { timeout "$1" python3 tools/spec_speed.py --config demo --prompts heldout --input-len 64 --output-len 64 \
-    --concurrency "${LOOPLINE_GRID_C:-1,8,32}" "${@:2}" 2>&1 | grep -E "x  |refused" | sed 's/  */ /g'; }
+    --concurrency "${LOOPLINE_GRID_C:-1,8,32}" "${@:2}" 2>&1 | grep -E "x  |refused|Error" | sed 's/  */ /g'; }
   for t in 0 0.5; do
     # shellcheck disable=SC2086
     grid 200 $dv --scheme draft_verify --temperature $t --json "$out/grid_dv_t$t.json"
