@@ -7,7 +7,8 @@
 # headline_fp8 lookahead trace_cost flashinfer fp8_one_row fp8_rows rows_breakdown pipe_profile skinny_routes
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
 # register_caps resources cuda_core_mixed fp8_launches newkernels full_waves full_waves_e2e host_wait
-# fp8_full_waves cold_start jit_misses demo_profile demo_grid headline_sampled sampler_cost; LOOPLINE_BENCH_C
+# fp8_full_waves cold_start jit_misses demo_profile demo_grid headline_sampled sampler_cost
+# sampling_tests; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -66,6 +67,12 @@ if has headline_fp8; then  # the same with the one flag a user adds for FP8 KV
   timeout 420 python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --input-len 1024 \
     --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-1,32,128}" --kv-cache-dtype fp8 --no-progress \
     --output-json "$out/headline_fp8.json" 2> "$out/headline_fp8.err" | tail -8 || tail -3 "$out/headline_fp8.err"
+fi
+if has sampling_tests; then  # the sampler's GPU tests: the Triton draw, top-k by selection, the engine's start-up
+  # warm-up of every token-choice kernel (session 36's paths; the warm-up test has not run on a GPU yet)
+  timeout 200 python3 -m pytest -q -n 0 -p no:randomly tests/kernels/test_sampling_kernels.py tests/worker/test_sampler.py \
+    tests/worker/test_gpu_engine.py -k "sampl or startup or cuda" > "$out/sampling_tests.log" 2>&1
+  echo "sampling tests rc=$? $(tail -1 "$out/sampling_tests.log")"; grep -hE "^(FAILED|ERROR)" "$out/sampling_tests.log" | head
 fi
 if has sampler_cost; then  # one sampler call on CUDA, greedy and T = 1 (the Triton draw), Ouro's vocabulary
   for p in '{"temperature": 0.0}' '{"temperature": 1.0}' '{"temperature": 1.0, "top_p": 0.9}' \

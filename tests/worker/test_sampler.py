@@ -455,6 +455,16 @@ def test_cuda_matches_cpu_and_never_syncs():
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(out.token_ids.cpu(), cpu.token_ids)
     torch.testing.assert_close(out.logprobs.cpu(), cpu.logprobs)
+    # top-k alone, by selection (the engine knows the rows' largest top_k): CUDA's tokens are the CPU's again
+    from dataclasses import replace
+
+    kw = dict(temperature=params["temperature"], top_k=params["top_k"], seeds=params["seeds"],
+              token_index=params["token_index"])
+    cpu_k = sample(logits, **kw)
+    tk = make_tensors(B, V, **kw, device="cuda")
+    assert tk.any_top_k and not tk.any_top_p
+    selected = Sampler()(logits_cuda, replace(tk, max_top_k=max(params["top_k"])))
+    assert torch.equal(selected.token_ids.cpu(), cpu_k.token_ids)
 
 
 @pytest.mark.parametrize("trial", range(4))
