@@ -660,8 +660,11 @@ class ModelRunner:
         if tensors.any_penalties or history:  # the device counts every slot's tokens (and keeps its last ones)
             done = stage(self.device, ([rows[i].slot for i in row_idx[nd:nd + n_done]], np.int64))[0]
             row_slots = torch.cat([dec.slots, done]) if nd else done
-            if tensors.any_penalties:
-                tensors.output_counts, tensors.seen_mask = ds.counts[row_slots], ds.seen[row_slots]
+            if tensors.any_penalties:  # (each only where a row's penalty reads it: a [B, V] gather each)
+                if tensors.any_count_penalties:
+                    tensors.output_counts = ds.counts[row_slots]
+                if tensors.any_repetition:
+                    tensors.seen_mask = ds.seen[row_slots]
             if history:
                 tensors.recent = ds.recent[row_slots][:, -tensors.bad_prefix.shape[1]:]
             if verify is not None:  # a round's targets read the drafts before their position too: after the rest

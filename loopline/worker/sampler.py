@@ -71,6 +71,10 @@ class SamplingTensors:
     any_min_p: bool
     max_num_logprobs: int | None  # max k of "logprobs=k" over rows; -1/None => none requested
     max_top_k: int = 0  # the largest top_k over rows, never less; 0 => unknown (top-k then sorts whole rows)
+    # which penalties some row uses (host; True when unknown): with any_penalties, the caller supplies seen_mask
+    # only for the repetition penalty and output_counts only for the frequency and presence ones
+    any_repetition: bool = True
+    any_count_penalties: bool = True
     # Per-request logprobs modes (SamplingParams.logprobs_mode), set only when a row differs from
     # the sampler's default: one mode for every row, or a per-row choice for a mixed batch.
     logprobs_mode: str | None = None  # overrides the sampler's logprobs_mode for every row

@@ -248,6 +248,8 @@ def build_sampling_tensors(states: list, token_index: list[int] | Tensor, defaul
         frequency_penalty=frequency, repetition_penalty=repetition, seeds=seeds, token_index=index,
         output_counts=None, seen_mask=None,
         all_greedy=all(p.greedy for p in ps), any_penalties=any_pen,
+        any_repetition=any(p.repetition_penalty != 1.0 for p in ps),
+        any_count_penalties=any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in ps),
         any_top_k=any(p.top_k > 0 for p in ps), max_top_k=max((p.top_k for p in ps), default=0),
         any_top_p=any(p.top_p < 1.0 for p in ps),
         any_min_p=any(p.min_p > 0 for p in ps),

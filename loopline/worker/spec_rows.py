@@ -107,8 +107,10 @@ def round_history(ds: DeviceDecodeState, fed: Tensor, tensors: SamplingTensors, 
     if penalties:
         extra = torch.zeros(len(slots), ds.counts.shape[1], dtype=ds.counts.dtype, device=slots.device)
         extra.scatter_add_(1, fed, before.to(extra.dtype))
-        tensors.output_counts = _after(tensors.output_counts, ds.counts[slots] + extra)
-        tensors.seen_mask = _after(tensors.seen_mask, ds.seen[slots] | (extra > 0))
+        if tensors.any_count_penalties:  # (as the runner's rows: each only where a row's penalty reads it)
+            tensors.output_counts = _after(tensors.output_counts, ds.counts[slots] + extra)
+        if tensors.any_repetition:
+            tensors.seen_mask = _after(tensors.seen_mask, ds.seen[slots] | (extra > 0))
     if bad_words:
         width, kept = tensors.bad_prefix.shape[1], ds.recent.shape[1]
         # the last `width` tokens of (committed, fed before the position), oldest first

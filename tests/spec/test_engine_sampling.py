@@ -166,6 +166,22 @@ def test_penalties_speculate_and_equal_the_plain_engine(demo_prompts, speculativ
     assert all(unpenalized[rid].token_ids != out[rid].token_ids for rid in unpenalized)
 
 
+@pytest.mark.parametrize("speculative", [None, PIPE], ids=["plain", "pipeline"])
+def test_a_penalty_reads_the_same_history_alone_or_beside_the_other_kind(demo_prompts, speculative):
+    """A batch gathers each slot's seen mask only for the repetition penalty and its counts only for the
+    frequency and presence ones (each a [B, V] gather): a request with one kind, alone (the other tensor never
+    gathered) or beside a request of the other kind (both gathered), gets the same tokens and logprobs; and its
+    penalty is real (without it the tokens differ)."""
+    rep = (demo_prompts[0], GREEDY.clone(repetition_penalty=1.5, max_tokens=30, logprobs=1))
+    freq = (demo_prompts[1], GREEDY.clone(frequency_penalty=0.8, presence_penalty=0.3, max_tokens=30, logprobs=1))
+    both = drain(engine(speculative=speculative), {"rep": rep, "freq": freq})
+    for rid, req in (("rep", rep), ("freq", freq)):
+        alone = drain(engine(speculative=speculative), {rid: req})
+        assert_same(alone, {rid: both[rid]})
+        neutral = req[1].clone(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+        assert drain(engine(speculative=speculative), {rid: (req[0], neutral)})[rid].token_ids != alone[rid].token_ids
+
+
 # (the synchronous order, ~3 s: slow; spec/test_pipeline_engine.py's steps test runs speculation synchronously)
 @pytest.mark.parametrize("async_scheduling", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_processed_logprobs_and_both_engine_orders(demo_prompts, async_scheduling):
