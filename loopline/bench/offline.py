@@ -21,7 +21,7 @@ import torch
 
 from loopline.bench.env import DeviceTimer
 from loopline.bench.metrics import ByteModel, RequestTiming, latency_metrics, peak_gbps
-from loopline.bench.workload import Workload
+from loopline.bench.workload import Workload, request_seed
 from loopline.config import EngineArgs, resolve_device, resolve_dtype
 from loopline.engine import EngineStats, LLMEngine
 from loopline.errors import InvalidRequestError
@@ -50,8 +50,8 @@ class BenchSpec:
     warmup_prompts: int | None = None  # default: concurrency
     warmup_output_len: int = 16
     gpu_timing: str = "events"  # or "profiler" (DeviceTimer)
-    # every request's sampling (vLLM's bench names); temperature 0: greedy. Sampled requests get seeds
-    # seed * 1_000_003 + index, so a run draws the same tokens again.
+    # every request's sampling (vLLM's bench names); temperature 0: greedy. Sampled requests are seeded by
+    # their index (request_seed), so a run draws the same tokens again.
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -161,7 +161,7 @@ def sampling_params_for(exit_mode: str, spec: BenchSpec, workload: Workload, ind
     kw: dict[str, Any] = {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k,
                           "min_p": spec.min_p, "max_tokens": workload.output_len, "ignore_eos": True}
     if spec.temperature > 0:
-        kw["seed"] = spec.seed * 1_000_003 + index
+        kw["seed"] = request_seed(spec.seed, index)
     if exit_mode == "trace":
         if workload.exit_depths is None:
             raise InvalidRequestError("exit_mode='trace' needs --depth-dist", param="depth_dist")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopline.bench.metrics import RequestTiming, latency_metrics
-from loopline.bench.workload import Workload
+from loopline.bench.workload import Workload, request_seed
 
 PHASES = ("initial", "replay")
 
@@ -48,7 +48,7 @@ class ServeSpec:
     seed: int = 0  # arrival gaps
     timeout_s: float = 600.0
     # every request's sampling fields (vLLM's bench serve flags; None: the server's default); temperature 0:
-    # greedy. Sampled requests are seeded seed * 1_000_003 + index, so a run draws the same tokens again.
+    # greedy. Sampled requests are seeded by their index (request_seed), so a run draws the same tokens again.
     temperature: float = 0.0
     top_p: float | None = None
     top_k: int | None = None
@@ -58,7 +58,7 @@ class ServeSpec:
         """The request fields of prompt ``index``'s sampling."""
         fields = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
         if self.temperature > 0:
-            fields["seed"] = self.seed * 1_000_003 + index
+            fields["seed"] = request_seed(self.seed, index)
         return {k: v for k, v in fields.items() if v is not None}
 
 

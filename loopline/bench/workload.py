@@ -127,6 +127,12 @@ class Workload:
         return Workload(self.prompts[:n], output_len, depths)
 
 
+def request_seed(seed: int, index: int) -> int:
+    """The seed of sampled request ``index`` in a benchmark seeded ``seed`` (offline and ``bench serve`` alike):
+    a run, its repeats and its variants draw the same tokens."""
+    return seed * 1_000_003 + index
+
+
 def make_workload(num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int,
                   depth_dist: DepthDist | None = None, shared_prefix_len: int = 0) -> Workload:
     """Random prompt token ids in ``[3, vocab_size)`` and, with a distribution, depth traces.

@@ -226,12 +226,21 @@ def _variants(ns: argparse.Namespace) -> list:
     return variants
 
 
-def _sampling(ns: argparse.Namespace, variants: list) -> dict[str, Any]:
-    """The requests' sampling fields, checked as a request's are (the error names the field and its range)."""
+def _checked_sampling(temperature: float, top_p: float | None, top_k: int | None,
+                      min_p: float | None) -> dict[str, Any]:
+    """Every benchmark request's sampling fields (``None``: not given), checked as a request's are, before
+    anything loads or connects (the error names the field and its range)."""
     from loopline.sampling_params import SamplingParams
 
-    sampling = {"temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k, "min_p": ns.min_p}
-    SamplingParams(**sampling)
+    fields = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+                                ("min_p", min_p)) if v is not None}
+    SamplingParams(**fields)
+    return fields
+
+
+def _sampling(ns: argparse.Namespace, variants: list) -> dict[str, Any]:
+    """The offline requests' sampling fields; the transformers baseline only decodes greedily."""
+    sampling = _checked_sampling(ns.temperature, ns.top_p, ns.top_k, ns.min_p)
     if ns.temperature > 0 and any(v.hf for v in variants):
         raise InvalidRequestError("the transformers baseline (hf) decodes greedily: drop --hf-baseline / the hf "
                                   "variant, or --temperature", param="temperature")
@@ -377,7 +386,6 @@ def run_serve_bench(ns: argparse.Namespace, transport: Any = None, progress: Any
     from loopline.bench.capacity import TTFTBound, check_rates, find_capacity
     from loopline.bench.report import environment
     from loopline.bench.serve import PHASES, ServeSpec, run_phases, run_rates, server_info
-    from loopline.sampling_params import SamplingParams
 
     for name in ("serve_input_len", "serve_output_len", "serve_num_prompts", "serve_concurrency",
                  "serve_max_model_len"):
@@ -392,9 +400,7 @@ def run_serve_bench(ns: argparse.Namespace, transport: Any = None, progress: Any
     else:
         rates = [] if capacity_rates else [math.inf]
     dataset = _dataset(ns)
-    sampling = {"temperature": ns.serve_temperature, "top_p": ns.serve_top_p, "top_k": ns.serve_top_k,
-                "min_p": ns.serve_min_p}
-    SamplingParams(**{k: v for k, v in sampling.items() if v is not None})  # (errors name the field, before any load)
+    sampling = _checked_sampling(ns.serve_temperature, ns.serve_top_p, ns.serve_top_k, ns.serve_min_p)
     try:  # up front: a benchmark against no server would only print a table of failures
         reported, server_len = server_info(ns.base_url, transport, timeout_s=min(30.0, ns.timeout))
     except Exception as e:  # noqa: BLE001 -- httpx's connect/timeout/protocol errors, OSError: all mean no answer
@@ -423,7 +429,7 @@ def run_serve_bench(ns: argparse.Namespace, transport: Any = None, progress: Any
     params = {"base_url": ns.base_url, "model": spec.model, **dataset.describe(), "num_prompts": ns.serve_num_prompts,
               "max_model_len": max_model_len, "request_rates": rates, "replay": ns.replay,
               "concurrency": ns.serve_concurrency, "seed": ns.serve_seed, "vocab_size": ns.vocab_size,
-              "sampling": {k: v for k, v in sampling.items() if v is not None},
+              "sampling": sampling,
               "workload_seed0": {"mean_input_len": sample.input_tokens / max(sample.num_prompts, 1),
                                  "mean_output_len": sample.output_tokens / max(sample.num_prompts, 1)},
               "capacity_rates": capacity_rates, "ttft_bound_ms": ns.ttft_bound_ms if bound else None,
