@@ -8,7 +8,7 @@
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
 # register_caps resources cuda_core_mixed fp8_launches newkernels full_waves full_waves_e2e host_wait
 # fp8_full_waves cold_start jit_misses demo_profile demo_grid headline_sampled sampler_cost
-# sampling_tests; LOOPLINE_BENCH_C
+# sampling_tests headline_filters; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -86,6 +86,18 @@ if has headline_sampled; then  # the README command at T = 1 (a chat or RL user'
     timeout 300 python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --input-len 1024 \
       --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-1,32,128}" --temperature $t --no-progress \
       --output-json "$out/headline_t$t.json" 2> "$out/headline_sampled.err" | tail -8 || tail -3 "$out/headline_sampled.err"
+  done
+fi
+if has headline_filters; then  # the README command at T = 1 plain, with Ouro's recommended top_p 0.7, with top_k 20
+  # (the filters run in torch outside the step: sort, softmax, cumsum; is their host time hidden behind the step?)
+  i=0
+  for f in "" "--top-p 0.7" "--top-k 20" ""; do
+    i=$((i + 1)); echo "== run $i: T = 1 $f"
+    # shellcheck disable=SC2086
+    timeout 200 python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --input-len 1024 \
+      --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-1,32,128}" --temperature 1.0 $f --no-progress \
+      --output-json "$out/headline_filters_$i.json" 2> "$out/headline_filters.err" | grep -E "^\| loopline|^concurrency" \
+      || tail -3 "$out/headline_filters.err"
   done
 fi
 if has cuda_core_e2e; then  # the README command with --kv-cache-dtype fp8 under the CUDA-core decode launch
@@ -333,14 +345,14 @@ if has demo_profile; then  # issue #41: the bundled demo model's steps, where th
   done
 fi
 if has demo_grid; then  # issue #41: the bundled demo model's real acceptance on the GPU over K, d, both schemes, greedy and
-  # T = 0.5, pinned (as docs/benchmarks/cpu-2026-12-06-spec-matrix.md on the CPU: 64 in / 64 out, held-out windows),
+  # T = 0.5 (LOOPLINE_GRID_T), pinned (as docs/benchmarks/cpu-2026-12-06-spec-matrix.md on the CPU: 64 in / 64 out, held-out windows),
   # then the trained adapter (LOOPLINE_ADAPTER: its directory, from `loopline train draft`) at K = 3
   dv=""; for k in ${LOOPLINE_GRID_K:-1 2 3 4 6 8}; do dv="$dv --spec $k,1,pinned"; done
   dv="$dv --spec 3,2,pinned --spec 3,3,pinned"
   wheels "--prompts heldout fails (the corpus's license check imports boolean.py)"
   grid() { timeout "$1" python3 tools/spec_speed.py --config demo --prompts heldout --input-len 64 --output-len 64 \
     --concurrency "${LOOPLINE_GRID_C:-1,8,32}" "${@:2}" 2>&1 | grep -E "x  |refused|Error" | sed 's/  */ /g'; }
-  for t in 0 0.5; do
+  for t in ${LOOPLINE_GRID_T:-0 0.5}; do
     # shellcheck disable=SC2086
     grid 200 $dv --scheme draft_verify --temperature $t --json "$out/grid_dv_t$t.json"
     grid 100 --spec 1,1,pinned --spec 1,2,pinned --spec 1,3,pinned --scheme pipeline --temperature $t \

@@ -12,8 +12,20 @@ the counter-based uniforms (``loopline.worker.sampler.counter_uniform``, the
 same 32-bit hash, bit for bit), the temperature and the noise are computed
 inside the chunk reduction. In torch the hash alone is ~120 small launches, a
 few milliseconds of host time per sampling step.
+
+:func:`filter_cut` replaces top-k, top-p and min-p's sort of every row (torch:
+a segmented sort, a softmax, a cumsum and a dozen small launches) by one
+program per row that finds each cut as a value: the k-th largest value, and
+the smallest value whose strictly-larger mass stays below top_p, each by a
+search over the order-preserving integer keys of fp32 values (NPIV pivots a
+pass, so ~log2(2**32) / log2(NPIV + 1) passes over the row). The draw then
+drops what lies below the cut inside its chunk reduction. The cuts are the
+sort's (``loopline.worker.sampler._apply_top_k_top_p``: ties at a cut are all
+kept), up to the summation order of the nucleus's mass.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,6 +39,17 @@ except ImportError:  # pragma: no cover - the kernels are unusable without trito
     triton = None
 
 _CHUNK = 2048
+_CUT_BLOCK = 1024  # columns a pass of filter_cut loads at once
+_CUT_PIVOTS = 8  # keys tested a pass: each pass narrows the search ~9x
+
+
+class RowCut(NamedTuple):
+    """What the draw keeps of a row of tempered logits ``z``: ``z >= thr`` (top-k and top-p) and
+    ``exp(z - top) >= min_p`` (min-p: the token's probability at least ``min_p`` times the top token's)."""
+
+    thr: Tensor  # fp32 [B]
+    top: Tensor  # fp32 [B], the row's largest z
+    min_p: Tensor  # fp32 [B], 0 => off
 
 
 if triton is not None:
@@ -64,9 +87,9 @@ if triton is not None:
         tl.store(nan_ptr + out, has_nan)
 
     @triton.jit
-    def _chunk_sample_kernel(x_ptr, z_ptr, temp_ptr, seed_ptr, index_ptr, val_ptr, idx_ptr, nan_ptr, n_cols,
-                             stride_x, stride_z, n_chunks, eps, CHUNK: tl.constexpr, HAS_Z: tl.constexpr,
-                             PDL: tl.constexpr):
+    def _chunk_sample_kernel(x_ptr, z_ptr, temp_ptr, seed_ptr, index_ptr, thr_ptr, top_ptr, minp_ptr, val_ptr,
+                             idx_ptr, nan_ptr, n_cols, stride_x, stride_z, n_chunks, eps, CHUNK: tl.constexpr,
+                             HAS_Z: tl.constexpr, HAS_CUT: tl.constexpr, PDL: tl.constexpr):
         grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
@@ -80,6 +103,9 @@ if triton is not None:
                 z = tl.load(z_ptr + row * stride_z + cols, mask=m, other=float("-inf"))
             else:
                 z = tl.load(x_ptr + row * stride_x + cols, mask=m, other=float("-inf")) / temp
+                if HAS_CUT:  # filter_cut's cuts (the same z: x / temperature)
+                    keep = (z >= tl.load(thr_ptr + row)) & (tl.exp(z - tl.load(top_ptr + row)) >= tl.load(minp_ptr + row))
+                    z = tl.where(keep, z, float("-inf"))
             seed = tl.load(seed_ptr + row)
             index = tl.load(index_ptr + row)
             a = _row_key(0x243F6A88, seed, index)
@@ -89,6 +115,81 @@ if triton is not None:
             u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # exact: (k + 1/2) / 2**23
             x = z - tl.log(-tl.log(u))  # (past the row's end -inf, as z)
         _store_chunk_max(x, row * n_chunks + chunk, chunk * CHUNK, val_ptr, idx_ptr, nan_ptr)
+
+    @triton.jit
+    def _key(x):
+        """fp32 -> int32 in the same order (a total order: -0.0 below +0.0, which callers fold first)."""
+        b = x.to(tl.int32, bitcast=True)
+        return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+    @triton.jit
+    def _unkey(k):
+        b = tl.where(k >= 0, k, k ^ 0x7FFFFFFF).to(tl.int32)
+        return b.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _tempered(x_ptr, row, stride_x, c, n_cols, temp):
+        # (+ 0.0 folds -0.0 into +0.0, which compare equal as floats but not as keys)
+        return tl.load(x_ptr + row * stride_x + c, mask=c < n_cols, other=float("-inf")) / temp + 0.0
+
+    @triton.jit
+    def _narrow(lo, hi, piv, ok):
+        """One pass's verdicts on the pivots -> the narrower (lo, hi]: the search keeps the predicate false
+        at lo and true at hi."""
+        lo = tl.maximum(lo, tl.max(tl.where(ok, lo, piv), 0))
+        hi = tl.minimum(hi, tl.min(tl.where(ok, piv, hi), 0))
+        return lo, hi
+
+    @triton.jit
+    def _cut_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, thr_ptr, top_ptr, n_cols, stride_x, eps, BLOCK: tl.constexpr,
+                    NPIV: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency_wait(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        temp = tl.load(temp_ptr + row)
+        offs = tl.arange(0, BLOCK)
+        steps = (tl.arange(0, NPIV) + 1).to(tl.int64)
+        none = _key(tl.full((), float("-inf"), tl.float32)).to(tl.int64) - 1  # below every key
+        thr = none + 1  # -inf: keep all
+        top = tl.full((), float("-inf"), tl.float32)
+        if temp >= eps:  # (a greedy row takes argmax(x): no cut)
+            k = tl.load(k_ptr + row)
+            p = tl.load(p_ptr + row)
+            acc = tl.full((BLOCK,), float("-inf"), tl.float32)
+            for start in range(0, n_cols, BLOCK):
+                acc = tl.maximum(acc, _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp))
+            top = tl.max(acc, 0)
+            if (k > 0) & (k < n_cols):  # the smallest key K with count(key(z) > K) < k: the k-th largest z
+                lo = none
+                hi = _key(top).to(tl.int64)
+                while hi - lo > 1:
+                    piv = lo + ((hi - lo) * steps) // (NPIV + 1)
+                    cnt = tl.zeros((NPIV,), tl.int32)
+                    for start in range(0, n_cols, BLOCK):
+                        c = start + offs
+                        kz = _key(_tempered(x_ptr, row, stride_x, c, n_cols, temp)).to(tl.int64)
+                        cnt += tl.sum(((kz[:, None] > piv[None, :]) & (c < n_cols)[:, None]).to(tl.int32), 0)
+                    lo, hi = _narrow(lo, hi, piv, cnt < k)
+                thr = hi
+            if p < 1.0:  # of what top-k kept, the smallest key K whose strictly larger mass is below p
+                tk = _unkey(thr)
+                sacc = tl.zeros((BLOCK,), tl.float32)
+                for start in range(0, n_cols, BLOCK):
+                    z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
+                    sacc += tl.where(z >= tk, tl.exp(z - top), 0.0)
+                total = tl.sum(sacc, 0)
+                lo = thr - 1
+                hi = _key(top).to(tl.int64)
+                while hi - lo > 1:
+                    piv = lo + ((hi - lo) * steps) // (NPIV + 1)
+                    mass = tl.zeros((NPIV,), tl.float32)
+                    for start in range(0, n_cols, BLOCK):
+                        z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
+                        e = tl.where(z >= tk, tl.exp(z - top) / total, 0.0)
+                        mass += tl.sum(tl.where(_key(z).to(tl.int64)[:, None] > piv[None, :], e[:, None], 0.0), 0)
+                    lo, hi = _narrow(lo, hi, piv, mass < p)
+                thr = hi
+        tl.store(thr_ptr + row, _unkey(thr))
+        tl.store(top_ptr + row, top)
 
     @triton.jit
     def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, nan_ptr, n_cols, stride_x, n_chunks, CHUNK: tl.constexpr,
@@ -157,32 +258,58 @@ def argmax_rows(x: Tensor) -> Tensor:
     return _reduce(x, chunks)
 
 
+def filter_cut(x: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, eps: float) -> RowCut:
+    """Top-k, top-p and min-p of tempered logits ``x / temperature`` as per-row cuts (:class:`RowCut`), in one
+    launch. ``top_k`` int64 ``[B]`` (<= 0 or >= V: off), ``top_p`` fp32 ``[B]`` in (0, 1] (1: off), ``min_p``
+    fp32 ``[B]`` (0: off); rows with ``temperature < eps`` are greedy and get no cut. Top-p counts the mass of
+    what top-k kept; ties at a cut are all kept."""
+    _check_logits("filter_cut", x)
+    b = x.shape[0]
+    for name, t, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
+                           ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32)):
+        if t.shape != (b,) or t.dtype != dtype:
+            raise ValueError(f"filter_cut wants {name} as {dtype} [{b}], got {t.dtype} {tuple(t.shape)}")
+    thr = torch.empty(b, dtype=torch.float32, device=x.device)
+    top = torch.empty(b, dtype=torch.float32, device=x.device)
+    if b:
+        _cut_kernel[(b,)](x, temperature, top_k, top_p, thr, top, x.shape[1], x.stride(0), eps, BLOCK=_CUT_BLOCK,
+                          NPIV=_CUT_PIVOTS, **pdl_options(x.device), num_warps=8)
+    return RowCut(thr, top, min_p)
+
+
 def sample_rows(x: Tensor, temperature: Tensor, seeds: Tensor, token_index: Tensor, eps: float,
-                z: Tensor | None = None) -> Tensor:
+                z: Tensor | None = None, cut: RowCut | None = None) -> Tensor:
     """The sampler's token choice in two launches: int64 ``[B]``.
 
     A row with ``temperature < eps`` takes ``argmax(x)``; another takes the Gumbel-max draw
     ``argmax(z - log(-log u))`` with ``u = counter_uniform(seeds, token_index, V)`` and ``z = x / temperature``,
-    or the given ``z`` (fp32 ``[B, V]``, unit column stride) when filters made it. ``temperature`` fp32 ``[B]``,
-    ``seeds`` and ``token_index`` int64 ``[B]``, non-negative."""
+    or the given ``z`` (fp32 ``[B, V]``, unit column stride) when filters made it, or ``z`` cut by
+    :func:`filter_cut`'s ``cut``. ``temperature`` fp32 ``[B]``, ``seeds`` and ``token_index`` int64 ``[B]``,
+    non-negative."""
     _check_logits("sample_rows", x)
     if z is not None:
         _check_logits("sample_rows (z)", z)
         if z.shape != x.shape:
             raise ValueError(f"sample_rows: z has shape {tuple(z.shape)}, the logits {tuple(x.shape)}")
+    if z is not None and cut is not None:
+        raise ValueError("sample_rows takes filtered logits z or a cut, not both")
     b = x.shape[0]
     for name, t, dtype in (("temperature", temperature, torch.float32), ("seeds", seeds, torch.int64),
                            ("token_index", token_index, torch.int64)):
         if t.shape != (b,) or t.dtype != dtype:
             raise ValueError(f"sample_rows wants {name} as {dtype} [{b}], got {t.dtype} {tuple(t.shape)}")
 
+    if cut is not None and any(t.shape != (b,) or t.dtype != torch.float32 for t in cut):
+        raise ValueError(f"sample_rows wants the cut's fields as fp32 [{b}]")
+
     def chunks(val, idx, nan, n, pdl):
         zz = x if z is None else z
-        _chunk_sample_kernel[(b, n)](x, zz, temperature, seeds, token_index, val, idx, nan, x.shape[1],
-                                     x.stride(0), zz.stride(0), n, eps, CHUNK=_CHUNK, HAS_Z=z is not None, **pdl,
-                                     num_warps=8)
+        thr, top, min_p = cut if cut is not None else (temperature, temperature, temperature)  # (unread)
+        _chunk_sample_kernel[(b, n)](x, zz, temperature, seeds, token_index, thr, top, min_p, val, idx, nan,
+                                     x.shape[1], x.stride(0), zz.stride(0), n, eps, CHUNK=_CHUNK,
+                                     HAS_Z=z is not None, HAS_CUT=cut is not None, **pdl, num_warps=8)
 
     return _reduce(x, chunks)
 
 
-__all__ = ["argmax_rows", "available", "sample_rows"]
+__all__ = ["RowCut", "argmax_rows", "available", "filter_cut", "sample_rows"]

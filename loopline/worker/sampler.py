@@ -363,8 +363,8 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
 
     def warm(self, vocab_size: int, device: torch.device) -> None:
-        """Runs the token choice once on ``[1, vocab_size]`` logits, greedy and sampled (with and without
-        filtered logits), so that its kernels (on CUDA the Triton reductions) compile at start-up rather than in
+        """Runs the token choice once on ``[1, vocab_size]`` logits, greedy and sampled (plain, with filtered
+        logits, with the filters' cuts), so that its kernels (on CUDA the Triton reductions) compile at start-up rather than in
         a server's first request (0.38 s of its first token on an H100, ``tools/jit_misses.py``)."""
         x = torch.zeros((1, vocab_size), dtype=torch.float32, device=device)
         _argmax(x)
@@ -374,6 +374,8 @@ class Sampler:
             one, zero = torch.ones(1, device=device), torch.zeros(1, dtype=torch.int64, device=device)
             for z in (None, x):
                 sampling.sample_rows(x, one, zero, zero, SAMPLING_EPS, z)
+            cut = sampling.filter_cut(x, one, zero + 1, one / 2, one / 2, SAMPLING_EPS)
+            sampling.sample_rows(x, one, zero, zero, SAMPLING_EPS, cut=cut)
 
     def __call__(self, logits: Tensor, t: SamplingTensors) -> SamplerOutput:
         logits = logits.float()  # [B, V]
@@ -387,16 +389,20 @@ class Sampler:
         x = apply_penalties(x, t) if t.any_penalties else x
         kernel = not t.all_greedy and _sample_kernel(x)
         filters = t.any_top_k or t.any_top_p or t.any_min_p
-        # (the kernel tempers the logits itself: z only where filters or processed logprobs need it)
-        z = process_logits(x, t) if (processed or (not t.all_greedy and (filters or not kernel))) else None
+        # (the kernel tempers and filters the logits itself: z only where processed logprobs need it)
+        z = process_logits(x, t) if (processed or (not t.all_greedy and not kernel)) else None
 
         if t.all_greedy:
             token_ids = _argmax(x)  # [B]
-        elif kernel:  # the draw below in two launches (loopline.kernels.sampling)
+        elif kernel:  # the draw below in two launches, the filters' cuts in one more (loopline.kernels.sampling)
             from loopline.kernels import sampling
 
-            token_ids = sampling.sample_rows(x.contiguous(), t.temperature.float(), t.seeds.long(),
-                                             t.token_index.long(), SAMPLING_EPS, z.contiguous() if filters else None)
+            x, temp = x.contiguous(), t.temperature.float()
+            cut = None
+            if filters and z is None:
+                cut = sampling.filter_cut(x, temp, t.top_k.long(), t.top_p.float(), t.min_p.float(), SAMPLING_EPS)
+            token_ids = sampling.sample_rows(x, temp, t.seeds.long(), t.token_index.long(), SAMPLING_EPS,
+                                             z.contiguous() if (filters and z is not None) else None, cut)
         else:
             u = counter_uniform(t.seeds, t.token_index, x.shape[-1])  # [B, V]
             # Gumbel-max: argmax(z + Gumbel) ~ softmax(z); masked -inf never wins.

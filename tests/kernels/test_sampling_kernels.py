@@ -6,9 +6,9 @@ import pytest
 import torch
 from triton_testing import DEVICE
 
-from loopline.kernels.sampling import argmax_rows, sample_rows
+from loopline.kernels.sampling import RowCut, argmax_rows, filter_cut, sample_rows
 from loopline.worker import sampler as sampler_module
-from loopline.worker.sampler import SAMPLING_EPS, Sampler, counter_uniform
+from loopline.worker.sampler import SAMPLING_EPS, Sampler, counter_uniform, process_logits
 from tests.worker.test_sampler import _random_row_params, make_tensors
 
 # seeds and token indices whose high 32-bit halves matter too
@@ -81,9 +81,69 @@ def test_sample_rows_is_the_torch_draw(vocab, filtered):
         assert torch.isfinite(z.gather(1, want[:, None])).squeeze(1)[temperature >= SAMPLING_EPS].all()
 
 
+def _kept(x, temperature, cut):
+    z = x / torch.where(temperature < SAMPLING_EPS, 1.0, temperature)[:, None]
+    # (a masked token stays -inf whatever the cut: it never counts as kept)
+    return (z >= cut.thr[:, None]) & (torch.exp(z - cut.top[:, None]) >= cut.min_p[:, None]) & torch.isfinite(z)
+
+
+@pytest.mark.parametrize("vocab", [3000, 2048])  # a ragged last block, whole blocks
+def test_filter_cut_keeps_what_the_sort_keeps(vocab):
+    """Per row: the tokens the cuts keep are those the torch filters (a sort of the row) leave finite, over
+    top-k alone / with top-p / top-p alone / min-p and each off, ties at the top-k cut, masked (-inf) tokens,
+    top_k at and past the vocabulary and more than the finite tokens; greedy rows get no cut."""
+    g = torch.Generator().manual_seed(vocab)
+    n = 16
+    x = torch.randn(n, vocab, generator=g) * 3
+    temperature = (0.3 + torch.rand(n, generator=g) * 1.2)
+    top_k = torch.tensor([20, 0, 20, 0, 1, vocab, vocab + 5, 7, 50, -1, 3, 20, 0, 400, 5, 20])
+    top_p = torch.tensor([1.0, 0.7, 0.7, 1.0, 0.5, 0.9, 1.0, 0.95, 0.3, 0.999, 1.0, 1.0, 0.01, 0.8, 0.6, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.1, 0.0, 0.02, 0.0, 0.0, 0.0, 0.0, 0.01, 0.0, 0.0])
+    x[7, 100:110] = x[7].max() + 1.0  # ten tied top values, top_k 7: the tie at the cut keeps all ten
+    x[10, :] = 0.0
+    x[10, 5] = 1.0  # top_k 3 over a row of zeros: the cut is 0, every zero ties and stays
+    x[11] = torch.where(torch.rand(vocab, generator=g) < 0.995, float("-inf"), x[11])  # ~15 finite, top_k 20
+    x[12, 7] = x[12].max() + 10  # top_p 0.01: the top token alone
+    temperature[15] = 0.0  # a greedy row: no cut
+    t = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    want = torch.stack([torch.isfinite(process_logits(x[i:i + 1], _row_tensors(vocab, i, **t))[0]) for i in range(n)])
+    cut = filter_cut(x.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE), min_p.to(DEVICE),
+                     SAMPLING_EPS)
+    got = _kept(x, temperature, RowCut(*(c.cpu() for c in cut)))
+    sampled = temperature >= SAMPLING_EPS
+    for i in range(n):
+        assert torch.equal(got[i], want[i]) or not sampled[i], f"row {i}: {got[i].sum()} kept, sort {want[i].sum()}"
+    assert got[15].all()  # the greedy row: nothing cut
+    # the cases are what they claim
+    assert want[7].sum() == 10 and want[10].sum() == vocab and want[12].sum() == 1 and want[6].all() is not None
+    assert want[0].sum() == 20 and want[5].sum() < vocab and 0 < want[11].sum() < 20
+
+
+def _row_tensors(vocab, i, *, temperature, top_k, top_p, min_p):
+    return make_tensors(1, vocab, temperature=temperature[i].item(), top_k=top_k[i].item(),
+                        top_p=top_p[i].item(), min_p=min_p[i].item())
+
+
+def test_filter_cut_rejects_bad_input():
+    x = torch.zeros(2, 8, device=DEVICE)
+    f = torch.ones(2, device=DEVICE)
+    k = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="top_k"):
+        filter_cut(x, f, k.int(), f, f, SAMPLING_EPS)
+    with pytest.raises(ValueError, match=r"min_p as torch.float32 \[2\]"):
+        filter_cut(x, f, k, f, f[:1], SAMPLING_EPS)
+    with pytest.raises(ValueError, match="fp32"):
+        filter_cut(x.half(), f, k, f, f, SAMPLING_EPS)
+    cut = filter_cut(x, f, k, f, f, SAMPLING_EPS)
+    with pytest.raises(ValueError, match="not both"):
+        sample_rows(x, f, k, k, SAMPLING_EPS, x, cut)
+    assert filter_cut(x[:0], f[:0], k[:0], f[:0], f[:0], SAMPLING_EPS).thr.shape == (0,)
+
+
 def test_the_sampler_draws_in_the_kernel_as_in_torch(monkeypatch):
     """The sampler's kernel route (CUDA's; forced here) gives the torch route's tokens and logprobs over rows
-    with every parameter: greedy rows, penalties, top-k, top-p, min-p, processed logprobs."""
+    with every parameter: greedy rows, penalties, top-k, top-p, min-p (raw logprobs: the filters' cuts;
+    processed: the filtered logits), processed logprobs."""
     g = torch.Generator().manual_seed(3)
     B, V = 12, 3000
     logits = torch.randn(B, V, generator=g) * 2
@@ -92,7 +152,7 @@ def test_the_sampler_draws_in_the_kernel_as_in_torch(monkeypatch):
     counts = torch.randint(0, 3, (B, V), generator=g, dtype=torch.int32)
     seen = torch.rand(B, V, generator=g) < 0.2
     plain = dict(temperature=params["temperature"], seeds=params["seeds"], token_index=params["token_index"])
-    for kw, mode in ((params, "processed_logprobs"), (plain, "raw_logprobs")):
+    for kw, mode in ((params, "processed_logprobs"), (params, "raw_logprobs"), (plain, "raw_logprobs")):
         t = make_tensors(B, V, **kw, output_counts=counts, seen_mask=seen, max_num_logprobs=2, device=DEVICE)
         monkeypatch.setattr(sampler_module, "_sample_kernel", lambda x: False)
         want = Sampler(mode)(logits.to(DEVICE), t)
