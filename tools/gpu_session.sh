@@ -71,7 +71,7 @@ fi
 if has sampling_tests; then  # the sampler's GPU tests: the Triton draw, top-k by selection, the engine's start-up
   # warm-up of every token-choice kernel (session 36's paths; the warm-up test has not run on a GPU yet)
   timeout 200 python3 -m pytest -q -n 0 -p no:randomly tests/kernels/test_sampling_kernels.py tests/worker/test_sampler.py \
-    tests/worker/test_gpu_engine.py -k "sampl or startup or cuda" > "$out/sampling_tests.log" 2>&1
+    tests/worker/test_gpu_engine.py -k "sampl or startup or cuda or cut" > "$out/sampling_tests.log" 2>&1
   echo "sampling tests rc=$? $(tail -1 "$out/sampling_tests.log")"; grep -hE "^(FAILED|ERROR)" "$out/sampling_tests.log" | head
 fi
 if has sampler_cost; then  # one sampler call on CUDA, greedy and T = 1 (the Triton draw), Ouro's vocabulary

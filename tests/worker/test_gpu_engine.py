@@ -216,7 +216,7 @@ def test_fp8_kv_with_a_bf16_model_runs(tiny_gqa):
 
 
 def test_startup_compiles_the_sampler(tiny_gqa, monkeypatch):
-    """Greedy and sampled requests (top-p too) on a started engine compile no sampling kernel (the engine warmed
+    """Greedy and sampled requests (top-p, top-k and min-p too) on a started engine compile no sampling kernel (the engine warmed
     them at start-up): Triton's in-memory cache misses during the first requests name none of the token-choice
     kernels."""
     import triton
@@ -226,7 +226,8 @@ def test_startup_compiles_the_sampler(tiny_gqa, monkeypatch):
 
     monkeypatch.setattr(sampler, "_TRITON_ARGMAX_MIN_VOCAB", 0)  # (the tiny vocabulary would take torch's argmax)
 
-    kernels = (sampling._chunk_argmax_kernel, sampling._pick_chunk_kernel, sampling._chunk_sample_kernel)
+    kernels = (sampling._chunk_argmax_kernel, sampling._pick_chunk_kernel, sampling._chunk_sample_kernel,
+               sampling._cut_kernel)
     for kernel in kernels:  # (earlier tests in this process compiled them: forget that)
         kernel.device_caches.clear()
     llm = tiny_gqa.llm(device="cuda", skip_tokenizer_init=True, num_kv_blocks=512, attention_backend="triton")
@@ -235,7 +236,8 @@ def test_startup_compiles_the_sampler(tiny_gqa, monkeypatch):
     triton.knobs.runtime.jit_cache_hook = lambda *a, **kw: missed.append(getattr(kw.get("fn"), "name", "")) or False
     try:
         for params in (SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=4, temperature=0.8),
-                       SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9)):
+                       SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9),
+                       SamplingParams(max_tokens=4, temperature=0.8, top_k=3, min_p=0.1)):
             llm.generate([{"prompt_token_ids": ids(9)}, {"prompt_token_ids": ids(5)}], params, use_tqdm=False)
     finally:
         triton.knobs.runtime.jit_cache_hook = hook
