@@ -82,36 +82,49 @@ def _add_draft_parser(tsub: Any, formatter: Any) -> None:
     dr.add_argument("--report", default=None, help="also write the held-out evaluation JSON here")
     dr.add_argument("--depths", default=None, help="comma-separated draft depths (default: 1..loops-1)")
     dr.add_argument("--rank", type=positive_int, default=16, help="rank of each depth's low-rank residual")
-    dr.add_argument("--seq-len", type=positive_int, default=256, help="tokens per window")
-    dr.add_argument("--train-windows", type=positive_int, default=96, help="training-split windows to fit on")
-    dr.add_argument("--calib-windows", type=positive_int, default=32,
-                    help="further training-split windows that pick each depth's stopping epoch")
-    dr.add_argument("--heldout-windows", type=positive_int, default=32, help="held-out windows, only evaluated")
-    dr.add_argument("--epochs", type=positive_int, default=4)
+    _add_window_args(dr, calib="each depth's stopping epoch", heldout=32, epochs=4)
     dr.add_argument("--lr", type=float, default=1e-3)
-    dr.add_argument("--seed", type=int, default=0)
-    dr.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     dr.set_defaults(func=run_draft)
 
 
-def run_draft(ns: argparse.Namespace) -> int:
+def _add_window_args(parser: argparse.ArgumentParser, *, calib: str, heldout: int, epochs: int) -> None:
+    """The corpus windows, epochs, seed and threads of a small trainer on the frozen model (draft, lookahead)."""
+    parser.add_argument("--seq-len", type=positive_int, default=256, help="tokens per window")
+    parser.add_argument("--train-windows", type=positive_int, default=96, help="training-split windows to fit on")
+    parser.add_argument("--calib-windows", type=positive_int, default=32,
+                        help=f"further training-split windows that pick {calib}")
+    parser.add_argument("--heldout-windows", type=positive_int, default=heldout, help="held-out windows, only evaluated")
+    parser.add_argument("--epochs", type=positive_int, default=epochs)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+
+
+def _model_and_out(ns: argparse.Namespace) -> tuple[Path, Path]:
+    """A side-file trainer's checkpoint (default: the bundled model) and where its files go (default: beside the
+    weights, which the bundled model's install directory must not be); sets torch's threads."""
     import torch
 
     from loopline.models.tiny import default_checkpoint
-    from loopline.train.draft import run
 
     if ns.out is None and ns.model is None:
         raise InvalidRequestError("--out is required with the bundled model (its directory is part of the install)")
     if ns.model is not None and not Path(ns.model, "config.json").is_file():
         raise FileNotFoundError(f"--model {ns.model}: no config.json there (a checkpoint directory)")
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    model = Path(ns.model) if ns.model else default_checkpoint()
+    return model, Path(ns.out or model)
+
+
+def run_draft(ns: argparse.Namespace) -> int:
+    from loopline.train.draft import run
+
     try:
         depths = None if ns.depths is None else [int(x) for x in ns.depths.split(",")]
     except ValueError:
         raise InvalidRequestError(f"--depths {ns.depths!r}; allowed: comma-separated integers") from None
-    if ns.threads:
-        torch.set_num_threads(ns.threads)
-    model = Path(ns.model) if ns.model else default_checkpoint()
-    result = run(model, Path(ns.out or model), depths=depths, rank=ns.rank, seq_len=ns.seq_len,
+    model, out = _model_and_out(ns)
+    result = run(model, out, depths=depths, rank=ns.rank, seq_len=ns.seq_len,
                  train_windows=ns.train_windows, calib_windows=ns.calib_windows, heldout_windows=ns.heldout_windows,
                  epochs=ns.epochs, lr=ns.lr,
                  seed=ns.seed)
@@ -128,31 +141,15 @@ def _add_lookahead_parser(tsub: Any, formatter: Any) -> None:
                     "required with the bundled model, whose directory is part of the install)")
     la.add_argument("--traces-dir", required=True, help="where the trace shards go (train/, calib/, heldout/)")
     la.add_argument("--report", default=None, help="also write the held-out evaluation JSON here")
-    la.add_argument("--seq-len", type=positive_int, default=256, help="tokens per window")
-    la.add_argument("--train-windows", type=positive_int, default=96, help="training-split windows to fit on")
-    la.add_argument("--calib-windows", type=positive_int, default=32,
-                    help="further training-split windows that pick the threshold")
-    la.add_argument("--heldout-windows", type=positive_int, default=64, help="held-out windows, only evaluated")
-    la.add_argument("--epochs", type=positive_int, default=30)
-    la.add_argument("--seed", type=int, default=0)
-    la.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    _add_window_args(la, calib="the threshold", heldout=64, epochs=30)
     la.set_defaults(func=run_lookahead)
 
 
 def run_lookahead(ns: argparse.Namespace) -> int:
-    import torch
-
-    from loopline.models.tiny import default_checkpoint
     from loopline.train.lookahead import run
 
-    if ns.out is None and ns.model is None:
-        raise InvalidRequestError("--out is required with the bundled model (its directory is part of the install)")
-    if ns.model is not None and not Path(ns.model, "config.json").is_file():
-        raise FileNotFoundError(f"--model {ns.model}: no config.json there (a checkpoint directory)")
-    if ns.threads:
-        torch.set_num_threads(ns.threads)
-    model = Path(ns.model) if ns.model else default_checkpoint()
-    result = run(model, Path(ns.out or model), Path(ns.traces_dir), seq_len=ns.seq_len, train_windows=ns.train_windows,
+    model, out = _model_and_out(ns)
+    result = run(model, out, Path(ns.traces_dir), seq_len=ns.seq_len, train_windows=ns.train_windows,
                  calib_windows=ns.calib_windows, heldout_windows=ns.heldout_windows, epochs=ns.epochs, seed=ns.seed)
     if ns.report:
         Path(ns.report).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
