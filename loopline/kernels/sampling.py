@@ -163,12 +163,12 @@ if triton is not None:
                 hi = _key(top).to(tl.int64)
                 while hi - lo > 1:
                     piv = lo + ((hi - lo) * steps) // (NPIV + 1)
-                    cnt = tl.zeros((NPIV,), tl.int32)
+                    cnt = tl.zeros((BLOCK, NPIV), tl.int32)  # (summed once a pass: a sum is a block-wide sync)
                     for start in range(0, n_cols, BLOCK):
                         c = start + offs
                         kz = _key(_tempered(x_ptr, row, stride_x, c, n_cols, temp)).to(tl.int64)
-                        cnt += tl.sum(((kz[:, None] > piv[None, :]) & (c < n_cols)[:, None]).to(tl.int32), 0)
-                    lo, hi = _narrow(lo, hi, piv, cnt < k)
+                        cnt += ((kz[:, None] > piv[None, :]) & (c < n_cols)[:, None]).to(tl.int32)
+                    lo, hi = _narrow(lo, hi, piv, tl.sum(cnt, 0) < k)
                 thr = hi
             if p < 1.0:  # of what top-k kept, the smallest key K whose strictly larger mass is below p
                 tk = _unkey(thr)
@@ -181,12 +181,12 @@ if triton is not None:
                 hi = _key(top).to(tl.int64)
                 while hi - lo > 1:
                     piv = lo + ((hi - lo) * steps) // (NPIV + 1)
-                    mass = tl.zeros((NPIV,), tl.float32)
+                    mass = tl.zeros((BLOCK, NPIV), tl.float32)
                     for start in range(0, n_cols, BLOCK):
                         z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
                         e = tl.where(z >= tk, tl.exp(z - top) / total, 0.0)
-                        mass += tl.sum(tl.where(_key(z).to(tl.int64)[:, None] > piv[None, :], e[:, None], 0.0), 0)
-                    lo, hi = _narrow(lo, hi, piv, mass < p)
+                        mass += tl.where(_key(z).to(tl.int64)[:, None] > piv[None, :], e[:, None], 0.0)
+                    lo, hi = _narrow(lo, hi, piv, tl.sum(mass, 0) < p)
                 thr = hi
         tl.store(thr_ptr + row, _unkey(thr))
         tl.store(top_ptr + row, top)
