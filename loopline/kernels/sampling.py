@@ -102,7 +102,7 @@ if triton is not None:
             if HAS_Z:  # logits already tempered and filtered (top-k, top-p, min-p)
                 z = tl.load(z_ptr + row * stride_z + cols, mask=m, other=float("-inf"))
             else:
-                z = tl.load(x_ptr + row * stride_x + cols, mask=m, other=float("-inf")) / temp
+                z = tl.div_rn(tl.load(x_ptr + row * stride_x + cols, mask=m, other=float("-inf")), temp)
                 if HAS_CUT:  # filter_cut's cuts (the same z: x / temperature)
                     keep = (z >= tl.load(thr_ptr + row)) & (tl.exp(z - tl.load(top_ptr + row)) >= tl.load(minp_ptr + row))
                     z = tl.where(keep, z, float("-inf"))
@@ -130,7 +130,9 @@ if triton is not None:
     @triton.jit
     def _tempered(x_ptr, row, stride_x, c, n_cols, temp):
         # (+ 0.0 folds -0.0 into +0.0, which compare equal as floats but not as keys)
-        return tl.load(x_ptr + row * stride_x + c, mask=c < n_cols, other=float("-inf")) / temp + 0.0
+        # (div_rn: IEEE division, torch's z bit for bit; Triton's "/" may be a few ulp off, enough to move a
+        # top-k cut past the value it was found at)
+        return tl.div_rn(tl.load(x_ptr + row * stride_x + c, mask=c < n_cols, other=float("-inf")), temp) + 0.0
 
     @triton.jit
     def _narrow(lo, hi, piv, ok):
@@ -162,12 +164,13 @@ if triton is not None:
                 lo = none
                 hi = _key(top).to(tl.int64)
                 while hi - lo > 1:
-                    piv = lo + ((hi - lo) * steps) // (NPIV + 1)
+                    piv = lo + ((hi - lo) * steps) // (NPIV + 1)  # (int64: the product; every key fits int32)
+                    piv32 = piv.to(tl.int32)
                     cnt = tl.zeros((BLOCK, NPIV), tl.int32)  # (summed once a pass: a sum is a block-wide sync)
                     for start in range(0, n_cols, BLOCK):
                         c = start + offs
-                        kz = _key(_tempered(x_ptr, row, stride_x, c, n_cols, temp)).to(tl.int64)
-                        cnt += ((kz[:, None] > piv[None, :]) & (c < n_cols)[:, None]).to(tl.int32)
+                        kz = _key(_tempered(x_ptr, row, stride_x, c, n_cols, temp))
+                        cnt += ((kz[:, None] > piv32[None, :]) & (c < n_cols)[:, None]).to(tl.int32)
                     lo, hi = _narrow(lo, hi, piv, tl.sum(cnt, 0) < k)
                 thr = hi
             if p < 1.0:  # of what top-k kept, the smallest key K whose strictly larger mass is below p
@@ -181,11 +184,12 @@ if triton is not None:
                 hi = _key(top).to(tl.int64)
                 while hi - lo > 1:
                     piv = lo + ((hi - lo) * steps) // (NPIV + 1)
+                    piv32 = piv.to(tl.int32)
                     mass = tl.zeros((BLOCK, NPIV), tl.float32)
                     for start in range(0, n_cols, BLOCK):
                         z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
                         e = tl.where(z >= tk, tl.exp(z - top) / total, 0.0)
-                        mass += tl.where(_key(z).to(tl.int64)[:, None] > piv[None, :], e[:, None], 0.0)
+                        mass += tl.where(_key(z)[:, None] > piv32[None, :], e[:, None], 0.0)
                     lo, hi = _narrow(lo, hi, piv, tl.sum(mass, 0) < p)
                 thr = hi
         tl.store(thr_ptr + row, _unkey(thr))
