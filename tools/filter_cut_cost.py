@@ -1,0 +1,96 @@
+"""Top-k / top-p / min-p on CUDA: the filters' cuts (``filter_cut``) and the draw against the torch filters and
+the same draw, per call, and whether the cuts keep exactly the sort's tokens.
+
+python tools/filter_cut_cost.py [--rows 1,8,32,128] [--vocab 49152] [--sweep]
+
+Logits ``3 * randn``; a call's time is 50 calls then one synchronize (the device's share). ``--sweep`` also times
+the cut kernel's launch shapes (pivots a pass, columns a block, warps). On the CPU (under ``TRITON_INTERPRET=1``)
+it checks the kept tokens only.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from loopline.kernels import sampling
+from loopline.worker.sampler import SAMPLING_EPS, _apply_min_p, _apply_top_k_top_p
+
+CASES = ((20, 1.0, 0.0), (0, 0.7, 0.0), (20, 0.7, 0.0), (0, 1.0, 0.05), (50, 0.9, 0.05))  # top_k, top_p, min_p
+
+
+def timed(f, device: str, n: int = 50) -> float:
+    """ms a call (nan on the CPU, where the interpreter's time means nothing)."""
+    if device != "cuda":
+        f()
+        return float("nan")
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,8,32,128")
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--sweep", action="store_true", help="also time the cut kernel's launch shapes")
+    a = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    V = a.vocab
+    for B in (int(r) for r in a.rows.split(",")):
+        x = torch.randn(B, V, device=dev) * 3
+        temp = torch.ones(B, device=dev)
+        seeds, idx = torch.arange(B, device=dev), torch.zeros(B, dtype=torch.int64, device=dev)
+        for top_k, top_p, min_p in CASES:
+            k = torch.full((B,), top_k, dtype=torch.int64, device=dev)
+            p = torch.full((B,), top_p, device=dev)
+            mp = torch.full((B,), min_p, device=dev)
+
+            def filtered() -> torch.Tensor:  # the torch filters, as the sampler's torch route applies them
+                z = x / temp[:, None]
+                if top_k or top_p < 1:
+                    z = _apply_top_k_top_p(z, k, p, top_k > 0, top_p < 1)
+                return _apply_min_p(z, mp) if min_p else z
+
+            cut = sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS)
+            z = x / temp[:, None]
+            kept = (z >= cut.thr[:, None]) & (torch.exp(z - cut.top[:, None]) >= mp[:, None])
+            same = bool(torch.equal(kept, torch.isfinite(filtered())))
+            t_cut = timed(lambda: sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS), dev)
+            t_new = timed(lambda: sampling.sample_rows(
+                x, temp, seeds, idx, SAMPLING_EPS, cut=sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS)), dev)
+            t_old = timed(lambda: sampling.sample_rows(x, temp, seeds, idx, SAMPLING_EPS, filtered()), dev)
+            print(f"B={B} top_k={top_k} top_p={top_p} min_p={min_p}: same={same} kept/row={kept.sum().item() / B:.1f} "
+                  f"cut {t_cut:.3f} ms, cut+draw {t_new:.3f} ms, torch filters+draw {t_old:.3f} ms", flush=True)
+        if a.sweep and dev == "cuda":
+            sweep(x, temp, V, dev)
+
+
+def sweep(x: torch.Tensor, temp: torch.Tensor, V: int, dev: str) -> None:
+    B = x.shape[0]
+    for top_k, top_p in ((0, 0.7), (20, 0.9)):
+        k = torch.full((B,), top_k, dtype=torch.int64, device=dev)
+        p = torch.full((B,), top_p, device=dev)
+        thr, top = torch.empty(B, device=dev), torch.empty(B, device=dev)
+        rows = []
+        for npiv in (4, 8, 16):
+            for block in (256, 512, 1024):
+                for warps in (4, 8):
+                    def f(npiv=npiv, block=block, warps=warps):
+                        sampling._cut_kernel[(B,)](x, temp, k, p, thr, top, V, x.stride(0), SAMPLING_EPS, BLOCK=block,
+                                                   NPIV=npiv, PDL=False, num_warps=warps)
+                    rows.append((timed(f, dev), npiv, block, warps))
+        rows.sort()
+        print(f"B={B} top_k={top_k} top_p={top_p}: fastest "
+              + ", ".join(f"{ms:.3f} ms (pivots {n}, block {b}, warps {w})" for ms, n, b, w in rows[:4]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
