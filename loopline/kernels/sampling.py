@@ -143,17 +143,20 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
-    def _cut_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, thr_ptr, top_ptr, n_cols, stride_x, eps, BLOCK: tl.constexpr,
-                    NPIV: tl.constexpr, PDL: tl.constexpr):
+    def _cut_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, active_ptr, thr_ptr, top_ptr, n_cols, stride_x, eps,
+                    BLOCK: tl.constexpr, NPIV: tl.constexpr, HAS_ACTIVE: tl.constexpr, PDL: tl.constexpr):
         grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         temp = tl.load(temp_ptr + row)
+        go = temp >= eps  # (a greedy row takes argmax(x): no cut)
+        if HAS_ACTIVE:  # (a row whose token nobody reads: no cut either)
+            go = go & (tl.load(active_ptr + row) != 0)
         offs = tl.arange(0, BLOCK)
         steps = (tl.arange(0, NPIV) + 1).to(tl.int64)
         none = _key(tl.full((), float("-inf"), tl.float32)).to(tl.int64) - 1  # below every key
         thr = none + 1  # -inf: keep all
         top = tl.full((), float("-inf"), tl.float32)
-        if temp >= eps:  # (a greedy row takes argmax(x): no cut)
+        if go:
             k = tl.load(k_ptr + row)
             p = tl.load(p_ptr + row)
             acc = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -262,22 +265,27 @@ def argmax_rows(x: Tensor) -> Tensor:
     return _reduce(x, chunks)
 
 
-def filter_cut(x: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, eps: float) -> RowCut:
+def filter_cut(x: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, eps: float,
+               active: Tensor | None = None) -> RowCut:
     """Top-k, top-p and min-p of tempered logits ``x / temperature`` as per-row cuts (:class:`RowCut`), in one
     launch. ``top_k`` int64 ``[B]`` (<= 0 or >= V: off), ``top_p`` fp32 ``[B]`` in (0, 1] (1: off), ``min_p``
     fp32 ``[B]`` (0: off); rows with ``temperature < eps`` are greedy and get no cut. Top-p counts the mass of
-    what top-k kept; ties at a cut are all kept."""
+    what top-k kept; ties at a cut are all kept. ``active`` (bool ``[B]``): the rows whose token is used; the
+    others get no cut (a decode row that does not exit this step: the search is most of the launch's time)."""
     _check_logits("filter_cut", x)
     b = x.shape[0]
     for name, t, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
-                           ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32)):
+                           ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
+                           ("active", temperature if active is None else active,
+                            torch.float32 if active is None else torch.bool)):
         if t.shape != (b,) or t.dtype != dtype:
             raise ValueError(f"filter_cut wants {name} as {dtype} [{b}], got {t.dtype} {tuple(t.shape)}")
     thr = torch.empty(b, dtype=torch.float32, device=x.device)
     top = torch.empty(b, dtype=torch.float32, device=x.device)
     if b:
-        _cut_kernel[(b,)](x, temperature, top_k, top_p, thr, top, x.shape[1], x.stride(0), eps, BLOCK=_CUT_BLOCK,
-                          NPIV=_CUT_PIVOTS, **pdl_options(x.device), num_warps=8)
+        _cut_kernel[(b,)](x, temperature, top_k, top_p, temperature if active is None else active, thr, top,
+                          x.shape[1], x.stride(0), eps, BLOCK=_CUT_BLOCK, NPIV=_CUT_PIVOTS,
+                          HAS_ACTIVE=active is not None, **pdl_options(x.device), num_warps=8)
     return RowCut(thr, top, min_p)
 
 

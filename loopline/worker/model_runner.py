@@ -671,6 +671,11 @@ class ModelRunner:
                 self.spec.target_history(tensors, verify)
         if token_mask is not None:  # structured outputs: disallowed tokens of constrained rows to -inf
             token_mask(all_logits, [rows[i].request_id for i in row_idx])
+        if tensors.any_top_k or tensors.any_top_p or tensors.any_min_p:
+            # the filters search only the rows whose token is read: a decode row's where it exits (one step of
+            # its token's R at fixed depth), every finished prompt's and round target's
+            tensors.active = dec.exit if len(row_idx) == nd else torch.cat(
+                ([dec.exit] if nd else []) + [torch.ones(len(row_idx) - nd, dtype=torch.bool, device=self.device)])
         out: SamplerOutput = self.sampler(all_logits, tensors)
         depths = ([dec.loops] if nd else []) + [depth for _, depth in booked.meta]
         flags = ([dec.exit] if nd else []) + ([torch.ones(n_done, dtype=torch.bool, device=self.device)] if n_done else [])

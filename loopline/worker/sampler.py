@@ -101,6 +101,9 @@ class SamplingTensors:
     # logprob_token_ids: these ids' logprobs replace a row's top-k columns
     custom_ids: Tensor | None = None  # [B, K] int64 (K = max_num_logprobs)
     custom_mask: Tensor | None = None  # [B, K] bool, True => the column holds a custom id
+    # the rows whose token is used ([B] bool on the device; None: all): the others may skip the filters (a decode
+    # row that does not exit this step; its token is drawn anyway, never read)
+    active: Tensor | None = None
 
 
 @dataclass
@@ -374,7 +377,8 @@ class Sampler:
             one, zero = torch.ones(1, device=device), torch.zeros(1, dtype=torch.int64, device=device)
             for z in (None, x):
                 sampling.sample_rows(x, one, zero, zero, SAMPLING_EPS, z)
-            cut = sampling.filter_cut(x, one, zero + 1, one / 2, one / 2, SAMPLING_EPS)
+            for active in (None, one > 0):  # (the runner says which rows it reads; a draft's sampling does not)
+                cut = sampling.filter_cut(x, one, zero + 1, one / 2, one / 2, SAMPLING_EPS, active)
             sampling.sample_rows(x, one, zero, zero, SAMPLING_EPS, cut=cut)
 
     def __call__(self, logits: Tensor, t: SamplingTensors) -> SamplerOutput:
@@ -400,7 +404,8 @@ class Sampler:
             x, temp = x.contiguous(), t.temperature.float()
             cut = None
             if filters and z is None:
-                cut = sampling.filter_cut(x, temp, t.top_k.long(), t.top_p.float(), t.min_p.float(), SAMPLING_EPS)
+                cut = sampling.filter_cut(x, temp, t.top_k.long(), t.top_p.float(), t.min_p.float(), SAMPLING_EPS,
+                                          t.active)
             token_ids = sampling.sample_rows(x, temp, t.seeds.long(), t.token_index.long(), SAMPLING_EPS,
                                              z.contiguous() if (filters and z is not None) else None, cut)
         else:

@@ -114,6 +114,13 @@ def test_filter_cut_keeps_what_the_sort_keeps(vocab):
     for i in range(n):
         assert torch.equal(got[i], want[i]) or not sampled[i], f"row {i}: {got[i].sum()} kept, sort {want[i].sum()}"
     assert got[15].all()  # the greedy row: nothing cut
+    # rows whose token is not read (active False) get no cut; the others the same cuts
+    active = torch.arange(n) % 3 != 1
+    cut = filter_cut(x.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE), min_p.to(DEVICE),
+                     SAMPLING_EPS, active.to(DEVICE))
+    skipped = _kept(x, temperature, RowCut(*(c.cpu() for c in cut)))
+    assert torch.equal(skipped[active], got[active])
+    assert torch.equal(skipped[~active], torch.isfinite(x[~active]))
     # the cases are what they claim
     assert want[7].sum() == 10 and want[10].sum() == vocab and want[12].sum() == 1 and want[6].all() is not None
     assert want[0].sum() == 20 and want[5].sum() < vocab and 0 < want[11].sum() < 20
@@ -134,6 +141,8 @@ def test_filter_cut_rejects_bad_input():
         filter_cut(x, f, k, f, f[:1], SAMPLING_EPS)
     with pytest.raises(ValueError, match="fp32"):
         filter_cut(x.half(), f, k, f, f, SAMPLING_EPS)
+    with pytest.raises(ValueError, match="active as torch.bool"):
+        filter_cut(x, f, k, f, f, SAMPLING_EPS, f)
     cut = filter_cut(x, f, k, f, f, SAMPLING_EPS)
     with pytest.raises(ValueError, match="not both"):
         sample_rows(x, f, k, k, SAMPLING_EPS, x, cut)
@@ -172,3 +181,43 @@ def test_sample_rows_rejects_bad_input():
     with pytest.raises(ValueError, match=r"z has shape \(2, 4\)"):
         sample_rows(x, one, zero, zero, SAMPLING_EPS, x[:, :4].contiguous())
     assert sample_rows(torch.zeros(0, 8, device=DEVICE), one[:0], zero[:0], zero[:0], SAMPLING_EPS).shape == (0,)
+
+
+def test_the_engine_cuts_only_the_rows_it_reads(tiny_gqa, monkeypatch):
+    """Through the engine, the kernel route (CUDA's; forced here) searches the filters' cuts only for the rows
+    whose token is read (a decode row where it exits, every finished prompt's), and its tokens and logprobs are
+    the torch route's: top-p, top-k, min-p beside greedy and unfiltered requests, adaptive exits."""
+    from loopline import SamplingParams
+    from loopline.kernels import sampling
+
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=1, exit_threshold=0.5, logprobs=1, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=1.1, top_k=5, min_p=0.05, seed=2, exit_threshold=0.4, logprobs=1, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.0, logprobs=1, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.7, seed=3, logprobs=1, ignore_eos=True)]
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 50 + 3 for j in range(5 + 2 * i)]} for i in range(len(params))]
+
+    def run(kernel: bool):
+        monkeypatch.setattr(sampler_module, "_sample_kernel", lambda x: kernel)
+        llm = tiny_gqa.llm(skip_tokenizer_init=True, num_kv_blocks=256, attention_backend="torch")
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].exit_depths, [list(d.values()) for d in o.outputs[0].logprobs])
+                for o in outs]
+
+    actives = []
+    real = sampling.filter_cut
+
+    def spy(*args, **kwargs):
+        active = args[6] if len(args) > 6 else kwargs.get("active")
+        actives.append(None if active is None else active.clone())
+        return real(*args, **kwargs)
+
+    want = run(False)
+    monkeypatch.setattr(sampling, "filter_cut", spy)
+    got = run(True)
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    for g, w in zip(got, want):
+        for a, b in zip(g[2], w[2]):
+            assert [x.rank for x in a] == [x.rank for x in b]
+            assert all(abs(x.logprob - y.logprob) < 1e-5 for x, y in zip(a, b))
+    assert actives and all(a is not None for a in actives)
+    assert any(not a.all() for a in actives) and any(a.any() for a in actives)  # some rows skipped, some cut
