@@ -81,11 +81,12 @@ def sweep(x: torch.Tensor, temp: torch.Tensor, V: int, dev: str) -> None:
         thr, top = torch.empty(B, device=dev), torch.empty(B, device=dev)
         rows = []
         for npiv in (4, 8, 16):
-            for block in (256, 512, 1024):
-                for warps in (4, 8):
+            for block in (512, 1024, 2048):
+                for warps in (4, 8, 16):
                     def f(npiv=npiv, block=block, warps=warps):
-                        sampling._cut_kernel[(B,)](x, temp, k, p, thr, top, V, x.stride(0), SAMPLING_EPS, BLOCK=block,
-                                                   NPIV=npiv, PDL=False, num_warps=warps)
+                        sampling._cut_kernel[(B,)](x, temp, k, p, temp, thr, top, V, x.stride(0), SAMPLING_EPS,
+                                                   BLOCK=block, NPIV=npiv, HAS_ACTIVE=False, PDL=False,
+                                                   num_warps=warps)
                     rows.append((timed(f, dev), npiv, block, warps))
         rows.sort()
         print(f"B={B} top_k={top_k} top_p={top_p}: fastest "
