@@ -274,10 +274,9 @@ def filter_cut(x: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min
     others get no cut (a decode row that does not exit this step: the search is most of the launch's time)."""
     _check_logits("filter_cut", x)
     b = x.shape[0]
-    for name, t, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
-                           ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
-                           ("active", temperature if active is None else active,
-                            torch.float32 if active is None else torch.bool)):
+    fields = [("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
+              ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32)]
+    for name, t, dtype in fields + ([("active", active, torch.bool)] if active is not None else []):
         if t.shape != (b,) or t.dtype != dtype:
             raise ValueError(f"filter_cut wants {name} as {dtype} [{b}], got {t.dtype} {tuple(t.shape)}")
     thr = torch.empty(b, dtype=torch.float32, device=x.device)
