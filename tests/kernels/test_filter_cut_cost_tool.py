@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the tool's process (~8 s on 2 cores); the cuts it checks are tested in test_sampling_kernels.py
 def test_filter_cut_cost_checks_every_case():
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "filter_cut_cost.py"), "--rows", "2", "--vocab", "1500"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT,
