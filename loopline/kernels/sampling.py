@@ -236,6 +236,13 @@ def _check_logits(name: str, x: Tensor) -> None:
         raise ValueError(f"{name}: the rows are empty")
 
 
+def _check_rows(name: str, b: int, fields: list[tuple[str, Tensor, torch.dtype]]) -> None:
+    """Each per-row argument ``(field, tensor, dtype)`` of kernel wrapper ``name`` is ``dtype`` ``[b]``."""
+    for field, t, dtype in fields:
+        if t.shape != (b,) or t.dtype != dtype:
+            raise ValueError(f"{name} wants {field} as {dtype} [{b}], got {t.dtype} {tuple(t.shape)}")
+
+
 def _reduce(x: Tensor, launch_chunks) -> Tensor:
     """The second launch of both reductions: ``launch_chunks(val, idx, nan, chunks, pdl)`` writes each chunk's
     maximum, its first index and whether it holds a NaN; one program per row picks among the chunks."""
@@ -274,11 +281,9 @@ def filter_cut(x: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min
     others get no cut (a decode row that does not exit this step: the search is most of the launch's time)."""
     _check_logits("filter_cut", x)
     b = x.shape[0]
-    fields = [("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
-              ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32)]
-    for name, t, dtype in fields + ([("active", active, torch.bool)] if active is not None else []):
-        if t.shape != (b,) or t.dtype != dtype:
-            raise ValueError(f"filter_cut wants {name} as {dtype} [{b}], got {t.dtype} {tuple(t.shape)}")
+    _check_rows("filter_cut", b, [("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
+                                  ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32)]
+                + ([("active", active, torch.bool)] if active is not None else []))
     thr = torch.empty(b, dtype=torch.float32, device=x.device)
     top = torch.empty(b, dtype=torch.float32, device=x.device)
     if b:
@@ -305,13 +310,9 @@ def sample_rows(x: Tensor, temperature: Tensor, seeds: Tensor, token_index: Tens
     if z is not None and cut is not None:
         raise ValueError("sample_rows takes filtered logits z or a cut, not both")
     b = x.shape[0]
-    for name, t, dtype in (("temperature", temperature, torch.float32), ("seeds", seeds, torch.int64),
-                           ("token_index", token_index, torch.int64)):
-        if t.shape != (b,) or t.dtype != dtype:
-            raise ValueError(f"sample_rows wants {name} as {dtype} [{b}], got {t.dtype} {tuple(t.shape)}")
-
-    if cut is not None and any(t.shape != (b,) or t.dtype != torch.float32 for t in cut):
-        raise ValueError(f"sample_rows wants the cut's fields as fp32 [{b}]")
+    _check_rows("sample_rows", b, [("temperature", temperature, torch.float32), ("seeds", seeds, torch.int64),
+                                   ("token_index", token_index, torch.int64)]
+                + ([(f"cut.{f}", t, torch.float32) for f, t in cut._asdict().items()] if cut is not None else []))
 
     def chunks(val, idx, nan, n, pdl):
         zz = x if z is None else z

@@ -671,7 +671,7 @@ class ModelRunner:
                 self.spec.target_history(tensors, verify)
         if token_mask is not None:  # structured outputs: disallowed tokens of constrained rows to -inf
             token_mask(all_logits, [rows[i].request_id for i in row_idx])
-        if tensors.any_top_k or tensors.any_top_p or tensors.any_min_p:
+        if tensors.any_filters:
             # the filters search only the rows whose token is read: a decode row's where it exits (one step of
             # its token's R at fixed depth), every finished prompt's and round target's
             tensors.active = dec.exit if len(row_idx) == nd else torch.cat(

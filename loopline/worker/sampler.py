@@ -105,6 +105,11 @@ class SamplingTensors:
     # row that does not exit this step; its token is drawn anyway, never read)
     active: Tensor | None = None
 
+    @property
+    def any_filters(self) -> bool:
+        """Whether some row cuts its distribution: top-k, top-p or min-p."""
+        return self.any_top_k or self.any_top_p or self.any_min_p
+
 
 @dataclass
 class SamplerOutput:
@@ -392,7 +397,7 @@ class Sampler:
         x = apply_logits_fields(logits, t) if fields else logits
         x = apply_penalties(x, t) if t.any_penalties else x
         kernel = not t.all_greedy and _sample_kernel(x)
-        filters = t.any_top_k or t.any_top_p or t.any_min_p
+        filters = t.any_filters
         # (the kernel tempers and filters the logits itself: z only where processed logprobs need it)
         z = process_logits(x, t) if (processed or (not t.all_greedy and not kernel)) else None
 
