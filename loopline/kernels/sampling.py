@@ -17,8 +17,10 @@ few milliseconds of host time per sampling step.
 a segmented sort, a softmax, a cumsum and a dozen small launches) by one
 program per row that finds each cut as a value: the k-th largest value, and
 the smallest value whose strictly-larger mass stays below top_p, each by a
-search over the order-preserving integer keys of fp32 values (NPIV pivots a
-pass, so ~log2(2**32) / log2(NPIV + 1) passes over the row). The draw then
+search over the order-preserving integer keys of fp32 values: NPIV pivots a
+pass spread over the values between the search's bounds, the bounds snapped to
+the row's values inside them, so a search ends when one value is left (4-8
+passes over a row of logits; the keys' 32 bits took ~10 before). The draw then
 drops what lies below the cut inside its chunk reduction. The cuts are the
 sort's (``loopline.worker.sampler._apply_top_k_top_p``: ties at a cut are all
 kept), up to the summation order of the nucleus's mass.
@@ -137,10 +139,54 @@ if triton is not None:
     @triton.jit
     def _narrow(lo, hi, piv, ok):
         """One pass's verdicts on the pivots -> the narrower (lo, hi]: the search keeps the predicate false
-        at lo and true at hi."""
+        at lo and true at hi (the pivots in any order)."""
         lo = tl.maximum(lo, tl.max(tl.where(ok, lo, piv), 0))
         hi = tl.minimum(hi, tl.min(tl.where(ok, piv, hi), 0))
         return lo, hi
+
+    @triton.jit
+    def _search(x_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, target, MASS: tl.constexpr,
+                BLOCK: tl.constexpr, NPIV: tl.constexpr):
+        """The smallest key K in (lo, hi] at which ``count(key(z) > K) < target`` (MASS: the mass
+        ``sum exp(z - top)`` of those z ``< target``) holds, given it fails at lo and holds at hi.
+
+        Pivots are spread evenly over the values of the interval (logits sit in a few units: ~9x narrower a
+        pass), or over its keys once six passes have gone (the values can be spread badly: a -1e30 beside
+        logits near 0; keys narrow 9x a pass whatever the values). Each pass also finds the smallest and the
+        largest key inside the interval, where the predicate is the same as at its ends (it changes only at
+        the row's keys): the search stops once one value is left, not at the key's last bit."""
+        offs = tl.arange(0, BLOCK)
+        steps = tl.arange(0, NPIV) + 1
+        n = 0
+        while hi - lo > 1:
+            kp = lo + ((hi - lo) * steps.to(tl.int64)) // (NPIV + 1)  # (int64: the product; every key fits int32)
+            va = tl.maximum(_unkey(lo + 1), fmin)
+            vb = _unkey(hi)
+            pv = _key(va + (vb - va) * (steps.to(tl.float32) / (NPIV + 1))).to(tl.int64)
+            piv = tl.where((pv > lo) & (pv < hi) & (n < 6), pv, kp)
+            piv32 = piv.to(tl.int32)
+            if MASS:
+                acc = tl.zeros((BLOCK, NPIV), tl.float32)
+            else:
+                acc = tl.zeros((BLOCK, NPIV), tl.int32)  # (summed once a pass: a sum is a block-wide sync)
+            least = tl.full((BLOCK,), 2147483647, tl.int32)
+            most = tl.full((BLOCK,), -2147483648, tl.int32)
+            for start in range(0, n_cols, BLOCK):
+                z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
+                kz = _key(z)  # (padding and masked tokens: -inf, below lo)
+                inside = (kz > lo) & (kz <= hi)
+                least = tl.minimum(least, tl.where(inside, kz, 2147483647))
+                most = tl.maximum(most, tl.where(inside, kz, -2147483648))
+                above = kz[:, None] > piv32[None, :]
+                if MASS:
+                    acc += tl.where(above, tl.exp(z - top)[:, None], 0.0)
+                else:
+                    acc += above.to(tl.int32)
+            lo, hi = _narrow(lo, hi, piv, tl.sum(acc, 0) < target)
+            lo = tl.maximum(lo, tl.min(least, 0).to(tl.int64) - 1)
+            hi = tl.minimum(hi, tl.max(most, 0).to(tl.int64))
+            n += 1
+        return hi
 
     @triton.jit
     def _cut_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, active_ptr, thr_ptr, top_ptr, n_cols, stride_x, eps,
@@ -152,49 +198,36 @@ if triton is not None:
         if HAS_ACTIVE:  # (a row whose token nobody reads: no cut either)
             go = go & (tl.load(active_ptr + row) != 0)
         offs = tl.arange(0, BLOCK)
-        steps = (tl.arange(0, NPIV) + 1).to(tl.int64)
-        none = _key(tl.full((), float("-inf"), tl.float32)).to(tl.int64) - 1  # below every key
-        thr = none + 1  # -inf: keep all
+        thr = _key(tl.full((), float("-inf"), tl.float32)).to(tl.int64)  # -inf: keep all
         top = tl.full((), float("-inf"), tl.float32)
         if go:
             k = tl.load(k_ptr + row)
             p = tl.load(p_ptr + row)
-            acc = tl.full((BLOCK,), float("-inf"), tl.float32)
+            big = tl.full((BLOCK,), float("-inf"), tl.float32)
+            small = tl.full((BLOCK,), float("inf"), tl.float32)
+            finite = tl.zeros((BLOCK,), tl.int32)
             for start in range(0, n_cols, BLOCK):
-                acc = tl.maximum(acc, _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp))
-            top = tl.max(acc, 0)
-            if (k > 0) & (k < n_cols):  # the smallest key K with count(key(z) > K) < k: the k-th largest z
-                lo = none
-                hi = _key(top).to(tl.int64)
-                while hi - lo > 1:
-                    piv = lo + ((hi - lo) * steps) // (NPIV + 1)  # (int64: the product; every key fits int32)
-                    piv32 = piv.to(tl.int32)
-                    cnt = tl.zeros((BLOCK, NPIV), tl.int32)  # (summed once a pass: a sum is a block-wide sync)
-                    for start in range(0, n_cols, BLOCK):
-                        c = start + offs
-                        kz = _key(_tempered(x_ptr, row, stride_x, c, n_cols, temp))
-                        cnt += ((kz[:, None] > piv32[None, :]) & (c < n_cols)[:, None]).to(tl.int32)
-                    lo, hi = _narrow(lo, hi, piv, tl.sum(cnt, 0) < k)
-                thr = hi
-            if p < 1.0:  # of what top-k kept, the smallest key K whose strictly larger mass is below p
+                z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
+                fin = z > float("-inf")
+                big = tl.maximum(big, z)
+                small = tl.minimum(small, tl.where(fin, z, float("inf")))
+                finite += fin.to(tl.int32)
+            top = tl.max(big, 0)
+            fmin = tl.min(small, 0)  # the smallest finite z: every search starts just below it
+            lo = _key(fmin).to(tl.int64) - 1
+            hi = _key(top).to(tl.int64)
+            # top-k: the k-th largest z (fewer finite tokens than k: keep all; -inf never wins the draw)
+            if (k > 0) & (k < n_cols) & (tl.sum(finite, 0) >= k):
+                thr = _search(x_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, k, False, BLOCK, NPIV)
+            if (p < 1.0) & (top > float("-inf")):  # of what top-k kept, the smallest z whose larger mass is < p
                 tk = _unkey(thr)
                 sacc = tl.zeros((BLOCK,), tl.float32)
                 for start in range(0, n_cols, BLOCK):
                     z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
                     sacc += tl.where(z >= tk, tl.exp(z - top), 0.0)
-                total = tl.sum(sacc, 0)
-                lo = thr - 1
-                hi = _key(top).to(tl.int64)
-                while hi - lo > 1:
-                    piv = lo + ((hi - lo) * steps) // (NPIV + 1)
-                    piv32 = piv.to(tl.int32)
-                    mass = tl.zeros((BLOCK, NPIV), tl.float32)
-                    for start in range(0, n_cols, BLOCK):
-                        z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
-                        e = tl.where(z >= tk, tl.exp(z - top) / total, 0.0)
-                        mass += tl.where(_key(z)[:, None] > piv32[None, :], e[:, None], 0.0)
-                    lo, hi = _narrow(lo, hi, piv, tl.sum(mass, 0) < p)
-                thr = hi
+                # (above tk's key - 1 every z is kept: the search's mass needs no top-k test)
+                thr = _search(x_ptr, row, stride_x, n_cols, temp, tl.maximum(lo, thr - 1), hi, fmin, top,
+                              p * tl.sum(sacc, 0), True, BLOCK, NPIV)
         tl.store(thr_ptr + row, _unkey(thr))
         tl.store(top_ptr + row, top)
 

@@ -91,20 +91,22 @@ def _kept(x, temperature, cut):
 def test_filter_cut_keeps_what_the_sort_keeps(vocab):
     """Per row: the tokens the cuts keep are those the torch filters (a sort of the row) leave finite, over
     top-k alone / with top-p / top-p alone / min-p and each off, ties at the top-k cut, masked (-inf) tokens,
-    top_k at and past the vocabulary and more than the finite tokens; greedy rows get no cut."""
+    top_k at and past the vocabulary and more than the finite tokens, values spread over 37 decades (the
+    search's pivots fall back from the values to their keys); greedy rows get no cut."""
     g = torch.Generator().manual_seed(vocab)
-    n = 16
+    n = 17
     x = torch.randn(n, vocab, generator=g) * 3
     temperature = (0.3 + torch.rand(n, generator=g) * 1.2)
-    top_k = torch.tensor([20, 0, 20, 0, 1, vocab, vocab + 5, 7, 50, -1, 3, 20, 0, 400, 5, 20])
-    top_p = torch.tensor([1.0, 0.7, 0.7, 1.0, 0.5, 0.9, 1.0, 0.95, 0.3, 0.999, 1.0, 1.0, 0.01, 0.8, 0.6, 1.0])
-    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.1, 0.0, 0.02, 0.0, 0.0, 0.0, 0.0, 0.01, 0.0, 0.0])
+    top_k = torch.tensor([20, 0, 20, 0, 1, vocab, vocab + 5, 7, 50, -1, 3, 20, 0, 400, 5, 20, 30])
+    top_p = torch.tensor([1.0, 0.7, 0.7, 1.0, 0.5, 0.9, 1.0, 0.95, 0.3, 0.999, 1.0, 1.0, 0.01, 0.8, 0.6, 1.0, 0.9])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.1, 0.0, 0.02, 0.0, 0.0, 0.0, 0.0, 0.01, 0.0, 0.0, 0.0])
     x[7, 100:110] = x[7].max() + 1.0  # ten tied top values, top_k 7: the tie at the cut keeps all ten
     x[10, :] = 0.0
     x[10, 5] = 1.0  # top_k 3 over a row of zeros: the cut is 0, every zero ties and stays
     x[11] = torch.where(torch.rand(vocab, generator=g) < 0.995, float("-inf"), x[11])  # ~15 finite, top_k 20
     x[12, 7] = x[12].max() + 10  # top_p 0.01: the top token alone
     temperature[15] = 0.0  # a greedy row: no cut
+    x[16] = -(10.0 ** (torch.arange(vocab) % 38)) * (1 + torch.rand(vocab, generator=g))
     t = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     want = torch.stack([torch.isfinite(process_logits(x[i:i + 1], _row_tensors(vocab, i, **t))[0]) for i in range(n)])
     cut = filter_cut(x.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE), min_p.to(DEVICE),
