@@ -78,13 +78,13 @@ def sweep(x: torch.Tensor, temp: torch.Tensor, V: int, dev: str) -> None:
     for top_k, top_p in ((0, 0.7), (20, 0.9)):
         k = torch.full((B,), top_k, dtype=torch.int64, device=dev)
         p = torch.full((B,), top_p, device=dev)
-        thr, top = torch.empty(B, device=dev), torch.empty(B, device=dev)
+        thr, top, buf = torch.empty(B, device=dev), torch.empty(B, device=dev), torch.empty_like(x)
         rows = []
         for npiv in (4, 8, 16):
             for block in (512, 1024, 2048):
                 for warps in (4, 8, 16):
                     def f(npiv=npiv, block=block, warps=warps):
-                        sampling._cut_kernel[(B,)](x, temp, k, p, temp, thr, top, V, x.stride(0), SAMPLING_EPS,
+                        sampling._cut_kernel[(B,)](x, temp, k, p, temp, thr, top, buf, V, x.stride(0), SAMPLING_EPS,
                                                    BLOCK=block, NPIV=npiv, HAS_ACTIVE=False, PDL=False,
                                                    num_warps=warps)
                     rows.append((timed(f, dev), npiv, block, warps))

@@ -20,7 +20,10 @@ the smallest value whose strictly-larger mass stays below top_p, each by a
 search over the order-preserving integer keys of fp32 values: NPIV pivots a
 pass spread over the values between the search's bounds, the bounds snapped to
 the row's values inside them, so a search ends when one value is left (4-8
-passes over a row of logits; the keys' 32 bits took ~10 before). The draw then
+passes over a row of logits; the keys' 32 bits took ~10 before); from its
+second pass a search keeps the values inside its interval in a scratch row and
+reads only those afterwards, and top-p's total mass comes with the first pass
+(the row's maximum) when there is no top-k. The draw then
 drops what lies below the cut inside its chunk reduction. The cuts are the
 sort's (``loopline.worker.sampler._apply_top_k_top_p``: ties at a cut are all
 kept), up to the summation order of the nucleus's mass.
@@ -145,7 +148,7 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
-    def _search(x_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, target, MASS: tl.constexpr,
+    def _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, target, MASS: tl.constexpr,
                 BLOCK: tl.constexpr, NPIV: tl.constexpr):
         """The smallest key K in (lo, hi] at which ``count(key(z) > K) < target`` (MASS: the mass
         ``sum exp(z - top)`` of those z ``< target``) holds, given it fails at lo and holds at hi.
@@ -154,10 +157,19 @@ if triton is not None:
         pass), or over its keys once six passes have gone (the values can be spread badly: a -1e30 beside
         logits near 0; keys narrow 9x a pass whatever the values). Each pass also finds the smallest and the
         largest key inside the interval, where the predicate is the same as at its ends (it changes only at
-        the row's keys): the search stops once one value is left, not at the key's last bit."""
+        the row's keys): the search stops once one value is left, not at the key's last bit.
+
+        From the second pass on, a pass keeps the values inside its interval in ``buf`` (the row's scratch,
+        compacted in place) and counts those above it once; later passes read only what was kept (after two
+        passes typically a few percent of the row)."""
         offs = tl.arange(0, BLOCK)
         steps = tl.arange(0, NPIV) + 1
         n = 0
+        kept = n_cols  # values in buf (read from x until the second pass has written them)
+        if MASS:
+            above = tl.zeros((), tl.float32)  # count (mass) of the values dropped from buf above its interval
+        else:
+            above = tl.zeros((), tl.int32)
         while hi - lo > 1:
             kp = lo + ((hi - lo) * steps.to(tl.int64)) // (NPIV + 1)  # (int64: the product; every key fits int32)
             va = tl.maximum(_unkey(lo + 1), fmin)
@@ -167,29 +179,46 @@ if triton is not None:
             piv32 = piv.to(tl.int32)
             if MASS:
                 acc = tl.zeros((BLOCK, NPIV), tl.float32)
+                up = tl.zeros((BLOCK,), tl.float32)
             else:
                 acc = tl.zeros((BLOCK, NPIV), tl.int32)  # (summed once a pass: a sum is a block-wide sync)
+                up = tl.zeros((BLOCK,), tl.int32)
             least = tl.full((BLOCK,), 2147483647, tl.int32)
             most = tl.full((BLOCK,), -2147483648, tl.int32)
-            for start in range(0, n_cols, BLOCK):
-                z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
+            written = 0
+            for start in range(0, kept, BLOCK):
+                c = start + offs
+                if n < 2:
+                    z = _tempered(x_ptr, row, stride_x, c, n_cols, temp)
+                else:
+                    z = tl.load(buf_ptr + row * n_cols + c, mask=c < kept, other=float("-inf"))
                 kz = _key(z)  # (padding and masked tokens: -inf, below lo)
                 inside = (kz > lo) & (kz <= hi)
                 least = tl.minimum(least, tl.where(inside, kz, 2147483647))
                 most = tl.maximum(most, tl.where(inside, kz, -2147483648))
-                above = kz[:, None] > piv32[None, :]
+                above_piv = kz[:, None] > piv32[None, :]
                 if MASS:
-                    acc += tl.where(above, tl.exp(z - top)[:, None], 0.0)
+                    e = tl.exp(z - top)
+                    acc += tl.where(above_piv, e[:, None], 0.0)
+                    up += tl.where(kz > hi, e, 0.0)
                 else:
-                    acc += above.to(tl.int32)
-            lo, hi = _narrow(lo, hi, piv, tl.sum(acc, 0) < target)
+                    acc += above_piv.to(tl.int32)
+                    up += (kz > hi).to(tl.int32)
+                if n >= 1:  # keep what is inside (each value's new place is at or before its old one)
+                    at = written + tl.cumsum(inside.to(tl.int32), 0) - 1
+                    tl.store(buf_ptr + row * n_cols + at, z, mask=inside)
+                    written += tl.sum(inside.to(tl.int32), 0)
+            lo, hi = _narrow(lo, hi, piv, tl.sum(acc, 0) + above < target)
             lo = tl.maximum(lo, tl.min(least, 0).to(tl.int64) - 1)
             hi = tl.minimum(hi, tl.max(most, 0).to(tl.int64))
+            if n >= 1:  # buf now holds the pass's interval's values; what lay above it counts from now on
+                kept = written
+                above += tl.sum(up, 0)
             n += 1
         return hi
 
     @triton.jit
-    def _cut_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, active_ptr, thr_ptr, top_ptr, n_cols, stride_x, eps,
+    def _cut_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, active_ptr, thr_ptr, top_ptr, buf_ptr, n_cols, stride_x, eps,
                     BLOCK: tl.constexpr, NPIV: tl.constexpr, HAS_ACTIVE: tl.constexpr, PDL: tl.constexpr):
         grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -203,31 +232,41 @@ if triton is not None:
         if go:
             k = tl.load(k_ptr + row)
             p = tl.load(p_ptr + row)
+            # one pass: the largest z, the smallest finite one, how many are finite, and sum exp(z - top) by
+            # lanes (each lane's sum against its own maximum, rescaled as that grows)
             big = tl.full((BLOCK,), float("-inf"), tl.float32)
             small = tl.full((BLOCK,), float("inf"), tl.float32)
             finite = tl.zeros((BLOCK,), tl.int32)
+            mass = tl.zeros((BLOCK,), tl.float32)
             for start in range(0, n_cols, BLOCK):
                 z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
                 fin = z > float("-inf")
-                big = tl.maximum(big, z)
+                grown = tl.maximum(big, z)
+                lane = grown > float("-inf")
+                mass = tl.where(lane, mass * tl.exp(big - grown) + tl.exp(z - grown), 0.0)
+                big = grown
                 small = tl.minimum(small, tl.where(fin, z, float("inf")))
                 finite += fin.to(tl.int32)
             top = tl.max(big, 0)
+            total = tl.sum(tl.where(big > float("-inf"), mass * tl.exp(big - top), 0.0), 0)
             fmin = tl.min(small, 0)  # the smallest finite z: every search starts just below it
             lo = _key(fmin).to(tl.int64) - 1
             hi = _key(top).to(tl.int64)
             # top-k: the k-th largest z (fewer finite tokens than k: keep all; -inf never wins the draw)
             if (k > 0) & (k < n_cols) & (tl.sum(finite, 0) >= k):
-                thr = _search(x_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, k, False, BLOCK, NPIV)
+                thr = _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, k, False, BLOCK,
+                              NPIV)
+                if p < 1.0:  # top-p counts the mass of what top-k kept
+                    tk = _unkey(thr)
+                    sacc = tl.zeros((BLOCK,), tl.float32)
+                    for start in range(0, n_cols, BLOCK):
+                        z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
+                        sacc += tl.where(z >= tk, tl.exp(z - top), 0.0)
+                    total = tl.sum(sacc, 0)
             if (p < 1.0) & (top > float("-inf")):  # of what top-k kept, the smallest z whose larger mass is < p
-                tk = _unkey(thr)
-                sacc = tl.zeros((BLOCK,), tl.float32)
-                for start in range(0, n_cols, BLOCK):
-                    z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
-                    sacc += tl.where(z >= tk, tl.exp(z - top), 0.0)
                 # (above tk's key - 1 every z is kept: the search's mass needs no top-k test)
-                thr = _search(x_ptr, row, stride_x, n_cols, temp, tl.maximum(lo, thr - 1), hi, fmin, top,
-                              p * tl.sum(sacc, 0), True, BLOCK, NPIV)
+                thr = _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, tl.maximum(lo, thr - 1), hi, fmin, top,
+                              p * total, True, BLOCK, NPIV)
         tl.store(thr_ptr + row, _unkey(thr))
         tl.store(top_ptr + row, top)
 
@@ -320,7 +359,8 @@ def filter_cut(x: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min
     thr = torch.empty(b, dtype=torch.float32, device=x.device)
     top = torch.empty(b, dtype=torch.float32, device=x.device)
     if b:
-        _cut_kernel[(b,)](x, temperature, top_k, top_p, temperature if active is None else active, thr, top,
+        buf = torch.empty_like(x, memory_format=torch.contiguous_format)  # the searches' kept values, a row each
+        _cut_kernel[(b,)](x, temperature, top_k, top_p, temperature if active is None else active, thr, top, buf,
                           x.shape[1], x.stride(0), eps, BLOCK=_CUT_BLOCK, NPIV=_CUT_PIVOTS,
                           HAS_ACTIVE=active is not None, **pdl_options(x.device), num_warps=8)
     return RowCut(thr, top, min_p)
