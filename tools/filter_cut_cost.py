@@ -1,5 +1,6 @@
 """Top-k / top-p / min-p on CUDA: the filters' cuts (``filter_cut``) and the draw against the torch filters and
-the same draw, per call, and whether the cuts keep exactly the sort's tokens.
+the same draw, per call, whether the cuts keep exactly the sort's tokens, and how many rows' worth of values the
+cut's passes read (``reads/row``: its cost apart from the launch).
 
 python tools/filter_cut_cost.py [--rows 1,8,32,128] [--vocab 49152] [--sweep]
 
@@ -59,7 +60,8 @@ def main() -> None:
                     z = _apply_top_k_top_p(z, k, p, top_k > 0, top_p < 1)
                 return _apply_min_p(z, mp) if min_p else z
 
-            cut = sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS)
+            read = torch.zeros(B, dtype=torch.int32, device=dev)
+            cut = sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS, read=read)
             z = x / temp[:, None]
             kept = (z >= cut.thr[:, None]) & (torch.exp(z - cut.top[:, None]) >= mp[:, None])
             same = bool(torch.equal(kept, torch.isfinite(filtered())))
@@ -68,6 +70,7 @@ def main() -> None:
                 x, temp, seeds, idx, SAMPLING_EPS, cut=sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS)), dev)
             t_old = timed(lambda: sampling.sample_rows(x, temp, seeds, idx, SAMPLING_EPS, filtered()), dev)
             print(f"B={B} top_k={top_k} top_p={top_p} min_p={min_p}: same={same} kept/row={kept.sum().item() / B:.1f} "
+                  f"reads/row={read.double().mean().item() / V:.2f} rows, "
                   f"cut {t_cut:.3f} ms, cut+draw {t_new:.3f} ms, torch filters+draw {t_old:.3f} ms", flush=True)
         if a.sweep and dev == "cuda":
             sweep(x, temp, V, dev)
@@ -84,9 +87,9 @@ def sweep(x: torch.Tensor, temp: torch.Tensor, V: int, dev: str) -> None:
             for block in (512, 1024, 2048):
                 for warps in (4, 8, 16):
                     def f(npiv=npiv, block=block, warps=warps):
-                        sampling._cut_kernel[(B,)](x, temp, k, p, temp, thr, top, buf, V, x.stride(0), SAMPLING_EPS,
-                                                   BLOCK=block, NPIV=npiv, HAS_ACTIVE=False, PDL=False,
-                                                   num_warps=warps)
+                        sampling._cut_kernel[(B,)](x, temp, k, p, temp, thr, top, buf, thr, V, x.stride(0),
+                                                   SAMPLING_EPS, BLOCK=block, NPIV=npiv, HAS_ACTIVE=False,
+                                                   HAS_READ=False, PDL=False, num_warps=warps)
                     rows.append((timed(f, dev), npiv, block, warps))
         rows.sort()
         print(f"B={B} top_k={top_k} top_p={top_p}: fastest "

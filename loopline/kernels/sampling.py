@@ -148,8 +148,8 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
-    def _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, target, MASS: tl.constexpr,
-                BLOCK: tl.constexpr, NPIV: tl.constexpr):
+    def _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, target, listed,
+                MASS: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr):
         """The smallest key K in (lo, hi] at which ``count(key(z) > K) < target`` (MASS: the mass
         ``sum exp(z - top)`` of those z ``< target``) holds, given it fails at lo and holds at hi.
 
@@ -161,11 +161,13 @@ if triton is not None:
 
         From the second pass on, a pass keeps the values inside its interval in ``buf`` (the row's scratch,
         compacted in place) and counts those above it once; later passes read only what was kept (after two
-        passes typically a few percent of the row)."""
+        passes typically a few percent of the row). ``listed`` >= 0: buf already holds the interval's values,
+        that many, and every pass reads them."""
         offs = tl.arange(0, BLOCK)
         steps = tl.arange(0, NPIV) + 1
         n = 0
-        kept = n_cols  # values in buf (read from x until the second pass has written them)
+        read = 0  # values the passes read (the search's cost)
+        kept = tl.where(listed >= 0, listed, n_cols)  # values in buf (or x's, until the second pass wrote buf)
         if MASS:
             above = tl.zeros((), tl.float32)  # count (mass) of the values dropped from buf above its interval
         else:
@@ -186,9 +188,10 @@ if triton is not None:
             least = tl.full((BLOCK,), 2147483647, tl.int32)
             most = tl.full((BLOCK,), -2147483648, tl.int32)
             written = 0
+            read += kept
             for start in range(0, kept, BLOCK):
                 c = start + offs
-                if n < 2:
+                if (n < 2) & (listed < 0):
                     z = _tempered(x_ptr, row, stride_x, c, n_cols, temp)
                 else:
                     z = tl.load(buf_ptr + row * n_cols + c, mask=c < kept, other=float("-inf"))
@@ -204,22 +207,23 @@ if triton is not None:
                 else:
                     acc += above_piv.to(tl.int32)
                     up += (kz > hi).to(tl.int32)
-                if n >= 1:  # keep what is inside (each value's new place is at or before its old one)
+                if (n >= 1) | (listed >= 0):  # keep what is inside (a value's new place is at or before its old one)
                     at = written + tl.cumsum(inside.to(tl.int32), 0) - 1
                     tl.store(buf_ptr + row * n_cols + at, z, mask=inside)
                     written += tl.sum(inside.to(tl.int32), 0)
             lo, hi = _narrow(lo, hi, piv, tl.sum(acc, 0) + above < target)
             lo = tl.maximum(lo, tl.min(least, 0).to(tl.int64) - 1)
             hi = tl.minimum(hi, tl.max(most, 0).to(tl.int64))
-            if n >= 1:  # buf now holds the pass's interval's values; what lay above it counts from now on
+            if (n >= 1) | (listed >= 0):  # buf holds the pass's interval's values; those above it count from now
                 kept = written
                 above += tl.sum(up, 0)
             n += 1
-        return hi
+        return hi, read
 
     @triton.jit
-    def _cut_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, active_ptr, thr_ptr, top_ptr, buf_ptr, n_cols, stride_x, eps,
-                    BLOCK: tl.constexpr, NPIV: tl.constexpr, HAS_ACTIVE: tl.constexpr, PDL: tl.constexpr):
+    def _cut_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, active_ptr, thr_ptr, top_ptr, buf_ptr, read_ptr, n_cols, stride_x,
+                    eps, BLOCK: tl.constexpr, NPIV: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_READ: tl.constexpr,
+                    PDL: tl.constexpr):
         grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         temp = tl.load(temp_ptr + row)
@@ -229,7 +233,9 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         thr = _key(tl.full((), float("-inf"), tl.float32)).to(tl.int64)  # -inf: keep all
         top = tl.full((), float("-inf"), tl.float32)
+        read = 0
         if go:
+            read += n_cols
             k = tl.load(k_ptr + row)
             p = tl.load(p_ptr + row)
             # one pass: the largest z, the smallest finite one, how many are finite, and sum exp(z - top) by
@@ -252,23 +258,34 @@ if triton is not None:
             fmin = tl.min(small, 0)  # the smallest finite z: every search starts just below it
             lo = _key(fmin).to(tl.int64) - 1
             hi = _key(top).to(tl.int64)
+            listed = -1  # (top-p after top-k: the values top-k kept, in buf)
             # top-k: the k-th largest z (fewer finite tokens than k: keep all; -inf never wins the draw)
             if (k > 0) & (k < n_cols) & (tl.sum(finite, 0) >= k):
-                thr = _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, k, False, BLOCK,
-                              NPIV)
-                if p < 1.0:  # top-p counts the mass of what top-k kept
+                thr, r = _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, k, -1, False, BLOCK,
+                                 NPIV)
+                read += r
+                if p < 1.0:  # top-p counts the mass of what top-k kept, and searches only those values (in buf)
                     tk = _unkey(thr)
                     sacc = tl.zeros((BLOCK,), tl.float32)
+                    listed = 0
                     for start in range(0, n_cols, BLOCK):
                         z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
-                        sacc += tl.where(z >= tk, tl.exp(z - top), 0.0)
+                        kept = z >= tk
+                        sacc += tl.where(kept, tl.exp(z - top), 0.0)
+                        at = listed + tl.cumsum(kept.to(tl.int32), 0) - 1
+                        tl.store(buf_ptr + row * n_cols + at, z, mask=kept)
+                        listed += tl.sum(kept.to(tl.int32), 0)
                     total = tl.sum(sacc, 0)
+                    read += n_cols
             if (p < 1.0) & (top > float("-inf")):  # of what top-k kept, the smallest z whose larger mass is < p
                 # (above tk's key - 1 every z is kept: the search's mass needs no top-k test)
-                thr = _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, tl.maximum(lo, thr - 1), hi, fmin, top,
-                              p * total, True, BLOCK, NPIV)
+                thr, r = _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, tl.maximum(lo, thr - 1), hi, fmin,
+                                 top, p * total, listed, True, BLOCK, NPIV)
+                read += r
         tl.store(thr_ptr + row, _unkey(thr))
         tl.store(top_ptr + row, top)
+        if HAS_READ:
+            tl.store(read_ptr + row, read)
 
     @triton.jit
     def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, nan_ptr, n_cols, stride_x, n_chunks, CHUNK: tl.constexpr,
@@ -345,24 +362,27 @@ def argmax_rows(x: Tensor) -> Tensor:
 
 
 def filter_cut(x: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, eps: float,
-               active: Tensor | None = None) -> RowCut:
+               active: Tensor | None = None, read: Tensor | None = None) -> RowCut:
     """Top-k, top-p and min-p of tempered logits ``x / temperature`` as per-row cuts (:class:`RowCut`), in one
     launch. ``top_k`` int64 ``[B]`` (<= 0 or >= V: off), ``top_p`` fp32 ``[B]`` in (0, 1] (1: off), ``min_p``
     fp32 ``[B]`` (0: off); rows with ``temperature < eps`` are greedy and get no cut. Top-p counts the mass of
     what top-k kept; ties at a cut are all kept. ``active`` (bool ``[B]``): the rows whose token is used; the
-    others get no cut (a decode row that does not exit this step: the search is most of the launch's time)."""
+    others get no cut (a decode row that does not exit this step: the search is most of the launch's time).
+    ``read`` (int32 ``[B]``, optional): gets how many values each row's passes read, the cut's cost."""
     _check_logits("filter_cut", x)
     b = x.shape[0]
     _check_rows("filter_cut", b, [("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
                                   ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32)]
-                + ([("active", active, torch.bool)] if active is not None else []))
+                + ([("active", active, torch.bool)] if active is not None else [])
+                + ([("read", read, torch.int32)] if read is not None else []))
     thr = torch.empty(b, dtype=torch.float32, device=x.device)
     top = torch.empty(b, dtype=torch.float32, device=x.device)
     if b:
         buf = torch.empty_like(x, memory_format=torch.contiguous_format)  # the searches' kept values, a row each
         _cut_kernel[(b,)](x, temperature, top_k, top_p, temperature if active is None else active, thr, top, buf,
-                          x.shape[1], x.stride(0), eps, BLOCK=_CUT_BLOCK, NPIV=_CUT_PIVOTS,
-                          HAS_ACTIVE=active is not None, **pdl_options(x.device), num_warps=8)
+                          thr if read is None else read, x.shape[1], x.stride(0), eps, BLOCK=_CUT_BLOCK,
+                          NPIV=_CUT_PIVOTS, HAS_ACTIVE=active is not None, HAS_READ=read is not None,
+                          **pdl_options(x.device), num_warps=8)
     return RowCut(thr, top, min_p)
 
 

@@ -128,6 +128,29 @@ def test_filter_cut_keeps_what_the_sort_keeps(vocab):
     assert want[0].sum() == 20 and want[5].sum() < vocab and want[11].sum() == 15
 
 
+def test_filter_cut_reads_a_few_rows():
+    """The cut's cost in values read (``read``): the first pass (maximum, total mass), two passes over the row
+    per search, then only the values kept inside the search's interval; top-p after top-k searches only what
+    top-k kept. Rows that get no cut read nothing. (The search over the keys' bits read ~11-12 rows.)"""
+    g = torch.Generator().manual_seed(1)
+    vocab, n = 4096, 6
+    x = (torch.randn(n, vocab, generator=g) * 3).to(DEVICE)
+    temperature = torch.tensor([1.0, 1.0, 0.7, 1.0, 0.0, 1.0], device=DEVICE)
+    top_k = torch.tensor([20, 0, 20, 0, 20, 20], device=DEVICE)
+    top_p = torch.tensor([1.0, 0.7, 0.7, 1.0, 0.7, 0.7], device=DEVICE)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0], device=DEVICE)
+    active = torch.tensor([True, True, True, True, True, False], device=DEVICE)
+    read = torch.full((n,), -1, dtype=torch.int32, device=DEVICE)
+    filter_cut(x, temperature, top_k, top_p, min_p, SAMPLING_EPS, active, read=read)
+    rows = read.double().cpu() / vocab
+    assert 2.0 < rows[0] < 3.5 and 2.0 < rows[1] < 3.5  # top-k 20; top-p 0.7
+    assert 3.0 < rows[2] < 4.5  # both: the top-p search reads only top-k's 20 values
+    assert rows[3] == 1.0  # min-p alone: the first pass
+    assert rows[4] == 0 and rows[5] == 0  # greedy; not read this step
+    with pytest.raises(ValueError, match="read as torch.int32"):
+        filter_cut(x, temperature, top_k, top_p, min_p, SAMPLING_EPS, read=read.long())
+
+
 def _row_tensors(vocab, i, *, temperature, top_k, top_p, min_p):
     return make_tensors(1, vocab, temperature=temperature[i].item(), top_k=top_k[i].item(),
                         top_p=top_p[i].item(), min_p=min_p[i].item())
