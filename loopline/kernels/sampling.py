@@ -108,8 +108,11 @@ if triton is not None:
                 z = tl.load(z_ptr + row * stride_z + cols, mask=m, other=float("-inf"))
             else:
                 z = tl.div_rn(tl.load(x_ptr + row * stride_x + cols, mask=m, other=float("-inf")), temp)
-                if HAS_CUT:  # filter_cut's cuts (the same z: x / temperature)
-                    keep = (z >= tl.load(thr_ptr + row)) & (tl.exp(z - tl.load(top_ptr + row)) >= tl.load(minp_ptr + row))
+                if HAS_CUT:  # filter_cut's cuts (the same z: x / temperature; a row it did not cut has top -inf)
+                    top = tl.load(top_ptr + row)
+                    cut = top > float("-inf")
+                    near = tl.exp(z - tl.where(cut, top, 0.0)) >= tl.where(cut, tl.load(minp_ptr + row), 0.0)
+                    keep = (z >= tl.load(thr_ptr + row)) & near
                     z = tl.where(keep, z, float("-inf"))
             seed = tl.load(seed_ptr + row)
             index = tl.load(index_ptr + row)
@@ -248,13 +251,13 @@ if triton is not None:
                 z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
                 fin = z > float("-inf")
                 grown = tl.maximum(big, z)
-                lane = grown > float("-inf")
-                mass = tl.where(lane, mass * tl.exp(big - grown) + tl.exp(z - grown), 0.0)
+                ref = tl.where(grown > float("-inf"), grown, 0.0)  # (a lane of -inf so far: its sum stays 0)
+                mass = mass * tl.exp(big - ref) + tl.exp(z - ref)
                 big = grown
                 small = tl.minimum(small, tl.where(fin, z, float("inf")))
                 finite += fin.to(tl.int32)
             top = tl.max(big, 0)
-            total = tl.sum(tl.where(big > float("-inf"), mass * tl.exp(big - top), 0.0), 0)
+            total = tl.sum(mass * tl.exp(big - tl.where(top > float("-inf"), top, 0.0)), 0)
             fmin = tl.min(small, 0)  # the smallest finite z: every search starts just below it
             lo = _key(fmin).to(tl.int64) - 1
             hi = _key(top).to(tl.int64)
