@@ -4,6 +4,10 @@ cut's passes read (``reads/row``: its cost apart from the launch).
 
 python tools/filter_cut_cost.py [--rows 1,8,32,128] [--vocab 49152] [--sweep]
 
+To time an earlier kernel against this one, run the tool again with ``PYTHONPATH`` on a copy of the tree whose
+``loopline/kernels/sampling.py`` is the earlier one (``git show 0eb43f6:loopline/kernels/sampling.py``); a kernel
+without ``read=`` reports -1 rows.
+
 Logits ``3 * randn``; a call's time is 50 calls then one synchronize (the device's share). ``--sweep`` also times
 the cut kernel's launch shapes (pivots a pass, columns a block, warps). On the CPU (under ``TRITON_INTERPRET=1``)
 it checks the kept tokens only.
@@ -60,8 +64,11 @@ def main() -> None:
                     z = _apply_top_k_top_p(z, k, p, top_k > 0, top_p < 1)
                 return _apply_min_p(z, mp) if min_p else z
 
-            read = torch.zeros(B, dtype=torch.int32, device=dev)
-            cut = sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS, read=read)
+            read = torch.full((B,), -V, dtype=torch.int32, device=dev)  # (-1 rows: a kernel that cannot count)
+            try:
+                cut = sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS, read=read)
+            except TypeError:  # an earlier kernel (0eb43f6 and before), timed against this one: no read=
+                cut = sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS)
             z = x / temp[:, None]
             kept = (z >= cut.thr[:, None]) & (torch.exp(z - cut.top[:, None]) >= mp[:, None])
             same = bool(torch.equal(kept, torch.isfinite(filtered())))

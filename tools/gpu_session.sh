@@ -8,7 +8,7 @@
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
 # register_caps resources cuda_core_mixed fp8_launches newkernels full_waves full_waves_e2e host_wait
 # fp8_full_waves cold_start jit_misses demo_profile demo_grid headline_sampled sampler_cost
-# sampling_tests headline_filters filter_cut_cost; LOOPLINE_BENCH_C
+# sampling_tests headline_filters filter_cut_cost filter_cut_ab; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -91,6 +91,16 @@ fi
 if has filter_cut_cost; then  # the filters' cuts against the torch filters per call (and the cut's launch shapes)
   timeout 150 python3 tools/filter_cut_cost.py --rows "${LOOPLINE_ROWS_LIST:-1,8,32,128}" --sweep 2>&1 \
     | tee "$out/filter_cut_cost.txt"
+fi
+if has filter_cut_ab; then  # this tree's filter_cut against an earlier one per call, new / old / new (LOOPLINE_CUT_OLD: a
+  # carried copy of the earlier loopline/kernels/sampling.py, e.g. `git show 0eb43f6:loopline/kernels/sampling.py`)
+  old=/tmp/cut_old && rm -rf $old && mkdir -p $old && cp -r loopline tools $old/ \
+    && cp "${LOOPLINE_CUT_OLD:?LOOPLINE_CUT_OLD: the earlier sampling.py}" $old/loopline/kernels/sampling.py
+  for v in new old new; do
+    d=$PWD; [ $v = new ] || d=$old
+    echo "== $v"; (cd $d && PYTHONPATH=$d timeout 60 python3 tools/filter_cut_cost.py --rows "${LOOPLINE_ROWS_LIST:-1,8,32,128}") \
+      2>&1 | grep -v Warn
+  done | tee "$out/filter_cut_ab.txt"
 fi
 if has headline_filters; then  # the README command at T = 1 plain, with Ouro's recommended top_p 0.7, with top_k 20
   # (the filters run in torch outside the step: sort, softmax, cumsum; is their host time hidden behind the step?)
