@@ -151,6 +151,14 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
+    def _append(buf_row, written, z, keep):
+        """Stores the kept z of one block at ``buf_row[written:]``, in order; returns the new count. In place
+        over buf itself a value's new place is at or before its old one, read by the same block."""
+        at = written + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(buf_row + at, z, mask=keep)
+        return written + tl.sum(keep.to(tl.int32), 0)
+
+    @triton.jit
     def _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, target, listed,
                 MASS: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr):
         """The smallest key K in (lo, hi] at which ``count(key(z) > K) < target`` (MASS: the mass
@@ -176,6 +184,7 @@ if triton is not None:
         else:
             above = tl.zeros((), tl.int32)
         while hi - lo > 1:
+            listing = (n >= 1) | (listed >= 0)  # this pass keeps its interval's values in buf
             kp = lo + ((hi - lo) * steps.to(tl.int64)) // (NPIV + 1)  # (int64: the product; every key fits int32)
             va = tl.maximum(_unkey(lo + 1), fmin)
             vb = _unkey(hi)
@@ -210,14 +219,12 @@ if triton is not None:
                 else:
                     acc += above_piv.to(tl.int32)
                     up += (kz > hi).to(tl.int32)
-                if (n >= 1) | (listed >= 0):  # keep what is inside (a value's new place is at or before its old one)
-                    at = written + tl.cumsum(inside.to(tl.int32), 0) - 1
-                    tl.store(buf_ptr + row * n_cols + at, z, mask=inside)
-                    written += tl.sum(inside.to(tl.int32), 0)
+                if listing:
+                    written = _append(buf_ptr + row * n_cols, written, z, inside)
             lo, hi = _narrow(lo, hi, piv, tl.sum(acc, 0) + above < target)
             lo = tl.maximum(lo, tl.min(least, 0).to(tl.int64) - 1)
             hi = tl.minimum(hi, tl.max(most, 0).to(tl.int64))
-            if (n >= 1) | (listed >= 0):  # buf holds the pass's interval's values; those above it count from now
+            if listing:  # buf holds the pass's interval's values; those above it count from now
                 kept = written
                 above += tl.sum(up, 0)
             n += 1
@@ -241,8 +248,8 @@ if triton is not None:
             read += n_cols
             k = tl.load(k_ptr + row)
             p = tl.load(p_ptr + row)
-            # one pass: the largest z, the smallest finite one, how many are finite, and sum exp(z - top) by
-            # lanes (each lane's sum against its own maximum, rescaled as that grows)
+            # one pass: the largest z, the smallest finite one, how many are finite, and (top-p) sum exp(z - top)
+            # by lanes (each lane's sum against its own maximum, rescaled as that grows)
             big = tl.full((BLOCK,), float("-inf"), tl.float32)
             small = tl.full((BLOCK,), float("inf"), tl.float32)
             finite = tl.zeros((BLOCK,), tl.int32)
@@ -251,8 +258,9 @@ if triton is not None:
                 z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
                 fin = z > float("-inf")
                 grown = tl.maximum(big, z)
-                ref = tl.where(grown > float("-inf"), grown, 0.0)  # (a lane of -inf so far: its sum stays 0)
-                mass = mass * tl.exp(big - ref) + tl.exp(z - ref)
+                if p < 1.0:  # (top-p's total: two exps a value that top-k and min-p rows need not pay)
+                    ref = tl.where(grown > float("-inf"), grown, 0.0)  # (a lane of -inf so far: its sum stays 0)
+                    mass = mass * tl.exp(big - ref) + tl.exp(z - ref)
                 big = grown
                 small = tl.minimum(small, tl.where(fin, z, float("inf")))
                 finite += fin.to(tl.int32)
@@ -273,11 +281,9 @@ if triton is not None:
                     listed = 0
                     for start in range(0, n_cols, BLOCK):
                         z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
-                        kept = z >= tk
-                        sacc += tl.where(kept, tl.exp(z - top), 0.0)
-                        at = listed + tl.cumsum(kept.to(tl.int32), 0) - 1
-                        tl.store(buf_ptr + row * n_cols + at, z, mask=kept)
-                        listed += tl.sum(kept.to(tl.int32), 0)
+                        keep = z >= tk
+                        sacc += tl.where(keep, tl.exp(z - top), 0.0)
+                        listed = _append(buf_ptr + row * n_cols, listed, z, keep)
                     total = tl.sum(sacc, 0)
                     read += n_cols
             if (p < 1.0) & (top > float("-inf")):  # of what top-k kept, the smallest z whose larger mass is < p
