@@ -248,8 +248,9 @@ if triton is not None:
             read += n_cols
             k = tl.load(k_ptr + row)
             p = tl.load(p_ptr + row)
-            # one pass: the largest z, the smallest finite one, how many are finite, and (top-p) sum exp(z - top)
-            # by lanes (each lane's sum against its own maximum, rescaled as that grows)
+            k_on = (k > 0) & (k < n_cols)
+            # one pass: the largest z, the smallest finite one, how many are finite, and (top-p without top-k)
+            # sum exp(z - top) by lanes (each lane's sum against its own maximum, rescaled as that grows)
             big = tl.full((BLOCK,), float("-inf"), tl.float32)
             small = tl.full((BLOCK,), float("inf"), tl.float32)
             finite = tl.zeros((BLOCK,), tl.int32)
@@ -258,7 +259,7 @@ if triton is not None:
                 z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
                 fin = z > float("-inf")
                 grown = tl.maximum(big, z)
-                if p < 1.0:  # (top-p's total: two exps a value that top-k and min-p rows need not pay)
+                if (p < 1.0) & (k_on == 0):  # (two exps a value; after top-k the total is what top-k kept)
                     ref = tl.where(grown > float("-inf"), grown, 0.0)  # (a lane of -inf so far: its sum stays 0)
                     mass = mass * tl.exp(big - ref) + tl.exp(z - ref)
                 big = grown
@@ -271,21 +272,22 @@ if triton is not None:
             hi = _key(top).to(tl.int64)
             listed = -1  # (top-p after top-k: the values top-k kept, in buf)
             # top-k: the k-th largest z (fewer finite tokens than k: keep all; -inf never wins the draw)
-            if (k > 0) & (k < n_cols) & (tl.sum(finite, 0) >= k):
+            if k_on & (tl.sum(finite, 0) >= k):
                 thr, r = _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, k, -1, False, BLOCK,
                                  NPIV)
                 read += r
-                if p < 1.0:  # top-p counts the mass of what top-k kept, and searches only those values (in buf)
-                    tk = _unkey(thr)
-                    sacc = tl.zeros((BLOCK,), tl.float32)
-                    listed = 0
-                    for start in range(0, n_cols, BLOCK):
-                        z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
-                        keep = z >= tk
-                        sacc += tl.where(keep, tl.exp(z - top), 0.0)
-                        listed = _append(buf_ptr + row * n_cols, listed, z, keep)
-                    total = tl.sum(sacc, 0)
-                    read += n_cols
+            if k_on & (p < 1.0):  # top-p counts the mass of what top-k kept (all when it kept all), and searches
+                # only those values (in buf)
+                tk = _unkey(thr)
+                sacc = tl.zeros((BLOCK,), tl.float32)
+                listed = 0
+                for start in range(0, n_cols, BLOCK):
+                    z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
+                    keep = (z >= tk) & (z > float("-inf"))  # (tk -inf when top-k kept all: not masked ones)
+                    sacc += tl.where(keep, tl.exp(z - top), 0.0)
+                    listed = _append(buf_ptr + row * n_cols, listed, z, keep)
+                total = tl.sum(sacc, 0)
+                read += n_cols
             if (p < 1.0) & (top > float("-inf")):  # of what top-k kept, the smallest z whose larger mass is < p
                 # (above tk's key - 1 every z is kept: the search's mass needs no top-k test)
                 thr, r = _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, tl.maximum(lo, thr - 1), hi, fmin,

@@ -91,19 +91,21 @@ def _kept(x, temperature, cut):
 def test_filter_cut_keeps_what_the_sort_keeps(vocab):
     """Per row: the tokens the cuts keep are those the torch filters (a sort of the row) leave finite, over
     top-k alone / with top-p / top-p alone / min-p and each off, ties at the top-k cut, masked (-inf) tokens,
-    top_k at and past the vocabulary and more than the finite tokens, values spread over 37 decades (the
+    top_k at and past the vocabulary and more than the finite tokens (alone, and before top-p), values spread over 37 decades (the
     search's pivots fall back from the values to their keys); greedy rows get no cut."""
     g = torch.Generator().manual_seed(vocab)
-    n = 17
+    n = 18
     x = torch.randn(n, vocab, generator=g) * 3
     temperature = (0.3 + torch.rand(n, generator=g) * 1.2)
-    top_k = torch.tensor([20, 0, 20, 0, 1, vocab, vocab + 5, 7, 50, -1, 3, 20, 0, 400, 5, 20, 30])
-    top_p = torch.tensor([1.0, 0.7, 0.7, 1.0, 0.5, 0.9, 1.0, 0.95, 0.3, 0.999, 1.0, 1.0, 0.01, 0.8, 0.6, 1.0, 0.9])
-    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.1, 0.0, 0.02, 0.0, 0.0, 0.0, 0.0, 0.01, 0.0, 0.0, 0.0])
+    top_k = torch.tensor([20, 0, 20, 0, 1, vocab, vocab + 5, 7, 50, -1, 3, 20, 0, 400, 5, 20, 30, 20])
+    top_p = torch.tensor([1.0, 0.7, 0.7, 1.0, 0.5, 0.9, 1.0, 0.95, 0.3, 0.999, 1.0, 1.0, 0.01, 0.8, 0.6, 1.0, 0.9, 0.8])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.1, 0.0, 0.02, 0.0, 0.0, 0.0, 0.0, 0.01, 0.0, 0.0, 0.0,
+                          0.0])
     x[7, 100:110] = x[7].max() + 1.0  # ten tied top values, top_k 7: the tie at the cut keeps all ten
     x[10, :] = 0.0
     x[10, 5] = 1.0  # top_k 3 over a row of zeros: the cut is 0, every zero ties and stays
     x[11, torch.randperm(vocab, generator=g)[15:]] = float("-inf")  # 15 finite, top_k 20
+    x[17, torch.randperm(vocab, generator=g)[12:]] = float("-inf")  # 12 finite, top_k 20 keeps all, then top_p
     x[12, 7] = x[12].max() + 10  # top_p 0.01: the top token alone
     temperature[15] = 0.0  # a greedy row: no cut
     x[16] = -(10.0 ** (torch.arange(vocab) % 38)) * (1 + torch.rand(vocab, generator=g))
@@ -125,7 +127,7 @@ def test_filter_cut_keeps_what_the_sort_keeps(vocab):
     assert torch.equal(skipped[~active], torch.isfinite(x[~active]))
     # the cases are what they claim
     assert want[7].sum() == 10 and want[10].sum() == vocab and want[12].sum() == 1 and want[6].all() is not None
-    assert want[0].sum() == 20 and want[5].sum() < vocab and want[11].sum() == 15
+    assert want[0].sum() == 20 and want[5].sum() < vocab and want[11].sum() == 15 and 1 <= want[17].sum() < 12
 
 
 def test_filter_cut_reads_a_few_rows():
