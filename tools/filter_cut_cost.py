@@ -15,6 +15,7 @@ it checks the kept tokens only.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -90,17 +91,18 @@ def sweep(x: torch.Tensor, temp: torch.Tensor, V: int, dev: str) -> None:
         p = torch.full((B,), top_p, device=dev)
         thr, top, buf = torch.empty(B, device=dev), torch.empty(B, device=dev), torch.empty_like(x)
         rows = []
-        for npiv in (4, 8, 16):
-            for block in (512, 1024, 2048):
-                for warps in (4, 8, 16):
-                    def f(npiv=npiv, block=block, warps=warps):
-                        sampling._cut_kernel[(B,)](x, temp, k, p, temp, thr, top, buf, thr, V, x.stride(0),
-                                                   SAMPLING_EPS, BLOCK=block, NPIV=npiv, HAS_ACTIVE=False,
-                                                   HAS_READ=False, PDL=False, num_warps=warps)
-                    rows.append((timed(f, dev), npiv, block, warps))
+        for npiv, block, warps, stages in itertools.product((4, 8, 16), (1024, 2048, 4096), (8, 16), (1, 3)):
+            def f(npiv=npiv, block=block, warps=warps, stages=stages):
+                sampling._cut_kernel[(B,)](x, temp, k, p, temp, thr, top, buf, thr, V, x.stride(0), SAMPLING_EPS,
+                                           BLOCK=block, NPIV=npiv, HAS_ACTIVE=False, HAS_READ=False, PDL=False,
+                                           num_warps=warps, num_stages=stages)
+            rows.append((timed(f, dev), npiv, block, warps, stages))
+        today = (sampling._CUT_PIVOTS, sampling._CUT_BLOCK, 8, 3)  # (3 stages: Triton's default on CUDA)
+        now = next(r[0] for r in rows if r[1:] == today)
         rows.sort()
-        print(f"B={B} top_k={top_k} top_p={top_p}: fastest "
-              + ", ".join(f"{ms:.3f} ms (pivots {n}, block {b}, warps {w})" for ms, n, b, w in rows[:4]), flush=True)
+        print(f"B={B} top_k={top_k} top_p={top_p}: today's shape {now:.3f} ms; fastest "
+              + ", ".join(f"{ms:.3f} ms (pivots {n}, block {b}, warps {w}, stages {s})" for ms, n, b, w, s in rows[:5]),
+              flush=True)
 
 
 if __name__ == "__main__":
