@@ -8,9 +8,9 @@ To time an earlier kernel against this one, run the tool again with ``PYTHONPATH
 ``loopline/kernels/sampling.py`` is the earlier one (``git show 0eb43f6:loopline/kernels/sampling.py``); a kernel
 without ``read=`` reports -1 rows.
 
-Logits ``3 * randn``; a call's time is 50 calls then one synchronize (the device's share). ``--sweep`` also times
-the cut kernel's launch shapes (pivots a pass, columns a block, warps). On the CPU (under ``TRITON_INTERPRET=1``)
-it checks the kept tokens only.
+Logits ``3 * randn``; a call's time is 50 calls then one synchronize (the device's share). ``--sweep`` also
+times the cut's launch shapes (columns a program, the pivot pass's pivots and block). On the CPU (under
+``TRITON_INTERPRET=1``) it checks the kept tokens only.
 """
 from __future__ import annotations
 
@@ -84,25 +84,30 @@ def main() -> None:
             sweep(x, temp, V, dev)
 
 
+SHAPES = ("_CUT_SPLIT", "_CUT_WIDE_PIVOTS", "_CUT_WIDE_BLOCK", "_CUT_PIVOTS")
+
+
 def sweep(x: torch.Tensor, temp: torch.Tensor, V: int, dev: str) -> None:
+    """The cut per call over its launch shapes (the module's constants: columns a program of the row-wide
+    passes, the pivot pass's pivots and block, the finishing search's pivots); fastest first."""
     B = x.shape[0]
+    today = tuple(getattr(sampling, c) for c in SHAPES)
     for top_k, top_p in ((0, 0.7), (20, 0.9)):
         k = torch.full((B,), top_k, dtype=torch.int64, device=dev)
         p = torch.full((B,), top_p, device=dev)
-        thr, top, buf = torch.empty(B, device=dev), torch.empty(B, device=dev), torch.empty_like(x)
+        mp = torch.zeros(B, device=dev)
         rows = []
-        for npiv, block, warps, stages in itertools.product((4, 8, 16), (1024, 2048, 4096), (8, 16), (1, 3)):
-            def f(npiv=npiv, block=block, warps=warps, stages=stages):
-                sampling._cut_kernel[(B,)](x, temp, k, p, temp, thr, top, buf, thr, V, x.stride(0), SAMPLING_EPS,
-                                           BLOCK=block, NPIV=npiv, HAS_ACTIVE=False, HAS_READ=False, PDL=False,
-                                           num_warps=warps, num_stages=stages)
-            rows.append((timed(f, dev), npiv, block, warps, stages))
-        today = (sampling._CUT_PIVOTS, sampling._CUT_BLOCK, 8, 3)  # (3 stages: Triton's default on CUDA)
-        now = next(r[0] for r in rows if r[1:] == today)
+        for shape in itertools.product((1024, 2048, 4096), (8, 16, 32), (256, 512), (8,)):
+            for c, v in zip(SHAPES, shape):
+                setattr(sampling, c, v)
+            rows.append((timed(lambda: sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS), dev), shape))
+        for c, v in zip(SHAPES, today):
+            setattr(sampling, c, v)
+        now = next(ms for ms, shape in rows if shape == today)
         rows.sort()
         print(f"B={B} top_k={top_k} top_p={top_p}: today's shape {now:.3f} ms; fastest "
-              + ", ".join(f"{ms:.3f} ms (pivots {n}, block {b}, warps {w}, stages {s})" for ms, n, b, w, s in rows[:5]),
-              flush=True)
+              + ", ".join(f"{ms:.3f} ms (split {sp}, wide pivots {wp}, wide block {wb})" for ms, (sp, wp, wb, _) in
+                          rows[:5]), flush=True)
 
 
 if __name__ == "__main__":

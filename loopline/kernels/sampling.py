@@ -14,17 +14,20 @@ inside the chunk reduction. In torch the hash alone is ~120 small launches, a
 few milliseconds of host time per sampling step.
 
 :func:`filter_cut` replaces top-k, top-p and min-p's sort of every row (torch:
-a segmented sort, a softmax, a cumsum and a dozen small launches) by one
-program per row that finds each cut as a value: the k-th largest value, and
-the smallest value whose strictly-larger mass stays below top_p, each by a
-search over the order-preserving integer keys of fp32 values: NPIV pivots a
-pass spread over the values between the search's bounds, the bounds snapped to
-the row's values inside them, so a search ends when one value is left (4-8
-passes over a row of logits; the keys' 32 bits took ~10 before); from its
-second pass a search keeps the values inside its interval in a scratch row and
-reads only those afterwards, and top-p's total mass comes with the first pass
-(the row's maximum) when there is no top-k. The draw then
-drops what lies below the cut inside its chunk reduction. The cuts are the
+a segmented sort, a softmax, a cumsum and a dozen small launches) by four
+launches that find each cut as a value: the k-th largest value, and the
+smallest value whose strictly-larger mass stays below top_p, each by a search
+over the order-preserving integer keys of fp32 values. Three passes read the
+row, a program per 2,048 columns, so that a few rows still fill the GPU: the
+row's maximum, smallest finite value, finite count and (top-p) total mass;
+the count or mass above 16 pivots spread over the row's range, which narrows
+the search ~17x; the values above the narrowed interval's bottom, listed
+(typically a few dozen to a few hundred). A program per row then finishes the
+search over the list: pivots spread over the interval's values, the bounds
+snapped to the values inside it, so it ends when one value is left, and each
+pass keeps only the interval's values. Top-p after top-k searches the values
+top-k kept. The draw then drops what lies below the cut inside its chunk
+reduction. The cuts are the
 sort's (``loopline.worker.sampler._apply_top_k_top_p``: ties at a cut are all
 kept), up to the summation order of the nucleus's mass.
 """
@@ -44,8 +47,11 @@ except ImportError:  # pragma: no cover - the kernels are unusable without trito
     triton = None
 
 _CHUNK = 2048
+_CUT_SPLIT = 2048  # columns one program of filter_cut's row-wide passes reads (a multiple of their blocks)
 _CUT_BLOCK = 1024  # columns a pass of filter_cut loads at once
-_CUT_PIVOTS = 8  # keys tested a pass: each pass narrows the search ~9x
+_CUT_WIDE_BLOCK = 512  # (the pivot pass: a [BLOCK, PIVOTS] accumulator)
+_CUT_WIDE_PIVOTS = 16  # keys the row-wide pivot pass tests: the search's interval ~17x narrower
+_CUT_PIVOTS = 8  # keys tested a pass of the search's end: each narrows it ~9x
 
 
 class RowCut(NamedTuple):
@@ -159,37 +165,39 @@ if triton is not None:
         return written + tl.sum(keep.to(tl.int32), 0)
 
     @triton.jit
-    def _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, target, listed,
-                MASS: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr):
-        """The smallest key K in (lo, hi] at which ``count(key(z) > K) < target`` (MASS: the mass
-        ``sum exp(z - top)`` of those z ``< target``) holds, given it fails at lo and holds at hi.
-
-        Pivots are spread evenly over the values of the interval (logits sit in a few units: ~9x narrower a
-        pass), or over its keys once six passes have gone (the values can be spread badly: a -1e30 beside
-        logits near 0; keys narrow 9x a pass whatever the values). Each pass also finds the smallest and the
-        largest key inside the interval, where the predicate is the same as at its ends (it changes only at
-        the row's keys): the search stops once one value is left, not at the key's last bit.
-
-        From the second pass on, a pass keeps the values inside its interval in ``buf`` (the row's scratch,
-        compacted in place) and counts those above it once; later passes read only what was kept (after two
-        passes typically a few percent of the row). ``listed`` >= 0: buf already holds the interval's values,
-        that many, and every pass reads them."""
-        offs = tl.arange(0, BLOCK)
+    def _pivots(lo, hi, fmin, by_keys, NPIV: tl.constexpr):
+        """NPIV keys inside (lo, hi), increasing: spread evenly over the interval's values (logits sit in a few
+        units), or over its keys (``by_keys``, or where a value's key falls outside: values spread badly, a
+        -1e30 beside logits near 0; keys narrow the interval NPIV + 1 times whatever the values)."""
         steps = tl.arange(0, NPIV) + 1
+        kp = lo + ((hi - lo) * steps.to(tl.int64)) // (NPIV + 1)  # (int64: the product; every key fits int32)
+        va = tl.maximum(_unkey(lo + 1), fmin)
+        vb = _unkey(hi)
+        pv = _key(va + (vb - va) * (steps.to(tl.float32) / (NPIV + 1))).to(tl.int64)
+        return tl.where((pv > lo) & (pv < hi) & (by_keys == 0), pv, kp)
+
+    @triton.jit
+    def _search(buf_ptr, row, n_cols, lo, hi, fmin, top, target, listed, MASS: tl.constexpr,
+                COMPACT: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr):
+        """The smallest key K in (lo, hi] at which ``count(key(z) > K) < target`` (MASS: the mass
+        ``sum exp(z - top)`` of those z ``< target``) holds, given it fails at lo and holds at hi, over the
+        ``listed`` values at the start of the row's scratch ``buf`` (every value of the row above lo).
+
+        Pivots as :func:`_pivots` (by keys once six passes have gone). Each pass also finds the smallest and
+        the largest key inside the interval, where the predicate is the same as at its ends (it changes only
+        at the row's keys): the search stops once one value is left, not at the key's last bit. COMPACT: each
+        pass keeps only its interval's values in buf (compacted in place) and counts those above it once;
+        otherwise buf is left as it was (top-p reads it after top-k)."""
+        offs = tl.arange(0, BLOCK)
         n = 0
         read = 0  # values the passes read (the search's cost)
-        kept = tl.where(listed >= 0, listed, n_cols)  # values in buf (or x's, until the second pass wrote buf)
+        kept = listed
         if MASS:
             above = tl.zeros((), tl.float32)  # count (mass) of the values dropped from buf above its interval
         else:
             above = tl.zeros((), tl.int32)
         while hi - lo > 1:
-            listing = (n >= 1) | (listed >= 0)  # this pass keeps its interval's values in buf
-            kp = lo + ((hi - lo) * steps.to(tl.int64)) // (NPIV + 1)  # (int64: the product; every key fits int32)
-            va = tl.maximum(_unkey(lo + 1), fmin)
-            vb = _unkey(hi)
-            pv = _key(va + (vb - va) * (steps.to(tl.float32) / (NPIV + 1))).to(tl.int64)
-            piv = tl.where((pv > lo) & (pv < hi) & (n < 6), pv, kp)
+            piv = _pivots(lo, hi, fmin, n >= 6, NPIV)
             piv32 = piv.to(tl.int32)
             if MASS:
                 acc = tl.zeros((BLOCK, NPIV), tl.float32)
@@ -203,11 +211,8 @@ if triton is not None:
             read += kept
             for start in range(0, kept, BLOCK):
                 c = start + offs
-                if (n < 2) & (listed < 0):
-                    z = _tempered(x_ptr, row, stride_x, c, n_cols, temp)
-                else:
-                    z = tl.load(buf_ptr + row * n_cols + c, mask=c < kept, other=float("-inf"))
-                kz = _key(z)  # (padding and masked tokens: -inf, below lo)
+                z = tl.load(buf_ptr + row * n_cols + c, mask=c < kept, other=float("-inf"))
+                kz = _key(z)  # (padding: -inf, below lo)
                 inside = (kz > lo) & (kz <= hi)
                 least = tl.minimum(least, tl.where(inside, kz, 2147483647))
                 most = tl.maximum(most, tl.where(inside, kz, -2147483648))
@@ -219,80 +224,191 @@ if triton is not None:
                 else:
                     acc += above_piv.to(tl.int32)
                     up += (kz > hi).to(tl.int32)
-                if listing:
+                if COMPACT:
                     written = _append(buf_ptr + row * n_cols, written, z, inside)
             lo, hi = _narrow(lo, hi, piv, tl.sum(acc, 0) + above < target)
             lo = tl.maximum(lo, tl.min(least, 0).to(tl.int64) - 1)
             hi = tl.minimum(hi, tl.max(most, 0).to(tl.int64))
-            if listing:  # buf holds the pass's interval's values; those above it count from now
+            if COMPACT:  # buf holds the pass's interval's values; those above it count from now
                 kept = written
                 above += tl.sum(up, 0)
             n += 1
         return hi, read
 
     @triton.jit
-    def _cut_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, active_ptr, thr_ptr, top_ptr, buf_ptr, read_ptr, n_cols, stride_x,
-                    eps, BLOCK: tl.constexpr, NPIV: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_READ: tl.constexpr,
-                    PDL: tl.constexpr):
+    def _go(temp_ptr, active_ptr, row, eps, HAS_ACTIVE: tl.constexpr):
+        """Whether the row gets a cut: a sampled row (a greedy one takes argmax(x)) whose token is read."""
+        go = tl.load(temp_ptr + row) >= eps
+        if HAS_ACTIVE:
+            go = go & (tl.load(active_ptr + row) != 0)
+        return go
+
+    @triton.jit
+    def _plan(k_ptr, p_ptr, row, n_cols, top, finite):
+        """Which search the wide passes narrow: top-k's (when it cuts: fewer finite tokens than k keep all, as
+        the sort does; -inf never wins the draw) or else top-p's over the whole row."""
+        k = tl.load(k_ptr + row)
+        p = tl.load(p_ptr + row)
+        by_k = (k > 0) & (k < n_cols) & (finite >= k)
+        by_p = (by_k == 0) & (p < 1.0) & (top > float("-inf"))
+        return k, p, by_k, by_p
+
+    @triton.jit
+    def _cut_stats_kernel(x_ptr, temp_ptr, p_ptr, active_ptr, stats_ptr, n_cols, stride_x, n_split, eps,
+                          SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_ACTIVE: tl.constexpr, PDL: tl.constexpr):
+        """Pass 1 of the cut, a program per SPLIT columns of a row: their largest z, smallest finite z, how
+        many are finite and (top-p) sum exp(z - largest), by lanes (each lane's sum against its own maximum,
+        rescaled as that grows)."""
         grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
-        temp = tl.load(temp_ptr + row)
-        go = temp >= eps  # (a greedy row takes argmax(x): no cut)
-        if HAS_ACTIVE:  # (a row whose token nobody reads: no cut either)
-            go = go & (tl.load(active_ptr + row) != 0)
-        offs = tl.arange(0, BLOCK)
-        thr = _key(tl.full((), float("-inf"), tl.float32)).to(tl.int64)  # -inf: keep all
-        top = tl.full((), float("-inf"), tl.float32)
-        read = 0
-        if go:
-            read += n_cols
-            k = tl.load(k_ptr + row)
+        s = tl.program_id(1)
+        if _go(temp_ptr, active_ptr, row, eps, HAS_ACTIVE):
+            temp = tl.load(temp_ptr + row)
             p = tl.load(p_ptr + row)
-            k_on = (k > 0) & (k < n_cols)
-            # one pass: the largest z, the smallest finite one, how many are finite, and (top-p without top-k)
-            # sum exp(z - top) by lanes (each lane's sum against its own maximum, rescaled as that grows)
+            offs = tl.arange(0, BLOCK)
             big = tl.full((BLOCK,), float("-inf"), tl.float32)
             small = tl.full((BLOCK,), float("inf"), tl.float32)
-            finite = tl.zeros((BLOCK,), tl.int32)
+            finite = tl.zeros((BLOCK,), tl.float32)
             mass = tl.zeros((BLOCK,), tl.float32)
-            for start in range(0, n_cols, BLOCK):
+            for start in range(s * SPLIT, s * SPLIT + SPLIT, BLOCK):
                 z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
                 fin = z > float("-inf")
                 grown = tl.maximum(big, z)
-                if (p < 1.0) & (k_on == 0):  # (two exps a value; after top-k the total is what top-k kept)
+                if p < 1.0:  # (two exps a value that top-k and min-p rows need not pay)
                     ref = tl.where(grown > float("-inf"), grown, 0.0)  # (a lane of -inf so far: its sum stays 0)
                     mass = mass * tl.exp(big - ref) + tl.exp(z - ref)
                 big = grown
                 small = tl.minimum(small, tl.where(fin, z, float("inf")))
-                finite += fin.to(tl.int32)
+                finite += fin.to(tl.float32)
             top = tl.max(big, 0)
-            total = tl.sum(mass * tl.exp(big - tl.where(top > float("-inf"), top, 0.0)), 0)
-            fmin = tl.min(small, 0)  # the smallest finite z: every search starts just below it
-            lo = _key(fmin).to(tl.int64) - 1
-            hi = _key(top).to(tl.int64)
-            listed = -1  # (top-p after top-k: the values top-k kept, in buf)
-            # top-k: the k-th largest z (fewer finite tokens than k: keep all; -inf never wins the draw)
-            if k_on & (tl.sum(finite, 0) >= k):
-                thr, r = _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, lo, hi, fmin, top, k, -1, False, BLOCK,
-                                 NPIV)
-                read += r
-            if k_on & (p < 1.0):  # top-p counts the mass of what top-k kept (all when it kept all), and searches
-                # only those values (in buf)
-                tk = _unkey(thr)
-                sacc = tl.zeros((BLOCK,), tl.float32)
-                listed = 0
-                for start in range(0, n_cols, BLOCK):
+            out = stats_ptr + (row * n_split + s) * 4
+            tl.store(out, top)
+            tl.store(out + 1, tl.min(small, 0))
+            tl.store(out + 2, tl.sum(mass * tl.exp(big - tl.where(top > float("-inf"), top, 0.0)), 0))
+            tl.store(out + 3, tl.sum(finite, 0))  # (exact: fewer than 2**24 columns)
+
+    @triton.jit
+    def _cut_wide_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, active_ptr, stats_ptr, info_ptr, part_ptr, n_cols,
+                         stride_x, n_split, eps, SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                         NPIV: tl.constexpr, HAS_ACTIVE: tl.constexpr, PDL: tl.constexpr):
+        """Pass 2, a program per SPLIT columns: the row's statistics from pass 1's parts (the first program
+        keeps them in ``info``), then the count (top-k) or mass (top-p) of the program's z above each of NPIV
+        pivots spread over the whole row's range, three in four by value, one in four by key."""
+        grid_dependency_wait(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        if _go(temp_ptr, active_ptr, row, eps, HAS_ACTIVE):
+            i = tl.arange(0, SPLITS)
+            part = stats_ptr + (row * n_split + i) * 4
+            there = i < n_split
+            tops = tl.load(part, mask=there, other=float("-inf"))
+            top = tl.max(tops, 0)
+            fmin = tl.min(tl.load(part + 1, mask=there, other=float("inf")), 0)
+            masses = tl.load(part + 2, mask=there, other=0.0)
+            total = tl.sum(masses * tl.exp(tops - tl.where(top > float("-inf"), top, 0.0)), 0)
+            finite = tl.sum(tl.load(part + 3, mask=there, other=0.0), 0)
+            if s == 0:
+                tl.store(info_ptr + row * 4, top)
+                tl.store(info_ptr + row * 4 + 1, fmin)
+                tl.store(info_ptr + row * 4 + 2, total)
+                tl.store(info_ptr + row * 4 + 3, finite)
+            k, p, by_k, by_p = _plan(k_ptr, p_ptr, row, n_cols, top, finite)
+            if by_k | by_p:
+                temp = tl.load(temp_ptr + row)
+                piv = _pivots(_key(fmin).to(tl.int64) - 1, _key(top).to(tl.int64), fmin,
+                              tl.arange(0, NPIV) % 4 == 3, NPIV).to(tl.int32)
+                offs = tl.arange(0, BLOCK)
+                acc = tl.zeros((BLOCK, NPIV), tl.float32)  # (counts exact in fp32: fewer than 2**24 columns)
+                for start in range(s * SPLIT, s * SPLIT + SPLIT, BLOCK):
                     z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
-                    keep = (z >= tk) & (z > float("-inf"))  # (tk -inf when top-k kept all: not masked ones)
-                    sacc += tl.where(keep, tl.exp(z - top), 0.0)
-                    listed = _append(buf_ptr + row * n_cols, listed, z, keep)
-                total = tl.sum(sacc, 0)
-                read += n_cols
-            if (p < 1.0) & (top > float("-inf")):  # of what top-k kept, the smallest z whose larger mass is < p
-                # (above tk's key - 1 every z is kept: the search's mass needs no top-k test)
-                thr, r = _search(x_ptr, buf_ptr, row, stride_x, n_cols, temp, tl.maximum(lo, thr - 1), hi, fmin,
-                                 top, p * total, listed, True, BLOCK, NPIV)
-                read += r
+                    w = tl.where(by_k, 1.0, tl.exp(z - top))
+                    acc += tl.where(_key(z)[:, None] > piv[None, :], w[:, None], 0.0)
+                tl.store(part_ptr + (row * n_split + s) * NPIV + tl.arange(0, NPIV), tl.sum(acc, 0))
+
+    @triton.jit
+    def _cut_list_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, active_ptr, info_ptr, part_ptr, bounds_ptr, buf_ptr,
+                         seg_ptr, n_cols, stride_x, n_split, eps, SPLIT: tl.constexpr, SPLITS: tl.constexpr,
+                         BLOCK: tl.constexpr, NPIV: tl.constexpr, HAS_ACTIVE: tl.constexpr, PDL: tl.constexpr):
+        """Pass 3, a program per SPLIT columns: pass 2's parts summed narrow the search to (lo, hi] (the first
+        program keeps it in ``bounds``); the program's z above lo go to its own segment of the row's scratch
+        (``buf[row, s * SPLIT:]``, compacted, their number in ``seg``): typically a few dozen a row."""
+        grid_dependency_wait(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1)
+        if _go(temp_ptr, active_ptr, row, eps, HAS_ACTIVE):
+            top = tl.load(info_ptr + row * 4)
+            fmin = tl.load(info_ptr + row * 4 + 1)
+            k, p, by_k, by_p = _plan(k_ptr, p_ptr, row, n_cols, top, tl.load(info_ptr + row * 4 + 3))
+            if by_k | by_p:
+                lo = _key(fmin).to(tl.int64) - 1
+                hi = _key(top).to(tl.int64)
+                piv = _pivots(lo, hi, fmin, tl.arange(0, NPIV) % 4 == 3, NPIV)
+                i = tl.arange(0, SPLITS)
+                parts = tl.load(part_ptr + (row * n_split + i[:, None]) * NPIV + tl.arange(0, NPIV)[None, :],
+                                mask=(i < n_split)[:, None], other=0.0)
+                target = tl.where(by_k, k.to(tl.float32), p * tl.load(info_ptr + row * 4 + 2))
+                lo, hi = _narrow(lo, hi, piv, tl.sum(parts, 0) < target)
+                if s == 0:
+                    tl.store(bounds_ptr + row * 2, lo.to(tl.int32))
+                    tl.store(bounds_ptr + row * 2 + 1, hi.to(tl.int32))
+                temp = tl.load(temp_ptr + row)
+                offs = tl.arange(0, BLOCK)
+                written = 0
+                for start in range(s * SPLIT, s * SPLIT + SPLIT, BLOCK):
+                    z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
+                    written = _append(buf_ptr + row * n_cols + s * SPLIT, written, z, _key(z) > lo)
+                tl.store(seg_ptr + row * n_split + s, written)
+
+    @triton.jit
+    def _cut_finish_kernel(temp_ptr, k_ptr, p_ptr, active_ptr, info_ptr, bounds_ptr, buf_ptr, seg_ptr, thr_ptr,
+                           top_ptr, read_ptr, n_cols, n_split, eps, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                           NPIV: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_READ: tl.constexpr,
+                           PDL: tl.constexpr):
+        """Pass 4, a program per row: pass 3's segments gathered at the row's start, the search finished over
+        them; top-p after top-k counts the mass of what top-k kept and searches only those values."""
+        grid_dependency_wait(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        thr = _key(tl.full((), float("-inf"), tl.float32)).to(tl.int64)  # -inf: keep all
+        top = tl.full((), float("-inf"), tl.float32)
+        read = 0
+        if _go(temp_ptr, active_ptr, row, eps, HAS_ACTIVE):
+            top = tl.load(info_ptr + row * 4)
+            fmin = tl.load(info_ptr + row * 4 + 1)
+            total = tl.load(info_ptr + row * 4 + 2)
+            k, p, by_k, by_p = _plan(k_ptr, p_ptr, row, n_cols, top, tl.load(info_ptr + row * 4 + 3))
+            read += n_cols
+            if by_k | by_p:
+                read += 2 * n_cols
+                lo = tl.load(bounds_ptr + row * 2).to(tl.int64)
+                hi = tl.load(bounds_ptr + row * 2 + 1).to(tl.int64)
+                offs = tl.arange(0, BLOCK)
+                row_buf = buf_ptr + row * n_cols
+                listed = 0
+                for s in range(0, n_split):
+                    n = tl.load(seg_ptr + row * n_split + s)
+                    read += n
+                    for start in range(0, n, BLOCK):
+                        c = start + offs
+                        z = tl.load(row_buf + s * SPLIT + c, mask=c < n, other=float("-inf"))
+                        # (the mask reads z: every lane's load lands before a store moves a value forward)
+                        listed = _append(row_buf, listed, z, z > float("-inf"))
+                if by_k:  # the k-th largest z; buf kept whole for top-p
+                    thr, r = _search(buf_ptr, row, n_cols, lo, hi, fmin, top, k, listed, False, False, BLOCK, NPIV)
+                    read += r
+                    if p < 1.0:  # top-p counts the mass of what top-k kept
+                        tk = _unkey(thr)
+                        sacc = tl.zeros((BLOCK,), tl.float32)
+                        for start in range(0, listed, BLOCK):
+                            z = tl.load(row_buf + start + offs, mask=start + offs < listed, other=float("-inf"))
+                            sacc += tl.where(z >= tk, tl.exp(z - top), 0.0)
+                        total = tl.sum(sacc, 0)
+                        read += listed
+                        lo = thr - 1  # (every z top-k kept is above it; those below are in no pivot's mass)
+                        hi = _key(top).to(tl.int64)
+                if by_p | (by_k & (p < 1.0)):  # of what top-k kept, the smallest z whose larger mass is < p
+                    thr, r = _search(buf_ptr, row, n_cols, lo, hi, fmin, top, p * total, listed, True, True, BLOCK,
+                                     NPIV)
+                    read += r
         tl.store(thr_ptr + row, _unkey(thr))
         tl.store(top_ptr + row, top)
         if HAS_READ:
@@ -374,26 +490,43 @@ def argmax_rows(x: Tensor) -> Tensor:
 
 def filter_cut(x: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, eps: float,
                active: Tensor | None = None, read: Tensor | None = None) -> RowCut:
-    """Top-k, top-p and min-p of tempered logits ``x / temperature`` as per-row cuts (:class:`RowCut`), in one
-    launch. ``top_k`` int64 ``[B]`` (<= 0 or >= V: off), ``top_p`` fp32 ``[B]`` in (0, 1] (1: off), ``min_p``
-    fp32 ``[B]`` (0: off); rows with ``temperature < eps`` are greedy and get no cut. Top-p counts the mass of
-    what top-k kept; ties at a cut are all kept. ``active`` (bool ``[B]``): the rows whose token is used; the
-    others get no cut (a decode row that does not exit this step: the search is most of the launch's time).
-    ``read`` (int32 ``[B]``, optional): gets how many values each row's passes read, the cut's cost."""
+    """Top-k, top-p and min-p of tempered logits ``x / temperature`` as per-row cuts (:class:`RowCut`), in four
+    launches. ``top_k`` int64 ``[B]`` (<= 0 or >= V: off), ``top_p`` fp32 ``[B]`` in (0, 1] (1: off),
+    ``min_p`` fp32 ``[B]`` (0: off); rows with ``temperature < eps`` are greedy and get no cut. Top-p counts the
+    mass of what top-k kept; ties at a cut are all kept. ``active`` (bool ``[B]``): the rows whose token is
+    used; the others get no cut (a decode row that does not exit this step). ``read`` (int32 ``[B]``,
+    optional): gets how many values each row's passes read, the cut's cost.
+
+    Three passes over the row run a program per ``_CUT_SPLIT`` columns (statistics; counts or masses above
+    pivots spread over the row's range; the values above the narrowed interval's bottom, listed), so that a
+    few rows still fill the GPU; the fourth, a program per row, finishes the search over what was listed."""
     _check_logits("filter_cut", x)
-    b = x.shape[0]
+    b, v = x.shape
     _check_rows("filter_cut", b, [("temperature", temperature, torch.float32), ("top_k", top_k, torch.int64),
                                   ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32)]
                 + ([("active", active, torch.bool)] if active is not None else [])
                 + ([("read", read, torch.int32)] if read is not None else []))
     thr = torch.empty(b, dtype=torch.float32, device=x.device)
     top = torch.empty(b, dtype=torch.float32, device=x.device)
-    if b:
-        buf = torch.empty_like(x, memory_format=torch.contiguous_format)  # the searches' kept values, a row each
-        _cut_kernel[(b,)](x, temperature, top_k, top_p, temperature if active is None else active, thr, top, buf,
-                          thr if read is None else read, x.shape[1], x.stride(0), eps, BLOCK=_CUT_BLOCK,
-                          NPIV=_CUT_PIVOTS, HAS_ACTIVE=active is not None, HAS_READ=read is not None,
-                          **pdl_options(x.device), num_warps=8)
+    if b == 0:
+        return RowCut(thr, top, min_p)
+    n_split = triton.cdiv(v, _CUT_SPLIT)
+    # one scratch allocation: the listed values (a row each), then the passes' small parts
+    sizes = (b * v, b * n_split * 4, b * n_split * _CUT_WIDE_PIVOTS, b * 4, b * 2, b * n_split)
+    buf, stats, part, info, bounds, seg = torch.empty(sum(sizes), dtype=torch.float32, device=x.device).split(sizes)
+    bounds, seg = bounds.view(torch.int32), seg.view(torch.int32)
+    act = temperature if active is None else active  # (unread without HAS_ACTIVE)
+    rows = dict(HAS_ACTIVE=active is not None, **pdl_options(x.device))
+    wide = dict(SPLIT=_CUT_SPLIT, SPLITS=triton.next_power_of_2(n_split), **rows)
+    _cut_stats_kernel[(b, n_split)](x, temperature, top_p, act, stats, v, x.stride(0), n_split, eps,
+                                    SPLIT=_CUT_SPLIT, BLOCK=_CUT_BLOCK, **rows, num_warps=8)
+    _cut_wide_kernel[(b, n_split)](x, temperature, top_k, top_p, act, stats, info, part, v, x.stride(0), n_split,
+                                   eps, BLOCK=_CUT_WIDE_BLOCK, NPIV=_CUT_WIDE_PIVOTS, **wide, num_warps=8)
+    _cut_list_kernel[(b, n_split)](x, temperature, top_k, top_p, act, info, part, bounds, buf, seg, v, x.stride(0),
+                                   n_split, eps, BLOCK=_CUT_BLOCK, NPIV=_CUT_WIDE_PIVOTS, **wide, num_warps=8)
+    _cut_finish_kernel[(b,)](temperature, top_k, top_p, act, info, bounds, buf, seg, thr, top,
+                             thr if read is None else read, v, n_split, eps, SPLIT=_CUT_SPLIT, BLOCK=_CUT_BLOCK,
+                             NPIV=_CUT_PIVOTS, HAS_READ=read is not None, **rows, num_warps=8)
     return RowCut(thr, top, min_p)
 
 

@@ -131,9 +131,10 @@ def test_filter_cut_keeps_what_the_sort_keeps(vocab):
 
 
 def test_filter_cut_reads_a_few_rows():
-    """The cut's cost in values read (``read``): the first pass (maximum, total mass), two passes over the row
-    per search, then only the values kept inside the search's interval; top-p after top-k searches only what
-    top-k kept. Rows that get no cut read nothing. (The search over the keys' bits read ~11-12 rows.)"""
+    """The cut's cost in values read (``read``): three passes over the row (statistics, the pivot pass, the list)
+    whatever the filters, then only the listed values; top-p after top-k searches only what top-k kept. Min-p
+    alone reads the first pass; rows that get no cut read nothing. (The search over the keys' bits read ~11-19
+    rows, a program per row reading the row four times ~3-4.)"""
     g = torch.Generator().manual_seed(1)
     vocab, n = 4096, 6
     x = (torch.randn(n, vocab, generator=g) * 3).to(DEVICE)
@@ -145,8 +146,8 @@ def test_filter_cut_reads_a_few_rows():
     read = torch.full((n,), -1, dtype=torch.int32, device=DEVICE)
     filter_cut(x, temperature, top_k, top_p, min_p, SAMPLING_EPS, active, read=read)
     rows = read.double().cpu() / vocab
-    assert 2.0 < rows[0] < 3.5 and 2.0 < rows[1] < 3.5  # top-k 20; top-p 0.7
-    assert 3.0 < rows[2] < 4.5  # both: the top-p search reads only top-k's 20 values
+    assert 3.0 < rows[0] < 3.2 and 3.0 < rows[1] < 3.2  # top-k 20; top-p 0.7: the list is a few percent
+    assert 3.0 < rows[2] < 3.2  # both: the top-p search reads only top-k's listed values
     assert rows[3] == 1.0  # min-p alone: the first pass
     assert rows[4] == 0 and rows[5] == 0  # greedy; not read this step
     with pytest.raises(ValueError, match="read as torch.int32"):
