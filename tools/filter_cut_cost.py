@@ -97,7 +97,7 @@ def sweep(x: torch.Tensor, temp: torch.Tensor, V: int, dev: str) -> None:
         p = torch.full((B,), top_p, device=dev)
         mp = torch.zeros(B, device=dev)
         rows = []
-        for shape in itertools.product((1024, 2048, 4096), (8, 16, 32), (256, 512), (8,)):
+        for shape in itertools.product((1024, 2048, 4096), (8, 16, 32), (128, 256), (8,)):
             for c, v in zip(SHAPES, shape):
                 setattr(sampling, c, v)
             rows.append((timed(lambda: sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS), dev), shape))

@@ -48,9 +48,10 @@ except ImportError:  # pragma: no cover - the kernels are unusable without trito
 
 _CHUNK = 2048
 _CUT_SPLIT = 2048  # columns one program of filter_cut's row-wide passes reads (a multiple of their blocks)
-_CUT_BLOCK = 1024  # columns a pass of filter_cut loads at once
-_CUT_WIDE_BLOCK = 512  # (the pivot pass: a [BLOCK, PIVOTS] accumulator)
+_CUT_BLOCK = 1024  # columns a row-wide pass of filter_cut loads at once
+_CUT_WIDE_BLOCK = 256  # (the pivot pass: two [BLOCK, PIVOTS] accumulators; 512 spills registers on sm_90)
 _CUT_WIDE_PIVOTS = 16  # keys the row-wide pivot pass tests: the search's interval ~17x narrower
+_CUT_LIST_BLOCK = 512  # listed values a pass of the search's end loads at once (the list: typically fewer)
 _CUT_PIVOTS = 8  # keys tested a pass of the search's end: each narrows it ~9x
 
 
@@ -292,8 +293,9 @@ if triton is not None:
                          stride_x, n_split, eps, SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
                          NPIV: tl.constexpr, HAS_ACTIVE: tl.constexpr, PDL: tl.constexpr):
         """Pass 2, a program per SPLIT columns: the row's statistics from pass 1's parts (the first program
-        keeps them in ``info``), then the count (top-k) or mass (top-p) of the program's z above each of NPIV
-        pivots spread over the whole row's range, three in four by value, one in four by key."""
+        keeps them in ``info``), then the count and (top-p) the mass of the program's z above each of NPIV
+        pivots spread over the whole row's range, three in four by value, one in four by key: ``part[row, s,
+        0]`` the masses (top-k: the counts), ``part[row, s, 1]`` the counts."""
         grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
@@ -318,20 +320,27 @@ if triton is not None:
                 piv = _pivots(_key(fmin).to(tl.int64) - 1, _key(top).to(tl.int64), fmin,
                               tl.arange(0, NPIV) % 4 == 3, NPIV).to(tl.int32)
                 offs = tl.arange(0, BLOCK)
-                acc = tl.zeros((BLOCK, NPIV), tl.float32)  # (counts exact in fp32: fewer than 2**24 columns)
+                mass = tl.zeros((BLOCK, NPIV), tl.float32)
+                count = tl.zeros((BLOCK, NPIV), tl.int32)
                 for start in range(s * SPLIT, s * SPLIT + SPLIT, BLOCK):
                     z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
-                    w = tl.where(by_k, 1.0, tl.exp(z - top))
-                    acc += tl.where(_key(z)[:, None] > piv[None, :], w[:, None], 0.0)
-                tl.store(part_ptr + (row * n_split + s) * NPIV + tl.arange(0, NPIV), tl.sum(acc, 0))
+                    above = _key(z)[:, None] > piv[None, :]
+                    count += above.to(tl.int32)
+                    if by_p:
+                        mass += tl.where(above, tl.exp(z - top)[:, None], 0.0)
+                out = part_ptr + (row * n_split + s) * 2 * NPIV + tl.arange(0, NPIV)
+                n = tl.sum(count, 0)
+                tl.store(out, tl.where(by_k, n.to(tl.float32), tl.sum(mass, 0)))
+                tl.store(out + NPIV, n.to(tl.float32))  # (exact: fewer than 2**24 columns)
 
     @triton.jit
-    def _cut_list_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, active_ptr, info_ptr, part_ptr, bounds_ptr, buf_ptr,
-                         seg_ptr, n_cols, stride_x, n_split, eps, SPLIT: tl.constexpr, SPLITS: tl.constexpr,
+    def _cut_list_kernel(x_ptr, temp_ptr, k_ptr, p_ptr, active_ptr, stats_ptr, info_ptr, part_ptr, bounds_ptr,
+                         buf_ptr, n_cols, stride_x, n_split, eps, SPLIT: tl.constexpr, SPLITS: tl.constexpr,
                          BLOCK: tl.constexpr, NPIV: tl.constexpr, HAS_ACTIVE: tl.constexpr, PDL: tl.constexpr):
-        """Pass 3, a program per SPLIT columns: pass 2's parts summed narrow the search to (lo, hi] (the first
-        program keeps it in ``bounds``); the program's z above lo go to its own segment of the row's scratch
-        (``buf[row, s * SPLIT:]``, compacted, their number in ``seg``): typically a few dozen a row."""
+        """Pass 3, a program per SPLIT columns: pass 2's parts summed narrow the search to (lo, hi]; the
+        program's z above lo go to the row's scratch, in column order, each program at the place its
+        predecessors' counts above lo (pass 2's) leave it. The first program keeps lo, hi and how many were
+        listed (typically a few dozen to a few hundred) in ``bounds``."""
         grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
@@ -344,28 +353,34 @@ if triton is not None:
                 hi = _key(top).to(tl.int64)
                 piv = _pivots(lo, hi, fmin, tl.arange(0, NPIV) % 4 == 3, NPIV)
                 i = tl.arange(0, SPLITS)
-                parts = tl.load(part_ptr + (row * n_split + i[:, None]) * NPIV + tl.arange(0, NPIV)[None, :],
-                                mask=(i < n_split)[:, None], other=0.0)
+                there = i < n_split
+                at = part_ptr + (row * n_split + i[:, None]) * 2 * NPIV + tl.arange(0, NPIV)[None, :]
                 target = tl.where(by_k, k.to(tl.float32), p * tl.load(info_ptr + row * 4 + 2))
-                lo, hi = _narrow(lo, hi, piv, tl.sum(parts, 0) < target)
+                bottom = lo
+                lo, hi = _narrow(lo, hi, piv, tl.sum(tl.load(at, mask=there[:, None], other=0.0), 0) < target)
+                # each program's count above lo: pass 2's at the pivot lo is, or (lo still the row's bottom) its
+                # finite count
+                counts = tl.load(at + NPIV, mask=there[:, None], other=0.0)
+                n = tl.max(tl.where(piv[None, :] == lo, counts, -1.0), 1)
+                n = tl.where(lo == bottom, tl.load(stats_ptr + (row * n_split + i) * 4 + 3, mask=there, other=0.0), n)
+                n = tl.where(there, n, 0.0).to(tl.int32)
                 if s == 0:
-                    tl.store(bounds_ptr + row * 2, lo.to(tl.int32))
-                    tl.store(bounds_ptr + row * 2 + 1, hi.to(tl.int32))
+                    tl.store(bounds_ptr + row * 4, lo.to(tl.int32))
+                    tl.store(bounds_ptr + row * 4 + 1, hi.to(tl.int32))
+                    tl.store(bounds_ptr + row * 4 + 2, tl.sum(n, 0))
                 temp = tl.load(temp_ptr + row)
                 offs = tl.arange(0, BLOCK)
-                written = 0
+                written = tl.sum(tl.where(i < s, n, 0), 0)
                 for start in range(s * SPLIT, s * SPLIT + SPLIT, BLOCK):
                     z = _tempered(x_ptr, row, stride_x, start + offs, n_cols, temp)
-                    written = _append(buf_ptr + row * n_cols + s * SPLIT, written, z, _key(z) > lo)
-                tl.store(seg_ptr + row * n_split + s, written)
+                    written = _append(buf_ptr + row * n_cols, written, z, _key(z) > lo)
 
     @triton.jit
-    def _cut_finish_kernel(temp_ptr, k_ptr, p_ptr, active_ptr, info_ptr, bounds_ptr, buf_ptr, seg_ptr, thr_ptr,
-                           top_ptr, read_ptr, n_cols, n_split, eps, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                           NPIV: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_READ: tl.constexpr,
-                           PDL: tl.constexpr):
-        """Pass 4, a program per row: pass 3's segments gathered at the row's start, the search finished over
-        them; top-p after top-k counts the mass of what top-k kept and searches only those values."""
+    def _cut_finish_kernel(temp_ptr, k_ptr, p_ptr, active_ptr, info_ptr, bounds_ptr, buf_ptr, thr_ptr, top_ptr,
+                           read_ptr, n_cols, eps, BLOCK: tl.constexpr, NPIV: tl.constexpr,
+                           HAS_ACTIVE: tl.constexpr, HAS_READ: tl.constexpr, PDL: tl.constexpr):
+        """Pass 4, a program per row: the search finished over pass 3's list; top-p after top-k counts the mass
+        of what top-k kept and searches only those values."""
         grid_dependency_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         thr = _key(tl.full((), float("-inf"), tl.float32)).to(tl.int64)  # -inf: keep all
@@ -379,27 +394,19 @@ if triton is not None:
             read += n_cols
             if by_k | by_p:
                 read += 2 * n_cols
-                lo = tl.load(bounds_ptr + row * 2).to(tl.int64)
-                hi = tl.load(bounds_ptr + row * 2 + 1).to(tl.int64)
-                offs = tl.arange(0, BLOCK)
-                row_buf = buf_ptr + row * n_cols
-                listed = 0
-                for s in range(0, n_split):
-                    n = tl.load(seg_ptr + row * n_split + s)
-                    read += n
-                    for start in range(0, n, BLOCK):
-                        c = start + offs
-                        z = tl.load(row_buf + s * SPLIT + c, mask=c < n, other=float("-inf"))
-                        # (the mask reads z: every lane's load lands before a store moves a value forward)
-                        listed = _append(row_buf, listed, z, z > float("-inf"))
-                if by_k:  # the k-th largest z; buf kept whole for top-p
+                lo = tl.load(bounds_ptr + row * 4).to(tl.int64)
+                hi = tl.load(bounds_ptr + row * 4 + 1).to(tl.int64)
+                listed = tl.load(bounds_ptr + row * 4 + 2)
+                if by_k:  # the k-th largest z; the list kept whole for top-p
                     thr, r = _search(buf_ptr, row, n_cols, lo, hi, fmin, top, k, listed, False, False, BLOCK, NPIV)
                     read += r
                     if p < 1.0:  # top-p counts the mass of what top-k kept
                         tk = _unkey(thr)
+                        offs = tl.arange(0, BLOCK)
                         sacc = tl.zeros((BLOCK,), tl.float32)
                         for start in range(0, listed, BLOCK):
-                            z = tl.load(row_buf + start + offs, mask=start + offs < listed, other=float("-inf"))
+                            z = tl.load(buf_ptr + row * n_cols + start + offs, mask=start + offs < listed,
+                                        other=float("-inf"))
                             sacc += tl.where(z >= tk, tl.exp(z - top), 0.0)
                         total = tl.sum(sacc, 0)
                         read += listed
@@ -512,21 +519,21 @@ def filter_cut(x: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min
         return RowCut(thr, top, min_p)
     n_split = triton.cdiv(v, _CUT_SPLIT)
     # one scratch allocation: the listed values (a row each), then the passes' small parts
-    sizes = (b * v, b * n_split * 4, b * n_split * _CUT_WIDE_PIVOTS, b * 4, b * 2, b * n_split)
-    buf, stats, part, info, bounds, seg = torch.empty(sum(sizes), dtype=torch.float32, device=x.device).split(sizes)
-    bounds, seg = bounds.view(torch.int32), seg.view(torch.int32)
+    sizes = (b * v, b * n_split * 4, b * n_split * 2 * _CUT_WIDE_PIVOTS, b * 4, b * 4)
+    buf, stats, part, info, bounds = torch.empty(sum(sizes), dtype=torch.float32, device=x.device).split(sizes)
+    bounds = bounds.view(torch.int32)
     act = temperature if active is None else active  # (unread without HAS_ACTIVE)
     rows = dict(HAS_ACTIVE=active is not None, **pdl_options(x.device))
-    wide = dict(SPLIT=_CUT_SPLIT, SPLITS=triton.next_power_of_2(n_split), **rows)
+    wide = dict(SPLIT=_CUT_SPLIT, SPLITS=triton.next_power_of_2(n_split), NPIV=_CUT_WIDE_PIVOTS, **rows)
     _cut_stats_kernel[(b, n_split)](x, temperature, top_p, act, stats, v, x.stride(0), n_split, eps,
                                     SPLIT=_CUT_SPLIT, BLOCK=_CUT_BLOCK, **rows, num_warps=8)
     _cut_wide_kernel[(b, n_split)](x, temperature, top_k, top_p, act, stats, info, part, v, x.stride(0), n_split,
-                                   eps, BLOCK=_CUT_WIDE_BLOCK, NPIV=_CUT_WIDE_PIVOTS, **wide, num_warps=8)
-    _cut_list_kernel[(b, n_split)](x, temperature, top_k, top_p, act, info, part, bounds, buf, seg, v, x.stride(0),
-                                   n_split, eps, BLOCK=_CUT_BLOCK, NPIV=_CUT_WIDE_PIVOTS, **wide, num_warps=8)
-    _cut_finish_kernel[(b,)](temperature, top_k, top_p, act, info, bounds, buf, seg, thr, top,
-                             thr if read is None else read, v, n_split, eps, SPLIT=_CUT_SPLIT, BLOCK=_CUT_BLOCK,
-                             NPIV=_CUT_PIVOTS, HAS_READ=read is not None, **rows, num_warps=8)
+                                   eps, BLOCK=_CUT_WIDE_BLOCK, **wide, num_warps=8)
+    _cut_list_kernel[(b, n_split)](x, temperature, top_k, top_p, act, stats, info, part, bounds, buf, v,
+                                   x.stride(0), n_split, eps, BLOCK=_CUT_BLOCK, **wide, num_warps=8)
+    _cut_finish_kernel[(b,)](temperature, top_k, top_p, act, info, bounds, buf, thr, top,
+                             thr if read is None else read, v, eps, BLOCK=_CUT_LIST_BLOCK, NPIV=_CUT_PIVOTS,
+                             HAS_READ=read is not None, **rows, num_warps=8)
     return RowCut(thr, top, min_p)
 
 
