@@ -8,9 +8,11 @@ To time an earlier kernel against this one, run the tool again with ``PYTHONPATH
 ``loopline/kernels/sampling.py`` is the earlier one (``git show 0eb43f6:loopline/kernels/sampling.py``); a kernel
 without ``read=`` reports -1 rows.
 
-Logits ``3 * randn``; a call's time is 50 calls then one synchronize (the device's share). ``--sweep`` also
-times the cut's launch shapes (columns a program, the pivot pass's pivots and block). On the CPU (under
-``TRITON_INTERPRET=1``) it checks the kept tokens only.
+Logits ``3 * randn``; a call's time is 50 calls then one synchronize (the host's launches included: where
+they take longer than the GPU, that is what it measures); "on the GPU" is the cut's time in a replayed CUDA
+graph, without the host's launch cost. ``--sweep`` also times (on the GPU) the cut's launch shapes (columns
+a program, the pivot pass's pivots and block). On the CPU (under ``TRITON_INTERPRET=1``) it checks the kept
+tokens only.
 """
 from __future__ import annotations
 
@@ -39,6 +41,27 @@ def timed(f, device: str, n: int = 50) -> float:
         f()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n * 1e3
+
+
+def graphed(f, device: str, n: int = 20, replays: int = 5) -> float:
+    """ms of the GPU's time a call: ``n`` calls captured in a CUDA graph, replayed between CUDA events (no host
+    launch cost; nan on the CPU)."""
+    if device != "cuda":
+        return float("nan")
+    f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            f()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (n * replays)
 
 
 def main() -> None:
@@ -74,12 +97,14 @@ def main() -> None:
             kept = (z >= cut.thr[:, None]) & (torch.exp(z - cut.top[:, None]) >= mp[:, None])
             same = bool(torch.equal(kept, torch.isfinite(filtered())))
             t_cut = timed(lambda: sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS), dev)
+            g_cut = graphed(lambda: sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS), dev)
             t_new = timed(lambda: sampling.sample_rows(
                 x, temp, seeds, idx, SAMPLING_EPS, cut=sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS)), dev)
             t_old = timed(lambda: sampling.sample_rows(x, temp, seeds, idx, SAMPLING_EPS, filtered()), dev)
             print(f"B={B} top_k={top_k} top_p={top_p} min_p={min_p}: same={same} kept/row={kept.sum().item() / B:.1f} "
                   f"reads/row={read.double().mean().item() / V:.2f} rows, "
-                  f"cut {t_cut:.3f} ms, cut+draw {t_new:.3f} ms, torch filters+draw {t_old:.3f} ms", flush=True)
+                  f"cut {t_cut:.3f} ms ({g_cut * 1e3:.1f} us on the GPU), cut+draw {t_new:.3f} ms, "
+                  f"torch filters+draw {t_old:.3f} ms", flush=True)
         if a.sweep and dev == "cuda":
             sweep(x, temp, V, dev)
 
@@ -100,12 +125,12 @@ def sweep(x: torch.Tensor, temp: torch.Tensor, V: int, dev: str) -> None:
         for shape in itertools.product((1024, 2048, 4096), (8, 16, 32), (128, 256), (8,)):
             for c, v in zip(SHAPES, shape):
                 setattr(sampling, c, v)
-            rows.append((timed(lambda: sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS), dev), shape))
+            rows.append((graphed(lambda: sampling.filter_cut(x, temp, k, p, mp, SAMPLING_EPS), dev), shape))
         for c, v in zip(SHAPES, today):
             setattr(sampling, c, v)
         now = next(ms for ms, shape in rows if shape == today)
         rows.sort()
-        print(f"B={B} top_k={top_k} top_p={top_p}: today's shape {now:.3f} ms; fastest "
+        print(f"B={B} top_k={top_k} top_p={top_p}, ms on the GPU: today's shape {now:.3f}; fastest "
               + ", ".join(f"{ms:.3f} ms (split {sp}, wide pivots {wp}, wide block {wb})" for ms, (sp, wp, wb, _) in
                           rows[:5]), flush=True)
 
