@@ -7,7 +7,9 @@ kinds, the builder and the graphs never branch on a family:
 
 * :class:`OuroStack`: the loop is ``model.loop`` (every layer, the final norm, the exit gate). A row
   starting a token reads the token's embedding, the others their slot's hidden state; logits are
-  ``model.head`` of the loop's output. Nothing beyond what the engine did before the seam.
+  ``model.head`` of the loop's output (its ``lm_head`` read skipped on the device when no row exits). A step
+  in which the host knows no decode row exits (``fixed_loops.py``: fixed depth, recorded depths; three steps
+  in four at fixed depth and one request) samples nothing and reads nothing back.
 * :class:`HuginnStack`: rows starting a token run the prelude (attention over the prelude plane) and
   draw the seeded latent initial state; every row then runs one core iteration (adapter injection of the
   token's prelude output, the core block, attention over the loop's plane) and, where its output matters,
@@ -70,9 +72,15 @@ class OuroStack:
     keeps_injected = False  # (per prompt position: RequestState.injected)
 
     def __init__(self, model: Any, *, ops: SlotOps, state: DeviceDecodeState, slot_hidden: Tensor,
-                 slot_survival: Tensor, requests: dict, **_: Any) -> None:
+                 slot_survival: Tensor, requests: dict, no_refill: bool = False, per_token_exits: bool = False,
+                 **_: Any) -> None:
         self.model, self.ops, self.slot_hidden, self.requests = model, ops, slot_hidden, requests
         self.slot_survival = slot_survival
+        # which decode rows may exit, counted on the host (fixed depth, recorded depths): a step where none
+        # may samples nothing (at fixed depth and one request, three steps in four)
+        self.fixed = FixedLoops(no_refill=no_refill, depths=(lambda rid: requests[rid].params.exit_depths)
+                                if per_token_exits else None)
+        self._any_exit = True
 
     def decode_inputs(self, rows: DecodeRows, inp: StepInputs, seg: Segment) -> None:
         """Decode rows' loop inputs: the fed token's embedding for rows starting a token, the slot's hidden
@@ -123,18 +131,27 @@ class OuroStack:
     everything (mixed steps' graphs use it)."""
 
     def plan(self, plan: StepPlan) -> None:
-        """A step is launched with these rows: the step features the loop needs (none)."""
+        """A step is launched with these rows: the step features the loop needs (none); whether a decode row
+        may exit in it (``fixed_loops.py``; the counts advance: call once per launched step)."""
+        dec, chunks = plan.kinds[0], plan.kinds[-1]
+        for kind in plan.kinds[1:-1]:  # speculating requests: their loops are the rounds', never counted again
+            for row in kind.rows:
+                self.fixed.forget(row.request_id)
+        _, exits = self.fixed.step(dec.rows, chunks.rows, lambda rid: self.requests[rid].prefill_loops)
+        self._any_exit = bool(exits.any())
 
     def eager(self, shape: StepShape) -> StepShape:
         """The shape an eager step of the planned step runs at (its exact one)."""
         return shape
 
-    def compact(self, dec: DecodeOut) -> Compacted:
-        """The decode rows that sampling takes (every row: logits were computed for all)."""
-        return Compacted(dec, None, None)
+    def compact(self, dec: DecodeOut | None) -> Compacted:
+        """The decode rows that sampling takes: every row (logits were computed for all), or none where the
+        host knows that none exits (no token to sample, none to read back)."""
+        return Compacted(dec, None, None) if dec is None or self._any_exit else Compacted(None, [], None)
 
     def forget(self, request_id: str) -> None:
         """The request finished."""
+        self.fixed.forget(request_id)
 
 
 class HuginnStack:
