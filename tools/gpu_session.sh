@@ -8,7 +8,7 @@
 # splits_rows split_sums last_merges fp8_layout fp8_cuda_core cuda_core_steps cuda_core_e2e cuda_core_splits
 # register_caps resources cuda_core_mixed fp8_launches newkernels full_waves full_waves_e2e host_wait
 # fp8_full_waves cold_start jit_misses demo_profile demo_grid headline_sampled sampler_cost
-# sampling_tests headline_filters filter_cut_cost filter_cut_ab; LOOPLINE_BENCH_C
+# sampling_tests headline_filters filter_cut_cost filter_cut_ab headline_ab; LOOPLINE_BENCH_C
 # (default "1 32 128") picks bench's concurrencies. "headline" is the README's command exactly as a user runs it (no tuning flags).
 # Writes logs and JSON records under the output folder (device tool: $OUT).
 set -u
@@ -101,6 +101,25 @@ if has filter_cut_ab; then  # this tree's filter_cut against an earlier one per 
     echo "== $v"; (cd $d && PYTHONPATH=$d timeout 60 python3 tools/filter_cut_cost.py --rows "${LOOPLINE_ROWS_LIST:-1,8,32,128}") \
       2>&1 | grep -v Warn
   done | tee "$out/filter_cut_ab.txt"
+fi
+if has headline_ab; then  # the README command, this tree against an earlier one, new / old / new in one call
+  # (LOOPLINE_AB_OLD: a carried folder of earlier files at their repository paths, laid over a copy of this tree,
+  # e.g. `git show 861f7f3:loopline/worker/loop_stack.py > .ab/old/loopline/worker/loop_stack.py`;
+  # LOOPLINE_AB_FLAGS: more bench flags, e.g. "--temperature 1.0 --top-p 0.7")
+  old=/tmp/ab_old && rm -rf $old && mkdir -p $old && cp -r loopline tools $old/ \
+    && cp -r "${LOOPLINE_AB_OLD:?LOOPLINE_AB_OLD: a folder of earlier files}"/. $old/
+  i=0
+  for v in new old new; do
+    i=$((i + 1)); d=$PWD; [ $v = new ] || d=$old
+    echo "== $v"
+    tag=$commit; [ $v = new ] || tag="$commit with earlier files (LOOPLINE_AB_OLD)"
+    # shellcheck disable=SC2086
+    (cd $d && PYTHONPATH=$d LOOPLINE_GIT_COMMIT="$tag" timeout 200 python3 -m loopline.entrypoints.cli bench \
+      --config ouro-1.4b --dtype bfloat16 --input-len 1024 --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-1,2,8}" \
+      ${LOOPLINE_AB_FLAGS:-} --no-progress \
+      --output-json "$out/headline_ab_${i}_$v.json" 2> "$out/headline_ab.err" | grep -E "^\| loopline|^concurrency") \
+      || tail -3 "$out/headline_ab.err"
+  done
 fi
 if has headline_filters; then  # the README command at T = 1 plain, with Ouro's recommended top_p 0.7, with top_k 20
   # (the filters run in torch outside the step: sort, softmax, cumsum; is their host time hidden behind the step?)
