@@ -66,14 +66,15 @@ def test_one_request_samples_once_a_token(tiny_gqa):
     assert eng.stats.steps >= 5 * 4  # (while the engine ran R steps a decode token)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
-def test_staggered_rows_match_the_reference_and_the_engine_that_knows_nothing(tiny_gqa, monkeypatch, overlap):
-    """Rows at their own loops and depths (max_loops 4 / 2 / 3 / 1), chunked prompts, arrivals mid-run: the
-    same tokens, depths and logprobs as the reference and as the engine that samples every step, in fewer
-    sampling steps."""
+@pytest.mark.parametrize("overlap,mode", [(False, "refill"), (True, "refill"), (False, "no_refill")],
+                         ids=["sync", "overlapped", "no_refill"])
+def test_staggered_rows_match_the_reference_and_the_engine_that_knows_nothing(tiny_gqa, monkeypatch, overlap, mode):
+    """Rows at their own loops and depths (max_loops 4 / 2 / 3 / 1), chunked prompts, arrivals mid-run, also
+    in cohorts (``no_refill``: the host applies the device's cohort rule): the same tokens, depths and logprobs
+    as the reference and as the engine that samples every step, in fewer sampling steps."""
     requests = requests_for(tiny_gqa, [4, 2, 3, 1], seed=1)
     arrivals = {"r2": 3, "r3": 9}
-    kw = {"max_num_batched_tokens": 8, "async_scheduling": overlap}
+    kw = {"max_num_batched_tokens": 8, "async_scheduling": overlap, "scheduling_mode": mode}
     eng = engine(tiny_gqa, **kw)
     calls = count_sampling(eng)
     outputs = run_arrivals(eng, requests, arrivals)
