@@ -21,6 +21,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} LOOPLINE_GI
 # tokens at 4 planes. Runs in one process with the transformers baseline cap it (`--kv-cache-memory-gb`).
 bench() { timeout "$1" python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --no-progress "${@:2}"; }
 has() { [[ " $parts " == *" $1 "* ]]; }
+# a copy of this tree (loopline/, tools/) at $1 with the files of folder $2 laid over it at their paths: the "old"
+# side of the A/B parts
+tree_with() { rm -rf "$1" && mkdir -p "$1" && cp -r loopline tools "$1"/ && cp -r "$2"/. "$1"/; }
 # the packages the image lacks (server stack, xgrammar, openai, license-expression and boolean.py, which the
 # training corpus's license check reads) from a carried .whl/ (tools/gpu_test_wheels.sh)
 wheels() {
@@ -94,8 +97,9 @@ if has filter_cut_cost; then  # the filters' cuts against the torch filters per 
 fi
 if has filter_cut_ab; then  # this tree's filter_cut against an earlier one per call, new / old / new (LOOPLINE_CUT_OLD: a
   # carried copy of the earlier loopline/kernels/sampling.py, e.g. `git show 0eb43f6:loopline/kernels/sampling.py`)
-  old=/tmp/cut_old && rm -rf $old && mkdir -p $old && cp -r loopline tools $old/ \
-    && cp "${LOOPLINE_CUT_OLD:?LOOPLINE_CUT_OLD: the earlier sampling.py}" $old/loopline/kernels/sampling.py
+  old=/tmp/cut_old && rm -rf /tmp/cut_files && mkdir -p /tmp/cut_files/loopline/kernels \
+    && cp "${LOOPLINE_CUT_OLD:?LOOPLINE_CUT_OLD: the earlier sampling.py}" /tmp/cut_files/loopline/kernels/sampling.py \
+    && tree_with $old /tmp/cut_files
   for v in new old new; do
     d=$PWD; [ $v = new ] || d=$old
     echo "== $v"; (cd $d && PYTHONPATH=$d timeout 60 python3 tools/filter_cut_cost.py --rows "${LOOPLINE_ROWS_LIST:-1,8,32,128}") \
@@ -106,8 +110,7 @@ if has headline_ab; then  # the README command, this tree against an earlier one
   # (LOOPLINE_AB_OLD: a carried folder of earlier files at their repository paths, laid over a copy of this tree,
   # e.g. `git show 861f7f3:loopline/worker/loop_stack.py > .ab/old/loopline/worker/loop_stack.py`;
   # LOOPLINE_AB_FLAGS: more bench flags, e.g. "--temperature 1.0 --top-p 0.7")
-  old=/tmp/ab_old && rm -rf $old && mkdir -p $old && cp -r loopline tools $old/ \
-    && cp -r "${LOOPLINE_AB_OLD:?LOOPLINE_AB_OLD: a folder of earlier files}"/. $old/
+  old=/tmp/ab_old && tree_with $old "${LOOPLINE_AB_OLD:?LOOPLINE_AB_OLD: a folder of earlier files}"
   i=0
   for v in new old new; do
     i=$((i + 1)); d=$PWD; [ $v = new ] || d=$old

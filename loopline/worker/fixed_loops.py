@@ -35,6 +35,13 @@ class FixedLoops:
         self.no_refill, self.depths = no_refill, depths
         self.done: dict[str, tuple[int, int]] = {}
 
+    @classmethod
+    def for_requests(cls, requests: dict, *, no_refill: bool, per_token_exits: bool) -> FixedLoops:
+        """The count a runner's loop keeps over its ``requests`` (id -> ``RequestState``); with
+        ``per_token_exits`` (``exit_mode="trace"``) every row replays its request's recorded depths."""
+        return cls(no_refill=no_refill,
+                   depths=(lambda rid: requests[rid].params.exit_depths) if per_token_exits else None)
+
     def forget(self, request_id: str) -> None:
         """The request finished (or left this runner)."""
         self.done.pop(request_id, None)

@@ -166,13 +166,13 @@ class LookaheadPlan:
                                    dec.token_index[idx]), rows.tolist(), idx)
 
     @staticmethod
-    def tokens(c: Compacted, sampled: Tensor | None, num_rows: int, device: torch.device) -> Tensor:
-        """The decode rows' sampled tokens ``[num_rows]`` from the candidates' ``sampled`` (others: 0, unused)."""
+    def tokens(c: Compacted, sampled: Tensor | None, zeros: Tensor) -> Tensor:
+        """The decode rows' sampled tokens from the candidates' ``sampled``; the others' are read from ``zeros``
+        (int64 ``[num_rows]``, never written: a standing buffer, so a step where no row exits pays no fill)."""
         if c.rows is None:
             assert sampled is not None
             return sampled
-        out = torch.zeros(num_rows, dtype=torch.long, device=device)
-        return out.index_copy_(0, c.index, sampled) if c.rows else out
+        return zeros.index_copy(0, c.index, sampled) if c.rows else zeros
 
 
 class Compacted(NamedTuple):

@@ -78,8 +78,7 @@ class OuroStack:
         self.slot_survival = slot_survival
         # which decode rows may exit, counted on the host (fixed depth, recorded depths): a step where none
         # may samples nothing (at fixed depth and one request, three steps in four)
-        self.fixed = FixedLoops(no_refill=no_refill, depths=(lambda rid: requests[rid].params.exit_depths)
-                                if per_token_exits else None)
+        self.fixed = FixedLoops.for_requests(requests, no_refill=no_refill, per_token_exits=per_token_exits)
         self._any_exit = True
 
     def decode_inputs(self, rows: DecodeRows, inp: StepInputs, seg: Segment) -> None:
@@ -166,8 +165,7 @@ class HuginnStack:
                  tile_tokens: int | None = None, **_: Any) -> None:
         self.model, self.state, self.slot_hidden, self.requests = model, state, slot_hidden, requests
         # which decode rows start a token or exit, counted on the host (fixed iterations, recorded depths)
-        self.fixed = FixedLoops(no_refill=no_refill, depths=(lambda rid: requests[rid].params.exit_depths)
-                                if per_token_exits else None)
+        self.fixed = FixedLoops.for_requests(requests, no_refill=no_refill, per_token_exits=per_token_exits)
         self.tile_tokens = tile_tokens  # the attention's work-tile size (None: no work lists)
         # the planned step, and per stage (prelude, coda) its decode rows and prompt chunks that need it
         self._plan: StepPlan | None = None

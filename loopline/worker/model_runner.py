@@ -176,7 +176,7 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         self._sampling_params = ParamsStager()  # the sampled rows' parameters, on the device while unchanged
         self._sampling_fields = FieldsStager()  # their logits fields (logit_bias, min_tokens, ...), likewise
-        # the decode rows' tokens in a step where none exits (never read: no fill launch a step)
+        # the tokens of decode rows that do not exit in a step (never read, never written: no fill a step)
         self._unread_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.long, device=device)
         self._graph_args: tuple | None = None  # graphs to recapture after a sleep
         self._kv_shape = shape
@@ -488,8 +488,7 @@ class ModelRunner:
             whole = batch is not None and not (booked.meta or verify or coda.rows is not None)
             record = torch.empty((3, nd), dtype=torch.int64, device=self.device) if whole else None
             sampled = batch.out.token_ids[:ne] if batch is not None else None
-            unread = coda.rows == []  # (no decode row exits: its tokens are never read)
-            tokens = self._unread_tokens[:nd] if unread else LookaheadPlan.tokens(coda, sampled, nd, self.device)
+            tokens = LookaheadPlan.tokens(coda, sampled, self._unread_tokens[:nd])
             ds.advance(dec.slots, dec.loops, dec.run, dec.exit, tokens, record)
             if whole:
                 batch.packed = record

@@ -91,8 +91,8 @@ def _kept(x, temperature, cut):
 def test_filter_cut_keeps_what_the_sort_keeps(vocab):
     """Per row: the tokens the cuts keep are those the torch filters (a sort of the row) leave finite, over
     top-k alone / with top-p / top-p alone / min-p and each off, ties at the top-k cut, masked (-inf) tokens,
-    top_k at and past the vocabulary and more than the finite tokens (alone, and before top-p), values spread over 37 decades (the
-    search's pivots fall back from the values to their keys); greedy rows get no cut."""
+    top_k at and past the vocabulary and more than the finite tokens (alone, and before top-p), values spread
+    over 37 decades (the search's pivots fall back from the values to their keys); greedy rows get no cut."""
     g = torch.Generator().manual_seed(vocab)
     n = 18
     x = torch.randn(n, vocab, generator=g) * 3
