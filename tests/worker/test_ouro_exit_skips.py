@@ -8,6 +8,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 from engine_testing import assert_same_tokens_depths_logprobs, run_arrivals, tokens_depths_logprobs
 from reference import reference_generate
 
@@ -85,6 +86,31 @@ def test_staggered_rows_match_the_reference_and_the_engine_that_knows_nothing(ti
     assert_same_tokens_depths_logprobs(tokens_depths_logprobs(outputs),
                                        tokens_depths_logprobs(run_arrivals(blind, requests, arrivals)))
     assert len(calls) < len(every) and sum(calls) < sum(every), (len(calls), len(every))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("overlap,mode", [(False, "refill"), (True, "refill"), (True, "no_refill")],
+                         ids=["sync", "overlapped", "no_refill"])
+def test_staggered_rows_on_the_gpu_with_graphs(tiny_gqa, monkeypatch, overlap, mode):
+    """The same staggered rows on a GPU, the steps replayed CUDA graphs (decode and mixed): a step where no row
+    exits replays its graph and then samples nothing; tokens, depths and logprobs are the reference's and the
+    blind engine's, in fewer sampling calls."""
+    requests = requests_for(tiny_gqa, [4, 2, 3, 1], seed=1)
+    arrivals = {"r2": 3, "r3": 9}
+    kw = {"device": "cuda", "num_kv_blocks": 512, "attention_backend": "triton", "max_num_batched_tokens": 8,
+          "async_scheduling": overlap, "scheduling_mode": mode}
+    eng = engine(tiny_gqa, **kw)
+    calls = count_sampling(eng)
+    outputs = run_arrivals(eng, requests, arrivals)
+    assert eng.runner.graphs is not None and eng.runner.graphs.replays["decode"] > 10, eng.runner.graphs.replays
+    assert_equal_reference(tiny_gqa, outputs, requests)
+    monkeypatch.setattr(FixedLoops, "step", lambda self, dec, *_: (np.ones(len(dec), bool),) * 2)
+    blind = engine(tiny_gqa, **kw)
+    every = count_sampling(blind)
+    assert_same_tokens_depths_logprobs(tokens_depths_logprobs(outputs),
+                                       tokens_depths_logprobs(run_arrivals(blind, requests, arrivals)))
+    assert len(calls) < len(every), (len(calls), len(every))
 
 
 def test_a_rule_that_misses_an_exit_breaks_exactness(tiny_gqa, monkeypatch):
