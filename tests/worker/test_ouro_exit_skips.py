@@ -67,25 +67,32 @@ def test_one_request_samples_once_a_token(tiny_gqa):
     assert eng.stats.steps >= 5 * 4  # (while the engine ran R steps a decode token)
 
 
-@pytest.mark.parametrize("overlap,mode", [(False, "refill"), (True, "refill"), (False, "no_refill")],
-                         ids=["sync", "overlapped", "no_refill"])
-def test_staggered_rows_match_the_reference_and_the_engine_that_knows_nothing(tiny_gqa, monkeypatch, overlap, mode):
-    """Rows at their own loops and depths (max_loops 4 / 2 / 3 / 1), chunked prompts, arrivals mid-run, also
-    in cohorts (``no_refill``: the host applies the device's cohort rule): the same tokens, depths and logprobs
-    as the reference and as the engine that samples every step, in fewer sampling steps."""
-    requests = requests_for(tiny_gqa, [4, 2, 3, 1], seed=1)
+def check_staggered(tiny, monkeypatch, **kw) -> object:
+    """Rows at their own loops and depths (max_loops 4 / 2 / 3 / 1), chunked prompts, arrivals mid-run: the
+    same tokens, depths and logprobs as the reference and as the engine that samples every step (the host's
+    count switched off), in fewer sampling calls of fewer rows. Returns the counting engine."""
+    requests = requests_for(tiny, [4, 2, 3, 1], seed=1)
     arrivals = {"r2": 3, "r3": 9}
-    kw = {"max_num_batched_tokens": 8, "async_scheduling": overlap, "scheduling_mode": mode}
-    eng = engine(tiny_gqa, **kw)
+    kw = {"max_num_batched_tokens": 8, **kw}
+    eng = engine(tiny, **kw)
     calls = count_sampling(eng)
     outputs = run_arrivals(eng, requests, arrivals)
-    assert_equal_reference(tiny_gqa, outputs, requests)
+    assert_equal_reference(tiny, outputs, requests)
     monkeypatch.setattr(FixedLoops, "step", lambda self, dec, *_: (np.ones(len(dec), bool),) * 2)
-    blind = engine(tiny_gqa, **kw)
+    blind = engine(tiny, **kw)
     every = count_sampling(blind)
     assert_same_tokens_depths_logprobs(tokens_depths_logprobs(outputs),
                                        tokens_depths_logprobs(run_arrivals(blind, requests, arrivals)))
     assert len(calls) < len(every) and sum(calls) < sum(every), (len(calls), len(every))
+    return eng
+
+
+@pytest.mark.parametrize("overlap,mode", [(False, "refill"), (True, "refill"), (False, "no_refill")],
+                         ids=["sync", "overlapped", "no_refill"])
+def test_staggered_rows_match_the_reference_and_the_engine_that_knows_nothing(tiny_gqa, monkeypatch, overlap, mode):
+    """:func:`check_staggered` synchronous, overlapped and in cohorts (``no_refill``: the host applies the
+    device's cohort rule)."""
+    check_staggered(tiny_gqa, monkeypatch, async_scheduling=overlap, scheduling_mode=mode)
 
 
 @pytest.mark.gpu
@@ -93,24 +100,11 @@ def test_staggered_rows_match_the_reference_and_the_engine_that_knows_nothing(ti
 @pytest.mark.parametrize("overlap,mode", [(False, "refill"), (True, "refill"), (True, "no_refill")],
                          ids=["sync", "overlapped", "no_refill"])
 def test_staggered_rows_on_the_gpu_with_graphs(tiny_gqa, monkeypatch, overlap, mode):
-    """The same staggered rows on a GPU, the steps replayed CUDA graphs (decode and mixed): a step where no row
-    exits replays its graph and then samples nothing; tokens, depths and logprobs are the reference's and the
-    blind engine's, in fewer sampling calls."""
-    requests = requests_for(tiny_gqa, [4, 2, 3, 1], seed=1)
-    arrivals = {"r2": 3, "r3": 9}
-    kw = {"device": "cuda", "num_kv_blocks": 512, "attention_backend": "triton", "max_num_batched_tokens": 8,
-          "async_scheduling": overlap, "scheduling_mode": mode}
-    eng = engine(tiny_gqa, **kw)
-    calls = count_sampling(eng)
-    outputs = run_arrivals(eng, requests, arrivals)
+    """:func:`check_staggered` on a GPU, the steps replayed CUDA graphs (decode and mixed): a step where no row
+    exits replays its graph and then samples nothing."""
+    eng = check_staggered(tiny_gqa, monkeypatch, device="cuda", num_kv_blocks=512, attention_backend="triton",
+                          async_scheduling=overlap, scheduling_mode=mode)
     assert eng.runner.graphs is not None and eng.runner.graphs.replays["decode"] > 10, eng.runner.graphs.replays
-    assert_equal_reference(tiny_gqa, outputs, requests)
-    monkeypatch.setattr(FixedLoops, "step", lambda self, dec, *_: (np.ones(len(dec), bool),) * 2)
-    blind = engine(tiny_gqa, **kw)
-    every = count_sampling(blind)
-    assert_same_tokens_depths_logprobs(tokens_depths_logprobs(outputs),
-                                       tokens_depths_logprobs(run_arrivals(blind, requests, arrivals)))
-    assert len(calls) < len(every), (len(calls), len(every))
 
 
 def test_a_rule_that_misses_an_exit_breaks_exactness(tiny_gqa, monkeypatch):
