@@ -178,6 +178,14 @@ if triton is not None:
         return tl.where((pv > lo) & (pv < hi) & (by_keys == 0), pv, kp)
 
     @triton.jit
+    def _row_pivots(fmin, top, NPIV: tl.constexpr):
+        """The row's whole search interval (lo, hi] and the pivot pass's NPIV pivots over it, three in four by
+        value, one in four by key: pass 2 counts above them and pass 3 reads its counts back by the same keys."""
+        lo = _key(fmin).to(tl.int64) - 1
+        hi = _key(top).to(tl.int64)
+        return lo, hi, _pivots(lo, hi, fmin, tl.arange(0, NPIV) % 4 == 3, NPIV)
+
+    @triton.jit
     def _search(buf_ptr, row, n_cols, lo, hi, fmin, top, target, listed, MASS: tl.constexpr,
                 COMPACT: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr):
         """The smallest key K in (lo, hi] at which ``count(key(z) > K) < target`` (MASS: the mass
@@ -317,8 +325,8 @@ if triton is not None:
             k, p, by_k, by_p = _plan(k_ptr, p_ptr, row, n_cols, top, finite)
             if by_k | by_p:
                 temp = tl.load(temp_ptr + row)
-                piv = _pivots(_key(fmin).to(tl.int64) - 1, _key(top).to(tl.int64), fmin,
-                              tl.arange(0, NPIV) % 4 == 3, NPIV).to(tl.int32)
+                _, _, piv = _row_pivots(fmin, top, NPIV)
+                piv = piv.to(tl.int32)
                 offs = tl.arange(0, BLOCK)
                 mass = tl.zeros((BLOCK, NPIV), tl.float32)
                 count = tl.zeros((BLOCK, NPIV), tl.int32)
@@ -349,9 +357,7 @@ if triton is not None:
             fmin = tl.load(info_ptr + row * 4 + 1)
             k, p, by_k, by_p = _plan(k_ptr, p_ptr, row, n_cols, top, tl.load(info_ptr + row * 4 + 3))
             if by_k | by_p:
-                lo = _key(fmin).to(tl.int64) - 1
-                hi = _key(top).to(tl.int64)
-                piv = _pivots(lo, hi, fmin, tl.arange(0, NPIV) % 4 == 3, NPIV)
+                lo, hi, piv = _row_pivots(fmin, top, NPIV)
                 i = tl.arange(0, SPLITS)
                 there = i < n_split
                 at = part_ptr + (row * n_split + i[:, None]) * 2 * NPIV + tl.arange(0, NPIV)[None, :]
