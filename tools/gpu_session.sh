@@ -20,6 +20,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} LOOPLINE_GI
 # The KV pool is sized from free memory (gpu_memory_utilization 0.9): ~120 GiB holds 128 requests of 1,152
 # tokens at 4 planes. Runs in one process with the transformers baseline cap it (`--kv-cache-memory-gb`).
 bench() { timeout "$1" python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --no-progress "${@:2}"; }
+# the README's headline command (1,024 in / 128 out) with the flags given
+readme_bench() { bench "$1" --input-len 1024 --output-len 128 "${@:2}"; }
 has() { [[ " $parts " == *" $1 "* ]]; }
 # a copy of this tree (loopline/, tools/) at $1 with the files of folder $2 laid over it at their paths: the "old"
 # side of the A/B parts
@@ -117,11 +119,9 @@ if has headline_ab; then  # the README command, this tree against an earlier one
     echo "== $v"
     tag=$commit; [ $v = new ] || tag="$commit with earlier files (LOOPLINE_AB_OLD)"
     # shellcheck disable=SC2086
-    (cd $d && PYTHONPATH=$d LOOPLINE_GIT_COMMIT="$tag" timeout 200 python3 -m loopline.entrypoints.cli bench \
-      --config ouro-1.4b --dtype bfloat16 --input-len 1024 --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-1,2,8}" \
-      ${LOOPLINE_AB_FLAGS:-} --no-progress \
-      --output-json "$out/headline_ab_${i}_$v.json" 2> "$out/headline_ab.err" | grep -E "^\| loopline|^concurrency") \
-      || tail -3 "$out/headline_ab.err"
+    (cd $d && PYTHONPATH=$d LOOPLINE_GIT_COMMIT="$tag" readme_bench 200 --concurrency "${LOOPLINE_HEADLINE_C:-1,2,8}" \
+      ${LOOPLINE_AB_FLAGS:-} --output-json "$out/headline_ab_${i}_$v.json" 2> "$out/headline_ab.err" \
+      | grep -E "^\| loopline|^concurrency") || tail -3 "$out/headline_ab.err"
   done
 fi
 if has headline_filters; then  # the README command at T = 1 plain, with Ouro's recommended top_p 0.7, with top_k 20
@@ -130,8 +130,7 @@ if has headline_filters; then  # the README command at T = 1 plain, with Ouro's 
   for f in "" "--top-p 0.7" "--top-k 20" ""; do
     i=$((i + 1)); echo "== run $i: T = 1 $f"
     # shellcheck disable=SC2086
-    timeout 200 python3 -m loopline.entrypoints.cli bench --config ouro-1.4b --dtype bfloat16 --input-len 1024 \
-      --output-len 128 --concurrency "${LOOPLINE_HEADLINE_C:-1,32,128}" --temperature 1.0 $f --no-progress \
+    readme_bench 200 --concurrency "${LOOPLINE_HEADLINE_C:-1,32,128}" --temperature 1.0 $f \
       --output-json "$out/headline_filters_$i.json" 2> "$out/headline_filters.err" | grep -E "^\| loopline|^concurrency" \
       || tail -3 "$out/headline_filters.err"
   done
